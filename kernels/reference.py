@@ -1,0 +1,173 @@
+"""PyTorch reference implementations of the paged-KV kernels.
+
+They define the semantics the Triton kernels must match, and they are the engine's CPU hot path,
+so they are vectorized: K/V are gathered through the block table into a padded
+``[num_seqs, max_len, num_kv_heads, head_dim]`` tensor and attended to in one batched call.
+
+Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a slot is
+``block_id * block_size + offset``. Softmax runs in float32 whatever the cache dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention"]
+
+
+def write_kv(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their slots in place.
+
+    A slot of -1 means "don't store" (e.g. a token whose KV is already cached).
+    """
+    _check_cache(k_cache, v_cache)
+    if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"key/value must be [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(
+            f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}"
+        )
+    slots = slot_mapping.to(device=key.device, dtype=torch.long)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    # A view, not a copy: the cache must be contiguous so that in-place writes land in it.
+    k_flat = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+    v_flat = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def paged_decode_attention(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """Attention of one new token per sequence over its whole paged context.
+
+    ``query`` ``[num_seqs, num_heads, head_dim]``; ``block_tables`` ``[num_seqs, max_blocks]``
+    (padding entries are ignored); ``context_lens`` ``[num_seqs]`` counts the cached tokens
+    including the new one. Returns ``[num_seqs, num_heads, head_dim]`` in the query's dtype.
+    """
+    _check_cache(k_cache, v_cache)
+    num_seqs, num_heads, head_dim = query.shape
+    _check_heads(num_heads, k_cache.shape[2])
+    if num_seqs == 0:
+        return query.new_empty(query.shape)
+    lens = context_lens.to(device=query.device, dtype=torch.long)
+    max_len = int(lens.max())
+    keys, values = _gather_kv(k_cache, v_cache, block_tables, max_len)
+    # [num_seqs, 1, 1, max_len]: key position visible iff it is inside the sequence.
+    positions = torch.arange(max_len, device=query.device)
+    mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+    out = _attend(query[:, :, None, :], keys, values, mask, scale)  # [S, H, 1, D]
+    return out[:, :, 0, :].to(query.dtype)
+
+
+def paged_prefill_attention(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    context_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """Causal attention of a ragged batch of new tokens over their paged contexts.
+
+    ``query`` ``[num_tokens, num_heads, head_dim]`` concatenates the new tokens of every
+    sequence; ``query_start_loc`` ``[num_seqs + 1]`` holds their cumulative offsets. The new
+    tokens of sequence i are the last ``q_len_i`` of its ``context_lens[i]`` cached tokens (their
+    KV already written), and the query at position p sees keys 0..p. This covers a whole prompt,
+    a chunk after a cached prefix, and a decode token (q_len 1) alike.
+    """
+    _check_cache(k_cache, v_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    _check_heads(num_heads, k_cache.shape[2])
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    if len(starts) != len(lens) + 1 or starts[-1] != num_tokens:
+        raise ValueError(
+            f"query_start_loc {starts} does not describe {num_tokens} tokens of {len(lens)} seqs"
+        )
+    out = query.new_empty(query.shape)
+    q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
+    for i, (q_len, ctx) in enumerate(zip(q_lens, lens, strict=True)):
+        if q_len > ctx:
+            raise ValueError(f"sequence {i}: {q_len} new tokens but only {ctx} in context")
+
+    # Single-token sequences (decodes inside a mixed batch) go through one batched decode call.
+    single = [i for i, q_len in enumerate(q_lens) if q_len == 1]
+    if single:
+        idx = torch.tensor(single, device=query.device)
+        token_idx = torch.tensor([starts[i] for i in single], device=query.device)
+        out[token_idx] = paged_decode_attention(
+            query[token_idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale
+        )
+    for i, (q_len, ctx) in enumerate(zip(q_lens, lens, strict=True)):
+        if q_len <= 1:
+            continue
+        keys, values = _gather_kv(k_cache, v_cache, block_tables[i : i + 1], ctx)
+        # Query j sits at position ctx - q_len + j and sees keys up to and including it.
+        q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
+        k_pos = torch.arange(ctx, device=query.device)
+        mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q_len, ctx]
+        q = query[starts[i] : starts[i + 1]].transpose(0, 1)[None]  # [1, H, q_len, D]
+        seq_out = _attend(q, keys, values, mask, scale)  # [1, H, q_len, D]
+        out[starts[i] : starts[i + 1]] = seq_out[0].transpose(0, 1).to(query.dtype)
+    return out
+
+
+def _gather_kv(
+    k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, max_len: int
+) -> tuple[Tensor, Tensor]:
+    """Gather the first ``max_len`` tokens of each sequence: ``[num_seqs, max_len, Hkv, D]``."""
+    block_size = k_cache.shape[1]
+    num_blocks = -(-max_len // block_size)
+    if num_blocks > block_tables.shape[1]:
+        raise ValueError(
+            f"context of {max_len} tokens needs {num_blocks} blocks, "
+            f"block table has {block_tables.shape[1]}"
+        )
+    # Padding entries (-1 or garbage) past a sequence's length are clamped to a valid block;
+    # the length mask hides what they hold.
+    table = block_tables[:, :num_blocks].to(device=k_cache.device, dtype=torch.long)
+    table = table.clamp(0, k_cache.shape[0] - 1)
+    num_seqs = table.shape[0]
+    flat = table.reshape(-1)
+    shape = (num_seqs, num_blocks * block_size, k_cache.shape[2], k_cache.shape[3])
+    keys = k_cache.index_select(0, flat).view(shape)[:, :max_len]
+    values = v_cache.index_select(0, flat).view(shape)[:, :max_len]
+    return keys, values
+
+
+def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """SDPA in float32 with GQA; ``q`` ``[S, H, L, D]``, ``keys`` ``[S, T, Hkv, D]``."""
+    k = keys.transpose(1, 2).float()
+    v = values.transpose(1, 2).float()
+    return F.scaled_dot_product_attention(
+        q.float(), k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
+def _check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+
+
+def _check_heads(num_heads: int, num_kv_heads: int) -> None:
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
