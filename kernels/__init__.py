@@ -17,9 +17,8 @@ import os
 from types import ModuleType
 from typing import Any
 
-from torch import Tensor
-
 from kvscale.kernels import reference
+from torch import Tensor
 
 __all__ = [
     "write_kv",

@@ -146,8 +146,9 @@ def _gather_kv(
     num_seqs = table.shape[0]
     flat = table.reshape(-1)
     shape = (num_seqs, num_blocks * block_size, k_cache.shape[2], k_cache.shape[3])
-    keys = k_cache.index_select(0, flat).view(shape)[:, :max_len]
-    values = v_cache.index_select(0, flat).view(shape)[:, :max_len]
+    # Rows of whole blocks: a 2-D index_select copies at memcpy speed, a 4-D one does not.
+    keys = k_cache.view(k_cache.shape[0], -1).index_select(0, flat).view(shape)[:, :max_len]
+    values = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(shape)[:, :max_len]
     return keys, values
 
 

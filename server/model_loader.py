@@ -60,6 +60,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by whoever runs kvscale
     try:
         with tqdm(total=3, desc=f"kvscale: converting {gguf_path.name} (once)", file=sys.stderr) as bar:
             import torch
@@ -74,7 +75,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
             )
             bar.update(1)
             bar.set_postfix_str("writing safetensors")
-            model.save_pretrained(str(tmp), safe_serialization=True)
+            _save_plain_checkpoint(model, tmp)
             tokenizer.save_pretrained(str(tmp))
             bar.update(1)
         try:
@@ -87,6 +88,25 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _save_plain_checkpoint(model: Any, directory: Path) -> None:
+    """Write weights + config without the GGUF quantization marker (it is dequantized already)."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+            continue  # tied to the embedding; stored once
+        state[name] = tensor.detach().to("cpu").contiguous().clone()
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(directory))
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(str(directory))
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -131,3 +151,67 @@ def load_hf_config(path: str | Path) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(path))
+
+
+# model_type in config.json -> how to build its DecoderSpec (module, function).
+_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("kvscale.server.model_llama", "spec_from_hf_config"),
+    "mistral": ("kvscale.server.model_llama", "spec_from_hf_config"),
+    "qwen2": ("kvscale.server.model_qwen", "qwen2_spec"),
+    "qwen3": ("kvscale.server.model_qwen", "qwen3_spec"),
+}
+
+
+def resolve_dtype(dtype: str, hf_config: Any, device: Any) -> Any:
+    import torch
+
+    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if dtype != "auto":
+        return names[dtype]
+    if device.type == "cpu":
+        return torch.float32  # reduced precision on CPU is slower or less exact for small models
+    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(checkpoint, str):
+        checkpoint = names.get(checkpoint)
+    return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _read_weights(path: Path) -> dict[str, Any]:
+    files = sorted(path.glob("*.safetensors"))
+    weights: dict[str, Any] = {}
+    if files:
+        from safetensors.torch import load_file
+
+        for file in files:
+            weights.update(load_file(str(file)))
+        return weights
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+    import torch
+
+    for file in bins:
+        weights.update(torch.load(str(file), map_location="cpu", weights_only=True))
+    return weights
+
+
+def load_model(path: Path, hf_config: Any, dtype: Any, device: Any) -> Any:
+    """Build kvscale's own model for ``hf_config`` and fill it from the checkpoint at ``path``."""
+    import torch
+
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(
+            f"model type {model_type!r} is not supported (supported: {', '.join(sorted(_ARCHITECTURES))})"
+        )
+    module_name, spec_fn = _ARCHITECTURES[model_type]
+    spec = getattr(importlib.import_module(module_name), spec_fn)(hf_config)
+    from kvscale.server.model_llama import DecoderForCausalLM
+
+    with torch.device("meta"):
+        model = DecoderForCausalLM(spec, hf_config)
+    model = model.to_empty(device=device).to(dtype)
+    weights = {name: tensor.to(dtype) for name, tensor in _read_weights(path).items()}
+    model.load_hf_weights(weights)
+    return model.eval()

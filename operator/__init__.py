@@ -1,0 +1,1 @@
+"""kvscale.operator: the InferenceService CRD's controller (kopf) and its KV-occupancy autoscaler."""

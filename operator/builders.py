@@ -1,0 +1,263 @@
+"""The children of an InferenceService, as plain dicts built from its spec (pure functions).
+
+The operator server-side-applies exactly these objects, so what they leave out is left to the API
+server's defaults (and to other field managers) rather than fought over.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvscale.operator.spec import NAME_LABEL, SERVER_PORT, InferenceServiceSpec
+
+BUNDLED_MODEL_NAME = "smollm2-135m-instruct"
+MODEL_VOLUME_PATH = "/models"
+METRICS_URL_ANNOTATION = "serving.kvscale.io/metrics-url"
+DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
+# Model load (and the bundled model's one-time conversion) can take minutes: the startup probe
+# allows 30 minutes before liveness takes over.
+STARTUP_PROBE_PERIOD_SECONDS = 10
+STARTUP_PROBE_FAILURES = 180
+RUN_AS_USER = 1000
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {NAME_LABEL: name}
+
+
+def child_labels(name: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        "app.kubernetes.io/name": "kvscale",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "inference-server",
+        "app.kubernetes.io/managed-by": "kvscale-operator",
+    }
+
+
+def selector_string(name: str) -> str:
+    """The pods' selector in the string form the scale subresource reports."""
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
+
+
+def headless_service_name(name: str) -> str:
+    return f"{name}-pods"
+
+
+def service_url(name: str, namespace: str, cluster_domain: str = "cluster.local") -> str:
+    return f"http://{name}.{namespace}.svc.{cluster_domain}"
+
+
+def model_path_and_init(spec: InferenceServiceSpec) -> tuple[str | None, list[dict[str, Any]]]:
+    """The server's --model value (None: its bundled default) and any init container fetching it."""
+    model = spec.model
+    if model.scheme == "bundled":
+        return None, []
+    if model.scheme == "pvc":
+        claim, path = model.location.split("/", 1)
+        return f"{MODEL_VOLUME_PATH}/pvc/{claim}/{path.strip('/')}", []
+    # hf://ORG/NAME: the server never downloads, so an init container fetches into the volume.
+    target = f"{MODEL_VOLUME_PATH}/hf/{model.location}"
+    fetch = {
+        "name": "fetch-model",
+        "image": spec.image,
+        "command": ["hf", "download", model.location, "--local-dir", target],
+        "env": [{"name": "HF_HOME", "value": f"{MODEL_VOLUME_PATH}/hf-home"}],
+        "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_VOLUME_PATH},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": container_security_context(),
+    }
+    return target, [fetch]
+
+
+def server_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]:
+    """`kvscale serve` flags, spelled as vLLM spells them."""
+    engine = spec.engine
+    args = ["serve"]
+    if model_path is not None:
+        args += ["--model", model_path]
+    args += [
+        "--served-model-name", spec.model.served_name,
+        "--host", "0.0.0.0",
+        "--port", str(SERVER_PORT),
+        "--dtype", engine.dtype,
+        "--block-size", str(engine.block_size),
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--gpu-memory-utilization", str(engine.gpu_memory_utilization),
+    ]
+    if engine.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    args.append("--enable-prefix-caching" if engine.enable_prefix_caching
+                else "--no-enable-prefix-caching")
+    # The key itself comes from the Secret through $KVSCALE_API_KEY, never from the args.
+    return args + list(engine.extra_args)
+
+
+def container_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def container_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    requests: dict[str, Any] = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
+    # No CPU limit: throttling the engine loop hurts latency more than it protects neighbours.
+    limits: dict[str, Any] = {"memory": spec.resources.memory}
+    if spec.resources.gpus > 0:
+        requests["nvidia.com/gpu"] = spec.resources.gpus
+        limits["nvidia.com/gpu"] = spec.resources.gpus
+    return {"requests": requests, "limits": limits}
+
+
+def http_probe(period: int, failures: int, timeout: int = 3) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+    }
+
+
+def server_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "KVSCALE_CACHE", "value": f"{MODEL_VOLUME_PATH}/cache"},
+        {"name": "HF_HOME", "value": f"{MODEL_VOLUME_PATH}/hf-home"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+    if spec.api_key_secret is not None:
+        env.append({
+            "name": "KVSCALE_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": spec.api_key_secret.name,
+                                           "key": spec.api_key_secret.key}},
+        })
+    return env
+
+
+def volumes_and_mounts(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "model-cache", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+        # Shared memory for the engine's worker processes; the default 64 MiB is too small.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "model-cache", "mountPath": MODEL_VOLUME_PATH},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    if spec.model.scheme == "pvc":
+        claim = spec.model.location.split("/", 1)[0]
+        volumes.append({"name": "model-pvc",
+                        "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model-pvc", "mountPath": f"{MODEL_VOLUME_PATH}/pvc/{claim}",
+                       "readOnly": True})
+    return volumes, mounts
+
+
+def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> dict[str, Any]:
+    model_path, init_containers = model_path_and_init(spec)
+    volumes, mounts = volumes_and_mounts(spec)
+    labels = child_labels(name)
+    container = {
+        "name": "server",
+        "image": spec.image,
+        "command": ["kvscale"],
+        "args": server_args(spec, model_path),
+        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "env": server_env(spec),
+        "resources": container_resources(spec),
+        "startupProbe": http_probe(STARTUP_PROBE_PERIOD_SECONDS, STARTUP_PROBE_FAILURES),
+        "readinessProbe": http_probe(5, 3),
+        "livenessProbe": http_probe(10, 6),
+        "securityContext": container_security_context(),
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        # The server needs no API access; the operator and the router have their own accounts.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            # A new replica must be ready before an old one goes: keep serving through rollouts.
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(SERVER_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_service(name: str, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace, "labels": child_labels(name)},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_headless_service(name: str, namespace: str) -> dict[str, Any]:
+    """Per-pod DNS and endpoints, for the prefix-aware router to find every replica."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": headless_service_name(name), "namespace": namespace,
+                     "labels": child_labels(name)},
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(name),
+            "ports": [{"name": "http", "port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_children(name: str, namespace: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    return [
+        build_deployment(name, namespace, spec),
+        build_service(name, namespace),
+        build_headless_service(name, namespace),
+    ]

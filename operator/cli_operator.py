@@ -1,0 +1,148 @@
+"""`kvscale operator`: run the InferenceService operator (kopf) against a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import threading
+import uuid
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                       help="watch only this namespace (repeatable)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true",
+                       help="watch every namespace (the default)")
+    parser.add_argument("--kubeconfig", default=None,
+                        help="kubeconfig file (default: in-cluster service account, then $KUBECONFIG)")
+    parser.add_argument("--context", default=None, help="kubeconfig context")
+    parser.add_argument("--resync-interval", type=float, default=10.0, metavar="S",
+                        help="seconds between full reconciliations of each InferenceService")
+    parser.add_argument("--scrape-interval", type=float, default=5.0, metavar="S",
+                        help="seconds between metric scrapes and autoscaling decisions")
+    parser.add_argument("--scrape-timeout", type=float, default=2.0, metavar="S",
+                        help="per-pod /metrics timeout")
+    parser.add_argument("--allow-metrics-url-override", action="store_true",
+                        default=_env_flag("KVSCALE_ALLOW_METRICS_URL_OVERRIDE"),
+                        help="honour the pod annotation serving.kvscale.io/metrics-url "
+                             "(env KVSCALE_ALLOW_METRICS_URL_OVERRIDE=1)")
+    parser.add_argument("--cluster-domain", default="cluster.local",
+                        help="cluster DNS domain used in status.url")
+    election = parser.add_argument_group("leader election (one active operator per cluster)")
+    election.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True,
+                          help="hold a Lease before reconciling, so replicas never fight")
+    election.add_argument("--leader-election-namespace", default=None,
+                          help="namespace of the Lease (default: $POD_NAMESPACE, the service "
+                               "account's namespace, else default)")
+    election.add_argument("--leader-election-id", default="kvscale-operator", help="Lease name")
+    election.add_argument("--lease-duration", type=float, default=15.0, metavar="S")
+    election.add_argument("--renew-deadline", type=float, default=10.0, metavar="S")
+    election.add_argument("--retry-period", type=float, default=2.0, metavar="S")
+    election.add_argument("--identity", default=None,
+                          help="this replica's name in the Lease (default: $POD_NAME or host + id)")
+    parser.add_argument("--liveness", default=None, metavar="URL",
+                        help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+    from kvscale.operator import handlers
+    from kvscale.operator.kube import Kube, load_connection
+    from kvscale.operator.leader import LeaderElector
+    from kvscale.operator.spec import GROUP
+
+    kopf.configure(verbose=args.verbose)
+    log = logging.getLogger("kvscale.operator")
+    connection = load_connection(args.kubeconfig, args.context)
+    kube = Kube(connection)
+    config = handlers.OperatorConfig(
+        resync_interval=args.resync_interval,
+        scrape_interval=args.scrape_interval,
+        scrape_timeout=args.scrape_timeout,
+        allow_metrics_url_override=args.allow_metrics_url_override,
+        cluster_domain=args.cluster_domain,
+    )
+    if config.allow_metrics_url_override:
+        log.warning("honouring pod annotation serving.kvscale.io/metrics-url for scrape addresses")
+
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, config)
+
+    @kopf.on.login(registry=registry)
+    def login(**_: object) -> kopf.ConnectionInfo:
+        scheme, _, token = (connection.token or "").partition(" ")
+        return kopf.ConnectionInfo(
+            server=connection.server, ca_path=connection.ca_path, insecure=connection.insecure,
+            certificate_path=connection.cert_path, private_key_path=connection.key_path,
+            scheme=(scheme or None) if token else None, token=(token or scheme or None),
+            default_namespace=connection.default_namespace,
+        )
+
+    settings = kopf.OperatorSettings()
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    # Serve only what exists at start-up: no list/watch of CRDs and namespaces is needed (RBAC).
+    settings.scanning.disabled = True
+    settings.execution.max_workers = 16
+    settings.posting.level = logging.INFO
+
+    identity = args.identity or os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+    elector = None
+    if args.leader_elect:
+        namespace = (args.leader_election_namespace or os.environ.get("POD_NAMESPACE")
+                     or connection.default_namespace)
+        elector = LeaderElector(kube, namespace, args.leader_election_id, identity,
+                                args.lease_duration, args.renew_deadline, args.retry_period)
+        try:
+            if not elector.acquire(threading.Event()):
+                return 1
+        except KeyboardInterrupt:
+            return 130
+
+    stop_flag = threading.Event()
+    stop_holding = threading.Event()
+    lost = threading.Event()
+
+    def hold() -> None:
+        assert elector is not None
+        if not elector.hold(stop_holding):
+            lost.set()
+            stop_flag.set()
+
+    holder = threading.Thread(target=hold, name="lease-holder", daemon=True)
+    if elector is not None:
+        holder.start()
+    memo = kopf.Memo()
+    memo.runtime = handlers.Runtime(kube=kube, config=config)
+    try:
+        kopf.run(
+            registry=registry,
+            settings=settings,
+            standalone=True,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            stop_flag=stop_flag,
+            memo=memo,
+            liveness_endpoint=args.liveness,
+        )
+    finally:
+        stop_holding.set()
+        if elector is not None:
+            holder.join(timeout=args.retry_period + 5)
+            if not lost.is_set():
+                elector.release()
+        kube.close()
+    if lost.is_set():
+        log.error("leadership lost; exiting so that a fresh start can campaign again")
+        return 1
+    return 0

@@ -1,0 +1,243 @@
+"""kopf handlers: converge an InferenceService's children, report status, run the autoscaler.
+
+Reconciliation is state-based and idempotent: every trigger (create, spec update, operator
+resume, the resync timer) server-side-applies the same desired children, so a restart or a
+repeated event never duplicates anything. The handlers are sync functions (kopf runs them in its
+thread pool) serialised per object by a lock, because a timer and a watch event of the same object
+may otherwise write its status at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from kvscale.operator import builders, conditions, health, scaling, scraping
+from kvscale.operator.conditions import SCALING_ACTIVE, Condition
+from kvscale.operator.kube import ApiError, Kube, object_path, path_for
+from kvscale.operator.spec import (
+    GROUP,
+    NAME_LABEL,
+    PLURAL,
+    VERSION,
+    InferenceServiceSpec,
+    parse_spec,
+)
+
+FIELD_MANAGER = "kvscale-operator"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    resync_interval: float = 10.0
+    scrape_interval: float = 5.0
+    scrape_timeout: float = 2.0
+    allow_metrics_url_override: bool = False
+    cluster_domain: str = "cluster.local"
+
+
+@dataclass
+class Runtime:
+    """What the handlers share, kept in kopf's memo."""
+
+    kube: Kube
+    config: OperatorConfig
+    autoscalers: dict[str, scaling.AutoscalerState] = field(default_factory=dict)
+    _locks: dict[str, threading.Lock] = field(default_factory=dict)
+    _locks_guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def lock(self, uid: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(uid, threading.Lock())
+
+    def forget(self, uid: str) -> None:
+        with self._locks_guard:
+            self._locks.pop(uid, None)
+        self.autoscalers.pop(uid, None)
+
+
+def _is_path(namespace: str, name: str, subresource: str | None = None) -> str:
+    return path_for(API_VERSION, PLURAL, namespace, name, subresource)
+
+
+def _typed_spec(body: kopf.Body | dict[str, Any]) -> InferenceServiceSpec:
+    try:
+        return parse_spec(dict(body.get("spec") or {}))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+
+
+def _owned(child: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
+    kopf.adopt(child, owner=owner)
+    return child
+
+
+def apply_children(kube: Kube, owner: dict[str, Any], spec: InferenceServiceSpec) -> None:
+    meta = owner["metadata"]
+    for child in builders.build_children(meta["name"], meta["namespace"], spec):
+        kube.apply(object_path(child), _owned(child, owner), FIELD_MANAGER)
+
+
+def refresh_status(runtime: Runtime, owner: dict[str, Any], spec: InferenceServiceSpec,
+                   extra: dict[str, Any] | None = None,
+                   extra_conditions: list[Condition] | None = None) -> None:
+    """Status from the Deployment and pods, with condition transitions posted as Events."""
+    kube = runtime.kube
+    meta = owner["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    deployment = kube.get(path_for("apps/v1", "deployments", namespace, name))
+    pods = kube.list(path_for("v1", "pods", namespace), builders.selector_string(name))
+    missing_secret = None
+    if spec.api_key_secret is not None:
+        if kube.get(path_for("v1", "secrets", namespace, spec.api_key_secret.name)) is None:
+            missing_secret = spec.api_key_secret.name
+    assessed = health.assess(spec.replicas, deployment, pods, missing_secret)
+    updates = assessed.conditions + list(extra_conditions or [])
+    current = kube.get(_is_path(namespace, name))
+    if current is None:
+        return
+    old_status = current.get("status") or {}
+    generation = current["metadata"].get("generation")
+    for changed in conditions.transitions(old_status.get("conditions"), updates):
+        is_problem = assessed.problem is not None and changed.reason == assessed.problem.reason
+        kopf.event(current, type="Warning" if is_problem else "Normal",
+                   reason=changed.reason, message=f"{changed.type}={changed.status_text}: {changed.message}")
+    status = {
+        "replicas": assessed.replicas,
+        "readyReplicas": assessed.ready_replicas,
+        "updatedReplicas": assessed.updated_replicas,
+        "selector": builders.selector_string(name),
+        "url": builders.service_url(name, namespace, runtime.config.cluster_domain),
+        "observedGeneration": generation,
+        "conditions": conditions.merge_conditions(old_status.get("conditions"), updates, generation),
+        **(extra or {}),
+    }
+    if any(old_status.get(key) != value for key, value in status.items()):
+        kube.merge_patch(_is_path(namespace, name, "status"), {"status": status})
+
+
+def reconcile(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None:
+    spec = _typed_spec(body)
+    owner = {"apiVersion": body["apiVersion"], "kind": body["kind"],
+             "metadata": dict(body["metadata"])}
+    with runtime.lock(body["metadata"]["uid"]):
+        try:
+            apply_children(runtime.kube, owner, spec)
+            refresh_status(runtime, owner, spec)
+        except ApiError as exc:
+            if exc.status in (401, 403):
+                logger.error("the operator lacks a permission: %s", exc)
+            raise kopf.TemporaryError(str(exc), delay=runtime.config.resync_interval) from exc
+
+
+def set_deletion_costs(kube: Kube, pods: list[dict[str, Any]], loads: list[scaling.PodLoad]) -> None:
+    """Fewest active KV blocks = cheapest to delete, so a scale-down keeps the warm caches."""
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    for load in loads:
+        pod = by_name.get(load.pod)
+        if pod is None or not load.has_metrics:
+            continue
+        cost = str(int(load.kv_blocks_active or 0))
+        annotations = pod["metadata"].get("annotations") or {}
+        if annotations.get(builders.DELETION_COST_ANNOTATION) != cost:
+            kube.merge_patch(path_for("v1", "pods", pod["metadata"]["namespace"], load.pod),
+                             {"metadata": {"annotations": {builders.DELETION_COST_ANNOTATION: cost}}})
+
+
+def autoscale(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None:
+    """Scrape the ready pods; keep deletion costs and kvUsage; when enabled, decide and scale."""
+    kube, config = runtime.kube, runtime.config
+    uid = body["metadata"]["uid"]
+    with runtime.lock(uid):
+        current = kube.get(_is_path(body["metadata"]["namespace"], body["metadata"]["name"]))
+        if current is None:
+            return
+        spec = _typed_spec(current)
+        name, namespace = current["metadata"]["name"], current["metadata"]["namespace"]
+        pods = kube.list(path_for("v1", "pods", namespace), builders.selector_string(name))
+        loads = scraping.scrape_pods(pods, config.scrape_timeout, config.allow_metrics_url_override)
+        set_deletion_costs(kube, pods, loads)
+        estimate = scaling.estimate_load(loads, spec.autoscaling)
+        extra: dict[str, Any] = {}
+        if estimate is not None:
+            extra["kvUsage"] = round(estimate.kv_usage, 4)
+            extra["waitingRequests"] = int(round(estimate.waiting))
+
+        policy = spec.autoscaling
+        if not policy.enabled:
+            runtime.autoscalers.pop(uid, None)
+            scaling_condition = Condition(SCALING_ACTIVE, False, "AutoscalingDisabled",
+                                          "spec.replicas is left to the user or an external autoscaler")
+            refresh_status(runtime, current, spec, extra, [scaling_condition])
+            return
+
+        state = runtime.autoscalers.get(uid, scaling.AutoscalerState())
+        decision, runtime.autoscalers[uid] = scaling.decide(
+            time.monotonic(), loads, spec.replicas, policy, state)
+        extra["desiredReplicas"] = decision.replicas
+        previous = spec.replicas
+        if decision.replicas != previous:
+            kube.merge_patch(_is_path(namespace, name, "scale"),
+                             {"spec": {"replicas": decision.replicas}})
+            spec = parse_spec({**current["spec"], "replicas": decision.replicas})
+            apply_children(kube, current, spec)
+            extra["lastScaleTime"] = conditions.now_rfc3339()
+            direction = "up" if decision.replicas > previous else "down"
+            message = (f"scaled {direction} from {previous} to "
+                       f"{decision.replicas} replicas ({decision.reason}): {decision.message}")
+            logger.info(message)
+            kopf.event(current, type="Normal", reason="Scaled", message=message)
+        active = decision.estimate is not None
+        scaling_condition = Condition(
+            SCALING_ACTIVE, active, decision.reason if active else "NoMetrics", decision.message)
+        refresh_status(runtime, current, spec, extra, [scaling_condition])
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Attach the handlers to `registry`, with the timer intervals from `config`."""
+    resource = (GROUP, VERSION, PLURAL)
+
+    def on_spec(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+        reconcile(memo.runtime, body, logger)
+
+    for decorator in (kopf.on.resume(*resource, registry=registry),
+                      kopf.on.create(*resource, registry=registry),
+                      kopf.on.update(*resource, field="spec", registry=registry)):
+        decorator(on_spec)
+
+    @kopf.timer(*resource, interval=config.resync_interval, registry=registry)
+    def resync(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+        reconcile(memo.runtime, body, logger)
+
+    @kopf.timer(*resource, interval=config.scrape_interval, registry=registry)
+    def scrape(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+        try:
+            autoscale(memo.runtime, body, logger)
+        except ApiError as exc:
+            raise kopf.TemporaryError(str(exc), delay=config.scrape_interval) from exc
+
+    @kopf.on.delete(*resource, optional=True, registry=registry)
+    def forget(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        memo.runtime.forget(body["metadata"]["uid"])
+
+    # Deployment status moves as pods become ready: report it without waiting for the resync.
+    @kopf.on.event("apps", "v1", "deployments", labels={NAME_LABEL: kopf.PRESENT},
+                   registry=registry)
+    def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
+                           **_: Any) -> None:
+        runtime: Runtime = memo.runtime
+        meta = body["metadata"]
+        owner_name = (meta.get("labels") or {}).get(NAME_LABEL)
+        owner = runtime.kube.get(_is_path(meta["namespace"], owner_name)) if owner_name else None
+        if owner is None or owner["metadata"].get("deletionTimestamp"):
+            return
+        with runtime.lock(owner["metadata"]["uid"]):
+            try:
+                refresh_status(runtime, owner, _typed_spec(owner))
+            except ApiError as exc:
+                logger.warning("status refresh for %s failed: %s", owner_name, exc)

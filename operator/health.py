@@ -1,0 +1,116 @@
+"""What the Deployment and its pods say about an InferenceService (pure).
+
+Problems a user can act on (an image that won't pull, a GPU request no node can satisfy, a missing
+Secret, a crashing server) become the reason of the Ready condition while nothing serves, or of
+Progressing while older replicas still do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvscale.operator.conditions import PROGRESSING, READY, Condition
+
+IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Health:
+    replicas: int
+    ready_replicas: int
+    updated_replicas: int
+    conditions: list[Condition]
+    problem: Problem | None
+
+
+def pod_problem(pod: dict[str, Any]) -> Problem | None:
+    name = pod.get("metadata", {}).get("name", "?")
+    status = pod.get("status") or {}
+    for condition in status.get("conditions") or []:
+        if (condition.get("type") == "PodScheduled" and condition.get("status") == "False"
+                and condition.get("reason") == "Unschedulable"):
+            return Problem("Unschedulable", f"pod {name} cannot be scheduled: {condition.get('message', '')}".strip())
+    statuses = (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
+    for container in statuses:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason")
+        detail = waiting.get("message", "")
+        if reason in IMAGE_PULL_REASONS:
+            return Problem("ImagePullError",
+                           f"pod {name}: image {container.get('image', '')!r} cannot be pulled ({reason}) {detail}".strip())
+        if reason == "CreateContainerConfigError":
+            return Problem("ContainerConfigError", f"pod {name}: {detail}".strip())
+        if reason == "CrashLoopBackOff":
+            return Problem("CrashLoopBackOff",
+                           f"pod {name}: container {container.get('name')} keeps crashing {detail}".strip())
+    return None
+
+
+def deployment_problem(deployment: dict[str, Any]) -> Problem | None:
+    for condition in (deployment.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "ReplicaFailure" and condition.get("status") == "True":
+            return Problem("ReplicaFailure", condition.get("message", ""))
+        if (condition.get("type") == "Progressing" and condition.get("status") == "False"
+                and condition.get("reason") == "ProgressDeadlineExceeded"):
+            return Problem("ProgressDeadlineExceeded", condition.get("message", ""))
+    return None
+
+
+def assess(
+    desired_replicas: int,
+    deployment: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
+    missing_secret: str | None = None,
+) -> Health:
+    """Counts and the Ready / Progressing conditions; `missing_secret` names an absent API-key Secret."""
+    status = (deployment or {}).get("status") or {}
+    replicas = int(status.get("replicas") or 0)
+    ready = int(status.get("readyReplicas") or 0)
+    updated = int(status.get("updatedReplicas") or 0)
+    # A Deployment the controller has not looked at since the last change says nothing yet.
+    stale = deployment is not None and (
+        status.get("observedGeneration", 0) < deployment.get("metadata", {}).get("generation", 0))
+
+    problem: Problem | None = None
+    if missing_secret is not None:
+        problem = Problem("SecretNotFound", f"the API-key Secret {missing_secret!r} does not exist")
+    if problem is None:
+        problem = next((p for p in map(pod_problem, pods) if p is not None), None)
+    if problem is None and deployment is not None:
+        problem = deployment_problem(deployment)
+
+    if missing_secret is not None and problem is not None:
+        # Pods can't start without it, and any still running serve with a key nobody configured.
+        ready_condition = Condition(READY, False, problem.reason, problem.message)
+    elif deployment is None:
+        ready_condition = Condition(READY, False, "DeploymentMissing", "the Deployment is being created")
+    elif desired_replicas == 0:
+        ready_condition = Condition(READY, False, "ScaledToZero", "spec.replicas is 0")
+    elif ready > 0:
+        ready_condition = Condition(READY, True, "Serving", f"{ready}/{desired_replicas} replicas ready")
+    elif problem is not None:
+        ready_condition = Condition(READY, False, problem.reason, problem.message)
+    else:
+        ready_condition = Condition(READY, False, "PodsNotReady",
+                                    f"0/{desired_replicas} replicas ready (loading the model?)")
+
+    settled = (not stale and replicas == desired_replicas and ready == desired_replicas
+               and updated == desired_replicas)
+    if problem is not None and not settled:
+        progressing = Condition(PROGRESSING, False, problem.reason, problem.message)
+    elif settled:
+        progressing = Condition(PROGRESSING, False, "RolloutComplete",
+                                f"{ready} replicas ready and up to date")
+    else:
+        progressing = Condition(
+            PROGRESSING, True, "RollingOut",
+            f"{updated} updated, {ready} ready, {replicas} existing of {desired_replicas} wanted")
+    return Health(replicas=replicas, ready_replicas=ready, updated_replicas=updated,
+                  conditions=[ready_condition, progressing], problem=problem)

@@ -1,0 +1,169 @@
+"""The KV-occupancy scaling rule: a pure function from metric samples and the previous state to a
+decision and the next state.
+
+Load is measured in replicas' worth of demand:
+
+    load = Σ kv_usage / targetKVUsage + Σ waiting / targetQueueLength
+
+where kv_usage is a pod's share of KV blocks held by live requests (`kvscale:kv_blocks_active /
+kvscale:kv_blocks_total`) and waiting its `vllm:num_requests_waiting`. Waiting requests hold no KV
+blocks yet, so their demand adds to the occupancy rather than duplicating it. Each observation
+recommends ceil(load) replicas, bounded by min/max.
+
+- Scale up to the smallest recommendation of the last scaleUpStabilizationSeconds (0: at once).
+- Scale down to the largest recommendation of the last scaleDownStabilizationSeconds, only once the
+  autoscaler has watched for that long and only when every pod reported: a pod without metrics
+  may be the busiest one.
+- Panic (as Knative's KPA): when an observation within panicWindowSeconds asked for at least
+  panicThreshold x the replicas of its time, go straight to the highest recommendation of that
+  window and never scale down while it lasts. KV occupancy saturates at 100%, so in practice a
+  burst shows as a queue.
+- A step up adds at most max(1, (maxScaleUpRate - 1) x current) replicas.
+- Pods without metrics (not exported yet, scrape timeout, HTTP error) are assumed to carry the mean
+  load of those that reported; when none reported, nothing is decided.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from kvscale.operator.spec import AutoscalingPolicy
+
+# ceil(0.7 / 0.7) must be 1, not 2, whatever the float rounding.
+_CEIL_TOLERANCE = 1e-9
+
+
+@dataclass(frozen=True)
+class PodLoad:
+    """One ready pod's scrape: the metrics, or why there are none."""
+
+    pod: str
+    kv_blocks_active: float | None = None
+    kv_blocks_total: float | None = None
+    num_requests_waiting: float | None = None
+    error: str = ""
+
+    @property
+    def has_metrics(self) -> bool:
+        return (self.kv_blocks_active is not None and self.kv_blocks_total is not None
+                and self.kv_blocks_total > 0)
+
+    @property
+    def kv_usage(self) -> float:
+        assert self.kv_blocks_active is not None and self.kv_blocks_total
+        return min(1.0, max(0.0, self.kv_blocks_active / self.kv_blocks_total))
+
+
+@dataclass(frozen=True)
+class Observation:
+    time: float
+    load: float
+    replicas: int  # replicas wanted when it was observed
+
+
+@dataclass(frozen=True)
+class AutoscalerState:
+    observations: tuple[Observation, ...] = ()
+    watching_since: float | None = None
+
+
+@dataclass(frozen=True)
+class LoadEstimate:
+    load: float
+    kv_usage: float  # mean over the pods that reported
+    waiting: float   # total, missing pods extrapolated
+    reported: int
+    pods: int
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    replicas: int
+    reason: str  # ScaleUp, ScaleDown, Panic, Stable, NoMetrics, IncompleteMetrics, WarmingUp, Bounds
+    message: str
+    estimate: LoadEstimate | None = None
+    panic: bool = False
+
+
+def estimate_load(pods: list[PodLoad], policy: AutoscalingPolicy) -> LoadEstimate | None:
+    reported = [p for p in pods if p.has_metrics]
+    if not reported:
+        return None
+    usage_sum = sum(p.kv_usage for p in reported)
+    waiting_sum = sum(p.num_requests_waiting or 0.0 for p in reported)
+    scale = len(pods) / len(reported)  # missing pods carry the mean
+    usage_total, waiting_total = usage_sum * scale, waiting_sum * scale
+    load = usage_total / policy.target_kv_usage + waiting_total / policy.target_queue_length
+    return LoadEstimate(load=load, kv_usage=usage_sum / len(reported), waiting=waiting_total,
+                        reported=len(reported), pods=len(pods))
+
+
+def clamp(replicas: int, policy: AutoscalingPolicy) -> int:
+    return max(policy.min_replicas, min(policy.max_replicas, replicas))
+
+
+def recommend(load: float, policy: AutoscalingPolicy) -> int:
+    return clamp(math.ceil(load - _CEIL_TOLERANCE), policy)
+
+
+def max_step_up(current: int, policy: AutoscalingPolicy) -> int:
+    return max(current + 1, math.ceil(current * policy.max_scale_up_rate - _CEIL_TOLERANCE))
+
+
+def decide(
+    now: float,
+    pods: list[PodLoad],
+    current: int,
+    policy: AutoscalingPolicy,
+    state: AutoscalerState,
+) -> tuple[ScaleDecision, AutoscalerState]:
+    """Replicas to run now; `current` is the replicas wanted so far (spec.replicas)."""
+    since = state.watching_since if state.watching_since is not None else now
+    estimate = estimate_load(pods, policy)
+    if estimate is None:
+        held = clamp(current, policy)
+        why = "; ".join(f"{p.pod}: {p.error or 'no KV metrics'}" for p in pods) or "no ready pods"
+        return (ScaleDecision(held, "NoMetrics" if held == current else "Bounds",
+                              f"no pod reported metrics ({why})"),
+                replace(state, watching_since=since))
+
+    horizon = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds,
+                  policy.panic_window_seconds)
+    observations = tuple(o for o in state.observations if now - o.time <= horizon)
+    observations += (Observation(time=now, load=estimate.load, replicas=current),)
+    next_state = AutoscalerState(observations=observations, watching_since=since)
+
+    def within(seconds: float) -> list[Observation]:
+        return [o for o in observations if now - o.time <= seconds]
+
+    panic_window = within(policy.panic_window_seconds)
+    panic = any(o.load >= policy.panic_threshold * max(o.replicas, 1) for o in panic_window)
+    summary = (f"load {estimate.load:.2f} replicas (KV usage {estimate.kv_usage:.0%}, "
+               f"{estimate.waiting:.0f} waiting, {estimate.reported}/{estimate.pods} pods reported)")
+
+    if panic:
+        target = max(current, max(recommend(o.load, policy) for o in panic_window))
+        reason = "Panic"
+    else:
+        up = min(recommend(o.load, policy) for o in within(policy.scale_up_stabilization_seconds))
+        down = max(recommend(o.load, policy)
+                   for o in within(policy.scale_down_stabilization_seconds))
+        if up > current:
+            target, reason = up, "ScaleUp"
+        elif down < current:
+            if now - since < policy.scale_down_stabilization_seconds:
+                target, reason = current, "WarmingUp"
+            elif estimate.reported < estimate.pods:
+                target, reason = current, "IncompleteMetrics"
+            else:
+                target, reason = down, "ScaleDown"
+        else:
+            target, reason = current, "Stable"
+
+    if target > current:
+        target = min(target, max_step_up(current, policy))
+    bounded = clamp(target, policy)
+    if bounded != target:
+        reason = "Bounds"
+    return (ScaleDecision(bounded, reason, summary, estimate, panic), next_state)

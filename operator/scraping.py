@@ -1,0 +1,89 @@
+"""Scraping each ready pod's /metrics for the numbers the scaling rule needs.
+
+A pod is scraped at http://POD_IP:8000/metrics. With `kvscale operator
+--allow-metrics-url-override` (or KVSCALE_ALLOW_METRICS_URL_OVERRIDE=1) a pod annotation
+`serving.kvscale.io/metrics-url: http://host:port/metrics` replaces that address. It is off by
+default because whoever may annotate pods could otherwise point the operator's requests anywhere;
+it exists for clusters whose pods run no real server (kwok in the end-to-end tests) and for
+sidecar-proxied metrics.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+from kvscale.operator.builders import METRICS_URL_ANNOTATION
+from kvscale.operator.scaling import PodLoad
+from kvscale.operator.spec import SERVER_PORT
+from prometheus_client.parser import text_string_to_metric_families
+
+KV_BLOCKS_ACTIVE = "kvscale:kv_blocks_active"
+KV_BLOCKS_TOTAL = "kvscale:kv_blocks_total"
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+WANTED = (KV_BLOCKS_ACTIVE, KV_BLOCKS_TOTAL, NUM_REQUESTS_WAITING)
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def metrics_url(pod: dict[str, Any], allow_override: bool) -> str | None:
+    if allow_override:
+        override = (pod.get("metadata", {}).get("annotations") or {}).get(METRICS_URL_ANNOTATION)
+        if override:
+            return override
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{SERVER_PORT}/metrics"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sums of the wanted samples over their label sets (one per model, usually)."""
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in WANTED:
+                sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+    return sums
+
+
+def scrape_pod(client: httpx.Client, pod_name: str, url: str | None) -> PodLoad:
+    if url is None:
+        return PodLoad(pod=pod_name, error="no pod IP")
+    try:
+        response = client.get(url)
+        response.raise_for_status()
+        values = parse_metrics(response.text)
+    except httpx.TimeoutException:
+        return PodLoad(pod=pod_name, error="scrape timed out")
+    except httpx.HTTPStatusError as exc:
+        return PodLoad(pod=pod_name, error=f"HTTP {exc.response.status_code}")
+    except (httpx.HTTPError, ValueError) as exc:
+        return PodLoad(pod=pod_name, error=f"scrape failed: {exc}")
+    missing = [name for name in (KV_BLOCKS_ACTIVE, KV_BLOCKS_TOTAL) if name not in values]
+    return PodLoad(
+        pod=pod_name,
+        kv_blocks_active=values.get(KV_BLOCKS_ACTIVE),
+        kv_blocks_total=values.get(KV_BLOCKS_TOTAL),
+        num_requests_waiting=values.get(NUM_REQUESTS_WAITING, 0.0),
+        error=f"missing {', '.join(missing)}" if missing else "",
+    )
+
+
+def scrape_pods(pods: list[dict[str, Any]], timeout: float, allow_override: bool) -> list[PodLoad]:
+    """Every ready pod's load, scraped in parallel so one slow pod costs one timeout, not N."""
+    ready = [p for p in pods if is_ready(p)]
+    if not ready:
+        return []
+    with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client, \
+            ThreadPoolExecutor(max_workers=min(16, len(ready))) as pool:
+        return list(pool.map(
+            lambda pod: scrape_pod(client, pod["metadata"]["name"], metrics_url(pod, allow_override)),
+            ready))

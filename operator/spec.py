@@ -1,0 +1,146 @@
+"""The InferenceService spec as typed values, with the CRD's defaults applied.
+
+The API server already fills defaults from the CRD schema; applying them again here keeps the
+builders and the scaling rule pure functions of plain dicts (and testable without a cluster).
+`tests/operator/test_operator_spec.py` checks that these defaults equal the CRD's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+GROUP = "serving.kvscale.io"
+VERSION = "v1alpha1"
+PLURAL = "inferenceservices"
+KIND = "InferenceService"
+NAME_LABEL = f"{GROUP}/inferenceservice"
+DEFAULT_IMAGE = "ghcr.io/kvscale/kvscale:0.1.0"
+SERVER_PORT = 8000
+MODEL_SCHEMES = ("bundled://", "hf://", "pvc://")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    uri: str
+    served_name: str
+
+    @property
+    def scheme(self) -> str:
+        return self.uri.split("://", 1)[0]
+
+    @property
+    def location(self) -> str:
+        """The part after the scheme: NAME, ORG/NAME or CLAIM/PATH."""
+        return self.uri.split("://", 1)[1]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Resources:
+    gpus: int = 1
+    cpu: str = "2"
+    memory: str = "8Gi"
+
+
+@dataclass(frozen=True)
+class AutoscalingPolicy:
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_kv_usage: float = 0.7
+    target_queue_length: int = 8
+    scale_up_stabilization_seconds: int = 0
+    scale_down_stabilization_seconds: int = 300
+    panic_window_seconds: int = 6
+    panic_threshold: float = 2.0
+    max_scale_up_rate: float = 2.0
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str = "api-key"
+
+
+@dataclass(frozen=True)
+class InferenceServiceSpec:
+    model: ModelSource
+    image: str = DEFAULT_IMAGE
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    resources: Resources = field(default_factory=Resources)
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()
+    replicas: int = 1
+    autoscaling: AutoscalingPolicy = field(default_factory=AutoscalingPolicy)
+    api_key_secret: SecretKeyRef | None = None
+
+
+def default_served_name(uri: str) -> str:
+    return uri.rstrip("/").rsplit("/", 1)[-1]
+
+
+def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
+    """Typed spec from the resource's `spec` dict; raises ValueError on what the CRD would reject."""
+    model = spec.get("model") or {}
+    uri = model.get("uri")
+    if not isinstance(uri, str) or not uri.startswith(MODEL_SCHEMES) or uri.endswith("://"):
+        raise ValueError(f"model.uri must be bundled://NAME, hf://ORG/NAME or pvc://CLAIM/PATH, got {uri!r}")
+    engine = spec.get("engine") or {}
+    resources = spec.get("resources") or {}
+    autoscaling = spec.get("autoscaling") or {}
+    secret = spec.get("apiKeySecretRef")
+    e, r, a = EngineConfig(), Resources(), AutoscalingPolicy()
+    return InferenceServiceSpec(
+        model=ModelSource(uri=uri, served_name=model.get("servedName") or default_served_name(uri)),
+        image=spec.get("image") or DEFAULT_IMAGE,
+        engine=EngineConfig(
+            block_size=int(engine.get("blockSize", e.block_size)),
+            max_num_seqs=int(engine.get("maxNumSeqs", e.max_num_seqs)),
+            max_num_batched_tokens=_optional_int(engine.get("maxNumBatchedTokens")),
+            max_model_len=_optional_int(engine.get("maxModelLen")),
+            dtype=str(engine.get("dtype", e.dtype)),
+            gpu_memory_utilization=float(engine.get("gpuMemoryUtilization", e.gpu_memory_utilization)),
+            enable_prefix_caching=bool(engine.get("enablePrefixCaching", e.enable_prefix_caching)),
+            extra_args=tuple(str(arg) for arg in engine.get("extraArgs") or ()),
+        ),
+        resources=Resources(
+            gpus=int(resources.get("gpus", r.gpus)),
+            cpu=str(resources.get("cpu", r.cpu)),
+            memory=str(resources.get("memory", r.memory)),
+        ),
+        node_selector=dict(spec.get("nodeSelector") or {}),
+        tolerations=tuple(dict(t) for t in spec.get("tolerations") or ()),
+        replicas=int(spec.get("replicas", 1)),
+        autoscaling=AutoscalingPolicy(
+            enabled=bool(autoscaling.get("enabled", a.enabled)),
+            min_replicas=int(autoscaling.get("minReplicas", a.min_replicas)),
+            max_replicas=int(autoscaling.get("maxReplicas", a.max_replicas)),
+            target_kv_usage=float(autoscaling.get("targetKVUsage", a.target_kv_usage)),
+            target_queue_length=int(autoscaling.get("targetQueueLength", a.target_queue_length)),
+            scale_up_stabilization_seconds=int(
+                autoscaling.get("scaleUpStabilizationSeconds", a.scale_up_stabilization_seconds)),
+            scale_down_stabilization_seconds=int(
+                autoscaling.get("scaleDownStabilizationSeconds", a.scale_down_stabilization_seconds)),
+            panic_window_seconds=int(autoscaling.get("panicWindowSeconds", a.panic_window_seconds)),
+            panic_threshold=float(autoscaling.get("panicThreshold", a.panic_threshold)),
+            max_scale_up_rate=float(autoscaling.get("maxScaleUpRate", a.max_scale_up_rate)),
+        ),
+        api_key_secret=(SecretKeyRef(name=secret["name"], key=secret.get("key") or "api-key")
+                        if secret else None),
+    )
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)

@@ -1,0 +1,1 @@
+"""kvscale.router: the prefix-affinity router (`kvscale router`) and `kvscale up`."""

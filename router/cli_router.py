@@ -1,0 +1,84 @@
+"""`kvscale router`: the prefix-affinity router in front of `kvscale serve` replicas."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from kvscale.router.policy import POLICIES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_argument_group("replicas (one of)")
+    where.add_argument("--replicas", default=None, help="comma-separated replica base URLs (http://host:port)")
+    where.add_argument("--k8s-service", default=None, help="headless Service whose EndpointSlices list the replicas")
+    parser.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"))
+    parser.add_argument("--k8s-port-name", default=None, help="EndpointSlice port name (default: the first port)")
+    parser.add_argument("--policy", choices=POLICIES, default="prefix-affinity")
+    parser.add_argument("--redis", default=None, help="redis://host:port for the replicas' KV events and heartbeats")
+    parser.add_argument("--redis-timeout-ms", type=float, default=50.0)
+    parser.add_argument("--api-key", default=os.environ.get("KVSCALE_API_KEY"), help="key clients must send (Bearer)")
+    parser.add_argument(
+        "--replica-api-key",
+        default=os.environ.get("KVSCALE_REPLICA_API_KEY"),
+        help="key the router sends to the replicas (default: none)",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="replicas' KV block size (heartbeats override it per model)"
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="model directory whose tokenizer to load (repeatable; default: the bundled model)",
+    )
+    parser.add_argument("--session-header", default="x-session-id", help="header that pins a session to a replica")
+    parser.add_argument("--balance-epsilon", type=float, default=0.25, help="bounded load: at most (1+eps) x mean")
+    parser.add_argument("--max-attempts", type=int, default=3, help="replicas tried per request before failing")
+    parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between replica health checks")
+    parser.add_argument("--seed", type=int, default=None, help="seed for --policy random")
+    parser.add_argument("--log-level", default="info")
+
+
+def config_from_args(args: argparse.Namespace):
+    from kvscale.router.app import RouterConfig
+
+    if not args.replicas and not args.k8s_service:
+        raise SystemExit("kvscale router: give --replicas URL,... or --k8s-service NAME")
+    if args.balance_epsilon < 0:
+        raise SystemExit("kvscale router: --balance-epsilon must be non-negative")
+    if args.block_size < 1:
+        raise SystemExit("kvscale router: --block-size must be at least 1")
+    return RouterConfig(
+        replicas=[u for u in (args.replicas or "").split(",") if u.strip()],
+        k8s_service=args.k8s_service,
+        namespace=args.namespace,
+        k8s_port_name=args.k8s_port_name,
+        policy=args.policy,
+        redis_url=args.redis,
+        redis_timeout_ms=args.redis_timeout_ms,
+        api_key=args.api_key,
+        replica_api_key=args.replica_api_key,
+        block_size=args.block_size,
+        models=args.model or [None],
+        session_header=(args.session_header or "").lower() or None,
+        epsilon=args.balance_epsilon,
+        max_attempts=args.max_attempts,
+        health_interval_s=args.health_interval,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+    from kvscale.router.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
+    config = config_from_args(args)
+    app = build_app(config)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

@@ -1,0 +1,120 @@
+"""Which replica holds which KV block: the router's in-memory prefix index.
+
+Two kinds of entries per replica:
+- confirmed: block hashes the replica itself reported (KV events and snapshots from Redis);
+- predicted: hashes of prompts the router just sent there, kept until the replica confirms
+  them or they expire. Prefill takes a while; without these, a burst of requests sharing a
+  new prefix would scatter before the first one's blocks are reported. Without Redis
+  (``kvscale up`` with no redis-server) predictions are all the router has, so they then live
+  until evicted by a per-replica capacity.
+
+Only the router's event loop touches an index, so it has no locks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _ReplicaBlocks:
+    confirmed: set[int] = field(default_factory=set)
+    predicted: OrderedDict[int, float] = field(default_factory=OrderedDict)  # hash -> expiry
+    seq: int = 0  # last event sequence number applied (from the replica's publisher)
+
+
+class PrefixIndex:
+    def __init__(self, prediction_ttl_s: float = 10.0, prediction_capacity: int = 65536) -> None:
+        self.prediction_ttl_s = prediction_ttl_s
+        self.prediction_capacity = prediction_capacity
+        self._replicas: dict[str, _ReplicaBlocks] = {}
+
+    # -- updates from replicas' KV events ---------------------------------------------------
+    def _blocks(self, replica_id: str) -> _ReplicaBlocks:
+        blocks = self._replicas.get(replica_id)
+        if blocks is None:
+            blocks = self._replicas[replica_id] = _ReplicaBlocks()
+        return blocks
+
+    def stored(self, replica_id: str, block_hashes: Iterable[int]) -> None:
+        blocks = self._blocks(replica_id)
+        for block_hash in block_hashes:
+            blocks.confirmed.add(block_hash)
+            blocks.predicted.pop(block_hash, None)
+
+    def removed(self, replica_id: str, block_hashes: Iterable[int]) -> None:
+        blocks = self._blocks(replica_id)
+        for block_hash in block_hashes:
+            blocks.confirmed.discard(block_hash)
+            blocks.predicted.pop(block_hash, None)
+
+    def cleared(self, replica_id: str) -> None:
+        blocks = self._blocks(replica_id)
+        blocks.confirmed.clear()
+        blocks.predicted.clear()
+
+    def replace(self, replica_id: str, block_hashes: Iterable[int], seq: int) -> None:
+        """A full snapshot: what the replica holds as of event ``seq``."""
+        blocks = self._blocks(replica_id)
+        blocks.confirmed = set(block_hashes)
+        blocks.seq = seq
+
+    def forget(self, replica_id: str) -> None:
+        self._replicas.pop(replica_id, None)
+
+    def seq(self, replica_id: str) -> int:
+        blocks = self._replicas.get(replica_id)
+        return blocks.seq if blocks else 0
+
+    def set_seq(self, replica_id: str, seq: int) -> None:
+        self._blocks(replica_id).seq = seq
+
+    # -- predictions from the router's own decisions ------------------------------------------
+    def predict(self, replica_id: str, block_hashes: Sequence[int], now: float) -> None:
+        blocks = self._blocks(replica_id)
+        expiry = now + self.prediction_ttl_s
+        for block_hash in block_hashes:
+            if block_hash in blocks.confirmed:
+                continue
+            blocks.predicted[block_hash] = expiry
+            blocks.predicted.move_to_end(block_hash)
+        while len(blocks.predicted) > self.prediction_capacity:
+            blocks.predicted.popitem(last=False)
+
+    def _holds(self, blocks: _ReplicaBlocks, block_hash: int, now: float) -> bool:
+        if block_hash in blocks.confirmed:
+            return True
+        expiry = blocks.predicted.get(block_hash)
+        if expiry is None:
+            return False
+        if expiry < now:
+            del blocks.predicted[block_hash]
+            return False
+        return True
+
+    # -- lookups -------------------------------------------------------------------------------
+    def match(self, block_hashes: Sequence[int], replica_ids: Iterable[str], now: float) -> dict[str, int]:
+        """For each replica, how many *leading* blocks of the prompt it holds."""
+        matched: dict[str, int] = {}
+        for replica_id in replica_ids:
+            blocks = self._replicas.get(replica_id)
+            count = 0
+            if blocks is not None:
+                for block_hash in block_hashes:
+                    if not self._holds(blocks, block_hash, now):
+                        break
+                    count += 1
+            matched[replica_id] = count
+        return matched
+
+    def confirmed_blocks(self, replica_id: str) -> set[int]:
+        blocks = self._replicas.get(replica_id)
+        return set(blocks.confirmed) if blocks else set()
+
+    def sizes(self) -> dict[str, int]:
+        return {rid: len(b.confirmed) for rid, b in self._replicas.items()}
+
+    def replica_ids(self) -> list[str]:
+        return list(self._replicas)

@@ -1,0 +1,180 @@
+"""Routing decisions as pure functions: candidates and their load in, a ranked list out.
+
+Nothing here does I/O or keeps state between calls (round-robin takes its counter as an
+argument), so every rule is unit-tested on plain values.
+
+Prefix affinity (the default):
+  score(r) = matched_blocks(r) / prompt_blocks
+             - load_weight * load(r) / capacity
+             - kv_weight * kv_usage(r)
+subject to the bounded-load rule of consistent hashing with bounded loads (Mirrokni et al.):
+a replica is eligible only while load(r) + 1 <= ceil((1 + eps) * (total_load + 1) / n), i.e. it
+never takes a request that would push it above (1 + eps) times the mean. Ties (and prompts that
+match nothing) go to the least loaded replica, then to the highest rendezvous hash of the
+prompt's leading block so that several routers agree without talking to each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random as _random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+POLICIES = ("prefix-affinity", "round-robin", "random", "least-load")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One routable replica as the policy sees it."""
+
+    replica_id: str
+    load: int  # in-flight requests: max(router's own count, heartbeat running + waiting)
+    kv_usage: float = 0.0  # kv_blocks_active / kv_blocks_total from the heartbeat (0..1)
+    matched_blocks: int = 0  # leading prompt blocks this replica holds
+
+
+@dataclass(frozen=True)
+class Decision:
+    ranked: list[str]  # best first; the proxy walks it on failover
+    matched_blocks: int  # of the first choice
+    reason: str  # "affinity" | "load" | "hash" | "sticky" | "round-robin" | "random"
+
+
+def bounded_capacity(loads: Sequence[int], epsilon: float) -> int:
+    """Most in-flight requests any replica may hold after taking one more request."""
+    if not loads:
+        return 0
+    mean_after = (sum(loads) + 1) / len(loads)
+    return max(1, math.ceil((1.0 + epsilon) * mean_after))
+
+
+def within_bound(load: int, capacity: int) -> bool:
+    return load + 1 <= capacity
+
+
+def rendezvous_weight(key: int | str, replica_id: str) -> int:
+    """Highest-random-weight hash: stable across processes (no Python ``hash()``)."""
+    digest = hashlib.blake2b(f"{key}|{replica_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def consistent_hash_order(key: int | str, replica_ids: Sequence[str]) -> list[str]:
+    return sorted(replica_ids, key=lambda rid: rendezvous_weight(key, rid), reverse=True)
+
+
+def affinity_score(
+    candidate: Candidate,
+    prompt_blocks: int,
+    capacity: int,
+    load_weight: float,
+    kv_weight: float,
+) -> float:
+    hit = candidate.matched_blocks / prompt_blocks if prompt_blocks else 0.0
+    return hit - load_weight * candidate.load / max(capacity, 1) - kv_weight * candidate.kv_usage
+
+
+def _bounded_split(
+    candidates: Sequence[Candidate], epsilon: float
+) -> tuple[list[Candidate], list[Candidate], int]:
+    capacity = bounded_capacity([c.load for c in candidates], epsilon)
+    eligible = [c for c in candidates if within_bound(c.load, capacity)]
+    over = [c for c in candidates if not within_bound(c.load, capacity)]
+    return eligible, over, capacity
+
+
+def prefix_affinity(
+    candidates: Sequence[Candidate],
+    prompt_blocks: int,
+    hash_key: int | str,
+    *,
+    epsilon: float = 0.25,
+    load_weight: float = 0.5,
+    kv_weight: float = 0.1,
+    sticky_replica: str | None = None,
+    index_stale: bool = False,
+) -> Decision:
+    """Rank replicas for one request.
+
+    ``hash_key`` is the prompt's leading block hash (or any stable key when the prompt has no
+    full block). ``index_stale`` says Redis is unreachable: the last index is still used, and
+    prompts that match nothing go by consistent hashing on the leading block (bounded) instead
+    of by load, so that routers without fresh state keep sending a prefix to one place.
+    """
+    if not candidates:
+        return Decision([], 0, "none")
+    eligible, over, capacity = _bounded_split(candidates, epsilon)
+    tie = {c.replica_id: rendezvous_weight(hash_key, c.replica_id) for c in candidates}
+
+    def key(c: Candidate) -> tuple[float, int, int]:
+        score = affinity_score(c, prompt_blocks, capacity, load_weight, kv_weight)
+        return (-round(score, 9), c.load, -tie[c.replica_id])
+
+    ranked = sorted(eligible, key=key)
+    best_match = max((c.matched_blocks for c in eligible), default=0)
+    reason = "affinity" if best_match > 0 and ranked[0].matched_blocks == best_match else "load"
+    if best_match == 0 and index_stale:
+        ranked = sorted(eligible, key=lambda c: -tie[c.replica_id])
+        reason = "hash"
+    if sticky_replica is not None:
+        sticky = [c for c in ranked if c.replica_id == sticky_replica]
+        if sticky:
+            ranked = sticky + [c for c in ranked if c.replica_id != sticky_replica]
+            reason = "sticky"
+    # Over-bound replicas stay at the tail: only used when every eligible one failed.
+    ranked += sorted(over, key=lambda c: (c.load, -tie[c.replica_id]))
+    return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks, reason)
+
+
+def least_load(candidates: Sequence[Candidate], hash_key: int | str = 0) -> Decision:
+    ranked = sorted(
+        candidates,
+        key=lambda c: (c.load, c.kv_usage, -rendezvous_weight(hash_key, c.replica_id)),
+    )
+    return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks if ranked else 0, "load")
+
+
+def round_robin(candidates: Sequence[Candidate], counter: int) -> Decision:
+    """``counter`` is the caller's running request count; candidates are in a stable order."""
+    if not candidates:
+        return Decision([], 0, "none")
+    start = counter % len(candidates)
+    ranked = list(candidates[start:]) + list(candidates[:start])
+    return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks, "round-robin")
+
+
+def random_choice(candidates: Sequence[Candidate], rng: _random.Random) -> Decision:
+    ranked = list(candidates)
+    rng.shuffle(ranked)
+    return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks if ranked else 0, "random")
+
+
+def decide(
+    policy: str,
+    candidates: Sequence[Candidate],
+    *,
+    prompt_blocks: int,
+    hash_key: int | str,
+    counter: int,
+    rng: _random.Random,
+    epsilon: float = 0.25,
+    sticky_replica: str | None = None,
+    index_stale: bool = False,
+) -> Decision:
+    if policy == "prefix-affinity":
+        return prefix_affinity(
+            candidates,
+            prompt_blocks,
+            hash_key,
+            epsilon=epsilon,
+            sticky_replica=sticky_replica,
+            index_stale=index_stale,
+        )
+    if policy == "round-robin":
+        return round_robin(candidates, counter)
+    if policy == "random":
+        return random_choice(candidates, rng)
+    if policy == "least-load":
+        return least_load(candidates, hash_key)
+    raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")

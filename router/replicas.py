@@ -1,0 +1,221 @@
+"""The replicas a router may send to: where they are, what they serve, whether they are up.
+
+Sources: a static list of base URLs, or the ready endpoints of a headless Service's
+EndpointSlices (watched with the ``kubernetes`` client). A replica is routable while its last
+health check passed and — when Redis heartbeats are available — its heartbeat has not expired.
+A connection error while proxying marks it down at once; the next passing check brings it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+log = logging.getLogger("kvscale.router.replicas")
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
+def default_replica_id(url: str) -> str:
+    """What `kvscale serve` uses as replica id when none is given: host:port."""
+    return urlsplit(normalize_url(url)).netloc
+
+
+@dataclass
+class Replica:
+    url: str
+    replica_id: str  # the id its KV events and heartbeats carry
+    models: set[str] = field(default_factory=set)
+    healthy: bool = False
+    in_flight: int = 0  # requests this router has open on it
+    last_check: float = 0.0
+    consecutive_failures: int = 0
+
+
+class ReplicaSet:
+    def __init__(self, api_key: str | None = None, health_interval_s: float = 2.0) -> None:
+        self.replicas: dict[str, Replica] = {}  # url -> replica
+        self.api_key = api_key
+        self.health_interval_s = health_interval_s
+        self._task: asyncio.Task | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._changed = asyncio.Event()
+
+    def set_urls(self, urls: list[str]) -> None:
+        wanted = {normalize_url(u) for u in urls if u.strip()}
+        for url in list(self.replicas):
+            if url not in wanted:
+                log.info("replica %s removed", url)
+                del self.replicas[url]
+        for url in sorted(wanted):
+            if url not in self.replicas:
+                log.info("replica %s added", url)
+                self.replicas[url] = Replica(url=url, replica_id=default_replica_id(url))
+        self._changed.set()
+
+    def by_id(self) -> dict[str, Replica]:
+        return {r.replica_id: r for r in self.replicas.values()}
+
+    def bind_heartbeat_ids(self, url_to_id: dict[str, str]) -> None:
+        """Heartbeats name each replica's id and base URL; learn the id of every URL we route to."""
+        for url, replica_id in url_to_id.items():
+            replica = self.replicas.get(normalize_url(url))
+            if replica is not None:
+                replica.replica_id = replica_id
+
+    def mark_down(self, replica: Replica) -> None:
+        if replica.healthy:
+            log.warning("replica %s marked down after a failed request", replica.url)
+        replica.healthy = False
+        replica.consecutive_failures += 1
+
+    # -- health checks ------------------------------------------------------------------------
+    async def start(self) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0), headers=headers)
+        await self.check_all()
+        self._task = asyncio.create_task(self._loop(), name="replica-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._changed.wait(), self.health_interval_s)
+            except TimeoutError:
+                pass
+            self._changed.clear()
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(r) for r in list(self.replicas.values())))
+
+    async def check(self, replica: Replica) -> None:
+        assert self._client is not None
+        try:
+            health = await self._client.get(f"{replica.url}/health")
+            ok = health.status_code == 200
+            if ok and (not replica.models or not replica.healthy):
+                models = await self._client.get(f"{replica.url}/v1/models")
+                models.raise_for_status()
+                replica.models = {m["id"] for m in models.json().get("data", [])}
+        except (httpx.HTTPError, ValueError, KeyError):
+            ok = False
+        if ok and not replica.healthy:
+            log.info("replica %s is healthy (models: %s)", replica.url, ", ".join(sorted(replica.models)))
+        if not ok and replica.healthy:
+            log.warning("replica %s failed its health check", replica.url)
+        replica.healthy = ok
+        replica.consecutive_failures = 0 if ok else replica.consecutive_failures + 1
+        replica.last_check = time.monotonic()
+
+
+class EndpointSliceWatch:
+    """Ready endpoints of a headless Service, from its EndpointSlices, pushed into a ReplicaSet.
+
+    The kubernetes client's watch blocks, so it runs in a thread and hands URL lists to the
+    router's loop with ``call_soon_threadsafe``.
+    """
+
+    def __init__(
+        self,
+        service: str,
+        namespace: str,
+        on_urls: Callable[[list[str]], None],
+        loop: asyncio.AbstractEventLoop,
+        port_name: str | None = None,
+    ) -> None:
+        self.service = service
+        self.namespace = namespace
+        self.port_name = port_name
+        self._on_urls = on_urls
+        self._loop = loop
+        self._stop = threading.Event()
+        self._slices: dict[str, list[str]] = {}
+        self._thread = threading.Thread(target=self._run, name="endpointslice-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def slice_urls(self, endpoint_slice) -> list[str]:
+        ports = endpoint_slice.ports or []
+        port = None
+        for p in ports:
+            if self.port_name is None or p.name == self.port_name:
+                port = p.port
+                break
+        if port is None:
+            return []
+        urls = []
+        for endpoint in endpoint_slice.endpoints or []:
+            conditions = endpoint.conditions
+            if conditions is not None and conditions.ready is False:
+                continue
+            for address in endpoint.addresses or []:
+                host = f"[{address}]" if ":" in address else address
+                urls.append(f"http://{host}:{port}")
+        return urls
+
+    def _publish(self) -> None:
+        urls = sorted({u for urls in self._slices.values() for u in urls})
+        self._loop.call_soon_threadsafe(self._on_urls, urls)
+
+    def _run(self) -> None:
+        from kubernetes import client, config, watch
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        api = client.DiscoveryV1Api()
+        selector = f"kubernetes.io/service-name={self.service}"
+        while not self._stop.is_set():
+            try:
+                listing = api.list_namespaced_endpoint_slice(self.namespace, label_selector=selector)
+                self._slices = {s.metadata.name: self.slice_urls(s) for s in listing.items}
+                self._publish()
+                stream = watch.Watch().stream(
+                    api.list_namespaced_endpoint_slice,
+                    self.namespace,
+                    label_selector=selector,
+                    resource_version=listing.metadata.resource_version,
+                    timeout_seconds=60,
+                )
+                for event in stream:
+                    if self._stop.is_set():
+                        return
+                    endpoint_slice = event["object"]
+                    name = endpoint_slice.metadata.name
+                    if event["type"] == "DELETED":
+                        self._slices.pop(name, None)
+                    else:
+                        self._slices[name] = self.slice_urls(endpoint_slice)
+                    self._publish()
+            except Exception as exc:  # apiserver restarts, expired resourceVersion: relist
+                log.warning("EndpointSlice watch for %s/%s: %s; relisting", self.namespace, self.service, exc)
+                self._stop.wait(2.0)

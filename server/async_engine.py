@@ -1,0 +1,298 @@
+"""The engine on its own thread, and one asyncio stream per request.
+
+LLMEngine is not thread-safe, so exactly one thread (the engine thread) ever touches it. The event
+loop talks to that thread through a thread-safe command queue (add, abort, stop) and hears back
+once per engine step: one ``call_soon_threadsafe`` carrying every output of the step plus a stats
+snapshot, so the loop wakes once per step however many requests are running. When nothing is
+running the thread blocks on the command queue; it wakes at least once a second so the KV event
+publisher can send heartbeats with fresh stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvscale.server.outputs import EngineStats, RequestOutput
+from kvscale.server.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_TICK_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can make progress."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    accepted: asyncio.Future  # resolves to None, or to the exception add_request raised
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+@dataclass
+class RequestStream:
+    """What the HTTP side reads for one request: the engine's cumulative outputs, in order.
+
+    Outputs are cumulative, so a reader that falls behind only needs the newest one; ``next``
+    skips ahead to it. ``aborted`` means the request ended early (client gone, engine dead).
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+    aborted: bool = False
+    # Bookkeeping for per-token metrics, kept here because every output passes through.
+    tokens_seen: int = 0
+    last_token_time: float | None = None
+    first_output_seen: bool = False
+
+    def put(self, item: RequestOutput | BaseException | None) -> None:
+        self._queue.put_nowait(item)
+
+    async def next(self) -> RequestOutput | None:
+        """The newest output (None once aborted); raises EngineDeadError if the engine died."""
+        item = await self._queue.get()
+        while not self._queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class AsyncEngine:
+    """Owns the engine thread; the event-loop side of every request goes through here.
+
+    ``on_step(outputs, stats)`` and ``on_request_end(stream, finish_reason)`` run on the event
+    loop (metrics hang off them); ``publisher`` (KV events for the router) runs on the engine
+    thread, since its ``on_step`` needs the engine.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        publisher: Any = None,
+        on_step: Callable[[list[RequestOutput], dict[str, RequestStream], EngineStats], None] | None = None,
+        on_request_end: Callable[[RequestStream, str], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.publisher = publisher
+        self._on_step = on_step
+        self._on_request_end = on_request_end
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+        self.stats: EngineStats | None = None
+        # Adds submitted but not yet taken by the engine thread count as waiting, so a burst
+        # arriving within one step cannot overrun --max-queue-len.
+        self.num_pending_adds = 0
+
+    def observe(
+        self,
+        on_step: Callable[[list[RequestOutput], dict[str, RequestStream], EngineStats], None],
+        on_request_end: Callable[[RequestStream, str], None],
+    ) -> None:
+        """Hook the metrics in (both run on the event loop)."""
+        self._on_step = on_step
+        self._on_request_end = on_request_end
+
+    # ------------------------------------------------------------------ lifecycle (event loop)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.stats = self.engine.get_stats()
+        self._thread = threading.Thread(target=self._run, name="kvscale-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        await asyncio.to_thread(self._thread.join, 30)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_waiting(self) -> int:
+        waiting = self.stats.num_waiting if self.stats else 0
+        return waiting + self.num_pending_adds
+
+    # ------------------------------------------------------------------ requests (event loop)
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        num_prompt_tokens: int,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Hand a request to the engine; returns its stream once the engine accepted it.
+
+        Raises what ``LLMEngine.add_request`` raised (ValueError: bad request), or EngineDeadError.
+        """
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        assert self._loop is not None
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id=request_id, num_prompt_tokens=num_prompt_tokens)
+        self._streams[request_id] = stream
+        accepted: asyncio.Future = self._loop.create_future()
+        self.num_pending_adds += 1
+        self._commands.put(_Add(request_id, prompt, params, cache_salt, accepted))
+        try:
+            error = await accepted
+        except BaseException:
+            # Cancelled while waiting (client gone): the engine may still take it; abort it.
+            self.abort(request_id)
+            raise
+        if error is not None:
+            self._streams.pop(request_id, None)
+            raise error
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now: its stream ends at once, the engine frees its blocks next."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream.aborted = True
+        stream.put(None)
+        if self._on_request_end is not None:
+            self._on_request_end(stream, "abort")
+        if self.is_alive:
+            self._commands.put(_Abort(request_id))
+
+    def release(self, stream: RequestStream) -> None:
+        """Call when the reader is done with a stream; aborts it if it has not finished."""
+        if not stream.finished:
+            self.abort(stream.request_id)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            self._loop_forever()
+        except BaseException as exc:  # noqa: BLE001 - any failure kills the engine; report it
+            logger.exception("engine thread died")
+            self.error = exc
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all, exc)
+        finally:
+            if self.publisher is not None:
+                try:
+                    self.publisher.stop()
+                except Exception:  # noqa: BLE001
+                    logger.exception("KV event publisher failed to stop")
+
+    def _loop_forever(self) -> None:
+        engine = self.engine
+        last_publish = 0.0
+        while True:
+            busy = engine.has_unfinished_requests()
+            commands = self._take_commands(block=not busy)
+            for command in commands:
+                if isinstance(command, _Stop):
+                    return
+                if isinstance(command, _Add):
+                    error = self._engine_add(command)
+                    self._loop.call_soon_threadsafe(self._on_accepted, command, error)
+                elif isinstance(command, _Abort):
+                    engine.abort_request(command.request_id)
+            outputs: list[RequestOutput] = []
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+            elif not commands and time.monotonic() - last_publish < IDLE_TICK_S:
+                continue
+            stats = engine.get_stats()
+            events = engine.drain_kv_events()
+            if self.publisher is not None:
+                self.publisher.on_step(events=events, stats=stats, snapshot=engine.cached_block_hashes)
+            last_publish = time.monotonic()
+            self._loop.call_soon_threadsafe(self._on_step_done, outputs, stats)
+
+    def _take_commands(self, *, block: bool) -> list:
+        commands = []
+        try:
+            if block:
+                commands.append(self._commands.get(timeout=IDLE_TICK_S))
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        return commands
+
+    def _engine_add(self, command: _Add) -> BaseException | None:
+        try:
+            self.engine.add_request(
+                command.request_id, command.prompt, command.params, cache_salt=command.cache_salt
+            )
+        except (ValueError, TypeError, OverflowError) as exc:
+            return exc
+        return None
+
+    # ------------------------------------------------------------------ back on the event loop
+
+    def _on_accepted(self, command: _Add, error: BaseException | None) -> None:
+        self.num_pending_adds -= 1
+        if command.accepted.done():  # the caller was cancelled and already asked for an abort
+            return
+        command.accepted.set_result(error)
+
+    def _on_step_done(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        self.stats = stats
+        if self._on_step is not None:
+            self._on_step(outputs, self._streams, stats)
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:  # aborted by us already
+                continue
+            stream.put(output)
+            if output.finished:
+                stream.finished = True
+                del self._streams[output.request_id]
+                if self._on_request_end is not None:
+                    reason = next((o.finish_reason for o in output.outputs if o.finish_reason), "stop")
+                    self._on_request_end(stream, reason)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = EngineDeadError(f"the engine stopped: {type(exc).__name__}: {exc}")
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()
+        self.num_pending_adds = 0
+        # Adds the thread never answered would otherwise wait forever.
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add) and not command.accepted.done():
+                command.accepted.set_result(error)

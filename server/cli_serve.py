@@ -1,0 +1,120 @@
+"""`kvscale serve`: the engine behind an OpenAI-compatible HTTP API (flags spelled as vLLM's)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+
+# Engine flags whose value goes straight into EngineConfig; unset ones keep EngineConfig's default.
+_ENGINE_FIELDS = (
+    "model", "dtype", "block_size", "enable_prefix_caching", "max_num_seqs",
+    "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "num_gpu_blocks_override",
+    "kv_cache_memory_bytes", "device", "seed",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None,
+                       help="model directory on disk (default: the bundled SmolLM2-135M-Instruct)")
+    model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="name(s) clients use in the `model` field; the first labels metrics "
+                            "(default: derived from --model)")
+    model.add_argument("--dtype", default=None,
+                       choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    model.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (prompt + output) in tokens (default: the model's)")
+    model.add_argument("--seed", type=int, default=None)
+    model.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: auto)")
+
+    cache = parser.add_argument_group("KV cache and batching")
+    cache.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="reuse KV blocks of shared prompt prefixes (default: on)")
+    cache.add_argument("--max-num-seqs", type=int, default=None, help="most sequences per step")
+    cache.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens per step")
+    cache.add_argument("--gpu-memory-utilization", type=float, default=None,
+                       help="fraction of GPU memory for weights + KV cache (default 0.9)")
+    cache.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                       help="exact number of KV blocks (overrides the memory-based sizing)")
+    cache.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                       help="KV cache size in bytes (CPU: default 2 GiB)")
+
+    http = parser.add_argument_group("HTTP server")
+    http.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
+    http.add_argument("--port", type=int, default=8000)
+    http.add_argument("--api-key", default=os.environ.get("KVSCALE_API_KEY"),
+                      help="require `Authorization: Bearer KEY` on the API (default: env KVSCALE_API_KEY)")
+    http.add_argument("--max-queue-len", type=int, default=None,
+                      help="waiting requests beyond which new ones get 503 + Retry-After (default: no limit)")
+    http.add_argument("--uvicorn-log-level", default="info",
+                      choices=["critical", "error", "warning", "info", "debug", "trace"])
+    http.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+    router = parser.add_argument_group("prefix-aware routing")
+    router.add_argument("--redis", default=None, metavar="URL",
+                        help="publish KV cache events and load heartbeats to this Redis (redis://...)")
+    router.add_argument("--replica-id", default=None,
+                        help="this replica's id in Redis (default: $POD_NAME, else HOST:PORT)")
+
+
+def _advertised_host(host: str) -> str:
+    """The address other machines reach us at (the router calls this base URL)."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    return os.environ.get("POD_IP") or socket.gethostname()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_queue_len is not None and args.max_queue_len < 0:
+        print("kvscale serve: --max-queue-len must be non-negative", file=sys.stderr)
+        return 2
+    import uvicorn
+    from kvscale.server.api_server import build_app
+    from kvscale.server.async_engine import AsyncEngine
+    from kvscale.server.config import EngineConfig
+    from kvscale.server.engine import LLMEngine
+    from kvscale.server.model_loader import load_tokenizer, resolve_model_path
+
+    fields = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name) is not None}
+    if args.served_model_name:
+        fields["served_model_name"] = args.served_model_name[0]
+    try:
+        config = EngineConfig(**fields)
+        model_path = resolve_model_path(args.model)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvscale serve: {exc}", file=sys.stderr)
+        return 2
+
+    engine = LLMEngine(config)
+    served_names = list(args.served_model_name or [engine.model_name])
+    # The HTTP side tokenizes on the event loop while the engine thread detokenizes: give each
+    # its own tokenizer object rather than share one across threads.
+    tokenizer = load_tokenizer(model_path)
+
+    base_url = f"http://{_advertised_host(args.host)}:{args.port}"
+    publisher = None
+    if args.redis:
+        from kvscale.server.kv_publisher import KVEventPublisher
+
+        replica_id = args.replica_id or os.environ.get("POD_NAME") or f"{_advertised_host(args.host)}:{args.port}"
+        publisher = KVEventPublisher(redis_url=args.redis, replica_id=replica_id,
+                                     model_name=served_names[0], base_url=base_url,
+                                     block_size=engine.block_size)
+        publisher.start()
+
+    async_engine = AsyncEngine(engine, publisher=publisher)
+    app = build_app(async_engine, tokenizer=tokenizer, served_model_names=served_names,
+                    max_model_len=engine.max_model_len, api_key=args.api_key,
+                    max_queue_len=args.max_queue_len, model_root=str(model_path))
+    print(f"kvscale: serving {served_names[0]!r} at http://{args.host}:{args.port}/v1 "
+          f"(max_model_len {engine.max_model_len}, block size {engine.block_size})", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5)
+    finally:
+        if publisher is not None:
+            publisher.stop()  # idempotent; the engine thread stops it too
+    return 0

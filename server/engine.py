@@ -1,0 +1,366 @@
+"""LLMEngine: requests in, one scheduling + forward + sampling iteration per ``step()``, outputs out.
+
+The HTTP server and the offline ``LLM`` both drive this: ``add_request`` / ``abort_request`` /
+``step``. Outputs are cumulative per request; a finished request is reported once with
+``finished=True`` and forgotten.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import torch
+from kvscale.server.block_pool import BlockPool
+from kvscale.server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from kvscale.server.detokenizer import (
+    detokenize_incrementally,
+    find_stop_string,
+    init_detokenizer,
+    visible_text,
+)
+from kvscale.server.kv_cache_manager import KVCacheManager, blocks_for
+from kvscale.server.model_loader import (
+    load_hf_config,
+    load_model,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model_path,
+    served_model_name,
+)
+from kvscale.server.model_runner import ModelRunner, kv_block_bytes
+from kvscale.server.outputs import (
+    CompletionOutput,
+    EngineStats,
+    KVEvent,
+    RequestMetrics,
+    RequestOutput,
+)
+from kvscale.server.sampler import Sampler, SamplingRow, make_generator
+from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.scheduler import Scheduler
+from kvscale.server.sequence import Request, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        path = resolve_model_path(config.model)
+        self.model_path = path
+        self.model_name = served_model_name(config.model, config.served_model_name)
+        self.tokenizer = load_tokenizer(path)
+        hf_config = load_hf_config(path)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.model = load_model(path, hf_config, self.dtype, self.device)
+        spec = self.model.spec
+        self.block_size = config.block_size
+
+        model_max_len = spec.max_position_embeddings
+        if spec.sliding_window:
+            # Attention here is always full; beyond the window the model would differ.
+            model_max_len = min(model_max_len, spec.sliding_window)
+        if config.max_model_len is not None and config.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds what the model supports ({model_max_len})"
+            )
+        wanted_len = config.max_model_len or model_max_len
+
+        block_bytes = kv_block_bytes(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype)
+        self.num_blocks = self._num_blocks(block_bytes)
+        self.kv_cache_bytes = self.num_blocks * block_bytes
+        # A sequence may never need more than the whole pool (so preemption always makes progress).
+        self.max_model_len = min(wanted_len, self.num_blocks * config.block_size)
+
+        self.pool = BlockPool(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(
+            self.model, self.num_blocks, config.block_size, self.max_model_len, self.dtype, self.device
+        )
+        self.eos_token_ids = self._eos_token_ids(path)
+        self.sampler = Sampler(self.eos_token_ids, self._decode_token, seed=config.seed)
+        self.vocab_size = spec.vocab_size
+        self.requests: dict[str, Request] = {}
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens_computed = 0
+        logger.info(
+            "kvscale engine: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+            self.model_name, self.device, self.dtype, self.num_blocks, self.block_size,
+            self.kv_cache_bytes / 2**20, self.max_model_len,
+        )
+
+    # --- setup helpers ------------------------------------------------------------------
+    def _num_blocks(self, block_bytes: int) -> int:
+        config = self.config
+        if config.num_gpu_blocks_override is not None:
+            return config.num_gpu_blocks_override
+        if config.kv_cache_memory_bytes is not None:
+            budget = config.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            # Leave room for activations of the largest step (logits dominate).
+            activations = config.max_num_batched_tokens * self.model.spec.hidden_size * 4 * 16
+            budget = int(total * config.gpu_memory_utilization) - used - activations
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes is smaller than one block ({block_bytes} bytes)"
+            )
+        return int(num_blocks)
+
+    def _eos_token_ids(self, path) -> set[int]:
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen_config = path / "generation_config.json"
+        if gen_config.is_file():
+            eos = json.loads(gen_config.read_text()).get("eos_token_id")
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list):
+                ids.update(int(e) for e in eos)
+        return ids
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # --- requests -----------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            prompt_text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_text = None
+            token_ids = [int(t) for t in prompt]
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        num_prompt = len(token_ids)
+        if params.max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt
+            if max_tokens < 1:
+                raise ValueError(
+                    f"This model's maximum context length is {self.max_model_len} tokens; "
+                    f"the prompt has {num_prompt} tokens, leaving no room for a completion"
+                )
+        else:
+            max_tokens = params.max_tokens
+            if num_prompt + max_tokens > self.max_model_len:
+                raise ValueError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {num_prompt + max_tokens} tokens "
+                    f"({num_prompt} in the prompt, {max_tokens} for the completion)."
+                )
+        if blocks_for(num_prompt + max_tokens, self.block_size) > self.num_blocks:
+            raise ValueError(
+                f"request needs {num_prompt + max_tokens} tokens of KV cache but the whole pool "
+                f"holds {self.num_blocks * self.block_size}"
+            )
+        metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        request = Request(request_id, prompt_text, token_ids, params, cache_salt, metrics, max_tokens)
+        seq = Sequence(request, 0, list(token_ids), num_prompt, fork_into=params.n)
+        seq.generator = make_generator(params.seed, 0)
+        init_detokenizer(seq)
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if seq.status != SequenceStatus.FINISHED:
+                self.scheduler.finish(seq)
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+        request.finished = True
+        request.metrics.finished_time = time.monotonic()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the iteration ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        now = time.monotonic()
+        for item in sched.scheduled:
+            request = item.seq.request
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+                request.num_cached_tokens = item.seq.num_computed_tokens
+        logits, sample_rows = self.runner.execute(sched.scheduled, self.kv.take_pending_copies())
+
+        for item in sched.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.register_computed_blocks(seq)
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.num_prompt_tokens_computed += item.num_new_tokens
+
+        # Rows to sample: one per sequence, n per prompt that has just been prefilled for n samples.
+        row_seqs: list[Sequence] = []
+        row_logits: list[int] = []
+        for logits_row, sched_index in enumerate(sample_rows):
+            seq = sched.scheduled[sched_index].seq
+            row_seqs.append(seq)
+            row_logits.append(logits_row)
+            if seq.fork_into > 1:
+                for child in self._fork(seq):
+                    row_seqs.append(child)
+                    row_logits.append(logits_row)
+        if not row_seqs:
+            return []
+        if row_logits != list(range(len(row_logits))):
+            logits = logits[row_logits]
+        rows = [
+            SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator) for seq in row_seqs
+        ]
+        tokens, logprobs = self.sampler(logits, rows)
+
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, token, position_logprobs in zip(row_seqs, tokens, logprobs, strict=True):
+            self._append_token(seq, token, position_logprobs)
+            request = seq.request
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            touched[request.request_id] = request
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+        self.num_generated_tokens += len(tokens)
+
+        outputs = []
+        for request in touched.values():
+            finished = request.is_finished
+            if finished:
+                request.finished = True
+                request.metrics.finished_time = now
+                self.requests.pop(request.request_id, None)
+            outputs.append(self._request_output(request, finished))
+        return outputs
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """The other n-1 samples of a just-prefilled prompt, sharing its blocks."""
+        request = parent.request
+        children = []
+        for index in range(1, parent.fork_into):
+            child = Sequence(request, index, list(parent.token_ids), parent.num_prompt_tokens)
+            self.kv.fork(parent, child)
+            child.generator = make_generator(request.params.seed, index)
+            init_detokenizer(child)
+            request.seqs.append(child)
+            self.scheduler.add_running(child)
+            children.append(child)
+        parent.fork_into = 1
+        return children
+
+    def _append_token(self, seq: Sequence, token: int, position_logprobs) -> None:
+        params = seq.params
+        seq.token_ids.append(token)
+        if position_logprobs is not None:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(position_logprobs)
+        piece = detokenize_incrementally(self.tokenizer, seq)
+        num_output = seq.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return
+            if token in params.stop_token_ids:
+                seq.finish_reason = "stop"
+                seq.stop_reason = token
+                return
+            if find_stop_string(seq, len(piece)):
+                return
+        if num_output >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _request_output(self, request: Request, finished: bool) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                text=visible_text(seq),
+                token_ids=seq.output_token_ids,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            )
+            for seq in sorted(request.seqs, key=lambda s: s.index)
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=request.metrics,
+        )
+
+    # --- introspection ------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        sched = self.scheduler
+        running_requests = {seq.request.request_id for seq in sched.running}
+        waiting_requests = {seq.request.request_id for seq in sched.waiting} - running_requests
+        return EngineStats(
+            num_running=len(running_requests),
+            num_waiting=len(waiting_requests),
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_active=self.pool.num_active_blocks,
+            kv_blocks_cached=self.pool.num_cached_free_blocks,
+            block_size=self.block_size,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=sched.num_preemptions,
+            extra={
+                "generation_tokens_total": float(self.num_generated_tokens),
+                "prompt_tokens_computed_total": float(self.num_prompt_tokens_computed),
+            },
+        )
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.pool.drain_events()
+
+    def cached_block_hashes(self) -> list[int]:
+        return self.pool.cached_hashes()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

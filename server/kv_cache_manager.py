@@ -1,0 +1,138 @@
+"""Per-sequence block tables on top of the block pool: prefix hits, growth, forks, copy-on-write."""
+
+from __future__ import annotations
+
+from kvscale.server.block_hash import hash_block_tokens
+from kvscale.server.block_pool import BlockPool
+from kvscale.server.sequence import Sequence
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        # (source block, destination block) copies the runner must do before the next forward.
+        self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # --- hashing ------------------------------------------------------------------------
+    def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        hashes = seq.block_hashes
+        bs = self.block_size
+        salt = seq.request.cache_salt
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            extra = (salt,) if (i == 0 and salt) else ()
+            hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs], extra))
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of ``seq`` (not yet referenced).
+
+        At least one token is always left to compute, since its logits are needed; so a
+        prompt that is cached in full recomputes its last block.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._ensure_hashes(seq, max_blocks)
+        hits: list[int] = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    # --- allocation ---------------------------------------------------------------------
+    def _needs_copy_on_write(self, seq: Sequence) -> bool:
+        """The next token lands in a partial block another sequence also holds."""
+        pos = seq.num_computed_tokens
+        idx = pos // self.block_size
+        return (
+            pos % self.block_size != 0
+            and idx < len(seq.block_table)
+            and self.pool.blocks[seq.block_table[idx]].ref_count > 1
+        )
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> int:
+        """Free blocks that scheduling ``num_new_tokens`` more tokens of ``seq`` consumes."""
+        if cached:
+            num_computed = len(cached) * self.block_size
+            held = len(cached)
+            # Reviving a cached-but-free block takes it out of the free queue.
+            revived = sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
+        else:
+            num_computed = seq.num_computed_tokens
+            held = len(seq.block_table)
+            revived = 0
+        total = blocks_for(num_computed + num_new_tokens, self.block_size)
+        cow = 1 if (not cached and self._needs_copy_on_write(seq)) else 0
+        return max(total - held, 0) + cow + revived
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens, cached) <= self.pool.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> None:
+        """Grow ``seq``'s table so its next ``num_new_tokens`` tokens have slots."""
+        pool = self.pool
+        if cached:
+            assert not seq.block_table, "prefix hits apply only to a sequence without blocks"
+            for block_id in cached:
+                pool.touch(block_id)
+            seq.block_table = list(cached)
+            seq.num_computed_tokens = len(cached) * self.block_size
+            seq.num_registered_blocks = len(cached)
+        if self._needs_copy_on_write(seq):
+            idx = seq.num_computed_tokens // self.block_size
+            shared = seq.block_table[idx]
+            private = pool.allocate()
+            self.pending_copies.append((shared, private))
+            pool.free([shared])
+            seq.block_table[idx] = private
+        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        while len(seq.block_table) < total:
+            seq.block_table.append(pool.allocate())
+
+    def record_lookup(self, seq: Sequence, num_hit_tokens: int) -> None:
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares every block of ``parent`` (copy-on-write happens on its first write)."""
+        for block_id in parent.block_table:
+            self.pool.touch(block_id)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = parent.num_registered_blocks
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.pool.free(seq.block_table[::-1])
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Make every block of ``seq`` that is now full and computed findable by its hash."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return
+        self._ensure_hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            parent = seq.block_hashes[i - 1] if i else None
+            self.pool.register_full_block(seq.block_table[i], seq.block_hashes[i], parent)
+        seq.num_registered_blocks = num_full
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies

@@ -1,0 +1,269 @@
+"""Llama-family decoder (Llama, SmolLM, TinyLlama, Mistral) over a paged KV cache.
+
+The same block also serves Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm); see
+model_qwen.py for how those configs map onto :class:`DecoderSpec`.
+
+Projections are fused at load time (q|k|v into one matrix, gate|up into another) so a layer
+is four matmuls. Numerics follow transformers (RMSNorm in float32, rotate-half RoPE), so
+greedy decoding matches it token for token in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from kvscale.kernels import paged_decode_attention, paged_prefill_attention, write_kv
+from torch import nn
+
+
+@dataclass
+class DecoderSpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """How this step's flattened tokens map onto sequences and KV slots (built by the runner)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] long
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor  # [num_seqs] int32, including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    is_decode: bool  # every sequence contributes exactly one token
+
+
+def spec_from_hf_config(config: Any) -> DecoderSpec:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        window = None
+    return DecoderSpec(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(config, "attention_bias", False)),
+        sliding_window=window,
+    )
+
+
+def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale, for any RoPE type transformers knows."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = float(params.get("rope_theta", 10000.0))
+        dims = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+        else:
+            out = paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale
+            )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, hidden, cos, sin, k_cache, v_cache, meta):
+        residual = hidden
+        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, k_cache, v_cache, meta)
+        hidden = residual + hidden
+        residual = hidden
+        hidden = self.mlp(self.post_attention_layernorm(hidden))
+        return residual + hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, spec: DecoderSpec, hf_config: Any) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self._hf_config = hf_config
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def build_rope_cache(self, max_len: int) -> None:
+        """cos/sin for every position once, computed exactly as transformers does per step."""
+        inv_freq, scaling = rope_inv_freq(self._hf_config, self.spec.head_dim)
+        positions = torch.arange(max_len, dtype=torch.float32, device="cpu")
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        weight = self.embed_tokens.weight
+        cos = (emb.cos() * scaling).to(device=weight.device, dtype=weight.dtype)
+        sin = (emb.sin() * scaling).to(device=weight.device, dtype=weight.dtype)
+        rot = self.spec.head_dim - emb.shape[-1]
+        if rot:  # partial rotary: the tail of each head passes through unchanged
+            cos = torch.cat((cos, cos.new_ones(max_len, rot)), dim=-1)
+            sin = torch.cat((sin, sin.new_zeros(max_len, rot)), dim=-1)
+        self._cos_sin = (cos, sin)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits ``[len(logits_indices), vocab]`` for the chosen rows of the flattened batch."""
+        assert self._cos_sin is not None, "build_rope_cache first"
+        cos_table, sin_table = self._cos_sin
+        cos = cos_table.index_select(0, positions).unsqueeze(1)  # broadcast over heads
+        sin = sin_table.index_select(0, positions).unsqueeze(1)
+        hidden = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, k_cache, v_cache, meta)
+        hidden = self.norm(hidden.index_select(0, logits_indices))
+        return self.lm_head(hidden)
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Fill this module from a transformers-named state dict (fusing q/k/v and gate/up)."""
+        own = self.state_dict()
+        loaded: dict[str, torch.Tensor] = {}
+        strip = "model."
+        for i in range(self.spec.num_layers):
+            p = f"{strip}layers.{i}."
+            attn = p + "self_attn."
+            loaded[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+                [weights[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")]
+            )
+            if self.spec.attention_bias:
+                loaded[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
+                    [weights[attn + f"{n}_proj.bias"] for n in ("q", "k", "v")]
+                )
+            loaded[f"layers.{i}.self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
+            if self.spec.qk_norm:
+                loaded[f"layers.{i}.self_attn.q_norm.weight"] = weights[attn + "q_norm.weight"]
+                loaded[f"layers.{i}.self_attn.k_norm.weight"] = weights[attn + "k_norm.weight"]
+            loaded[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
+                [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
+            )
+            loaded[f"layers.{i}.mlp.down_proj.weight"] = weights[p + "mlp.down_proj.weight"]
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                loaded[f"layers.{i}.{norm}.weight"] = weights[p + f"{norm}.weight"]
+        loaded["embed_tokens.weight"] = weights[strip + "embed_tokens.weight"]
+        loaded["norm.weight"] = weights[strip + "norm.weight"]
+        if self.spec.tie_word_embeddings or "lm_head.weight" not in weights:
+            loaded["lm_head.weight"] = loaded["embed_tokens.weight"]
+        else:
+            loaded["lm_head.weight"] = weights["lm_head.weight"]
+        missing = set(own) - set(loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for {sorted(missing)[:5]}...")
+        for name, tensor in loaded.items():
+            if own[name].shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(own[name].shape)}"
+                )
+        self.load_state_dict(loaded, strict=True)
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight

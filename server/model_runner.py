@@ -1,0 +1,113 @@
+"""One forward pass per step over a flattened, unpadded batch of tokens from many sequences.
+
+The runner owns the KV cache tensors and turns the scheduler's decisions into the tensors the
+model needs: token ids, positions, the KV slot of every new token, block tables, context
+lengths and where each sequence's tokens start. Attention goes through ``kvscale.kernels``,
+which runs the PyTorch references on CPU and the Triton kernels on GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from kvscale.server.model_llama import AttentionMetadata, DecoderForCausalLM
+from kvscale.server.scheduler import ScheduledSeq
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DecoderForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        spec = model.spec
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # One allocation for the whole cache: [layer, k|v, block, offset, kv_head, head_dim].
+        self.kv_cache = torch.zeros(
+            spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+            dtype=dtype, device=device,
+        )
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
+        model.build_rope_cache(max_model_len)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks (every layer, K and V) before they diverge."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def prepare(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
+        """Inputs for this step, the flattened rows whose logits are needed, and their sequences.
+
+        A sequence gets logits when this step's chunk reaches its last token.
+        """
+        bs = self.block_size
+        num_seqs = len(scheduled)
+        input_ids: list[int] = []
+        query_start = [0] * (num_seqs + 1)
+        context_lens = [0] * num_seqs
+        max_table = max(len(s.seq.block_table) for s in scheduled)
+        tables = np.zeros((num_seqs, max_table), dtype=np.int32)
+        pos_parts: list[np.ndarray] = []
+        slot_parts: list[np.ndarray] = []
+        sample_rows: list[int] = []
+        is_decode = True
+        for i, item in enumerate(scheduled):
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            tables[i, : len(table)] = table
+            input_ids.extend(seq.token_ids[start:end])
+            if n == 1:
+                pos_parts.append(np.array([start], dtype=np.int64))
+                slot_parts.append(np.array([table[start // bs] * bs + start % bs], dtype=np.int64))
+            else:
+                is_decode = False
+                pos = np.arange(start, end, dtype=np.int64)
+                pos_parts.append(pos)
+                slot_parts.append(tables[i, pos // bs].astype(np.int64) * bs + pos % bs)
+            query_start[i + 1] = query_start[i] + n
+            context_lens[i] = end
+            if end == seq.num_tokens:
+                sample_rows.append(i)
+        device = self.device
+        positions = torch.from_numpy(np.concatenate(pos_parts)).to(device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(device),
+            block_tables=torch.from_numpy(tables).to(device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            is_decode=is_decode,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        logits_indices = torch.tensor(
+            [query_start[i + 1] - 1 for i in sample_rows], dtype=torch.long, device=device
+        )
+        return ids, positions, meta, logits_indices, sample_rows
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Run one step; returns logits (float32, CPU) for the sequences whose chunk ends their tokens."""
+        self.copy_blocks(copies)
+        ids, positions, meta, logits_indices, sample_rows = self.prepare(scheduled)
+        logits = self.model(ids, positions, self.kv_caches, meta, logits_indices)
+        return logits.float().cpu(), sample_rows

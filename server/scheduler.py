@@ -1,0 +1,126 @@
+"""Iteration-level scheduling: which sequences run this step, and how many tokens each.
+
+Policy (one step):
+  1. Running sequences first, oldest first: a decode takes one token, an unfinished prefill
+     takes what is left of it (chunked to the remaining token budget).
+     When blocks run out, the newest running sequence is preempted by recompute (its blocks are
+     freed and it goes back to the front of the queue), repeatedly, until the current one fits
+     or is itself the newest.
+  2. Then, unless something was preempted this step, waiting sequences in arrival order while
+     the token budget and ``max_num_seqs`` allow; the last one admitted may be a partial chunk.
+     A waiting sequence that does not fit stops admission (first come, first served).
+Admission control guarantees any single sequence fits the whole pool, so the oldest running
+sequence can always progress: no deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvscale.server.kv_cache_manager import KVCacheManager
+from kvscale.server.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def tokens_to_schedule(seq: Sequence, budget: int, num_computed: int | None = None) -> int:
+    """Tokens of ``seq`` to run now: all that are not computed yet, cut to the token budget."""
+    computed = seq.num_computed_tokens if num_computed is None else num_computed
+    return max(min(seq.num_tokens - computed, budget), 0)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one joins the batch directly."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        kv = self.kv
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = tokens_to_schedule(seq, budget)
+            while not kv.can_allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                kv.allocate(seq, num_new)
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the current sequence preempted itself: it was the newest
+
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = kv.find_cached_prefix(seq) if not seq.block_table else []
+            num_computed = len(cached) * kv.block_size if cached else seq.num_computed_tokens
+            num_new = tokens_to_schedule(seq, budget, num_computed)
+            if not kv.can_allocate(seq, num_new, cached):
+                break
+            kv.record_lookup(seq, num_computed)
+            kv.allocate(seq, num_new, cached)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        seq.status = SequenceStatus.FINISHED
+        self.kv.free(seq)

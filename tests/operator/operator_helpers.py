@@ -1,0 +1,144 @@
+"""Helpers for the operator tests: real HTTP metric endpoints standing in for kvscale pods,
+and running `kvscale operator` as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+KVSCALE_BIN = REPO_ROOT / ".venv" / "bin" / "kvscale"
+
+
+@dataclass
+class PodMetrics:
+    """What one stand-in pod reports; mutate it to change the load."""
+
+    kv_blocks_active: float = 0.0
+    kv_blocks_total: float = 1000.0
+    num_requests_waiting: float = 0.0
+    delay_s: float = 0.0
+    status: int = 200
+    omit_kv: bool = False
+
+
+class _Collector:
+    def __init__(self, metrics: PodMetrics, model: str):
+        self.metrics, self.model = metrics, model
+
+    def collect(self):
+        def gauge(name: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, name, labels=["model_name"])
+            family.add_metric([self.model], value)
+            return family
+
+        yield gauge("vllm:num_requests_waiting", self.metrics.num_requests_waiting)
+        yield gauge("vllm:num_requests_running", 1.0)
+        if not self.metrics.omit_kv:
+            yield gauge("kvscale:kv_blocks_total", self.metrics.kv_blocks_total)
+            yield gauge("kvscale:kv_blocks_active", self.metrics.kv_blocks_active)
+            yield gauge("kvscale:kv_blocks_cached", 0.0)
+
+
+class MetricsEndpoint:
+    """A real HTTP server on 127.0.0.1 serving Prometheus text at /metrics."""
+
+    def __init__(self, metrics: PodMetrics | None = None, model: str = "smollm2-135m-instruct"):
+        self.metrics = metrics or PodMetrics()
+        registry = CollectorRegistry()
+        registry.register(_Collector(self.metrics, model))
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's spelling)
+                if endpoint.metrics.delay_s:
+                    time.sleep(endpoint.metrics.delay_s)
+                if self.path != "/metrics" or endpoint.metrics.status != 200:
+                    self.send_response(404 if self.path != "/metrics" else endpoint.metrics.status)
+                    self.end_headers()
+                    return
+                body = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def wait_for(what: str, predicate: Callable[[], Any], timeout: float = 60.0,
+             interval: float = 0.5) -> Any:
+    """Poll until `predicate()` is truthy; fail with `what` and the last value otherwise."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except Exception as exc:  # a transient API error while things settle
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+
+class OperatorProcess:
+    """`kvscale operator` as a real subprocess, its output kept in a log file."""
+
+    def __init__(self, kubeconfig: Path, log_path: Path, *extra: str):
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 (closed in stop)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("KUBECONFIG", None)
+        self.proc = subprocess.Popen(
+            [str(KVSCALE_BIN) if KVSCALE_BIN.exists() else sys.executable, *(
+                [] if KVSCALE_BIN.exists() else ["-m", "kvscale"]),
+             "operator", "--kubeconfig", str(kubeconfig), *extra],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+        return self.proc.returncode

@@ -1,0 +1,169 @@
+"""Children built from the spec: a pure mapping, checked field by field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvscale.operator import builders
+from kvscale.operator.spec import (
+    AutoscalingPolicy,
+    EngineConfig,
+    Resources,
+    parse_spec,
+)
+
+CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "inferenceservice.yaml"
+
+
+def container(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_deployment_runs_kvscale_serve_with_engine_flags():
+    spec = parse_spec({
+        "model": {"uri": "pvc://weights/llama/3b", "servedName": "llama"},
+        "image": "registry.local/kvscale:dev",
+        "engine": {"blockSize": 32, "maxNumSeqs": 64, "maxNumBatchedTokens": 4096,
+                   "maxModelLen": 2048, "dtype": "bfloat16", "gpuMemoryUtilization": 0.8,
+                   "enablePrefixCaching": False, "extraArgs": ["--max-queue-len=100"]},
+        "resources": {"gpus": 2, "cpu": "8", "memory": "32Gi"},
+        "replicas": 3,
+        "apiKeySecretRef": {"name": "llm-key"},
+    })
+    deployment = builders.build_deployment("llama", "team-a", spec)
+    c = container(deployment)
+    assert c["image"] == "registry.local/kvscale:dev"
+    assert c["command"] == ["kvscale"] and c["args"][0] == "serve"
+    args = c["args"]
+    assert flag(args, "--model") == "/models/pvc/weights/llama/3b"
+    assert flag(args, "--served-model-name") == "llama"
+    assert flag(args, "--port") == "8000"
+    assert flag(args, "--block-size") == "32"
+    assert flag(args, "--max-num-seqs") == "64"
+    assert flag(args, "--max-num-batched-tokens") == "4096"
+    assert flag(args, "--max-model-len") == "2048"
+    assert flag(args, "--dtype") == "bfloat16"
+    assert flag(args, "--gpu-memory-utilization") == "0.8"
+    assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
+    assert args[-1] == "--max-queue-len=100"
+    assert "--api-key" not in args  # never in the pod spec in clear
+    key_env = next(e for e in c["env"] if e["name"] == "KVSCALE_API_KEY")
+    assert key_env["valueFrom"]["secretKeyRef"] == {"name": "llm-key", "key": "api-key"}
+
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 2
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert c["resources"]["requests"]["cpu"] == "8" and c["resources"]["limits"]["memory"] == "32Gi"
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["metadata"]["namespace"] == "team-a"
+
+    pod = deployment["spec"]["template"]["spec"]
+    claim = next(v for v in pod["volumes"] if "persistentVolumeClaim" in v)
+    assert claim["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    mount = next(m for m in c["volumeMounts"] if m["name"] == claim["name"])
+    assert mount["mountPath"] == "/models/pvc/weights" and mount["readOnly"] is True
+
+
+def test_pod_is_locked_down_and_probed():
+    deployment = builders.build_deployment("m", "ns", parse_spec(
+        {"model": {"uri": "bundled://smollm2-135m-instruct"}}))
+    pod = deployment["spec"]["template"]["spec"]
+    c = container(deployment)
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["automountServiceAccountToken"] is False
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model load
+    # A writable /tmp and a model cache volume, since the root filesystem is read-only.
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert {"/tmp", "/models"} <= mounts
+    assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"]
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000",
+                           "prometheus.io/path": "/metrics"}
+    # The bundled model is the server's default: no --model flag.
+    assert "--model" not in c["args"]
+    assert flag(c["args"], "--served-model-name") == "smollm2-135m-instruct"
+    assert "--enable-prefix-caching" in c["args"]
+
+
+def test_labels_selectors_and_scheduling():
+    spec = parse_spec({
+        "model": {"uri": "hf://org/tiny"},
+        "nodeSelector": {"gpu": "a100"},
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "resources": {"gpus": 0},
+    })
+    deployment = builders.build_deployment("tiny", "ns", spec)
+    label = {"serving.kvscale.io/inferenceservice": "tiny"}
+    assert deployment["spec"]["selector"]["matchLabels"] == label
+    assert label.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert label.items() <= deployment["metadata"]["labels"].items()
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "a100"}
+    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert "nvidia.com/gpu" not in container(deployment)["resources"]["requests"]
+    # hf:// is fetched by an init container into the shared model volume.
+    init = pod["initContainers"][0]
+    assert init["command"][:3] == ["hf", "download", "org/tiny"]
+    assert flag(container(deployment)["args"], "--model") == "/models/hf/org/tiny"
+    assert builders.selector_string("tiny") == "serving.kvscale.io/inferenceservice=tiny"
+
+
+def test_services():
+    service = builders.build_service("m", "ns")
+    headless = builders.build_headless_service("m", "ns")
+    assert service["metadata"]["name"] == "m"
+    assert service["spec"]["selector"] == {"serving.kvscale.io/inferenceservice": "m"}
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+    assert headless["metadata"]["name"] == "m-pods"
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["ports"][0]["port"] == 8000
+    assert builders.service_url("m", "ns") == "http://m.ns.svc.cluster.local"
+
+
+@pytest.mark.parametrize("uri", ["s3://bucket/model", "hf:/org", "", "pvc://"])
+def test_bad_model_uri_is_rejected(uri):
+    with pytest.raises(ValueError, match="model.uri"):
+        parse_spec({"model": {"uri": uri}})
+
+
+def _crd_spec_schema() -> dict:
+    crd = yaml.safe_load(CRD_PATH.read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+
+
+def test_python_defaults_match_the_crd_defaults():
+    schema = _crd_spec_schema()
+
+    def defaults(section: str) -> dict:
+        return {k: v["default"] for k, v in schema[section]["properties"].items() if "default" in v}
+
+    engine, resources, autoscaling = EngineConfig(), Resources(), AutoscalingPolicy()
+    assert defaults("engine") == {
+        "blockSize": engine.block_size, "maxNumSeqs": engine.max_num_seqs, "dtype": engine.dtype,
+        "gpuMemoryUtilization": engine.gpu_memory_utilization,
+        "enablePrefixCaching": engine.enable_prefix_caching}
+    assert defaults("resources") == {"gpus": resources.gpus, "cpu": resources.cpu,
+                                     "memory": resources.memory}
+    assert defaults("autoscaling") == {
+        "enabled": autoscaling.enabled, "minReplicas": autoscaling.min_replicas,
+        "maxReplicas": autoscaling.max_replicas, "targetKVUsage": autoscaling.target_kv_usage,
+        "targetQueueLength": autoscaling.target_queue_length,
+        "scaleUpStabilizationSeconds": autoscaling.scale_up_stabilization_seconds,
+        "scaleDownStabilizationSeconds": autoscaling.scale_down_stabilization_seconds,
+        "panicWindowSeconds": autoscaling.panic_window_seconds,
+        "panicThreshold": autoscaling.panic_threshold,
+        "maxScaleUpRate": autoscaling.max_scale_up_rate}
+    assert schema["image"]["default"] == parse_spec({"model": {"uri": "hf://a/b"}}).image
+    assert schema["replicas"]["default"] == 1

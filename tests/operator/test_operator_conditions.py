@@ -1,0 +1,115 @@
+"""Conditions (API conventions) and the health assessment of Deployments and pods."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from kvscale.operator.conditions import (
+    PROGRESSING,
+    READY,
+    Condition,
+    find_condition,
+    merge_conditions,
+    transitions,
+)
+from kvscale.operator.health import assess
+
+T0 = dt.datetime(2026, 11, 22, 10, 0, 0, tzinfo=dt.UTC)
+T1 = T0 + dt.timedelta(minutes=5)
+
+
+def test_last_transition_time_moves_only_when_status_changes():
+    first = merge_conditions(None, [Condition(READY, False, "PodsNotReady", "0/1")], 1, T0)
+    assert first == [{"type": "Ready", "status": "False", "reason": "PodsNotReady",
+                      "message": "0/1", "observedGeneration": 1,
+                      "lastTransitionTime": "2026-11-22T10:00:00Z"}]
+    # Same status, new reason and generation: the transition time stays.
+    second = merge_conditions(first, [Condition(READY, False, "Unschedulable", "no GPU")], 2, T1)
+    ready = find_condition(second, READY)
+    assert ready["reason"] == "Unschedulable" and ready["observedGeneration"] == 2
+    assert ready["lastTransitionTime"] == "2026-11-22T10:00:00Z"
+    third = merge_conditions(second, [Condition(READY, True, "Serving", "1/1")], 2, T1)
+    assert find_condition(third, READY)["lastTransitionTime"] == "2026-11-22T10:05:00Z"
+
+
+def test_merge_keeps_unmentioned_conditions_and_orders_them():
+    existing = merge_conditions(None, [Condition("ScalingActive", True, "Stable")], 1, T0)
+    merged = merge_conditions(existing, [Condition(READY, True, "Serving"),
+                                         Condition(PROGRESSING, None, "Unknown")], 1, T1)
+    assert [c["type"] for c in merged] == ["Ready", "Progressing", "ScalingActive"]
+    assert find_condition(merged, PROGRESSING)["status"] == "Unknown"
+
+
+def test_transitions_report_status_or_reason_changes_only():
+    existing = merge_conditions(None, [Condition(READY, False, "PodsNotReady")], 1, T0)
+    assert transitions(existing, [Condition(READY, False, "PodsNotReady", "new text")]) == []
+    changed = transitions(existing, [Condition(READY, False, "Unschedulable")])
+    assert [c.reason for c in changed] == ["Unschedulable"]
+
+
+def deployment(replicas=1, ready=1, updated=1, generation=1, observed=1, conditions=()):
+    return {"metadata": {"generation": generation},
+            "status": {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated,
+                       "observedGeneration": observed, "conditions": list(conditions)}}
+
+
+def pod(name="p-1", **status):
+    return {"metadata": {"name": name}, "status": status}
+
+
+def by_type(health):
+    return {c.type: c for c in health.conditions}
+
+
+def test_ready_and_settled():
+    h = assess(2, deployment(2, 2, 2), [pod(), pod("p-2")])
+    c = by_type(h)
+    assert (c[READY].status, c[READY].reason) == (True, "Serving")
+    assert (c[PROGRESSING].status, c[PROGRESSING].reason) == (False, "RolloutComplete")
+    assert (h.replicas, h.ready_replicas) == (2, 2)
+
+
+def test_rolling_out_while_serving():
+    c = by_type(assess(3, deployment(2, 1, 1, generation=2, observed=2), [pod()]))
+    assert c[READY].status is True
+    assert (c[PROGRESSING].status, c[PROGRESSING].reason) == (True, "RollingOut")
+
+
+def test_unschedulable_gpu_is_the_ready_reason_when_nothing_serves():
+    pending = pod(conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                               "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."}])
+    h = assess(1, deployment(1, 0, 1), [pending])
+    c = by_type(h)
+    assert (c[READY].status, c[READY].reason) == (False, "Unschedulable")
+    assert "Insufficient nvidia.com/gpu" in c[READY].message
+    assert c[PROGRESSING].reason == "Unschedulable" and c[PROGRESSING].status is False
+
+
+def test_image_pull_error_while_old_replicas_serve():
+    pulling = pod("new", containerStatuses=[{"name": "server", "image": "bad:tag", "state": {
+        "waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}}])
+    c = by_type(assess(2, deployment(3, 2, 1, generation=3, observed=3), [pod(), pod("b"), pulling]))
+    assert c[READY].status is True
+    assert (c[PROGRESSING].status, c[PROGRESSING].reason) == (False, "ImagePullError")
+    assert "bad:tag" in c[PROGRESSING].message
+
+
+def test_missing_secret_is_not_ready_even_if_pods_are():
+    c = by_type(assess(1, deployment(1, 1, 1), [pod()], missing_secret="llm-key"))
+    assert (c[READY].status, c[READY].reason) == (False, "SecretNotFound")
+    assert "llm-key" in c[READY].message
+
+
+def test_crash_loop_and_stale_deployment():
+    crashing = pod(containerStatuses=[{"name": "server", "state": {
+        "waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m"}}}])
+    c = by_type(assess(1, deployment(1, 0, 1), [crashing]))
+    assert c[READY].reason == "CrashLoopBackOff"
+    # The controller has not seen the latest generation: not settled yet.
+    c = by_type(assess(1, deployment(1, 1, 1, generation=4, observed=3), [pod()]))
+    assert c[PROGRESSING].reason == "RollingOut"
+
+
+def test_no_deployment_and_scaled_to_zero():
+    assert by_type(assess(1, None, []))[READY].reason == "DeploymentMissing"
+    assert by_type(assess(0, deployment(0, 0, 0), []))[READY].reason == "ScaledToZero"

@@ -1,0 +1,156 @@
+"""The scaling rule on recorded metric sequences (pure: no cluster, no clock)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvscale.operator.scaling import AutoscalerState, PodLoad, decide, estimate_load
+from kvscale.operator.spec import AutoscalingPolicy
+
+POLICY = AutoscalingPolicy(
+    enabled=True, min_replicas=1, max_replicas=10, target_kv_usage=0.7, target_queue_length=8,
+    scale_up_stabilization_seconds=0, scale_down_stabilization_seconds=60,
+    panic_window_seconds=6, panic_threshold=2.0, max_scale_up_rate=2.0,
+)
+TOTAL = 1000.0
+
+
+def pods(usages: list[float | None], waiting: float = 0.0, error: str = "") -> list[PodLoad]:
+    """One ready pod per entry; None is a pod whose scrape gave nothing."""
+    return [
+        PodLoad(f"p{i}", error=error or "no metrics") if u is None
+        else PodLoad(f"p{i}", kv_blocks_active=u * TOTAL, kv_blocks_total=TOTAL,
+                     num_requests_waiting=waiting)
+        for i, u in enumerate(usages)
+    ]
+
+
+def fleet(demand: float, replicas: int, queue_per_unit: float = 8.0) -> list[PodLoad]:
+    """`demand` pods' worth of KV occupancy spread over `replicas` ready pods; what does not fit
+    waits in their queues (`queue_per_unit` requests per pod's worth)."""
+    n = max(replicas, 1)
+    usage = min(1.0, demand / n)
+    overflow = max(0.0, demand - n) * queue_per_unit / n
+    return pods([usage] * n, waiting=overflow)
+
+
+def replay(sequence, policy=POLICY, start=1, period=2.0, ready=lambda replicas: replicas):
+    """Run the rule every `period` seconds; `sequence(i, ready_pods)` gives the pods' usages.
+
+    Returns the replicas after each tick and the decisions. New replicas are ready at the next
+    tick (ready=) unless told otherwise.
+    """
+    replicas, state, history, decisions = start, AutoscalerState(), [], []
+    for i, step in enumerate(sequence):
+        loads = step(ready(replicas)) if callable(step) else step
+        decision, state = decide(i * period, loads, replicas, policy, state)
+        replicas = decision.replicas
+        history.append(replicas)
+        decisions.append(decision)
+    return history, decisions
+
+
+def test_load_is_sum_of_usage_over_target_plus_queue():
+    estimate = estimate_load(pods([0.7, 0.35], waiting=4), POLICY)
+    assert estimate is not None
+    assert abs(estimate.load - ((0.7 + 0.35) / 0.7 + 8 / 8)) < 1e-9
+    assert abs(estimate.kv_usage - 0.525) < 1e-9 and estimate.waiting == 8
+
+
+def test_steady_load_keeps_replicas():
+    # 3 pods at exactly the target: ceil(3 * 0.7 / 0.7) = 3, never 4 through float rounding.
+    history, decisions = replay([pods([0.7, 0.7, 0.7])] * 60, start=3)
+    assert history == [3] * 60
+    assert {d.reason for d in decisions} == {"Stable"}
+
+
+def test_scale_up_is_immediate_and_rate_limited():
+    # Demand of 9 pods' worth hits one replica: the queue says so, and each step at most doubles.
+    history, _ = replay([lambda n: fleet(9.0, n)] * 6, start=1)
+    assert history[:4] == [2, 4, 8, 10]  # bounded by maxReplicas 10 at the end
+    assert history[4:] == [10, 10]
+
+
+def test_burst_triggers_panic_and_no_scale_down_while_it_lasts():
+    calm = pods([0.3, 0.3])
+    burst = pods([1.0, 1.0], waiting=40)  # load = 2/0.7 + 80/8 = 12.9 >= 2.0 x 2 replicas
+    history, decisions = replay([calm] * 5 + [burst] + [calm] * 2, start=2)
+    assert history[:5] == [2] * 5
+    burst_decision = decisions[5]
+    assert burst_decision.panic and burst_decision.reason == "Panic"
+    assert history[5] == 4  # panic goes up at once, still bounded by maxScaleUpRate
+    # Within the panic window the next ticks keep climbing toward the burst's recommendation.
+    assert history[6] == 8 and decisions[6].panic
+    assert history[7] >= history[6]
+
+
+def test_scale_up_stabilization_needs_sustained_load():
+    policy = replace(POLICY, scale_up_stabilization_seconds=10)
+    high = pods([0.95])  # wants 2
+    low = pods([0.3])
+    # A single spike (not a panic: 1.36 < 2.0 x 1) does not scale; 10 s of it does.
+    history, _ = replay([low, high, low, low] + [high] * 7, policy=policy, start=1)
+    assert history[:4] == [1, 1, 1, 1]
+    assert history[-1] == 2 and history[4:9] == [1] * 5
+
+
+def test_slow_decay_steps_down_only_after_the_window():
+    # Demand falls from 4 pods' worth to 0.2 over 400 s; replicas follow the highest
+    # recommendation of the last 60 s, so they lag the decay by the window and step down gently.
+    demands = [max(0.2, 4.0 - 0.02 * i) for i in range(200)]
+    history, _ = replay([lambda n, d=d: fleet(d, n) for d in demands], start=6, period=2.0)
+    assert history[0] == 6  # ceil(4 / 0.7)
+    assert all(b <= a for a, b in zip(history, history[1:], strict=False)), "never up during decay"
+    first_down = next(i for i, r in enumerate(history) if r < 6)
+    assert first_down * 2.0 >= 60  # not before the stabilization window has passed
+    assert history[-1] == 1
+    downs = [a - b for a, b in zip(history, history[1:], strict=False) if b < a]
+    assert max(downs) == 1  # gradual, not a cliff
+
+
+def test_flapping_load_does_not_flap_replicas():
+    # Demand alternates every tick between 2.7 pods' worth (wants 4) and 0.6 (wants 1).
+    history, decisions = replay([lambda n, i=i: fleet(2.7 if i % 2 == 0 else 0.6, n)
+                                 for i in range(60)], start=3)
+    assert history == [4] * 60
+    assert decisions[-1].reason == "Stable"
+    # Once the demand stays low for a whole window, replicas follow it down.
+    calm, _ = replay([lambda n, i=i: fleet(2.7 if i % 2 == 0 and i < 20 else 0.6, n)
+                      for i in range(60)], start=3)
+    assert calm[19] == 4 and calm[-1] == 1 and calm.index(1) * 2.0 >= 18 * 2.0 + 60
+
+
+def test_pod_without_metrics_is_extrapolated_and_blocks_scale_down():
+    policy = replace(POLICY, scale_down_stabilization_seconds=0)
+    # 4 pods, one silent: the others' mean stands in for it.
+    estimate = estimate_load(pods([0.7, 0.7, 0.7, None]), policy)
+    assert estimate is not None and abs(estimate.load - 4.0) < 1e-9 and estimate.reported == 3
+    # Idle pods would scale down, but not while a pod is silent: it may be the busy one.
+    decision, _ = decide(0.0, pods([0.1, 0.1, 0.1, None]), 4, policy, AutoscalerState())
+    assert decision.replicas == 4 and decision.reason == "IncompleteMetrics"
+    decision, _ = decide(0.0, pods([0.1, 0.1, 0.1, 0.1]), 4, policy, AutoscalerState())
+    assert decision.replicas == 1 and decision.reason == "ScaleDown"
+
+
+def test_scrape_timeouts_hold_replicas():
+    timed_out = pods([None, None], error="scrape timed out")
+    history, decisions = replay([pods([0.2, 0.2])] * 3 + [timed_out] * 5, start=2)
+    assert history == [2] * 8
+    assert decisions[-1].reason == "NoMetrics" and "timed out" in decisions[-1].message
+    assert decisions[-1].estimate is None
+
+
+def test_no_scale_down_before_watching_a_full_window():
+    # A restarted operator has no history: it must not scale down on its first idle sample.
+    decision, state = decide(100.0, pods([0.0, 0.0, 0.0]), 3, POLICY, AutoscalerState())
+    assert decision.replicas == 3 and decision.reason == "WarmingUp"
+    decision, _ = decide(161.0, pods([0.0, 0.0, 0.0]), 3, POLICY, state)
+    assert decision.replicas == 1
+
+
+def test_bounds_are_enforced_even_without_load_changes():
+    policy = replace(POLICY, min_replicas=2, max_replicas=3)
+    decision, _ = decide(0.0, pods([0.5] * 5), 5, policy, AutoscalerState())
+    assert decision.replicas == 3 and decision.reason == "Bounds"
+    decision, _ = decide(0.0, [], 0, policy, AutoscalerState())
+    assert decision.replicas == 2

@@ -1,0 +1,75 @@
+"""Scraping real HTTP endpoints: parsing, timeouts, errors and the address override."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from operator_helpers import MetricsEndpoint, PodMetrics
+
+from kvscale.operator.builders import METRICS_URL_ANNOTATION
+from kvscale.operator.scraping import metrics_url, parse_metrics, scrape_pods
+
+
+def ready_pod(name: str, url: str | None = None, ip: str = "10.244.0.7", ready: bool = True) -> dict:
+    return {
+        "metadata": {"name": name, "annotations": {METRICS_URL_ANNOTATION: url} if url else {}},
+        "status": {"podIP": ip,
+                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+@pytest.fixture
+def endpoints():
+    made: list[MetricsEndpoint] = []
+
+    def make(**metrics) -> MetricsEndpoint:
+        endpoint = MetricsEndpoint(PodMetrics(**metrics))
+        made.append(endpoint)
+        return endpoint
+
+    yield make
+    for endpoint in made:
+        endpoint.close()
+
+
+def test_parse_sums_over_label_sets():
+    text = (
+        "# TYPE kvscale:kv_blocks_active gauge\n"
+        'kvscale:kv_blocks_active{model_name="a"} 10\n'
+        'kvscale:kv_blocks_active{model_name="b"} 5\n'
+        "# TYPE kvscale:kv_blocks_total gauge\n"
+        'kvscale:kv_blocks_total{model_name="a"} 100\n'
+        "vllm:num_requests_waiting 3\n"
+        "vllm:num_requests_running 9\n"
+    )
+    assert parse_metrics(text) == {"kvscale:kv_blocks_active": 15.0,
+                                   "kvscale:kv_blocks_total": 100.0,
+                                   "vllm:num_requests_waiting": 3.0}
+
+
+def test_override_is_honoured_only_when_allowed():
+    pod = ready_pod("p", url="http://127.0.0.1:9/metrics", ip="10.244.0.9")
+    assert metrics_url(pod, allow_override=True) == "http://127.0.0.1:9/metrics"
+    assert metrics_url(pod, allow_override=False) == "http://10.244.0.9:8000/metrics"
+    assert metrics_url(ready_pod("q", ip="fd00::5"), False) == "http://[fd00::5]:8000/metrics"
+
+
+def test_scrape_ready_pods_in_parallel_with_timeouts_and_errors(endpoints):
+    busy = endpoints(kv_blocks_active=800, kv_blocks_total=1000, num_requests_waiting=4)
+    slow = endpoints(delay_s=3.0)
+    broken = endpoints(status=500)
+    silent = endpoints(omit_kv=True)
+    pods = [ready_pod("busy", busy.url), ready_pod("slow", slow.url),
+            ready_pod("broken", broken.url), ready_pod("silent", silent.url),
+            ready_pod("starting", busy.url, ready=False)]
+    started = time.monotonic()
+    loads = {load.pod: load for load in scrape_pods(pods, timeout=0.5, allow_override=True)}
+    elapsed = time.monotonic() - started
+    assert set(loads) == {"busy", "slow", "broken", "silent"}  # not-ready pods are not scraped
+    assert loads["busy"].has_metrics and loads["busy"].kv_usage == pytest.approx(0.8)
+    assert loads["busy"].num_requests_waiting == 4
+    assert loads["slow"].error == "scrape timed out" and not loads["slow"].has_metrics
+    assert loads["broken"].error == "HTTP 500"
+    assert "kvscale:kv_blocks_active" in loads["silent"].error
+    assert elapsed < 2.5  # one timeout, not one per pod in sequence

@@ -1,0 +1,209 @@
+"""Real services for the router tests: Debian's redis-server and `kvscale serve` replica processes
+on free loopback ports. A missing binary fails the test (never skips)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+KVSCALE = [sys.executable, "-m", "kvscale"]
+MODEL = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+@dataclass
+class RedisServer:
+    port: int
+    workdir: str
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server is not installed (make system-deps installs Debian's redis-server)"
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.workdir, "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_port(self.port, 10)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(free_port(), str(tmp_path))
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="session")
+def session_redis(tmp_path_factory):
+    server = RedisServer(free_port(), str(tmp_path_factory.mktemp("redis")))
+    server.start()
+    yield server
+    server.kill()
+
+
+@dataclass
+class Proc:
+    proc: subprocess.Popen
+    port: int
+    log_path: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def spawn(args: list[str], port: int, name: str, health_path: str = "/health", timeout: float = 240) -> Proc:
+    log_fd, log_path = tempfile.mkstemp(prefix=f"kvscale-{name}-", suffix=".log")
+    proc = subprocess.Popen(KVSCALE + args, stdout=log_fd, stderr=subprocess.STDOUT, env=_env(), cwd=str(REPO))
+    os.close(log_fd)
+    handle = Proc(proc, port, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{handle.log_tail()}")
+        try:
+            if httpx.get(f"{handle.url}{health_path}", timeout=1.0).status_code == 200:
+                return handle
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    handle.stop(signal.SIGKILL)
+    raise TimeoutError(f"{name} not healthy after {timeout}s:\n{handle.log_tail()}")
+
+
+# Small KV pools so a few prompts fill them and eviction happens; short everything for 2 CPU cores.
+REPLICA_BLOCKS = 64
+BLOCK_SIZE = 16
+
+
+def spawn_replica(redis_url: str | None, name: str, num_blocks: int = REPLICA_BLOCKS, extra: list[str] | None = None) -> Proc:
+    port = free_port()
+    args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--block-size", str(BLOCK_SIZE),
+            "--num-gpu-blocks-override", str(num_blocks), "--max-model-len", "512", "--max-num-seqs", "8"]
+    if redis_url:
+        args += ["--redis", redis_url, "--replica-id", name]
+    return spawn(args + (extra or []), port, name)
+
+
+def spawn_router(replica_urls: list[str], redis_url: str | None, policy: str = "prefix-affinity",
+                 extra: list[str] | None = None) -> Proc:
+    port = free_port()
+    args = ["router", "--host", "127.0.0.1", "--port", str(port), "--replicas", ",".join(replica_urls),
+            "--policy", policy, "--block-size", str(BLOCK_SIZE), "--health-interval", "0.5"]
+    if redis_url:
+        args += ["--redis", redis_url]
+    return spawn(args + (extra or []), port, "router", timeout=120)
+
+
+@pytest.fixture(scope="session")
+def replicas(session_redis):
+    """Two replicas of the bundled model publishing to the session's Redis."""
+    started: list[Proc] = []
+    try:
+        for i in range(2):
+            started.append(spawn_replica(session_redis.url, f"replica-{i}"))
+        yield started
+    finally:
+        for proc in started:
+            proc.stop()
+
+
+class Launcher:
+    """Starts replicas and routers for one test and stops whatever is left at its end."""
+
+    def __init__(self) -> None:
+        self.started: list[Proc] = []
+
+    def replica(self, redis_url: str | None, name: str, **kwargs) -> Proc:
+        proc = spawn_replica(redis_url, name, **kwargs)
+        self.started.append(proc)
+        return proc
+
+    def router(self, replica_urls: list[str], redis_url: str | None, **kwargs) -> Proc:
+        proc = spawn_router(replica_urls, redis_url, **kwargs)
+        self.started.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.started):
+            proc.stop(signal.SIGKILL if proc.extra.get("kill") else signal.SIGTERM)
+
+
+@pytest.fixture
+def launcher():
+    launch = Launcher()
+    yield launch
+    launch.stop_all()
+
+
+@pytest.fixture(scope="session")
+def router_launcher():
+    launch = Launcher()
+    yield launch
+    launch.stop_all()

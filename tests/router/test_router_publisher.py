@@ -1,0 +1,221 @@
+"""The replica-side KV event publisher and the router-side feed, against a real redis-server.
+
+The events here are built by hand (BlockStored/BlockRemoved with the engine's block hashes); the
+end-to-end tests drive the same path with a real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import redis
+from kvscale.router.index import PrefixIndex
+from kvscale.router.redis_feed import RedisFeed
+from kvscale.server.block_hash import hash_prompt_blocks
+from kvscale.server.kv_publisher import (
+    KVEventPublisher,
+    blocks_key,
+    heartbeat_key,
+)
+from kvscale.server.outputs import AllBlocksCleared, BlockRemoved, BlockStored, EngineStats
+
+
+def stats(running: int = 1, waiting: int = 2) -> EngineStats:
+    return EngineStats(
+        num_running=running, num_waiting=waiting, kv_blocks_total=64, kv_blocks_active=8,
+        kv_blocks_cached=4, block_size=16, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+    )
+
+
+def eventually(predicate, timeout: float = 10.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+class FakeCache:
+    """Stands in for the engine's prefix cache: the set of hashes the events describe."""
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+        self.snapshots = 0
+        self.snapshot_threads: set[str] = set()
+
+    def apply(self, events) -> None:
+        for event in events:
+            if isinstance(event, BlockStored):
+                self.held.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.held.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.held.clear()
+
+    def snapshot(self) -> list[int]:
+        self.snapshots += 1
+        self.snapshot_threads.add(threading.current_thread().name)
+        return sorted(self.held)
+
+
+def members(client: redis.Redis, replica: str) -> set[int]:
+    return {int(m) for m in client.smembers(blocks_key(replica))}
+
+
+def step(publisher: KVEventPublisher, cache: FakeCache, events) -> None:
+    cache.apply(events)
+    publisher.on_step(events, stats(), cache.snapshot)
+
+
+def test_events_snapshot_and_heartbeat_reach_redis(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    client.sadd(blocks_key("r1"), 999)  # left over from a previous life: the first snapshot wipes it
+    publisher = KVEventPublisher(redis_server.url, "r1", "m", "http://127.0.0.1:1", 16)
+    cache = FakeCache()
+    publisher.start()
+    try:
+        prompt = hash_prompt_blocks(list(range(80)), 16)
+        # Until connected, steps only remember the stats; then a snapshot goes out.
+        eventually(lambda: (step(publisher, cache, []), publisher.snapshots_published)[1] >= 1)
+        assert members(client, "r1") == set()
+        step(publisher, cache, [BlockStored(prompt, None, 16)])
+        eventually(lambda: members(client, "r1") == set(prompt))
+        step(publisher, cache, [BlockRemoved(prompt[3:])])
+        eventually(lambda: members(client, "r1") == set(prompt[:3]))
+        step(publisher, cache, [AllBlocksCleared()])
+        eventually(lambda: members(client, "r1") == set())
+
+        beat = json.loads(eventually(lambda: client.get(heartbeat_key("r1"))))
+        assert beat["replica"] == "r1" and beat["model"] == "m" and beat["base_url"] == "http://127.0.0.1:1"
+        assert (beat["num_running"], beat["num_waiting"], beat["kv_blocks_total"]) == (1, 2, 64)
+        assert 0 < client.ttl(heartbeat_key("r1")) <= 5
+        assert cache.snapshot_threads == {threading.current_thread().name}  # on the engine thread
+    finally:
+        publisher.stop()
+    # A clean stop removes the replica so routers drop it at once.
+    assert client.get(heartbeat_key("r1")) is None
+    assert not client.sismember("kvscale:replicas", "r1")
+
+
+def test_on_step_never_blocks_and_counts_drops_when_redis_is_gone(redis_server):
+    publisher = KVEventPublisher(redis_server.url, "r2", "m", "http://x", 16, queue_size=8)
+    cache = FakeCache()
+    publisher.start()
+    try:
+        eventually(lambda: (step(publisher, cache, []), publisher.snapshots_published)[1] >= 1)
+        redis_server.kill()
+        # Flood: each call is tiny whatever Redis does.
+        worst = 0.0
+        for i in range(2000):
+            events = [BlockStored(hash_prompt_blocks(list(range(i, i + 32)), 16), None, 16)]
+            started = time.perf_counter()
+            step(publisher, cache, events)
+            worst = max(worst, time.perf_counter() - started)
+        assert worst < 0.05, f"on_step blocked for {worst * 1000:.1f} ms"
+        eventually(lambda: not publisher.connected)
+        assert publisher.redis_errors >= 1
+    finally:
+        publisher.stop()
+
+
+def test_queue_overflow_drops_with_a_counter_and_resyncs(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    publisher = KVEventPublisher(redis_server.url, "r3", "m", "http://x", 16, queue_size=2)
+    cache = FakeCache()
+    publisher.start()
+    try:
+        eventually(lambda: (step(publisher, cache, []), publisher.snapshots_published)[1] >= 1)
+        for i in range(200):  # far faster than the background thread drains a 2-slot queue
+            step(publisher, cache, [BlockStored(hash_prompt_blocks(list(range(i, i + 16)), 16), None, 16)])
+        assert publisher.events_dropped > 0
+        # The next steps carry a snapshot; Redis ends equal to the cache.
+        eventually(lambda: (step(publisher, cache, []), members(client, "r3") == cache.held)[1])
+    finally:
+        publisher.stop()
+
+
+def test_redis_restart_resyncs_publisher_and_router_feed(redis_server):
+    """Redis dies while the replica keeps caching; when it is back both sides converge."""
+    client = redis.Redis.from_url(redis_server.url)
+    publisher = KVEventPublisher(redis_server.url, "r4", "m", "http://127.0.0.1:9", 16)
+    cache = FakeCache()
+    index = PrefixIndex()
+    errors = []
+
+    async def scenario() -> None:
+        feed = RedisFeed(redis_server.url, index, timeout_s=0.05, on_error=lambda: errors.append(1))
+        await feed.start()
+
+        async def until(predicate, timeout=15.0):
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                step(publisher, cache, [])  # the idle ~1/s call, faster here
+                if predicate():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError("condition not met")
+
+        try:
+            first = hash_prompt_blocks(list(range(64)), 16)
+            await until(lambda: publisher.snapshots_published >= 1 and feed.healthy)
+            step(publisher, cache, [BlockStored(first, None, 16)])
+            await until(lambda: index.confirmed_blocks("r4") == set(first))
+            await until(lambda: "r4" in feed.heartbeats and feed.heartbeats["r4"].load == 3)
+
+            redis_server.kill()
+            second = hash_prompt_blocks(list(range(500, 564)), 16)
+            step(publisher, cache, [BlockRemoved(first[2:]), BlockStored(second, None, 16)])
+            await until(lambda: not feed.healthy and not publisher.connected)
+            # The router keeps what it knew.
+            assert index.confirmed_blocks("r4") == set(first)
+
+            redis_server.start()  # same port, empty
+            await until(lambda: members(client, "r4") == cache.held and feed.healthy)
+            await until(lambda: index.confirmed_blocks("r4") == cache.held)
+            assert cache.held == set(first[:2]) | set(second)
+            # Incremental events flow again after the resync.
+            third = hash_prompt_blocks(list(range(900, 932)), 16)
+            step(publisher, cache, [BlockStored(third, None, 16)])
+            await until(lambda: index.confirmed_blocks("r4") == cache.held)
+        finally:
+            await feed.stop()
+
+    publisher.start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        publisher.stop()
+    assert errors, "the feed counted no Redis errors during the outage"
+    assert publisher.snapshots_published >= 2
+
+
+def test_feed_reloads_on_a_sequence_gap(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    index = PrefixIndex()
+
+    async def scenario() -> None:
+        feed = RedisFeed(redis_server.url, index)
+        client.sadd("kvscale:replicas", "r5")
+        client.sadd(blocks_key("r5"), 11, 12)
+        client.set("kvscale:replica:r5:seq", 7)
+        await feed.reload_all()
+        assert index.confirmed_blocks("r5") == {11, 12} and index.seq("r5") == 7
+        await feed.apply({"replica": "r5", "seq": 7, "events": [["stored", [99]]]})  # old: ignored
+        assert 99 not in index.confirmed_blocks("r5")
+        await feed.apply({"replica": "r5", "seq": 8, "events": [["removed", [11]]]})
+        assert index.confirmed_blocks("r5") == {12}
+        # seq 9 was missed: the feed reloads from Redis instead of applying 10 blindly.
+        client.sadd(blocks_key("r5"), 13)
+        client.set("kvscale:replica:r5:seq", 10)
+        await feed.apply({"replica": "r5", "seq": 10, "events": [["stored", [13]]]})
+        assert index.confirmed_blocks("r5") == {11, 12, 13} and index.seq("r5") == 10
+        await feed.apply({"replica": "r5", "seq": 11, "gone": True})
+        assert "r5" not in index.replica_ids()
+        await feed.stop()
+
+    asyncio.run(scenario())
