@@ -95,11 +95,16 @@ def paged_setup(num_seqs: int, context_len: int, shape: ModelShape, dtype: torch
     """Per-layer caches with every sequence at ``context_len`` tokens, blocks shuffled."""
     blocks_per_seq = math.ceil(context_len / block_size)
     num_blocks = num_seqs * blocks_per_seq
+    # Filled on the GPU (gigabytes), from a seeded generator so that two setups are equal.
+    cache_gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(2**31, (1,),
+                                                                             generator=gen)))
+    cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
     caches = []
     for _ in range(num_layers):
-        cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-        caches.append((torch.randn(cache_shape, dtype=dtype, device="cuda"),
-                       torch.randn(cache_shape, dtype=dtype, device="cuda")))
+        caches.append(tuple(
+            torch.randn(cache_shape, generator=cache_gen, device="cuda").to(dtype)
+            for _ in range(2)
+        ))
     order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
     block_tables = order.view(num_seqs, blocks_per_seq).cuda()
     context_lens = torch.full((num_seqs,), context_len, dtype=torch.int32, device="cuda")
@@ -229,6 +234,7 @@ def bench_decode_step(num_seqs: int, context_len: int, peak_gbps: float | None) 
     roofline_ms = roofline_bytes / (peak_gbps * 1e9) * 1e3 if peak_gbps else None
 
     step = DecodeStep(num_seqs, context_len, kernels)
+    tokens = step()
     eager_ms = median_ms(step)
     try:
         graph_ms = median_ms(step, graph=True)
@@ -238,6 +244,8 @@ def bench_decode_step(num_seqs: int, context_len: int, peak_gbps: float | None) 
     del step
     torch.cuda.empty_cache()
     reference_step = DecodeStep(num_seqs, context_len, reference)
+    # Same weights and caches: the greedy tokens should agree up to bfloat16 near-ties.
+    token_agreement = float((reference_step() == tokens).float().mean())
     reference_ms = median_ms(reference_step)
     del reference_step
     torch.cuda.empty_cache()
@@ -255,6 +263,7 @@ def bench_decode_step(num_seqs: int, context_len: int, peak_gbps: float | None) 
         "reference_attention_eager_ms_median": reference_ms,
         "speedup_vs_reference_attention": reference_ms / eager_ms,
         "tokens_per_s": num_seqs / (best_ms * 1e-3),
+        "greedy_token_agreement_with_reference": token_agreement,
     }
 
 

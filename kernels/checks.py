@@ -207,6 +207,9 @@ def check_attention(impl, gen: torch.Generator, kernel: str, dtype: torch.dtype,
     split = kernel == "decode_split"
     case = random_case(gen, decode=kernel != "prefill", dtype=dtype, device=device,
                        max_context=300 if split else 80)
+    if kernel != "prefill" and len(case.q_lens) > 1 and torch.rand(1, generator=gen) < 0.3:
+        # A padding sequence (context 0, as in a padded CUDA-graph batch) must yield zeros.
+        case.context_lens[-1] = 0
     cpu = random_case_on_cpu(case)
     if kernel == "prefill":
         expected = reference.paged_prefill_attention(

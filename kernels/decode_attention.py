@@ -42,10 +42,10 @@ def _decode_kernel(
     out_stride_seq,
     out_stride_head,
     num_partitions,
+    partition_size,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -57,8 +57,10 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    part_start = part * PARTITION_SIZE
-    part_end = tl.minimum(part_start + PARTITION_SIZE, context_len)
+    # partition_size is a runtime argument: as a constexpr it would recompile the kernel every
+    # time the block table grows by a block.
+    part_start = part * partition_size
+    part_end = tl.minimum(part_start + partition_size, context_len)
 
     group = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + group
@@ -151,9 +153,11 @@ def _merge_partitions_kernel(
         other=0.0,
     )
     overall_max = tl.max(maxes, axis=0)
-    weights = tl.exp2(maxes - overall_max)
+    # A sequence with an empty context (batch padding) has no finite max: its output is 0,
+    # as in the reference, instead of exp2(-inf - -inf) = NaN.
+    weights = tl.where(maxes > float("-inf"), tl.exp2(maxes - overall_max), 0.0)
     total = tl.sum(weights * sums, axis=0)
-    out = tl.sum(accs * weights[:, None], axis=0) / total
+    out = tl.sum(accs * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(
         out_ptr + seq * out_stride_seq + head * out_stride_head + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -233,10 +237,10 @@ def paged_decode_attention(
         out.stride(0),
         out.stride(1),
         num_partitions,
+        partition_size,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        PARTITION_SIZE=partition_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,

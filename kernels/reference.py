@@ -66,6 +66,8 @@ def paged_decode_attention(
         return query.new_empty(query.shape)
     lens = context_lens.to(device=query.device, dtype=torch.long)
     max_len = int(lens.max())
+    if max_len == 0:  # only padding sequences (e.g. a padded CUDA-graph batch): zeros
+        return torch.zeros_like(query)
     keys, values = _gather_kv(k_cache, v_cache, block_tables, max_len)
     # [num_seqs, 1, 1, max_len]: key position visible iff it is inside the sequence.
     positions = torch.arange(max_len, device=query.device)

@@ -125,8 +125,8 @@ def http_probe(period: int, failures: int, timeout: int = 3) -> dict[str, Any]:
 
 
 def server_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    # KVSCALE_CACHE is left to the image, which ships the bundled model converted (Dockerfile).
     env: list[dict[str, Any]] = [
-        {"name": "KVSCALE_CACHE", "value": f"{MODEL_VOLUME_PATH}/cache"},
         {"name": "HF_HOME", "value": f"{MODEL_VOLUME_PATH}/hf-home"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "HOME", "value": "/tmp"},

@@ -83,13 +83,15 @@ def apply_children(kube: Kube, owner: dict[str, Any], spec: InferenceServiceSpec
         kube.apply(object_path(child), _owned(child, owner), FIELD_MANAGER)
 
 
-def refresh_status(runtime: Runtime, owner: dict[str, Any], spec: InferenceServiceSpec,
+def refresh_status(runtime: Runtime, name: str, namespace: str,
                    extra: dict[str, Any] | None = None,
                    extra_conditions: list[Condition] | None = None) -> None:
     """Status from the Deployment and pods, with condition transitions posted as Events."""
     kube = runtime.kube
-    meta = owner["metadata"]
-    name, namespace = meta["name"], meta["namespace"]
+    current = kube.get(_is_path(namespace, name))
+    if current is None or current["metadata"].get("deletionTimestamp"):
+        return
+    spec = _typed_spec(current)
     deployment = kube.get(path_for("apps/v1", "deployments", namespace, name))
     pods = kube.list(path_for("v1", "pods", namespace), builders.selector_string(name))
     missing_secret = None
@@ -98,15 +100,16 @@ def refresh_status(runtime: Runtime, owner: dict[str, Any], spec: InferenceServi
             missing_secret = spec.api_key_secret.name
     assessed = health.assess(spec.replicas, deployment, pods, missing_secret)
     updates = assessed.conditions + list(extra_conditions or [])
-    current = kube.get(_is_path(namespace, name))
-    if current is None:
-        return
     old_status = current.get("status") or {}
+    old_conditions = old_status.get("conditions")
     generation = current["metadata"].get("generation")
-    for changed in conditions.transitions(old_status.get("conditions"), updates):
+    for changed in conditions.transitions(old_conditions, updates):
+        previous = conditions.find_condition(old_conditions, changed.type) or {}
+        if changed.type == SCALING_ACTIVE and previous.get("status") == changed.status_text:
+            continue  # its reason moves with every decision; scaling has its own Events
         is_problem = assessed.problem is not None and changed.reason == assessed.problem.reason
-        kopf.event(current, type="Warning" if is_problem else "Normal",
-                   reason=changed.reason, message=f"{changed.type}={changed.status_text}: {changed.message}")
+        kopf.event(current, type="Warning" if is_problem else "Normal", reason=changed.reason,
+                   message=f"{changed.type}={changed.status_text}: {changed.message}")
     status = {
         "replicas": assessed.replicas,
         "readyReplicas": assessed.ready_replicas,
@@ -114,7 +117,7 @@ def refresh_status(runtime: Runtime, owner: dict[str, Any], spec: InferenceServi
         "selector": builders.selector_string(name),
         "url": builders.service_url(name, namespace, runtime.config.cluster_domain),
         "observedGeneration": generation,
-        "conditions": conditions.merge_conditions(old_status.get("conditions"), updates, generation),
+        "conditions": conditions.merge_conditions(old_conditions, updates, generation),
         **(extra or {}),
     }
     if any(old_status.get(key) != value for key, value in status.items()):
@@ -128,7 +131,7 @@ def reconcile(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
     with runtime.lock(body["metadata"]["uid"]):
         try:
             apply_children(runtime.kube, owner, spec)
-            refresh_status(runtime, owner, spec)
+            refresh_status(runtime, owner["metadata"]["name"], owner["metadata"]["namespace"])
         except ApiError as exc:
             if exc.status in (401, 403):
                 logger.error("the operator lacks a permission: %s", exc)
@@ -173,7 +176,7 @@ def autoscale(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
             runtime.autoscalers.pop(uid, None)
             scaling_condition = Condition(SCALING_ACTIVE, False, "AutoscalingDisabled",
                                           "spec.replicas is left to the user or an external autoscaler")
-            refresh_status(runtime, current, spec, extra, [scaling_condition])
+            refresh_status(runtime, name, namespace, extra, [scaling_condition])
             return
 
         state = runtime.autoscalers.get(uid, scaling.AutoscalerState())
@@ -195,7 +198,7 @@ def autoscale(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
         active = decision.estimate is not None
         scaling_condition = Condition(
             SCALING_ACTIVE, active, decision.reason if active else "NoMetrics", decision.message)
-        refresh_status(runtime, current, spec, extra, [scaling_condition])
+        refresh_status(runtime, name, namespace, extra, [scaling_condition])
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
@@ -238,6 +241,6 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             return
         with runtime.lock(owner["metadata"]["uid"]):
             try:
-                refresh_status(runtime, owner, _typed_spec(owner))
+                refresh_status(runtime, owner_name, meta["namespace"])
             except ApiError as exc:
                 logger.warning("status refresh for %s failed: %s", owner_name, exc)

@@ -193,6 +193,8 @@ class DecoderForCausalLM(nn.Module):
 
     def build_rope_cache(self, max_len: int) -> None:
         """cos/sin for every position once, computed exactly as transformers does per step."""
+        if self._cos_sin is not None and self._cos_sin[0].shape[0] >= max_len:
+            return  # engines sharing these weights may ask for different lengths
         inv_freq, scaling = rope_inv_freq(self._hf_config, self.spec.head_dim)
         positions = torch.arange(max_len, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]

@@ -141,10 +141,16 @@ def served_model_name(model: str | None, served_name: str | None = None) -> str:
     return Path(model).expanduser().name or str(model)
 
 
+_LOADED_TOKENIZERS: dict[tuple[str, float], Any] = {}
+
+
 def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    key = (str(Path(path).resolve()), (Path(path) / "config.json").stat().st_mtime)
+    if key not in _LOADED_TOKENIZERS:
+        _LOADED_TOKENIZERS[key] = AutoTokenizer.from_pretrained(str(path))
+    return _LOADED_TOKENIZERS[key]
 
 
 def load_hf_config(path: str | Path) -> Any:
@@ -196,8 +202,22 @@ def _read_weights(path: Path) -> dict[str, Any]:
     return weights
 
 
+# Weights already loaded in this process, keyed by (directory, its config's mtime, dtype, device):
+# engines in one process (tests, benchmarks) share them instead of reading them again.
+_LOADED_MODELS: dict[tuple[str, float, str, str], Any] = {}
+
+
 def load_model(path: Path, hf_config: Any, dtype: Any, device: Any) -> Any:
     """Build kvscale's own model for ``hf_config`` and fill it from the checkpoint at ``path``."""
+    key = (str(Path(path).resolve()), (Path(path) / "config.json").stat().st_mtime, str(dtype), str(device))
+    model = _LOADED_MODELS.get(key)
+    if model is None:
+        model = _build_model(path, hf_config, dtype, device)
+        _LOADED_MODELS[key] = model
+    return model
+
+
+def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any) -> Any:
     import torch
 
     model_type = getattr(hf_config, "model_type", None)

@@ -141,3 +141,19 @@ def test_checks_catch_a_kernel_that_ignores_the_block_table() -> None:
     honest = check_attention(reference, torch.Generator().manual_seed(0), "decode",
                              torch.float32, "cpu")
     assert honest["max_error"] == 0.0
+
+
+def test_reference_decode_of_empty_context_is_zero() -> None:
+    """Padding sequences (context length 0) attend to nothing and yield zeros, not NaN."""
+    case = random_case(torch.Generator().manual_seed(9), decode=True)
+    lens = case.context_lens.clone()
+    lens[0] = 0
+    out = reference.paged_decode_attention(
+        case.query, case.k_cache, case.v_cache, case.block_tables, lens, case.scale
+    )
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert max_error(out[1:], dense_attention(case)[1:]) <= TOLERANCE[torch.float32]
+    zeros = reference.paged_decode_attention(
+        case.query, case.k_cache, case.v_cache, case.block_tables, lens * 0, case.scale
+    )
+    assert torch.equal(zeros, torch.zeros_like(zeros))

@@ -172,7 +172,11 @@ def test_streaming_is_passed_through_byte_for_byte(router, replicas):
                 arrivals.append(time.monotonic())
             return b"".join(chunks), response.headers.get("x-kvscale-replica"), arrivals
 
+    # The first request puts the prompt in one replica's cache; the two compared requests then
+    # both find it there, so even usage.prompt_tokens_details.cached_tokens agrees.
+    _, holder, _ = raw_stream(router.url)
     via_router, replica_id, arrivals = raw_stream(router.url)
+    assert replica_id == holder
     direct, _, _ = raw_stream(replicas[int(replica_id.removeprefix("replica-"))].url)
 
     # Per-request fields (OpenAI's id and created) differ between two requests; every other byte

@@ -1,0 +1,95 @@
+"""`kvscale up`: Redis, replicas and router come up together and all go away on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def children_of(pid: int) -> set[int]:
+    """Every live descendant of ``pid``, from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name may hold spaces and parentheses: fields restart after the last ')'.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if fields[0] != "Z":
+            parents[int(entry.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_up_serves_through_the_router_and_stops_cleanly():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvscale", "up", "--replicas", "2", "--port", str(port),
+         "--num-gpu-blocks-override", "64", "--max-model-len", "512", "--max-num-seqs", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO),
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "kvscale up: ready" in line:
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(400), "".join(lines)
+        time.sleep(0.5)  # the URL lines follow "ready"
+        output = "".join(lines)
+        assert f"router:   http://127.0.0.1:{port}/v1" in output
+        replica_urls = re.findall(r"replica-\d: (http://127\.0\.0\.1:\d+)/v1", output)
+        assert len(replica_urls) == 2
+        assert "redis-server at redis://127.0.0.1:" in output
+        descendants = children_of(proc.pid)
+        assert len(descendants) >= 4  # redis, 2 replicas, router
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        completion = client.completions.create(
+            model="smollm2-135m-instruct", prompt="The sky is", max_tokens=4, temperature=0
+        )
+        assert completion.choices[0].text
+        for url in replica_urls:
+            direct = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+            assert [m.id for m in direct.models.list().data] == ["smollm2-135m-instruct"]
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        reader.join(5)
+        assert "kvscale up: all stopped" in "".join(lines)
+        still = [pid for pid in descendants if Path(f"/proc/{pid}").exists()
+                 and not (Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z"))]
+        assert still == [], f"orphans left running: {still}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

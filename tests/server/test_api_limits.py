@@ -1,0 +1,129 @@
+"""API keys, the queue limit and a dead engine loop: the server's refusals, each with its status
+and OpenAI error body."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from api_helpers import ServeProcess, free_port, scrape, wait_for_idle_pool  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-kvscale-test-key"
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """One sequence at a time and at most one waiting: the third concurrent request is refused."""
+    proc = ServeProcess(
+        "--max-model-len", "128", "--num-gpu-blocks-override", "32", "--max-num-seqs", "1",
+        "--max-queue-len", "1", env={"KVSCALE_API_KEY": API_KEY}, log_name="guarded",
+    )
+    yield proc
+    proc.stop()
+
+
+def test_api_key_from_env_is_required(guarded) -> None:
+    url = f"{guarded.base_url}/v1/models"
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                    {"Authorization": f"Basic {API_KEY}"}):
+        response = httpx.get(url, headers=headers)
+        assert response.status_code == 401, headers
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+    wrong = openai.OpenAI(base_url=f"{guarded.base_url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="smollm2-135m-instruct", prompt="x", max_tokens=1)
+    for path in ("/tokenize",):
+        assert httpx.post(f"{guarded.base_url}{path}", json={"prompt": "x"}).status_code == 401
+    right = openai.OpenAI(base_url=f"{guarded.base_url}/v1", api_key=API_KEY, max_retries=0)
+    assert right.completions.create(model="smollm2-135m-instruct", prompt="Hi", max_tokens=1).choices
+    # Probes and scrapers need no key.
+    for path in ("/health", "/metrics", "/version", "/openapi.json"):
+        assert httpx.get(f"{guarded.base_url}{path}").status_code == 200, path
+
+
+def test_full_queue_is_503_with_retry_after(guarded) -> None:
+    base = guarded.base_url
+    body = {"model": "smollm2-135m-instruct", "prompt": "Count: one, two,", "max_tokens": 100,
+            "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as http:
+            running = await http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+            waiting = await http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+            try:
+                deadline = time.monotonic() + 60
+                while scrape(base).get("vllm:num_requests_waiting") != 1:
+                    assert time.monotonic() < deadline, "second request never queued"
+                    await asyncio.sleep(0.2)
+                refused = await http.post("/v1/completions", json={**body, "stream": False})
+            finally:
+                await running.aclose()
+                await waiting.aclose()
+            return refused
+
+    refused = asyncio.run(scenario())
+    assert refused.status_code == 503
+    assert int(refused.headers["retry-after"]) >= 1
+    error = refused.json()["error"]
+    assert error["code"] == "queue_full" and error["type"] == "server_error"
+    # Closing both streams aborted them: nothing left running, no block held.
+    idle = wait_for_idle_pool(base, timeout_s=20)
+    assert idle["kvscale:kv_blocks_active"] == 0 and idle["vllm:num_requests_running"] == 0
+
+
+def test_dead_engine_loop_makes_health_503() -> None:
+    """The engine thread dies (a fault injected into a real engine's step): /health says 503 and
+    requests get an OpenAI error body instead of hanging."""
+    import uvicorn
+    from kvscale.server.api_server import build_app
+    from kvscale.server.async_engine import AsyncEngine
+    from kvscale.server.config import EngineConfig
+    from kvscale.server.engine import LLMEngine
+    from kvscale.server.model_loader import load_tokenizer
+
+    engine = LLMEngine(EngineConfig(max_model_len=64, num_gpu_blocks_override=8, device="cpu"))
+    async_engine = AsyncEngine(engine)
+    app = build_app(async_engine, tokenizer=load_tokenizer(engine.model_path),
+                    served_model_names=[engine.model_name], max_model_len=engine.max_model_len)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert httpx.get(f"{base}/health").status_code == 200
+        ok = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200
+
+        def broken_step():
+            raise RuntimeError("injected fault")
+
+        engine.step = broken_step
+        response = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "engine_dead"
+        assert "injected fault" in response.json()["error"]["message"]
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and health.json()["error"]["message"]
+        again = httpx.post(f"{base}/v1/chat/completions", timeout=10,
+                           json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_dead"
+    finally:
+        server.should_exit = True
+        thread.join(30)
