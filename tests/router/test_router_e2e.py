@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 import redis
+
 from kvscale.server.block_hash import hash_prompt_blocks
 from kvscale.server.kv_publisher import blocks_key
 from kvscale.server.model_loader import load_tokenizer, resolve_model_path
@@ -280,3 +281,22 @@ def test_redis_killed_and_restarted_mid_run(router, replicas, session_redis, tok
     hashes = hash_prompt_blocks(completion_prompt_token_ids(tokenizer, prefix), 16)
     wait_for(lambda: redis_holds(session_redis, "replica-1", hashes), what="blocks in redis")
     assert complete(router.url, prefix + " Go on.").headers["x-kvscale-replica"] == "replica-1"
+
+
+def test_api_key_is_required_and_replaced_for_replicas(replicas):
+    """The router checks its own key and talks to replicas without it (they run without one)."""
+    from starlette.testclient import TestClient
+
+    from kvscale.router.app import RouterConfig, build_app
+
+    app = build_app(RouterConfig(replicas=[r.url for r in replicas], api_key="router-secret"))
+    with TestClient(app) as client:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+        missing = client.post("/v1/completions", json=body)
+        assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+        wrong = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        ok = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer router-secret"})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["choices"][0]["text"] is not None
+        assert client.get("/v1/models").status_code == 401

@@ -6,6 +6,7 @@ import random
 from collections import Counter
 
 import pytest
+
 from kvscale.router import policy
 from kvscale.router.policy import Candidate
 

@@ -12,6 +12,7 @@ import threading
 import time
 
 import redis
+
 from kvscale.router.index import PrefixIndex
 from kvscale.router.redis_feed import RedisFeed
 from kvscale.server.block_hash import hash_prompt_blocks

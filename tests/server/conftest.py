@@ -11,6 +11,15 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def pytest_configure(config):
+    # The suite shares a 2-core machine with its own server subprocesses (and, in development,
+    # with other runs): two spinning OpenMP threads per process then cost far more than they
+    # give. KVSCALE_TEST_THREADS overrides.
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("KVSCALE_TEST_THREADS", "1")))
+
 # Prompts of different lengths (some span several 16-token blocks) for the greedy checks.
 GREEDY_PROMPTS = [
     "The capital of France is",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from pydantic import ValidationError
+
 from kvscale.server import protocol as p
 from kvscale.server.api_server import (
     chat_logprobs,
@@ -16,7 +18,6 @@ from kvscale.server.api_server import (
 from kvscale.server.model_loader import load_tokenizer, resolve_model_path
 from kvscale.server.outputs import Logprob
 from kvscale.server.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
-from pydantic import ValidationError
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +161,33 @@ def test_tokenization_contract(tokenizer) -> None:
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
     assert text.endswith("<|im_start|>assistant\n")  # the generation prompt
     assert text.count("<|im_start|>") == 3  # no extra BOS added on top of the template's
+
+
+def test_serve_help_lists_vllm_flags() -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "kvscale", "serve", "--help"],
+                            capture_output=True, text=True, timeout=60, check=True)
+    for flag in ("--model", "--served-model-name", "--host", "--port", "--api-key", "--dtype",
+                 "--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+                 "--gpu-memory-utilization", "--num-gpu-blocks-override", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching", "--max-queue-len", "--redis", "--replica-id"):
+        assert flag in result.stdout, flag
+
+
+def test_serve_rejects_bad_engine_flags_readably() -> None:
+    from kvscale.cli import main
+
+    assert main(["serve", "--block-size", "0"]) == 2
+    assert main(["serve", "--max-queue-len", "-1"]) == 2
+
+
+def test_serve_defaults(monkeypatch) -> None:
+    from kvscale.cli import build_parser
+
+    monkeypatch.setenv("KVSCALE_API_KEY", "from-env")
+    args = build_parser("serve").parse_args(["serve"])
+    assert args.port == 8000 and args.api_key == "from-env" and args.enable_prefix_caching is None
+    args = build_parser("serve").parse_args(["serve", "--no-enable-prefix-caching", "--api-key", "k"])
+    assert args.enable_prefix_caching is False and args.api_key == "k"
