@@ -21,10 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from kvscale.router import policy as routing
-from kvscale.router.index import PrefixIndex
-from kvscale.router.replicas import EndpointSliceWatch, Replica, ReplicaSet, normalize_url
-from kvscale.server.block_hash import hash_prompt_blocks
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -37,6 +33,11 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from kvscale.router import policy as routing
+from kvscale.router.index import PrefixIndex
+from kvscale.router.replicas import EndpointSliceWatch, Replica, ReplicaSet, normalize_url
+from kvscale.server.block_hash import hash_prompt_blocks
 
 log = logging.getLogger("kvscale.router")
 

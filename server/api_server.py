@@ -24,6 +24,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from kvscale.server import protocol as p
 from kvscale.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvscale.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -31,7 +33,6 @@ from kvscale.server.metrics import ServerMetrics
 from kvscale.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
@@ -249,16 +250,13 @@ class OpenAIServer:
         if bad is not None:
             raise bad_request(f"Token id {bad} is out of vocabulary (size {self.vocab_size}).", "prompt")
 
-    def check_auth(self, request: Request) -> JSONResponse | None:
-        if self.api_key_digest is None or request.url.path in OPEN_PATHS or request.method == "OPTIONS":
-            return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    def is_authorized(self, path: str, method: str, authorization: str) -> bool:
+        if self.api_key_digest is None or path in OPEN_PATHS or method == "OPTIONS":
+            return True
+        scheme, _, token = authorization.partition(" ")
         # Compare digests: equal length, constant time, no length leak.
         given = hashlib.sha256(token.strip().encode()).digest()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, self.api_key_digest):
-            return APIError(401, "Incorrect API key provided.", "invalid_request_error",
-                            code="invalid_api_key").response()
-        return None
+        return scheme.lower() == "bearer" and hmac.compare_digest(given, self.api_key_digest)
 
     # -- preparing requests
 
@@ -446,12 +444,8 @@ def build_app(
         logger.exception("unhandled error")
         return JSONResponse(p.error_body("Internal server error.", "server_error"), status_code=500)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        denied = server.check_auth(request)
-        if denied is not None:
-            return denied
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, server=server)
 
     # ------------------------------------------------------------------ plain endpoints
 
@@ -521,6 +515,25 @@ def build_app(
         return await _until_disconnect(request, server, streams, _complete_chat(server, body, prepared, streams))
 
     return app
+
+
+class _APIKeyMiddleware:
+    """Plain ASGI (not BaseHTTPMiddleware), so streamed responses pass through untouched."""
+
+    def __init__(self, app: Any, server: OpenAIServer) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            if not self.server.is_authorized(scope["path"], scope["method"], authorization):
+                response = APIError(401, "Incorrect API key provided.", "invalid_request_error",
+                                    code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _until_disconnect(request: Request, server: OpenAIServer, streams: list[RequestStream], work) -> Any:

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvscale serve: --max-queue-len must be non-negative", file=sys.stderr)
         return 2
     import uvicorn
+
     from kvscale.server.api_server import build_app
     from kvscale.server.async_engine import AsyncEngine
     from kvscale.server.config import EngineConfig

@@ -12,6 +12,7 @@ import logging
 import time
 
 import torch
+
 from kvscale.server.block_pool import BlockPool
 from kvscale.server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvscale.server.detokenizer import (

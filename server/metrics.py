@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from kvscale.server.async_engine import RequestStream
-from kvscale.server.outputs import EngineStats, RequestOutput
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -22,6 +20,9 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvscale.server.async_engine import RequestStream
+from kvscale.server.outputs import EngineStats, RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

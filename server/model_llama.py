@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvscale.kernels import paged_decode_attention, paged_prefill_attention, write_kv
 from torch import nn
+
+from kvscale.kernels import paged_decode_attention, paged_prefill_attention, write_kv
 
 
 @dataclass
@@ -30,7 +31,9 @@ class DecoderSpec:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
 
@@ -63,6 +66,8 @@ def spec_from_hf_config(config: Any) -> DecoderSpec:
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(config, "attention_bias", False)),
+        o_proj_bias=bool(getattr(config, "attention_bias", False)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
         sliding_window=window,
     )
 
@@ -114,7 +119,7 @@ class Attention(nn.Module):
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -155,8 +160,8 @@ class MLP(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
         self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -230,34 +235,53 @@ class DecoderForCausalLM(nn.Module):
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Fill this module from a transformers-named state dict (fusing q/k/v and gate/up)."""
         own = self.state_dict()
+        consumed: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"checkpoint lacks weight {name!r}")
+            consumed.add(name)
+            return weights[name]
+
         loaded: dict[str, torch.Tensor] = {}
         strip = "model."
         for i in range(self.spec.num_layers):
             p = f"{strip}layers.{i}."
             attn = p + "self_attn."
             loaded[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-                [weights[attn + f"{n}_proj.weight"] for n in ("q", "k", "v")]
+                [take(attn + f"{n}_proj.weight") for n in ("q", "k", "v")]
             )
             if self.spec.attention_bias:
                 loaded[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
-                    [weights[attn + f"{n}_proj.bias"] for n in ("q", "k", "v")]
+                    [take(attn + f"{n}_proj.bias") for n in ("q", "k", "v")]
                 )
-            loaded[f"layers.{i}.self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
+            loaded[f"layers.{i}.self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
+            if self.spec.o_proj_bias:
+                loaded[f"layers.{i}.self_attn.o_proj.bias"] = take(attn + "o_proj.bias")
+            if self.spec.mlp_bias:
+                loaded[f"layers.{i}.mlp.gate_up_proj.bias"] = torch.cat(
+                    [take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]
+                )
+                loaded[f"layers.{i}.mlp.down_proj.bias"] = take(p + "mlp.down_proj.bias")
             if self.spec.qk_norm:
-                loaded[f"layers.{i}.self_attn.q_norm.weight"] = weights[attn + "q_norm.weight"]
-                loaded[f"layers.{i}.self_attn.k_norm.weight"] = weights[attn + "k_norm.weight"]
+                loaded[f"layers.{i}.self_attn.q_norm.weight"] = take(attn + "q_norm.weight")
+                loaded[f"layers.{i}.self_attn.k_norm.weight"] = take(attn + "k_norm.weight")
             loaded[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                [weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
             )
-            loaded[f"layers.{i}.mlp.down_proj.weight"] = weights[p + "mlp.down_proj.weight"]
+            loaded[f"layers.{i}.mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
             for norm in ("input_layernorm", "post_attention_layernorm"):
-                loaded[f"layers.{i}.{norm}.weight"] = weights[p + f"{norm}.weight"]
-        loaded["embed_tokens.weight"] = weights[strip + "embed_tokens.weight"]
-        loaded["norm.weight"] = weights[strip + "norm.weight"]
+                loaded[f"layers.{i}.{norm}.weight"] = take(p + f"{norm}.weight")
+        loaded["embed_tokens.weight"] = take(strip + "embed_tokens.weight")
+        loaded["norm.weight"] = take(strip + "norm.weight")
         if self.spec.tie_word_embeddings or "lm_head.weight" not in weights:
             loaded["lm_head.weight"] = loaded["embed_tokens.weight"]
         else:
-            loaded["lm_head.weight"] = weights["lm_head.weight"]
+            loaded["lm_head.weight"] = take("lm_head.weight")
+        unused = {n for n in set(weights) - consumed if "rotary_emb" not in n and n != "lm_head.weight"}
+        if unused:
+            # Weights this code would silently ignore mean an architecture variant it lacks.
+            raise ValueError(f"checkpoint has weights kvscale's model does not use: {sorted(unused)[:5]}")
         missing = set(own) - set(loaded)
         if missing:
             raise ValueError(f"checkpoint lacks weights for {sorted(missing)[:5]}...")

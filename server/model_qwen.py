@@ -10,6 +10,7 @@ from kvscale.server.model_llama import DecoderSpec, spec_from_hf_config
 def qwen2_spec(config: Any) -> DecoderSpec:
     spec = spec_from_hf_config(config)
     spec.attention_bias = True  # Qwen2 always has q/k/v biases (not a config field)
+    spec.o_proj_bias = False
     return spec
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from kvscale.server.model_llama import AttentionMetadata, DecoderForCausalLM
 from kvscale.server.scheduler import ScheduledSeq
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from kvscale.server.outputs import Logprob, PositionLogprobs
 from kvscale.server.sampling_params import SamplingParams
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvscale.server.block_pool import BlockPool, NoFreeBlocksError
 from kvscale.server.outputs import AllBlocksCleared, BlockRemoved, BlockStored
 

@@ -4,6 +4,7 @@ stop conditions, aborts, admission errors, KV events. Every engine is leak-check
 from __future__ import annotations
 
 import pytest
+
 from kvscale.server.outputs import BlockRemoved, BlockStored
 from kvscale.server.sampling_params import SamplingParams
 
@@ -113,7 +114,7 @@ def test_stop_strings_and_stop_tokens(make_engine, run_to_completion, hf_greedy_
 
 def test_streaming_outputs_are_cumulative(make_engine):
     engine = make_engine()
-    engine.add_request("r", "Write a short poem about the sea.", SamplingParams(temperature=0, max_tokens=10))
+    engine.add_request("r", "Write a short poem about the sea.", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     texts, finals = [], 0
     while engine.has_unfinished_requests():
         for output in engine.step():

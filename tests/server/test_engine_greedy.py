@@ -4,6 +4,7 @@ whatever the batching, prefix caching, chunking or preemption."""
 from __future__ import annotations
 
 import pytest
+
 from kvscale.server.sampling_params import SamplingParams
 
 NEW_TOKENS = 16

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from kvscale.server.sampler import Sampler, SamplingRow, make_generator
 from kvscale.server.sampling_params import SamplingParams
 

@@ -1,0 +1,1 @@
+"""Benchmarks: each module is a command writing JSON to bench/results/."""

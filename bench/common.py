@@ -1,0 +1,50 @@
+"""Shared bits of the engine benchmarks: workload generation, child processes, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def machine() -> dict[str, Any]:
+    load = os.getloadavg()
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_1m_at_start": round(load[0], 2),
+        "python": platform.python_version(),
+    }
+
+
+def run_side(module: str, side: str, args: list[str]) -> dict[str, Any]:
+    """Run one side of a benchmark in its own process, so its peak memory is its own."""
+    cmd = [sys.executable, "-m", module, "--side", side, *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{module} --side {side} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def write_result(name: str, result: dict[str, Any], out: str | None = None) -> Path:
+    path = Path(out) if out else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)
+    return path
