@@ -58,6 +58,8 @@ lint: venv
 bench: venv
 	$(PY) -m bench.w1_throughput
 	$(PY) -m bench.w2_prefix
+	$(PY) -m bench.http_load
+	$(PY) -m bench.w3_router
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -87,6 +87,7 @@ def test_dead_engine_loop_makes_health_503() -> None:
     """The engine thread dies (a fault injected into a real engine's step): /health says 503 and
     requests get an OpenAI error body instead of hanging."""
     import uvicorn
+
     from kvscale.server.api_server import build_app
     from kvscale.server.async_engine import AsyncEngine
     from kvscale.server.config import EngineConfig
