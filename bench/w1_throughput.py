@@ -34,6 +34,7 @@ def workload(args: argparse.Namespace, vocab_size: int = 49152) -> tuple[list[li
 
 def side_kvscale(args: argparse.Namespace) -> dict:
     import torch
+
     from kvscale.server.llm import LLM
     from kvscale.server.sampling_params import SamplingParams
 
@@ -67,8 +68,9 @@ def side_kvscale(args: argparse.Namespace) -> dict:
 
 def side_baseline(args: argparse.Namespace) -> dict:
     import torch
-    from kvscale.server.model_loader import resolve_dtype, resolve_model_path
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvscale.server.model_loader import resolve_dtype, resolve_model_path
 
     torch.set_num_threads(args.threads)
     prompts, outputs = workload(args)

@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import kopf
+
     from kvscale.operator import handlers
     from kvscale.operator.kube import Kube, load_connection
     from kvscale.operator.leader import LeaderElector

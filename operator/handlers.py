@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+
 from kvscale.operator import builders, conditions, health, scaling, scraping
 from kvscale.operator.conditions import SCALING_ACTIVE, Condition
 from kvscale.operator.kube import ApiError, Kube, object_path, path_for

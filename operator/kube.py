@@ -7,6 +7,7 @@ exec plugins; or the in-cluster service account), so kopf's connection and ours 
 from __future__ import annotations
 
 import json
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,13 +72,17 @@ def load_connection(kubeconfig: str | None = None, context: str | None = None) -
 class Kube:
     def __init__(self, connection: Connection, timeout: float = 30.0):
         self.connection = connection
-        verify: Any = False if connection.insecure else (connection.ca_path or True)
-        cert = (connection.cert_path, connection.key_path) if connection.cert_path else None
+        tls = ssl.create_default_context(cafile=connection.ca_path)
+        if connection.insecure:
+            tls.check_hostname = False
+            tls.verify_mode = ssl.CERT_NONE
+        if connection.cert_path:
+            tls.load_cert_chain(connection.cert_path, connection.key_path)
         headers = {"Accept": "application/json", "User-Agent": "kvscale-operator"}
         if connection.token:
             token = connection.token
             headers["Authorization"] = token if " " in token else f"Bearer {token}"
-        self._http = httpx.Client(base_url=connection.server, verify=verify, cert=cert,
+        self._http = httpx.Client(base_url=connection.server, verify=tls,
                                   headers=headers, timeout=timeout, trust_env=False)
 
     def close(self) -> None:

@@ -14,10 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvscale.operator.builders import METRICS_URL_ANNOTATION
 from kvscale.operator.scaling import PodLoad
 from kvscale.operator.spec import SERVER_PORT
-from prometheus_client.parser import text_string_to_metric_families
 
 KV_BLOCKS_ACTIVE = "kvscale:kv_blocks_active"
 KV_BLOCKS_TOTAL = "kvscale:kv_blocks_total"

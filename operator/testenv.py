@@ -49,6 +49,12 @@ FAKE_NODE_IP = "10.240.0.10"
 
 STARTUP_TIMEOUT_S = 180.0
 
+# Processes this interpreter started, by pid: their liveness comes from
+# Popen.poll(), which also reaps them. (Right after exec, /proc/PID/cmdline can
+# still read empty, so the cmdline check is only for processes someone else
+# started, as in `down` after `up`.)
+_children: dict[int, subprocess.Popen] = {}
+
 
 class K8sEnvError(RuntimeError):
     """The control plane could not be built, started or reached."""
@@ -386,10 +392,18 @@ def _spawn(env: K8sEnv, component: str, args: list[str], tie_to_parent: bool) ->
             start_new_session=True,  # Ctrl-C in the terminal that ran `up` leaves it alone
             preexec_fn=_set_parent_death_signal if tie_to_parent else None,
         )
+    _children[proc.pid] = proc
     env.pids[component] = proc.pid
     (env.workdir / "pids").mkdir(exist_ok=True)
     (env.workdir / "pids" / f"{component}.pid").write_text(f"{proc.pid}\n")
     env.save()
+
+
+def _alive(pid: int, binary: Path) -> bool:
+    child = _children.get(pid)
+    if child is not None:
+        return child.poll() is None
+    return _is_ours(pid, binary)
 
 
 def _is_ours(pid: int, binary: Path) -> bool:
@@ -420,7 +434,7 @@ def _wait_until(what: str, probe, timeout: float, env: K8sEnv, component: str) -
     last_error = ""
     while time.monotonic() < deadline:
         pid = env.pids.get(component)
-        if pid is not None and not _is_ours(pid, env.bins / component):
+        if pid is not None and not _alive(pid, env.bins / component):
             raise K8sEnvError(
                 f"{component} exited while waiting for {what}; "
                 f"{env.log_path(component)}:\n{_log_tail(env.log_path(component))}"
@@ -737,7 +751,7 @@ def stop_env(env: K8sEnv, *, keep_logs: bool = False, grace: float = 10.0) -> No
     workdir, or all of it but logs/ when `keep_logs` (they help after a failure)."""
     for component in reversed(COMPONENTS):
         pid = env.pids.get(component)
-        if pid is not None and _is_ours(pid, env.bins / component):
+        if pid is not None and _alive(pid, env.bins / component):
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -747,15 +761,21 @@ def stop_env(env: K8sEnv, *, keep_logs: bool = False, grace: float = 10.0) -> No
         pid = env.pids.get(component)
         if pid is None:
             continue
-        while _is_ours(pid, env.bins / component) and time.monotonic() < deadline:
-            _reap(pid)
+        while _alive(pid, env.bins / component) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if _is_ours(pid, env.bins / component):
+        if _alive(pid, env.bins / component):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        _reap(pid, block=True)
+        child = _children.pop(pid, None)
+        if child is not None:
+            child.wait()
+        else:
+            # Not our child (`down` after `up`): give init a moment to reap it.
+            reaped_by = time.monotonic() + 5
+            while _is_ours(pid, env.bins / component) and time.monotonic() < reaped_by:
+                time.sleep(0.05)
     env.pids.clear()
     if not keep_logs:
         shutil.rmtree(env.workdir, ignore_errors=True)
@@ -769,17 +789,9 @@ def stop_env(env: K8sEnv, *, keep_logs: bool = False, grace: float = 10.0) -> No
                 entry.unlink(missing_ok=True)
 
 
-def _reap(pid: int, block: bool = False) -> None:
-    # Our own children linger as zombies until waited for.
-    try:
-        os.waitpid(pid, 0 if block else os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
 def status(env: K8sEnv) -> dict[str, bool]:
     """Which components are alive, plus the apiserver's readiness."""
-    alive = {c: _is_ours(env.pids.get(c, -1), env.bins / c) for c in COMPONENTS}
+    alive = {c: _alive(env.pids.get(c, -1), env.bins / c) for c in COMPONENTS}
     alive["apiserver-ready"] = alive["kube-apiserver"] and _http_ok(
         f"{env.server}/readyz", _admin_tls(env.workdir)
     )

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from kvscale.operator import builders
 from kvscale.operator.spec import (
     AutoscalingPolicy,

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 import yaml
+from operator_helpers import MetricsEndpoint, OperatorProcess, PodMetrics, wait_for
+
 from kvscale.operator.kube import Kube, load_connection
 from kvscale.operator.testenv import kwok_toleration
-from operator_helpers import MetricsEndpoint, OperatorProcess, PodMetrics, wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 

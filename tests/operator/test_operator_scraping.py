@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from operator_helpers import MetricsEndpoint, PodMetrics
+
 from kvscale.operator.builders import METRICS_URL_ANNOTATION
 from kvscale.operator.scraping import metrics_url, parse_metrics, scrape_pods
-from operator_helpers import MetricsEndpoint, PodMetrics
 
 
 def ready_pod(name: str, url: str | None = None, ip: str = "10.244.0.7", ready: bool = True) -> dict:
