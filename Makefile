@@ -44,7 +44,9 @@ serve: venv
 	@echo "         -d '{\"model\": \"smollm2-135m-instruct\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}'"
 	$(VENV)/bin/kvscale serve --host $(HOST) --port $(PORT)
 
-test: venv system-deps k8s-bins
+# The three installs overlap: pip waits on the network, the Go build on the CPU.
+test:
+	@$(MAKE) --no-print-directory -j3 venv system-deps k8s-bins
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 

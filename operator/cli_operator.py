@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import faulthandler
 import logging
 import os
+import signal
 import socket
 import threading
 import uuid
@@ -61,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
     from kvscale.operator.spec import GROUP
 
     kopf.configure(verbose=args.verbose)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2` prints every stack
+    if not args.verbose:
+        # Per-request and per-handler success lines every few seconds drown what matters.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     log = logging.getLogger("kvscale.operator")
     connection = load_connection(args.kubeconfig, args.context)
     kube = Kube(connection)
@@ -110,23 +118,26 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             return 130
 
-    stop_flag = threading.Event()
     stop_holding = threading.Event()
     lost = threading.Event()
-
-    def hold() -> None:
-        assert elector is not None
-        if not elector.hold(stop_holding):
-            lost.set()
-            stop_flag.set()
-
-    holder = threading.Thread(target=hold, name="lease-holder", daemon=True)
-    if elector is not None:
-        holder.start()
     memo = kopf.Memo()
     memo.runtime = handlers.Runtime(kube=kube, config=config)
-    try:
-        kopf.run(
+
+    async def operate() -> None:
+        # An asyncio stop flag: kopf waits for a threading one in an executor thread, which
+        # then keeps the process from exiting after SIGTERM.
+        loop = asyncio.get_running_loop()
+        stop_flag = asyncio.Event()
+
+        def hold() -> None:
+            assert elector is not None
+            if not elector.hold(stop_holding):
+                lost.set()
+                loop.call_soon_threadsafe(stop_flag.set)
+
+        if elector is not None:
+            threading.Thread(target=hold, name="lease-holder", daemon=True).start()
+        await kopf.operator(
             registry=registry,
             settings=settings,
             standalone=True,
@@ -136,12 +147,15 @@ def run(args: argparse.Namespace) -> int:
             memo=memo,
             liveness_endpoint=args.liveness,
         )
+
+    try:
+        asyncio.run(operate())
+    except asyncio.CancelledError:
+        pass
     finally:
         stop_holding.set()
-        if elector is not None:
-            holder.join(timeout=args.retry_period + 5)
-            if not lost.is_set():
-                elector.release()
+        if elector is not None and not lost.is_set():
+            elector.release()
         kube.close()
     if lost.is_set():
         log.error("leadership lost; exiting so that a fresh start can campaign again")

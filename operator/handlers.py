@@ -31,6 +31,7 @@ from kvscale.operator.spec import (
 
 FIELD_MANAGER = "kvscale-operator"
 API_VERSION = f"{GROUP}/{VERSION}"
+log = logging.getLogger("kvscale.operator")
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ def autoscale(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
             direction = "up" if decision.replicas > previous else "down"
             message = (f"scaled {direction} from {previous} to "
                        f"{decision.replicas} replicas ({decision.reason}): {decision.message}")
-            logger.info(message)
+            log.info("%s/%s: %s", namespace, name, message)
             kopf.event(current, type="Normal", reason="Scaled", message=message)
         active = decision.estimate is not None
         scaling_condition = Condition(

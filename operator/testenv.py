@@ -24,7 +24,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import textwrap
 import time
 import urllib.error
 import urllib.request
@@ -844,14 +843,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}\nlogs: {workdir / 'logs'}", file=sys.stderr)
             return 1
         print(
-            textwrap.dedent(
-                f"""\
-                kube-apiserver {env.server} up in {time.monotonic() - started:.1f}s; \
-                fake GPU node {FAKE_NODE_NAME} Ready
-                  export KUBECONFIG={env.kubeconfig}
-                  kubectl get nodes
-                logs in {workdir / "logs"}; stop with `make k8s-env-down`"""
-            )
+            f"kube-apiserver {env.server} up in {time.monotonic() - started:.1f}s, "
+            f"fake GPU node {FAKE_NODE_NAME} Ready\n"
+            f"  export KUBECONFIG={env.kubeconfig}\n"
+            f"  kubectl get nodes\n"
+            f"logs in {workdir / 'logs'}; stop with `make k8s-env-down`"
         )
         return 0
 

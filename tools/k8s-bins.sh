@@ -95,25 +95,28 @@ build_step() {  # name, then the command that builds it into $bin_dir
     log "built $name in $((SECONDS - t0))s"
 }
 
+# Binaries are linked into a staging folder and renamed into place, so an
+# interrupted build never leaves a half-written file that looks finished.
+staging="$cache_root/.staging-$key"
+rm -rf "$staging"
+mkdir -p "$staging"
+trap 'rm -rf "$staging"' EXIT
+publish() { mv "$staging"/* "$bin_dir/"; }
+
 build_k8s() {
-    (cd "$k8s_module" && go build -ldflags="$k8s_ldflags" -o "$bin_dir/" \
+    (cd "$k8s_module" && go build -ldflags="$k8s_ldflags" -o "$staging/" \
         k8s.io/kubernetes/cmd/kube-apiserver \
         k8s.io/kubernetes/cmd/kube-controller-manager \
-        k8s.io/kubernetes/cmd/kube-scheduler)
+        k8s.io/kubernetes/cmd/kube-scheduler) && publish
 }
 build_kubectl() {
-    (cd "$k8s_module" && go build -ldflags="$k8s_ldflags" -o "$bin_dir/kubectl" k8s.io/kubernetes/cmd/kubectl)
+    (cd "$k8s_module" && go build -ldflags="$k8s_ldflags" -o "$staging/kubectl" k8s.io/kubernetes/cmd/kubectl) && publish
 }
 build_etcd() {
-    (cd "$etcd_module" && go build -ldflags="-s -w" -o "$bin_dir/etcd" .)
+    (cd "$etcd_module" && go build -ldflags="-s -w" -o "$staging/etcd" .) && publish
 }
 build_installable() {  # name, pkg@version, extra ldflags
-    local tmp
-    tmp="$(mktemp -d "$cache_root/.gobin-XXXXXX")"
-    GOBIN="$tmp" go install -ldflags="-s -w $3" "$2" && mv "$tmp/$1" "$bin_dir/$1"
-    local rc=$?
-    rm -rf "$tmp"
-    return $rc
+    GOBIN="$staging" go install -ldflags="-s -w $3" "$2" && publish
 }
 
 k8s_missing="$(missing_in "$bin_dir" kube-apiserver kube-controller-manager kube-scheduler)"

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kvscale.operator.testenv import K8sEnv, find_or_build_bins, start_env, stop_env
 
 

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from kvscale.operator.testenv import (
     COMPONENTS,
     FAKE_NODE_GPUS,
