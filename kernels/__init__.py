@@ -17,8 +17,9 @@ import os
 from types import ModuleType
 from typing import Any
 
-from kvscale.kernels import reference
 from torch import Tensor
+
+from kvscale.kernels import reference
 
 __all__ = [
     "write_kv",

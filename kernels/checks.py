@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kvscale.kernels import reference
 from torch import Tensor
+
+from kvscale.kernels import reference
 
 # Max abs error allowed against the float64 dense attention / the reference, by dtype.
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}

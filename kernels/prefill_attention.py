@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from kvscale.kernels.decode_attention import _LOG2E, dot_options
 from torch import Tensor
+
+from kvscale.kernels.decode_attention import _LOG2E, dot_options
 
 
 @triton.jit

@@ -689,6 +689,10 @@ def _start_components(env: K8sEnv, tie_to_parent: bool, timeout: float) -> None:
             f"--cidr={POD_CIDR}",
             f"--node-ip={FAKE_NODE_IP}",
             f"--server-address=127.0.0.1:{ports['kwok']}",
+            # Without a node lease kwok refreshes the node's heartbeat only about once a minute,
+            # past the controller-manager's 50 s grace period: the node (and every pod on it)
+            # would flap NotReady mid-test.
+            "--node-lease-duration-seconds=40",
         ],
         tie_to_parent,
     )

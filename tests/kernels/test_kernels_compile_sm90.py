@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import triton
 import triton.language as tl
-from kvscale.kernels.decode_attention import _decode_kernel, _merge_partitions_kernel
-from kvscale.kernels.kv_write import _write_kv_kernel
-from kvscale.kernels.prefill_attention import _prefill_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.interpreter import InterpretedFunction
+
+from kvscale.kernels.decode_attention import _decode_kernel, _merge_partitions_kernel
+from kvscale.kernels.kv_write import _write_kv_kernel
+from kvscale.kernels.prefill_attention import _prefill_kernel
 
 H100 = GPUTarget("cuda", 90, 32)
 # The bundled model's attention shapes with the launchers' CUDA tile sizes.

@@ -10,9 +10,10 @@ import json
 
 import pytest
 import torch
+from triton.runtime.interpreter import InterpretedFunction
+
 from kvscale.kernels.checks import KERNELS, run_checks
 from kvscale.kernels.decode_attention import _decode_kernel
-from triton.runtime.interpreter import InterpretedFunction
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

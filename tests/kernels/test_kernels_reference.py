@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import kvscale.kernels as kernels
 import pytest
 import torch
+
+import kvscale.kernels as kernels
 from kvscale.kernels import reference
 from kvscale.kernels.checks import (
     TOLERANCE,
