@@ -48,3 +48,14 @@ def write_result(name: str, result: dict[str, Any], out: str | None = None) -> P
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Linear-interpolated quantile (q in [0, 1]); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)

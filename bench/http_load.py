@@ -22,13 +22,15 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.common import quantile
+from kvscale.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -46,16 +48,6 @@ def make_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tu
     prompts = [[rng.randrange(100, vocab_size) for _ in range(rng.randint(*prompt_len))]
                for _ in range(num_requests)]
     return Workload(prompts, [rng.randint(*output_len) for _ in range(num_requests)])
-
-
-def quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -114,12 +106,6 @@ def run_offline(engine, workload: Workload, concurrency: int, round_id: int) -> 
 
 
 # ----------------------------------------------------------------------------- HTTP
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(engine_flags: dict, port: int, threads: int) -> subprocess.Popen:

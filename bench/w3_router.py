@@ -21,7 +21,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,25 +30,12 @@ from pathlib import Path
 
 import httpx
 
+from bench.common import quantile
+from kvscale.processes import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 POLICIES = ("prefix-affinity", "round-robin", "random")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 class Processes:

@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -29,6 +28,8 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from kvscale.processes import die_with_parent, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BINS_SCRIPT = REPO_ROOT / "tools" / "k8s-bins.sh"
@@ -362,22 +363,6 @@ class K8sEnv:
         )
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _set_parent_death_signal() -> None:
-    # Runs in the child before exec: if the test process dies without tearing
-    # down (SIGKILL, crash), the kernel stops the component too.
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
 def _spawn(env: K8sEnv, component: str, args: list[str], tie_to_parent: bool) -> None:
     log_path = env.log_path(component)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -389,7 +374,7 @@ def _spawn(env: K8sEnv, component: str, args: list[str], tie_to_parent: bool) ->
             stderr=subprocess.STDOUT,
             cwd=env.workdir,
             start_new_session=True,  # Ctrl-C in the terminal that ran `up` leaves it alone
-            preexec_fn=_set_parent_death_signal if tie_to_parent else None,
+            preexec_fn=die_with_parent if tie_to_parent else None,
         )
     _children[proc.pid] = proc
     env.pids[component] = proc.pid
@@ -559,7 +544,7 @@ def start_env(
     _write_pki(workdir)
     pki = workdir / "pki"
     ports = {
-        name: _free_port()
+        name: free_port()
         for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")
     }
     server = f"https://127.0.0.1:{ports['apiserver']}"

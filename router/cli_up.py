@@ -9,16 +9,16 @@ seconds is killed. On Linux each child also gets PR_SET_PDEATHSIG, so even a SIG
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+from kvscale.processes import die_with_parent, free_port, wait_for_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,19 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it when `kvscale up` dies, however it dies."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    die_with_parent()
     # Ctrl-C goes to the whole foreground group; children wait for our orderly SIGTERM instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -121,17 +111,6 @@ class Stack:
             child.proc.wait()
 
 
-def _wait_port(port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"redis-server did not listen on port {port}")
-
-
 def run(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print("kvscale up: --replicas must be at least 1", file=sys.stderr)
@@ -160,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                 f"redis://127.0.0.1:{port}/0",
                 None,
             )
-            _wait_port(port, 10)
+            wait_for_port(port, 10, what="redis-server")
             redis_url = f"redis://127.0.0.1:{port}/0"
             print(f"kvscale up: redis-server at {redis_url}", flush=True)
         else:

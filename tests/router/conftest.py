@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,26 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvscale.processes import free_port, wait_for_port
+
 REPO = Path(__file__).resolve().parents[2]
 KVSCALE = [sys.executable, "-m", "kvscale"]
 MODEL = "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
 @dataclass
@@ -57,7 +41,7 @@ class RedisServer:
              "--dir", self.workdir, "--protected-mode", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        wait_port(self.port, 10)
+        wait_for_port(self.port, 10, what="redis-server")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -1,0 +1,37 @@
+"""Helpers for the local processes kvscale starts (replicas, Redis, control plane) and their ports."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import socket
+import time
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago; the caller binds it soon after."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float, host: str = "127.0.0.1", what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{what or 'nothing'} listening on {host}:{port} after {timeout}s")
+
+
+def die_with_parent() -> None:
+    """For Popen(preexec_fn=...): the kernel SIGTERMs the child when its parent dies, however
+    it dies (SIGKILL included), so no replica or control-plane component outlives its owner."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
