@@ -1,1 +1,0 @@
-"""kvscale.operator: the InferenceService CRD's controller (kopf) and its KV-occupancy autoscaler."""
