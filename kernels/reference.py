@@ -1,8 +1,9 @@
 """PyTorch reference implementations of the paged-KV kernels.
 
 They define the semantics the Triton kernels must match, and they are the engine's CPU hot path,
-so they are vectorized: K/V are gathered through the block table into a padded
-``[num_seqs, max_len, num_kv_heads, head_dim]`` tensor and attended to in one batched call.
+so they avoid per-token Python work: K/V are gathered through the block table a whole block at a
+time with one ``index_select`` per cache (decode packs the sequences' blocks back to back, with
+no padding to the longest context) and attended to with SDPA.
 
 Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a slot is
 ``block_id * block_size + offset``. Softmax runs in float32 whatever the cache dtype.
@@ -64,16 +65,41 @@ def paged_decode_attention(
     _check_heads(num_heads, k_cache.shape[2])
     if num_seqs == 0:
         return query.new_empty(query.shape)
-    lens = context_lens.to(device=query.device, dtype=torch.long)
-    max_len = int(lens.max())
-    if max_len == 0:  # only padding sequences (e.g. a padded CUDA-graph batch): zeros
+    lens = context_lens.tolist()
+    if max(lens) == 0:  # only padding sequences (e.g. a padded CUDA-graph batch): zeros
         return torch.zeros_like(query)
-    keys, values = _gather_kv(k_cache, v_cache, block_tables, max_len)
-    # [num_seqs, 1, 1, max_len]: key position visible iff it is inside the sequence.
-    positions = torch.arange(max_len, device=query.device)
-    mask = (positions[None, :] < lens[:, None])[:, None, None, :]
-    out = _attend(query[:, :, None, :], keys, values, mask, scale)  # [S, H, 1, D]
-    return out[:, :, 0, :].to(query.dtype)
+    # Gather only the blocks each sequence uses, back to back (no padding to the longest
+    # context), with one index_select per cache; then attend per sequence over its own rows.
+    block_size = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
+    seq_blocks = [-(-n // block_size) for n in lens]
+    if max(seq_blocks) > block_tables.shape[1]:
+        raise ValueError(
+            f"context of {max(lens)} tokens needs {max(seq_blocks)} blocks, "
+            f"block table has {block_tables.shape[1]}"
+        )
+    table = block_tables[:, : max(seq_blocks)].to(device=k_cache.device, dtype=torch.long)
+    used = torch.arange(table.shape[1], device=table.device)[None, :] < torch.tensor(
+        seq_blocks, device=table.device
+    )[:, None]
+    flat = table[used]  # row-major: sequence 0's blocks, then sequence 1's, ...
+    rows = (-1, num_kv_heads, head_dim)
+    keys = k_cache.view(k_cache.shape[0], -1).index_select(0, flat).view(rows)
+    values = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(rows)
+    if keys.dtype != torch.float32:
+        keys, values = keys.float(), values.float()
+    # GQA without expanding K/V: the heads sharing a KV head become that head's query rows.
+    group = num_heads // num_kv_heads
+    grouped = query.float().reshape(num_seqs, num_kv_heads, group, head_dim)
+    out = torch.zeros(num_seqs, num_kv_heads, group, head_dim, dtype=torch.float32, device=query.device)
+    start = 0
+    for i, (n, blocks) in enumerate(zip(lens, seq_blocks, strict=True)):
+        if n:
+            k = keys[start : start + n].transpose(0, 1)  # [Hkv, n, D]
+            v = values[start : start + n].transpose(0, 1)
+            out[i] = F.scaled_dot_product_attention(grouped[i], k, v, scale=scale)
+        start += blocks * block_size
+    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def paged_prefill_attention(
@@ -120,12 +146,15 @@ def paged_prefill_attention(
         if q_len <= 1:
             continue
         keys, values = _gather_kv(k_cache, v_cache, block_tables[i : i + 1], ctx)
-        # Query j sits at position ctx - q_len + j and sees keys up to and including it.
-        q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
-        k_pos = torch.arange(ctx, device=query.device)
-        mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q_len, ctx]
         q = query[starts[i] : starts[i + 1]].transpose(0, 1)[None]  # [1, H, q_len, D]
-        seq_out = _attend(q, keys, values, mask, scale)  # [1, H, q_len, D]
+        if q_len == ctx:  # a whole prompt: plain causal attention, no mask to build or read
+            seq_out = _attend(q, keys, values, None, scale, causal=True)
+        else:
+            # Query j sits at position ctx - q_len + j and sees keys up to and including it.
+            q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
+            k_pos = torch.arange(ctx, device=query.device)
+            mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q_len, ctx]
+            seq_out = _attend(q, keys, values, mask, scale)  # [1, H, q_len, D]
         out[starts[i] : starts[i + 1]] = seq_out[0].transpose(0, 1).to(query.dtype)
     return out
 
@@ -154,12 +183,15 @@ def _gather_kv(
     return keys, values
 
 
-def _attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+def _attend(
+    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scale: float, causal: bool = False
+) -> Tensor:
     """SDPA in float32 with GQA; ``q`` ``[S, H, L, D]``, ``keys`` ``[S, T, Hkv, D]``."""
     k = keys.transpose(1, 2).float()
     v = values.transpose(1, 2).float()
     return F.scaled_dot_product_attention(
-        q.float(), k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        q.float(), k, v, attn_mask=mask, is_causal=causal, scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
     )
 
 

@@ -44,8 +44,11 @@ KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_NODE_VALUE = "fake"
 SERVICE_CIDR = "10.0.0.0/24"
 KUBERNETES_SERVICE_IP = "10.0.0.1"
-POD_CIDR = "10.244.0.0/16"
-FAKE_NODE_IP = "10.240.0.10"
+# kwok gives its pods and node addresses from these ranges. They are loopback on purpose: the
+# operator scrapes pod IPs, and a test must never send traffic off this machine (a scrape of a
+# kwok pod without a metrics-url override is refused at once instead of leaving the host).
+POD_CIDR = "127.244.0.0/16"
+FAKE_NODE_IP = "127.240.0.10"
 
 STARTUP_TIMEOUT_S = 180.0
 

@@ -104,9 +104,21 @@ def events_for(cluster: Cluster, namespace: str, name: str) -> list[dict]:
 
 def delete_and_wait_gone(cluster: Cluster, namespace: str, name: str) -> None:
     cluster.kubectl("delete", "kvis", name, "-n", namespace, "--wait=false")
-    wait_for(f"{namespace}/{name} and its pods to go",
-             lambda: not cluster.items("pods", namespace, f"{LABEL}={name}")
-             and cluster.get("kvis", name, namespace) is None, timeout=60)
+
+    def leftovers() -> list[str]:
+        # What still stands, with what holds it, so a timeout says why.
+        left = [f"pod/{p['metadata']['name']} deleting={bool(p['metadata'].get('deletionTimestamp'))}"
+                f" finalizers={p['metadata'].get('finalizers')}"
+                for p in cluster.items("pods", namespace, f"{LABEL}={name}")]
+        kvis = cluster.get("kvis", name, namespace)
+        if kvis is not None:
+            left.append(f"kvis/{name} finalizers={kvis['metadata'].get('finalizers')}")
+        return left
+
+    try:
+        wait_for(f"{namespace}/{name} and its pods to go", lambda: not leftovers(), timeout=60)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; still there: {leftovers()}") from exc
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from kvscale.operator.builders import METRICS_URL_ANNOTATION
 from kvscale.operator.scraping import metrics_url, parse_metrics, scrape_pods
 
 
-def ready_pod(name: str, url: str | None = None, ip: str = "10.244.0.7", ready: bool = True) -> dict:
+def ready_pod(name: str, url: str | None = None, ip: str = "127.244.0.7", ready: bool = True) -> dict:
     return {
         "metadata": {"name": name, "annotations": {METRICS_URL_ANNOTATION: url} if url else {}},
         "status": {"podIP": ip,
@@ -49,9 +49,9 @@ def test_parse_sums_over_label_sets():
 
 
 def test_override_is_honoured_only_when_allowed():
-    pod = ready_pod("p", url="http://127.0.0.1:9/metrics", ip="10.244.0.9")
+    pod = ready_pod("p", url="http://127.0.0.1:9/metrics", ip="127.244.0.9")
     assert metrics_url(pod, allow_override=True) == "http://127.0.0.1:9/metrics"
-    assert metrics_url(pod, allow_override=False) == "http://10.244.0.9:8000/metrics"
+    assert metrics_url(pod, allow_override=False) == "http://127.244.0.9:8000/metrics"
     assert metrics_url(ready_pod("q", ip="fd00::5"), False) == "http://[fd00::5]:8000/metrics"
 
 

@@ -110,6 +110,8 @@ def test_gpu_deployment_is_scheduled_on_the_fake_node_and_ready(k8s_env: K8sEnv)
         ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
         assert ready["Ready"] == "True"
         assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network(POD_CIDR)
+        # Loopback, so nothing that dials a pod (the operator's scraper) ever leaves the machine.
+        assert ipaddress.ip_address(pod["status"]["podIP"]).is_loopback
     deployment = k8s_env.kubectl_json("get", "deployment", "gpu-app", "-n", namespace)
     assert deployment["status"]["readyReplicas"] == 2
 
