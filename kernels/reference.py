@@ -17,6 +17,10 @@ from torch import Tensor
 
 __all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention"]
 
+# Gathered K+V bytes per decode chunk: small enough to stay in a core's L2/L3 between the copy
+# and the attention that reads it.
+_DECODE_CHUNK_BYTES = 2 * 1024 * 1024
+
 
 def write_kv(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
@@ -83,22 +87,34 @@ def paged_decode_attention(
         seq_blocks, device=table.device
     )[:, None]
     flat = table[used]  # row-major: sequence 0's blocks, then sequence 1's, ...
+    k_blocks = k_cache.view(k_cache.shape[0], -1)
+    v_blocks = v_cache.view(v_cache.shape[0], -1)
     rows = (-1, num_kv_heads, head_dim)
-    keys = k_cache.view(k_cache.shape[0], -1).index_select(0, flat).view(rows)
-    values = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(rows)
-    if keys.dtype != torch.float32:
-        keys, values = keys.float(), values.float()
     # GQA without expanding K/V: the heads sharing a KV head become that head's query rows.
     group = num_heads // num_kv_heads
     grouped = query.float().reshape(num_seqs, num_kv_heads, group, head_dim)
     out = torch.zeros(num_seqs, num_kv_heads, group, head_dim, dtype=torch.float32, device=query.device)
-    start = 0
-    for i, (n, blocks) in enumerate(zip(lens, seq_blocks, strict=True)):
-        if n:
-            k = keys[start : start + n].transpose(0, 1)  # [Hkv, n, D]
-            v = values[start : start + n].transpose(0, 1)
-            out[i] = F.scaled_dot_product_attention(grouped[i], k, v, scale=scale)
-        start += blocks * block_size
+    # A few sequences at a time, so what was just gathered is still in cache when it is read.
+    chunk_blocks = max(1, _DECODE_CHUNK_BYTES // (2 * k_blocks.shape[1] * 4))
+    first = 0
+    block_start = 0
+    while first < num_seqs:
+        last, chunk_end = first, block_start
+        while last < num_seqs and (last == first or chunk_end + seq_blocks[last] - block_start <= chunk_blocks):
+            chunk_end += seq_blocks[last]
+            last += 1
+        chunk = flat[block_start:chunk_end]
+        keys = k_blocks.index_select(0, chunk).view(rows).float()
+        values = v_blocks.index_select(0, chunk).view(rows).float()
+        start = 0
+        for i in range(first, last):
+            n = lens[i]
+            if n:
+                k = keys[start : start + n].transpose(0, 1)  # [Hkv, n, D]
+                v = values[start : start + n].transpose(0, 1)
+                out[i] = F.scaled_dot_product_attention(grouped[i], k, v, scale=scale)
+            start += seq_blocks[i] * block_size
+        first, block_start = last, chunk_end
     return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
