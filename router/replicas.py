@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -136,7 +137,7 @@ class EndpointSliceWatch:
     """Ready endpoints of a headless Service, from its EndpointSlices, pushed into a ReplicaSet.
 
     The kubernetes client's watch blocks, so it runs in a thread and hands URL lists to the
-    router's loop with ``call_soon_threadsafe``.
+    router's loop with ``call_soon_threadsafe`` (only when the set of URLs changes).
     """
 
     def __init__(
@@ -146,14 +147,18 @@ class EndpointSliceWatch:
         on_urls: Callable[[list[str]], None],
         loop: asyncio.AbstractEventLoop,
         port_name: str | None = None,
+        kubeconfig: str | None = None,
     ) -> None:
         self.service = service
         self.namespace = namespace
         self.port_name = port_name
+        self.kubeconfig = kubeconfig  # None: in-cluster, else $KUBECONFIG, else ~/.kube/config
         self._on_urls = on_urls
         self._loop = loop
         self._stop = threading.Event()
         self._slices: dict[str, list[str]] = {}
+        self._published: list[str] | None = None
+        self._watch = None
         self._thread = threading.Thread(target=self._run, name="endpointslice-watch", daemon=True)
 
     def start(self) -> None:
@@ -161,12 +166,14 @@ class EndpointSliceWatch:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._watch is not None:
+            self._watch.stop()  # ends the stream at its next event or server timeout
 
     def slice_urls(self, endpoint_slice) -> list[str]:
-        ports = endpoint_slice.ports or []
         port = None
-        for p in ports:
-            if self.port_name is None or p.name == self.port_name:
+        for p in endpoint_slice.ports or []:
+            # A port without a number means "unrestricted": nothing we could dial.
+            if p.port is not None and (self.port_name is None or p.name == self.port_name):
                 port = p.port
                 break
         if port is None:
@@ -174,32 +181,51 @@ class EndpointSliceWatch:
         urls = []
         for endpoint in endpoint_slice.endpoints or []:
             conditions = endpoint.conditions
+            # The API says an unknown (unset) ready condition is to be read as ready.
             if conditions is not None and conditions.ready is False:
                 continue
-            for address in endpoint.addresses or []:
-                host = f"[{address}]" if ":" in address else address
-                urls.append(f"http://{host}:{port}")
+            if not endpoint.addresses:
+                continue
+            # An endpoint's addresses are fungible (one pod); routing to all would count it twice.
+            address = endpoint.addresses[0]
+            host = f"[{address}]" if ":" in address else address
+            urls.append(f"http://{host}:{port}")
         return urls
 
     def _publish(self) -> None:
         urls = sorted({u for urls in self._slices.values() for u in urls})
+        if urls == self._published:
+            return
+        self._published = urls
         self._loop.call_soon_threadsafe(self._on_urls, urls)
 
-    def _run(self) -> None:
-        from kubernetes import client, config, watch
+    def _api_client(self):
+        from kubernetes import client, config
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        api = client.DiscoveryV1Api()
+        if self.kubeconfig is None:
+            try:
+                configuration = client.Configuration()
+                config.load_incluster_config(client_configuration=configuration)
+                return client.ApiClient(configuration)
+            except config.ConfigException:
+                pass
+        # The client reads $KUBECONFIG once, when first imported; read it now. Our own ApiClient
+        # leaves the process-wide default configuration alone.
+        path = self.kubeconfig or os.environ.get("KUBECONFIG") or None
+        return config.new_client_from_config(config_file=path, persist_config=False)
+
+    def _run(self) -> None:
+        from kubernetes import client, watch
+
+        api = client.DiscoveryV1Api(self._api_client())
         selector = f"kubernetes.io/service-name={self.service}"
         while not self._stop.is_set():
             try:
                 listing = api.list_namespaced_endpoint_slice(self.namespace, label_selector=selector)
                 self._slices = {s.metadata.name: self.slice_urls(s) for s in listing.items}
                 self._publish()
-                stream = watch.Watch().stream(
+                self._watch = watch.Watch()
+                stream = self._watch.stream(
                     api.list_namespaced_endpoint_slice,
                     self.namespace,
                     label_selector=selector,
@@ -209,6 +235,8 @@ class EndpointSliceWatch:
                 for event in stream:
                     if self._stop.is_set():
                         return
+                    if event["type"] not in ("ADDED", "MODIFIED", "DELETED"):
+                        continue  # bookmarks carry no endpoints
                     endpoint_slice = event["object"]
                     name = endpoint_slice.metadata.name
                     if event["type"] == "DELETED":
@@ -217,5 +245,7 @@ class EndpointSliceWatch:
                         self._slices[name] = self.slice_urls(endpoint_slice)
                     self._publish()
             except Exception as exc:  # apiserver restarts, expired resourceVersion: relist
+                if self._stop.is_set():
+                    return
                 log.warning("EndpointSlice watch for %s/%s: %s; relisting", self.namespace, self.service, exc)
                 self._stop.wait(2.0)
