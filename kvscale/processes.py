@@ -6,6 +6,10 @@ import ctypes
 import signal
 import socket
 import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -17,15 +21,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def wait_for_port(port: int, timeout: float, host: str = "127.0.0.1", what: str = "") -> None:
+def wait_until(
+    predicate: Callable[[], T], timeout: float, *, interval: float = 0.1, what: str = "condition"
+) -> T:
+    """Poll `predicate` until it returns something truthy, and return that."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def wait_for_port(port: int, timeout: float, host: str = "127.0.0.1", what: str = "") -> None:
+    def listening() -> bool:
         try:
             with socket.create_connection((host, port), timeout=0.2):
-                return
+                return True
         except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"{what or 'nothing'} listening on {host}:{port} after {timeout}s")
+            return False
+
+    wait_until(listening, timeout, interval=0.05, what=f"{what or 'something'} to listen on {host}:{port}")
 
 
 def die_with_parent() -> None:

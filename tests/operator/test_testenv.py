@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from kvscale.operator.testenv import (
     K8sEnvError,
     kwok_toleration,
 )
+from kvscale.processes import wait_until
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -63,16 +63,6 @@ def _gpu_deployment(name: str, namespace: str, gpus: int, replicas: int = 1) -> 
             },
         },
     }
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def test_fake_gpu_node_is_ready_with_gpus(k8s_env: K8sEnv) -> None:
@@ -129,7 +119,7 @@ def test_more_gpus_than_the_node_has_stays_pending(k8s_env: K8sEnv) -> None:
         )["items"]
         return [e for e in events if "Insufficient nvidia.com/gpu" in e["message"]]
 
-    _wait_for(failed_scheduling_event, 90, "a FailedScheduling event for nvidia.com/gpu")
+    wait_until(failed_scheduling_event, 90, interval=0.5, what="a FailedScheduling event for nvidia.com/gpu")
     pods = k8s_env.kubectl_json("get", "pods", "-n", namespace, "-l", "app=huge")["items"]
     assert [p["status"]["phase"] for p in pods] == ["Pending"]
     assert "nodeName" not in pods[0]["spec"]
@@ -152,7 +142,7 @@ def test_deleting_a_deployment_garbage_collects_its_replicaset_and_pods(k8s_env:
     # No --cascade flag: the default background deletion leaves the children
     # to the controller-manager's garbage collector, which is what is tested.
     k8s_env.kubectl("delete", "deployment", "doomed", "-n", namespace, "--wait=true")
-    _wait_for(lambda: not owned(), 90, "the ReplicaSet and Pod to be garbage-collected")
+    wait_until(lambda: not owned(), 90, interval=0.5, what="the ReplicaSet and Pod to be garbage-collected")
 
 
 def test_rbac_is_enforced_for_a_restricted_identity(k8s_env: K8sEnv) -> None:

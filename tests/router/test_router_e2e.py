@@ -18,6 +18,7 @@ import openai
 import pytest
 import redis
 
+from kvscale.processes import wait_until
 from kvscale.server.block_hash import hash_prompt_blocks
 from kvscale.server.kv_publisher import blocks_key
 from kvscale.server.model_loader import load_tokenizer, resolve_model_path
@@ -45,14 +46,8 @@ def router(replicas, session_redis, router_launcher):
     return router_launcher.router([r.url for r in replicas], session_redis.url)
 
 
-def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"{what} not met within {timeout}s")
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    return wait_until(predicate, timeout, what=what)
 
 
 def complete(base_url: str, prompt: str, max_tokens: int = 4, **extra) -> httpx.Response:

@@ -13,6 +13,7 @@ import time
 
 import redis
 
+from kvscale.processes import wait_until
 from kvscale.router.index import PrefixIndex
 from kvscale.router.redis_feed import RedisFeed
 from kvscale.server.block_hash import hash_prompt_blocks
@@ -31,14 +32,8 @@ def stats(running: int = 1, waiting: int = 2) -> EngineStats:
     )
 
 
-def eventually(predicate, timeout: float = 10.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s")
+def eventually(predicate, timeout: float = 10.0):
+    return wait_until(predicate, timeout, interval=0.05)
 
 
 class FakeCache:
