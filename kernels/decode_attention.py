@@ -23,6 +23,31 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    positions,
+    valid,
+    kv_head,
+    dims,
+    dim_mask,
+    cache_stride_slot,
+    cache_stride_head,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """K and V of one tile of a sequence's positions, found through its block table row."""
+    block_ids = tl.load(block_table_ptr + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slots = block_ids * BLOCK_SIZE + positions % BLOCK_SIZE
+    kv_offsets = slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
+    kv_mask = valid[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    return k, v
+
+
+@triton.jit
 def _decode_kernel(
     query_ptr,
     k_cache_ptr,
@@ -80,18 +105,11 @@ def _decode_kernel(
     for tile_start in range(part_start, part_end, BLOCK_N):
         positions = tile_start + offsets
         valid = positions < part_end
-        block_ids = tl.load(
-            block_tables_ptr + seq * block_tables_stride + positions // BLOCK_SIZE,
-            mask=valid,
-            other=0,
-        ).to(tl.int64)
-        slots = block_ids * BLOCK_SIZE + positions % BLOCK_SIZE
-        kv_offsets = (
-            slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * block_tables_stride, positions,
+            valid, kv_head, dims, dim_mask, cache_stride_slot, cache_stride_head,
+            BLOCK_SIZE, DOT_DTYPE,
         )
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))

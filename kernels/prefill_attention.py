@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvscale.kernels.decode_attention import _LOG2E, dot_options
+from kvscale.kernels.decode_attention import _LOG2E, dot_options, load_kv_tile
 
 
 @triton.jit
@@ -76,18 +76,11 @@ def _prefill_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         positions = tile_start + offsets
         valid = positions < kv_end
-        block_ids = tl.load(
-            block_tables_ptr + seq * block_tables_stride + positions // BLOCK_SIZE,
-            mask=valid,
-            other=0,
-        ).to(tl.int64)
-        slots = block_ids * BLOCK_SIZE + positions % BLOCK_SIZE
-        kv_offsets = (
-            slots[:, None] * cache_stride_slot + kv_head * cache_stride_head + dims[None, :]
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * block_tables_stride, positions,
+            valid, kv_head, dims, dim_mask, cache_stride_slot, cache_stride_head,
+            BLOCK_SIZE, DOT_DTYPE,
         )
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = valid[None, :] & (positions[None, :] <= q_positions[:, None])
