@@ -230,7 +230,6 @@ class LLMEngine:
         for item in sched.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            self.kv.register_computed_blocks(seq)
             if seq.num_computed_tokens <= seq.num_prompt_tokens:
                 self.num_prompt_tokens_computed += item.num_new_tokens
 

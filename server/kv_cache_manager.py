@@ -120,11 +120,18 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
-    def register_computed_blocks(self, seq: Sequence) -> None:
-        """Make every block of ``seq`` that is now full and computed findable by its hash."""
+    def register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Make every block of ``seq`` that is full within its first ``num_tokens`` tokens findable.
+
+        The scheduler calls this with the tokens a step will have computed, before the step runs
+        (as vLLM v1 does): every layer writes the whole batch's K/V before any attention reads it,
+        so a sequence admitted later in the same step, or in any later step, can share blocks that
+        are still being filled instead of prefilling the same prefix again. Aborts and preemptions
+        happen only between steps, so a registered block is always computed by the time it is read.
+        """
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         if num_full <= seq.num_registered_blocks:
             return
         self._ensure_hashes(seq, num_full)

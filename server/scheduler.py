@@ -9,6 +9,8 @@ Policy (one step):
   2. Then, unless something was preempted this step, waiting sequences in arrival order while
      the token budget and ``max_num_seqs`` allow; the last one admitted may be a partial chunk.
      A waiting sequence that does not fit stops admission (first come, first served).
+Blocks become findable by hash when they are scheduled, not when they are computed, so requests
+arriving together with a common prefix compute it once (see KVCacheManager.register_full_blocks).
 Admission control guarantees any single sequence fits the whole pool, so the oldest running
 sequence can always progress: no deadlock.
 """
@@ -82,6 +84,7 @@ class Scheduler:
                     break
             else:
                 kv.allocate(seq, num_new)
+                kv.register_full_blocks(seq, seq.num_computed_tokens + num_new)
                 out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
                 i += 1
@@ -99,6 +102,7 @@ class Scheduler:
                 break
             kv.record_lookup(seq, num_computed)
             kv.allocate(seq, num_new, cached)
+            kv.register_full_blocks(seq, seq.num_computed_tokens + num_new)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

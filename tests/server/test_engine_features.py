@@ -35,6 +35,27 @@ def test_prefix_hits_are_counted_and_reused(make_engine, run_to_completion, bund
     assert stats.kv_blocks_active == 0 and stats.kv_blocks_cached > 0
 
 
+def test_requests_arriving_together_compute_a_shared_prefix_once(make_engine, run_to_completion, bundled_tokenizer):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = {}
+    for name, suffix in (("a", " one"), ("b", " two")):
+        engine = make_engine()
+        engine.add_request(name, LONG_PROMPT + suffix, params)
+        alone[name] = run_to_completion(engine)[name].outputs[0].token_ids
+
+    engine = make_engine()
+    engine.add_request("a", LONG_PROMPT + " one", params)
+    engine.add_request("b", LONG_PROMPT + " two", params)
+    together = run_to_completion(engine)
+    shared = len(bundled_tokenizer.encode(LONG_PROMPT))
+    # Both are admitted in the first step; b reads the blocks a is filling in that step.
+    assert together["a"].num_cached_tokens == 0
+    assert together["b"].num_cached_tokens >= (shared // 16 - 1) * 16 > 0
+    assert {n: o.outputs[0].token_ids for n, o in together.items()} == alone
+    prompt_tokens = sum(len(bundled_tokenizer.encode(LONG_PROMPT + s)) for s in (" one", " two"))
+    assert engine.num_prompt_tokens_computed == prompt_tokens - together["b"].num_cached_tokens
+
+
 def test_cache_salt_prevents_sharing(make_engine, run_to_completion):
     engine = make_engine()
     engine.add_request("a", LONG_PROMPT, SamplingParams(max_tokens=2), cache_salt="alice")

@@ -36,7 +36,6 @@ def simulate_step(scheduler: Scheduler, kv: KVCacheManager) -> list[Sequence]:
     for item in out.scheduled:
         seq = item.seq
         seq.num_computed_tokens += item.num_new_tokens
-        kv.register_computed_blocks(seq)
         if seq.num_computed_tokens == seq.num_tokens:
             seq.token_ids.append(7)
             if seq.num_output_tokens >= seq.request.max_tokens:
@@ -104,6 +103,28 @@ def test_prefix_hit_skips_cached_blocks_and_counts_tokens():
     assert second.num_computed_tokens == 8 and item.num_new_tokens == 2
     assert second.block_table[:2] == first.block_table[:2]
     assert kv.prefix_cache_hits == 8 and kv.prefix_cache_queries == 20
+
+
+def test_prefix_being_computed_is_shared_within_the_same_step():
+    scheduler, kv = make_scheduler(16, budget=64)
+    first, second = make_seq(10, name="first"), make_seq(10, name="second")
+    scheduler.add(first)
+    scheduler.add(second)
+    out = scheduler.schedule()
+    assert [s.seq for s in out.scheduled] == [first, second]
+    # second reuses first's two full blocks, filled by this very step, and computes 2 tokens.
+    assert second.block_table[:2] == first.block_table[:2]
+    assert [s.num_new_tokens for s in out.scheduled] == [10, 2]
+    assert kv.prefix_cache_hits == 8
+
+
+def test_partial_chunk_registers_only_blocks_it_fills():
+    scheduler, kv = make_scheduler(16, budget=6)
+    first = make_seq(10, name="first")
+    scheduler.add(first)
+    scheduler.schedule()  # 6 tokens: one full block, one partial
+    assert first.num_registered_blocks == 1
+    assert kv.pool.lookup(first.block_hashes[0]) == first.block_table[0]
 
 
 def test_fully_cached_prompt_recomputes_last_block():
