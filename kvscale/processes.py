@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import signal
 import socket
 import time
@@ -52,3 +53,16 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now into the garbage collector's permanent generation.
+
+    A serving process holds torch and transformers (about 400,000 objects once a tokenizer is
+    loaded); every full collection walks all of them, about 250 ms on a 2-core machine, and
+    happens at random moments under load: a stall of the event loop and, in a replica, of the
+    engine thread. What start-up built lives until exit, so it needs no collecting. Call once,
+    when start-up is done (as vLLM's server does).
+    """
+    gc.collect()
+    gc.freeze()

@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvscale.processes import freeze_startup_heap
 from kvscale.router import policy as routing
 from kvscale.router.index import PrefixIndex
 from kvscale.router.replicas import EndpointSliceWatch, Replica, ReplicaSet, normalize_url
@@ -66,6 +67,7 @@ class RouterConfig:
     health_interval_s: float = 2.0
     connect_timeout_s: float = 2.0
     seed: int | None = None
+    freeze_heap_after_start: bool = False  # the CLI sets it; tests that build many apps do not
 
 
 def openai_error(status: int, message: str, err_type: str, code: str | None = None) -> JSONResponse:
@@ -162,6 +164,9 @@ class Router:
             self._watch.start()
         await self.replicas.start()
         self._sync_task = asyncio.create_task(self._sync_loop(), name="router-sync")
+        if self.config.freeze_heap_after_start:
+            # Tokenizers pull in transformers and torch: without this a full GC stalls routing ~250 ms.
+            freeze_startup_heap()
 
     async def stop(self) -> None:
         if self._sync_task is not None:

@@ -69,6 +69,7 @@ def config_from_args(args: argparse.Namespace):
         max_attempts=args.max_attempts,
         health_interval_s=args.health_interval,
         seed=args.seed,
+        freeze_heap_after_start=True,
     )
 
 

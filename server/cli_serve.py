@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
+    from kvscale.processes import freeze_startup_heap
     from kvscale.server.api_server import build_app
     from kvscale.server.async_engine import AsyncEngine
     from kvscale.server.config import EngineConfig
@@ -112,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
                     max_queue_len=args.max_queue_len, model_root=str(model_path))
     print(f"kvscale: serving {served_names[0]!r} at http://{args.host}:{args.port}/v1 "
           f"(max_model_len {engine.max_model_len}, block size {engine.block_size})", flush=True)
+    freeze_startup_heap()  # the model and tokenizer are loaded: spare them every full GC
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                     access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5)

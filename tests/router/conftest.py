@@ -93,18 +93,26 @@ class Proc:
                 self.proc.wait(10)
 
 
-def _env() -> dict:
+def _env(overrides: dict[str, str | None] | None = None) -> dict:
+    """The test environment's variables; an override of None removes that variable."""
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("OMP_NUM_THREADS", "1")
+    for key, value in (overrides or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     return env
 
 
-def spawn(args: list[str], port: int, name: str, health_path: str = "/health", timeout: float = 240) -> Proc:
+def spawn(args: list[str], port: int, name: str, health_path: str = "/health", timeout: float = 240,
+          env: dict[str, str | None] | None = None) -> Proc:
+    """Start `kvscale ARGS` and wait until ``health_path`` answers 200; ``env`` overrides variables."""
     log_fd, log_path = tempfile.mkstemp(prefix=f"kvscale-{name}-", suffix=".log")
-    proc = subprocess.Popen(KVSCALE + args, stdout=log_fd, stderr=subprocess.STDOUT, env=_env(), cwd=str(REPO))
+    proc = subprocess.Popen(KVSCALE + args, stdout=log_fd, stderr=subprocess.STDOUT, env=_env(env), cwd=str(REPO))
     os.close(log_fd)
     handle = Proc(proc, port, log_path)
     deadline = time.monotonic() + timeout
@@ -135,14 +143,18 @@ def spawn_replica(redis_url: str | None, name: str, num_blocks: int = REPLICA_BL
     return spawn(args + (extra or []), port, name)
 
 
-def spawn_router(replica_urls: list[str], redis_url: str | None, policy: str = "prefix-affinity",
-                 extra: list[str] | None = None) -> Proc:
+def spawn_router(replica_urls: list[str] | None, redis_url: str | None, policy: str = "prefix-affinity",
+                 extra: list[str] | None = None, health_path: str = "/health",
+                 env: dict[str, str | None] | None = None) -> Proc:
+    """A router over static replica URLs, or (``replica_urls`` None) whatever ``extra`` discovers."""
     port = free_port()
-    args = ["router", "--host", "127.0.0.1", "--port", str(port), "--replicas", ",".join(replica_urls),
+    args = ["router", "--host", "127.0.0.1", "--port", str(port),
             "--policy", policy, "--block-size", str(BLOCK_SIZE), "--health-interval", "0.5"]
+    if replica_urls is not None:
+        args += ["--replicas", ",".join(replica_urls)]
     if redis_url:
         args += ["--redis", redis_url]
-    return spawn(args + (extra or []), port, "router", timeout=120)
+    return spawn(args + (extra or []), port, "router", health_path=health_path, timeout=120, env=env)
 
 
 @pytest.fixture(scope="session")
@@ -169,7 +181,7 @@ class Launcher:
         self.started.append(proc)
         return proc
 
-    def router(self, replica_urls: list[str], redis_url: str | None, **kwargs) -> Proc:
+    def router(self, replica_urls: list[str] | None, redis_url: str | None, **kwargs) -> Proc:
         proc = spawn_router(replica_urls, redis_url, **kwargs)
         self.started.append(proc)
         return proc

@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
@@ -73,25 +69,6 @@ def _slice(name: str, namespace: str, service: str, port: int, endpoints: list[d
 
 def _url(port: int) -> str:
     return f"http://{LOOPBACK}:{port}"
-
-
-def _start_router(args: list[str], port: int, env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    """A real `kvscale router`, up once it answers /metrics (/health is 503 with no healthy replica)."""
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "kvscale", "router", *args], stdout=log_file,
-                                stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"router exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
-        try:
-            if httpx.get(f"http://{LOOPBACK}:{port}/metrics", timeout=1.0).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    proc.wait(10)
-    pytest.fail(f"router not up after 120s:\n{log_path.read_text()[-4000:]}")
 
 
 def test_endpointslice_watch_follows_ready_endpoints(k8s_env):
@@ -165,7 +142,7 @@ def test_endpointslice_watch_follows_ready_endpoints(k8s_env):
         env.kubectl("delete", "namespace", ns, "--wait=false")
 
 
-def test_router_cli_discovers_replicas_from_k8s_service(k8s_env, tmp_path):
+def test_router_cli_discovers_replicas_from_k8s_service(k8s_env, launcher):
     """`kvscale router --k8s-service` with $KUBECONFIG: /health lists exactly the ready endpoints."""
     env = k8s_env
     ns = _namespace(env, "router-cli")
@@ -179,32 +156,27 @@ def test_router_cli_discovers_replicas_from_k8s_service(k8s_env, tmp_path):
         _slice("replicas-a", ns, service, port_a, [_endpoint(True)], extra_ports=[metrics_port]),
         _slice("replicas-b", ns, service, port_b, [_endpoint(False)], extra_ports=[metrics_port]),
     )
-    router_env = dict(os.environ, KUBECONFIG=str(env.kubeconfig), HF_HUB_OFFLINE="1",
-                      TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    router_env.pop("KUBERNETES_SERVICE_HOST", None)  # out of cluster: the kubeconfig it is
-    router_port = free_port()
-    router_url = f"http://{LOOPBACK}:{router_port}"
-    log_path = tmp_path / "router.log"
-    router = _start_router(
-        ["--host", LOOPBACK, "--port", str(router_port), "--k8s-service", service, "--namespace", ns,
-         "--k8s-port-name", "http", "--health-interval", "0.5"],
-        router_port, router_env, log_path,
-    )
-
-    def expect(urls: set[str], why: str) -> None:
-        deadline = time.monotonic() + FOLLOW_S
-        while True:
-            listed = {r["url"] for r in httpx.get(f"{router_url}/health", timeout=2.0).json()["replicas"]}
-            if listed == urls:
-                return
-            if time.monotonic() > deadline:
-                pytest.fail(f"{why}: router lists {sorted(listed)} != {sorted(urls)}\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.1)
-
     try:
+        # Out of cluster: the kubeconfig is the one it uses. /health is 503 with no healthy
+        # replica, so the router counts as up once /metrics answers.
+        router = launcher.router(
+            None, None, extra=["--k8s-service", service, "--namespace", ns, "--k8s-port-name", "http"],
+            health_path="/metrics", env={"KUBECONFIG": str(env.kubeconfig), "KUBERNETES_SERVICE_HOST": None},
+        )
+
+        def expect(urls: set[str], why: str) -> None:
+            deadline = time.monotonic() + FOLLOW_S
+            while True:
+                listed = {r["url"] for r in httpx.get(f"{router.url}/health", timeout=2.0).json()["replicas"]}
+                if listed == urls:
+                    return
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{why}: router lists {sorted(listed)} != {sorted(urls)}\n{router.log_tail()}")
+                time.sleep(0.1)
+
         expect({_url(port_a)}, "initial list")
         # Nothing listens there, so the router knows the replica but will not route to it.
-        health = httpx.get(f"{router_url}/health", timeout=2.0)
+        health = httpx.get(f"{router.url}/health", timeout=2.0)
         assert health.status_code == 503
         assert [r["healthy"] for r in health.json()["replicas"]] == [False]
 
@@ -212,12 +184,6 @@ def test_router_cli_discovers_replicas_from_k8s_service(k8s_env, tmp_path):
         expect({_url(port_a), _url(port_b)}, "endpoint marked ready")
         env.kubectl("delete", "endpointslice", "-n", ns, "replicas-a", "replicas-b")
         expect(set(), "slices deleted")
-        assert router.poll() is None, log_path.read_text()[-4000:]
+        assert router.proc.poll() is None, router.log_tail()
     finally:
-        router.terminate()
-        try:
-            router.wait(15)
-        except subprocess.TimeoutExpired:
-            router.kill()
-            router.wait(10)
         env.kubectl("delete", "namespace", ns, "--wait=false")
