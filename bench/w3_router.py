@@ -229,6 +229,12 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=192, help="KV blocks per replica")
     parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=512,
+        help="the replicas' token budget per step. A 2048-token step takes seconds on a shared CPU, and "
+        "a request whose prefix is cached (16 tokens to prefill) waits for the whole step it joins; "
+        "512 keeps steps short, as a latency-minded deployment would. Same replicas for every policy.",
+    )
+    parser.add_argument(
         "--replica-nice", type=int, default=10,
         help="CPU niceness of the replicas. In a cluster the router has CPUs of its own and the replicas "
         "compute on GPUs; here four CPU-bound replicas share the router's cores, and without this the "
@@ -260,6 +266,7 @@ def main() -> int:
                 [sys.executable, "-m", "kvscale", "serve", "--host", "127.0.0.1", "--port", str(port),
                  "--block-size", str(args.block_size), "--num-gpu-blocks-override", str(args.num_gpu_blocks_override),
                  "--max-model-len", str(max_len), "--max-num-seqs", str(args.concurrency),
+                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                  "--redis", redis_url, "--replica-id", f"replica-{i}", "--disable-uvicorn-access-log"],
                 nice=args.replica_nice,
             ))

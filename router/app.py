@@ -86,7 +86,7 @@ class RouterMetrics:
         )
         self.decision_seconds = Histogram(
             "kvscale_router_routing_decision_seconds",
-            "Time from receiving a request to sending it upstream (parse, tokenize, hash, score)",
+            "Time from a request's last byte to sending it upstream (parse, tokenize, hash, score)",
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1), registry=r,
         )
         self.predicted_hit_tokens = Counter(
@@ -229,13 +229,16 @@ class Router:
         return now - feed.healthy_since > grace and now - last_seen > grace
 
     def _load(self, replica: Replica) -> tuple[int, float]:
-        load, kv_usage = replica.in_flight, 0.0
-        if self.feed is not None and self.feed.healthy:
-            hb = self.feed.heartbeats.get(replica.replica_id)
-            if hb is not None:
-                load = max(load, hb.load)
-                kv_usage = hb.kv_usage
-        return load, kv_usage
+        hb = self.feed.heartbeats.get(replica.replica_id) if self.feed is not None and self.feed.healthy else None
+        if hb is None:
+            return replica.in_flight, 0.0
+        load = routing.effective_load(replica.in_flight, hb.load, hb.timestamp, replica.last_finished)
+        return load, hb.kv_usage
+
+    def _release(self, replica: Replica) -> None:
+        replica.in_flight -= 1
+        replica.last_finished = time.time()
+        self.metrics.in_flight.labels(replica.replica_id).set(replica.in_flight)
 
     def prompt_block_hashes(self, endpoint: str, body: dict, model: str | None) -> tuple[list[int], int, int]:
         """(block hashes, prompt tokens, block size); empty when the prompt can't be tokenized here."""
@@ -313,10 +316,11 @@ class Router:
         return {m for r in self.replicas.replicas.values() for m in r.models}
 
     async def proxy(self, request: Request, endpoint: str) -> Response:
-        started = time.perf_counter()
         if (denied := self.check_api_key(request)) is not None:
             return denied
         raw = await request.body()
+        # The router's own time starts with the body's last byte: until then it waits on the client.
+        started = time.perf_counter()
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
@@ -391,8 +395,7 @@ class Router:
                 continue
             finally:
                 if not committed:
-                    replica.in_flight -= 1
-                    self.metrics.in_flight.labels(replica.replica_id).set(replica.in_flight)
+                    self._release(replica)
                     if upstream is not None:
                         await upstream.aclose()
             self._remember_session(session, replica.replica_id)
@@ -419,8 +422,7 @@ class Router:
             # Already streaming: never retried; the client sees the stream end.
             log.warning("replica %s broke a stream mid-way: %s", replica.replica_id, exc)
         finally:
-            replica.in_flight -= 1
-            self.metrics.in_flight.labels(replica.replica_id).set(replica.in_flight)
+            self._release(replica)
             await upstream.aclose()
 
     async def models(self, request: Request) -> Response:

@@ -42,6 +42,25 @@ class Decision:
     reason: str  # "affinity" | "load" | "hash" | "sticky" | "round-robin" | "random"
 
 
+def effective_load(
+    local_in_flight: int,
+    heartbeat_load: int | None,
+    heartbeat_time: float,
+    last_local_finish: float,
+) -> int:
+    """A replica's load for the bound: this router's own count, raised by the heartbeat's.
+
+    The heartbeat (running + waiting, once a second) also counts other routers' requests, but a
+    heartbeat sent before a request of ours finished there still counts that request: believing
+    it would push the replica over the bound and spill prompts away from the cache holding them.
+    So a heartbeat older than our latest completion on that replica is ignored (both are wall
+    clock times) until the next one arrives.
+    """
+    if heartbeat_load is None or heartbeat_time < last_local_finish:
+        return local_in_flight
+    return max(local_in_flight, heartbeat_load)
+
+
 def bounded_capacity(loads: Sequence[int], epsilon: float) -> int:
     """Most in-flight requests any replica may hold after taking one more request."""
     if not loads:

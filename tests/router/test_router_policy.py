@@ -127,3 +127,13 @@ def test_decide_dispatches_and_rejects_unknown_policy():
     with pytest.raises(ValueError, match="unknown routing policy"):
         policy.decide("fastest", cands, **kwargs)
     assert policy.prefix_affinity([], 1, 1).ranked == []
+
+
+def test_effective_load_ignores_a_heartbeat_older_than_our_last_completion():
+    # Fresh heartbeat: other routers' requests count too.
+    assert policy.effective_load(2, 5, heartbeat_time=100.0, last_local_finish=99.0) == 5
+    # Ours is the fresher count after a completion the heartbeat has not seen yet.
+    assert policy.effective_load(2, 5, heartbeat_time=100.0, last_local_finish=100.5) == 2
+    # A heartbeat never lowers what this router knows it has open.
+    assert policy.effective_load(4, 1, heartbeat_time=100.0, last_local_finish=0.0) == 4
+    assert policy.effective_load(3, None, heartbeat_time=0.0, last_local_finish=0.0) == 3
