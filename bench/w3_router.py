@@ -35,7 +35,8 @@ from kvscale.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
-POLICIES = ("prefix-affinity", "round-robin", "random")
+# "NAME@EPS" runs policy NAME with --balance-epsilon EPS (the router's default is 0.25).
+POLICIES = ("prefix-affinity", "round-robin", "random", "prefix-affinity@0.5")
 
 
 class Processes:
@@ -43,8 +44,8 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
         self.logdir = tempfile.mkdtemp(prefix="kvscale-w3-")
 
-    def start(self, name: str, argv: list[str], nice: int = 0) -> subprocess.Popen:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    def start(self, name: str, argv: list[str], nice: int = 0, env: dict[str, str] | None = None) -> subprocess.Popen:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
         log = open(os.path.join(self.logdir, f"{name}.log"), "ab")  # noqa: SIM115
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
@@ -152,11 +153,13 @@ async def drive(router_url: str, prompts: list[list[int]], output_tokens: int, c
 def run_policy(args, policy: str, seed: int, replica_urls: list[str], redis_url: str, procs: Processes) -> dict:
     port = free_port()
     router_url = f"http://127.0.0.1:{port}"
+    name, _, epsilon = policy.partition("@")
     router = procs.start(
         f"router-{policy}",
         [sys.executable, "-m", "kvscale", "router", "--host", "127.0.0.1", "--port", str(port),
-         "--replicas", ",".join(replica_urls), "--redis", redis_url, "--policy", policy,
-         "--block-size", str(args.block_size), "--seed", str(seed), "--log-level", "warning"],
+         "--replicas", ",".join(replica_urls), "--redis", redis_url, "--policy", name,
+         "--block-size", str(args.block_size), "--seed", str(seed), "--log-level", "warning"]
+        + (["--balance-epsilon", epsilon] if epsilon else []),
     )
     try:
         wait_healthy([router_url], [router], timeout=300)
@@ -192,6 +195,10 @@ def run_policy(args, policy: str, seed: int, replica_urls: list[str], redis_url:
         "router_added_ms_p50": quantile(router_ms, 0.5),
         "router_added_ms_p99": quantile(router_ms, 0.99),
         "predicted_hit_tokens_total": sum(r["predicted_hit_tokens"] for r in ok),
+        # In completion order, for looking into the tails.
+        "per_request": [
+            {k: r[k] for k in ("ttft_s", "replica", "router_ms", "predicted_hit_tokens")} for r in ok
+        ],
     }
 
 
@@ -203,13 +210,15 @@ def plot(results: list[dict], path: Path) -> None:
 
     names = [r["policy"] for r in results]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.bar(names, [100 * r["prefix_cache_hit_rate"] for r in results], color=["tab:green", "tab:gray", "tab:orange"])
+    colors = ["tab:green" if n.startswith("prefix-affinity") else "tab:gray" for n in names]
+    left.bar(names, [100 * r["prefix_cache_hit_rate"] for r in results], color=colors)
+    left.tick_params(axis="x", labelrotation=20)
     left.set_ylabel("prefix-cache hit rate (%)")
     left.set_title("W3: replicas' own prefix-cache hit rate")
     x = range(len(names))
     right.bar([i - 0.2 for i in x], [r["ttft_p50_s"] for r in results], width=0.4, label="p50")
     right.bar([i + 0.2 for i in x], [r["ttft_p90_s"] for r in results], width=0.4, label="p90")
-    right.set_xticks(list(x), names)
+    right.set_xticks(list(x), names, rotation=20)
     right.set_ylabel("time to first token (s)")
     right.set_title("W3: TTFT by routing policy")
     right.legend()
@@ -228,12 +237,10 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=192, help="KV blocks per replica")
-    parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=512,
-        help="the replicas' token budget per step. A 2048-token step takes seconds on a shared CPU, and "
-        "a request whose prefix is cached (16 tokens to prefill) waits for the whole step it joins; "
-        "512 keeps steps short, as a latency-minded deployment would. Same replicas for every policy.",
-    )
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the replicas' token budget per step (default: the engine's)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per replica (OMP_NUM_THREADS): four replicas share the cores")
     parser.add_argument(
         "--replica-nice", type=int, default=10,
         help="CPU niceness of the replicas. In a cluster the router has CPUs of its own and the replicas "
@@ -266,9 +273,10 @@ def main() -> int:
                 [sys.executable, "-m", "kvscale", "serve", "--host", "127.0.0.1", "--port", str(port),
                  "--block-size", str(args.block_size), "--num-gpu-blocks-override", str(args.num_gpu_blocks_override),
                  "--max-model-len", str(max_len), "--max-num-seqs", str(args.concurrency),
-                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                 "--redis", redis_url, "--replica-id", f"replica-{i}", "--disable-uvicorn-access-log"],
-                nice=args.replica_nice,
+                 "--redis", redis_url, "--replica-id", f"replica-{i}", "--disable-uvicorn-access-log"]
+                + ([] if args.max_num_batched_tokens is None
+                   else ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]),
+                nice=args.replica_nice, env={"OMP_NUM_THREADS": str(args.threads)},
             ))
         print(f"w3_router: starting {args.replicas} replicas (logs in {procs.logdir})", flush=True)
         wait_healthy(replica_urls, replica_procs)
@@ -276,22 +284,25 @@ def main() -> int:
         for n, policy in enumerate(args.policies.split(",")):
             # A fresh seed per policy: fresh prefixes, so nobody inherits another policy's cache.
             result = run_policy(args, policy, args.seed + 1000 * (n + 1), replica_urls, redis_url, procs)
-            print(json.dumps(result), flush=True)
+            print(json.dumps({k: v for k, v in result.items() if k != "per_request"}), flush=True)
             results.append(result)
     finally:
         procs.stop_all()
 
     by_policy = {r["policy"]: r for r in results}
     summary = {}
-    if "prefix-affinity" in by_policy and "round-robin" in by_policy:
-        pa, rr = by_policy["prefix-affinity"], by_policy["round-robin"]
-        summary = {
+    rr = by_policy.get("round-robin")
+    for name, pa in by_policy.items():
+        if not name.startswith("prefix-affinity") or rr is None:
+            continue
+        summary[name] = {
             "hit_rate_vs_round_robin": pa["prefix_cache_hit_rate"] / rr["prefix_cache_hit_rate"]
             if rr["prefix_cache_hit_rate"] else float("inf"),
             "ttft_p90_speedup_vs_round_robin": rr["ttft_p90_s"] / pa["ttft_p90_s"],
             "ttft_p50_speedup_vs_round_robin": rr["ttft_p50_s"] / pa["ttft_p50_s"],
-            "affinity_max_over_mean": pa["max_over_mean_requests"],
-            "affinity_router_added_ms_p99": pa["router_added_ms_p99"],
+            "output_throughput_vs_round_robin": pa["output_tokens_per_s"] / rr["output_tokens_per_s"],
+            "max_over_mean_requests": pa["max_over_mean_requests"],
+            "router_added_ms_p99": pa["router_added_ms_p99"],
         }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
