@@ -203,19 +203,3 @@ def router_launcher():
     launch = Launcher()
     yield launch
     launch.stop_all()
-
-
-# --------------------------------------------------------------------------- kube-apiserver
-# The same real control plane the operator tests use (tests/operator/conftest.py): conftest
-# fixtures only reach their own folder, so the router tests get their own session-wide copy.
-
-
-@pytest.fixture(scope="session")
-def k8s_env(tmp_path_factory):
-    from kvscale.operator.testenv import find_or_build_bins, start_env, stop_env
-
-    env = start_env(tmp_path_factory.mktemp("k8s"), find_or_build_bins())
-    try:
-        yield env
-    finally:
-        stop_env(env, keep_logs=True)

@@ -1,0 +1,31 @@
+"""Session-wide fixtures shared by every test folder.
+
+`k8s_env` is one real control plane per test session (etcd, kube-apiserver, controller-manager,
+scheduler, kwok with a fake GPU node), started from the binaries tools/k8s-bins.sh builds or
+finds; the operator tests and the router's EndpointSlice discovery tests share it. Anything
+missing is an error, never a skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvscale.operator.testenv import K8sEnv, find_or_build_bins, start_env, stop_env
+
+
+@pytest.fixture(scope="session")
+def k8s_bins() -> Path:
+    return find_or_build_bins()
+
+
+@pytest.fixture(scope="session")
+def k8s_env(k8s_bins: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[K8sEnv]:
+    env = start_env(tmp_path_factory.mktemp("k8s"), k8s_bins)
+    try:
+        yield env
+    finally:
+        # Logs stay in pytest's tmp dir (the last few runs are kept) for post-mortems.
+        stop_env(env, keep_logs=True)
