@@ -115,6 +115,22 @@ def test_affinity_follows_what_replicas_report(router, replicas, session_redis, 
     assert metric(router.url, "kvscale_router_predicted_prefix_hit_tokens_total") > 0
 
 
+def test_two_routers_share_what_they_know_through_redis_only(router, replicas, session_redis, tokenizer, launcher):
+    """A prefix sent through one router is routed to the same replica by a second, fresh router."""
+    second = launcher.router([r.url for r in replicas], session_redis.url)
+    for seed in (400, 401, 402):
+        prefix = document(seed)
+        hashes = hash_prompt_blocks(completion_prompt_token_ids(tokenizer, prefix), 16)
+        first = complete(router.url, prefix + " First.")
+        holder = first.headers["x-kvscale-replica"]
+        wait_for(lambda h=hashes, rid=holder: redis_holds(session_redis, rid, h), what="blocks in redis")
+        other = complete(second.url, prefix + " Second.")
+        assert other.headers["x-kvscale-replica"] == holder
+        assert int(other.headers["x-kvscale-predicted-hit-tokens"]) >= 16 * (len(hashes) - 1)
+        back = complete(router.url, prefix + " Third.")
+        assert back.headers["x-kvscale-replica"] == holder
+
+
 def test_index_follows_evictions(router, replicas, session_redis, tokenizer):
     target = replicas[0]
     prefix = document(200)
