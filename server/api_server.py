@@ -94,7 +94,9 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     return requested
 
 
-def sampling_params_from(request: p.SamplingFields, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params_from(
+    request: p.SamplingFields, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     """SamplingParams for a completion or chat request (OpenAI's defaults where unset)."""
 
     def pick(value: Any, default: Any) -> Any:
@@ -118,6 +120,7 @@ def sampling_params_from(request: p.SamplingFields, *, max_tokens: int, logprobs
         min_tokens=request.min_tokens,
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
     )
 
@@ -139,12 +142,20 @@ def _top_entries(position: PositionLogprobs, num_top: int) -> list[tuple[int, An
 
 
 def completion_logprobs(
-    token_ids: Sequence[int], positions: Sequence[PositionLogprobs], num_top: int,
+    token_ids: Sequence[int], positions: Sequence[PositionLogprobs | None], num_top: int,
     text_offset: int, decode: Callable[[int], str],
 ) -> p.CompletionLogprobs:
-    """The legacy completions logprobs object for generated tokens."""
+    """The legacy completions logprobs object for tokens (a prompt's first token has no position)."""
     result = p.CompletionLogprobs()
     for token_id, position in zip(token_ids, positions, strict=False):
+        if position is None:
+            token = decode(token_id)
+            result.tokens.append(token)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+            continue
         chosen = position.get(token_id)
         token = chosen.decoded_token if chosen is not None else decode(token_id)
         result.tokens.append(token)
@@ -264,16 +275,16 @@ class OpenAIServer:
         self.check_model(body.model)
         if body.stream_options is not None and not body.stream:
             raise bad_request("stream_options can only be set when stream is true.", "stream_options")
-        if body.echo and body.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported (no prompt logprobs).",
-                              "logprobs")
         prompts, echo_texts, params = [], [], []
+        # echo with logprobs returns the prompt tokens' logprobs too (what scoring harnesses use).
+        prompt_logprobs = body.logprobs if body.echo else None
         for prompt in completion_prompts(body.prompt):
             ids = completion_prompt_token_ids(self.tokenizer, prompt)
             self.check_prompt(ids)
             try:
                 max_tokens = resolve_max_tokens(body.max_tokens, len(ids), self.max_model_len)
-                params.append(sampling_params_from(body, max_tokens=max_tokens, logprobs=body.logprobs))
+                params.append(sampling_params_from(body, max_tokens=max_tokens, logprobs=body.logprobs,
+                                                   prompt_logprobs=prompt_logprobs))
             except ValueError as exc:
                 raise bad_request(str(exc)) from exc
             prompts.append(ids)
@@ -561,6 +572,19 @@ def _choice_index(prompt_index: int, n: int, output_index: int) -> int:
     return prompt_index * n + output_index
 
 
+def _echoed_logprobs(server: OpenAIServer, body: p.CompletionRequest, prompt_ids: list[int],
+                     output: RequestOutput, generated: p.CompletionLogprobs) -> p.CompletionLogprobs:
+    """The prompt's tokens and logprobs (offsets from 0), followed by the generated ones."""
+    positions = output.prompt_logprobs or [None] * len(prompt_ids)
+    echoed = completion_logprobs(prompt_ids, positions, body.logprobs or 0, 0, server.decode_one)
+    return p.CompletionLogprobs(
+        tokens=echoed.tokens + generated.tokens,
+        token_logprobs=echoed.token_logprobs + generated.token_logprobs,
+        top_logprobs=echoed.top_logprobs + generated.top_logprobs,
+        text_offset=echoed.text_offset + generated.text_offset,
+    )
+
+
 async def _complete_completion(server: OpenAIServer, body: p.CompletionRequest, prepared: _Prepared,
                                streams: list[RequestStream]) -> p.CompletionResponse:
     outputs = await _collect(streams)
@@ -576,6 +600,8 @@ async def _complete_completion(server: OpenAIServer, body: p.CompletionRequest, 
             if body.logprobs is not None and completion.logprobs is not None:
                 logprobs = completion_logprobs(completion.token_ids, completion.logprobs, body.logprobs,
                                                len(echo), server.decode_one)
+                if echo:
+                    logprobs = _echoed_logprobs(server, body, prepared.prompts[prompt_index], output, logprobs)
             choices.append(p.CompletionChoice(
                 index=_choice_index(prompt_index, body.n, completion.index), text=echo + completion.text,
                 logprobs=logprobs, finish_reason=_finish_reason(completion),
@@ -646,11 +672,15 @@ async def _stream_completion(server: OpenAIServer, body: p.CompletionRequest, pr
                 if first:
                     delta = prepared.echo_texts[prompt_index] + delta
                 logprobs = None
+                echo = prepared.echo_texts[prompt_index]
                 if body.logprobs is not None and completion.logprobs is not None:
-                    logprobs = completion_logprobs(
+                    generated = completion_logprobs(
                         completion.token_ids[tokens_from:], completion.logprobs[tokens_from:],
-                        body.logprobs, text_from, server.decode_one,
-                    ).model_dump()
+                        body.logprobs, len(echo) + text_from, server.decode_one,
+                    )
+                    if first and echo:
+                        generated = _echoed_logprobs(server, body, prepared.prompts[prompt_index], output, generated)
+                    logprobs = generated.model_dump()
                 sent_text[key] = len(completion.text)
                 sent_tokens[key] = len(completion.token_ids)
                 choices.append({"index": _choice_index(prompt_index, body.n, completion.index),

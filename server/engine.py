@@ -30,7 +30,7 @@ from kvscale.server.model_loader import (
     resolve_model_path,
     served_model_name,
 )
-from kvscale.server.model_runner import ModelRunner, kv_block_bytes
+from kvscale.server.model_runner import ModelRunner, StepLogits, kv_block_bytes
 from kvscale.server.outputs import (
     CompletionOutput,
     EngineStats,
@@ -40,7 +40,7 @@ from kvscale.server.outputs import (
 )
 from kvscale.server.sampler import Sampler, SamplingRow, make_generator
 from kvscale.server.sampling_params import SamplingParams
-from kvscale.server.scheduler import Scheduler
+from kvscale.server.scheduler import ScheduledSeq, Scheduler
 from kvscale.server.sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -192,6 +192,8 @@ class LLMEngine:
             )
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         request = Request(request_id, prompt_text, token_ids, params, cache_salt, metrics, max_tokens)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * num_prompt
         seq = Sequence(request, 0, list(token_ids), num_prompt, fork_into=params.n)
         seq.generator = make_generator(params.seed, 0)
         init_detokenizer(seq)
@@ -225,7 +227,10 @@ class LLMEngine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
                 request.num_cached_tokens = item.seq.num_computed_tokens
-        logits, sample_rows = self.runner.execute(sched.scheduled, self.kv.take_pending_copies())
+        step_logits = self.runner.execute(sched.scheduled, self.kv.take_pending_copies())
+        logits, sample_rows = step_logits.sample, step_logits.sample_rows
+        if step_logits.prompt_rows:
+            self._record_prompt_logprobs(sched.scheduled, step_logits)
 
         for item in sched.scheduled:
             seq = item.seq
@@ -275,6 +280,20 @@ class LLMEngine:
                 self.requests.pop(request.request_id, None)
             outputs.append(self._request_output(request, finished))
         return outputs
+
+    def _record_prompt_logprobs(self, scheduled: list[ScheduledSeq], step_logits: StepLogits) -> None:
+        # A recomputed prompt (after preemption) writes the same values again.
+        all_logprobs = torch.log_softmax(step_logits.prompt, dim=1)
+        offset = 0
+        for rows in step_logits.prompt_rows:
+            seq = scheduled[rows.sched_index].seq
+            request = seq.request
+            for k in range(rows.count):
+                token_index = rows.first_token + k
+                request.prompt_logprobs[token_index] = self.sampler.position_logprobs(
+                    all_logprobs[offset + k], seq.token_ids[token_index], request.params.prompt_logprobs
+                )
+            offset += rows.count
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """The other n-1 samples of a just-prefilled prompt, sharing its blocks."""
@@ -333,6 +352,7 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=request.num_cached_tokens,
             metrics=request.metrics,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
         )
 
     # --- introspection ------------------------------------------------------------------

@@ -38,8 +38,8 @@ class KVCacheManager:
         At least one token is always left to compute, since its logits are needed; so a
         prompt that is cached in full recomputes its last block.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.request.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position's logits: no skipping
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self._ensure_hashes(seq, max_blocks)
         hits: list[int] = []

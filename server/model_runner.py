@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,6 +19,22 @@ import torch
 from kvscale.server.model_llama import AttentionMetadata, DecoderForCausalLM
 from kvscale.server.scheduler import ScheduledSeq
 
+
+@dataclass
+class PromptRows:
+    """Logits rows predicting prompt tokens ``first_token .. first_token + count - 1`` of one sequence."""
+
+    sched_index: int
+    first_token: int
+    count: int
+
+
+@dataclass
+class StepLogits:
+    sample: torch.Tensor  # one row per entry of sample_rows
+    sample_rows: list[int]  # scheduled indices whose chunk ended their tokens
+    prompt: torch.Tensor  # the rows of prompt_rows, in order
+    prompt_rows: list[PromptRows]
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
@@ -80,10 +97,12 @@ class ModelRunner:
 
     def prepare(
         self, scheduled: list[ScheduledSeq]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int], list[PromptRows]]:
         """Inputs for this step, the flattened rows whose logits are needed, and their sequences.
 
-        A sequence gets logits when this step's chunk reaches its last token.
+        A sequence gets logits to sample from when this step's chunk reaches its last token. A
+        request that asked for prompt logprobs also gets the logits of every chunk position that
+        predicts a prompt token; those rows follow the sampling rows.
         """
         bs = self.block_size
         num_seqs = len(scheduled)
@@ -95,6 +114,8 @@ class ModelRunner:
         pos_parts: list[np.ndarray] = []
         slot_parts: list[np.ndarray] = []
         sample_rows: list[int] = []
+        prompt_rows: list[PromptRows] = []
+        prompt_flat_rows: list[int] = []
         is_decode = True
         for i, item in enumerate(scheduled):
             seq, n = item.seq, item.num_new_tokens
@@ -115,6 +136,12 @@ class ModelRunner:
             context_lens[i] = end
             if end == seq.num_tokens:
                 sample_rows.append(i)
+            if seq.request.params.prompt_logprobs is not None:
+                # Position q's logits predict token q + 1; the last prompt position's are sampled.
+                last = min(end, seq.num_prompt_tokens - 1)
+                if last > start:
+                    prompt_rows.append(PromptRows(i, start + 1, last - start))
+                    prompt_flat_rows.extend(range(query_start[i], query_start[i] + last - start))
         device = self.device
         positions = torch.from_numpy(np.concatenate(pos_parts)).to(device)
         meta = AttentionMetadata(
@@ -125,17 +152,17 @@ class ModelRunner:
             is_decode=is_decode,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-        logits_indices = torch.tensor(
-            [query_start[i + 1] - 1 for i in sample_rows], dtype=torch.long, device=device
-        )
-        return ids, positions, meta, logits_indices, sample_rows
+        flat_rows = [query_start[i + 1] - 1 for i in sample_rows] + prompt_flat_rows
+        logits_indices = torch.tensor(flat_rows, dtype=torch.long, device=device)
+        return ids, positions, meta, logits_indices, sample_rows, prompt_rows
 
     @torch.inference_mode()
     def execute(
         self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]
-    ) -> tuple[torch.Tensor, list[int]]:
-        """Run one step; returns logits (float32, CPU) for the sequences whose chunk ends their tokens."""
+    ) -> StepLogits:
+        """Run one step; logits (float32, CPU) to sample from, and those for prompt logprobs."""
         self.copy_blocks(copies)
-        ids, positions, meta, logits_indices, sample_rows = self.prepare(scheduled)
-        logits = self.model(ids, positions, self.kv_caches, meta, logits_indices)
-        return logits.float().cpu(), sample_rows
+        ids, positions, meta, logits_indices, sample_rows, prompt_rows = self.prepare(scheduled)
+        logits = self.model(ids, positions, self.kv_caches, meta, logits_indices).float().cpu()
+        num_sample = len(sample_rows)
+        return StepLogits(logits[:num_sample], sample_rows, logits[num_sample:], prompt_rows)

@@ -52,6 +52,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token, None for the first one.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 # KV cache events, published by replicas so the router knows which blocks each one holds.

@@ -153,10 +153,11 @@ class Sampler:
         logprobs: list[PositionLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             for j, i in enumerate(want_logprobs):
-                logprobs[i] = self._position_logprobs(raw_logprobs[j], token_list[i], rows[i].params.logprobs)
+                logprobs[i] = self.position_logprobs(raw_logprobs[j], token_list[i], rows[i].params.logprobs)
         return token_list, logprobs
 
-    def _position_logprobs(self, row_logprobs: torch.Tensor, chosen: int, top_n: int) -> PositionLogprobs:
+    def position_logprobs(self, row_logprobs: torch.Tensor, chosen: int, top_n: int) -> PositionLogprobs:
+        """``chosen`` with its logprob and rank, plus the ``top_n`` most likely tokens."""
         chosen_lp = float(row_logprobs[chosen])
         rank = int((row_logprobs > chosen_lp).sum()) + 1
         result: PositionLogprobs = {chosen: Logprob(chosen_lp, rank, self.decode_token(chosen))}

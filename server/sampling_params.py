@@ -23,6 +23,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: chosen token plus top-k alternatives
+    prompt_logprobs: int | None = None  # the same, for every prompt token after the first
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -64,6 +65,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", "in [0, 20]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

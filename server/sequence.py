@@ -79,6 +79,9 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = False
+    # With params.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # predicts it); shared by all n samples, since they share the prompt.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -232,6 +232,39 @@ def test_echo(client) -> None:
     assert "".join(chunk.choices[0].text for chunk in chunks) == result.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, bundled_tokenizer, hf_bundled_model) -> None:
+    """echo + logprobs returns the prompt's tokens and logprobs too (how scoring harnesses use it)."""
+    import torch
+
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    result = greedy(client, prompt, max_tokens=3, echo=True, logprobs=2)
+    logprobs = result.choices[0].logprobs
+    prompt_ids = bundled_tokenizer.encode(prompt)
+    num_prompt = len(prompt_ids)
+    assert result.usage.prompt_tokens == num_prompt
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == num_prompt + 3
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert "".join(logprobs.tokens[:num_prompt]) == prompt
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    assert logprobs.text_offset[num_prompt] == len(prompt)  # generated text starts after the echo
+    with torch.inference_mode():
+        reference = torch.log_softmax(hf_bundled_model(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+    for j in range(1, num_prompt):
+        assert logprobs.token_logprobs[j] == pytest.approx(float(reference[j - 1, prompt_ids[j]]), abs=2e-3)
+        assert 1 <= len(logprobs.top_logprobs[j]) <= 3
+    # The generated part is what a plain request with logprobs returns.
+    plain = greedy(client, prompt, max_tokens=3, logprobs=2).choices[0].logprobs
+    assert logprobs.tokens[num_prompt:] == plain.tokens
+    assert logprobs.token_logprobs[num_prompt:] == pytest.approx(plain.token_logprobs, abs=1e-4)
+    # Streaming: the first chunk carries the echoed prompt and its logprobs.
+    chunks = list(client.completions.create(model="smollm2", prompt=prompt, max_tokens=3, temperature=0,
+                                            echo=True, logprobs=2, stream=True))
+    streamed = [token for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for token in chunk.choices[0].logprobs.tokens]
+    assert streamed == logprobs.tokens
+    assert chunks[0].choices[0].logprobs.text_offset[:num_prompt] == logprobs.text_offset[:num_prompt]
+
+
 def test_cached_tokens_on_repeated_prefix(client) -> None:
     prompt = LONG_PROMPT + " the sea was flat"
     first = greedy(client, prompt, max_tokens=2)

@@ -193,3 +193,37 @@ def test_admission_errors(make_engine):
     assert small.max_model_len == 32  # capped by the pool
     with pytest.raises(ValueError, match="maximum context length is 32"):
         small.add_request("big", list(range(30)), SamplingParams(max_tokens=8))
+
+
+def _hf_prompt_logprobs(hf_model, token_ids: list[int]) -> list[float]:
+    import torch
+
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([token_ids])).logits[0].float()
+    all_logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(all_logprobs[j - 1, token_ids[j]]) for j in range(1, len(token_ids))]
+
+
+@pytest.mark.parametrize("budget", [2048, 24])
+def test_prompt_logprobs_match_transformers(make_engine, run_to_completion, bundled_tokenizer, hf_bundled_model, budget):
+    engine = make_engine(max_num_batched_tokens=budget)
+    prompt_ids = bundled_tokenizer.encode(LONG_PROMPT)
+    reference = _hf_prompt_logprobs(hf_bundled_model, prompt_ids)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    # The second request's prompt is fully cached by the first one: it must still be computed,
+    # since cached positions have no logits.
+    for name in ("first", "again"):
+        engine.add_request(name, list(prompt_ids), params)
+        output = run_to_completion(engine)[name]
+        assert output.num_cached_tokens == 0
+        positions = output.prompt_logprobs
+        assert len(positions) == len(prompt_ids) and positions[0] is None
+        for j, expected in enumerate(reference, start=1):
+            chosen = positions[j][prompt_ids[j]]
+            assert chosen.logprob == pytest.approx(expected, abs=2e-3), f"prompt token {j}"
+            ranked = sorted(positions[j].values(), key=lambda lp: lp.rank)
+            assert [lp.rank for lp in ranked][:3] == [1, 2, 3] and len(positions[j]) <= 4
+            assert ranked[0].logprob >= chosen.logprob
+    # Requests without prompt logprobs still hit the cache the first two filled.
+    engine.add_request("plain", list(prompt_ids), SamplingParams(temperature=0, max_tokens=2))
+    assert run_to_completion(engine)["plain"].num_cached_tokens > 0
