@@ -19,6 +19,8 @@ DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 STARTUP_PROBE_PERIOD_SECONDS = 10
 STARTUP_PROBE_FAILURES = 180
 RUN_AS_USER = 1000
+# Time for in-flight streams to finish after SIGTERM before the kubelet kills the server.
+TERMINATION_GRACE_PERIOD_SECONDS = 60
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -192,7 +194,7 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> d
         # The server needs no API access; the operator and the router have their own accounts.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_PERIOD_SECONDS,
         "containers": [container],
         "volumes": volumes,
     }

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from operator_helpers import MetricsEndpoint, OperatorProcess, PodMetrics, wait_for
 
+from kvscale.operator.builders import TERMINATION_GRACE_PERIOD_SECONDS
 from kvscale.operator.kube import Kube, load_connection
 from kvscale.operator.testenv import kwok_toleration
 
@@ -115,8 +116,11 @@ def delete_and_wait_gone(cluster: Cluster, namespace: str, name: str) -> None:
             left.append(f"kvis/{name} finalizers={kvis['metadata'].get('finalizers')}")
         return left
 
+    # kwok, like a kubelet whose container ignores SIGTERM, removes a deleted pod at a random
+    # moment up to its grace period: wait for the grace period plus the cascade around it.
     try:
-        wait_for(f"{namespace}/{name} and its pods to go", lambda: not leftovers(), timeout=60)
+        wait_for(f"{namespace}/{name} and its pods to go", lambda: not leftovers(),
+                 timeout=TERMINATION_GRACE_PERIOD_SECONDS + 30)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; still there: {leftovers()}") from exc
 
