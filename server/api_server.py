@@ -148,22 +148,16 @@ def completion_logprobs(
     """The legacy completions logprobs object for tokens (a prompt's first token has no position)."""
     result = p.CompletionLogprobs()
     for token_id, position in zip(token_ids, positions, strict=False):
-        if position is None:
-            token = decode(token_id)
-            result.tokens.append(token)
-            result.token_logprobs.append(None)
-            result.top_logprobs.append(None)
-            result.text_offset.append(text_offset)
-            text_offset += len(token)
-            continue
-        chosen = position.get(token_id)
+        chosen = position.get(token_id) if position is not None else None
         token = chosen.decoded_token if chosen is not None else decode(token_id)
         result.tokens.append(token)
         result.token_logprobs.append(chosen.logprob if chosen is not None else None)
-        top = {lp.decoded_token: lp.logprob for _, lp in _top_entries(position, num_top)}
-        if chosen is not None and num_top > 0:
-            top.setdefault(token, chosen.logprob)
-        result.top_logprobs.append(top if num_top > 0 else None)
+        top = None
+        if position is not None and num_top > 0:
+            top = {lp.decoded_token: lp.logprob for _, lp in _top_entries(position, num_top)}
+            if chosen is not None:
+                top.setdefault(token, chosen.logprob)
+        result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
         text_offset += len(token)
     return result
@@ -575,8 +569,7 @@ def _choice_index(prompt_index: int, n: int, output_index: int) -> int:
 def _echoed_logprobs(server: OpenAIServer, body: p.CompletionRequest, prompt_ids: list[int],
                      output: RequestOutput, generated: p.CompletionLogprobs) -> p.CompletionLogprobs:
     """The prompt's tokens and logprobs (offsets from 0), followed by the generated ones."""
-    positions = output.prompt_logprobs or [None] * len(prompt_ids)
-    echoed = completion_logprobs(prompt_ids, positions, body.logprobs or 0, 0, server.decode_one)
+    echoed = completion_logprobs(prompt_ids, output.prompt_logprobs, body.logprobs, 0, server.decode_one)
     return p.CompletionLogprobs(
         tokens=echoed.tokens + generated.tokens,
         token_logprobs=echoed.token_logprobs + generated.token_logprobs,
@@ -667,12 +660,12 @@ async def _stream_completion(server: OpenAIServer, body: p.CompletionRequest, pr
                 text_from = sent_text.get(key, 0)
                 tokens_from = sent_tokens.get(key, 0)
                 delta = completion.text[text_from:]
-                if not delta and not completion.finished and not (first and prepared.echo_texts[prompt_index]):
+                echo = prepared.echo_texts[prompt_index]
+                if not delta and not completion.finished and not (first and echo):
                     continue
                 if first:
-                    delta = prepared.echo_texts[prompt_index] + delta
+                    delta = echo + delta
                 logprobs = None
-                echo = prepared.echo_texts[prompt_index]
                 if body.logprobs is not None and completion.logprobs is not None:
                     generated = completion_logprobs(
                         completion.token_ids[tokens_from:], completion.logprobs[tokens_from:],

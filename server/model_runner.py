@@ -36,6 +36,7 @@ class StepLogits:
     prompt: torch.Tensor  # the rows of prompt_rows, in order
     prompt_rows: list[PromptRows]
 
+
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element
