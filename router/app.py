@@ -165,7 +165,7 @@ class Router:
         await self.replicas.start()
         self._sync_task = asyncio.create_task(self._sync_loop(), name="router-sync")
         if self.config.freeze_heap_after_start:
-            # Tokenizers pull in transformers and torch: without this a full GC stalls routing ~250 ms.
+            # Tokenizers pull in transformers and torch: without this a full GC stalls routing ~200 ms.
             freeze_startup_heap()
 
     async def stop(self) -> None:
