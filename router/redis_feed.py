@@ -22,6 +22,8 @@ from kvscale.server.kv_publisher import (
     REPLICAS_KEY,
     blocks_key,
     heartbeat_key,
+    live_replicas_args,
+    live_replicas_script,
     seq_key,
 )
 
@@ -71,6 +73,8 @@ class RedisFeed:
         self._client = aioredis.Redis.from_url(
             redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
+        self._live_members = live_replicas_script(self._client)
+        self._members: set[str] = set()  # live membership as of the last read
         self._tasks: list[asyncio.Task] = []
         self._logged_down = False
         self.reloads = 0
@@ -116,8 +120,21 @@ class RedisFeed:
         self.index.replace(replica_id, (int(m) for m in members), int(seq_raw or 0))
         self.reloads += 1
 
+    async def live_members(self) -> set[str]:
+        """Live replica ids; expired ones are pruned (with their keys) on the way."""
+        raw = await asyncio.wait_for(
+            self._live_members(keys=[REPLICAS_KEY], args=live_replicas_args()), self.timeout_s * 4
+        )
+        members = {m.decode() for m in raw}
+        # A member that expired since the last read leaves the index even if its gone message was lost.
+        for replica_id in self._members - members:
+            self.index.forget(replica_id)
+            self.heartbeats.pop(replica_id, None)
+        self._members = members
+        return members
+
     async def reload_all(self) -> None:
-        replica_ids = {m.decode() for m in await self._client.smembers(REPLICAS_KEY)}
+        replica_ids = await self.live_members()
         for replica_id in set(self.index.replica_ids()) - replica_ids:
             self.index.forget(replica_id)
         for replica_id in replica_ids:
@@ -185,9 +202,7 @@ class RedisFeed:
             await asyncio.sleep(0.5)
 
     async def poll_heartbeats(self) -> None:
-        replica_ids = sorted(
-            m.decode() for m in await asyncio.wait_for(self._client.smembers(REPLICAS_KEY), self.timeout_s * 4)
-        )
+        replica_ids = sorted(await self.live_members())
         if not replica_ids:
             self.heartbeats = {}
             return

@@ -1,15 +1,25 @@
 """A replica tells Redis which KV blocks it holds and how loaded it is, without ever waiting on it.
 
-Redis schema (documented in docs/router.md; the router reads it in kvscale.router.redis_feed):
+This module is the Redis schema's one definition (docs/router.md describes it; the router reads
+it through kvscale.router.redis_feed):
 
-  kvscale:replicas                    SET   replica ids that have published
+  kvscale:replicas                    ZSET  live replica ids, scored by the Redis server's clock
+                                            (seconds) at their last heartbeat
   kvscale:replica:{id}:blocks         SET   decimal block hashes the replica's prefix cache holds
   kvscale:replica:{id}:seq            STRING event sequence number of the latest change to :blocks
-  kvscale:replica:{id}:heartbeat      STRING JSON load report, expires after HEARTBEAT_TTL_S
+  kvscale:replica:{id}:heartbeat      STRING JSON load report (HEARTBEAT_FIELDS), expires after HEARTBEAT_TTL_S
   kvscale:kv-events                   PUB/SUB channel, JSON messages:
       {"replica": id, "seq": n, "events": [["stored", [h, ...]], ["removed", [h, ...]], ["cleared"]]}
       {"replica": id, "seq": n, "snapshot": true}   (the :blocks set was rewritten; reload it)
-      {"replica": id, "seq": n, "gone": true}       (clean shutdown)
+      {"replica": id, "seq": n, "gone": true}       (clean shutdown, or membership expired)
+
+Membership expires by itself: a member whose score is older than MEMBERSHIP_TTL_S is pruned,
+with its :blocks, :seq and :heartbeat keys and a ``gone`` message, by whichever publisher or
+router touches the set next (both run the prune script every heartbeat or poll). The scores and
+the cut-off use the Redis server's clock, so clock skew between machines never expires a live
+replica. As a backstop :blocks and :seq carry the same TTL, renewed by every heartbeat. A
+replica that finds itself re-added (it was pruned while alive, e.g. stalled for MEMBERSHIP_TTL_S)
+resyncs its block set.
 
 Each batch updates :blocks, bumps :seq and publishes in one MULTI/EXEC, so a router that reads
 (:seq, :blocks) atomically and then applies only messages with a higher seq never misses or
@@ -41,8 +51,50 @@ REPLICAS_KEY = f"{KEY_PREFIX}:replicas"
 EVENTS_CHANNEL = f"{KEY_PREFIX}:kv-events"
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5
-# A dead replica's block set lingers this long after its last heartbeat, then Redis drops it.
-BLOCKS_TTL_S = 120
+# A replica silent this long (no heartbeat) is no longer a member; its keys go with it.
+MEMBERSHIP_TTL_S = 10
+BLOCKS_TTL_S = MEMBERSHIP_TTL_S
+
+# Shared by the heartbeat and the readers' membership query: drop members whose last heartbeat
+# is older than ARGV[1] seconds by the server's clock, with their keys, and tell the routers.
+# Key names follow blocks_key/seq_key/heartbeat_key below (ARGV[2] is KEY_PREFIX).
+_PRUNE_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local cutoff = now - tonumber(ARGV[1])
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. cutoff)
+for _, id in ipairs(dead) do
+  local base = ARGV[2] .. ':replica:' .. id
+  redis.call('DEL', base .. ':blocks', base .. ':seq', base .. ':heartbeat')
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('PUBLISH', ARGV[3], cjson.encode({replica = id, seq = 0, gone = true}))
+end
+"""
+# KEYS: replicas, heartbeat, blocks, seq; ARGV: ttl, prefix, channel, id, payload, heartbeat ttl.
+# Returns 1 when the replica was not a member (first heartbeat, or pruned while alive).
+_HEARTBEAT_LUA = _PRUNE_LUA + """
+local added = redis.call('ZADD', KEYS[1], now, ARGV[4])
+redis.call('SET', KEYS[2], ARGV[5], 'EX', tonumber(ARGV[6]))
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[1]))
+redis.call('EXPIRE', KEYS[4], tonumber(ARGV[1]))
+return added
+"""
+# KEYS: replicas; ARGV: ttl, prefix, channel. Returns the live members.
+_LIVE_MEMBERS_LUA = _PRUNE_LUA + """
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+
+
+def live_replicas_script(client):
+    """A callable for ``client`` (sync or asyncio redis): prune expired members, return the live ids.
+
+    Call it as ``script(keys=[REPLICAS_KEY], args=live_replicas_args())``; answers are bytes.
+    """
+    return client.register_script(_LIVE_MEMBERS_LUA)
+
+
+def live_replicas_args() -> list:
+    return [MEMBERSHIP_TTL_S, KEY_PREFIX, EVENTS_CHANNEL]
 
 
 def blocks_key(replica_id: str) -> str:
@@ -113,6 +165,7 @@ class KVEventPublisher:
         self._generation = 0  # bumped (engine thread) each time a snapshot is queued
         self._latest_stats: EngineStats | None = None
         self._connected = False
+        self._heartbeat_script = None
         # Counters, read by /metrics and tests.
         self.events_dropped = 0
         self.events_published = 0
@@ -315,12 +368,18 @@ class KVEventPublisher:
         }
 
     def _heartbeat(self, client) -> None:
-        pipe = client.pipeline(transaction=False)
-        pipe.set(heartbeat_key(self.replica_id), json.dumps(self.heartbeat_payload()), ex=HEARTBEAT_TTL_S)
-        pipe.sadd(REPLICAS_KEY, self.replica_id)
-        pipe.expire(blocks_key(self.replica_id), BLOCKS_TTL_S)
-        pipe.expire(seq_key(self.replica_id), BLOCKS_TTL_S)
-        pipe.execute()
+        if self._heartbeat_script is None:
+            self._heartbeat_script = client.register_script(_HEARTBEAT_LUA)
+        rid = self.replica_id
+        added = self._heartbeat_script(
+            keys=[REPLICAS_KEY, heartbeat_key(rid), blocks_key(rid), seq_key(rid)],
+            args=[MEMBERSHIP_TTL_S, KEY_PREFIX, EVENTS_CHANNEL, rid, json.dumps(self.heartbeat_payload()),
+                  HEARTBEAT_TTL_S],
+        )
+        if int(added) and not self._resync_pending.is_set():
+            # We were pruned while alive (stalled past the TTL): our block set is gone; rewrite it.
+            log.warning("replica %s had expired from %s; resyncing its blocks", rid, REPLICAS_KEY)
+            self._resync_pending.set()
         self.heartbeats_published += 1
 
     def _goodbye(self, client) -> None:
@@ -330,7 +389,7 @@ class KVEventPublisher:
         try:
             pipe = client.pipeline(transaction=True)
             pipe.delete(heartbeat_key(self.replica_id), blocks_key(self.replica_id))
-            pipe.srem(REPLICAS_KEY, self.replica_id)
+            pipe.zrem(REPLICAS_KEY, self.replica_id)
             pipe.incr(seq_key(self.replica_id))
             seq = int(pipe.execute()[-1])
             client.publish(EVENTS_CHANNEL, json.dumps({"replica": self.replica_id, "seq": seq, "gone": True}))

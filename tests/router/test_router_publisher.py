@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,9 +21,12 @@ from kvscale.router.index import PrefixIndex
 from kvscale.router.redis_feed import RedisFeed
 from kvscale.server.block_hash import hash_prompt_blocks
 from kvscale.server.kv_publisher import (
+    MEMBERSHIP_TTL_S,
+    REPLICAS_KEY,
     KVEventPublisher,
     blocks_key,
     heartbeat_key,
+    seq_key,
 )
 from kvscale.server.outputs import AllBlocksCleared, BlockRemoved, BlockStored, EngineStats
 
@@ -95,7 +101,7 @@ def test_events_snapshot_and_heartbeat_reach_redis(redis_server):
         publisher.stop()
     # A clean stop removes the replica so routers drop it at once.
     assert client.get(heartbeat_key("r1")) is None
-    assert not client.sismember("kvscale:replicas", "r1")
+    assert "r1" not in _membership(client)
 
 
 def test_on_step_never_blocks_and_counts_drops_when_redis_is_gone(redis_server):
@@ -196,7 +202,7 @@ def test_feed_reloads_on_a_sequence_gap(redis_server):
 
     async def scenario() -> None:
         feed = RedisFeed(redis_server.url, index)
-        client.sadd("kvscale:replicas", "r5")
+        client.zadd(REPLICAS_KEY, {"r5": float(client.time()[0])})
         client.sadd(blocks_key("r5"), 11, 12)
         client.set("kvscale:replica:r5:seq", 7)
         await feed.reload_all()
@@ -215,3 +221,83 @@ def test_feed_reloads_on_a_sequence_gap(redis_server):
         await feed.stop()
 
     asyncio.run(scenario())
+
+
+# A publisher in a process of its own, so the test can SIGKILL it as a crash would: no goodbye.
+_CRASHING_PUBLISHER = """
+import sys, time
+from kvscale.server.kv_publisher import KVEventPublisher
+from kvscale.server.outputs import EngineStats
+url, replica_id, hashes = sys.argv[1], sys.argv[2], [int(h) for h in sys.argv[3].split(",")]
+publisher = KVEventPublisher(url, replica_id, "m", "http://127.0.0.1:9", 16)
+publisher.start()
+stats = EngineStats(num_running=0, num_waiting=0, kv_blocks_total=64, kv_blocks_active=0, kv_blocks_cached=3,
+                    block_size=16, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
+while True:
+    publisher.on_step([], stats, lambda: hashes)  # the first connected step writes the snapshot
+    time.sleep(0.05)
+"""
+
+
+def _membership(client: redis.Redis) -> set[str]:
+    """Replica ids in kvscale:replicas, whatever Redis type the schema gives it."""
+    kind = client.type(REPLICAS_KEY).decode()
+    if kind == "set":
+        return {m.decode() for m in client.smembers(REPLICAS_KEY)}
+    if kind == "zset":
+        return {m.decode() for m in client.zrange(REPLICAS_KEY, 0, -1)}
+    return set()
+
+
+def test_a_sigkilled_replica_leaves_membership_and_the_index_within_the_ttl(redis_server):
+    """Issue 13, defect 5: a crashed replica (no clean goodbye) must not stay in Redis forever."""
+    client = redis.Redis.from_url(redis_server.url)
+    dead_hashes = hash_prompt_blocks(list(range(48)), 16)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CRASHING_PUBLISHER, redis_server.url, "crasher", ",".join(map(str, dead_hashes))],
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    survivor = KVEventPublisher(redis_server.url, "survivor", "m", "http://127.0.0.1:8", 16)
+    cache = FakeCache()
+    index = PrefixIndex()
+
+    async def scenario() -> float:
+        feed = RedisFeed(redis_server.url, index, timeout_s=0.05)
+        await feed.start()
+
+        async def until(predicate, timeout: float) -> None:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                step(survivor, cache, [])
+                if predicate():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError("condition not met")
+
+        try:
+            await until(lambda: index.confirmed_blocks("crasher") == set(dead_hashes) and "crasher" in feed.heartbeats
+                        and "survivor" in feed.heartbeats, 30)
+            child.kill()  # SIGKILL: no goodbye, no last heartbeat
+            child.wait(10)
+            killed_at = time.monotonic()
+            await until(lambda: "crasher" not in _membership(client), MEMBERSHIP_TTL_S + 3)
+            await until(lambda: "crasher" not in index.replica_ids(), 3)
+            gone_after = time.monotonic() - killed_at
+            # Its keys are purged with its membership, not left to a long TTL.
+            assert not client.exists(blocks_key("crasher"), seq_key("crasher"), heartbeat_key("crasher"))
+            assert "crasher" not in feed.heartbeats
+            # The live replica is untouched.
+            assert "survivor" in _membership(client) and "survivor" in feed.heartbeats
+            return gone_after
+        finally:
+            await feed.stop()
+
+    survivor.start()
+    try:
+        gone_after = asyncio.run(scenario())
+    finally:
+        survivor.stop()
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+    assert gone_after <= MEMBERSHIP_TTL_S + 3
