@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="this replica's name in the Lease (default: $POD_NAME or host + id)")
     parser.add_argument("--liveness", default=None, metavar="URL",
                         help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics-port", type=int, default=8081, metavar="PORT",
+                        help="serve the operator's Prometheus metrics at :PORT/metrics (0: off)")
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
 
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from kvscale.operator import handlers
     from kvscale.operator.kube import Kube, load_connection
     from kvscale.operator.leader import LeaderElector
+    from kvscale.operator.metrics import OperatorMetrics
     from kvscale.operator.spec import GROUP
 
     kopf.configure(verbose=args.verbose)
@@ -105,6 +109,12 @@ def run(args: argparse.Namespace) -> int:
     settings.execution.max_workers = 16
     settings.posting.level = logging.INFO
 
+    # Before the election, so a standby answers scrapes too (with no per-service series).
+    operator_metrics = OperatorMetrics()
+    if args.metrics_port:
+        operator_metrics.serve(args.metrics_port, args.metrics_host)
+        log.info("metrics at http://%s:%d/metrics", args.metrics_host, args.metrics_port)
+
     identity = args.identity or os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     elector = None
     if args.leader_elect:
@@ -121,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     stop_holding = threading.Event()
     lost = threading.Event()
     memo = kopf.Memo()
-    memo.runtime = handlers.Runtime(kube=kube, config=config)
+    memo.runtime = handlers.Runtime(kube=kube, config=config, metrics=operator_metrics)
 
     async def operate() -> None:
         # An asyncio stop flag: kopf waits for a threading one in an executor thread, which

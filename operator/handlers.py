@@ -20,6 +20,7 @@ import kopf
 from kvscale.operator import builders, conditions, health, scaling, scraping
 from kvscale.operator.conditions import SCALING_ACTIVE, Condition
 from kvscale.operator.kube import ApiError, Kube, object_path, path_for
+from kvscale.operator.metrics import OperatorMetrics, ReplicaCounts
 from kvscale.operator.spec import (
     GROUP,
     NAME_LABEL,
@@ -50,6 +51,7 @@ class Runtime:
     kube: Kube
     config: OperatorConfig
     autoscalers: dict[str, scaling.AutoscalerState] = field(default_factory=dict)
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
 
@@ -61,6 +63,7 @@ class Runtime:
         with self._locks_guard:
             self._locks.pop(uid, None)
         self.autoscalers.pop(uid, None)
+        self.metrics.forget(uid)
 
 
 def _is_path(namespace: str, name: str, subresource: str | None = None) -> str:
@@ -135,6 +138,8 @@ def reconcile(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
             apply_children(runtime.kube, owner, spec)
             refresh_status(runtime, owner["metadata"]["name"], owner["metadata"]["namespace"])
         except ApiError as exc:
+            meta = owner["metadata"]
+            runtime.metrics.error(meta["uid"], meta["namespace"], meta["name"], "reconcile")
             if exc.status in (401, 403):
                 logger.error("the operator lacks a permission: %s", exc)
             raise kopf.TemporaryError(str(exc), delay=runtime.config.resync_interval) from exc
@@ -174,8 +179,13 @@ def autoscale(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
             extra["waitingRequests"] = int(round(estimate.waiting))
 
         policy = spec.autoscaling
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        ready = sum(1 for p in live if scraping.is_ready(p))
         if not policy.enabled:
             runtime.autoscalers.pop(uid, None)
+            runtime.metrics.observe(uid, namespace, name, policy,
+                                    ReplicaCounts(spec.replicas, len(live), ready),
+                                    estimate, None, spec.replicas)
             scaling_condition = Condition(SCALING_ACTIVE, False, "AutoscalingDisabled",
                                           "spec.replicas is left to the user or an external autoscaler")
             refresh_status(runtime, name, namespace, extra, [scaling_condition])
@@ -186,6 +196,9 @@ def autoscale(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
             time.monotonic(), loads, spec.replicas, policy, state)
         extra["desiredReplicas"] = decision.replicas
         previous = spec.replicas
+        runtime.metrics.observe(uid, namespace, name, policy,
+                                ReplicaCounts(decision.replicas, len(live), ready),
+                                estimate, decision, previous)
         if decision.replicas != previous:
             kube.merge_patch(_is_path(namespace, name, "scale"),
                              {"spec": {"replicas": decision.replicas}})
@@ -224,6 +237,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         try:
             autoscale(memo.runtime, body, logger)
         except ApiError as exc:
+            meta = body["metadata"]
+            memo.runtime.metrics.error(meta["uid"], meta["namespace"], meta["name"], "autoscale")
             raise kopf.TemporaryError(str(exc), delay=config.scrape_interval) from exc
 
     @kopf.on.delete(*resource, optional=True, registry=registry)

@@ -16,13 +16,14 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvscale import metric_names as names
 from kvscale.operator.builders import METRICS_URL_ANNOTATION
 from kvscale.operator.scaling import PodLoad
 from kvscale.operator.spec import SERVER_PORT
 
-KV_BLOCKS_ACTIVE = "kvscale:kv_blocks_active"
-KV_BLOCKS_TOTAL = "kvscale:kv_blocks_total"
-NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+KV_BLOCKS_ACTIVE = names.KV_BLOCKS_ACTIVE.series
+KV_BLOCKS_TOTAL = names.KV_BLOCKS_TOTAL.series
+NUM_REQUESTS_WAITING = names.NUM_REQUESTS_WAITING.series
 WANTED = (KV_BLOCKS_ACTIVE, KV_BLOCKS_TOTAL, NUM_REQUESTS_WAITING)
 
 

@@ -21,14 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +30,7 @@ from starlette.routing import Route
 from kvscale.processes import freeze_startup_heap
 from kvscale.router import policy as routing
 from kvscale.router.index import PrefixIndex
+from kvscale.router.metrics import RouterMetrics, is_spill
 from kvscale.router.replicas import EndpointSliceWatch, Replica, ReplicaSet, normalize_url
 from kvscale.server.block_hash import hash_prompt_blocks
 
@@ -76,47 +70,12 @@ def openai_error(status: int, message: str, err_type: str, code: str | None = No
     )
 
 
-class RouterMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "kvscale_router_requests", "Requests proxied, by replica, policy and HTTP status",
-            ["replica", "policy", "status"], registry=r,
-        )
-        self.decision_seconds = Histogram(
-            "kvscale_router_routing_decision_seconds",
-            "Time from a request's last byte to sending it upstream (parse, tokenize, hash, score)",
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1), registry=r,
-        )
-        self.predicted_hit_tokens = Counter(
-            "kvscale_router_predicted_prefix_hit_tokens", "Prompt tokens the index predicted cached at the chosen replica",
-            registry=r,
-        )
-        self.predicted_hit_tokens_per_request = Histogram(
-            "kvscale_router_predicted_prefix_hit_tokens_per_request", "Predicted cached prompt tokens per decision",
-            buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192), registry=r,
-        )
-        self.prompt_tokens = Counter("kvscale_router_prompt_tokens", "Prompt tokens routed", registry=r)
-        self.retries = Counter("kvscale_router_retries", "Retries on another replica, by reason", ["reason"], registry=r)
-        self.fallbacks = Counter(
-            "kvscale_router_fallbacks", "Decisions made without full information, by reason", ["reason"], registry=r
-        )
-        self.redis_errors = Counter("kvscale_router_redis_errors", "Failed or timed-out Redis calls", registry=r)
-        self.redis_up = Gauge("kvscale_router_redis_up", "1 while Redis answers", registry=r)
-        self.replicas_healthy = Gauge("kvscale_router_replicas_healthy", "Routable replicas", registry=r)
-        self.in_flight = Gauge("kvscale_router_in_flight_requests", "Open requests by replica", ["replica"], registry=r)
-        self.index_blocks = Gauge(
-            "kvscale_router_index_blocks", "Confirmed block hashes in the index, by replica", ["replica"], registry=r
-        )
-
-
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         if config.policy not in routing.POLICIES:
             raise ValueError(f"unknown routing policy {config.policy!r}; choose one of {', '.join(routing.POLICIES)}")
         self.config = config
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(config.policy)
         in_process = config.redis_url is None
         # Without Redis the index is only the router's own decisions; keep them until capacity.
         self.index = PrefixIndex(prediction_ttl_s=(1e9 if in_process else 10.0))
@@ -282,7 +241,7 @@ class Router:
             self.metrics.fallbacks.labels("redis_down").inc()
         self._counter += 1
         sticky = self._sessions.get(session) if session else None
-        return routing.decide(
+        decision = routing.decide(
             self.config.policy,
             views,
             prompt_blocks=len(hashes),
@@ -293,6 +252,9 @@ class Router:
             sticky_replica=sticky,
             index_stale=index_stale,
         )
+        if decision.ranked and is_spill(matched, decision.ranked[0], decision.reason):
+            self.metrics.spills.inc()
+        return decision
 
     def _remember_session(self, session: str | None, replica_id: str) -> None:
         if not session:

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvscale.server import protocol as p
 from kvscale.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvscale.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from kvscale.server.metrics import ServerMetrics
+from kvscale.server.metrics import HTTPStatusMiddleware, ServerMetrics
 from kvscale.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
@@ -451,6 +451,7 @@ def build_app(
 
     if api_key:
         app.add_middleware(_APIKeyMiddleware, server=server)
+    app.add_middleware(HTTPStatusMiddleware, metrics=metrics)  # outermost: counts 401s too
 
     # ------------------------------------------------------------------ plain endpoints
 

@@ -41,6 +41,7 @@ class BlockPool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # LRU: oldest first
         self._hash_to_block: dict[int, int] = {}
         self._events: list[KVEvent] = []
+        self.num_evicted = 0  # cumulative: cached prefixes dropped to make room (a metric)
 
     # --- counts -------------------------------------------------------------------------
     @property
@@ -112,6 +113,7 @@ class BlockPool:
         if block.block_hash is not None:
             del self._hash_to_block[block.block_hash]
             self._events.append(BlockRemoved([block.block_hash]))
+            self.num_evicted += 1
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:

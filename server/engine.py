@@ -360,6 +360,15 @@ class LLMEngine:
         sched = self.scheduler
         running_requests = {seq.request.request_id for seq in sched.running}
         waiting_requests = {seq.request.request_id for seq in sched.waiting} - running_requests
+        # For the router's TTFT prediction: prompt work queued here, and how many sequences decode.
+        prefill_pending = sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting)
+        num_decoding = 0
+        for seq in sched.running:
+            left = seq.num_tokens - seq.num_computed_tokens
+            if left > 1:
+                prefill_pending += left
+            else:
+                num_decoding += 1
         return EngineStats(
             num_running=len(running_requests),
             num_waiting=len(waiting_requests),
@@ -373,6 +382,10 @@ class LLMEngine:
             extra={
                 "generation_tokens_total": float(self.num_generated_tokens),
                 "prompt_tokens_computed_total": float(self.num_prompt_tokens_computed),
+                "prefill_tokens_waiting": float(prefill_pending),
+                "num_decoding": float(num_decoding),
+                "kv_blocks_evicted_total": float(self.pool.num_evicted),
+                "enable_prefix_caching": float(self.kv.enable_prefix_caching),
             },
         )
 

@@ -4,7 +4,7 @@ Inference Extension read a kvscale replica like a vLLM one; plus kvscale's own K
 Gauges and the engine's cumulative counters come from the latest EngineStats snapshot at scrape
 time (a custom collector); per-request counters and histograms are fed as outputs pass through
 the event loop. Every app gets its own CollectorRegistry, so several servers (or tests) in one
-process never share series.
+process never share series. Names, types and help texts come from kvscale/metric_names.py.
 """
 
 from __future__ import annotations
@@ -21,10 +21,15 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvscale import metric_names as names
 from kvscale.server.async_engine import RequestStream
 from kvscale.server.outputs import EngineStats, RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Routes counted by name in kvscale:http_requests; anything else is "other" (bounded labels).
+COUNTED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
+                  "/detokenize")
 
 # vLLM's buckets, so histogram_quantile over mixed fleets lines up.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -48,42 +53,28 @@ class _EngineStatsCollector(Collector):
             return
         label = [self._model_name]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(label, value)
-            return family
+        def family(metric: names.Metric, value: float) -> Metric:
+            cls = CounterMetricFamily if metric.type == names.COUNTER else GaugeMetricFamily
+            out = cls(metric.name, metric.help, labels=list(metric.labels))
+            out.add_metric(label, value)
+            return out
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric(label, value)
-            return family
-
-        yield gauge("vllm:num_requests_running", "Requests in the running batch.", stats.num_running)
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
-        yield gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV cache usage as a fraction in [0, 1]: blocks held by live requests / all blocks.",
-            stats.kv_cache_usage,
-        )
-        yield counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-            stats.prefix_cache_queries,
-        )
-        yield counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits
-        )
-        yield counter("vllm:num_preemptions", "Preemptions of running requests.", stats.num_preemptions)
-        yield gauge("kvscale:kv_blocks_total", "KV cache blocks in the pool.", stats.kv_blocks_total)
-        yield gauge(
-            "kvscale:kv_blocks_active",
-            "KV blocks held by live (running or preempted-and-holding) requests; not reclaimable.",
-            stats.kv_blocks_active,
-        )
-        yield gauge(
-            "kvscale:kv_blocks_cached",
-            "Free KV blocks still holding a reusable prefix; evicted on demand, so free capacity.",
-            stats.kv_blocks_cached,
-        )
+        yield family(names.NUM_REQUESTS_RUNNING, stats.num_running)
+        yield family(names.NUM_REQUESTS_WAITING, stats.num_waiting)
+        yield family(names.KV_CACHE_USAGE, stats.kv_cache_usage)
+        yield family(names.PREFIX_CACHE_QUERIES, stats.prefix_cache_queries)
+        yield family(names.PREFIX_CACHE_HITS, stats.prefix_cache_hits)
+        yield family(names.NUM_PREEMPTIONS, stats.num_preemptions)
+        yield family(names.KV_BLOCKS_TOTAL, stats.kv_blocks_total)
+        yield family(names.KV_BLOCKS_ACTIVE, stats.kv_blocks_active)
+        yield family(names.KV_BLOCKS_CACHED, stats.kv_blocks_cached)
+        yield family(names.KV_BLOCKS_EVICTED, stats.extra.get("kv_blocks_evicted_total", 0.0))
+        info = names.CACHE_CONFIG_INFO
+        config = GaugeMetricFamily(info.name, info.help, labels=list(info.labels))
+        prefix_caching = stats.extra.get("enable_prefix_caching", 1.0)
+        config.add_metric([self._model_name, str(stats.block_size), str(stats.kv_blocks_total),
+                           "True" if prefix_caching else "False"], 1.0)
+        yield config
 
 
 class ServerMetrics:
@@ -92,38 +83,33 @@ class ServerMetrics:
         disable_created_metrics()
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name"]
         reg = self.registry
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=reg
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Tokens generated.", labels, registry=reg
-        ).labels(model_name)
-        self.request_success = Counter(
-            "vllm:request_success", "Finished requests by finish reason.",
-            ["model_name", "finished_reason"], registry=reg,
-        )
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", labels,
-            buckets=TTFT_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds", "Time between successive output tokens.", labels,
-            buckets=ITL_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
-            buckets=REQUEST_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self.queue_time = Histogram(
-            "vllm:request_queue_time_seconds", "Arrival to first scheduled.", labels,
-            buckets=REQUEST_BUCKETS, registry=reg,
-        ).labels(model_name)
+
+        def counter(metric: names.Metric) -> Counter:
+            return Counter(metric.name, metric.help, list(metric.labels), registry=reg)
+
+        def histogram(metric: names.Metric, buckets: tuple[float, ...]):
+            return Histogram(metric.name, metric.help, list(metric.labels), buckets=buckets,
+                             registry=reg).labels(model_name)
+
+        self.prompt_tokens = counter(names.PROMPT_TOKENS).labels(model_name)
+        self.generation_tokens = counter(names.GENERATION_TOKENS).labels(model_name)
+        self.request_success = counter(names.REQUEST_SUCCESS)
+        self.http_requests = counter(names.HTTP_REQUESTS)
+        self.ttft = histogram(names.TTFT, TTFT_BUCKETS)
+        self.itl = histogram(names.ITL, ITL_BUCKETS)
+        self.e2e = histogram(names.E2E_LATENCY, REQUEST_BUCKETS)
+        self.queue_time = histogram(names.QUEUE_TIME, REQUEST_BUCKETS)
         # Pre-create the usual reasons so rate() works before the first request of each kind.
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
+        for route in COUNTED_ROUTES:
+            self.http_requests.labels(model_name, route, "200")
         reg.register(_EngineStatsCollector(model_name, get_stats))
+
+    def count_http(self, path: str, status: int) -> None:
+        route = path if path in COUNTED_ROUTES else "other"
+        self.http_requests.labels(self.model_name, route, str(status)).inc()
 
     def on_step(self, outputs: list[RequestOutput], streams: dict[str, RequestStream], stats: EngineStats) -> None:
         for output in outputs:
@@ -159,3 +145,28 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class HTTPStatusMiddleware:
+    """Pure ASGI middleware counting every answered request by route and status code."""
+
+    def __init__(self, app, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # an exception before the response started
+
+        async def send_wrapper(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.count_http(scope.get("path", ""), status)

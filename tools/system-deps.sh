@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Install the Debian packages whose real services the tests start (redis-server).
+# Install the Debian packages whose real services the tests start (redis-server, prometheus
+# with promtool for the observability tests).
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
+{ command -v prometheus && command -v promtool; } >/dev/null || need+=(prometheus)
 [ ${#need[@]} -eq 0 ] && exit 0
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"

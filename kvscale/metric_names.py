@@ -1,0 +1,192 @@
+"""Every Prometheus metric kvscale exports, in one place: name, type, labels and meaning.
+
+The servers, the router and the operator register their metrics from these definitions; the
+operator's scraper, the dashboards generator, the alerting rules and the tests read the names from
+here too, so a rename is one edit and a dashboard can never query a name nobody exports.
+docs/observability.md lists them (a test keeps that list complete).
+
+`Metric.name` is what a process registers; `Metric.series` is what PromQL selects (a counter's
+samples carry `_total`), `Metric.bucket` a histogram's buckets. Importing this module pulls in
+nothing but the standard library (the operator and the chart tooling run without torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    type: str
+    help: str
+    labels: tuple[str, ...] = ()
+
+    @property
+    def series(self) -> str:
+        """The sample name a query uses for the value (counters: `_total`)."""
+        return f"{self.name}_total" if self.type == COUNTER else self.name
+
+    @property
+    def bucket(self) -> str:
+        assert self.type == HISTOGRAM, self.name
+        return f"{self.name}_bucket"
+
+    @property
+    def sum(self) -> str:
+        assert self.type == HISTOGRAM, self.name
+        return f"{self.name}_sum"
+
+    @property
+    def count(self) -> str:
+        assert self.type == HISTOGRAM, self.name
+        return f"{self.name}_count"
+
+
+_M = ("model_name",)
+
+# --- kvscale serve (vLLM's names where vLLM has the metric) ---------------------------------
+NUM_REQUESTS_RUNNING = Metric("vllm:num_requests_running", GAUGE, "Requests in the running batch.", _M)
+NUM_REQUESTS_WAITING = Metric(
+    "vllm:num_requests_waiting", GAUGE, "Requests waiting to be scheduled.", _M)
+KV_CACHE_USAGE = Metric(
+    "vllm:kv_cache_usage_perc", GAUGE,
+    "KV cache usage as a fraction in [0, 1]: blocks held by live requests / all blocks.", _M)
+PREFIX_CACHE_QUERIES = Metric(
+    "vllm:prefix_cache_queries", COUNTER, "Prompt tokens looked up in the prefix cache.", _M)
+PREFIX_CACHE_HITS = Metric(
+    "vllm:prefix_cache_hits", COUNTER, "Prompt tokens found in the prefix cache.", _M)
+NUM_PREEMPTIONS = Metric(
+    "vllm:num_preemptions", COUNTER, "Preemptions of running requests.", _M)
+PROMPT_TOKENS = Metric("vllm:prompt_tokens", COUNTER, "Prompt tokens processed.", _M)
+GENERATION_TOKENS = Metric("vllm:generation_tokens", COUNTER, "Tokens generated.", _M)
+REQUEST_SUCCESS = Metric(
+    "vllm:request_success", COUNTER, "Finished requests by finish reason.",
+    ("model_name", "finished_reason"))
+TTFT = Metric("vllm:time_to_first_token_seconds", HISTOGRAM, "Time to first token.", _M)
+ITL = Metric(
+    "vllm:inter_token_latency_seconds", HISTOGRAM, "Time between successive output tokens.", _M)
+E2E_LATENCY = Metric("vllm:e2e_request_latency_seconds", HISTOGRAM, "Arrival to finish.", _M)
+QUEUE_TIME = Metric(
+    "vllm:request_queue_time_seconds", HISTOGRAM, "Arrival to first scheduled.", _M)
+# vLLM's info gauge (value 1) whose labels carry the cache geometry; the Gateway API Inference
+# Extension reads num_gpu_blocks and block_size from it.
+CACHE_CONFIG_INFO = Metric(
+    "vllm:cache_config_info", GAUGE, "KV cache configuration (value 1; the labels carry it).",
+    ("model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"))
+KV_BLOCKS_TOTAL = Metric("kvscale:kv_blocks_total", GAUGE, "KV cache blocks in the pool.", _M)
+KV_BLOCKS_ACTIVE = Metric(
+    "kvscale:kv_blocks_active", GAUGE,
+    "KV blocks held by live (running or preempted-and-holding) requests; not reclaimable.", _M)
+KV_BLOCKS_CACHED = Metric(
+    "kvscale:kv_blocks_cached", GAUGE,
+    "Free KV blocks still holding a reusable prefix; evicted on demand, so free capacity.", _M)
+KV_BLOCKS_EVICTED = Metric(
+    "kvscale:kv_blocks_evicted", COUNTER,
+    "Cached KV blocks whose prefix was dropped to make room for new data.", _M)
+HTTP_REQUESTS = Metric(
+    "kvscale:http_requests", COUNTER, "HTTP requests answered, by route and status code.",
+    ("model_name", "route", "status"))
+
+SERVER_METRICS = (
+    NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS, NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, TTFT,
+    ITL, E2E_LATENCY, QUEUE_TIME, CACHE_CONFIG_INFO, KV_BLOCKS_TOTAL, KV_BLOCKS_ACTIVE,
+    KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, HTTP_REQUESTS,
+)
+
+# --- kvscale router ---------------------------------------------------------------------------
+ROUTER_REQUESTS = Metric(
+    "kvscale_router_requests", COUNTER, "Requests proxied, by replica, policy and HTTP status.",
+    ("replica", "policy", "status"))
+ROUTER_DECISION_SECONDS = Metric(
+    "kvscale_router_routing_decision_seconds", HISTOGRAM,
+    "Time from a request's last byte to sending it upstream (parse, tokenize, hash, score).")
+ROUTER_PREDICTED_HIT_TOKENS = Metric(
+    "kvscale_router_predicted_prefix_hit_tokens", COUNTER,
+    "Prompt tokens the index predicted cached at the chosen replica.")
+ROUTER_PREDICTED_HIT_TOKENS_PER_REQUEST = Metric(
+    "kvscale_router_predicted_prefix_hit_tokens_per_request", HISTOGRAM,
+    "Predicted cached prompt tokens per decision.")
+ROUTER_PROMPT_TOKENS = Metric("kvscale_router_prompt_tokens", COUNTER, "Prompt tokens routed.")
+ROUTER_SPILLS = Metric(
+    "kvscale_router_spills", COUNTER,
+    "Decisions that passed over the replica with the longest cached prefix because it was over "
+    "the load bound.")
+ROUTER_RETRIES = Metric(
+    "kvscale_router_retries", COUNTER, "Retries on another replica, by reason.", ("reason",))
+ROUTER_FALLBACKS = Metric(
+    "kvscale_router_fallbacks", COUNTER,
+    "Decisions made without full information, by reason.", ("reason",))
+ROUTER_REDIS_ERRORS = Metric(
+    "kvscale_router_redis_errors", COUNTER, "Failed or timed-out Redis calls.")
+ROUTER_REDIS_UP = Metric("kvscale_router_redis_up", GAUGE, "1 while Redis answers.")
+ROUTER_REPLICAS_HEALTHY = Metric("kvscale_router_replicas_healthy", GAUGE, "Routable replicas.")
+ROUTER_IN_FLIGHT = Metric(
+    "kvscale_router_in_flight_requests", GAUGE, "Open requests by replica.", ("replica",))
+ROUTER_INDEX_BLOCKS = Metric(
+    "kvscale_router_index_blocks", GAUGE, "Confirmed block hashes in the index, by replica.",
+    ("replica",))
+
+ROUTER_METRICS = (
+    ROUTER_REQUESTS, ROUTER_DECISION_SECONDS, ROUTER_PREDICTED_HIT_TOKENS,
+    ROUTER_PREDICTED_HIT_TOKENS_PER_REQUEST, ROUTER_PROMPT_TOKENS, ROUTER_SPILLS, ROUTER_RETRIES,
+    ROUTER_FALLBACKS, ROUTER_REDIS_ERRORS, ROUTER_REDIS_UP, ROUTER_REPLICAS_HEALTHY,
+    ROUTER_IN_FLIGHT, ROUTER_INDEX_BLOCKS,
+)
+# Label values created at zero on start, so rate() is defined before the first event of each.
+ROUTER_RETRY_REASONS = ("status_5xx", "timeout", "connection")
+ROUTER_FALLBACK_REASONS = ("no_tokenizer", "untokenizable", "redis_down")
+
+# --- kvscale operator (per InferenceService) -------------------------------------------------
+_IS = ("namespace", "inferenceservice")
+OPERATOR_LOAD = Metric(
+    "kvscale_operator_autoscaler_load", GAUGE,
+    "The autoscaler's signal: demand in replicas' worth (KV usage / target + waiting / target).",
+    _IS)
+OPERATOR_KV_USAGE = Metric(
+    "kvscale_operator_autoscaler_kv_usage", GAUGE,
+    "Mean share of KV blocks held by live requests over the pods that reported.", _IS)
+OPERATOR_WAITING = Metric(
+    "kvscale_operator_autoscaler_waiting_requests", GAUGE,
+    "Waiting requests over all pods (missing pods extrapolated).", _IS)
+OPERATOR_TARGET_KV_USAGE = Metric(
+    "kvscale_operator_autoscaler_target_kv_usage", GAUGE, "spec.autoscaling.targetKVUsage.", _IS)
+OPERATOR_TARGET_QUEUE = Metric(
+    "kvscale_operator_autoscaler_target_queue_length", GAUGE,
+    "spec.autoscaling.targetQueueLength.", _IS)
+OPERATOR_PANIC = Metric(
+    "kvscale_operator_autoscaler_panic", GAUGE, "1 while the autoscaler is in panic mode.", _IS)
+OPERATOR_DESIRED = Metric(
+    "kvscale_operator_desired_replicas", GAUGE, "Replicas the autoscaler (or the spec) wants.", _IS)
+OPERATOR_CURRENT = Metric(
+    "kvscale_operator_current_replicas", GAUGE, "Pods that exist and are not terminating.", _IS)
+OPERATOR_READY = Metric("kvscale_operator_ready_replicas", GAUGE, "Ready pods.", _IS)
+OPERATOR_MIN = Metric(
+    "kvscale_operator_min_replicas", GAUGE, "spec.autoscaling.minReplicas.", _IS)
+OPERATOR_MAX = Metric(
+    "kvscale_operator_max_replicas", GAUGE, "spec.autoscaling.maxReplicas.", _IS)
+OPERATOR_SCALE_DECISIONS = Metric(
+    "kvscale_operator_scale_decisions", COUNTER,
+    "Changes of spec.replicas made by the autoscaler, by direction (up/down) and reason.",
+    (*_IS, "direction", "reason"))
+OPERATOR_RECONCILE_ERRORS = Metric(
+    "kvscale_operator_reconcile_errors", COUNTER,
+    "Reconciliations and autoscaler runs that failed, by handler.", (*_IS, "handler"))
+
+OPERATOR_METRICS = (
+    OPERATOR_LOAD, OPERATOR_KV_USAGE, OPERATOR_WAITING, OPERATOR_TARGET_KV_USAGE,
+    OPERATOR_TARGET_QUEUE, OPERATOR_PANIC, OPERATOR_DESIRED, OPERATOR_CURRENT, OPERATOR_READY,
+    OPERATOR_MIN, OPERATOR_MAX, OPERATOR_SCALE_DECISIONS, OPERATOR_RECONCILE_ERRORS,
+)
+
+ALL_METRICS = SERVER_METRICS + ROUTER_METRICS + OPERATOR_METRICS
+
+
+def exposed_sample_names(metric: Metric) -> tuple[str, ...]:
+    """The sample names a scrape of `metric` shows (histograms: buckets, sum and count)."""
+    if metric.type == HISTOGRAM:
+        return (metric.bucket, metric.sum, metric.count)
+    return (metric.series,)

@@ -1,0 +1,130 @@
+"""The operator's own Prometheus metrics, per InferenceService: what the autoscaler saw, what it
+aimed for and what it did (names from kvscale/metric_names.py).
+
+Served by `kvscale operator --metrics-port` from a registry of its own. Series are labelled with
+the InferenceService's `namespace` and `inferenceservice`; scrape the operator with
+`honor_labels` so that they are not renamed to `exported_namespace`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import start_http_server
+
+from kvscale import metric_names as names
+from kvscale.operator.scaling import LoadEstimate, ScaleDecision
+from kvscale.operator.spec import AutoscalingPolicy
+
+# Series created at zero when a service is first seen, so increase() is defined from the start.
+_USUAL_DECISIONS = (("up", "ScaleUp"), ("down", "ScaleDown"))
+
+
+@dataclass(frozen=True)
+class ReplicaCounts:
+    desired: int
+    current: int  # pods not terminating
+    ready: int
+
+
+def scale_direction(previous: int, replicas: int) -> str | None:
+    if replicas > previous:
+        return "up"
+    if replicas < previous:
+        return "down"
+    return None
+
+
+class OperatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def gauge(metric: names.Metric) -> Gauge:
+            return Gauge(metric.name, metric.help, list(metric.labels), registry=r)
+
+        def counter(metric: names.Metric) -> Counter:
+            return Counter(metric.name, metric.help, list(metric.labels), registry=r)
+
+        self.load = gauge(names.OPERATOR_LOAD)
+        self.kv_usage = gauge(names.OPERATOR_KV_USAGE)
+        self.waiting = gauge(names.OPERATOR_WAITING)
+        self.target_kv_usage = gauge(names.OPERATOR_TARGET_KV_USAGE)
+        self.target_queue = gauge(names.OPERATOR_TARGET_QUEUE)
+        self.panic = gauge(names.OPERATOR_PANIC)
+        self.desired = gauge(names.OPERATOR_DESIRED)
+        self.current = gauge(names.OPERATOR_CURRENT)
+        self.ready = gauge(names.OPERATOR_READY)
+        self.min_replicas = gauge(names.OPERATOR_MIN)
+        self.max_replicas = gauge(names.OPERATOR_MAX)
+        self.scale_decisions = counter(names.OPERATOR_SCALE_DECISIONS)
+        self.reconcile_errors = counter(names.OPERATOR_RECONCILE_ERRORS)
+        self._per_service = (self.load, self.kv_usage, self.waiting, self.target_kv_usage,
+                             self.target_queue, self.panic, self.desired, self.current,
+                             self.ready, self.min_replicas, self.max_replicas)
+        self._known: dict[str, tuple[str, str]] = {}  # uid -> (namespace, name)
+        self._lock = threading.Lock()
+
+    def _see(self, uid: str, namespace: str, name: str) -> None:
+        with self._lock:
+            if uid in self._known:
+                return
+            self._known[uid] = (namespace, name)
+        for direction, reason in _USUAL_DECISIONS:
+            self.scale_decisions.labels(namespace, name, direction, reason)
+        for handler in ("reconcile", "autoscale"):
+            self.reconcile_errors.labels(namespace, name, handler)
+
+    def observe(self, uid: str, namespace: str, name: str, policy: AutoscalingPolicy,
+                counts: ReplicaCounts, estimate: LoadEstimate | None,
+                decision: ScaleDecision | None, previous: int) -> None:
+        """One autoscaler run: the signal, the target, the replicas and the decision taken."""
+        self._see(uid, namespace, name)
+        key = (namespace, name)
+        self.target_kv_usage.labels(*key).set(policy.target_kv_usage)
+        self.target_queue.labels(*key).set(policy.target_queue_length)
+        self.min_replicas.labels(*key).set(policy.min_replicas)
+        self.max_replicas.labels(*key).set(policy.max_replicas)
+        self.desired.labels(*key).set(counts.desired)
+        self.current.labels(*key).set(counts.current)
+        self.ready.labels(*key).set(counts.ready)
+        if estimate is not None:
+            self.load.labels(*key).set(estimate.load)
+            self.kv_usage.labels(*key).set(estimate.kv_usage)
+            self.waiting.labels(*key).set(estimate.waiting)
+        self.panic.labels(*key).set(1 if decision is not None and decision.panic else 0)
+        if decision is not None:
+            direction = scale_direction(previous, decision.replicas)
+            if direction is not None:
+                self.scale_decisions.labels(*key, direction, decision.reason).inc()
+
+    def error(self, uid: str, namespace: str, name: str, handler: str) -> None:
+        self._see(uid, namespace, name)
+        self.reconcile_errors.labels(namespace, name, handler).inc()
+
+    def forget(self, uid: str) -> None:
+        """Drop a deleted service's series, so dashboards stop showing it."""
+        with self._lock:
+            key = self._known.pop(uid, None)
+        if key is None:
+            return
+        for gauge in self._per_service:
+            try:
+                gauge.remove(*key)
+            except KeyError:
+                pass
+        for labels in list(self.scale_decisions._metrics):  # no public way to list children
+            if labels[:2] == key:
+                self.scale_decisions.remove(*labels)
+        for labels in list(self.reconcile_errors._metrics):
+            if labels[:2] == key:
+                self.reconcile_errors.remove(*labels)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "0.0.0.0"):
+        """Serve /metrics on its own port (a daemon thread); returns (server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)
