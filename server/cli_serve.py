@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import socket
 import sys
+from dataclasses import dataclass
+from typing import Any
 
 # Engine flags whose value goes straight into EngineConfig; unset ones keep EngineConfig's default.
 _ENGINE_FIELDS = (
@@ -54,8 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--disable-uvicorn-access-log", action="store_true")
 
     router = parser.add_argument_group("prefix-aware routing")
-    router.add_argument("--redis", default=None, metavar="URL",
-                        help="publish KV cache events and load heartbeats to this Redis (redis://...)")
+    router.add_argument("--redis", default=os.environ.get("KVSCALE_REDIS_URL"), metavar="URL",
+                        help="publish KV cache events and load heartbeats to this Redis "
+                             "(redis://...; default: $KVSCALE_REDIS_URL)")
     router.add_argument("--replica-id", default=None,
                         help="this replica's id in Redis (default: $POD_NAME, else HOST:PORT)")
 
@@ -67,13 +71,19 @@ def _advertised_host(host: str) -> str:
     return os.environ.get("POD_IP") or socket.gethostname()
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.max_queue_len is not None and args.max_queue_len < 0:
-        print("kvscale serve: --max-queue-len must be non-negative", file=sys.stderr)
-        return 2
-    import uvicorn
+@dataclass
+class Served:
+    """What `kvscale serve` runs: the app and the parts it is built from."""
 
-    from kvscale.processes import freeze_startup_heap
+    app: Any
+    engine: Any  # LLMEngine
+    async_engine: Any  # AsyncEngine
+    publisher: Any | None
+
+
+def build(args: argparse.Namespace) -> Served:
+    """The engine, the KV event publisher and the app, from parsed flags (raises ValueError,
+    FileNotFoundError for bad flags or a missing model)."""
     from kvscale.server.api_server import build_app
     from kvscale.server.async_engine import AsyncEngine
     from kvscale.server.config import EngineConfig
@@ -83,18 +93,14 @@ def run(args: argparse.Namespace) -> int:
     fields = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name) is not None}
     if args.served_model_name:
         fields["served_model_name"] = args.served_model_name[0]
-    try:
-        config = EngineConfig(**fields)
-        model_path = resolve_model_path(args.model)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"kvscale serve: {exc}", file=sys.stderr)
-        return 2
+    config = EngineConfig(**fields)
+    model_path = resolve_model_path(args.model)
 
     engine = LLMEngine(config)
     served_names = list(args.served_model_name or [engine.model_name])
-    # The HTTP side tokenizes on the event loop while the engine thread detokenizes: give each
-    # its own tokenizer object rather than share one across threads.
-    tokenizer = load_tokenizer(model_path)
+    # The event loop tokenizes while the engine thread encodes and detokenizes: a fast tokenizer
+    # must not be used by two threads at once, so the HTTP side gets an object of its own.
+    tokenizer = copy.deepcopy(load_tokenizer(model_path))  # load_tokenizer caches by path
 
     base_url = f"http://{_advertised_host(args.host)}:{args.port}"
     publisher = None
@@ -105,17 +111,36 @@ def run(args: argparse.Namespace) -> int:
         publisher = KVEventPublisher(redis_url=args.redis, replica_id=replica_id,
                                      model_name=served_names[0], base_url=base_url,
                                      block_size=engine.block_size)
-        publisher.start()
 
     async_engine = AsyncEngine(engine, publisher=publisher)
     app = build_app(async_engine, tokenizer=tokenizer, served_model_names=served_names,
                     max_model_len=engine.max_model_len, api_key=args.api_key,
                     max_queue_len=args.max_queue_len, model_root=str(model_path))
-    print(f"kvscale: serving {served_names[0]!r} at http://{args.host}:{args.port}/v1 "
+    return Served(app, engine, async_engine, publisher)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_queue_len is not None and args.max_queue_len < 0:
+        print("kvscale serve: --max-queue-len must be non-negative", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from kvscale.processes import freeze_startup_heap
+
+    try:
+        served = build(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvscale serve: {exc}", file=sys.stderr)
+        return 2
+    engine, publisher = served.engine, served.publisher
+    if publisher is not None:
+        publisher.start()
+    print(f"kvscale: serving {engine.model_name if not args.served_model_name else args.served_model_name[0]!r} "
+          f"at http://{args.host}:{args.port}/v1 "
           f"(max_model_len {engine.max_model_len}, block size {engine.block_size})", flush=True)
     freeze_startup_heap()  # the model and tokenizer are loaded: spare them every full GC
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        uvicorn.run(served.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                     access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5)
     finally:
         if publisher is not None:
