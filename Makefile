@@ -33,10 +33,10 @@ k8s-bins:
 	@bash tools/k8s-bins.sh
 
 k8s-env: venv k8s-bins
-	$(PY) -m kvscale.operator.testenv up
+	PYTHONPATH=tests/cluster $(PY) -m testenv up
 
 k8s-env-down: venv
-	$(PY) -m kvscale.operator.testenv down
+	PYTHONPATH=tests/cluster $(PY) -m testenv down
 
 serve: venv
 	@echo "kvscale: serving the bundled model at http://$(HOST):$(PORT)/v1"

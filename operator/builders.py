@@ -6,9 +6,16 @@ server's defaults (and to other field managers) rather than fought over.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from kvscale.operator.spec import NAME_LABEL, SERVER_PORT, InferenceServiceSpec
+from kvscale.operator.spec import (
+    DEFAULT_REDIS_IMAGE,
+    DEFAULT_ROUTER_IMAGE,
+    NAME_LABEL,
+    SERVER_PORT,
+    InferenceServiceSpec,
+)
 
 BUNDLED_MODEL_NAME = "smollm2-135m-instruct"
 MODEL_VOLUME_PATH = "/models"
@@ -21,6 +28,14 @@ STARTUP_PROBE_FAILURES = 180
 RUN_AS_USER = 1000
 # Time for in-flight streams to finish after SIGTERM before the kubelet kills the server.
 TERMINATION_GRACE_PERIOD_SECONDS = 60
+
+
+@dataclass(frozen=True)
+class Images:
+    """Images of the parts the operator runs beside the servers (the servers' is in the spec)."""
+
+    router: str = DEFAULT_ROUTER_IMAGE
+    redis: str = DEFAULT_REDIS_IMAGE
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -47,6 +62,7 @@ def headless_service_name(name: str) -> str:
 
 
 def service_url(name: str, namespace: str, cluster_domain: str = "cluster.local") -> str:
+    """The Service named like the InferenceService: the router's, or the servers' without one."""
     return f"http://{name}.{namespace}.svc.{cluster_domain}"
 
 
@@ -80,7 +96,8 @@ def server_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]
         args += ["--model", model_path]
     args += [
         "--served-model-name", spec.model.served_name,
-        "--host", "0.0.0.0",
+        # The pod's own address: what it binds and what its heartbeats tell the router to call.
+        "--host", "$(POD_IP)",
         "--port", str(SERVER_PORT),
         "--dtype", engine.dtype,
         "--block-size", str(engine.block_size),
@@ -93,8 +110,28 @@ def server_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]
         args += ["--max-model-len", str(engine.max_model_len)]
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching
                 else "--no-enable-prefix-caching")
-    # The key itself comes from the Secret through $KVSCALE_API_KEY, never from the args.
+    if spec.router.enabled:
+        # The Redis URL comes from $KVSCALE_REDIS_URL, the API key from $KVSCALE_API_KEY:
+        # secrets never sit in the args.
+        args += ["--replica-id", "$(POD_NAME)"]
     return args + list(engine.extra_args)
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def api_key_env(spec: InferenceServiceSpec, env_name: str = "KVSCALE_API_KEY") -> list[dict[str, Any]]:
+    if spec.api_key_secret is None:
+        return []
+    return [{"name": env_name, "valueFrom": {"secretKeyRef": {
+        "name": spec.api_key_secret.name, "key": spec.api_key_secret.key}}}]
 
 
 def container_security_context() -> dict[str, Any]:
@@ -126,22 +163,21 @@ def http_probe(period: int, failures: int, timeout: int = 3) -> dict[str, Any]:
     }
 
 
-def server_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+def server_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    from kvscale.operator.redis_children import redis_url_env
+
     # KVSCALE_CACHE is left to the image, which ships the bundled model converted (Dockerfile).
     env: list[dict[str, Any]] = [
         {"name": "HF_HOME", "value": f"{MODEL_VOLUME_PATH}/hf-home"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "HOME", "value": "/tmp"},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
-    if spec.api_key_secret is not None:
-        env.append({
-            "name": "KVSCALE_API_KEY",
-            "valueFrom": {"secretKeyRef": {"name": spec.api_key_secret.name,
-                                           "key": spec.api_key_secret.key}},
-        })
-    return env
+    if spec.router.enabled:
+        env += redis_url_env(name, namespace, spec)
+    return env + api_key_env(spec)
 
 
 def volumes_and_mounts(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -175,7 +211,7 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> d
         "command": ["kvscale"],
         "args": server_args(spec, model_path),
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
-        "env": server_env(spec),
+        "env": server_env(name, namespace, spec),
         "resources": container_resources(spec),
         "startupProbe": http_probe(STARTUP_PROBE_PERIOD_SECONDS, STARTUP_PROBE_FAILURES),
         "readinessProbe": http_probe(5, 3),
@@ -184,13 +220,7 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> d
         "volumeMounts": mounts,
     }
     pod_spec: dict[str, Any] = {
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         # The server needs no API access; the operator and the router have their own accounts.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -229,14 +259,18 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> d
     }
 
 
-def build_service(name: str, namespace: str) -> dict[str, Any]:
+def build_service(name: str, namespace: str, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The service's OpenAI URL: the router pods when a router runs, else the servers."""
+    from kvscale.operator.router_children import router_selector
+
+    selector = router_selector(name) if spec.router.enabled else selector_labels(name)
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": name, "namespace": namespace, "labels": child_labels(name)},
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(name),
+            "selector": selector,
             "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -257,9 +291,41 @@ def build_headless_service(name: str, namespace: str) -> dict[str, Any]:
     }
 
 
-def build_children(name: str, namespace: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    return [
+def build_children(name: str, namespace: str, spec: InferenceServiceSpec,
+                   images: Images | None = None) -> list[dict[str, Any]]:
+    """Everything applied on every reconcile (the generated Redis Secret is created once, apart)."""
+    from kvscale.operator import redis_children, router_children
+
+    images = images or Images()
+    children = [
         build_deployment(name, namespace, spec),
-        build_service(name, namespace),
+        build_service(name, namespace, spec),
         build_headless_service(name, namespace),
     ]
+    if spec.router.enabled:
+        children += [
+            *router_children.build_router_rbac(name, namespace),
+            router_children.build_router_deployment(name, namespace, spec, images.router),
+            router_children.build_router_pdb(name, namespace),
+        ]
+        if not spec.router.redis.external:
+            children += [redis_children.build_redis_deployment(name, namespace, images.redis),
+                         redis_children.build_redis_service(name, namespace)]
+    return children
+
+
+def unwanted_children(name: str, namespace: str, spec: InferenceServiceSpec) -> list[tuple[str, str, str]]:
+    """(apiVersion, plural, name) of optional children this spec no longer wants, to delete."""
+    from kvscale.operator.redis_children import redis_name
+    from kvscale.operator.router_children import router_name
+
+    unwanted: list[tuple[str, str, str]] = []
+    if not spec.router.enabled:
+        router = router_name(name)
+        unwanted += [("apps/v1", "deployments", router), ("policy/v1", "poddisruptionbudgets", router),
+                     ("rbac.authorization.k8s.io/v1", "rolebindings", router),
+                     ("rbac.authorization.k8s.io/v1", "roles", router), ("v1", "serviceaccounts", router)]
+    if not spec.router.enabled or spec.router.redis.external:
+        redis = redis_name(name)
+        unwanted += [("apps/v1", "deployments", redis), ("v1", "services", redis), ("v1", "secrets", redis)]
+    return unwanted

@@ -12,6 +12,8 @@ import socket
 import threading
 import uuid
 
+from kvscale.operator.spec import DEFAULT_REDIS_IMAGE, DEFAULT_ROUTER_IMAGE
+
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
@@ -38,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(env KVSCALE_ALLOW_METRICS_URL_OVERRIDE=1)")
     parser.add_argument("--cluster-domain", default="cluster.local",
                         help="cluster DNS domain used in status.url")
+    images = parser.add_argument_group("images the operator runs beside the servers")
+    images.add_argument("--router-image", default=DEFAULT_ROUTER_IMAGE,
+                        help="image of `kvscale router` pods (the control-plane image)")
+    images.add_argument("--redis-image", default=DEFAULT_REDIS_IMAGE,
+                        help="image of the Redis the operator runs for an InferenceService's KV index")
     election = parser.add_argument_group("leader election (one active operator per cluster)")
     election.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True,
                           help="hold a Lease before reconciling, so replicas never fight")
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
 
     from kvscale.operator import handlers
+    from kvscale.operator.builders import Images
     from kvscale.operator.kube import Kube, load_connection
     from kvscale.operator.leader import LeaderElector
     from kvscale.operator.metrics import OperatorMetrics
@@ -82,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         scrape_timeout=args.scrape_timeout,
         allow_metrics_url_override=args.allow_metrics_url_override,
         cluster_domain=args.cluster_domain,
+        images=Images(router=args.router_image, redis=args.redis_image),
     )
     if config.allow_metrics_url_override:
         log.warning("honouring pod annotation serving.kvscale.io/metrics-url for scrape addresses")

@@ -17,7 +17,15 @@ from typing import Any
 
 import kopf
 
-from kvscale.operator import builders, conditions, health, scaling, scraping
+from kvscale.operator import (
+    builders,
+    conditions,
+    health,
+    redis_children,
+    router_children,
+    scaling,
+    scraping,
+)
 from kvscale.operator.conditions import SCALING_ACTIVE, Condition
 from kvscale.operator.kube import ApiError, Kube, object_path, path_for
 from kvscale.operator.metrics import OperatorMetrics, ReplicaCounts
@@ -42,6 +50,7 @@ class OperatorConfig:
     scrape_timeout: float = 2.0
     allow_metrics_url_override: bool = False
     cluster_domain: str = "cluster.local"
+    images: builders.Images = field(default_factory=builders.Images)
 
 
 @dataclass
@@ -82,10 +91,26 @@ def _owned(child: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
     return child
 
 
-def apply_children(kube: Kube, owner: dict[str, Any], spec: InferenceServiceSpec) -> None:
+def apply_children(kube: Kube, owner: dict[str, Any], spec: InferenceServiceSpec,
+                   images: builders.Images) -> None:
     meta = owner["metadata"]
-    for child in builders.build_children(meta["name"], meta["namespace"], spec):
+    name, namespace = meta["name"], meta["namespace"]
+    if spec.router.enabled and not spec.router.redis.external:
+        secret = redis_children.build_redis_secret(name, namespace)
+        if kube.get(object_path(secret)) is None:
+            try:
+                kube.create(path_for("v1", "secrets", namespace), _owned(secret, owner))
+            except ApiError as exc:
+                if exc.status != 409:  # another reconcile made it first: keep that password
+                    raise
+    for child in builders.build_children(name, namespace, spec, images):
         kube.apply(object_path(child), _owned(child, owner), FIELD_MANAGER)
+    for api_version, plural, child_name in builders.unwanted_children(name, namespace, spec):
+        existing = kube.get(path_for(api_version, plural, namespace, child_name))
+        owners = (existing or {}).get("metadata", {}).get("ownerReferences") or []
+        # Only what this InferenceService owns: never a same-named object a user made.
+        if any(ref.get("uid") == meta["uid"] for ref in owners):
+            kube.delete(path_for(api_version, plural, namespace, child_name))
 
 
 def refresh_status(runtime: Runtime, name: str, namespace: str,
@@ -104,6 +129,16 @@ def refresh_status(runtime: Runtime, name: str, namespace: str,
         if kube.get(path_for("v1", "secrets", namespace, spec.api_key_secret.name)) is None:
             missing_secret = spec.api_key_secret.name
     assessed = health.assess(spec.replicas, deployment, pods, missing_secret)
+    router_status: dict[str, Any] | None = None
+    if spec.router.enabled:
+        router_deployment = kube.get(path_for("apps/v1", "deployments", namespace,
+                                              router_children.router_name(name)))
+        router_status = {
+            "replicas": int(((router_deployment or {}).get("status") or {}).get("replicas") or 0),
+            "readyReplicas": int(((router_deployment or {}).get("status") or {}).get("readyReplicas") or 0),
+            "redis": "external" if spec.router.redis.external else "internal",
+        }
+        assessed = health.with_router(assessed, router_status["readyReplicas"])
     updates = assessed.conditions + list(extra_conditions or [])
     old_status = current.get("status") or {}
     old_conditions = old_status.get("conditions")
@@ -123,6 +158,7 @@ def refresh_status(runtime: Runtime, name: str, namespace: str,
         "url": builders.service_url(name, namespace, runtime.config.cluster_domain),
         "observedGeneration": generation,
         "conditions": conditions.merge_conditions(old_conditions, updates, generation),
+        "router": router_status,
         **(extra or {}),
     }
     if any(old_status.get(key) != value for key, value in status.items()):
@@ -135,7 +171,7 @@ def reconcile(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
              "metadata": dict(body["metadata"])}
     with runtime.lock(body["metadata"]["uid"]):
         try:
-            apply_children(runtime.kube, owner, spec)
+            apply_children(runtime.kube, owner, spec, runtime.config.images)
             refresh_status(runtime, owner["metadata"]["name"], owner["metadata"]["namespace"])
         except ApiError as exc:
             meta = owner["metadata"]
@@ -203,7 +239,7 @@ def autoscale(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
             kube.merge_patch(_is_path(namespace, name, "scale"),
                              {"spec": {"replicas": decision.replicas}})
             spec = parse_spec({**current["spec"], "replicas": decision.replicas})
-            apply_children(kube, current, spec)
+            apply_children(kube, current, spec, config.images)
             extra["lastScaleTime"] = conditions.now_rfc3339()
             direction = "up" if decision.replicas > previous else "down"
             message = (f"scaled {direction} from {previous} to "

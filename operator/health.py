@@ -114,3 +114,18 @@ def assess(
             f"{updated} updated, {ready} ready, {replicas} existing of {desired_replicas} wanted")
     return Health(replicas=replicas, ready_replicas=ready, updated_replicas=updated,
                   conditions=[ready_condition, progressing], problem=problem)
+
+
+def with_router(assessed: Health, router_ready: int) -> Health:
+    """Requests reach the servers through the router: without a ready router pod nothing serves."""
+    if router_ready > 0:
+        return assessed
+    conditions = [
+        Condition(READY, False, "RouterNotReady",
+                  "no router pod is ready (waiting for a ready server, or the router is starting)")
+        if c.type == READY and c.status else c
+        for c in assessed.conditions
+    ]
+    return Health(replicas=assessed.replicas, ready_replicas=assessed.ready_replicas,
+                  updated_replicas=assessed.updated_replicas, conditions=conditions,
+                  problem=assessed.problem)

@@ -123,6 +123,16 @@ class Kube:
     def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.request("PATCH", path, body, content_type=MERGE_PATCH)
 
+    def delete(self, path: str) -> bool:
+        """Delete (foreground GC of what it owns is the API server's); False when already gone."""
+        try:
+            self.request("DELETE", path, {"propagationPolicy": "Background"})
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
     def apply(self, path: str, body: dict[str, Any], field_manager: str) -> dict[str, Any]:
         """Server-side apply: create or converge the fields this manager owns."""
         return self.request("PATCH", path, body, content_type=APPLY_PATCH,
@@ -144,7 +154,8 @@ def path_for(api_version: str, plural: str, namespace: str | None = None,
 
 
 PLURALS = {"Deployment": "deployments", "Service": "services", "Pod": "pods", "Secret": "secrets",
-           "Lease": "leases"}
+           "Lease": "leases", "ServiceAccount": "serviceaccounts", "Role": "roles",
+           "RoleBinding": "rolebindings", "PodDisruptionBudget": "poddisruptionbudgets"}
 
 
 def object_path(obj: dict[str, Any]) -> str:

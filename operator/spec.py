@@ -16,7 +16,12 @@ PLURAL = "inferenceservices"
 KIND = "InferenceService"
 NAME_LABEL = f"{GROUP}/inferenceservice"
 DEFAULT_IMAGE = "ghcr.io/kvscale/kvscale:0.1.0"
+# The router runs from the slim control-plane image (no torch); the operator's flags override both.
+DEFAULT_ROUTER_IMAGE = "ghcr.io/kvscale/kvscale-control-plane:0.1.0"
+DEFAULT_REDIS_IMAGE = "docker.io/library/redis:7.4.2"
 SERVER_PORT = 8000
+ROUTER_PORT = 8080
+REDIS_PORT = 6379
 MODEL_SCHEMES = ("bundled://", "hf://", "pvc://")
 
 
@@ -75,6 +80,35 @@ class SecretKeyRef:
 
 
 @dataclass(frozen=True)
+class RedisSource:
+    """Where the router and the servers keep the KV index: the operator's own Redis unless
+    `url` or `secret_ref` (a Secret key holding the whole URL) names an external one."""
+
+    url: str | None = None
+    secret_ref: SecretKeyRef | None = None
+
+    @property
+    def external(self) -> bool:
+        return self.url is not None or self.secret_ref is not None
+
+
+@dataclass(frozen=True)
+class RouterResources:
+    cpu: str = "1"
+    memory: str = "1Gi"
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    enabled: bool = True
+    replicas: int = 2
+    policy: str | None = None  # None: the router's own default
+    balance_epsilon: float | None = None  # None: the router's own default
+    resources: RouterResources = field(default_factory=RouterResources)
+    redis: RedisSource = field(default_factory=RedisSource)
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     model: ModelSource
     image: str = DEFAULT_IMAGE
@@ -85,6 +119,7 @@ class InferenceServiceSpec:
     replicas: int = 1
     autoscaling: AutoscalingPolicy = field(default_factory=AutoscalingPolicy)
     api_key_secret: SecretKeyRef | None = None
+    router: RouterSpec = field(default_factory=RouterSpec)
 
 
 def default_served_name(uri: str) -> str:
@@ -139,6 +174,33 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         ),
         api_key_secret=(SecretKeyRef(name=secret["name"], key=secret.get("key") or "api-key")
                         if secret else None),
+        router=parse_router(spec.get("router") or {}),
+    )
+
+
+def parse_router(router: dict[str, Any]) -> RouterSpec:
+    defaults, resource_defaults = RouterSpec(), RouterResources()
+    redis = router.get("redis") or {}
+    secret = redis.get("secretRef")
+    url = redis.get("url")
+    if url is not None and secret is not None:
+        raise ValueError("router.redis takes url or secretRef, not both")
+    if url is not None and not str(url).startswith(("redis://", "rediss://")):
+        raise ValueError(f"router.redis.url must start with redis:// or rediss://, got {url!r}")
+    resources = router.get("resources") or {}
+    epsilon = router.get("balanceEpsilon")
+    return RouterSpec(
+        enabled=bool(router.get("enabled", defaults.enabled)),
+        replicas=int(router.get("replicas", defaults.replicas)),
+        policy=router.get("policy"),
+        balance_epsilon=None if epsilon is None else float(epsilon),
+        resources=RouterResources(cpu=str(resources.get("cpu", resource_defaults.cpu)),
+                                  memory=str(resources.get("memory", resource_defaults.memory))),
+        redis=RedisSource(
+            url=None if url is None else str(url),
+            secret_ref=(SecretKeyRef(name=secret["name"], key=secret.get("key") or "url")
+                        if secret else None),
+        ),
     )
 
 

@@ -16,7 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     parser.add_argument("--k8s-port-name", default=None, help="EndpointSlice port name (default: the first port)")
     parser.add_argument("--policy", choices=POLICIES, default="prefix-affinity")
-    parser.add_argument("--redis", default=None, help="redis://host:port for the replicas' KV events and heartbeats")
+    parser.add_argument(
+        "--redis",
+        default=os.environ.get("KVSCALE_REDIS_URL"),
+        help="redis://host:port for the replicas' KV events and heartbeats (default: $KVSCALE_REDIS_URL)",
+    )
     parser.add_argument("--redis-timeout-ms", type=float, default=50.0)
     parser.add_argument("--api-key", default=os.environ.get("KVSCALE_API_KEY"), help="key clients must send (Bearer)")
     parser.add_argument(

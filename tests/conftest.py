@@ -8,12 +8,17 @@ missing is an error, never a skip.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvscale.operator.testenv import K8sEnv, find_or_build_bins, start_env, stop_env
+# Test infrastructure in tests/cluster (the control plane, the pod process runtime) is imported by
+# module name. Not tests/ itself: its kvscale/ folder would shadow the real package.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "cluster"))
+
+from testenv import K8sEnv, find_or_build_bins, start_env, stop_env  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from kvscale.operator.testenv import (
+from testenv import (
     COMPONENTS,
     FAKE_NODE_GPUS,
     FAKE_NODE_NAME,
@@ -23,6 +22,7 @@ from kvscale.operator.testenv import (
     K8sEnvError,
     kwok_toleration,
 )
+
 from kvscale.processes import wait_until
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
@@ -198,9 +198,9 @@ def test_unknown_user_cannot_do_anything(k8s_env: K8sEnv) -> None:
 def test_cli_up_status_down_leaves_no_process_behind(k8s_bins: Path, tmp_path: Path) -> None:
     """`make k8s-env` / `make k8s-env-down` run exactly this."""
     workdir = tmp_path / "cli-env"
-    command = [sys.executable, "-m", "kvscale.operator.testenv"]
+    command = [sys.executable, "-m", "testenv"]
     common = ["--workdir", str(workdir), "--bins", str(k8s_bins)]
-    env = dict(os.environ)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "tests" / "cluster")}
     up = subprocess.run(
         [*command, "up", *common], capture_output=True, text=True, env=env, timeout=300
     )

@@ -5,7 +5,7 @@ kube-scheduler and kwok run as background processes on loopback, with one fake
 GPU node that kwok keeps Ready. Pods scheduled there run no containers: kwok
 marks them Running and Ready, which is all the operator can observe anyway.
 
-    python -m kvscale.operator.testenv up|down|status   (make k8s-env / k8s-env-down)
+    PYTHONPATH=tests/cluster python -m testenv up|down|status   (make k8s-env / k8s-env-down)
 
 The pytest fixtures call `start_env` / `stop_env` with the same code.
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from kvscale.processes import die_with_parent, free_port
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BINS_SCRIPT = REPO_ROOT / "tools" / "k8s-bins.sh"
 
 # Start order; stopped in reverse.
@@ -798,7 +798,7 @@ def _default_workdir() -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvscale.operator.testenv",
+        prog="python -m testenv",
         description="A local Kubernetes control plane (etcd, kube-apiserver, controller-manager, "
         "scheduler, kwok with a fake GPU node) for trying the operator.",
     )

@@ -121,10 +121,14 @@ def test_labels_selectors_and_scheduling():
 
 
 def test_services():
-    service = builders.build_service("m", "ns")
+    bundled = {"model": {"uri": "bundled://smollm2-135m-instruct"}}
+    service = builders.build_service("m", "ns", parse_spec(bundled))
     headless = builders.build_headless_service("m", "ns")
     assert service["metadata"]["name"] == "m"
-    assert service["spec"]["selector"] == {"serving.kvscale.io/inferenceservice": "m"}
+    # The service's URL is the router's; without a router it spreads over the servers.
+    assert service["spec"]["selector"] == {"serving.kvscale.io/router": "m"}
+    direct = builders.build_service("m", "ns", parse_spec({**bundled, "router": {"enabled": False}}))
+    assert direct["spec"]["selector"] == {"serving.kvscale.io/inferenceservice": "m"}
     assert service["spec"]["ports"][0]["targetPort"] == "http"
     assert headless["metadata"]["name"] == "m-pods"
     assert headless["spec"]["clusterIP"] == "None"

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import yaml
 from operator_helpers import MetricsEndpoint, OperatorProcess, PodMetrics, wait_for
+from testenv import kwok_toleration
 
 from kvscale.operator.builders import TERMINATION_GRACE_PERIOD_SECONDS
 from kvscale.operator.kube import Kube, load_connection
-from kvscale.operator.testenv import kwok_toleration
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
