@@ -306,7 +306,8 @@ class OpenAIServer:
         return _Prepared(p.random_id("chatcmpl"), [ids], [""], [params], body.cache_salt)
 
     def chat_ids(self, messages: list[p.ChatMessage]) -> list[int]:
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        # Back to the JSON the client sent: the router tokenizes that very form of the messages.
+        conversation = [m.model_dump(exclude_none=True) for m in messages]
         try:
             return chat_prompt_token_ids(self.tokenizer, conversation)
         except ValueError as exc:

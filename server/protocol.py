@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvscale.server.tokenization import message_text
+
 # vLLM's range for seeds: anything a 64-bit generator seed accepts.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -93,16 +95,17 @@ class TextContentPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "user", "assistant"]
+    """One message; tool calls and ids are accepted and ignored (the template sees role + text:
+    kvscale.server.tokenization.normalize_chat_messages)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        content = self.content
+        return message_text([part.model_dump() for part in content] if isinstance(content, list) else content)
 
 
 class ChatCompletionRequest(SamplingFields):
