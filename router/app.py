@@ -141,13 +141,14 @@ class Router:
     def _load_tokenizers(self) -> None:
         from kvscale.server.model_loader import (
             load_tokenizer,
-            resolve_model_path,
+            resolve_tokenizer_path,
             served_model_name,
         )
 
         for model in self.config.models:
             name = served_model_name(model)
-            self.tokenizers[name] = load_tokenizer(resolve_model_path(model))
+            # The tokenizer alone: the bundled model's full conversion needs torch.
+            self.tokenizers[name] = load_tokenizer(resolve_tokenizer_path(model))
             log.info("tokenizer for %s loaded", name)
 
     async def _sync_loop(self) -> None:

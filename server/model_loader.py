@@ -133,6 +133,50 @@ def resolve_model_path(model: str | None) -> Path:
     return target
 
 
+def _tokenizer_complete(directory: Path) -> bool:
+    return (directory / "tokenizer_config.json").is_file() and (directory / "tokenizer.json").is_file()
+
+
+def _extract_gguf_tokenizer(gguf_path: Path, target: Path) -> None:
+    """Save the GGUF's tokenizer alone into ``target`` atomically. Where torch is not installed
+    (the control-plane image), transformers reads the GGUF with numpy only."""
+    from transformers import AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp.chmod(0o755)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _tokenizer_complete(target):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def resolve_tokenizer_path(model: str | None) -> Path:
+    """A directory holding ``model``'s tokenizer; what the router needs, which has no torch.
+
+    For the bundled model that is the converted model when it exists, else the tokenizer alone,
+    taken from the GGUF once into ``$KVSCALE_CACHE`` (the full conversion needs torch). Both are
+    written by the same ``save_pretrained``, so they tokenize alike.
+    """
+    if model is not None:
+        return resolve_model_path(model)
+    full = cache_root() / "models" / f"{BUNDLED_NAME}-{_CONVERSION_VERSION}"
+    if _is_complete(full):
+        return full
+    target = cache_root() / "models" / f"{BUNDLED_NAME}-tokenizer-{_CONVERSION_VERSION}"
+    if not _tokenizer_complete(target):
+        _extract_gguf_tokenizer(bundled_gguf_path(), target)
+    return target
+
+
 def served_model_name(model: str | None, served_name: str | None = None) -> str:
     if served_name:
         return served_name
@@ -144,12 +188,27 @@ def served_model_name(model: str | None, served_name: str | None = None) -> str:
 _LOADED_TOKENIZERS: dict[tuple[str, float], Any] = {}
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    from transformers import AutoTokenizer
+def _is_bundled_copy(path: Path) -> bool:
+    """A directory kvscale wrote from the bundled GGUF (converted model or tokenizer alone)."""
+    return path.parent == (cache_root() / "models").resolve() and path.name.startswith(f"{BUNDLED_NAME}-")
 
-    key = (str(Path(path).resolve()), (Path(path) / "config.json").stat().st_mtime)
+
+def load_tokenizer(path: str | Path) -> Any:
+    path = Path(path).resolve()
+    stamp = path / "tokenizer_config.json"
+    key = (str(path), (stamp if stamp.is_file() else path / "config.json").stat().st_mtime)
     if key not in _LOADED_TOKENIZERS:
-        _LOADED_TOKENIZERS[key] = AutoTokenizer.from_pretrained(str(path))
+        if _is_bundled_copy(path):
+            # What AutoTokenizer resolves these to (their tokenizer_class), imported directly:
+            # transformers' auto classes import torch wherever it is installed, and the router
+            # must not pay for torch just to tokenize.
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            _LOADED_TOKENIZERS[key] = TokenizersBackend.from_pretrained(str(path))
+        else:
+            from transformers import AutoTokenizer
+
+            _LOADED_TOKENIZERS[key] = AutoTokenizer.from_pretrained(str(path))
     return _LOADED_TOKENIZERS[key]
 
 
