@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: venv system-deps k8s-bins k8s-env k8s-env-down serve test test-fast lint bench clean
+.PHONY: venv system-deps k8s-bins k8s-env k8s-env-down serve test test-fast lint bench clean dashboards
 
 venv: $(STAMP)
 
@@ -53,6 +53,10 @@ test:
 # Everything but the slow end-to-end tests, for a quick loop while editing.
 test-fast: venv
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
+
+# Grafana dashboards and Prometheus rules into charts/kvscale/ (tests check they are current).
+dashboards: venv
+	$(PY) tools/gen_observability.py
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,369 @@
+"""Generate kvscale's Grafana dashboards (grafanalib) and Prometheus rules from the metric-names
+contract, into charts/kvscale/dashboards/*.json and charts/kvscale/rules/kvscale.rules.yaml.
+
+    python tools/gen_observability.py          # write them
+    python tools/gen_observability.py --check  # exit 1 when the committed files differ
+
+Every query names its metrics through kvscale/metric_names.py, filters on the dashboard variables
+(datasource, namespace, inferenceservice, model_name, pod) and takes rates over
+`$__rate_interval`; tests/observability/ evaluates each one against a real Prometheus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from grafanalib import core as g
+from grafanalib._gen import DashboardEncoder
+
+from kvscale import metric_names as m
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD_DIR = ROOT / "charts" / "kvscale" / "dashboards"
+RULES_FILE = ROOT / "charts" / "kvscale" / "rules" / "kvscale.rules.yaml"
+
+DS = "${datasource}"
+RATE = "$__rate_interval"
+# Selectors: server series carry all four labels; the operator's carry namespace and
+# inferenceservice; the router's also carry its own pod.
+SEL_SERVER = ('namespace=~"$namespace", inferenceservice=~"$inferenceservice", '
+              'model_name=~"$model_name", pod=~"$pod"')
+SEL_SERVICE = 'namespace=~"$namespace", inferenceservice=~"$inferenceservice"'
+NOT_2XX = 'status!~"2.."'
+SEL_ROUTER = 'namespace=~"$namespace", inferenceservice=~"$inferenceservice", pod=~"$pod"'
+
+
+def sel(series: str, selector: str, extra: str = "") -> str:
+    inner = f"{selector}, {extra}" if extra else selector
+    return f"{series}{{{inner}}}"
+
+
+def rate(series: str, selector: str, extra: str = "") -> str:
+    return f"rate({sel(series, selector, extra)}[{RATE}])"
+
+
+def quantile(q: float, metric: m.Metric, selector: str) -> str:
+    return f"histogram_quantile({q}, sum by (le) ({rate(metric.bucket, selector)}))"
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    queries: tuple[Query, ...]
+    unit: str = "short"
+    description: str = ""
+    width: int = 12
+    bars: bool = False
+
+
+@dataclass(frozen=True)
+class Board:
+    uid: str
+    title: str
+    description: str
+    panels: tuple[Panel, ...]
+    pod_source: str  # the series whose `pod` label the pod variable lists
+    annotations: tuple[tuple[str, str], ...] = field(default=())  # (name, expr)
+
+
+def q(expr: str, legend: str) -> Query:
+    return Query(expr, legend)
+
+
+# --------------------------------------------------------------------------------- Autoscaling
+SCALE_EVENTS = (f"sum by (namespace, inferenceservice, direction, reason) "
+                f"(increase({sel(m.OPERATOR_SCALE_DECISIONS.series, SEL_SERVICE)}[{RATE}])) > 0")
+
+AUTOSCALING = Board(
+    uid="kvscale-autoscaling",
+    title="kvscale / Autoscaling",
+    description="Why the operator added or removed replicas: its signal, target and decisions.",
+    pod_source=m.NUM_REQUESTS_RUNNING.series,
+    annotations=(("Scale decisions", SCALE_EVENTS),),
+    panels=(
+        Panel("KV usage signal vs target", (
+            q(sel(m.OPERATOR_KV_USAGE.series, SEL_SERVICE), "{{inferenceservice}} KV usage (live)"),
+            q(sel(m.OPERATOR_TARGET_KV_USAGE.series, SEL_SERVICE), "{{inferenceservice}} target"),
+        ), unit="percentunit",
+            description="Mean share of KV blocks held by live requests, against targetKVUsage."),
+        Panel("Load (replicas' worth) vs desired replicas", (
+            q(sel(m.OPERATOR_LOAD.series, SEL_SERVICE), "{{inferenceservice}} load"),
+            q(sel(m.OPERATOR_DESIRED.series, SEL_SERVICE), "{{inferenceservice}} desired"),
+        ), description="load = KV usage / target + waiting / targetQueueLength, summed over pods."),
+        Panel("Replicas: desired / current / ready", (
+            q(sel(m.OPERATOR_DESIRED.series, SEL_SERVICE), "{{inferenceservice}} desired"),
+            q(sel(m.OPERATOR_CURRENT.series, SEL_SERVICE), "{{inferenceservice}} current"),
+            q(sel(m.OPERATOR_READY.series, SEL_SERVICE), "{{inferenceservice}} ready"),
+            q(sel(m.OPERATOR_MAX.series, SEL_SERVICE), "{{inferenceservice}} max"),
+        )),
+        Panel("Scale decisions", (
+            q(f"sum by (direction, reason) (increase("
+              f"{sel(m.OPERATOR_SCALE_DECISIONS.series, SEL_SERVICE)}[{RATE}]))",
+              "{{direction}} ({{reason}})"),
+        ), bars=True),
+        Panel("Panic mode", (
+            q(sel(m.OPERATOR_PANIC.series, SEL_SERVICE), "{{inferenceservice}} panic"),
+        ), description="1 while a burst keeps the autoscaler from scaling down."),
+        Panel("Waiting requests: autoscaler view vs target", (
+            q(sel(m.OPERATOR_WAITING.series, SEL_SERVICE), "{{inferenceservice}} waiting"),
+            q(sel(m.OPERATOR_TARGET_QUEUE.series, SEL_SERVICE), "{{inferenceservice}} target"),
+        )),
+        Panel("KV blocks per pod: active / cached / total", (
+            q(sel(m.KV_BLOCKS_ACTIVE.series, SEL_SERVER), "{{pod}} active"),
+            q(sel(m.KV_BLOCKS_CACHED.series, SEL_SERVER), "{{pod}} cached"),
+            q(sel(m.KV_BLOCKS_TOTAL.series, SEL_SERVER), "{{pod}} total"),
+        )),
+        Panel("Running and waiting requests per pod", (
+            q(sel(m.NUM_REQUESTS_RUNNING.series, SEL_SERVER), "{{pod}} running"),
+            q(sel(m.NUM_REQUESTS_WAITING.series, SEL_SERVER), "{{pod}} waiting"),
+        )),
+        Panel("Queue's effect on TTFT (p90)", (
+            q(quantile(0.9, m.TTFT, SEL_SERVER), "TTFT p90"),
+            q(quantile(0.9, m.QUEUE_TIME, SEL_SERVER), "queue time p90"),
+        ), unit="s", width=24),
+    ),
+)
+
+# ------------------------------------------------------------------------------------ Serving
+SERVING = Board(
+    uid="kvscale-serving",
+    title="kvscale / Serving",
+    description="Throughput, latency, prefix caching and errors of the kvscale serve replicas.",
+    pod_source=m.NUM_REQUESTS_RUNNING.series,
+    panels=(
+        Panel("Tokens/s in and out", (
+            q(f"sum({rate(m.PROMPT_TOKENS.series, SEL_SERVER)})", "prompt tokens/s"),
+            q(f"sum({rate(m.GENERATION_TOKENS.series, SEL_SERVER)})", "generated tokens/s"),
+        )),
+        Panel("Time to first token", tuple(
+            q(quantile(p, m.TTFT, SEL_SERVER), f"p{int(p * 100)}") for p in (0.5, 0.9, 0.99)
+        ), unit="s"),
+        Panel("Inter-token latency", tuple(
+            q(quantile(p, m.ITL, SEL_SERVER), f"p{int(p * 100)}") for p in (0.5, 0.9, 0.99)
+        ), unit="s"),
+        Panel("End-to-end latency", tuple(
+            q(quantile(p, m.E2E_LATENCY, SEL_SERVER), f"p{int(p * 100)}") for p in (0.5, 0.9, 0.99)
+        ), unit="s"),
+        Panel("Prefix-cache hit rate", (
+            q(f"sum({rate(m.PREFIX_CACHE_HITS.series, SEL_SERVER)}) / "
+              f"sum({rate(m.PREFIX_CACHE_QUERIES.series, SEL_SERVER)})", "hit rate"),
+        ), unit="percentunit", description="Prompt tokens found cached / looked up, over the window."),
+        Panel("KV cache usage per pod", (
+            q(sel(m.KV_CACHE_USAGE.series, SEL_SERVER), "{{pod}}"),
+        ), unit="percentunit"),
+        Panel("Preemptions and KV evictions", (
+            q(f"sum by (pod) ({rate(m.NUM_PREEMPTIONS.series, SEL_SERVER)})", "{{pod}} preemptions/s"),
+            q(f"sum by (pod) ({rate(m.KV_BLOCKS_EVICTED.series, SEL_SERVER)})",
+              "{{pod}} evicted blocks/s"),
+        )),
+        Panel("Finish reasons", (
+            q(f"sum by (finished_reason) ({rate(m.REQUEST_SUCCESS.series, SEL_SERVER)})",
+              "{{finished_reason}}"),
+        ), unit="reqps", bars=True),
+        Panel("Errors by status", (
+            q(f"sum by (status, route) "
+              f"({rate(m.HTTP_REQUESTS.series, SEL_SERVER, NOT_2XX)})",
+              "{{status}} {{route}}"),
+        ), unit="reqps", width=24),
+    ),
+)
+
+# ------------------------------------------------------------------------------------- Router
+ROUTER = Board(
+    uid="kvscale-router",
+    title="kvscale / Router",
+    description="Where the prefix-aware router sends traffic, and how well it predicts caches.",
+    pod_source=m.ROUTER_REPLICAS_HEALTHY.series,
+    panels=(
+        Panel("Traffic per replica", (
+            q(f"sum by (replica) ({rate(m.ROUTER_REQUESTS.series, SEL_ROUTER)})", "{{replica}}"),
+        ), unit="reqps"),
+        Panel("Requests by status", (
+            q(f"sum by (status) ({rate(m.ROUTER_REQUESTS.series, SEL_ROUTER)})", "{{status}}"),
+        ), unit="reqps"),
+        Panel("Prefix hit rate: router's prediction vs engines' observation", (
+            q(f"sum({rate(m.ROUTER_PREDICTED_HIT_TOKENS.series, SEL_ROUTER)}) / "
+              f"sum({rate(m.ROUTER_PROMPT_TOKENS.series, SEL_ROUTER)})", "predicted (router)"),
+            q(f"sum({rate(m.PREFIX_CACHE_HITS.series, SEL_SERVICE)}) / "
+              f"sum({rate(m.PREFIX_CACHE_QUERIES.series, SEL_SERVICE)})", "observed (engines)"),
+        ), unit="percentunit"),
+        Panel("In-flight requests per replica", (
+            q(f"sum by (replica) ({sel(m.ROUTER_IN_FLIGHT.series, SEL_ROUTER)})", "{{replica}}"),
+        )),
+        Panel("Spills, retries and fallbacks", (
+            q(f"sum({rate(m.ROUTER_SPILLS.series, SEL_ROUTER)})", "spills/s"),
+            q(f"sum by (reason) ({rate(m.ROUTER_RETRIES.series, SEL_ROUTER)})", "retry {{reason}}"),
+            q(f"sum by (reason) ({rate(m.ROUTER_FALLBACKS.series, SEL_ROUTER)})",
+              "fallback {{reason}}"),
+        )),
+        Panel("Redis health", (
+            q(f"min({sel(m.ROUTER_REDIS_UP.series, SEL_ROUTER)})", "Redis up"),
+            q(f"sum({rate(m.ROUTER_REDIS_ERRORS.series, SEL_ROUTER)})", "Redis errors/s"),
+            q(f"min({sel(m.ROUTER_REPLICAS_HEALTHY.series, SEL_ROUTER)})", "healthy replicas"),
+        )),
+        Panel("Prefix index size per replica", (
+            q(f"max by (replica) ({sel(m.ROUTER_INDEX_BLOCKS.series, SEL_ROUTER)})", "{{replica}}"),
+        )),
+        Panel("Routing decision latency", tuple(
+            q(quantile(p, m.ROUTER_DECISION_SECONDS, SEL_ROUTER), f"p{int(p * 100)}")
+            for p in (0.5, 0.99)
+        ), unit="s"),
+    ),
+)
+
+BOARDS = {"autoscaling": AUTOSCALING, "serving": SERVING, "router": ROUTER}
+
+
+def variables(board: Board) -> g.Templating:
+    def label_var(name: str, series: str, selector: str) -> g.Template:
+        return g.Template(
+            name=name, label=name, dataSource=DS, query=f"label_values({series}{{{selector}}}, {name})",
+            includeAll=True, multi=True, allValue=".*", refresh=2, sort=1,
+            default="$__all")
+
+    source = m.NUM_REQUESTS_RUNNING.series
+    return g.Templating(list=[
+        g.Template(name="datasource", label="Data source", type="datasource", query="prometheus",
+                   default="default"),
+        label_var("namespace", source, ""),
+        label_var("inferenceservice", source, 'namespace=~"$namespace"'),
+        label_var("model_name", source, SEL_SERVICE),
+        label_var("pod", board.pod_source, SEL_SERVICE),
+    ])
+
+
+def build(board: Board) -> dict:
+    panels = []
+    x = y = 0
+    for i, panel in enumerate(board.panels):
+        if x + panel.width > 24:
+            x, y = 0, y + 8
+        targets = [g.Target(expr=query.expr, legendFormat=query.legend, refId=chr(ord("A") + j),
+                            datasource=DS)
+                   for j, query in enumerate(panel.queries)]
+        panels.append(g.TimeSeries(
+            title=panel.title, description=panel.description, dataSource=DS, targets=targets,
+            unit=panel.unit, id=i + 1, gridPos=g.GridPos(h=8, w=panel.width, x=x, y=y),
+            drawStyle="bars" if panel.bars else "line", fillOpacity=60 if panel.bars else 10,
+            legendDisplayMode="list", legendPlacement="bottom"))
+        x += panel.width
+    annotations = g.Annotations(list=[
+        {"name": name, "datasource": DS, "enable": True, "expr": expr, "iconColor": "orange",
+         "titleFormat": "scaled {{direction}}", "textFormat": "{{inferenceservice}}: {{reason}}",
+         "useValueForTime": False, "step": "30s"}
+        for name, expr in board.annotations])
+    dashboard = g.Dashboard(
+        title=board.title, uid=board.uid, description=board.description, tags=["kvscale"],
+        panels=panels, templating=variables(board), annotations=annotations, refresh="30s",
+        time=g.Time("now-1h", "now"), timezone="browser", editable=True, graphTooltip=1,
+    ).auto_panel_ids()
+    return json.loads(json.dumps(dashboard.to_json_data(), cls=DashboardEncoder))
+
+
+# -------------------------------------------------------------------------------------- Rules
+BY_SERVICE = "namespace, inferenceservice, model_name"
+RECORDING = (
+    ("kvscale:kv_cache_usage:max", f"max by ({BY_SERVICE}) ({m.KV_CACHE_USAGE.series})"),
+    ("kvscale:num_requests_waiting:sum",
+     f"sum by ({BY_SERVICE}) ({m.NUM_REQUESTS_WAITING.series})"),
+    ("kvscale:prefix_cache_hit_rate:rate5m",
+     f"sum by ({BY_SERVICE}) (rate({m.PREFIX_CACHE_HITS.series}[5m])) / "
+     f"sum by ({BY_SERVICE}) (rate({m.PREFIX_CACHE_QUERIES.series}[5m]))"),
+    ("kvscale:time_to_first_token_seconds:p90_rate5m",
+     f"histogram_quantile(0.9, sum by ({BY_SERVICE}, le) (rate({m.TTFT.bucket}[5m])))"),
+    ("kvscale:generation_tokens:rate5m",
+     f"sum by ({BY_SERVICE}) (rate({m.GENERATION_TOKENS.series}[5m]))"),
+    ("kvscale_router:predicted_prefix_hit_rate:rate5m",
+     f"sum by (namespace, inferenceservice) (rate({m.ROUTER_PREDICTED_HIT_TOKENS.series}[5m])) / "
+     f"sum by (namespace, inferenceservice) (rate({m.ROUTER_PROMPT_TOKENS.series}[5m]))"),
+)
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    signal: str  # what is compared; tests evaluate `signal <op> bool threshold`
+    op: str
+    threshold: str
+    duration: str
+    severity: str
+    summary: str
+
+    @property
+    def expr(self) -> str:
+        return f"{self.signal} {self.op} {self.threshold}"
+
+
+ALERTS = (
+    Alert("KVScaleKVCacheSaturated", "kvscale:kv_cache_usage:max", ">", "0.95", "5m", "warning",
+          "KV cache of {{ $labels.inferenceservice }} ({{ $labels.namespace }}) is over 95% "
+          "held by live requests: new requests queue or preempt."),
+    Alert("KVScaleQueueGrowing", "deriv(kvscale:num_requests_waiting:sum[5m])", ">", "0.05",
+          "10m", "warning",
+          "Waiting requests of {{ $labels.inferenceservice }} ({{ $labels.namespace }}) keep "
+          "growing: the autoscaler is not keeping up, or maxReplicas is too low."),
+    Alert("KVScaleRouterInFallback",
+          f"sum by (namespace, pod) (rate({m.ROUTER_FALLBACKS.series}[5m]))", ">", "0", "10m",
+          "warning",
+          "Router {{ $labels.pod }} ({{ $labels.namespace }}) routes without its full prefix "
+          "index (Redis down or prompts it cannot tokenize)."),
+    Alert("KVScaleAutoscalerAtMaxReplicas", m.OPERATOR_DESIRED.series, ">=",
+          m.OPERATOR_MAX.series, "15m", "info",
+          "{{ $labels.inferenceservice }} ({{ $labels.namespace }}) wants its maxReplicas: "
+          "more load will queue."),
+    Alert("KVScaleReplicaNotScraped", 'up{inferenceservice!=""}', "==", "0", "5m", "warning",
+          "Prometheus cannot scrape {{ $labels.pod }} of {{ $labels.inferenceservice }} "
+          "({{ $labels.namespace }})."),
+)
+
+
+def rules() -> dict:
+    return {"groups": [
+        {"name": "kvscale.recording", "rules": [
+            {"record": name, "expr": expr} for name, expr in RECORDING]},
+        {"name": "kvscale.alerts", "rules": [
+            {"alert": a.name, "expr": a.expr, "for": a.duration,
+             "labels": {"severity": a.severity}, "annotations": {"summary": a.summary}}
+            for a in ALERTS]},
+    ]}
+
+
+def rendered() -> dict[Path, str]:
+    out = {DASHBOARD_DIR / f"{name}.json": json.dumps(build(board), indent=2, sort_keys=True) + "\n"
+           for name, board in BOARDS.items()}
+    out[RULES_FILE] = ("# Generated by tools/gen_observability.py; edit that, then `make dashboards`.\n"
+                       + yaml.safe_dump(rules(), sort_keys=False, width=120))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in rendered().items():
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path.relative_to(ROOT)))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if stale:
+        print("stale (run `make dashboards`): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
