@@ -5,6 +5,11 @@ set -euo pipefail
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 { command -v prometheus && command -v promtool; } >/dev/null || need+=(prometheus)
+# The image tests build and run kvscale's images with podman (runc: crun fails on hybrid cgroups;
+# debootstrap makes the base image when no registry is reachable).
+for tool in podman buildah runc debootstrap; do
+    command -v "$tool" >/dev/null || need+=("$tool")
+done
 [ ${#need[@]} -eq 0 ] && exit 0
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"
