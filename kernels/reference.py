@@ -17,11 +17,6 @@ from torch import Tensor
 
 __all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention"]
 
-# Gathered K+V bytes per decode chunk: small enough to stay in a core's L2/L3 between the copy
-# and the attention that reads it.
-_DECODE_CHUNK_BYTES = 2 * 1024 * 1024
-
-
 def write_kv(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
@@ -72,8 +67,10 @@ def paged_decode_attention(
     lens = context_lens.tolist()
     if max(lens) == 0:  # only padding sequences (e.g. a padded CUDA-graph batch): zeros
         return torch.zeros_like(query)
-    # Gather only the blocks each sequence uses, back to back (no padding to the longest
-    # context), with one index_select per cache; then attend per sequence over its own rows.
+    # Per sequence: gather only the blocks it uses (one index_select per cache, a few hundred KB
+    # that stay in cache for the reads that follow), then two small GEMMs and a softmax. With a
+    # handful of query rows per KV head, SDPA's flash kernel costs more in per-call set-up than
+    # the math, and gathering several sequences at once into a bigger buffer was slower too.
     block_size = k_cache.shape[1]
     num_kv_heads = k_cache.shape[2]
     seq_blocks = [-(-n // block_size) for n in lens]
@@ -82,11 +79,7 @@ def paged_decode_attention(
             f"context of {max(lens)} tokens needs {max(seq_blocks)} blocks, "
             f"block table has {block_tables.shape[1]}"
         )
-    table = block_tables[:, : max(seq_blocks)].to(device=k_cache.device, dtype=torch.long)
-    used = torch.arange(table.shape[1], device=table.device)[None, :] < torch.tensor(
-        seq_blocks, device=table.device
-    )[:, None]
-    flat = table[used]  # row-major: sequence 0's blocks, then sequence 1's, ...
+    table = block_tables.to(device=k_cache.device, dtype=torch.long)
     k_blocks = k_cache.view(k_cache.shape[0], -1)
     v_blocks = v_cache.view(v_cache.shape[0], -1)
     rows = (-1, num_kv_heads, head_dim)
@@ -94,27 +87,14 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     grouped = query.float().reshape(num_seqs, num_kv_heads, group, head_dim)
     out = torch.zeros(num_seqs, num_kv_heads, group, head_dim, dtype=torch.float32, device=query.device)
-    # A few sequences at a time, so what was just gathered is still in cache when it is read.
-    chunk_blocks = max(1, _DECODE_CHUNK_BYTES // (2 * k_blocks.shape[1] * 4))
-    first = 0
-    block_start = 0
-    while first < num_seqs:
-        last, chunk_end = first, block_start
-        while last < num_seqs and (last == first or chunk_end + seq_blocks[last] - block_start <= chunk_blocks):
-            chunk_end += seq_blocks[last]
-            last += 1
-        chunk = flat[block_start:chunk_end]
-        keys = k_blocks.index_select(0, chunk).view(rows).float()
-        values = v_blocks.index_select(0, chunk).view(rows).float()
-        start = 0
-        for i in range(first, last):
-            n = lens[i]
-            if n:
-                k = keys[start : start + n].transpose(0, 1)  # [Hkv, n, D]
-                v = values[start : start + n].transpose(0, 1)
-                out[i] = F.scaled_dot_product_attention(grouped[i], k, v, scale=scale)
-            start += seq_blocks[i] * block_size
-        first, block_start = last, chunk_end
+    for i, n in enumerate(lens):
+        if not n:
+            continue
+        blocks = table[i, : seq_blocks[i]]
+        k = k_blocks.index_select(0, blocks).view(rows)[:n].float().transpose(0, 1)  # [Hkv, n, D]
+        v = v_blocks.index_select(0, blocks).view(rows)[:n].float().transpose(0, 1)
+        scores = torch.matmul(grouped[i], k.transpose(1, 2)).mul_(scale)
+        out[i] = torch.matmul(torch.softmax(scores, dim=-1), v)
     return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
 

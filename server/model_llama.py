@@ -97,6 +97,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # torch's fused kernel: bit-identical to the three-step form below, one pass.
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         variance = x.pow(2).mean(-1, keepdim=True)
@@ -107,6 +110,23 @@ class RMSNorm(nn.Module):
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` into a new tensor, half a head at a time.
+
+    cos/sin repeat their first half in their second (transformers builds them as
+    ``cat(freqs, freqs)``), so each half needs two products and one add or subtract: the same
+    roundings as the rotate-half form (``a + (-b)`` is ``a - b``), bit for bit, with a third of
+    its memory traffic. A partial rotary tail (cos 1, sin 0) also comes out unchanged.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos1, sin1, cos2, sin2 = cos[..., :half], sin[..., :half], cos[..., half:], sin[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x1, cos1, out=out[..., :half]).sub_(x2 * sin1)
+    torch.mul(x2, cos2, out=out[..., half:]).add_(x1 * sin2)
+    return out
 
 
 class Attention(nn.Module):
@@ -125,6 +145,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # Whether cos/sin repeat their first half in their second (not with partial rotary).
+        self.rope_halves_repeat = True
 
     def forward(
         self,
@@ -137,15 +159,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None or not self.rope_halves_repeat:
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        else:
+            # q and k rotated together, one set of ops for all heads.
+            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
@@ -212,6 +236,8 @@ class DecoderForCausalLM(nn.Module):
             cos = torch.cat((cos, cos.new_ones(max_len, rot)), dim=-1)
             sin = torch.cat((sin, sin.new_zeros(max_len, rot)), dim=-1)
         self._cos_sin = (cos, sin)
+        for layer in self.layers:
+            layer.self_attn.rope_halves_repeat = rot == 0
 
     def forward(
         self,
