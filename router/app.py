@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -33,6 +34,7 @@ from kvscale.router.index import PrefixIndex
 from kvscale.router.metrics import RouterMetrics, is_spill
 from kvscale.router.replicas import EndpointSliceWatch, Replica, ReplicaSet, normalize_url
 from kvscale.server.block_hash import hash_prompt_blocks
+from kvscale.server.drain import DRAINING_HEADER, Drain, DrainMiddleware
 
 log = logging.getLogger("kvscale.router")
 
@@ -93,6 +95,7 @@ class Router:
         self._seen_heartbeat: dict[str, float] = {}  # replica id -> when last seen
         self._watch: EndpointSliceWatch | None = None
         self._sync_task: asyncio.Task | None = None
+        self.drain = Drain()  # flipped by SIGTERM (kvscale.server.drain.serve)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -341,6 +344,11 @@ class Router:
                     self._client.build_request("POST", replica.url + path, content=raw, headers=headers),
                     stream=True,
                 )
+                if upstream.status_code == 503 and upstream.headers.get(DRAINING_HEADER) and not is_last:
+                    last_error = f"replica {replica.replica_id} is draining"
+                    self._mark_draining(replica)
+                    self.metrics.retries.labels("draining").inc()
+                    continue
                 if upstream.status_code >= 500 and not is_last:
                     last_error = f"replica {replica.replica_id} answered {upstream.status_code}"
                     self.metrics.retries.labels("status_5xx").inc()
@@ -375,6 +383,13 @@ class Router:
         self.metrics.requests.labels("none", self.config.policy, "502").inc()
         return openai_error(502, f"every replica tried failed: {last_error}", "bad_gateway")
 
+    def _mark_draining(self, replica: Replica) -> None:
+        """Route around a replica that said it is shutting down (its /health answers 503 too, so
+        health checks keep it out until it is gone or back)."""
+        if replica.healthy:
+            log.warning("replica %s is draining (shutting down); routing around it", replica.url)
+        replica.healthy = False
+
     async def _passthrough(self, first: bytes, chunks, upstream: httpx.Response, replica: Replica):
         try:
             if first:
@@ -397,6 +412,8 @@ class Router:
         )
 
     async def health(self, request: Request) -> Response:
+        if self.drain.draining:
+            return JSONResponse({"status": "draining", "policy": self.config.policy}, status_code=503)
         replicas = [
             {"url": r.url, "id": r.replica_id, "healthy": self.routable(r), "in_flight": r.in_flight,
              "models": sorted(r.models)}
@@ -413,6 +430,10 @@ class Router:
     async def metrics_endpoint(self, request: Request) -> Response:
         self.sync_heartbeats()
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _is_api_request(method: str, path: str) -> bool:
+    return method == "POST" and path.startswith("/v1/")
 
 
 def build_app(config: RouterConfig) -> Starlette:
@@ -441,8 +462,11 @@ def build_app(config: RouterConfig) -> Starlette:
             Route("/metrics", router.metrics_endpoint, methods=["GET"]),
         ],
         lifespan=lifespan,
+        # A draining router turns new requests away (503) while the streams it proxies finish.
+        middleware=[Middleware(DrainMiddleware, drain=router.drain, guarded=_is_api_request)],
     )
     app.state.router = router
+    app.state.drain = router.drain
     return app
 
 

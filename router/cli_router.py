@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between replica health checks")
     parser.add_argument("--seed", type=int, default=None, help="seed for --policy random")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=45.0, metavar="SECONDS",
+        help="on SIGTERM, how long proxied requests may take to finish while /health and new requests "
+             "answer 503 (default 45: fits a 60 s pod grace period with a short preStop)",
+    )
 
 
 def config_from_args(args: argparse.Namespace):
@@ -78,13 +83,13 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvscale.router.app import build_app
+    from kvscale.server.drain import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
     config = config_from_args(args)
     app = build_app(config)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    serve(app, app.state.drain, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
+          name="kvscale router", log_level=args.log_level, access_log=False)
     return 0

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvscale.server import protocol as p
 from kvscale.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from kvscale.server.drain import Drain, DrainMiddleware
 from kvscale.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvscale.server.metrics import HTTPStatusMiddleware, ServerMetrics
 from kvscale.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -395,8 +396,13 @@ def build_app(
     max_queue_len: int | None = None,
     model_root: str | None = None,
     on_shutdown: Callable[[], None] | None = None,
+    drain: Drain | None = None,
 ) -> FastAPI:
-    """The FastAPI app; starts the engine thread on startup and stops it on shutdown."""
+    """The FastAPI app; starts the engine thread on startup and stops it on shutdown.
+
+    ``drain`` (kvscale.server.drain) is what a SIGTERM flips: /health and new generate requests
+    then answer 503 while the open ones finish.
+    """
     from kvscale import __version__
 
     server = OpenAIServer(engine, tokenizer=tokenizer, served_model_names=served_model_names,
@@ -418,6 +424,8 @@ def build_app(
     app = FastAPI(title="kvscale OpenAI-compatible API", version=__version__, lifespan=lifespan)
     app.state.server = server
     app.state.metrics = metrics
+    drain = drain if drain is not None else Drain()
+    app.state.drain = drain
 
     # ------------------------------------------------------------------ errors
 
@@ -452,12 +460,17 @@ def build_app(
 
     if api_key:
         app.add_middleware(_APIKeyMiddleware, server=server)
+    # Added last, so it runs first: a draining server turns new work away before anything else.
+    app.add_middleware(DrainMiddleware, drain=drain, guarded=_is_generate)
     app.add_middleware(HTTPStatusMiddleware, metrics=metrics)  # outermost: counts 401s too
 
     # ------------------------------------------------------------------ plain endpoints
 
     @app.get("/health")
     async def health() -> Response:
+        if drain.draining:
+            return JSONResponse(p.error_body("The server is draining for shutdown.", "server_error",
+                                             code="draining"), status_code=503)
         if engine.is_alive:
             return Response(status_code=200)
         return JSONResponse(p.error_body("The engine loop has stopped.", "server_error",
@@ -522,6 +535,13 @@ def build_app(
         return await _until_disconnect(request, server, streams, _complete_chat(server, body, prepared, streams))
 
     return app
+
+
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def _is_generate(method: str, path: str) -> bool:
+    return method == "POST" and path in GENERATE_PATHS
 
 
 class _APIKeyMiddleware:

@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from kvscale.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
+
 # Engine flags whose value goes straight into EngineConfig; unset ones keep EngineConfig's default.
 _ENGINE_FIELDS = (
     "model", "dtype", "block_size", "enable_prefix_caching", "max_num_seqs",
@@ -52,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="require `Authorization: Bearer KEY` on the API (default: env KVSCALE_API_KEY)")
     http.add_argument("--max-queue-len", type=int, default=None,
                       help="waiting requests beyond which new ones get 503 + Retry-After (default: no limit)")
+    http.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                      help="on SIGTERM, how long open requests may take to finish while /health and new "
+                           f"requests answer 503 (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}: fits a 60 s pod "
+                           "grace period with a short preStop)")
     http.add_argument("--uvicorn-log-level", default="info",
                       choices=["critical", "error", "warning", "info", "debug", "trace"])
     http.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -123,9 +129,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue_len is not None and args.max_queue_len < 0:
         print("kvscale serve: --max-queue-len must be non-negative", file=sys.stderr)
         return 2
-    import uvicorn
-
+    if args.shutdown_timeout < 0:
+        print("kvscale serve: --shutdown-timeout must be non-negative", file=sys.stderr)
+        return 2
     from kvscale.processes import freeze_startup_heap
+    from kvscale.server.drain import serve
 
     try:
         served = build(args)
@@ -140,8 +148,9 @@ def run(args: argparse.Namespace) -> int:
           f"(max_model_len {engine.max_model_len}, block size {engine.block_size})", flush=True)
     freeze_startup_heap()  # the model and tokenizer are loaded: spare them every full GC
     try:
-        uvicorn.run(served.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5)
+        serve(served.app, served.app.state.drain, host=args.host, port=args.port,
+              shutdown_timeout_s=args.shutdown_timeout, name="kvscale serve",
+              log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log)
     finally:
         if publisher is not None:
             publisher.stop()  # idempotent; the engine thread stops it too
