@@ -63,9 +63,16 @@ def paged_prefill_attention(
     query_start_loc: Tensor,
     context_lens: Tensor,
     scale: float,
+    *,
+    max_query_len: int | None = None,
 ) -> Tensor:
-    impl = _triton() if use_triton(query) else reference
-    return impl.paged_prefill_attention(
+    if use_triton(query):
+        # The launch grid needs the longest query; from the host it costs no device sync.
+        return _triton().paged_prefill_attention(
+            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+            max_query_len=max_query_len,
+        )
+    return reference.paged_prefill_attention(
         query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
     )
 

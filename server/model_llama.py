@@ -47,6 +47,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [num_seqs] int32, including this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     is_decode: bool  # every sequence contributes exactly one token
+    max_query_len: int = 1  # the longest sequence's new tokens, known on the host (no device read-back)
 
 
 def spec_from_hf_config(config: Any) -> DecoderSpec:
@@ -175,7 +176,8 @@ class Attention(nn.Module):
             out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
         else:
             out = paged_prefill_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
+                max_query_len=meta.max_query_len,
             )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

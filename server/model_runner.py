@@ -151,6 +151,7 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
             is_decode=is_decode,
+            max_query_len=max(item.num_new_tokens for item in scheduled),
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=device)
         flat_rows = [query_start[i + 1] - 1 for i in sample_rows] + prompt_flat_rows
@@ -161,9 +162,10 @@ class ModelRunner:
     def execute(
         self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]
     ) -> StepLogits:
-        """Run one step; logits (float32, CPU) to sample from, and those for prompt logprobs."""
+        """Run one step; float32 logits to sample from (left on the model's device: the sampler
+        brings only token ids back for plain greedy rows), and those for prompt logprobs (host)."""
         self.copy_blocks(copies)
         ids, positions, meta, logits_indices, sample_rows, prompt_rows = self.prepare(scheduled)
-        logits = self.model(ids, positions, self.kv_caches, meta, logits_indices).float().cpu()
+        logits = self.model(ids, positions, self.kv_caches, meta, logits_indices).float()
         num_sample = len(sample_rows)
-        return StepLogits(logits[:num_sample], sample_rows, logits[num_sample:], prompt_rows)
+        return StepLogits(logits[:num_sample], sample_rows, logits[num_sample:].cpu(), prompt_rows)

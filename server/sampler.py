@@ -102,6 +102,19 @@ def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow], fallback: t
     return tokens.clamp_(max=logits.shape[1] - 1)
 
 
+def needs_host_logits(row: SamplingRow) -> bool:
+    """Whether a row needs its full logits on the host (anything but plain greedy argmax)."""
+    p = row.params
+    return (
+        not p.greedy
+        or p.logprobs is not None
+        or p.repetition_penalty != 1.0
+        or bool(p.presence_penalty)
+        or bool(p.frequency_penalty)
+        or len(row.token_ids) - row.num_prompt_tokens < p.min_tokens
+    )
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int], decode_token: Callable[[int], str], seed: int = 0) -> None:
         self.eos_token_ids = eos_token_ids
@@ -112,6 +125,8 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow]
     ) -> tuple[list[int], list[PositionLogprobs | None]]:
+        if logits.device.type != "cpu":
+            return self.sample_on_device(logits, rows)
         logits = logits.float()
         want_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=1) if want_logprobs else None
@@ -154,6 +169,22 @@ class Sampler:
         if raw_logprobs is not None:
             for j, i in enumerate(want_logprobs):
                 logprobs[i] = self.position_logprobs(raw_logprobs[j], token_list[i], rows[i].params.logprobs)
+        return token_list, logprobs
+
+    def sample_on_device(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+    ) -> tuple[list[int], list[PositionLogprobs | None]]:
+        """Argmax where the logits are, so plain greedy rows send only their token ids to the host
+        (no vocabulary-sized copy, no host-side sort); the other rows' logits go to the host and
+        take the full path there."""
+        token_list = logits.argmax(dim=1).tolist()
+        logprobs: list[PositionLogprobs | None] = [None] * len(rows)
+        host = [i for i, row in enumerate(rows) if needs_host_logits(row)]
+        if host:
+            host_tokens, host_logprobs = self(logits[host].float().cpu(), [rows[i] for i in host])
+            for j, i in enumerate(host):
+                token_list[i] = host_tokens[j]
+                logprobs[i] = host_logprobs[j]
         return token_list, logprobs
 
     def position_logprobs(self, row_logprobs: torch.Tensor, chosen: int, top_n: int) -> PositionLogprobs:
