@@ -31,6 +31,7 @@ from starlette.routing import Route
 from kvscale.processes import freeze_startup_heap
 from kvscale.router import policy as routing
 from kvscale.router.index import PrefixIndex
+from kvscale.router.load import PrefillLedger, ttft_inputs
 from kvscale.router.metrics import RouterMetrics, is_spill
 from kvscale.router.replicas import EndpointSliceWatch, Replica, ReplicaSet, normalize_url
 from kvscale.server.block_hash import hash_prompt_blocks
@@ -50,7 +51,7 @@ class RouterConfig:
     k8s_service: str | None = None
     namespace: str = "default"
     k8s_port_name: str | None = None
-    policy: str = "prefix-affinity"
+    policy: str = routing.DEFAULT_POLICY
     redis_url: str | None = None
     redis_timeout_ms: float = 50.0
     api_key: str | None = None
@@ -59,6 +60,7 @@ class RouterConfig:
     models: list[str | None] = field(default_factory=lambda: [None])  # tokenizers to load
     session_header: str | None = "x-session-id"
     epsilon: float = 0.25
+    ttft_epsilon: float | None = routing.TTFT_EPSILON  # predicted-ttft's load cap; None: off
     max_attempts: int = 3
     health_interval_s: float = 2.0
     connect_timeout_s: float = 2.0
@@ -93,6 +95,8 @@ class Router:
         self._rng = random.Random(config.seed)
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._seen_heartbeat: dict[str, float] = {}  # replica id -> when last seen
+        self._ledgers: dict[str, PrefillLedger] = {}  # replica id -> our requests there (TTFT policy)
+        self._tickets = 0
         self._watch: EndpointSliceWatch | None = None
         self._sync_task: asyncio.Task | None = None
         self.drain = Drain()  # flipped by SIGTERM (kvscale.server.drain.serve)
@@ -229,17 +233,21 @@ class Router:
         return hashes, len(token_ids), block_size
 
     def decide(
-        self, candidates: list[Replica], hashes: list[int], hash_key: int | str, session: str | None
+        self, candidates: list[Replica], hashes: list[int], hash_key: int | str, session: str | None,
+        prompt_tokens: int = 0, block_size: int = 16,
     ) -> routing.Decision:
         by_id = {r.replica_id: r for r in candidates}
         now = time.monotonic()
         matched = (
-            self.index.match(hashes, by_id, now) if self.config.policy == "prefix-affinity" else dict.fromkeys(by_id, 0)
+            self.index.match(hashes, by_id, now) if routing.uses_prefix(self.config.policy) else dict.fromkeys(by_id, 0)
         )
         views = []
+        wall = time.time()
         for replica in candidates:
             load, kv_usage = self._load(replica)
-            views.append(routing.Candidate(replica.replica_id, load, kv_usage, matched[replica.replica_id]))
+            hb = self.feed.heartbeats.get(replica.replica_id) if self.feed is not None and self.feed.healthy else None
+            extra = ttft_inputs(hb, self._ledgers.get(replica.replica_id), wall)
+            views.append(routing.Candidate(replica.replica_id, load, kv_usage, matched[replica.replica_id], **extra))
         index_stale = self.feed is not None and not self.feed.healthy
         if index_stale:
             self.metrics.fallbacks.labels("redis_down").inc()
@@ -253,6 +261,9 @@ class Router:
             counter=self._counter,
             rng=self._rng,
             epsilon=self.config.epsilon,
+            prompt_tokens=prompt_tokens,
+            block_size=block_size,
+            ttft_epsilon=self.config.ttft_epsilon,
             sticky_replica=sticky,
             index_stale=index_stale,
         )
@@ -308,11 +319,11 @@ class Router:
             return openai_error(503, "no healthy replica serves this model right now", "service_unavailable")
 
         hashes, prompt_tokens, block_size = [], 0, self.config.block_size
-        if self.config.policy == "prefix-affinity":
+        if routing.uses_prefix(self.config.policy):
             hashes, prompt_tokens, block_size = self.prompt_block_hashes(endpoint, body, model)
         session = request.headers.get(self.config.session_header) if self.config.session_header else None
         hash_key: int | str = hashes[0] if hashes else f"{model}|{str(body.get('prompt', body.get('messages')))[:256]}"
-        decision = self.decide(candidates, hashes, hash_key, session)
+        decision = self.decide(candidates, hashes, hash_key, session, prompt_tokens, block_size)
         predicted_tokens = decision.matched_blocks * block_size
         self.metrics.predicted_hit_tokens.inc(predicted_tokens)
         self.metrics.predicted_hit_tokens_per_request.observe(predicted_tokens)
@@ -333,9 +344,13 @@ class Router:
         last_error = "no replica answered"
         for attempt, replica in enumerate(ranked):
             is_last = attempt == len(ranked) - 1
-            if self.config.policy == "prefix-affinity" and hashes:
+            if routing.uses_prefix(self.config.policy) and hashes:
                 self.index.predict(replica.replica_id, hashes, time.monotonic())
             replica.in_flight += 1
+            ticket = self._tickets = self._tickets + 1
+            ledger = self._ledgers.setdefault(replica.replica_id, PrefillLedger())
+            hit = decision.matched_blocks * block_size if attempt == 0 else 0
+            ledger.sent(ticket, max(prompt_tokens - hit, 1), time.time())
             self.metrics.in_flight.labels(replica.replica_id).set(replica.in_flight)
             committed = False
             upstream: httpx.Response | None = None
@@ -358,6 +373,7 @@ class Router:
                     first = await chunks.__anext__()
                 except StopAsyncIteration:
                     first = b""
+                ledger.started(ticket, time.time())
                 committed = True
             except (httpx.TransportError, httpx.StreamError) as exc:
                 last_error = f"replica {replica.replica_id}: {type(exc).__name__}: {exc}"
@@ -366,6 +382,7 @@ class Router:
                 continue
             finally:
                 if not committed:
+                    ledger.done(ticket, time.time())
                     self._release(replica)
                     if upstream is not None:
                         await upstream.aclose()
@@ -376,7 +393,7 @@ class Router:
             out_headers["x-kvscale-router-ms"] = f"{(decided - started) * 1000:.3f}"
             out_headers["x-kvscale-predicted-hit-tokens"] = str(predicted_tokens)
             return StreamingResponse(
-                self._passthrough(first, chunks, upstream, replica),
+                self._passthrough(first, chunks, upstream, replica, ticket),
                 status_code=upstream.status_code,
                 headers=out_headers,
             )
@@ -390,7 +407,7 @@ class Router:
             log.warning("replica %s is draining (shutting down); routing around it", replica.url)
         replica.healthy = False
 
-    async def _passthrough(self, first: bytes, chunks, upstream: httpx.Response, replica: Replica):
+    async def _passthrough(self, first: bytes, chunks, upstream: httpx.Response, replica: Replica, ticket: int = 0):
         try:
             if first:
                 yield first
@@ -400,6 +417,7 @@ class Router:
             # Already streaming: never retried; the client sees the stream end.
             log.warning("replica %s broke a stream mid-way: %s", replica.replica_id, exc)
         finally:
+            self._ledgers[replica.replica_id].done(ticket, time.time())
             self._release(replica)
             await upstream.aclose()
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from kvscale.router.policy import POLICIES
+from kvscale.router.policy import DEFAULT_POLICY, POLICIES, TTFT_EPSILON
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--k8s-service", default=None, help="headless Service whose EndpointSlices list the replicas")
     parser.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     parser.add_argument("--k8s-port-name", default=None, help="EndpointSlice port name (default: the first port)")
-    parser.add_argument("--policy", choices=POLICIES, default="prefix-affinity")
+    parser.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY)
     parser.add_argument(
         "--redis",
         default=os.environ.get("KVSCALE_REDIS_URL"),
@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--session-header", default="x-session-id", help="header that pins a session to a replica")
     parser.add_argument("--balance-epsilon", type=float, default=0.25, help="bounded load: at most (1+eps) x mean")
+    parser.add_argument(
+        "--ttft-balance-epsilon", type=float, default=TTFT_EPSILON,
+        help="predicted-ttft's safety valve: no replica above (1+eps) x mean in-flight requests (negative: off)",
+    )
     parser.add_argument("--max-attempts", type=int, default=3, help="replicas tried per request before failing")
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between replica health checks")
     parser.add_argument("--seed", type=int, default=None, help="seed for --policy random")
@@ -75,6 +79,7 @@ def config_from_args(args: argparse.Namespace):
         models=args.model or [None],
         session_header=(args.session_header or "").lower() or None,
         epsilon=args.balance_epsilon,
+        ttft_epsilon=args.ttft_balance_epsilon if args.ttft_balance_epsilon >= 0 else None,
         max_attempts=args.max_attempts,
         health_interval_s=args.health_interval,
         seed=args.seed,

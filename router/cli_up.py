@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from kvscale.processes import die_with_parent, free_port, wait_for_port
+from kvscale.router.policy import DEFAULT_POLICY, POLICIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address the router listens on")
     parser.add_argument("--port", type=int, default=8080, help="router port")
     parser.add_argument("--replica-base-port", type=int, default=0, help="first replica port (0: free ports)")
-    parser.add_argument("--policy", default="prefix-affinity")
+    parser.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV blocks per replica")
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -3,7 +3,23 @@
 Nothing here does I/O or keeps state between calls (round-robin takes its counter as an
 argument), so every rule is unit-tested on plain values.
 
-Prefix affinity (the default):
+Predicted TTFT (the default): for each replica, estimate this request's time to first token
+from what costs time there, in tokens and seconds rather than in requests:
+  ttft(r) = (queued_prefill_tokens(r) + uncached_tokens(r)) / prefill_tokens_per_s(r)
+            + decode_step_s(r) * steps(r)        (only while r has sequences decoding)
+  steps(r) = ceil((queued_prefill_tokens(r) + uncached_tokens(r)) / prefill_tokens_per_step(r))
+uncached_tokens is the prompt minus the leading blocks r holds; the queued work is the
+replica's heartbeat corrected by this router's own sends (kvscale.router.load); the rates are
+the replica's own moving averages. Every engine step that carries part of our prefill also
+runs every decode, so each such step costs one decode step on top. Route to the minimum; ties
+(within 1 ms) go to the longer cached prefix, then to the rendezvous hash. The bounded-load cap
+below is kept only as a safety valve (loose by default, ``ttft_epsilon``).
+
+Weighted scorer (a baseline after llm-d's inference scheduler): a weighted sum of a prefix
+score (matched fraction), a queue score (min-max normalised queue depth, fewer is better) and a
+KV-cache score (1 - usage), weights 3 / 2 / 2.
+
+Prefix affinity (the previous default):
   score(r) = matched_blocks(r) / prompt_blocks
              - load_weight * load(r) / capacity
              - kv_weight * kv_usage(r)
@@ -22,7 +38,19 @@ import random as _random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-POLICIES = ("prefix-affinity", "round-robin", "random", "least-load")
+POLICIES = ("predicted-ttft", "prefix-affinity", "weighted", "round-robin", "random", "least-load")
+DEFAULT_POLICY = "predicted-ttft"
+# Policies that look at the prefix index (the router hashes the prompt only for these).
+PREFIX_POLICIES = frozenset({"predicted-ttft", "prefix-affinity", "weighted"})
+# Safety valve for predicted-ttft: nobody above (1 + eps) x the mean in-flight requests.
+TTFT_EPSILON = 1.0
+# Until a replica has measured itself (no heartbeat yet, or no prefill since it started).
+DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
+WEIGHTS = {"prefix": 3.0, "queue": 2.0, "kv": 2.0}  # llm-d's default profile favours prefix over queue
+
+
+def uses_prefix(policy: str) -> bool:
+    return policy in PREFIX_POLICIES
 
 
 @dataclass(frozen=True)
@@ -33,6 +61,13 @@ class Candidate:
     load: int  # in-flight requests: max(router's own count, heartbeat running + waiting)
     kv_usage: float = 0.0  # kv_blocks_active / kv_blocks_total from the heartbeat (0..1)
     matched_blocks: int = 0  # leading prompt blocks this replica holds
+    # Prefill work queued there, in tokens: heartbeat corrected by this router's sends.
+    queued_prefill_tokens: int = 0
+    num_decoding: int = 0  # sequences past prefill (heartbeat, or what this router knows)
+    # The replica's own moving averages; 0 while unmeasured.
+    prefill_tokens_per_s: float = 0.0
+    decode_step_s: float = 0.0
+    prefill_tokens_per_step: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +181,79 @@ def prefix_affinity(
     return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks, reason)
 
 
+def predicted_ttft(
+    candidate: Candidate,
+    prompt_tokens: int,
+    block_size: int,
+    default_rate: float = DEFAULT_PREFILL_TOKENS_PER_S,
+) -> float:
+    """Seconds until this request's first token if sent to ``candidate`` (see the module doc)."""
+    # At least one token is always computed (the engine needs its logits).
+    uncached = max(prompt_tokens - candidate.matched_blocks * block_size, 1)
+    work = candidate.queued_prefill_tokens + uncached
+    rate = candidate.prefill_tokens_per_s if candidate.prefill_tokens_per_s > 0 else default_rate
+    seconds = work / rate
+    if candidate.num_decoding > 0 and candidate.decode_step_s > 0:
+        per_step = candidate.prefill_tokens_per_step if candidate.prefill_tokens_per_step > 0 else work
+        seconds += candidate.decode_step_s * math.ceil(work / max(per_step, 1.0))
+    return seconds
+
+
+def predicted_ttft_policy(
+    candidates: Sequence[Candidate],
+    prompt_tokens: int,
+    block_size: int,
+    hash_key: int | str,
+    *,
+    epsilon: float | None = TTFT_EPSILON,
+) -> Decision:
+    """Rank replicas by predicted TTFT; over the (optional, loose) load cap go last."""
+    if not candidates:
+        return Decision([], 0, "none")
+    if epsilon is None:
+        eligible, over = list(candidates), []
+    else:
+        eligible, over, _ = _bounded_split(candidates, epsilon)
+    # Unmeasured replicas borrow the pool's measured rate, so a new replica is neither shunned nor flooded.
+    measured = [c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s > 0]
+    default_rate = sum(measured) / len(measured) if measured else DEFAULT_PREFILL_TOKENS_PER_S
+
+    def key(c: Candidate) -> tuple[float, int, int, int]:
+        ttft = predicted_ttft(c, prompt_tokens, block_size, default_rate)
+        return (round(ttft, 3), -c.matched_blocks, c.load, -rendezvous_weight(hash_key, c.replica_id))
+
+    ranked = sorted(eligible, key=key) + sorted(over, key=key)
+    best_match = max((c.matched_blocks for c in candidates), default=0)
+    reason = "affinity" if best_match > 0 and ranked[0].matched_blocks == best_match else "load"
+    return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks, reason)
+
+
+def weighted_scores(candidates: Sequence[Candidate], prompt_blocks: int) -> dict[str, float]:
+    """llm-d-style scorers, each in [0, 1], summed with WEIGHTS."""
+    loads = [c.load for c in candidates]
+    low, high = min(loads), max(loads)
+    scores = {}
+    for c in candidates:
+        prefix = c.matched_blocks / prompt_blocks if prompt_blocks else 0.0
+        queue = 1.0 if high == low else (high - c.load) / (high - low)
+        kv = 1.0 - min(max(c.kv_usage, 0.0), 1.0)
+        scores[c.replica_id] = WEIGHTS["prefix"] * prefix + WEIGHTS["queue"] * queue + WEIGHTS["kv"] * kv
+    return scores
+
+
+def weighted(candidates: Sequence[Candidate], prompt_blocks: int, hash_key: int | str) -> Decision:
+    if not candidates:
+        return Decision([], 0, "none")
+    scores = weighted_scores(candidates, prompt_blocks)
+    ranked = sorted(
+        candidates,
+        key=lambda c: (-round(scores[c.replica_id], 9), -rendezvous_weight(hash_key, c.replica_id)),
+    )
+    best_match = max(c.matched_blocks for c in candidates)
+    reason = "affinity" if best_match > 0 and ranked[0].matched_blocks == best_match else "load"
+    return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks, reason)
+
+
 def least_load(candidates: Sequence[Candidate], hash_key: int | str = 0) -> Decision:
     ranked = sorted(
         candidates,
@@ -180,7 +288,14 @@ def decide(
     epsilon: float = 0.25,
     sticky_replica: str | None = None,
     index_stale: bool = False,
+    prompt_tokens: int = 0,
+    block_size: int = 16,
+    ttft_epsilon: float | None = TTFT_EPSILON,
 ) -> Decision:
+    if policy == "predicted-ttft":
+        return predicted_ttft_policy(candidates, prompt_tokens, block_size, hash_key, epsilon=ttft_epsilon)
+    if policy == "weighted":
+        return weighted(candidates, prompt_blocks, hash_key)
     if policy == "prefix-affinity":
         return prefix_affinity(
             candidates,

@@ -14,12 +14,12 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvscale.router.index import PrefixIndex
 from kvscale.server.kv_publisher import (
     EVENTS_CHANNEL,
     REPLICAS_KEY,
+    Heartbeat,
     blocks_key,
     heartbeat_key,
     live_replicas_args,
@@ -28,28 +28,6 @@ from kvscale.server.kv_publisher import (
 )
 
 log = logging.getLogger("kvscale.router.redis")
-
-
-@dataclass
-class Heartbeat:
-    replica_id: str
-    model: str
-    base_url: str
-    block_size: int
-    num_running: int
-    num_waiting: int
-    kv_blocks_active: int
-    kv_blocks_total: int
-    timestamp: float  # the replica's wall clock
-    received: float  # our monotonic clock
-
-    @property
-    def load(self) -> int:
-        return self.num_running + self.num_waiting
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_active / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 class RedisFeed:
@@ -214,17 +192,5 @@ class RedisFeed:
         for replica_id, payload in zip(replica_ids, raw, strict=True):
             if payload is None:
                 continue  # expired: the replica stopped heartbeating
-            data = json.loads(payload)
-            beats[replica_id] = Heartbeat(
-                replica_id=replica_id,
-                model=data.get("model", ""),
-                base_url=data.get("base_url", ""),
-                block_size=int(data.get("block_size", 0)),
-                num_running=int(data.get("num_running", 0)),
-                num_waiting=int(data.get("num_waiting", 0)),
-                kv_blocks_active=int(data.get("kv_blocks_active", 0)),
-                kv_blocks_total=int(data.get("kv_blocks_total", 0)),
-                timestamp=float(data.get("timestamp", 0.0)),
-                received=now,
-            )
+            beats[replica_id] = Heartbeat.from_json(replica_id, payload, now)
         self.heartbeats = beats

@@ -98,6 +98,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
+        self.last_step_s = 0.0
         logger.info(
             "kvscale engine: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
             self.model_name, self.device, self.dtype, self.num_blocks, self.block_size,
@@ -218,6 +219,14 @@ class LLMEngine:
 
     # --- the iteration ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            # Heartbeats report step times (router's TTFT prediction); every return path counts.
+            self.last_step_s = time.perf_counter() - started
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
@@ -383,6 +392,7 @@ class LLMEngine:
                 "generation_tokens_total": float(self.num_generated_tokens),
                 "prompt_tokens_computed_total": float(self.num_prompt_tokens_computed),
                 "prefill_tokens_waiting": float(prefill_pending),
+                "last_step_s": self.last_step_s,
                 "num_decoding": float(num_decoding),
                 "kv_blocks_evicted_total": float(self.pool.num_evicted),
                 "enable_prefix_caching": float(self.kv.enable_prefix_caching),

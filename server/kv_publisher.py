@@ -7,7 +7,8 @@ it through kvscale.router.redis_feed):
                                             (seconds) at their last heartbeat
   kvscale:replica:{id}:blocks         SET   decimal block hashes the replica's prefix cache holds
   kvscale:replica:{id}:seq            STRING event sequence number of the latest change to :blocks
-  kvscale:replica:{id}:heartbeat      STRING JSON load report (HEARTBEAT_FIELDS), expires after HEARTBEAT_TTL_S
+  kvscale:replica:{id}:heartbeat      STRING JSON load report (the Heartbeat dataclass's fields),
+                                            expires after HEARTBEAT_TTL_S
   kvscale:kv-events                   PUB/SUB channel, JSON messages:
       {"replica": id, "seq": n, "events": [["stored", [h, ...]], ["removed", [h, ...]], ["cleared"]]}
       {"replica": id, "seq": n, "snapshot": true}   (the :blocks set was rewritten; reload it)
@@ -110,6 +111,88 @@ def heartbeat_key(replica_id: str) -> str:
 
 
 @dataclass
+class Heartbeat:
+    """One replica's load report, as written to :heartbeat (JSON) and read by routers."""
+
+    replica_id: str
+    model: str
+    base_url: str
+    block_size: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_active: int
+    kv_blocks_total: int
+    timestamp: float  # the replica's wall clock when the stats below were taken
+    received: float = 0.0  # the reader's monotonic clock (not in the JSON)
+    kv_blocks_cached: int = 0
+    events_dropped: int = 0
+    # What a TTFT prediction needs (kvscale.router.policy.predicted_ttft):
+    prefill_tokens_waiting: int = 0  # prompt tokens queued or mid-prefill, not computed yet
+    num_decoding: int = 0  # sequences past their prefill
+    prefill_tokens_per_s: float = 0.0  # moving average over steps that prefilled (0: not measured)
+    decode_step_s: float = 0.0  # moving average of a decode-only step
+    prefill_tokens_per_step: float = 0.0  # moving average of prompt tokens per prefilling step
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_active / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def to_json(self) -> str:
+        fields = {k: v for k, v in self.__dict__.items() if k not in ("replica_id", "received")}
+        return json.dumps({"replica": self.replica_id, **fields})
+
+    @classmethod
+    def from_json(cls, replica_id: str, payload: str | bytes, received: float) -> Heartbeat:
+        data = json.loads(payload)
+        ints = ("block_size", "num_running", "num_waiting", "kv_blocks_active", "kv_blocks_total",
+                "kv_blocks_cached", "events_dropped", "prefill_tokens_waiting", "num_decoding")
+        floats = ("timestamp", "prefill_tokens_per_s", "decode_step_s", "prefill_tokens_per_step")
+        return cls(
+            replica_id=replica_id, model=str(data.get("model", "")), base_url=str(data.get("base_url", "")),
+            received=received,
+            **{k: int(data.get(k, 0)) for k in ints}, **{k: float(data.get(k, 0.0)) for k in floats},
+        )
+
+
+@dataclass
+class StepRates:
+    """Moving averages of this engine's speed, from the counters it reports after each step.
+
+    ``observe`` gets one engine step: its wall time, the prompt tokens it computed and how many
+    sequences were decoding in it. A step with no prompt tokens times a decode step; a step with
+    prompt tokens times prefill, less the decode step it also ran. Rates are ratios of averaged
+    tokens to averaged seconds, so a tiny step does not swing them.
+    """
+
+    alpha: float = 0.2
+    decode_step_s: float = 0.0
+    prefill_tokens: float = 0.0  # averaged prompt tokens per prefilling step
+    prefill_seconds: float = 0.0  # averaged prefill seconds per prefilling step
+
+    def observe(self, step_s: float, prompt_tokens: float, decoding: int) -> None:
+        a = self.alpha
+        if prompt_tokens <= 0:
+            if decoding > 0:
+                self.decode_step_s = step_s if self.decode_step_s == 0 else (1 - a) * self.decode_step_s + a * step_s
+            return
+        prefill_s = step_s - (self.decode_step_s if decoding > 0 else 0.0)
+        prefill_s = max(prefill_s, 0.2 * step_s)  # a noisy decode average never makes prefill free
+        if self.prefill_tokens == 0:
+            self.prefill_tokens, self.prefill_seconds = prompt_tokens, prefill_s
+        else:
+            self.prefill_tokens = (1 - a) * self.prefill_tokens + a * prompt_tokens
+            self.prefill_seconds = (1 - a) * self.prefill_seconds + a * prefill_s
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+
+@dataclass
 class _Batch:
     generation: int  # snapshot generation it was produced in; older ones are superseded
     events: list[list]  # [["stored", [...]], ["removed", [...]], ["cleared"]]
@@ -164,6 +247,9 @@ class KVEventPublisher:
         self._resync_pending.set()
         self._generation = 0  # bumped (engine thread) each time a snapshot is queued
         self._latest_stats: EngineStats | None = None
+        self._latest_stats_time = 0.0  # wall clock
+        self._latest_stats_monotonic = 0.0
+        self.rates = StepRates()
         self._connected = False
         self._heartbeat_script = None
         # Counters, read by /metrics and tests.
@@ -181,7 +267,9 @@ class KVEventPublisher:
         snapshot: Callable[[], list[int]],
     ) -> None:
         """Never blocks: O(len(events)) work and a non-blocking queue put."""
+        self._observe_step(stats)
         self._latest_stats = stats
+        self._latest_stats_time = time.time()
         if self._resync_pending.is_set() and self._connected:
             # The snapshot already reflects this step's events; drop them.
             self._resync_pending.clear()
@@ -196,6 +284,31 @@ class KVEventPublisher:
         encoded = encode_events(events)
         if encoded:
             self._put(_Batch(self._generation, encoded), len(encoded))
+
+    def _observe_step(self, stats: EngineStats) -> None:
+        """Feed the step that produced ``stats`` to the rate averages.
+
+        The engine reports its last step's duration (``last_step_s``); the prompt tokens it
+        computed are the change in the cumulative counter since the previous call, and the
+        sequences it decoded are those the previous call saw decoding. Without ``last_step_s``
+        (an older engine) the interval between calls stands in, but only when the engine was busy
+        at the previous call: an idle engine blocks on its queue, and that wait is no step.
+        """
+        now = time.monotonic()
+        prev, prev_time = self._latest_stats, self._latest_stats_monotonic
+        self._latest_stats_monotonic = now
+        if prev is None:
+            return
+        prompt = stats.extra.get("prompt_tokens_computed_total", 0.0) - prev.extra.get("prompt_tokens_computed_total", 0.0)
+        generated = stats.extra.get("generation_tokens_total", 0.0) - prev.extra.get("generation_tokens_total", 0.0)
+        if prompt <= 0 and generated <= 0:
+            return  # no step ran since the previous call (an idle tick, or only commands)
+        step_s = stats.extra.get("last_step_s")
+        if step_s is None:
+            if prev.num_running + prev.num_waiting == 0:
+                return
+            step_s = now - prev_time
+        self.rates.observe(step_s, prompt, int(prev.extra.get("num_decoding", 0)))
 
     def _put(self, item: object, size: int) -> None:
         try:
@@ -351,21 +464,29 @@ class KVEventPublisher:
         client.publish(EVENTS_CHANNEL, json.dumps({"replica": self.replica_id, "seq": seq, "snapshot": True}))
         self.snapshots_published += 1
 
-    def heartbeat_payload(self) -> dict:
+    def heartbeat(self) -> Heartbeat:
         stats = self._latest_stats
-        return {
-            "replica": self.replica_id,
-            "model": self.model_name,
-            "base_url": self.base_url,
-            "block_size": self.block_size,
-            "num_running": stats.num_running if stats else 0,
-            "num_waiting": stats.num_waiting if stats else 0,
-            "kv_blocks_active": stats.kv_blocks_active if stats else 0,
-            "kv_blocks_total": stats.kv_blocks_total if stats else 0,
-            "kv_blocks_cached": stats.kv_blocks_cached if stats else 0,
-            "events_dropped": self.events_dropped,
-            "timestamp": time.time(),
-        }
+        extra = stats.extra if stats else {}
+        return Heartbeat(
+            replica_id=self.replica_id,
+            model=self.model_name,
+            base_url=self.base_url,
+            block_size=self.block_size,
+            num_running=stats.num_running if stats else 0,
+            num_waiting=stats.num_waiting if stats else 0,
+            kv_blocks_active=stats.kv_blocks_active if stats else 0,
+            kv_blocks_total=stats.kv_blocks_total if stats else 0,
+            kv_blocks_cached=stats.kv_blocks_cached if stats else 0,
+            events_dropped=self.events_dropped,
+            # When the stats were taken, not when this is written: routers compare it with
+            # their own sends and completions.
+            timestamp=self._latest_stats_time if stats else time.time(),
+            prefill_tokens_waiting=int(extra.get("prefill_tokens_waiting", 0)),
+            num_decoding=int(extra.get("num_decoding", 0)),
+            prefill_tokens_per_s=round(self.rates.prefill_tokens_per_s, 3),
+            decode_step_s=round(self.rates.decode_step_s, 6),
+            prefill_tokens_per_step=round(self.rates.prefill_tokens, 3),
+        )
 
     def _heartbeat(self, client) -> None:
         if self._heartbeat_script is None:
@@ -373,7 +494,7 @@ class KVEventPublisher:
         rid = self.replica_id
         added = self._heartbeat_script(
             keys=[REPLICAS_KEY, heartbeat_key(rid), blocks_key(rid), seq_key(rid)],
-            args=[MEMBERSHIP_TTL_S, KEY_PREFIX, EVENTS_CHANNEL, rid, json.dumps(self.heartbeat_payload()),
+            args=[MEMBERSHIP_TTL_S, KEY_PREFIX, EVENTS_CHANNEL, rid, self.heartbeat().to_json(),
                   HEARTBEAT_TTL_S],
         )
         if int(added) and not self._resync_pending.is_set():

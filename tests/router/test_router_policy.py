@@ -137,3 +137,97 @@ def test_effective_load_ignores_a_heartbeat_older_than_our_last_completion():
     # A heartbeat never lowers what this router knows it has open.
     assert policy.effective_load(4, 1, heartbeat_time=100.0, last_local_finish=0.0) == 4
     assert policy.effective_load(3, None, heartbeat_time=0.0, last_local_finish=0.0) == 3
+
+
+# -- predicted-ttft --------------------------------------------------------------------------------
+
+def ttft_cand(rid: str, *, matched: int = 0, queued: int = 0, rate: float = 1000.0, decoding: int = 0,
+              step: float = 0.0, per_step: float = 0.0, load: int = 0) -> Candidate:
+    return Candidate(rid, load, matched_blocks=matched, queued_prefill_tokens=queued, prefill_tokens_per_s=rate,
+                     num_decoding=decoding, decode_step_s=step, prefill_tokens_per_step=per_step)
+
+
+def test_predicted_ttft_is_queued_plus_uncached_over_rate_plus_decode_steps():
+    # 528-token prompt, 32 blocks of 16 cached: 16 uncached + 100 queued at 1000 tok/s
+    assert policy.predicted_ttft(ttft_cand("a", matched=32, queued=100), 528, 16) == pytest.approx(0.116)
+    # Decodes running: every step carrying our prefill costs one decode step too; 600 tokens, 256 a step -> 3 steps
+    c = ttft_cand("b", queued=72, decoding=4, step=0.05, per_step=256)
+    assert policy.predicted_ttft(c, 528, 16) == pytest.approx(0.6 + 3 * 0.05)
+    # A fully cached prompt still computes one token.
+    assert policy.predicted_ttft(ttft_cand("c", matched=33), 528, 16) == pytest.approx(0.001)
+    # Unmeasured replica: the default rate stands in.
+    assert policy.predicted_ttft(ttft_cand("d", rate=0.0), 500, 16, default_rate=500.0) == pytest.approx(1.0)
+
+
+def test_predicted_ttft_keeps_a_cached_prefix_despite_one_more_short_decode():
+    """The issue's case: request counting spilled a cached prompt because the holder had one more
+    request in flight, though that request was a short decode."""
+    holder = ttft_cand("holder", matched=32, decoding=5, step=0.03, per_step=2048, load=5)
+    others = [ttft_cand(f"r{i}", decoding=n, step=0.03, per_step=2048, load=n) for i, n in enumerate((3, 4, 3))]
+    decision = policy.predicted_ttft_policy([*others, holder], 528, 16, hash_key=1)
+    assert decision.ranked[0] == "holder" and decision.reason == "affinity"
+    # Request counting under the bounded-load rule (eps = 0.25) spills it: cap = ceil(1.25 * 16 / 4) = 5.
+    counted = [Candidate(c.replica_id, c.load, matched_blocks=c.matched_blocks) for c in [*others, holder]]
+    assert policy.prefix_affinity(counted, 33, 1).ranked[0] != "holder"
+
+
+def test_predicted_ttft_leaves_a_holder_whose_queue_costs_more_than_the_prefill():
+    holder = ttft_cand("holder", matched=32, queued=4000)  # 4 s of prefill queued
+    other = ttft_cand("other", queued=0)  # 0.528 s to prefill from scratch
+    assert policy.predicted_ttft_policy([holder, other], 528, 16, hash_key=1).ranked[0] == "other"
+
+
+def test_predicted_ttft_weighs_each_replicas_measured_rate():
+    slow = ttft_cand("slow", rate=200.0)
+    fast = ttft_cand("fast", rate=2000.0, queued=1000)  # (1000+528)/2000 = 0.76 s < 528/200 = 2.6 s
+    assert policy.predicted_ttft_policy([slow, fast], 528, 16, hash_key=3).ranked[0] == "fast"
+
+
+def test_predicted_ttft_ties_go_to_the_longer_prefix_then_the_hash():
+    a = ttft_cand("a", matched=1, queued=16)
+    b = ttft_cand("b", matched=2)  # same work: 512 tokens either way
+    assert policy.predicted_ttft_policy([a, b], 528, 16, hash_key=9).ranked[0] == "b"
+    same = [ttft_cand("x"), ttft_cand("y"), ttft_cand("z")]
+    first = policy.predicted_ttft_policy(same, 64, 16, hash_key=77).ranked[0]
+    assert policy.predicted_ttft_policy(list(reversed(same)), 64, 16, hash_key=77).ranked[0] == first
+
+
+def test_predicted_ttft_safety_valve_is_loose_and_can_be_off():
+    # 9 in flight on the holder, 1 elsewhere: mean after = 11/3, cap(eps=1) = ceil(7.33) = 8 -> holder over the cap
+    holder = ttft_cand("h", matched=32, load=9)
+    others = [ttft_cand("o1", load=1), ttft_cand("o2", load=0)]
+    capped = policy.predicted_ttft_policy([holder, *others], 528, 16, hash_key=1)
+    assert capped.ranked[-1] == "h"
+    assert policy.predicted_ttft_policy([holder, *others], 528, 16, hash_key=1, epsilon=None).ranked[0] == "h"
+    # eps = 1 lets the holder go up to twice the mean: 3 + 1 <= ceil(2 * 5 / 3) = 4.
+    near = ttft_cand("h", matched=32, load=3)
+    assert policy.predicted_ttft_policy([near, *others], 528, 16, hash_key=1).ranked[0] == "h"
+
+
+def test_unmeasured_replicas_borrow_the_pools_measured_rate():
+    new = ttft_cand("new", rate=0.0)
+    old = ttft_cand("old", rate=100.0, queued=50)  # the pool is slow: the new one is as slow
+    # new: 528/100 = 5.28 s, old: 578/100 = 5.78 s
+    assert policy.predicted_ttft_policy([old, new], 528, 16, hash_key=1).ranked[0] == "new"
+    assert policy.decide("predicted-ttft", [old, new], prompt_blocks=33, hash_key=1, counter=0,
+                         rng=random.Random(0), prompt_tokens=528, block_size=16).ranked[0] == "new"
+
+
+# -- llm-d-style weighted scorer ---------------------------------------------------------------------
+
+def test_weighted_scores_prefix_queue_and_kv_with_llm_d_weights():
+    cands = [Candidate("a", 4, kv_usage=0.5, matched_blocks=10), Candidate("b", 0, kv_usage=0.0),
+             Candidate("c", 2, kv_usage=1.0)]
+    scores = policy.weighted_scores(cands, prompt_blocks=10)
+    assert scores["a"] == pytest.approx(3 * 1.0 + 2 * 0.0 + 2 * 0.5)
+    assert scores["b"] == pytest.approx(0 + 2 * 1.0 + 2 * 1.0)
+    assert scores["c"] == pytest.approx(0 + 2 * 0.5 + 0)
+    assert policy.weighted(cands, 10, hash_key=1).ranked == ["a", "b", "c"]
+    # Equal queues score 1 each; a full match still outweighs an empty cache.
+    assert policy.weighted([Candidate("x", 3), Candidate("y", 3, matched_blocks=5)], 10, 1).ranked[0] == "y"
+
+
+def test_policies_list_has_the_new_default_and_keeps_the_baselines():
+    assert policy.POLICIES[0] == policy.DEFAULT_POLICY == "predicted-ttft"
+    assert {"prefix-affinity", "weighted", "round-robin", "random", "least-load"} <= set(policy.POLICIES)
+    assert policy.uses_prefix("weighted") and not policy.uses_prefix("round-robin")

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import pytest
 import redis
 
 from kvscale.processes import wait_until
@@ -301,3 +302,45 @@ def test_a_sigkilled_replica_leaves_membership_and_the_index_within_the_ttl(redi
             child.kill()
             child.wait(10)
     assert gone_after <= MEMBERSHIP_TTL_S + 3
+
+
+def test_heartbeat_carries_queued_prefill_decodes_and_measured_rates(redis_server):
+    """The fields predicted-ttft needs, measured from the engine's own counters step by step."""
+    client = redis.Redis.from_url(redis_server.url)
+    publisher = KVEventPublisher(redis_server.url, "r6", "m", "http://127.0.0.1:6", 16)
+    cache = FakeCache()
+
+    def busy(prompt_total: float, generated_total: float, waiting_tokens: int, decoding: int) -> EngineStats:
+        s = stats(running=2, waiting=1)
+        s.extra.update(prompt_tokens_computed_total=prompt_total, generation_tokens_total=generated_total,
+                       prefill_tokens_waiting=float(waiting_tokens), num_decoding=float(decoding))
+        return s
+
+    publisher.start()
+    try:
+        eventually(lambda: (step(publisher, cache, []), publisher.snapshots_published)[1] >= 1)
+        prompt = generated = 0.0
+        publisher.on_step([], busy(prompt, generated, 600, 2), cache.snapshot)
+        for _ in range(6):  # decode-only steps of ~20 ms, then prefill steps of 256 tokens in ~0.1 s
+            time.sleep(0.02)
+            generated += 2
+            publisher.on_step([], busy(prompt, generated, 600, 2), cache.snapshot)
+        for _ in range(4):
+            time.sleep(0.1)
+            prompt += 256
+            generated += 2
+            publisher.on_step([], busy(prompt, generated, 600, 2), cache.snapshot)
+
+        def measured():
+            raw = client.get(heartbeat_key("r6"))
+            beat = json.loads(raw) if raw else {}
+            return beat if beat.get("prefill_tokens_per_s", 0) > 0 else None
+
+        beat = eventually(measured)
+        assert beat["prefill_tokens_waiting"] == 600 and beat["num_decoding"] == 2
+        assert 0.015 < beat["decode_step_s"] < 0.2
+        # ~256 tokens per ~0.08 s of prefill (the step less its decode): some 3,000 tok/s, loosely on a busy CPU.
+        assert 500 < beat["prefill_tokens_per_s"] < 20000
+        assert beat["prefill_tokens_per_step"] == pytest.approx(256)
+    finally:
+        publisher.stop()
