@@ -33,7 +33,13 @@ from kvscale.router import policy as routing
 from kvscale.router.index import PrefixIndex
 from kvscale.router.load import PrefillLedger, ttft_inputs
 from kvscale.router.metrics import RouterMetrics, is_spill
-from kvscale.router.replicas import EndpointSliceWatch, Replica, ReplicaSet, normalize_url
+from kvscale.router.replicas import (
+    EndpointSliceWatch,
+    Replica,
+    ReplicaSet,
+    describe_check,
+    normalize_url,
+)
 from kvscale.server.block_hash import hash_prompt_blocks
 from kvscale.server.drain import DRAINING_HEADER, Drain, DrainMiddleware
 
@@ -400,12 +406,21 @@ class Router:
         self.metrics.requests.labels("none", self.config.policy, "502").inc()
         return openai_error(502, f"every replica tried failed: {last_error}", "bad_gateway")
 
+    def _replica_status(self, replica: Replica) -> str:
+        """Why a replica is (not) routable, for /health: its health check's verdict, or a stale heartbeat."""
+        if replica.status == "ok" and not replica.healthy:
+            return "marked down after a failed request; waiting for the next health check"
+        if replica.status == "ok" and self.heartbeat_stale(replica):
+            return "heartbeat in Redis is stale"
+        return replica.status
+
     def _mark_draining(self, replica: Replica) -> None:
         """Route around a replica that said it is shutting down (its /health answers 503 too, so
         health checks keep it out until it is gone or back)."""
         if replica.healthy:
             log.warning("replica %s is draining (shutting down); routing around it", replica.url)
         replica.healthy = False
+        replica.status = describe_check("/health", 503, None, "draining")  # what its next check says
 
     async def _passthrough(self, first: bytes, chunks, upstream: httpx.Response, replica: Replica, ticket: int = 0):
         try:
@@ -434,7 +449,7 @@ class Router:
             return JSONResponse({"status": "draining", "policy": self.config.policy}, status_code=503)
         replicas = [
             {"url": r.url, "id": r.replica_id, "healthy": self.routable(r), "in_flight": r.in_flight,
-             "models": sorted(r.models)}
+             "models": sorted(r.models), "status": self._replica_status(r)}
             for r in self.replicas.replicas.values()
         ]
         ok = any(r["healthy"] for r in replicas)

@@ -46,6 +46,30 @@ class Replica:
     last_finished: float = 0.0  # wall clock when one of those last ended
     last_check: float = 0.0
     consecutive_failures: int = 0
+    status: str = "not checked yet"  # the last health check's verdict, "ok" or why not (/health)
+
+
+def describe_check(path: str, status_code: int, api_key: str | None, code: str | None = None) -> str:
+    """A health check's verdict from one answer: "ok", or why the replica is not routable, in
+    words an operator can act on (the router's log and /health show it)."""
+    if status_code == 200:
+        return "ok"
+    if status_code in (401, 403):
+        if api_key is None:
+            return (f"{path} answered {status_code}: the replica requires an API key and the router sends "
+                    "none; give the router --replica-api-key (or KVSCALE_REPLICA_API_KEY)")
+        return f"{path} answered {status_code}: the replica rejects the key the router sends (--replica-api-key)"
+    if status_code == 503 and code == "draining":
+        return f"{path} answered 503: draining (shutting down)"
+    return f"{path} answered {status_code}" + (f" ({code})" if code else "")
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    try:
+        code = response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 class ReplicaSet:
@@ -118,17 +142,24 @@ class ReplicaSet:
         assert self._client is not None
         try:
             health = await self._client.get(f"{replica.url}/health")
-            ok = health.status_code == 200
-            if ok and (not replica.models or not replica.healthy):
+            status = describe_check("/health", health.status_code, self.api_key, _error_code(health))
+            if status == "ok" and (not replica.models or not replica.healthy):
+                # /health is open to probes; the API is where a missing or wrong key shows.
                 models = await self._client.get(f"{replica.url}/v1/models")
-                models.raise_for_status()
-                replica.models = {m["id"] for m in models.json().get("data", [])}
-        except (httpx.HTTPError, ValueError, KeyError):
-            ok = False
+                status = describe_check("/v1/models", models.status_code, self.api_key, _error_code(models))
+                if status == "ok":
+                    replica.models = {m["id"] for m in models.json().get("data", [])}
+        except httpx.HTTPError as exc:
+            status = f"cannot connect: {type(exc).__name__}: {exc}"
+        except (ValueError, KeyError, TypeError) as exc:
+            status = f"/v1/models answered an unreadable body: {exc!r}"
+        ok = status == "ok"
         if ok and not replica.healthy:
             log.info("replica %s is healthy (models: %s)", replica.url, ", ".join(sorted(replica.models)))
-        if not ok and replica.healthy:
-            log.warning("replica %s failed its health check", replica.url)
+        if not ok and (status != replica.status or replica.healthy):
+            # Once per replica and state: a check every 2 s must not flood the log.
+            log.warning("replica %s is not routable: %s", replica.url, status)
+        replica.status = status
         replica.healthy = ok
         replica.consecutive_failures = 0 if ok else replica.consecutive_failures + 1
         replica.last_check = time.monotonic()
