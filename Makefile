@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: venv system-deps k8s-bins k8s-env k8s-env-down serve test test-fast lint bench clean dashboards
+.PHONY: venv system-deps k8s-bins k8s-env k8s-env-down image deploy-render serve test test-fast lint bench clean dashboards
 
 venv: $(STAMP)
 
@@ -37,6 +37,15 @@ k8s-env: venv k8s-bins
 
 k8s-env-down: venv
 	PYTHONPATH=tests/cluster $(PY) -m testenv down
+
+# The engine and the slim control-plane images, with podman (tools/images.sh: no Docker daemon,
+# no registry needed; podman's config and storage are kvscale's own, under ~/.cache/kvscale).
+image: system-deps
+	bash tools/images.sh build all
+
+# deploy/*.yaml (the kubectl-only install) rendered from charts/kvscale: edit the chart, then this.
+deploy-render: k8s-bins
+	bash tools/render-deploy.sh
 
 serve: venv
 	@echo "kvscale: serving the bundled model at http://$(HOST):$(PORT)/v1"

@@ -138,8 +138,8 @@ def _tokenizer_complete(directory: Path) -> bool:
 
 
 def _extract_gguf_tokenizer(gguf_path: Path, target: Path) -> None:
-    """Save the GGUF's tokenizer alone into ``target`` atomically. Where torch is not installed
-    (the control-plane image), transformers reads the GGUF with numpy only."""
+    """Save the GGUF's tokenizer alone into ``target`` atomically. transformers' GGUF reader
+    imports torch, so the control-plane image copies this directory from the engine image."""
     from transformers import AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -163,8 +163,9 @@ def resolve_tokenizer_path(model: str | None) -> Path:
     """A directory holding ``model``'s tokenizer; what the router needs, which has no torch.
 
     For the bundled model that is the converted model when it exists, else the tokenizer alone,
-    taken from the GGUF once into ``$KVSCALE_CACHE`` (the full conversion needs torch). Both are
-    written by the same ``save_pretrained``, so they tokenize alike.
+    taken from the GGUF once into ``$KVSCALE_CACHE`` (seconds, against the full conversion's
+    ~20 s). Both are written by the same ``save_pretrained``, so they tokenize alike; loading
+    either (``load_tokenizer``) never imports torch.
     """
     if model is not None:
         return resolve_model_path(model)
