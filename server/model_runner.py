@@ -87,6 +87,50 @@ class ModelRunner:
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
         model.build_rope_cache(max_model_len)
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        if device.type == "cuda":
+            # Compile every Triton kernel now, so the first request (and /health) does not wait.
+            self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int = 40) -> None:
+        """Run a prefill, a mixed and a decode forward pass on scratch KV blocks.
+
+        No block belongs to any sequence yet and nothing is registered by hash, so the garbage
+        written into the first blocks is overwritten before anyone reads them.
+        """
+        bs = self.block_size
+        num_tokens = max(2, min(num_tokens, self.max_model_len - 1, self.num_blocks * bs - 1))
+        table = list(range(-(-(num_tokens + 1) // bs)))
+        device = self.device
+
+        def forward(chunks: list[tuple[int, int]]) -> None:
+            # Every chunk is (first position, count) of one sequence that owns `table`.
+            ids, pos, lens, starts = [], [], [], [0]
+            for first, count in chunks:
+                ids += [0] * count
+                pos += list(range(first, first + count))
+                lens.append(first + count)
+                starts.append(starts[-1] + count)
+            positions = torch.tensor(pos, dtype=torch.long, device=device)
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in pos], device=device),
+                block_tables=torch.tensor([table] * len(chunks), dtype=torch.int32, device=device),
+                context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+                query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+                is_decode=all(count == 1 for _, count in chunks),
+                max_query_len=max(count for _, count in chunks),
+            )
+            last = torch.tensor([s - 1 for s in starts[1:]], dtype=torch.long, device=device)
+            logits = self.model(torch.tensor(ids, device=device), positions, self.kv_caches, meta, last)
+            logits.argmax(dim=1).tolist()
+
+        forward([(0, num_tokens)])  # prefill
+        forward([(num_tokens - 1, 1), (0, num_tokens // 2)])  # a decode inside a prefill batch
+        forward([(num_tokens, 1), (num_tokens - 1, 1)])  # pure decode
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (every layer, K and V) before they diverge."""
@@ -143,20 +187,27 @@ class ModelRunner:
                 if last > start:
                     prompt_rows.append(PromptRows(i, start + 1, last - start))
                     prompt_flat_rows.extend(range(query_start[i], query_start[i] + last - start))
-        device = self.device
-        positions = torch.from_numpy(np.concatenate(pos_parts)).to(device)
+        to_device = self._to_device
+        positions = to_device(torch.from_numpy(np.concatenate(pos_parts)))
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(device),
-            block_tables=torch.from_numpy(tables).to(device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            slot_mapping=to_device(torch.from_numpy(np.concatenate(slot_parts))),
+            block_tables=to_device(torch.from_numpy(tables)),
+            context_lens=to_device(torch.tensor(context_lens, dtype=torch.int32)),
+            query_start_loc=to_device(torch.tensor(query_start, dtype=torch.int32)),
             is_decode=is_decode,
             max_query_len=max(item.num_new_tokens for item in scheduled),
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        ids = to_device(torch.tensor(input_ids, dtype=torch.long))
         flat_rows = [query_start[i + 1] - 1 for i in sample_rows] + prompt_flat_rows
-        logits_indices = torch.tensor(flat_rows, dtype=torch.long, device=device)
+        logits_indices = to_device(torch.tensor(flat_rows, dtype=torch.long))
         return ids, positions, meta, logits_indices, sample_rows, prompt_rows
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A step input on the model's device; to a GPU from pinned memory without blocking, so
+        the copies queue behind the previous step's work instead of waiting for it."""
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(
