@@ -9,6 +9,13 @@ each peak RSS is its own). Throughput counts only the requested output tokens.
 
     python -m bench.w1_throughput                  # full W1, writes bench/results/w1_throughput.json
     python -m bench.w1_throughput --num-requests 8 --max-output 32   # a quick look
+    python -m bench.w1_throughput --baselines vllm,transformers  # the default: both baselines
+
+Baselines, each in the same run: ``transformers`` (static batches) and ``vllm`` (vLLM's CPU
+build through its offline ``LLM``, in its own venv: bench/anchors/vllm_cpu.py; same requests,
+same thread count, same ``max_num_seqs`` and ``max_num_batched_tokens``, same 2 GiB of KV).
+The run also measures the machine's fp32 (and, for bfloat16 runs, bf16) GEMM peak at the same
+thread count and reports each engine's useful GFLOP/s against it, and the CPU's ISA.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import sys
 import time
 
 from bench.common import machine, peak_rss_bytes, run_side, write_result
+from bench.roofline import cpu_isa, decoder_flops, gemm_peak
 
 
 def workload(args: argparse.Namespace, vocab_size: int = 49152) -> tuple[list[list[int]], list[int]]:
@@ -40,11 +48,13 @@ def side_kvscale(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     prompts, outputs = workload(args)
+    load_start = time.perf_counter()
     llm = LLM(dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_bytes=args.kv_cache_bytes)
     engine = llm.llm_engine
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4, ignore_eos=True))
+    load_s = time.perf_counter() - load_start
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
     start = time.perf_counter()
     results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -54,6 +64,7 @@ def side_kvscale(args: argparse.Namespace) -> dict:
     ttfts = [r.metrics.first_token_time - r.metrics.arrival_time for r in results]
     stats = engine.get_stats()
     return {
+        "load_s": load_s,  # engine construction + the warm-up request: start to first served request
         "elapsed_s": elapsed,
         "output_tokens": generated,
         "output_tokens_per_s": generated / elapsed,
@@ -63,7 +74,22 @@ def side_kvscale(args: argparse.Namespace) -> dict:
         "kv_blocks": engine.num_blocks,
         "peak_rss_bytes": peak_rss_bytes(),
         "torch_threads": torch.get_num_threads(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
+
+
+def side_vllm(args: argparse.Namespace) -> dict:
+    from bench.anchors.vllm_cpu import run_offline
+
+    prompts, outputs = workload(args)
+    result = run_offline(prompts, outputs, threads=args.threads, dtype=args.dtype,
+                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         kv_cache_gib=max(1, args.kv_cache_bytes // 1024**3),
+                         max_model_len=max(2048, args.max_prompt + args.max_output))
+    result.pop("log_tail", None)
+    if result["output_tokens"] != sum(outputs):
+        raise SystemExit(f"vLLM generated {result['output_tokens']} tokens, expected {sum(outputs)}")
+    return result
 
 
 def side_baseline(args: argparse.Namespace) -> dict:
@@ -120,39 +146,94 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-bytes", type=int, default=2 * 1024**3)
-    parser.add_argument("--side", choices=["kvscale", "baseline"], help=argparse.SUPPRESS)
-    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--side", choices=["kvscale", "baseline", "gemm"], help=argparse.SUPPRESS)
+    parser.add_argument("--baselines", default="vllm,transformers",
+                        help="comma-separated: vllm, transformers (empty: none)")
+    parser.add_argument("--skip-baseline", action="store_true", help="same as --baselines ''")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
+
+
+def side_gemm(args: argparse.Namespace) -> dict:
+    peaks = {"float32": gemm_peak(args.threads, "float32")}
+    if args.dtype != "float32":
+        peaks[args.dtype] = gemm_peak(args.threads, args.dtype)
+    return peaks
+
+
+def _strip(argv: list[str], flags_with_value: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags_with_value:
+            skip = True
+        elif a in flags or any(a.startswith(f + "=") for f in flags_with_value):
+            continue
+        else:
+            out.append(a)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.side:
-        result = side_kvscale(args) if args.side == "kvscale" else side_baseline(args)
-        print(json.dumps(result))
+        side = {"kvscale": side_kvscale, "baseline": side_baseline, "gemm": side_gemm}[args.side]
+        print(json.dumps(side(args)))
         return 0
-    passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--skip-baseline",)]
-    passthrough = [a for i, a in enumerate(passthrough) if a != "--out" and (i == 0 or passthrough[i - 1] != "--out")]
+    raw = list(argv if argv is not None else sys.argv[1:])
+    passthrough = _strip(raw, ("--out", "--baselines"), ("--skip-baseline",))
+    baselines = [] if args.skip_baseline else [b for b in args.baselines.split(",") if b]
+    unknown = set(baselines) - {"vllm", "transformers"}
+    if unknown:
+        raise SystemExit(f"unknown baselines {sorted(unknown)}")
     info = machine()
+    info["isa"] = cpu_isa()
+    peaks = run_side("bench.w1_throughput", "gemm", passthrough)
+    print(f"GEMM peak: {json.dumps({k: round(v['best_gflops']) for k, v in peaks.items()})} GFLOP/s",
+          file=sys.stderr)
     kvscale = run_side("bench.w1_throughput", "kvscale", passthrough)
     print(f"kvscale: {kvscale['output_tokens_per_s']:.1f} tok/s in {kvscale['elapsed_s']:.1f} s", file=sys.stderr)
-    baseline = None if args.skip_baseline else run_side("bench.w1_throughput", "baseline", passthrough)
+    vllm = side_vllm(args) if "vllm" in baselines else None
+    if vllm:
+        print(f"vLLM: {vllm['output_tokens_per_s']:.1f} tok/s in {vllm['elapsed_s']:.1f} s "
+              f"(load {vllm['load_s']:.0f} s)", file=sys.stderr)
+    baseline = run_side("bench.w1_throughput", "baseline", passthrough) if "transformers" in baselines else None
+
+    from kvscale.server.model_loader import load_hf_config, resolve_model_path
+
+    prompts, outputs = workload(args)
+    flops = decoder_flops(load_hf_config(resolve_model_path(None)), [len(p) for p in prompts], outputs)
+    peak = peaks[args.dtype]["best_gflops"]
+    for side in (kvscale, vllm, baseline):
+        if side:
+            side["useful_gflops"] = flops["total_flop"] / side["elapsed_s"] / 1e9
+            side["fraction_of_gemm_peak"] = side["useful_gflops"] / peak
+
+    def ratio(other: dict | None) -> float | None:
+        return kvscale["output_tokens_per_s"] / other["output_tokens_per_s"] if other else None
+
     result = {
         "benchmark": "w1_throughput",
-        "date": time.strftime("%Y-%m-%d"),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": info,
         "workload": {k: getattr(args, k) for k in ("num_requests", "min_prompt", "max_prompt", "min_output",
-                                                    "max_output", "seed", "dtype", "threads")},
+                                                    "max_output", "seed", "dtype", "threads", "max_num_seqs",
+                                                    "max_num_batched_tokens")},
+        "gemm_peak": peaks,
+        "workload_flops": flops,
         "kvscale": kvscale,
+        "baseline_vllm_cpu": vllm,
         "baseline_transformers_static_batches": baseline,
-        "speedup": kvscale["output_tokens_per_s"] / baseline["output_tokens_per_s"] if baseline else None,
-        "target_speedup": 3.0,
+        "kvscale_over_vllm": ratio(vllm),
+        "kvscale_over_transformers": ratio(baseline),
+        "speedup": ratio(baseline),  # kept for older readers of this JSON
+        "target_kvscale_over_vllm": 1.3 if args.threads > 1 else 1.0,
     }
     path = write_result("w1_throughput", result, args.out)
-    if baseline:
-        print(f"baseline: {baseline['output_tokens_per_s']:.1f} tok/s; speedup {result['speedup']:.2f}x",
-              file=sys.stderr)
+    for name, value in (("vLLM", result["kvscale_over_vllm"]), ("transformers", result["kvscale_over_transformers"])):
+        if value:
+            print(f"kvscale / {name}: {value:.2f}x", file=sys.stderr)
     print(path)
     return 0
 

@@ -6,6 +6,11 @@ The same engine settings run twice, each in its own process: --enable-prefix-cac
 TTFT = first token time - arrival (time.monotonic), per request, averaged.
 
     python -m bench.w2_prefix              # writes bench/results/w2_prefix.json
+    python -m bench.w2_prefix --baselines ''   # without vLLM
+
+Baseline in the same run (default): vLLM's CPU build with prefix caching on, the same requests
+through its offline ``LLM`` (bench/anchors/vllm_cpu.py), same threads, batch limits and KV budget;
+the figure to compare is mean TTFT, kvscale (caching on) against vLLM.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import sys
 import time
 
 from bench.common import machine, peak_rss_bytes, run_side, write_result
+from bench.roofline import cpu_isa
 
 
 def workload(args: argparse.Namespace, vocab_size: int = 49152) -> list[list[int]]:
@@ -77,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-bytes", type=int, default=2 * 1024**3)
+    parser.add_argument("--baselines", default="vllm", help="'vllm' or '' (none)")
     parser.add_argument("--side", choices=["on", "off"], help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
@@ -88,10 +95,23 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(side(args, caching=args.side == "on")))
         return 0
     raw = list(argv if argv is not None else sys.argv[1:])
-    passthrough = [a for i, a in enumerate(raw) if a != "--out" and (i == 0 or raw[i - 1] != "--out")]
+    drop = ("--out", "--baselines")
+    passthrough = [a for i, a in enumerate(raw) if a not in drop and (i == 0 or raw[i - 1] not in drop)]
     info = machine()
+    info["isa"] = cpu_isa()
     on = run_side("bench.w2_prefix", "on", passthrough)
     off = run_side("bench.w2_prefix", "off", passthrough)
+    vllm = None
+    if "vllm" in args.baselines.split(","):
+        from bench.anchors.vllm_cpu import run_offline
+
+        prompts = workload(args)
+        vllm = run_offline(prompts, [args.output_len] * len(prompts), threads=args.threads, dtype=args.dtype,
+                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                           kv_cache_gib=max(1, args.kv_cache_bytes // 1024**3), enable_prefix_caching=True)
+        vllm.pop("log_tail", None)
+        ttfts = vllm.pop("ttfts_s")
+        vllm["median_ttft_s"] = statistics.median(ttfts) if ttfts else None
     result = {
         "benchmark": "w2_prefix",
         "date": time.strftime("%Y-%m-%d"),
@@ -100,11 +120,17 @@ def main(argv: list[str] | None = None) -> int:
                                                     "seed", "dtype", "threads")},
         "prefix_caching_on": on,
         "prefix_caching_off": off,
+        "baseline_vllm_cpu_prefix_caching": vllm,
+        "mean_ttft_kvscale_over_vllm": on["mean_ttft_s"] / vllm["mean_ttft_s"] if vllm else None,
+        "target_mean_ttft_kvscale_over_vllm": 1.0,
         "mean_ttft_ratio_off_over_on": off["mean_ttft_s"] / on["mean_ttft_s"],
         "throughput_ratio_on_over_off": on["output_tokens_per_s"] / off["output_tokens_per_s"],
         "target_mean_ttft_ratio": 5.0,
     }
     path = write_result("w2_prefix", result, args.out)
+    if vllm:
+        print(f"vLLM mean TTFT {vllm['mean_ttft_s']:.2f} s; kvscale / vLLM {result['mean_ttft_kvscale_over_vllm']:.2f}",
+              file=sys.stderr)
     print(f"mean TTFT on {on['mean_ttft_s']:.2f} s, off {off['mean_ttft_s']:.2f} s: "
           f"{result['mean_ttft_ratio_off_over_on']:.1f}x; throughput {result['throughput_ratio_on_over_off']:.1f}x",
           file=sys.stderr)

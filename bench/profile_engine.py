@@ -1,0 +1,139 @@
+"""Where an engine step's time goes: scheduling, input preparation, the forward pass per op
+(GEMMs, attention, KV writes, norms...), sampling and the rest of the step (Python around it).
+
+Runs a W1-shaped workload (random token ids, ignore_eos, greedy) through ``LLMEngine`` in this
+process, timing each phase of every step with wrappers, and the forward pass's ops with
+``torch.profiler`` over a few steps of each kind (prefill-bearing and pure decode).
+
+    python -m bench.profile_engine --threads 2           # writes bench/results/profile_engine.json
+    python -m bench.profile_engine --num-requests 16 --max-output 32   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from typing import Any
+
+from bench.common import machine, write_result
+from bench.w1_throughput import workload
+
+
+def _wrap(obj: Any, name: str, bucket: str, totals: dict[str, float]) -> None:
+    inner = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[bucket] += time.perf_counter() - start
+
+    setattr(obj, name, timed)
+
+
+def _op_table(prof, top: int) -> list[dict[str, Any]]:
+    rows = []
+    for event in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]:
+        rows.append({"op": event.key, "calls": event.count, "self_ms": event.self_cpu_time_total / 1e3})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=32)
+    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--min-output", type=int, default=16)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--profile-steps", type=int, default=3, help="steps of each kind under torch.profiler")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvscale.server.llm import LLM
+    from kvscale.server.sampling_params import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    prompts, outputs = workload(args)
+    llm = LLM(dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = llm.llm_engine
+    llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4, ignore_eos=True))
+
+    totals: dict[str, float] = collections.defaultdict(float)
+    _wrap(engine.scheduler, "schedule", "schedule", totals)
+    _wrap(engine.runner, "prepare", "prepare_inputs", totals)
+    _wrap(engine.runner.model, "forward", "forward", totals)
+    _wrap(engine, "sampler", "sample", totals)
+    _wrap(engine, "_append_token", "append_token_detokenize", totals)
+
+    for i, (p, n) in enumerate(zip(prompts, outputs, strict=True)):
+        engine.add_request(f"w{i}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    kinds = {"prefill": [], "decode": []}
+    step_times: dict[str, list[float]] = {"prefill": [], "decode": []}
+    tables: dict[str, Any] = {}
+    generated = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        sched_peek = engine.scheduler
+        is_decode = bool(sched_peek.running) and not sched_peek.waiting and all(
+            s.num_computed_tokens >= s.num_tokens - 1 for s in sched_peek.running)
+        kind = "decode" if is_decode else "prefill"
+        t0 = time.perf_counter()
+        if len(kinds[kind]) < args.profile_steps and (kind == "prefill" or len(sched_peek.running) >= 8):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                outs = engine.step()
+            kinds[kind].append(prof)
+        else:
+            outs = engine.step()
+        step_times[kind].append(time.perf_counter() - t0)
+        generated += sum(1 for _ in outs)
+    elapsed = time.perf_counter() - start
+    for kind, profs in kinds.items():
+        merged: dict[str, dict[str, float]] = {}
+        for prof in profs:
+            for row in _op_table(prof, 40):
+                entry = merged.setdefault(row["op"], {"calls": 0, "self_ms": 0.0})
+                entry["calls"] += row["calls"]
+                entry["self_ms"] += row["self_ms"]
+        steps = max(1, len(profs))
+        tables[kind] = sorted(
+            ({"op": op, "calls_per_step": v["calls"] / steps, "self_ms_per_step": v["self_ms"] / steps}
+             for op, v in merged.items()), key=lambda r: -r["self_ms_per_step"])[:25]
+    phases = dict(totals)
+    phases["step_total"] = elapsed
+    phases["other_step_python"] = elapsed - sum(totals.values())  # engine.step around the phases
+    result = {
+        "benchmark": "profile_engine",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "args": vars(args),
+        "output_tokens": sum(outputs),
+        "output_tokens_per_s": sum(outputs) / elapsed,
+        "phases_s": phases,
+        "steps": {k: {"count": len(v), "median_s": sorted(v)[len(v) // 2] if v else None} for k, v in step_times.items()},
+        "ops_per_profiled_step": tables,
+    }
+    path = write_result("profile_engine", result, args.out)
+    print(json.dumps({k: result[k] for k in ("output_tokens_per_s", "phases_s", "steps")}, indent=1), file=sys.stderr)
+    for kind, rows in tables.items():
+        print(f"--- {kind} (per profiled step)", file=sys.stderr)
+        for r in rows[:18]:
+            print(f"{r['self_ms_per_step']:9.1f} ms  {r['calls_per_step']:7.0f}x  {r['op']}", file=sys.stderr)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
