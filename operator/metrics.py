@@ -18,8 +18,10 @@ from kvscale import metric_names as names
 from kvscale.operator.scaling import LoadEstimate, ScaleDecision
 from kvscale.operator.spec import AutoscalingPolicy
 
-# Series created at zero when a service is first seen, so increase() is defined from the start.
-_USUAL_DECISIONS = (("up", "ScaleUp"), ("down", "ScaleDown"))
+# Every (direction, reason) a change of replicas can have (scaling.decide's reasons), created at
+# zero when a service is first seen: a counter born at 1 is invisible to increase().
+_USUAL_DECISIONS = (("up", "ScaleUp"), ("up", "Panic"), ("up", "Bounds"),
+                    ("down", "ScaleDown"), ("down", "Bounds"))
 
 
 @dataclass(frozen=True)

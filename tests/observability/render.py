@@ -1,0 +1,72 @@
+"""Draw a dashboard with matplotlib from Prometheus range-query results: one subplot per panel,
+laid out like the Grafana grid (two columns; full-width panels span both), one line per series
+labelled with the panel's legend format. What docs/observability.md shows."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# (legend format, series labels, [(t, value)]) per query result
+Series = tuple[str, dict[str, str], list[tuple[float, float]]]
+
+
+def legend(fmt: str, labels: dict[str, str]) -> str:
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt) or "value"
+
+
+def _format(unit: str):
+    if unit == "percentunit":
+        return lambda v, _: f"{v * 100:.0f}%"
+    if unit == "s":
+        return lambda v, _: f"{v * 1000:.0f} ms" if abs(v) < 1 else f"{v:.1f} s"
+    return lambda v, _: f"{v:g}"
+
+
+def render_dashboard(title: str, panels: list[dict], series: dict[int, list[Series]],
+                     annotations: list[float], t0: float, path: Path) -> None:
+    """`panels` are the dashboard JSON's panels; `series[panel id]` their query results."""
+    rows: list[list[dict]] = []
+    for panel in panels:
+        if panel["gridPos"]["w"] >= 24 or not rows or len(rows[-1]) == 2 or \
+                rows[-1][0]["gridPos"]["w"] >= 24:
+            rows.append([panel])
+        else:
+            rows[-1].append(panel)
+    height = 3.2 * len(rows) + 0.6
+    fig = plt.figure(figsize=(14, height))
+    fig.suptitle(title, fontsize=14, x=0.01, y=1 - 0.15 / height, ha="left")
+    grid = fig.add_gridspec(len(rows), 2, hspace=0.7, wspace=0.18, top=1 - 0.7 / height,
+                            bottom=0.35 / height)
+    for r, row in enumerate(rows):
+        for c, panel in enumerate(row):
+            ax = fig.add_subplot(grid[r, :] if panel["gridPos"]["w"] >= 24 else grid[r, c])
+            ax.set_title(panel["title"], fontsize=10, loc="left")
+            unit = panel["fieldConfig"]["defaults"].get("unit", "short")
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_format(unit)))
+            bars = panel["fieldConfig"]["defaults"]["custom"].get("drawStyle") == "bars"
+            for fmt, labels, points in series.get(panel["id"], []):
+                xs = [t - t0 for t, v in points if not math.isnan(v)]
+                ys = [v for _, v in points if not math.isnan(v)]
+                if bars:
+                    ax.bar(xs, ys, width=1.0, label=legend(fmt, labels), alpha=0.7)
+                else:
+                    ax.plot(xs, ys, label=legend(fmt, labels), linewidth=1.2)
+            # One line per event: an annotation query matches on every step of its window.
+            starts = [t for t in sorted(set(annotations)) if t - 1 not in set(annotations)]
+            for when in starts:
+                ax.axvline(when - t0, color="orange", linestyle="--", linewidth=0.8)
+            ax.set_xlabel("seconds into the run", fontsize=8)
+            ax.tick_params(labelsize=8)
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7, loc="upper left", ncol=2, framealpha=0.6)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
