@@ -27,6 +27,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvscale.server import protocol as p
+from kvscale.server.admission import (  # noqa: F401 - resolve_max_tokens is re-exported
+    InvalidRequest,
+    check_prompt,
+    resolve_max_tokens,
+)
 from kvscale.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvscale.server.drain import Drain, DrainMiddleware
 from kvscale.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -74,25 +79,6 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 # ----------------------------------------------------------------------------- pure mapping
-
-
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
-    """Tokens to generate: what was asked, or what fits in the context when nothing was."""
-    if prompt_len >= max_model_len:
-        raise ValueError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {prompt_len} tokens, leaving no room for completion tokens. "
-            "Please reduce the length of the prompt."
-        )
-    if requested is None:
-        return max_model_len - prompt_len
-    if prompt_len + requested > max_model_len:
-        raise ValueError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
-            "for the completion). Please reduce the length of the prompt or max_tokens."
-        )
-    return requested
 
 
 def sampling_params_from(
@@ -220,6 +206,7 @@ class OpenAIServer:
         max_queue_len: int | None = None,
         model_root: str | None = None,
         version: str = "0",
+        vocab_size: int | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -230,7 +217,8 @@ class OpenAIServer:
         self.max_queue_len = max_queue_len
         self.model_root = model_root
         self.version = version
-        self.vocab_size = len(tokenizer)
+        # Ids the model embeds and the tokenizer decodes (the engine asserts the model's bound).
+        self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
 
     # -- checks shared by every generate endpoint
 
@@ -249,12 +237,11 @@ class OpenAIServer:
                 code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
-    def check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise bad_request("The prompt is empty.", "prompt")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"Token id {bad} is out of vocabulary (size {self.vocab_size}).", "prompt")
+    def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
+        try:
+            check_prompt(ids, self.vocab_size, param)
+        except InvalidRequest as exc:
+            raise bad_request(exc.message, exc.param) from exc
 
     def is_authorized(self, path: str, method: str, authorization: str) -> bool:
         if self.api_key_digest is None or path in OPEN_PATHS or method == "OPTIONS":
@@ -281,7 +268,7 @@ class OpenAIServer:
                 params.append(sampling_params_from(body, max_tokens=max_tokens, logprobs=body.logprobs,
                                                    prompt_logprobs=prompt_logprobs))
             except ValueError as exc:
-                raise bad_request(str(exc)) from exc
+                raise bad_request(str(exc), getattr(exc, "param", None)) from exc
             prompts.append(ids)
             if body.echo:
                 echo_texts.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(ids))
@@ -296,14 +283,14 @@ class OpenAIServer:
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
         ids = self.chat_ids(body.messages)
-        self.check_prompt(ids)
+        self.check_prompt(ids, "messages")
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         try:
             max_tokens = resolve_max_tokens(requested, len(ids), self.max_model_len)
             params = sampling_params_from(body, max_tokens=max_tokens, logprobs=logprobs)
         except ValueError as exc:
-            raise bad_request(str(exc)) from exc
+            raise bad_request(str(exc), getattr(exc, "param", None)) from exc
         return _Prepared(p.random_id("chatcmpl"), [ids], [""], [params], body.cache_salt)
 
     def chat_ids(self, messages: list[p.ChatMessage]) -> list[int]:
@@ -397,6 +384,7 @@ def build_app(
     model_root: str | None = None,
     on_shutdown: Callable[[], None] | None = None,
     drain: Drain | None = None,
+    vocab_size: int | None = None,
 ) -> FastAPI:
     """The FastAPI app; starts the engine thread on startup and stops it on shutdown.
 
@@ -407,7 +395,8 @@ def build_app(
 
     server = OpenAIServer(engine, tokenizer=tokenizer, served_model_names=served_model_names,
                           max_model_len=max_model_len, api_key=api_key,
-                          max_queue_len=max_queue_len, model_root=model_root, version=__version__)
+                          max_queue_len=max_queue_len, model_root=model_root, version=__version__,
+                          vocab_size=vocab_size)
     metrics = ServerMetrics(server.model_name, lambda: engine.stats)
     engine.observe(metrics.on_step, metrics.on_request_end)
 

@@ -256,6 +256,10 @@ class AsyncEngine:
             )
         except (ValueError, TypeError, OverflowError) as exc:
             return exc
+        except AssertionError as exc:
+            # The edge let through what the engine asserts against: a bug, but one request's.
+            logger.exception("engine refused request %s that passed the API's checks", command.request_id)
+            return RuntimeError(f"internal error: the engine refused this request ({exc})")
         return None
 
     # ------------------------------------------------------------------ back on the event loop

@@ -121,7 +121,8 @@ def build(args: argparse.Namespace) -> Served:
     async_engine = AsyncEngine(engine, publisher=publisher)
     app = build_app(async_engine, tokenizer=tokenizer, served_model_names=served_names,
                     max_model_len=engine.max_model_len, api_key=args.api_key,
-                    max_queue_len=args.max_queue_len, model_root=str(model_path))
+                    max_queue_len=args.max_queue_len, model_root=str(model_path),
+                    vocab_size=min(len(tokenizer), engine.vocab_size))
     return Served(app, engine, async_engine, publisher)
 
 

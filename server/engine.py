@@ -157,40 +157,20 @@ class LLMEngine:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        # The edges (the HTTP API, the offline LLM) validate requests with kvscale.server.admission,
+        # one message per failure; here the same conditions are only asserted.
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
             prompt_text: str | None = prompt
             token_ids = self.tokenizer.encode(prompt)
         else:
             prompt_text = None
             token_ids = [int(t) for t in prompt]
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
         num_prompt = len(token_ids)
-        if params.max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt
-            if max_tokens < 1:
-                raise ValueError(
-                    f"This model's maximum context length is {self.max_model_len} tokens; "
-                    f"the prompt has {num_prompt} tokens, leaving no room for a completion"
-                )
-        else:
-            max_tokens = params.max_tokens
-            if num_prompt + max_tokens > self.max_model_len:
-                raise ValueError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, you requested {num_prompt + max_tokens} tokens "
-                    f"({num_prompt} in the prompt, {max_tokens} for the completion)."
-                )
-        if blocks_for(num_prompt + max_tokens, self.block_size) > self.num_blocks:
-            raise ValueError(
-                f"request needs {num_prompt + max_tokens} tokens of KV cache but the whole pool "
-                f"holds {self.num_blocks * self.block_size}"
-            )
+        assert num_prompt and all(0 <= t < self.vocab_size for t in token_ids), "unchecked prompt"
+        max_tokens = self.max_model_len - num_prompt if params.max_tokens is None else params.max_tokens
+        assert max_tokens >= 1 and num_prompt + max_tokens <= self.max_model_len, "unchecked max_tokens"
+        # max_model_len is capped by the pool, so a request within it always fits the pool.
+        assert blocks_for(num_prompt + max_tokens, self.block_size) <= self.num_blocks
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         request = Request(request_id, prompt_text, token_ids, params, cache_salt, metrics, max_tokens)
         if params.prompt_logprobs is not None:

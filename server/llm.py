@@ -6,10 +6,12 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from kvscale.server.admission import check_prompt, resolve_max_tokens
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine import LLMEngine
 from kvscale.server.outputs import RequestOutput
 from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.tokenization import completion_prompt_token_ids
 
 PromptType = str | dict[str, Any] | list[int]
 ChatMessages = list[dict[str, Any]]
@@ -72,7 +74,12 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
                 request_id = f"llm-{next(self._ids)}"
-                engine.add_request(request_id, self._engine_prompt(prompt), params)
+                engine_prompt = self._engine_prompt(prompt)
+                # The offline edge: the same checks and messages as the HTTP API's.
+                ids = completion_prompt_token_ids(engine.tokenizer, engine_prompt)
+                check_prompt(ids, engine.vocab_size)
+                resolve_max_tokens(params.max_tokens, len(ids), engine.max_model_len)
+                engine.add_request(request_id, engine_prompt, params)
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         except BaseException:

@@ -48,7 +48,7 @@ def test_generate_per_prompt_params_keep_order(llm):
 
 
 def test_bad_prompt_aborts_the_whole_call(llm):
-    with pytest.raises(ValueError, match="must not be empty"):
+    with pytest.raises(ValueError, match="The prompt is empty"):
         llm.generate(["fine", ""], SamplingParams(max_tokens=2))
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.pool.num_active_blocks == 0
