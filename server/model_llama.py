@@ -48,6 +48,21 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     is_decode: bool  # every sequence contributes exactly one token
     max_query_len: int = 1  # the longest sequence's new tokens, known on the host (no device read-back)
+    split: DecodePrefillSplit | None = None  # mixed batches on the kernels' GPU path (see there)
+
+
+@dataclass
+class DecodePrefillSplit:
+    """A mixed batch cut in two for the GPU kernels: single-token sequences go to the decode
+    kernel instead of occupying a whole query tile of the prefill kernel each."""
+
+    decode_rows: torch.Tensor  # [num_decode] long: their tokens' rows in the flattened batch
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    prefill_rows: torch.Tensor  # [num_prefill_tokens] long
+    prefill_block_tables: torch.Tensor
+    prefill_context_lens: torch.Tensor
+    prefill_query_start_loc: torch.Tensor
 
 
 def spec_from_hf_config(config: Any) -> DecoderSpec:
@@ -174,6 +189,17 @@ class Attention(nn.Module):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+        elif meta.split is not None:
+            split = meta.split
+            out = q.new_empty(q.shape)
+            out[split.decode_rows] = paged_decode_attention(
+                q[split.decode_rows], k_cache, v_cache, split.decode_block_tables, split.decode_context_lens,
+                self.scale,
+            )
+            out[split.prefill_rows] = paged_prefill_attention(
+                q[split.prefill_rows], k_cache, v_cache, split.prefill_block_tables, split.prefill_query_start_loc,
+                split.prefill_context_lens, self.scale, max_query_len=meta.max_query_len,
+            )
         else:
             out = paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvscale.server.model_llama import AttentionMetadata, DecoderForCausalLM
+from kvscale import kernels
+from kvscale.server.model_llama import AttentionMetadata, DecodePrefillSplit, DecoderForCausalLM
 from kvscale.server.scheduler import ScheduledSeq
 
 
@@ -197,10 +198,34 @@ class ModelRunner:
             is_decode=is_decode,
             max_query_len=max(item.num_new_tokens for item in scheduled),
         )
+        if not is_decode and kernels.use_triton(self.kv_cache):
+            meta.split = self._split(scheduled, tables, query_start, context_lens)
         ids = to_device(torch.tensor(input_ids, dtype=torch.long))
         flat_rows = [query_start[i + 1] - 1 for i in sample_rows] + prompt_flat_rows
         logits_indices = to_device(torch.tensor(flat_rows, dtype=torch.long))
         return ids, positions, meta, logits_indices, sample_rows, prompt_rows
+
+    def _split(
+        self, scheduled: list[ScheduledSeq], tables: np.ndarray, query_start: list[int], context_lens: list[int]
+    ) -> DecodePrefillSplit | None:
+        """Cut a mixed batch into its single-token sequences and the rest (None if not mixed)."""
+        single = [i for i, item in enumerate(scheduled) if item.num_new_tokens == 1]
+        if not single or len(single) == len(scheduled):
+            return None
+        multi = [i for i, item in enumerate(scheduled) if item.num_new_tokens > 1]
+        prefill_rows = np.concatenate([np.arange(query_start[i], query_start[i + 1]) for i in multi])
+        prefill_starts = np.cumsum([0] + [scheduled[i].num_new_tokens for i in multi])
+        lens = np.asarray(context_lens, dtype=np.int32)
+        to_device = self._to_device
+        return DecodePrefillSplit(
+            decode_rows=to_device(torch.tensor([query_start[i] for i in single], dtype=torch.long)),
+            decode_block_tables=to_device(torch.from_numpy(tables[single])),
+            decode_context_lens=to_device(torch.from_numpy(lens[single])),
+            prefill_rows=to_device(torch.from_numpy(prefill_rows.astype(np.int64))),
+            prefill_block_tables=to_device(torch.from_numpy(tables[multi])),
+            prefill_context_lens=to_device(torch.from_numpy(lens[multi])),
+            prefill_query_start_loc=to_device(torch.from_numpy(prefill_starts.astype(np.int32))),
+        )
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A step input on the model's device; to a GPU from pinned memory without blocking, so

@@ -37,8 +37,10 @@ def run_engine_interpreted(spec: dict) -> dict:
 def assert_went_through_triton(result: dict) -> None:
     calls = result["triton_calls"]
     assert calls["write_kv"] > 0 and calls["paged_prefill_attention"] > 0 and calls["paged_decode_attention"] > 0, calls
-    # Chunked prefill after cached blocks and decodes inside a prefill batch happened.
+    # Multi-token chunks reached the prefill kernel with their length from the host, and mixed
+    # batches were split so that their single-token sequences went to the decode kernel.
     assert result["max_query_len_seen"] > 1
+    assert result["split_steps"] > 0
 
 
 @pytest.mark.slow
@@ -138,6 +140,15 @@ def _child(spec: dict) -> None:
         setattr(triton_module, name, counted)
 
     engine = LLMEngine(EngineConfig(model=spec["model"], dtype="float32", device="cpu", **spec["engine"]))
+    split_steps = [0]
+    prepare = engine.runner.prepare
+
+    def prepare_counting(scheduled):
+        inputs = prepare(scheduled)
+        split_steps[0] += inputs[2].split is not None
+        return inputs
+
+    engine.runner.prepare = prepare_counting
     params = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=not spec.get("eos"))
     finished: dict[str, list[int]] = {}
     pending = list(enumerate(spec["prompts"]))
@@ -154,6 +165,7 @@ def _child(spec: dict) -> None:
         "tokens": finished,
         "triton_calls": dict(calls),
         "max_query_len_seen": max_query_len[0],
+        "split_steps": split_steps[0],
         "prefix_cache_hits": engine.get_stats().prefix_cache_hits,
     }))
 
