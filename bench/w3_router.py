@@ -1,14 +1,16 @@
-"""W3: shared-prefix groups behind the router; prefix-affinity vs round-robin vs random, one run.
+"""W3, W3-Zipf and W4 behind the router: every routing policy on the same request streams, one run.
 
-N replicas of the bundled model with small KV pools (so eviction matters) and one Redis; for
-each policy a fresh router and fresh prefixes (so no policy inherits another's cache), G groups
-each with its own P-token prefix, R requests in random interleaving, O output tokens, C in
-flight. Per policy: aggregate prefix-cache hit rate (from the replicas' own counters), TTFT
-p50/p90, output throughput, max/mean requests per replica, router-added latency p50/p99 (the
-router's own time from request received to request sent upstream, reported per response).
+N replicas of the bundled model with small KV pools (so eviction matters), one Redis, and one
+router per policy (all started up front). For each workload, each policy replays the same request
+stream (same seed) with its own ``cache_salt``, so no policy inherits another's cache while all see
+identical prompts. Per (workload, policy): the replicas' own prefix-cache hit rate, TTFT p50/p90,
+output throughput, max/mean requests per replica, router-added latency p50/p99 (the router's own
+time from a request's last byte to sending it upstream, reported per response), and the replicas'
+measured rates from their heartbeats (prefill tokens/s, decode step time), which calibrate the
+simulator (bench.w3_policy_sim).
 
-    python -m bench.w3_router                      # the issue's W3
-    python -m bench.w3_router --requests 96 ...    # scaled down; the JSON records the parameters
+    python -m bench.w3_router                          # the recorded run (about 10 minutes here)
+    python -m bench.w3_router --workloads w3 --requests 32 ...   # smaller; the JSON records parameters
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -25,18 +26,25 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.common import quantile
+from bench.common import machine, quantile
+from bench.w3_workloads import (
+    WORKLOADS,
+    conversation_messages,
+    conversations,
+    shared_prefix_prompts,
+)
 from kvscale.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 # "NAME@EPS" runs policy NAME with --balance-epsilon EPS (the router's default is 0.25).
-POLICIES = ("prefix-affinity", "round-robin", "random", "prefix-affinity@0.5")
+POLICIES = ("predicted-ttft", "prefix-affinity", "weighted", "round-robin")
 
 
 class Processes:
@@ -101,27 +109,29 @@ def cache_counters(replica_urls: list[str]) -> tuple[float, float]:
     return queries, hits
 
 
-def workload(seed: int, groups: int, prefix_tokens: int, requests: int, suffix_tokens: int) -> list[list[int]]:
-    """Token-id prompts: each group's random prefix plus a unique suffix, randomly interleaved."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(1000, 40000) for _ in range(prefix_tokens)] for _ in range(groups)]
-    order = [i % groups for i in range(requests)]
-    rng.shuffle(order)
-    return [prefixes[g] + [rng.randrange(1000, 40000) for _ in range(suffix_tokens)] for g in order]
-
-
-async def one_request(client: httpx.AsyncClient, router_url: str, prompt: list[int], output_tokens: int) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": output_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     started = time.perf_counter()
     first = None
-    async with client.stream("POST", f"{router_url}/v1/completions", json=body) as response:
+    text: list[str] = []
+    tokens = 0
+    async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
             await response.aread()
             return {"ok": False, "status": response.status_code}
         async for line in response.aiter_lines():
-            if first is None and line.startswith("data: {"):
+            if not line.startswith("data: {"):
+                continue
+            choices = json.loads(line[6:])["choices"]
+            if not choices:
+                continue  # a usage-only chunk
+            choice = choices[0]
+            piece = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            # A chat stream opens with a role-only chunk sent before any prefill: not a first token.
+            if first is None and ("text" in choice or piece or choice.get("finish_reason")):
                 first = time.perf_counter()
+            if piece:
+                text.append(piece)
+                tokens += 1
         return {
             "ok": True,
             "ttft_s": (first or time.perf_counter()) - started,
@@ -129,11 +139,14 @@ async def one_request(client: httpx.AsyncClient, router_url: str, prompt: list[i
             "replica": response.headers.get("x-kvscale-replica"),
             "router_ms": float(response.headers.get("x-kvscale-router-ms", "nan")),
             "predicted_hit_tokens": int(response.headers.get("x-kvscale-predicted-hit-tokens", "0")),
+            "text": "".join(text),
+            "chunks": tokens,
         }
 
 
-async def drive(router_url: str, prompts: list[list[int]], output_tokens: int, concurrency: int) -> tuple[list[dict], float]:
-    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+async def drive_prompts(router_url: str, prompts: list[list[int]], args, salt: str) -> tuple[list[dict], float]:
+    """W3 / W3-Zipf: a closed loop of ``concurrency`` clients over token-id prompts."""
+    limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
         queue: asyncio.Queue = asyncio.Queue()
         for prompt in prompts:
@@ -143,33 +156,93 @@ async def drive(router_url: str, prompts: list[list[int]], output_tokens: int, c
         async def worker() -> None:
             while not queue.empty():
                 prompt = queue.get_nowait()
-                results.append(await one_request(client, router_url, prompt, output_tokens))
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0,
+                        "ignore_eos": True, "stream": True, "cache_salt": salt}
+                result = await _stream(client, f"{router_url}/v1/completions", body)
+                result["output_tokens"] = args.output_tokens
+                results.append(result)
 
         started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         return results, time.perf_counter() - started
 
 
-def run_policy(args, policy: str, seed: int, replica_urls: list[str], redis_url: str, procs: Processes) -> dict:
-    port = free_port()
-    router_url = f"http://127.0.0.1:{port}"
-    name, _, epsilon = policy.partition("@")
-    router = procs.start(
-        f"router-{policy}",
-        [sys.executable, "-m", "kvscale", "router", "--host", "127.0.0.1", "--port", str(port),
-         "--replicas", ",".join(replica_urls), "--redis", redis_url, "--policy", name,
-         "--block-size", str(args.block_size), "--seed", str(seed), "--log-level", "warning"]
-        + (["--balance-epsilon", epsilon] if epsilon else []),
-    )
-    try:
-        wait_healthy([router_url], [router], timeout=300)
-        time.sleep(1.5)  # heartbeats bound replica ids to URLs
-        prompts = workload(seed, args.groups, args.prefix_tokens, args.requests, args.suffix_tokens)
-        q0, h0 = cache_counters(replica_urls)
-        results, wall = asyncio.run(drive(router_url, prompts, args.output_tokens, args.concurrency))
-        q1, h1 = cache_counters(replica_urls)
-    finally:
-        procs.stop(router)
+async def drive_chats(router_url: str, convs, args, salt: str) -> tuple[list[dict], float]:
+    """W4: ``concurrency`` conversations at a time; each turn's prompt is the history plus a new message."""
+    limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
+        queue: asyncio.Queue = asyncio.Queue()
+        for conv in convs:
+            queue.put_nowait(conv)
+        results: list[dict] = []
+
+        async def worker() -> None:
+            while not queue.empty():
+                conv = queue.get_nowait()
+                answers: list[str] = []
+                for turn in range(len(conv.questions)):
+                    await asyncio.sleep(conv.think_s[turn])
+                    body = {"model": MODEL, "messages": conversation_messages(conv, turn, answers),
+                            "max_tokens": args.answer_tokens, "temperature": 0, "stream": True, "cache_salt": salt}
+                    result = await _stream(client, f"{router_url}/v1/chat/completions", body)
+                    result["turn"] = turn
+                    result["output_tokens"] = result.get("chunks", 0)
+                    results.append(result)
+                    if not result["ok"]:
+                        break
+                    answers.append(result["text"])
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        return results, time.perf_counter() - started
+
+
+class HeartbeatSampler:
+    """Reads every replica's heartbeat from Redis twice a second, for the simulator's calibration."""
+
+    FIELDS = ("prefill_tokens_per_s", "decode_step_s", "prefill_tokens_per_step", "num_decoding",
+              "prefill_tokens_waiting")
+
+    def __init__(self, redis_url: str) -> None:
+        import redis
+
+        from kvscale.server.kv_publisher import heartbeat_key
+
+        self._client = redis.Redis.from_url(redis_url)
+        self._key = heartbeat_key
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            for i in range(64):
+                raw = self._client.get(self._key(f"replica-{i}"))
+                if raw is None:
+                    if i >= 8:
+                        break
+                    continue
+                beat = json.loads(raw)
+                self.samples.append({"t": time.time(), "replica": beat["replica"],
+                                     **{k: beat.get(k, 0) for k in self.FIELDS}})
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def summary(self, since: float, until: float) -> dict:
+        window = [s for s in self.samples if since <= s["t"] <= until]
+        out = {}
+        for key in ("prefill_tokens_per_s", "decode_step_s", "prefill_tokens_per_step"):
+            values = [s[key] for s in window if s[key] > 0]
+            out[f"{key}_median"] = statistics.median(values) if values else 0.0
+        return out
+
+
+def summarize(args, workload: str, policy: str, results: list[dict], wall: float, q: tuple, h: tuple) -> dict:
     ok = [r for r in results if r["ok"]]
     per_replica: dict[str, int] = {}
     for r in ok:
@@ -178,7 +251,9 @@ def run_policy(args, policy: str, seed: int, replica_urls: list[str], redis_url:
     mean = statistics.mean(counts)
     ttfts = [r["ttft_s"] for r in ok]
     router_ms = [r["router_ms"] for r in ok]
+    (q0, q1), (h0, h1) = q, h
     return {
+        "workload": workload,
         "policy": policy,
         "requests": len(results),
         "failed": len(results) - len(ok),
@@ -188,18 +263,37 @@ def run_policy(args, policy: str, seed: int, replica_urls: list[str], redis_url:
         "ttft_p50_s": quantile(ttfts, 0.5),
         "ttft_p90_s": quantile(ttfts, 0.9),
         "latency_p50_s": quantile([r["latency_s"] for r in ok], 0.5),
-        "output_tokens_per_s": len(ok) * args.output_tokens / wall,
+        "output_tokens_per_s": sum(r["output_tokens"] for r in ok) / wall,
         "wall_s": wall,
         "requests_per_replica": counts,
         "max_over_mean_requests": max(counts) / mean if mean else float("nan"),
         "router_added_ms_p50": quantile(router_ms, 0.5),
         "router_added_ms_p99": quantile(router_ms, 0.99),
         "predicted_hit_tokens_total": sum(r["predicted_hit_tokens"] for r in ok),
-        # In completion order, for looking into the tails.
         "per_request": [
-            {k: r[k] for k in ("ttft_s", "replica", "router_ms", "predicted_hit_tokens")} for r in ok
+            {k: r.get(k) for k in ("ttft_s", "replica", "router_ms", "predicted_hit_tokens", "turn", "output_tokens")}
+            for r in ok
         ],
     }
+
+
+def run_one(args, workload: str, policy: str, router_url: str, replica_urls: list[str],
+            sampler: HeartbeatSampler) -> dict:
+    salt = f"{workload}-{policy}-{args.seed}"
+    q0, h0 = cache_counters(replica_urls)
+    since = time.time()
+    if workload == "w4":
+        convs = conversations(args.seed, args.conversations, args.document_words, args.question_words,
+                              (args.think_min_s, args.think_max_s))
+        results, wall = asyncio.run(drive_chats(router_url, convs, args, salt))
+    else:
+        prompts = [p for _, p in shared_prefix_prompts(args.seed, args.groups, args.prefix_tokens, args.requests,
+                                                       args.suffix_tokens, zipf=workload == "w3-zipf")]
+        results, wall = asyncio.run(drive_prompts(router_url, prompts, args, salt))
+    q1, h1 = cache_counters(replica_urls)
+    record = summarize(args, workload, policy, results, wall, (q0, q1), (h0, h1))
+    record["replica_rates"] = sampler.summary(since, time.time())
+    return record
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -208,35 +302,71 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["policy"] for r in results]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    colors = ["tab:green" if n.startswith("prefix-affinity") else "tab:gray" for n in names]
-    left.bar(names, [100 * r["prefix_cache_hit_rate"] for r in results], color=colors)
-    left.tick_params(axis="x", labelrotation=20)
-    left.set_ylabel("prefix-cache hit rate (%)")
-    left.set_title("W3: replicas' own prefix-cache hit rate")
-    x = range(len(names))
-    right.bar([i - 0.2 for i in x], [r["ttft_p50_s"] for r in results], width=0.4, label="p50")
-    right.bar([i + 0.2 for i in x], [r["ttft_p90_s"] for r in results], width=0.4, label="p90")
-    right.set_xticks(list(x), names, rotation=20)
-    right.set_ylabel("time to first token (s)")
-    right.set_title("W3: TTFT by routing policy")
-    right.legend()
+    workloads = list(dict.fromkeys(r["workload"] for r in results))
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.4 * len(workloads)), squeeze=False)
+    for row, workload in enumerate(workloads):
+        rows = [r for r in results if r["workload"] == workload]
+        names = [r["policy"] for r in rows]
+        colors = ["tab:green" if n == "predicted-ttft" else "tab:gray" for n in names]
+        left, right = axes[row]
+        left.bar(names, [100 * r["prefix_cache_hit_rate"] for r in rows], color=colors)
+        left.set_ylabel("prefix-cache hit rate (%)")
+        left.set_title(f"{workload}: replicas' own hit rate")
+        left.tick_params(axis="x", labelrotation=15)
+        x = range(len(names))
+        right.bar([i - 0.2 for i in x], [r["ttft_p50_s"] for r in rows], width=0.4, label="p50")
+        right.bar([i + 0.2 for i in x], [r["ttft_p90_s"] for r in rows], width=0.4, label="p90")
+        right.set_xticks(list(x), names, rotation=15)
+        right.set_ylabel("TTFT (s)")
+        right.set_title(f"{workload}: time to first token")
+        right.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
+
+
+def ratios(results: list[dict], policy: str = "predicted-ttft") -> dict:
+    """Per workload: the policy against round-robin (the issue's targets) and against every other."""
+    out: dict[str, dict] = {}
+    for workload in dict.fromkeys(r["workload"] for r in results):
+        by = {r["policy"]: r for r in results if r["workload"] == workload}
+        me = by.get(policy)
+        if me is None:
+            continue
+        entry: dict = {"max_over_mean_requests": me["max_over_mean_requests"],
+                       "router_added_ms_p99": me["router_added_ms_p99"]}
+        for other, r in by.items():
+            if other == policy:
+                continue
+            entry[f"vs_{other}"] = {
+                "hit_rate": me["prefix_cache_hit_rate"] / r["prefix_cache_hit_rate"] if r["prefix_cache_hit_rate"]
+                else float("inf"),
+                "ttft_p50_better": r["ttft_p50_s"] / me["ttft_p50_s"],
+                "ttft_p90_better": r["ttft_p90_s"] / me["ttft_p90_s"],
+                "throughput": me["output_tokens_per_s"] / r["output_tokens_per_s"],
+            }
+        out[workload] = entry
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--groups", type=int, default=16)
-    parser.add_argument("--prefix-tokens", type=int, default=512)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--prefix-tokens", type=int, default=256)
     parser.add_argument("--suffix-tokens", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--output-tokens", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=48, help="requests per W3 / W3-Zipf run")
+    parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--conversations", type=int, default=12, help="W4 conversations per run (3-6 turns each)")
+    parser.add_argument("--document-words", type=int, default=120, help="W4: turn 1's document, in words")
+    parser.add_argument("--question-words", type=int, default=8)
+    parser.add_argument("--answer-tokens", type=int, default=24, help="W4: max tokens per answer")
+    parser.add_argument("--think-min-s", type=float, default=0.2)
+    parser.add_argument("--think-max-s", type=float, default=1.0)
+    parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-gpu-blocks-override", type=int, default=192, help="KV blocks per replica")
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=64, help="KV blocks per replica")
+    parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the replicas' token budget per step (default: the engine's)")
     parser.add_argument("--threads", type=int, default=1,
@@ -249,7 +379,7 @@ def main() -> int:
     )
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "w3_router.json"))
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "w3_router_ttft.json"))
     args = parser.parse_args()
 
     redis_binary = shutil.which("redis-server")
@@ -258,13 +388,16 @@ def main() -> int:
         return 2
     procs = Processes()
     started = time.time()
+    host = machine()
+    policies = args.policies.split(",")
+    results: list[dict] = []
+    sampler = None
     try:
         redis_port = free_port()
         procs.start("redis", [redis_binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                               "--appendonly", "no", "--dir", procs.logdir])
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         replica_urls, replica_procs = [], []
-        max_len = args.prefix_tokens + args.suffix_tokens + args.output_tokens + 16
         for i in range(args.replicas):
             port = free_port()
             replica_urls.append(f"http://127.0.0.1:{port}")
@@ -272,44 +405,51 @@ def main() -> int:
                 f"replica-{i}",
                 [sys.executable, "-m", "kvscale", "serve", "--host", "127.0.0.1", "--port", str(port),
                  "--block-size", str(args.block_size), "--num-gpu-blocks-override", str(args.num_gpu_blocks_override),
-                 "--max-model-len", str(max_len), "--max-num-seqs", str(args.concurrency),
+                 "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.concurrency),
                  "--redis", redis_url, "--replica-id", f"replica-{i}", "--disable-uvicorn-access-log"]
                 + ([] if args.max_num_batched_tokens is None
                    else ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]),
                 nice=args.replica_nice, env={"OMP_NUM_THREADS": str(args.threads)},
             ))
-        print(f"w3_router: starting {args.replicas} replicas (logs in {procs.logdir})", flush=True)
+        routers: dict[str, str] = {}
+        router_procs = []
+        for policy in policies:
+            port = free_port()
+            name, _, epsilon = policy.partition("@")
+            routers[policy] = f"http://127.0.0.1:{port}"
+            router_procs.append(procs.start(
+                f"router-{policy}",
+                [sys.executable, "-m", "kvscale", "router", "--host", "127.0.0.1", "--port", str(port),
+                 "--replicas", ",".join(replica_urls), "--redis", redis_url, "--policy", name,
+                 "--block-size", str(args.block_size), "--seed", str(args.seed), "--log-level", "warning"]
+                + (["--balance-epsilon", epsilon] if epsilon else []),
+            ))
+        print(f"w3_router: starting {args.replicas} replicas and {len(policies)} routers (logs in {procs.logdir})",
+              flush=True)
         wait_healthy(replica_urls, replica_procs)
-        results = []
-        for n, policy in enumerate(args.policies.split(",")):
-            # A fresh seed per policy: fresh prefixes, so nobody inherits another policy's cache.
-            result = run_policy(args, policy, args.seed + 1000 * (n + 1), replica_urls, redis_url, procs)
-            print(json.dumps({k: v for k, v in result.items() if k != "per_request"}), flush=True)
-            results.append(result)
+        wait_healthy(list(routers.values()), router_procs, timeout=300)
+        time.sleep(2.0)  # heartbeats bind replica ids to URLs in every router
+        sampler = HeartbeatSampler(redis_url)
+        sampler.start()
+        for w, workload in enumerate(args.workloads.split(",")):
+            # Rotate the order per workload so that no policy always runs first (machine drift).
+            order = policies[w % len(policies):] + policies[: w % len(policies)]
+            for policy in order:
+                record = run_one(args, workload, policy, routers[policy], replica_urls, sampler)
+                print(json.dumps({k: v for k, v in record.items() if k != "per_request"}), flush=True)
+                results.append(record)
     finally:
+        if sampler is not None:
+            sampler.stop()
         procs.stop_all()
 
-    by_policy = {r["policy"]: r for r in results}
-    summary = {}
-    rr = by_policy.get("round-robin")
-    for name, pa in by_policy.items():
-        if not name.startswith("prefix-affinity") or rr is None:
-            continue
-        summary[name] = {
-            "hit_rate_vs_round_robin": pa["prefix_cache_hit_rate"] / rr["prefix_cache_hit_rate"]
-            if rr["prefix_cache_hit_rate"] else float("inf"),
-            "ttft_p90_speedup_vs_round_robin": rr["ttft_p90_s"] / pa["ttft_p90_s"],
-            "ttft_p50_speedup_vs_round_robin": rr["ttft_p50_s"] / pa["ttft_p50_s"],
-            "output_throughput_vs_round_robin": pa["output_tokens_per_s"] / rr["output_tokens_per_s"],
-            "max_over_mean_requests": pa["max_over_mean_requests"],
-            "router_added_ms_p99": pa["router_added_ms_p99"],
-        }
+    summary = ratios(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "benchmark": "w3_router",
         "date": time.strftime("%Y-%m-%d", time.localtime(started)),
-        "machine": f"{os.cpu_count()} CPU cores, no GPU (shared)",
+        "machine": host,
         "parameters": vars(args),
         "results": results,
         "summary": summary,

@@ -379,7 +379,8 @@ class Router:
                     first = await chunks.__anext__()
                 except StopAsyncIteration:
                     first = b""
-                ledger.started(ticket, time.time())
+                if endpoint != "chat":  # a chat stream's first chunk is the role, sent before prefill
+                    ledger.started(ticket, time.time())
                 committed = True
             except (httpx.TransportError, httpx.StreamError) as exc:
                 last_error = f"replica {replica.replica_id}: {type(exc).__name__}: {exc}"
@@ -427,6 +428,7 @@ class Router:
             if first:
                 yield first
             async for chunk in chunks:
+                self._ledgers[replica.replica_id].started(ticket, time.time())
                 yield chunk
         except (httpx.TransportError, httpx.StreamError) as exc:
             # Already streaming: never retried; the client sees the stream end.
