@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD_DIR = ROOT / "charts" / "kvscale" / "dashboards"
 RULES_FILE = ROOT / "charts" / "kvscale" / "rules" / "kvscale.rules.yaml"
 
-DS = "${datasource}"
+# A reference to the data source variable, never a UID of someone's Prometheus.
+DS = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
 # Selectors: server series carry all four labels; the operator's carry namespace and
 # inferenceservice; the router's also carry its own pod.

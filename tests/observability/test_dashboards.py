@@ -27,6 +27,7 @@ from observability_helpers import (  # noqa: E402
 
 from kvscale import metric_names as names  # noqa: E402
 
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 VARIABLES = ["datasource", "namespace", "inferenceservice", "model_name", "pod"]
 
 
@@ -56,12 +57,14 @@ def test_dashboard_variables_and_datasource(name: str) -> None:
     assert [v["name"] for v in variables] == VARIABLES
     assert variables[0]["type"] == "datasource" and variables[0]["query"] == "prometheus"
     for variable in variables[1:]:
-        assert variable["datasource"] == "${datasource}"
+        assert variable["datasource"] == DATASOURCE
         assert variable["query"].startswith("label_values(")
     for panel in board["panels"]:
         # A hard-coded datasource UID is what makes shipped dashboards show "No data".
-        assert panel["datasource"] == "${datasource}", panel["title"]
-        assert all(t["datasource"] == "${datasource}" for t in panel["targets"]), panel["title"]
+        assert panel["datasource"] == DATASOURCE, panel["title"]
+        assert all(t["datasource"] == DATASOURCE for t in panel["targets"]), panel["title"]
+    for annotation in board["annotations"]["list"]:
+        assert annotation["datasource"] == DATASOURCE
         assert panel["targets"], panel["title"]
 
 
@@ -113,13 +116,3 @@ def test_promtool_checks_the_rules() -> None:
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 11 rules found" in result.stdout
-
-
-def test_chart_templates_ship_the_generated_files() -> None:
-    templates = CHART / "templates"
-    dashboards = (templates / "observability-dashboards.yaml").read_text()
-    assert '.Files.Glob "dashboards/*.json"' in dashboards and "grafana_dashboard" in dashboards
-    rule = (templates / "observability-prometheusrule.yaml").read_text()
-    assert '.Files.Get "rules/kvscale.rules.yaml"' in rule and "kind: PrometheusRule" in rule
-    monitors = (templates / "observability-podmonitors.yaml").read_text()
-    assert monitors.count("kind: PodMonitor") == 3 and "honorLabels: true" in monitors
