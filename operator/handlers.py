@@ -170,11 +170,12 @@ def reconcile(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
     owner = {"apiVersion": body["apiVersion"], "kind": body["kind"],
              "metadata": dict(body["metadata"])}
     with runtime.lock(body["metadata"]["uid"]):
+        meta = owner["metadata"]
+        runtime.metrics.register(meta["uid"], meta["namespace"], meta["name"])
         try:
             apply_children(runtime.kube, owner, spec, runtime.config.images)
             refresh_status(runtime, owner["metadata"]["name"], owner["metadata"]["namespace"])
         except ApiError as exc:
-            meta = owner["metadata"]
             runtime.metrics.error(meta["uid"], meta["namespace"], meta["name"], "reconcile")
             if exc.status in (401, 403):
                 logger.error("the operator lacks a permission: %s", exc)

@@ -69,7 +69,9 @@ class OperatorMetrics:
         self._known: dict[str, tuple[str, str]] = {}  # uid -> (namespace, name)
         self._lock = threading.Lock()
 
-    def _see(self, uid: str, namespace: str, name: str) -> None:
+    def register(self, uid: str, namespace: str, name: str) -> None:
+        """Create a service's counters at zero; the reconciler calls it long before the first
+        decision, so that a scrape holds the zero before the first increment."""
         with self._lock:
             if uid in self._known:
                 return
@@ -83,7 +85,7 @@ class OperatorMetrics:
                 counts: ReplicaCounts, estimate: LoadEstimate | None,
                 decision: ScaleDecision | None, previous: int) -> None:
         """One autoscaler run: the signal, the target, the replicas and the decision taken."""
-        self._see(uid, namespace, name)
+        self.register(uid, namespace, name)
         key = (namespace, name)
         self.target_kv_usage.labels(*key).set(policy.target_kv_usage)
         self.target_queue.labels(*key).set(policy.target_queue_length)
@@ -103,7 +105,7 @@ class OperatorMetrics:
                 self.scale_decisions.labels(*key, direction, decision.reason).inc()
 
     def error(self, uid: str, namespace: str, name: str, handler: str) -> None:
-        self._see(uid, namespace, name)
+        self.register(uid, namespace, name)
         self.reconcile_errors.labels(namespace, name, handler).inc()
 
     def forget(self, uid: str) -> None:

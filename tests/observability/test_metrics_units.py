@@ -140,6 +140,10 @@ def test_operator_metrics_export_the_contract_and_count_only_changes() -> None:
     assert value(names.OPERATOR_PANIC.series, key) == 0
     assert value(names.OPERATOR_MAX.series, key) == 3
     assert scale_direction(2, 2) is None and scale_direction(1, 3) == "up"
+    # Registered at reconcile: every decision series reads 0 before the first decision.
+    metrics.register("u2", "ns", "new")
+    assert value(names.OPERATOR_SCALE_DECISIONS.series, {
+        "namespace": "ns", "inferenceservice": "new", "direction": "up", "reason": "Panic"}) == 0
     metrics.forget("u1")
     assert value(names.OPERATOR_LOAD.series, key) is None
     assert value(names.OPERATOR_SCALE_DECISIONS.series,
