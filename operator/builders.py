@@ -278,11 +278,14 @@ def build_service(name: str, namespace: str, spec: InferenceServiceSpec) -> dict
 
 def build_headless_service(name: str, namespace: str) -> dict[str, Any]:
     """Per-pod DNS and endpoints, for the prefix-aware router to find every replica."""
+    from kvscale.router.replicas import SERVERS_ENDPOINTS_LABEL
+
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": headless_service_name(name), "namespace": namespace,
-                     "labels": child_labels(name)},
+                     # Copied onto its EndpointSlices: what a namespace-wide router selects.
+                     "labels": {**child_labels(name), SERVERS_ENDPOINTS_LABEL: "servers"}},
         "spec": {
             "clusterIP": "None",
             "selector": selector_labels(name),

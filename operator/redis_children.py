@@ -74,14 +74,19 @@ def build_redis_deployment(name: str, namespace: str, image: str) -> dict[str, A
         "image": image,
         "command": ["redis-server"],
         "args": [
+            # The pod's own address, like every kvscale pod (see the servers' --host).
+            "--bind", "$(POD_IP)",
             "--port", str(REDIS_PORT),
             "--requirepass", f"$({PASSWORD_ENV})",
             "--save", "", "--appendonly", "no",
             # Bounded memory: the index is a cache, and an evicted key only costs a prefix miss.
             "--maxmemory", "200mb", "--maxmemory-policy", "allkeys-lru",
         ],
-        "env": [{"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
-            "name": redis_name(name), "key": PASSWORD_KEY}}}],
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
+                "name": redis_name(name), "key": PASSWORD_KEY}}},
+        ],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 2, "failureThreshold": 2},
         "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10, "failureThreshold": 3},

@@ -55,6 +55,7 @@ _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length
 class RouterConfig:
     replicas: list[str] = field(default_factory=list)
     k8s_service: str | None = None
+    k8s_namespace_wide: bool = False  # every InferenceService's servers in `namespace`
     namespace: str = "default"
     k8s_port_name: str | None = None
     policy: str = routing.DEFAULT_POLICY
@@ -89,8 +90,10 @@ class Router:
         in_process = config.redis_url is None
         # Without Redis the index is only the router's own decisions; keep them until capacity.
         self.index = PrefixIndex(prediction_ttl_s=(1e9 if in_process else 10.0))
+        # A replica discovery drops (its pod NotReady or deleted) leaves the index at once.
         self.replicas = ReplicaSet(
-            api_key=config.replica_api_key, health_interval_s=config.health_interval_s
+            api_key=config.replica_api_key, health_interval_s=config.health_interval_s,
+            on_removed=lambda replica: self.index.forget(replica.replica_id),
         )
         self.replicas.set_urls(config.replicas)
         self.feed = None
@@ -125,7 +128,7 @@ class Router:
             await self.feed.start()
         else:
             log.warning("no --redis: the prefix index lives in this router process only, built from its own decisions")
-        if self.config.k8s_service:
+        if self.config.k8s_service or self.config.k8s_namespace_wide:
             self._watch = EndpointSliceWatch(
                 self.config.k8s_service,
                 self.config.namespace,

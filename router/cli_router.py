@@ -13,6 +13,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_argument_group("replicas (one of)")
     where.add_argument("--replicas", default=None, help="comma-separated replica base URLs (http://host:port)")
     where.add_argument("--k8s-service", default=None, help="headless Service whose EndpointSlices list the replicas")
+    where.add_argument(
+        "--k8s-namespace-wide",
+        action="store_true",
+        help="the servers of every InferenceService in --namespace, routed by the request's model",
+    )
     parser.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     parser.add_argument("--k8s-port-name", default=None, help="EndpointSlice port name (default: the first port)")
     parser.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY)
@@ -59,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace):
     from kvscale.router.app import RouterConfig
 
-    if not args.replicas and not args.k8s_service:
-        raise SystemExit("kvscale router: give --replicas URL,... or --k8s-service NAME")
+    if sum(map(bool, (args.replicas, args.k8s_service, args.k8s_namespace_wide))) != 1:
+        raise SystemExit("kvscale router: give one of --replicas URL,..., --k8s-service NAME or --k8s-namespace-wide")
     if args.balance_epsilon < 0:
         raise SystemExit("kvscale router: --balance-epsilon must be non-negative")
     if args.block_size < 1:
@@ -68,6 +73,7 @@ def config_from_args(args: argparse.Namespace):
     return RouterConfig(
         replicas=[u for u in (args.replicas or "").split(",") if u.strip()],
         k8s_service=args.k8s_service,
+        k8s_namespace_wide=args.k8s_namespace_wide,
         namespace=args.namespace,
         k8s_port_name=args.k8s_port_name,
         policy=args.policy,

@@ -24,6 +24,7 @@ from kvscale.server.kv_publisher import (
     heartbeat_key,
     live_replicas_args,
     live_replicas_script,
+    redacted_url,
     seq_key,
 )
 
@@ -76,14 +77,17 @@ class RedisFeed:
     def _failed(self, exc: BaseException) -> None:
         self._on_error()
         if self.healthy or not self._logged_down:
-            log.warning("redis %s unreachable (%s); routing on the last index + consistent hashing", self.redis_url, exc)
+            log.warning(
+                "redis %s unreachable (%s); routing on the last index + consistent hashing",
+                redacted_url(self.redis_url), exc,
+            )
             self._logged_down = True
         self.healthy = False
         self.healthy_since = None
 
     def _recovered(self) -> None:
         if not self.healthy and self._logged_down:
-            log.warning("redis %s is back; index reloaded", self.redis_url)
+            log.warning("redis %s is back; index reloaded", redacted_url(self.redis_url))
         self._logged_down = False
         if not self.healthy:
             self.healthy_since = time.monotonic()

@@ -21,6 +21,11 @@ import httpx
 
 log = logging.getLogger("kvscale.router.replicas")
 
+# The label the operator gives every InferenceService's headless Service of servers; the
+# EndpointSlice controller copies a Service's labels onto its slices.
+SERVERS_ENDPOINTS_LABEL = "serving.kvscale.io/endpoints"
+SERVERS_ENDPOINTS_SELECTOR = f"{SERVERS_ENDPOINTS_LABEL}=servers"
+
 
 def normalize_url(url: str) -> str:
     url = url.strip().rstrip("/")
@@ -73,9 +78,15 @@ def _error_code(response: httpx.Response) -> str | None:
 
 
 class ReplicaSet:
-    def __init__(self, api_key: str | None = None, health_interval_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        api_key: str | None = None,
+        health_interval_s: float = 2.0,
+        on_removed: Callable[[Replica], None] | None = None,
+    ) -> None:
         self.replicas: dict[str, Replica] = {}  # url -> replica
         self.api_key = api_key
+        self._on_removed = on_removed
         self.health_interval_s = health_interval_s
         self._task: asyncio.Task | None = None
         self._client: httpx.AsyncClient | None = None
@@ -86,7 +97,9 @@ class ReplicaSet:
         for url in list(self.replicas):
             if url not in wanted:
                 log.info("replica %s removed", url)
-                del self.replicas[url]
+                removed = self.replicas.pop(url)
+                if self._on_removed is not None:
+                    self._on_removed(removed)
         for url in sorted(wanted):
             if url not in self.replicas:
                 log.info("replica %s added", url)
@@ -174,14 +187,18 @@ class EndpointSliceWatch:
 
     def __init__(
         self,
-        service: str,
+        service: str | None,
         namespace: str,
         on_urls: Callable[[list[str]], None],
         loop: asyncio.AbstractEventLoop,
         port_name: str | None = None,
         kubeconfig: str | None = None,
     ) -> None:
+        # None: every InferenceService's server endpoints in the namespace (the namespace-wide
+        # router); they carry the label the operator puts on each servers' headless Service.
         self.service = service
+        self.label_selector = (f"kubernetes.io/service-name={service}" if service is not None
+                               else SERVERS_ENDPOINTS_SELECTOR)
         self.namespace = namespace
         self.port_name = port_name
         self.kubeconfig = kubeconfig  # None: in-cluster, else $KUBECONFIG, else ~/.kube/config
@@ -250,7 +267,7 @@ class EndpointSliceWatch:
         from kubernetes import client, watch
 
         api = client.DiscoveryV1Api(self._api_client())
-        selector = f"kubernetes.io/service-name={self.service}"
+        selector = self.label_selector
         while not self._stop.is_set():
             try:
                 listing = api.list_namespaced_endpoint_slice(self.namespace, label_selector=selector)

@@ -47,6 +47,19 @@ from kvscale.server.outputs import AllBlocksCleared, BlockRemoved, BlockStored, 
 
 log = logging.getLogger("kvscale.kv_publisher")
 
+def redacted_url(url: str) -> str:
+    """The Redis URL with its password replaced, for logs (the URL comes from a Secret)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 KEY_PREFIX = "kvscale"
 REPLICAS_KEY = f"{KEY_PREFIX}:replicas"
 EVENTS_CHANNEL = f"{KEY_PREFIX}:kv-events"
@@ -363,14 +376,14 @@ class KVEventPublisher:
                     except redis.RedisError as exc:
                         self.redis_errors += 1
                         if not logged_down:
-                            log.warning("redis %s unreachable (%s); serving goes on, will resync", self.redis_url, exc)
+                            log.warning("redis %s unreachable (%s); serving goes on, will resync", redacted_url(self.redis_url), exc)
                             logged_down = True
                         self._drain()
                         if self._stopping.wait(0.5):
                             break
                         continue
                     if logged_down:
-                        log.warning("redis %s is back; resyncing KV block snapshot", self.redis_url)
+                        log.warning("redis %s is back; resyncing KV block snapshot", redacted_url(self.redis_url))
                     logged_down = False
                     self._drain()
                     self._resync_pending.set()
@@ -393,7 +406,7 @@ class KVEventPublisher:
                     self.redis_errors += 1
                     self._connected = False
                     self._resync_pending.set()
-                    log.warning("redis %s error (%s); serving goes on, will resync", self.redis_url, exc)
+                    log.warning("redis %s error (%s); serving goes on, will resync", redacted_url(self.redis_url), exc)
                     logged_down = True
             self._goodbye(client)
         finally:

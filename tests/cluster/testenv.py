@@ -40,15 +40,43 @@ REQUIRED_BINS = (*COMPONENTS, "kubectl")
 
 FAKE_NODE_NAME = "kwok-gpu-0"
 FAKE_NODE_GPUS = 8
+# An untainted node without GPUs: where routers, Redis and other CPU pods land, as in a real
+# cluster with a CPU pool beside the GPU nodes.
+CPU_NODE_NAME = "kwok-cpu-0"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_NODE_VALUE = "fake"
-SERVICE_CIDR = "10.0.0.0/24"
-KUBERNETES_SERVICE_IP = "10.0.0.1"
+# Loopback too, so that the pod runtime (tests/cluster/kubelet.py) can play kube-proxy: it listens
+# on each Service's ClusterIP. The first address is the `kubernetes` Service's.
+SERVICE_CIDR = "127.245.0.0/24"
+KUBERNETES_SERVICE_IP = "127.245.0.1"
 # kwok gives its pods and node addresses from these ranges. They are loopback on purpose: the
 # operator scrapes pod IPs, and a test must never send traffic off this machine (a scrape of a
 # kwok pod without a metrics-url override is refused at once instead of leaving the host).
 POD_CIDR = "127.244.0.0/16"
+# Pods the process runtime runs get addresses here instead: the apiserver refuses loopback
+# addresses in EndpointSlices, so their slices would stay empty. 198.18.0.0/15 is reserved for
+# network benchmarks (RFC 2544) and never routed; a `local` route makes the range answer on lo
+# like 127/8 does, so nothing sent there leaves the machine either.
+PROCESS_POD_CIDR = "198.18.0.0/16"
 FAKE_NODE_IP = "127.240.0.10"
+# kwok with this Stage plays no pod lifecycle at all (a Stage given for Pods replaces kwok's
+# default ones, and this one never matches): the process runtime does it instead.
+KWOK_NO_POD_STAGES = """\
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pods-left-to-the-process-runtime
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+      - key: '.metadata.annotations["kvscale.io/never"]'
+        operator: Exists
+  next:
+    delete: false
+"""
 
 STARTUP_TIMEOUT_S = 180.0
 
@@ -268,6 +296,8 @@ class K8sEnv:
     bins: Path
     server: str  # https://127.0.0.1:PORT
     kubeconfig: Path  # admin (system:masters)
+    # True: kwok leaves pods alone and tests/cluster/kubelet.py runs them as processes.
+    process_pods: bool = False
     ports: dict[str, int] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -363,6 +393,7 @@ class K8sEnv:
             kubeconfig=Path(state["kubeconfig"]),
             ports={k: int(v) for k, v in state["ports"].items()},
             pids={k: int(v) for k, v in state["pids"].items()},
+            process_pods=bool(state.get("process_pods", False)),
         )
 
 
@@ -519,6 +550,19 @@ def fake_gpu_node_manifest(name: str = FAKE_NODE_NAME, gpus: int = FAKE_NODE_GPU
     }
 
 
+def cpu_node_manifest(name: str = CPU_NODE_NAME) -> dict:
+    """An untainted kwok node with no GPUs."""
+    node = fake_gpu_node_manifest(name, gpus=0)
+    resources = {key: value for key, value in node["status"]["capacity"].items()
+                 if key != "nvidia.com/gpu"}
+    node["metadata"]["labels"] = {key: value for key, value in node["metadata"]["labels"].items()
+                                  if not key.startswith("nvidia.com/")}
+    node["metadata"]["labels"]["type"] = "kwok-cpu"
+    node["spec"] = {}
+    node["status"] = {"capacity": resources, "allocatable": resources}
+    return node
+
+
 def kwok_toleration() -> dict:
     """The toleration a pod needs to land on the fake node."""
     return {
@@ -529,21 +573,34 @@ def kwok_toleration() -> dict:
     }
 
 
+def route_pod_cidr_to_loopback(cidr: str = PROCESS_POD_CIDR) -> None:
+    """Every address of `cidr` local, on lo (idempotent; needs root, as the apt installs do)."""
+    done = subprocess.run(["ip", "route", "replace", "local", cidr, "dev", "lo"],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise K8sEnvError(f"`ip route replace local {cidr} dev lo` failed (root needed): "
+                          f"{done.stderr.strip()}")
+
+
 def start_env(
     workdir: Path,
     bins: Path,
     *,
     tie_to_parent: bool = True,
     timeout: float = STARTUP_TIMEOUT_S,
+    process_pods: bool = False,
 ) -> K8sEnv:
     """Start a fresh control plane under `workdir` and return once the fake
-    GPU node is Ready. `tie_to_parent`: the processes die with this one (tests);
-    `up` passes False so they outlive the command."""
+    nodes are Ready. `tie_to_parent`: the processes die with this one (tests);
+    `up` passes False so they outlive the command. `process_pods`: kwok does not
+    play pods; start tests/cluster/kubelet.py's runtime to run them."""
     check_bins(bins)
     workdir = workdir.resolve()
     if (workdir / "env.json").exists():
         raise K8sEnvError(f"{workdir} already holds an environment; stop it first")
     workdir.mkdir(parents=True, exist_ok=True)
+    if process_pods:
+        route_pod_cidr_to_loopback()
     _write_pki(workdir)
     pki = workdir / "pki"
     ports = {
@@ -565,7 +622,8 @@ def start_env(
         ),
     )
     env = K8sEnv(
-        workdir=workdir, bins=bins.resolve(), server=server, kubeconfig=kubeconfig, ports=ports
+        workdir=workdir, bins=bins.resolve(), server=server, kubeconfig=kubeconfig, ports=ports,
+        process_pods=process_pods,
     )
     env.save()
     try:
@@ -681,6 +739,8 @@ def _start_components(env: K8sEnv, tie_to_parent: bool, timeout: float) -> None:
             # past the controller-manager's 50 s grace period: the node (and every pod on it)
             # would flap NotReady mid-test.
             "--node-lease-duration-seconds=40",
+            *([f"--config={_write_private(env.workdir / 'kwok-stages.yaml', KWOK_NO_POD_STAGES)}"]
+              if env.process_pods else []),
         ],
         tie_to_parent,
     )
@@ -715,14 +775,16 @@ def _start_components(env: K8sEnv, tie_to_parent: bool, timeout: float) -> None:
         env,
         "kube-controller-manager",
     )
-    env.kubectl("apply", "-f", "-", input=json.dumps(fake_gpu_node_manifest()))
-    _wait_until(
-        f"node {FAKE_NODE_NAME} Ready",
-        lambda: _node_ready(env, FAKE_NODE_NAME),
-        timeout,
-        env,
-        "kwok",
-    )
+    for node in (fake_gpu_node_manifest(), cpu_node_manifest()):
+        env.kubectl("apply", "-f", "-", input=json.dumps(node))
+    for node_name in (FAKE_NODE_NAME, CPU_NODE_NAME):
+        _wait_until(
+            f"node {node_name} Ready",
+            lambda n=node_name: _node_ready(env, n),
+            timeout,
+            env,
+            "kwok",
+        )
 
 
 def _node_ready(env: K8sEnv, name: str) -> bool:

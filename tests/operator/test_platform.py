@@ -1,0 +1,285 @@
+"""The whole platform on Kubernetes, every pod a real process.
+
+`kubectl apply` of the CRD, RBAC and operator manifests, then of one InferenceService: the
+operator (itself two pods, leader-elected, under its ServiceAccount), the router pods, Redis and
+the `kvscale serve` pods all run as processes through tests/cluster/kubelet.py on a real
+kube-apiserver, and the official `openai` client talks to a router pod's IP.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from testenv import kwok_toleration
+
+from kvscale.metric_names import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
+from kvscale.processes import wait_until
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NAMESPACE = "team-a"
+MODEL = "smollm2-135m-instruct"
+READY_TIMEOUT_S = 420.0  # two model loads on a shared 2-core machine
+
+
+def metric_value(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def inference_service(name: str, replicas: int, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "serving.kvscale.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "model": {"uri": f"bundled://{MODEL}"},
+            "replicas": replicas,
+            # Small enough for several replicas on this machine; the GPU node is kwok's.
+            "resources": {"gpus": 1, "cpu": "1", "memory": "2Gi"},
+            "engine": {"maxModelLen": 2048, "maxNumSeqs": 16, "maxNumBatchedTokens": 512,
+                       "dtype": "float32"},
+            "tolerations": [kwok_toleration()],
+            **spec,
+        },
+    }
+
+
+@dataclass
+class Platform:
+    cluster: Any  # tests/conftest.py's ProcessCluster
+
+    @property
+    def env(self):
+        return self.cluster.env
+
+    @property
+    def runtime(self):
+        return self.cluster.runtime
+
+    def get(self, *args: str) -> dict[str, Any]:
+        return self.env.kubectl_json("get", *args)
+
+    def pods(self, selector: str) -> list[dict[str, Any]]:
+        return self.get("pods", "-n", NAMESPACE, "-l", selector)["items"]
+
+    def ready_pods(self, selector: str) -> list[dict[str, Any]]:
+        return [p for p in self.pods(selector) if not p["metadata"].get("deletionTimestamp") and any(
+            c["type"] == "Ready" and c["status"] == "True" for c in (p.get("status") or {}).get("conditions", []))]
+
+    def server_pods(self, name: str) -> list[dict[str, Any]]:
+        return self.ready_pods(f"serving.kvscale.io/inferenceservice={name}")
+
+    def router_url(self, name: str) -> str:
+        routers = self.ready_pods(f"serving.kvscale.io/router={name}")
+        assert routers, "no ready router pod"
+        return f"http://{routers[0]['status']['podIP']}:8080"
+
+    def client(self, name: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.router_url(name) + "/v1", api_key="unused", max_retries=0,
+                             timeout=120)
+
+    def wait_ready(self, name: str, replicas: int, timeout: float = READY_TIMEOUT_S) -> dict[str, Any]:
+        def ready() -> bool:
+            status = self.get("inferenceservice", name, "-n", NAMESPACE).get("status") or {}
+            conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
+            return (conditions.get("Ready") == "True" and status.get("readyReplicas") == replicas
+                    and (status.get("router") or {}).get("readyReplicas", 0) >= 1)
+
+        try:
+            wait_until(ready, timeout, interval=1.0, what=f"{name} Ready with {replicas} replicas")
+        except TimeoutError:
+            pods = self.get("pods", "-n", NAMESPACE)["items"]
+            logs = "\n".join(f"--- {p['metadata']['name']}\n"
+                             + self.runtime.log_tail(NAMESPACE, p["metadata"]["name"])
+                             for p in pods if (NAMESPACE, p["metadata"]["name"]) in self.runtime.workers)
+            status = self.get("inferenceservice", name, "-n", NAMESPACE).get("status")
+            raise AssertionError(f"not ready: {json.dumps(status)}\n{logs}") from None
+        return self.get("inferenceservice", name, "-n", NAMESPACE)
+
+
+@pytest.fixture(scope="module")
+def platform(process_cluster) -> Iterator[Platform]:
+    env = process_cluster.env
+    env.kubectl("apply", "-f", str(REPO_ROOT / "crds"), "-f", str(REPO_ROOT / "deploy" / "rbac.yaml"))
+    env.kubectl("apply", "-f", str(REPO_ROOT / "deploy" / "operator.yaml"))
+    env.kubectl("create", "namespace", NAMESPACE)
+    platform = Platform(process_cluster)
+    yield platform
+    env.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
+
+
+@dataclass
+class Load:
+    """Clients sending completions (half of them streaming) until stopped; every outcome kept."""
+
+    client: openai.OpenAI
+    prompts: list[str]
+    workers: int = 4
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+    cut_streams: int = 0  # failed after the first chunk: allowed when a replica dies mid-way
+    replicas: dict[str, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def _one(self, index: int) -> None:
+        prompt = self.prompts[index % len(self.prompts)]
+        stream = index % 2 == 1
+        started = False
+        try:
+            if stream:
+                with self.client.completions.with_streaming_response.create(
+                        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True) as response:
+                    replica = response.headers.get("x-kvscale-replica", "?")
+                    chunks = 0
+                    for line in response.iter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            started = True
+                            chunks += 1
+                    assert chunks > 0, "a stream with no chunk"
+            else:
+                raw = self.client.completions.with_raw_response.create(
+                    model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+                replica = raw.headers.get("x-kvscale-replica", "?")
+                assert raw.parse().choices[0].text is not None
+            with self._lock:
+                self.ok += 1
+                self.replicas[replica] = self.replicas.get(replica, 0) + 1
+        except Exception as exc:  # every failure is counted, none hidden
+            with self._lock:
+                if started:
+                    self.cut_streams += 1
+                else:
+                    self.failures.append(f"{type(exc).__name__}: {exc}")
+
+    def _run(self, worker: int) -> None:
+        index = worker
+        while not self._stop.is_set():
+            self._one(index)
+            index += self.workers
+
+    def start(self) -> Load:
+        self._threads = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in range(self.workers)]
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self) -> Load:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(180)
+        return self
+
+
+PREFIXES = [
+    f"Document {n}: " + " ".join(f"{word}{n}" for word in (
+        "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
+        "sigma tau upsilon phi chi psi omega").split() * 3)
+    for n in range(3)
+]
+
+
+def test_one_inference_service_serves_through_its_router(platform: Platform) -> None:
+    env = platform.env
+    env.kubectl("apply", "-f", "-", input=json.dumps(inference_service("chat", 2)))
+    resource = platform.wait_ready("chat", 2)
+    status = resource["status"]
+    # The URL names the service's own Service, which selects the router pods.
+    assert status["url"] == f"http://chat.{NAMESPACE}.svc.cluster.local"
+    service = platform.get("service", "chat", "-n", NAMESPACE)
+    assert service["spec"]["selector"] == {"serving.kvscale.io/router": "chat"}
+    assert status["router"]["redis"] == "internal"
+    for kind, child in (("deployment", "chat-router"), ("deployment", "chat-redis"),
+                        ("service", "chat-redis"), ("secret", "chat-redis"),
+                        ("poddisruptionbudget", "chat-router"), ("serviceaccount", "chat-router")):
+        owners = platform.get(kind, child, "-n", NAMESPACE)["metadata"]["ownerReferences"]
+        assert owners[0]["kind"] == "InferenceService" and owners[0]["name"] == "chat"
+    assert len(platform.ready_pods("serving.kvscale.io/router=chat")) == 2
+
+    client = platform.client("chat")
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    completion = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                           max_tokens=8, temperature=0)
+    assert completion.choices[0].text.strip()
+    chat = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
+                                          messages=[{"role": "user", "content": "Say hi"}])
+    assert chat.choices[0].message.content
+    pieces = [chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0, stream=True,
+        messages=[{"role": "user", "content": "Count to three"}]) if chunk.choices]
+    assert "".join(pieces).strip()
+    missing = client.completions.with_raw_response
+    with pytest.raises(openai.NotFoundError):
+        missing.create(model="no-such-model", prompt="x", max_tokens=1)
+
+    # The servers publish to the operator's Redis: their heartbeats name them by pod name.
+    router_health = httpx.get(platform.router_url("chat") + "/health", timeout=5).json()
+    assert router_health["redis"] == "up"
+    pod_names = {p["metadata"]["name"] for p in platform.server_pods("chat")}
+    assert {r["id"] for r in router_health["replicas"] if r["healthy"]} == pod_names
+
+
+def test_prefix_affinity_through_the_cluster(platform: Platform) -> None:
+    client = platform.client("chat")
+    servers = platform.server_pods("chat")
+    ips = {p["metadata"]["name"]: p["status"]["podIP"] for p in servers}
+
+    def counters() -> dict[str, tuple[float, float]]:
+        out = {}
+        for pod, ip in ips.items():
+            text = httpx.get(f"http://{ip}:8000/metrics", timeout=5).text
+            out[pod] = (metric_value(text, PREFIX_CACHE_HITS), metric_value(text, PREFIX_CACHE_QUERIES))
+        return out
+
+    before = counters()
+    placed: dict[int, set[str]] = {}
+    predicted = 0
+    for round_ in range(3):
+        for n, prefix in enumerate(PREFIXES):
+            raw = client.completions.with_raw_response.create(
+                model=MODEL, prompt=f"{prefix} Question {round_}: what comes next?", max_tokens=2,
+                temperature=0)
+            placed.setdefault(n, set()).add(raw.headers["x-kvscale-replica"])
+            predicted += int(raw.headers["x-kvscale-predicted-hit-tokens"])
+        time.sleep(1.5)  # KV events reach Redis and the routers between rounds
+    after = counters()
+    hits = {pod: after[pod][0] - before[pod][0] for pod in ips}
+    # Each prefix stays on the replica that holds it, and that replica's own counters say so.
+    assert all(len(replicas) == 1 for replicas in placed.values()), placed
+    for n, replicas in placed.items():
+        (holder,) = replicas
+        assert hits[holder] >= 2 * 64, (n, holder, hits)
+    # What the router predicted is what the replicas found cached (block-granular on both sides).
+    observed = sum(hits.values())
+    assert observed > 0 and abs(predicted - observed) <= 16 * len(PREFIXES), (predicted, observed)
+
+
+def test_deleting_the_inference_service_leaves_nothing(platform: Platform) -> None:
+    env = platform.env
+    pods_before = set(platform.runtime.pids())
+    assert any(ns == NAMESPACE for ns, _ in pods_before)
+    env.kubectl("delete", "inferenceservice", "chat", "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+
+    def gone() -> bool:
+        left = [p for p in env.kubectl_json("get", "all,secrets,pdb,serviceaccounts,roles,rolebindings",
+                                            "-n", NAMESPACE)["items"]
+                if p["kind"] != "ServiceAccount" or p["metadata"]["name"] != "default"]
+        left = [o for o in left if not (o["kind"] == "Secret" and o["metadata"]["name"].startswith("default-token"))]
+        return not left and not any(ns == NAMESPACE for ns, _ in platform.runtime.pids())
+
+    wait_until(gone, 120, interval=1.0, what="every child object and process of chat gone")
