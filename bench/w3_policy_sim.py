@@ -1,26 +1,42 @@
-"""W3's routing, simulated: what the bounded-load rule lets prefix affinity reach, by epsilon and pool.
+"""Routing policies, simulated: a calibrated model of the real run, then policies compared in seconds.
 
-The real decision functions (``kvscale.router.policy``) route W3's request stream (G groups,
-random interleaving, a closed loop of C in flight over N replicas); each replica keeps an LRU of
-whole group prefixes of a given capacity (its KV pool in prefixes), and a request is a hit when
-its replica holds its prefix (cached, or being computed by a request in flight there, which the
-engine shares within a step). Service times are the only invention: a miss takes 25 ± 30 % time
-units, a hit 20 ± 30 % (decode dominates W3's latency). No model runs, so a grid takes seconds;
-the measured W3 (``bench.w3_router``) is the ground truth it is checked against.
+Two modes.
 
-    python -m bench.w3_policy_sim     # writes bench/results/w3_policy_sim.json
+``--mode calibrated`` (default). Each replica is a continuous-batching engine: FCFS, a token budget
+per step, prompt blocks findable when scheduled, an LRU KV pool of the real size in blocks, answer
+blocks cached as they are decoded. A step costs ``decode_step_s`` if anything decodes plus its
+prompt tokens over ``prefill_tokens_per_s``: the two figures are taken from a real run's own
+heartbeats (``bench.w3_router`` samples them; ``--calibration`` names its JSON). The simulated
+router is the real one's decision functions (``kvscale.router.policy``) fed what the real router
+sees (prefix matches from the index incl. its 10 s predictions, in-flight requests, queued prefill
+tokens, decodes, KV usage), except that it sees queues exactly where the real router reads
+heartbeats up to a second old and corrects them with its own sends. The request streams are
+``bench.w3_workloads``' (same seeds as the real run; W4 prompts are built with the real chat
+template, answers are filler of the measured length). First the real run's setup is replayed and
+its TTFT p50/p90 per (workload, policy) compared with the measured ones (the agreement), then a grid
+of pool sizes, concurrency levels and workloads compares the policies.
+
+``--mode epsilon-grid``: the earlier hit-rate study of the bounded-load rule (prefix-affinity
+against round-robin by epsilon and pool size; W3's stream, an LRU of whole prefixes, invented
+service times).
+
+    python -m bench.w3_policy_sim --calibration bench/results/w3_router_ttft.json
+    python -m bench.w3_policy_sim --mode epsilon-grid --out bench/results/w3_policy_sim.json
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import json
 import random
 import statistics
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from bench.common import write_result
+from bench.common import quantile, write_result
 from kvscale.router import policy as routing
 
 
@@ -80,18 +96,7 @@ def simulate(
     return hits / requests
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--groups", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--epsilons", default="0.25,0.5,1.0")
-    parser.add_argument("--capacities", default="4.5,5.8,7,8.7",
-                        help="prefixes per replica's pool (W3's 192 blocks of 16 hold 5.8 of 528 tokens)")
-    parser.add_argument("--seeds", type=int, default=20)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+def epsilon_grid(args) -> int:
 
     shape = dict(groups=args.groups, requests=args.requests, concurrency=args.concurrency, replicas=args.replicas)
     rows = []
@@ -112,6 +117,384 @@ def main() -> int:
     }, args.out)
     print(f"w3_policy_sim: wrote {path}")
     return 0
+
+
+# -- the calibrated simulator ------------------------------------------------------------------------
+
+@dataclass
+class Costs:
+    prefill_tokens_per_s: float
+    decode_step_s: float
+    step_tokens: int = 2048  # the engine's max_num_batched_tokens
+    max_num_seqs: int = 8
+
+
+@dataclass
+class SimRequest:
+    rid: int
+    arrival: float
+    hashes: list[int]  # prompt block hashes (the engine's own function)
+    prompt_tokens: int
+    output_tokens: int
+    answer_hashes: list[int] = field(default_factory=list)  # blocks of prompt + answer (cached as decoded)
+    replica: int = -1
+    to_prefill: int = 0
+    generated: int = 0
+    first_token: float | None = None
+    finished: float | None = None
+    hit_tokens: int = 0
+    pinned: list[int] = field(default_factory=list)
+
+
+class SimReplica:
+    def __init__(self, index: int, num_blocks: int, block_size: int, costs: Costs) -> None:
+        self.index = index
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.costs = costs
+        self.cache: OrderedDict[int, None] = OrderedDict()  # block hash -> (LRU order)
+        self.refs: dict[int, int] = {}  # pinned by running requests
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.busy_until = 0.0
+        self.stepping = False
+
+    # what the router sees
+    def queued_prefill_tokens(self) -> int:
+        waiting = sum(r.prompt_tokens - self._cached_prefix(r) * self.block_size for r in self.waiting)
+        return waiting + sum(r.to_prefill for r in self.running)
+
+    def num_decoding(self) -> int:
+        return sum(1 for r in self.running if r.to_prefill == 0)
+
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def kv_usage(self) -> float:
+        return min(1.0, len(self.refs) / self.num_blocks)
+
+    def _cached_prefix(self, req: SimRequest) -> int:
+        n = 0
+        for h in req.hashes[: (req.prompt_tokens - 1) // self.block_size]:
+            if h not in self.cache:
+                break
+            n += 1
+        return n
+
+    def _pin(self, req: SimRequest, hashes: list[int]) -> bool:
+        new = [h for h in hashes if h not in self.refs]
+        if len(self.refs) + len(new) > self.num_blocks:
+            return False
+        for h in hashes:
+            self.refs[h] = self.refs.get(h, 0) + 1
+            self.cache[h] = None
+            self.cache.move_to_end(h)
+            req.pinned.append(h)
+        while len(self.cache) > self.num_blocks:
+            victim = next((h for h in self.cache if h not in self.refs), None)
+            if victim is None:
+                break
+            del self.cache[victim]
+        return True
+
+    def _unpin(self, req: SimRequest) -> None:
+        for h in req.pinned:
+            self.refs[h] -= 1
+            if self.refs[h] == 0:
+                del self.refs[h]
+        req.pinned = []
+
+    def step(self, now: float) -> tuple[float, list[SimRequest], list[SimRequest]]:
+        """Run one engine step from ``now``: (its end, requests that got their first token, finished)."""
+        budget = self.costs.step_tokens
+        decoding = [r for r in self.running if r.to_prefill == 0]
+        budget -= len(decoding)
+        prefill_tokens = 0
+        prefilling: list[SimRequest] = []
+        for r in self.running:
+            if r.to_prefill > 0 and budget > 0:
+                take = min(r.to_prefill, budget)
+                prefilling.append(r)
+                r._take = take  # type: ignore[attr-defined]
+                budget -= take
+                prefill_tokens += take
+        while self.waiting and budget > 0 and len(self.running) < self.costs.max_num_seqs:
+            r = self.waiting[0]
+            hit = self._cached_prefix(r)
+            if not self._pin(r, r.hashes):
+                break
+            self.waiting.popleft()
+            r.hit_tokens = hit * self.block_size
+            r.to_prefill = max(r.prompt_tokens - r.hit_tokens, 1)
+            self.running.append(r)
+            take = min(r.to_prefill, budget)
+            prefilling.append(r)
+            r._take = take  # type: ignore[attr-defined]
+            budget -= take
+            prefill_tokens += take
+        seconds = (self.costs.decode_step_s if decoding else 0.0) + prefill_tokens / self.costs.prefill_tokens_per_s
+        end = now + max(seconds, 1e-4)
+        firsts, done = [], []
+        for r in prefilling:
+            r.to_prefill -= r._take  # type: ignore[attr-defined]
+            if r.to_prefill == 0:
+                r.first_token = end
+                r.generated = 1
+                firsts.append(r)
+        for r in decoding:
+            r.generated += 1
+        for r in list(self.running):
+            if r.to_prefill == 0 and r.generated >= r.output_tokens:
+                self.running.remove(r)
+                self._unpin(r)
+                # Answer blocks were registered as decoded: they stay cached (LRU).
+                self._pin(r, r.answer_hashes)
+                self._unpin(r)
+                r.finished = end
+                done.append(r)
+        return end, firsts, done
+
+
+class SimRouter:
+    """The real decision functions over the simulated replicas, with the router's 10 s predictions."""
+
+    def __init__(self, policy: str, replicas: list[SimReplica], block_size: int, seed: int) -> None:
+        self.policy = policy
+        self.replicas = replicas
+        self.block_size = block_size
+        self.rng = random.Random(seed)
+        self.counter = 0
+        self.predicted: list[dict[int, float]] = [{} for _ in replicas]
+
+    def matched(self, replica: SimReplica, hashes: list[int], now: float) -> int:
+        predicted = self.predicted[replica.index]
+        n = 0
+        for h in hashes:
+            if h not in replica.cache and predicted.get(h, -1.0) < now:
+                break
+            n += 1
+        return n
+
+    def route(self, req: SimRequest, now: float) -> int:
+        name, _, eps = self.policy.partition("@")
+        cands = []
+        for rep in self.replicas:
+            cands.append(routing.Candidate(
+                f"r{rep.index}", rep.load(), rep.kv_usage(),
+                self.matched(rep, req.hashes, now) if routing.uses_prefix(name) else 0,
+                queued_prefill_tokens=rep.queued_prefill_tokens(), num_decoding=rep.num_decoding(),
+                prefill_tokens_per_s=rep.costs.prefill_tokens_per_s, decode_step_s=rep.costs.decode_step_s,
+                step_token_budget=rep.costs.step_tokens,
+            ))
+        self.counter += 1
+        decision = routing.decide(
+            name, cands, prompt_blocks=len(req.hashes), hash_key=req.hashes[0] if req.hashes else req.rid,
+            counter=self.counter, rng=self.rng, epsilon=float(eps) if eps else 0.25,
+            prompt_tokens=req.prompt_tokens, block_size=self.block_size,
+        )
+        chosen = int(decision.ranked[0][1:])
+        if routing.uses_prefix(name):
+            for h in req.hashes:
+                self.predicted[chosen][h] = now + 10.0
+        return chosen
+
+
+@dataclass
+class Workload:
+    """Closed-loop clients: each client runs its list of requests in order, pausing think_s before each."""
+
+    clients: list[list[tuple[float, list[int], list[int], int]]]  # (think_s, prompt ids, answer ids, out tokens)
+
+
+def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: int, block_size: int,
+                 costs: Costs, seed: int = 0) -> dict:
+    from kvscale.server.block_hash import hash_prompt_blocks
+
+    pool = [SimReplica(i, num_blocks, block_size, costs) for i in range(replicas)]
+    router = SimRouter(policy, pool, block_size, seed)
+    events: list[tuple[float, int, str, int]] = []  # (time, tiebreak, kind, client or replica)
+    tie = 0
+    position = [0] * len(workload.clients)
+    requests: list[SimRequest] = []
+
+    def push(t: float, kind: str, who: int) -> None:
+        nonlocal tie
+        tie += 1
+        heapq.heappush(events, (t, tie, kind, who))
+
+    def kick(rep: SimReplica, now: float) -> None:
+        if not rep.stepping and (rep.waiting or rep.running):
+            rep.stepping = True
+            push(now, "step", rep.index)
+
+    for c, reqs in enumerate(workload.clients):
+        if reqs:
+            push(reqs[0][0], "arrive", c)
+    owner: dict[int, int] = {}
+    while events:
+        now, _, kind, who = heapq.heappop(events)
+        if kind == "arrive":
+            think, prompt, answer, out = workload.clients[who][position[who]]
+            req = SimRequest(len(requests), now, hash_prompt_blocks(prompt, block_size), len(prompt), out,
+                             hash_prompt_blocks(prompt + answer, block_size))
+            requests.append(req)
+            owner[req.rid] = who
+            req.replica = router.route(req, now)
+            rep = pool[req.replica]
+            rep.waiting.append(req)
+            kick(rep, now)
+        else:
+            rep = pool[who]
+            if not (rep.waiting or rep.running):
+                rep.stepping = False
+                continue
+            end, _, done = rep.step(now)
+            push(end, "step", who)
+            for req in done:
+                c = owner[req.rid]
+                position[c] += 1
+                if position[c] < len(workload.clients[c]):
+                    push(end + workload.clients[c][position[c]][0], "arrive", c)
+    ttfts = [r.first_token - r.arrival for r in requests]
+    prompt_tokens = sum(r.prompt_tokens for r in requests)
+    counts = [sum(1 for r in requests if r.replica == i) for i in range(replicas)]
+    wall = max(r.finished for r in requests) - min(r.arrival for r in requests)
+    return {
+        "policy": policy,
+        "requests": len(requests),
+        "hit_rate": sum(r.hit_tokens for r in requests) / prompt_tokens,
+        "ttft_p50_s": quantile(ttfts, 0.5),
+        "ttft_p90_s": quantile(ttfts, 0.9),
+        "output_tokens_per_s": sum(r.output_tokens for r in requests) / wall,
+        "max_over_mean_requests": max(counts) / statistics.mean(counts),
+    }
+
+
+def build_workload(kind: str, p: dict, seed: int, tokenizer=None, answer_tokens: int | None = None) -> Workload:
+    """A bench.w3_workloads stream as simulated clients (``p``: the real run's parameters)."""
+    from bench import w3_workloads as wl
+
+    if kind in ("w3", "w3-zipf"):
+        prompts = [q for _, q in wl.shared_prefix_prompts(seed, p["groups"], p["prefix_tokens"], p["requests"],
+                                                         p["suffix_tokens"], zipf=kind == "w3-zipf")]
+        clients: list[list] = [[] for _ in range(p["concurrency"])]
+        # A closed loop of C clients taking the next prompt when free behaves like C fixed clients
+        # taking every C-th prompt when service times are alike; good enough for a queueing model.
+        for i, prompt in enumerate(prompts):
+            clients[i % p["concurrency"]].append((0.0, prompt, [], p["output_tokens"]))
+        return Workload(clients)
+    from kvscale.server.tokenization import chat_prompt_token_ids
+
+    n_answer = answer_tokens or p["answer_tokens"]
+    rng = random.Random(seed + 7)
+    convs = wl.conversations(seed, p["conversations"], p["document_words"], p["question_words"],
+                             (p["think_min_s"], p["think_max_s"]))
+    clients = [[] for _ in range(p["concurrency"])]
+    for i, conv in enumerate(convs):
+        answers: list[str] = []
+        turns = []
+        for turn in range(len(conv.questions)):
+            prompt = chat_prompt_token_ids(tokenizer, wl.conversation_messages(conv, turn, answers))
+            answer_text = " ".join(rng.choice(wl.WORDS) for _ in range(n_answer))
+            answer_ids = tokenizer.encode(answer_text, add_special_tokens=False)[:n_answer]
+            turns.append((conv.think_s[turn], prompt, answer_ids, n_answer))
+            answers.append(tokenizer.decode(answer_ids))
+        clients[i % p["concurrency"]].extend(turns)
+    return Workload(clients)
+
+
+def calibrated(args) -> int:
+    from kvscale.server.model_loader import load_tokenizer, resolve_tokenizer_path
+
+    real = json.loads(Path(args.calibration).read_text())
+    params = real["parameters"]
+    tokenizer = load_tokenizer(resolve_tokenizer_path(None))
+    # One cost model for the whole run: medians over every run's heartbeat medians.
+    rates = [r["replica_rates"] for r in real["results"]]
+    costs = Costs(
+        prefill_tokens_per_s=statistics.median(x["prefill_tokens_per_s_median"] for x in rates if x["prefill_tokens_per_s_median"]),
+        decode_step_s=statistics.median(x["decode_step_s_median"] for x in rates if x["decode_step_s_median"]),
+        step_tokens=params.get("max_num_batched_tokens") or 2048,
+        max_num_seqs=params["concurrency"],
+    )
+    # W4 answers: the measured mean answer length.
+    w4 = [q for r in real["results"] if r["workload"] == "w4" for q in r["per_request"]]
+    answer_tokens = round(statistics.mean(q["output_tokens"] for q in w4)) if w4 else params["answer_tokens"]
+    shape = dict(replicas=params["replicas"], num_blocks=params["num_gpu_blocks_override"],
+                 block_size=params["block_size"], costs=costs)
+    agreement = []
+    workloads: dict[str, Workload] = {}
+    for r in real["results"]:
+        kind = r["workload"]
+        if kind not in workloads:
+            workloads[kind] = build_workload(kind, params, params["seed"], tokenizer, answer_tokens)
+        sim = simulate_run(workloads[kind], r["policy"], seed=params["seed"], **shape)
+        row = {"workload": kind, "policy": r["policy"],
+               "real": {k: r[k] for k in ("ttft_p50_s", "ttft_p90_s", "prefix_cache_hit_rate", "output_tokens_per_s")},
+               "sim": {k: sim[k] for k in ("ttft_p50_s", "ttft_p90_s", "hit_rate", "output_tokens_per_s")}}
+        row["p50_ratio_sim_over_real"] = sim["ttft_p50_s"] / r["ttft_p50_s"]
+        row["p90_ratio_sim_over_real"] = sim["ttft_p90_s"] / r["ttft_p90_s"]
+        agreement.append(row)
+        print(f"agree {kind:8} {r['policy']:16} TTFT p50 real {r['ttft_p50_s']:.2f} sim {sim['ttft_p50_s']:.2f}  "
+              f"p90 real {r['ttft_p90_s']:.2f} sim {sim['ttft_p90_s']:.2f}  hit real "
+              f"{r['prefix_cache_hit_rate']:.2f} sim {sim['hit_rate']:.2f}", flush=True)
+
+    # The grid: policies in seconds across pool sizes, concurrency and workloads, same costs.
+    grid = []
+    policies = args.policies.split(",")
+    for replicas in (int(x) for x in args.pools.split(",")):
+        for per_replica in (int(x) for x in args.concurrency_per_replica.split(",")):
+            p = dict(params, concurrency=replicas * per_replica, groups=params["groups"] * replicas // params["replicas"],
+                     requests=args.grid_requests_per_replica * replicas,
+                     conversations=args.grid_conversations_per_replica * replicas)
+            cost = Costs(costs.prefill_tokens_per_s, costs.decode_step_s, costs.step_tokens, max(per_replica * 2, 4))
+            for kind in args.grid_workloads.split(","):
+                stream = build_workload(kind, p, params["seed"], tokenizer, answer_tokens)
+                for policy in policies:
+                    runs = [simulate_run(stream, policy, replicas=replicas, num_blocks=params["num_gpu_blocks_override"],
+                                         block_size=params["block_size"], costs=cost, seed=s) for s in range(args.seeds)]
+                    row = {"replicas": replicas, "concurrency": replicas * per_replica, "workload": kind,
+                           "policy": policy}
+                    for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "max_over_mean_requests"):
+                        row[key] = statistics.median(run[key] for run in runs)
+                    grid.append(row)
+                    print(f"grid n={replicas:<3} C={replicas * per_replica:<3} {kind:8} {policy:16} hit {row['hit_rate']:.2f} "
+                          f"p50 {row['ttft_p50_s']:.2f} p90 {row['ttft_p90_s']:.2f} tok/s {row['output_tokens_per_s']:.1f} "
+                          f"max/mean {row['max_over_mean_requests']:.2f}", flush=True)
+    path = write_result("w3_policy_sim_calibrated", {
+        "benchmark": "w3_policy_sim", "mode": "calibrated", "date": time.strftime("%Y-%m-%d"),
+        "calibration": {"from": args.calibration, "costs": costs.__dict__, "w4_answer_tokens": answer_tokens},
+        "parameters": vars(args), "agreement": agreement, "grid": grid,
+    }, args.out)
+    print(f"w3_policy_sim: wrote {path}")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("calibrated", "epsilon-grid"), default="calibrated")
+    parser.add_argument("--calibration", default="bench/results/w3_router_ttft.json",
+                        help="a bench.w3_router JSON: its setup is replayed and its heartbeat rates are the costs")
+    parser.add_argument("--policies", default="predicted-ttft,prefix-affinity,weighted,round-robin,least-load")
+    parser.add_argument("--pools", default="4,8,16")
+    parser.add_argument("--concurrency-per-replica", default="2,4")
+    parser.add_argument("--grid-workloads", default="w3,w3-zipf,w4")
+    parser.add_argument("--grid-requests-per-replica", type=int, default=24)
+    parser.add_argument("--grid-conversations-per-replica", type=int, default=4)
+    # epsilon-grid mode
+    parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--epsilons", default="0.25,0.5,1.0")
+    parser.add_argument("--capacities", default="4.5,5.8,7,8.7",
+                        help="prefixes per replica's pool (W3's 192 blocks of 16 hold 5.8 of 528 tokens)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.mode == "calibrated":
+        return calibrated(args)
+    return epsilon_grid(args)
 
 
 if __name__ == "__main__":

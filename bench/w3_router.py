@@ -200,7 +200,7 @@ async def drive_chats(router_url: str, convs, args, salt: str) -> tuple[list[dic
 class HeartbeatSampler:
     """Reads every replica's heartbeat from Redis twice a second, for the simulator's calibration."""
 
-    FIELDS = ("prefill_tokens_per_s", "decode_step_s", "prefill_tokens_per_step", "num_decoding",
+    FIELDS = ("prefill_tokens_per_s", "decode_step_s", "step_token_budget", "num_decoding",
               "prefill_tokens_waiting")
 
     def __init__(self, redis_url: str) -> None:
@@ -236,7 +236,7 @@ class HeartbeatSampler:
     def summary(self, since: float, until: float) -> dict:
         window = [s for s in self.samples if since <= s["t"] <= until]
         out = {}
-        for key in ("prefill_tokens_per_s", "decode_step_s", "prefill_tokens_per_step"):
+        for key in ("prefill_tokens_per_s", "decode_step_s", "step_token_budget"):
             values = [s[key] for s in window if s[key] > 0]
             out[f"{key}_median"] = statistics.median(values) if values else 0.0
         return out

@@ -109,5 +109,5 @@ def ttft_inputs(heartbeat, ledger: PrefillLedger | None, now: float) -> dict:
         "num_decoding": decoding_count(heartbeat.num_decoding, heartbeat.timestamp, sent),
         "prefill_tokens_per_s": heartbeat.prefill_tokens_per_s,
         "decode_step_s": heartbeat.decode_step_s,
-        "prefill_tokens_per_step": heartbeat.prefill_tokens_per_step,
+        "step_token_budget": heartbeat.step_token_budget,
     }

@@ -7,7 +7,8 @@ Predicted TTFT (the default): for each replica, estimate this request's time to 
 from what costs time there, in tokens and seconds rather than in requests:
   ttft(r) = (queued_prefill_tokens(r) + uncached_tokens(r)) / prefill_tokens_per_s(r)
             + decode_step_s(r) * steps(r)        (only while r has sequences decoding)
-  steps(r) = ceil((queued_prefill_tokens(r) + uncached_tokens(r)) / prefill_tokens_per_step(r))
+  steps(r) = ceil((queued_prefill_tokens(r) + uncached_tokens(r)) / step_token_budget(r))
+step_token_budget is the engine's max_num_batched_tokens: the queue ahead and our prompt share steps.
 uncached_tokens is the prompt minus the leading blocks r holds; the queued work is the
 replica's heartbeat corrected by this router's own sends (kvscale.router.load); the rates are
 the replica's own moving averages. Every engine step that carries part of our prefill also
@@ -67,7 +68,7 @@ class Candidate:
     # The replica's own moving averages; 0 while unmeasured.
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
-    prefill_tokens_per_step: float = 0.0
+    step_token_budget: int = 0  # the engine's max_num_batched_tokens; 0: unknown (one step)
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ def predicted_ttft(
     rate = candidate.prefill_tokens_per_s if candidate.prefill_tokens_per_s > 0 else default_rate
     seconds = work / rate
     if candidate.num_decoding > 0 and candidate.decode_step_s > 0:
-        per_step = candidate.prefill_tokens_per_step if candidate.prefill_tokens_per_step > 0 else work
+        per_step = candidate.step_token_budget if candidate.step_token_budget > 0 else work
         seconds += candidate.decode_step_s * math.ceil(work / max(per_step, 1.0))
     return seconds
 

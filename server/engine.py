@@ -373,6 +373,7 @@ class LLMEngine:
                 "prompt_tokens_computed_total": float(self.num_prompt_tokens_computed),
                 "prefill_tokens_waiting": float(prefill_pending),
                 "last_step_s": self.last_step_s,
+                "max_num_batched_tokens": float(self.scheduler.max_num_batched_tokens),
                 "num_decoding": float(num_decoding),
                 "kv_blocks_evicted_total": float(self.pool.num_evicted),
                 "enable_prefix_caching": float(self.kv.enable_prefix_caching),

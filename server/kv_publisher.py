@@ -144,7 +144,7 @@ class Heartbeat:
     num_decoding: int = 0  # sequences past their prefill
     prefill_tokens_per_s: float = 0.0  # moving average over steps that prefilled (0: not measured)
     decode_step_s: float = 0.0  # moving average of a decode-only step
-    prefill_tokens_per_step: float = 0.0  # moving average of prompt tokens per prefilling step
+    step_token_budget: int = 0  # most tokens one engine step computes (max_num_batched_tokens)
 
     @property
     def load(self) -> int:
@@ -162,8 +162,8 @@ class Heartbeat:
     def from_json(cls, replica_id: str, payload: str | bytes, received: float) -> Heartbeat:
         data = json.loads(payload)
         ints = ("block_size", "num_running", "num_waiting", "kv_blocks_active", "kv_blocks_total",
-                "kv_blocks_cached", "events_dropped", "prefill_tokens_waiting", "num_decoding")
-        floats = ("timestamp", "prefill_tokens_per_s", "decode_step_s", "prefill_tokens_per_step")
+                "kv_blocks_cached", "events_dropped", "prefill_tokens_waiting", "num_decoding", "step_token_budget")
+        floats = ("timestamp", "prefill_tokens_per_s", "decode_step_s")
         return cls(
             replica_id=replica_id, model=str(data.get("model", "")), base_url=str(data.get("base_url", "")),
             received=received,
@@ -498,7 +498,7 @@ class KVEventPublisher:
             num_decoding=int(extra.get("num_decoding", 0)),
             prefill_tokens_per_s=round(self.rates.prefill_tokens_per_s, 3),
             decode_step_s=round(self.rates.decode_step_s, 6),
-            prefill_tokens_per_step=round(self.rates.prefill_tokens, 3),
+            step_token_budget=int(extra.get("max_num_batched_tokens", 0)),
         )
 
     def _heartbeat(self, client) -> None:

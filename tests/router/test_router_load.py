@@ -52,11 +52,11 @@ def test_ledger_tracks_open_requests_and_feeds_the_candidate_fields():
     ledger.started(1, now=100.8)
     beat = Heartbeat("r", "m", "u", 16, num_running=2, num_waiting=0, kv_blocks_active=1, kv_blocks_total=8,
                      timestamp=100.6, prefill_tokens_waiting=528, num_decoding=0, prefill_tokens_per_s=900.0,
-                     decode_step_s=0.02, prefill_tokens_per_step=400.0)
+                     decode_step_s=0.02, step_token_budget=400)
     fields = ttft_inputs(beat, ledger, now=101.0)
     # 528 seen by the heartbeat, less request 1 (started after it); request 2 was sent before it.
     assert fields == {"queued_prefill_tokens": 16, "num_decoding": 1, "prefill_tokens_per_s": 900.0,
-                      "decode_step_s": 0.02, "prefill_tokens_per_step": 400.0}
+                      "decode_step_s": 0.02, "step_token_budget": 400}
     ledger.done(1, now=101.2)
     ledger.done(2, now=101.2)  # never started (failed over): forgotten at once
     # Request 1 finished, but the 100.6 heartbeat still counts its prompt: it is still taken off.
@@ -87,7 +87,7 @@ def test_step_rates_time_decode_steps_and_prefill_net_of_the_decode_it_ran():
 def test_heartbeat_json_round_trip_and_old_payloads_read_as_unmeasured():
     beat = Heartbeat("r1", "m", "http://h:1", 16, 2, 3, 4, 64, timestamp=12.5, kv_blocks_cached=5,
                      prefill_tokens_waiting=700, num_decoding=2, prefill_tokens_per_s=1500.0, decode_step_s=0.03,
-                     prefill_tokens_per_step=512.0)
+                     step_token_budget=512)
     back = Heartbeat.from_json("r1", beat.to_json(), received=99.0)
     assert back == Heartbeat(**{**beat.__dict__, "received": 99.0})
     assert back.load == 5 and back.kv_usage == pytest.approx(4 / 64)

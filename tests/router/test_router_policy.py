@@ -144,7 +144,7 @@ def test_effective_load_ignores_a_heartbeat_older_than_our_last_completion():
 def ttft_cand(rid: str, *, matched: int = 0, queued: int = 0, rate: float = 1000.0, decoding: int = 0,
               step: float = 0.0, per_step: float = 0.0, load: int = 0) -> Candidate:
     return Candidate(rid, load, matched_blocks=matched, queued_prefill_tokens=queued, prefill_tokens_per_s=rate,
-                     num_decoding=decoding, decode_step_s=step, prefill_tokens_per_step=per_step)
+                     num_decoding=decoding, decode_step_s=step, step_token_budget=per_step)
 
 
 def test_predicted_ttft_is_queued_plus_uncached_over_rate_plus_decode_steps():

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 
-import pytest
 import redis
 
 from kvscale.processes import wait_until
@@ -313,7 +312,8 @@ def test_heartbeat_carries_queued_prefill_decodes_and_measured_rates(redis_serve
     def busy(prompt_total: float, generated_total: float, waiting_tokens: int, decoding: int) -> EngineStats:
         s = stats(running=2, waiting=1)
         s.extra.update(prompt_tokens_computed_total=prompt_total, generation_tokens_total=generated_total,
-                       prefill_tokens_waiting=float(waiting_tokens), num_decoding=float(decoding))
+                       prefill_tokens_waiting=float(waiting_tokens), num_decoding=float(decoding),
+                       max_num_batched_tokens=2048.0)
         return s
 
     publisher.start()
@@ -341,7 +341,7 @@ def test_heartbeat_carries_queued_prefill_decodes_and_measured_rates(redis_serve
         assert 0.015 < beat["decode_step_s"] < 0.2
         # ~256 tokens per ~0.08 s of prefill (the step less its decode): some 3,000 tok/s, loosely on a busy CPU.
         assert 500 < beat["prefill_tokens_per_s"] < 20000
-        assert beat["prefill_tokens_per_step"] == pytest.approx(256)
+        assert beat["step_token_budget"] == 2048
     finally:
         publisher.stop()
 

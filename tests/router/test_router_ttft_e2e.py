@@ -53,5 +53,5 @@ def test_a_follow_up_turn_routes_to_the_replica_holding_the_answer(replicas, ses
 
     # The heartbeat carries what the policy predicts with, measured by the replica.
     beat = json.loads(store.get(heartbeat_key(holder)))
-    assert beat["prefill_tokens_per_s"] > 0 and beat["decode_step_s"] > 0 and beat["prefill_tokens_per_step"] > 0
+    assert beat["prefill_tokens_per_s"] > 0 and beat["decode_step_s"] > 0 and beat["step_token_budget"] > 0
     assert beat["prefill_tokens_waiting"] >= 0 and beat["num_decoding"] >= 0
