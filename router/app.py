@@ -104,6 +104,7 @@ class Router:
         self._rng = random.Random(config.seed)
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._seen_heartbeat: dict[str, float] = {}  # replica id -> when last seen
+        self._index_gauge_ids: set[str] = set()
         self._ledgers: dict[str, PrefillLedger] = {}  # replica id -> our requests there (TTFT policy)
         self._tickets = 0
         self._watch: EndpointSliceWatch | None = None
@@ -185,8 +186,13 @@ class Router:
                 self._seen_heartbeat[replica_id] = now
         self.metrics.redis_up.set(1 if (self.feed is not None and self.feed.healthy) else 0)
         self.metrics.replicas_healthy.set(sum(1 for r in self.replicas.replicas.values() if self.routable(r)))
-        for replica_id, size in self.index.sizes().items():
+        sizes = self.index.sizes()
+        for replica_id, size in sizes.items():
             self.metrics.index_blocks.labels(replica_id).set(size)
+        # A replica the index forgot (dropped by discovery, or gone from Redis) leaves the gauge.
+        for replica_id in self._index_gauge_ids - sizes.keys():
+            self.metrics.index_blocks.remove(replica_id)
+        self._index_gauge_ids = set(sizes)
 
     # -- decisions ---------------------------------------------------------------------------------
     def routable(self, replica: Replica) -> bool:
