@@ -127,3 +127,13 @@ def test_crd_router_schema_matches_the_router():
     assert router["resources"]["properties"]["cpu"]["default"] == defaults.resources.cpu
     assert router["resources"]["properties"]["memory"]["default"] == defaults.resources.memory
     assert router["redis"]["properties"]["secretRef"]["properties"]["key"]["default"] == "url"
+
+
+def test_updating_the_router_rolls_the_router_not_the_servers():
+    base = parse_spec(BUNDLED)
+    changed = parse_spec({**BUNDLED, "router": {"policy": "round-robin", "balanceEpsilon": 1.0,
+                                                "replicas": 3, "resources": {"cpu": "2"}}})
+    assert builders.build_deployment("m", "ns", base) == builders.build_deployment("m", "ns", changed)
+    before = router_children.build_router_deployment("m", "ns", base, "img")
+    after = router_children.build_router_deployment("m", "ns", changed, "img")
+    assert before["spec"]["template"] != after["spec"]["template"]
