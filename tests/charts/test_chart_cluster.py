@@ -126,8 +126,13 @@ def test_install_reconcile_upgrade_uninstall(chelm, k8s_env, tmp_path):
     env = k8s_env
     _adopt_crd(env)
     kwok = json.dumps([kwok_toleration()])
-    chelm.run("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace",
-              "--set-json", f"operator.tolerations={kwok}", "--wait", "--timeout", "180s")
+    installed = chelm.run("install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--create-namespace",
+                          "--set-json", f"operator.tolerations={kwok}", "--wait", "--timeout", "180s")
+    # NOTES.txt: a first InferenceService, its URL, a ready curl line, where the dashboards are.
+    notes = installed.stdout.split("NOTES:", 1)[1]
+    for expected in ("kind: InferenceService", "image: ghcr.io/kvscale/kvscale:0.1.0", "status.url",
+                     "curl http://127.0.0.1:8080/v1/completions", "Dashboards:"):
+        assert expected in notes, notes
     deployment = env.kubectl_json("get", "deployment", OPERATOR, "-n", NAMESPACE)
     assert deployment["spec"]["replicas"] == 2
     assert deployment["status"].get("readyReplicas") == 2  # kwok runs the pods
