@@ -246,7 +246,7 @@ def test_prefix_affinity_through_the_cluster(platform: Platform) -> None:
         out = {}
         for pod, ip in ips.items():
             text = httpx.get(f"http://{ip}:8000/metrics", timeout=5).text
-            out[pod] = (metric_value(text, PREFIX_CACHE_HITS), metric_value(text, PREFIX_CACHE_QUERIES))
+            out[pod] = (metric_value(text, PREFIX_CACHE_HITS.series), metric_value(text, PREFIX_CACHE_QUERIES.series))
         return out
 
     before = counters()
@@ -306,12 +306,18 @@ def test_a_crashed_server_is_dropped_at_once_and_used_again_once_ready(platform:
         wait_until(lambda: all(f'replica="{victim}"' not in text.split("kvscale_router_index_blocks")[-1]
                                for text in router_metrics(platform, "chat")),
                    10, interval=0.2, what=f"{victim}'s blocks out of the index")
-        # The kubelet restarts the container; once Ready again, it gets traffic again.
-        served_before = load.replicas.get(victim, 0)
+        # The kubelet restarts the container; once Ready again, it gets traffic again. (The load's
+        # prefixes are all cached on the survivor now, so fresh prompts show it.)
         wait_until(lambda: victim in {p["metadata"]["name"] for p in platform.server_pods("chat")},
                    READY_TIMEOUT_S, interval=0.5, what=f"{victim} Ready again")
-        wait_until(lambda: load.replicas.get(victim, 0) > served_before, 120, interval=0.2,
-                   what=f"traffic on the restarted {victim}")
+        fresh = Load(platform.client("chat"), [f"New subject {n}: describe colour {n}." for n in range(40)])
+        fresh.start()
+        try:
+            wait_until(lambda: fresh.replicas.get(victim, 0) > 0, 120, interval=0.2,
+                       what=f"traffic on the restarted {victim}")
+        finally:
+            fresh.stop()
+        assert fresh.failures == [], fresh.failures
     finally:
         load.stop()
     assert load.ok > 0 and load.failures == [], load.failures
