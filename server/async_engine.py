@@ -3,7 +3,8 @@
 LLMEngine is not thread-safe, so exactly one thread (the engine thread) ever touches it. The event
 loop talks to that thread through a thread-safe command queue (add, abort, stop) and hears back
 once per engine step: one ``call_soon_threadsafe`` carrying every output of the step plus a stats
-snapshot, so the loop wakes once per step however many requests are running. When nothing is
+snapshot, so the loop wakes once per step however many requests are running. Outputs are deltas
+(each step's new text, tokens and logprobs), so nothing grows with the length of an answer. When nothing is
 running the thread blocks on the command queue; it wakes at least once a second so the KV event
 publisher can send heartbeats with fresh stats.
 """
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvscale.server.outputs import EngineStats, RequestOutput
+from kvscale.server.outputs import EngineStats, RequestOutput, merge_deltas
 from kvscale.server.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,12 +32,15 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can make progress."""
 
 
+# One request for the engine: (request id, prompt, sampling params, cache salt).
+NewRequest = tuple[str, "str | list[int]", SamplingParams, "str | None"]
+
+
 @dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    cache_salt: str | None
+    """Requests admitted together (a list of prompts): the engine takes all of them in one go."""
+
+    requests: list[NewRequest]
     accepted: asyncio.Future  # resolves to None, or to the exception add_request raised
 
 
@@ -49,12 +53,15 @@ class _Stop:
     pass
 
 
+_NOTHING = object()
+
+
 @dataclass
 class RequestStream:
-    """What the HTTP side reads for one request: the engine's cumulative outputs, in order.
+    """What the HTTP side reads for one request: the engine's delta outputs, in order.
 
-    Outputs are cumulative, so a reader that falls behind only needs the newest one; ``next``
-    skips ahead to it. ``aborted`` means the request ended early (client gone, engine dead).
+    A reader that falls behind gets what it missed folded into one output (``merge_deltas``).
+    ``aborted`` means the request ended early (client gone, engine dead).
     """
 
     request_id: str
@@ -66,15 +73,27 @@ class RequestStream:
     tokens_seen: int = 0
     last_token_time: float | None = None
     first_output_seen: bool = False
+    _held: Any = _NOTHING  # an end (None, an error) read while folding deltas; returned next
 
     def put(self, item: RequestOutput | BaseException | None) -> None:
         self._queue.put_nowait(item)
 
     async def next(self) -> RequestOutput | None:
-        """The newest output (None once aborted); raises EngineDeadError if the engine died."""
-        item = await self._queue.get()
-        while not self._queue.empty() and isinstance(item, RequestOutput) and not item.finished:
-            item = self._queue.get_nowait()
+        """Everything new since the last call as one output (None once aborted); raises
+        EngineDeadError if the engine died."""
+        if self._held is not _NOTHING:
+            item, self._held = self._held, _NOTHING
+        else:
+            item = await self._queue.get()
+        if isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+            deltas = [item]
+            while not self._queue.empty() and not deltas[-1].finished:
+                following = self._queue.get_nowait()
+                if not isinstance(following, RequestOutput):
+                    self._held = following
+                    break
+                deltas.append(following)
+            item = merge_deltas(deltas)
         if isinstance(item, BaseException):
             raise item
         return item
@@ -97,6 +116,7 @@ class AsyncEngine:
         on_request_end: Callable[[RequestStream, str], None] | None = None,
     ) -> None:
         self.engine = engine
+        engine.output_deltas = True  # the HTTP side streams deltas; it never needs the whole so far
         self.publisher = publisher
         self._on_step = on_step
         self._on_request_end = on_request_end
@@ -150,33 +170,47 @@ class AsyncEngine:
         prompt: str | list[int],
         params: SamplingParams,
         *,
-        num_prompt_tokens: int,
+        num_prompt_tokens: int | None = None,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Hand a request to the engine; returns its stream once the engine accepted it.
+        """Hand one request to the engine; see ``add_requests``."""
+        (stream,) = await self.add_requests([(request_id, prompt, params, cache_salt)])
+        return stream
 
-        Raises what ``LLMEngine.add_request`` raised (ValueError: bad request), or EngineDeadError.
+    async def add_requests(self, requests: list[NewRequest]) -> list[RequestStream]:
+        """Hand requests to the engine in one go (they start in the same step); returns their
+        streams once the engine accepted all of them.
+
+        Raises what ``LLMEngine.add_request`` raised for the first it refused (none is kept
+        then), or EngineDeadError.
         """
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         assert self._loop is not None
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id=request_id, num_prompt_tokens=num_prompt_tokens)
-        self._streams[request_id] = stream
+        ids = [request_id for request_id, *_ in requests]
+        if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
+            raise ValueError("request ids must be unique and not in use")
+        streams = []
+        for request_id, prompt, _, _ in requests:
+            stream = RequestStream(request_id=request_id,
+                                   num_prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
+            self._streams[request_id] = stream
+            streams.append(stream)
         accepted: asyncio.Future = self._loop.create_future()
-        self.num_pending_adds += 1
-        self._commands.put(_Add(request_id, prompt, params, cache_salt, accepted))
+        self.num_pending_adds += len(requests)
+        self._commands.put(_Add(list(requests), accepted))
         try:
             error = await accepted
         except BaseException:
-            # Cancelled while waiting (client gone): the engine may still take it; abort it.
-            self.abort(request_id)
+            # Cancelled while waiting (client gone): the engine may still take them; abort them.
+            for request_id in ids:
+                self.abort(request_id)
             raise
         if error is not None:
-            self._streams.pop(request_id, None)
+            for request_id in ids:
+                self._streams.pop(request_id, None)
             raise error
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Stop a request now: its stream ends at once, the engine frees its blocks next."""
@@ -250,22 +284,27 @@ class AsyncEngine:
         return commands
 
     def _engine_add(self, command: _Add) -> BaseException | None:
+        added: list[str] = []
         try:
-            self.engine.add_request(
-                command.request_id, command.prompt, command.params, cache_salt=command.cache_salt
-            )
+            for request_id, prompt, params, cache_salt in command.requests:
+                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+                added.append(request_id)
         except (ValueError, TypeError, OverflowError) as exc:
-            return exc
+            error: BaseException = exc
         except AssertionError as exc:
             # The edge let through what the engine asserts against: a bug, but one request's.
-            logger.exception("engine refused request %s that passed the API's checks", command.request_id)
-            return RuntimeError(f"internal error: the engine refused this request ({exc})")
-        return None
+            logger.exception("engine refused a request that passed the API's checks")
+            error = RuntimeError(f"internal error: the engine refused this request ({exc})")
+        else:
+            return None
+        for request_id in added:  # all or nothing
+            self.engine.abort_request(request_id)
+        return error
 
     # ------------------------------------------------------------------ back on the event loop
 
     def _on_accepted(self, command: _Add, error: BaseException | None) -> None:
-        self.num_pending_adds -= 1
+        self.num_pending_adds -= len(command.requests)
         if command.accepted.done():  # the caller was cancelled and already asked for an abort
             return
         command.accepted.set_result(error)

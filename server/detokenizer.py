@@ -60,5 +60,11 @@ def visible_text(seq: Sequence) -> str:
     """Text safe to show now: while running, hold back what could still become a stop string."""
     if seq.is_finished or not seq.params.stop:
         return seq.text
-    hold = max(len(s) for s in seq.params.stop) - 1
-    return seq.text[: len(seq.text) - hold] if hold else seq.text
+    return seq.text[: visible_text_len(seq)]
+
+
+def visible_text_len(seq: Sequence) -> int:
+    """How much of ``seq.text`` is safe to show now (see visible_text), without copying it."""
+    if seq.is_finished or not seq.params.stop:
+        return len(seq.text)
+    return max(len(seq.text) - (max(len(s) for s in seq.params.stop) - 1), 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -20,6 +21,7 @@ from kvscale.server.detokenizer import (
     find_stop_string,
     init_detokenizer,
     visible_text,
+    visible_text_len,
 )
 from kvscale.server.kv_cache_manager import KVCacheManager, blocks_for
 from kvscale.server.model_loader import (
@@ -321,7 +323,13 @@ class LLMEngine:
         if num_output >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 
+    # The server sets this: each output then carries only what is new since the request's
+    # previous one (no per-step copy of the whole text, token ids and logprobs).
+    output_deltas = False
+
     def _request_output(self, request: Request, finished: bool) -> RequestOutput:
+        if self.output_deltas:
+            return self._delta_output(request, finished)
         completions = [
             CompletionOutput(
                 index=seq.index,
@@ -340,8 +348,38 @@ class LLMEngine:
             outputs=completions,
             finished=finished,
             num_cached_tokens=request.num_cached_tokens,
-            metrics=request.metrics,
+            metrics=replace(request.metrics),  # a snapshot: the live one moves on with the request
             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
+        )
+
+    def _delta_output(self, request: Request, finished: bool) -> RequestOutput:
+        completions = []
+        for seq in sorted(request.seqs, key=lambda s: s.index):
+            text_end = max(visible_text_len(seq), seq.sent_text)
+            num_output = seq.num_output_tokens
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=seq.text[seq.sent_text : text_end],
+                token_ids=seq.token_ids[seq.num_prompt_tokens + seq.sent_tokens :],
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=seq.logprobs[seq.sent_tokens :] if seq.logprobs is not None else None,
+            ))
+            seq.sent_text, seq.sent_tokens = text_end, num_output
+        # The prompt's logprobs are complete once it has been prefilled: send them once.
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt_logprobs = request.prompt_logprobs
+            request.prompt_logprobs_sent = True
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=replace(request.metrics),
+            prompt_logprobs=prompt_logprobs,
         )
 
     # --- introspection ------------------------------------------------------------------

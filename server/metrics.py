@@ -125,8 +125,8 @@ class ServerMetrics:
                         self.queue_time.observe(max(0.0, metrics.first_scheduled_time - metrics.arrival_time))
                     if metrics.first_token_time is not None:
                         self.ttft.observe(max(0.0, metrics.first_token_time - metrics.arrival_time))
-            num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
-            new_tokens = num_tokens - stream.tokens_seen
+            # Outputs are deltas: their token ids are the step's new tokens.
+            new_tokens = sum(len(completion.token_ids) for completion in output.outputs)
             if new_tokens > 0:
                 self.generation_tokens.inc(new_tokens)
                 token_time = metrics.last_token_time if metrics is not None else None
@@ -134,7 +134,7 @@ class ServerMetrics:
                     if stream.last_token_time is not None:
                         self.itl.observe(max(0.0, token_time - stream.last_token_time))
                     stream.last_token_time = token_time
-                stream.tokens_seen = num_tokens
+                stream.tokens_seen += new_tokens
             if output.finished and metrics is not None:
                 end = metrics.finished_time or metrics.last_token_time
                 if end is not None:

@@ -1,7 +1,8 @@
-"""What the engine hands back: cumulative per-request outputs, plus KV cache events and stats.
+"""What the engine hands back: per-request outputs, plus KV cache events and stats.
 
-Outputs are cumulative (the whole text and token list so far); a streaming caller keeps its
-own offset and sends the difference.
+For the server (``LLMEngine.output_deltas``) each output is a delta: the text, token ids and
+logprobs its step added; ``merge_deltas`` folds several into one. The offline API gets cumulative
+outputs (everything so far). Either way ``metrics`` is a snapshot taken when the output was made.
 """
 
 from __future__ import annotations
@@ -54,6 +55,38 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # With SamplingParams.prompt_logprobs: per prompt token, None for the first one.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
+    """One output equal to the given deltas of a request, in order (a reader that fell behind,
+    or a caller collecting the whole answer); linear in their total size."""
+    if len(deltas) == 1:
+        return deltas[0]
+    texts: dict[int, list[str]] = {}
+    merged: dict[int, CompletionOutput] = {}
+    for delta in deltas:
+        for completion in delta.outputs:
+            into = merged.get(completion.index)
+            if into is None:
+                into = merged[completion.index] = CompletionOutput(
+                    completion.index, "", [], logprobs=[] if completion.logprobs is not None else None)
+                texts[completion.index] = []
+            texts[completion.index].append(completion.text)
+            into.token_ids.extend(completion.token_ids)
+            if completion.logprobs is not None:
+                if into.logprobs is None:
+                    into.logprobs = []
+                into.logprobs.extend(completion.logprobs)
+            into.finish_reason, into.stop_reason = completion.finish_reason, completion.stop_reason
+    for index, completion in merged.items():
+        completion.text = "".join(texts[index])
+    last = deltas[-1]
+    return RequestOutput(
+        request_id=last.request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
+        outputs=[merged[i] for i in sorted(merged)], finished=last.finished,
+        num_cached_tokens=last.num_cached_tokens, metrics=last.metrics,
+        prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
+    )
 
 
 # KV cache events, published by replicas so the router knows which blocks each one holds.

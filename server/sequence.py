@@ -43,6 +43,9 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     logprobs: list[PositionLogprobs] | None = None
+    # What earlier delta outputs carried (characters of text, output tokens).
+    sent_text: int = 0
+    sent_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -82,6 +85,7 @@ class Request:
     # With params.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # predicts it); shared by all n samples, since they share the prompt.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False  # delta outputs carry them once
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,131 @@
+"""POST /v1/chat/completions: messages through the chat template to an assistant turn.
+
+Streams open with a chunk carrying ``delta.role = "assistant"`` per choice, as OpenAI sends it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from kvscale.server import protocol as p
+from kvscale.server.admission import resolve_max_tokens
+from kvscale.server.outputs import CompletionOutput, PositionLogprobs
+from kvscale.server.serving import (
+    ChoiceState,
+    OpenAIServer,
+    Prepared,
+    StreamFormatter,
+    bad_request,
+    check_stream_options,
+    collect,
+    sampling_params_from,
+    stream_events,
+    top_entries,
+    until_disconnect,
+    usage,
+)
+from kvscale.server.tokenization import chat_prompt_token_ids
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], positions: Sequence[PositionLogprobs], num_top: int,
+    decode: Callable[[int], str],
+) -> p.ChatLogprobs:
+    content = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        chosen = position.get(token_id)
+        token = chosen.decoded_token if chosen is not None else decode(token_id)
+        content.append(p.ChatTokenLogprob(
+            token=token,
+            logprob=chosen.logprob if chosen is not None else float("-inf"),
+            bytes=list(token.encode("utf-8")),
+            top_logprobs=[
+                p.ChatTopLogprob(token=lp.decoded_token, logprob=lp.logprob,
+                                 bytes=list(lp.decoded_token.encode("utf-8")))
+                for _, lp in top_entries(position, num_top)
+            ],
+        ))
+    return p.ChatLogprobs(content=content)
+
+
+def chat_ids(server: OpenAIServer, messages: list[p.ChatMessage]) -> list[int]:
+    """The prompt's token ids (also what POST /tokenize answers for ``messages``)."""
+    # Back to the JSON the client sent: the router tokenizes that very form of the messages.
+    conversation = [m.model_dump(exclude_none=True) for m in messages]
+    try:
+        return chat_prompt_token_ids(server.tokenizer, conversation)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from exc
+    except Exception as exc:  # jinja raises its own errors for conversations it rejects
+        raise bad_request(f"The chat template rejected these messages: {exc}", "messages") from exc
+
+
+def prepare_chat(server: OpenAIServer, body: p.ChatCompletionRequest) -> Prepared:
+    server.check_model(body.model)
+    check_stream_options(body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+    ids = chat_ids(server, body.messages)
+    server.check_prompt(ids, "messages")
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    try:
+        max_tokens = resolve_max_tokens(requested, len(ids), server.max_model_len)
+        params = sampling_params_from(body, max_tokens=max_tokens, logprobs=logprobs)
+    except ValueError as exc:
+        raise bad_request(str(exc), getattr(exc, "param", None)) from exc
+    return Prepared(p.random_id("chatcmpl"), [ids], [""], [params], body.cache_salt)
+
+
+class ChatFormatter(StreamFormatter):
+    object_name = "chat.completion.chunk"
+    body: p.ChatCompletionRequest
+
+    def opening(self) -> list[dict]:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for i in range(self.body.n)]
+
+    def choice(self, prompt_index: int, completion: CompletionOutput, state: ChoiceState) -> dict | None:
+        text = "".join(state.text)
+        if not text and not completion.finished:
+            return None
+        logprobs = None
+        if self.body.logprobs and completion.logprobs is not None:
+            logprobs = chat_logprobs(state.token_ids, state.logprobs, self.body.top_logprobs or 0,
+                                     self.server.decode_one).model_dump()
+        state.sent(text)
+        return {"index": completion.index, "delta": {"content": text} if text else {},
+                "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason}
+
+
+async def _respond(server: OpenAIServer, body: p.ChatCompletionRequest, prepared: Prepared,
+                   streams) -> p.ChatCompletionResponse:
+    (output,) = await collect(streams)
+    choices = []
+    completion_tokens = 0
+    for completion in sorted(output.outputs, key=lambda c: c.index):
+        completion_tokens += len(completion.token_ids)
+        logprobs = None
+        if body.logprobs and completion.logprobs is not None:
+            logprobs = chat_logprobs(completion.token_ids, completion.logprobs, body.top_logprobs or 0,
+                                     server.decode_one)
+        choices.append(p.ChatChoice(
+            index=completion.index, message=p.ChatResponseMessage(content=completion.text),
+            logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+        ))
+    usage_ = usage(len(prepared.prompts[0]), completion_tokens, output.num_cached_tokens)
+    return p.ChatCompletionResponse(id=prepared.request_id, model=body.model or server.model_name,
+                                    choices=choices, usage=p.Usage(**usage_))
+
+
+async def create_chat_completion(server: OpenAIServer, body: p.ChatCompletionRequest, request: Request):
+    prepared = prepare_chat(server, body)
+    streams = await server.open_streams(prepared)
+    if body.stream:
+        formatter = ChatFormatter(server, body, prepared)
+        return StreamingResponse(stream_events(server, streams, request, formatter), media_type="text/event-stream")
+    return await until_disconnect(request, server, streams, _respond(server, body, prepared, streams))

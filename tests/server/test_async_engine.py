@@ -1,0 +1,78 @@
+"""The engine boundary under load (issue 13): what crosses from the engine thread to the event loop.
+
+- Outputs are deltas for the server: each step carries only its new text, token ids and
+  logprobs, never a copy of everything so far (quadratic in output length).
+- Timestamps in an output are a snapshot: a reader one step behind still sees that step's times.
+- A list of prompts is admitted in one go, in the same engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvscale.server.async_engine import AsyncEngine
+from kvscale.server.outputs import RequestOutput, merge_deltas
+from kvscale.server.sampling_params import SamplingParams
+
+
+def _run(engine, request_id: str, prompt, params: SamplingParams) -> list[RequestOutput]:
+    engine.add_request(request_id, prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == request_id]
+    return outputs
+
+
+def test_outputs_carry_timestamp_snapshots(make_engine) -> None:
+    engine = make_engine()
+    outputs = _run(engine, "t", "The capital of France is", SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(outputs) == 4
+    times = [o.metrics.last_token_time for o in outputs]
+    assert times == sorted(times) and len(set(times)) == 4, times  # one per step, as it was then
+    assert outputs[0].metrics.finished_time is None and outputs[-1].metrics.finished_time is not None
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(make_engine) -> None:
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True, stop=[" named"],
+                            prompt_logprobs=1)
+    prompt = "Once upon a time, in a small village,"
+    cumulative = _run(make_engine(), "c", prompt, params)[-1]
+
+    engine = make_engine()
+    engine.output_deltas = True
+    deltas = _run(engine, "d", prompt, params)
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    for delta in deltas[1:]:
+        assert all(len(c.token_ids) <= 1 for c in delta.outputs), "a delta carries one step's tokens"
+        assert delta.prompt_logprobs is None  # sent once, with the first output
+    assert deltas[0].prompt_logprobs == cumulative.prompt_logprobs
+
+    merged = merge_deltas(deltas)
+    for got, want in zip(merged.outputs, cumulative.outputs, strict=True):
+        assert (got.index, got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+            want.index, want.text, want.token_ids, want.finish_reason, want.stop_reason)
+        assert [sorted(p) for p in got.logprobs] == [sorted(p) for p in want.logprobs]
+
+
+def test_a_list_of_prompts_is_admitted_in_one_go(make_engine) -> None:
+    engine = make_engine()
+    prompts = [[1, 2, 3, 4 + i] for i in range(4)]
+
+    async def scenario() -> list[RequestOutput]:
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        try:
+            params = SamplingParams(max_tokens=3, ignore_eos=True)
+            streams = await async_engine.add_requests(
+                [(f"p{i}", ids, params, None) for i, ids in enumerate(prompts)])
+            firsts = [await stream.next() for stream in streams]
+            for stream in streams:
+                while not stream.finished:
+                    await stream.next()
+            return firsts
+        finally:
+            await async_engine.stop()
+
+    firsts = asyncio.run(scenario())
+    scheduled = {o.metrics.first_scheduled_time for o in firsts}
+    assert len(scheduled) == 1, "all prompts of one request start in the same engine step"
