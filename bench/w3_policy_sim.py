@@ -461,10 +461,30 @@ def calibrated(args) -> int:
                     print(f"grid n={replicas:<3} C={replicas * per_replica:<3} {kind:8} {policy:16} hit {row['hit_rate']:.2f} "
                           f"p50 {row['ttft_p50_s']:.2f} p90 {row['ttft_p90_s']:.2f} tok/s {row['output_tokens_per_s']:.1f} "
                           f"max/mean {row['max_over_mean_requests']:.2f}", flush=True)
+    # What bounds the W3 targets at the real run's size: every group's first request is a cold miss
+    # under any policy, so vary how many requests share the groups (same pool, same costs).
+    sweep = []
+    for requests in (int(x) for x in args.sweep_requests.split(",")):
+        p = dict(params, requests=requests)
+        stream = build_workload("w3", p, params["seed"], tokenizer, answer_tokens)
+        row: dict = {"requests": requests, "cold_miss_share": params["groups"] / requests}
+        for policy in ("predicted-ttft", "round-robin"):
+            runs = [simulate_run(stream, policy, seed=s, **shape) for s in range(args.seeds)]
+            row[policy] = {k: statistics.median(run[k] for run in runs)
+                           for k in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "output_tokens_per_s")}
+        ours, rr = row["predicted-ttft"], row["round-robin"]
+        row["hit_rate_ratio"] = ours["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
+        row["ttft_p50_better"] = rr["ttft_p50_s"] / ours["ttft_p50_s"]
+        row["ttft_p90_better"] = rr["ttft_p90_s"] / ours["ttft_p90_s"]
+        row["throughput_ratio"] = ours["output_tokens_per_s"] / rr["output_tokens_per_s"]
+        sweep.append(row)
+        print(f"sweep W3 R={requests:<4} cold {row['cold_miss_share']:.2f}  hit x{row['hit_rate_ratio']:.2f}  "
+              f"p50 x{row['ttft_p50_better']:.2f}  p90 x{row['ttft_p90_better']:.2f}  "
+              f"tput x{row['throughput_ratio']:.2f}", flush=True)
     path = write_result("w3_policy_sim_calibrated", {
         "benchmark": "w3_policy_sim", "mode": "calibrated", "date": time.strftime("%Y-%m-%d"),
         "calibration": {"from": args.calibration, "costs": costs.__dict__, "w4_answer_tokens": answer_tokens},
-        "parameters": vars(args), "agreement": agreement, "grid": grid,
+        "parameters": vars(args), "agreement": agreement, "grid": grid, "w3_requests_sweep": sweep,
     }, args.out)
     print(f"w3_policy_sim: wrote {path}")
     return 0
@@ -481,6 +501,8 @@ def main() -> int:
     parser.add_argument("--grid-workloads", default="w3,w3-zipf,w4")
     parser.add_argument("--grid-requests-per-replica", type=int, default=24)
     parser.add_argument("--grid-conversations-per-replica", type=int, default=4)
+    parser.add_argument("--sweep-requests", default="64,128,256,512",
+                        help="W3 at the real run's setup with this many requests (fewer cold misses)")
     # epsilon-grid mode
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--requests", type=int, default=256)

@@ -39,12 +39,18 @@ from bench.w3_workloads import (
     conversations,
     shared_prefix_prompts,
 )
-from kvscale.processes import free_port
+from kvscale.processes import die_with_parent, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 # "NAME@EPS" runs policy NAME with --balance-epsilon EPS (the router's default is 0.25).
 POLICIES = ("predicted-ttft", "prefix-affinity", "weighted", "round-robin")
+
+
+def _child_setup(nice: int) -> None:
+    die_with_parent()  # a killed benchmark leaves no replicas behind
+    if nice:
+        os.nice(nice)
 
 
 class Processes:
@@ -57,7 +63,7 @@ class Processes:
         log = open(os.path.join(self.logdir, f"{name}.log"), "ab")  # noqa: SIM115
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
-            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+            preexec_fn=lambda: _child_setup(nice),
         )
         log.close()
         self.procs.append(proc)
@@ -353,20 +359,20 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--prefix-tokens", type=int, default=256)
+    parser.add_argument("--prefix-tokens", type=int, default=128)
     parser.add_argument("--suffix-tokens", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=48, help="requests per W3 / W3-Zipf run")
-    parser.add_argument("--output-tokens", type=int, default=16)
-    parser.add_argument("--conversations", type=int, default=12, help="W4 conversations per run (3-6 turns each)")
-    parser.add_argument("--document-words", type=int, default=120, help="W4: turn 1's document, in words")
-    parser.add_argument("--question-words", type=int, default=8)
-    parser.add_argument("--answer-tokens", type=int, default=24, help="W4: max tokens per answer")
+    parser.add_argument("--requests", type=int, default=64, help="requests per W3 / W3-Zipf run")
+    parser.add_argument("--output-tokens", type=int, default=4)
+    parser.add_argument("--conversations", type=int, default=8, help="W4 conversations per run (3-6 turns each)")
+    parser.add_argument("--document-words", type=int, default=60, help="W4: turn 1's document, in words")
+    parser.add_argument("--question-words", type=int, default=6)
+    parser.add_argument("--answer-tokens", type=int, default=8, help="W4: max tokens per answer")
     parser.add_argument("--think-min-s", type=float, default=0.2)
     parser.add_argument("--think-max-s", type=float, default=1.0)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-gpu-blocks-override", type=int, default=64, help="KV blocks per replica")
-    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=48, help="KV blocks per replica")
+    parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="the replicas' token budget per step (default: the engine's)")
     parser.add_argument("--threads", type=int, default=1,
@@ -377,6 +383,13 @@ def main() -> int:
         "compute on GPUs; here four CPU-bound replicas share the router's cores, and without this the "
         "router's latency measures the kernel's time slices, not the router (0 to measure that anyway).",
     )
+    parser.add_argument(
+        "--router-nice", type=int, default=-5,
+        help="CPU niceness of the routers: they stand in for router pods with CPUs of their own; on a shared "
+        "machine other users' processes would otherwise preempt them mid-decision (0 to measure that anyway)",
+    )
+    parser.add_argument("--router-redis-timeout-ms", type=float, default=250.0,
+                        help="the routers' --redis-timeout-ms (50 by default) on this overloaded machine")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "w3_router_ttft.json"))
@@ -421,8 +434,10 @@ def main() -> int:
                 f"router-{policy}",
                 [sys.executable, "-m", "kvscale", "router", "--host", "127.0.0.1", "--port", str(port),
                  "--replicas", ",".join(replica_urls), "--redis", redis_url, "--policy", name,
-                 "--block-size", str(args.block_size), "--seed", str(args.seed), "--log-level", "warning"]
+                 "--block-size", str(args.block_size), "--seed", str(args.seed), "--log-level", "warning",
+                 "--redis-timeout-ms", str(args.router_redis_timeout_ms)]
                 + (["--balance-epsilon", epsilon] if epsilon else []),
+                nice=args.router_nice,
             ))
         print(f"w3_router: starting {args.replicas} replicas and {len(policies)} routers (logs in {procs.logdir})",
               flush=True)
