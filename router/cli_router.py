@@ -7,6 +7,7 @@ import logging
 import os
 
 from kvscale.router.policy import DEFAULT_POLICY, POLICIES, TTFT_EPSILON
+from kvscale.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,9 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed for --policy random")
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
-        "--shutdown-timeout", type=float, default=45.0, metavar="SECONDS",
+        "--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
         help="on SIGTERM, how long proxied requests may take to finish while /health and new requests "
-             "answer 503 (default 45: fits a 60 s pod grace period with a short preStop)",
+             f"answer 503 (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}: fits a 60 s pod grace period with a short preStop)",
     )
 
 

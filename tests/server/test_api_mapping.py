@@ -191,3 +191,16 @@ def test_serve_defaults(monkeypatch) -> None:
     assert args.port == 8000 and args.api_key == "from-env" and args.enable_prefix_caching is None
     args = build_parser("serve").parse_args(["serve", "--no-enable-prefix-caching", "--api-key", "k"])
     assert args.enable_prefix_caching is False and args.api_key == "k"
+
+
+def test_shutdown_timeout_flags_fit_the_pod_grace_period() -> None:
+    """The operator gives pods 60 s; both processes drain for 45 s by default (room for a preStop
+    sleep and the shutdown itself), and the flag is what uvicorn's graceful timeout follows."""
+    from kvscale.cli import build_parser
+    from kvscale.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
+
+    assert DEFAULT_SHUTDOWN_TIMEOUT_S == 45
+    assert build_parser("serve").parse_args(["serve"]).shutdown_timeout == DEFAULT_SHUTDOWN_TIMEOUT_S
+    assert build_parser("serve").parse_args(["serve", "--shutdown-timeout", "20"]).shutdown_timeout == 20
+    router = build_parser("router").parse_args(["router", "--replicas", "http://x:1"])
+    assert router.shutdown_timeout == DEFAULT_SHUTDOWN_TIMEOUT_S
