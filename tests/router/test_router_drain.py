@@ -119,7 +119,8 @@ def test_sigterm_under_streaming_load_loses_no_request(launcher) -> None:
         # The load goes on until the victim has finished its streams and left.
         assert victim.proc.wait(120) == 0, victim.log_tail()
         exited = time.monotonic()
-        time.sleep(2.0)
+        wait_until(lambda: any(r.started > exited for r in load.results), 120,
+                   what="a request sent after the victim left")
     finally:
         results = load.join()
 
