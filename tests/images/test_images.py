@@ -1,0 +1,161 @@
+"""kvscale's images, built with podman (`make image`, tools/images.sh) and run as a cluster runs them.
+
+- engine: runs as a restricted pod would (uid 1000, read-only root FS, tmpfs /tmp, every
+  capability dropped, no-new-privileges) and serves /health, a completion (official openai
+  client) and /metrics;
+- control plane: `kvscale operator --help` and `kvscale router --help` work, there is no torch
+  inside, the router's tokenizer loads there and tokenizes exactly as the engine does, and the
+  image stays under 400 MB;
+- layer order: a source change rebuilds only the sources layer (no pip download of torch).
+
+Figures (sizes, build times) come from `python -m bench.image_build`, not from here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvscale.processes import free_port, wait_until
+from kvscale.server.model_loader import load_tokenizer, resolve_model_path
+from kvscale.server.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
+
+pytestmark = pytest.mark.slow
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+IMAGES = REPO_ROOT / "tools" / "images.sh"
+CONTROL_PLANE_LIMIT_BYTES = 400 * 1000 * 1000
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "Hi there"}]
+
+
+def images_sh(*args: str, timeout: float = 1800, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(["bash", str(IMAGES), *args], capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"tools/images.sh {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stderr[-6000:]}")
+    return proc
+
+
+def podman(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return images_sh("podman", *args, timeout=timeout, check=check)
+
+
+@pytest.fixture(scope="module")
+def images() -> dict[str, str]:
+    """Both images, built (layers cached from earlier builds) and named."""
+    assert shutil.which("podman"), "podman is not installed (make system-deps)"
+    names = {which: images_sh("name", which).stdout.strip() for which in ("engine", "control-plane")}
+    images_sh("build", "all")
+    return names
+
+
+def test_control_plane_image_runs_the_operator_and_router_without_torch(images):
+    image = images["control-plane"]
+    for command, expected in (("operator", "--leader-election-namespace"), ("router", "--k8s-namespace-wide")):
+        result = podman("run", "--rm", "--read-only", "--user", "1000:1000", "--cap-drop", "ALL",
+                        image, command, "--help")
+        assert expected in result.stdout, result.stdout
+    probe = podman("run", "--rm", "--read-only", "--tmpfs", "/tmp", "--user", "1000:1000",
+                   "--entrypoint", "python", image, "-c", _IN_IMAGE_PROBE, timeout=300)
+    found = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert found["torch_installed"] is False and found["heavy_imported"] == []
+    # The router's tokenizer in the image gives the ids the engine's own tokenizer gives here.
+    engine_tokenizer = load_tokenizer(resolve_model_path(None))
+    assert found["completion"] == completion_prompt_token_ids(engine_tokenizer, PROMPT)
+    assert found["chat"] == chat_prompt_token_ids(engine_tokenizer, MESSAGES)
+    assert found["auto_completion"] == found["completion"]
+    size = int(podman("image", "inspect", "--format", "{{.Size}}", image).stdout.strip())
+    assert size < CONTROL_PLANE_LIMIT_BYTES, f"control-plane image is {size / 1e6:.0f} MB"
+
+
+_IN_IMAGE_PROBE = f"""
+import importlib.util, json, sys
+from kvscale.router.app import Router, RouterConfig
+from kvscale.server.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
+router = Router(RouterConfig(replicas=["http://127.0.0.1:9"]))
+router._load_tokenizers()
+tokenizer = router.tokenizers["smollm2-135m-instruct"]
+print(json.dumps({{
+    "torch_installed": importlib.util.find_spec("torch") is not None,
+    "heavy_imported": sorted(m for m in ("torch", "triton") if m in sys.modules),
+    "completion": completion_prompt_token_ids(tokenizer, {PROMPT!r}),
+    "chat": chat_prompt_token_ids(tokenizer, {MESSAGES!r}),
+    # What a model other than the bundled one goes through: transformers' auto classes.
+    "auto_completion": completion_prompt_token_ids(
+        __import__("transformers").AutoTokenizer.from_pretrained(tokenizer.name_or_path), {PROMPT!r}),
+}}))
+"""
+
+
+def test_engine_image_serves_as_a_restricted_pod(images, tmp_path):
+    port = free_port()
+    name = f"kvscale-test-engine-{port}"
+    podman("run", "-d", "--name", name, "--init", "--network", "host",
+           "--user", "1000:1000", "--read-only", "--tmpfs", "/tmp:rw,size=256m",
+           "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+           images["engine"], "serve", "--host", "127.0.0.1", "--port", str(port))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def healthy() -> bool:
+            running = podman("inspect", "--format", "{{.State.Running}}", name).stdout.strip()
+            assert running == "true", podman("logs", name, check=False).stderr[-4000:]
+            try:
+                return httpx.get(f"{base}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, 300, interval=1.0, what="the engine container's /health")
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+        assert completion.choices[0].text.strip()
+        assert completion.usage.completion_tokens > 0
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        assert "vllm:num_requests_running" in metrics
+        assert "vllm:kv_cache_usage_perc" in metrics
+        assert "vllm:generation_tokens_total" in metrics
+        user = podman("exec", name, "id", "-u").stdout.strip()
+        assert user == "1000"
+    finally:
+        podman("rm", "-f", "-t", "5", name, check=False)
+
+
+def test_a_source_change_rebuilds_only_the_source_layer(images, tmp_path):
+    """The build context with one source file changed: every dependency layer comes from the
+    cache (no torch download), only the sources are installed again."""
+    context = tmp_path / "context"
+    for path in ("pyproject.toml", "README.md", "Dockerfile", ".dockerignore", "kvscale", "server",
+                 "kernels", "router", "operator", "tools/images/requirements.py"):
+        source, target = REPO_ROOT / path, context / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, target)
+    with open(context / "router" / "cli_router.py", "a") as changed:
+        changed.write("\n# a source change\n")
+    registry = f"localhost/kvscale-layer-test-{time.monotonic_ns()}"
+    build = subprocess.run(["bash", str(IMAGES), "build", "engine"], capture_output=True, text=True,
+                           timeout=900, env={**os.environ, "KVSCALE_BUILD_CONTEXT": str(context),
+                                             "KVSCALE_IMAGE_REGISTRY": registry})
+    try:
+        assert build.returncode == 0, build.stderr[-6000:]
+        log = build.stdout + build.stderr
+        steps = [line for line in log.splitlines() if line.startswith("STEP ")]
+        pip_step = next(line for line in steps if "requirements.txt" in line)
+        after_pip = log.split(pip_step, 1)[1].split("STEP ", 1)[0]
+        assert "Using cache" in after_pip, after_pip
+        assert "Downloading torch" not in log
+        sources_step = next(line for line in steps if "install --no-deps /tmp/src" in line)
+        assert "Using cache" not in log.split(sources_step, 1)[1].split("STEP ", 1)[0]
+    finally:
+        podman("rmi", "-f", f"{registry}/kvscale:0.1.0", check=False)
