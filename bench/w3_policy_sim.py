@@ -307,10 +307,12 @@ class Workload:
 
 
 def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: int, block_size: int,
-                 costs: Costs, seed: int = 0) -> dict:
+                 costs: Costs | list[Costs], seed: int = 0) -> dict:
+    """``costs``: one for every replica, or a list (a pool of unequal replicas)."""
     from kvscale.server.block_hash import hash_prompt_blocks
 
-    pool = [SimReplica(i, num_blocks, block_size, costs) for i in range(replicas)]
+    per_replica = costs if isinstance(costs, list) else [costs] * replicas
+    pool = [SimReplica(i, num_blocks, block_size, per_replica[i]) for i in range(replicas)]
     router = SimRouter(policy, pool, block_size, seed)
     events: list[tuple[float, int, str, int]] = []  # (time, tiebreak, kind, client or replica)
     tie = 0
@@ -424,12 +426,20 @@ def calibrated(args) -> int:
                  block_size=params["block_size"], costs=costs)
     agreement = []
     workloads: dict[str, Workload] = {}
+    # The real run drove W4 in slices of conversations (``--blocks``): that many at a time.
+    blocks = params.get("blocks", 1)
+    w4_params = dict(params, concurrency=min(params["concurrency"], -(-params["conversations"] // blocks)))
     for r in real["results"]:
         kind = r["workload"]
         if kind not in workloads:
-            workloads[kind] = build_workload(kind, params, params["seed"], tokenizer, answer_tokens)
-        sim = simulate_run(workloads[kind], r["policy"], seed=params["seed"], **shape)
-        row = {"workload": kind, "policy": r["policy"],
+            workloads[kind] = build_workload(kind, w4_params if kind == "w4" else params, params["seed"], tokenizer,
+                                             answer_tokens)
+        # Each real run is replayed with the rates its own replicas measured while it ran.
+        own = r["replica_rates"]
+        run_costs = Costs(own["prefill_tokens_per_s_median"] or costs.prefill_tokens_per_s,
+                          own["decode_step_s_median"] or costs.decode_step_s, costs.step_tokens, costs.max_num_seqs)
+        sim = simulate_run(workloads[kind], r["policy"], seed=params["seed"], **dict(shape, costs=run_costs))
+        row = {"workload": kind, "policy": r["policy"], "costs": run_costs.__dict__,
                "real": {k: r[k] for k in ("ttft_p50_s", "ttft_p90_s", "prefix_cache_hit_rate", "output_tokens_per_s")},
                "sim": {k: sim[k] for k in ("ttft_p50_s", "ttft_p90_s", "hit_rate", "output_tokens_per_s")}}
         row["p50_ratio_sim_over_real"] = sim["ttft_p50_s"] / r["ttft_p50_s"]
@@ -461,6 +471,24 @@ def calibrated(args) -> int:
                     print(f"grid n={replicas:<3} C={replicas * per_replica:<3} {kind:8} {policy:16} hit {row['hit_rate']:.2f} "
                           f"p50 {row['ttft_p50_s']:.2f} p90 {row['ttft_p90_s']:.2f} tok/s {row['output_tokens_per_s']:.1f} "
                           f"max/mean {row['max_over_mean_requests']:.2f}", flush=True)
+    # Unequal replicas (e.g. two GPU generations in one pool): speeds x1.5, x1, x1, x0.5 of the calibrated
+    # costs. Only predicted-ttft reads each replica's measured rates.
+    hetero = []
+    speeds = [float(x) for x in args.hetero_speeds.split(",")]
+    pool_costs = [Costs(costs.prefill_tokens_per_s * f, costs.decode_step_s / f, costs.step_tokens, costs.max_num_seqs)
+                  for f in speeds]
+    for kind in args.grid_workloads.split(","):
+        stream = build_workload(kind, w4_params if kind == "w4" else params, params["seed"], tokenizer, answer_tokens)
+        for policy in policies:
+            runs = [simulate_run(stream, policy, seed=s, **dict(shape, replicas=len(speeds), costs=pool_costs))
+                    for s in range(args.seeds)]
+            row = {"speeds": speeds, "workload": kind, "policy": policy}
+            for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "max_over_mean_requests"):
+                row[key] = statistics.median(run[key] for run in runs)
+            hetero.append(row)
+            print(f"hetero {kind:8} {policy:16} hit {row['hit_rate']:.2f} p50 {row['ttft_p50_s']:.2f} "
+                  f"p90 {row['ttft_p90_s']:.2f} tok/s {row['output_tokens_per_s']:.1f}", flush=True)
+
     # What bounds the W3 targets at the real run's size: every group's first request is a cold miss
     # under any policy, so vary how many requests share the groups (same pool, same costs).
     sweep = []
@@ -481,10 +509,29 @@ def calibrated(args) -> int:
         print(f"sweep W3 R={requests:<4} cold {row['cold_miss_share']:.2f}  hit x{row['hit_rate_ratio']:.2f}  "
               f"p50 x{row['ttft_p50_better']:.2f}  p90 x{row['ttft_p90_better']:.2f}  "
               f"tput x{row['throughput_ratio']:.2f}", flush=True)
+    # The issue's full W3 (16 groups of 512 tokens, 256 requests, 32 output tokens, 16 in flight,
+    # 192-block pools) at the calibrated costs: the size this machine cannot run in ten minutes.
+    full = []
+    full_params = dict(params, groups=16, prefix_tokens=512, suffix_tokens=16, requests=256, output_tokens=32,
+                       concurrency=16)
+    for kind in ("w3", "w3-zipf"):
+        stream = build_workload(kind, full_params, params["seed"], tokenizer, answer_tokens)
+        for policy in policies:
+            runs = [simulate_run(stream, policy, seed=s, replicas=4, num_blocks=192, block_size=params["block_size"],
+                                 costs=Costs(costs.prefill_tokens_per_s, costs.decode_step_s, costs.step_tokens, 16))
+                    for s in range(args.seeds)]
+            row = {"workload": kind, "policy": policy}
+            for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "max_over_mean_requests"):
+                row[key] = statistics.median(run[key] for run in runs)
+            full.append(row)
+            print(f"full {kind:8} {policy:16} hit {row['hit_rate']:.2f} p50 {row['ttft_p50_s']:.2f} "
+                  f"p90 {row['ttft_p90_s']:.2f} tok/s {row['output_tokens_per_s']:.1f} "
+                  f"max/mean {row['max_over_mean_requests']:.2f}", flush=True)
     path = write_result("w3_policy_sim_calibrated", {
         "benchmark": "w3_policy_sim", "mode": "calibrated", "date": time.strftime("%Y-%m-%d"),
         "calibration": {"from": args.calibration, "costs": costs.__dict__, "w4_answer_tokens": answer_tokens},
         "parameters": vars(args), "agreement": agreement, "grid": grid, "w3_requests_sweep": sweep,
+        "heterogeneous_pool": hetero, "full_w3": full,
     }, args.out)
     print(f"w3_policy_sim: wrote {path}")
     return 0
@@ -501,6 +548,7 @@ def main() -> int:
     parser.add_argument("--grid-workloads", default="w3,w3-zipf,w4")
     parser.add_argument("--grid-requests-per-replica", type=int, default=24)
     parser.add_argument("--grid-conversations-per-replica", type=int, default=4)
+    parser.add_argument("--hetero-speeds", default="1.5,1,1,0.5", help="relative replica speeds of the unequal pool")
     parser.add_argument("--sweep-requests", default="64,128,256,512",
                         help="W3 at the real run's setup with this many requests (fewer cold misses)")
     # epsilon-grid mode

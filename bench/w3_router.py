@@ -3,7 +3,9 @@
 N replicas of the bundled model with small KV pools (so eviction matters), one Redis, and one
 router per policy (all started up front). For each workload, each policy replays the same request
 stream (same seed) with its own ``cache_salt``, so no policy inherits another's cache while all see
-identical prompts. Per (workload, policy): the replicas' own prefix-cache hit rate, TTFT p50/p90,
+identical prompts. The stream is cut into ``--blocks`` slices and each slice goes through every
+policy in a rotating order (a shared machine's speed drifts; this spreads the drift evenly; each
+policy's cache carries over from its previous slice). Per (workload, policy): the replicas' own prefix-cache hit rate, TTFT p50/p90,
 output throughput, max/mean requests per replica, router-added latency p50/p99 (the router's own
 time from a request's last byte to sending it upstream, reported per response), and the replicas'
 measured rates from their heartbeats (prefill tokens/s, decode step time), which calibrate the
@@ -152,7 +154,8 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> dict:
 
 async def drive_prompts(router_url: str, prompts: list[list[int]], args, salt: str) -> tuple[list[dict], float]:
     """W3 / W3-Zipf: a closed loop of ``concurrency`` clients over token-id prompts."""
-    limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2)
+    concurrency = min(args.concurrency, len(prompts))
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
         queue: asyncio.Queue = asyncio.Queue()
         for prompt in prompts:
@@ -169,13 +172,14 @@ async def drive_prompts(router_url: str, prompts: list[list[int]], args, salt: s
                 results.append(result)
 
         started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
         return results, time.perf_counter() - started
 
 
 async def drive_chats(router_url: str, convs, args, salt: str) -> tuple[list[dict], float]:
     """W4: ``concurrency`` conversations at a time; each turn's prompt is the history plus a new message."""
-    limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2)
+    concurrency = min(args.concurrency, len(convs))
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
         queue: asyncio.Queue = asyncio.Queue()
         for conv in convs:
@@ -199,7 +203,7 @@ async def drive_chats(router_url: str, convs, args, salt: str) -> tuple[list[dic
                     answers.append(result["text"])
 
         started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
         return results, time.perf_counter() - started
 
 
@@ -239,8 +243,8 @@ class HeartbeatSampler:
         self._stop.set()
         self._thread.join(5)
 
-    def summary(self, since: float, until: float) -> dict:
-        window = [s for s in self.samples if since <= s["t"] <= until]
+    def summary(self, windows: list[tuple[float, float]]) -> dict:
+        window = [s for s in self.samples if any(a <= s["t"] <= b for a, b in windows)]
         out = {}
         for key in ("prefill_tokens_per_s", "decode_step_s", "step_token_budget"):
             values = [s[key] for s in window if s[key] > 0]
@@ -283,23 +287,24 @@ def summarize(args, workload: str, policy: str, results: list[dict], wall: float
     }
 
 
-def run_one(args, workload: str, policy: str, router_url: str, replica_urls: list[str],
-            sampler: HeartbeatSampler) -> dict:
+def workload_items(args, workload: str) -> list:
+    """The run's whole stream: token-id prompts (W3, W3-Zipf) or conversations (W4)."""
+    if workload == "w4":
+        return conversations(args.seed, args.conversations, args.document_words, args.question_words,
+                             (args.think_min_s, args.think_max_s))
+    return [p for _, p in shared_prefix_prompts(args.seed, args.groups, args.prefix_tokens, args.requests,
+                                                args.suffix_tokens, zipf=workload == "w3-zipf")]
+
+
+def run_block(args, workload: str, policy: str, router_url: str, replica_urls: list[str], items: list) -> dict:
+    """One slice of the stream through one policy's router; the policy's own cache_salt."""
     salt = f"{workload}-{policy}-{args.seed}"
     q0, h0 = cache_counters(replica_urls)
     since = time.time()
-    if workload == "w4":
-        convs = conversations(args.seed, args.conversations, args.document_words, args.question_words,
-                              (args.think_min_s, args.think_max_s))
-        results, wall = asyncio.run(drive_chats(router_url, convs, args, salt))
-    else:
-        prompts = [p for _, p in shared_prefix_prompts(args.seed, args.groups, args.prefix_tokens, args.requests,
-                                                       args.suffix_tokens, zipf=workload == "w3-zipf")]
-        results, wall = asyncio.run(drive_prompts(router_url, prompts, args, salt))
+    drive = drive_chats if workload == "w4" else drive_prompts
+    results, wall = asyncio.run(drive(router_url, items, args, salt))
     q1, h1 = cache_counters(replica_urls)
-    record = summarize(args, workload, policy, results, wall, (q0, q1), (h0, h1))
-    record["replica_rates"] = sampler.summary(since, time.time())
-    return record
+    return {"results": results, "wall": wall, "queries": q1 - q0, "hits": h1 - h0, "window": (since, time.time())}
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -363,13 +368,15 @@ def main() -> int:
     parser.add_argument("--suffix-tokens", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64, help="requests per W3 / W3-Zipf run")
     parser.add_argument("--output-tokens", type=int, default=4)
-    parser.add_argument("--conversations", type=int, default=8, help="W4 conversations per run (3-6 turns each)")
+    parser.add_argument("--conversations", type=int, default=16, help="W4 conversations per run (3-6 turns each)")
     parser.add_argument("--document-words", type=int, default=60, help="W4: turn 1's document, in words")
     parser.add_argument("--question-words", type=int, default=6)
     parser.add_argument("--answer-tokens", type=int, default=8, help="W4: max tokens per answer")
     parser.add_argument("--think-min-s", type=float, default=0.2)
     parser.add_argument("--think-max-s", type=float, default=1.0)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=4,
+                        help="slices of each stream, each run through every policy in turn (spreads machine drift)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=48, help="KV blocks per replica")
     parser.add_argument("--max-model-len", type=int, default=512)
@@ -446,11 +453,23 @@ def main() -> int:
         time.sleep(2.0)  # heartbeats bind replica ids to URLs in every router
         sampler = HeartbeatSampler(redis_url)
         sampler.start()
-        for w, workload in enumerate(args.workloads.split(",")):
-            # Rotate the order per workload so that no policy always runs first (machine drift).
-            order = policies[w % len(policies):] + policies[: w % len(policies)]
-            for policy in order:
-                record = run_one(args, workload, policy, routers[policy], replica_urls, sampler)
+        for workload in args.workloads.split(","):
+            items = workload_items(args, workload)
+            # The stream in blocks, each block through every policy in a rotating order: the machine's
+            # speed drifts (it is shared), and this spreads the drift over all policies alike.
+            size = -(-len(items) // args.blocks)
+            blocks = [items[i:i + size] for i in range(0, len(items), size)]
+            done: dict[str, list[dict]] = {policy: [] for policy in policies}
+            for b, block in enumerate(blocks):
+                for policy in policies[b % len(policies):] + policies[: b % len(policies)]:
+                    done[policy].append(run_block(args, workload, policy, routers[policy], replica_urls, block))
+            for policy in policies:
+                parts = done[policy]
+                record = summarize(args, workload, policy, [r for part in parts for r in part["results"]],
+                                   sum(part["wall"] for part in parts),
+                                   (0.0, sum(part["queries"] for part in parts)),
+                                   (0.0, sum(part["hits"] for part in parts)))
+                record["replica_rates"] = sampler.summary([part["window"] for part in parts])
                 print(json.dumps({k: v for k, v in record.items() if k != "per_request"}), flush=True)
                 results.append(record)
     finally:
