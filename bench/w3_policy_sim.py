@@ -405,6 +405,20 @@ def build_workload(kind: str, p: dict, seed: int, tokenizer=None, answer_tokens:
     return Workload(clients)
 
 
+METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "max_over_mean_requests")
+
+
+def over_seeds(kind: str, p: dict, policy: str, seeds: int, tokenizer, answer_tokens: int, cache: dict, **sim) -> dict:
+    """Medians over ``seeds`` different request streams of the same shape (seed, seed + 1, ...)."""
+    runs = []
+    for s in range(seeds):
+        key = (kind, s, json.dumps(p, sort_keys=True, default=str))
+        if key not in cache:
+            cache[key] = build_workload(kind, p, p["seed"] + s, tokenizer, answer_tokens)
+        runs.append(simulate_run(cache[key], policy, seed=s, **sim))
+    return {k: statistics.median(run[k] for run in runs) for k in METRICS}
+
+
 def calibrated(args) -> int:
     from kvscale.server.model_loader import load_tokenizer, resolve_tokenizer_path
 
@@ -451,6 +465,7 @@ def calibrated(args) -> int:
 
     # The grid: policies in seconds across pool sizes, concurrency and workloads, same costs.
     grid = []
+    streams: dict = {}
     policies = args.policies.split(",")
     for replicas in (int(x) for x in args.pools.split(",")):
         for per_replica in (int(x) for x in args.concurrency_per_replica.split(",")):
@@ -459,14 +474,12 @@ def calibrated(args) -> int:
                      conversations=args.grid_conversations_per_replica * replicas)
             cost = Costs(costs.prefill_tokens_per_s, costs.decode_step_s, costs.step_tokens, max(per_replica * 2, 4))
             for kind in args.grid_workloads.split(","):
-                stream = build_workload(kind, p, params["seed"], tokenizer, answer_tokens)
                 for policy in policies:
-                    runs = [simulate_run(stream, policy, replicas=replicas, num_blocks=params["num_gpu_blocks_override"],
-                                         block_size=params["block_size"], costs=cost, seed=s) for s in range(args.seeds)]
                     row = {"replicas": replicas, "concurrency": replicas * per_replica, "workload": kind,
                            "policy": policy}
-                    for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "max_over_mean_requests"):
-                        row[key] = statistics.median(run[key] for run in runs)
+                    row.update(over_seeds(kind, p, policy, args.seeds, tokenizer, answer_tokens, streams,
+                                          replicas=replicas, num_blocks=params["num_gpu_blocks_override"],
+                                          block_size=params["block_size"], costs=cost))
                     grid.append(row)
                     print(f"grid n={replicas:<3} C={replicas * per_replica:<3} {kind:8} {policy:16} hit {row['hit_rate']:.2f} "
                           f"p50 {row['ttft_p50_s']:.2f} p90 {row['ttft_p90_s']:.2f} tok/s {row['output_tokens_per_s']:.1f} "
@@ -478,13 +491,10 @@ def calibrated(args) -> int:
     pool_costs = [Costs(costs.prefill_tokens_per_s * f, costs.decode_step_s / f, costs.step_tokens, costs.max_num_seqs)
                   for f in speeds]
     for kind in args.grid_workloads.split(","):
-        stream = build_workload(kind, w4_params if kind == "w4" else params, params["seed"], tokenizer, answer_tokens)
         for policy in policies:
-            runs = [simulate_run(stream, policy, seed=s, **dict(shape, replicas=len(speeds), costs=pool_costs))
-                    for s in range(args.seeds)]
             row = {"speeds": speeds, "workload": kind, "policy": policy}
-            for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "max_over_mean_requests"):
-                row[key] = statistics.median(run[key] for run in runs)
+            row.update(over_seeds(kind, w4_params if kind == "w4" else params, policy, args.seeds, tokenizer,
+                                  answer_tokens, streams, **dict(shape, replicas=len(speeds), costs=pool_costs)))
             hetero.append(row)
             print(f"hetero {kind:8} {policy:16} hit {row['hit_rate']:.2f} p50 {row['ttft_p50_s']:.2f} "
                   f"p90 {row['ttft_p90_s']:.2f} tok/s {row['output_tokens_per_s']:.1f}", flush=True)
@@ -494,12 +504,9 @@ def calibrated(args) -> int:
     sweep = []
     for requests in (int(x) for x in args.sweep_requests.split(",")):
         p = dict(params, requests=requests)
-        stream = build_workload("w3", p, params["seed"], tokenizer, answer_tokens)
         row: dict = {"requests": requests, "cold_miss_share": params["groups"] / requests}
         for policy in ("predicted-ttft", "round-robin"):
-            runs = [simulate_run(stream, policy, seed=s, **shape) for s in range(args.seeds)]
-            row[policy] = {k: statistics.median(run[k] for run in runs)
-                           for k in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "output_tokens_per_s")}
+            row[policy] = over_seeds("w3", p, policy, args.seeds, tokenizer, answer_tokens, streams, **shape)
         ours, rr = row["predicted-ttft"], row["round-robin"]
         row["hit_rate_ratio"] = ours["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
         row["ttft_p50_better"] = rr["ttft_p50_s"] / ours["ttft_p50_s"]
@@ -515,14 +522,11 @@ def calibrated(args) -> int:
     full_params = dict(params, groups=16, prefix_tokens=512, suffix_tokens=16, requests=256, output_tokens=32,
                        concurrency=16)
     for kind in ("w3", "w3-zipf"):
-        stream = build_workload(kind, full_params, params["seed"], tokenizer, answer_tokens)
         for policy in policies:
-            runs = [simulate_run(stream, policy, seed=s, replicas=4, num_blocks=192, block_size=params["block_size"],
-                                 costs=Costs(costs.prefill_tokens_per_s, costs.decode_step_s, costs.step_tokens, 16))
-                    for s in range(args.seeds)]
             row = {"workload": kind, "policy": policy}
-            for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "max_over_mean_requests"):
-                row[key] = statistics.median(run[key] for run in runs)
+            row.update(over_seeds(kind, full_params, policy, args.seeds, tokenizer, answer_tokens, streams,
+                                  replicas=4, num_blocks=192, block_size=params["block_size"],
+                                  costs=Costs(costs.prefill_tokens_per_s, costs.decode_step_s, costs.step_tokens, 16)))
             full.append(row)
             print(f"full {kind:8} {policy:16} hit {row['hit_rate']:.2f} p50 {row['ttft_p50_s']:.2f} "
                   f"p90 {row['ttft_p90_s']:.2f} tok/s {row['output_tokens_per_s']:.1f} "
@@ -559,7 +563,7 @@ def main() -> int:
     parser.add_argument("--epsilons", default="0.25,0.5,1.0")
     parser.add_argument("--capacities", default="4.5,5.8,7,8.7",
                         help="prefixes per replica's pool (W3's 192 blocks of 16 hold 5.8 of 528 tokens)")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=5, help="request streams (workload seeds) per point")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.mode == "calibrated":

@@ -3,9 +3,11 @@
 N replicas of the bundled model with small KV pools (so eviction matters), one Redis, and one
 router per policy (all started up front). For each workload, each policy replays the same request
 stream (same seed) with its own ``cache_salt``, so no policy inherits another's cache while all see
-identical prompts. The stream is cut into ``--blocks`` slices and each slice goes through every
-policy in a rotating order (a shared machine's speed drifts; this spreads the drift evenly; each
-policy's cache carries over from its previous slice). Per (workload, policy): the replicas' own prefix-cache hit rate, TTFT p50/p90,
+identical prompts. Policies run one after the other, in an order rotated per workload; a shared
+machine's speed drifts meanwhile, so each run also records the rates its replicas measured, and
+the simulator replays every run at its own rates. (``--blocks N`` interleaves policies in N
+slices instead, valid only with pools large enough to keep every policy's cache.) Per (workload,
+policy): the replicas' own prefix-cache hit rate, TTFT p50/p90,
 output throughput, max/mean requests per replica, router-added latency p50/p99 (the router's own
 time from a request's last byte to sending it upstream, reported per response), and the replicas'
 measured rates from their heartbeats (prefill tokens/s, decode step time), which calibrate the
@@ -368,15 +370,19 @@ def main() -> int:
     parser.add_argument("--suffix-tokens", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64, help="requests per W3 / W3-Zipf run")
     parser.add_argument("--output-tokens", type=int, default=4)
-    parser.add_argument("--conversations", type=int, default=16, help="W4 conversations per run (3-6 turns each)")
+    parser.add_argument("--conversations", type=int, default=8, help="W4 conversations per run (3-6 turns each)")
     parser.add_argument("--document-words", type=int, default=60, help="W4: turn 1's document, in words")
     parser.add_argument("--question-words", type=int, default=6)
     parser.add_argument("--answer-tokens", type=int, default=8, help="W4: max tokens per answer")
     parser.add_argument("--think-min-s", type=float, default=0.2)
     parser.add_argument("--think-max-s", type=float, default=1.0)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--blocks", type=int, default=4,
-                        help="slices of each stream, each run through every policy in turn (spreads machine drift)")
+    parser.add_argument(
+        "--blocks", type=int, default=1,
+        help="slices of each stream, each run through every policy in turn (spreads machine drift). Only "
+        "meaningful when the KV pools hold every policy's working set: otherwise each policy's next slice "
+        "finds its cache evicted by the others' (a 4-block run at the defaults halved every hit rate)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=48, help="KV blocks per replica")
     parser.add_argument("--max-model-len", type=int, default=512)
