@@ -459,7 +459,7 @@ def main() -> int:
         time.sleep(2.0)  # heartbeats bind replica ids to URLs in every router
         sampler = HeartbeatSampler(redis_url)
         sampler.start()
-        for workload in args.workloads.split(","):
+        for w, workload in enumerate(args.workloads.split(",")):
             items = workload_items(args, workload)
             # The stream in blocks, each block through every policy in a rotating order: the machine's
             # speed drifts (it is shared), and this spreads the drift over all policies alike.
@@ -467,7 +467,9 @@ def main() -> int:
             blocks = [items[i:i + size] for i in range(0, len(items), size)]
             done: dict[str, list[dict]] = {policy: [] for policy in policies}
             for b, block in enumerate(blocks):
-                for policy in policies[b % len(policies):] + policies[: b % len(policies)]:
+                # Rotated per workload and block so that no policy always runs first.
+                k = (w + b) % len(policies)
+                for policy in policies[k:] + policies[:k]:
                     done[policy].append(run_block(args, workload, policy, routers[policy], replica_urls, block))
             for policy in policies:
                 parts = done[policy]
