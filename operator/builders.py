@@ -80,7 +80,10 @@ def model_path_and_init(spec: InferenceServiceSpec) -> tuple[str | None, list[di
         "name": "fetch-model",
         "image": spec.image,
         "command": ["hf", "download", model.location, "--local-dir", target],
-        "env": [{"name": "HF_HOME", "value": f"{MODEL_VOLUME_PATH}/hf-home"}],
+        # The image keeps servers offline (HF_HUB_OFFLINE=1); this container is the one that
+        # downloads, so it turns that off for itself.
+        "env": [{"name": "HF_HOME", "value": f"{MODEL_VOLUME_PATH}/hf-home"},
+                {"name": "HF_HUB_OFFLINE", "value": "0"}],
         "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_VOLUME_PATH},
                          {"name": "tmp", "mountPath": "/tmp"}],
         "securityContext": container_security_context(),

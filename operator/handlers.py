@@ -1,14 +1,15 @@
 """kopf handlers: converge an InferenceService's children, report status, run the autoscaler.
 
 Reconciliation is state-based and idempotent: every trigger (create, spec update, operator
-resume, the resync timer) server-side-applies the same desired children, so a restart or a
+resume, the periodic resync) server-side-applies the same desired children, so a restart or a
 repeated event never duplicates anything. The handlers are sync functions (kopf runs them in its
-thread pool) serialised per object by a lock, because a timer and a watch event of the same object
+thread pool) serialised per object by a lock, because the periodic loop and a watch event of the same object
 may otherwise write its status at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -61,6 +62,8 @@ class Runtime:
     config: OperatorConfig
     autoscalers: dict[str, scaling.AutoscalerState] = field(default_factory=dict)
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    watched: dict[str, tuple[str, str]] = field(default_factory=dict)  # uid -> (namespace, name)
+    last_runs: dict[str, dict[str, float]] = field(default_factory=dict)  # work -> uid -> when
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
 
@@ -69,6 +72,8 @@ class Runtime:
             return self._locks.setdefault(uid, threading.Lock())
 
     def forget(self, uid: str) -> None:
+        for runs in self.last_runs.values():
+            runs.pop(uid, None)
         with self._locks_guard:
             self._locks.pop(uid, None)
         self.autoscalers.pop(uid, None)
@@ -165,16 +170,25 @@ def refresh_status(runtime: Runtime, name: str, namespace: str,
         kube.merge_patch(_is_path(namespace, name, "status"), {"status": status})
 
 
-def reconcile(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None:
-    spec = _typed_spec(body)
-    owner = {"apiVersion": body["apiVersion"], "kind": body["kind"],
-             "metadata": dict(body["metadata"])}
-    with runtime.lock(body["metadata"]["uid"]):
-        meta = owner["metadata"]
-        runtime.metrics.register(meta["uid"], meta["namespace"], meta["name"])
+def being_deleted(body: kopf.Body | dict[str, Any]) -> bool:
+    return bool(body["metadata"].get("deletionTimestamp"))
+
+
+def reconcile(runtime: Runtime, body: kopf.Body | dict[str, Any], logger: logging.Logger) -> None:
+    meta = body["metadata"]
+    with runtime.lock(meta["uid"]):
         try:
+            # Read again under the lock: the autoscaler may have changed spec.replicas since
+            # `body` was read, and applying the older value would undo its decision.
+            current = runtime.kube.get(_is_path(meta["namespace"], meta["name"]))
+            if current is None or current["metadata"]["uid"] != meta["uid"] or being_deleted(current):
+                return  # gone, or the garbage collector is removing the children: make nothing
+            spec = _typed_spec(current)
+            owner = {"apiVersion": current["apiVersion"], "kind": current["kind"],
+                     "metadata": dict(current["metadata"])}
+            runtime.metrics.register(meta["uid"], meta["namespace"], meta["name"])
             apply_children(runtime.kube, owner, spec, runtime.config.images)
-            refresh_status(runtime, owner["metadata"]["name"], owner["metadata"]["namespace"])
+            refresh_status(runtime, meta["name"], meta["namespace"])
         except ApiError as exc:
             runtime.metrics.error(meta["uid"], meta["namespace"], meta["name"], "reconcile")
             if exc.status in (401, 403):
@@ -202,7 +216,7 @@ def autoscale(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
     uid = body["metadata"]["uid"]
     with runtime.lock(uid):
         current = kube.get(_is_path(body["metadata"]["namespace"], body["metadata"]["name"]))
-        if current is None:
+        if current is None or being_deleted(current):
             return
         spec = _typed_spec(current)
         name, namespace = current["metadata"]["name"], current["metadata"]["namespace"]
@@ -253,6 +267,43 @@ def autoscale(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
         refresh_status(runtime, name, namespace, extra, [scaling_condition])
 
 
+def due(now: float, last: float | None, interval: float) -> bool:
+    return last is None or now - last >= interval
+
+
+def periodic_round(runtime: Runtime, work: str, now: float) -> None:
+    """One pass of `work` ("reconcile" every resync interval, "autoscale" every scrape
+    interval) over the watched objects that are due, each from a fresh read, skipping what is
+    gone or being deleted."""
+    handler, interval = ((reconcile, runtime.config.resync_interval) if work == "reconcile"
+                         else (autoscale, runtime.config.scrape_interval))
+    last_runs = runtime.last_runs.setdefault(work, {})
+    for uid, (namespace, name) in list(runtime.watched.items()):
+        if not due(now, last_runs.get(uid), interval):
+            continue
+        last_runs[uid] = now
+        try:
+            body = runtime.kube.get(_is_path(namespace, name))
+            if body is None or being_deleted(body) or body["metadata"]["uid"] != uid:
+                continue
+            handler(runtime, body, log)
+        except (ApiError, kopf.TemporaryError, kopf.PermanentError) as exc:
+            runtime.metrics.error(uid, namespace, name, work)
+            log.warning("%s/%s: %s: %s", namespace, name, work, exc)
+
+
+async def periodic(runtime: Runtime, work: str) -> None:
+    """`work` for every watched object, forever; reconcile and autoscale run as two such loops,
+    so a slow reconcile never delays a scaling decision."""
+    interval = runtime.config.resync_interval if work == "reconcile" else runtime.config.scrape_interval
+    while True:
+        try:
+            await asyncio.to_thread(periodic_round, runtime, work, time.monotonic())
+        except Exception:  # a bug must not end the loop silently
+            log.exception("periodic %s failed", work)
+        await asyncio.sleep(min(interval / 4, 1.0))
+
+
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     """Attach the handlers to `registry`, with the timer intervals from `config`."""
     resource = (GROUP, VERSION, PLURAL)
@@ -265,22 +316,28 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                       kopf.on.update(*resource, field="spec", registry=registry)):
         decorator(on_spec)
 
-    @kopf.timer(*resource, interval=config.resync_interval, registry=registry)
-    def resync(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-        reconcile(memo.runtime, body, logger)
+    # No kopf timers or daemons: kopf puts a finalizer on every object that has one, and a
+    # deletion would then wait for a running operator. The watch keeps an index of the objects;
+    # one loop started with the operator does the periodic work (resync, scrape, autoscale).
+    @kopf.on.event(*resource, registry=registry)
+    async def track(body: kopf.Body, event: dict[str, Any], memo: kopf.Memo, **_: Any) -> None:
+        meta = body["metadata"]
+        if event.get("type") == "DELETED":
+            memo.runtime.watched.pop(meta["uid"], None)
+            memo.runtime.forget(meta["uid"])
+        else:
+            memo.runtime.watched[meta["uid"]] = (meta["namespace"], meta["name"])
+        if getattr(memo, "periodic", None) is None:
+            # Started from a handler, so that they inherit kopf's context (kopf.event needs it).
+            memo.periodic = [asyncio.create_task(periodic(memo.runtime, work), name=f"kvscale-{work}")
+                             for work in ("autoscale", "reconcile")]
+            log.info("periodic reconcile every %.1fs, scrape every %.1fs",
+                     memo.runtime.config.resync_interval, memo.runtime.config.scrape_interval)
 
-    @kopf.timer(*resource, interval=config.scrape_interval, registry=registry)
-    def scrape(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-        try:
-            autoscale(memo.runtime, body, logger)
-        except ApiError as exc:
-            meta = body["metadata"]
-            memo.runtime.metrics.error(meta["uid"], meta["namespace"], meta["name"], "autoscale")
-            raise kopf.TemporaryError(str(exc), delay=config.scrape_interval) from exc
-
-    @kopf.on.delete(*resource, optional=True, registry=registry)
-    def forget(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-        memo.runtime.forget(body["metadata"]["uid"])
+    @kopf.on.cleanup(registry=registry)
+    async def stop_periodic(memo: kopf.Memo, **_: Any) -> None:
+        for task in getattr(memo, "periodic", None) or []:
+            task.cancel()
 
     # Deployment status moves as pods become ready: report it without waiting for the resync.
     @kopf.on.event("apps", "v1", "deployments", labels={NAME_LABEL: kopf.PRESENT},

@@ -122,7 +122,9 @@ class OperatorProcess:
         self.proc = subprocess.Popen(
             [str(KVSCALE_BIN) if KVSCALE_BIN.exists() else sys.executable, *(
                 [] if KVSCALE_BIN.exists() else ["-m", "kvscale"]),
-             "operator", "--kubeconfig", str(kubeconfig), *extra,
+             "operator", "--kubeconfig", str(kubeconfig),
+             # Several operators run at once on this host: no fixed metrics port unless asked.
+             *([] if "--metrics-port" in extra else ["--metrics-port", "0"]), *extra,
              # KVSCALE_E2E_VERBOSE=1 keeps every request and handler run in the logs.
              *(["--verbose"] if os.environ.get("KVSCALE_E2E_VERBOSE") else [])],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,

@@ -238,7 +238,9 @@ def test_new_service_gets_children_ready_status_scale_and_columns(cluster):
 
     service = cluster.get("service", name, ns)
     headless = cluster.get("service", f"{name}-pods", ns)
-    assert service["spec"]["selector"] == {LABEL: name}
+    # The service's URL leads to its router; the router finds the servers through the headless one.
+    assert service["spec"]["selector"] == {"serving.kvscale.io/router": name}
+    assert headless["spec"]["selector"] == {LABEL: name}
     assert headless["spec"]["clusterIP"] == "None"
     for svc in (service, headless):
         assert svc["metadata"]["ownerReferences"][0]["uid"] == kvis["metadata"]["uid"]
@@ -405,7 +407,9 @@ def test_rbac_is_least_privilege(cluster):
 
     assert can("patch", "inferenceservices.serving.kvscale.io/scale")
     assert can("create", "deployments.apps") and can("patch", "pods")
-    assert not can("delete", "deployments.apps")  # garbage collection deletes, not the operator
+    # delete: only to remove a router or Redis the spec turned off (the GC removes the rest).
+    assert can("delete", "deployments.apps") and not can("deletecollection", "deployments.apps")
+    assert can("create", "roles.rbac.authorization.k8s.io") and not can("escalate", "roles.rbac.authorization.k8s.io")
     assert not can("list", "secrets") and not can("watch", "secrets")
     assert not can("delete", "pods") and not can("create", "pods")
     assert not can("update", "nodes", "")
@@ -419,7 +423,7 @@ def test_a_missing_verb_fails(cluster):
     role = next(d for d in rbac if d["kind"] == "ClusterRole")
     role["metadata"]["name"] = "kvscale-operator-crippled"
     for rule in role["rules"]:
-        if rule["resources"] == ["services"]:
+        if "services" in rule["resources"]:
             rule["verbs"] = [v for v in rule["verbs"] if v != "create"]
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
                "metadata": {"name": "kvscale-operator-crippled"},
@@ -439,10 +443,8 @@ def test_a_missing_verb_fails(cluster):
         assert 'cannot create resource "services"' in crippled.log()
     finally:
         crippled.stop()
-        cluster.kubectl("delete", "kvis", "denied", "-n", UNWATCHED, "--wait=false", check=False)
-        # Without an operator to remove kopf's finalizer, deletion would wait: drop it.
-        cluster.kubectl("patch", "kvis", "denied", "-n", UNWATCHED, "--type=merge",
-                        "-p", '{"metadata":{"finalizers":null}}', check=False)
+        # No finalizer: deletion completes with no operator running.
+        cluster.kubectl("delete", "kvis", "denied", "-n", UNWATCHED, "--timeout=30s")
 
 
 # --------------------------------------------------------------------------- autoscaler
