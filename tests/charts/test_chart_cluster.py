@@ -18,7 +18,7 @@ from testenv import kwok_toleration
 
 from kvscale.processes import die_with_parent, free_port, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.k8s]
 
 # Not the names deploy/*.yaml uses, so the operator tests' kubectl-applied objects never clash.
 RELEASE = "kvs-chart"

@@ -18,6 +18,10 @@ from kvscale.router.policy import POLICIES
 
 # Kubernetes' own structures inside values: their parts are optional.
 OPEN_BLOCKS = {"resources", "namespaceSelector", "podSelector"}
+# Fast once helm is built, but helm comes with the Go-built control plane (tools/k8s-bins.sh), which
+# `make test-fast` on a clean clone should not wait for.
+pytestmark = pytest.mark.slow
+
 POD_KINDS = {"Deployment": lambda d: d["spec"]["template"]["spec"], "Pod": lambda d: d["spec"]}
 
 
