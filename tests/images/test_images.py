@@ -96,37 +96,68 @@ print(json.dumps({{
 """
 
 
-def test_engine_image_serves_as_a_restricted_pod(images, tmp_path):
-    port = free_port()
-    name = f"kvscale-test-engine-{port}"
-    podman("run", "-d", "--name", name, "--init", "--network", "host",
-           "--user", "1000:1000", "--read-only", "--tmpfs", "/tmp:rw,size=256m",
-           "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-           images["engine"], "serve", "--host", "127.0.0.1", "--port", str(port))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        def healthy() -> bool:
-            running = podman("inspect", "--format", "{{.State.Running}}", name).stdout.strip()
-            assert running == "true", podman("logs", name, check=False).stderr[-4000:]
-            try:
-                return httpx.get(f"{base}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
+RESTRICTED_POD = ("--init", "--network", "host", "--user", "1000:1000", "--read-only",
+                  "--tmpfs", "/tmp:rw,size=256m", "--cap-drop", "ALL",
+                  "--security-opt", "no-new-privileges")
 
-        wait_until(healthy, 300, interval=1.0, what="the engine container's /health")
+
+def _sample(text: str, series: str) -> float:
+    """The value of one series (name plus labels, as exposed) in a Prometheus text page."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} not in /metrics")
+
+
+def _start(name: str, image: str, *args: str) -> None:
+    podman("run", "-d", "--name", name, *RESTRICTED_POD, image, *args)
+
+
+def _wait_healthy(name: str, url: str) -> None:
+    def healthy() -> bool:
+        running = podman("inspect", "--format", "{{.State.Running}}", name).stdout.strip()
+        assert running == "true", podman("logs", name, check=False).stderr[-4000:]
+        try:
+            return httpx.get(url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, 300, interval=1.0, what=f"{name}: {url}")
+
+
+def test_engine_image_serves_as_a_restricted_pod_behind_the_control_plane_router(images):
+    """The engine image as a server pod, the control-plane image as its router pod (both with a
+    restricted pod's settings): /health, /metrics, and completions straight and through the
+    router, whose tokenizer (no torch in its image) hashes the prompt."""
+    port, router_port = free_port(), free_port()
+    server, router = f"kvscale-test-engine-{port}", f"kvscale-test-router-{router_port}"
+    base, router_base = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{router_port}"
+    try:
+        _start(server, images["engine"], "serve", "--host", "127.0.0.1", "--port", str(port))
+        _start(router, images["control-plane"], "router", "--replicas", base, "--host", "127.0.0.1",
+               "--port", str(router_port))
+        _wait_healthy(server, f"{base}/health")
+        assert podman("exec", server, "id", "-u").stdout.strip() == "1000"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
         model = client.models.list().data[0].id
         completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
         assert completion.choices[0].text.strip()
         assert completion.usage.completion_tokens > 0
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
-        assert "vllm:num_requests_running" in metrics
-        assert "vllm:kv_cache_usage_perc" in metrics
-        assert "vllm:generation_tokens_total" in metrics
-        user = podman("exec", name, "id", "-u").stdout.strip()
-        assert user == "1000"
+        for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:generation_tokens_total"):
+            assert name in metrics
+
+        _wait_healthy(router, f"{router_base}/health")  # 200 once it sees a healthy replica
+        routed = openai.OpenAI(base_url=f"{router_base}/v1", api_key="unused")
+        chat = routed.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content.strip()
+        router_metrics = httpx.get(f"{router_base}/metrics", timeout=10).text
+        # It tokenized the prompt, with no fallback for want of a tokenizer.
+        assert _sample(router_metrics, "kvscale_router_prompt_tokens_total") > 0
+        assert _sample(router_metrics, 'kvscale_router_fallbacks_total{reason="no_tokenizer"}') == 0
     finally:
-        podman("rm", "-f", "-t", "5", name, check=False)
+        for name in (router, server):
+            podman("rm", "-f", "-t", "5", name, check=False)
 
 
 def test_a_source_change_rebuilds_only_the_source_layer(images, tmp_path):
