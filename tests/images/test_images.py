@@ -5,7 +5,9 @@
   client) and /metrics;
 - control plane: `kvscale operator --help` and `kvscale router --help` work, there is no torch
   inside, the router's tokenizer loads there and tokenizes exactly as the engine does, and the
-  image stays under 400 MB;
+  image stays under 400 MB; its router in front of the engine container serves a chat completion;
+  its operator, with a real ServiceAccount token, reconciles an InferenceService on the session's
+  kube-apiserver;
 - layer order: a source change rebuilds only the sources layer (no pip download of torch).
 
 Figures (sizes, build times) come from `python -m bench.image_build`, not from here.
@@ -23,6 +25,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from testenv import kwok_toleration
 
 from kvscale.processes import free_port, wait_until
 from kvscale.server.model_loader import load_tokenizer, resolve_model_path
@@ -109,8 +112,8 @@ def _sample(text: str, series: str) -> float:
     raise AssertionError(f"{series} not in /metrics")
 
 
-def _start(name: str, image: str, *args: str) -> None:
-    podman("run", "-d", "--name", name, *RESTRICTED_POD, image, *args)
+def _start(name: str, image: str, *args: str, options: tuple[str, ...] = ()) -> None:
+    podman("run", "-d", "--name", name, *RESTRICTED_POD, *options, image, *args)
 
 
 def _wait_healthy(name: str, url: str) -> None:
@@ -190,3 +193,49 @@ def test_a_source_change_rebuilds_only_the_source_layer(images, tmp_path):
         assert "Using cache" not in log.split(sources_step, 1)[1].split("STEP ", 1)[0]
     finally:
         podman("rmi", "-f", f"{registry}/kvscale:0.1.0", check=False)
+
+
+@pytest.mark.k8s
+def test_control_plane_image_runs_the_operator_against_a_real_apiserver(images, k8s_env, tmp_path):
+    """`kvscale operator` from the control-plane image (restricted pod settings), with a real
+    token of the ServiceAccount deploy/rbac.yaml makes, reconciles an InferenceService."""
+    env = k8s_env
+    namespace = "image-operator"
+    env.kubectl("apply", "-f", str(REPO_ROOT / "crds"), "-f", str(REPO_ROOT / "deploy" / "rbac.yaml"))
+    if env.kubectl("get", "namespace", namespace, check=False).returncode != 0:
+        env.kubectl("create", "namespace", namespace)
+    kubeconfig = env.kubeconfig_with_token("kvscale-system", "kvscale-operator")
+    mounted = tmp_path / "kubeconfig"
+    mounted.write_bytes(kubeconfig.read_bytes())
+    mounted.chmod(0o644)  # readable by uid 1000 in the container
+    name = f"kvscale-test-operator-{free_port()}"
+    _start(name, images["control-plane"], "operator", f"--namespace={namespace}", "--no-leader-elect",
+           "--kubeconfig=/etc/kvscale/kubeconfig", "--metrics-host=127.0.0.1",
+           f"--metrics-port={free_port()}", options=("-v", f"{mounted}:/etc/kvscale/kubeconfig:ro"))
+    service = {
+        "apiVersion": "serving.kvscale.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": namespace},
+        "spec": {"model": {"uri": "bundled://smollm2-135m-instruct"},
+                 "resources": {"gpus": 1, "cpu": "1", "memory": "2Gi"},
+                 "tolerations": [kwok_toleration()]},
+    }
+    try:
+        env.kubectl("apply", "-f", "-", input=json.dumps(service))
+
+        def reconciled() -> bool:
+            assert podman("inspect", "--format", "{{.State.Running}}", name).stdout.strip() == "true", \
+                podman("logs", name, check=False).stderr[-4000:]
+            status = env.kubectl_json("get", "inferenceservice", "chat", "-n", namespace).get("status") or {}
+            return bool(status.get("url")) and any(c["type"] == "Ready" for c in status.get("conditions") or [])
+
+        wait_until(reconciled, 120, interval=1.0, what="the operator container reconciling chat")
+        assert env.kubectl("get", "deployment", "chat", "-n", namespace, check=False).returncode == 0
+        env.kubectl("delete", "inferenceservice", "chat", "-n", namespace, "--wait=false")
+        wait_until(lambda: env.kubectl("get", "inferenceservice", "chat", "-n", namespace,
+                                       check=False).returncode != 0,
+                   60, interval=0.5, what="chat deleted (the operator drops its finalizer)")
+        logs = podman("logs", name).stdout + podman("logs", name).stderr
+        assert "forbidden" not in logs.lower()
+    finally:
+        podman("rm", "-f", "-t", "10", name, check=False)
+        env.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
