@@ -143,6 +143,7 @@ class SimRequest:
     first_token: float | None = None
     finished: float | None = None
     hit_tokens: int = 0
+    expected_hit_blocks: int = 0  # what the router's index matched on the chosen replica
     pinned: list[int] = field(default_factory=list)
 
 
@@ -161,7 +162,9 @@ class SimReplica:
 
     # what the router sees
     def queued_prefill_tokens(self) -> int:
-        waiting = sum(r.prompt_tokens - self._cached_prefix(r) * self.block_size for r in self.waiting)
+        # As this router's ledger counts its own sends: the prompt less what the index matched there.
+        waiting = sum(r.prompt_tokens - max(self._cached_prefix(r), r.expected_hit_blocks) * self.block_size
+                      for r in self.waiting)
         return waiting + sum(r.to_prefill for r in self.running)
 
     def num_decoding(self) -> int:
@@ -293,6 +296,7 @@ class SimRouter:
             prompt_tokens=req.prompt_tokens, block_size=self.block_size,
         )
         chosen = int(decision.ranked[0][1:])
+        req.expected_hit_blocks = decision.matched_blocks
         if routing.uses_prefix(name):
             for h in req.hashes:
                 self.predicted[chosen][h] = now + 10.0
@@ -307,7 +311,7 @@ class Workload:
 
 
 def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: int, block_size: int,
-                 costs: Costs | list[Costs], seed: int = 0) -> dict:
+                 costs: Costs | list[Costs], seed: int = 0, details: bool = False) -> dict:
     """``costs``: one for every replica, or a list (a pool of unequal replicas)."""
     from kvscale.server.block_hash import hash_prompt_blocks
 
@@ -369,6 +373,7 @@ def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: 
         "ttft_p90_s": quantile(ttfts, 0.9),
         "output_tokens_per_s": sum(r.output_tokens for r in requests) / wall,
         "max_over_mean_requests": max(counts) / statistics.mean(counts),
+        **({"requests_detail": requests} if details else {}),
     }
 
 

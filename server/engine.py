@@ -388,7 +388,11 @@ class LLMEngine:
         running_requests = {seq.request.request_id for seq in sched.running}
         waiting_requests = {seq.request.request_id for seq in sched.waiting} - running_requests
         # For the router's TTFT prediction: prompt work queued here, and how many sequences decode.
-        prefill_pending = sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting)
+        # A waiting prompt's cached prefix costs nothing: count what admission would still compute.
+        prefill_pending = 0
+        for seq in sched.waiting:
+            cached = len(self.kv.find_cached_prefix(seq)) * self.block_size if not seq.block_table else 0
+            prefill_pending += seq.num_tokens - max(seq.num_computed_tokens, cached)
         num_decoding = 0
         for seq in sched.running:
             left = seq.num_tokens - seq.num_computed_tokens

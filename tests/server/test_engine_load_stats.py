@@ -1,0 +1,26 @@
+"""The load figures an engine reports for the router's TTFT prediction (EngineStats.extra)."""
+
+from __future__ import annotations
+
+from kvscale.server.sampling_params import SamplingParams
+
+
+def test_waiting_prefill_tokens_leave_out_what_the_prefix_cache_already_holds(make_engine):
+    engine = make_engine(max_num_seqs=1, max_num_batched_tokens=512, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    shared = list(range(1000, 1064))  # 4 full blocks
+    engine.add_request("a", shared + [7] * 16, params)
+    engine.step()  # "a" is prefilled; its blocks are findable; it decodes from now on
+    engine.add_request("b", shared + [9] * 16, params)  # waits (one sequence at a time): 64 tokens cached
+    engine.add_request("c", list(range(2000, 2080)), params)  # waits: nothing cached
+    try:
+        extra = engine.get_stats().extra
+    finally:
+        while engine.has_unfinished_requests():
+            engine.step()
+    # "b" needs 80 - 64 = 16 tokens, "c" all 80: a full-prompt count (160) would make the router
+    # believe this replica is twice as busy with prompts as it is.
+    assert extra["prefill_tokens_waiting"] == 16 + 80
+    assert extra["num_decoding"] == 1
+    assert extra["max_num_batched_tokens"] == 512
+    assert extra["last_step_s"] > 0
