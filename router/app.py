@@ -409,7 +409,7 @@ class Router:
             out_headers["x-kvscale-router-ms"] = f"{(decided - started) * 1000:.3f}"
             out_headers["x-kvscale-predicted-hit-tokens"] = str(predicted_tokens)
             return StreamingResponse(
-                self._passthrough(first, chunks, upstream, replica, ticket),
+                self._passthrough(first, chunks, upstream, replica, ticket, ledger),
                 status_code=upstream.status_code,
                 headers=out_headers,
             )
@@ -432,18 +432,21 @@ class Router:
         replica.healthy = False
         replica.status = describe_check("/health", 503, None, "draining")  # what its next check says
 
-    async def _passthrough(self, first: bytes, chunks, upstream: httpx.Response, replica: Replica, ticket: int = 0):
+    async def _passthrough(self, first: bytes, chunks, upstream: httpx.Response, replica: Replica, ticket: int,
+                           ledger: PrefillLedger):
+        # The ledger itself, not a lookup by replica id: the id changes when the replica's first
+        # heartbeat binds it (a router that just started), and the lookup then cut the stream.
         try:
             if first:
                 yield first
             async for chunk in chunks:
-                self._ledgers[replica.replica_id].started(ticket, time.time())
+                ledger.started(ticket, time.time())
                 yield chunk
         except (httpx.TransportError, httpx.StreamError) as exc:
             # Already streaming: never retried; the client sees the stream end.
             log.warning("replica %s broke a stream mid-way: %s", replica.replica_id, exc)
         finally:
-            self._ledgers[replica.replica_id].done(ticket, time.time())
+            ledger.done(ticket, time.time())
             self._release(replica)
             await upstream.aclose()
 
