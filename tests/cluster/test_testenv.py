@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from testenv import (
     COMPONENTS,
+    CPU_NODE_NAME,
     FAKE_NODE_GPUS,
     FAKE_NODE_NAME,
     POD_CIDR,
@@ -212,20 +213,20 @@ def test_cli_up_status_down_leaves_no_process_behind(k8s_bins: Path, tmp_path: P
     assert set(pids) == set(COMPONENTS)
     try:
         status = subprocess.run(
-            [*command, "status", *common], capture_output=True, text=True, timeout=60
+            [*command, "status", *common], capture_output=True, text=True, env=env, timeout=60
         )
         assert status.returncode == 0, status.stdout
         # A second `up` finds it running and starts nothing new.
         again = subprocess.run(
-            [*command, "up", *common], capture_output=True, text=True, timeout=60
+            [*command, "up", *common], capture_output=True, text=True, env=env, timeout=60
         )
         assert again.returncode == 0 and "already up" in again.stdout
         assert K8sEnv.load(workdir).pids == pids
         nodes = state.kubectl_json("get", "nodes")["items"]
-        assert [n["metadata"]["name"] for n in nodes] == [FAKE_NODE_NAME]
+        assert [n["metadata"]["name"] for n in nodes] == sorted([CPU_NODE_NAME, FAKE_NODE_NAME])
     finally:
         down = subprocess.run(
-            [*command, "down", *common], capture_output=True, text=True, timeout=120
+            [*command, "down", *common], capture_output=True, text=True, env=env, timeout=120
         )
     assert down.returncode == 0, down.stderr
     assert not workdir.exists()
