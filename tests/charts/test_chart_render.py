@@ -14,7 +14,7 @@ from kvscale.operator.builders import child_labels
 from kvscale.operator.redis_children import redis_labels
 from kvscale.operator.router_children import router_labels
 from kvscale.operator.spec import REDIS_PORT, SERVER_PORT
-from kvscale.router.policy import POLICIES
+from kvscale.router.policy import DEFAULT_POLICY, POLICIES
 
 # Kubernetes' own structures inside values: their parts are optional.
 OPEN_BLOCKS = {"resources", "namespaceSelector", "podSelector"}
@@ -140,6 +140,7 @@ def test_namespace_router_runs_namespace_wide_with_least_privilege(helm):
     # Its --policy choices are the router's.
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert schema["properties"]["namespaceRouter"]["properties"]["policy"]["enum"] == list(POLICIES)
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["namespaceRouter"]["policy"] == DEFAULT_POLICY
 
 
 @pytest.mark.parametrize(
