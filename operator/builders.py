@@ -28,6 +28,21 @@ STARTUP_PROBE_FAILURES = 180
 RUN_AS_USER = 1000
 # Time for in-flight streams to finish after SIGTERM before the kubelet kills the server.
 TERMINATION_GRACE_PERIOD_SECONDS = 60
+# Before SIGTERM: time for the EndpointSlice change to reach every router (which then stops
+# sending), then the process drains for what is left of the grace period, less a margin for
+# uvicorn and the process's exit.
+PRE_STOP_SLEEP_SECONDS = 5
+SHUTDOWN_MARGIN_SECONDS = 10
+
+
+def shutdown_timeout(grace_seconds: int) -> int:
+    """--shutdown-timeout for a pod with this termination grace period."""
+    return grace_seconds - PRE_STOP_SLEEP_SECONDS - SHUTDOWN_MARGIN_SECONDS
+
+
+def pre_stop() -> dict[str, Any]:
+    # The kubelet's own sleep action: no `sleep` binary needed in the image.
+    return {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_SECONDS}}}
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,7 @@ def server_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]
         "--block-size", str(engine.block_size),
         "--max-num-seqs", str(engine.max_num_seqs),
         "--gpu-memory-utilization", str(engine.gpu_memory_utilization),
+        "--shutdown-timeout", str(shutdown_timeout(TERMINATION_GRACE_PERIOD_SECONDS)),
     ]
     if engine.max_num_batched_tokens is not None:
         args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
@@ -219,6 +235,7 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> d
         "startupProbe": http_probe(STARTUP_PROBE_PERIOD_SECONDS, STARTUP_PROBE_FAILURES),
         "readinessProbe": http_probe(5, 3),
         "livenessProbe": http_probe(10, 6),
+        "lifecycle": pre_stop(),
         "securityContext": container_security_context(),
         "volumeMounts": mounts,
     }

@@ -15,6 +15,8 @@ from kvscale.operator.builders import (
     container_security_context,
     headless_service_name,
     pod_security_context,
+    pre_stop,
+    shutdown_timeout,
 )
 from kvscale.operator.spec import ROUTER_PORT, InferenceServiceSpec
 
@@ -50,6 +52,7 @@ def router_args(name: str, spec: InferenceServiceSpec) -> list[str]:
         "--k8s-service", headless_service_name(name),
         "--namespace", "$(POD_NAMESPACE)",
         "--k8s-port-name", "http",
+        "--shutdown-timeout", str(shutdown_timeout(ROUTER_TERMINATION_GRACE_PERIOD_SECONDS)),
     ]
     if spec.router.policy is not None:
         args += ["--policy", spec.router.policy]
@@ -91,6 +94,7 @@ def build_router_deployment(name: str, namespace: str, spec: InferenceServiceSpe
         # /health is 503 while no server is ready: right for readiness, wrong for liveness.
         "readinessProbe": probe,
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
+        "lifecycle": pre_stop(),
         "securityContext": container_security_context(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }

@@ -8,9 +8,9 @@ kubelet would run it:
   (plain values, the downward API, Secret and ConfigMap keys), become a local process. The image
   names the executable: an image whose name starts with `kvscale` provides this checkout's
   `kvscale` entry point, `redis` provides Debian's `redis-server` (IMAGES).
-- Each pod gets its own address in PROCESS_POD_CIDR (198.18.0.0/16, made local on lo by the
-  environment: the apiserver refuses 127/8 in EndpointSlices), which its processes bind:
-  nothing leaves the machine. Each process runs in its own mount namespace where
+- Each pod gets its own address in the environment's pod CIDR (a /24 of 198.18.0.0/16, made
+  local on lo by the environment: the apiserver refuses 127/8 in EndpointSlices), which its
+  processes bind: nothing leaves the machine. Each process runs in its own mount namespace where
   /etc/hosts resolves the cluster's Service names (as cluster DNS would), /tmp and /dev/shm are
   the pod's own emptyDirs, and a pod with a service-account token finds it where client
   libraries look (/var/run/secrets/kubernetes.io/serviceaccount) with KUBERNETES_SERVICE_HOST set.
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from testenv import KUBERNETES_SERVICE_IP, PROCESS_POD_CIDR, SERVICE_CIDR, K8sEnv
+from testenv import K8sEnv
 
 from kvscale.operator.kube import ApiError, Kube, load_connection, path_for
 from kvscale.processes import die_with_parent
@@ -76,8 +76,9 @@ def default_images() -> dict[str, Image]:
     kvscale = str(Path(sys.executable).with_name("kvscale"))
     # The image converts the bundled model at build time: here, the checkout's cache holds it.
     cache = os.environ.get("KVSCALE_CACHE") or str(Path.home() / ".cache" / "kvscale")
-    kvscale_image = Image({"kvscale": kvscale}, {"KVSCALE_CACHE": cache, "HF_HUB_OFFLINE": "1",
-                                                 "PYTHONUNBUFFERED": "1"})
+    # Its entry point and its Python, with kvscale installed (helm test pods run `python -c`).
+    kvscale_image = Image({"kvscale": kvscale, "python": sys.executable, "python3": sys.executable},
+                          {"KVSCALE_CACHE": cache, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
     redis = shutil.which("redis-server")
     images = {"kvscale": kvscale_image}
     if redis is not None:
@@ -200,6 +201,7 @@ class PodWorker:
         self.state = ContainerState(self.container["name"])
         self.dir = runtime.workdir / "pods" / f"{self.key[0]}_{self.key[1]}"
         self.start_time = rfc3339()
+        self.finished_phase: str | None = None  # Succeeded / Failed, for run-to-completion pods
         self.terminating = threading.Event()
         self.done = threading.Event()
         self._lock = threading.Lock()
@@ -270,7 +272,7 @@ class PodWorker:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOSTNAME": self.key[1],
                **image.env, **values}
         if self.pod["spec"].get("automountServiceAccountToken", True) is not False:
-            env["KUBERNETES_SERVICE_HOST"] = KUBERNETES_SERVICE_IP
+            env["KUBERNETES_SERVICE_HOST"] = self.runtime.env.kubernetes_service_ip
             env["KUBERNETES_SERVICE_PORT"] = "443"
         return argv, env
 
@@ -278,11 +280,17 @@ class PodWorker:
         """(source, target) bind mounts for the process's own mount namespace."""
         mounts = [(self.runtime.hosts_file, Path("/etc/hosts"))]
         volumes = {v["name"]: v for v in self.pod["spec"].get("volumes") or []}
+        # What the process itself needs from this machine (a checkout or its .venv under /tmp,
+        # say) must stay visible: no volume is mounted over it.
+        needed = [Path(sys.prefix).resolve(), REPO_ROOT, self.runtime.workdir.resolve()]
         for mount in self.container.get("volumeMounts") or []:
             volume = volumes.get(mount["name"]) or {}
             target = Path(mount["mountPath"])
             # Only emptyDirs over folders this machine has (/tmp, /dev/shm); others would need
             # folders created outside the pod, and nothing the platform runs writes to them.
+            if any(path.is_relative_to(target) for path in needed):
+                log.info("pod %s: %s not mounted (it holds what the process runs)", self.key, target)
+                continue
             if "emptyDir" in volume and target.is_dir():
                 source = self.dir / "volumes" / mount["name"]
                 source.mkdir(parents=True, exist_ok=True)
@@ -291,9 +299,7 @@ class PodWorker:
         token_dir = self.dir / "serviceaccount"
         if (token_dir / "token").is_file():
             mounts.append((token_dir, SERVICE_ACCOUNT_DIR))
-        # A mount over a folder holding the runtime's own files (the pod's /tmp over a workdir in
-        # /tmp) would hide the sources of the mounts after it: those go last.
-        return sorted(mounts, key=lambda m: self.runtime.workdir.is_relative_to(m[1]))
+        return mounts
 
     def _project_token(self) -> None:
         if self.pod["spec"].get("automountServiceAccountToken", True) is False:
@@ -366,6 +372,14 @@ class PodWorker:
                 "exitCode": code if code >= 0 else 128 - code,
                 "reason": "Error" if code else "Completed",
                 "startedAt": self.state.running_since, "finishedAt": rfc3339()}}
+            policy = self.pod["spec"].get("restartPolicy", "Always")
+            if policy == "Never" or (policy == "OnFailure" and code == 0):
+                # A run-to-completion pod (a Job's, a helm test hook): it ends here.
+                self.state.process, self.state.ready = None, False
+                self.finished_phase = "Succeeded" if code == 0 else "Failed"
+                self.runtime.report(self)
+                self.done.set()
+                break
             self.state.restart_count += 1
             self.state.ready = False
             self.state.process = None
@@ -486,7 +500,12 @@ class PodWorker:
             container_status["lastState"] = state.last_exit
         condition = "True" if ready else "False"
         # Pending until the container first runs, as the kubelet reports it.
-        phase = "Running" if state.process is not None or state.restart_count else "Pending"
+        phase = self.finished_phase or (
+            "Running" if state.process is not None or state.restart_count else "Pending")
+        if self.finished_phase is not None:
+            current = state.last_exit or {}
+            container_status["state"] = current
+            container_status.pop("lastState", None)
         return {
             "phase": phase,
             "podIP": self.ip, "podIPs": [{"ip": self.ip}],
@@ -524,6 +543,11 @@ class ServiceProxy:
         async def close() -> None:
             for server in self.listeners.values():
                 server.close()
+            current = asyncio.current_task()
+            pending = [t for t in asyncio.all_tasks() if t is not current]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         asyncio.run_coroutine_threadsafe(close(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
@@ -569,14 +593,15 @@ class ServiceProxy:
 
 
 def service_backends(services: list[dict[str, Any]], slices: list[dict[str, Any]],
-                     apiserver: tuple[str, int]) -> dict[tuple[str, int], list[tuple[str, int]]]:
+                     apiserver: tuple[str, int], service_cidr: str
+                     ) -> dict[tuple[str, int], list[tuple[str, int]]]:
     """ClusterIP:port -> ready endpoint addresses, from Services and their EndpointSlices."""
     by_service: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for endpoint_slice in slices:
         owner = (endpoint_slice["metadata"].get("labels") or {}).get("kubernetes.io/service-name")
         if owner:
             by_service.setdefault((endpoint_slice["metadata"]["namespace"], owner), []).append(endpoint_slice)
-    network = ipaddress.ip_network(SERVICE_CIDR)
+    network = ipaddress.ip_network(service_cidr)
     backends: dict[tuple[str, int], list[tuple[str, int]]] = {}
     for service in services:
         cluster_ip = service["spec"].get("clusterIP")
@@ -599,17 +624,27 @@ def service_backends(services: list[dict[str, Any]], slices: list[dict[str, Any]
     return backends
 
 
-def hosts_file_text(services: list[dict[str, Any]], cluster_domain: str = "cluster.local") -> str:
-    """/etc/hosts lines resolving each ClusterIP Service's DNS names, as cluster DNS would."""
+def hosts_file_text(services: list[dict[str, Any]], slices: list[dict[str, Any]] = (),
+                    cluster_domain: str = "cluster.local") -> str:
+    """/etc/hosts lines resolving Service names as cluster DNS would: a ClusterIP Service to its
+    ClusterIP, a headless one to its ready endpoints' addresses."""
+    ready: dict[tuple[str, str], list[str]] = {}
+    for endpoint_slice in slices:
+        owner = (endpoint_slice["metadata"].get("labels") or {}).get("kubernetes.io/service-name")
+        for endpoint in endpoint_slice.get("endpoints") or []:
+            if owner and (endpoint.get("conditions") or {}).get("ready") is not False:
+                ready.setdefault((endpoint_slice["metadata"]["namespace"], owner), []).append(
+                    endpoint["addresses"][0])
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
     for service in sorted(services, key=lambda s: (s["metadata"]["namespace"], s["metadata"]["name"])):
         cluster_ip = service["spec"].get("clusterIP")
-        if not cluster_ip or cluster_ip == "None":
+        if not cluster_ip:
             continue
         name, namespace = service["metadata"]["name"], service["metadata"]["namespace"]
-        names = [f"{name}.{namespace}.svc.{cluster_domain}", f"{name}.{namespace}.svc",
-                 f"{name}.{namespace}"]
-        lines.append(f"{cluster_ip}\t" + " ".join(names))
+        names = " ".join([f"{name}.{namespace}.svc.{cluster_domain}", f"{name}.{namespace}.svc",
+                          f"{name}.{namespace}"])
+        addresses = sorted(set(ready.get((namespace, name), []))) if cluster_ip == "None" else [cluster_ip]
+        lines += [f"{address}\t{names}" for address in addresses]
     return "\n".join(lines) + "\n"
 
 
@@ -632,7 +667,7 @@ class KubeletRuntime:
         self.workers: dict[tuple[str, str], PodWorker] = {}
         self.hosts_file = workdir / "hosts"
         self._hosts_text = ""
-        self._addresses = (str(ip) for ip in ipaddress.ip_network(PROCESS_POD_CIDR).hosts()
+        self._addresses = (str(ip) for ip in ipaddress.ip_network(env.pod_cidr).hosts()
                            if not str(ip).endswith((".0", ".1", ".255")))
         apiserver_port = int(env.server.rsplit(":", 1)[1])
         self.apiserver = ("127.0.0.1", apiserver_port)
@@ -734,13 +769,13 @@ class KubeletRuntime:
     def _sync_services(self) -> None:
         services = self.kube.list("/api/v1/services")
         slices = self.kube.list("/apis/discovery.k8s.io/v1/endpointslices")
-        text = hosts_file_text(services)
+        text = hosts_file_text(services, slices)
         if text != self._hosts_text:
             # Rewritten in place (same inode): the pods' bind mounts see the new contents.
             with open(self.hosts_file, "w") as out:
                 out.write(text)
             self._hosts_text = text
-        self.proxy.update(service_backends(services, slices, self.apiserver))
+        self.proxy.update(service_backends(services, slices, self.apiserver, self.env.service_cidr))
 
 
 def start_runtime(env: K8sEnv, workdir: Path, nodes: tuple[str, ...]) -> KubeletRuntime:

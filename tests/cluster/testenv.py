@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
+import ipaddress
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -47,6 +49,9 @@ KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_NODE_VALUE = "fake"
 # Loopback too, so that the pod runtime (tests/cluster/kubelet.py) can play kube-proxy: it listens
 # on each Service's ClusterIP. The first address is the `kubernetes` Service's.
+# Each environment takes its own /24 in 127.245.0.0/16 (and, with process pods, in
+# 198.18.0.0/16 below): two test sessions on one machine must not listen on each other's
+# Service addresses. The defaults are what `up` uses.
 SERVICE_CIDR = "127.245.0.0/24"
 KUBERNETES_SERVICE_IP = "127.245.0.1"
 # kwok gives its pods and node addresses from these ranges. They are loopback on purpose: the
@@ -298,6 +303,15 @@ class K8sEnv:
     kubeconfig: Path  # admin (system:masters)
     # True: kwok leaves pods alone and tests/cluster/kubelet.py runs them as processes.
     process_pods: bool = False
+    service_cidr: str = SERVICE_CIDR
+    pod_cidr: str = PROCESS_POD_CIDR  # where the process runtime gives its pods addresses
+
+    @property
+    def kubernetes_service_ip(self) -> str:
+        """The `kubernetes` Service's ClusterIP: the first address of the service CIDR."""
+        import ipaddress
+
+        return str(ipaddress.ip_network(self.service_cidr)[1])
     ports: dict[str, int] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
 
@@ -394,6 +408,8 @@ class K8sEnv:
             ports={k: int(v) for k, v in state["ports"].items()},
             pids={k: int(v) for k, v in state["pids"].items()},
             process_pods=bool(state.get("process_pods", False)),
+            service_cidr=state.get("service_cidr", SERVICE_CIDR),
+            pod_cidr=state.get("pod_cidr", PROCESS_POD_CIDR),
         )
 
 
@@ -493,7 +509,7 @@ def _insecure_tls() -> ssl.SSLContext:
     return context
 
 
-def _write_pki(workdir: Path) -> None:
+def _write_pki(workdir: Path, kubernetes_service_ip: str = KUBERNETES_SERVICE_IP) -> None:
     pki = workdir / "pki"
     ca = make_ca()
     serving = issue_cert(
@@ -506,7 +522,7 @@ def _write_pki(workdir: Path) -> None:
             "kubernetes.default.svc",
             "kubernetes.default.svc.cluster.local",
         ),
-        server_ips=("127.0.0.1", KUBERNETES_SERVICE_IP),
+        server_ips=("127.0.0.1", kubernetes_service_ip),
     )
     admin = issue_cert(ca, "admin", ("system:masters",))
     service_accounts = make_signing_key_pair()
@@ -599,9 +615,11 @@ def start_env(
     if (workdir / "env.json").exists():
         raise K8sEnvError(f"{workdir} already holds an environment; stop it first")
     workdir.mkdir(parents=True, exist_ok=True)
+    subnet = random.randrange(256)
+    service_cidr, pod_cidr = f"127.245.{subnet}.0/24", f"198.18.{subnet}.0/24"
     if process_pods:
         route_pod_cidr_to_loopback()
-    _write_pki(workdir)
+    _write_pki(workdir, str(ipaddress.ip_network(service_cidr)[1]))
     pki = workdir / "pki"
     ports = {
         name: free_port()
@@ -623,7 +641,7 @@ def start_env(
     )
     env = K8sEnv(
         workdir=workdir, bins=bins.resolve(), server=server, kubeconfig=kubeconfig, ports=ports,
-        process_pods=process_pods,
+        process_pods=process_pods, service_cidr=service_cidr, pod_cidr=pod_cidr,
     )
     env.save()
     try:
@@ -675,7 +693,7 @@ def _start_components(env: K8sEnv, tie_to_parent: bool, timeout: float) -> None:
             f"--tls-private-key-file={pki / 'apiserver.key'}",
             f"--client-ca-file={pki / 'ca.crt'}",
             "--authorization-mode=RBAC",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--service-cluster-ip-range={env.service_cidr}",
             "--allow-privileged=true",
             f"--service-account-issuer={env.server}",
             f"--service-account-key-file={pki / 'sa.pub'}",
@@ -715,7 +733,7 @@ def _start_components(env: K8sEnv, tie_to_parent: bool, timeout: float) -> None:
             f"--root-ca-file={pki / 'ca.crt'}",
             f"--cluster-signing-cert-file={pki / 'ca.crt'}",
             f"--cluster-signing-key-file={pki / 'ca.key'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--service-cluster-ip-range={env.service_cidr}",
         ],
         tie_to_parent,
     )

@@ -104,6 +104,12 @@ def test_generated_server_and_router_command_lines_parse_with_the_real_cli():
     assert (parsed.host, parsed.port, parsed.k8s_service) == ("10.1.2.3", 8080, "chat-pods")
     assert parsed.namespace == "team" and parsed.k8s_port_name == "http"
     assert parsed.policy == "round-robin" and parsed.balance_epsilon == 0.5
+    # Both drain within their pod's grace period, after the preStop pause.
+    for container, pod_spec, parsed_args in (
+            (server, builders.build_deployment("chat", "team", spec)["spec"]["template"]["spec"], serve),
+            (router["spec"]["template"]["spec"]["containers"][0], router["spec"]["template"]["spec"], parsed)):
+        pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert 0 < pause + parsed_args.shutdown_timeout < pod_spec["terminationGracePeriodSeconds"]
     from kvscale.router.cli_router import config_from_args
 
     assert config_from_args(parsed).k8s_service == "chat-pods"
