@@ -28,8 +28,10 @@ def render(k8s_bins: Path, tmp_path_factory):
     env = {**os.environ, "HELM_CONFIG_HOME": str(home), "HELM_CACHE_HOME": str(home),
            "HELM_DATA_HOME": str(home)}
 
-    def run(*values: str) -> list[dict]:
-        args = [str(helm), "template", "rel", str(CHART), "--namespace", "kvscale-system"]
+    def run(*values: str, api_versions: tuple[str, ...] = ("monitoring.coreos.com/v1",)) -> list[dict]:
+        # `helm template` knows no cluster: say which APIs it serves, as `helm install` finds out.
+        args = [str(helm), "template", "rel", str(CHART), "--namespace", "kvscale-system",
+                *[f"--api-versions={api}" for api in api_versions]]
         for value in values:
             args += ["--set", value]
         proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
@@ -48,6 +50,15 @@ def test_off_by_default(render) -> None:
     assert not of_kind(docs, "PodMonitor") and not of_kind(docs, "PrometheusRule")
     assert not [d for d in of_kind(docs, "ConfigMap")
                 if d["metadata"].get("labels", {}).get("grafana_dashboard")]
+
+
+def test_monitoring_kinds_only_where_the_cluster_serves_them(render) -> None:
+    docs = render(*ALL_ON, api_versions=())
+    assert not of_kind(docs, "PodMonitor") and not of_kind(docs, "PrometheusRule")
+    assert [d for d in of_kind(docs, "ConfigMap")
+            if d["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+    served = render(*ALL_ON)
+    assert of_kind(served, "PodMonitor") and of_kind(served, "PrometheusRule")
 
 
 def test_dashboards_as_configmaps_for_the_grafana_sidecar(render) -> None:
