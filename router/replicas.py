@@ -69,6 +69,12 @@ def describe_check(path: str, status_code: int, api_key: str | None, code: str |
     return f"{path} answered {status_code}" + (f" ({code})" if code else "")
 
 
+def check_state(status: str) -> str:
+    """What a verdict says about the replica, without the detail that changes between checks (a
+    dying process answers with a reset, then a refused connection: one state, logged once)."""
+    return "cannot connect" if status.startswith("cannot connect") else status
+
+
 def _error_code(response: httpx.Response) -> str | None:
     try:
         code = response.json()["error"]["code"]
@@ -169,7 +175,7 @@ class ReplicaSet:
         ok = status == "ok"
         if ok and not replica.healthy:
             log.info("replica %s is healthy (models: %s)", replica.url, ", ".join(sorted(replica.models)))
-        if not ok and (status != replica.status or replica.healthy):
+        if not ok and (check_state(status) != check_state(replica.status) or replica.healthy):
             # Once per replica and state: a check every 2 s must not flood the log.
             log.warning("replica %s is not routable: %s", replica.url, status)
         replica.status = status
