@@ -170,6 +170,10 @@ def refresh_status(runtime: Runtime, name: str, namespace: str,
         kube.merge_patch(_is_path(namespace, name, "status"), {"status": status})
 
 
+AUTOSCALING_DISABLED = Condition(SCALING_ACTIVE, False, "AutoscalingDisabled",
+                                 "spec.replicas is left to the user or an external autoscaler")
+
+
 def being_deleted(body: kopf.Body | dict[str, Any]) -> bool:
     return bool(body["metadata"].get("deletionTimestamp"))
 
@@ -188,7 +192,9 @@ def reconcile(runtime: Runtime, body: kopf.Body | dict[str, Any], logger: loggin
                      "metadata": dict(current["metadata"])}
             runtime.metrics.register(meta["uid"], meta["namespace"], meta["name"])
             apply_children(runtime.kube, owner, spec, runtime.config.images)
-            refresh_status(runtime, meta["name"], meta["namespace"])
+            # Known without scraping: reported from the first status on, not a scrape later.
+            refresh_status(runtime, meta["name"], meta["namespace"], extra_conditions=(
+                None if spec.autoscaling.enabled else [AUTOSCALING_DISABLED]))
         except ApiError as exc:
             runtime.metrics.error(meta["uid"], meta["namespace"], meta["name"], "reconcile")
             if exc.status in (401, 403):
@@ -237,9 +243,7 @@ def autoscale(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
             runtime.metrics.observe(uid, namespace, name, policy,
                                     ReplicaCounts(spec.replicas, len(live), ready),
                                     estimate, None, spec.replicas)
-            scaling_condition = Condition(SCALING_ACTIVE, False, "AutoscalingDisabled",
-                                          "spec.replicas is left to the user or an external autoscaler")
-            refresh_status(runtime, name, namespace, extra, [scaling_condition])
+            refresh_status(runtime, name, namespace, extra, [AUTOSCALING_DISABLED])
             return
 
         state = runtime.autoscalers.get(uid, scaling.AutoscalerState())
