@@ -222,7 +222,7 @@ def autoscale(runtime: Runtime, body: kopf.Body, logger: logging.Logger) -> None
     uid = body["metadata"]["uid"]
     with runtime.lock(uid):
         current = kube.get(_is_path(body["metadata"]["namespace"], body["metadata"]["name"]))
-        if current is None or being_deleted(current):
+        if current is None or current["metadata"]["uid"] != uid or being_deleted(current):
             return
         spec = _typed_spec(current)
         name, namespace = current["metadata"]["name"], current["metadata"]["namespace"]
@@ -277,8 +277,8 @@ def due(now: float, last: float | None, interval: float) -> bool:
 
 def periodic_round(runtime: Runtime, work: str, now: float) -> None:
     """One pass of `work` ("reconcile" every resync interval, "autoscale" every scrape
-    interval) over the watched objects that are due, each from a fresh read, skipping what is
-    gone or being deleted."""
+    interval) over the watched objects that are due; the handlers skip what is gone, replaced or
+    being deleted."""
     handler, interval = ((reconcile, runtime.config.resync_interval) if work == "reconcile"
                          else (autoscale, runtime.config.scrape_interval))
     last_runs = runtime.last_runs.setdefault(work, {})
@@ -287,10 +287,8 @@ def periodic_round(runtime: Runtime, work: str, now: float) -> None:
             continue
         last_runs[uid] = now
         try:
-            body = runtime.kube.get(_is_path(namespace, name))
-            if body is None or being_deleted(body) or body["metadata"]["uid"] != uid:
-                continue
-            handler(runtime, body, log)
+            # Both handlers read the object afresh under its lock: the index's key is enough.
+            handler(runtime, {"metadata": {"uid": uid, "namespace": namespace, "name": name}}, log)
         except (ApiError, kopf.TemporaryError, kopf.PermanentError) as exc:
             runtime.metrics.error(uid, namespace, name, work)
             log.warning("%s/%s: %s: %s", namespace, name, work, exc)
