@@ -1,8 +1,10 @@
 """Paged-KV kernels: KV write, decode attention and (chunked) prefill attention.
 
-Each operation has a PyTorch reference (:mod:`kvscale.kernels.reference`, the CPU path) and a
-Triton kernel (:mod:`kvscale.kernels.triton_kernels`, the GPU path). The functions exported here
-dispatch on the tensors' device: CUDA tensors go to Triton, anything else to the reference.
+Each operation has a PyTorch reference (:mod:`kvscale.kernels.reference`) and a Triton kernel
+(:mod:`kvscale.kernels.triton_kernels`, the GPU path); decode attention also has a C kernel for
+CPUs (:mod:`kvscale.kernels.cpu_native`, built on first use, the reference where it cannot be).
+The functions exported here dispatch on the tensors' device: CUDA tensors go to Triton, anything
+else to the CPU path.
 ``KVSCALE_FORCE_TRITON=1`` sends CPU tensors to Triton too, which together with
 ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter (how the tests check them).
 
@@ -19,7 +21,7 @@ from typing import Any
 
 from torch import Tensor
 
-from kvscale.kernels import reference
+from kvscale.kernels import cpu_native, reference
 
 __all__ = [
     "write_kv",
@@ -51,7 +53,7 @@ def paged_decode_attention(
     context_lens: Tensor,
     scale: float,
 ) -> Tensor:
-    impl = _triton() if use_triton(query) else reference
+    impl = _triton() if use_triton(query) else cpu_native
     return impl.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
@@ -73,7 +75,8 @@ def paged_prefill_attention(
             max_query_len=max_query_len,
         )
     return reference.paged_prefill_attention(
-        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+        query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+        decode=cpu_native.paged_decode_attention,
     )
 
 

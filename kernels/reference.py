@@ -11,6 +11,8 @@ Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a slot is
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -24,7 +26,7 @@ def write_kv(
 
     A slot of -1 means "don't store" (e.g. a token whose KV is already cached).
     """
-    _check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache)
     if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != k_cache.shape[2:]:
         raise ValueError(
             f"key/value must be [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], "
@@ -59,9 +61,9 @@ def paged_decode_attention(
     (padding entries are ignored); ``context_lens`` ``[num_seqs]`` counts the cached tokens
     including the new one. Returns ``[num_seqs, num_heads, head_dim]`` in the query's dtype.
     """
-    _check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache)
     num_seqs, num_heads, head_dim = query.shape
-    _check_heads(num_heads, k_cache.shape[2])
+    check_heads(num_heads, k_cache.shape[2])
     if num_seqs == 0:
         return query.new_empty(query.shape)
     lens = context_lens.tolist()
@@ -106,6 +108,8 @@ def paged_prefill_attention(
     query_start_loc: Tensor,
     context_lens: Tensor,
     scale: float,
+    *,
+    decode: Callable[..., Tensor] | None = None,
 ) -> Tensor:
     """Causal attention of a ragged batch of new tokens over their paged contexts.
 
@@ -113,11 +117,12 @@ def paged_prefill_attention(
     sequence; ``query_start_loc`` ``[num_seqs + 1]`` holds their cumulative offsets. The new
     tokens of sequence i are the last ``q_len_i`` of its ``context_lens[i]`` cached tokens (their
     KV already written), and the query at position p sees keys 0..p. This covers a whole prompt,
-    a chunk after a cached prefix, and a decode token (q_len 1) alike.
+    a chunk after a cached prefix, and a decode token (q_len 1) alike. Single-token sequences go
+    through ``decode`` (default: :func:`paged_decode_attention`) in one batched call.
     """
-    _check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
-    _check_heads(num_heads, k_cache.shape[2])
+    check_heads(num_heads, k_cache.shape[2])
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
     if len(starts) != len(lens) + 1 or starts[-1] != num_tokens:
@@ -135,7 +140,7 @@ def paged_prefill_attention(
     if single:
         idx = torch.tensor(single, device=query.device)
         token_idx = torch.tensor([starts[i] for i in single], device=query.device)
-        out[token_idx] = paged_decode_attention(
+        out[token_idx] = (decode or paged_decode_attention)(
             query[token_idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale
         )
     for i, (q_len, ctx) in enumerate(zip(q_lens, lens, strict=True)):
@@ -197,7 +202,7 @@ def _attend(
     )
 
 
-def _check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
+def check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
@@ -205,6 +210,6 @@ def _check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
         )
 
 
-def _check_heads(num_heads: int, num_kv_heads: int) -> None:
+def check_heads(num_heads: int, num_kv_heads: int) -> None:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")

@@ -10,6 +10,9 @@ command -v redis-server >/dev/null || need+=(redis-server)
 for tool in podman buildah runc debootstrap; do
     command -v "$tool" >/dev/null || need+=("$tool")
 done
+# The engine's CPU decode attention is C compiled on first use (kernels/cpu_native.py); its tests
+# insist that it builds.
+command -v cc >/dev/null || need+=(gcc libc6-dev)
 # `podman run --init` (signals reach the server, as in a pod) needs catatonit, a podman Recommends.
 [ -x /usr/libexec/podman/catatonit ] || need+=(catatonit)
 [ ${#need[@]} -eq 0 ] && exit 0

@@ -1,0 +1,128 @@
+"""The C decode attention (the engine's CPU decode path) against dense attention and the reference."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvscale.kernels as kernels
+from kvscale.kernels import cpu_native, reference
+from kvscale.kernels.checks import TOLERANCE, dense_attention, make_case, max_error, random_case
+
+
+@pytest.fixture(autouse=True)
+def _fresh_library(monkeypatch: pytest.MonkeyPatch):
+    """Each test picks the kernel up again from its own environment."""
+    monkeypatch.delenv("KVSCALE_CPU_ATTENTION", raising=False)
+    cpu_native._library.cache_clear()
+    yield
+    cpu_native._library.cache_clear()
+
+
+def _run(case, impl=cpu_native.paged_decode_attention) -> torch.Tensor:
+    return impl(case.query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale)
+
+
+def test_the_kernel_builds_here() -> None:
+    # The test machine has a C compiler (tools/system-deps.sh installs one): a build failure here
+    # is a defect, not a reason to fall back quietly.
+    assert cpu_native.available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", range(8))
+def test_native_decode_matches_dense(seed: int, dtype: torch.dtype) -> None:
+    case = random_case(torch.Generator().manual_seed(seed), decode=True, dtype=dtype)
+    out = _run(case)
+    assert out.shape == case.query.shape and out.dtype == dtype
+    assert max_error(out, dense_attention(case)) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 40], ids=lambda n: f"{n}seqs")
+def test_both_task_shapes_match_the_reference(num_seqs: int) -> None:
+    # Few sequences are split per KV head across threads, many run whole: both must agree.
+    gen = torch.Generator().manual_seed(num_seqs)
+    lens = torch.randint(1, 300, (num_seqs,), generator=gen).tolist()
+    case = make_case(gen, context_lens=lens, q_lens=[1] * num_seqs, num_heads=9, num_kv_heads=3,
+                     head_dim=64, block_size=16)
+    assert max_error(_run(case), _run(case, reference.paged_decode_attention)) <= 1e-5
+
+
+def test_padding_sequences_give_zeros() -> None:
+    case = make_case(torch.Generator().manual_seed(1), context_lens=[5, 1], q_lens=[1, 1],
+                     num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    lens = torch.tensor([5, 0], dtype=torch.int32)
+    out = cpu_native.paged_decode_attention(case.query, case.k_cache, case.v_cache,
+                                            case.block_tables, lens, case.scale)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert out[0].abs().sum() > 0
+
+
+def test_a_bad_block_table_raises_instead_of_reading_out_of_bounds() -> None:
+    case = make_case(torch.Generator().manual_seed(2), context_lens=[20], q_lens=[1],
+                     num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    outside = case.block_tables.clone()
+    outside[0, 1] = case.k_cache.shape[0]  # one past the last block
+    with pytest.raises(ValueError, match="not a block of the"):
+        cpu_native.paged_decode_attention(case.query, case.k_cache, case.v_cache, outside,
+                                          case.context_lens, case.scale)
+    too_long = torch.tensor([8 * case.block_tables.shape[1] + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="more blocks than its block table row"):
+        cpu_native.paged_decode_attention(case.query, case.k_cache, case.v_cache,
+                                          case.block_tables, too_long, case.scale)
+
+
+def test_the_engine_dispatch_uses_it_for_cpu_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = cpu_native.paged_decode_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_native, "paged_decode_attention", counting)
+    case = random_case(torch.Generator().manual_seed(3), decode=True)
+    _run(case, kernels.paged_decode_attention)
+    prefill = random_case(torch.Generator().manual_seed(4), decode=False)
+    kernels.paged_prefill_attention(prefill.query, prefill.k_cache, prefill.v_cache,
+                                    prefill.block_tables, prefill.query_start_loc,
+                                    prefill.context_lens, prefill.scale)
+    assert len(calls) == 1 + (1 in prefill.q_lens)
+
+
+def test_build_is_cached_by_source_flags_and_compiler(tmp_path: Path) -> None:
+    first = cpu_native.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no build directory left behind
+    other = cpu_native.library_path(b"another source", "gcc 12", tmp_path)
+    assert other != cpu_native.library_path(b"another source", "gcc 13", tmp_path) != first
+
+
+def test_no_compiler_falls_back_with_a_warning_or_fails_when_forced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("KVSCALE_CACHE", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        assert not cpu_native.available()
+    assert "no C compiler" in caplog.text
+    case = random_case(torch.Generator().manual_seed(5), decode=True)
+    assert max_error(_run(case), dense_attention(case)) <= TOLERANCE[torch.float32]
+
+    cpu_native._library.cache_clear()
+    monkeypatch.setenv("KVSCALE_CPU_ATTENTION", "native")
+    with pytest.raises(cpu_native.NativeKernelError, match="no C compiler"):
+        cpu_native.available()
+
+
+def test_reference_mode_and_a_bad_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSCALE_CPU_ATTENTION", "reference")
+    assert not cpu_native.available()
+    cpu_native._library.cache_clear()
+    monkeypatch.setenv("KVSCALE_CPU_ATTENTION", "fast")
+    with pytest.raises(ValueError, match="expected one of auto, native, reference"):
+        cpu_native.available()
