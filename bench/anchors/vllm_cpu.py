@@ -15,7 +15,8 @@ weights.
     python -m bench.anchors.vllm_cpu smoke            # one greedy prompt through vLLM, tokens printed
 
 The benchmarks call :func:`run_offline` with their own requests (``bench.w1_throughput
---baselines vllm``, ``bench.w2_prefix --baselines vllm``). This file is also the child program
+--baselines vllm``, ``bench.w2_prefix --baselines vllm``); ``bench.http_load --baselines vllm``
+starts vLLM's OpenAI server from :func:`server_argv` in :func:`vllm_env`. This file is also the child program
 that runs inside vLLM's venv (``--side offline``): that part imports only the standard library
 and vllm, since kvscale is not installed there.
 
@@ -98,6 +99,68 @@ def model_dir() -> Path:
     return resolve_model_path(None)
 
 
+def omp_threads_bind(threads: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for cores ``0..threads-1``: vLLM's own default leaves a core
+    to its scheduler, which would give it fewer compute threads than the side it is compared with."""
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    return f"0-{threads - 1}" if threads > 1 else "0"
+
+
+def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
+    """The environment every vLLM process here runs in: threads pinned, KV budget, offline."""
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": omp_threads_bind(threads),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    # The project's venv must not leak into vLLM's interpreter.
+    for name in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+        env.pop(name, None)
+    return env
+
+
+def server_argv(
+    python: Path | str,
+    *,
+    model: Path | str,
+    served_model_name: str,
+    port: int,
+    host: str = "127.0.0.1",
+    dtype: str = "float32",
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    max_model_len: int = 2048,
+    enable_prefix_caching: bool = True,
+    enforce_eager: bool = False,
+    seed: int = 0,
+) -> list[str]:
+    """The command line of vLLM's OpenAI server with these engine limits.
+
+    ``python -m vllm.entrypoints.openai.api_server`` because the ``vllm`` script looks for a
+    distribution named ``vllm`` and this one is ``vllm-cpu``. The block size is left to vLLM (its
+    CPU backend picks 128; other sizes take its unoptimised path).
+    """
+    argv = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", served_model_name,
+        "--host", host, "--port", str(port),
+        "--dtype", dtype, "--seed", str(seed),
+        "--max-num-seqs", str(max_num_seqs),
+        "--max-num-batched-tokens", str(max_num_batched_tokens),
+        "--max-model-len", str(max_model_len),
+        "--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching",
+        "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
+    ]
+    if enforce_eager:
+        argv.append("--enforce-eager")
+    return argv
+
+
 def run_offline(
     prompts: list[list[int]],
     max_tokens: list[int],
@@ -129,18 +192,7 @@ def run_offline(
         "enforce_eager": enforce_eager,
         "threads": threads,
     }
-    env = {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0",
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-    }
-    # The project's venv must not leak into vLLM's interpreter.
-    for name in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
-        env.pop(name, None)
+    env = vllm_env(threads, kv_cache_gib)
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"
         out_path = Path(tmp) / "result.json"
@@ -153,12 +205,12 @@ def run_offline(
         if proc.returncode != 0 or not out_path.exists():
             raise SystemExit(f"vLLM side failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
         result = json.loads(out_path.read_text())
-    result["kernels"] = _kernels_from_log(proc.stdout)
+    result["kernels"] = kernels_from_log(proc.stdout)
     result["log_tail"] = proc.stdout[-3000:]
     return result
 
 
-def _kernels_from_log(log: str) -> list[str]:
+def kernels_from_log(log: str) -> list[str]:
     """vLLM's own lines naming the attention backend, ISA build and compilation it used."""
     keys = ("backend", "Backend", "ISA", "avx", "AVX", "amx", "AMX", "compil", "oneDNN", "onednn", "dnnl", "attention",
             "Attention", "kernel")
