@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from kvscale.processes import freeze_startup_heap
 from kvscale.router import policy as routing
+from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS, ChatTokenCache
 from kvscale.router.index import PrefixIndex
 from kvscale.router.load import PrefillLedger, ttft_inputs
 from kvscale.router.metrics import RouterMetrics, is_spill
@@ -73,6 +74,7 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     seed: int | None = None
     freeze_heap_after_start: bool = False  # the CLI sets it; tests that build many apps do not
+    chat_cache_tokens: int = DEFAULT_MAX_TOKENS  # chat prompts' token ids kept across turns; 0: off
 
 
 def openai_error(status: int, message: str, err_type: str, code: str | None = None) -> JSONResponse:
@@ -98,6 +100,7 @@ class Router:
         self.replicas.set_urls(config.replicas)
         self.feed = None
         self.tokenizers: dict[str, Any] = {}
+        self.chat_caches: dict[str, ChatTokenCache] = {}  # model -> its conversations' cached prefixes
         self.block_sizes: dict[str, int] = {}  # model -> block size, from heartbeats
         self._client: httpx.AsyncClient | None = None
         self._counter = 0
@@ -166,6 +169,7 @@ class Router:
             name = served_model_name(model)
             # The tokenizer alone: the bundled model's full conversion needs torch.
             self.tokenizers[name] = load_tokenizer(resolve_tokenizer_path(model))
+            self.chat_caches[name] = ChatTokenCache(self.tokenizers[name], self.config.chat_cache_tokens)
             log.info("tokenizer for %s loaded", name)
 
     async def _sync_loop(self) -> None:
@@ -224,27 +228,30 @@ class Router:
 
     def prompt_block_hashes(self, endpoint: str, body: dict, model: str | None) -> tuple[list[int], int, int]:
         """(block hashes, prompt tokens, block size); empty when the prompt can't be tokenized here."""
-        tokenizer = self.tokenizers.get(model or "") if model else next(iter(self.tokenizers.values()), None)
+        name = model if model else next(iter(self.tokenizers), "")
+        tokenizer = self.tokenizers.get(name)
         block_size = self.block_sizes.get(model or "", self.config.block_size)
         if tokenizer is None:
             self.metrics.fallbacks.labels("no_tokenizer").inc()
             return [], 0, block_size
-        from kvscale.server.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
+        from kvscale.server.tokenization import completion_prompt_token_ids
 
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
         try:
             if endpoint == "chat":
-                token_ids = chat_prompt_token_ids(tokenizer, body["messages"])
-            else:
-                prompt = body["prompt"]
-                if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-                    prompt = prompt[0]  # a batch: route by its first prompt
-                token_ids = completion_prompt_token_ids(tokenizer, prompt)
+                # A follow-up turn tokenizes and hashes only what follows the cached history.
+                token_ids, hashes = self.chat_caches[name].prompt(body["messages"], block_size, salt)
+                return hashes, len(token_ids), block_size
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch: route by its first prompt
+            token_ids = completion_prompt_token_ids(tokenizer, prompt)
         except Exception:
             # A malformed prompt: the replica will answer with the proper error.
             self.metrics.fallbacks.labels("untokenizable").inc()
             return [], 0, block_size
-        salt = body.get("cache_salt")
-        hashes = hash_prompt_blocks(token_ids, block_size, cache_salt=salt if isinstance(salt, str) else None)
+        hashes = hash_prompt_blocks(token_ids, block_size, cache_salt=salt)
         return hashes, len(token_ids), block_size
 
     def decide(

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS
 from kvscale.router.policy import DEFAULT_POLICY, POLICIES, TTFT_EPSILON
 from kvscale.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 
@@ -45,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="model directory whose tokenizer to load (repeatable; default: the bundled model)",
     )
+    parser.add_argument(
+        "--chat-cache-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+        help="token ids of chat histories kept so a follow-up turn tokenizes only its new part (0: off)",
+    )
     parser.add_argument("--session-header", default="x-session-id", help="header that pins a session to a replica")
     parser.add_argument("--balance-epsilon", type=float, default=0.25, help="bounded load: at most (1+eps) x mean")
     parser.add_argument(
@@ -71,6 +76,8 @@ def config_from_args(args: argparse.Namespace):
         raise SystemExit("kvscale router: --balance-epsilon must be non-negative")
     if args.block_size < 1:
         raise SystemExit("kvscale router: --block-size must be at least 1")
+    if args.chat_cache_tokens < 0:
+        raise SystemExit("kvscale router: --chat-cache-tokens must be non-negative")
     return RouterConfig(
         replicas=[u for u in (args.replicas or "").split(",") if u.strip()],
         k8s_service=args.k8s_service,
@@ -90,6 +97,7 @@ def config_from_args(args: argparse.Namespace):
         max_attempts=args.max_attempts,
         health_interval_s=args.health_interval,
         seed=args.seed,
+        chat_cache_tokens=args.chat_cache_tokens,
         freeze_heap_after_start=True,
     )
 

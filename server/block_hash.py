@@ -42,14 +42,18 @@ def hash_prompt_blocks(
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None = None,
+    known: Sequence[int] = (),
 ) -> list[int]:
     """Chained hashes of every *full* block of ``token_ids`` (a trailing partial block has none).
 
     The cache salt is an extra key of the first block only: the chain carries it onward.
+    ``known`` holds the hashes of the leading full blocks when the caller already computed them
+    for these same tokens, block size and salt (the router's previous turn of a conversation);
+    the chain continues after them.
     """
-    hashes: list[int] = []
-    parent: int | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    hashes: list[int] = list(known)
+    parent: int | None = hashes[-1] if hashes else None
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         extra = (cache_salt,) if (start == 0 and cache_salt) else ()
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
         hashes.append(parent)

@@ -63,10 +63,14 @@ def render_chat_prompt(tokenizer: Any, messages: list[dict]) -> str:
 
 
 def chat_prompt_token_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Token ids of a /v1/chat/completions prompt, from the request's ``messages`` as JSON.
+    """Token ids of a /v1/chat/completions prompt, from the request's ``messages`` as JSON."""
+    return chat_text_token_ids(tokenizer, render_chat_prompt(tokenizer, messages))
 
-    The template's text already holds every special token, so it is encoded without adding more
-    (a second BOS would shift every block hash).
+
+def chat_text_token_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of rendered chat-template text (or a piece of it, cut after a special token).
+
+    The text already holds every special token, so it is encoded without adding more (a second
+    BOS would shift every block hash).
     """
-    text = render_chat_prompt(tokenizer, messages)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -49,3 +49,11 @@ def test_hash_is_stable_across_processes():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123"})
     assert out.stdout.strip() == str(hash_prompt_blocks(list(range(48)), 16, "s"))
+
+
+def test_known_leading_hashes_continue_the_chain_as_if_computed_here() -> None:
+    tokens = list(range(100))
+    for salt in (None, "tenant-a"):
+        whole = hash_prompt_blocks(tokens, 16, cache_salt=salt)
+        for known in range(len(whole) + 1):
+            assert hash_prompt_blocks(tokens, 16, cache_salt=salt, known=whole[:known]) == whole
