@@ -348,13 +348,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="start vLLM without torch.compile (quick plumbing checks; not its fast path)")
     parser.add_argument("--start-timeout", type=float, default=900, help="seconds a server may take to start")
     parser.add_argument("--output", default=None,
-                        help="JSON path (default bench/results/http_load.json, http_load_vllm.json with vllm)")
+                        help="JSON path (default bench/results/http_load.json; with vllm, "
+                             "http_load_vllm_t<threads>.json)")
     args = parser.parse_args(argv)
     try:
         baselines = parse_baselines(args.baselines)
     except ValueError as exc:
         parser.error(str(exc))
-    output = args.output or str(RESULTS / ("http_load_vllm.json" if "vllm" in baselines else "http_load.json"))
+    output = args.output or str(RESULTS / (f"http_load_vllm_t{args.threads}.json" if "vllm" in baselines
+                                           else "http_load.json"))
 
     from bench.roofline import cpu_isa
     from kvscale.server.model_loader import BUNDLED_NAME, load_tokenizer, resolve_model_path
