@@ -45,11 +45,12 @@ from kvscale.server.tokenization import (
 log = logging.getLogger("kvscale.router")
 
 DEFAULT_MAX_TOKENS = 4_000_000  # token ids held, all entries together: 16 MB as 32-bit ints
+TAIL_MEMO_CHARS = 64  # what follows the last special token, memoised when this short
 
 
 @dataclass
 class _Entry:
-    ids: array  # token ids of the cached text ('l': untracked by the garbage collector)
+    ids: array  # token ids of the cached text ('i': untracked by the garbage collector)
     hashes: array  # full-block hashes of those ids ('Q'), for `hashed_for` only
     hashed_for: tuple[int, str | None]  # (block size, cache salt)
 
@@ -99,6 +100,9 @@ class ChatTokenCache:
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._held = 0  # token ids in _entries
         self._cuts = special_token_pattern(tokenizer)
+        # The text after the last special token is almost always the same ("assistant\n"): its
+        # ids are kept, which saves a tokenizer call per request.
+        self._tails: dict[str, list[int]] = {}
         self.hit_tokens = 0  # token ids taken from the cache instead of the tokenizer
         self.enabled = max_tokens > 0 and self._cuts is not None and self._self_check()
 
@@ -121,6 +125,7 @@ class ChatTokenCache:
     def clear(self) -> None:
         self._entries.clear()
         self._held = 0
+        self._tails.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -161,7 +166,7 @@ class ChatTokenCache:
         if start < last:
             ids += chat_text_token_ids(self.tokenizer, text[start:last])
         through_last = len(ids)
-        ids += chat_text_token_ids(self.tokenizer, text[last:])
+        ids += self._tail_ids(text[last:])
 
         known: array | tuple = ()
         if entry is not None and entry.hashed_for == (block_size, cache_salt):
@@ -172,13 +177,21 @@ class ChatTokenCache:
                         (block_size, cache_salt))
         return ids, hashes
 
+    def _tail_ids(self, tail: str) -> list[int]:
+        ids = self._tails.get(tail)
+        if ids is None:
+            ids = chat_text_token_ids(self.tokenizer, tail)
+            if len(tail) <= TAIL_MEMO_CHARS and len(self._tails) < 256:
+                self._tails[tail] = ids
+        return ids
+
     def _store(self, digest: bytes, ids: list[int], hashes: list[int], hashed_for: tuple[int, str | None]) -> None:
         old = self._entries.pop(digest, None)
         if old is not None:
             self._held -= len(old.ids)
         if len(ids) > self.max_tokens:
             return
-        self._entries[digest] = _Entry(array("l", ids), array("Q", hashes), hashed_for)
+        self._entries[digest] = _Entry(array("i", ids), array("Q", hashes), hashed_for)
         self._held += len(ids)
         while self._held > self.max_tokens:
             _, evicted = self._entries.popitem(last=False)
