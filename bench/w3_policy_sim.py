@@ -16,11 +16,20 @@ template, answers are filler of the measured length). First the real run's setup
 its TTFT p50/p90 per (workload, policy) compared with the measured ones (the agreement), then a grid
 of pool sizes, concurrency levels and workloads compares the policies.
 
+``--mode hit-bound``: how high a hit rate W3 allows at all, against round-robin's. Two bounds: the
+arithmetic ceiling (a request can reuse only blocks some earlier request computed, so every
+group's first request misses whatever the policy) and ``oracle``, a simulator-only policy that
+sends every request to the replica truly holding (cached, or queued to compute) the longest
+prefix of it, ignoring load, cold prompts by consistent hashing. Every policy runs beside them
+on the real run's setup and on the issue's full W3, plus a pool-size sweep at full size, and for
+each of the issue's targets the policy closest to it is named.
+
 ``--mode epsilon-grid``: the earlier hit-rate study of the bounded-load rule (prefix-affinity
 against round-robin by epsilon and pool size; W3's stream, an LRU of whole prefixes, invented
 service times).
 
     python -m bench.w3_policy_sim --calibration bench/results/w3_router_ttft.json
+    python -m bench.w3_policy_sim --mode hit-bound     # bench/results/w3_policy_sim_hit_bound.json
     python -m bench.w3_policy_sim --mode epsilon-grid --out bench/results/w3_policy_sim.json
 """
 
@@ -167,6 +176,19 @@ class SimReplica:
                       for r in self.waiting)
         return waiting + sum(r.to_prefill for r in self.running)
 
+    def true_match(self, hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` this replica holds or will have computed before a request
+        sent now is scheduled (FCFS: what its queued and running requests compute)."""
+        held = set(self.cache)
+        for r in (*self.waiting, *self.running):
+            held.update(r.hashes)
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
     def num_decoding(self) -> int:
         return sum(1 for r in self.running if r.to_prefill == 0)
 
@@ -280,6 +302,8 @@ class SimRouter:
 
     def route(self, req: SimRequest, now: float) -> int:
         name, _, eps = self.policy.partition("@")
+        if name == ORACLE:
+            return self.route_oracle(req)
         cands = []
         for rep in self.replicas:
             cands.append(routing.Candidate(
@@ -301,6 +325,20 @@ class SimRouter:
             for h in req.hashes:
                 self.predicted[chosen][h] = now + 10.0
         return chosen
+
+
+    def route_oracle(self, req: SimRequest) -> int:
+        """The longest prefix actually held, load ignored; a cold prompt by consistent hashing of its
+        leading block, so a group's later requests find its first one."""
+        matches = [rep.true_match(req.hashes) for rep in self.replicas]
+        best = max(matches)
+        holders = [f"r{i}" for i, m in enumerate(matches) if m == best]
+        chosen = int(routing.consistent_hash_order(req.hashes[0] if req.hashes else req.rid, holders)[0][1:])
+        req.expected_hit_blocks = best
+        return chosen
+
+
+ORACLE = "oracle"  # simulator only: it reads the replicas' true caches and queues
 
 
 @dataclass
@@ -424,12 +462,9 @@ def over_seeds(kind: str, p: dict, policy: str, seeds: int, tokenizer, answer_to
     return {k: statistics.median(run[k] for run in runs) for k in METRICS}
 
 
-def calibrated(args) -> int:
-    from kvscale.server.model_loader import load_tokenizer, resolve_tokenizer_path
-
-    real = json.loads(Path(args.calibration).read_text())
+def calibration(real: dict) -> tuple[dict, Costs, int, dict]:
+    """From a real run's JSON: its parameters, the cost model, W4's answer length, W4's parameters."""
     params = real["parameters"]
-    tokenizer = load_tokenizer(resolve_tokenizer_path(None))
     # One cost model for the whole run: medians over every run's heartbeat medians.
     rates = [r["replica_rates"] for r in real["results"]]
     costs = Costs(
@@ -441,13 +476,22 @@ def calibrated(args) -> int:
     # W4 answers: the measured mean answer length.
     w4 = [q for r in real["results"] if r["workload"] == "w4" for q in r["per_request"]]
     answer_tokens = round(statistics.mean(q["output_tokens"] for q in w4)) if w4 else params["answer_tokens"]
+    # The real run drove W4 in slices of conversations (``--blocks``): that many at a time.
+    blocks = params.get("blocks", 1)
+    w4_params = dict(params, concurrency=min(params["concurrency"], -(-params["conversations"] // blocks)))
+    return params, costs, answer_tokens, w4_params
+
+
+def calibrated(args) -> int:
+    from kvscale.server.model_loader import load_tokenizer, resolve_tokenizer_path
+
+    real = json.loads(Path(args.calibration).read_text())
+    params, costs, answer_tokens, w4_params = calibration(real)
+    tokenizer = load_tokenizer(resolve_tokenizer_path(None))
     shape = dict(replicas=params["replicas"], num_blocks=params["num_gpu_blocks_override"],
                  block_size=params["block_size"], costs=costs)
     agreement = []
     workloads: dict[str, Workload] = {}
-    # The real run drove W4 in slices of conversations (``--blocks``): that many at a time.
-    blocks = params.get("blocks", 1)
-    w4_params = dict(params, concurrency=min(params["concurrency"], -(-params["conversations"] // blocks)))
     for r in real["results"]:
         kind = r["workload"]
         if kind not in workloads:
@@ -546,9 +590,133 @@ def calibrated(args) -> int:
     return 0
 
 
+def hit_ceiling(workload: Workload, block_size: int) -> float:
+    """The best hit rate any routing allows: one replica with an unbounded cache. A request can
+    reuse only the blocks requests before it computed (prompts and answers), at most all but its
+    last token (the engine computes that one), so every group's first request misses."""
+    from kvscale.server.block_hash import hash_prompt_blocks
+
+    seen: set[int] = set()
+    hit = total = 0
+    for client in workload.clients:  # each client's requests in order; clients share prefixes alike
+        for _, prompt, answer, _ in client:
+            hashes = hash_prompt_blocks(prompt, block_size)
+            n = 0
+            for h in hashes[: (len(prompt) - 1) // block_size]:
+                if h not in seen:
+                    break
+                n += 1
+            hit += n * block_size
+            total += len(prompt)
+            seen.update(hashes)
+            seen.update(hash_prompt_blocks(prompt + answer, block_size))
+    return hit / total
+
+
+# The issue's targets against round-robin, same run: (metric, "higher" or "lower" is better, target).
+TARGETS = {
+    "hit_rate_ratio": ("higher", 3.0),
+    "ttft_p50_better": ("higher", 3.0),
+    "ttft_p90_better": ("higher", 1.5),
+    "throughput_ratio": ("higher", 1.3),
+    "max_over_mean_requests": ("lower", 1.3),
+}
+
+
+def against_round_robin(row: dict, rr: dict) -> dict:
+    return {
+        "hit_rate_ratio": row["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf"),
+        "ttft_p50_better": rr["ttft_p50_s"] / row["ttft_p50_s"],
+        "ttft_p90_better": rr["ttft_p90_s"] / row["ttft_p90_s"],
+        "throughput_ratio": row["output_tokens_per_s"] / rr["output_tokens_per_s"],
+        "max_over_mean_requests": row["max_over_mean_requests"],
+    }
+
+
+def hit_bound(args) -> int:
+    from kvscale.server.model_loader import load_tokenizer, resolve_tokenizer_path
+
+    real = json.loads(Path(args.calibration).read_text())
+    params, costs, answer_tokens, w4_params = calibration(real)
+    tokenizer = load_tokenizer(resolve_tokenizer_path(None))
+    policies = [ORACLE, *args.policies.split(",")]
+    full_params = dict(params, groups=16, prefix_tokens=512, suffix_tokens=16, requests=256, output_tokens=32,
+                       concurrency=16)
+    full_costs = Costs(costs.prefill_tokens_per_s, costs.decode_step_s, costs.step_tokens, 16)
+    setups = [
+        ("real-run setup", params, dict(replicas=params["replicas"], num_blocks=params["num_gpu_blocks_override"],
+                                        block_size=params["block_size"], costs=costs), ("w3", "w3-zipf", "w4")),
+        ("issue's full W3", full_params, dict(replicas=4, num_blocks=192, block_size=params["block_size"],
+                                              costs=full_costs), ("w3", "w3-zipf")),
+    ]
+    streams: dict = {}
+
+    def ceiling(kind: str, p: dict) -> float:
+        values = []
+        for s in range(args.seeds):
+            key = (kind, s, json.dumps(p, sort_keys=True, default=str))
+            if key not in streams:
+                streams[key] = build_workload(kind, p, p["seed"] + s, tokenizer, answer_tokens)
+            values.append(hit_ceiling(streams[key], params["block_size"]))
+        return statistics.median(values)
+
+    cases = []
+    for setup, base, shape, kinds in setups:
+        for kind in kinds:
+            p = w4_params if kind == "w4" else base
+            rows = {policy: over_seeds(kind, p, policy, args.seeds, tokenizer, answer_tokens, streams, **shape)
+                    for policy in policies}
+            rr = rows["round-robin"]
+            case: dict = {"setup": setup, "workload": kind, "hit_ceiling": ceiling(kind, p),
+                          "round_robin_hit_rate": rr["hit_rate"]}
+            case["hit_ratio_ceiling"] = case["hit_ceiling"] / rr["hit_rate"]
+            case["policies"] = {policy: {**row, **against_round_robin(row, rr)} for policy, row in rows.items()}
+            real_policies = [q for q in policies if q not in (ORACLE, "round-robin")]
+            closest = {}
+            for target, (better, goal) in TARGETS.items():
+                values = {q: case["policies"][q][target] for q in real_policies}
+                best = (max if better == "higher" else min)(values, key=values.__getitem__)
+                met = values[best] >= goal if better == "higher" else values[best] <= goal
+                closest[target] = {"policy": best, "value": values[best], "target": goal, "met": met}
+            for metric in ("ttft_p50_s", "ttft_p90_s"):
+                values = {q: case["policies"][q][metric] for q in real_policies}
+                closest[f"best_{metric}"] = {"policy": min(values, key=values.__getitem__), "value": min(values.values())}
+            case["closest"] = closest
+            cases.append(case)
+            ours, oracle = case["policies"]["predicted-ttft"], case["policies"][ORACLE]
+            print(f"{setup:16} {kind:8} ceiling {case['hit_ceiling']:.3f} (x{case['hit_ratio_ceiling']:.2f} rr)  "
+                  f"oracle {oracle['hit_rate']:.3f} (x{oracle['hit_rate_ratio']:.2f}) p50 {oracle['ttft_p50_s']:.2f} "
+                  f"p90 {oracle['ttft_p90_s']:.2f}  predicted-ttft {ours['hit_rate']:.3f} "
+                  f"(x{ours['hit_rate_ratio']:.2f})  rr {rr['hit_rate']:.3f}", flush=True)
+            for target, c in closest.items():
+                print(f"    {target:24} {c['policy']:16} {c['value']:.3f}"
+                      + (f"  target {c['target']}  {'met' if c['met'] else 'missed'}" if "target" in c else ""))
+    # The ratio's bound is the ceiling over round-robin's rate, and round-robin's rate grows with the pool.
+    pools = []
+    for num_blocks in (int(x) for x in args.bound_pools.split(",")):
+        shape = dict(replicas=4, num_blocks=num_blocks, block_size=params["block_size"], costs=full_costs)
+        row = {"num_blocks": num_blocks, "prefixes_per_pool": num_blocks * params["block_size"] / 528,
+               "hit_ceiling": ceiling("w3", full_params)}
+        for policy in (ORACLE, "predicted-ttft", "round-robin"):
+            row[policy] = over_seeds("w3", full_params, policy, args.seeds, tokenizer, answer_tokens, streams,
+                                     **shape)["hit_rate"]
+        row["hit_ratio_ceiling"] = row["hit_ceiling"] / row["round-robin"]
+        pools.append(row)
+        print(f"pool {num_blocks:>4} blocks ({row['prefixes_per_pool']:.1f} prefixes)  ceiling x{row['hit_ratio_ceiling']:.2f}  "
+              f"oracle {row[ORACLE]:.3f}  predicted-ttft {row['predicted-ttft']:.3f}  rr {row['round-robin']:.3f}",
+              flush=True)
+    path = write_result("w3_policy_sim_hit_bound", {
+        "benchmark": "w3_policy_sim", "mode": "hit-bound", "date": time.strftime("%Y-%m-%d"),
+        "calibration": {"from": args.calibration, "costs": costs.__dict__, "w4_answer_tokens": answer_tokens},
+        "parameters": vars(args), "targets": TARGETS, "cases": cases, "full_w3_pool_sweep": pools,
+    }, args.out)
+    print(f"w3_policy_sim: wrote {path}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("calibrated", "epsilon-grid"), default="calibrated")
+    parser.add_argument("--mode", choices=("calibrated", "hit-bound", "epsilon-grid"), default="calibrated")
     parser.add_argument("--calibration", default="bench/results/w3_router_ttft.json",
                         help="a bench.w3_router JSON: its setup is replayed and its heartbeat rates are the costs")
     parser.add_argument("--policies", default="predicted-ttft,prefix-affinity,weighted,round-robin,least-load")
@@ -560,6 +728,8 @@ def main() -> int:
     parser.add_argument("--hetero-speeds", default="1.5,1,1,0.5", help="relative replica speeds of the unequal pool")
     parser.add_argument("--sweep-requests", default="64,128,256,512",
                         help="W3 at the real run's setup with this many requests (fewer cold misses)")
+    parser.add_argument("--bound-pools", default="96,144,192,288,384",
+                        help="hit-bound: KV blocks per replica swept at the issue's full W3")
     # epsilon-grid mode
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--requests", type=int, default=256)
@@ -573,6 +743,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.mode == "calibrated":
         return calibrated(args)
+    if args.mode == "hit-bound":
+        return hit_bound(args)
     return epsilon_grid(args)
 
 

@@ -1,0 +1,60 @@
+"""The hit-rate bounds of bench/w3_policy_sim.py: the arithmetic ceiling and the oracle policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.w3_policy_sim import (
+    ORACLE,
+    TARGETS,
+    Costs,
+    Workload,
+    against_round_robin,
+    build_workload,
+    hit_ceiling,
+    simulate_run,
+)
+
+W3 = dict(groups=8, prefix_tokens=128, suffix_tokens=16, requests=64, output_tokens=4, concurrency=8, seed=0)
+SIM = dict(replicas=4, num_blocks=48, block_size=16, costs=Costs(46.0, 0.55, 2048, 8))
+
+
+def test_the_ceiling_is_every_request_but_each_groups_first_reusing_all_but_its_last_token():
+    workload = build_workload("w3", W3, 0)
+    # 56 of 64 requests reuse their 128-token prefix (8 whole blocks) out of 144 prompt tokens.
+    assert hit_ceiling(workload, 16) == pytest.approx((64 - 8) / 64 * 128 / 144)
+
+
+def test_the_ceiling_counts_a_follow_up_turns_earlier_prompt_and_answer():
+    prompt = list(range(40))
+    answer = list(range(100, 110))
+    turns = [(0.0, prompt, answer, 10), (0.0, prompt + answer + [7, 8], [], 1)]
+    # The second prompt (52 tokens) can reuse 3 full blocks of 16: the first prompt's 40 tokens and 8 of
+    # the answer's (its last token is always computed, so no fourth block).
+    assert hit_ceiling(Workload([turns]), 16) == pytest.approx(48 / (40 + 52))
+
+
+def test_no_policy_beats_the_ceiling_and_the_oracle_reaches_it_when_every_prefix_fits():
+    workload = build_workload("w3", W3, 0)
+    ceiling = hit_ceiling(workload, 16)
+    for policy in (ORACLE, "predicted-ttft", "round-robin"):
+        assert simulate_run(workload, policy, **SIM)["hit_rate"] <= ceiling + 1e-9
+    # Here each replica's share of the 8 prefixes (8 blocks each) fits its 48-block pool, so a group
+    # misses only once under the oracle.
+    assert simulate_run(workload, ORACLE, **SIM)["hit_rate"] == pytest.approx(ceiling)
+
+
+def test_the_oracle_ignores_load():
+    # One group only: every request holds the same prefix, so the oracle sends all of them to one replica.
+    workload = build_workload("w3", dict(W3, groups=1), 0)
+    result = simulate_run(workload, ORACLE, **SIM)
+    assert result["max_over_mean_requests"] == pytest.approx(4.0)
+
+
+def test_ratios_against_round_robin_read_the_targets_direction():
+    rr = {"hit_rate": 0.3, "ttft_p50_s": 3.0, "ttft_p90_s": 6.0, "output_tokens_per_s": 5.0, "max_over_mean_requests": 1.0}
+    row = {"hit_rate": 0.9, "ttft_p50_s": 1.0, "ttft_p90_s": 4.0, "output_tokens_per_s": 7.5, "max_over_mean_requests": 1.2}
+    ratios = against_round_robin(row, rr)
+    assert ratios == pytest.approx({"hit_rate_ratio": 3.0, "ttft_p50_better": 3.0, "ttft_p90_better": 1.5,
+                                    "throughput_ratio": 1.5, "max_over_mean_requests": 1.2})
+    assert set(ratios) == set(TARGETS)
