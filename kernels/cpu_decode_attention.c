@@ -13,6 +13,7 @@
  *   cache   [num_blocks, block_size, num_kv_heads, head_dim] float32 or bfloat16 (as uint16)
  *   tables  [num_seqs, table_stride] int32, context_lens [num_seqs] int32
  *   out     [num_seqs, num_heads, head_dim] float32
+ * head_dim is a multiple of 16 up to 128 (the Python side sends anything else to the reference).
  * Heads h = kv_head * group + g share KV head kv_head (GQA), as in the PyTorch reference.
  * Scores and softmax are float32; two passes over the context (scores, then weighted values).
  */
@@ -28,40 +29,69 @@ static inline float bf16_to_float(uint16_t bits) {
 
 /* Row `token` of KV head `kv_head` for a sequence's context position, converted to float32 in
  * `scratch` when the cache is bfloat16 (a float32 cache is read in place). */
-/* The K or V row of context position `pos` for KV heads [h0, h1) (contiguous in the cache),
- * converted to float32 in `scratch` when the cache is bfloat16 (a float32 cache is read in place). */
-static inline const float *kv_rows(const void *cache, int is_bf16, const int32_t *table, int pos,
-                                   int block_size, int num_kv_heads, int head_dim, int h0, int h1,
-                                   float *scratch) {
-    const int64_t block = table[pos / block_size];
-    const int64_t offset = ((block * block_size + pos % block_size) * num_kv_heads + h0) * (int64_t)head_dim;
-    if (!is_bf16) return (const float *)cache + offset;
-    const uint16_t *src = (const uint16_t *)cache + offset;
-    const int width = (h1 - h0) * head_dim;
-    #pragma omp simd
-    for (int d = 0; d < width; d++) scratch[d] = bf16_to_float(src[d]);
-    return scratch;
+/* Rows of head_dim = 16 * chunks floats in vector registers (chunks <= 8). Tokens go in tiles
+ * so one tile's K/V rows (of this KV head) stay in L1 while each query row of the GQA group runs
+ * over them, with that row's query (or output accumulator) held in registers throughout. */
+typedef float vfloat16 __attribute__((vector_size(64)));
+typedef uint16_t vbf16x16 __attribute__((vector_size(32)));
+typedef uint32_t vuint16 __attribute__((vector_size(64)));
+#define TILE 32
+#define MAX_CHUNKS 8
+
+static inline __attribute__((always_inline)) vfloat16 load16(const char *row, int c) {
+    vfloat16 value;
+    memcpy(&value, row + (size_t)c * 64, 64);
+    return value;
 }
 
-/* Attention of one sequence's query heads of KV heads [h0, h1). `scores` holds
- * (h1 - h0) * group * n floats, `scratch` (h1 - h0) * head_dim. */
-static void attend(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
-                   const int32_t *table, int n, int num_kv_heads, int group, int head_dim,
-                   int block_size, float scale, int h0, int h1, float *scores, float *scratch,
-                   float *o) {
+/* A bfloat16 tile's rows widened once into `widened` (float32, `width` per row), and the row
+ * pointers moved there: each row is then read by every query row of its GQA group at float32
+ * speed instead of being widened once per query row. */
+static void widen_tile(const char **rows, int tile, int width, float *widened) {
+    for (int i = 0; i < tile; i++) {
+        const uint16_t *src = (const uint16_t *)rows[i];
+        float *dst = widened + (size_t)i * width;
+        #pragma omp simd
+        for (int d = 0; d < width; d++) dst[d] = bf16_to_float(src[d]);
+        rows[i] = (const char *)dst;
+    }
+}
+
+static inline __attribute__((always_inline)) float sum16(vfloat16 v) {
+    float total = 0.0f;
+    for (int i = 0; i < 16; i++) total += v[i];
+    return total;
+}
+
+static inline __attribute__((always_inline)) void attend_rows(
+    const float *q, const void *k_cache, const void *v_cache, int is_bf16, const int32_t *table,
+    int n, int num_kv_heads, int group, int chunks, int block_size, float scale, int h0, int h1,
+    float *scores, float *widened, float *o) {
+    const int head_dim = chunks * 16;
     const int rows = (h1 - h0) * group;
+    const size_t elem = is_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const char *k_rows[TILE], *v_rows[TILE];  /* after widening, always float32 rows */
     memset(o, 0, sizeof(float) * (size_t)rows * (size_t)head_dim);
     if (n <= 0) return;
-    for (int t = 0; t < n; t++) {
-        const float *k = kv_rows(k_cache, is_bf16, table, t, block_size, num_kv_heads, head_dim,
-                                 h0, h1, scratch);
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+        const int tile = n - t0 < TILE ? n - t0 : TILE;
+        for (int i = 0; i < tile; i++) {
+            const int t = t0 + i;
+            const int64_t offset = (((int64_t)table[t / block_size] * block_size + t % block_size)
+                                    * num_kv_heads + h0) * (int64_t)head_dim;
+            k_rows[i] = (const char *)k_cache + offset * elem;
+        }
+        if (is_bf16) widen_tile(k_rows, tile, (h1 - h0) * head_dim, widened);
         for (int r = 0; r < rows; r++) {
-            const float *kh = k + (int64_t)(r / group) * head_dim;
-            const float *qr = q + (int64_t)r * head_dim;
-            float dot = 0.0f;
-            #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < head_dim; d++) dot += qr[d] * kh[d];
-            scores[(int64_t)r * n + t] = dot * scale;
+            const size_t head_offset = (size_t)(r / group) * head_dim * sizeof(float);
+            vfloat16 qv[MAX_CHUNKS];
+            for (int c = 0; c < chunks; c++) memcpy(&qv[c], q + (size_t)r * head_dim + c * 16, 64);
+            for (int i = 0; i < tile; i++) {
+                const char *k = k_rows[i] + head_offset;
+                vfloat16 acc = qv[0] * load16(k, 0);
+                for (int c = 1; c < chunks; c++) acc += qv[c] * load16(k, c);
+                scores[(int64_t)r * n + t0 + i] = sum16(acc) * scale;
+            }
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -78,15 +108,26 @@ static void attend(const float *q, const void *k_cache, const void *v_cache, int
         #pragma omp simd
         for (int t = 0; t < n; t++) row[t] *= inv;
     }
-    for (int t = 0; t < n; t++) {
-        const float *v = kv_rows(v_cache, is_bf16, table, t, block_size, num_kv_heads, head_dim,
-                                 h0, h1, scratch);
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+        const int tile = n - t0 < TILE ? n - t0 : TILE;
+        for (int i = 0; i < tile; i++) {
+            const int t = t0 + i;
+            const int64_t offset = (((int64_t)table[t / block_size] * block_size + t % block_size)
+                                    * num_kv_heads + h0) * (int64_t)head_dim;
+            v_rows[i] = (const char *)v_cache + offset * elem;
+        }
+        if (is_bf16) widen_tile(v_rows, tile, (h1 - h0) * head_dim, widened);
         for (int r = 0; r < rows; r++) {
-            const float p = scores[(int64_t)r * n + t];
-            const float *vh = v + (int64_t)(r / group) * head_dim;
-            float *orow = o + (int64_t)r * head_dim;
-            #pragma omp simd
-            for (int d = 0; d < head_dim; d++) orow[d] += p * vh[d];
+            const size_t head_offset = (size_t)(r / group) * head_dim * sizeof(float);
+            const float *p = scores + (int64_t)r * n + t0;
+            float *orow = o + (size_t)r * head_dim;
+            vfloat16 ov[MAX_CHUNKS];
+            for (int c = 0; c < chunks; c++) memcpy(&ov[c], orow + c * 16, 64);
+            for (int i = 0; i < tile; i++) {
+                const char *v = v_rows[i] + head_offset;
+                for (int c = 0; c < chunks; c++) ov[c] += p[i] * load16(v, c);
+            }
+            for (int c = 0; c < chunks; c++) memcpy(orow + c * 16, &ov[c], 64);
         }
     }
 }
@@ -124,22 +165,39 @@ int kvscale_paged_decode_attention(
     {
         const size_t rows = (size_t)heads_per_task * (size_t)group;
         float *scores = malloc(sizeof(float) * rows * (size_t)(max_len > 0 ? max_len : 1));
-        float *scratch = malloc(sizeof(float) * (size_t)heads_per_task * (size_t)head_dim);
-        if (scores == NULL || scratch == NULL) failed = KVSCALE_NO_MEMORY;
+        float *widened = malloc(sizeof(float) * TILE * (size_t)heads_per_task * (size_t)head_dim);
+        if (scores == NULL || widened == NULL) failed = KVSCALE_NO_MEMORY;
 
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < (int64_t)num_seqs * tasks_per_seq; task++) {
-            if (scores == NULL || scratch == NULL) continue;
+            if (scores == NULL || widened == NULL) continue;
             const int s = (int)(task / tasks_per_seq);
             const int h0 = (int)(task % tasks_per_seq) * heads_per_task;
             const int64_t first_row = (int64_t)s * num_heads + (int64_t)h0 * group;
-            attend(query + first_row * head_dim, k_cache, v_cache, cache_is_bf16,
-                   block_tables + (int64_t)s * table_stride, context_lens[s], num_kv_heads, group,
-                   head_dim, block_size, scale, h0, h0 + heads_per_task, scores, scratch,
-                   out + first_row * head_dim);
+            const float *q = query + first_row * head_dim;
+            const int32_t *table = block_tables + (int64_t)s * table_stride;
+            float *o = out + first_row * head_dim;
+            const int n = context_lens[s];
+            const int h1 = h0 + heads_per_task;
+            /* Constant chunk counts for the common head sizes let the compiler unroll fully. */
+            if (head_dim == 64 && cache_is_bf16)
+                attend_rows(q, k_cache, v_cache, 1, table, n, num_kv_heads, group, 4, block_size,
+                            scale, h0, h1, scores, widened, o);
+            else if (head_dim == 64)
+                attend_rows(q, k_cache, v_cache, 0, table, n, num_kv_heads, group, 4, block_size,
+                            scale, h0, h1, scores, widened, o);
+            else if (head_dim == 128 && cache_is_bf16)
+                attend_rows(q, k_cache, v_cache, 1, table, n, num_kv_heads, group, 8, block_size,
+                            scale, h0, h1, scores, widened, o);
+            else if (head_dim == 128)
+                attend_rows(q, k_cache, v_cache, 0, table, n, num_kv_heads, group, 8, block_size,
+                            scale, h0, h1, scores, widened, o);
+            else
+                attend_rows(q, k_cache, v_cache, cache_is_bf16, table, n, num_kv_heads, group,
+                            head_dim / 16, block_size, scale, h0, h1, scores, widened, o);
         }
         free(scores);
-        free(scratch);
+        free(widened);
     }
     return failed;
 }

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -35,7 +36,11 @@ logger = logging.getLogger(__name__)
 SOURCE = "cpu_decode_attention.c"
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are.
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffast-math")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffast-math") + (
+    # gcc keeps to 256-bit vectors on AVX-512 Xeons unless told otherwise; the kernel's rows are
+    # 512 bits, and the wider registers measured 1.3x faster here (float32, one thread).
+    ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
+)
 LDLIBS = ("-lmvec", "-lm")
 MODES = ("auto", "native", "reference")
 _BAD_TABLE = 2
@@ -134,7 +139,9 @@ def paged_decode_attention(
 ) -> Tensor:
     """Same contract as :func:`kvscale.kernels.reference.paged_decode_attention`."""
     lib = _library()
-    if lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or query.is_cuda:
+    head_dim = query.shape[-1]
+    if (lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or query.is_cuda
+            or head_dim % 16 or head_dim > 128):
         return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
     reference.check_cache(k_cache, v_cache)
     num_seqs, num_heads, head_dim = query.shape
