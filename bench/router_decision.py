@@ -6,7 +6,9 @@ In process, no network, the router's own code (``kvscale.router.app.Router``, 4 
    ``freeze_startup_heap``, the baseline and the change measured in one run. Everything below then
    runs on the frozen heap, as the router serves after start-up.
 2. The median time of each step of a decision on one W3 prompt (528 token ids): JSON parse, token
-   ids and block hashes, index lookup and scoring.
+   ids and block hashes, index lookup and scoring; and on the sixth turn of a W4 conversation of
+   each shape below: JSON parse, template render, tokenizing the whole prompt, hashing its blocks,
+   the cache's tokenize-and-hash given the fifth turn cached, index lookup and scoring.
 3. The decision path per request (what ``x-kvscale-router-ms`` covers: JSON parse, tokenization,
    block hashes, index lookup, the policy) over whole request streams, p50 / p99, with the chat
    token cache (``kvscale.router.chat_tokens``) on and off, side by side: each request goes
@@ -35,6 +37,8 @@ from bench.common import machine, quantile, write_result
 from bench.w3_workloads import WORDS, conversation_messages, conversations, shared_prefix_prompts
 from kvscale.processes import freeze_startup_heap
 from kvscale.router.app import Router, RouterConfig
+from kvscale.server.block_hash import hash_prompt_blocks
+from kvscale.server.tokenization import chat_text_token_ids, render_chat_prompt
 
 MODEL = "smollm2-135m-instruct"
 W4_SHAPES = {  # workload -> (document words, answer words)
@@ -104,6 +108,40 @@ def w4_stream(args, document_words: int, answer_words: int) -> list[tuple[str, b
                 active.remove(c)
         passes += 1
     return stream[: args.requests]
+
+
+def chat_steps(args, router: Router, document_words: int, answer_words: int) -> dict:
+    """Step medians on a conversation's sixth turn, the fifth cached (the follow-up case)."""
+    rng = random.Random(args.seed)
+    conv = conversations(args.seed, 1, document_words, 6, (0.2, 1.0), turns=(6, 6))[0]
+    answers = [" ".join(rng.choice(WORDS) for _ in range(answer_words)) + "." for _ in conv.questions]
+    previous, messages = (conversation_messages(conv, turn, answers) for turn in (4, 5))
+    raw = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 8, "cache_salt": "s"}).encode()
+    tokenizer, cache = router.tokenizers[MODEL], router.chat_caches[MODEL]
+    text = render_chat_prompt(tokenizer, messages)
+    ids = chat_text_token_ids(tokenizer, text)
+    hashes = hash_prompt_blocks(ids, 16, cache_salt="s")
+    replicas = list(router.replicas.replicas.values())
+
+    def follow_up_ms() -> float:
+        cache.clear()
+        cache.prompt(previous, 16, "s")  # the fifth turn, as the router saw it
+        started = time.perf_counter()
+        cache.prompt(messages, 16, "s")
+        return (time.perf_counter() - started) * 1000
+
+    steps = {
+        "prompt_tokens": len(ids),
+        "json_parse": median_ms(lambda: json.loads(raw), args.repeats),
+        "render_template": median_ms(lambda: render_chat_prompt(tokenizer, messages), args.repeats),
+        "tokenize_whole": median_ms(lambda: chat_text_token_ids(tokenizer, text), args.repeats),
+        "hash_whole": median_ms(lambda: hash_prompt_blocks(ids, 16, cache_salt="s"), args.repeats),
+        "cached_render_tokenize_hash": statistics.median(follow_up_ms() for _ in range(args.repeats)),
+        "lookup_and_score": median_ms(lambda: router.decide(replicas, hashes, hashes[0], None, len(ids), 16),
+                                      args.repeats),
+    }
+    cache.clear()
+    return steps
 
 
 def summary(values: list[float]) -> dict:
@@ -179,6 +217,8 @@ def main() -> int:
         "lookup_and_score": median_ms(lambda: router.decide(replicas, hashes, hashes[0], None), args.repeats),
     }
     steps_ms["decision_total"] = sum(steps_ms.values())
+    chat_steps_ms = {workload: chat_steps(args, router, *shape) for workload, shape in W4_SHAPES.items()}
+    print(json.dumps({"chat_steps_median_ms": chat_steps_ms}, indent=2))
 
     paths = {}
     for workload in args.workloads.split(","):
@@ -196,6 +236,7 @@ def main() -> int:
         "machine": machine(),
         "parameters": vars(args),
         "decision_median_ms": steps_ms,
+        "chat_steps_median_ms": chat_steps_ms,
         "decision_path": paths,
         "chat_cache": {"entries": len(cache), "token_ids_held": cache._held, "hit_tokens": cache.hit_tokens},
         "full_gc": {
