@@ -241,7 +241,10 @@ class Router:
         try:
             if endpoint == "chat":
                 # A follow-up turn tokenizes and hashes only what follows the cached history.
-                token_ids, hashes = self.chat_caches[name].prompt(body["messages"], block_size, salt)
+                cache = self.chat_caches.get(name)
+                if cache is None:  # a tokenizer set without _load_tokenizers
+                    cache = self.chat_caches[name] = ChatTokenCache(tokenizer, self.config.chat_cache_tokens)
+                token_ids, hashes = cache.prompt(body["messages"], block_size, salt)
                 return hashes, len(token_ids), block_size
             prompt = body["prompt"]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

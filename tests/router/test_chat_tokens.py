@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from kvscale.router.app import Router, RouterConfig
@@ -147,6 +147,23 @@ def _trained_tokenizer(prepend_scheme: str) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def test_a_special_token_that_swallows_the_whitespace_after_it_is_no_cut_point() -> None:
+    tokenizer = _trained_tokenizer("always")
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        AddedToken("<|im_end|>", rstrip=True, special=True, normalized=False)]})
+    pattern = special_token_pattern(tokenizer)
+    assert pattern is not None and pattern.search("a<|im_end|>\n") is None
+    assert pattern.search("a<|im_start|>b").end() == len("a<|im_start|>")
+    cache = ChatTokenCache(tokenizer)
+    assert cache.enabled
+    messages = [{"role": "user", "content": "hello there "}]
+    for answer in ("the fox ", " brown"):
+        check(cache, messages, block_size=4)
+        messages = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": " what next"}]
+    check(cache, messages, block_size=4)
+    assert cache.hit_tokens > 0
+
+
 def test_a_tokenizer_that_treats_a_texts_first_piece_differently_turns_the_cache_off() -> None:
     """Metaspace with prepend_scheme="first" prepends "▁" only at the very start of a text, so a
     prompt cut after a special token encodes differently: the self-check must notice."""
@@ -184,6 +201,12 @@ def test_the_router_hashes_chat_turns_alike_with_and_without_the_cache(tokenizer
         messages = [*messages, {"role": "assistant", "content": f"answer {turn}"},
                     {"role": "user", "content": f"question {turn}?"}]
     assert cached.chat_caches[name].hit_tokens > 0
+    # A router given a tokenizer directly builds its cache on first use.
+    bare = Router(RouterConfig())
+    bare.tokenizers[name] = cached.tokenizers[name]
+    body = {"model": None, "messages": messages}
+    assert bare.prompt_block_hashes("chat", body, None) == plain.prompt_block_hashes("chat", body, None)
+    assert bare.chat_caches[name].enabled
     # A malformed conversation still falls back to the replica's own error, as before.
     assert cached.prompt_block_hashes("chat", {"messages": "nope"}, None)[0] == []
 
