@@ -148,7 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-bytes", type=int, default=2 * 1024**3)
     parser.add_argument("--side", choices=["kvscale", "baseline", "gemm"], help=argparse.SUPPRESS)
     parser.add_argument("--baselines", default="vllm,transformers",
-                        help="comma-separated: vllm, transformers (empty: none)")
+                        help="comma-separated: vllm, transformers, kvscale-float32 (kvscale itself in "
+                             "float32, for a --dtype bfloat16 run; empty: none)")
     parser.add_argument("--skip-baseline", action="store_true", help="same as --baselines ''")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = list(argv if argv is not None else sys.argv[1:])
     passthrough = _strip(raw, ("--out", "--baselines"), ("--skip-baseline",))
     baselines = [] if args.skip_baseline else [b for b in args.baselines.split(",") if b]
-    unknown = set(baselines) - {"vllm", "transformers"}
+    unknown = set(baselines) - {"vllm", "transformers", "kvscale-float32"}
     if unknown:
         raise SystemExit(f"unknown baselines {sorted(unknown)}")
     info = machine()
@@ -194,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
     kvscale = run_side("bench.w1_throughput", "kvscale", passthrough)
     print(f"kvscale: {kvscale['output_tokens_per_s']:.1f} tok/s in {kvscale['elapsed_s']:.1f} s", file=sys.stderr)
+    own_fp32 = None
+    if "kvscale-float32" in baselines:
+        fp32_args = _strip(passthrough, ("--dtype",), ()) + ["--dtype", "float32"]
+        own_fp32 = run_side("bench.w1_throughput", "kvscale", fp32_args)
+        print(f"kvscale float32: {own_fp32['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     vllm = side_vllm(args) if "vllm" in baselines else None
     if vllm:
         print(f"vLLM: {vllm['output_tokens_per_s']:.1f} tok/s in {vllm['elapsed_s']:.1f} s "
@@ -204,11 +210,11 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts, outputs = workload(args)
     flops = decoder_flops(load_hf_config(resolve_model_path(None)), [len(p) for p in prompts], outputs)
-    peak = peaks[args.dtype]["best_gflops"]
-    for side in (kvscale, vllm, baseline):
+    for side, dtype in ((kvscale, args.dtype), (vllm, args.dtype), (baseline, args.dtype),
+                        (own_fp32, "float32")):
         if side:
             side["useful_gflops"] = flops["total_flop"] / side["elapsed_s"] / 1e9
-            side["fraction_of_gemm_peak"] = side["useful_gflops"] / peak
+            side["fraction_of_gemm_peak"] = side["useful_gflops"] / peaks[dtype]["best_gflops"]
 
     def ratio(other: dict | None) -> float | None:
         return kvscale["output_tokens_per_s"] / other["output_tokens_per_s"] if other else None
@@ -227,11 +233,14 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_transformers_static_batches": baseline,
         "kvscale_over_vllm": ratio(vllm),
         "kvscale_over_transformers": ratio(baseline),
+        "kvscale_float32": own_fp32,
+        "kvscale_over_own_float32": ratio(own_fp32),
         "speedup": ratio(baseline),  # kept for older readers of this JSON
         "target_kvscale_over_vllm": 1.3 if args.threads > 1 else 1.0,
     }
     path = write_result("w1_throughput", result, args.out)
-    for name, value in (("vLLM", result["kvscale_over_vllm"]), ("transformers", result["kvscale_over_transformers"])):
+    for name, value in (("vLLM", result["kvscale_over_vllm"]), ("transformers", result["kvscale_over_transformers"]),
+                        ("kvscale float32", result["kvscale_over_own_float32"])):
         if value:
             print(f"kvscale / {name}: {value:.2f}x", file=sys.stderr)
     print(path)
