@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
 from dataclasses import replace
 
 import torch
@@ -24,6 +25,8 @@ from kvscale.server.detokenizer import (
     visible_text_len,
 )
 from kvscale.server.kv_cache_manager import KVCacheManager, blocks_for
+from kvscale.server.kv_sizing import kv_cache_blocks, profile_shape
+from kvscale.server.memory_profile import device_memory
 from kvscale.server.model_loader import (
     load_hf_config,
     load_model,
@@ -32,7 +35,7 @@ from kvscale.server.model_loader import (
     resolve_model_path,
     served_model_name,
 )
-from kvscale.server.model_runner import ModelRunner, StepLogits, kv_block_bytes
+from kvscale.server.model_runner import ModelRunner, StepLogits, StepProfile, kv_block_bytes
 from kvscale.server.outputs import (
     CompletionOutput,
     EngineStats,
@@ -46,6 +49,9 @@ from kvscale.server.scheduler import ScheduledSeq, Scheduler
 from kvscale.server.sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+# model -> {(sequence lengths, block size, device): what its profiling pass measured}
+_STEP_PROFILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,7 +89,13 @@ class LLMEngine:
         wanted_len = config.max_model_len or model_max_len
 
         block_bytes = kv_block_bytes(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype)
-        self.num_blocks = self._num_blocks(block_bytes)
+        self.eos_token_ids = self._eos_token_ids(path)
+        self.sampler = Sampler(self.eos_token_ids, self._decode_token, seed=config.seed)
+        self.runner = ModelRunner(self.model, config.block_size, self.dtype, self.device)
+        # Device memory in use before the pass: the weights (and whatever else holds the card).
+        used, total = device_memory(self.device) if self.device.type == "cuda" else (0, 0)
+        self.step_profile = self._profile_largest_step(wanted_len)
+        self.num_blocks = self._num_blocks(block_bytes, used, total)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         # A sequence may never need more than the whole pool (so preemption always makes progress).
         self.max_model_len = min(wanted_len, self.num_blocks * config.block_size)
@@ -91,11 +103,7 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(
-            self.model, self.num_blocks, config.block_size, self.max_model_len, self.dtype, self.device
-        )
-        self.eos_token_ids = self._eos_token_ids(path)
-        self.sampler = Sampler(self.eos_token_ids, self._decode_token, seed=config.seed)
+        self.runner.allocate_kv_cache(self.num_blocks, self.max_model_len)
         self.vocab_size = spec.vocab_size
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
@@ -108,19 +116,38 @@ class LLMEngine:
         )
 
     # --- setup helpers ------------------------------------------------------------------
-    def _num_blocks(self, block_bytes: int) -> int:
+    def _profile_largest_step(self, max_model_len: int) -> StepProfile:
+        """Run (or recall) the profiling pass for the largest step this engine can schedule."""
+        config = self.config
+        lengths = profile_shape(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+        # The same shape on the same weights peaks the same: engines sharing a process's weights
+        # (tests, several LLM objects) measure it once.
+        key = (tuple(lengths), config.block_size, str(self.device))
+        known = _STEP_PROFILES.setdefault(self.model, {})
+        profile = known.get(key)
+        reused = profile is not None
+        if profile is None:
+            profile = known[key] = self.runner.profile_run(lengths, self.sampler)
+        peak = "not measurable here" if profile.peak_bytes is None else f"+{profile.peak_bytes / 2**20:.1f} MiB"
+        logger.info(
+            "profiling pass: %d tokens in %d sequences, peak %s%s", profile.num_tokens,
+            profile.num_seqs, peak, " (measured earlier in this process)" if reused else "",
+        )
+        return profile
+
+    def _num_blocks(self, block_bytes: int, used: int, total: int) -> int:
         config = self.config
         if config.num_gpu_blocks_override is not None:
             return config.num_gpu_blocks_override
-        if config.kv_cache_memory_bytes is not None:
-            budget = config.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            # Leave room for activations of the largest step (logits dominate).
-            activations = config.max_num_batched_tokens * self.model.spec.hidden_size * 4 * 16
-            budget = int(total * config.gpu_memory_utilization) - used - activations
-        else:
+        if config.kv_cache_memory_bytes is None and self.device.type == "cuda":
+            # CUDA always has a meter, so the pass always has a peak.
+            assert self.step_profile.peak_bytes is not None
+            return kv_cache_blocks(
+                total, used, self.step_profile.peak_bytes, config.gpu_memory_utilization, block_bytes,
+                block_size=config.block_size, max_model_len=config.max_model_len,
+            )
+        budget = config.kv_cache_memory_bytes
+        if budget is None:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = budget // block_bytes
         if num_blocks < 1:

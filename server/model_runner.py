@@ -17,8 +17,13 @@ import numpy as np
 import torch
 
 from kvscale import kernels
+from kvscale.server.memory_profile import MemoryMeter
 from kvscale.server.model_llama import AttentionMetadata, DecodePrefillSplit, DecoderForCausalLM
+from kvscale.server.outputs import RequestMetrics
+from kvscale.server.sampler import Sampler, SamplingRow, make_generator
+from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.scheduler import ScheduledSeq
+from kvscale.server.sequence import Request, Sequence
 
 
 @dataclass
@@ -36,6 +41,15 @@ class StepLogits:
     sample_rows: list[int]  # scheduled indices whose chunk ended their tokens
     prompt: torch.Tensor  # the rows of prompt_rows, in order
     prompt_rows: list[PromptRows]
+
+
+@dataclass
+class StepProfile:
+    """What the profiling pass ran and what it added to memory at its peak."""
+
+    num_tokens: int
+    num_seqs: int
+    peak_bytes: int | None  # None: this platform offers no way to measure it
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -65,34 +79,86 @@ def keep_freed_memory_for_reuse() -> bool:
 
 
 class ModelRunner:
+    """Built without a KV cache: ``profile_run`` measures the largest step first, then the engine
+    sizes the cache from it and calls ``allocate_kv_cache``."""
+
     def __init__(
-        self,
-        model: DecoderForCausalLM,
-        num_blocks: int,
-        block_size: int,
-        max_model_len: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        self, model: DecoderForCausalLM, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        spec = model.spec
         self.model = model
         self.block_size = block_size
+        self.dtype = dtype
         self.device = device
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
         if device.type == "cpu":
             keep_freed_memory_for_reuse()
-        # One allocation for the whole cache: [layer, k|v, block, offset, kv_head, head_dim].
-        self.kv_cache = torch.zeros(
-            spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
-            dtype=dtype, device=device,
-        )
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(spec.num_layers)]
-        model.build_rope_cache(max_model_len)
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self.max_model_len = 0
+
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.kv_cache, self.kv_caches = self._new_kv_cache(num_blocks)
+        self.model.build_rope_cache(max_model_len)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
-        if device.type == "cuda":
+        if self.device.type == "cuda":
             # Compile every Triton kernel now, so the first request (and /health) does not wait.
             self.warm_up()
+
+    def _new_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        spec = self.model.spec
+        # One allocation for the whole cache: [layer, k|v, block, offset, kv_head, head_dim].
+        cache = torch.zeros(
+            spec.num_layers, 2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        return cache, [(cache[i, 0], cache[i, 1]) for i in range(spec.num_layers)]
+
+    @torch.inference_mode()
+    def profile_run(self, lengths: list[int], sampler: Sampler) -> StepProfile:
+        """Run the largest step once on a throwaway KV cache and measure the memory it adds.
+
+        One prompt of ``lengths[i]`` tokens per sequence, every row's logits computed (each
+        request asks for prompt logprobs: the worst case), the engine's log-softmax over them,
+        then the sampler's full host path (temperature, top-k/p, min-p, penalties, min_tokens,
+        logprobs) on the sampling rows. The scratch cache is allocated before the meter starts,
+        since the real cache is accounted for block by block. Nothing outlives the call: the
+        runner's own cache (if any) is put back untouched and every tensor of the pass is freed.
+        """
+        bs = self.block_size
+        vocab = self.model.spec.vocab_size
+        params = SamplingParams(
+            temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+            presence_penalty=0.5, frequency_penalty=0.5, min_tokens=1, max_tokens=1,
+            logprobs=20, prompt_logprobs=20,
+        )
+        scheduled: list[ScheduledSeq] = []
+        num_blocks = 0
+        for i, n in enumerate(lengths):
+            request = Request(f"profile-{i}", None, [], params, None, RequestMetrics(0.0), 1)
+            seq = Sequence(request, 0, [(num_blocks * bs + k) % vocab for k in range(n)], n)
+            seq.block_table = list(range(num_blocks, num_blocks + -(-n // bs)))
+            num_blocks += len(seq.block_table)
+            scheduled.append(ScheduledSeq(seq, n))
+        self.model.build_rope_cache(max(lengths))
+        own = self.kv_cache, self.kv_caches
+        self.kv_cache, self.kv_caches = self._new_kv_cache(num_blocks)
+        try:
+            with MemoryMeter(self.device) as meter:
+                step = self.execute(scheduled, [])
+                if step.prompt_rows:
+                    torch.log_softmax(step.prompt, dim=1)  # as the engine records prompt logprobs
+                rows = [
+                    SamplingRow(params, scheduled[i].seq.token_ids, lengths[i], make_generator(0, i))
+                    for i in step.sample_rows
+                ]
+                sampler(step.sample, rows)
+                del step
+        finally:
+            self.kv_cache, self.kv_caches = own
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return StepProfile(sum(lengths), len(lengths), meter.peak_bytes)
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int = 40) -> None:

@@ -1,0 +1,77 @@
+"""How big the KV cache may be, decided from measured memory figures (pure functions, no torch).
+
+On a GPU the cache takes what is left of ``gpu_memory_utilization`` of the card once the weights
+are loaded and the largest step the scheduler can build has been run once and its peak measured
+(``ModelRunner.profile_run``): a figure measured on the real model with the real kernels, where
+a formula would miss the logits of prompt-logprobs rows, the sampler's copies and each kernel's
+workspace.
+"""
+
+from __future__ import annotations
+
+GIB = 1024**3
+
+
+def profile_shape(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """Token counts of the sequences in the largest step the scheduler can build.
+
+    The whole token budget spread as evenly as possible over as many sequences as a step may
+    hold (a token each at least), none longer than ``max_model_len``: every row of such a step
+    may need its logits (prompt logprobs), and every sequence a sampling row.
+    """
+    if min(max_num_batched_tokens, max_num_seqs, max_model_len) < 1:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}), max_num_seqs ({max_num_seqs}) and "
+            f"max_model_len ({max_model_len}) must be at least 1"
+        )
+    num_seqs = min(max_num_seqs, max_num_batched_tokens)
+    total = min(max_num_batched_tokens, num_seqs * max_model_len)
+    base, extra = divmod(total, num_seqs)
+    return [base + 1] * extra + [base] * (num_seqs - extra)
+
+
+def kv_cache_blocks(
+    total_bytes: int,
+    used_bytes: int,
+    peak_bytes: int,
+    gpu_memory_utilization: float,
+    block_bytes: int,
+    *,
+    block_size: int,
+    max_model_len: int | None = None,
+) -> int:
+    """KV blocks that fit in ``gpu_memory_utilization`` of the device.
+
+    ``used_bytes`` is what the device holds before the profiling pass (weights, CUDA context,
+    anything else on the card), ``peak_bytes`` what the pass added at its peak. With
+    ``max_model_len`` given (the user asked for it), one sequence of that length must fit;
+    otherwise the caller caps the length at what the pool holds.
+    """
+    if block_bytes < 1 or block_size < 1:
+        raise ValueError(f"block_bytes ({block_bytes}) and block_size ({block_size}) must be positive")
+    allowed = int(total_bytes * gpu_memory_utilization)
+    budget = allowed - used_bytes - peak_bytes
+    num_blocks = max(budget, 0) // block_bytes
+    figures = (
+        f"{gpu_memory_utilization:g} of {_gib(total_bytes)} GiB is {_gib(allowed)} GiB; "
+        f"{_gib(used_bytes)} GiB was in use after loading the weights and the largest step "
+        f"peaked at {_gib(peak_bytes)} GiB more, leaving {_gib(budget)} GiB for the KV cache"
+    )
+    if num_blocks < 1:
+        raise ValueError(
+            f"no room for the KV cache: {figures}, less than one block ({block_bytes} bytes). "
+            "Increase --gpu-memory-utilization, or decrease --max-num-batched-tokens or --max-num-seqs"
+        )
+    if max_model_len is not None and num_blocks * block_size < max_model_len:
+        needed = -(-max_model_len // block_size)
+        raise ValueError(
+            f"one sequence of max_model_len {max_model_len} tokens needs {needed} KV blocks "
+            f"({_gib(needed * block_bytes)} GiB) but only {num_blocks} fit: {figures}. "
+            f"Increase --gpu-memory-utilization or decrease --max-model-len "
+            f"(at most {num_blocks * block_size} fits)"
+        )
+    return num_blocks
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.2f}"
