@@ -130,8 +130,8 @@ class LLMEngine:
             profile = known[key] = self.runner.profile_run(lengths, self.sampler)
         peak = "not measurable here" if profile.peak_bytes is None else f"+{profile.peak_bytes / 2**20:.1f} MiB"
         logger.info(
-            "profiling pass: %d tokens in %d sequences, peak %s%s", profile.num_tokens,
-            profile.num_seqs, peak, " (measured earlier in this process)" if reused else "",
+            "profiling pass: %d tokens in %d sequences, peak %s%s", profile.num_tokens, profile.num_seqs,
+            peak, " (measured earlier in this process)" if reused else f" in {profile.seconds:.1f} s",
         )
         return profile
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,7 @@ class StepProfile:
     num_tokens: int
     num_seqs: int
     peak_bytes: int | None  # None: this platform offers no way to measure it
+    seconds: float  # how long the pass took (start-up time it costs)
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -143,6 +145,7 @@ class ModelRunner:
         self.model.build_rope_cache(max(lengths))
         own = self.kv_cache, self.kv_caches
         self.kv_cache, self.kv_caches = self._new_kv_cache(num_blocks)
+        started = time.perf_counter()
         try:
             with MemoryMeter(self.device) as meter:
                 step = self.execute(scheduled, [])
@@ -158,7 +161,7 @@ class ModelRunner:
             self.kv_cache, self.kv_caches = own
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        return StepProfile(sum(lengths), len(lengths), meter.peak_bytes)
+        return StepProfile(sum(lengths), len(lengths), meter.peak_bytes, time.perf_counter() - started)
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int = 40) -> None:

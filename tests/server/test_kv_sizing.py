@@ -138,3 +138,20 @@ def test_profiling_pass_leaves_nothing_behind(make_engine, run_to_completion, gr
     assert outputs["after"].outputs[0].token_ids == hf_greedy_tokens[second]
     assert outputs["again"].outputs[0].token_ids == hf_greedy_tokens[first]
     assert outputs["again"].num_cached_tokens > 0
+
+
+# --- the meter -----------------------------------------------------------------------------
+
+
+def test_cpu_meter_measures_what_the_work_touches_and_resets_between_uses():
+    from kvscale.server.memory_profile import MemoryMeter
+
+    cpu = torch.device("cpu")
+    with MemoryMeter(cpu) as meter:
+        block = torch.ones(64 * MIB // 4)  # every page written
+        del block
+    assert meter.peak_bytes is not None and 64 * MIB <= meter.peak_bytes < 96 * MIB, meter.peak_bytes
+    # The high-water mark starts again from the current RSS: the earlier 64 MiB is not carried.
+    with MemoryMeter(cpu) as idle:
+        pass
+    assert idle.peak_bytes is not None and idle.peak_bytes < 8 * MIB, idle.peak_bytes
