@@ -92,8 +92,12 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(path)
         self.sampler = Sampler(self.eos_token_ids, self._decode_token, seed=config.seed)
         self.runner = ModelRunner(self.model, config.block_size, self.dtype, self.device)
-        # Device memory in use before the pass: the weights (and whatever else holds the card).
-        used, total = device_memory(self.device) if self.device.type == "cuda" else (0, 0)
+        used = total = 0
+        if self.device.type == "cuda":
+            # RoPE tables for the longest possible sequence first: they stay for the engine's
+            # life, so they count as used, like the weights (and whatever else holds the card).
+            self.model.build_rope_cache(wanted_len)
+            used, total = device_memory(self.device)
         self.step_profile = self._profile_largest_step(wanted_len)
         self.num_blocks = self._num_blocks(block_bytes, used, total)
         self.kv_cache_bytes = self.num_blocks * block_bytes
