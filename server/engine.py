@@ -25,7 +25,7 @@ from kvscale.server.detokenizer import (
     visible_text_len,
 )
 from kvscale.server.kv_cache_manager import KVCacheManager, blocks_for
-from kvscale.server.kv_sizing import kv_cache_blocks, profile_shape
+from kvscale.server.kv_sizing import kv_cache_blocks, pass_decides_pool, profile_shape
 from kvscale.server.memory_profile import device_memory
 from kvscale.server.model_loader import (
     load_hf_config,
@@ -98,7 +98,9 @@ class LLMEngine:
             # life, so they count as used, like the weights (and whatever else holds the card).
             self.model.build_rope_cache(wanted_len)
             used, total = device_memory(self.device)
-        self.step_profile = self._profile_largest_step(wanted_len)
+        self.step_profile: StepProfile | None = None
+        if pass_decides_pool(self.device.type, config.kv_cache_memory_bytes, config.num_gpu_blocks_override):
+            self.step_profile = self._profile_largest_step(wanted_len)
         self.num_blocks = self._num_blocks(block_bytes, used, total)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         # A sequence may never need more than the whole pool (so preemption always makes progress).
@@ -143,7 +145,7 @@ class LLMEngine:
         config = self.config
         if config.num_gpu_blocks_override is not None:
             return config.num_gpu_blocks_override
-        if config.kv_cache_memory_bytes is None and self.device.type == "cuda":
+        if self.step_profile is not None:
             # CUDA always has a meter, so the pass always has a peak.
             assert self.step_profile.peak_bytes is not None
             return kv_cache_blocks(

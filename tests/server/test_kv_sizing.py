@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from kvscale.server.kv_sizing import GIB, kv_cache_blocks, profile_shape
+from kvscale.server.kv_sizing import GIB, kv_cache_blocks, pass_decides_pool, profile_shape
 from kvscale.server.sampling_params import SamplingParams
 
 MIB = 1024**2
@@ -81,15 +81,20 @@ def test_bad_block_geometry_is_rejected():
 # --- the pass on the bundled model (CPU) ---------------------------------------------------
 
 
-def test_engine_runs_the_profiling_pass_and_logs_it(make_engine, caplog):
+def test_the_pass_runs_only_where_it_sizes_the_pool():
+    assert pass_decides_pool("cuda", None, None)
+    assert not pass_decides_pool("cuda", 2**30, None)  # an explicit budget decides
+    assert not pass_decides_pool("cuda", None, 128)  # so does an explicit block count
+    assert not pass_decides_pool("cpu", None, None)  # the CPU budget is a fixed number
+
+
+def test_a_cpu_engine_starts_without_the_pass(make_engine, caplog):
+    # Every CPU start (and every test server) would pay for a pass whose result nothing reads.
     with caplog.at_level(logging.INFO, logger="kvscale.server.engine"):
         engine = make_engine(max_num_batched_tokens=48, max_num_seqs=6)
-    profile = engine.step_profile
-    assert (profile.num_tokens, profile.num_seqs) == (48, 6)
-    assert profile.peak_bytes is not None and profile.peak_bytes > 0
-    assert "profiling pass: 48 tokens in 6 sequences, peak +" in caplog.text
-    # On CPU the budget rules stay: the override still decides the pool.
-    assert engine.num_blocks == 256
+    assert engine.step_profile is None
+    assert "profiling pass" not in caplog.text
+    assert engine.num_blocks == 256  # the override decides the pool
 
 
 def test_measured_peak_holds_every_rows_logits_and_grows_with_the_step(make_engine):
@@ -150,7 +155,9 @@ def test_cpu_meter_measures_what_the_work_touches_and_resets_between_uses():
     with MemoryMeter(cpu) as meter:
         block = torch.ones(64 * MIB // 4)  # every page written
         del block
-    assert meter.peak_bytes is not None and 64 * MIB <= meter.peak_bytes < 96 * MIB, meter.peak_bytes
+    # A few pages of the block may land on memory already resident (a freed chunk malloc_trim could
+    # not hand back whole, after other tests ran in this process): most of it is new.
+    assert meter.peak_bytes is not None and 60 * MIB <= meter.peak_bytes < 96 * MIB, meter.peak_bytes
     # The high-water mark starts again from the current RSS: the earlier 64 MiB is not carried.
     with MemoryMeter(cpu) as idle:
         pass
