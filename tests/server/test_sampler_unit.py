@@ -139,3 +139,15 @@ def test_logprobs_chosen_and_top_n():
     p = SamplingParams(temperature=0, logprobs=1, repetition_penalty=100.0)
     tokens, logprobs = sampler()(logits_rows(raw), [row(p, tokens=[1], prompt_len=1)])
     assert tokens == [2] and logprobs[0][2].rank == 2 and logprobs[0][1].rank == 1
+
+
+def test_greedy_tokens_is_argmax_ties_included() -> None:
+    from kvscale.server.sampler import greedy_tokens
+
+    logits = torch.zeros(3, 10)
+    logits[0, [2, 5]] = 1.0  # a tie: the first index wins, as with argmax
+    logits[1, 7] = 3.0
+    logits[2, :] = -1.0  # all equal
+    assert greedy_tokens(logits).tolist() == [2, 7, 0]
+    rows = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(greedy_tokens(rows), rows.argmax(dim=1))
