@@ -1,15 +1,16 @@
-"""The CPU decode attention in C (``cpu_decode_attention.c``), built on first use and cached.
+"""The engine's C kernels for CPUs, built on first use and cached, and their Python entry points.
 
-The engine's CPU decode step spends most of its non-GEMM time in the PyTorch reference's
-per-sequence ops; this kernel reads the paged cache in place for every sequence of a layer in one
-call. It is compiled with the machine's C compiler for the machine it runs on (``-march=native``)
+``cpu_decode_attention.c``: decode attention reading the paged cache in place for every sequence
+of a layer in one call (the PyTorch reference's per-sequence ops were most of a decode step's
+non-GEMM time). ``cpu_layer_ops.c``: the decoder layer's elementwise steps (SiLU-and-multiply,
+residual add + RMSNorm) fused into one pass each. Both are compiled into one library with the machine's C compiler for the machine it runs on (``-march=native``)
 into ``$KVSCALE_CACHE/native/`` under a name derived from the source, the flags and the compiler,
 so a changed source or another CPU never loads a stale build, and concurrent processes each
 rename a finished file into place. Where no compiler exists (a slim container image without a
-prebuilt library) the reference is used, with one warning.
+prebuilt library) PyTorch ops are used, with one warning.
 
-``KVSCALE_CPU_ATTENTION``: ``auto`` (default: the C kernel when it builds), ``native`` (the C
-kernel or an error), ``reference`` (PyTorch ops only).
+``KVSCALE_CPU_KERNELS``: ``auto`` (default: the C kernels when they build), ``native`` (the C
+kernels or an error), ``reference`` (PyTorch ops only).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kvscale.kernels import reference
 
 logger = logging.getLogger(__name__)
 
-SOURCE = "cpu_decode_attention.c"
+SOURCES = ("cpu_decode_attention.c", "cpu_layer_ops.c")
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffast-math") + (
@@ -47,20 +48,20 @@ _BAD_TABLE = 2
 
 
 class NativeKernelError(RuntimeError):
-    """The C kernel was asked for (``KVSCALE_CPU_ATTENTION=native``) but cannot be built."""
+    """The C kernels were asked for (``KVSCALE_CPU_KERNELS=native``) but cannot be built."""
 
 
 def mode() -> str:
-    value = os.environ.get("KVSCALE_CPU_ATTENTION", "auto")
+    value = os.environ.get("KVSCALE_CPU_KERNELS", "auto")
     if value not in MODES:
-        raise ValueError(f"KVSCALE_CPU_ATTENTION={value!r}: expected one of {', '.join(MODES)}")
+        raise ValueError(f"KVSCALE_CPU_KERNELS={value!r}: expected one of {', '.join(MODES)}")
     return value
 
 
 def library_path(source: bytes, compiler_id: str, cache: Path) -> Path:
-    """Where the build of this source with these flags and this compiler lives."""
+    """Where the build of these sources with these flags and this compiler lives."""
     key = hashlib.sha256(source + " ".join(CFLAGS + LDLIBS).encode() + compiler_id.encode()).hexdigest()[:16]
-    return cache / f"cpu_decode_attention-{key}.so"
+    return cache / f"kvscale_cpu-{key}.so"
 
 
 def _native_cache() -> Path:
@@ -70,14 +71,14 @@ def _native_cache() -> Path:
 
 
 def build(cache: Path | None = None) -> Path:
-    """Compile the kernel unless this exact build is cached; the path of the shared library."""
+    """Compile the kernels unless this exact build is cached; the path of the shared library."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise NativeKernelError("no C compiler (cc or $CC) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
-    source = resources.files("kvscale.kernels").joinpath(SOURCE).read_bytes()
+    sources = {name: resources.files("kvscale.kernels").joinpath(name).read_bytes() for name in SOURCES}
     cache = cache or _native_cache()
-    target = library_path(source, version.stdout, cache)
+    target = library_path(b"".join(sources.values()), version.stdout, cache)
     if target.exists():
         return target
     try:
@@ -86,11 +87,12 @@ def build(cache: Path | None = None) -> Path:
     except OSError:  # a read-only cache (e.g. in an image): build beside the process instead
         workdir = Path(tempfile.mkdtemp(prefix="kvscale-native-"))
         target = workdir / target.name
-    src = workdir / SOURCE
-    src.write_bytes(source)
+    for name, text in sources.items():
+        (workdir / name).write_bytes(text)
     built = workdir / target.name
     result = subprocess.run(
-        [compiler, *CFLAGS, "-o", str(built), str(src), *LDLIBS], capture_output=True, text=True, check=False
+        [compiler, *CFLAGS, "-o", str(built), *(str(workdir / name) for name in SOURCES), *LDLIBS],
+        capture_output=True, text=True, check=False,
     )
     if result.returncode != 0:
         raise NativeKernelError(f"{compiler} failed:\n{result.stderr.strip()}")
@@ -111,22 +113,64 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(build()))
     except (NativeKernelError, OSError) as exc:
         if wanted == "native":
-            raise NativeKernelError(f"the C decode attention is unavailable: {exc}") from exc
-        logger.warning("C decode attention unavailable (%s); using the PyTorch reference", exc)
+            raise NativeKernelError(f"the C kernels are unavailable: {exc}") from exc
+        logger.warning("C kernels unavailable (%s); using PyTorch ops", exc)
         return None
-    fn = lib.kvscale_paged_decode_attention
     c = ctypes
-    fn.argtypes = [
-        c.c_void_p, c.c_void_p, c.c_void_p, c.c_int, c.c_int64, c.c_void_p, c.c_int64, c.c_void_p,
-        c.c_int, c.c_int, c.c_int, c.c_int, c.c_int, c.c_float, c.c_void_p, c.c_int,
-    ]
-    fn.restype = c.c_int
+    ptr, i32, i64, f32 = c.c_void_p, c.c_int, c.c_int64, c.c_float
+    signatures = {
+        "kvscale_paged_decode_attention": [
+            ptr, ptr, ptr, i32, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, f32, ptr, i32,
+        ],
+        "kvscale_silu_and_mul": [ptr, ptr, i64, i64, i32, i32],
+        "kvscale_add_rms_norm": [ptr, ptr, ptr, ptr, i64, i64, f32, i32, i32],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = c.c_int if name == "kvscale_paged_decode_attention" else None
     return lib
 
 
 def available() -> bool:
-    """Whether CPU decode attention runs in C in this process."""
+    """Whether the C kernels run in this process."""
     return _library() is not None
+
+
+def _fits(*tensors: Tensor) -> bool:
+    """Whether the C kernels take these tensors: on the CPU, contiguous, one of their dtypes."""
+    dtype = tensors[0].dtype
+    return dtype in (torch.float32, torch.bfloat16) and all(
+        t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors
+    )
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor | None:
+    """``silu(gate_up[..., :n]) * gate_up[..., n:]`` in one pass, or None where the C kernels
+    do not apply (the caller then runs the PyTorch ops)."""
+    lib = _library()
+    if lib is None or not _fits(gate_up):
+        return None
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty((*gate_up.shape[:-1], width))
+    lib.kvscale_silu_and_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width), width,
+                             int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> Tensor | None:
+    """RMSNorm of ``x`` (or, given ``residual``, ``residual += x`` in place, then RMSNorm of it) in
+    one pass; None where the C kernels do not apply."""
+    lib = _library()
+    tensors = (x, weight) if residual is None else (x, residual, weight)
+    if lib is None or not _fits(*tensors) or (residual is not None and residual.shape != x.shape):
+        return None
+    width = x.shape[-1]
+    out = torch.empty_like(x)
+    lib.kvscale_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                             out.data_ptr(), x.numel() // width, width, eps, int(x.dtype == torch.bfloat16),
+                             torch.get_num_threads())
+    return out
 
 
 def paged_decode_attention(

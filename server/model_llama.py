@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvscale.kernels import paged_decode_attention, paged_prefill_attention, write_kv
+from kvscale.kernels import cpu_native, paged_decode_attention, paged_prefill_attention, write_kv
 
 
 @dataclass
@@ -113,6 +113,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cpu_native.add_rms_norm(x, None, self.weight, self.eps)
+        if fused is not None:
+            return fused
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # torch's fused kernel: bit-identical to the three-step form below, one pass.
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -121,6 +124,15 @@ class RMSNorm(nn.Module):
         variance = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` (the sum that closes a sublayer) and its norm (which opens the next);
+        on CPU one pass that also updates ``residual`` in place."""
+        fused = cpu_native.add_rms_norm(x, residual, self.weight, self.eps)
+        if fused is not None:
+            return fused, residual
+        residual = residual + x
+        return self.forward(residual), residual
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -216,8 +228,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        activated = cpu_native.silu_and_mul(gate_up)
+        if activated is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            activated = nn.functional.silu(gate) * up
+        return self.down_proj(activated)
 
 
 class DecoderLayer(nn.Module):
@@ -228,13 +244,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, hidden, cos, sin, k_cache, v_cache, meta):
-        residual = hidden
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, k_cache, v_cache, meta)
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
-        return residual + hidden
+    def forward(self, hidden, residual, cos, sin, k_cache, v_cache, meta):
+        """This layer's output before its closing residual add, and the residual stream: each
+        add is fused with the norm after it (the next layer's, or the model's final one)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, k_cache, v_cache, meta)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -281,9 +301,11 @@ class DecoderForCausalLM(nn.Module):
         cos = cos_table.index_select(0, positions).unsqueeze(1)  # broadcast over heads
         sin = sin_table.index_select(0, positions).unsqueeze(1)
         hidden = self.embed_tokens(input_ids)
+        residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, k_cache, v_cache, meta)
-        hidden = self.norm(hidden.index_select(0, logits_indices))
+            hidden, residual = layer(hidden, residual, cos, sin, k_cache, v_cache, meta)
+        hidden, _ = self.norm.add_and_norm(hidden.index_select(0, logits_indices),
+                                           residual.index_select(0, logits_indices))
         return self.lm_head(hidden)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ from kvscale.kernels.checks import TOLERANCE, dense_attention, make_case, max_er
 @pytest.fixture(autouse=True)
 def _fresh_library(monkeypatch: pytest.MonkeyPatch):
     """Each test picks the kernel up again from its own environment."""
-    monkeypatch.delenv("KVSCALE_CPU_ATTENTION", raising=False)
+    monkeypatch.delenv("KVSCALE_CPU_KERNELS", raising=False)
     cpu_native._library.cache_clear()
     yield
     cpu_native._library.cache_clear()
@@ -114,16 +114,16 @@ def test_no_compiler_falls_back_with_a_warning_or_fails_when_forced(
     assert max_error(_run(case), dense_attention(case)) <= TOLERANCE[torch.float32]
 
     cpu_native._library.cache_clear()
-    monkeypatch.setenv("KVSCALE_CPU_ATTENTION", "native")
+    monkeypatch.setenv("KVSCALE_CPU_KERNELS", "native")
     with pytest.raises(cpu_native.NativeKernelError, match="no C compiler"):
         cpu_native.available()
 
 
 def test_reference_mode_and_a_bad_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVSCALE_CPU_ATTENTION", "reference")
+    monkeypatch.setenv("KVSCALE_CPU_KERNELS", "reference")
     assert not cpu_native.available()
     cpu_native._library.cache_clear()
-    monkeypatch.setenv("KVSCALE_CPU_ATTENTION", "fast")
+    monkeypatch.setenv("KVSCALE_CPU_KERNELS", "fast")
     with pytest.raises(ValueError, match="expected one of auto, native, reference"):
         cpu_native.available()
 
@@ -136,3 +136,55 @@ def test_every_head_size_matches_dense(head_dim: int, dtype: torch.dtype) -> Non
     case = make_case(gen, context_lens=[37, 70, 5], q_lens=[1, 1, 1], num_heads=8, num_kv_heads=2,
                      head_dim=head_dim, block_size=16, dtype=dtype)
     assert max_error(_run(case), dense_attention(case)) <= TOLERANCE[dtype]
+
+
+# --- the layer's elementwise steps (cpu_layer_ops.c) -----------------------------------------
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, the numerics the kernel follows."""
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+LAYER_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_silu_and_mul_matches_torch(rows: int, dtype: torch.dtype) -> None:
+    gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)).mul(4).to(dtype)
+    gate, up = gate_up.split(1536, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    out = cpu_native.silu_and_mul(gate_up)
+    assert out is not None and out.dtype == dtype and out.shape == expected.shape
+    # bfloat16: at most one rounding step apart from torch's (relative to the values' size).
+    error = (out.float() - expected.float()).abs() / expected.float().abs().clamp_min(1.0)
+    assert float(error.max()) <= LAYER_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_torch(with_residual: bool, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(int(with_residual))
+    x = torch.randn(33, 576, generator=gen).to(dtype)
+    residual = torch.randn(33, 576, generator=gen).to(dtype)
+    weight = torch.rand(576, generator=gen).add(0.5).to(dtype)
+    summed = residual + x
+    expected = _torch_rms_norm(summed if with_residual else x, weight, 1e-5)
+    stream = residual.clone()
+    out = cpu_native.add_rms_norm(x, stream if with_residual else None, weight, 1e-5)
+    assert out is not None and out.dtype == dtype
+    error = (out.float() - expected.float()).abs() / expected.float().abs().clamp_min(1.0)
+    assert float(error.max()) <= LAYER_TOLERANCE[dtype]
+    # The residual stream is updated in place with the sum (and left alone without one).
+    assert torch.equal(stream, summed if with_residual else residual)
+
+
+def test_layer_ops_leave_what_they_do_not_take_to_torch() -> None:
+    half = torch.randn(4, 64).half()
+    assert cpu_native.silu_and_mul(half) is None  # float16: not a C kernel dtype
+    strided = torch.randn(4, 128)[:, ::2]
+    assert cpu_native.add_rms_norm(strided, None, torch.ones(64), 1e-5) is None  # not contiguous
+    mixed = torch.randn(4, 64)
+    assert cpu_native.add_rms_norm(mixed, None, torch.ones(64).bfloat16(), 1e-5) is None

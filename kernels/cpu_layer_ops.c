@@ -1,0 +1,100 @@
+/* The decoder layer's elementwise steps for CPUs, each fused into one pass over its rows.
+ *
+ * Why: in PyTorch each of these is several ops, each a full pass over activations that do not fit
+ * in cache (a 2048-token prefill's MLP activations are 12 MiB in float32), so a prefill step spent
+ * 14 % (float32) to 34 % (bfloat16) of its time in them. Here each is one read and one write.
+ *
+ * Rows are contiguous, float32 or bfloat16 (as uint16, round-to-nearest-even on store). Numerics
+ * follow transformers: RMSNorm in float32, the normalised row rounded to the model dtype before
+ * the weight multiplies it (as `weight * x.to(dtype)`), SiLU in float32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t bits) {
+    union { uint32_t u; float f; } value = { .u = (uint32_t)bits << 16 };
+    return value.f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } value = { .f = f };
+    /* Round to nearest even; inputs here are finite activations (NaN handling not needed). */
+    return (uint16_t)((value.u + 0x7FFFu + ((value.u >> 16) & 1u)) >> 16);
+}
+
+static inline __attribute__((always_inline)) float get(const void *base, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline __attribute__((always_inline)) void put(void *base, int64_t i, float f, int is_bf16) {
+    if (is_bf16) ((uint16_t *)base)[i] = float_to_bf16(f);
+    else ((float *)base)[i] = f;
+}
+
+/* The model dtype's rounding of a float32 value (identity for float32). */
+static inline __attribute__((always_inline)) float round_to(float f, int is_bf16) {
+    return is_bf16 ? bf16_to_float(float_to_bf16(f)) : f;
+}
+
+static inline __attribute__((always_inline)) void silu_and_mul_rows(
+    const void *gate_up, void *out, int64_t rows, int64_t width, int is_bf16, int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t in = r * 2 * width, o = r * width;
+        #pragma omp simd
+        for (int64_t i = 0; i < width; i++) {
+            const float gate = get(gate_up, in + i, is_bf16);
+            const float up = get(gate_up, in + width + i, is_bf16);
+            /* torch rounds silu(gate) to the dtype before multiplying by up. */
+            put(out, o + i, round_to(gate / (1.0f + expf(-gate)), is_bf16) * up, is_bf16);
+        }
+    }
+}
+
+/* out[r] = silu(x[r, :width]) * x[r, width:] for x [rows, 2 * width] (the fused gate|up output). */
+void kvscale_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int is_bf16,
+                          int num_threads) {
+    if (is_bf16) silu_and_mul_rows(gate_up, out, rows, width, 1, num_threads);
+    else silu_and_mul_rows(gate_up, out, rows, width, 0, num_threads);
+}
+
+static inline __attribute__((always_inline)) void add_rms_norm_rows(
+    const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t width,
+    float eps, int is_bf16, int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * width;
+        float squares = 0.0f;
+        if (residual != NULL) {
+            /* residual += x, rounded to the dtype as torch's add is, and normalised from there. */
+            #pragma omp simd reduction(+ : squares)
+            for (int64_t i = 0; i < width; i++) {
+                const float sum = round_to(get(x, base + i, is_bf16) + get(residual, base + i, is_bf16), is_bf16);
+                put(residual, base + i, sum, is_bf16);
+                squares += sum * sum;
+            }
+        } else {
+            #pragma omp simd reduction(+ : squares)
+            for (int64_t i = 0; i < width; i++) {
+                const float value = get(x, base + i, is_bf16);
+                squares += value * value;
+            }
+        }
+        const void *source = residual != NULL ? residual : x;
+        const float inv = 1.0f / sqrtf(squares / (float)width + eps);
+        #pragma omp simd
+        for (int64_t i = 0; i < width; i++) {
+            const float normed = round_to(get(source, base + i, is_bf16) * inv, is_bf16);
+            put(out, base + i, get(weight, i, is_bf16) * normed, is_bf16);
+        }
+    }
+}
+
+/* out = RMSNorm(x) * weight, or with `residual` non-NULL: residual += x, out = RMSNorm(residual)
+ * * weight (the add that closes one sublayer fused with the norm that opens the next). */
+void kvscale_add_rms_norm(const void *x, void *residual, const void *weight, void *out,
+                          int64_t rows, int64_t width, float eps, int is_bf16, int num_threads) {
+    if (is_bf16) add_rms_norm_rows(x, residual, weight, out, rows, width, eps, 1, num_threads);
+    else add_rms_norm_rows(x, residual, weight, out, rows, width, eps, 0, num_threads);
+}
