@@ -143,20 +143,35 @@ def paged_prefill_attention(
         out[token_idx] = (decode or paged_decode_attention)(
             query[token_idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale
         )
+    # Sequences with the same (new tokens, context) — chunks after a shared prefix, equal prompts —
+    # attend in one batched call: one gather and one SDPA instead of one each per sequence.
+    groups: dict[tuple[int, int], list[int]] = {}
     for i, (q_len, ctx) in enumerate(zip(q_lens, lens, strict=True)):
-        if q_len <= 1:
-            continue
-        keys, values = _gather_kv(k_cache, v_cache, block_tables[i : i + 1], ctx)
-        q = query[starts[i] : starts[i + 1]].transpose(0, 1)[None]  # [1, H, q_len, D]
-        if q_len == ctx:  # a whole prompt: plain causal attention, no mask to build or read
+        if q_len > 1:
+            groups.setdefault((q_len, ctx), []).append(i)
+    for (q_len, ctx), members in groups.items():
+        tables = block_tables[torch.tensor(members, device=block_tables.device)]
+        keys, values = _gather_kv(k_cache, v_cache, tables, ctx)  # [S, ctx, Hkv, D]
+        if len(members) == 1:
+            rows = slice(starts[members[0]], starts[members[0] + 1])
+            q = query[rows][None]
+        else:
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members]).to(query.device)
+            q = query.index_select(0, rows).view(len(members), q_len, num_heads, head_dim)
+        q = q.transpose(1, 2)  # [S, H, q_len, D]
+        if q_len == ctx:  # whole prompts: plain causal attention, no mask to build or read
             seq_out = _attend(q, keys, values, None, scale, causal=True)
         else:
             # Query j sits at position ctx - q_len + j and sees keys up to and including it.
             q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
             k_pos = torch.arange(ctx, device=query.device)
             mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q_len, ctx]
-            seq_out = _attend(q, keys, values, mask, scale)  # [1, H, q_len, D]
-        out[starts[i] : starts[i + 1]] = seq_out[0].transpose(0, 1).to(query.dtype)
+            seq_out = _attend(q, keys, values, mask, scale)  # [S, H, q_len, D]
+        flat = seq_out.transpose(1, 2).reshape(-1, num_heads, head_dim).to(query.dtype)
+        if isinstance(rows, slice):
+            out[rows] = flat
+        else:
+            out.index_copy_(0, rows, flat)
     return out
 
 

@@ -158,3 +158,17 @@ def test_reference_decode_of_empty_context_is_zero() -> None:
         case.query, case.k_cache, case.v_cache, case.block_tables, lens * 0, case.scale
     )
     assert torch.equal(zeros, torch.zeros_like(zeros))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reference_prefill_batches_equal_chunks_and_matches_dense(dtype: torch.dtype) -> None:
+    # Three chunks after a shared-length prefix (one batched call), two equal whole prompts
+    # (another), a lone chunk and a decode token: every row must land where it belongs.
+    case = make_case(torch.Generator().manual_seed(7), context_lens=[40, 40, 40, 25, 25, 33, 12],
+                     q_lens=[8, 8, 8, 25, 25, 5, 1], num_heads=6, num_kv_heads=2, head_dim=32,
+                     block_size=8, dtype=dtype)
+    out = reference.paged_prefill_attention(
+        case.query, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc,
+        case.context_lens, case.scale,
+    )
+    assert max_error(out, dense_attention(case)) <= TOLERANCE[dtype]
