@@ -57,6 +57,21 @@ static void widen_tile(const char **rows, int tile, int width, float *widened) {
     }
 }
 
+/* Pointers to the float32 rows (KV heads [h0, h1)) of context positions t0 .. t0 + tile - 1:
+ * into the cache itself, or into `widened` for a bfloat16 cache. */
+static inline __attribute__((always_inline)) void tile_rows(
+    const void *cache, int is_bf16, const int32_t *table, int t0, int tile, int block_size,
+    int num_kv_heads, int head_dim, int h0, int h1, float *widened, const char **rows) {
+    const size_t elem = is_bf16 ? sizeof(uint16_t) : sizeof(float);
+    for (int i = 0; i < tile; i++) {
+        const int t = t0 + i;
+        const int64_t offset = (((int64_t)table[t / block_size] * block_size + t % block_size)
+                                * num_kv_heads + h0) * (int64_t)head_dim;
+        rows[i] = (const char *)cache + offset * elem;
+    }
+    if (is_bf16) widen_tile(rows, tile, (h1 - h0) * head_dim, widened);
+}
+
 static inline __attribute__((always_inline)) float sum16(vfloat16 v) {
     float total = 0.0f;
     for (int i = 0; i < 16; i++) total += v[i];
@@ -69,19 +84,13 @@ static inline __attribute__((always_inline)) void attend_rows(
     float *scores, float *widened, float *o) {
     const int head_dim = chunks * 16;
     const int rows = (h1 - h0) * group;
-    const size_t elem = is_bf16 ? sizeof(uint16_t) : sizeof(float);
-    const char *k_rows[TILE], *v_rows[TILE];  /* after widening, always float32 rows */
+    const char *k_rows[TILE], *v_rows[TILE];
     memset(o, 0, sizeof(float) * (size_t)rows * (size_t)head_dim);
     if (n <= 0) return;
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int tile = n - t0 < TILE ? n - t0 : TILE;
-        for (int i = 0; i < tile; i++) {
-            const int t = t0 + i;
-            const int64_t offset = (((int64_t)table[t / block_size] * block_size + t % block_size)
-                                    * num_kv_heads + h0) * (int64_t)head_dim;
-            k_rows[i] = (const char *)k_cache + offset * elem;
-        }
-        if (is_bf16) widen_tile(k_rows, tile, (h1 - h0) * head_dim, widened);
+        tile_rows(k_cache, is_bf16, table, t0, tile, block_size, num_kv_heads, head_dim, h0, h1,
+                  widened, k_rows);
         for (int r = 0; r < rows; r++) {
             const size_t head_offset = (size_t)(r / group) * head_dim * sizeof(float);
             vfloat16 qv[MAX_CHUNKS];
@@ -110,13 +119,8 @@ static inline __attribute__((always_inline)) void attend_rows(
     }
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int tile = n - t0 < TILE ? n - t0 : TILE;
-        for (int i = 0; i < tile; i++) {
-            const int t = t0 + i;
-            const int64_t offset = (((int64_t)table[t / block_size] * block_size + t % block_size)
-                                    * num_kv_heads + h0) * (int64_t)head_dim;
-            v_rows[i] = (const char *)v_cache + offset * elem;
-        }
-        if (is_bf16) widen_tile(v_rows, tile, (h1 - h0) * head_dim, widened);
+        tile_rows(v_cache, is_bf16, table, t0, tile, block_size, num_kv_heads, head_dim, h0, h1,
+                  widened, v_rows);
         for (int r = 0; r < rows; r++) {
             const size_t head_offset = (size_t)(r / group) * head_dim * sizeof(float);
             const float *p = scores + (int64_t)r * n + t0;
