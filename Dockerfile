@@ -46,7 +46,14 @@ RUN PYTHONPATH=/tmp/convert /opt/kvscale/venv/bin/python -c \
     && chmod -R a+rX /opt/kvscale/cache \
     && rm -rf /tmp/convert /tmp/.cache
 
-# 3. kvscale itself.
+# 3. A C compiler: the engine compiles its CPU kernels (kernels/cpu_native.py) for the node's own
+# CPU when a server first starts (about a second, into the pod's /tmp); without one it would fall
+# back to slower PyTorch ops. Before the sources, so a source change does not reinstall it.
+RUN apt-get update -qq \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null \
+    && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/apt/archives/*.deb
+
+# 4. kvscale itself.
 COPY pyproject.toml README.md /tmp/src/
 COPY kvscale/ /tmp/src/kvscale/
 COPY server/ /tmp/src/server/

@@ -77,16 +77,24 @@ def build(cache: Path | None = None) -> Path:
         raise NativeKernelError("no C compiler (cc or $CC) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
     sources = {name: resources.files("kvscale.kernels").joinpath(name).read_bytes() for name in SOURCES}
-    cache = cache or _native_cache()
-    target = library_path(b"".join(sources.values()), version.stdout, cache)
-    if target.exists():
-        return target
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        workdir = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
-    except OSError:  # a read-only cache (e.g. in an image): build beside the process instead
-        workdir = Path(tempfile.mkdtemp(prefix="kvscale-native-"))
-        target = workdir / target.name
+    source = b"".join(sources.values())
+    # A read-only cache (the image's, where the bundled model lives) is read, and builds go to
+    # the temporary directory (a pod's /tmp emptyDir), where later processes find them too.
+    fallback = Path(tempfile.gettempdir()) / "kvscale-native"
+    for directory in (cache or _native_cache(), fallback):
+        target = library_path(source, version.stdout, directory)
+        if target.exists():
+            return target
+    for directory in (cache or _native_cache(), fallback):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            workdir = Path(tempfile.mkdtemp(prefix=".build-", dir=directory))
+            break
+        except OSError:
+            continue
+    else:
+        raise NativeKernelError(f"neither {cache or _native_cache()} nor {fallback} is writable")
+    target = library_path(source, version.stdout, workdir.parent)
     for name, text in sources.items():
         (workdir / name).write_bytes(text)
     built = workdir / target.name
@@ -97,8 +105,7 @@ def build(cache: Path | None = None) -> Path:
     if result.returncode != 0:
         raise NativeKernelError(f"{compiler} failed:\n{result.stderr.strip()}")
     os.replace(built, target)
-    if workdir != target.parent:
-        shutil.rmtree(workdir, ignore_errors=True)
+    shutil.rmtree(workdir, ignore_errors=True)
     return target
 
 

@@ -141,6 +141,13 @@ def test_engine_image_serves_as_a_restricted_pod_behind_the_control_plane_router
                "--port", str(router_port))
         _wait_healthy(server, f"{base}/health")
         assert podman("exec", server, "id", "-u").stdout.strip() == "1000"
+        # The server compiled its CPU kernels for this machine at start (the image carries a C
+        # compiler) instead of falling back to PyTorch ops.
+        logs = podman("logs", server).stderr
+        assert "C kernels unavailable" not in logs, logs[-2000:]
+        kernels = podman("exec", server, "python", "-c",
+                         "from kvscale.kernels import cpu_native; print(cpu_native.available())")
+        assert kernels.stdout.strip() == "True", kernels.stderr[-2000:]
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
         model = client.models.list().data[0].id
         completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)

@@ -188,3 +188,21 @@ def test_layer_ops_leave_what_they_do_not_take_to_torch() -> None:
     assert cpu_native.add_rms_norm(strided, None, torch.ones(64), 1e-5) is None  # not contiguous
     mixed = torch.randn(4, 64)
     assert cpu_native.add_rms_norm(mixed, None, torch.ones(64).bfloat16(), 1e-5) is None
+
+
+def test_a_read_only_cache_builds_once_in_the_temporary_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cache that cannot be created or written, even by root (a path under a regular file),
+    # stands for the image's read-only one.
+    blocker = tmp_path / "read-only"
+    blocker.write_text("")
+    unwritable = blocker / "native"
+    pod_tmp = tmp_path / "pod-tmp"
+    pod_tmp.mkdir()
+    monkeypatch.setattr(cpu_native.tempfile, "tempdir", str(pod_tmp))
+    first = cpu_native.build(unwritable)
+    assert first.parent == pod_tmp / "kvscale-native"
+    stamp = first.stat().st_mtime_ns
+    assert cpu_native.build(unwritable) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in first.parent.iterdir()] == [first.name]
