@@ -98,3 +98,42 @@ void kvscale_add_rms_norm(const void *x, void *residual, const void *weight, voi
     if (is_bf16) add_rms_norm_rows(x, residual, weight, out, rows, width, eps, 1, num_threads);
     else add_rms_norm_rows(x, residual, weight, out, rows, width, eps, 0, num_threads);
 }
+
+static inline __attribute__((always_inline)) void rope_rows(
+    const void *x, int64_t row_stride, const int64_t *positions, const void *cos_table,
+    const void *sin_table, int64_t table_stride, void *out, int64_t tokens, int64_t heads,
+    int64_t head_dim, int is_bf16, int num_threads) {
+    const int64_t half = head_dim / 2;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t table_row = (positions != NULL ? positions[t] : t) * table_stride;
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t in = t * row_stride + h * head_dim, o = (t * heads + h) * head_dim;
+            #pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = get(x, in + i, is_bf16), x2 = get(x, in + half + i, is_bf16);
+                const float cos1 = get(cos_table, table_row + i, is_bf16);
+                const float sin1 = get(sin_table, table_row + i, is_bf16);
+                const float cos2 = get(cos_table, table_row + half + i, is_bf16);
+                const float sin2 = get(sin_table, table_row + half + i, is_bf16);
+                put(out, o + i, x1 * cos1 - x2 * sin1, is_bf16);
+                put(out, o + half + i, x2 * cos2 + x1 * sin2, is_bf16);
+            }
+        }
+    }
+}
+
+/* Rotary embedding of `heads` heads per token (q and k heads side by side in the fused qkv row,
+ * rows `row_stride` elements apart) into a contiguous [tokens, heads, head_dim] `out`, with cos
+ * and sin rows looked up by position in [max_len, head_dim] tables, or, with `positions` NULL,
+ * one row per token (rotate-half layout, as transformers builds them). */
+void kvscale_rope(const void *x, int64_t row_stride, const int64_t *positions, const void *cos_table,
+                  const void *sin_table, int64_t table_stride, void *out, int64_t tokens,
+                  int64_t heads, int64_t head_dim, int is_bf16, int num_threads) {
+    if (is_bf16)
+        rope_rows(x, row_stride, positions, cos_table, sin_table, table_stride, out, tokens, heads,
+                  head_dim, 1, num_threads);
+    else
+        rope_rows(x, row_stride, positions, cos_table, sin_table, table_stride, out, tokens, heads,
+                  head_dim, 0, num_threads);
+}

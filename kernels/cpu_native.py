@@ -131,6 +131,7 @@ def _library() -> ctypes.CDLL | None:
         ],
         "kvscale_silu_and_mul": [ptr, ptr, i64, i64, i32, i32],
         "kvscale_add_rms_norm": [ptr, ptr, ptr, ptr, i64, i64, f32, i32, i32],
+        "kvscale_rope": [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i32, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -177,6 +178,24 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
     lib.kvscale_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                              out.data_ptr(), x.numel() // width, width, eps, int(x.dtype == torch.bfloat16),
                              torch.get_num_threads())
+    return out
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
+    """Rotary embedding of ``x`` ``[tokens, heads, head_dim]`` (heads contiguous within a token,
+    tokens any stride apart: the q|k part of the fused qkv output) with each token's cos/sin row
+    (``[tokens, head_dim]``, or ``[tokens, 1, head_dim]``); a new contiguous tensor, or None
+    where the C kernels do not apply."""
+    lib = _library()
+    tokens, heads, head_dim = x.shape
+    cos, sin = cos.reshape(tokens, -1), sin.reshape(tokens, -1)
+    if (lib is None or not _fits(cos, sin) or x.dtype != cos.dtype or x.device.type != "cpu"
+            or x.stride(2) != 1 or x.stride(1) != head_dim or head_dim % 2 or cos.shape[1] != head_dim):
+        return None
+    out = x.new_empty((tokens, heads, head_dim))
+    lib.kvscale_rope(x.data_ptr(), x.stride(0), None, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                     out.data_ptr(), tokens, heads, head_dim, int(x.dtype == torch.bfloat16),
+                     torch.get_num_threads())
     return out
 
 

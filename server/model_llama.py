@@ -196,7 +196,10 @@ class Attention(nn.Module):
             k = k * cos + rotate_half(k) * sin
         else:
             # q and k rotated together, one set of ops for all heads.
-            qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
+            heads = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+            qk = cpu_native.rope(heads, cos, sin)
+            if qk is None:
+                qk = apply_rope(heads, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:

@@ -206,3 +206,20 @@ def test_a_read_only_cache_builds_once_in_the_temporary_directory(
     stamp = first.stat().st_mtime_ns
     assert cpu_native.build(unwritable) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_matches_the_models_formula_on_fused_qkv_rows(dtype: torch.dtype) -> None:
+    from kvscale.server.model_llama import apply_rope
+
+    gen = torch.Generator().manual_seed(11)
+    tokens, q_heads, kv_heads, head_dim = 37, 9, 3, 64
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    heads = qkv[:, : (q_heads + kv_heads) * head_dim].view(tokens, -1, head_dim)  # rows strided
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)[:, None]
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)[:, None]
+    out = cpu_native.rope(heads, cos, sin)
+    expected = apply_rope(heads, cos, sin)
+    assert out is not None and out.is_contiguous() and out.shape == expected.shape
+    assert max_error(out, expected) <= LAYER_TOLERANCE[dtype] * 4
