@@ -5,7 +5,8 @@ the bundled model's 9 query / 3 KV heads of 64, 16-token blocks scattered over a
 cache so K/V come from memory, not cache) through `cpu_native.paged_decode_attention` and through
 `reference.paged_decode_attention`; reported with the K/V bytes read per second. Layer ops: SiLU-
 and-multiply and residual-add + RMSNorm on a 2048-token prefill's activations against the torch
-ops the model ran before. Medians of repeated calls, float32 and bfloat16.
+ops the model ran before, and RoPE on the q|k heads of a 2048-token step's fused qkv rows against
+the model's PyTorch formula. Medians of repeated calls, float32 and bfloat16.
 
     python -m bench.cpu_kernels --threads 1      # bench/results/cpu_kernels_t1.json
 """
@@ -21,6 +22,7 @@ import torch
 
 from bench.common import machine, write_result
 from kvscale.kernels import cpu_native, reference
+from kvscale.server.model_llama import apply_rope
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -77,6 +79,15 @@ def measure(dtype: torch.dtype, gen: torch.Generator, repeats: int) -> list[dict
     native = median_ms(lambda: cpu_native.add_rms_norm(x, stream, weight, 1e-5), repeats)
     ref = median_ms(torch_add_norm, repeats)
     rows.append({"op": "add + rms_norm [2048, 576]", "dtype": str(dtype), "c_ms": native, "torch_ms": ref,
+                 "speedup": ref / native})
+    qkv = torch.randn(2048, (9 + 6) * 64, generator=gen).to(dtype)
+    heads = qkv[:, : 12 * 64].view(2048, 12, 64)
+    angles = torch.rand(2048, 32, generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)[:, None]
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)[:, None]
+    native = median_ms(lambda: cpu_native.rope(heads, cos, sin), repeats)
+    ref = median_ms(lambda: apply_rope(heads, cos, sin), repeats)
+    rows.append({"op": "rope q|k [2048, 12, 64]", "dtype": str(dtype), "c_ms": native, "torch_ms": ref,
                  "speedup": ref / native})
     return rows
 
