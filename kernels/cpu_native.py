@@ -3,11 +3,14 @@
 ``cpu_decode_attention.c``: decode attention reading the paged cache in place for every sequence
 of a layer in one call (the PyTorch reference's per-sequence ops were most of a decode step's
 non-GEMM time). ``cpu_layer_ops.c``: the decoder layer's elementwise steps (SiLU-and-multiply,
-residual add + RMSNorm) fused into one pass each. Both are compiled into one library with the machine's C compiler for the machine it runs on (``-march=native``)
-into ``$KVSCALE_CACHE/native/`` under a name derived from the source, the flags and the compiler,
-so a changed source or another CPU never loads a stale build, and concurrent processes each
-rename a finished file into place. Where no compiler exists (a slim container image without a
-prebuilt library) PyTorch ops are used, with one warning.
+residual add + RMSNorm, RoPE) fused into one pass each.
+
+Both are compiled into one library by the machine's C compiler for the machine it runs on
+(``-march=native``), into ``$KVSCALE_CACHE/native/`` (or ``$TMPDIR/kvscale-native/`` when that
+is read-only, as in the engine image) under a name derived from the sources, the flags and the
+compiler, so a changed source or another CPU never loads a stale build; concurrent processes each
+rename a finished file into place. Where no compiler exists PyTorch ops are used, with one
+warning; every entry point returns None (or runs the reference) for what it does not take.
 
 ``KVSCALE_CPU_KERNELS``: ``auto`` (default: the C kernels when they build), ``native`` (the C
 kernels or an error), ``reference`` (PyTorch ops only).
