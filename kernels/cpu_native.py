@@ -39,12 +39,15 @@ logger = logging.getLogger(__name__)
 
 SOURCES = ("cpu_decode_attention.c", "cpu_layer_ops.c")
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
-# reassociated either way (omp simd reductions), as every vectorised kernel's are.
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-ffast-math") + (
+# reassociated either way (omp simd reductions), as every vectorised kernel's are. It is a
+# compile flag only: linked with it, gcc adds crtfastmath.o, which switches the whole process to
+# flush-to-zero at load (torch's and Python's arithmetic would lose every subnormal).
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-ffast-math") + (
     # gcc keeps to 256-bit vectors on AVX-512 Xeons unless told otherwise; the kernel's rows are
     # 512 bits, and the wider registers measured 1.3x faster here (float32, one thread).
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
 )
+LDFLAGS = ("-shared", "-fopenmp")
 LDLIBS = ("-lmvec", "-lm")
 MODES = ("auto", "native", "reference")
 _BAD_TABLE = 2
@@ -63,7 +66,7 @@ def mode() -> str:
 
 def library_path(source: bytes, compiler_id: str, cache: Path) -> Path:
     """Where the build of these sources with these flags and this compiler lives."""
-    key = hashlib.sha256(source + " ".join(CFLAGS + LDLIBS).encode() + compiler_id.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(CFLAGS + LDFLAGS + LDLIBS).encode() + compiler_id.encode()).hexdigest()[:16]
     return cache / f"kvscale_cpu-{key}.so"
 
 
@@ -98,18 +101,22 @@ def build(cache: Path | None = None) -> Path:
     else:
         raise NativeKernelError(f"neither {cache or _native_cache()} nor {fallback} is writable")
     target = library_path(source, version.stdout, workdir.parent)
+    objects = []
     for name, text in sources.items():
         (workdir / name).write_bytes(text)
+        objects.append(str(workdir / f"{name}.o"))
+        _run_compiler([compiler, *CFLAGS, "-c", "-o", objects[-1], str(workdir / name)])
     built = workdir / target.name
-    result = subprocess.run(
-        [compiler, *CFLAGS, "-o", str(built), *(str(workdir / name) for name in SOURCES), *LDLIBS],
-        capture_output=True, text=True, check=False,
-    )
-    if result.returncode != 0:
-        raise NativeKernelError(f"{compiler} failed:\n{result.stderr.strip()}")
+    _run_compiler([compiler, *LDFLAGS, "-o", str(built), *objects, *LDLIBS])
     os.replace(built, target)
     shutil.rmtree(workdir, ignore_errors=True)
     return target
+
+
+def _run_compiler(argv: list[str]) -> None:
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise NativeKernelError(f"{argv[0]} failed:\n{result.stderr.strip()}")
 
 
 @functools.cache

@@ -223,3 +223,14 @@ def test_rope_matches_the_models_formula_on_fused_qkv_rows(dtype: torch.dtype) -
     expected = apply_rope(heads, cos, sin)
     assert out is not None and out.is_contiguous() and out.shape == expected.shape
     assert max_error(out, expected) <= LAYER_TOLERANCE[dtype] * 4
+
+
+def test_loading_the_kernels_leaves_the_process_floating_point_state_alone() -> None:
+    # gcc links crtfastmath.o into a -ffast-math shared library, which turns on flush-to-zero /
+    # denormals-are-zero for the whole process at load: torch's and Python's own arithmetic would
+    # then lose every subnormal (hypothesis refuses to run in such a process).
+    assert cpu_native.available()
+    smallest = 5e-324  # the smallest double, subnormal
+    assert smallest * 1.0 > 0.0
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in float32
+    assert float((tiny * 1.0)[0]) > 0.0
