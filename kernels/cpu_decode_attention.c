@@ -27,14 +27,10 @@ static inline float bf16_to_float(uint16_t bits) {
     return value.f;
 }
 
-/* Row `token` of KV head `kv_head` for a sequence's context position, converted to float32 in
- * `scratch` when the cache is bfloat16 (a float32 cache is read in place). */
 /* Rows of head_dim = 16 * chunks floats in vector registers (chunks <= 8). Tokens go in tiles
  * so one tile's K/V rows (of this KV head) stay in L1 while each query row of the GQA group runs
  * over them, with that row's query (or output accumulator) held in registers throughout. */
 typedef float vfloat16 __attribute__((vector_size(64)));
-typedef uint16_t vbf16x16 __attribute__((vector_size(32)));
-typedef uint32_t vuint16 __attribute__((vector_size(64)));
 #define TILE 32
 #define MAX_CHUNKS 8
 

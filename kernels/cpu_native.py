@@ -43,8 +43,8 @@ SOURCES = ("cpu_decode_attention.c", "cpu_layer_ops.c")
 # compile flag only: linked with it, gcc adds crtfastmath.o, which switches the whole process to
 # flush-to-zero at load (torch's and Python's arithmetic would lose every subnormal).
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-ffast-math") + (
-    # gcc keeps to 256-bit vectors on AVX-512 Xeons unless told otherwise; the kernel's rows are
-    # 512 bits, and the wider registers measured 1.3x faster here (float32, one thread).
+    # gcc keeps to 256-bit vectors on AVX-512 Xeons unless told otherwise; the kernel's vector
+    # rows are 512 bits, so each would otherwise be split in two.
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
 )
 LDFLAGS = ("-shared", "-fopenmp")
@@ -86,12 +86,12 @@ def build(cache: Path | None = None) -> Path:
     source = b"".join(sources.values())
     # A read-only cache (the image's, where the bundled model lives) is read, and builds go to
     # the temporary directory (a pod's /tmp emptyDir), where later processes find them too.
-    fallback = Path(tempfile.gettempdir()) / "kvscale-native"
-    for directory in (cache or _native_cache(), fallback):
+    directories = (cache or _native_cache(), Path(tempfile.gettempdir()) / "kvscale-native")
+    for directory in directories:
         target = library_path(source, version.stdout, directory)
         if target.exists():
             return target
-    for directory in (cache or _native_cache(), fallback):
+    for directory in directories:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             workdir = Path(tempfile.mkdtemp(prefix=".build-", dir=directory))
@@ -99,7 +99,7 @@ def build(cache: Path | None = None) -> Path:
         except OSError:
             continue
     else:
-        raise NativeKernelError(f"neither {cache or _native_cache()} nor {fallback} is writable")
+        raise NativeKernelError(f"neither {directories[0]} nor {directories[1]} is writable")
     target = library_path(source, version.stdout, workdir.parent)
     objects = []
     for name, text in sources.items():

@@ -135,11 +135,8 @@ class ChatTokenCache:
         exactly what ``chat_prompt_token_ids`` and ``hash_prompt_blocks`` give. Raises
         ValueError for messages the template cannot take, as they do."""
         text = render_chat_prompt(self.tokenizer, messages)
-        if not self.enabled:
-            ids = chat_text_token_ids(self.tokenizer, text)
-            return ids, hash_prompt_blocks(ids, block_size, cache_salt=cache_salt)
-        assert self._cuts is not None
-        cuts = [match.end() for match in self._cuts.finditer(text)]
+        # Enabled implies a cut pattern (see __init__).
+        cuts = [match.end() for match in self._cuts.finditer(text)] if self.enabled else []
         if not cuts:
             ids = chat_text_token_ids(self.tokenizer, text)
             return ids, hash_prompt_blocks(ids, block_size, cache_salt=cache_salt)
