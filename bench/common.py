@@ -6,8 +6,11 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +62,16 @@ def quantile(values: list[float], q: float) -> float:
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def median_ms(action: Callable[[], object], repeats: int, warmup: int = 0) -> float:
+    """Median wall time of ``action`` in milliseconds over ``repeats`` calls, after ``warmup``
+    untimed ones."""
+    for _ in range(warmup):
+        action()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        samples.append((time.perf_counter() - started) * 1000)
+    return statistics.median(samples)

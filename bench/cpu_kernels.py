@@ -6,7 +6,9 @@ cache so K/V come from memory, not cache) through `cpu_native.paged_decode_atten
 `reference.paged_decode_attention`; reported with the K/V bytes read per second. Layer ops: SiLU-
 and-multiply and residual-add + RMSNorm on a 2048-token prefill's activations against the torch
 ops the model ran before, and RoPE on the q|k heads of a 2048-token step's fused qkv rows against
-the model's PyTorch formula. Medians of repeated calls, float32 and bfloat16.
+the model's PyTorch formula. Medians of repeated calls, float32 and bfloat16. Also the sampler's
+greedy ids (``server.sampler.greedy_tokens``, ``max(dim).indices``) against ``argmax`` on a
+64-row decode step's float32 logits over the bundled model's vocabulary.
 
     python -m bench.cpu_kernels --threads 1      # bench/results/cpu_kernels_t1.json
 """
@@ -14,25 +16,14 @@ the model's PyTorch formula. Medians of repeated calls, float32 and bfloat16.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
-from collections.abc import Callable
 
 import torch
 
-from bench.common import machine, write_result
+from bench.common import machine, median_ms, write_result
 from kvscale.kernels import cpu_native, reference
 from kvscale.server.model_llama import apply_rope
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+from kvscale.server.sampler import greedy_tokens
 
 
 def decode_case(dtype: torch.dtype, gen: torch.Generator) -> dict:
@@ -51,16 +42,16 @@ def decode_case(dtype: torch.dtype, gen: torch.Generator) -> dict:
 def measure(dtype: torch.dtype, gen: torch.Generator, repeats: int) -> list[dict]:
     rows: list[dict] = []
     case = decode_case(dtype, gen)
-    native = median_ms(lambda: cpu_native.paged_decode_attention(*case["args"]), repeats)
-    ref = median_ms(lambda: reference.paged_decode_attention(*case["args"]), repeats)
+    native = median_ms(lambda: cpu_native.paged_decode_attention(*case["args"]), repeats, warmup=1)
+    ref = median_ms(lambda: reference.paged_decode_attention(*case["args"]), repeats, warmup=1)
     rows.append({"op": "paged_decode_attention", "dtype": str(dtype), "c_ms": native, "torch_ms": ref,
                  "speedup": ref / native, "c_kv_gb_per_s": case["kv_bytes"] / native / 1e6,
                  "mean_context": case["mean_context"]})
 
     gate_up = torch.randn(2048, 2 * 1536, generator=gen).to(dtype)
     gate, up = gate_up.split(1536, dim=-1)
-    native = median_ms(lambda: cpu_native.silu_and_mul(gate_up), repeats)
-    ref = median_ms(lambda: torch.nn.functional.silu(gate) * up, repeats)
+    native = median_ms(lambda: cpu_native.silu_and_mul(gate_up), repeats, warmup=1)
+    ref = median_ms(lambda: torch.nn.functional.silu(gate) * up, repeats, warmup=1)
     rows.append({"op": "silu_and_mul [2048, 2x1536]", "dtype": str(dtype), "c_ms": native, "torch_ms": ref,
                  "speedup": ref / native})
 
@@ -76,8 +67,8 @@ def measure(dtype: torch.dtype, gen: torch.Generator, repeats: int) -> list[dict
         return weight * normed.to(dtype)
 
     stream = residual.clone()
-    native = median_ms(lambda: cpu_native.add_rms_norm(x, stream, weight, 1e-5), repeats)
-    ref = median_ms(torch_add_norm, repeats)
+    native = median_ms(lambda: cpu_native.add_rms_norm(x, stream, weight, 1e-5), repeats, warmup=1)
+    ref = median_ms(torch_add_norm, repeats, warmup=1)
     rows.append({"op": "add + rms_norm [2048, 576]", "dtype": str(dtype), "c_ms": native, "torch_ms": ref,
                  "speedup": ref / native})
     qkv = torch.randn(2048, (9 + 6) * 64, generator=gen).to(dtype)
@@ -85,8 +76,8 @@ def measure(dtype: torch.dtype, gen: torch.Generator, repeats: int) -> list[dict
     angles = torch.rand(2048, 32, generator=gen) * 6
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)[:, None]
     sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)[:, None]
-    native = median_ms(lambda: cpu_native.rope(heads, cos, sin), repeats)
-    ref = median_ms(lambda: apply_rope(heads, cos, sin), repeats)
+    native = median_ms(lambda: cpu_native.rope(heads, cos, sin), repeats, warmup=1)
+    ref = median_ms(lambda: apply_rope(heads, cos, sin), repeats, warmup=1)
     rows.append({"op": "rope q|k [2048, 12, 64]", "dtype": str(dtype), "c_ms": native, "torch_ms": ref,
                  "speedup": ref / native})
     return rows
@@ -108,8 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"{row['op']:32s} {row['dtype']:15s} C {row['c_ms']:7.3f} ms  torch {row['torch_ms']:7.3f} ms"
               f"  {row['speedup']:.2f}x")
+    logits = torch.randn(64, 49152, generator=gen)
+    greedy = {"greedy_tokens_ms": median_ms(lambda: greedy_tokens(logits), args.repeats, warmup=1),
+              "argmax_ms": median_ms(lambda: logits.argmax(dim=1), args.repeats, warmup=1)}
+    greedy["speedup"] = greedy["argmax_ms"] / greedy["greedy_tokens_ms"]
+    print(f"greedy ids [64, 49152] float32: max(dim).indices {greedy['greedy_tokens_ms']:.3f} ms  "
+          f"argmax {greedy['argmax_ms']:.3f} ms  {greedy['speedup']:.2f}x")
     result = {"benchmark": "cpu_kernels", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
-              "threads": args.threads, "rows": rows}
+              "threads": args.threads, "rows": rows, "greedy_ids": greedy}
     print(write_result(f"cpu_kernels_t{args.threads}", result, args.out))
     return 0
 

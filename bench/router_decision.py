@@ -31,9 +31,8 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable
 
-from bench.common import machine, quantile, write_result
+from bench.common import machine, median_ms, quantile, write_result
 from bench.w3_workloads import WORDS, conversation_messages, conversations, shared_prefix_prompts
 from kvscale.processes import freeze_startup_heap
 from kvscale.router.app import Router, RouterConfig
@@ -45,15 +44,6 @@ W4_SHAPES = {  # workload -> (document words, answer words)
     "w4": (60, 6),
     "w4-long": (1500, 40),
 }
-
-
-def median_ms(action: Callable[[], object], repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        samples.append((time.perf_counter() - started) * 1000)
-    return statistics.median(samples)
 
 
 def make_router(replicas: int, chat_cache_tokens: int | None = None) -> Router:

@@ -17,7 +17,7 @@ def pass_decides_pool(device_type: str, kv_cache_memory_bytes: int | None,
     """Whether the engine runs the profiling pass: only where its measurement sizes the pool.
 
     On CPU the budget is a fixed number (``--kv-cache-memory-bytes`` or the default), so the pass
-    would only add seconds to every start (4.6 s at one thread for the default 2048-token step).
+    would only add seconds to every start (and to every test server).
     """
     return device_type == "cuda" and kv_cache_memory_bytes is None and num_gpu_blocks_override is None
 

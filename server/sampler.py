@@ -105,8 +105,8 @@ def sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow], fallback: t
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's highest-scoring token id (the first such, as ``argmax``).
 
-    ``max(dim)`` rather than ``argmax``: on CPU torch's argmax kernel takes 3x as long for the same
-    answer (4.0 vs 1.3 ms for 64 rows of a 49k vocabulary, one thread), once per decode step.
+    ``max(dim)`` rather than ``argmax``: torch's CPU argmax kernel is slower for the same answer,
+    once per decode step (``python -m bench.cpu_kernels`` measures both).
     """
     return logits.max(dim=1).indices
 
