@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import random
 import signal
 import socket
 import time
@@ -15,11 +16,37 @@ T = TypeVar("T")
 _PR_SET_PDEATHSIG = 1
 
 
+_handed_out_ports: set[int] = set()
+
+
+def _listening_port_candidates() -> range:
+    """Ports outside the kernel's ephemeral range: an outbound connection (a probe, a Redis or
+    kube client) can take an ephemeral port between the choice and the server's bind; nothing
+    but an explicit bind takes one of these."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low, high = (int(bound) for bound in ports.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(max(1024, low - 16384), low) if low > 2048 else range(high + 1, 65536)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago; the caller binds it soon after."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port that was free a moment ago, never handed out before by this process; the caller
+    binds it soon after."""
+    candidates = _listening_port_candidates()
+    for _ in range(1000):
+        port = random.choice(candidates)
+        if port in _handed_out_ports:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out_ports.add(port)
+        return port
+    raise RuntimeError(f"no free port on {host} in {candidates.start}-{candidates.stop - 1}")
 
 
 def wait_until(
