@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kvscale.kernels import cpu_native, paged_decode_attention, paged_prefill_attention, write_kv
+from kvscale.server.cpu_linear import lay_out_cpu_linears
 
 
 @dataclass
@@ -373,16 +374,4 @@ class DecoderForCausalLM(nn.Module):
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         if self.lm_head.weight.device.type == "cpu":
-            self._store_linear_weights_transposed()
-
-    def _store_linear_weights_transposed(self) -> None:
-        """Keep each projection's weight as a transposed view of an ``[in, out]`` buffer.
-
-        ``F.linear`` then multiplies by a contiguous ``[in, out]`` matrix, which CPU GEMMs
-        run faster at decode's small batch sizes (same results); shapes and names are unchanged.
-        """
-        seen: set[int] = set()
-        for module in self.modules():
-            if isinstance(module, nn.Linear) and id(module.weight) not in seen:
-                seen.add(id(module.weight))
-                module.weight.data = module.weight.data.t().contiguous().t()
+            lay_out_cpu_linears(self)

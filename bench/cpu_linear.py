@@ -1,0 +1,86 @@
+"""The bundled model's projections on the CPU: torch's ``F.linear`` against oneDNN packed weights.
+
+Same process, same inputs, for each row count a step can have (1: one stream decoding; 4-64:
+batched decode; 256-2048: prefill chunks), float32 and bfloat16. A figure is one forward's
+projections: qkv, o, gate_up and down of every layer, plus the LM head on decode-sized batches
+(every row samples; prefill computes logits only for the rows that end a prompt). ``F.linear``
+gets the layout the engine gave it before packing (float32: a transposed view of an [in, out]
+buffer; bfloat16: the checkpoint's [out, in]). Medians of repeated calls; the ratio packed ÷
+F.linear is what ``server/cpu_linear.py`` decides by (below 1: packing is faster).
+
+    python -m bench.cpu_linear --threads 2      # bench/results/cpu_linear_t2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.nn import functional
+
+from bench.common import machine, median_ms, write_result
+from kvscale.server.cpu_linear import PackedLinear, onednn_packs
+from kvscale.server.model_llama import spec_from_hf_config
+from kvscale.server.model_loader import resolve_model_path
+
+ROWS = (1, 4, 16, 64, 256, 2048)
+DECODE_ROWS_MAX = 64
+
+
+def projection_shapes() -> tuple[dict[str, tuple[int, int]], int]:
+    """(name -> (in, out)) for one layer and the LM head, and the layer count, of the bundled model."""
+    import transformers
+
+    spec = spec_from_hf_config(transformers.AutoConfig.from_pretrained(resolve_model_path(None)))
+    q, kv, hidden = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
+    shapes = {"qkv": (hidden, q + 2 * kv), "o": (q, hidden), "gate_up": (hidden, 2 * spec.intermediate_size),
+              "down": (spec.intermediate_size, hidden), "lm_head": (hidden, spec.vocab_size)}
+    return shapes, spec.num_layers
+
+
+def measure(dtype: torch.dtype, repeats: int, gen: torch.Generator) -> list[dict]:
+    shapes, num_layers = projection_shapes()
+    weights = {name: (torch.randn(out, inp, generator=gen) * 0.02).to(dtype) for name, (inp, out) in shapes.items()}
+    plain = {name: w.t().contiguous().t() if dtype == torch.float32 else w for name, w in weights.items()}
+    packed = {name: PackedLinear(w, None) for name, w in weights.items()}
+    rows_out = []
+    for rows in ROWS:
+        linear_ms = packed_ms = 0.0
+        for name, (inp, _) in shapes.items():
+            if name == "lm_head" and rows > DECODE_ROWS_MAX:
+                continue
+            x = torch.randn(rows, inp, generator=gen).to(dtype)
+            times = 1 if name == "lm_head" else num_layers
+            reps = max(5, repeats // 4) if rows >= 256 else repeats
+            linear_ms += times * median_ms(lambda x=x, w=plain[name]: functional.linear(x, w), reps, warmup=2)
+            packed_ms += times * median_ms(lambda x=x, m=packed[name]: m(x), reps, warmup=2)
+        rows_out.append({"dtype": str(dtype).removeprefix("torch."), "rows": rows, "f_linear_ms": linear_ms,
+                         "packed_ms": packed_ms, "packed_over_f_linear": packed_ms / linear_ms})
+    return rows_out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        rows.extend(measure(dtype, args.repeats, gen))
+    for row in rows:
+        print(f"{row['dtype']:9s} rows {row['rows']:5d}  F.linear {row['f_linear_ms']:8.2f} ms  "
+              f"packed {row['packed_ms']:8.2f} ms  {row['packed_over_f_linear']:.2f}x")
+    result = {"benchmark": "cpu_linear", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
+              "threads": args.threads, "engine_packs": {"float32": onednn_packs(torch.float32),
+                                                        "bfloat16": onednn_packs(torch.bfloat16)},
+              "rows": rows}
+    print(write_result(f"cpu_linear_t{args.threads}", result, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""Projections laid out for the CPU's GEMM (server/cpu_linear.py): packed weights compute what
+``F.linear`` computes, the bf16 engine on the bundled model keeps transformers' probabilities,
+and float32 keeps torch's GEMM (oneDNN's packed float32 loses on one row and on prefill)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+from torch.nn import functional
+
+from kvscale.server.cpu_linear import PackedLinear, lay_out_cpu_linears, onednn_packs
+from kvscale.server.sampling_params import SamplingParams
+
+# bf16 products summed in float32 by both, in different orders.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_computes_f_linear(rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=gen)
+    bias_tensor = torch.randn(96, generator=gen) if bias else None
+    x = torch.randn(rows, 80, generator=gen)
+    packed = PackedLinear(weight, bias_tensor)
+    expected = functional.linear(x, weight, bias_tensor)
+    assert (packed(x) - expected).abs().max() <= TOLERANCE[torch.float32]
+    # A non-contiguous input (a column slice of fused rows) gives the same.
+    wide = torch.randn(rows, 160, generator=gen)
+    assert (packed(wide[:, :80]) - functional.linear(wide[:, :80], weight, bias_tensor)).abs().max() <= 1e-4
+
+
+def _projections(dtype: torch.dtype) -> nn.Module:
+    model = nn.Module()
+    model.embed = nn.Embedding(50, 16).to(dtype)
+    model.block = nn.Sequential(nn.Linear(16, 32, bias=True), nn.Linear(32, 16, bias=False)).to(dtype)
+    model.head = nn.Linear(16, 50, bias=False).to(dtype)
+    model.head.weight = model.embed.weight  # tied, as the bundled model's LM head is
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_each_dtype_gets_the_layout_that_is_faster_here(dtype: torch.dtype) -> None:
+    model = _projections(dtype)
+    x = torch.randn(5, 16).to(dtype)
+    before = model.head(model.block(x)).float()
+    embedding = model.embed.weight.detach().clone()
+    lay_out_cpu_linears(model)
+    linears = [model.block[0], model.block[1], model.head]
+    if onednn_packs(dtype):
+        assert all(isinstance(m, PackedLinear) for m in linears)
+        assert model.block[0].bias is not None and model.block[1].bias is None
+    else:
+        assert all(type(m) is nn.Linear for m in linears)
+        # torch's GEMM reads the float32 weights as a transposed [in, out] buffer
+        assert all(m.weight.t().is_contiguous() for m in linears)
+    # The embedding still reads the matrix the head was tied to.
+    assert torch.equal(model.embed.weight.detach(), embedding)
+    after = model.head(model.block(x)).float()
+    assert (after - before).abs().max() <= TOLERANCE[dtype] * max(1.0, before.abs().max().item())
+
+
+def test_float32_is_never_packed_and_bf16_follows_onednn() -> None:
+    assert onednn_packs(torch.float32) is False
+    supported = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert onednn_packs(torch.bfloat16) is supported
+
+
+def test_bf16_engine_keeps_transformers_probabilities(make_engine, run_to_completion, bundled_model_path) -> None:
+    """Prompt logprobs (prefill's projections) and the generated tokens' logprobs (decode's)
+    against transformers in bfloat16, teacher-forced on the tokens the engine chose: a wrong
+    layout gives differences of whole nats, bf16 rounding 0.1-0.2 here."""
+    engine = make_engine(dtype="bfloat16")
+    prompts = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""]
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, prompt_logprobs=0)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    outputs = run_to_completion(engine)
+    # Its own copy: the session's float32 transformers model must keep its float32 weights.
+    hf = transformers.AutoModelForCausalLM.from_pretrained(bundled_model_path, dtype=torch.bfloat16)
+    for i in range(len(prompts)):
+        output = outputs[f"r{i}"]
+        prompt_ids, generated = output.prompt_token_ids, output.outputs[0].token_ids
+        ids = prompt_ids + generated
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0].float()
+        expected = torch.log_softmax(logits, dim=-1)
+        ours = [position[token].logprob for position, token in zip(output.prompt_logprobs[1:], prompt_ids[1:], strict=True)]
+        ours += [position[token].logprob for position, token in zip(output.outputs[0].logprobs, generated, strict=True)]
+        theirs = [expected[p - 1, token].item() for p, token in enumerate(ids) if p > 0]
+        worst = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+        assert worst < 0.4, f"prompt {i}: logprobs differ by up to {worst:.3f}"
