@@ -21,6 +21,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 static inline float bf16_to_float(uint16_t bits) {
     union { uint32_t u; float f; } value = { .u = (uint32_t)bits << 16 };
@@ -53,8 +56,8 @@ static void widen_tile(const char **rows, int tile, int width, float *widened) {
     }
 }
 
-/* Pointers to the float32 rows (KV heads [h0, h1)) of context positions t0 .. t0 + tile - 1:
- * into the cache itself, or into `widened` for a bfloat16 cache. */
+/* Pointers to the rows (KV heads [h0, h1)) of context positions t0 .. t0 + tile - 1: into the
+ * cache itself, or, for a bfloat16 cache given a `widened` buffer, to float32 copies there. */
 static inline __attribute__((always_inline)) void tile_rows(
     const void *cache, int is_bf16, const int32_t *table, int t0, int tile, int block_size,
     int num_kv_heads, int head_dim, int h0, int h1, float *widened, const char **rows) {
@@ -72,7 +75,7 @@ static inline __attribute__((always_inline)) void tile_rows(
                     + (((int64_t)table[++b] * block_size) * row_stride + (int64_t)h0 * head_dim) * elem;
         }
     }
-    if (is_bf16) widen_tile(rows, tile, (h1 - h0) * head_dim, widened);
+    if (is_bf16 && widened != NULL) widen_tile(rows, tile, (h1 - h0) * head_dim, widened);
 }
 
 /* Touches every 1 KiB of context positions t0 .. t0 + tile - 1 ahead of their use: blocks lie
@@ -98,10 +101,68 @@ static inline __attribute__((always_inline)) float sum16(vfloat16 v) {
     return total;
 }
 
+#if defined(__AVX512BF16__)
+/* The lane sums of sixteen vectors as one vector (lane j: the sum of v[j]'s lanes). Each level
+ * adds the halves of every vector while interleaving pairs: 15 shuffle-adds instead of sixteen
+ * reductions of four, which would otherwise cost more than the dot products below. */
+#define HALVES(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
+static inline __attribute__((always_inline)) vfloat16 sum16x16(const vfloat16 *v) {
+    vfloat16 w[8], u[4], s[2];
+    for (int i = 0; i < 8; i++)
+        w[i] = HALVES(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + HALVES(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        u[i] = HALVES(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + HALVES(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        s[i] = HALVES(u[2 * i], u[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + HALVES(u[2 * i], u[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return HALVES(s[0], s[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + HALVES(s[0], s[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* q . k over `pairs` 32-wide chunks of bfloat16 with VDPBF16PS: a bf16 x bf16 product is exact
+ * in float32, so with a query that is bfloat16 itself this is the widened dot product up to
+ * summation order, without widening K. */
+static inline __attribute__((always_inline)) vfloat16 dot_bf16(const __m512bh *q, const char *k, int pairs) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < pairs; c++) {
+        __m512bh kc;
+        memcpy(&kc, k + (size_t)c * 64, 64);
+        acc = _mm512_dpbf16_ps(acc, q[c], kc);
+    }
+    return (vfloat16)acc;
+}
+
+/* Scores of one tile of bfloat16 K rows against every query row of the task (see attend_rows). */
+static inline __attribute__((always_inline)) void scores_bf16(
+    const float *q, const char **k_rows, int tile, int rows, int group, int head_dim, float scale,
+    float *scores, int64_t n, int t0) {
+    const int pairs = head_dim / 32;
+    for (int r = 0; r < rows; r++) {
+        const size_t head_offset = (size_t)(r / group) * head_dim * sizeof(uint16_t);
+        __m512bh qv[MAX_CHUNKS / 2];
+        for (int c = 0; c < pairs; c++) {
+            const float *src = q + (size_t)r * head_dim + (size_t)c * 32;
+            qv[c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+        }
+        float *row_scores = scores + (int64_t)r * n + t0;
+        int i = 0;
+        for (; i + 16 <= tile; i += 16) {
+            vfloat16 acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = dot_bf16(qv, k_rows[i + j] + head_offset, pairs);
+            const vfloat16 sixteen = sum16x16(acc) * scale;
+            memcpy(row_scores + i, &sixteen, 64);
+        }
+        for (; i < tile; i++) row_scores[i] = sum16(dot_bf16(qv, k_rows[i] + head_offset, pairs)) * scale;
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void attend_rows(
-    const float *q, const void *k_cache, const void *v_cache, int is_bf16, const int32_t *table,
-    int n, int num_kv_heads, int group, int chunks, int block_size, float scale, int h0, int h1,
-    float *scores, float *widened, float *o) {
+    const float *q, const void *k_cache, const void *v_cache, int is_bf16, int bf16_scores,
+    const int32_t *table, int n, int num_kv_heads, int group, int chunks, int block_size, float scale,
+    int h0, int h1, float *scores, float *widened, float *o) {
     const int head_dim = chunks * 16;
     const int rows = (h1 - h0) * group;
     const char *k_rows[TILE], *v_rows[TILE];
@@ -110,10 +171,16 @@ static inline __attribute__((always_inline)) void attend_rows(
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int tile = n - t0 < TILE ? n - t0 : TILE;
         tile_rows(k_cache, is_bf16, table, t0, tile, block_size, num_kv_heads, head_dim, h0, h1,
-                  widened, k_rows);
+                  bf16_scores ? NULL : widened, k_rows);
         if (t0 + TILE < n)
             prefetch_tile(k_cache, is_bf16, table, t0 + TILE, n - t0 - TILE < TILE ? n - t0 - TILE : TILE,
                           block_size, num_kv_heads, head_dim);
+#if defined(__AVX512BF16__)
+        if (bf16_scores) {
+            scores_bf16(q, k_rows, tile, rows, group, head_dim, scale, scores, n, t0);
+            continue;
+        }
+#endif
         for (int r = 0; r < rows; r++) {
             const size_t head_offset = (size_t)(r / group) * head_dim * sizeof(float);
             vfloat16 qv[MAX_CHUNKS];
@@ -168,11 +235,19 @@ static inline __attribute__((always_inline)) void attend_rows(
 enum { KVSCALE_OK = 0, KVSCALE_NO_MEMORY = 1, KVSCALE_BAD_TABLE = 2 };
 
 int kvscale_paged_decode_attention(
-    const float *query, const void *k_cache, const void *v_cache, int cache_is_bf16,
+    const float *query, const void *k_cache, const void *v_cache, int cache_is_bf16, int query_is_bf16,
     int64_t num_blocks, const int32_t *block_tables, int64_t table_stride,
     const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
     int block_size, float scale, float *out, int num_threads) {
     const int group = num_heads / num_kv_heads;
+#if defined(__AVX512BF16__)
+    /* bf16 dot products for the scores only when the query is bfloat16 itself (rounding a float32
+     * query would change the result) and rows are whole 32-element chunks. */
+    const int bf16_scores = cache_is_bf16 && query_is_bf16 && head_dim % 32 == 0;
+#else
+    const int bf16_scores = 0;
+    (void)query_is_bf16;
+#endif
     int max_len = 0;
     for (int s = 0; s < num_seqs; s++) {
         const int n = context_lens[s];
@@ -210,21 +285,27 @@ int kvscale_paged_decode_attention(
             const int n = context_lens[s];
             const int h1 = h0 + heads_per_task;
             /* Constant chunk counts for the common head sizes let the compiler unroll fully. */
-            if (head_dim == 64 && cache_is_bf16)
-                attend_rows(q, k_cache, v_cache, 1, table, n, num_kv_heads, group, 4, block_size,
+            if (head_dim == 64 && bf16_scores)
+                attend_rows(q, k_cache, v_cache, 1, 1, table, n, num_kv_heads, group, 4, block_size,
+                            scale, h0, h1, scores, widened, o);
+            else if (head_dim == 64 && cache_is_bf16)
+                attend_rows(q, k_cache, v_cache, 1, 0, table, n, num_kv_heads, group, 4, block_size,
                             scale, h0, h1, scores, widened, o);
             else if (head_dim == 64)
-                attend_rows(q, k_cache, v_cache, 0, table, n, num_kv_heads, group, 4, block_size,
+                attend_rows(q, k_cache, v_cache, 0, 0, table, n, num_kv_heads, group, 4, block_size,
+                            scale, h0, h1, scores, widened, o);
+            else if (head_dim == 128 && bf16_scores)
+                attend_rows(q, k_cache, v_cache, 1, 1, table, n, num_kv_heads, group, 8, block_size,
                             scale, h0, h1, scores, widened, o);
             else if (head_dim == 128 && cache_is_bf16)
-                attend_rows(q, k_cache, v_cache, 1, table, n, num_kv_heads, group, 8, block_size,
+                attend_rows(q, k_cache, v_cache, 1, 0, table, n, num_kv_heads, group, 8, block_size,
                             scale, h0, h1, scores, widened, o);
             else if (head_dim == 128)
-                attend_rows(q, k_cache, v_cache, 0, table, n, num_kv_heads, group, 8, block_size,
+                attend_rows(q, k_cache, v_cache, 0, 0, table, n, num_kv_heads, group, 8, block_size,
                             scale, h0, h1, scores, widened, o);
             else
-                attend_rows(q, k_cache, v_cache, cache_is_bf16, table, n, num_kv_heads, group,
-                            head_dim / 16, block_size, scale, h0, h1, scores, widened, o);
+                attend_rows(q, k_cache, v_cache, cache_is_bf16, bf16_scores, table, n, num_kv_heads,
+                            group, head_dim / 16, block_size, scale, h0, h1, scores, widened, o);
         }
         free(scores);
         free(widened);

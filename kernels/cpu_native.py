@@ -137,7 +137,7 @@ def _library() -> ctypes.CDLL | None:
     ptr, i32, i64, f32 = c.c_void_p, c.c_int, c.c_int64, c.c_float
     signatures = {
         "kvscale_paged_decode_attention": [
-            ptr, ptr, ptr, i32, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, f32, ptr, i32,
+            ptr, ptr, ptr, i32, i32, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, f32, ptr, i32,
         ],
         "kvscale_silu_and_mul": [ptr, ptr, i64, i64, i32, i32],
         "kvscale_add_rms_norm": [ptr, ptr, ptr, ptr, i64, i64, f32, i32, i32],
@@ -242,6 +242,7 @@ def paged_decode_attention(
     out = torch.empty(q.shape, dtype=torch.float32)
     status = lib.kvscale_paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+        int(query.dtype == torch.bfloat16),
         num_blocks, tables.data_ptr(), tables.shape[1], lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
         torch.get_num_threads(),

@@ -128,10 +128,11 @@ def test_reference_mode_and_a_bad_mode(monkeypatch: pytest.MonkeyPatch) -> None:
         cpu_native.available()
 
 
-@pytest.mark.parametrize("head_dim", [16, 80, 128, 24, 192])
+@pytest.mark.parametrize("head_dim", [16, 80, 96, 128, 24, 192])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_every_head_size_matches_dense(head_dim: int, dtype: torch.dtype) -> None:
-    # 64 and 128 run unrolled, other multiples of 16 the general loop, the rest the reference.
+    # 64 and 128 run unrolled, other multiples of 16 the general loop, the rest the reference;
+    # bf16 scores come from bf16 dot products on multiples of 32 (where the CPU has them).
     gen = torch.Generator().manual_seed(head_dim)
     case = make_case(gen, context_lens=[37, 70, 5], q_lens=[1, 1, 1], num_heads=8, num_kv_heads=2,
                      head_dim=head_dim, block_size=16, dtype=dtype)
@@ -234,3 +235,13 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone() -> 
     assert smallest * 1.0 > 0.0
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in float32
     assert float((tiny * 1.0)[0]) > 0.0
+
+
+def test_a_float32_query_over_a_bf16_cache_is_not_rounded_to_bf16() -> None:
+    """bf16 dot products serve only bf16 queries: a float32 query's scores stay float32 math on
+    the widened cache (rounding it would move the output by ~1e-3, not ~1e-6)."""
+    case = make_case(torch.Generator().manual_seed(7), context_lens=[70, 33], q_lens=[1, 1], num_heads=9,
+                     num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    query = torch.randn(case.query.shape, generator=torch.Generator().manual_seed(8))  # not bf16 values
+    args = (query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale)
+    assert max_error(cpu_native.paged_decode_attention(*args), reference.paged_decode_attention(*args)) <= 1e-5
