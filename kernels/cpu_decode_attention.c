@@ -35,6 +35,7 @@ static inline float bf16_to_float(uint16_t bits) {
  * over them, with that row's query (or output accumulator) held in registers throughout. */
 typedef float vfloat16 __attribute__((vector_size(64)));
 #define TILE 32
+_Static_assert(TILE == 32, "weighted_values_bf16 packs one tile of weights into one 32-wide bf16 vector");
 #define MAX_CHUNKS 8
 
 static inline __attribute__((always_inline)) vfloat16 load16(const char *row, int c) {
@@ -157,6 +158,55 @@ static inline __attribute__((always_inline)) void scores_bf16(
         for (; i < tile; i++) row_scores[i] = sum16(dot_bf16(qv, k_rows[i] + head_offset, pairs)) * scale;
     }
 }
+
+/* o += p . V over one tile of bfloat16 V rows with VDPBF16PS, two positions per instruction:
+ * each 32-wide chunk of two rows is interleaved (t, t+1 per output element) and multiplied by
+ * the pair of their probabilities, rounded to bfloat16 as SDPA's bf16 kernel rounds them before
+ * its PV product. Accumulators come out in the interleave's order and are put back per tile. */
+static inline __attribute__((always_inline)) void weighted_values_bf16(
+    const float *scores, const char **v_rows, int tile, int rows, int group, int head_dim,
+    int64_t n, int t0, float *o) {
+    const int pairs = head_dim / 32;
+    const __m512i first16 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i last16 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    for (int r = 0; r < rows; r++) {
+        const size_t head_offset = (size_t)(r / group) * head_dim * sizeof(uint16_t);
+        const float *p = scores + (int64_t)r * n + t0;
+        uint16_t weights[TILE + 1];
+        float padded[TILE + 1] = {0};
+        memcpy(padded, p, sizeof(float) * (size_t)tile);
+        const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(padded + 16), _mm512_loadu_ps(padded));
+        memcpy(weights, &packed, 64);
+        weights[TILE] = 0;
+        __m512 low[MAX_CHUNKS / 2], high[MAX_CHUNKS / 2];
+        for (int c = 0; c < pairs; c++) low[c] = high[c] = _mm512_setzero_ps();
+        for (int i = 0; i < tile; i += 2) {
+            uint32_t pair = weights[i];
+            if (i + 1 < tile) pair |= (uint32_t)weights[i + 1] << 16;
+            __m512bh both;
+            const __m512i broadcast = _mm512_set1_epi32((int)pair);
+            memcpy(&both, &broadcast, 64);
+            for (int c = 0; c < pairs; c++) {
+                const __m512i a = _mm512_loadu_si512(v_rows[i] + head_offset + (size_t)c * 64);
+                const __m512i b = i + 1 < tile ? _mm512_loadu_si512(v_rows[i + 1] + head_offset + (size_t)c * 64)
+                                               : _mm512_setzero_si512();
+                const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+                __m512bh lo_bh, hi_bh;
+                memcpy(&lo_bh, &lo, 64);
+                memcpy(&hi_bh, &hi, 64);
+                low[c] = _mm512_dpbf16_ps(low[c], lo_bh, both);
+                high[c] = _mm512_dpbf16_ps(high[c], hi_bh, both);
+            }
+        }
+        float *orow = o + (size_t)r * head_dim;
+        for (int c = 0; c < pairs; c++) {
+            float *dst = orow + (size_t)c * 32;
+            _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), _mm512_permutex2var_ps(low[c], first16, high[c])));
+            _mm512_storeu_ps(dst + 16,
+                             _mm512_add_ps(_mm512_loadu_ps(dst + 16), _mm512_permutex2var_ps(low[c], last16, high[c])));
+        }
+    }
+}
 #endif
 
 static inline __attribute__((always_inline)) void attend_rows(
@@ -210,10 +260,16 @@ static inline __attribute__((always_inline)) void attend_rows(
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int tile = n - t0 < TILE ? n - t0 : TILE;
         tile_rows(v_cache, is_bf16, table, t0, tile, block_size, num_kv_heads, head_dim, h0, h1,
-                  widened, v_rows);
+                  bf16_scores ? NULL : widened, v_rows);
         if (t0 + TILE < n)
             prefetch_tile(v_cache, is_bf16, table, t0 + TILE, n - t0 - TILE < TILE ? n - t0 - TILE : TILE,
                           block_size, num_kv_heads, head_dim);
+#if defined(__AVX512BF16__)
+        if (bf16_scores) {
+            weighted_values_bf16(scores, v_rows, tile, rows, group, head_dim, n, t0, o);
+            continue;
+        }
+#endif
         for (int r = 0; r < rows; r++) {
             const size_t head_offset = (size_t)(r / group) * head_dim * sizeof(float);
             const float *p = scores + (int64_t)r * n + t0;
