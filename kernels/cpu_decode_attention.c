@@ -21,8 +21,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
+/* bf16 dot products need the instructions (AVX-512 BF16, known from -march=native) and a compiler
+ * with __builtin_shufflevector (gcc 12, clang); without either, bf16 tiles are widened instead. */
+#if defined(__AVX512BF16__) && defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define KVSCALE_BF16_DOTS 1
 #include <immintrin.h>
+#endif
 #endif
 
 static inline float bf16_to_float(uint16_t bits) {
@@ -102,7 +107,7 @@ static inline __attribute__((always_inline)) float sum16(vfloat16 v) {
     return total;
 }
 
-#if defined(__AVX512BF16__)
+#if defined(KVSCALE_BF16_DOTS)
 /* The lane sums of sixteen vectors as one vector (lane j: the sum of v[j]'s lanes). Each level
  * adds the halves of every vector while interleaving pairs: 15 shuffle-adds instead of sixteen
  * reductions of four, which would otherwise cost more than the dot products below. */
@@ -225,7 +230,7 @@ static inline __attribute__((always_inline)) void attend_rows(
         if (t0 + TILE < n)
             prefetch_tile(k_cache, is_bf16, table, t0 + TILE, n - t0 - TILE < TILE ? n - t0 - TILE : TILE,
                           block_size, num_kv_heads, head_dim);
-#if defined(__AVX512BF16__)
+#if defined(KVSCALE_BF16_DOTS)
         if (bf16_scores) {
             scores_bf16(q, k_rows, tile, rows, group, head_dim, scale, scores, n, t0);
             continue;
@@ -264,7 +269,7 @@ static inline __attribute__((always_inline)) void attend_rows(
         if (t0 + TILE < n)
             prefetch_tile(v_cache, is_bf16, table, t0 + TILE, n - t0 - TILE < TILE ? n - t0 - TILE : TILE,
                           block_size, num_kv_heads, head_dim);
-#if defined(__AVX512BF16__)
+#if defined(KVSCALE_BF16_DOTS)
         if (bf16_scores) {
             weighted_values_bf16(scores, v_rows, tile, rows, group, head_dim, n, t0, o);
             continue;
@@ -296,7 +301,7 @@ int kvscale_paged_decode_attention(
     const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
     int block_size, float scale, float *out, int num_threads) {
     const int group = num_heads / num_kv_heads;
-#if defined(__AVX512BF16__)
+#if defined(KVSCALE_BF16_DOTS)
     /* bf16 dot products for the scores only when the query is bfloat16 itself (rounding a float32
      * query would change the result) and rows are whole 32-element chunks. */
     const int bf16_scores = cache_is_bf16 && query_is_bf16 && head_dim % 32 == 0;
