@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -75,3 +76,16 @@ def median_ms(action: Callable[[], object], repeats: int, warmup: int = 0) -> fl
         action()
         samples.append((time.perf_counter() - started) * 1000)
     return statistics.median(samples)
+
+
+def op_bench_args(doc: str | None, argv: list[str] | None) -> argparse.Namespace:
+    """Flags of the op benchmarks (C kernels, projections), with torch's threads set from them."""
+    import torch
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    return args

@@ -15,12 +15,11 @@ greedy ids (``server.sampler.greedy_tokens``, ``max(dim).indices``) against ``ar
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
-from bench.common import machine, median_ms, write_result
+from bench.common import machine, median_ms, op_bench_args, write_result
 from kvscale.kernels import cpu_native, reference
 from kvscale.server.model_llama import apply_rope
 from kvscale.server.sampler import greedy_tokens
@@ -84,12 +83,7 @@ def measure(dtype: torch.dtype, gen: torch.Generator, repeats: int) -> list[dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = op_bench_args(__doc__, argv)
     if not cpu_native.available():
         raise SystemExit("the C kernels did not build here (see the warning above)")
     gen = torch.Generator().manual_seed(0)

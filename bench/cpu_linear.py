@@ -13,13 +13,12 @@ F.linear is what ``server/cpu_linear.py`` decides by (below 1: packing is faster
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 from torch.nn import functional
 
-from bench.common import machine, median_ms, write_result
+from bench.common import machine, median_ms, op_bench_args, write_result
 from kvscale.server.cpu_linear import PackedLinear, onednn_packs
 from kvscale.server.model_llama import spec_from_hf_config
 from kvscale.server.model_loader import resolve_model_path
@@ -61,12 +60,7 @@ def measure(dtype: torch.dtype, repeats: int, gen: torch.Generator) -> list[dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    args = op_bench_args(__doc__, argv)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for dtype in (torch.float32, torch.bfloat16):

@@ -62,28 +62,6 @@ static void widen_tile(const char **rows, int tile, int width, float *widened) {
     }
 }
 
-/* Pointers to the rows (KV heads [h0, h1)) of context positions t0 .. t0 + tile - 1: into the
- * cache itself, or, for a bfloat16 cache given a `widened` buffer, to float32 copies there. */
-static inline __attribute__((always_inline)) void tile_rows(
-    const void *cache, int is_bf16, const int32_t *table, int t0, int tile, int block_size,
-    int num_kv_heads, int head_dim, int h0, int h1, float *widened, const char **rows) {
-    const size_t elem = is_bf16 ? sizeof(uint16_t) : sizeof(float);
-    const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
-    /* One division per tile: the block and slot of each next position follow by increment. */
-    int b = t0 / block_size, slot = t0 % block_size;
-    const char *block = (const char *)cache
-                        + (((int64_t)table[b] * block_size) * row_stride + (int64_t)h0 * head_dim) * elem;
-    for (int i = 0; i < tile; i++) {
-        rows[i] = block + (int64_t)slot * row_stride * elem;
-        if (++slot == block_size && i + 1 < tile) {
-            slot = 0;
-            block = (const char *)cache
-                    + (((int64_t)table[++b] * block_size) * row_stride + (int64_t)h0 * head_dim) * elem;
-        }
-    }
-    if (is_bf16 && widened != NULL) widen_tile(rows, tile, (h1 - h0) * head_dim, widened);
-}
-
 /* Touches every 1 KiB of context positions t0 .. t0 + tile - 1 ahead of their use: blocks lie
  * scattered over the cache and the hardware prefetcher loses the stream at each block edge
  * (a W1-like decode layer: 0.88x the time at one thread, `python -m bench.cpu_kernels`). */
@@ -99,6 +77,32 @@ static inline __attribute__((always_inline)) void prefetch_tile(
         for (int64_t b = 0; b < in_block * row_bytes; b += 1024) __builtin_prefetch(start + b, 0, 3);
         t += in_block;
     }
+}
+
+/* Pointers to the rows (KV heads [h0, h1)) of context positions t0 .. t0 + tile - 1: into the
+ * cache itself, or, for a bfloat16 cache given a `widened` buffer, to float32 copies there; the
+ * next tile of the n positions is asked for meanwhile. */
+static inline __attribute__((always_inline)) void tile_rows(
+    const void *cache, int is_bf16, const int32_t *table, int t0, int tile, int n, int block_size,
+    int num_kv_heads, int head_dim, int h0, int h1, float *widened, const char **rows) {
+    const size_t elem = is_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
+    /* One division per tile: the block and slot of each next position follow by increment. */
+    int b = t0 / block_size, slot = t0 % block_size;
+    const char *block = (const char *)cache
+                        + (((int64_t)table[b] * block_size) * row_stride + (int64_t)h0 * head_dim) * elem;
+    for (int i = 0; i < tile; i++) {
+        rows[i] = block + (int64_t)slot * row_stride * elem;
+        if (++slot == block_size && i + 1 < tile) {
+            slot = 0;
+            block = (const char *)cache
+                    + (((int64_t)table[++b] * block_size) * row_stride + (int64_t)h0 * head_dim) * elem;
+        }
+    }
+    if (t0 + TILE < n)
+        prefetch_tile(cache, is_bf16, table, t0 + TILE, n - t0 - TILE < TILE ? n - t0 - TILE : TILE,
+                      block_size, num_kv_heads, head_dim);
+    if (is_bf16 && widened != NULL) widen_tile(rows, tile, (h1 - h0) * head_dim, widened);
 }
 
 static inline __attribute__((always_inline)) float sum16(vfloat16 v) {
@@ -225,11 +229,8 @@ static inline __attribute__((always_inline)) void attend_rows(
     if (n <= 0) return;
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int tile = n - t0 < TILE ? n - t0 : TILE;
-        tile_rows(k_cache, is_bf16, table, t0, tile, block_size, num_kv_heads, head_dim, h0, h1,
+        tile_rows(k_cache, is_bf16, table, t0, tile, n, block_size, num_kv_heads, head_dim, h0, h1,
                   bf16_scores ? NULL : widened, k_rows);
-        if (t0 + TILE < n)
-            prefetch_tile(k_cache, is_bf16, table, t0 + TILE, n - t0 - TILE < TILE ? n - t0 - TILE : TILE,
-                          block_size, num_kv_heads, head_dim);
 #if defined(KVSCALE_BF16_DOTS)
         if (bf16_scores) {
             scores_bf16(q, k_rows, tile, rows, group, head_dim, scale, scores, n, t0);
@@ -264,11 +265,8 @@ static inline __attribute__((always_inline)) void attend_rows(
     }
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int tile = n - t0 < TILE ? n - t0 : TILE;
-        tile_rows(v_cache, is_bf16, table, t0, tile, block_size, num_kv_heads, head_dim, h0, h1,
+        tile_rows(v_cache, is_bf16, table, t0, tile, n, block_size, num_kv_heads, head_dim, h0, h1,
                   bf16_scores ? NULL : widened, v_rows);
-        if (t0 + TILE < n)
-            prefetch_tile(v_cache, is_bf16, table, t0 + TILE, n - t0 - TILE < TILE ? n - t0 - TILE : TILE,
-                          block_size, num_kv_heads, head_dim);
 #if defined(KVSCALE_BF16_DOTS)
         if (bf16_scores) {
             weighted_values_bf16(scores, v_rows, tile, rows, group, head_dim, n, t0, o);
