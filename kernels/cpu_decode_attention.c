@@ -181,17 +181,16 @@ static inline __attribute__((always_inline)) void weighted_values_bf16(
     for (int r = 0; r < rows; r++) {
         const size_t head_offset = (size_t)(r / group) * head_dim * sizeof(uint16_t);
         const float *p = scores + (int64_t)r * n + t0;
-        uint16_t weights[TILE + 1];
-        float padded[TILE + 1] = {0};
+        /* The tile's weights as bf16, zero past its end (an odd tail pairs with a zero). */
+        uint16_t weights[TILE];
+        float padded[TILE] = {0};
         memcpy(padded, p, sizeof(float) * (size_t)tile);
         const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(padded + 16), _mm512_loadu_ps(padded));
         memcpy(weights, &packed, 64);
-        weights[TILE] = 0;
         __m512 low[MAX_CHUNKS / 2], high[MAX_CHUNKS / 2];
         for (int c = 0; c < pairs; c++) low[c] = high[c] = _mm512_setzero_ps();
         for (int i = 0; i < tile; i += 2) {
-            uint32_t pair = weights[i];
-            if (i + 1 < tile) pair |= (uint32_t)weights[i + 1] << 16;
+            const uint32_t pair = weights[i] | (uint32_t)weights[i + 1] << 16;
             __m512bh both;
             const __m512i broadcast = _mm512_set1_epi32((int)pair);
             memcpy(&both, &broadcast, 64);
@@ -219,7 +218,7 @@ static inline __attribute__((always_inline)) void weighted_values_bf16(
 #endif
 
 static inline __attribute__((always_inline)) void attend_rows(
-    const float *q, const void *k_cache, const void *v_cache, int is_bf16, int bf16_scores,
+    const float *q, const void *k_cache, const void *v_cache, int is_bf16, int bf16_dots,
     const int32_t *table, int n, int num_kv_heads, int group, int chunks, int block_size, float scale,
     int h0, int h1, float *scores, float *widened, float *o) {
     const int head_dim = chunks * 16;
@@ -230,9 +229,9 @@ static inline __attribute__((always_inline)) void attend_rows(
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int tile = n - t0 < TILE ? n - t0 : TILE;
         tile_rows(k_cache, is_bf16, table, t0, tile, n, block_size, num_kv_heads, head_dim, h0, h1,
-                  bf16_scores ? NULL : widened, k_rows);
+                  bf16_dots ? NULL : widened, k_rows);
 #if defined(KVSCALE_BF16_DOTS)
-        if (bf16_scores) {
+        if (bf16_dots) {
             scores_bf16(q, k_rows, tile, rows, group, head_dim, scale, scores, n, t0);
             continue;
         }
@@ -266,9 +265,9 @@ static inline __attribute__((always_inline)) void attend_rows(
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int tile = n - t0 < TILE ? n - t0 : TILE;
         tile_rows(v_cache, is_bf16, table, t0, tile, n, block_size, num_kv_heads, head_dim, h0, h1,
-                  bf16_scores ? NULL : widened, v_rows);
+                  bf16_dots ? NULL : widened, v_rows);
 #if defined(KVSCALE_BF16_DOTS)
-        if (bf16_scores) {
+        if (bf16_dots) {
             weighted_values_bf16(scores, v_rows, tile, rows, group, head_dim, n, t0, o);
             continue;
         }
@@ -300,11 +299,11 @@ int kvscale_paged_decode_attention(
     int block_size, float scale, float *out, int num_threads) {
     const int group = num_heads / num_kv_heads;
 #if defined(KVSCALE_BF16_DOTS)
-    /* bf16 dot products for the scores only when the query is bfloat16 itself (rounding a float32
-     * query would change the result) and rows are whole 32-element chunks. */
-    const int bf16_scores = cache_is_bf16 && query_is_bf16 && head_dim % 32 == 0;
+    /* bf16 dot products (scores and weighted values) only when the query is bfloat16 itself
+     * (rounding a float32 query would change the result) and rows are whole 32-element chunks. */
+    const int bf16_dots = cache_is_bf16 && query_is_bf16 && head_dim % 32 == 0;
 #else
-    const int bf16_scores = 0;
+    const int bf16_dots = 0;
     (void)query_is_bf16;
 #endif
     int max_len = 0;
@@ -344,7 +343,7 @@ int kvscale_paged_decode_attention(
             const int n = context_lens[s];
             const int h1 = h0 + heads_per_task;
             /* Constant chunk counts for the common head sizes let the compiler unroll fully. */
-            if (head_dim == 64 && bf16_scores)
+            if (head_dim == 64 && bf16_dots)
                 attend_rows(q, k_cache, v_cache, 1, 1, table, n, num_kv_heads, group, 4, block_size,
                             scale, h0, h1, scores, widened, o);
             else if (head_dim == 64 && cache_is_bf16)
@@ -353,7 +352,7 @@ int kvscale_paged_decode_attention(
             else if (head_dim == 64)
                 attend_rows(q, k_cache, v_cache, 0, 0, table, n, num_kv_heads, group, 4, block_size,
                             scale, h0, h1, scores, widened, o);
-            else if (head_dim == 128 && bf16_scores)
+            else if (head_dim == 128 && bf16_dots)
                 attend_rows(q, k_cache, v_cache, 1, 1, table, n, num_kv_heads, group, 8, block_size,
                             scale, h0, h1, scores, widened, o);
             else if (head_dim == 128 && cache_is_bf16)
@@ -363,7 +362,7 @@ int kvscale_paged_decode_attention(
                 attend_rows(q, k_cache, v_cache, 0, 0, table, n, num_kv_heads, group, 8, block_size,
                             scale, h0, h1, scores, widened, o);
             else
-                attend_rows(q, k_cache, v_cache, cache_is_bf16, bf16_scores, table, n, num_kv_heads,
+                attend_rows(q, k_cache, v_cache, cache_is_bf16, bf16_dots, table, n, num_kv_heads,
                             group, head_dim / 16, block_size, scale, h0, h1, scores, widened, o);
         }
         free(scores);
