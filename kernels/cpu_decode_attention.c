@@ -64,7 +64,7 @@ static void widen_tile(const char **rows, int tile, int width, float *widened) {
 
 /* Touches every 1 KiB of context positions t0 .. t0 + tile - 1 ahead of their use: blocks lie
  * scattered over the cache and the hardware prefetcher loses the stream at each block edge
- * (a W1-like decode layer: 0.88x the time at one thread, `python -m bench.cpu_kernels`). */
+ * (docs/benchmarks.md has `python -m bench.cpu_kernels` before and after, separate builds). */
 static inline __attribute__((always_inline)) void prefetch_tile(
     const void *cache, int is_bf16, const int32_t *table, int t0, int tile, int block_size,
     int num_kv_heads, int head_dim) {
