@@ -39,10 +39,9 @@ RUN python3 /tmp/build/requirements.py engine /tmp/build/pyproject.toml > /tmp/b
     && rm -rf /tmp/build /tmp/.cache
 
 # 2. The bundled model, converted by the only module that knows how (rebuilt when it changes).
-COPY kvscale/__init__.py /tmp/convert/kvscale/
-COPY server/__init__.py server/model_loader.py /tmp/convert/kvscale/server/
+COPY kvscale/__init__.py kvscale/model_files.py /tmp/convert/kvscale/
 RUN PYTHONPATH=/tmp/convert /opt/kvscale/venv/bin/python -c \
-        "from kvscale.server.model_loader import resolve_model_path; print(resolve_model_path(None))" \
+        "from kvscale.model_files import resolve_model_path; print(resolve_model_path(None))" \
     && chmod -R a+rX /opt/kvscale/cache \
     && rm -rf /tmp/convert /tmp/.cache
 

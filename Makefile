@@ -57,6 +57,8 @@ serve: venv
 test:
 	@$(MAKE) --no-print-directory -j3 venv system-deps k8s-bins
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # Everything but the slow end-to-end tests, for a quick loop while editing.
@@ -67,8 +69,11 @@ test-fast: venv
 dashboards: venv
 	$(PY) tools/gen_observability.py
 
+# ruff, the layers (import-linter's contracts in pyproject.toml) and the type checker.
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 bench: venv
 	$(PY) -m bench.w1_throughput
@@ -77,4 +82,4 @@ bench: venv
 	$(PY) -m bench.w3_router
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .import_linter_cache

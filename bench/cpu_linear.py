@@ -19,9 +19,9 @@ import torch
 from torch.nn import functional
 
 from bench.common import machine, median_ms, op_bench_args, write_result
+from kvscale.model_files import resolve_model_path
 from kvscale.server.cpu_linear import PackedLinear, onednn_packs
 from kvscale.server.model_llama import spec_from_hf_config
-from kvscale.server.model_loader import resolve_model_path
 
 ROWS = (1, 4, 16, 64, 256, 2048)
 DECODE_ROWS_MAX = 64

@@ -268,8 +268,10 @@ def bench_decode_step(num_seqs: int, context_len: int, peak_gbps: float | None) 
 
 
 def run_checks(cases: int) -> dict:
-    from kvscale.kernels.checks import KERNELS
-    from kvscale.kernels.checks import run_checks as check
+    # The same comparisons the kernel tests make (test support, so it lives under tests/).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+    from kernel_checks import KERNELS
+    from kernel_checks import run_checks as check
 
     results = check(KERNELS, [torch.float32, torch.bfloat16, torch.float16], cases, seed=7,
                     device="cuda")

@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                                            else "http_load.json"))
 
     from bench.roofline import cpu_isa
-    from kvscale.server.model_loader import BUNDLED_NAME, load_tokenizer, resolve_model_path
+    from kvscale.model_files import BUNDLED_NAME, load_tokenizer, resolve_model_path
 
     info = {**machine(), "isa": cpu_isa(), "device": "cpu", "threads": args.threads}
     vocab_size = len(load_tokenizer(resolve_model_path(None)))

@@ -34,10 +34,10 @@ import time
 
 from bench.common import machine, median_ms, quantile, write_result
 from bench.w3_workloads import WORDS, conversation_messages, conversations, shared_prefix_prompts
+from kvscale.block_hash import hash_prompt_blocks
 from kvscale.processes import freeze_startup_heap
 from kvscale.router.app import Router, RouterConfig
-from kvscale.server.block_hash import hash_prompt_blocks
-from kvscale.server.tokenization import chat_text_token_ids, render_chat_prompt
+from kvscale.tokenization import chat_text_token_ids, render_chat_prompt
 
 MODEL = "smollm2-135m-instruct"
 W4_SHAPES = {  # workload -> (document words, answer words)

@@ -96,7 +96,8 @@ def side_baseline(args: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvscale.server.model_loader import resolve_dtype, resolve_model_path
+    from kvscale.model_files import resolve_model_path
+    from kvscale.server.model_loader import resolve_dtype
 
     torch.set_num_threads(args.threads)
     prompts, outputs = workload(args)
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(load {vllm['load_s']:.0f} s)", file=sys.stderr)
     baseline = run_side("bench.w1_throughput", "baseline", passthrough) if "transformers" in baselines else None
 
-    from kvscale.server.model_loader import load_hf_config, resolve_model_path
+    from kvscale.model_files import resolve_model_path
+    from kvscale.server.model_loader import load_hf_config
 
     prompts, outputs = workload(args)
     flops = decoder_flops(load_hf_config(resolve_model_path(None)), [len(p) for p in prompts], outputs)

@@ -351,7 +351,7 @@ class Workload:
 def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: int, block_size: int,
                  costs: Costs | list[Costs], seed: int = 0, details: bool = False) -> dict:
     """``costs``: one for every replica, or a list (a pool of unequal replicas)."""
-    from kvscale.server.block_hash import hash_prompt_blocks
+    from kvscale.block_hash import hash_prompt_blocks
 
     per_replica = costs if isinstance(costs, list) else [costs] * replicas
     pool = [SimReplica(i, num_blocks, block_size, per_replica[i]) for i in range(replicas)]
@@ -428,7 +428,7 @@ def build_workload(kind: str, p: dict, seed: int, tokenizer=None, answer_tokens:
         for i, prompt in enumerate(prompts):
             clients[i % p["concurrency"]].append((0.0, prompt, [], p["output_tokens"]))
         return Workload(clients)
-    from kvscale.server.tokenization import chat_prompt_token_ids
+    from kvscale.tokenization import chat_prompt_token_ids
 
     n_answer = answer_tokens or p["answer_tokens"]
     rng = random.Random(seed + 7)
@@ -483,7 +483,7 @@ def calibration(real: dict) -> tuple[dict, Costs, int, dict]:
 
 
 def calibrated(args) -> int:
-    from kvscale.server.model_loader import load_tokenizer, resolve_tokenizer_path
+    from kvscale.model_files import load_tokenizer, resolve_tokenizer_path
 
     real = json.loads(Path(args.calibration).read_text())
     params, costs, answer_tokens, w4_params = calibration(real)
@@ -594,7 +594,7 @@ def hit_ceiling(workload: Workload, block_size: int) -> float:
     """The best hit rate any routing allows: one replica with an unbounded cache. A request can
     reuse only the blocks requests before it computed (prompts and answers), at most all but its
     last token (the engine computes that one), so every group's first request misses."""
-    from kvscale.server.block_hash import hash_prompt_blocks
+    from kvscale.block_hash import hash_prompt_blocks
 
     seen: set[int] = set()
     hit = total = 0
@@ -634,7 +634,7 @@ def against_round_robin(row: dict, rr: dict) -> dict:
 
 
 def hit_bound(args) -> int:
-    from kvscale.server.model_loader import load_tokenizer, resolve_tokenizer_path
+    from kvscale.model_files import load_tokenizer, resolve_tokenizer_path
 
     real = json.loads(Path(args.calibration).read_text())
     params, costs, answer_tokens, w4_params = calibration(real)

@@ -218,7 +218,7 @@ class HeartbeatSampler:
     def __init__(self, redis_url: str) -> None:
         import redis
 
-        from kvscale.server.kv_publisher import heartbeat_key
+        from kvscale.kv_index_schema import heartbeat_key
 
         self._client = redis.Redis.from_url(redis_url)
         self._key = heartbeat_key

@@ -71,7 +71,7 @@ def library_path(source: bytes, compiler_id: str, cache: Path) -> Path:
 
 
 def _native_cache() -> Path:
-    from kvscale.server.model_loader import cache_root
+    from kvscale.model_files import cache_root
 
     return cache_root() / "native"
 

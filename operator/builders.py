@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvscale.k8s_labels import SERVERS_ENDPOINTS_LABEL, SERVERS_ENDPOINTS_VALUE
 from kvscale.operator.spec import (
     DEFAULT_REDIS_IMAGE,
     DEFAULT_ROUTER_IMAGE,
@@ -298,14 +299,12 @@ def build_service(name: str, namespace: str, spec: InferenceServiceSpec) -> dict
 
 def build_headless_service(name: str, namespace: str) -> dict[str, Any]:
     """Per-pod DNS and endpoints, for the prefix-aware router to find every replica."""
-    from kvscale.router.replicas import SERVERS_ENDPOINTS_LABEL
-
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": headless_service_name(name), "namespace": namespace,
                      # Copied onto its EndpointSlices: what a namespace-wide router selects.
-                     "labels": {**child_labels(name), SERVERS_ENDPOINTS_LABEL: "servers"}},
+                     "labels": {**child_labels(name), SERVERS_ENDPOINTS_LABEL: SERVERS_ENDPOINTS_VALUE}},
         "spec": {
             "clusterIP": "None",
             "selector": selector_labels(name),

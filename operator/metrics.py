@@ -11,10 +11,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import start_http_server
 
 from kvscale import metric_names as names
+from kvscale.metric_registry import register
 from kvscale.operator.scaling import LoadEstimate, ScaleDecision
 from kvscale.operator.spec import AutoscalingPolicy
 
@@ -44,25 +45,19 @@ class OperatorMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
 
-        def gauge(metric: names.Metric) -> Gauge:
-            return Gauge(metric.name, metric.help, list(metric.labels), registry=r)
-
-        def counter(metric: names.Metric) -> Counter:
-            return Counter(metric.name, metric.help, list(metric.labels), registry=r)
-
-        self.load = gauge(names.OPERATOR_LOAD)
-        self.kv_usage = gauge(names.OPERATOR_KV_USAGE)
-        self.waiting = gauge(names.OPERATOR_WAITING)
-        self.target_kv_usage = gauge(names.OPERATOR_TARGET_KV_USAGE)
-        self.target_queue = gauge(names.OPERATOR_TARGET_QUEUE)
-        self.panic = gauge(names.OPERATOR_PANIC)
-        self.desired = gauge(names.OPERATOR_DESIRED)
-        self.current = gauge(names.OPERATOR_CURRENT)
-        self.ready = gauge(names.OPERATOR_READY)
-        self.min_replicas = gauge(names.OPERATOR_MIN)
-        self.max_replicas = gauge(names.OPERATOR_MAX)
-        self.scale_decisions = counter(names.OPERATOR_SCALE_DECISIONS)
-        self.reconcile_errors = counter(names.OPERATOR_RECONCILE_ERRORS)
+        self.load = register(names.OPERATOR_LOAD, r)
+        self.kv_usage = register(names.OPERATOR_KV_USAGE, r)
+        self.waiting = register(names.OPERATOR_WAITING, r)
+        self.target_kv_usage = register(names.OPERATOR_TARGET_KV_USAGE, r)
+        self.target_queue = register(names.OPERATOR_TARGET_QUEUE, r)
+        self.panic = register(names.OPERATOR_PANIC, r)
+        self.desired = register(names.OPERATOR_DESIRED, r)
+        self.current = register(names.OPERATOR_CURRENT, r)
+        self.ready = register(names.OPERATOR_READY, r)
+        self.min_replicas = register(names.OPERATOR_MIN, r)
+        self.max_replicas = register(names.OPERATOR_MAX, r)
+        self.scale_decisions = register(names.OPERATOR_SCALE_DECISIONS, r)
+        self.reconcile_errors = register(names.OPERATOR_RECONCILE_ERRORS, r)
         self._per_service = (self.load, self.kv_usage, self.waiting, self.target_kv_usage,
                              self.target_queue, self.panic, self.desired, self.current,
                              self.ready, self.min_replicas, self.max_replicas)

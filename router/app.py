@@ -28,6 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvscale.block_hash import hash_prompt_blocks
+from kvscale.drain import DRAINING_HEADER, Drain, DrainMiddleware
 from kvscale.processes import freeze_startup_heap
 from kvscale.router import policy as routing
 from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS, ChatTokenCache
@@ -41,8 +43,6 @@ from kvscale.router.replicas import (
     describe_check,
     normalize_url,
 )
-from kvscale.server.block_hash import hash_prompt_blocks
-from kvscale.server.drain import DRAINING_HEADER, Drain, DrainMiddleware
 
 log = logging.getLogger("kvscale.router")
 
@@ -112,7 +112,7 @@ class Router:
         self._tickets = 0
         self._watch: EndpointSliceWatch | None = None
         self._sync_task: asyncio.Task | None = None
-        self.drain = Drain()  # flipped by SIGTERM (kvscale.server.drain.serve)
+        self.drain = Drain()  # flipped by SIGTERM (kvscale.drain.serve)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -159,11 +159,7 @@ class Router:
             await self._client.aclose()
 
     def _load_tokenizers(self) -> None:
-        from kvscale.server.model_loader import (
-            load_tokenizer,
-            resolve_tokenizer_path,
-            served_model_name,
-        )
+        from kvscale.model_files import load_tokenizer, resolve_tokenizer_path, served_model_name
 
         for model in self.config.models:
             name = served_model_name(model)
@@ -234,7 +230,7 @@ class Router:
         if tokenizer is None:
             self.metrics.fallbacks.labels("no_tokenizer").inc()
             return [], 0, block_size
-        from kvscale.server.tokenization import completion_prompt_token_ids
+        from kvscale.tokenization import completion_prompt_token_ids
 
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None

@@ -21,7 +21,7 @@ split a word the tokenizer would merge. That holds for byte-level BPE tokenizers
 model's; a tokenizer that treats the first piece of a text differently (a prepended space), or a
 special token that swallows the whitespace after it, breaks it. So every cache checks its own
 tokenizer when built, on conversations of many shapes, against the one-shot tokenization
-(``kvscale.server.tokenization``, the server's own functions), and turns itself off on any
+(``kvscale.tokenization``, the server's own functions), and turns itself off on any
 difference.
 """
 
@@ -35,8 +35,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from kvscale.server.block_hash import hash_prompt_blocks
-from kvscale.server.tokenization import (
+from kvscale.block_hash import hash_prompt_blocks
+from kvscale.tokenization import (
     chat_prompt_token_ids,
     chat_text_token_ids,
     render_chat_prompt,

@@ -6,9 +6,9 @@ import argparse
 import logging
 import os
 
+from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS
 from kvscale.router.policy import DEFAULT_POLICY, POLICIES, TTFT_EPSILON
-from kvscale.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,8 +103,8 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvscale.drain import serve
     from kvscale.router.app import build_app
-    from kvscale.server.drain import serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise

@@ -3,9 +3,10 @@ and the pure rule that says when a decision was a bounded-load spill."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from kvscale import metric_names as names
+from kvscale.metric_registry import register
 
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1)
 HIT_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -16,24 +17,20 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
 
-        def make(cls, metric: names.Metric, **kwargs):
-            return cls(metric.name, metric.help, list(metric.labels), registry=r, **kwargs)
-
-        self.requests = make(Counter, names.ROUTER_REQUESTS)
-        self.decision_seconds = make(Histogram, names.ROUTER_DECISION_SECONDS,
-                                     buckets=DECISION_BUCKETS)
-        self.predicted_hit_tokens = make(Counter, names.ROUTER_PREDICTED_HIT_TOKENS)
-        self.predicted_hit_tokens_per_request = make(
-            Histogram, names.ROUTER_PREDICTED_HIT_TOKENS_PER_REQUEST, buckets=HIT_TOKEN_BUCKETS)
-        self.prompt_tokens = make(Counter, names.ROUTER_PROMPT_TOKENS)
-        self.spills = make(Counter, names.ROUTER_SPILLS)
-        self.retries = make(Counter, names.ROUTER_RETRIES)
-        self.fallbacks = make(Counter, names.ROUTER_FALLBACKS)
-        self.redis_errors = make(Counter, names.ROUTER_REDIS_ERRORS)
-        self.redis_up = make(Gauge, names.ROUTER_REDIS_UP)
-        self.replicas_healthy = make(Gauge, names.ROUTER_REPLICAS_HEALTHY)
-        self.in_flight = make(Gauge, names.ROUTER_IN_FLIGHT)
-        self.index_blocks = make(Gauge, names.ROUTER_INDEX_BLOCKS)
+        self.requests = register(names.ROUTER_REQUESTS, r)
+        self.decision_seconds = register(names.ROUTER_DECISION_SECONDS, r, DECISION_BUCKETS)
+        self.predicted_hit_tokens = register(names.ROUTER_PREDICTED_HIT_TOKENS, r)
+        self.predicted_hit_tokens_per_request = register(
+            names.ROUTER_PREDICTED_HIT_TOKENS_PER_REQUEST, r, HIT_TOKEN_BUCKETS)
+        self.prompt_tokens = register(names.ROUTER_PROMPT_TOKENS, r)
+        self.spills = register(names.ROUTER_SPILLS, r)
+        self.retries = register(names.ROUTER_RETRIES, r)
+        self.fallbacks = register(names.ROUTER_FALLBACKS, r)
+        self.redis_errors = register(names.ROUTER_REDIS_ERRORS, r)
+        self.redis_up = register(names.ROUTER_REDIS_UP, r)
+        self.replicas_healthy = register(names.ROUTER_REPLICAS_HEALTHY, r)
+        self.in_flight = register(names.ROUTER_IN_FLIGHT, r)
+        self.index_blocks = register(names.ROUTER_INDEX_BLOCKS, r)
         # Zero-valued series from the start: rate() needs two samples, and a dashboard panel or an
         # alert on a reason that has not happened yet should read 0, not "No data".
         for reason in names.ROUTER_RETRY_REASONS:

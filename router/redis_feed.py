@@ -15,10 +15,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvscale.router.index import PrefixIndex
-from kvscale.server.kv_publisher import (
+from kvscale.kv_index_schema import (
+    CLEARED,
     EVENTS_CHANNEL,
+    REMOVED,
     REPLICAS_KEY,
+    STORED,
     Heartbeat,
     blocks_key,
     heartbeat_key,
@@ -27,6 +29,7 @@ from kvscale.server.kv_publisher import (
     redacted_url,
     seq_key,
 )
+from kvscale.router.index import PrefixIndex
 
 log = logging.getLogger("kvscale.router.redis")
 
@@ -138,11 +141,11 @@ class RedisFeed:
             return
         for event in message.get("events", []):
             kind = event[0]
-            if kind == "stored":
+            if kind == STORED:
                 self.index.stored(replica_id, event[1])
-            elif kind == "removed":
+            elif kind == REMOVED:
                 self.index.removed(replica_id, event[1])
-            elif kind == "cleared":
+            elif kind == CLEARED:
                 self.index.cleared(replica_id)
         self.index.set_seq(replica_id, seq)
 

@@ -19,13 +19,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kvscale.k8s_labels import SERVERS_ENDPOINTS_SELECTOR
+
 log = logging.getLogger("kvscale.router.replicas")
-
-# The label the operator gives every InferenceService's headless Service of servers; the
-# EndpointSlice controller copies a Service's labels onto its slices.
-SERVERS_ENDPOINTS_LABEL = "serving.kvscale.io/endpoints"
-SERVERS_ENDPOINTS_SELECTOR = f"{SERVERS_ENDPOINTS_LABEL}=servers"
-
 
 def normalize_url(url: str) -> str:
     url = url.strip().rstrip("/")

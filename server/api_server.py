@@ -3,7 +3,7 @@
 One module per endpoint, as vLLM's entrypoints are laid out: serving_completions.py,
 serving_chat.py, serving_tokenize.py; what they share (the server's state and checks, opening
 engine streams, the one streaming loop) is serving.py. Handlers turn a request into token ids
-(kvscale.server.tokenization, shared with the router) and SamplingParams, hand them to the engine
+(kvscale.tokenization, shared with the router) and SamplingParams, hand them to the engine
 thread, and read each request's delta stream: to the end (JSON response) or chunk by chunk
 (server-sent events ending in ``data: [DONE]``). Every error, from malformed JSON to a dead
 engine, leaves as the OpenAI error body. A watcher on the ASGI receive channel aborts a request
@@ -22,10 +22,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvscale.drain import Drain, DrainMiddleware
 from kvscale.server import protocol as p
 from kvscale.server.admission import resolve_max_tokens
 from kvscale.server.async_engine import AsyncEngine
-from kvscale.server.drain import Drain, DrainMiddleware
 from kvscale.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvscale.server.metrics import HTTPStatusMiddleware, ServerMetrics
 from kvscale.server.serving import (
@@ -72,7 +72,7 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI app; starts the engine thread on startup and stops it on shutdown.
 
-    ``drain`` (kvscale.server.drain) is what a SIGTERM flips: /health and new generate requests
+    ``drain`` (kvscale.drain) is what a SIGTERM flips: /health and new generate requests
     then answer 503 while the open ones finish.
     """
     from kvscale import __version__

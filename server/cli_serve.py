@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from kvscale.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
+from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 # Engine flags whose value goes straight into EngineConfig; unset ones keep EngineConfig's default.
 _ENGINE_FIELDS = (
@@ -90,11 +90,11 @@ class Served:
 def build(args: argparse.Namespace) -> Served:
     """The engine, the KV event publisher and the app, from parsed flags (raises ValueError,
     FileNotFoundError for bad flags or a missing model)."""
+    from kvscale.model_files import load_tokenizer, resolve_model_path
     from kvscale.server.api_server import build_app
     from kvscale.server.async_engine import AsyncEngine
     from kvscale.server.config import EngineConfig
     from kvscale.server.engine import LLMEngine
-    from kvscale.server.model_loader import load_tokenizer, resolve_model_path
 
     fields = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name) is not None}
     if args.served_model_name:
@@ -133,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         print("kvscale serve: --shutdown-timeout must be non-negative", file=sys.stderr)
         return 2
+    from kvscale.drain import serve
     from kvscale.processes import freeze_startup_heap
-    from kvscale.server.drain import serve
 
     try:
         served = build(args)

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from kvscale.model_files import load_tokenizer, resolve_model_path, served_model_name
 from kvscale.server.block_pool import BlockPool
 from kvscale.server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvscale.server.detokenizer import (
@@ -27,14 +28,7 @@ from kvscale.server.detokenizer import (
 from kvscale.server.kv_cache_manager import KVCacheManager, blocks_for
 from kvscale.server.kv_sizing import kv_cache_blocks, pass_decides_pool, profile_shape
 from kvscale.server.memory_profile import device_memory
-from kvscale.server.model_loader import (
-    load_hf_config,
-    load_model,
-    load_tokenizer,
-    resolve_dtype,
-    resolve_model_path,
-    served_model_name,
-)
+from kvscale.server.model_loader import load_hf_config, load_model, resolve_dtype
 from kvscale.server.model_runner import ModelRunner, StepLogits, StepProfile, kv_block_bytes
 from kvscale.server.outputs import (
     CompletionOutput,

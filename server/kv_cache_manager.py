@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvscale.server.block_hash import hash_block_tokens
+from kvscale.block_hash import hash_block_tokens
 from kvscale.server.block_pool import BlockPool
 from kvscale.server.sequence import Sequence
 

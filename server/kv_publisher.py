@@ -1,33 +1,7 @@
 """A replica tells Redis which KV blocks it holds and how loaded it is, without ever waiting on it.
 
-This module is the Redis schema's one definition (docs/router.md describes it; the router reads
-it through kvscale.router.redis_feed):
-
-  kvscale:replicas                    ZSET  live replica ids, scored by the Redis server's clock
-                                            (seconds) at their last heartbeat
-  kvscale:replica:{id}:blocks         SET   decimal block hashes the replica's prefix cache holds
-  kvscale:replica:{id}:seq            STRING event sequence number of the latest change to :blocks
-  kvscale:replica:{id}:heartbeat      STRING JSON load report (the Heartbeat dataclass's fields),
-                                            expires after HEARTBEAT_TTL_S
-  kvscale:kv-events                   PUB/SUB channel, JSON messages:
-      {"replica": id, "seq": n, "events": [["stored", [h, ...]], ["removed", [h, ...]], ["cleared"]]}
-      {"replica": id, "seq": n, "snapshot": true}   (the :blocks set was rewritten; reload it)
-      {"replica": id, "seq": n, "gone": true}       (clean shutdown, or membership expired)
-
-Membership expires by itself: a member whose score is older than MEMBERSHIP_TTL_S is pruned,
-with its :blocks, :seq and :heartbeat keys and a ``gone`` message, by whichever publisher or
-router touches the set next (both run the prune script every heartbeat or poll). The scores and
-the cut-off use the Redis server's clock, so clock skew between machines never expires a live
-replica. As a backstop :blocks and :seq carry the same TTL, renewed by every heartbeat. A
-replica that finds itself re-added (it was pruned while alive, e.g. stalled for MEMBERSHIP_TTL_S)
-resyncs its block set.
-
-Each batch updates :blocks, bumps :seq and publishes in one MULTI/EXEC, so a router that reads
-(:seq, :blocks) atomically and then applies only messages with a higher seq never misses or
-double-applies a change; a gap in seq tells it to reload.
-
-The engine thread calls ``on_step`` after every step. It only appends to a bounded queue; a
-background thread talks to Redis. A full queue drops events (counted) and asks for a resync;
+The schema it writes is kvscale.kv_index_schema. The engine thread calls ``on_step`` after every
+step. It only appends to a bounded queue; a background thread talks to Redis. A full queue drops events (counted) and asks for a resync;
 so does a Redis error. A resync is a full snapshot of the cached hashes, taken on the engine
 thread inside the next ``on_step`` (the only place where the cache may be read safely) and
 written by the background thread; queued events older than the snapshot are discarded.
@@ -35,7 +9,6 @@ written by the background thread; queued events older than the snapshot are disc
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -43,166 +16,30 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvscale.kv_index_schema import (
+    BLOCKS_TTL_S,
+    CLEARED,
+    EVENTS_CHANNEL,
+    HEARTBEAT_INTERVAL_S,
+    REMOVED,
+    REPLICAS_KEY,
+    STORED,
+    Heartbeat,
+    blocks_key,
+    events_message,
+    gone_message,
+    heartbeat_args,
+    heartbeat_key,
+    heartbeat_keys,
+    heartbeat_script,
+    redacted_url,
+    seq_key,
+    snapshot_message,
+)
 from kvscale.server.outputs import AllBlocksCleared, BlockRemoved, BlockStored, EngineStats, KVEvent
+from kvscale.server.step_rates import StepRates
 
 log = logging.getLogger("kvscale.kv_publisher")
-
-def redacted_url(url: str) -> str:
-    """The Redis URL with its password replaced, for logs (the URL comes from a Secret)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-KEY_PREFIX = "kvscale"
-REPLICAS_KEY = f"{KEY_PREFIX}:replicas"
-EVENTS_CHANNEL = f"{KEY_PREFIX}:kv-events"
-HEARTBEAT_INTERVAL_S = 1.0
-HEARTBEAT_TTL_S = 5
-# A replica silent this long (no heartbeat) is no longer a member; its keys go with it.
-MEMBERSHIP_TTL_S = 10
-BLOCKS_TTL_S = MEMBERSHIP_TTL_S
-
-# Shared by the heartbeat and the readers' membership query: drop members whose last heartbeat
-# is older than ARGV[1] seconds by the server's clock, with their keys, and tell the routers.
-# Key names follow blocks_key/seq_key/heartbeat_key below (ARGV[2] is KEY_PREFIX).
-_PRUNE_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local cutoff = now - tonumber(ARGV[1])
-local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. cutoff)
-for _, id in ipairs(dead) do
-  local base = ARGV[2] .. ':replica:' .. id
-  redis.call('DEL', base .. ':blocks', base .. ':seq', base .. ':heartbeat')
-  redis.call('ZREM', KEYS[1], id)
-  redis.call('PUBLISH', ARGV[3], cjson.encode({replica = id, seq = 0, gone = true}))
-end
-"""
-# KEYS: replicas, heartbeat, blocks, seq; ARGV: ttl, prefix, channel, id, payload, heartbeat ttl.
-# Returns 1 when the replica was not a member (first heartbeat, or pruned while alive).
-_HEARTBEAT_LUA = _PRUNE_LUA + """
-local added = redis.call('ZADD', KEYS[1], now, ARGV[4])
-redis.call('SET', KEYS[2], ARGV[5], 'EX', tonumber(ARGV[6]))
-redis.call('EXPIRE', KEYS[3], tonumber(ARGV[1]))
-redis.call('EXPIRE', KEYS[4], tonumber(ARGV[1]))
-return added
-"""
-# KEYS: replicas; ARGV: ttl, prefix, channel. Returns the live members.
-_LIVE_MEMBERS_LUA = _PRUNE_LUA + """
-return redis.call('ZRANGE', KEYS[1], 0, -1)
-"""
-
-
-def live_replicas_script(client):
-    """A callable for ``client`` (sync or asyncio redis): prune expired members, return the live ids.
-
-    Call it as ``script(keys=[REPLICAS_KEY], args=live_replicas_args())``; answers are bytes.
-    """
-    return client.register_script(_LIVE_MEMBERS_LUA)
-
-
-def live_replicas_args() -> list:
-    return [MEMBERSHIP_TTL_S, KEY_PREFIX, EVENTS_CHANNEL]
-
-
-def blocks_key(replica_id: str) -> str:
-    return f"{KEY_PREFIX}:replica:{replica_id}:blocks"
-
-
-def seq_key(replica_id: str) -> str:
-    return f"{KEY_PREFIX}:replica:{replica_id}:seq"
-
-
-def heartbeat_key(replica_id: str) -> str:
-    return f"{KEY_PREFIX}:replica:{replica_id}:heartbeat"
-
-
-@dataclass
-class Heartbeat:
-    """One replica's load report, as written to :heartbeat (JSON) and read by routers."""
-
-    replica_id: str
-    model: str
-    base_url: str
-    block_size: int
-    num_running: int
-    num_waiting: int
-    kv_blocks_active: int
-    kv_blocks_total: int
-    timestamp: float  # the replica's wall clock when the stats below were taken
-    received: float = 0.0  # the reader's monotonic clock (not in the JSON)
-    kv_blocks_cached: int = 0
-    events_dropped: int = 0
-    # What a TTFT prediction needs (kvscale.router.policy.predicted_ttft):
-    prefill_tokens_waiting: int = 0  # prompt tokens queued or mid-prefill, not computed yet
-    num_decoding: int = 0  # sequences past their prefill
-    prefill_tokens_per_s: float = 0.0  # moving average over steps that prefilled (0: not measured)
-    decode_step_s: float = 0.0  # moving average of a decode-only step
-    step_token_budget: int = 0  # most tokens one engine step computes (max_num_batched_tokens)
-
-    @property
-    def load(self) -> int:
-        return self.num_running + self.num_waiting
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_active / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-    def to_json(self) -> str:
-        fields = {k: v for k, v in self.__dict__.items() if k not in ("replica_id", "received")}
-        return json.dumps({"replica": self.replica_id, **fields})
-
-    @classmethod
-    def from_json(cls, replica_id: str, payload: str | bytes, received: float) -> Heartbeat:
-        data = json.loads(payload)
-        ints = ("block_size", "num_running", "num_waiting", "kv_blocks_active", "kv_blocks_total",
-                "kv_blocks_cached", "events_dropped", "prefill_tokens_waiting", "num_decoding", "step_token_budget")
-        floats = ("timestamp", "prefill_tokens_per_s", "decode_step_s")
-        return cls(
-            replica_id=replica_id, model=str(data.get("model", "")), base_url=str(data.get("base_url", "")),
-            received=received,
-            **{k: int(data.get(k, 0)) for k in ints}, **{k: float(data.get(k, 0.0)) for k in floats},
-        )
-
-
-@dataclass
-class StepRates:
-    """Moving averages of this engine's speed, from the counters it reports after each step.
-
-    ``observe`` gets one engine step: its wall time, the prompt tokens it computed and how many
-    sequences were decoding in it. A step with no prompt tokens times a decode step; a step with
-    prompt tokens times prefill, less the decode step it also ran. Rates are ratios of averaged
-    tokens to averaged seconds, so a tiny step does not swing them.
-    """
-
-    alpha: float = 0.2
-    decode_step_s: float = 0.0
-    prefill_tokens: float = 0.0  # averaged prompt tokens per prefilling step
-    prefill_seconds: float = 0.0  # averaged prefill seconds per prefilling step
-
-    def observe(self, step_s: float, prompt_tokens: float, decoding: int) -> None:
-        a = self.alpha
-        if prompt_tokens <= 0:
-            if decoding > 0:
-                self.decode_step_s = step_s if self.decode_step_s == 0 else (1 - a) * self.decode_step_s + a * step_s
-            return
-        prefill_s = step_s - (self.decode_step_s if decoding > 0 else 0.0)
-        prefill_s = max(prefill_s, 0.2 * step_s)  # a noisy decode average never makes prefill free
-        if self.prefill_tokens == 0:
-            self.prefill_tokens, self.prefill_seconds = prompt_tokens, prefill_s
-        else:
-            self.prefill_tokens = (1 - a) * self.prefill_tokens + a * prompt_tokens
-            self.prefill_seconds = (1 - a) * self.prefill_seconds + a * prefill_s
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
 
 
 @dataclass
@@ -224,11 +61,11 @@ def encode_events(events: list[KVEvent]) -> list[list]:
     encoded: list[list] = []
     for event in events:
         if isinstance(event, BlockStored):
-            encoded.append(["stored", [int(h) for h in event.block_hashes]])
+            encoded.append([STORED, [int(h) for h in event.block_hashes]])
         elif isinstance(event, BlockRemoved):
-            encoded.append(["removed", [int(h) for h in event.block_hashes]])
+            encoded.append([REMOVED, [int(h) for h in event.block_hashes]])
         elif isinstance(event, AllBlocksCleared):
-            encoded.append(["cleared"])
+            encoded.append([CLEARED])
     return encoded
 
 
@@ -451,17 +288,17 @@ class KVEventPublisher:
         pipe = client.pipeline(transaction=True)
         key = blocks_key(self.replica_id)
         for event in events:
-            if event[0] == "stored" and event[1]:
+            if event[0] == STORED and event[1]:
                 pipe.sadd(key, *event[1])
-            elif event[0] == "removed" and event[1]:
+            elif event[0] == REMOVED and event[1]:
                 pipe.srem(key, *event[1])
-            elif event[0] == "cleared":
+            elif event[0] == CLEARED:
                 pipe.delete(key)
         pipe.incr(seq_key(self.replica_id))
         results = pipe.execute()
         seq = int(results[-1])
         # Published after EXEC so the message never runs ahead of the set it describes.
-        client.publish(EVENTS_CHANNEL, json.dumps({"replica": self.replica_id, "seq": seq, "events": events}))
+        client.publish(EVENTS_CHANNEL, events_message(self.replica_id, seq, events))
         self.events_published += len(events)
 
     def _write_snapshot(self, client, snapshot: _Snapshot) -> None:
@@ -474,7 +311,7 @@ class KVEventPublisher:
         pipe.incr(seq_key(self.replica_id))
         results = pipe.execute()
         seq = int(results[-1])
-        client.publish(EVENTS_CHANNEL, json.dumps({"replica": self.replica_id, "seq": seq, "snapshot": True}))
+        client.publish(EVENTS_CHANNEL, snapshot_message(self.replica_id, seq))
         self.snapshots_published += 1
 
     def heartbeat(self) -> Heartbeat:
@@ -503,12 +340,10 @@ class KVEventPublisher:
 
     def _heartbeat(self, client) -> None:
         if self._heartbeat_script is None:
-            self._heartbeat_script = client.register_script(_HEARTBEAT_LUA)
+            self._heartbeat_script = heartbeat_script(client)
         rid = self.replica_id
         added = self._heartbeat_script(
-            keys=[REPLICAS_KEY, heartbeat_key(rid), blocks_key(rid), seq_key(rid)],
-            args=[MEMBERSHIP_TTL_S, KEY_PREFIX, EVENTS_CHANNEL, rid, self.heartbeat().to_json(),
-                  HEARTBEAT_TTL_S],
+            keys=heartbeat_keys(rid), args=heartbeat_args(rid, self.heartbeat().to_json()),
         )
         if int(added) and not self._resync_pending.is_set():
             # We were pruned while alive (stalled past the TTL): our block set is gone; rewrite it.
@@ -526,6 +361,6 @@ class KVEventPublisher:
             pipe.zrem(REPLICAS_KEY, self.replica_id)
             pipe.incr(seq_key(self.replica_id))
             seq = int(pipe.execute()[-1])
-            client.publish(EVENTS_CHANNEL, json.dumps({"replica": self.replica_id, "seq": seq, "gone": True}))
+            client.publish(EVENTS_CHANNEL, gone_message(self.replica_id, seq))
         except Exception as exc:  # shutting down anyway
             log.debug("redis goodbye failed: %s", exc)

@@ -11,7 +11,7 @@ from kvscale.server.config import EngineConfig
 from kvscale.server.engine import LLMEngine
 from kvscale.server.outputs import RequestOutput
 from kvscale.server.sampling_params import SamplingParams
-from kvscale.server.tokenization import completion_prompt_token_ids
+from kvscale.tokenization import completion_prompt_token_ids
 
 PromptType = str | dict[str, Any] | list[int]
 ChatMessages = list[dict[str, Any]]

@@ -13,8 +13,6 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
-    Counter,
-    Histogram,
     disable_created_metrics,
     generate_latest,
 )
@@ -22,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvscale import metric_names as names
+from kvscale.metric_registry import register
 from kvscale.server.async_engine import RequestStream
 from kvscale.server.outputs import EngineStats, RequestOutput
 
@@ -85,21 +84,14 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
 
-        def counter(metric: names.Metric) -> Counter:
-            return Counter(metric.name, metric.help, list(metric.labels), registry=reg)
-
-        def histogram(metric: names.Metric, buckets: tuple[float, ...]):
-            return Histogram(metric.name, metric.help, list(metric.labels), buckets=buckets,
-                             registry=reg).labels(model_name)
-
-        self.prompt_tokens = counter(names.PROMPT_TOKENS).labels(model_name)
-        self.generation_tokens = counter(names.GENERATION_TOKENS).labels(model_name)
-        self.request_success = counter(names.REQUEST_SUCCESS)
-        self.http_requests = counter(names.HTTP_REQUESTS)
-        self.ttft = histogram(names.TTFT, TTFT_BUCKETS)
-        self.itl = histogram(names.ITL, ITL_BUCKETS)
-        self.e2e = histogram(names.E2E_LATENCY, REQUEST_BUCKETS)
-        self.queue_time = histogram(names.QUEUE_TIME, REQUEST_BUCKETS)
+        self.prompt_tokens = register(names.PROMPT_TOKENS, reg).labels(model_name)
+        self.generation_tokens = register(names.GENERATION_TOKENS, reg).labels(model_name)
+        self.request_success = register(names.REQUEST_SUCCESS, reg)
+        self.http_requests = register(names.HTTP_REQUESTS, reg)
+        self.ttft = register(names.TTFT, reg, TTFT_BUCKETS).labels(model_name)
+        self.itl = register(names.ITL, reg, ITL_BUCKETS).labels(model_name)
+        self.e2e = register(names.E2E_LATENCY, reg, REQUEST_BUCKETS).labels(model_name)
+        self.queue_time = register(names.QUEUE_TIME, reg, REQUEST_BUCKETS).labels(model_name)
         # Pre-create the usual reasons so rate() works before the first request of each kind.
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)

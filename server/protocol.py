@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvscale.server.tokenization import message_text
+from kvscale.tokenization import message_text
 
 # vLLM's range for seeds: anything a 64-bit generator seed accepts.
 SEED_MIN = -(2**63)
@@ -96,7 +96,7 @@ class TextContentPart(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     """One message; tool calls and ids are accepted and ignored (the template sees role + text:
-    kvscale.server.tokenization.normalize_chat_messages)."""
+    kvscale.tokenization.normalize_chat_messages)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None

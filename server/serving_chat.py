@@ -27,7 +27,7 @@ from kvscale.server.serving import (
     until_disconnect,
     usage,
 )
-from kvscale.server.tokenization import chat_prompt_token_ids
+from kvscale.tokenization import chat_prompt_token_ids
 
 
 def chat_logprobs(

@@ -29,7 +29,7 @@ from kvscale.server.serving import (
     until_disconnect,
     usage,
 )
-from kvscale.server.tokenization import completion_prompt_token_ids
+from kvscale.tokenization import completion_prompt_token_ids
 
 
 def completion_prompts(prompt: str | list) -> list[str | list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvscale.server import protocol as p
 from kvscale.server.serving import OpenAIServer, bad_request
 from kvscale.server.serving_chat import chat_ids
-from kvscale.server.tokenization import completion_prompt_token_ids
+from kvscale.tokenization import completion_prompt_token_ids
 
 
 def tokenize(server: OpenAIServer, body: p.TokenizeRequest) -> p.TokenizeResponse:

@@ -8,7 +8,7 @@ install overrides it with PyPI's ``torch==2.13.0`` / ``torchvision==0.28.0`` thr
 install --override`` (~1 minute, ~6 GB).
 
 The model is the directory kvscale itself converts the bundled GGUF into (safetensors, config,
-tokenizer; ``kvscale.server.model_loader.resolve_model_path``), so both engines read the same
+tokenizer; ``kvscale.model_files.resolve_model_path``), so both engines read the same
 weights.
 
     python -m bench.anchors.vllm_cpu setup            # make (or check) the venv, print its python
@@ -94,7 +94,7 @@ def ensure_venv() -> Path:
 
 def model_dir() -> Path:
     """The safetensors directory kvscale converts the bundled GGUF into (converted if needed)."""
-    from kvscale.server.model_loader import resolve_model_path
+    from kvscale.model_files import resolve_model_path
 
     return resolve_model_path(None)
 

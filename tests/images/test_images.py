@@ -27,9 +27,9 @@ import openai
 import pytest
 from testenv import kwok_toleration
 
+from kvscale.model_files import load_tokenizer, resolve_model_path
 from kvscale.processes import free_port, wait_until
-from kvscale.server.model_loader import load_tokenizer, resolve_model_path
-from kvscale.server.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
+from kvscale.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,7 @@ def test_control_plane_image_runs_the_operator_and_router_without_torch(images):
 _IN_IMAGE_PROBE = f"""
 import importlib.util, json, sys
 from kvscale.router.app import Router, RouterConfig
-from kvscale.server.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
+from kvscale.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
 router = Router(RouterConfig(replicas=["http://127.0.0.1:9"]))
 router._load_tokenizers()
 tokenizer = router.tokenizers["smollm2-135m-instruct"]

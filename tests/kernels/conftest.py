@@ -5,6 +5,12 @@ collected and skipped), so a CPU-only run never reports a GPU check as if it had
 The CPU run covers the same comparisons through Triton's interpreter.
 """
 
+import sys
+from pathlib import Path
+
 import torch
+
+# kernel_checks.py (the comparisons, shared with bench/gpu_kernels.py) is imported by module name.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 collect_ignore = [] if torch.cuda.is_available() else ["test_kernels_gpu.py"]

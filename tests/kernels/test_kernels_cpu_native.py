@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_checks import TOLERANCE, dense_attention, make_case, max_error, random_case
 
 import kvscale.kernels as kernels
 from kvscale.kernels import cpu_native, reference
-from kvscale.kernels.checks import TOLERANCE, dense_attention, make_case, max_error, random_case
 
 
 @pytest.fixture(autouse=True)

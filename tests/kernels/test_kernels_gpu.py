@@ -10,9 +10,9 @@ import json
 
 import pytest
 import torch
+from kernel_checks import KERNELS, run_checks
 from triton.runtime.interpreter import InterpretedFunction
 
-from kvscale.kernels.checks import KERNELS, run_checks
 from kvscale.kernels.decode_attention import _decode_kernel
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

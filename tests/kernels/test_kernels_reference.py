@@ -6,10 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-import kvscale.kernels as kernels
-from kvscale.kernels import reference
-from kvscale.kernels.checks import (
+from kernel_checks import (
     TOLERANCE,
     check_attention,
     dense_attention,
@@ -17,6 +14,9 @@ from kvscale.kernels.checks import (
     max_error,
     random_case,
 )
+
+import kvscale.kernels as kernels
+from kvscale.kernels import reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

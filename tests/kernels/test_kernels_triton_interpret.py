@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +24,7 @@ CASES = 4
 @pytest.fixture(scope="module")
 def interpreted_results() -> list[dict]:
     env = dict(os.environ, TRITON_INTERPRET="1", KVSCALE_FORCE_TRITON="1", CUDA_VISIBLE_DEVICES="")
-    command = [sys.executable, "-m", "kvscale.kernels.checks", "--device", "cpu",
+    command = [sys.executable, str(Path(__file__).with_name("kernel_checks.py")), "--device", "cpu",
                "--cases", str(CASES), "--seed", "1234"]
     for kernel in KERNELS:
         command += ["--kernel", kernel]

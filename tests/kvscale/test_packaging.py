@@ -20,6 +20,11 @@ ENGINE_ONLY = {"torch", "triton", "accelerate", "safetensors"}
 
 _NO_TORCH_PROBE = """
 import contextlib, io, json, sys
+
+# torch and the engine's libraries made unimportable, as in the image: `import torch` raises
+# ImportError and importlib.util.find_spec says it is absent.
+for engine_only in ("torch", "triton", "accelerate", "safetensors"):
+    sys.modules[engine_only] = None
 import kvscale
 from kvscale.cli import main
 for command in ("router", "operator"):
@@ -27,7 +32,7 @@ for command in ("router", "operator"):
         main([command, "--help"])
 import kvscale.operator.handlers, kvscale.router.app
 from kvscale.router.app import Router, RouterConfig
-from kvscale.server.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
+from kvscale.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
 router = Router(RouterConfig(replicas=["http://127.0.0.1:9"]))
 router._load_tokenizers()  # what the router does before serving
 tokenizer = router.tokenizers["smollm2-135m-instruct"]
@@ -35,7 +40,8 @@ ids = {
     "completion": completion_prompt_token_ids(tokenizer, "The capital of France is"),
     "chat": chat_prompt_token_ids(tokenizer, [{"role": "user", "content": "Hi there"}]),
 }
-heavy = sorted(m for m in ("torch", "triton", "accelerate") if m in sys.modules)
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "triton", "accelerate")
+               and sys.modules[m] is not None)
 print(json.dumps({"heavy": heavy, "ids": ids}))
 """
 
@@ -81,7 +87,7 @@ def test_every_pin_is_the_same_in_every_group():
 @pytest.mark.parametrize("cache", ["converted", "tokenizer-only"])
 def test_cli_and_router_tokenizer_never_import_torch(cache, tmp_path, bundled_cache_dirs):
     """`kvscale router/operator --help`, their modules and the bundled tokenizer, in a fresh
-    interpreter: no torch in sys.modules, with the converted model in the cache or the tokenizer
+    interpreter where torch and the engine's libraries cannot be imported, with the converted model in the cache or the tokenizer
     alone (what the control-plane image ships)."""
     env = {"KVSCALE_CACHE": str(bundled_cache_dirs[cache]), "PATH": "/usr/bin:/bin",
            "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)}
@@ -99,14 +105,14 @@ def bundled_cache_dirs(tmp_path_factory) -> dict:
     GGUF; plus the ids the engine's own tokenizer (transformers' AutoTokenizer) gives."""
     from transformers import AutoTokenizer
 
-    from kvscale.server import model_loader
-    from kvscale.server.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
+    from kvscale import model_files
+    from kvscale.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
 
-    converted = model_loader.resolve_model_path(None)  # the session's usual cache
+    converted = model_files.resolve_model_path(None)  # the session's usual cache
     tokenizer_only = tmp_path_factory.mktemp("tokenizer-cache")
     out = subprocess.run(
         [sys.executable, "-c",
-         "from kvscale.server.model_loader import resolve_tokenizer_path as r; print(r(None))"],
+         "from kvscale.model_files import resolve_tokenizer_path as r; print(r(None))"],
         capture_output=True, text=True, timeout=300,
         env={"KVSCALE_CACHE": str(tokenizer_only), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
              "HOME": str(tokenizer_only)},

@@ -339,7 +339,7 @@ def redis_client(platform: Platform, name: str):
 
 
 def test_redis_killed_and_restarted_under_load_fails_nothing(platform: Platform) -> None:
-    from kvscale.server.kv_publisher import REPLICAS_KEY, blocks_key
+    from kvscale.kv_index_schema import REPLICAS_KEY, blocks_key
 
     redis_pod = platform.ready_pods("serving.kvscale.io/redis=chat")[0]["metadata"]["name"]
     servers = {p["metadata"]["name"] for p in platform.server_pods("chat")}

@@ -1,6 +1,6 @@
 """The router's chat token cache gives exactly the one-shot tokenization's ids and block hashes.
 
-Reference: ``kvscale.server.tokenization.chat_prompt_token_ids`` (what the server runs) and
+Reference: ``kvscale.tokenization.chat_prompt_token_ids`` (what the server runs) and
 ``hash_prompt_blocks``, with the bundled model's own tokenizer and chat template. Conversations
 grow turn by turn through one cache, so later turns are served from cached prefixes.
 """
@@ -13,10 +13,10 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from kvscale.block_hash import hash_prompt_blocks
 from kvscale.router.app import Router, RouterConfig
 from kvscale.router.chat_tokens import ChatTokenCache, special_token_pattern
-from kvscale.server.block_hash import hash_prompt_blocks
-from kvscale.server.tokenization import chat_prompt_token_ids
+from kvscale.tokenization import chat_prompt_token_ids
 
 PIECES = ["Hello", " world", "!", "\n", "\n\n", "  ", "\t", "Ünïcödé", " 漢字", "🙂", "42", " 3.14", "don't",
           " <|im_end|> ", "<|im_start|>", "assistant", "<|endoftext|>", " ", ".", "?", "—", "<", "|", ">",

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvscale.block_hash import hash_prompt_blocks
 from kvscale.router.app import Router, RouterConfig
 from kvscale.server import protocol as p
 from kvscale.server.api_server import OpenAIServer
-from kvscale.server.block_hash import hash_prompt_blocks
 
 BLOCK_SIZE = 4  # small blocks: every shape below spans several
 LONG = "Summarise the plot of a novel about a lighthouse keeper who counts ships at night."

@@ -18,11 +18,11 @@ import openai
 import pytest
 import redis
 
+from kvscale.block_hash import hash_prompt_blocks
+from kvscale.kv_index_schema import blocks_key
+from kvscale.model_files import load_tokenizer, resolve_model_path
 from kvscale.processes import wait_until
-from kvscale.server.block_hash import hash_prompt_blocks
-from kvscale.server.kv_publisher import blocks_key
-from kvscale.server.model_loader import load_tokenizer, resolve_model_path
-from kvscale.server.tokenization import completion_prompt_token_ids
+from kvscale.tokenization import completion_prompt_token_ids
 
 pytestmark = pytest.mark.slow
 

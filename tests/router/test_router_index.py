@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from kvscale.block_hash import hash_prompt_blocks
 from kvscale.router.index import PrefixIndex
-from kvscale.server.block_hash import hash_prompt_blocks
 
 
 def test_match_counts_leading_blocks_only():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvscale.kv_index_schema import Heartbeat
 from kvscale.router.load import (
     PrefillLedger,
     Sent,
@@ -11,7 +12,7 @@ from kvscale.router.load import (
     queued_prefill_tokens,
     ttft_inputs,
 )
-from kvscale.server.kv_publisher import Heartbeat, StepRates
+from kvscale.server.step_rates import StepRates
 
 
 def test_sends_after_the_heartbeat_are_added_to_its_queue():

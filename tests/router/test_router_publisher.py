@@ -16,18 +16,18 @@ import time
 
 import redis
 
-from kvscale.processes import wait_until
-from kvscale.router.index import PrefixIndex
-from kvscale.router.redis_feed import RedisFeed
-from kvscale.server.block_hash import hash_prompt_blocks
-from kvscale.server.kv_publisher import (
+from kvscale.block_hash import hash_prompt_blocks
+from kvscale.kv_index_schema import (
     MEMBERSHIP_TTL_S,
     REPLICAS_KEY,
-    KVEventPublisher,
     blocks_key,
     heartbeat_key,
     seq_key,
 )
+from kvscale.processes import wait_until
+from kvscale.router.index import PrefixIndex
+from kvscale.router.redis_feed import RedisFeed
+from kvscale.server.kv_publisher import KVEventPublisher
 from kvscale.server.outputs import AllBlocksCleared, BlockRemoved, BlockStored, EngineStats
 
 
@@ -347,7 +347,7 @@ def test_heartbeat_carries_queued_prefill_decodes_and_measured_rates(redis_serve
 
 
 def test_logged_redis_urls_hide_the_password():
-    from kvscale.server.kv_publisher import redacted_url
+    from kvscale.kv_index_schema import redacted_url
 
     assert redacted_url("redis://:s3cret@chat-redis.team.svc:6379/0") == "redis://:***@chat-redis.team.svc:6379/0"
     assert redacted_url("rediss://user:pw@host/1") == "rediss://user:***@host/1"

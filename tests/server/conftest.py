@@ -34,14 +34,14 @@ GREEDY_NEW_TOKENS = 16
 
 @pytest.fixture(scope="session")
 def bundled_model_path():
-    from kvscale.server.model_loader import resolve_model_path
+    from kvscale.model_files import resolve_model_path
 
     return resolve_model_path(None)
 
 
 @pytest.fixture(scope="session")
 def bundled_tokenizer(bundled_model_path):
-    from kvscale.server.model_loader import load_tokenizer
+    from kvscale.model_files import load_tokenizer
 
     return load_tokenizer(bundled_model_path)
 

@@ -88,11 +88,11 @@ def test_dead_engine_loop_makes_health_503() -> None:
     requests get an OpenAI error body instead of hanging."""
     import uvicorn
 
+    from kvscale.model_files import load_tokenizer
     from kvscale.server.api_server import build_app
     from kvscale.server.async_engine import AsyncEngine
     from kvscale.server.config import EngineConfig
     from kvscale.server.engine import LLMEngine
-    from kvscale.server.model_loader import load_tokenizer
 
     engine = LLMEngine(EngineConfig(max_model_len=64, num_gpu_blocks_override=8, device="cpu"))
     async_engine = AsyncEngine(engine)

@@ -7,6 +7,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
+from kvscale.model_files import load_tokenizer, resolve_model_path
 from kvscale.server import protocol as p
 from kvscale.server.api_server import (
     chat_logprobs,
@@ -15,9 +16,8 @@ from kvscale.server.api_server import (
     resolve_max_tokens,
     sampling_params_from,
 )
-from kvscale.server.model_loader import load_tokenizer, resolve_model_path
 from kvscale.server.outputs import Logprob
-from kvscale.server.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
+from kvscale.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +197,7 @@ def test_shutdown_timeout_flags_fit_the_pod_grace_period() -> None:
     """The operator gives pods 60 s; both processes drain for 45 s by default (room for a preStop
     sleep and the shutdown itself), and the flag is what uvicorn's graceful timeout follows."""
     from kvscale.cli import build_parser
-    from kvscale.server.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
+    from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 
     assert DEFAULT_SHUTDOWN_TIMEOUT_S == 45
     assert build_parser("serve").parse_args(["serve"]).shutdown_timeout == DEFAULT_SHUTDOWN_TIMEOUT_S

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from kvscale.server.block_hash import hash_block_tokens, hash_prompt_blocks
+from kvscale.block_hash import hash_block_tokens, hash_prompt_blocks
 
 
 def test_only_full_blocks_are_hashed():
@@ -45,7 +45,7 @@ def test_cache_salt_separates_caches():
 
 def test_hash_is_stable_across_processes():
     """A content hash, not Python's randomized hash(): another process agrees."""
-    code = "from kvscale.server.block_hash import hash_prompt_blocks as h; print(h(list(range(48)), 16, 's'))"
+    code = "from kvscale.block_hash import hash_prompt_blocks as h; print(h(list(range(48)), 16, 's'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123"})
     assert out.stdout.strip() == str(hash_prompt_blocks(list(range(48)), 16, "s"))

@@ -2,7 +2,7 @@
 
 Shared by the tests (CPU: reference vs dense attention, Triton interpreter vs reference) and by
 ``bench/gpu_kernels.py --check`` (compiled Triton vs reference on a GPU), so both check the
-same things. ``python -m kvscale.kernels.checks`` runs the Triton-vs-reference comparisons on
+same things. ``python tests/kernels/kernel_checks.py`` runs the Triton-vs-reference comparisons on
 the device it is given and prints one JSON line per case; it exits non-zero if any case fails.
 
 A case scatters dense per-sequence K/V into a shuffled paged cache whose other slots hold

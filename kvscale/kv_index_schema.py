@@ -1,0 +1,195 @@
+"""The KV index's Redis schema: what replicas write and routers read, defined once.
+
+Replicas write it (kvscale.server.kv_publisher), routers read it (kvscale.router.redis_feed);
+docs/router.md describes it:
+
+  kvscale:replicas                    ZSET  live replica ids, scored by the Redis server's clock
+                                            (seconds) at their last heartbeat
+  kvscale:replica:{id}:blocks         SET   decimal block hashes the replica's prefix cache holds
+  kvscale:replica:{id}:seq            STRING event sequence number of the latest change to :blocks
+  kvscale:replica:{id}:heartbeat      STRING JSON load report (the Heartbeat dataclass's fields),
+                                            expires after HEARTBEAT_TTL_S
+  kvscale:kv-events                   PUB/SUB channel, JSON messages:
+      {"replica": id, "seq": n, "events": [["stored", [h, ...]], ["removed", [h, ...]], ["cleared"]]}
+      {"replica": id, "seq": n, "snapshot": true}   (the :blocks set was rewritten; reload it)
+      {"replica": id, "seq": n, "gone": true}       (clean shutdown, or membership expired)
+
+Membership expires by itself: a member whose score is older than MEMBERSHIP_TTL_S is pruned,
+with its :blocks, :seq and :heartbeat keys and a ``gone`` message, by whichever publisher or
+router touches the set next (both run the prune script every heartbeat or poll). The scores and
+the cut-off use the Redis server's clock, so clock skew between machines never expires a live
+replica. As a backstop :blocks and :seq carry the same TTL, renewed by every heartbeat. A
+replica that finds itself re-added (it was pruned while alive, e.g. stalled for MEMBERSHIP_TTL_S)
+resyncs its block set.
+
+Each batch updates :blocks, bumps :seq and publishes in one MULTI/EXEC, so a router that reads
+(:seq, :blocks) atomically and then applies only messages with a higher seq never misses or
+double-applies a change; a gap in seq tells it to reload.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+def redacted_url(url: str) -> str:
+    """The Redis URL with its password replaced, for logs (the URL comes from a Secret)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+KEY_PREFIX = "kvscale"
+REPLICAS_KEY = f"{KEY_PREFIX}:replicas"
+EVENTS_CHANNEL = f"{KEY_PREFIX}:kv-events"
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TTL_S = 5
+# A replica silent this long (no heartbeat) is no longer a member; its keys go with it.
+MEMBERSHIP_TTL_S = 10
+BLOCKS_TTL_S = MEMBERSHIP_TTL_S
+
+# Shared by the heartbeat and the readers' membership query: drop members whose last heartbeat
+# is older than ARGV[1] seconds by the server's clock, with their keys, and tell the routers.
+# Key names follow blocks_key/seq_key/heartbeat_key below (ARGV[2] is KEY_PREFIX).
+_PRUNE_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local cutoff = now - tonumber(ARGV[1])
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. cutoff)
+for _, id in ipairs(dead) do
+  local base = ARGV[2] .. ':replica:' .. id
+  redis.call('DEL', base .. ':blocks', base .. ':seq', base .. ':heartbeat')
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('PUBLISH', ARGV[3], cjson.encode({replica = id, seq = 0, gone = true}))
+end
+"""
+# KEYS: replicas, heartbeat, blocks, seq; ARGV: ttl, prefix, channel, id, payload, heartbeat ttl.
+# Returns 1 when the replica was not a member (first heartbeat, or pruned while alive).
+_HEARTBEAT_LUA = _PRUNE_LUA + """
+local added = redis.call('ZADD', KEYS[1], now, ARGV[4])
+redis.call('SET', KEYS[2], ARGV[5], 'EX', tonumber(ARGV[6]))
+redis.call('EXPIRE', KEYS[3], tonumber(ARGV[1]))
+redis.call('EXPIRE', KEYS[4], tonumber(ARGV[1]))
+return added
+"""
+# KEYS: replicas; ARGV: ttl, prefix, channel. Returns the live members.
+_LIVE_MEMBERS_LUA = _PRUNE_LUA + """
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+
+
+def live_replicas_script(client: Any) -> Any:
+    """A callable for ``client`` (sync or asyncio redis): prune expired members, return the live ids.
+
+    Call it as ``script(keys=[REPLICAS_KEY], args=live_replicas_args())``; answers are bytes.
+    """
+    return client.register_script(_LIVE_MEMBERS_LUA)
+
+
+def live_replicas_args() -> list:
+    return [MEMBERSHIP_TTL_S, KEY_PREFIX, EVENTS_CHANNEL]
+
+
+def blocks_key(replica_id: str) -> str:
+    return f"{KEY_PREFIX}:replica:{replica_id}:blocks"
+
+
+def seq_key(replica_id: str) -> str:
+    return f"{KEY_PREFIX}:replica:{replica_id}:seq"
+
+
+def heartbeat_key(replica_id: str) -> str:
+    return f"{KEY_PREFIX}:replica:{replica_id}:heartbeat"
+
+
+@dataclass
+class Heartbeat:
+    """One replica's load report, as written to :heartbeat (JSON) and read by routers."""
+
+    replica_id: str
+    model: str
+    base_url: str
+    block_size: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_active: int
+    kv_blocks_total: int
+    timestamp: float  # the replica's wall clock when the stats below were taken
+    received: float = 0.0  # the reader's monotonic clock (not in the JSON)
+    kv_blocks_cached: int = 0
+    events_dropped: int = 0
+    # What a TTFT prediction needs (kvscale.router.policy.predicted_ttft):
+    prefill_tokens_waiting: int = 0  # prompt tokens queued or mid-prefill, not computed yet
+    num_decoding: int = 0  # sequences past their prefill
+    prefill_tokens_per_s: float = 0.0  # moving average over steps that prefilled (0: not measured)
+    decode_step_s: float = 0.0  # moving average of a decode-only step
+    step_token_budget: int = 0  # most tokens one engine step computes (max_num_batched_tokens)
+
+    @property
+    def load(self) -> int:
+        return self.num_running + self.num_waiting
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_active / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def to_json(self) -> str:
+        fields = {k: v for k, v in self.__dict__.items() if k not in ("replica_id", "received")}
+        return json.dumps({"replica": self.replica_id, **fields})
+
+    @classmethod
+    def from_json(cls, replica_id: str, payload: str | bytes, received: float) -> Heartbeat:
+        data = json.loads(payload)
+        ints = ("block_size", "num_running", "num_waiting", "kv_blocks_active", "kv_blocks_total",
+                "kv_blocks_cached", "events_dropped", "prefill_tokens_waiting", "num_decoding", "step_token_budget")
+        floats = ("timestamp", "prefill_tokens_per_s", "decode_step_s")
+        return cls(
+            replica_id=replica_id, model=str(data.get("model", "")), base_url=str(data.get("base_url", "")),
+            received=received,
+            **{k: int(data.get(k, 0)) for k in ints}, **{k: float(data.get(k, 0.0)) for k in floats},
+        )
+
+
+def heartbeat_script(client: Any) -> Any:
+    """A callable for ``client`` that writes one heartbeat and prunes expired members.
+
+    Call it as ``script(keys=heartbeat_keys(id), args=heartbeat_args(id, payload))``; it returns 1
+    when the replica was not a member (its first heartbeat, or it was pruned while alive).
+    """
+    return client.register_script(_HEARTBEAT_LUA)
+
+
+def heartbeat_keys(replica_id: str) -> list[str]:
+    return [REPLICAS_KEY, heartbeat_key(replica_id), blocks_key(replica_id), seq_key(replica_id)]
+
+
+def heartbeat_args(replica_id: str, payload: str) -> list:
+    return [MEMBERSHIP_TTL_S, KEY_PREFIX, EVENTS_CHANNEL, replica_id, payload, HEARTBEAT_TTL_S]
+
+
+# One KV event on the wire: ["stored", [hash, ...]], ["removed", [hash, ...]] or ["cleared"].
+STORED = "stored"
+REMOVED = "removed"
+CLEARED = "cleared"
+
+
+def events_message(replica_id: str, seq: int, events: list[list]) -> str:
+    return json.dumps({"replica": replica_id, "seq": seq, "events": events})
+
+
+def snapshot_message(replica_id: str, seq: int) -> str:
+    """The replica's :blocks set was rewritten whole; readers reload it."""
+    return json.dumps({"replica": replica_id, "seq": seq, "snapshot": True})
+
+
+def gone_message(replica_id: str, seq: int) -> str:
+    """The replica left (clean shutdown); readers drop it now instead of at the TTL."""
+    return json.dumps({"replica": replica_id, "seq": seq, "gone": True})

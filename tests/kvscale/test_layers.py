@@ -1,0 +1,51 @@
+"""The layers import-linter enforces (pyproject.toml) cover every shipped module.
+
+`make test` runs `lint-imports`; these tests keep its contracts from passing by not looking: a
+module grimp cannot see (a namespace package not named as a root) or a shared module missing from
+the shared layer's contract would escape them.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import grimp
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PARTS = ("server", "router", "operator", "kernels")
+ENTRY_POINTS = {"__init__", "__main__", "cli"}
+
+
+def _linter_config() -> dict:
+    return tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+
+
+def _shipped_modules() -> set[str]:
+    modules = set()
+    for path in (REPO_ROOT / "kvscale").glob("*.py"):
+        modules.add("kvscale" if path.stem == "__init__" else f"kvscale.{path.stem}")
+    for part in PARTS:
+        for path in (REPO_ROOT / part).rglob("*.py"):
+            dotted = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+            modules.add(f"kvscale.{dotted}".removesuffix(".__init__"))
+    return modules
+
+
+def test_the_parts_are_linked_into_the_package():
+    for part in PARTS:
+        link = REPO_ROOT / "kvscale" / part
+        assert link.is_symlink() and link.resolve() == (REPO_ROOT / part).resolve(), part
+    # A regular package named `operator` at the checkout's root would shadow the standard library.
+    assert not (REPO_ROOT / "operator" / "__init__.py").exists()
+
+
+def test_the_import_graph_holds_every_shipped_module():
+    graph = grimp.build_graph(*_linter_config()["root_packages"])
+    assert _shipped_modules() - graph.modules == set()
+
+
+def test_the_shared_layer_contract_lists_every_shared_module():
+    shared = next(c for c in _linter_config()["contracts"] if c["name"] == "The shared layer imports no part")
+    on_disk = {f"kvscale.{p.stem}" for p in (REPO_ROOT / "kvscale").glob("*.py") if p.stem not in ENTRY_POINTS}
+    assert set(shared["source_modules"]) == on_disk
