@@ -151,10 +151,11 @@ class Heartbeat:
         ints = ("block_size", "num_running", "num_waiting", "kv_blocks_active", "kv_blocks_total",
                 "kv_blocks_cached", "events_dropped", "prefill_tokens_waiting", "num_decoding", "step_token_budget")
         floats = ("timestamp", "prefill_tokens_per_s", "decode_step_s")
+        numbers: dict[str, Any] = {k: int(data.get(k, 0)) for k in ints}
+        numbers.update({k: float(data.get(k, 0.0)) for k in floats})
         return cls(
             replica_id=replica_id, model=str(data.get("model", "")), base_url=str(data.get("base_url", "")),
-            received=received,
-            **{k: int(data.get(k, 0)) for k in ints}, **{k: float(data.get(k, 0.0)) for k in floats},
+            received=received, **numbers,
         )
 
 
