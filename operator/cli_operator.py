@@ -1,4 +1,5 @@
-"""`kvscale operator`: run the InferenceService operator (kopf) against a cluster."""
+"""`kvscale operator`: run the InferenceService operator (kopf) against a cluster;
+`kvscale operator render-router`: print the namespace-wide router (render_router.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import socket
 import threading
 import uuid
 
+from kvscale.operator import render_router
 from kvscale.operator.spec import DEFAULT_REDIS_IMAGE, DEFAULT_ROUTER_IMAGE
 
 
@@ -63,16 +65,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve the operator's Prometheus metrics at :PORT/metrics (0: off)")
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    about = "print the namespace-wide router's objects (the chart's template with --helm)"
+    render = actions.add_parser("render-router", help=about, description=about)
+    render_router.add_arguments(render)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "render-router":
+        return render_router.run(args)
     import kopf
 
-    from kvscale.operator import handlers
-    from kvscale.operator.builders import Images
+    from kvscale.operator import registration
+    from kvscale.operator.children.owned import Images
+    from kvscale.operator.config import OperatorConfig
     from kvscale.operator.kube import Kube, load_connection
     from kvscale.operator.leader import LeaderElector
     from kvscale.operator.metrics import OperatorMetrics
+    from kvscale.operator.runtime import Runtime
     from kvscale.operator.spec import GROUP
 
     kopf.configure(verbose=args.verbose)
@@ -84,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("kvscale.operator")
     connection = load_connection(args.kubeconfig, args.context)
     kube = Kube(connection)
-    config = handlers.OperatorConfig(
+    config = OperatorConfig(
         resync_interval=args.resync_interval,
         scrape_interval=args.scrape_interval,
         scrape_timeout=args.scrape_timeout,
@@ -96,11 +106,11 @@ def run(args: argparse.Namespace) -> int:
         log.warning("honouring pod annotation serving.kvscale.io/metrics-url for scrape addresses")
 
     registry = kopf.OperatorRegistry()
-    handlers.register(registry, config)
+    registration.register(registry)
 
     @kopf.on.login(registry=registry)
     def login(**_: object) -> kopf.ConnectionInfo:
-        scheme, _, token = (connection.token or "").partition(" ")
+        scheme, _space, token = (connection.token or "").partition(" ")
         return kopf.ConnectionInfo(
             server=connection.server, ca_path=connection.ca_path, insecure=connection.insecure,
             certificate_path=connection.cert_path, private_key_path=connection.key_path,
@@ -140,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     stop_holding = threading.Event()
     lost = threading.Event()
     memo = kopf.Memo()
-    memo.runtime = handlers.Runtime(kube=kube, config=config, metrics=operator_metrics)
+    memo.runtime = Runtime(kube=kube, config=config, metrics=operator_metrics)
 
     async def operate() -> None:
         # An asyncio stop flag: kopf waits for a threading one in an executor thread, which

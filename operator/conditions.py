@@ -43,14 +43,15 @@ def merge_conditions(
     merged = {c["type"]: dict(c) for c in existing or [] if "type" in c}
     for update in updates:
         previous = merged.get(update.type)
-        changed = previous is None or previous.get("status") != update.status_text
+        unchanged = previous is not None and previous.get("status") == update.status_text
+        since = previous.get("lastTransitionTime", stamp) if previous and unchanged else stamp
         merged[update.type] = {
             "type": update.type,
             "status": update.status_text,
             "reason": update.reason,
             "message": update.message,
             "observedGeneration": generation if generation is not None else 0,
-            "lastTransitionTime": stamp if changed else previous.get("lastTransitionTime", stamp),
+            "lastTransitionTime": since,
         }
     order = [READY, PROGRESSING, SCALING_ACTIVE]
     return sorted(merged.values(),

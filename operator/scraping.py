@@ -17,7 +17,6 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscale import metric_names as names
-from kvscale.operator.builders import METRICS_URL_ANNOTATION
 from kvscale.operator.scaling import PodLoad
 from kvscale.operator.spec import SERVER_PORT
 
@@ -25,6 +24,7 @@ KV_BLOCKS_ACTIVE = names.KV_BLOCKS_ACTIVE.series
 KV_BLOCKS_TOTAL = names.KV_BLOCKS_TOTAL.series
 NUM_REQUESTS_WAITING = names.NUM_REQUESTS_WAITING.series
 WANTED = (KV_BLOCKS_ACTIVE, KV_BLOCKS_TOTAL, NUM_REQUESTS_WAITING)
+METRICS_URL_ANNOTATION = "serving.kvscale.io/metrics-url"
 
 
 def is_ready(pod: dict[str, Any]) -> bool:

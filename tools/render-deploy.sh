@@ -2,12 +2,15 @@
 # deploy/*.yaml, the kubectl-only install, rendered from the chart (one source of truth):
 #   deploy/rbac.yaml      the kvscale-system namespace, the operator's ServiceAccount and RBAC
 #   deploy/operator.yaml  the operator Deployment and its PodDisruptionBudget
-# and charts/kvscale/files/crds/ refreshed from crds/ (the CRD's source). `make deploy-render`
-# runs it; tests/charts/test_chart_render.py fails when the committed files are stale.
+# charts/kvscale/files/crds/ refreshed from crds/ (the CRD's source), and the chart's
+# templates/namespace-router.yaml written by `kvscale operator render-router --helm` from the
+# builders the operator makes each InferenceService's router with. `make deploy-render` runs it;
+# tests/charts/test_chart_render.py fails when the committed files are stale.
 # With --check, writes nothing and exits 1 when a file would change.
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 helm="${HELM:-$(bash "$repo_root/tools/k8s-bins.sh" | tail -1)/helm}"
+python="${PYTHON:-$repo_root/.venv/bin/python}"
 chart="$repo_root/charts/kvscale"
 check=false
 [[ "${1:-}" == --check ]] && check=true
@@ -38,6 +41,9 @@ emit() {  # target, then the content on stdin
 for crd in "$repo_root"/crds/*.yaml; do
     emit "$chart/files/crds/$(basename "$crd")" < "$crd"
 done
+# The chart's namespace-wide router (a variable first, so that a failing render stops the script).
+router_template="$("$python" -m kvscale operator render-router --helm)"
+emit "$chart/templates/namespace-router.yaml" <<< "$router_template"
 # Not `render | emit`: emit must run in this shell to record a stale file.
 emit "$repo_root/deploy/rbac.yaml" < <(render namespace.yaml serviceaccount.yaml rbac.yaml)
 emit "$repo_root/deploy/operator.yaml" < <(render operator.yaml)

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 import yaml
 from chart_helpers import ALL_ON, CHART, REPO_ROOT
 
-from kvscale.operator.builders import child_labels
-from kvscale.operator.redis_children import redis_labels
-from kvscale.operator.router_children import router_labels
-from kvscale.operator.spec import REDIS_PORT, SERVER_PORT
+from kvscale.operator.children.labels import child_labels, redis_labels, router_labels
+from kvscale.operator.children.namespace_router import NamespaceRouterValues
+from kvscale.operator.render_router import render_plain
+from kvscale.operator.spec import REDIS_PORT, SERVER_PORT, RedisSource, SecretKeyRef
 from kvscale.router.policy import DEFAULT_POLICY, POLICIES
 
 # Kubernetes' own structures inside values: their parts are optional.
@@ -36,10 +37,12 @@ def test_helm_lint(helm):
 
 
 def test_deploy_files_are_rendered_from_the_chart(helm):
-    """deploy/*.yaml and the chart's copy of crds/ are exactly what `make deploy-render` writes."""
+    """deploy/*.yaml, the chart's copy of crds/ and its namespace-router template (from the
+    operator's router builders) are exactly what `make deploy-render` writes."""
     result = subprocess.run(["bash", str(REPO_ROOT / "tools" / "render-deploy.sh"), "--check"],
-                            capture_output=True, text=True, env={"HELM": str(helm.binary),
-                                                                 "PATH": "/usr/bin:/bin"})
+                            capture_output=True, text=True,
+                            env={"HELM": str(helm.binary), "PYTHON": sys.executable,
+                                 "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr
     rbac = list(yaml.safe_load_all((REPO_ROOT / "deploy" / "rbac.yaml").read_text()))
     kinds = [d["kind"] for d in rbac if d]
@@ -131,8 +134,9 @@ def test_namespace_router_runs_namespace_wide_with_least_privilege(helm):
     docs = helm.template(*ALL_ON)
     deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvscale-router")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert container["args"][:2] == ["router", "--k8s-namespace-wide"]
-    assert "--namespace=kvscale-system" in container["args"]
+    args = container["args"]
+    assert args[0] == "router" and "--k8s-namespace-wide" in args
+    assert args[args.index("--namespace") + 1] == "kvscale-system"
     assert {"name": "KVSCALE_REDIS_URL", "value": "redis://kv-index.default.svc:6379/0"} in container["env"]
     role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kvscale-router")
     for rule in role["rules"]:
@@ -210,3 +214,43 @@ def test_values_yaml_and_schema_describe_the_same_keys():
     for index, line in enumerate(lines):
         if line and not line.startswith((" ", "#")):
             assert lines[index - 1].startswith("#"), f"values.yaml: {line!r} has no comment above"
+
+
+HELM_ONLY_LABELS = ("app.kubernetes.io/version", "app.kubernetes.io/part-of",
+                    "app.kubernetes.io/managed-by", "helm.sh/chart")
+
+
+def _without_chart_extras(obj: dict) -> dict:
+    """The labels Helm adds to every object of the chart, and the image pull policy, dropped."""
+    obj = json.loads(json.dumps(obj))
+    for meta in (obj["metadata"], obj.get("spec", {}).get("template", {}).get("metadata", {})):
+        for label in HELM_ONLY_LABELS:
+            meta.get("labels", {}).pop(label, None)
+    for container in obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+        container.pop("imagePullPolicy", None)
+    return obj
+
+
+@pytest.mark.parametrize("redis", ["none", "url", "secret"])
+def test_the_charts_namespace_router_is_what_render_router_prints(helm, redis):
+    """The chart's template and `kvscale operator render-router` agree object for object for the
+    same values: the chart's copy of the router cannot drift from the operator's builders."""
+    sets = ["namespaceRouter.enabled=true", "namespaceRouter.namespace=team",
+            "namespaceRouter.replicas=3", "namespaceRouter.policy=round-robin",
+            "namespaceRouter.apiKeySecret.name=llm-key"]
+    source = RedisSource()
+    if redis == "url":
+        sets.append("namespaceRouter.redis.url=redis://kv.team.svc:6379/0")
+        source = RedisSource(url="redis://kv.team.svc:6379/0")
+    elif redis == "secret":
+        sets.append("namespaceRouter.redis.existingSecret.name=kv-url")
+        source = RedisSource(secret_ref=SecretKeyRef("kv-url", "url"))
+    charted = helm.template(*sets, show_only=["templates/namespace-router.yaml"])
+    printed = [d for d in yaml.safe_load_all(render_plain(NamespaceRouterValues(
+        namespace="team", replicas=3, policy="round-robin", redis=source,
+        api_key_secret=SecretKeyRef("llm-key"), image="ghcr.io/kvscale/kvscale-control-plane:0.1.0",
+    ))) if d]
+    # Helm orders objects by kind for installing; render-router in the order it builds them.
+    assert ({d["kind"]: _without_chart_extras(d) for d in charted}
+            == {d["kind"]: d for d in printed})
+    assert len(charted) == len(printed) == 6

@@ -1,4 +1,4 @@
-"""Deletion without surprises (issue 13, defects 1 and 2), on the real apiserver.
+"""Deletion without surprises, on the real apiserver.
 
 1. An InferenceService carries no finalizer, so deleting it never waits for an operator: the
    garbage collector removes its children through owner references.
@@ -15,8 +15,12 @@ from pathlib import Path
 import pytest
 from operator_helpers import OperatorProcess, wait_for
 
-from kvscale.operator import handlers
+from kvscale.operator.autoscale import autoscale
+from kvscale.operator.config import OperatorConfig
+from kvscale.operator.inference_service import ObjectKey
 from kvscale.operator.kube import Kube, load_connection
+from kvscale.operator.reconcile import reconcile
+from kvscale.operator.runtime import Runtime
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -46,10 +50,10 @@ def test_reconciling_an_object_being_deleted_recreates_nothing(k8s_env, namespac
     k8s_env.kubectl("delete", "kvis", "going", "-n", namespace, "--wait=false")
     body = k8s_env.kubectl_json("get", "kvis", "going", "-n", namespace)
     assert body["metadata"].get("deletionTimestamp")
-    runtime = handlers.Runtime(kube=kube, config=handlers.OperatorConfig())
+    runtime = Runtime(kube=kube, config=OperatorConfig())
     try:
-        handlers.reconcile(runtime, body, logging.getLogger("test"))
-        handlers.autoscale(runtime, body, logging.getLogger("test"))
+        reconcile(runtime, ObjectKey.of(body), logging.getLogger("test"))
+        autoscale(runtime, ObjectKey.of(body), logging.getLogger("test"))
         for kind in ("deployments", "services", "secrets"):
             made = k8s_env.kubectl_json("get", kind, "-n", namespace)["items"]
             assert [o["metadata"]["name"] for o in made if o["metadata"]["name"].startswith("going")] == []

@@ -7,8 +7,12 @@ import time
 import pytest
 from operator_helpers import MetricsEndpoint, PodMetrics
 
-from kvscale.operator.builders import METRICS_URL_ANNOTATION
-from kvscale.operator.scraping import metrics_url, parse_metrics, scrape_pods
+from kvscale.operator.scraping import (
+    METRICS_URL_ANNOTATION,
+    metrics_url,
+    parse_metrics,
+    scrape_pods,
+)
 
 
 def ready_pod(name: str, url: str | None = None, ip: str = "127.244.0.7", ready: bool = True) -> dict:

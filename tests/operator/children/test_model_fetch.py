@@ -1,4 +1,4 @@
-"""The hf:// init container, run with the real `hf` CLI (issue 13, defect 6).
+"""The hf:// init container, run with the real `hf` CLI.
 
 The image sets HF_HUB_OFFLINE=1 for the server, which must never download; the init container
 that fetches an hf:// model must turn it off again, or it fails without a request. The Hub cannot
@@ -15,10 +15,10 @@ import sys
 import threading
 from pathlib import Path
 
-from kvscale.operator import builders
+from kvscale.operator.children.servers import build_deployment
 from kvscale.operator.spec import parse_spec
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def image_env(dockerfile: Path) -> dict[str, str]:
@@ -48,7 +48,7 @@ def test_hf_init_container_reaches_the_hub_with_the_real_cli(tmp_path: Path) -> 
     threading.Thread(target=hub.serve_forever, daemon=True).start()
     try:
         spec = parse_spec({"model": {"uri": "hf://org/tiny"}})
-        pod = builders.build_deployment("tiny", "ns", spec)["spec"]["template"]["spec"]
+        pod = build_deployment("tiny", "ns", spec)["spec"]["template"]["spec"]
         (init,) = pod["initContainers"]
         inherited = image_env(REPO_ROOT / "Dockerfile")
         assert inherited.get("HF_HUB_OFFLINE") == "1", "the image is meant to keep servers offline"

@@ -19,7 +19,7 @@ import yaml
 from operator_helpers import MetricsEndpoint, OperatorProcess, PodMetrics, wait_for
 from testenv import kwok_toleration
 
-from kvscale.operator.builders import TERMINATION_GRACE_PERIOD_SECONDS
+from kvscale.operator.children.servers import TERMINATION_GRACE_PERIOD_SECONDS
 from kvscale.operator.kube import Kube, load_connection
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]

@@ -1,21 +1,10 @@
-"""Children built from the spec: a pure mapping, checked field by field."""
+"""The servers' Deployment and Services built from the spec: a pure mapping, checked field by
+field."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-import yaml
-
-from kvscale.operator import builders
-from kvscale.operator.spec import (
-    AutoscalingPolicy,
-    EngineConfig,
-    Resources,
-    parse_spec,
-)
-
-CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "inferenceservice.yaml"
+from kvscale.operator.children import labels, servers
+from kvscale.operator.spec import parse_spec
 
 
 def container(deployment: dict) -> dict:
@@ -37,7 +26,7 @@ def test_deployment_runs_kvscale_serve_with_engine_flags():
         "replicas": 3,
         "apiKeySecretRef": {"name": "llm-key"},
     })
-    deployment = builders.build_deployment("llama", "team-a", spec)
+    deployment = servers.build_deployment("llama", "team-a", spec)
     c = container(deployment)
     assert c["image"] == "registry.local/kvscale:dev"
     assert c["command"] == ["kvscale"] and c["args"][0] == "serve"
@@ -71,7 +60,7 @@ def test_deployment_runs_kvscale_serve_with_engine_flags():
 
 
 def test_pod_is_locked_down_and_probed():
-    deployment = builders.build_deployment("m", "ns", parse_spec(
+    deployment = servers.build_deployment("m", "ns", parse_spec(
         {"model": {"uri": "bundled://smollm2-135m-instruct"}}))
     pod = deployment["spec"]["template"]["spec"]
     c = container(deployment)
@@ -104,7 +93,7 @@ def test_labels_selectors_and_scheduling():
         "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "resources": {"gpus": 0},
     })
-    deployment = builders.build_deployment("tiny", "ns", spec)
+    deployment = servers.build_deployment("tiny", "ns", spec)
     label = {"serving.kvscale.io/inferenceservice": "tiny"}
     assert deployment["spec"]["selector"]["matchLabels"] == label
     assert label.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
@@ -117,57 +106,20 @@ def test_labels_selectors_and_scheduling():
     init = pod["initContainers"][0]
     assert init["command"][:3] == ["hf", "download", "org/tiny"]
     assert flag(container(deployment)["args"], "--model") == "/models/hf/org/tiny"
-    assert builders.selector_string("tiny") == "serving.kvscale.io/inferenceservice=tiny"
+    assert labels.selector_string("tiny") == "serving.kvscale.io/inferenceservice=tiny"
 
 
 def test_services():
     bundled = {"model": {"uri": "bundled://smollm2-135m-instruct"}}
-    service = builders.build_service("m", "ns", parse_spec(bundled))
-    headless = builders.build_headless_service("m", "ns")
+    service = servers.build_service("m", "ns", parse_spec(bundled))
+    headless = servers.build_headless_service("m", "ns")
     assert service["metadata"]["name"] == "m"
     # The service's URL is the router's; without a router it spreads over the servers.
     assert service["spec"]["selector"] == {"serving.kvscale.io/router": "m"}
-    direct = builders.build_service("m", "ns", parse_spec({**bundled, "router": {"enabled": False}}))
+    direct = servers.build_service("m", "ns", parse_spec({**bundled, "router": {"enabled": False}}))
     assert direct["spec"]["selector"] == {"serving.kvscale.io/inferenceservice": "m"}
     assert service["spec"]["ports"][0]["targetPort"] == "http"
     assert headless["metadata"]["name"] == "m-pods"
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["ports"][0]["port"] == 8000
-    assert builders.service_url("m", "ns") == "http://m.ns.svc.cluster.local"
-
-
-@pytest.mark.parametrize("uri", ["s3://bucket/model", "hf:/org", "", "pvc://"])
-def test_bad_model_uri_is_rejected(uri):
-    with pytest.raises(ValueError, match="model.uri"):
-        parse_spec({"model": {"uri": uri}})
-
-
-def _crd_spec_schema() -> dict:
-    crd = yaml.safe_load(CRD_PATH.read_text())
-    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-
-
-def test_python_defaults_match_the_crd_defaults():
-    schema = _crd_spec_schema()
-
-    def defaults(section: str) -> dict:
-        return {k: v["default"] for k, v in schema[section]["properties"].items() if "default" in v}
-
-    engine, resources, autoscaling = EngineConfig(), Resources(), AutoscalingPolicy()
-    assert defaults("engine") == {
-        "blockSize": engine.block_size, "maxNumSeqs": engine.max_num_seqs, "dtype": engine.dtype,
-        "gpuMemoryUtilization": engine.gpu_memory_utilization,
-        "enablePrefixCaching": engine.enable_prefix_caching}
-    assert defaults("resources") == {"gpus": resources.gpus, "cpu": resources.cpu,
-                                     "memory": resources.memory}
-    assert defaults("autoscaling") == {
-        "enabled": autoscaling.enabled, "minReplicas": autoscaling.min_replicas,
-        "maxReplicas": autoscaling.max_replicas, "targetKVUsage": autoscaling.target_kv_usage,
-        "targetQueueLength": autoscaling.target_queue_length,
-        "scaleUpStabilizationSeconds": autoscaling.scale_up_stabilization_seconds,
-        "scaleDownStabilizationSeconds": autoscaling.scale_down_stabilization_seconds,
-        "panicWindowSeconds": autoscaling.panic_window_seconds,
-        "panicThreshold": autoscaling.panic_threshold,
-        "maxScaleUpRate": autoscaling.max_scale_up_rate}
-    assert schema["image"]["default"] == parse_spec({"model": {"uri": "hf://a/b"}}).image
-    assert schema["replicas"]["default"] == 1
+    assert labels.service_url("m", "ns") == "http://m.ns.svc.cluster.local"

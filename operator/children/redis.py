@@ -1,4 +1,5 @@
-"""The Redis holding one InferenceService's KV index, run by the operator (pure builders).
+"""The Redis holding one InferenceService's KV index, and the environment giving the servers and
+the router its URL.
 
 The index is a cache the replicas rebuild by republishing, so this Redis keeps nothing on disk:
 no persistence, one replica, a password from a Secret generated once and never rotated by a
@@ -10,49 +11,45 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from kvscale.operator.spec import REDIS_PORT, InferenceServiceSpec
+from kvscale.operator.children.labels import redis_host, redis_labels, redis_name, redis_selector
+from kvscale.operator.children.pod_parts import (
+    EnvVar,
+    container_security_context,
+    field_env,
+    pod_security_context,
+    secret_env,
+    tcp_probe,
+)
+from kvscale.operator.spec import REDIS_PORT, InferenceServiceSpec, RedisSource, SecretKeyRef
 
 PASSWORD_KEY = "password"
 PASSWORD_ENV = "KVSCALE_REDIS_PASSWORD"
 URL_ENV = "KVSCALE_REDIS_URL"
-REDIS_LABEL = "serving.kvscale.io/redis"
 RUN_AS_USER = 999  # the redis user of the official image
 
 
-def redis_name(name: str) -> str:
-    return f"{name}-redis"
-
-
-def redis_labels(name: str) -> dict[str, str]:
-    return {
-        REDIS_LABEL: name,
-        "app.kubernetes.io/name": "kvscale",
-        "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/component": "kv-index",
-        "app.kubernetes.io/managed-by": "kvscale-operator",
-    }
-
-
-def redis_host(name: str, namespace: str) -> str:
-    # Namespace-qualified but without the cluster domain, so it resolves whatever the domain is.
-    return f"{redis_name(name)}.{namespace}.svc"
-
-
-def redis_url_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
-    """Env giving a server or router pod the index's URL in $KVSCALE_REDIS_URL (never in args)."""
-    redis = spec.router.redis
-    if redis.secret_ref is not None:
-        return [{"name": URL_ENV, "valueFrom": {"secretKeyRef": {
-            "name": redis.secret_ref.name, "key": redis.secret_ref.key}}}]
-    if redis.url is not None:
-        return [{"name": URL_ENV, "value": redis.url}]
+def redis_url_env(source: RedisSource, internal: tuple[str, str] | None) -> list[EnvVar]:
+    """Env giving a server or router pod the index's URL in $KVSCALE_REDIS_URL (never in args):
+    the external Redis `source` names, else the operator's own Redis of the InferenceService
+    `internal` (name, namespace), else none (a router then routes without the index)."""
+    if source.secret_ref is not None:
+        return [secret_env(URL_ENV, source.secret_ref)]
+    if source.url is not None:
+        return [{"name": URL_ENV, "value": source.url}]
+    if internal is None:
+        return []
+    name, namespace = internal
     return [
-        {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
-            "name": redis_name(name), "key": PASSWORD_KEY}}},
+        secret_env(PASSWORD_ENV, SecretKeyRef(redis_name(name), PASSWORD_KEY)),
         # Kubernetes expands $(VAR) from the variables defined before this one.
         {"name": URL_ENV,
          "value": f"redis://:$({PASSWORD_ENV})@{redis_host(name, namespace)}:{REDIS_PORT}/0"},
     ]
+
+
+def service_redis_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[EnvVar]:
+    """The index of the InferenceService `name`: its external Redis or the operator's."""
+    return redis_url_env(spec.router.redis, (name, namespace))
 
 
 def build_redis_secret(name: str, namespace: str) -> dict[str, Any]:
@@ -67,9 +64,8 @@ def build_redis_secret(name: str, namespace: str) -> dict[str, Any]:
     }
 
 
-def build_redis_deployment(name: str, namespace: str, image: str) -> dict[str, Any]:
-    labels = redis_labels(name)
-    container = {
+def redis_container(name: str, image: str) -> dict[str, Any]:
+    return {
         "name": "redis",
         "image": image,
         "command": ["redis-server"],
@@ -82,38 +78,36 @@ def build_redis_deployment(name: str, namespace: str, image: str) -> dict[str, A
             # Bounded memory: the index is a cache, and an evicted key only costs a prefix miss.
             "--maxmemory", "200mb", "--maxmemory-policy", "allkeys-lru",
         ],
-        "env": [
-            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            {"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
-                "name": redis_name(name), "key": PASSWORD_KEY}}},
-        ],
+        "env": [*field_env("POD_IP"),
+                secret_env(PASSWORD_ENV, SecretKeyRef(redis_name(name), PASSWORD_KEY))],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
-        "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 2, "failureThreshold": 2},
-        "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10, "failureThreshold": 3},
+        "readinessProbe": tcp_probe("redis", 2, 2),
+        "livenessProbe": tcp_probe("redis", 10, 3),
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "256Mi"}},
-        "securityContext": {
-            "runAsNonRoot": True, "runAsUser": RUN_AS_USER, "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security_context(RUN_AS_USER),
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
     }
+
+
+def build_redis_deployment(name: str, namespace: str, image: str) -> dict[str, Any]:
+    labels = redis_labels(name)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": redis_name(name), "namespace": namespace, "labels": labels},
         "spec": {
             "replicas": 1,
-            "selector": {"matchLabels": {REDIS_LABEL: name}},
+            "selector": {"matchLabels": redis_selector(name)},
             # Two Redis pods would split the index: the old one goes before the new one starts.
             "strategy": {"type": "Recreate"},
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER,
-                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    # The uid alone: the index's volume is an emptyDir, writable without an fsGroup.
+                    "securityContext": pod_security_context(RUN_AS_USER, group=None),
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
-                    "containers": [container],
+                    "containers": [redis_container(name, image)],
                     "volumes": [{"name": "data", "emptyDir": {}}],
                 },
             },
@@ -128,7 +122,7 @@ def build_redis_service(name: str, namespace: str) -> dict[str, Any]:
         "metadata": {"name": redis_name(name), "namespace": namespace, "labels": redis_labels(name)},
         "spec": {
             "type": "ClusterIP",
-            "selector": {REDIS_LABEL: name},
+            "selector": redis_selector(name),
             "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}],
         },
     }

@@ -1,0 +1,88 @@
+"""One autoscaler run for one InferenceService: scrape its ready pods, keep their deletion costs
+and status.kvUsage, and, when autoscaling is on, decide (operator/scaling.py) and scale through
+the scale subresource, as `kubectl scale` does."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from kvscale.operator import conditions, scaling, scraping
+from kvscale.operator.apply import apply_children
+from kvscale.operator.children.labels import selector_string
+from kvscale.operator.conditions import SCALING_ACTIVE, Condition
+from kvscale.operator.deletion_cost import set_deletion_costs
+from kvscale.operator.inference_service import (
+    ObjectKey,
+    as_body,
+    being_deleted,
+    inference_service_path,
+    typed_spec,
+)
+from kvscale.operator.kube import path_for
+from kvscale.operator.metrics import ReplicaCounts
+from kvscale.operator.runtime import Runtime
+from kvscale.operator.spec import parse_spec
+from kvscale.operator.status import AUTOSCALING_DISABLED, refresh_status
+
+log = logging.getLogger("kvscale.operator")
+
+
+def load_status(estimate: scaling.LoadEstimate | None) -> dict[str, Any]:
+    if estimate is None:
+        return {}
+    return {"kvUsage": round(estimate.kv_usage, 4), "waitingRequests": int(round(estimate.waiting))}
+
+
+def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
+    kube, config = runtime.kube, runtime.config
+    with runtime.lock(key.uid):
+        current = kube.get(inference_service_path(key.namespace, key.name))
+        if current is None or current["metadata"]["uid"] != key.uid or being_deleted(current):
+            return
+        spec = typed_spec(current)
+        name, namespace = key.name, key.namespace
+        pods = kube.list(path_for("v1", "pods", namespace), selector_string(name))
+        loads = scraping.scrape_pods(pods, config.scrape_timeout, config.allow_metrics_url_override)
+        set_deletion_costs(kube, pods, loads)
+        policy = spec.autoscaling
+        estimate = scaling.estimate_load(loads, policy)
+        extra = load_status(estimate)
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        ready = sum(1 for p in live if scraping.is_ready(p))
+        if not policy.enabled:
+            runtime.autoscalers.pop(key.uid, None)
+            runtime.metrics.observe(key.uid, namespace, name, policy,
+                                    ReplicaCounts(spec.replicas, len(live), ready),
+                                    estimate, None, spec.replicas)
+            refresh_status(runtime, name, namespace, extra, [AUTOSCALING_DISABLED])
+            return
+
+        state = runtime.autoscalers.get(key.uid, scaling.AutoscalerState())
+        decision, runtime.autoscalers[key.uid] = scaling.decide(
+            time.monotonic(), loads, spec.replicas, policy, state)
+        extra["desiredReplicas"] = decision.replicas
+        previous = spec.replicas
+        runtime.metrics.observe(key.uid, namespace, name, policy,
+                                ReplicaCounts(decision.replicas, len(live), ready),
+                                estimate, decision, previous)
+        if decision.replicas != previous:
+            kube.merge_patch(inference_service_path(namespace, name, "scale"),
+                             {"spec": {"replicas": decision.replicas}})
+            # The children at once, not a resync later.
+            apply_children(kube, as_body(current),
+                           parse_spec({**current["spec"], "replicas": decision.replicas}),
+                           config.images)
+            extra["lastScaleTime"] = conditions.now_rfc3339()
+            direction = "up" if decision.replicas > previous else "down"
+            message = (f"scaled {direction} from {previous} to "
+                       f"{decision.replicas} replicas ({decision.reason}): {decision.message}")
+            log.info("%s/%s: %s", namespace, name, message)
+            kopf.event(as_body(current), type="Normal", reason="Scaled", message=message)
+        active = decision.estimate is not None
+        scaling_condition = Condition(
+            SCALING_ACTIVE, active, decision.reason if active else "NoMetrics", decision.message)
+        refresh_status(runtime, name, namespace, extra, [scaling_condition])

@@ -1,0 +1,89 @@
+"""Names, labels and selectors of the objects the operator makes, for every part in one place.
+
+Each part's pods are selected by a label of its own holding the InferenceService's name
+(`serving.kvscale.io/inferenceservice`, `/router`, `/redis`), so no selector ever matches another
+part's pods: the servers' one is the scale subresource's, which must never count a router.
+The chart's NetworkPolicies and PodMonitors select by `component` and `managed-by` below.
+"""
+
+from __future__ import annotations
+
+from kvscale.operator.spec import NAME_LABEL
+
+ROUTER_LABEL = "serving.kvscale.io/router"
+REDIS_LABEL = "serving.kvscale.io/redis"
+MANAGED_BY = "kvscale-operator"
+SERVER_COMPONENT = "inference-server"
+ROUTER_COMPONENT = "router"
+REDIS_COMPONENT = "kv-index"
+
+
+def part_labels(selector: dict[str, str], instance: str, component: str) -> dict[str, str]:
+    """The labels of one part's objects and pods: its selector and the recommended labels."""
+    return {
+        **selector,
+        "app.kubernetes.io/name": "kvscale",
+        "app.kubernetes.io/instance": instance,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+
+
+# --- servers (`kvscale serve`) ----------------------------------------------------------------
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {NAME_LABEL: name}
+
+
+def child_labels(name: str) -> dict[str, str]:
+    return part_labels(selector_labels(name), name, SERVER_COMPONENT)
+
+
+def selector_string(name: str) -> str:
+    """The servers' selector in the string form the scale subresource reports."""
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
+
+
+def headless_service_name(name: str) -> str:
+    return f"{name}-pods"
+
+
+def service_url(name: str, namespace: str, cluster_domain: str = "cluster.local") -> str:
+    """The Service named like the InferenceService: the router's, or the servers' without one."""
+    return f"http://{name}.{namespace}.svc.{cluster_domain}"
+
+
+# --- the router -------------------------------------------------------------------------------
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def router_selector(name: str) -> dict[str, str]:
+    return {ROUTER_LABEL: name}
+
+
+def router_labels(name: str) -> dict[str, str]:
+    return part_labels(router_selector(name), name, ROUTER_COMPONENT)
+
+
+# --- Redis --------------------------------------------------------------------------------------
+
+
+def redis_name(name: str) -> str:
+    return f"{name}-redis"
+
+
+def redis_selector(name: str) -> dict[str, str]:
+    return {REDIS_LABEL: name}
+
+
+def redis_labels(name: str) -> dict[str, str]:
+    return part_labels(redis_selector(name), name, REDIS_COMPONENT)
+
+
+def redis_host(name: str, namespace: str) -> str:
+    # Namespace-qualified but without the cluster domain, so it resolves whatever the domain is.
+    return f"{redis_name(name)}.{namespace}.svc"

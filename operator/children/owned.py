@@ -1,0 +1,62 @@
+"""Everything one InferenceService owns, built from its spec, and what its spec no longer wants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvscale.operator.children.labels import redis_name, router_name
+from kvscale.operator.children.redis import build_redis_deployment, build_redis_service
+from kvscale.operator.children.router import (
+    build_router_deployment,
+    build_router_pdb,
+    build_router_rbac,
+    service_router,
+)
+from kvscale.operator.children.servers import (
+    build_deployment,
+    build_headless_service,
+    build_service,
+)
+from kvscale.operator.spec import DEFAULT_REDIS_IMAGE, DEFAULT_ROUTER_IMAGE, InferenceServiceSpec
+
+
+@dataclass(frozen=True)
+class Images:
+    """Images of the parts the operator runs beside the servers (the servers' is in the spec)."""
+
+    router: str = DEFAULT_ROUTER_IMAGE
+    redis: str = DEFAULT_REDIS_IMAGE
+
+
+def build_children(name: str, namespace: str, spec: InferenceServiceSpec,
+                   images: Images | None = None) -> list[dict[str, Any]]:
+    """Everything applied on every reconcile (the generated Redis Secret is created once, apart)."""
+    images = images or Images()
+    children = [
+        build_deployment(name, namespace, spec),
+        build_service(name, namespace, spec),
+        build_headless_service(name, namespace),
+    ]
+    if spec.router.enabled:
+        router = service_router(name, namespace, spec, images.router)
+        children += [*build_router_rbac(router), build_router_deployment(router),
+                     build_router_pdb(router)]
+        if not spec.router.redis.external:
+            children += [build_redis_deployment(name, namespace, images.redis),
+                         build_redis_service(name, namespace)]
+    return children
+
+
+def unwanted_children(name: str, namespace: str, spec: InferenceServiceSpec) -> list[tuple[str, str, str]]:
+    """(apiVersion, plural, name) of optional children this spec no longer wants, to delete."""
+    unwanted: list[tuple[str, str, str]] = []
+    if not spec.router.enabled:
+        router = router_name(name)
+        unwanted += [("apps/v1", "deployments", router), ("policy/v1", "poddisruptionbudgets", router),
+                     ("rbac.authorization.k8s.io/v1", "rolebindings", router),
+                     ("rbac.authorization.k8s.io/v1", "roles", router), ("v1", "serviceaccounts", router)]
+    if not spec.router.enabled or spec.router.redis.external:
+        redis = redis_name(name)
+        unwanted += [("apps/v1", "deployments", redis), ("v1", "services", redis), ("v1", "secrets", redis)]
+    return unwanted

@@ -1,0 +1,197 @@
+"""A `kvscale router` Deployment with its own ServiceAccount, Role, RoleBinding and
+PodDisruptionBudget, built from a `RouterPod`.
+
+Two routers are made from it: the one in front of each InferenceService's servers (finding them
+through the EndpointSlices of the servers' headless Service; `service_router`) and the chart's
+namespace-wide router (`namespace_router`), which `kvscale operator render-router` prints. Both
+pods are therefore the same but for what a `RouterPod` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvscale.operator.children.labels import (
+    headless_service_name,
+    router_labels,
+    router_name,
+    router_selector,
+)
+from kvscale.operator.children.pod_parts import (
+    REPLICA_API_KEY_ENV,
+    EnvVar,
+    api_key_env,
+    container_security_context,
+    field_env,
+    http_port,
+    http_probe,
+    pod_security_context,
+    pre_stop,
+    rolling_update,
+    scrape_annotations,
+    shutdown_timeout,
+    tcp_probe,
+)
+from kvscale.operator.children.redis import service_redis_env
+from kvscale.operator.spec import ROUTER_PORT, InferenceServiceSpec, SecretKeyRef
+
+# Routers hold open streams: time for them to finish after SIGTERM.
+ROUTER_TERMINATION_GRACE_PERIOD_SECONDS = 60
+READ = ["get", "list", "watch"]
+# The servers' addresses and readiness: all a router reads to find one InferenceService's servers.
+ENDPOINTSLICES_RULE: dict[str, Any] = {
+    "apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": READ}
+
+
+@dataclass(frozen=True)
+class RouterPod:
+    """What a router's objects are made of. Fields typed `int | str` take a Helm expression in
+    the chart's template (`render-router --helm`); `container_extras` and `pod_extras` are fields
+    only the chart sets (pull policy and secrets, scheduling)."""
+
+    name: str  # of every object
+    namespace: str
+    labels: Mapping[str, str]
+    selector: Mapping[str, str]
+    image: str
+    replicas: int | str
+    discovery: tuple[str, ...]  # the flags saying which servers it routes to
+    rules: tuple[Mapping[str, Any], ...]  # what its Role may read
+    resources: Mapping[str, Any]
+    env: tuple[EnvVar, ...] = ()  # the index's URL and the API keys, after the pod's own
+    policy: str | None = None  # None: the router's default
+    balance_epsilon: float | None = None
+    annotations: Mapping[str, str] = field(default_factory=dict)  # besides the scrape ones
+    container_extras: Mapping[str, Any] = field(default_factory=dict)
+    pod_extras: Mapping[str, Any] = field(default_factory=dict)
+
+
+def router_api_key_env(ref: SecretKeyRef | None) -> list[EnvVar]:
+    """Clients send the key to the router, and the router sends it on to the servers."""
+    return api_key_env(ref) + api_key_env(ref, REPLICA_API_KEY_ENV)
+
+
+def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image: str) -> RouterPod:
+    """The router in front of the InferenceService `name`'s servers."""
+    router = spec.router
+    return RouterPod(
+        name=router_name(name),
+        namespace=namespace,
+        labels=router_labels(name),
+        selector=router_selector(name),
+        image=image,
+        replicas=router.replicas,
+        discovery=("--k8s-service", headless_service_name(name), "--namespace", "$(POD_NAMESPACE)",
+                   "--k8s-port-name", "http"),
+        rules=(ENDPOINTSLICES_RULE,),
+        resources={"requests": {"cpu": router.resources.cpu, "memory": router.resources.memory},
+                   "limits": {"memory": router.resources.memory}},
+        env=(*service_redis_env(name, namespace, spec), *router_api_key_env(spec.api_key_secret)),
+        policy=router.policy,
+        balance_epsilon=router.balance_epsilon,
+    )
+
+
+def router_args(pod: RouterPod) -> list[str]:
+    """`kvscale router` flags; the Redis URL and keys come from the environment."""
+    args = [
+        "router",
+        "--host", "$(POD_IP)",
+        "--port", str(ROUTER_PORT),
+        *pod.discovery,
+        "--shutdown-timeout", str(shutdown_timeout(ROUTER_TERMINATION_GRACE_PERIOD_SECONDS)),
+    ]
+    if pod.policy is not None:
+        args += ["--policy", pod.policy]
+    if pod.balance_epsilon is not None:
+        args += ["--balance-epsilon", str(pod.balance_epsilon)]
+    return args
+
+
+def router_env(pod: RouterPod) -> list[EnvVar]:
+    return [
+        *field_env("POD_IP", "POD_NAME", "POD_NAMESPACE"),
+        # A writable home on a read-only root, and the bundled tokenizer from the image's cache.
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        *pod.env,
+    ]
+
+
+def router_container(pod: RouterPod) -> dict[str, Any]:
+    return {
+        "name": "router",
+        "image": pod.image,
+        **pod.container_extras,
+        "command": ["kvscale"],
+        "args": router_args(pod),
+        "ports": [http_port(ROUTER_PORT)],
+        "env": router_env(pod),
+        "resources": dict(pod.resources),
+        # /health is 503 while no server is ready: right for readiness, wrong for liveness.
+        "readinessProbe": http_probe(2, 2, timeout=2),
+        "livenessProbe": tcp_probe("http", 10, 3),
+        "lifecycle": pre_stop(),
+        "securityContext": container_security_context(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+
+
+def build_router_deployment(pod: RouterPod) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": pod.name, "namespace": pod.namespace, "labels": dict(pod.labels)},
+        "spec": {
+            "replicas": pod.replicas,
+            "selector": {"matchLabels": dict(pod.selector)},
+            "strategy": rolling_update(),
+            "template": {
+                "metadata": {"labels": dict(pod.labels),
+                             "annotations": {**scrape_annotations(ROUTER_PORT), **pod.annotations}},
+                "spec": {
+                    "serviceAccountName": pod.name,
+                    "securityContext": pod_security_context(),
+                    "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": ROUTER_TERMINATION_GRACE_PERIOD_SECONDS,
+                    **pod.pod_extras,
+                    "containers": [router_container(pod)],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                },
+            },
+        },
+    }
+
+
+def build_router_pdb(pod: RouterPod) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": pod.name, "namespace": pod.namespace, "labels": dict(pod.labels)},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": dict(pod.selector)}},
+    }
+
+
+def build_router_rbac(pod: RouterPod) -> list[dict[str, Any]]:
+    """Its own ServiceAccount, allowed only to read what it routes by."""
+    def meta() -> dict[str, Any]:
+        return {"name": pod.name, "namespace": pod.namespace, "labels": dict(pod.labels)}
+
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta(),
+            "rules": [dict(rule) for rule in pod.rules],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta(),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": pod.name},
+            "subjects": [{"kind": "ServiceAccount", "name": pod.name, "namespace": pod.namespace}],
+        },
+    ]
