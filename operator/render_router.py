@@ -18,6 +18,7 @@ from kvscale.operator.children.namespace_router import (
     namespace_router,
     namespace_router_objects,
 )
+from kvscale.operator.children.pod_parts import container_security_context, pod_security_context
 from kvscale.operator.children.redis import redis_url_env
 from kvscale.operator.children.router import RouterPod, router_api_key_env
 from kvscale.operator.helm_template import HelmTemplate, dump
@@ -45,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = NamespaceRouterValues()
     parser.add_argument("--helm", action="store_true",
                         help="print the chart's template (chart values instead of these flags)")
+    parser.add_argument("--helm-security", action="store_true",
+                        help="print the chart's security-context templates (every pod of the chart)")
     parser.add_argument("--namespace", dest="router_namespace", default=defaults.namespace,
                         help="namespace whose InferenceServices it serves, and where it runs")
     parser.add_argument("--name", dest="router_name", default=defaults.name, help="object names")
@@ -130,6 +133,22 @@ def render_helm() -> str:
             + "{{- if gt (int $r.replicas) 1 }}\n---\n" + t.render(pdb) + "{{- end }}\n{{- end }}\n")
 
 
+def render_helm_security() -> str:
+    """The chart's `kvscale.podSecurityContext` and `kvscale.containerSecurityContext`: the
+    operator's and the helm test pods' security, the same as every pod the operator makes."""
+    return (
+        "{{/* Written by `make deploy-render` (`kvscale operator render-router --helm-security`) from\n"
+        "operator/children/pod_parts.py: edit that, not this file. Restricted Pod Security. */}}\n"
+        '{{- define "kvscale.podSecurityContext" -}}\n' + dump(pod_security_context()) + "{{- end -}}\n\n"
+        '{{- define "kvscale.containerSecurityContext" -}}\n' + dump(container_security_context())
+        + "{{- end -}}\n")
+
+
 def run(args: argparse.Namespace) -> int:
-    sys.stdout.write(render_helm() if args.helm else render_plain(values_from_args(args)))
+    if args.helm_security:
+        sys.stdout.write(render_helm_security())
+    elif args.helm:
+        sys.stdout.write(render_helm())
+    else:
+        sys.stdout.write(render_plain(values_from_args(args)))
     return 0

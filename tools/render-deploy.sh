@@ -3,8 +3,8 @@
 #   deploy/rbac.yaml      the kvscale-system namespace, the operator's ServiceAccount and RBAC
 #   deploy/operator.yaml  the operator Deployment and its PodDisruptionBudget
 # charts/kvscale/files/crds/ refreshed from crds/ (the CRD's source), and the chart's
-# templates/namespace-router.yaml written by `kvscale operator render-router --helm` from the
-# builders the operator makes each InferenceService's router with. `make deploy-render` runs it;
+# templates/namespace-router.yaml and _security.tpl written by `kvscale operator render-router`
+# from the builders the operator makes each InferenceService's router and pods with. `make deploy-render` runs it;
 # tests/charts/test_chart_render.py fails when the committed files are stale.
 # With --check, writes nothing and exits 1 when a file would change.
 set -euo pipefail
@@ -44,6 +44,9 @@ done
 # The chart's namespace-wide router (a variable first, so that a failing render stops the script).
 router_template="$("$python" -m kvscale operator render-router --helm)"
 emit "$chart/templates/namespace-router.yaml" <<< "$router_template"
+# The security contexts of the chart's own pods: those of every pod the operator makes.
+security_template="$("$python" -m kvscale operator render-router --helm-security)"
+emit "$chart/templates/_security.tpl" <<< "$security_template"
 # Not `render | emit`: emit must run in this shell to record a stale file.
 emit "$repo_root/deploy/rbac.yaml" < <(render namespace.yaml serviceaccount.yaml rbac.yaml)
 emit "$repo_root/deploy/operator.yaml" < <(render operator.yaml)

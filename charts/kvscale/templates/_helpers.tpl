@@ -54,18 +54,4 @@ app.kubernetes.io/component: namespace-router
 {{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) -}}
 {{- end -}}
 
-{{/* Restricted Pod Security (the strictest standard), for every pod of the chart. */}}
-{{- define "kvscale.podSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: 1000
-runAsGroup: 1000
-fsGroup: 1000
-seccompProfile: {type: RuntimeDefault}
-{{- end -}}
-
-{{- define "kvscale.containerSecurityContext" -}}
-allowPrivilegeEscalation: false
-readOnlyRootFilesystem: true
-runAsNonRoot: true
-capabilities: {drop: [ALL]}
-{{- end -}}
+{{/* kvscale.podSecurityContext, kvscale.containerSecurityContext: _security.tpl. */}}
