@@ -44,8 +44,10 @@ image: system-deps
 	bash tools/images.sh build all
 
 # deploy/*.yaml (the kubectl-only install) rendered from charts/kvscale: edit the chart, then this.
-deploy-render: k8s-bins
-	bash tools/render-deploy.sh
+# It first writes the chart's namespace-router template and security contexts from the operator's
+# builders (`kvscale operator render-router`), hence the venv.
+deploy-render: venv k8s-bins
+	PYTHON=$(PY) bash tools/render-deploy.sh
 
 serve: venv
 	@echo "kvscale: serving the bundled model at http://$(HOST):$(PORT)/v1"
