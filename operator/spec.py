@@ -2,7 +2,7 @@
 
 The API server already fills defaults from the CRD schema; applying them again here keeps the
 builders and the scaling rule pure functions of plain dicts (and testable without a cluster).
-`tests/operator/test_operator_spec.py` checks that these defaults equal the CRD's.
+`tests/operator/test_spec.py` checks that these defaults equal the CRD's.
 """
 
 from __future__ import annotations
