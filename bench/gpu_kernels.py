@@ -127,9 +127,11 @@ def bench_decode_kernel(num_seqs: int, context_len: int, peak_gbps: float | None
     query = torch.randn(num_seqs, MODEL.num_heads, MODEL.head_dim, dtype=dtype, device="cuda")
     scale = MODEL.head_dim**-0.5
 
+    triton = kernels.backend_for(query.device)
+
     def triton_call():
-        return kernels.paged_decode_attention(query, k_cache, v_cache, block_tables,
-                                              context_lens, scale)
+        return triton.paged_decode_attention(query, k_cache, v_cache, block_tables,
+                                             context_lens, scale)
 
     def reference_call():
         return reference.paged_decode_attention(query, k_cache, v_cache, block_tables,
@@ -233,7 +235,7 @@ def bench_decode_step(num_seqs: int, context_len: int, peak_gbps: float | None) 
     roofline_bytes = weight_bytes + kv_read + logits_bytes
     roofline_ms = roofline_bytes / (peak_gbps * 1e9) * 1e3 if peak_gbps else None
 
-    step = DecodeStep(num_seqs, context_len, kernels)
+    step = DecodeStep(num_seqs, context_len, kernels.backend_for(torch.device("cuda")))
     tokens = step()
     eager_ms = median_ms(step)
     try:
@@ -243,7 +245,7 @@ def bench_decode_step(num_seqs: int, context_len: int, peak_gbps: float | None) 
         graph_ms, graph_error = None, f"{type(exc).__name__}: {exc}"
     del step
     torch.cuda.empty_cache()
-    reference_step = DecodeStep(num_seqs, context_len, reference)
+    reference_step = DecodeStep(num_seqs, context_len, reference.REFERENCE)
     # Same weights and caches: the greedy tokens should agree up to bfloat16 near-ties.
     token_agreement = float((reference_step() == tokens).float().mean())
     reference_ms = median_ms(reference_step)

@@ -1,4 +1,5 @@
-"""The engine's C kernels for CPUs, built on first use and cached, and their Python entry points.
+"""The engine's C kernels for CPUs (built on first use and cached), their Python entry points,
+and the CPU kernel backend (``CPU``: C decode attention, the PyTorch references for the rest).
 
 ``cpu_decode_attention.c``: decode attention reading the paged cache in place for every sequence
 of a layer in one call (the PyTorch reference's per-sequence ops were most of a decode step's
@@ -34,6 +35,7 @@ import torch
 from torch import Tensor
 
 from kvscale.kernels import reference
+from kvscale.kernels.ops import KernelBackend
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,26 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-ffast-mat
 LDFLAGS = ("-shared", "-fopenmp")
 LDLIBS = ("-lmvec", "-lm")
 MODES = ("auto", "native", "reference")
-_BAD_TABLE = 2
+_BAD_TABLE = 2  # KVSCALE_BAD_TABLE in cpu_decode_attention.c
+
+_PTR, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# The C prototypes as ctypes sees them, (result, arguments): the one place the Python side
+# writes them; the argument names are the C sources'.
+_C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
+    "kvscale_paged_decode_attention": (ctypes.c_int, [
+        _PTR, _PTR, _PTR, _I32, _I32,  # query, k_cache, v_cache, cache_is_bf16, query_is_bf16
+        _I64, _PTR, _I64, _PTR,  # num_blocks, block_tables, table_stride, context_lens
+        _I32, _I32, _I32, _I32, _I32,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
+        _F32, _PTR, _I32,  # scale, out, num_threads
+    ]),
+    # gate_up, out, rows, width, is_bf16, num_threads
+    "kvscale_silu_and_mul": (None, [_PTR, _PTR, _I64, _I64, _I32, _I32]),
+    # x, residual, weight, out, rows, width, eps, is_bf16, num_threads
+    "kvscale_add_rms_norm": (None, [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _I32, _I32]),
+    # x, row_stride, positions, cos_table, sin_table, table_stride, out, tokens, heads, head_dim,
+    # is_bf16, num_threads
+    "kvscale_rope": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I32, _I32]),
+}
 
 
 class NativeKernelError(RuntimeError):
@@ -133,20 +154,10 @@ def _library() -> ctypes.CDLL | None:
             raise NativeKernelError(f"the C kernels are unavailable: {exc}") from exc
         logger.warning("C kernels unavailable (%s); using PyTorch ops", exc)
         return None
-    c = ctypes
-    ptr, i32, i64, f32 = c.c_void_p, c.c_int, c.c_int64, c.c_float
-    signatures = {
-        "kvscale_paged_decode_attention": [
-            ptr, ptr, ptr, i32, i32, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, f32, ptr, i32,
-        ],
-        "kvscale_silu_and_mul": [ptr, ptr, i64, i64, i32, i32],
-        "kvscale_add_rms_norm": [ptr, ptr, ptr, ptr, i64, i64, f32, i32, i32],
-        "kvscale_rope": [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i32, i32],
-    }
-    for name, argtypes in signatures.items():
+    for name, (restype, argtypes) in _C_PROTOTYPES.items():
         fn = getattr(lib, name)
+        fn.restype = restype
         fn.argtypes = argtypes
-        fn.restype = c.c_int if name == "kvscale_paged_decode_attention" else None
     return lib
 
 
@@ -217,7 +228,8 @@ def paged_decode_attention(
     context_lens: Tensor,
     scale: float,
 ) -> Tensor:
-    """Same contract as :func:`kvscale.kernels.reference.paged_decode_attention`."""
+    """:class:`kvscale.kernels.ops.DecodeAttention` in C, every sequence of a layer in one call;
+    the reference where the C kernel does not apply (no compiler, another dtype or head size)."""
     lib = _library()
     head_dim = query.shape[-1]
     if (lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or query.is_cuda
@@ -255,3 +267,16 @@ def paged_decode_attention(
     if status:
         raise MemoryError("decode attention could not allocate its score buffers")
     return out.to(query.dtype)
+
+
+# The engine's CPU path: decode attention in C (also for the decode tokens of mixed batches),
+# KV writes and multi-token prefill attention in PyTorch (already one gather and one SDPA each).
+CPU = KernelBackend(
+    "cpu",
+    write_kv=reference.write_kv,
+    paged_decode_attention=paged_decode_attention,
+    paged_prefill_attention=functools.partial(
+        reference.paged_prefill_attention, decode=paged_decode_attention
+    ),
+    prefill_batches_decodes=True,
+)

@@ -193,7 +193,7 @@ def paged_decode_attention(
     *,
     partition_size: int | None = None,
 ) -> Tensor:
-    """Triton version of :func:`kvscale.kernels.reference.paged_decode_attention`.
+    """:class:`kvscale.kernels.ops.DecodeAttention` in Triton.
 
     ``partition_size`` (tokens, a multiple of the tile) overrides the split of long contexts;
     by default the context is split only when too few (sequence, KV head) pairs would keep

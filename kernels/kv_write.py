@@ -54,7 +54,7 @@ def _write_kv_kernel(
 def write_kv(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
-    """Triton version of :func:`kvscale.kernels.reference.write_kv`."""
+    """:class:`kvscale.kernels.ops.WriteKV`, one program per token."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if k_cache.shape != v_cache.shape or k_cache.shape[2:] != (num_kv_heads, head_dim):
         raise ValueError(

@@ -116,10 +116,10 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,
 ) -> Tensor:
-    """Triton version of :func:`kvscale.kernels.reference.paged_prefill_attention`.
+    """:class:`kvscale.kernels.ops.PrefillAttention` in Triton.
 
-    ``max_query_len`` (the longest sequence's new tokens) sizes the launch grid; the engine
-    knows it on the host, and without it it is read back from ``query_start_loc``.
+    ``max_query_len`` sizes the launch grid; without it it is read back from
+    ``query_start_loc`` (a device sync).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape

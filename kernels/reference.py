@@ -1,31 +1,26 @@
-"""PyTorch reference implementations of the paged-KV kernels.
+"""PyTorch reference implementations of the paged-KV ops (:mod:`kvscale.kernels.ops`).
 
-They define the semantics the Triton kernels must match, and they are the engine's CPU hot path,
-so they avoid per-token Python work: K/V are gathered through the block table a whole block at a
-time with one ``index_select`` per cache (decode packs the sequences' blocks back to back, with
-no padding to the longest context) and attended to with SDPA.
-
-Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a slot is
-``block_id * block_size + offset``. Softmax runs in float32 whatever the cache dtype.
+They define the semantics the Triton and C kernels must match, and they are the engine's CPU
+path where no C kernel applies, so they avoid per-token Python work: K/V are gathered through the
+block table a whole block at a time with one ``index_select`` per cache and attended to with
+SDPA or two small GEMMs.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention"]
+from kvscale.kernels.ops import DecodeAttention, KernelBackend
+
+__all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention", "REFERENCE"]
+
 
 def write_kv(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
-    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their slots in place.
-
-    A slot of -1 means "don't store" (e.g. a token whose KV is already cached).
-    """
+    """:class:`kvscale.kernels.ops.WriteKV` with one ``index_copy_`` per cache."""
     check_cache(k_cache, v_cache)
     if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != k_cache.shape[2:]:
         raise ValueError(
@@ -55,12 +50,7 @@ def paged_decode_attention(
     context_lens: Tensor,
     scale: float,
 ) -> Tensor:
-    """Attention of one new token per sequence over its whole paged context.
-
-    ``query`` ``[num_seqs, num_heads, head_dim]``; ``block_tables`` ``[num_seqs, max_blocks]``
-    (padding entries are ignored); ``context_lens`` ``[num_seqs]`` counts the cached tokens
-    including the new one. Returns ``[num_seqs, num_heads, head_dim]`` in the query's dtype.
-    """
+    """:class:`kvscale.kernels.ops.DecodeAttention`, one sequence at a time."""
     check_cache(k_cache, v_cache)
     num_seqs, num_heads, head_dim = query.shape
     check_heads(num_heads, k_cache.shape[2])
@@ -109,16 +99,13 @@ def paged_prefill_attention(
     context_lens: Tensor,
     scale: float,
     *,
-    decode: Callable[..., Tensor] | None = None,
+    max_query_len: int | None = None,
+    decode: DecodeAttention | None = None,
 ) -> Tensor:
-    """Causal attention of a ragged batch of new tokens over their paged contexts.
+    """:class:`kvscale.kernels.ops.PrefillAttention`, sequences of equal shape batched.
 
-    ``query`` ``[num_tokens, num_heads, head_dim]`` concatenates the new tokens of every
-    sequence; ``query_start_loc`` ``[num_seqs + 1]`` holds their cumulative offsets. The new
-    tokens of sequence i are the last ``q_len_i`` of its ``context_lens[i]`` cached tokens (their
-    KV already written), and the query at position p sees keys 0..p. This covers a whole prompt,
-    a chunk after a cached prefix, and a decode token (q_len 1) alike. Single-token sequences go
-    through ``decode`` (default: :func:`paged_decode_attention`) in one batched call.
+    Single-token sequences go through ``decode`` (default: :func:`paged_decode_attention`) in
+    one batched call. ``max_query_len`` is not needed here: the lengths are read on the host.
     """
     check_cache(k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
@@ -152,6 +139,7 @@ def paged_prefill_attention(
     for (q_len, ctx), members in groups.items():
         tables = block_tables[torch.tensor(members, device=block_tables.device)]
         keys, values = _gather_kv(k_cache, v_cache, tables, ctx)  # [S, ctx, Hkv, D]
+        rows: slice | Tensor
         if len(members) == 1:
             rows = slice(starts[members[0]], starts[members[0] + 1])
             q = query[rows][None]
@@ -228,3 +216,12 @@ def check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
 def check_heads(num_heads: int, num_kv_heads: int) -> None:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+
+
+REFERENCE = KernelBackend(
+    "reference",
+    write_kv=write_kv,
+    paged_decode_attention=paged_decode_attention,
+    paged_prefill_attention=paged_prefill_attention,
+    prefill_batches_decodes=True,
+)

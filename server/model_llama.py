@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvscale.kernels import cpu_native, paged_decode_attention, paged_prefill_attention, write_kv
+from kvscale.kernels import cpu_native
+from kvscale.server.attention_metadata import AttentionMetadata
 from kvscale.server.cpu_linear import lay_out_cpu_linears
 
 
@@ -37,33 +38,6 @@ class DecoderSpec:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
-
-
-@dataclass
-class AttentionMetadata:
-    """How this step's flattened tokens map onto sequences and KV slots (built by the runner)."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] long
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
-    context_lens: torch.Tensor  # [num_seqs] int32, including this step's tokens
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    is_decode: bool  # every sequence contributes exactly one token
-    max_query_len: int = 1  # the longest sequence's new tokens, known on the host (no device read-back)
-    split: DecodePrefillSplit | None = None  # mixed batches on the kernels' GPU path (see there)
-
-
-@dataclass
-class DecodePrefillSplit:
-    """A mixed batch cut in two for the GPU kernels: single-token sequences go to the decode
-    kernel instead of occupying a whole query tile of the prefill kernel each."""
-
-    decode_rows: torch.Tensor  # [num_decode] long: their tokens' rows in the flattened batch
-    decode_block_tables: torch.Tensor
-    decode_context_lens: torch.Tensor
-    prefill_rows: torch.Tensor  # [num_prefill_tokens] long
-    prefill_block_tables: torch.Tensor
-    prefill_context_lens: torch.Tensor
-    prefill_query_start_loc: torch.Tensor
 
 
 def spec_from_hf_config(config: Any) -> DecoderSpec:
@@ -95,7 +69,7 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     if not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
     if rope_type == "default":
         base = float(params.get("rope_theta", 10000.0))
         dims = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
@@ -169,11 +143,11 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_proj_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
         # Whether cos/sin repeat their first half in their second (not with partial rotary).
         self.rope_halves_repeat = True
 
@@ -191,8 +165,10 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None or not self.rope_halves_repeat:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
         else:
@@ -202,22 +178,23 @@ class Attention(nn.Module):
             if qk is None:
                 qk = apply_rope(heads, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops = meta.kernels
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
-            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+            out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
         elif meta.split is not None:
             split = meta.split
             out = q.new_empty(q.shape)
-            out[split.decode_rows] = paged_decode_attention(
+            out[split.decode_rows] = ops.paged_decode_attention(
                 q[split.decode_rows], k_cache, v_cache, split.decode_block_tables, split.decode_context_lens,
                 self.scale,
             )
-            out[split.prefill_rows] = paged_prefill_attention(
+            out[split.prefill_rows] = ops.paged_prefill_attention(
                 q[split.prefill_rows], k_cache, v_cache, split.prefill_block_tables, split.prefill_query_start_loc,
                 split.prefill_context_lens, self.scale, max_query_len=meta.max_query_len,
             )
         else:
-            out = paged_prefill_attention(
+            out = ops.paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
                 max_query_len=meta.max_query_len,
             )
@@ -288,8 +265,9 @@ class DecoderForCausalLM(nn.Module):
             cos = torch.cat((cos, cos.new_ones(max_len, rot)), dim=-1)
             sin = torch.cat((sin, sin.new_zeros(max_len, rot)), dim=-1)
         self._cos_sin = (cos, sin)
-        for layer in self.layers:
-            layer.self_attn.rope_halves_repeat = rot == 0
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.rope_halves_repeat = rot == 0
 
     def forward(
         self,
@@ -305,9 +283,10 @@ class DecoderForCausalLM(nn.Module):
         cos = cos_table.index_select(0, positions).unsqueeze(1)  # broadcast over heads
         sin = sin_table.index_select(0, positions).unsqueeze(1)
         hidden = self.embed_tokens(input_ids)
-        residual = None
+        residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, k_cache, v_cache, meta)
+        assert residual is not None, "a model without layers"
         hidden, _ = self.norm.add_and_norm(hidden.index_select(0, logits_indices),
                                            residual.index_select(0, logits_indices))
         return self.lm_head(hidden)

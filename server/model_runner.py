@@ -2,8 +2,8 @@
 
 The runner owns the KV cache tensors and turns the scheduler's decisions into the tensors the
 model needs: token ids, positions, the KV slot of every new token, block tables, context
-lengths and where each sequence's tokens start. Attention goes through ``kvscale.kernels``,
-which runs the PyTorch references on CPU and the Triton kernels on GPU.
+lengths and where each sequence's tokens start. Attention runs on the ``kvscale.kernels``
+backend for its device (C and PyTorch on CPU, Triton on GPU), picked once here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from kvscale import kernels
+from kvscale.server.attention_metadata import AttentionMetadata, DecodePrefillSplit
 from kvscale.server.memory_profile import MemoryMeter
-from kvscale.server.model_llama import AttentionMetadata, DecodePrefillSplit, DecoderForCausalLM
+from kvscale.server.model_llama import DecoderForCausalLM
 from kvscale.server.outputs import RequestMetrics
 from kvscale.server.sampler import Sampler, SamplingRow, make_generator
 from kvscale.server.sampling_params import SamplingParams
@@ -93,6 +94,7 @@ class ModelRunner:
         self.device = device
         if device.type == "cpu":
             keep_freed_memory_for_reuse()
+        self.kernels = kernels.backend_for(device)
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
@@ -190,6 +192,7 @@ class ModelRunner:
                 context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
                 query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
                 is_decode=all(count == 1 for _, count in chunks),
+                kernels=self.kernels,
                 max_query_len=max(count for _, count in chunks),
             )
             last = torch.tensor([s - 1 for s in starts[1:]], dtype=torch.long, device=device)
@@ -206,9 +209,11 @@ class ModelRunner:
         """Copy-on-write: duplicate whole blocks (every layer, K and V) before they diverge."""
         if not copies:
             return
+        cache = self.kv_cache
+        assert cache is not None, "allocate_kv_cache first"
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        cache[:, :, dst] = cache[:, :, src]
 
     def prepare(
         self, scheduled: list[ScheduledSeq]
@@ -265,9 +270,10 @@ class ModelRunner:
             context_lens=to_device(torch.tensor(context_lens, dtype=torch.int32)),
             query_start_loc=to_device(torch.tensor(query_start, dtype=torch.int32)),
             is_decode=is_decode,
+            kernels=self.kernels,
             max_query_len=max(item.num_new_tokens for item in scheduled),
         )
-        if not is_decode and kernels.use_triton(self.kv_cache):
+        if not is_decode and not self.kernels.prefill_batches_decodes:
             meta.split = self._split(scheduled, tables, query_start, context_lens)
         ids = to_device(torch.tensor(input_ids, dtype=torch.long))
         flat_rows = [query_start[i + 1] - 1 for i in sample_rows] + prompt_flat_rows

@@ -258,21 +258,21 @@ def run_checks(kernels: list[str], dtypes: list[torch.dtype], cases: int, seed: 
                device: str) -> list[dict]:
     """Run ``cases`` random comparisons per kernel and dtype of the Triton kernels on ``device``.
 
-    The public entry points of :mod:`kvscale.kernels` are called, so the dispatch is checked
+    The backend :func:`kvscale.kernels.backend_for` picks is called, so the choice is checked
     too: on ``device`` it must pick Triton (CUDA, or ``KVSCALE_FORCE_TRITON=1``).
     """
     import kvscale.kernels as dispatch
     from kvscale.kernels import triton_kernels
 
-    if not dispatch.use_triton(torch.empty(0, device=device)):
+    if not dispatch.use_triton(torch.device(device)):
         raise RuntimeError(
             f"kvscale.kernels would not use Triton on {device!r}: "
             "use a CUDA device or set KVSCALE_FORCE_TRITON=1 (with TRITON_INTERPRET=1 on CPU)"
         )
     results = []
     for kernel in kernels:
-        # The partition size is not part of the shared signature: call the launcher itself.
-        impl = triton_kernels if kernel == "decode_split" else dispatch
+        # The partition size is not part of the ops' signature: call the launcher itself.
+        impl = triton_kernels if kernel == "decode_split" else dispatch.backend_for(torch.device(device))
         for dtype in dtypes:
             gen = torch.Generator().manual_seed(seed)
             for _ in range(cases):

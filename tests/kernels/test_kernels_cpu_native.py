@@ -75,19 +75,23 @@ def test_a_bad_block_table_raises_instead_of_reading_out_of_bounds() -> None:
                                           case.block_tables, too_long, case.scale)
 
 
-def test_the_engine_dispatch_uses_it_for_cpu_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cpu_backend_runs_it_for_every_decode_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Decode batches, and the single-token sequences of mixed batches, reach the C kernel.
+    lib = cpu_native._library()
+    assert lib is not None
     calls: list[int] = []
-    real = cpu_native.paged_decode_attention
+    real = lib.kvscale_paged_decode_attention
 
-    def counting(*args, **kwargs):
+    def counting(*args):
         calls.append(1)
-        return real(*args, **kwargs)
+        return real(*args)
 
-    monkeypatch.setattr(cpu_native, "paged_decode_attention", counting)
+    monkeypatch.setattr(lib, "kvscale_paged_decode_attention", counting)
+    backend = kernels.backend_for(torch.device("cpu"))
     case = random_case(torch.Generator().manual_seed(3), decode=True)
-    _run(case, kernels.paged_decode_attention)
+    _run(case, backend.paged_decode_attention)
     prefill = random_case(torch.Generator().manual_seed(4), decode=False)
-    kernels.paged_prefill_attention(prefill.query, prefill.k_cache, prefill.v_cache,
+    backend.paged_prefill_attention(prefill.query, prefill.k_cache, prefill.v_cache,
                                     prefill.block_tables, prefill.query_start_loc,
                                     prefill.context_lens, prefill.scale)
     assert len(calls) == 1 + (1 in prefill.q_lens)

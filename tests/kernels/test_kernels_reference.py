@@ -16,7 +16,7 @@ from kernel_checks import (
 )
 
 import kvscale.kernels as kernels
-from kvscale.kernels import reference
+from kvscale.kernels import cpu_native, reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -96,17 +96,26 @@ def test_reference_write_kv_stores_tokens_and_skips_minus_one(dtype: torch.dtype
             assert torch.equal(flat_v[slot], before_v.view(32, 2, 16)[slot])
 
 
-def test_dispatch_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_tensors_get_the_cpu_backend_unless_triton_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSCALE_FORCE_TRITON", raising=False)
     case = random_case(torch.Generator().manual_seed(5), decode=False)
-    assert not kernels.use_triton(case.query)
-    out = kernels.paged_prefill_attention(
+    assert not kernels.use_triton(case.query.device)
+    backend = kernels.backend_for(case.query.device)
+    assert backend is cpu_native.CPU
+    out = backend.paged_prefill_attention(
         case.query, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc,
         case.context_lens, case.scale,
     )
     assert max_error(out, dense_attention(case)) <= TOLERANCE[torch.float32]
     monkeypatch.setenv("KVSCALE_FORCE_TRITON", "1")
-    assert kernels.use_triton(case.query)
+    assert kernels.use_triton(case.query.device)
+
+
+def test_the_reference_backend_is_the_reference_functions() -> None:
+    backend = reference.REFERENCE
+    assert backend.write_kv is reference.write_kv
+    assert backend.paged_decode_attention is reference.paged_decode_attention
+    assert backend.paged_prefill_attention is reference.paged_prefill_attention
 
 
 def test_reference_rejects_bad_shapes() -> None:

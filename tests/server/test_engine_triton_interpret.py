@@ -5,9 +5,9 @@ The kernels run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1`` w
 runner's slot mapping, block tables, context lengths, chunked-prefill offsets and prefix-cache
 hits, as the kernels receive them from the engine. The engine runs in a child process (this file,
 run as a script): Triton decides between compiling and interpreting when a kernel is decorated,
-so the variable must be set before anything imports it. In the child the PyTorch reference
-kernels are replaced by functions that fail, so every KV write and attention provably went
-through Triton.
+so the variable must be set before anything imports it. In the child the CPU backends' ops are
+replaced by functions that fail and the Triton backend's are counted, so every KV write and
+attention provably went through Triton.
 """
 
 from __future__ import annotations
@@ -113,9 +113,9 @@ def test_runner_passes_max_query_len_from_the_host(make_engine):
 
 def _child(spec: dict) -> None:
     import collections
+    import dataclasses
 
-    import kvscale.kernels as kernels
-    from kvscale.kernels import reference
+    from kvscale.kernels import cpu_native, reference, triton_kernels
     from kvscale.server.config import EngineConfig
     from kvscale.server.engine import LLMEngine
     from kvscale.server.sampling_params import SamplingParams
@@ -123,13 +123,13 @@ def _child(spec: dict) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     calls: collections.Counter = collections.Counter()
     max_query_len = [0]
-    triton_module = kernels.triton_kernels
+    failing, counting = {}, {}
     for name in ("write_kv", "paged_decode_attention", "paged_prefill_attention"):
         def fail(*args, _name=name, **kwargs):
-            raise AssertionError(f"reference {_name} called: the Triton path was not taken")
+            raise AssertionError(f"CPU {_name} called: the Triton path was not taken")
 
-        setattr(reference, name, fail)
-        inner = getattr(triton_module, name)
+        failing[name] = fail
+        inner = getattr(triton_kernels.TRITON, name)
 
         def counted(*args, _name=name, _inner=inner, **kwargs):
             calls[_name] += 1
@@ -137,7 +137,11 @@ def _child(spec: dict) -> None:
                 max_query_len[0] = max(max_query_len[0], kwargs.get("max_query_len") or 0)
             return _inner(*args, **kwargs)
 
-        setattr(triton_module, name, counted)
+        counting[name] = counted
+    # The engine's runner picks its backend through kvscale.kernels.backend_for, which reads these.
+    cpu_native.CPU = dataclasses.replace(cpu_native.CPU, **failing)
+    reference.REFERENCE = dataclasses.replace(reference.REFERENCE, **failing)
+    triton_kernels.TRITON = dataclasses.replace(triton_kernels.TRITON, **counting)
 
     engine = LLMEngine(EngineConfig(model=spec["model"], dtype="float32", device="cpu", **spec["engine"]))
     split_steps = [0]

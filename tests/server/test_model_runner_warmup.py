@@ -4,8 +4,8 @@ it runs prefill, mixed and decode passes and leaves nothing behind that a reques
 from __future__ import annotations
 
 import collections
+import dataclasses
 
-from kvscale.server import model_llama
 from kvscale.server.sampling_params import SamplingParams
 
 
@@ -14,14 +14,16 @@ def test_warm_up_runs_every_attention_path_and_leaves_no_trace(
 ):
     engine = make_engine()
     calls: collections.Counter = collections.Counter()
+    counting = {}
     for name in ("write_kv", "paged_decode_attention", "paged_prefill_attention"):
-        inner = getattr(model_llama, name)
+        inner = getattr(engine.runner.kernels, name)
 
         def counted(*args, _name=name, _inner=inner, **kwargs):
             calls[_name] += 1
             return _inner(*args, **kwargs)
 
-        monkeypatch.setattr(model_llama, name, counted)
+        counting[name] = counted
+    monkeypatch.setattr(engine.runner, "kernels", dataclasses.replace(engine.runner.kernels, **counting))
     engine.runner.warm_up()
     layers = engine.model.spec.num_layers
     assert calls == {"write_kv": 3 * layers, "paged_prefill_attention": 2 * layers,
