@@ -24,31 +24,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvscale.drain import Drain, DrainMiddleware
 from kvscale.server import protocol as p
-from kvscale.server.admission import resolve_max_tokens
 from kvscale.server.async_engine import AsyncEngine
 from kvscale.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvscale.server.metrics import HTTPStatusMiddleware, ServerMetrics
-from kvscale.server.serving import (
-    ERROR_RESPONSES,
-    OPEN_PATHS,
-    APIError,
-    OpenAIServer,
-    bad_request,
-    sampling_params_from,
-)
-from kvscale.server.serving_chat import chat_logprobs, create_chat_completion
-from kvscale.server.serving_completions import (
-    completion_logprobs,
-    completion_prompts,
-    create_completion,
-)
+from kvscale.server.serving import ERROR_RESPONSES, APIError, OpenAIServer, bad_request
+from kvscale.server.serving_chat import create_chat_completion
+from kvscale.server.serving_completions import create_completion
 from kvscale.server.serving_tokenize import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 
-# Re-exported: the mapping helpers' long-standing home for tests and tools.
-__all__ = ["APIError", "OPEN_PATHS", "OpenAIServer", "bad_request", "build_app", "chat_logprobs",
-           "completion_logprobs", "completion_prompts", "resolve_max_tokens", "sampling_params_from"]
+__all__ = ["build_app"]
 
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 

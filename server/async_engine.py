@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,7 +177,7 @@ class AsyncEngine:
         (stream,) = await self.add_requests([(request_id, prompt, params, cache_salt)])
         return stream
 
-    async def add_requests(self, requests: list[NewRequest]) -> list[RequestStream]:
+    async def add_requests(self, requests: Sequence[NewRequest]) -> list[RequestStream]:
         """Hand requests to the engine in one go (they start in the same step); returns their
         streams once the engine accepted all of them.
 
@@ -248,6 +248,8 @@ class AsyncEngine:
 
     def _loop_forever(self) -> None:
         engine = self.engine
+        loop = self._loop
+        assert loop is not None, "start() sets the loop before the thread runs"
         last_publish = 0.0
         while True:
             busy = engine.has_unfinished_requests()
@@ -257,7 +259,7 @@ class AsyncEngine:
                     return
                 if isinstance(command, _Add):
                     error = self._engine_add(command)
-                    self._loop.call_soon_threadsafe(self._on_accepted, command, error)
+                    loop.call_soon_threadsafe(self._on_accepted, command, error)
                 elif isinstance(command, _Abort):
                     engine.abort_request(command.request_id)
             outputs: list[RequestOutput] = []
@@ -270,7 +272,7 @@ class AsyncEngine:
             if self.publisher is not None:
                 self.publisher.on_step(events=events, stats=stats, snapshot=engine.cached_block_hashes)
             last_publish = time.monotonic()
-            self._loop.call_soon_threadsafe(self._on_step_done, outputs, stats)
+            loop.call_soon_threadsafe(self._on_step_done, outputs, stats)
 
     def _take_commands(self, *, block: bool) -> list:
         commands = []

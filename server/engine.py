@@ -1,39 +1,40 @@
 """LLMEngine: requests in, one scheduling + forward + sampling iteration per ``step()``, outputs out.
 
 The HTTP server and the offline ``LLM`` both drive this: ``add_request`` / ``abort_request`` /
-``step``. Outputs are cumulative per request; a finished request is reported once with
-``finished=True`` and forgotten.
+``step``. A request's outputs are cumulative, or deltas for the server (output_builder.py); a
+finished request is reported once with ``finished=True`` and forgotten. The engine wires the
+parts together at construction (model, KV pool sized by kv_sizing.py, scheduler, runner,
+sampler) and owns the step loop and the end-of-sequence checks; its stats are engine_stats.py's.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import weakref
-from dataclasses import replace
 
 import torch
 
 from kvscale.model_files import load_tokenizer, resolve_model_path, served_model_name
 from kvscale.server.block_pool import BlockPool
-from kvscale.server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from kvscale.server.detokenizer import (
-    detokenize_incrementally,
-    find_stop_string,
-    init_detokenizer,
-    visible_text,
-    visible_text_len,
-)
+from kvscale.server.config import EngineConfig
+from kvscale.server.detokenizer import detokenize_incrementally, find_stop_string, init_detokenizer
+from kvscale.server.engine_stats import engine_stats
 from kvscale.server.kv_cache_manager import KVCacheManager, blocks_for
-from kvscale.server.kv_sizing import kv_cache_blocks, pass_decides_pool, profile_shape
+from kvscale.server.kv_sizing import largest_step_profile, pass_decides_pool, pool_blocks
 from kvscale.server.memory_profile import device_memory
-from kvscale.server.model_loader import load_hf_config, load_model, resolve_dtype
+from kvscale.server.model_loader import (
+    eos_token_ids,
+    load_hf_config,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
 from kvscale.server.model_runner import ModelRunner, StepLogits, StepProfile, kv_block_bytes
+from kvscale.server.output_builder import cumulative_output, delta_output
 from kvscale.server.outputs import (
-    CompletionOutput,
     EngineStats,
     KVEvent,
+    PositionLogprobs,
     RequestMetrics,
     RequestOutput,
 )
@@ -44,20 +45,12 @@ from kvscale.server.sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
-# model -> {(sequence lengths, block size, device): what its profiling pass measured}
-_STEP_PROFILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
-
 
 class LLMEngine:
+    # The server sets this: each output then carries only what is new since the request's
+    # previous one (no per-step copy of the whole text, token ids and logprobs).
+    output_deltas = False
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
@@ -83,7 +76,7 @@ class LLMEngine:
         wanted_len = config.max_model_len or model_max_len
 
         block_bytes = kv_block_bytes(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype)
-        self.eos_token_ids = self._eos_token_ids(path)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, path)
         self.sampler = Sampler(self.eos_token_ids, self._decode_token, seed=config.seed)
         self.runner = ModelRunner(self.model, config.block_size, self.dtype, self.device)
         used = total = 0
@@ -94,8 +87,8 @@ class LLMEngine:
             used, total = device_memory(self.device)
         self.step_profile: StepProfile | None = None
         if pass_decides_pool(self.device.type, config.kv_cache_memory_bytes, config.num_gpu_blocks_override):
-            self.step_profile = self._profile_largest_step(wanted_len)
-        self.num_blocks = self._num_blocks(block_bytes, used, total)
+            self.step_profile = largest_step_profile(self.runner, self.sampler, config, wanted_len)
+        self.num_blocks = pool_blocks(config, block_bytes, used, total, self.step_profile)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         # A sequence may never need more than the whole pool (so preemption always makes progress).
         self.max_model_len = min(wanted_len, self.num_blocks * config.block_size)
@@ -114,60 +107,6 @@ class LLMEngine:
             self.model_name, self.device, self.dtype, self.num_blocks, self.block_size,
             self.kv_cache_bytes / 2**20, self.max_model_len,
         )
-
-    # --- setup helpers ------------------------------------------------------------------
-    def _profile_largest_step(self, max_model_len: int) -> StepProfile:
-        """Run (or recall) the profiling pass for the largest step this engine can schedule."""
-        config = self.config
-        lengths = profile_shape(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
-        # The same shape on the same weights peaks the same: engines sharing a process's weights
-        # (tests, several LLM objects) measure it once.
-        key = (tuple(lengths), config.block_size, str(self.device))
-        known = _STEP_PROFILES.setdefault(self.model, {})
-        profile = known.get(key)
-        reused = profile is not None
-        if profile is None:
-            profile = known[key] = self.runner.profile_run(lengths, self.sampler)
-        peak = "not measurable here" if profile.peak_bytes is None else f"+{profile.peak_bytes / 2**20:.1f} MiB"
-        logger.info(
-            "profiling pass: %d tokens in %d sequences, peak %s%s", profile.num_tokens, profile.num_seqs,
-            peak, " (measured earlier in this process)" if reused else f" in {profile.seconds:.1f} s",
-        )
-        return profile
-
-    def _num_blocks(self, block_bytes: int, used: int, total: int) -> int:
-        config = self.config
-        if config.num_gpu_blocks_override is not None:
-            return config.num_gpu_blocks_override
-        if self.step_profile is not None:
-            # CUDA always has a meter, so the pass always has a peak.
-            assert self.step_profile.peak_bytes is not None
-            return kv_cache_blocks(
-                total, used, self.step_profile.peak_bytes, config.gpu_memory_utilization, block_bytes,
-                block_size=config.block_size, max_model_len=config.max_model_len,
-            )
-        budget = config.kv_cache_memory_bytes
-        if budget is None:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = budget // block_bytes
-        if num_blocks < 1:
-            raise ValueError(
-                f"KV cache budget of {budget} bytes is smaller than one block ({block_bytes} bytes)"
-            )
-        return int(num_blocks)
-
-    def _eos_token_ids(self, path) -> set[int]:
-        ids: set[int] = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        gen_config = path / "generation_config.json"
-        if gen_config.is_file():
-            eos = json.loads(gen_config.read_text()).get("eos_token_id")
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif isinstance(eos, list):
-                ids.update(int(e) for e in eos)
-        return ids
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -289,6 +228,7 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         self.num_generated_tokens += len(tokens)
 
+        build = delta_output if self.output_deltas else cumulative_output
         outputs = []
         for request in touched.values():
             finished = request.is_finished
@@ -296,7 +236,7 @@ class LLMEngine:
                 request.finished = True
                 request.metrics.finished_time = now
                 self.requests.pop(request.request_id, None)
-            outputs.append(self._request_output(request, finished))
+            outputs.append(build(request, finished))
         return outputs
 
     def _record_prompt_logprobs(self, scheduled: list[ScheduledSeq], step_logits: StepLogits) -> None:
@@ -306,9 +246,12 @@ class LLMEngine:
         for rows in step_logits.prompt_rows:
             seq = scheduled[rows.sched_index].seq
             request = seq.request
+            recorded = request.prompt_logprobs
+            # The runner makes prompt rows only for requests that asked for prompt logprobs.
+            assert recorded is not None
             for k in range(rows.count):
                 token_index = rows.first_token + k
-                request.prompt_logprobs[token_index] = self.sampler.position_logprobs(
+                recorded[token_index] = self.sampler.position_logprobs(
                     all_logprobs[offset + k], seq.token_ids[token_index], request.params.prompt_logprobs
                 )
             offset += rows.count
@@ -328,7 +271,7 @@ class LLMEngine:
         parent.fork_into = 1
         return children
 
-    def _append_token(self, seq: Sequence, token: int, position_logprobs) -> None:
+    def _append_token(self, seq: Sequence, token: int, position_logprobs: PositionLogprobs | None) -> None:
         params = seq.params
         seq.token_ids.append(token)
         if position_logprobs is not None:
@@ -350,103 +293,11 @@ class LLMEngine:
         if num_output >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 
-    # The server sets this: each output then carries only what is new since the request's
-    # previous one (no per-step copy of the whole text, token ids and logprobs).
-    output_deltas = False
-
-    def _request_output(self, request: Request, finished: bool) -> RequestOutput:
-        if self.output_deltas:
-            return self._delta_output(request, finished)
-        completions = [
-            CompletionOutput(
-                index=seq.index,
-                text=visible_text(seq),
-                token_ids=seq.output_token_ids,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-            )
-            for seq in sorted(request.seqs, key=lambda s: s.index)
-        ]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=request.num_cached_tokens,
-            metrics=replace(request.metrics),  # a snapshot: the live one moves on with the request
-            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
-        )
-
-    def _delta_output(self, request: Request, finished: bool) -> RequestOutput:
-        completions = []
-        for seq in sorted(request.seqs, key=lambda s: s.index):
-            text_end = max(visible_text_len(seq), seq.sent_text)
-            num_output = seq.num_output_tokens
-            completions.append(CompletionOutput(
-                index=seq.index,
-                text=seq.text[seq.sent_text : text_end],
-                token_ids=seq.token_ids[seq.num_prompt_tokens + seq.sent_tokens :],
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                logprobs=seq.logprobs[seq.sent_tokens :] if seq.logprobs is not None else None,
-            ))
-            seq.sent_text, seq.sent_tokens = text_end, num_output
-        # The prompt's logprobs are complete once it has been prefilled: send them once.
-        prompt_logprobs = None
-        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-            prompt_logprobs = request.prompt_logprobs
-            request.prompt_logprobs_sent = True
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=request.num_cached_tokens,
-            metrics=replace(request.metrics),
-            prompt_logprobs=prompt_logprobs,
-        )
-
     # --- introspection ------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
-        sched = self.scheduler
-        running_requests = {seq.request.request_id for seq in sched.running}
-        waiting_requests = {seq.request.request_id for seq in sched.waiting} - running_requests
-        # For the router's TTFT prediction: prompt work queued here, and how many sequences decode.
-        # A waiting prompt's cached prefix costs nothing: count what admission would still compute.
-        prefill_pending = 0
-        for seq in sched.waiting:
-            cached = len(self.kv.find_cached_prefix(seq)) * self.block_size if not seq.block_table else 0
-            prefill_pending += seq.num_tokens - max(seq.num_computed_tokens, cached)
-        num_decoding = 0
-        for seq in sched.running:
-            left = seq.num_tokens - seq.num_computed_tokens
-            if left > 1:
-                prefill_pending += left
-            else:
-                num_decoding += 1
-        return EngineStats(
-            num_running=len(running_requests),
-            num_waiting=len(waiting_requests),
-            kv_blocks_total=self.pool.num_blocks,
-            kv_blocks_active=self.pool.num_active_blocks,
-            kv_blocks_cached=self.pool.num_cached_free_blocks,
-            block_size=self.block_size,
-            prefix_cache_queries=self.kv.prefix_cache_queries,
-            prefix_cache_hits=self.kv.prefix_cache_hits,
-            num_preemptions=sched.num_preemptions,
-            extra={
-                "generation_tokens_total": float(self.num_generated_tokens),
-                "prompt_tokens_computed_total": float(self.num_prompt_tokens_computed),
-                "prefill_tokens_waiting": float(prefill_pending),
-                "last_step_s": self.last_step_s,
-                "max_num_batched_tokens": float(self.scheduler.max_num_batched_tokens),
-                "num_decoding": float(num_decoding),
-                "kv_blocks_evicted_total": float(self.pool.num_evicted),
-                "enable_prefix_caching": float(self.kv.enable_prefix_caching),
-            },
+        return engine_stats(
+            self.scheduler, self.kv, num_generated_tokens=self.num_generated_tokens,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed, last_step_s=self.last_step_s,
         )
 
     def drain_kv_events(self) -> list[KVEvent]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from kvscale.block_hash import hash_block_tokens
 from kvscale.server.block_pool import BlockPool
 from kvscale.server.sequence import Sequence
@@ -61,7 +63,7 @@ class KVCacheManager:
             and self.pool.blocks[seq.block_table[idx]].ref_count > 1
         )
 
-    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> int:
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: Collection[int] = ()) -> int:
         """Free blocks that scheduling ``num_new_tokens`` more tokens of ``seq`` consumes."""
         if cached:
             num_computed = len(cached) * self.block_size
@@ -76,10 +78,10 @@ class KVCacheManager:
         cow = 1 if (not cached and self._needs_copy_on_write(seq)) else 0
         return max(total - held, 0) + cow + revived
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: Collection[int] = ()) -> bool:
         return self.num_blocks_needed(seq, num_new_tokens, cached) <= self.pool.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: Collection[int] = ()) -> None:
         """Grow ``seq``'s table so its next ``num_new_tokens`` tokens have slots."""
         pool = self.pool
         if cached:

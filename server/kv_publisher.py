@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvscale.kv_index_schema import (
     BLOCKS_TTL_S,
@@ -101,7 +102,7 @@ class KVEventPublisher:
         self._latest_stats_monotonic = 0.0
         self.rates = StepRates()
         self._connected = False
-        self._heartbeat_script = None
+        self._heartbeat_script: Callable[..., Any] | None = None  # registered on first use
         # Counters, read by /metrics and tests.
         self.events_dropped = 0
         self.events_published = 0
@@ -339,10 +340,11 @@ class KVEventPublisher:
         )
 
     def _heartbeat(self, client) -> None:
-        if self._heartbeat_script is None:
-            self._heartbeat_script = heartbeat_script(client)
+        script = self._heartbeat_script
+        if script is None:
+            script = self._heartbeat_script = heartbeat_script(client)
         rid = self.replica_id
-        added = self._heartbeat_script(
+        added = script(
             keys=heartbeat_keys(rid), args=heartbeat_args(rid, self.heartbeat().to_json()),
         )
         if int(added) and not self._resync_pending.is_set():

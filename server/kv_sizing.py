@@ -1,15 +1,31 @@
-"""How big the KV cache may be, decided from measured memory figures (pure functions, no torch).
+"""How big the KV cache may be, decided from measured memory figures.
 
 On a GPU the cache takes what is left of ``gpu_memory_utilization`` of the card once the weights
 are loaded and the largest step the scheduler can build has been run once and its peak measured
 (``ModelRunner.profile_run``): a figure measured on the real model with the real kernels, where
 a formula would miss the logits of prompt-logprobs rows, the sampler's copies and each kernel's
-workspace.
+workspace. Elsewhere the pool is a fixed budget. Everything here but ``largest_step_profile``
+(which runs the pass) is a pure function of the figures; nothing imports torch.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
+from typing import TYPE_CHECKING
+
+from kvscale.server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+
+if TYPE_CHECKING:
+    from kvscale.server.model_runner import ModelRunner, StepProfile
+    from kvscale.server.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
 GIB = 1024**3
+
+# model -> {(sequence lengths, block size, device): what its profiling pass measured}
+_STEP_PROFILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def pass_decides_pool(device_type: str, kv_cache_memory_bytes: int | None,
@@ -81,6 +97,52 @@ def kv_cache_blocks(
             f"(at most {num_blocks * block_size} fits)"
         )
     return num_blocks
+
+
+def pool_blocks(
+    config: EngineConfig, block_bytes: int, used: int, total: int, step_profile: StepProfile | None
+) -> int:
+    """The KV pool's size in blocks: the override, else what the profiling pass leaves room for
+    (``step_profile``, with the device's ``used`` and ``total`` bytes), else the fixed budget."""
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    if step_profile is not None:
+        # CUDA always has a meter, so the pass always has a peak.
+        assert step_profile.peak_bytes is not None
+        return kv_cache_blocks(
+            total, used, step_profile.peak_bytes, config.gpu_memory_utilization, block_bytes,
+            block_size=config.block_size, max_model_len=config.max_model_len,
+        )
+    budget = config.kv_cache_memory_bytes
+    if budget is None:
+        budget = DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes is smaller than one block ({block_bytes} bytes)"
+        )
+    return int(num_blocks)
+
+
+def largest_step_profile(
+    runner: ModelRunner, sampler: Sampler, config: EngineConfig, max_model_len: int
+) -> StepProfile:
+    """Run (or recall) the profiling pass for the largest step this engine can schedule."""
+    lengths = profile_shape(config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+    # The same shape on the same weights peaks the same: engines sharing a process's weights
+    # (tests, several LLM objects) measure it once.
+    key = (tuple(lengths), config.block_size, str(runner.device))
+    known = _STEP_PROFILES.setdefault(runner.model, {})
+    profile = known.get(key)
+    reused = profile is not None
+    if profile is None:
+        profile = known[key] = runner.profile_run(lengths, sampler)
+    peak = "not measurable here" if profile.peak_bytes is None else f"+{profile.peak_bytes / 2**20:.1f} MiB"
+    logger.info(
+        "profiling pass: %d tokens in %d sequences, peak %s%s", profile.num_tokens, profile.num_seqs,
+        peak, " (measured earlier in this process)" if reused else f" in {profile.seconds:.1f} s",
+    )
+    return profile
 
 
 def _gib(num_bytes: int) -> str:

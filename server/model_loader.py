@@ -1,8 +1,10 @@
-"""Building a model for the engine: its config, dtype, weights and architecture (files: kvscale.model_files)."""
+"""Building a model for the engine: its config, device, dtype, weights and architecture, and
+the token ids that end its sequences (finding the files: kvscale.model_files)."""
 
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,33 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("kvscale.server.model_qwen", "qwen2_spec"),
     "qwen3": ("kvscale.server.model_qwen", "qwen3_spec"),
 }
+
+
+def resolve_device(name: str) -> Any:
+    """``auto``: CUDA where there is one, else the CPU."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def eos_token_ids(tokenizer: Any, path: Path) -> set[int]:
+    """The tokenizer's EOS id and those of the model's generation_config.json."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_config = path / "generation_config.json"
+    if gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return ids
 
 
 def resolve_dtype(dtype: str, hf_config: Any, device: Any) -> Any:

@@ -196,8 +196,9 @@ class Sampler:
                 logprobs[i] = host_logprobs[j]
         return token_list, logprobs
 
-    def position_logprobs(self, row_logprobs: torch.Tensor, chosen: int, top_n: int) -> PositionLogprobs:
-        """``chosen`` with its logprob and rank, plus the ``top_n`` most likely tokens."""
+    def position_logprobs(self, row_logprobs: torch.Tensor, chosen: int, top_n: int | None) -> PositionLogprobs:
+        """``chosen`` with its logprob and rank, plus the ``top_n`` most likely tokens (0 or None:
+        none)."""
         chosen_lp = float(row_logprobs[chosen])
         rank = int((row_logprobs > chosen_lp).sum()) + 1
         result: PositionLogprobs = {chosen: Logprob(chosen_lp, rank, self.decode_token(chosen))}

@@ -14,18 +14,20 @@ from kvscale.server import protocol as p
 from kvscale.server.admission import resolve_max_tokens
 from kvscale.server.outputs import CompletionOutput, PositionLogprobs
 from kvscale.server.serving import (
-    ChoiceState,
     OpenAIServer,
     Prepared,
-    StreamFormatter,
     bad_request,
     check_stream_options,
-    collect,
     sampling_params_from,
-    stream_events,
     top_entries,
-    until_disconnect,
     usage,
+)
+from kvscale.server.serving_streams import (
+    ChoiceState,
+    StreamFormatter,
+    collect,
+    stream_events,
+    until_disconnect,
 )
 from kvscale.tokenization import chat_prompt_token_ids
 

@@ -16,18 +16,20 @@ from kvscale.server import protocol as p
 from kvscale.server.admission import resolve_max_tokens
 from kvscale.server.outputs import CompletionOutput, PositionLogprobs
 from kvscale.server.serving import (
-    ChoiceState,
     OpenAIServer,
     Prepared,
-    StreamFormatter,
     bad_request,
     check_stream_options,
-    collect,
     sampling_params_from,
-    stream_events,
     top_entries,
-    until_disconnect,
     usage,
+)
+from kvscale.server.serving_streams import (
+    ChoiceState,
+    StreamFormatter,
+    collect,
+    stream_events,
+    until_disconnect,
 )
 from kvscale.tokenization import completion_prompt_token_ids
 
@@ -92,11 +94,11 @@ def prepare_completion(server: OpenAIServer, body: p.CompletionRequest) -> Prepa
     return Prepared(p.random_id("cmpl"), prompts, echo_texts, params, body.cache_salt)
 
 
-def _with_echo(server: OpenAIServer, body: p.CompletionRequest, prompt_ids: list[int],
+def _with_echo(server: OpenAIServer, num_top: int, prompt_ids: list[int],
                prompt_logprobs: Sequence[PositionLogprobs | None] | None,
                generated: p.CompletionLogprobs) -> p.CompletionLogprobs:
     """The prompt's tokens and logprobs (offsets from 0), followed by the generated ones."""
-    echoed = completion_logprobs(prompt_ids, prompt_logprobs or [], body.logprobs, 0, server.decode_one)
+    echoed = completion_logprobs(prompt_ids, prompt_logprobs or [], num_top, 0, server.decode_one)
     return p.CompletionLogprobs(
         tokens=echoed.tokens + generated.tokens,
         token_logprobs=echoed.token_logprobs + generated.token_logprobs,
@@ -120,7 +122,7 @@ class CompletionFormatter(StreamFormatter):
             generated = completion_logprobs(state.token_ids, state.logprobs, self.body.logprobs,
                                             len(echo) + state.text_sent, self.server.decode_one)
             if first and echo:
-                generated = _with_echo(self.server, self.body, self.prepared.prompts[prompt_index],
+                generated = _with_echo(self.server, self.body.logprobs, self.prepared.prompts[prompt_index],
                                        self.prompt_logprobs[prompt_index], generated)
             logprobs = generated.model_dump()
         state.sent(text)
@@ -145,7 +147,7 @@ async def _respond(server: OpenAIServer, body: p.CompletionRequest, prepared: Pr
                 logprobs = completion_logprobs(completion.token_ids, completion.logprobs, body.logprobs,
                                                len(echo), server.decode_one)
                 if echo:
-                    logprobs = _with_echo(server, body, prepared.prompts[prompt_index], output.prompt_logprobs,
+                    logprobs = _with_echo(server, body.logprobs, prepared.prompts[prompt_index], output.prompt_logprobs,
                                           logprobs)
             choices.append(p.CompletionChoice(
                 index=choice_index(prompt_index, body.n, completion.index), text=echo + completion.text,

@@ -10,7 +10,8 @@ import pytest
 
 from kvscale import LLM, SamplingParams
 from kvscale.server import protocol as p
-from kvscale.server.api_server import APIError, OpenAIServer
+from kvscale.server.serving import APIError, OpenAIServer
+from kvscale.server.serving_completions import prepare_completion
 
 MAX_MODEL_LEN = 64
 VOCAB = 49152
@@ -50,7 +51,7 @@ def test_both_edges_give_the_same_single_message(case: str, llm, http_edge) -> N
     body = p.CompletionRequest.model_construct(**{**p.CompletionRequest(prompt=[1]).model_dump(),
                                                   "prompt": ids, "max_tokens": max_tokens})
     with pytest.raises(APIError) as http_error:
-        http_edge.prepare_completion(body)
+        prepare_completion(http_edge, body)
     assert http_error.value.status == 400
     assert http_error.value.message == message
 

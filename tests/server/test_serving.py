@@ -9,14 +9,11 @@ from pydantic import ValidationError
 
 from kvscale.model_files import load_tokenizer, resolve_model_path
 from kvscale.server import protocol as p
-from kvscale.server.api_server import (
-    chat_logprobs,
-    completion_logprobs,
-    completion_prompts,
-    resolve_max_tokens,
-    sampling_params_from,
-)
+from kvscale.server.admission import resolve_max_tokens
 from kvscale.server.outputs import Logprob
+from kvscale.server.serving import sampling_params_from
+from kvscale.server.serving_chat import chat_logprobs
+from kvscale.server.serving_completions import completion_logprobs, completion_prompts
 from kvscale.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
 
 

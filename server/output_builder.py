@@ -1,0 +1,72 @@
+"""A request's output after a step, built from its sequences: cumulative, or only what is new.
+
+The offline ``LLM`` gets cumulative outputs (everything so far); the server gets deltas
+(``LLMEngine.output_deltas``): each carries only the text, token ids and logprobs its step added,
+so no step copies a whole answer. Either way ``metrics`` is a snapshot, since the live one moves
+on with the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvscale.server.detokenizer import visible_text, visible_text_len
+from kvscale.server.outputs import CompletionOutput, RequestOutput
+from kvscale.server.sequence import Request
+
+
+def cumulative_output(request: Request, finished: bool) -> RequestOutput:
+    """Everything the request has produced so far."""
+    completions = [
+        CompletionOutput(
+            index=seq.index,
+            text=visible_text(seq),
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+        )
+        for seq in sorted(request.seqs, key=lambda s: s.index)
+    ]
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=completions,
+        finished=finished,
+        num_cached_tokens=request.num_cached_tokens,
+        metrics=replace(request.metrics),
+        prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
+    )
+
+
+def delta_output(request: Request, finished: bool) -> RequestOutput:
+    """What the request produced since its previous delta (and marks it sent)."""
+    completions = []
+    for seq in sorted(request.seqs, key=lambda s: s.index):
+        text_end = max(visible_text_len(seq), seq.sent_text)
+        num_output = seq.num_output_tokens
+        completions.append(CompletionOutput(
+            index=seq.index,
+            text=seq.text[seq.sent_text : text_end],
+            token_ids=seq.token_ids[seq.num_prompt_tokens + seq.sent_tokens :],
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs[seq.sent_tokens :] if seq.logprobs is not None else None,
+        ))
+        seq.sent_text, seq.sent_tokens = text_end, num_output
+    # The prompt's logprobs are complete once it has been prefilled: send them once.
+    prompt_logprobs = None
+    if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+        prompt_logprobs = request.prompt_logprobs
+        request.prompt_logprobs_sent = True
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=completions,
+        finished=finished,
+        num_cached_tokens=request.num_cached_tokens,
+        metrics=replace(request.metrics),
+        prompt_logprobs=prompt_logprobs,
+    )
