@@ -1,6 +1,7 @@
 """What one routing decision costs in the router process, and what a full GC costs there.
 
-In process, no network, the router's own code (``kvscale.router.app.Router``, 4 replicas):
+In process, no network, the router's own code (``kvscale.router.app.Router``, 4 replicas: its
+``hasher`` and ``decider``):
 
 1. A full garbage collection with the tokenizer loaded (so transformers imported) before and after
    ``freeze_startup_heap``, the baseline and the change measured in one run. Everything below then
@@ -36,7 +37,8 @@ from bench.common import machine, median_ms, quantile, write_result
 from bench.w3_workloads import WORDS, conversation_messages, conversations, shared_prefix_prompts
 from kvscale.block_hash import hash_prompt_blocks
 from kvscale.processes import freeze_startup_heap
-from kvscale.router.app import Router, RouterConfig
+from kvscale.router.app import Router
+from kvscale.router.config import RouterConfig
 from kvscale.tokenization import chat_text_token_ids, render_chat_prompt
 
 MODEL = "smollm2-135m-instruct"
@@ -51,20 +53,20 @@ def make_router(replicas: int, chat_cache_tokens: int | None = None) -> Router:
     if chat_cache_tokens is not None:
         config.chat_cache_tokens = chat_cache_tokens
     router = Router(config)
-    router._load_tokenizers()  # what Router.start does before serving
+    router.hasher.load_tokenizers()  # what Router.start does before serving
     for replica in router.replicas.replicas.values():
         replica.healthy = True
     return router
 
 
 def decision_ms(router: Router, raw: bytes, endpoint: str) -> tuple[float, int]:
-    """The router's time for one request, body received to decision (as in Router.proxy); then
+    """The router's time for one request, body received to decision (as in Router.route); then
     the decision is recorded in the index, untimed (the proxy does that after the clock too)."""
     replicas = list(router.replicas.replicas.values())
     started = time.perf_counter()
     body = json.loads(raw)
-    hashes, prompt_tokens, block_size = router.prompt_block_hashes(endpoint, body, body["model"])
-    decision = router.decide(replicas, hashes, hashes[0], None, prompt_tokens, block_size)
+    hashes, prompt_tokens, block_size = router.hasher.prompt_block_hashes(endpoint, body, body["model"])
+    decision = router.decider.decide(replicas, hashes, hashes[0], None, prompt_tokens, block_size)
     elapsed = (time.perf_counter() - started) * 1000
     router.index.predict(decision.ranked[0], hashes, time.monotonic())
     return elapsed, prompt_tokens
@@ -107,7 +109,7 @@ def chat_steps(args, router: Router, document_words: int, answer_words: int) -> 
     answers = [" ".join(rng.choice(WORDS) for _ in range(answer_words)) + "." for _ in conv.questions]
     previous, messages = (conversation_messages(conv, turn, answers) for turn in (4, 5))
     raw = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 8, "cache_salt": "s"}).encode()
-    tokenizer, cache = router.tokenizers[MODEL], router.chat_caches[MODEL]
+    tokenizer, cache = router.hasher.tokenizers[MODEL], router.hasher.chat_caches[MODEL]
     text = render_chat_prompt(tokenizer, messages)
     ids = chat_text_token_ids(tokenizer, text)
     hashes = hash_prompt_blocks(ids, 16, cache_salt="s")
@@ -127,8 +129,8 @@ def chat_steps(args, router: Router, document_words: int, answer_words: int) -> 
         "tokenize_whole": median_ms(lambda: chat_text_token_ids(tokenizer, text), args.repeats),
         "hash_whole": median_ms(lambda: hash_prompt_blocks(ids, 16, cache_salt="s"), args.repeats),
         "cached_render_tokenize_hash": statistics.median(follow_up_ms() for _ in range(args.repeats)),
-        "lookup_and_score": median_ms(lambda: router.decide(replicas, hashes, hashes[0], None, len(ids), 16),
-                                      args.repeats),
+        "lookup_and_score": median_ms(
+            lambda: router.decider.decide(replicas, hashes, hashes[0], None, len(ids), 16), args.repeats),
     }
     cache.clear()
     return steps
@@ -182,7 +184,7 @@ def main() -> int:
 
     router = make_router(args.replicas)
     routers = {"cache_off": make_router(args.replicas, chat_cache_tokens=0), "cache_on": make_router(args.replicas)}
-    if not routers["cache_on"].chat_caches[MODEL].enabled:
+    if not routers["cache_on"].hasher.chat_caches[MODEL].enabled:
         raise SystemExit("the chat token cache turned itself off for the bundled tokenizer: nothing to compare")
 
     tracked_before = len(gc.get_objects())
@@ -196,15 +198,16 @@ def main() -> int:
     prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
     raw = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 32}).encode()
     body = json.loads(raw)
-    hashes, _, _ = router.prompt_block_hashes("completions", body, body["model"])
+    hashes, _, _ = router.hasher.prompt_block_hashes("completions", body, body["model"])
     # Half the replicas hold the prompt's prefix, as after a few requests of its group.
     for replica in replicas[: args.replicas // 2]:
         router.index.stored(replica.replica_id, hashes[: len(hashes) // 2])
     steps_ms = {
         "json_parse": median_ms(lambda: json.loads(raw), args.repeats),
-        "tokenize_and_hash": median_ms(lambda: router.prompt_block_hashes("completions", body, body["model"]),
-                                       args.repeats),
-        "lookup_and_score": median_ms(lambda: router.decide(replicas, hashes, hashes[0], None), args.repeats),
+        "tokenize_and_hash": median_ms(
+            lambda: router.hasher.prompt_block_hashes("completions", body, body["model"]), args.repeats),
+        "lookup_and_score": median_ms(
+            lambda: router.decider.decide(replicas, hashes, hashes[0], None), args.repeats),
     }
     steps_ms["decision_total"] = sum(steps_ms.values())
     chat_steps_ms = {workload: chat_steps(args, router, *shape) for workload, shape in W4_SHAPES.items()}
@@ -218,7 +221,7 @@ def main() -> int:
             stream = w4_stream(args, *W4_SHAPES[workload])
         paths[workload] = side_by_side(stream, routers)
         print(workload, json.dumps({k: v for k, v in paths[workload].items()}))
-    cache = routers["cache_on"].chat_caches[MODEL]
+    cache = routers["cache_on"].hasher.chat_caches[MODEL]
 
     result = {
         "benchmark": "router_decision",

@@ -1,7 +1,7 @@
 """A chat prompt's token ids and block hashes without re-tokenizing the history every turn.
 
-A follow-up turn's prompt is the previous turn's prompt, the answer and a new message, so the
-router used to tokenize the whole conversation again per turn: the cost grows with the history
+A follow-up turn's prompt is the previous turn's prompt, the answer and a new message, so
+tokenizing each turn whole repeats the history's work: the cost grows with the history
 (about 0.9 ms per 1,000 tokens with the bundled model's tokenizer), and hashing its blocks again
 adds a little more. This cache keeps, per conversation text, the token ids and block hashes up to
 the last special token of the rendered prompt (the opening of the assistant's turn), keyed by a
@@ -135,8 +135,8 @@ class ChatTokenCache:
         exactly what ``chat_prompt_token_ids`` and ``hash_prompt_blocks`` give. Raises
         ValueError for messages the template cannot take, as they do."""
         text = render_chat_prompt(self.tokenizer, messages)
-        # Enabled implies a cut pattern (see __init__).
-        cuts = [match.end() for match in self._cuts.finditer(text)] if self.enabled else []
+        pattern = self._cuts if self.enabled else None
+        cuts = [match.end() for match in pattern.finditer(text)] if pattern is not None else []
         if not cuts:
             ids = chat_text_token_ids(self.tokenizer, text)
             return ids, hash_prompt_blocks(ids, block_size, cache_salt=cache_salt)

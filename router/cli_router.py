@@ -8,6 +8,7 @@ import os
 
 from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS
+from kvscale.router.config import RouterConfig
 from kvscale.router.policy import DEFAULT_POLICY, POLICIES, TTFT_EPSILON
 
 
@@ -67,9 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_args(args: argparse.Namespace):
-    from kvscale.router.app import RouterConfig
-
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if sum(map(bool, (args.replicas, args.k8s_service, args.k8s_namespace_wide))) != 1:
         raise SystemExit("kvscale router: give one of --replicas URL,..., --k8s-service NAME or --k8s-namespace-wide")
     if args.balance_epsilon < 0:

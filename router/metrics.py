@@ -3,7 +3,7 @@ and the pure rule that says when a decision was a bounded-load spill."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvscale import metric_names as names
 from kvscale.metric_registry import register
@@ -17,20 +17,22 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
 
-        self.requests = register(names.ROUTER_REQUESTS, r)
-        self.decision_seconds = register(names.ROUTER_DECISION_SECONDS, r, DECISION_BUCKETS)
-        self.predicted_hit_tokens = register(names.ROUTER_PREDICTED_HIT_TOKENS, r)
-        self.predicted_hit_tokens_per_request = register(
+        self.requests: Counter = register(names.ROUTER_REQUESTS, r)
+        self.decision_seconds: Histogram = register(
+            names.ROUTER_DECISION_SECONDS, r, DECISION_BUCKETS)
+        self.predicted_hit_tokens: Counter = register(names.ROUTER_PREDICTED_HIT_TOKENS, r)
+        self.predicted_hit_tokens_per_request: Histogram = register(
             names.ROUTER_PREDICTED_HIT_TOKENS_PER_REQUEST, r, HIT_TOKEN_BUCKETS)
-        self.prompt_tokens = register(names.ROUTER_PROMPT_TOKENS, r)
-        self.spills = register(names.ROUTER_SPILLS, r)
-        self.retries = register(names.ROUTER_RETRIES, r)
-        self.fallbacks = register(names.ROUTER_FALLBACKS, r)
-        self.redis_errors = register(names.ROUTER_REDIS_ERRORS, r)
-        self.redis_up = register(names.ROUTER_REDIS_UP, r)
-        self.replicas_healthy = register(names.ROUTER_REPLICAS_HEALTHY, r)
-        self.in_flight = register(names.ROUTER_IN_FLIGHT, r)
-        self.index_blocks = register(names.ROUTER_INDEX_BLOCKS, r)
+        self.prompt_tokens: Counter = register(names.ROUTER_PROMPT_TOKENS, r)
+        self.spills: Counter = register(names.ROUTER_SPILLS, r)
+        self.retries: Counter = register(names.ROUTER_RETRIES, r)
+        self.fallbacks: Counter = register(names.ROUTER_FALLBACKS, r)
+        self.redis_errors: Counter = register(names.ROUTER_REDIS_ERRORS, r)
+        self.redis_up: Gauge = register(names.ROUTER_REDIS_UP, r)
+        self.replicas_healthy: Gauge = register(names.ROUTER_REPLICAS_HEALTHY, r)
+        self.in_flight: Gauge = register(names.ROUTER_IN_FLIGHT, r)
+        self.index_blocks: Gauge = register(names.ROUTER_INDEX_BLOCKS, r)
+        self._index_block_ids: set[str] = set()
         # Zero-valued series from the start: rate() needs two samples, and a dashboard panel or an
         # alert on a reason that has not happened yet should read 0, not "No data".
         for reason in names.ROUTER_RETRY_REASONS:
@@ -39,6 +41,15 @@ class RouterMetrics:
             self.fallbacks.labels(reason)
         for status in ("502", "503"):
             self.requests.labels("none", policy, status)
+
+    def set_index_blocks(self, sizes: dict[str, int]) -> None:
+        """Blocks the index holds per replica; a replica the index forgot (dropped by discovery,
+        or gone from Redis) leaves the gauge."""
+        for replica_id, size in sizes.items():
+            self.index_blocks.labels(replica_id).set(size)
+        for replica_id in self._index_block_ids - sizes.keys():
+            self.index_blocks.remove(replica_id)
+        self._index_block_ids = set(sizes)
 
 
 def is_spill(matched_blocks: dict[str, int], chosen: str, reason: str) -> bool:

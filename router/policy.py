@@ -10,7 +10,7 @@ from what costs time there, in tokens and seconds rather than in requests:
   steps(r) = ceil((queued_prefill_tokens(r) + uncached_tokens(r)) / step_token_budget(r))
 step_token_budget is the engine's max_num_batched_tokens: the queue ahead and our prompt share steps.
 uncached_tokens is the prompt minus the leading blocks r holds; the queued work is the
-replica's heartbeat corrected by this router's own sends (kvscale.router.load); the rates are
+replica's heartbeat corrected by this router's own sends (kvscale.router.prefill_ledger); the rates are
 the replica's own moving averages. Every engine step that carries part of our prefill also
 runs every decode, so each such step costs one decode step on top. Route to the minimum; ties
 (within 1 ms) go to the longer cached prefix, then to the rendezvous hash. The bounded-load cap
@@ -20,7 +20,7 @@ Weighted scorer (a baseline after llm-d's inference scheduler): a weighted sum o
 score (matched fraction), a queue score (min-max normalised queue depth, fewer is better) and a
 KV-cache score (1 - usage), weights 3 / 2 / 2.
 
-Prefix affinity (the previous default):
+Prefix affinity (``--policy prefix-affinity``):
   score(r) = matched_blocks(r) / prompt_blocks
              - load_weight * load(r) / capacity
              - kv_weight * kv_usage(r)
@@ -211,6 +211,8 @@ def predicted_ttft_policy(
     """Rank replicas by predicted TTFT; over the (optional, loose) load cap go last."""
     if not candidates:
         return Decision([], 0, "none")
+    eligible: list[Candidate]
+    over: list[Candidate]
     if epsilon is None:
         eligible, over = list(candidates), []
     else:

@@ -15,11 +15,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
 
 from kvscale.k8s_labels import SERVERS_ENDPOINTS_SELECTOR
+
+if TYPE_CHECKING:
+    from kubernetes.watch import Watch
 
 log = logging.getLogger("kvscale.router.replicas")
 
@@ -124,6 +128,14 @@ class ReplicaSet:
         replica.healthy = False
         replica.consecutive_failures += 1
 
+    def mark_draining(self, replica: Replica) -> None:
+        """Route around a replica that said it is shutting down (its /health answers 503 too, so
+        health checks keep it out until it is gone or back)."""
+        if replica.healthy:
+            log.warning("replica %s is draining (shutting down); routing around it", replica.url)
+        replica.healthy = False
+        replica.status = describe_check("/health", 503, None, "draining")  # what its next check says
+
     # -- health checks ------------------------------------------------------------------------
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -209,7 +221,7 @@ class EndpointSliceWatch:
         self._stop = threading.Event()
         self._slices: dict[str, list[str]] = {}
         self._published: list[str] | None = None
-        self._watch = None
+        self._watch: Watch | None = None
         self._thread = threading.Thread(target=self._run, name="endpointslice-watch", daemon=True)
 
     def start(self) -> None:
@@ -273,14 +285,14 @@ class EndpointSliceWatch:
         while not self._stop.is_set():
             try:
                 listing = api.list_namespaced_endpoint_slice(self.namespace, label_selector=selector)
-                self._slices = {s.metadata.name: self.slice_urls(s) for s in listing.items}
+                self._slices = {_slice_name(s): self.slice_urls(s) for s in listing.items}
                 self._publish()
                 self._watch = watch.Watch()
                 stream = self._watch.stream(
                     api.list_namespaced_endpoint_slice,
                     self.namespace,
                     label_selector=selector,
-                    resource_version=listing.metadata.resource_version,
+                    resource_version=listing.metadata.resource_version if listing.metadata else None,
                     timeout_seconds=60,
                 )
                 for event in stream:
@@ -300,3 +312,11 @@ class EndpointSliceWatch:
                     return
                 log.warning("EndpointSlice watch for %s/%s: %s; relisting", self.namespace, self.service, exc)
                 self._stop.wait(2.0)
+
+
+def _slice_name(endpoint_slice: Any) -> str:
+    # The API server names every object; the client's model types leave every field optional.
+    metadata = endpoint_slice.metadata
+    if metadata is None or metadata.name is None:
+        raise ValueError("an EndpointSlice without a name")
+    return str(metadata.name)

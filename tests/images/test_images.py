@@ -82,11 +82,12 @@ def test_control_plane_image_runs_the_operator_and_router_without_torch(images):
 
 _IN_IMAGE_PROBE = f"""
 import importlib.util, json, sys
-from kvscale.router.app import Router, RouterConfig
+from kvscale.router.app import Router
+from kvscale.router.config import RouterConfig
 from kvscale.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
 router = Router(RouterConfig(replicas=["http://127.0.0.1:9"]))
-router._load_tokenizers()
-tokenizer = router.tokenizers["smollm2-135m-instruct"]
+router.hasher.load_tokenizers()
+tokenizer = router.hasher.tokenizers["smollm2-135m-instruct"]
 print(json.dumps({{
     "torch_installed": importlib.util.find_spec("torch") is not None,
     "heavy_imported": sorted(m for m in ("torch", "triton") if m in sys.modules),

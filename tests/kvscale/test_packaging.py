@@ -31,11 +31,12 @@ for command in ("router", "operator"):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
         main([command, "--help"])
 import kvscale.operator.handlers, kvscale.router.app
-from kvscale.router.app import Router, RouterConfig
+from kvscale.router.app import Router
+from kvscale.router.config import RouterConfig
 from kvscale.tokenization import chat_prompt_token_ids, completion_prompt_token_ids
 router = Router(RouterConfig(replicas=["http://127.0.0.1:9"]))
-router._load_tokenizers()  # what the router does before serving
-tokenizer = router.tokenizers["smollm2-135m-instruct"]
+router.hasher.load_tokenizers()  # what the router does before serving
+tokenizer = router.hasher.tokenizers["smollm2-135m-instruct"]
 ids = {
     "completion": completion_prompt_token_ids(tokenizer, "The capital of France is"),
     "chat": chat_prompt_token_ids(tokenizer, [{"role": "user", "content": "Hi there"}]),

@@ -14,8 +14,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import PreTrainedTokenizerFast
 
 from kvscale.block_hash import hash_prompt_blocks
-from kvscale.router.app import Router, RouterConfig
 from kvscale.router.chat_tokens import ChatTokenCache, special_token_pattern
+from kvscale.router.prefix_hashes import PrefixHasher
 from kvscale.tokenization import chat_prompt_token_ids
 
 PIECES = ["Hello", " world", "!", "\n", "\n\n", "  ", "\t", "Ünïcödé", " 漢字", "🙂", "42", " 3.14", "don't",
@@ -25,9 +25,9 @@ PIECES = ["Hello", " world", "!", "\n", "\n\n", "  ", "\t", "Ünïcödé", " 漢
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    router = Router(RouterConfig())
-    router._load_tokenizers()  # the bundled model's tokenizer, as the router loads it
-    (tokenizer,) = router.tokenizers.values()
+    hasher = PrefixHasher([None])
+    hasher.load_tokenizers()  # the bundled model's tokenizer, as the router loads it
+    (tokenizer,) = hasher.tokenizers.values()
     return tokenizer
 
 
@@ -186,29 +186,6 @@ def test_a_sentencepiece_style_tokenizer_that_prepends_to_every_piece_keeps_the_
         messages = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": question}]
     check(cache, messages)
     assert cache.hit_tokens > 0
-
-
-def test_the_router_hashes_chat_turns_alike_with_and_without_the_cache(tokenizer) -> None:
-    cached, plain = Router(RouterConfig()), Router(RouterConfig(chat_cache_tokens=0))
-    for router in (cached, plain):
-        router._load_tokenizers()
-    (name,) = cached.chat_caches
-    assert cached.chat_caches[name].enabled and not plain.chat_caches[name].enabled
-    messages = [{"role": "user", "content": "Read this: " + "golf hotel india " * 30 + "\nWhat repeats?"}]
-    for turn in range(4):
-        body = {"model": None, "messages": messages, "cache_salt": "w4"}
-        assert cached.prompt_block_hashes("chat", body, None) == plain.prompt_block_hashes("chat", body, None)
-        messages = [*messages, {"role": "assistant", "content": f"answer {turn}"},
-                    {"role": "user", "content": f"question {turn}?"}]
-    assert cached.chat_caches[name].hit_tokens > 0
-    # A router given a tokenizer directly builds its cache on first use.
-    bare = Router(RouterConfig())
-    bare.tokenizers[name] = cached.tokenizers[name]
-    body = {"model": None, "messages": messages}
-    assert bare.prompt_block_hashes("chat", body, None) == plain.prompt_block_hashes("chat", body, None)
-    assert bare.chat_caches[name].enabled
-    # A malformed conversation still falls back to the replica's own error, as before.
-    assert cached.prompt_block_hashes("chat", {"messages": "nope"}, None)[0] == []
 
 
 def test_the_cli_flag_sets_the_bound_and_rejects_a_negative_one() -> None:

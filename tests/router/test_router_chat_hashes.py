@@ -2,7 +2,8 @@
 them, for every message shape the API accepts (else such requests silently lose affinity).
 
 Server side: the request body parsed by the API's own schema and turned into token ids by the
-server's handler code. Router side: the raw JSON body through the router's own code path.
+server's handler code. Router side: the raw JSON body through the router's own code path
+(``kvscale.router.prefix_hashes``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import pytest
 
 from kvscale.block_hash import hash_prompt_blocks
-from kvscale.router.app import Router, RouterConfig
+from kvscale.router.prefix_hashes import PrefixHasher
 from kvscale.server import protocol as p
-from kvscale.server.api_server import OpenAIServer
+from kvscale.server.serving import OpenAIServer
+from kvscale.server.serving_chat import chat_ids
 
 BLOCK_SIZE = 4  # small blocks: every shape below spans several
 LONG = "Summarise the plot of a novel about a lighthouse keeper who counts ships at night."
@@ -56,42 +58,44 @@ SHAPES: dict[str, list[dict]] = {
 
 
 @pytest.fixture(scope="module")
-def router() -> Router:
-    router = Router(RouterConfig(block_size=BLOCK_SIZE))
-    router._load_tokenizers()  # what start() does, without opening connections
-    return router
+def hasher() -> PrefixHasher:
+    hasher = PrefixHasher([None], default_block_size=BLOCK_SIZE)
+    hasher.load_tokenizers()  # what the router's start() does
+    return hasher
 
 
 @pytest.fixture(scope="module")
-def server(router: Router) -> OpenAIServer:
-    (tokenizer,) = router.tokenizers.values()
+def server(hasher: PrefixHasher) -> OpenAIServer:
+    (tokenizer,) = hasher.tokenizers.values()
     return OpenAIServer(None, tokenizer=tokenizer, served_model_names=["m"], max_model_len=2048)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_router_predicts_the_servers_block_hashes(shape: str, router: Router, server: OpenAIServer) -> None:
+def test_router_predicts_the_servers_block_hashes(
+    shape: str, hasher: PrefixHasher, server: OpenAIServer
+) -> None:
     body = {"model": None, "messages": SHAPES[shape]}
     request = p.ChatCompletionRequest.model_validate(body)  # the API accepts this shape
-    server_ids = server.chat_ids(request.messages)
+    server_ids = chat_ids(server, request.messages)
     expected = hash_prompt_blocks(server_ids, BLOCK_SIZE)
     assert len(expected) >= 3
 
-    hashes, prompt_tokens, block_size = router.prompt_block_hashes("chat", body, None)
+    hashes, prompt_tokens, block_size = hasher.prompt_block_hashes("chat", body, None)
     assert block_size == BLOCK_SIZE
     assert prompt_tokens == len(server_ids)
     assert hashes == expected
 
 
-def test_cache_salt_is_hashed_alike(router: Router, server: OpenAIServer) -> None:
+def test_cache_salt_is_hashed_alike(hasher: PrefixHasher, server: OpenAIServer) -> None:
     body = {"messages": SHAPES["one text part"], "cache_salt": "tenant-a"}
     request = p.ChatCompletionRequest.model_validate(body)
-    expected = hash_prompt_blocks(server.chat_ids(request.messages), BLOCK_SIZE, cache_salt="tenant-a")
-    assert router.prompt_block_hashes("chat", body, None)[0] == expected
+    expected = hash_prompt_blocks(chat_ids(server, request.messages), BLOCK_SIZE, cache_salt="tenant-a")
+    assert hasher.prompt_block_hashes("chat", body, None).hashes == expected
 
 
-def test_a_shape_the_api_rejects_is_not_guessed(router: Router) -> None:
+def test_a_shape_the_api_rejects_is_not_guessed(hasher: PrefixHasher) -> None:
     """An image part is a 400 at the replica; the router must not invent hashes for it."""
     body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
     with pytest.raises(ValueError):
         p.ChatCompletionRequest.model_validate(body)
-    assert router.prompt_block_hashes("chat", body, None)[0] == []
+    assert hasher.prompt_block_hashes("chat", body, None).hashes == []

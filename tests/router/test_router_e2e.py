@@ -298,7 +298,8 @@ def test_api_key_is_required_and_replaced_for_replicas(replicas):
     """The router checks its own key and talks to replicas without it (they run without one)."""
     from starlette.testclient import TestClient
 
-    from kvscale.router.app import RouterConfig, build_app
+    from kvscale.router.app import build_app
+    from kvscale.router.config import RouterConfig
 
     app = build_app(RouterConfig(replicas=[r.url for r in replicas], api_key="router-secret"))
     with TestClient(app) as client:

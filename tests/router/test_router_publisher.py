@@ -344,11 +344,3 @@ def test_heartbeat_carries_queued_prefill_decodes_and_measured_rates(redis_serve
         assert beat["step_token_budget"] == 2048
     finally:
         publisher.stop()
-
-
-def test_logged_redis_urls_hide_the_password():
-    from kvscale.kv_index_schema import redacted_url
-
-    assert redacted_url("redis://:s3cret@chat-redis.team.svc:6379/0") == "redis://:***@chat-redis.team.svc:6379/0"
-    assert redacted_url("rediss://user:pw@host/1") == "rediss://user:***@host/1"
-    assert redacted_url("redis://127.0.0.1:6379") == "redis://127.0.0.1:6379"

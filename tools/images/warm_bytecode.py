@@ -21,6 +21,7 @@ import kvscale.operator.handlers  # noqa: F401
 import kvscale.operator.kube  # noqa: F401
 import kvscale.router.cli_router  # noqa: F401
 import kvscale.router.replicas  # noqa: F401
-from kvscale.router.app import Router, RouterConfig
+from kvscale.router.app import Router
+from kvscale.router.config import RouterConfig
 
-Router(RouterConfig(replicas=["http://127.0.0.1:9"]))._load_tokenizers()
+Router(RouterConfig(replicas=["http://127.0.0.1:9"])).hasher.load_tokenizers()

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+from kvscale.kv_index_schema import Heartbeat
 
 
 @dataclass
@@ -45,7 +48,9 @@ def queued_prefill_tokens(
     return max(0, heartbeat_tokens - started_since) + unstarted_after
 
 
-def decoding_count(heartbeat_decoding: int | None, heartbeat_time: float, sent: Iterable[Sent]) -> int:
+def decoding_count(
+    heartbeat_decoding: int | None, heartbeat_time: float, sent: Iterable[Sent]
+) -> int:
     """Sequences decoding on one replica: the heartbeat's count, less our requests that finished
     since it, plus ours that started since it. Without a heartbeat, ours that are decoding."""
     decoding_now = started_since = finished_since = 0
@@ -91,13 +96,17 @@ class PrefillLedger:
 
     def entries(self, now: float) -> list[Sent]:
         """Open requests, and finished ones recent enough that a heartbeat may still count them."""
-        stale = [k for k, s in self._finished.items() if s.finished_at is not None and s.finished_at < now - self.keep_s]
+        cutoff = now - self.keep_s
+        stale = [k for k, s in self._finished.items()
+                 if s.finished_at is not None and s.finished_at < cutoff]
         for key in stale:
             del self._finished[key]
         return [*self.open.values(), *self._finished.values()]
 
 
-def ttft_inputs(heartbeat, ledger: PrefillLedger | None, now: float) -> dict:
+def ttft_inputs(
+    heartbeat: Heartbeat | None, ledger: PrefillLedger | None, now: float
+) -> dict[str, Any]:
     """The predicted-ttft fields of a policy Candidate, from a replica's heartbeat (or None) and
     this router's ledger for it (or None); ``now`` is the wall clock."""
     sent = ledger.entries(now) if ledger is not None else []
@@ -105,7 +114,8 @@ def ttft_inputs(heartbeat, ledger: PrefillLedger | None, now: float) -> dict:
         return {"queued_prefill_tokens": queued_prefill_tokens(None, 0.0, sent),
                 "num_decoding": decoding_count(None, 0.0, sent)}
     return {
-        "queued_prefill_tokens": queued_prefill_tokens(heartbeat.prefill_tokens_waiting, heartbeat.timestamp, sent),
+        "queued_prefill_tokens": queued_prefill_tokens(
+            heartbeat.prefill_tokens_waiting, heartbeat.timestamp, sent),
         "num_decoding": decoding_count(heartbeat.num_decoding, heartbeat.timestamp, sent),
         "prefill_tokens_per_s": heartbeat.prefill_tokens_per_s,
         "decode_step_s": heartbeat.decode_step_s,

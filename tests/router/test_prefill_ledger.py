@@ -1,18 +1,15 @@
-"""The router's in-flight token accounting and the replica's step-rate averages, on plain values."""
+"""The router's in-flight prefill-token ledger, on plain values."""
 
 from __future__ import annotations
 
-import pytest
-
 from kvscale.kv_index_schema import Heartbeat
-from kvscale.router.load import (
+from kvscale.router.prefill_ledger import (
     PrefillLedger,
     Sent,
     decoding_count,
     queued_prefill_tokens,
     ttft_inputs,
 )
-from kvscale.server.step_rates import StepRates
 
 
 def test_sends_after_the_heartbeat_are_added_to_its_queue():
@@ -65,32 +62,3 @@ def test_ledger_tracks_open_requests_and_feeds_the_candidate_fields():
     # Once it is older than keep_s, a later heartbeat is assumed to have caught up.
     assert ttft_inputs(None, ledger, now=200.0) == {"queued_prefill_tokens": 0, "num_decoding": 0}
     assert ledger.entries(200.0) == []
-
-
-def test_step_rates_time_decode_steps_and_prefill_net_of_the_decode_it_ran():
-    rates = StepRates(alpha=0.5)
-    rates.observe(0.02, prompt_tokens=0, decoding=4)
-    assert rates.decode_step_s == pytest.approx(0.02)
-    rates.observe(0.04, prompt_tokens=0, decoding=4)
-    assert rates.decode_step_s == pytest.approx(0.03)
-    # 512 prompt tokens in a 0.53 s step that also decoded: 0.5 s of prefill.
-    rates.observe(0.53, prompt_tokens=512, decoding=4)
-    assert rates.prefill_tokens_per_s == pytest.approx(1024.0)
-    # A prefill-only step: all of it is prefill.
-    rates.observe(0.25, prompt_tokens=512, decoding=0)
-    assert rates.prefill_tokens_per_s == pytest.approx(512 / 0.375)
-    assert rates.prefill_tokens == pytest.approx(512)
-    # An idle "step" (nothing decoding, nothing prefilled) changes nothing.
-    rates.observe(5.0, prompt_tokens=0, decoding=0)
-    assert rates.decode_step_s == pytest.approx(0.03)
-
-
-def test_heartbeat_json_round_trip_and_old_payloads_read_as_unmeasured():
-    beat = Heartbeat("r1", "m", "http://h:1", 16, 2, 3, 4, 64, timestamp=12.5, kv_blocks_cached=5,
-                     prefill_tokens_waiting=700, num_decoding=2, prefill_tokens_per_s=1500.0, decode_step_s=0.03,
-                     step_token_budget=512)
-    back = Heartbeat.from_json("r1", beat.to_json(), received=99.0)
-    assert back == Heartbeat(**{**beat.__dict__, "received": 99.0})
-    assert back.load == 5 and back.kv_usage == pytest.approx(4 / 64)
-    old = Heartbeat.from_json("r2", '{"model": "m", "num_running": 1, "timestamp": 3.0}', received=0.0)
-    assert (old.prefill_tokens_per_s, old.prefill_tokens_waiting, old.num_running) == (0.0, 0, 1)

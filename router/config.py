@@ -1,0 +1,33 @@
+"""What one router process is told to do: `kvscale router`'s flags, as one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS
+from kvscale.router.policy import DEFAULT_POLICY, TTFT_EPSILON
+
+
+@dataclass
+class RouterConfig:
+    replicas: list[str] = field(default_factory=list)
+    k8s_service: str | None = None
+    k8s_namespace_wide: bool = False  # every InferenceService's servers in `namespace`
+    namespace: str = "default"
+    k8s_port_name: str | None = None
+    policy: str = DEFAULT_POLICY
+    redis_url: str | None = None
+    redis_timeout_ms: float = 50.0
+    api_key: str | None = None
+    replica_api_key: str | None = None
+    block_size: int = 16
+    models: list[str | None] = field(default_factory=lambda: [None])  # tokenizers to load
+    session_header: str | None = "x-session-id"
+    epsilon: float = 0.25
+    ttft_epsilon: float | None = TTFT_EPSILON  # predicted-ttft's load cap; None: off
+    max_attempts: int = 3
+    health_interval_s: float = 2.0
+    connect_timeout_s: float = 2.0
+    seed: int | None = None
+    freeze_heap_after_start: bool = False  # the CLI sets it; tests that build many apps do not
+    chat_cache_tokens: int = DEFAULT_MAX_TOKENS  # chat prompts' token ids kept across turns; 0: off

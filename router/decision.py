@@ -1,0 +1,129 @@
+"""One routing decision: the candidates as the policy sees them, the policy's ranking, and the
+sessions pinned to a replica.
+
+The ranking itself is ``kvscale.router.policy`` (pure functions); this module gathers its inputs
+from the router's state: leading blocks held (the prefix index), load (this router's own
+in-flight count raised by the replica's heartbeat), the predicted-TTFT inputs (heartbeat and
+prefill ledger), and the replica a session was last sent to.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+
+from kvscale.router import policy as routing
+from kvscale.router.config import RouterConfig
+from kvscale.router.heartbeats import HeartbeatTable
+from kvscale.router.in_flight import InFlight
+from kvscale.router.index import PrefixIndex
+from kvscale.router.metrics import RouterMetrics, is_spill
+from kvscale.router.prefill_ledger import ttft_inputs
+from kvscale.router.replicas import Replica
+
+SESSIONS_KEPT = 100_000
+
+
+class SessionMemory:
+    """The replica each session's last request went to, least recently used forgotten first."""
+
+    def __init__(self, capacity: int = SESSIONS_KEPT) -> None:
+        self.capacity = capacity
+        self._replicas: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, session: str | None) -> str | None:
+        return self._replicas.get(session) if session else None
+
+    def remember(self, session: str | None, replica_id: str) -> None:
+        if not session:
+            return
+        self._replicas[session] = replica_id
+        self._replicas.move_to_end(session)
+        while len(self._replicas) > self.capacity:
+            self._replicas.popitem(last=False)
+
+
+def candidate_view(
+    replica: Replica,
+    matched_blocks: int,
+    heartbeats: HeartbeatTable,
+    in_flight: InFlight,
+    wall: float,
+) -> routing.Candidate:
+    """One replica as the policy sees it; ``wall`` is the wall clock (heartbeats carry one)."""
+    hb = heartbeats.get(replica.replica_id)
+    if hb is None:
+        load, kv_usage = replica.in_flight, 0.0
+    else:
+        load = routing.effective_load(
+            replica.in_flight, hb.load, hb.timestamp, replica.last_finished)
+        kv_usage = hb.kv_usage
+    extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), wall)
+    return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, **extra)
+
+
+class Decider:
+    def __init__(
+        self,
+        config: RouterConfig,
+        index: PrefixIndex,
+        heartbeats: HeartbeatTable,
+        in_flight: InFlight,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.heartbeats = heartbeats
+        self.in_flight = in_flight
+        self.metrics = metrics
+        self.sessions = SessionMemory()
+        self._counter = 0  # requests decided, for round-robin
+        self._rng = random.Random(config.seed)
+
+    def decide(
+        self,
+        candidates: list[Replica],
+        hashes: list[int],
+        hash_key: int | str,
+        session: str | None,
+        prompt_tokens: int = 0,
+        block_size: int = 16,
+    ) -> routing.Decision:
+        """Rank ``candidates`` for a prompt of ``hashes`` (its full blocks) and ``prompt_tokens``.
+
+        ``hash_key`` is any stable key of the prompt (its leading block hash when it has one):
+        ties and a stale index go by rendezvous hashing on it.
+        """
+        by_id = {r.replica_id: r for r in candidates}
+        now = time.monotonic()
+        matched = (
+            self.index.match(hashes, by_id, now)
+            if routing.uses_prefix(self.config.policy) else dict.fromkeys(by_id, 0)
+        )
+        wall = time.time()
+        views = [
+            candidate_view(r, matched[r.replica_id], self.heartbeats, self.in_flight, wall)
+            for r in candidates
+        ]
+        index_stale = self.heartbeats.index_stale
+        if index_stale:
+            self.metrics.fallbacks.labels("redis_down").inc()
+        self._counter += 1
+        decision = routing.decide(
+            self.config.policy,
+            views,
+            prompt_blocks=len(hashes),
+            hash_key=hash_key,
+            counter=self._counter,
+            rng=self._rng,
+            epsilon=self.config.epsilon,
+            prompt_tokens=prompt_tokens,
+            block_size=block_size,
+            ttft_epsilon=self.config.ttft_epsilon,
+            sticky_replica=self.sessions.get(session),
+            index_stale=index_stale,
+        )
+        if decision.ranked and is_spill(matched, decision.ranked[0], decision.reason):
+            self.metrics.spills.inc()
+        return decision

@@ -1,0 +1,58 @@
+"""The requests this router has open on each replica: counts for the load, ledgers for the TTFT.
+
+Every attempt to send a request opens an entry here and closes it exactly once: when the attempt
+fails, or when the response it streams ends. A replica's in-flight count and its last finish
+time feed the policy's load; its prefill ledger feeds the predicted-TTFT inputs.
+
+Only the router's event loop touches this, so it has no locks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import Gauge
+
+from kvscale.router.prefill_ledger import PrefillLedger
+from kvscale.router.replicas import Replica
+
+
+@dataclass
+class OpenRequest:
+    replica: Replica
+    # The ledger itself, not a lookup by replica id: the id changes when the replica's first
+    # heartbeat binds it (a router that just started), and the lookup then lost the entry.
+    ledger: PrefillLedger
+    key: int
+
+    def first_byte(self) -> None:
+        """Its response started: its prefill is done."""
+        self.ledger.started(self.key, time.time())
+
+
+class InFlight:
+    def __init__(self, gauge: Gauge) -> None:
+        self._gauge = gauge  # kvscale_router_in_flight, by replica id
+        self._ledgers: dict[str, PrefillLedger] = {}  # replica id -> our requests there
+        self._keys = 0
+
+    def ledger(self, replica_id: str) -> PrefillLedger | None:
+        return self._ledgers.get(replica_id)
+
+    def open(self, replica: Replica, prefill_tokens: int) -> OpenRequest:
+        """``prefill_tokens``: what the replica must compute for it (prompt less predicted hit)."""
+        replica.in_flight += 1
+        self._keys += 1
+        ledger = self._ledgers.setdefault(replica.replica_id, PrefillLedger())
+        ledger.sent(self._keys, prefill_tokens, time.time())
+        self._gauge.labels(replica.replica_id).set(replica.in_flight)
+        return OpenRequest(replica, ledger, self._keys)
+
+    def close(self, request: OpenRequest) -> None:
+        now = time.time()
+        request.ledger.done(request.key, now)
+        replica = request.replica
+        replica.in_flight -= 1
+        replica.last_finished = now
+        self._gauge.labels(replica.replica_id).set(replica.in_flight)

@@ -1,0 +1,94 @@
+"""A request's prompt as the replicas' prefix caches see it: token ids, then full-block hashes.
+
+The router tokenizes with the server's own functions (``kvscale.tokenization``) and hashes with
+the engine's (``kvscale.block_hash``), so a hash computed here is the hash a replica reports.
+Chat prompts go through a per-model ``ChatTokenCache``: a follow-up turn tokenizes and hashes
+only what follows the cached history. A prompt this router cannot tokenize gets no hashes (the
+request is still routed, by load); the replica then answers with the proper error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from kvscale.block_hash import hash_prompt_blocks
+from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS, ChatTokenCache
+from kvscale.tokenization import completion_prompt_token_ids
+
+log = logging.getLogger("kvscale.router")
+
+
+class PromptBlocks(NamedTuple):
+    hashes: list[int]  # of the prompt's full blocks; empty when it could not be tokenized here
+    prompt_tokens: int
+    block_size: int
+
+
+class PrefixHasher:
+    """Tokenizers and chat caches per served model name, and each model's block size.
+
+    ``block_sizes`` is learned from the replicas' heartbeats; until a model's first heartbeat its
+    prompts are hashed with ``default_block_size``. ``on_fallback`` is told why a prompt got no
+    hashes ("no_tokenizer" or "untokenizable").
+    """
+
+    def __init__(
+        self,
+        models: list[str | None],
+        default_block_size: int = 16,
+        chat_cache_tokens: int = DEFAULT_MAX_TOKENS,
+        on_fallback: Callable[[str], None] = lambda reason: None,
+    ) -> None:
+        self.models = models
+        self.default_block_size = default_block_size
+        self.chat_cache_tokens = chat_cache_tokens
+        self.tokenizers: dict[str, Any] = {}
+        self.chat_caches: dict[str, ChatTokenCache] = {}
+        self.block_sizes: dict[str, int] = {}
+        self._on_fallback = on_fallback
+
+    def load_tokenizers(self) -> None:
+        """Blocking (file reads, and the bundled model's extraction on first use): call it in a
+        thread from the event loop."""
+        from kvscale.model_files import load_tokenizer, resolve_tokenizer_path, served_model_name
+
+        for model in self.models:
+            name = served_model_name(model)
+            # The tokenizer alone: the bundled model's full conversion needs torch.
+            self.tokenizers[name] = load_tokenizer(resolve_tokenizer_path(model))
+            self.chat_caches[name] = ChatTokenCache(self.tokenizers[name], self.chat_cache_tokens)
+            log.info("tokenizer for %s loaded", name)
+
+    def prompt_block_hashes(
+        self, endpoint: str, body: dict[str, Any], model: str | None
+    ) -> PromptBlocks:
+        """The prompt of a "chat" or "completions" request ``body`` (its parsed JSON)."""
+        name = model if model else next(iter(self.tokenizers), "")
+        tokenizer = self.tokenizers.get(name)
+        block_size = self.block_sizes.get(model or "", self.default_block_size)
+        if tokenizer is None:
+            self._on_fallback("no_tokenizer")
+            return PromptBlocks([], 0, block_size)
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
+        try:
+            if endpoint == "chat":
+                # A follow-up turn tokenizes and hashes only what follows the cached history.
+                cache = self.chat_caches.get(name)
+                if cache is None:  # a tokenizer set without load_tokenizers
+                    cache = ChatTokenCache(tokenizer, self.chat_cache_tokens)
+                    self.chat_caches[name] = cache
+                token_ids, hashes = cache.prompt(body["messages"], block_size, salt)
+                return PromptBlocks(hashes, len(token_ids), block_size)
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch: route by its first prompt
+            token_ids = completion_prompt_token_ids(tokenizer, prompt)
+        except Exception:
+            # A malformed prompt: the replica will answer with the proper error.
+            self._on_fallback("untokenizable")
+            return PromptBlocks([], 0, block_size)
+        hashes = hash_prompt_blocks(token_ids, block_size, cache_salt=salt)
+        return PromptBlocks(hashes, len(token_ids), block_size)

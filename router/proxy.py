@@ -1,0 +1,175 @@
+"""Forwarding one decided request: failover down the ranking, then a streamed passthrough.
+
+Connection errors, timeouts, a draining replica's 503 and other 5xx before the first body byte
+move on to the next replica in the ranking (the last one's answer is the client's); once a byte
+went to the client the response is committed and streamed through chunk by chunk, never retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+
+import httpx
+from starlette.responses import Response, StreamingResponse
+
+from kvscale.drain import DRAINING_HEADER
+from kvscale.router.decision import SessionMemory
+from kvscale.router.errors import openai_error
+from kvscale.router.in_flight import InFlight, OpenRequest
+from kvscale.router.index import PrefixIndex
+from kvscale.router.metrics import RouterMetrics
+from kvscale.router.replicas import Replica, ReplicaSet
+
+log = logging.getLogger("kvscale.router")
+
+# Response headers that describe one hop, not the body.
+_HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A request and where to send it: what the forwarding needs from the decision."""
+
+    endpoint: str  # "chat" or "completions"
+    body: bytes  # as the client sent it
+    headers: dict[str, str]  # for the replica
+    ranked: list[Replica]  # best first; tried in turn
+    hashes: list[int]  # the prompt's block hashes, predicted on the replica tried (prefix policies)
+    prompt_tokens: int
+    predicted_hit_tokens: int  # of the first choice
+    session: str | None
+    router_ms: float  # the router's time from the body's last byte to the decision
+
+
+def replica_headers(
+    client_headers: Mapping[str, str], replica_api_key: str | None
+) -> dict[str, str]:
+    """What goes to the replica: the body's type, what the client asked to pass through, and the
+    router's own key for the replicas (never the client's)."""
+    headers = {"content-type": "application/json"}
+    for name in ("accept", "x-request-id"):
+        if name in client_headers:
+            headers[name] = client_headers[name]
+    if replica_api_key:
+        headers["authorization"] = f"Bearer {replica_api_key}"
+    return headers
+
+
+class Forwarder:
+    def __init__(
+        self,
+        connect_timeout_s: float,
+        policy: str,
+        replicas: ReplicaSet,
+        index: PrefixIndex,
+        in_flight: InFlight,
+        sessions: SessionMemory,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.policy = policy  # for the requests metric's label
+        self.replicas = replicas
+        self.index = index
+        self.in_flight = in_flight
+        self.sessions = sessions
+        self.metrics = metrics
+        self._client: httpx.AsyncClient | None = None
+
+    def open(self) -> None:
+        limits = httpx.Limits(
+            max_connections=1024, max_keepalive_connections=256, keepalive_expiry=30)
+        timeout = httpx.Timeout(connect=self.connect_timeout_s, read=600.0, write=30.0, pool=30.0)
+        self._client = httpx.AsyncClient(limits=limits, timeout=timeout)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def forward(self, routed: Routed) -> Response:
+        client = self._client
+        assert client is not None, "forward before open"
+        path = PATHS[routed.endpoint]
+        last_error = "no replica answered"
+        for attempt, replica in enumerate(routed.ranked):
+            is_last = attempt == len(routed.ranked) - 1
+            if routed.hashes:
+                self.index.predict(replica.replica_id, routed.hashes, time.monotonic())
+            hit = routed.predicted_hit_tokens if attempt == 0 else 0
+            request = self.in_flight.open(replica, max(routed.prompt_tokens - hit, 1))
+            committed = False
+            upstream: httpx.Response | None = None
+            try:
+                upstream = await client.send(
+                    client.build_request(
+                        "POST", replica.url + path, content=routed.body, headers=routed.headers),
+                    stream=True,
+                )
+                draining = upstream.status_code == 503 and upstream.headers.get(DRAINING_HEADER)
+                if draining and not is_last:
+                    last_error = f"replica {replica.replica_id} is draining"
+                    self.replicas.mark_draining(replica)
+                    self.metrics.retries.labels("draining").inc()
+                    continue
+                if upstream.status_code >= 500 and not is_last:
+                    last_error = f"replica {replica.replica_id} answered {upstream.status_code}"
+                    self.metrics.retries.labels("status_5xx").inc()
+                    continue
+                chunks = upstream.aiter_raw()
+                try:
+                    first = await chunks.__anext__()
+                except StopAsyncIteration:
+                    first = b""
+                # A chat stream's first chunk is the role, sent before prefill.
+                if routed.endpoint != "chat":
+                    request.first_byte()
+                committed = True
+            except (httpx.TransportError, httpx.StreamError) as exc:
+                last_error = f"replica {replica.replica_id}: {type(exc).__name__}: {exc}"
+                self.replicas.mark_down(replica)
+                reason = "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
+                self.metrics.retries.labels(reason).inc()
+                continue
+            finally:
+                if not committed:
+                    self.in_flight.close(request)
+                    if upstream is not None:
+                        await upstream.aclose()
+            self.sessions.remember(routed.session, replica.replica_id)
+            status = str(upstream.status_code)
+            self.metrics.requests.labels(replica.replica_id, self.policy, status).inc()
+            out_headers = {
+                k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+            out_headers["x-kvscale-replica"] = replica.replica_id
+            out_headers["x-kvscale-router-ms"] = f"{routed.router_ms:.3f}"
+            out_headers["x-kvscale-predicted-hit-tokens"] = str(routed.predicted_hit_tokens)
+            return StreamingResponse(
+                self._passthrough(first, chunks, upstream, request),
+                status_code=upstream.status_code,
+                headers=out_headers,
+            )
+        self.metrics.requests.labels("none", self.policy, "502").inc()
+        return openai_error(502, f"every replica tried failed: {last_error}", "bad_gateway")
+
+    async def _passthrough(
+        self,
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+        upstream: httpx.Response,
+        request: OpenRequest,
+    ) -> AsyncIterator[bytes]:
+        try:
+            if first:
+                yield first
+            async for chunk in chunks:
+                request.first_byte()
+                yield chunk
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            # Already streaming: never retried; the client sees the stream end.
+            log.warning("replica %s broke a stream mid-way: %s", request.replica.replica_id, exc)
+        finally:
+            self.in_flight.close(request)
+            await upstream.aclose()

@@ -1,0 +1,87 @@
+"""One decision's inputs gathered from the router's state: load from heartbeats and this router's
+own requests, sticky sessions, and a stale index, on in-memory parts (no network)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from kvscale.kv_index_schema import Heartbeat
+from kvscale.router.config import RouterConfig
+from kvscale.router.decision import Decider, SessionMemory, candidate_view
+from kvscale.router.heartbeats import HeartbeatTable
+from kvscale.router.in_flight import InFlight
+from kvscale.router.index import PrefixIndex
+from kvscale.router.metrics import RouterMetrics
+from kvscale.router.replicas import Replica
+
+
+def beat(replica_id: str, running: int, timestamp: float, **extra: float) -> Heartbeat:
+    return Heartbeat(replica_id, "m", f"http://{replica_id}", 16, running, 0, 3, 12, timestamp,
+                     **extra)
+
+
+def feed(beats: dict[str, Heartbeat], healthy: bool = True) -> SimpleNamespace:
+    """Stands in for a RedisFeed: what the heartbeat table reads of it."""
+    return SimpleNamespace(heartbeats=beats, healthy=healthy, healthy_since=time.monotonic())
+
+
+def parts(
+    policy: str = "prefix-affinity",
+) -> tuple[Decider, HeartbeatTable, InFlight, RouterMetrics]:
+    metrics = RouterMetrics(policy)
+    heartbeats = HeartbeatTable()
+    in_flight = InFlight(metrics.in_flight)
+    config = RouterConfig(policy=policy, seed=0)
+    decider = Decider(config, PrefixIndex(), heartbeats, in_flight, metrics)
+    return decider, heartbeats, in_flight, metrics
+
+
+def test_sessions_are_remembered_least_recently_used_first_out() -> None:
+    sessions = SessionMemory(capacity=2)
+    sessions.remember("a", "r1")
+    sessions.remember("b", "r2")
+    sessions.remember(None, "r3")  # no session header: nothing to remember
+    assert sessions.get("a") == "r1"
+    sessions.remember("a", "r2")  # "a" is now the most recent
+    sessions.remember("c", "r1")
+    assert (sessions.get("a"), sessions.get("b"), sessions.get("c")) == ("r2", None, "r1")
+    assert sessions.get(None) is None
+
+
+def test_a_candidates_load_is_ours_raised_by_a_heartbeat_newer_than_our_last_finish() -> None:
+    _, heartbeats, in_flight, _ = parts()
+    replica = Replica("http://r1", "r1", healthy=True)
+    in_flight.open(replica, 100)
+    wall = time.time()
+    view = candidate_view(replica, 2, heartbeats, in_flight, wall)
+    assert (view.load, view.kv_usage, view.matched_blocks) == (1, 0.0, 2)
+    assert view.queued_prefill_tokens == 100  # ours, not started
+    heartbeats.feed = feed({"r1": beat("r1", 5, wall, prefill_tokens_per_s=900.0)})
+    view = candidate_view(replica, 2, heartbeats, in_flight, wall)
+    assert (view.load, view.kv_usage, view.prefill_tokens_per_s) == (5, 0.25, 900.0)
+    replica.last_finished = wall + 1  # one of ours ended after the heartbeat was taken
+    assert candidate_view(replica, 2, heartbeats, in_flight, wall).load == 1
+
+
+def test_a_session_sticks_to_its_replica_and_the_prefix_holder_wins_otherwise() -> None:
+    decider, _, _, _ = parts()
+    replicas = [Replica(f"http://r{i}", f"r{i}", healthy=True) for i in range(3)]
+    decider.index.stored("r2", [11, 12])
+    assert decider.decide(replicas, [11, 12, 13], 11, None).ranked[0] == "r2"
+    decider.sessions.remember("s", "r0")
+    decision = decider.decide(replicas, [11, 12, 13], 11, "s")
+    assert (decision.ranked[0], decision.reason) == ("r0", "sticky")
+
+
+def test_a_stale_index_is_counted_and_spills_are_counted() -> None:
+    decider, heartbeats, _, metrics = parts()
+    replicas = [Replica(f"http://r{i}", f"r{i}", healthy=True) for i in range(2)]
+    heartbeats.feed = feed({}, healthy=False)
+    decider.decide(replicas, [], "key", None)
+    assert metrics.fallbacks.labels("redis_down")._value.get() == 1
+    heartbeats.feed = None
+    decider.index.stored("r0", [1])
+    replicas[0].in_flight = 10  # far over the bound: the holder is passed over
+    assert decider.decide(replicas, [1], 1, None).ranked[0] == "r1"
+    assert metrics.spills._value.get() == 1
