@@ -30,7 +30,7 @@ from kvscale.cli import main
 for command in ("router", "operator"):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
         main([command, "--help"])
-import kvscale.operator.handlers, kvscale.router.app
+import kvscale.operator.registration, kvscale.router.app
 from kvscale.router.app import Router
 from kvscale.router.config import RouterConfig
 from kvscale.tokenization import chat_prompt_token_ids, completion_prompt_token_ids

@@ -17,8 +17,8 @@ import uvicorn.protocols.http.httptools_impl  # noqa: F401
 
 import kvscale.cli  # noqa: F401
 import kvscale.operator.cli_operator  # noqa: F401
-import kvscale.operator.handlers  # noqa: F401
 import kvscale.operator.kube  # noqa: F401
+import kvscale.operator.registration  # noqa: F401
 import kvscale.router.cli_router  # noqa: F401
 import kvscale.router.replicas  # noqa: F401
 from kvscale.router.app import Router
