@@ -40,6 +40,17 @@ def test_the_parts_are_linked_into_the_package():
     assert not (REPO_ROOT / "operator" / "__init__.py").exists()
 
 
+def test_the_wheel_lists_every_package():
+    """setuptools' explicit package list (a namespace package cannot be found by `find`): a folder
+    of modules missing from it would be missing from the images, while the editable install hides it."""
+    listed = set(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"kvscale"} | {
+        "kvscale." + ".".join(path.parent.relative_to(REPO_ROOT).parts)
+        for part in PARTS for path in (REPO_ROOT / part).rglob("*.py")
+    }
+    assert listed == folders
+
+
 def test_the_import_graph_holds_every_shipped_module():
     graph = grimp.build_graph(*_linter_config()["root_packages"])
     assert _shipped_modules() - graph.modules == set()
@@ -49,3 +60,4 @@ def test_the_shared_layer_contract_lists_every_shared_module():
     shared = next(c for c in _linter_config()["contracts"] if c["name"] == "The shared layer imports no part")
     on_disk = {f"kvscale.{p.stem}" for p in (REPO_ROOT / "kvscale").glob("*.py") if p.stem not in ENTRY_POINTS}
     assert set(shared["source_modules"]) == on_disk
+
