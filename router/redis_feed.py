@@ -1,4 +1,4 @@
-"""Keeps a router's PrefixIndex and heartbeat table in step with Redis (schema: kv_publisher).
+"""Keeps a router's PrefixIndex and heartbeat table in step with Redis (schema: kvscale.kv_index_schema).
 
 Subscribes to the KV-event channel first, then reads every replica's (seq, blocks) atomically,
 then applies messages whose seq follows the one it holds; a gap, a snapshot message or a

@@ -61,3 +61,12 @@ def test_the_shared_layer_contract_lists_every_shared_module():
     on_disk = {f"kvscale.{p.stem}" for p in (REPO_ROOT / "kvscale").glob("*.py") if p.stem not in ENTRY_POINTS}
     assert set(shared["source_modules"]) == on_disk
 
+
+def test_the_architecture_page_names_every_shipped_module():
+    page = (REPO_ROOT / "docs" / "architecture.md").read_text()
+    files = [p for p in (REPO_ROOT / "kvscale").glob("*.py")]
+    for part in PARTS:
+        files += [p for p in (REPO_ROOT / part).rglob("*.py") if p.name != "__init__.py"]
+    missing = sorted(str(p.relative_to(REPO_ROOT)) for p in files
+                     if f"`{p.relative_to(REPO_ROOT)}`" not in page and p.name != "__main__.py")
+    assert missing == []
