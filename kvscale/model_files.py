@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +58,34 @@ def _is_complete(directory: Path) -> bool:
     ).is_file()
 
 
-def _convert_gguf(gguf_path: Path, target: Path) -> None:
-    """Dequantize ``gguf_path`` into ``target`` atomically (tmp dir in the same parent, then rename)."""
-    from tqdm.auto import tqdm
+def _write_directory(target: Path, write: Callable[[Path], None], complete: Callable[[Path], bool]) -> None:
+    """``write`` a directory in a temporary sibling, then rename it to ``target`` in one step.
 
+    Concurrent first starts may race: the first rename wins, and a loser whose rename fails
+    because ``target`` is already ``complete`` throws its copy away.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by whoever runs kvscale
     try:
+        write(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not complete(target):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
+    """Dequantize ``gguf_path`` into ``target`` (a checkpoint: safetensors, config, tokenizer)."""
+
+    def write(directory: Path) -> None:
+        from tqdm.auto import tqdm
+
         with tqdm(total=3, desc=f"kvscale: converting {gguf_path.name} (once)", file=sys.stderr) as bar:
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -78,19 +99,11 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
             )
             bar.update(1)
             bar.set_postfix_str("writing safetensors")
-            _save_plain_checkpoint(model, tmp)
-            tokenizer.save_pretrained(str(tmp))
+            _save_plain_checkpoint(model, directory)
+            tokenizer.save_pretrained(str(directory))
             bar.update(1)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            # Another process finished first; its copy is as good as ours.
-            if not _is_complete(target):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    _write_directory(target, write, _is_complete)
 
 
 def _save_plain_checkpoint(model: Any, directory: Path) -> None:
@@ -141,25 +154,16 @@ def _tokenizer_complete(directory: Path) -> bool:
 
 
 def _extract_gguf_tokenizer(gguf_path: Path, target: Path) -> None:
-    """Save the GGUF's tokenizer alone into ``target`` atomically. transformers' GGUF reader
-    imports torch, so the control-plane image copies this directory from the engine image."""
-    from transformers import AutoTokenizer
+    """Save the GGUF's tokenizer alone into ``target``. transformers' GGUF reader imports torch,
+    so the control-plane image copies this directory from the engine image."""
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    tmp.chmod(0o755)
-    try:
+    def write(directory: Path) -> None:
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        tokenizer.save_pretrained(str(tmp))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _tokenizer_complete(target):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        tokenizer.save_pretrained(str(directory))
+
+    _write_directory(target, write, _tokenizer_complete)
 
 
 def resolve_tokenizer_path(model: str | None) -> Path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvscale.server.detokenizer import visible_text, visible_text_len
-from kvscale.server.outputs import CompletionOutput, RequestOutput
+from kvscale.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvscale.server.sequence import Request
 
 
@@ -28,16 +28,8 @@ def cumulative_output(request: Request, finished: bool) -> RequestOutput:
         )
         for seq in sorted(request.seqs, key=lambda s: s.index)
     ]
-    return RequestOutput(
-        request_id=request.request_id,
-        prompt=request.prompt,
-        prompt_token_ids=request.prompt_token_ids,
-        outputs=completions,
-        finished=finished,
-        num_cached_tokens=request.num_cached_tokens,
-        metrics=replace(request.metrics),
-        prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
-    )
+    prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
+    return _request_output(request, completions, finished, prompt_logprobs)
 
 
 def delta_output(request: Request, finished: bool) -> RequestOutput:
@@ -60,6 +52,11 @@ def delta_output(request: Request, finished: bool) -> RequestOutput:
     if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
         prompt_logprobs = request.prompt_logprobs
         request.prompt_logprobs_sent = True
+    return _request_output(request, completions, finished, prompt_logprobs)
+
+
+def _request_output(request: Request, completions: list[CompletionOutput], finished: bool,
+                    prompt_logprobs: list[PositionLogprobs | None] | None) -> RequestOutput:
     return RequestOutput(
         request_id=request.request_id,
         prompt=request.prompt,
