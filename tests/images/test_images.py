@@ -180,7 +180,7 @@ def test_a_source_change_rebuilds_only_the_source_layer(images, tmp_path):
         source, target = REPO_ROOT / path, context / path
         target.parent.mkdir(parents=True, exist_ok=True)
         if source.is_dir():
-            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(source, target, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(source, target)
     with open(context / "router" / "cli_router.py", "a") as changed:
