@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import httpx
 
+from kvscale.base_urls import authority, base_url, normalize_base_url
 from kvscale.k8s_labels import SERVERS_ENDPOINTS_SELECTOR
 
 if TYPE_CHECKING:
@@ -27,18 +27,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvscale.router.replicas")
 
-def normalize_url(url: str) -> str:
-    url = url.strip().rstrip("/")
-    if "://" not in url:
-        url = f"http://{url}"
-    if url.endswith("/v1"):
-        url = url[: -len("/v1")]
-    return url
-
-
 def default_replica_id(url: str) -> str:
     """What `kvscale serve` uses as replica id when none is given: host:port."""
-    return urlsplit(normalize_url(url)).netloc
+    return authority(url)
 
 
 @dataclass
@@ -99,7 +90,7 @@ class ReplicaSet:
         self._changed = asyncio.Event()
 
     def set_urls(self, urls: list[str]) -> None:
-        wanted = {normalize_url(u) for u in urls if u.strip()}
+        wanted = {normalize_base_url(u) for u in urls if u.strip()}
         for url in list(self.replicas):
             if url not in wanted:
                 log.info("replica %s removed", url)
@@ -118,7 +109,7 @@ class ReplicaSet:
     def bind_heartbeat_ids(self, url_to_id: dict[str, str]) -> None:
         """Heartbeats name each replica's id and base URL; learn the id of every URL we route to."""
         for url, replica_id in url_to_id.items():
-            replica = self.replicas.get(normalize_url(url))
+            replica = self.replicas.get(normalize_base_url(url))
             if replica is not None:
                 replica.replica_id = replica_id
 
@@ -250,9 +241,7 @@ class EndpointSliceWatch:
             if not endpoint.addresses:
                 continue
             # An endpoint's addresses are fungible (one pod); routing to all would count it twice.
-            address = endpoint.addresses[0]
-            host = f"[{address}]" if ":" in address else address
-            urls.append(f"http://{host}:{port}")
+            urls.append(base_url(endpoint.addresses[0], port))
         return urls
 
     def _publish(self) -> None:

@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from kvscale.base_urls import authority, base_url
 from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 
 # Engine flags whose value goes straight into EngineConfig; unset ones keep EngineConfig's default.
@@ -70,11 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="this replica's id in Redis (default: $POD_NAME, else HOST:PORT)")
 
 
-def _advertised_host(host: str) -> str:
-    """The address other machines reach us at (the router calls this base URL)."""
-    if host not in ("0.0.0.0", "::", ""):
-        return host
-    return os.environ.get("POD_IP") or socket.gethostname()
+def advertised_base_url(host: str, port: int) -> str:
+    """The base URL other machines reach us at: routers dial it and match our heartbeats by it.
+
+    Bound to every address, that is the pod's IP (the downward API's POD_IP), else the host name.
+    """
+    if host in ("0.0.0.0", "::", ""):
+        host = os.environ.get("POD_IP") or socket.gethostname()
+    return base_url(host, port)
 
 
 @dataclass
@@ -108,14 +112,14 @@ def build(args: argparse.Namespace) -> Served:
     # must not be used by two threads at once, so the HTTP side gets an object of its own.
     tokenizer = copy.deepcopy(load_tokenizer(model_path))  # load_tokenizer caches by path
 
-    base_url = f"http://{_advertised_host(args.host)}:{args.port}"
+    advertised = advertised_base_url(args.host, args.port)
     publisher = None
     if args.redis:
         from kvscale.server.kv_publisher import KVEventPublisher
 
-        replica_id = args.replica_id or os.environ.get("POD_NAME") or f"{_advertised_host(args.host)}:{args.port}"
+        replica_id = args.replica_id or os.environ.get("POD_NAME") or authority(advertised)
         publisher = KVEventPublisher(redis_url=args.redis, replica_id=replica_id,
-                                     model_name=served_names[0], base_url=base_url,
+                                     model_name=served_names[0], base_url=advertised,
                                      block_size=engine.block_size)
 
     async_engine = AsyncEngine(engine, publisher=publisher)
