@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -34,7 +35,7 @@ from kvscale.router.index import PrefixIndex
 from kvscale.router.metrics import RouterMetrics
 from kvscale.router.prefix_hashes import PrefixHasher, PromptBlocks
 from kvscale.router.proxy import Forwarder, Routed, replica_headers
-from kvscale.router.replicas import EndpointSliceWatch, ReplicaSet
+from kvscale.router.replicas import EndpointSliceWatch, Replica, ReplicaSet
 
 log = logging.getLogger("kvscale.router")
 
@@ -129,13 +130,16 @@ class Router:
         self.metrics.set_index_blocks(self.index.sizes())
 
     # -- HTTP ------------------------------------------------------------------------------------
-    async def route(self, request: Request, endpoint: str) -> Response:
-        """POST /v1/completions ("completions") and /v1/chat/completions ("chat")."""
+    async def _read(self, request: Request) -> tuple[bytes, dict[str, Any], float] | Response:
+        """The request's body, its parsed JSON object and when the router's own time started,
+        or the error answering it."""
         if (denied := check_api_key(request, self.config.api_key)) is not None:
             return denied
         raw = await request.body()
         # The router's own time starts with the body's last byte: until then it waits on the client.
         started = time.perf_counter()
+        if request.method == "GET":
+            return raw, {}, started
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):
@@ -145,6 +149,10 @@ class Router:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             return openai_error(400, "model must be a string", "invalid_request_error")
+        return raw, body, started
+
+    def _candidates(self, model: str | None) -> list[Replica] | Response:
+        """The replicas that may take a request for ``model`` (None: any), or the error."""
         serving = [r for r in self.replicas.replicas.values() if model is None or model in r.models]
         if model is not None and not serving:
             return openai_error(
@@ -157,6 +165,18 @@ class Router:
             self.metrics.requests.labels("none", self.config.policy, "503").inc()
             return openai_error(
                 503, "no healthy replica serves this model right now", "service_unavailable")
+        return candidates
+
+    async def route(self, request: Request, endpoint: str) -> Response:
+        """POST /v1/completions ("completions") and /v1/chat/completions ("chat")."""
+        read = await self._read(request)
+        if isinstance(read, Response):
+            return read
+        raw, body, started = read
+        model = body.get("model")
+        candidates = self._candidates(model)
+        if isinstance(candidates, Response):
+            return candidates
 
         prompt = PromptBlocks([], 0, self.config.block_size)
         if routing.uses_prefix(self.config.policy):
@@ -187,6 +207,30 @@ class Router:
             predicted_hit_tokens=predicted_tokens,
             session=session,
             router_ms=(decided - started) * 1000,
+        ))
+
+    async def pass_through(self, request: Request, endpoint: str) -> Response:
+        """/tokenize, /detokenize and /version: a replica's own answer, so that a client keeps
+        one URL with or without a router. No cache is involved: the least busy replica of the
+        model answers, the others stand by for failover."""
+        read = await self._read(request)
+        if isinstance(read, Response):
+            return read
+        raw, body, started = read
+        candidates = self._candidates(body.get("model"))
+        if isinstance(candidates, Response):
+            return candidates
+        ranked = sorted(candidates, key=lambda r: r.in_flight)
+        return await self.forwarder.forward(Routed(
+            endpoint=endpoint,
+            body=raw,
+            headers=replica_headers(request.headers, self.config.replica_api_key),
+            ranked=ranked[: max(1, self.config.max_attempts)],
+            hashes=[],
+            prompt_tokens=0,
+            predicted_hit_tokens=0,
+            session=None,
+            router_ms=(time.perf_counter() - started) * 1000,
         ))
 
     async def models(self, request: Request) -> Response:
@@ -222,7 +266,7 @@ class Router:
 
 
 def _is_api_request(method: str, path: str) -> bool:
-    return method == "POST" and path.startswith("/v1/")
+    return method == "POST" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize"))
 
 
 def build_app(config: RouterConfig) -> Starlette:
@@ -233,6 +277,15 @@ def build_app(config: RouterConfig) -> Starlette:
 
     async def chat(request: Request) -> Response:
         return await router.route(request, "chat")
+
+    async def tokenize(request: Request) -> Response:
+        return await router.pass_through(request, "tokenize")
+
+    async def detokenize(request: Request) -> Response:
+        return await router.pass_through(request, "detokenize")
+
+    async def version(request: Request) -> Response:
+        return await router.pass_through(request, "version")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -247,6 +300,9 @@ def build_app(config: RouterConfig) -> Starlette:
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/models", router.models, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/version", version, methods=["GET"]),
             Route("/health", router.health, methods=["GET"]),
             Route("/metrics", router.metrics_endpoint, methods=["GET"]),
         ],

@@ -27,14 +27,22 @@ log = logging.getLogger("kvscale.router")
 
 # Response headers that describe one hop, not the body.
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+# endpoint -> (method, path on the replica). Generation goes through the routing decision; the
+# others are a replica's own answers that a client should get at the router's URL too.
+ENDPOINTS = {
+    "chat": ("POST", "/v1/chat/completions"),
+    "completions": ("POST", "/v1/completions"),
+    "tokenize": ("POST", "/tokenize"),
+    "detokenize": ("POST", "/detokenize"),
+    "version": ("GET", "/version"),
+}
 
 
 @dataclass(frozen=True)
 class Routed:
     """A request and where to send it: what the forwarding needs from the decision."""
 
-    endpoint: str  # "chat" or "completions"
+    endpoint: str  # a key of ENDPOINTS
     body: bytes  # as the client sent it
     headers: dict[str, str]  # for the replica
     ranked: list[Replica]  # best first; tried in turn
@@ -92,7 +100,7 @@ class Forwarder:
     async def forward(self, routed: Routed) -> Response:
         client = self._client
         assert client is not None, "forward before open"
-        path = PATHS[routed.endpoint]
+        method, path = ENDPOINTS[routed.endpoint]
         last_error = "no replica answered"
         for attempt, replica in enumerate(routed.ranked):
             is_last = attempt == len(routed.ranked) - 1
@@ -105,7 +113,8 @@ class Forwarder:
             try:
                 upstream = await client.send(
                     client.build_request(
-                        "POST", replica.url + path, content=routed.body, headers=routed.headers),
+                        method, replica.url + path, content=routed.body or None,
+                        headers=routed.headers),
                     stream=True,
                 )
                 draining = upstream.status_code == 503 and upstream.headers.get(DRAINING_HEADER)

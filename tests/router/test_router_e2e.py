@@ -312,3 +312,21 @@ def test_api_key_is_required_and_replaced_for_replicas(replicas):
         assert ok.status_code == 200, ok.text
         assert ok.json()["choices"][0]["text"] is not None
         assert client.get("/v1/models").status_code == 401
+
+
+def test_tokenize_detokenize_and_version_answer_alike_with_or_without_the_router(replicas, router):
+    """A client keeps one URL whether a router is in front or not (vLLM's server has these too)."""
+    calls = [
+        ("POST", "/tokenize", {"model": MODEL, "prompt": "The capital of France is"}),
+        ("POST", "/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}]}),
+        ("POST", "/detokenize", {"model": MODEL, "tokens": [504, 3575, 282, 4649, 314]}),
+        ("GET", "/version", None),
+    ]
+    for method, path, body in calls:
+        direct = httpx.request(method, f"{replicas[0].url}{path}", json=body, timeout=60)
+        routed = httpx.request(method, f"{router.url}{path}", json=body, timeout=60)
+        assert direct.status_code == 200, direct.text
+        assert (routed.status_code, routed.json()) == (200, direct.json()), path
+        assert routed.headers["x-kvscale-replica"]
+    unknown = httpx.post(f"{router.url}/tokenize", json={"model": "nope", "prompt": "x"}, timeout=60)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
