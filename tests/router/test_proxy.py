@@ -1,15 +1,20 @@
-"""Forwarding down a ranking against in-memory replicas (httpx's MockTransport): what moves on
-to the next replica, what the client gets, and that every attempt's accounting is closed."""
+"""Forwarding down a ranking against real HTTP servers on loopback (one per behaviour, and ports
+nobody listens on): what moves on to the next replica, what the client gets, and that every
+attempt's accounting is closed."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import httpx
+import pytest
 from starlette.responses import Response, StreamingResponse
 
 from kvscale.drain import DRAINING_HEADER
+from kvscale.processes import free_port
 from kvscale.router.decision import SessionMemory
 from kvscale.router.in_flight import InFlight
 from kvscale.router.index import PrefixIndex
@@ -17,25 +22,43 @@ from kvscale.router.metrics import RouterMetrics
 from kvscale.router.proxy import Forwarder, Routed, replica_headers
 from kvscale.router.replicas import Replica, ReplicaSet
 
-
-def answer(status: int, headers: dict[str, str] | None = None) -> httpx.Response:
-    # A stream, not content: a replica's body is read chunk by chunk, as over the network.
-    body = httpx.ByteStream(json.dumps({"status": status}).encode())
-    return httpx.Response(status, headers=headers, stream=body)
-
-
 BEHAVIOUR = {
-    "http://ok": lambda: answer(200, {"x-upstream": "yes"}),
-    "http://broken": lambda: answer(500),
-    "http://draining": lambda: answer(503, {DRAINING_HEADER: "1"}),
+    "ok": (200, {"x-upstream": "yes"}),
+    "broken": (500, {}),
+    "draining": (503, {DRAINING_HEADER: "1"}),
 }
 
 
-def handler(request: httpx.Request) -> httpx.Response:
-    base = f"{request.url.scheme}://{request.url.host}"
-    if base not in BEHAVIOUR:
-        raise httpx.ConnectError("refused", request=request)
-    return BEHAVIOUR[base]()
+def serve(status: int, headers: dict[str, str]) -> ThreadingHTTPServer:
+    class Replica(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            body = json.dumps({"status": status}).encode()
+            self.send_response(status)
+            for name, value in {**headers, "content-type": "application/json"}.items():
+                self.send_header(name, value)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Replica)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def urls() -> Iterator[dict[str, str]]:
+    servers = {name: serve(*behaviour) for name, behaviour in BEHAVIOUR.items()}
+    found = {name: f"http://127.0.0.1:{server.server_address[1]}" for name, server in servers.items()}
+    # Ports handed out once and never bound: connecting is refused.
+    found |= {name: f"http://127.0.0.1:{free_port()}" for name in ("refused", "gone")}
+    yield found
+    for server in servers.values():
+        server.shutdown()
+        server.server_close()
 
 
 def forwarder() -> tuple[Forwarder, RouterMetrics, SessionMemory]:
@@ -43,12 +66,11 @@ def forwarder() -> tuple[Forwarder, RouterMetrics, SessionMemory]:
     sessions = SessionMemory()
     forward = Forwarder(1.0, "prefix-affinity", ReplicaSet(), PrefixIndex(),
                         InFlight(metrics.in_flight), sessions, metrics)
-    forward._client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     return forward, metrics, sessions
 
 
-def routed(*urls: str) -> Routed:
-    ranked = [Replica(url, url.removeprefix("http://"), healthy=True) for url in urls]
+def routed(urls: dict[str, str], *names: str) -> Routed:
+    ranked = [Replica(urls[name], name, healthy=True) for name in names]
     return Routed(endpoint="completions", body=b"{}", headers={"content-type": "application/json"},
                   ranked=ranked, hashes=[1, 2], prompt_tokens=40, predicted_hit_tokens=16,
                   session="session-1", router_ms=0.25)
@@ -56,21 +78,25 @@ def routed(*urls: str) -> Routed:
 
 def send(forward: Forwarder, request: Routed) -> tuple[Response, bytes]:
     async def go() -> tuple[Response, bytes]:
-        response = await forward.forward(request)
-        body = b""
-        if isinstance(response, StreamingResponse):
-            async for chunk in response.body_iterator:
-                body += chunk if isinstance(chunk, bytes) else str(chunk).encode()
-        else:
-            body = bytes(response.body)
-        return response, body
+        forward.open()  # the client's connections belong to this event loop
+        try:
+            response = await forward.forward(request)
+            body = b""
+            if isinstance(response, StreamingResponse):
+                async for chunk in response.body_iterator:
+                    body += chunk if isinstance(chunk, bytes) else str(chunk).encode()
+            else:
+                body = bytes(response.body)
+            return response, body
+        finally:
+            await forward.close()
 
     return asyncio.run(go())
 
 
-def test_failures_before_the_first_byte_move_on_and_every_attempt_is_closed() -> None:
+def test_failures_before_the_first_byte_move_on_and_every_attempt_is_closed(urls) -> None:
     forward, metrics, sessions = forwarder()
-    request = routed("http://refused", "http://broken", "http://draining", "http://ok")
+    request = routed(urls, "refused", "broken", "draining", "ok")
     response, body = send(forward, request)
     assert response.status_code == 200 and json.loads(body) == {"status": 200}
     assert response.headers["x-kvscale-replica"] == "ok" and response.headers["x-upstream"] == "yes"
@@ -87,11 +113,11 @@ def test_failures_before_the_first_byte_move_on_and_every_attempt_is_closed() ->
     assert forward.index.match([1, 2], ["refused", "ok"], 0.0) == {"refused": 2, "ok": 2}
 
 
-def test_the_last_replicas_error_is_the_clients_and_nothing_answering_is_a_502() -> None:
+def test_the_last_replicas_error_is_the_clients_and_nothing_answering_is_a_502(urls) -> None:
     forward, metrics, _ = forwarder()
-    response, body = send(forward, routed("http://refused", "http://broken"))
+    response, body = send(forward, routed(urls, "refused", "broken"))
     assert response.status_code == 500 and json.loads(body) == {"status": 500}
-    response, body = send(forward, routed("http://refused", "http://gone"))
+    response, body = send(forward, routed(urls, "refused", "gone"))
     assert response.status_code == 502
     error = json.loads(body)["error"]
     assert error["type"] == "bad_gateway" and "replica gone" in error["message"]
