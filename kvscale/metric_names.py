@@ -120,6 +120,10 @@ ROUTER_RETRIES = Metric(
 ROUTER_FALLBACKS = Metric(
     "kvscale_router_fallbacks", COUNTER,
     "Decisions made without full information, by reason.", ("reason",))
+ROUTER_TOKENIZER_LOADED = Metric(
+    "kvscale_router_tokenizer_loaded", GAUGE,
+    "1 when the router tokenizes this model's prompts as its servers do; 0 when its tokenizer "
+    "could not be loaded, so its requests are routed by load alone.", _M)
 ROUTER_REDIS_ERRORS = Metric(
     "kvscale_router_redis_errors", COUNTER, "Failed or timed-out Redis calls.")
 ROUTER_REDIS_UP = Metric("kvscale_router_redis_up", GAUGE, "1 while Redis answers.")
@@ -133,7 +137,7 @@ ROUTER_INDEX_BLOCKS = Metric(
 ROUTER_METRICS = (
     ROUTER_REQUESTS, ROUTER_DECISION_SECONDS, ROUTER_PREDICTED_HIT_TOKENS,
     ROUTER_PREDICTED_HIT_TOKENS_PER_REQUEST, ROUTER_PROMPT_TOKENS, ROUTER_SPILLS, ROUTER_RETRIES,
-    ROUTER_FALLBACKS, ROUTER_REDIS_ERRORS, ROUTER_REDIS_UP, ROUTER_REPLICAS_HEALTHY,
+    ROUTER_FALLBACKS, ROUTER_TOKENIZER_LOADED, ROUTER_REDIS_ERRORS, ROUTER_REDIS_UP, ROUTER_REPLICAS_HEALTHY,
     ROUTER_IN_FLIGHT, ROUTER_INDEX_BLOCKS,
 )
 # Label values created at zero on start, so rate() is defined before the first event of each.

@@ -60,6 +60,7 @@ class Router:
         self.hasher = PrefixHasher(
             config.models, config.block_size, config.chat_cache_tokens,
             on_fallback=lambda reason: self.metrics.fallbacks.labels(reason).inc(),
+            served_names=config.served_model_names,
         )
         self.in_flight = InFlight(self.metrics.in_flight)
         self.decider = Decider(config, self.index, self.heartbeats, self.in_flight, self.metrics)
@@ -74,6 +75,8 @@ class Router:
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         await asyncio.to_thread(self.hasher.load_tokenizers)
+        for name, error in self.hasher.tokenizer_status().items():
+            self.metrics.tokenizer_loaded.labels(name).set(0 if error else 1)
         self.forwarder.open()
         if self.config.redis_url:
             from kvscale.router.redis_feed import RedisFeed
@@ -254,9 +257,11 @@ class Router:
         ok = any(r["healthy"] for r in replicas)
         feed = self.heartbeats.feed
         redis_state = None if feed is None else ("up" if feed.healthy else "down")
+        tokenizers = [{"model": name, "loaded": error is None, **({"error": error} if error else {})}
+                      for name, error in self.hasher.tokenizer_status().items()]
         return JSONResponse(
             {"status": "ok" if ok else "no healthy replica", "policy": self.config.policy,
-             "redis": redis_state, "replicas": replicas},
+             "redis": redis_state, "tokenizers": tokenizers, "replicas": replicas},
             status_code=200 if ok else 503,
         )
 

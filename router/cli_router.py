@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model directory whose tokenizer to load (repeatable; default: the bundled model)",
     )
     parser.add_argument(
+        "--served-model-name", nargs="+", default=None,
+        help="the names the servers serve the one --model (or the bundled model) under, as their "
+             "own --served-model-name; default: the model folder's name",
+    )
+    parser.add_argument(
         "--chat-cache-tokens", type=int, default=DEFAULT_MAX_TOKENS,
         help="token ids of chat histories kept so a follow-up turn tokenizes only its new part (0: off)",
     )
@@ -77,6 +82,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise SystemExit("kvscale router: --block-size must be at least 1")
     if args.chat_cache_tokens < 0:
         raise SystemExit("kvscale router: --chat-cache-tokens must be non-negative")
+    if args.served_model_name and len(args.model or [None]) != 1:
+        raise SystemExit("kvscale router: --served-model-name names one model: give at most one --model with it")
     return RouterConfig(
         replicas=[u for u in (args.replicas or "").split(",") if u.strip()],
         k8s_service=args.k8s_service,
@@ -90,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         replica_api_key=args.replica_api_key,
         block_size=args.block_size,
         models=args.model or [None],
+        served_model_names=args.served_model_name or [],
         session_header=(args.session_header or "").lower() or None,
         epsilon=args.balance_epsilon,
         ttft_epsilon=args.ttft_balance_epsilon if args.ttft_balance_epsilon >= 0 else None,

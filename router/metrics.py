@@ -27,6 +27,7 @@ class RouterMetrics:
         self.spills: Counter = register(names.ROUTER_SPILLS, r)
         self.retries: Counter = register(names.ROUTER_RETRIES, r)
         self.fallbacks: Counter = register(names.ROUTER_FALLBACKS, r)
+        self.tokenizer_loaded: Gauge = register(names.ROUTER_TOKENIZER_LOADED, r)
         self.redis_errors: Counter = register(names.ROUTER_REDIS_ERRORS, r)
         self.redis_up: Gauge = register(names.ROUTER_REDIS_UP, r)
         self.replicas_healthy: Gauge = register(names.ROUTER_REPLICAS_HEALTHY, r)

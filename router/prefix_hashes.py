@@ -40,26 +40,57 @@ class PrefixHasher:
         default_block_size: int = 16,
         chat_cache_tokens: int = DEFAULT_MAX_TOKENS,
         on_fallback: Callable[[str], None] = lambda reason: None,
+        served_names: list[str] | None = None,
     ) -> None:
+        if served_names and len(models) != 1:
+            raise ValueError("served model names name one model; give one model with them")
         self.models = models
+        self.served_names = served_names or []
         self.default_block_size = default_block_size
         self.chat_cache_tokens = chat_cache_tokens
         self.tokenizers: dict[str, Any] = {}
         self.chat_caches: dict[str, ChatTokenCache] = {}
         self.block_sizes: dict[str, int] = {}
+        self.load_errors: dict[str, str] = {}  # served name -> why its tokenizer did not load
         self._on_fallback = on_fallback
+
+    def names_of(self, model: str | None) -> list[str]:
+        """The names the servers answer to for ``model``: what requests carry as "model"."""
+        from kvscale.model_files import served_model_name
+
+        return self.served_names or [served_model_name(model)]
 
     def load_tokenizers(self) -> None:
         """Blocking (file reads, and the bundled model's extraction on first use): call it in a
-        thread from the event loop."""
-        from kvscale.model_files import load_tokenizer, resolve_tokenizer_path, served_model_name
+        thread from the event loop. A tokenizer that cannot be loaded leaves its model routed by
+        load alone, and says so (the error log line, ``load_errors``); it does not stop the
+        router, which still serves every request."""
+        from kvscale.model_files import load_tokenizer, resolve_tokenizer_path
 
         for model in self.models:
-            name = served_model_name(model)
-            # The tokenizer alone: the bundled model's full conversion needs torch.
-            self.tokenizers[name] = load_tokenizer(resolve_tokenizer_path(model))
-            self.chat_caches[name] = ChatTokenCache(self.tokenizers[name], self.chat_cache_tokens)
-            log.info("tokenizer for %s loaded", name)
+            names = self.names_of(model)
+            try:
+                # The tokenizer alone: the bundled model's full conversion needs torch.
+                tokenizer = load_tokenizer(resolve_tokenizer_path(model))
+            except Exception as exc:  # any failure to load means the same: no prefix routing
+                error = f"{type(exc).__name__}: {exc}"
+                for name in names:
+                    self.load_errors[name] = error
+                log.error("no tokenizer for %s from %s (%s): its requests are routed by load "
+                          "alone, without prefix-cache affinity", ", ".join(names),
+                          model or "the bundled model", error)
+                continue
+            for name in names:
+                self.tokenizers[name] = tokenizer
+                self.chat_caches[name] = ChatTokenCache(tokenizer, self.chat_cache_tokens)
+                self.load_errors.pop(name, None)
+            log.info("tokenizer for %s loaded from %s", ", ".join(names), model or "the bundled model")
+
+    def tokenizer_status(self) -> dict[str, str | None]:
+        """Each served name the router was told of: None when its tokenizer is loaded, else why not."""
+        status: dict[str, str | None] = {name: None for name in self.tokenizers}
+        status.update(self.load_errors)
+        return status
 
     def prompt_block_hashes(
         self, endpoint: str, body: dict[str, Any], model: str | None
