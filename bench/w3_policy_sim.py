@@ -47,6 +47,7 @@ from pathlib import Path
 
 from bench.common import quantile, write_result
 from kvscale.router import policy as routing
+from kvscale.router.decision import HotBlocks, free_blocks
 
 
 def simulate(
@@ -290,6 +291,7 @@ class SimRouter:
         self.rng = random.Random(seed)
         self.counter = 0
         self.predicted: list[dict[int, float]] = [{} for _ in replicas]
+        self.hot = HotBlocks()  # as the real Decider keeps it: the room a cold prompt may take
 
     def matched(self, replica: SimReplica, hashes: list[int], now: float) -> int:
         predicted = self.predicted[replica.index]
@@ -312,6 +314,7 @@ class SimRouter:
                 queued_prefill_tokens=rep.queued_prefill_tokens(), num_decoding=rep.num_decoding(),
                 prefill_tokens_per_s=rep.costs.prefill_tokens_per_s, decode_step_s=rep.costs.decode_step_s,
                 step_token_budget=rep.costs.step_tokens,
+                free_blocks=free_blocks(rep.num_blocks, self.hot.footprint(f"r{rep.index}", now)),
             ))
         self.counter += 1
         decision = routing.decide(
@@ -321,6 +324,7 @@ class SimRouter:
         )
         chosen = int(decision.ranked[0][1:])
         req.expected_hit_blocks = decision.matched_blocks
+        self.hot.sent(decision.ranked[0], req.hashes, now)
         if routing.uses_prefix(name):
             for h in req.hashes:
                 self.predicted[chosen][h] = now + 10.0

@@ -23,6 +23,8 @@ from kvscale.router.prefill_ledger import ttft_inputs
 from kvscale.router.replicas import Replica
 
 SESSIONS_KEPT = 100_000
+# A block routed to a replica within this long is hot there: a new prefix should not evict it.
+HOT_WINDOW_S = 30.0
 
 
 class SessionMemory:
@@ -44,23 +46,58 @@ class SessionMemory:
             self._replicas.popitem(last=False)
 
 
+class HotBlocks:
+    """Per replica, the prompt blocks this router sent there recently (``HOT_WINDOW_S``): the KV room
+    its hot prefixes take, so that a cold prompt goes where it evicts none of them."""
+
+    def __init__(self, window_s: float = HOT_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._sent: dict[str, OrderedDict[int, float]] = {}  # replica -> block hash -> last sent
+
+    def sent(self, replica_id: str, hashes: list[int], now: float) -> None:
+        blocks = self._sent.setdefault(replica_id, OrderedDict())
+        for block_hash in hashes:
+            blocks[block_hash] = now
+            blocks.move_to_end(block_hash)
+
+    def footprint(self, replica_id: str, now: float) -> int:
+        blocks = self._sent.get(replica_id)
+        if blocks is None:
+            return 0
+        cutoff = now - self.window_s
+        while blocks and next(iter(blocks.values())) < cutoff:
+            blocks.popitem(last=False)
+        return len(blocks)
+
+    def forget(self, replica_id: str) -> None:
+        self._sent.pop(replica_id, None)
+
+
+def free_blocks(kv_blocks_total: int, hot_blocks: int) -> int | None:
+    """KV room a cold prompt may take without evicting a hot prefix; None when the size is unknown."""
+    return max(kv_blocks_total - hot_blocks, 0) if kv_blocks_total > 0 else None
+
+
 def candidate_view(
     replica: Replica,
     matched_blocks: int,
     heartbeats: HeartbeatTable,
     in_flight: InFlight,
     wall: float,
+    hot_blocks: int = 0,
 ) -> routing.Candidate:
     """One replica as the policy sees it; ``wall`` is the wall clock (heartbeats carry one)."""
     hb = heartbeats.get(replica.replica_id)
+    room: int | None = None
     if hb is None:
         load, kv_usage = replica.in_flight, 0.0
     else:
         load = routing.effective_load(
             replica.in_flight, hb.load, hb.timestamp, replica.last_finished)
         kv_usage = hb.kv_usage
+        room = free_blocks(hb.kv_blocks_total, hot_blocks)
     extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), wall)
-    return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, **extra)
+    return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, free_blocks=room, **extra)
 
 
 class Decider:
@@ -78,6 +115,7 @@ class Decider:
         self.in_flight = in_flight
         self.metrics = metrics
         self.sessions = SessionMemory()
+        self.hot = HotBlocks()
         self._counter = 0  # requests decided, for round-robin
         self._rng = random.Random(config.seed)
 
@@ -103,7 +141,8 @@ class Decider:
         )
         wall = time.time()
         views = [
-            candidate_view(r, matched[r.replica_id], self.heartbeats, self.in_flight, wall)
+            candidate_view(r, matched[r.replica_id], self.heartbeats, self.in_flight, wall,
+                           self.hot.footprint(r.replica_id, now))
             for r in candidates
         ]
         index_stale = self.heartbeats.index_stale
@@ -126,4 +165,6 @@ class Decider:
         )
         if decision.ranked and is_spill(matched, decision.ranked[0], decision.reason):
             self.metrics.spills.inc()
+        if decision.ranked:
+            self.hot.sent(decision.ranked[0], hashes, now)
         return decision

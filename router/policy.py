@@ -3,7 +3,9 @@
 Nothing here does I/O or keeps state between calls (round-robin takes its counter as an
 argument), so every rule is unit-tested on plain values.
 
-Predicted TTFT (the default): for each replica, estimate this request's time to first token
+Predicted TTFT (the default) has two parts: an estimate, and a rule that keeps a prefix where it is.
+
+The estimate: for each replica, this request's time to first token
 from what costs time there, in tokens and seconds rather than in requests:
   ttft(r) = (queued_prefill_tokens(r) + uncached_tokens(r)) / prefill_tokens_per_s(r)
             + decode_step_s(r) * steps(r)        (only while r has sequences decoding)
@@ -11,10 +13,28 @@ from what costs time there, in tokens and seconds rather than in requests:
 step_token_budget is the engine's max_num_batched_tokens: the queue ahead and our prompt share steps.
 uncached_tokens is the prompt minus the leading blocks r holds; the queued work is the
 replica's heartbeat corrected by this router's own sends (kvscale.router.prefill_ledger); the rates are
-the replica's own moving averages. Every engine step that carries part of our prefill also
-runs every decode, so each such step costs one decode step on top. Route to the minimum; ties
-(within 1 ms) go to the longer cached prefix, then to the rendezvous hash. The bounded-load cap
-below is kept only as a safety valve (loose by default, ``ttft_epsilon``).
+the replica's own moving averages, each held within a factor RATE_SPREAD of the pool's median: a
+replica serving cache hits runs short prefill steps whose fixed cost makes its tokens/s look low,
+and believing that would make every holder of a hot prefix look slow (prediction error turned
+into spreading). Every engine step that carries part of our prefill also runs every decode, so
+each such step costs one decode step on top.
+
+The rule (why not simply the minimum): a prefix held on a replica stays there while the fleet can
+hold its hot prefixes; spreading it buys nothing and costs a second copy in the KV pools and a
+second prefill. The anchor is the session's replica (the session header) or else the holder of
+the longest prefix (the lowest estimate among equal holders). It keeps the request unless it is
+truly overloaded:
+  ttft(anchor) > (1 + slack) * (ttft(other) + saved(other))
+for the best other replica, where saved(other) is the prefill of the blocks the anchor holds and
+the other does not, at the other's rate. The other's estimate already pays that prefill once; the
+rule asks the anchor's queue to cost it again, since the copy delays every request behind it on
+the other replica too. ``slack`` (--balance-epsilon, spec.router.balanceEpsilon) is the tolerated
+prediction error, relative. A prompt nobody holds is placed on the replica with the lowest
+estimate among those with room for it (``free_blocks``: KV blocks not held by the prefixes routed
+there recently), so new prefixes fill empty room before they evict hot ones; when no replica has
+room, the lowest estimate takes it and its LRU makes room. Ties (within 1 ms) go to the longer
+cached prefix, then to the rendezvous hash. The bounded-load cap on in-flight requests
+(``ttft_epsilon``) stays a safety valve: a replica over it goes last whatever it holds.
 
 Weighted scorer (a baseline after llm-d's inference scheduler): a weighted sum of a prefix
 score (matched fraction), a queue score (min-max normalised queue depth, fewer is better) and a
@@ -37,7 +57,7 @@ import hashlib
 import math
 import random as _random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 POLICIES = ("predicted-ttft", "prefix-affinity", "weighted", "round-robin", "random", "least-load")
 DEFAULT_POLICY = "predicted-ttft"
@@ -47,6 +67,10 @@ PREFIX_POLICIES = frozenset({"predicted-ttft", "prefix-affinity", "weighted"})
 TTFT_EPSILON = 1.0
 # Until a replica has measured itself (no heartbeat yet, or no prefill since it started).
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
+# predicted-ttft trusts a replica's measured prefill rate within this factor of the pool's median.
+RATE_SPREAD = 2.0
+# predicted-ttft's default slack (the tolerated relative prediction error) before a holder spills.
+TTFT_SLACK = 0.25
 WEIGHTS = {"prefix": 3.0, "queue": 2.0, "kv": 2.0}  # llm-d's default profile favours prefix over queue
 
 
@@ -69,6 +93,8 @@ class Candidate:
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     step_token_budget: int = 0  # the engine's max_num_batched_tokens; 0: unknown (one step)
+    # KV blocks not held by the prefixes recently routed there (None: unknown, room assumed).
+    free_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -200,6 +226,25 @@ def predicted_ttft(
     return seconds
 
 
+def pool_rates(candidates: Sequence[Candidate]) -> dict[str, float]:
+    """Each replica's prefill rate for the estimate: its own, held within RATE_SPREAD of the pool's
+    median measured rate; unmeasured replicas take the median (neither shunned nor flooded)."""
+    measured = sorted(c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s > 0)
+    if not measured:
+        return {c.replica_id: DEFAULT_PREFILL_TOKENS_PER_S for c in candidates}
+    median = measured[len(measured) // 2] if len(measured) % 2 else (
+        measured[len(measured) // 2 - 1] + measured[len(measured) // 2]) / 2
+    low, high = median / RATE_SPREAD, median * RATE_SPREAD
+    return {c.replica_id: min(max(c.prefill_tokens_per_s, low), high) if c.prefill_tokens_per_s > 0 else median
+            for c in candidates}
+
+
+def should_spill(anchor_ttft: float, other_ttft: float, saved_s: float, slack: float) -> bool:
+    """The anchor is truly overloaded: its estimate beyond the other's by more than the prefill the
+    hit saves, with ``slack`` (relative) for the estimates' error."""
+    return anchor_ttft > (1.0 + slack) * (other_ttft + saved_s)
+
+
 def predicted_ttft_policy(
     candidates: Sequence[Candidate],
     prompt_tokens: int,
@@ -207,8 +252,11 @@ def predicted_ttft_policy(
     hash_key: int | str,
     *,
     epsilon: float | None = TTFT_EPSILON,
+    slack: float = TTFT_SLACK,
+    sticky_replica: str | None = None,
 ) -> Decision:
-    """Rank replicas by predicted TTFT; over the (optional, loose) load cap go last."""
+    """Rank replicas: the anchor (session, else longest holder) first unless it is truly overloaded,
+    cold prompts where there is room, the rest by estimate; over the load cap last."""
     if not candidates:
         return Decision([], 0, "none")
     eligible: list[Candidate]
@@ -217,17 +265,47 @@ def predicted_ttft_policy(
         eligible, over = list(candidates), []
     else:
         eligible, over, _ = _bounded_split(candidates, epsilon)
-    # Unmeasured replicas borrow the pool's measured rate, so a new replica is neither shunned nor flooded.
-    measured = [c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s > 0]
-    default_rate = sum(measured) / len(measured) if measured else DEFAULT_PREFILL_TOKENS_PER_S
+    rates = pool_rates(candidates)
+    ttft = {c.replica_id: predicted_ttft(
+        replace(c, prefill_tokens_per_s=rates[c.replica_id]), prompt_tokens, block_size) for c in candidates}
 
     def key(c: Candidate) -> tuple[float, int, int, int]:
-        ttft = predicted_ttft(c, prompt_tokens, block_size, default_rate)
-        return (round(ttft, 3), -c.matched_blocks, c.load, -rendezvous_weight(hash_key, c.replica_id))
+        return (round(ttft[c.replica_id], 3), -c.matched_blocks, c.load,
+                -rendezvous_weight(hash_key, c.replica_id))
 
-    ranked = sorted(eligible, key=key) + sorted(over, key=key)
+    by_estimate = sorted(eligible, key=key)
     best_match = max((c.matched_blocks for c in candidates), default=0)
-    reason = "affinity" if best_match > 0 and ranked[0].matched_blocks == best_match else "load"
+    reason = "load"
+    anchor: Candidate | None = None
+    sticky = [c for c in eligible if c.replica_id == sticky_replica]
+    if sticky:
+        anchor, reason = sticky[0], "sticky"
+    elif best_match > 0:
+        anchor = next((c for c in by_estimate if c.matched_blocks == best_match), None)
+        reason = "affinity" if anchor is not None else "load"
+    if anchor is not None:
+        others = [c for c in by_estimate if c.replica_id != anchor.replica_id]
+        # A session's replica is presumed to hold its history (the client says so), even where the
+        # index has not seen it (no Redis, or its events still on their way).
+        held = (anchor.matched_blocks if reason != "sticky"
+                else max(anchor.matched_blocks, prompt_tokens // max(block_size, 1)))
+        if others and should_spill(
+            ttft[anchor.replica_id], ttft[others[0].replica_id],
+            max(held - others[0].matched_blocks, 0) * block_size / rates[others[0].replica_id],
+            slack,
+        ):
+            anchor, reason = None, "load"
+    if anchor is None and best_match == 0:
+        # A cold prompt: the soonest replica with room for it, so it does not evict a hot prefix.
+        need = -(-prompt_tokens // max(block_size, 1))
+        roomy = [c for c in by_estimate if c.free_blocks is None or c.free_blocks >= need]
+        anchor = roomy[0] if roomy else None
+    ranked = by_estimate
+    if anchor is not None:
+        ranked = [anchor] + [c for c in by_estimate if c.replica_id != anchor.replica_id]
+    ranked += sorted(over, key=key)
+    if reason == "load" and best_match > 0 and ranked[0].matched_blocks == best_match:
+        reason = "affinity"
     return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks, reason)
 
 
@@ -296,7 +374,10 @@ def decide(
     ttft_epsilon: float | None = TTFT_EPSILON,
 ) -> Decision:
     if policy == "predicted-ttft":
-        return predicted_ttft_policy(candidates, prompt_tokens, block_size, hash_key, epsilon=ttft_epsilon)
+        return predicted_ttft_policy(
+            candidates, prompt_tokens, block_size, hash_key, epsilon=ttft_epsilon, slack=epsilon,
+            sticky_replica=sticky_replica,
+        )
     if policy == "weighted":
         return weighted(candidates, prompt_blocks, hash_key)
     if policy == "prefix-affinity":

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from kvscale.kv_index_schema import Heartbeat
 from kvscale.router.config import RouterConfig
-from kvscale.router.decision import Decider, SessionMemory, candidate_view
+from kvscale.router.decision import Decider, HotBlocks, SessionMemory, candidate_view, free_blocks
 from kvscale.router.heartbeats import HeartbeatTable
 from kvscale.router.in_flight import InFlight
 from kvscale.router.index import PrefixIndex
@@ -85,3 +85,27 @@ def test_a_stale_index_is_counted_and_spills_are_counted() -> None:
     replicas[0].in_flight = 10  # far over the bound: the holder is passed over
     assert decider.decide(replicas, [1], 1, None).ranked[0] == "r1"
     assert metrics.spills._value.get() == 1
+
+
+def test_hot_blocks_are_the_room_recent_prefixes_take_and_expire() -> None:
+    hot = HotBlocks(window_s=30.0)
+    hot.sent("r0", [1, 2, 3], now=100.0)
+    hot.sent("r0", [1, 2, 4], now=120.0)  # a shared block counts once
+    assert hot.footprint("r0", 125.0) == 4
+    assert hot.footprint("r0", 140.0) == 3  # block 3, last sent at 100, is no longer hot
+    assert hot.footprint("r1", 140.0) == 0
+    assert (free_blocks(10, 3), free_blocks(10, 12), free_blocks(0, 3)) == (7, 0, None)
+    hot.forget("r0")
+    assert hot.footprint("r0", 140.0) == 0
+
+
+def test_the_default_places_a_cold_prompt_where_no_hot_prefix_is_evicted() -> None:
+    """Two idle replicas of 12 KV blocks; r0 holds a hot 10-block prefix sent a moment ago. Cold
+    4-block prompts go to r1 whatever their hash: placed on r0 they would evict the hot prefix."""
+    decider, heartbeats, _, _ = parts("predicted-ttft")
+    wall = time.time()
+    heartbeats.feed = feed({rid: beat(rid, 0, wall, prefill_tokens_per_s=1000.0) for rid in ("r0", "r1")})
+    replicas = [Replica(f"http://r{i}", f"r{i}", healthy=True) for i in range(2)]
+    decider.hot.sent("r0", list(range(100, 110)), time.monotonic())
+    chosen = {decider.decide(replicas, [200, 201, 202, 203], key, None, 64).ranked[0] for key in range(20)}
+    assert chosen == {"r1"}

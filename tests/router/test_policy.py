@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -231,3 +232,80 @@ def test_policies_list_has_the_new_default_and_keeps_the_baselines():
     assert policy.POLICIES[0] == policy.DEFAULT_POLICY == "predicted-ttft"
     assert {"prefix-affinity", "weighted", "round-robin", "random", "least-load"} <= set(policy.POLICIES)
     assert policy.uses_prefix("weighted") and not policy.uses_prefix("round-robin")
+
+
+# -- predicted-ttft near the ceiling: keep a prefix where it is unless its holder is overloaded -------
+
+def test_fits_a_holder_with_one_cold_prompt_queued_keeps_its_prefix():
+    """The fleet holds every prefix; the holder has one cold 528-token prompt queued and another
+    replica is idle. The raw minimum spills (544 vs 528 tokens of work: a 3 % gain for this request
+    bought with a second copy of the prefix and 512 tokens more prefill on the fleet)."""
+    holder = ttft_cand("holder", matched=32, queued=528, load=1)
+    idle = ttft_cand("idle")
+    decision = policy.predicted_ttft_policy([idle, holder], 528, 16, hash_key=5)
+    assert decision.ranked == ["holder", "idle"]
+    assert (decision.reason, decision.matched_blocks) == ("affinity", 32)
+    # Two cold prompts queued: still within the prefill it saves (1040 < 1.25 * (528 + 512)).
+    busier = ttft_cand("holder", matched=32, queued=1040, load=2)
+    assert policy.predicted_ttft_policy([idle, busier], 528, 16, hash_key=5).ranked[0] == "holder"
+
+
+def test_overloaded_holder_spills_to_the_soonest_other():
+    # 3 s of queue on the holder against 0.528 s + 0.512 s saved on an idle one: truly overloaded.
+    holder = ttft_cand("holder", matched=32, queued=3000, load=2)
+    cands = [holder, ttft_cand("busy", queued=600, load=1), ttft_cand("idle")]
+    decision = policy.predicted_ttft_policy(cands, 528, 16, hash_key=5)
+    assert decision.ranked[0] == "idle" and decision.reason == "load" and decision.matched_blocks == 0
+
+
+def test_slack_is_the_tolerated_prediction_error_before_a_spill():
+    # holder 1.416 s, other 0.528 s + 0.512 s saved = 1.04 s: 1.36x beyond it.
+    holder = ttft_cand("holder", matched=32, queued=1400)
+    other = ttft_cand("other")
+    assert policy.predicted_ttft_policy([holder, other], 528, 16, 1, slack=0.25).ranked[0] == "other"
+    assert policy.predicted_ttft_policy([holder, other], 528, 16, 1, slack=0.5).ranked[0] == "holder"
+    # decide() passes --balance-epsilon as the slack.
+    kwargs = dict(prompt_blocks=33, hash_key=1, counter=0, rng=random.Random(0), prompt_tokens=528, block_size=16)
+    assert policy.decide("predicted-ttft", [holder, other], epsilon=0.5, **kwargs).ranked[0] == "holder"
+    assert policy.decide("predicted-ttft", [holder, other], epsilon=0.25, **kwargs).ranked[0] == "other"
+
+
+def test_a_holders_low_measured_rate_does_not_spread_its_prefix():
+    """A replica serving hits runs short prefill steps, so its measured tokens/s reads low (50 against
+    400). Believed as is, its 116 tokens of work look like 2.3 s against 1.3 s for a cold prefill
+    elsewhere; held within RATE_SPREAD of the pool's median it is 0.58 s and keeps the prefix."""
+    holder = ttft_cand("holder", matched=32, queued=100, rate=50.0)
+    others = [ttft_cand("a", rate=400.0), ttft_cand("b", rate=400.0)]
+    assert policy.predicted_ttft_policy([*others, holder], 528, 16, hash_key=2).ranked[0] == "holder"
+    assert policy.pool_rates([*others, holder]) == {"a": 400.0, "b": 400.0, "holder": 200.0}
+
+
+def test_does_not_fit_a_cold_prompt_goes_where_it_evicts_no_hot_prefix():
+    """Nobody holds the prompt; the idle replica's pool is full of hot prefixes, the other has room."""
+    full = Candidate("full", 0, matched_blocks=0, prefill_tokens_per_s=1000.0, free_blocks=0)
+    roomy = Candidate("roomy", 1, matched_blocks=0, queued_prefill_tokens=100, prefill_tokens_per_s=1000.0,
+                      free_blocks=40)
+    assert policy.predicted_ttft_policy([full, roomy], 528, 16, hash_key=3).ranked == ["roomy", "full"]
+    # No replica has room: the soonest takes it (its LRU makes room there, one replica at a time).
+    tight = replace(roomy, free_blocks=20)
+    assert policy.predicted_ttft_policy([full, tight], 528, 16, hash_key=3).ranked[0] == "full"
+    # Unknown room (no heartbeat yet) counts as room.
+    unknown = replace(full, free_blocks=None)
+    assert policy.predicted_ttft_policy([unknown, roomy], 528, 16, hash_key=3).ranked[0] == "full"
+
+
+def test_a_session_stays_on_its_replica_unless_it_is_overloaded():
+    home = ttft_cand("home", queued=300, load=2)
+    idle = ttft_cand("idle")
+    decision = policy.predicted_ttft_policy([idle, home], 528, 16, hash_key=4, sticky_replica="home")
+    assert decision.ranked[0] == "home" and decision.reason == "sticky"
+    swamped = ttft_cand("home", queued=5000, load=2)
+    assert policy.predicted_ttft_policy([idle, swamped], 528, 16, 4, sticky_replica="home").ranked[0] == "idle"
+    kwargs = dict(prompt_blocks=33, hash_key=4, counter=0, rng=random.Random(0), prompt_tokens=528, block_size=16)
+    assert policy.decide("predicted-ttft", [idle, home], sticky_replica="home", **kwargs).ranked[0] == "home"
+
+
+def test_a_holder_over_the_load_cap_goes_last_whatever_it_holds():
+    holder = ttft_cand("holder", matched=32, load=9)
+    others = [ttft_cand("o1", load=1), ttft_cand("o2", load=0)]
+    assert policy.predicted_ttft_policy([holder, *others], 528, 16, 1, sticky_replica="holder").ranked[-1] == "holder"
