@@ -103,7 +103,9 @@ class RouterSpec:
     enabled: bool = True
     replicas: int = 2
     policy: str | None = None  # None: the router's own default
-    balance_epsilon: float | None = None  # None: the router's own default
+    # --balance-epsilon, None: the router's own default. predicted-ttft: the relative prediction error a
+    # prefix's holder may show before a request spills; prefix-affinity: the bounded-load slack.
+    balance_epsilon: float | None = None
     resources: RouterResources = field(default_factory=RouterResources)
     redis: RedisSource = field(default_factory=RedisSource)
 
