@@ -19,6 +19,7 @@ from kvscale.operator.children.labels import (
     router_name,
     router_selector,
 )
+from kvscale.operator.children.model_files import ModelFiles, model_files
 from kvscale.operator.children.pod_parts import (
     REPLICA_API_KEY_ENV,
     EnvVar,
@@ -64,6 +65,10 @@ class RouterPod:
     policy: str | None = None  # None: the router's default
     balance_epsilon: float | None = None
     annotations: Mapping[str, str] = field(default_factory=dict)  # besides the scrape ones
+    # The servers' model names and the tokenizer they use (where the pod finds it), so that
+    # the router hashes prompts as they do; empty: the bundled model under its own name.
+    tokenizer_args: tuple[str, ...] = ()
+    model_files: ModelFiles = field(default_factory=lambda: ModelFiles(None))
     container_extras: Mapping[str, Any] = field(default_factory=dict)
     pod_extras: Mapping[str, Any] = field(default_factory=dict)
 
@@ -76,6 +81,11 @@ def router_api_key_env(ref: SecretKeyRef | None) -> list[EnvVar]:
 def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image: str) -> RouterPod:
     """The router in front of the InferenceService `name`'s servers."""
     router = spec.router
+    files = model_files(spec, image, for_router=True)
+    tokenizer_args: tuple[str, ...] = ("--served-model-name", spec.model.served_name,
+                      "--block-size", str(spec.engine.block_size))
+    if files.path is not None:
+        tokenizer_args = ("--model", files.path, *tokenizer_args)
     return RouterPod(
         name=router_name(name),
         namespace=namespace,
@@ -91,6 +101,8 @@ def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image:
         env=(*service_redis_env(name, namespace, spec), *router_api_key_env(spec.api_key_secret)),
         policy=router.policy,
         balance_epsilon=router.balance_epsilon,
+        tokenizer_args=tokenizer_args,
+        model_files=files,
     )
 
 
@@ -101,6 +113,7 @@ def router_args(pod: RouterPod) -> list[str]:
         "--host", "$(POD_IP)",
         "--port", str(ROUTER_PORT),
         *pod.discovery,
+        *pod.tokenizer_args,
         "--shutdown-timeout", str(shutdown_timeout(ROUTER_TERMINATION_GRACE_PERIOD_SECONDS)),
     ]
     if pod.policy is not None:
@@ -135,7 +148,7 @@ def router_container(pod: RouterPod) -> dict[str, Any]:
         "livenessProbe": tcp_probe("http", 10, 3),
         "lifecycle": pre_stop(),
         "securityContext": container_security_context(),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *pod.model_files.mounts],
     }
 
 
@@ -157,8 +170,10 @@ def build_router_deployment(pod: RouterPod) -> dict[str, Any]:
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": ROUTER_TERMINATION_GRACE_PERIOD_SECONDS,
                     **pod.pod_extras,
+                    **({"initContainers": pod.model_files.init_containers}
+                       if pod.model_files.init_containers else {}),
                     "containers": [router_container(pod)],
-                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}, *pod.model_files.volumes],
                 },
             },
         },

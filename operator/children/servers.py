@@ -13,6 +13,7 @@ from kvscale.operator.children.labels import (
     router_selector,
     selector_labels,
 )
+from kvscale.operator.children.model_files import MODEL_VOLUME_PATH, ModelFiles, model_files
 from kvscale.operator.children.pod_parts import (
     EnvVar,
     api_key_env,
@@ -29,38 +30,12 @@ from kvscale.operator.children.pod_parts import (
 from kvscale.operator.children.redis import service_redis_env
 from kvscale.operator.spec import SERVER_PORT, InferenceServiceSpec
 
-MODEL_VOLUME_PATH = "/models"
 # Model load (and the bundled model's one-time conversion) can take minutes: the startup probe
 # allows 30 minutes before liveness takes over.
 STARTUP_PROBE_PERIOD_SECONDS = 10
 STARTUP_PROBE_FAILURES = 180
 # Time for in-flight streams to finish after SIGTERM before the kubelet kills the server.
 TERMINATION_GRACE_PERIOD_SECONDS = 60
-
-
-def model_path_and_init(spec: InferenceServiceSpec) -> tuple[str | None, list[dict[str, Any]]]:
-    """The server's --model value (None: its bundled default) and any init container fetching it."""
-    model = spec.model
-    if model.scheme == "bundled":
-        return None, []
-    if model.scheme == "pvc":
-        claim, path = model.location.split("/", 1)
-        return f"{MODEL_VOLUME_PATH}/pvc/{claim}/{path.strip('/')}", []
-    # hf://ORG/NAME: the server never downloads, so an init container fetches into the volume.
-    target = f"{MODEL_VOLUME_PATH}/hf/{model.location}"
-    fetch = {
-        "name": "fetch-model",
-        "image": spec.image,
-        "command": ["hf", "download", model.location, "--local-dir", target],
-        # The image keeps servers offline (HF_HUB_OFFLINE=1); this container is the one that
-        # downloads, so it turns that off for itself.
-        "env": [{"name": "HF_HOME", "value": f"{MODEL_VOLUME_PATH}/hf-home"},
-                {"name": "HF_HUB_OFFLINE", "value": "0"}],
-        "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_VOLUME_PATH},
-                         {"name": "tmp", "mountPath": "/tmp"}],
-        "securityContext": container_security_context(),
-    }
-    return target, [fetch]
 
 
 def server_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]:
@@ -116,24 +91,18 @@ def server_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[En
     return env + api_key_env(spec.api_key_secret)
 
 
-def volumes_and_mounts(spec: InferenceServiceSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def volumes_and_mounts(files: ModelFiles) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
-        {"name": "model-cache", "emptyDir": {}},
+        *files.volumes,
         {"name": "tmp", "emptyDir": {}},
         # Shared memory for the engine's worker processes; the default 64 MiB is too small.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
     ]
     mounts: list[dict[str, Any]] = [
-        {"name": "model-cache", "mountPath": MODEL_VOLUME_PATH},
+        *files.mounts,
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "dshm", "mountPath": "/dev/shm"},
     ]
-    if spec.model.scheme == "pvc":
-        claim = spec.model.location.split("/", 1)[0]
-        volumes.append({"name": "model-pvc",
-                        "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
-        mounts.append({"name": "model-pvc", "mountPath": f"{MODEL_VOLUME_PATH}/pvc/{claim}",
-                       "readOnly": True})
     return volumes, mounts
 
 
@@ -157,8 +126,9 @@ def server_container(name: str, namespace: str, spec: InferenceServiceSpec,
 
 
 def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> dict[str, Any]:
-    model_path, init_containers = model_path_and_init(spec)
-    volumes, mounts = volumes_and_mounts(spec)
+    files = model_files(spec, spec.image)
+    model_path, init_containers = files.path, files.init_containers
+    volumes, mounts = volumes_and_mounts(files)
     labels = child_labels(name)
     pod_spec: dict[str, Any] = {
         "securityContext": pod_security_context(),

@@ -46,7 +46,8 @@ def test_its_command_line_parses_and_drains_within_its_grace_period():
 
 
 def test_its_pod_is_the_per_service_routers_pod():
-    """Only what it routes to, its index, its key and its resources differ."""
+    """Only what it routes to (and so which tokenizer it knows), its index, its key and its
+    resources differ."""
     ours = pod_of(build_router_deployment(namespace_router(NamespaceRouterValues())))
     spec = parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"}})
     theirs = pod_of(build_router_deployment(service_router("chat", "team", spec, ours["containers"][0]["image"])))
@@ -58,7 +59,8 @@ def test_its_pod_is_the_per_service_routers_pod():
 
     assert common(ours) == common(theirs)
     drop_discovery = {"--k8s-service", "chat-pods", "--k8s-namespace-wide", "--namespace", "default",
-                      "$(POD_NAMESPACE)", "--policy", "predicted-ttft"}
+                      "$(POD_NAMESPACE)", "--policy", "predicted-ttft",
+                      "--served-model-name", "smollm2-135m-instruct", "--block-size", "16"}
     assert ([a for a in ours["containers"][0]["args"] if a not in drop_discovery]
             == [a for a in theirs["containers"][0]["args"] if a not in drop_discovery])
 

@@ -9,6 +9,7 @@ from kvscale.cli import build_parser
 from kvscale.operator.children import owned, servers
 from kvscale.operator.children.router import build_router_deployment, service_router
 from kvscale.operator.spec import parse_spec
+from kvscale.router.cli_router import config_from_args
 
 BUNDLED = {"model": {"uri": "bundled://smollm2-135m-instruct"}}
 
@@ -101,3 +102,31 @@ def test_updating_the_router_rolls_the_router_not_the_servers():
     before = build_router_deployment(service_router("m", "ns", base, "img"))
     after = build_router_deployment(service_router("m", "ns", changed, "img"))
     assert before["spec"]["template"] != after["spec"]["template"]
+
+
+def test_the_router_tokenizes_the_servers_model_under_the_servers_names():
+    """Prefix routing for every model source: the router's --model is the servers' own path (the
+    same claim mounted read-only for pvc://), and it knows the names the servers answer to."""
+    pod_values = {"POD_IP": "10.1.2.3", "POD_NAME": "chat-abc", "POD_NAMESPACE": "team"}
+    for model in ({"uri": "bundled://smollm2-135m-instruct", "servedName": "house-chat"},
+                  {"uri": "pvc://weights/llama/3b"}, {"uri": "hf://org/tiny", "servedName": "t"}):
+        spec = parse_spec({"model": model, "engine": {"blockSize": 32}})
+        server_pod = servers.build_deployment("chat", "team", spec)["spec"]["template"]["spec"]
+        router_pod = build_router_deployment(service_router("chat", "team", spec, "img"))["spec"]["template"]["spec"]
+        serve = build_parser("serve").parse_args(expand(server_pod["containers"][0]["args"], pod_values))
+        routed = build_parser("router").parse_args(expand(router_pod["containers"][0]["args"], pod_values))
+        config = config_from_args(routed)
+        assert config.served_model_names == serve.served_model_name == [spec.model.served_name]
+        assert config.models == [serve.model] and config.block_size == serve.block_size == 32
+        mounts = {m["mountPath"]: m for m in router_pod["containers"][0]["volumeMounts"]}
+        if model["uri"].startswith("pvc://"):
+            (claim,) = [v for v in router_pod["volumes"] if "persistentVolumeClaim" in v]
+            assert claim["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+            assert mounts["/models/pvc/weights"]["readOnly"] is True
+            assert serve.model.startswith("/models/pvc/weights/")
+        if model["uri"].startswith("hf://"):
+            (init,) = router_pod["initContainers"]
+            assert init["image"] == "img" and "--include" in init["command"]
+            assert "/models" in mounts
+        if model["uri"].startswith("bundled://"):
+            assert serve.model is None and "initContainers" not in router_pod
