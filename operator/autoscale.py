@@ -12,7 +12,7 @@ import kopf
 
 from kvscale.operator import conditions, scaling, scraping
 from kvscale.operator.apply import apply_children
-from kvscale.operator.children.labels import selector_string
+from kvscale.operator.children.labels import router_selector, selector_string
 from kvscale.operator.conditions import SCALING_ACTIVE, Condition
 from kvscale.operator.deletion_cost import set_deletion_costs
 from kvscale.operator.inference_service import (
@@ -24,8 +24,9 @@ from kvscale.operator.inference_service import (
 )
 from kvscale.operator.kube import path_for
 from kvscale.operator.metrics import ReplicaCounts
+from kvscale.operator.router_reports import prefix_routing_condition, read_router_reports
 from kvscale.operator.runtime import Runtime
-from kvscale.operator.spec import parse_spec
+from kvscale.operator.spec import InferenceServiceSpec, parse_spec
 from kvscale.operator.status import AUTOSCALING_DISABLED, refresh_status
 
 log = logging.getLogger("kvscale.operator")
@@ -35,6 +36,16 @@ def load_status(estimate: scaling.LoadEstimate | None) -> dict[str, Any]:
     if estimate is None:
         return {}
     return {"kvUsage": round(estimate.kv_usage, 4), "waitingRequests": int(round(estimate.waiting))}
+
+
+def router_conditions(runtime: Runtime, name: str, namespace: str,
+                      spec: InferenceServiceSpec) -> list[Condition]:
+    """PrefixRouting, from what the router pods say of their tokenizers; none without a router."""
+    if not spec.router.enabled:
+        return []
+    selector = ",".join(f"{k}={v}" for k, v in router_selector(name).items())
+    pods = runtime.kube.list(path_for("v1", "pods", namespace), selector)
+    return [prefix_routing_condition(read_router_reports(pods, runtime.config.scrape_timeout))]
 
 
 def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
@@ -58,7 +69,8 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
             runtime.metrics.observe(key.uid, namespace, name, policy,
                                     ReplicaCounts(spec.replicas, len(live), ready),
                                     estimate, None, spec.replicas)
-            refresh_status(runtime, name, namespace, extra, [AUTOSCALING_DISABLED])
+            refresh_status(runtime, name, namespace, extra,
+                           [AUTOSCALING_DISABLED, *router_conditions(runtime, name, namespace, spec)])
             return
 
         state = runtime.autoscalers.get(key.uid, scaling.AutoscalerState())
@@ -85,4 +97,5 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
         active = decision.estimate is not None
         scaling_condition = Condition(
             SCALING_ACTIVE, active, decision.reason if active else "NoMetrics", decision.message)
-        refresh_status(runtime, name, namespace, extra, [scaling_condition])
+        refresh_status(runtime, name, namespace, extra,
+                       [scaling_condition, *router_conditions(runtime, name, namespace, spec)])

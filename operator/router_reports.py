@@ -1,0 +1,76 @@
+"""Whether an InferenceService's routers route by prefix: what each ready router pod's /health
+says of its tokenizers, folded into the `PrefixRouting` condition.
+
+A router that cannot load its model's tokenizer keeps serving, by load alone; without this the
+only sign would be a metric. The decision (`prefix_routing_condition`) is a pure function; the
+reading (`read_router_reports`) asks each ready router pod, in parallel, with a short timeout.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvscale.base_urls import base_url
+from kvscale.operator.conditions import Condition
+from kvscale.operator.scraping import is_ready
+from kvscale.operator.spec import ROUTER_PORT
+
+PREFIX_ROUTING = "PrefixRouting"
+
+
+@dataclass(frozen=True)
+class RouterReport:
+    pod: str
+    missing: dict[str, str]  # served model name -> why its tokenizer did not load
+    error: str = ""  # the pod could not be asked: its /health unreachable or not as expected
+
+
+def report_from_health(pod: str, body: Any) -> RouterReport:
+    if not isinstance(body, dict) or not isinstance(body.get("tokenizers"), list):
+        return RouterReport(pod, {}, "its /health lists no tokenizers (an older router?)")
+    missing = {str(t.get("model")): str(t.get("error") or "not loaded")
+               for t in body["tokenizers"] if isinstance(t, dict) and not t.get("loaded")}
+    return RouterReport(pod, missing)
+
+
+def read_router_report(client: httpx.Client, pod: dict[str, Any]) -> RouterReport:
+    name = pod["metadata"]["name"]
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return RouterReport(name, {}, "no pod IP")
+    try:
+        # 503 (no ready server yet) still carries the body.
+        response = client.get(base_url(ip, ROUTER_PORT) + "/health")
+        return report_from_health(name, response.json())
+    except (httpx.HTTPError, ValueError) as exc:
+        return RouterReport(name, {}, f"/health: {exc}")
+
+
+def read_router_reports(pods: list[dict[str, Any]], timeout: float) -> list[RouterReport]:
+    ready = [p for p in pods if is_ready(p)]
+    if not ready:
+        return []
+    with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client, \
+            ThreadPoolExecutor(max_workers=min(8, len(ready))) as pool:
+        return list(pool.map(lambda pod: read_router_report(client, pod), ready))
+
+
+def prefix_routing_condition(reports: list[RouterReport]) -> Condition:
+    """False when any router lacks a tokenizer; True when every router answered and has all;
+    Unknown when no router could be asked."""
+    lacking = [r for r in reports if r.missing]
+    if lacking:
+        details = "; ".join(f"{r.pod}: no tokenizer for {model} ({error})"
+                            for r in lacking for model, error in sorted(r.missing.items()))
+        return Condition(PREFIX_ROUTING, False, "TokenizerUnavailable",
+                         f"requests are routed by load alone, without prefix-cache affinity: {details}")
+    answered = [r for r in reports if not r.error]
+    if not answered:
+        reasons = "; ".join(f"{r.pod}: {r.error}" for r in reports) or "no router pod is ready"
+        return Condition(PREFIX_ROUTING, None, "RoutersNotReporting", reasons)
+    return Condition(PREFIX_ROUTING, True, "TokenizersLoaded",
+                     f"{len(answered)} router pod(s) hash prompts with the servers' tokenizer")
