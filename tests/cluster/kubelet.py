@@ -8,9 +8,12 @@ kubelet would run it:
   (plain values, the downward API, Secret and ConfigMap keys), become a local process. The image
   names the executable: an image whose name starts with `kvscale` provides this checkout's
   `kvscale` entry point, `redis` provides Debian's `redis-server` (IMAGES).
-- Each pod gets its own address in the environment's pod CIDR (a /24 of 198.18.0.0/16, made
-  local on lo by the environment: the apiserver refuses 127/8 in EndpointSlices), which its
-  processes bind: nothing leaves the machine. Each process runs in its own mount namespace where
+- Each pod gets a network namespace of its own (tests/cluster/pod_network.py): its address in
+  the environment's pod /24 of 198.18.0.0/16 (the apiserver refuses 127/8 in EndpointSlices) on
+  eth0, a loopback of its own, and a veth to a bridge of the host, which reaches every pod IP.
+  So pods listen on all their addresses as on a real node, and two pods may use the same port;
+  `kubectl port-forward` is dialling 127.0.0.1 inside the pod's namespace (`PodWorker.enter`).
+  Nothing leaves the machine. Each process runs in its own mount namespace where
   /etc/hosts resolves the cluster's Service names (as cluster DNS would), /tmp and /dev/shm are
   the pod's own emptyDirs, and a pod with a service-account token finds it where client
   libraries look (/var/run/secrets/kubernetes.io/serviceaccount) with KUBERNETES_SERVICE_HOST set.
@@ -21,10 +24,12 @@ kubelet would run it:
 - A pod being deleted gets its preStop hook, SIGTERM, and SIGKILL after its grace period, then
   is removed from the API (the kubelet's final delete).
 - Every Service with a ClusterIP gets a TCP proxy on that address (kube-proxy's userspace mode):
-  the service CIDR is loopback too. The `kubernetes` Service leads to the apiserver.
+  the service /24 is local on the host, whom pods reach through their gateway (the bridge). The
+  `kubernetes` Service leads to the apiserver, which listens on the host's 127.0.0.1.
 
 Tests drive failures with `kill` (a crash: the process dies, the runtime restarts it) and read
-`log_path` after a failure. Everything the runtime starts dies with it (PR_SET_PDEATHSIG).
+`log_path` after a failure. Everything the runtime starts dies with it (PR_SET_PDEATHSIG), and
+`stop` removes every namespace, veth and the bridge it made.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pod_network import PodNetwork, PodNetworkError
 from testenv import K8sEnv
 
 from kvscale.operator.kube import ApiError, Kube, load_connection, path_for
@@ -318,11 +324,17 @@ class PodWorker:
         shutil.copy(self.runtime.env.ca_cert, token_dir / "ca.crt")
         SERVICE_ACCOUNT_DIR.mkdir(parents=True, exist_ok=True)  # an empty mount point on the host
 
+    def enter(self) -> list[str]:
+        """The argv prefix that runs a command in this pod's network namespace (as its
+        containers run): `kubectl port-forward` is a dial to 127.0.0.1 from there."""
+        return self.runtime.network.enter(self.ip)
+
     def _spawn(self) -> None:
         argv, env = self._command()
         script = "; ".join(f"mount --bind {shlex.quote(str(s))} {shlex.quote(str(t))}"
                            for s, t in self._mounts())
-        wrapped = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+        # The pod's network namespace, then a mount namespace of this container's own.
+        wrapped = [*self.enter(), "unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
                    f'{script} && exec "$@"', "sh", *argv]
         self.state.log_path = self.dir / f"{self.state.name}.log"
         out = open(self.state.log_path, "ab")  # noqa: SIM115 - the child holds it
@@ -341,6 +353,20 @@ class PodWorker:
 
     def _run(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.runtime.network.add_pod(self.ip)
+        except PodNetworkError as exc:
+            self.runtime.errors.append(f"pod {self.key}: {exc}")
+            self._wait_state("CreatePodSandboxError", str(exc))
+        else:
+            try:
+                self._run_containers()
+            finally:
+                self.done.wait()
+        # The sandbox goes once no container runs (a finished pod's too, as a kubelet does).
+        self.runtime.network.remove_pod(self.ip)
+
+    def _run_containers(self) -> None:
         try:
             self._project_token()
         except ApiError as exc:
@@ -667,8 +693,9 @@ class KubeletRuntime:
         self.workers: dict[tuple[str, str], PodWorker] = {}
         self.hosts_file = workdir / "hosts"
         self._hosts_text = ""
+        self.network = PodNetwork(env.pod_cidr, env.service_cidr)
         self._addresses = (str(ip) for ip in ipaddress.ip_network(env.pod_cidr).hosts()
-                           if not str(ip).endswith((".0", ".1", ".255")))
+                           if str(ip) != self.network.gateway)
         apiserver_port = int(env.server.rsplit(":", 1)[1])
         self.apiserver = ("127.0.0.1", apiserver_port)
         self.proxy = ServiceProxy(self.apiserver)
@@ -680,6 +707,7 @@ class KubeletRuntime:
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.hosts_file.write_text(hosts_file_text([]))
+        self.network.start()
         self.proxy.start()
         self._thread.start()
 
@@ -691,6 +719,7 @@ class KubeletRuntime:
         for worker in list(self.workers.values()):
             worker.done.wait(10)
         self.proxy.stop()
+        self.network.stop()  # every pod's namespace and veth, the bridge, the Services' route
         self.kube.close()
 
     # -- for tests ----------------------------------------------------------------------------------
@@ -699,6 +728,16 @@ class KubeletRuntime:
 
     def kill(self, namespace: str, name: str, sig: int = signal.SIGKILL) -> int:
         return self.worker(namespace, name).kill(sig)
+
+    def enter(self, namespace: str, name: str) -> list[str]:
+        """The argv prefix that runs a command inside the pod's network namespace."""
+        return self.worker(namespace, name).enter()
+
+    @property
+    def host_ip(self) -> str:
+        """The host's address on the pod network (the pods' gateway): where a test serves
+        something pods must reach without a Service (they cannot reach the host's 127.0.0.1)."""
+        return self.network.gateway
 
     def pids(self) -> dict[tuple[str, str], int]:
         return {key: w.state.process.pid for key, w in self.workers.items()

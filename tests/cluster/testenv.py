@@ -47,10 +47,10 @@ FAKE_NODE_GPUS = 8
 CPU_NODE_NAME = "kwok-cpu-0"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_NODE_VALUE = "fake"
-# Loopback too, so that the pod runtime (tests/cluster/kubelet.py) can play kube-proxy: it listens
-# on each Service's ClusterIP. The first address is the `kubernetes` Service's.
-# Each environment takes its own /24 in 127.245.0.0/16 (and, with process pods, in
-# 198.18.0.0/16 below): two test sessions on one machine must not listen on each other's
+# Loopback (kwok's pods are never dialled through a Service); with process pods, a /24 of
+# 198.18.128.0/17 instead (below). The first address is the `kubernetes` Service's.
+# Each environment takes its own /24 in 127.245.0.0/16 (and, with process pods, its own pair of
+# /24s in 198.18.0.0/16): two test sessions on one machine must not listen on each other's
 # Service addresses. The defaults are what `up` uses.
 SERVICE_CIDR = "127.245.0.0/24"
 KUBERNETES_SERVICE_IP = "127.245.0.1"
@@ -60,9 +60,15 @@ KUBERNETES_SERVICE_IP = "127.245.0.1"
 POD_CIDR = "127.244.0.0/16"
 # Pods the process runtime runs get addresses here instead: the apiserver refuses loopback
 # addresses in EndpointSlices, so their slices would stay empty. 198.18.0.0/15 is reserved for
-# network benchmarks (RFC 2544) and never routed; a `local` route makes the range answer on lo
-# like 127/8 does, so nothing sent there leaves the machine either.
+# network benchmarks (RFC 2544) and never routed, so nothing sent there leaves the machine.
+# An environment with process pods takes 198.18.N.0/24 for its pods (each in a network namespace
+# of its own on a bridge holding 198.18.N.1, tests/cluster/pod_network.py) and 198.18.128+N.0/24
+# for its Services: not 127/8, which a pod's namespace cannot reach through its veth.
 PROCESS_POD_CIDR = "198.18.0.0/16"
+PROCESS_SUBNETS = 128
+# What an older version of this file routed to lo: it would take every pod address for the
+# host's own, so the pods' namespaces would be unreachable. Removed when found.
+LEGACY_LOCAL_ROUTE = ("local", "198.18.0.0/16", "dev", "lo", "table", "local")
 FAKE_NODE_IP = "127.240.0.10"
 # kwok with this Stage plays no pod lifecycle at all (a Stage given for Pods replaces kwok's
 # default ones, and this one never matches): the process runtime does it instead.
@@ -589,13 +595,27 @@ def kwok_toleration() -> dict:
     }
 
 
-def route_pod_cidr_to_loopback(cidr: str = PROCESS_POD_CIDR) -> None:
-    """Every address of `cidr` local, on lo (idempotent; needs root, as the apt installs do)."""
-    done = subprocess.run(["ip", "route", "replace", "local", cidr, "dev", "lo"],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise K8sEnvError(f"`ip route replace local {cidr} dev lo` failed (root needed): "
-                          f"{done.stderr.strip()}")
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+
+
+def process_pod_subnets() -> tuple[str, str]:
+    """(pod CIDR, service CIDR) for an environment with process pods: a pair of /24s of
+    198.18.0.0/16 that no interface or route of this machine uses yet (another session's)."""
+    if os.geteuid() != 0:
+        raise K8sEnvError("process pods need root: the runtime makes a network namespace per pod")
+    legacy = _ip("route", "show", "table", "local", "type", "local", "198.18.0.0/16")
+    if "198.18.0.0/16" in legacy.stdout:
+        _ip("route", "del", *LEGACY_LOCAL_ROUTE)
+    used = _ip("-o", "-4", "addr", "show").stdout + _ip("route", "show", "table", "all").stdout
+    links = _ip("-o", "link", "show").stdout
+    free = [n for n in range(PROCESS_SUBNETS)
+            if f"198.18.{n}." not in used and f"198.18.{n + PROCESS_SUBNETS}." not in used
+            and f" kvpodbr{n}:" not in links]  # tests/cluster/pod_network.py's bridge
+    if not free:
+        raise K8sEnvError("every 198.18.N.0/24 is in use: leftover bridges? (`ip -br addr`)")
+    n = random.choice(free)
+    return f"198.18.{n}.0/24", f"198.18.{n + PROCESS_SUBNETS}.0/24"
 
 
 def start_env(
@@ -618,7 +638,7 @@ def start_env(
     subnet = random.randrange(256)
     service_cidr, pod_cidr = f"127.245.{subnet}.0/24", f"198.18.{subnet}.0/24"
     if process_pods:
-        route_pod_cidr_to_loopback()
+        pod_cidr, service_cidr = process_pod_subnets()
     _write_pki(workdir, str(ipaddress.ip_network(service_cidr)[1]))
     pki = workdir / "pki"
     ports = {
