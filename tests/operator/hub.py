@@ -12,6 +12,7 @@ import hashlib
 import http.server
 import json
 import re
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -89,10 +90,13 @@ class HubStandIn:
                 self._send(handler, 404, b'{"error": "Entry not found"}', body,
                            {"Content-Type": "application/json", "X-Error-Code": "EntryNotFound"})
                 return
-            self._send(handler, 200, target.read_bytes() if body else b"", body,
+            self._send(handler, 200, b"", False,
                        {"Content-Type": "application/octet-stream", "X-Repo-Commit": REVISION_SHA,
                         "ETag": f'"{self._etag(target)}"'},
                        length=target.stat().st_size)
+            if body:
+                with target.open("rb") as source:  # weights are large: streamed, not read whole
+                    shutil.copyfileobj(source, handler.wfile)
 
     @staticmethod
     def _etag(path: Path) -> str:
