@@ -24,12 +24,22 @@ prefix of it, ignoring load, cold prompts by consistent hashing. Every policy ru
 on the real run's setup and on the issue's full W3, plus a pool-size sweep at full size, and for
 each of the issue's targets the policy closest to it is named.
 
+``--mode ceiling``: each policy's hit rate as a fraction of the workload's ceiling, the best hit rate
+any assignment of requests to replicas could reach with the same KV capacities: Belady's optimal
+eviction (MIN) over one pool of the fleet's combined size, on the arrival-ordered requests (a fleet
+of separate pools can only do worse: a copy of a block on a second replica takes room, never adds
+a hit), counted as the engine counts hits (leading blocks, never a prompt's last token). For W3,
+W3-Zipf and W4 at the real run's setup, the issue's full W3, a workload whose hot prefixes fit in
+the fleet (12 groups x 512-token prefix, 144 requests, 8 in flight, 3 replicas x 160 blocks) and the
+same stream on pools too small to hold them (3 x 96 blocks).
+
 ``--mode epsilon-grid``: the earlier hit-rate study of the bounded-load rule (prefix-affinity
 against round-robin by epsilon and pool size; W3's stream, an LRU of whole prefixes, invented
 service times).
 
     python -m bench.w3_policy_sim --calibration bench/results/w3_router_ttft.json
     python -m bench.w3_policy_sim --mode hit-bound     # bench/results/w3_policy_sim_hit_bound.json
+    python -m bench.w3_policy_sim --mode ceiling       # bench/results/w3_policy_sim_ceiling.json
     python -m bench.w3_policy_sim --mode epsilon-grid --out bench/results/w3_policy_sim.json
 """
 
@@ -45,7 +55,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import quantile, write_result
+from bench.common import machine, quantile, write_result
 from kvscale.router import policy as routing
 from kvscale.router.decision import HotBlocks, free_blocks
 
@@ -617,6 +627,145 @@ def hit_ceiling(workload: Workload, block_size: int) -> float:
     return hit / total
 
 
+def arrival_order(workload: Workload) -> list[tuple[list[int], list[int]]]:
+    """(prompt, answer) in about the order a closed loop sends them: every client's n-th request
+    before any client's (n+1)-th (for W3 exactly the generated stream's order)."""
+    out = []
+    longest = max((len(c) for c in workload.clients), default=0)
+    for n in range(longest):
+        for client in workload.clients:
+            if n < len(client):
+                _, prompt, answer, _ = client[n]
+                out.append((prompt, answer))
+    return out
+
+
+def capacity_ceiling(workload: Workload, block_size: int, total_blocks: int) -> float:
+    """The best hit rate any routing could reach with ``total_blocks`` of KV in all: Belady's MIN
+    (evict the block needed furthest in the future; among equals the one furthest into its prompt,
+    so prefixes stay whole) over one pool of the fleet's size. Hits as the engine counts them."""
+    from kvscale.block_hash import hash_prompt_blocks
+
+    requests = arrival_order(workload)
+    looked: list[list[int]] = []  # blocks each request may hit, in order
+    stored: list[list[int]] = []  # blocks it leaves computed (prompt, then prompt + answer)
+    for prompt, answer in requests:
+        hashes = hash_prompt_blocks(prompt, block_size)
+        looked.append(hashes[: (len(prompt) - 1) // block_size])
+        stored.append(list(dict.fromkeys(hashes + hash_prompt_blocks(prompt + answer, block_size))))
+    uses: dict[int, deque[int]] = {}
+    for j, blocks in enumerate(looked):
+        for h in blocks:
+            uses.setdefault(h, deque()).append(j)
+    never = len(requests)
+    cache: dict[int, int] = {}  # block -> its position in the prompt that stored it
+    hit = total = 0
+    for j, (prompt, _) in enumerate(requests):
+        n = 0
+        for h in looked[j]:
+            if h not in cache:
+                break
+            n += 1
+        hit += n * block_size
+        total += len(prompt)
+        for h in looked[j]:
+            queue = uses[h]
+            while queue and queue[0] <= j:
+                queue.popleft()
+        for position, h in enumerate(stored[j]):
+            cache[h] = position
+        while len(cache) > total_blocks:
+            victim = max(cache, key=lambda b: (uses[b][0] if uses.get(b) else never, cache[b]))
+            del cache[victim]
+    return hit / total if total else 0.0
+
+
+def ceiling_cases(params: dict, w4_params: dict, costs: Costs) -> list[tuple[str, str, dict, dict]]:
+    """(case, workload kind, stream parameters, fleet) for --mode ceiling."""
+    real = dict(replicas=params["replicas"], num_blocks=params["num_gpu_blocks_override"],
+                block_size=params["block_size"], costs=costs)
+    full = dict(params, groups=16, prefix_tokens=512, suffix_tokens=16, requests=256, output_tokens=32,
+                concurrency=16)
+    issue = dict(params, groups=12, prefix_tokens=512, suffix_tokens=16, requests=144, output_tokens=4,
+                 concurrency=8)
+    eight = Costs(costs.prefill_tokens_per_s, costs.decode_step_s, costs.step_tokens, 8)
+    sixteen = Costs(costs.prefill_tokens_per_s, costs.decode_step_s, costs.step_tokens, 16)
+    return [
+        ("W3, real-run setup", "w3", params, real),
+        ("W3-Zipf, real-run setup", "w3-zipf", params, real),
+        ("W4, real-run setup", "w4", w4_params, real),
+        ("full W3 (16 x 512, 4 x 192 blocks)", "w3", full,
+         dict(replicas=4, num_blocks=192, block_size=params["block_size"], costs=sixteen)),
+        ("fits (12 x 512, 3 x 160 blocks)", "w3", issue,
+         dict(replicas=3, num_blocks=160, block_size=params["block_size"], costs=eight)),
+        ("does not fit (12 x 512, 3 x 96 blocks)", "w3", issue,
+         dict(replicas=3, num_blocks=96, block_size=params["block_size"], costs=eight)),
+        ("does not fit, Zipf (12 x 512, 3 x 96 blocks)", "w3-zipf", issue,
+         dict(replicas=3, num_blocks=96, block_size=params["block_size"], costs=eight)),
+    ]
+
+
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+             "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def cpu_info() -> dict:
+    """The CPU's model and its vector ISA flags, from /proc/cpuinfo (empty where there is none)."""
+    model, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu_model": model, "isa_flags": [f for f in ISA_FLAGS if f in flags], **machine()}
+
+
+def ceiling_mode(args) -> int:
+    from kvscale.model_files import load_tokenizer, resolve_tokenizer_path
+
+    real = json.loads(Path(args.calibration).read_text())
+    params, costs, answer_tokens, w4_params = calibration(real)
+    tokenizer = load_tokenizer(resolve_tokenizer_path(None))
+    policies = args.policies.split(",")
+    streams: dict = {}
+    cases = []
+    for case, kind, p, fleet in ceiling_cases(params, w4_params, costs):
+        ceilings = []
+        for s in range(args.seeds):
+            key = (kind, s, json.dumps(p, sort_keys=True, default=str))
+            if key not in streams:
+                streams[key] = build_workload(kind, p, p["seed"] + s, tokenizer, answer_tokens)
+            ceilings.append(capacity_ceiling(streams[key], fleet["block_size"], fleet["replicas"] * fleet["num_blocks"]))
+        ceiling = statistics.median(ceilings)
+        rows = {}
+        for policy in policies:
+            row = over_seeds(kind, p, policy, args.seeds, tokenizer, answer_tokens, streams, **fleet)
+            row["share_of_ceiling"] = row["hit_rate"] / ceiling if ceiling else float("nan")
+            rows[policy] = row
+        rr = rows.get("round-robin")
+        if rr is not None:
+            for row in rows.values():
+                row["ttft_p90_over_round_robin"] = row["ttft_p90_s"] / rr["ttft_p90_s"]
+        cases.append({"case": case, "workload": kind, "fleet": {k: v for k, v in fleet.items() if k != "costs"},
+                      "ceiling": ceiling, "policies": rows})
+        print(f"{case:46} ceiling {ceiling:.3f}", flush=True)
+        for policy, row in rows.items():
+            print(f"    {policy:16} hit {row['hit_rate']:.3f} ({row['share_of_ceiling']:.2f} of ceiling)  "
+                  f"p50 {row['ttft_p50_s']:.2f}  p90 {row['ttft_p90_s']:.2f}  max/mean "
+                  f"{row['max_over_mean_requests']:.2f}", flush=True)
+    path = write_result("w3_policy_sim_ceiling", {
+        "benchmark": "w3_policy_sim", "mode": "ceiling", "date": time.strftime("%Y-%m-%d"), "machine": cpu_info(),
+        "calibration": {"from": args.calibration, "costs": costs.__dict__, "w4_answer_tokens": answer_tokens},
+        "parameters": vars(args), "cases": cases,
+    }, args.out)
+    print(f"w3_policy_sim: wrote {path}")
+    return 0
+
+
 # The issue's targets against round-robin, same run: (metric, "higher" or "lower" is better, target).
 TARGETS = {
     "hit_rate_ratio": ("higher", 3.0),
@@ -720,7 +869,8 @@ def hit_bound(args) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("calibrated", "hit-bound", "epsilon-grid"), default="calibrated")
+    parser.add_argument("--mode", choices=("calibrated", "hit-bound", "ceiling", "epsilon-grid"),
+                        default="calibrated")
     parser.add_argument("--calibration", default="bench/results/w3_router_ttft.json",
                         help="a bench.w3_router JSON: its setup is replayed and its heartbeat rates are the costs")
     parser.add_argument("--policies", default="predicted-ttft,prefix-affinity,weighted,round-robin,least-load")
@@ -749,6 +899,8 @@ def main() -> int:
         return calibrated(args)
     if args.mode == "hit-bound":
         return hit_bound(args)
+    if args.mode == "ceiling":
+        return ceiling_mode(args)
     return epsilon_grid(args)
 
 

@@ -47,30 +47,41 @@ class SessionMemory:
 
 
 class HotBlocks:
-    """Per replica, the prompt blocks this router sent there recently (``HOT_WINDOW_S``): the KV room
-    its hot prefixes take, so that a cold prompt goes where it evicts none of them."""
+    """Per replica, the prompt blocks this router sent there at least twice within ``HOT_WINDOW_S``:
+    the KV room its hot prefixes take, so that a cold prompt goes where it evicts none of them.
+    (A block sent once is a unique suffix, or a prefix not yet reused: LRU may take it.)"""
 
     def __init__(self, window_s: float = HOT_WINDOW_S) -> None:
         self.window_s = window_s
-        self._sent: dict[str, OrderedDict[int, float]] = {}  # replica -> block hash -> last sent
+        # replica -> block hash -> (last sent, times sent), oldest first
+        self._sent: dict[str, OrderedDict[int, tuple[float, int]]] = {}
+        self._hot: dict[str, int] = {}  # replica -> how many of its entries were sent twice or more
 
     def sent(self, replica_id: str, hashes: list[int], now: float) -> None:
         blocks = self._sent.setdefault(replica_id, OrderedDict())
+        self._expire(replica_id, now)
         for block_hash in hashes:
-            blocks[block_hash] = now
+            _, times = blocks.get(block_hash, (0.0, 0))
+            if times == 1:
+                self._hot[replica_id] = self._hot.get(replica_id, 0) + 1
+            blocks[block_hash] = (now, times + 1)
             blocks.move_to_end(block_hash)
 
-    def footprint(self, replica_id: str, now: float) -> int:
+    def _expire(self, replica_id: str, now: float) -> None:
         blocks = self._sent.get(replica_id)
-        if blocks is None:
-            return 0
         cutoff = now - self.window_s
-        while blocks and next(iter(blocks.values())) < cutoff:
-            blocks.popitem(last=False)
-        return len(blocks)
+        while blocks and next(iter(blocks.values()))[0] < cutoff:
+            _, (_, times) = blocks.popitem(last=False)
+            if times >= 2:
+                self._hot[replica_id] -= 1
+
+    def footprint(self, replica_id: str, now: float) -> int:
+        self._expire(replica_id, now)
+        return self._hot.get(replica_id, 0)
 
     def forget(self, replica_id: str) -> None:
         self._sent.pop(replica_id, None)
+        self._hot.pop(replica_id, None)
 
 
 def free_blocks(kv_blocks_total: int, hot_blocks: int) -> int | None:

@@ -87,16 +87,20 @@ def test_a_stale_index_is_counted_and_spills_are_counted() -> None:
     assert metrics.spills._value.get() == 1
 
 
-def test_hot_blocks_are_the_room_recent_prefixes_take_and_expire() -> None:
+def test_hot_blocks_are_the_room_reused_prefixes_take_and_expire() -> None:
     hot = HotBlocks(window_s=30.0)
     hot.sent("r0", [1, 2, 3], now=100.0)
-    hot.sent("r0", [1, 2, 4], now=120.0)  # a shared block counts once
-    assert hot.footprint("r0", 125.0) == 4
-    assert hot.footprint("r0", 140.0) == 3  # block 3, last sent at 100, is no longer hot
+    assert hot.footprint("r0", 101.0) == 0  # sent once: a unique prompt, or a prefix not reused yet
+    hot.sent("r0", [1, 2, 4], now=120.0)
+    assert hot.footprint("r0", 125.0) == 2  # blocks 1 and 2 were reused
+    hot.sent("r0", [5], now=140.0)
+    assert hot.footprint("r0", 151.0) == 0  # 1 and 2, last sent at 120, are no longer hot
     assert hot.footprint("r1", 140.0) == 0
     assert (free_blocks(10, 3), free_blocks(10, 12), free_blocks(0, 3)) == (7, 0, None)
+    hot.sent("r0", [5], now=152.0)
+    assert hot.footprint("r0", 152.0) == 1
     hot.forget("r0")
-    assert hot.footprint("r0", 140.0) == 0
+    assert hot.footprint("r0", 152.0) == 0
 
 
 def test_the_default_places_a_cold_prompt_where_no_hot_prefix_is_evicted() -> None:
@@ -106,6 +110,7 @@ def test_the_default_places_a_cold_prompt_where_no_hot_prefix_is_evicted() -> No
     wall = time.time()
     heartbeats.feed = feed({rid: beat(rid, 0, wall, prefill_tokens_per_s=1000.0) for rid in ("r0", "r1")})
     replicas = [Replica(f"http://r{i}", f"r{i}", healthy=True) for i in range(2)]
-    decider.hot.sent("r0", list(range(100, 110)), time.monotonic())
+    for _ in range(2):
+        decider.hot.sent("r0", list(range(100, 110)), time.monotonic())
     chosen = {decider.decide(replicas, [200, 201, 202, 203], key, None, 64).ranked[0] for key in range(20)}
     assert chosen == {"r1"}

@@ -194,14 +194,14 @@ def test_predicted_ttft_ties_go_to_the_longer_prefix_then_the_hash():
 
 
 def test_predicted_ttft_safety_valve_is_loose_and_can_be_off():
-    # 9 in flight on the holder, 1 elsewhere: mean after = 11/3, cap(eps=1) = ceil(7.33) = 8 -> holder over the cap
-    holder = ttft_cand("h", matched=32, load=9)
-    others = [ttft_cand("o1", load=1), ttft_cand("o2", load=0)]
+    # 14 in flight on the holder, 2 on each of 4 others: mean after = 23/5, cap(eps=2) = ceil(13.8) = 14
+    holder = ttft_cand("h", matched=32, load=14)
+    others = [ttft_cand(f"o{i}", load=2) for i in range(4)]
     capped = policy.predicted_ttft_policy([holder, *others], 528, 16, hash_key=1)
     assert capped.ranked[-1] == "h"
     assert policy.predicted_ttft_policy([holder, *others], 528, 16, hash_key=1, epsilon=None).ranked[0] == "h"
-    # eps = 1 lets the holder go up to twice the mean: 3 + 1 <= ceil(2 * 5 / 3) = 4.
-    near = ttft_cand("h", matched=32, load=3)
+    # eps = 2 lets the holder go up to three times the mean: 9 + 1 <= ceil(3 * 18 / 5) = 11.
+    near = ttft_cand("h", matched=32, load=9)
     assert policy.predicted_ttft_policy([near, *others], 528, 16, hash_key=1).ranked[0] == "h"
 
 
@@ -306,6 +306,14 @@ def test_a_session_stays_on_its_replica_unless_it_is_overloaded():
 
 
 def test_a_holder_over_the_load_cap_goes_last_whatever_it_holds():
-    holder = ttft_cand("holder", matched=32, load=9)
-    others = [ttft_cand("o1", load=1), ttft_cand("o2", load=0)]
+    holder = ttft_cand("holder", matched=32, load=14)
+    others = [ttft_cand(f"o{i}", load=2) for i in range(4)]
     assert policy.predicted_ttft_policy([holder, *others], 528, 16, 1, sticky_replica="holder").ranked[-1] == "holder"
+
+
+def test_cheap_hits_in_flight_do_not_trip_the_safety_valve():
+    """Seven requests in flight on 3 replicas, six of them hits on the holder: at eps = 1 (the old
+    default) the cap, ceil(2 * 8 / 3) = 6, passed the holder over though its queue is short."""
+    holder = ttft_cand("holder", matched=32, queued=96, load=6)
+    others = [ttft_cand("a", queued=528, load=1), ttft_cand("b")]
+    assert policy.predicted_ttft_policy([*others, holder], 528, 16, hash_key=6).ranked[0] == "holder"
