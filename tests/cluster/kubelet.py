@@ -83,7 +83,9 @@ def default_images() -> dict[str, Image]:
     # The image converts the bundled model at build time: here, the checkout's cache holds it.
     cache = os.environ.get("KVSCALE_CACHE") or str(Path.home() / ".cache" / "kvscale")
     # Its entry point and its Python, with kvscale installed (helm test pods run `python -c`).
-    kvscale_image = Image({"kvscale": kvscale, "python": sys.executable, "python3": sys.executable},
+    hf = str(Path(sys.executable).with_name("hf"))  # the Hub's CLI: hf:// models' init containers
+    kvscale_image = Image({"kvscale": kvscale, "python": sys.executable, "python3": sys.executable,
+                           "hf": hf},
                           {"KVSCALE_CACHE": cache, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
     redis = shutil.which("redis-server")
     images = {"kvscale": kvscale_image}
@@ -185,6 +187,8 @@ class ContainerState:
     last_exit: dict[str, Any] | None = None
     running_since: str | None = None
     log_path: Path | None = None
+    init_process: subprocess.Popen | None = None  # the init container running now
+    initialized: bool = False  # every init container has completed
 
 
 def rfc3339(at: float | None = None) -> str:
@@ -227,6 +231,10 @@ class PodWorker:
 
     def _terminate(self, grace_s: float) -> None:
         deadline = time.monotonic() + grace_s
+        init = self.state.init_process
+        if init is not None and init.poll() is None:  # an init container has no preStop
+            init.kill()
+            init.wait()
         self._pre_stop(deadline)
         process = self.state.process
         if process is not None and process.poll() is None:
@@ -261,18 +269,18 @@ class PodWorker:
         return process.pid
 
     # -- the container's process ------------------------------------------------------------------
-    def _command(self) -> tuple[list[str], dict[str, str]]:
-        image = find_image(self.runtime.images, self.container["image"])
+    def _command(self, container: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+        image = find_image(self.runtime.images, container["image"])
         if image is None:
-            raise LookupError(f"image {self.container['image']!r} has no local executable "
+            raise LookupError(f"image {container['image']!r} has no local executable "
                               f"(known: {', '.join(sorted(self.runtime.images))})")
         pod = {**self.pod, "status": {**(self.pod.get("status") or {}), "podIP": self.ip,
                                       "hostIP": self.runtime.node_ip}}
-        values = container_env(self.runtime.kube, pod, self.container)
-        argv = [expand(a, values) for a in (self.container.get("command") or [])]
-        argv += [expand(a, values) for a in (self.container.get("args") or [])]
+        values = container_env(self.runtime.kube, pod, container)
+        argv = [expand(a, values) for a in (container.get("command") or [])]
+        argv += [expand(a, values) for a in (container.get("args") or [])]
         if not argv or argv[0] not in image.executables:
-            raise LookupError(f"image {self.container['image']!r} has no {argv[:1]} here "
+            raise LookupError(f"image {container['image']!r} has no {argv[:1]} here "
                               f"(it provides {', '.join(sorted(image.executables))})")
         argv[0] = image.executables[argv[0]]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOSTNAME": self.key[1],
@@ -282,30 +290,46 @@ class PodWorker:
             env["KUBERNETES_SERVICE_PORT"] = "443"
         return argv, env
 
-    def _mounts(self) -> list[tuple[Path, Path]]:
-        """(source, target) bind mounts for the process's own mount namespace."""
-        mounts = [(self.runtime.hosts_file, Path("/etc/hosts"))]
+    def _mounts(self, container: dict[str, Any]) -> list[tuple[Path, Path, bool]]:
+        """(source, target, read-only) bind mounts for the process's own mount namespace, in
+        order: a volume mounted inside another (a claim under the model cache) comes after it."""
+        mounts = [(self.runtime.hosts_file, Path("/etc/hosts"), False)]
         volumes = {v["name"]: v for v in self.pod["spec"].get("volumes") or []}
         # What the process itself needs from this machine (a checkout or its .venv under /tmp,
         # say) must stay visible: no volume is mounted over it.
         needed = [Path(sys.prefix).resolve(), REPO_ROOT, self.runtime.workdir.resolve()]
-        for mount in self.container.get("volumeMounts") or []:
+        for mount in container.get("volumeMounts") or []:
             volume = volumes.get(mount["name"]) or {}
             target = Path(mount["mountPath"])
-            # Only emptyDirs over folders this machine has (/tmp, /dev/shm); others would need
-            # folders created outside the pod, and nothing the platform runs writes to them.
             if any(path.is_relative_to(target) for path in needed):
                 log.info("pod %s: %s not mounted (it holds what the process runs)", self.key, target)
                 continue
-            if "emptyDir" in volume and target.is_dir():
+            read_only = bool(mount.get("readOnly"))
+            if "emptyDir" in volume:
                 source = self.dir / "volumes" / mount["name"]
                 source.mkdir(parents=True, exist_ok=True)
                 source.chmod(0o1777)
-                mounts.append((source, target))
+                mounts.append((source, target, read_only))
+            elif "persistentVolumeClaim" in volume:
+                mounts.append((self._claim_path(volume["persistentVolumeClaim"]["claimName"]), target,
+                               read_only or bool(volume["persistentVolumeClaim"].get("readOnly"))))
         token_dir = self.dir / "serviceaccount"
         if (token_dir / "token").is_file():
-            mounts.append((token_dir, SERVICE_ACCOUNT_DIR))
+            mounts.append((token_dir, SERVICE_ACCOUNT_DIR, False))
         return mounts
+
+    def _claim_path(self, claim: str) -> Path:
+        """The folder of the hostPath or local PersistentVolume bound to ``claim``."""
+        namespace = self.key[0]
+        pvc = self.runtime.kube.get(path_for("v1", "persistentvolumeclaims", namespace, claim))
+        volume_name = ((pvc or {}).get("spec") or {}).get("volumeName")
+        if not volume_name or ((pvc or {}).get("status") or {}).get("phase") != "Bound":
+            raise ConfigError(f"persistentvolumeclaim {claim!r} is not bound")
+        pv = self.runtime.kube.get(path_for("v1", "persistentvolumes", None, volume_name)) or {}
+        source = (pv.get("spec") or {}).get("hostPath") or (pv.get("spec") or {}).get("local")
+        if not source:
+            raise ConfigError(f"persistentvolume {volume_name!r} is neither hostPath nor local")
+        return Path(source["path"])
 
     def _project_token(self) -> None:
         if self.pod["spec"].get("automountServiceAccountToken", True) is False:
@@ -329,27 +353,74 @@ class PodWorker:
         containers run): `kubectl port-forward` is a dial to 127.0.0.1 from there."""
         return self.runtime.network.enter(self.ip)
 
-    def _spawn(self) -> None:
-        argv, env = self._command()
-        script = "; ".join(f"mount --bind {shlex.quote(str(s))} {shlex.quote(str(t))}"
-                           for s, t in self._mounts())
-        # The pod's network namespace, then a mount namespace of this container's own.
+    def _start_process(self, container: dict[str, Any]) -> subprocess.Popen:
+        """``container``'s command in the pod's network namespace and a mount namespace of its
+        own, its output appended to the pod's log."""
+        argv, env = self._command(container)
+        steps = []
+        for source, target, read_only in self._mounts(container):
+            # A mount point the host lacks (/models) is made in the pod's namespace; at the top
+            # level that leaves an empty folder on this machine, as SERVICE_ACCOUNT_DIR does.
+            make = f"mkdir -p {shlex.quote(str(target))} && " if source.is_dir() else ""
+            step = f"{make}mount --bind {shlex.quote(str(source))} {shlex.quote(str(target))}"
+            if read_only:
+                step += f" && mount -o remount,bind,ro {shlex.quote(str(target))}"
+            steps.append(step)
+        script = " && ".join(steps)
         wrapped = [*self.enter(), "unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
                    f'{script} && exec "$@"', "sh", *argv]
         self.state.log_path = self.dir / f"{self.state.name}.log"
         out = open(self.state.log_path, "ab")  # noqa: SIM115 - the child holds it
-        out.write(f"--- start {rfc3339()}: {shlex.join(argv)}\n".encode())
+        out.write(f"--- start {container['name']} {rfc3339()}: {shlex.join(argv)}\n".encode())
         out.flush()
         workdir = self.dir / "cwd"
         workdir.mkdir(parents=True, exist_ok=True)
-        self.state.process = subprocess.Popen(
-            wrapped, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            cwd=workdir, env=env, preexec_fn=die_with_parent, start_new_session=True)
-        out.close()
+        try:
+            return subprocess.Popen(
+                wrapped, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=workdir, env=env, preexec_fn=die_with_parent, start_new_session=True)
+        finally:
+            out.close()
+
+    def _spawn(self) -> None:
+        self.state.process = self._start_process(self.container)
         self.state.running_since = rfc3339()
         self.state.waiting_reason = None
         self.state.started = "startupProbe" not in self.container
         self.state.ready = False
+
+    def _run_init_containers(self) -> bool:
+        """Each init container to completion, in order, retried with back-off as a kubelet
+        does; False when the pod is deleted first."""
+        for container in self.pod["spec"].get("initContainers") or []:
+            backoff = 1.0
+            while not self.terminating.is_set():
+                try:
+                    process = self.state.init_process = self._start_process(container)
+                except LookupError as exc:
+                    self._wait_state("Init:ErrImageNeverPull", str(exc))
+                    self.terminating.wait(5.0)
+                    continue
+                except (ConfigError, ValueError) as exc:
+                    self._wait_state("Init:CreateContainerConfigError", str(exc))
+                    self.terminating.wait(2.0)
+                    continue
+                self._wait_state("PodInitializing", f"init container {container['name']} running")
+                while process.poll() is None and not self.terminating.is_set():
+                    self.terminating.wait(0.2)
+                if self.terminating.is_set():
+                    break
+                if process.returncode == 0:
+                    break
+                self._wait_state("Init:CrashLoopBackOff",
+                                 f"init container {container['name']} exited "
+                                 f"{process.returncode}; back-off {backoff:.0f}s")
+                self.terminating.wait(backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
+            if self.terminating.is_set():
+                return False
+        self.state.initialized = True
+        return True
 
     def _run(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -371,6 +442,9 @@ class PodWorker:
             self._project_token()
         except ApiError as exc:
             self._wait_state("CreateContainerConfigError", f"service account token: {exc}")
+            return
+        if not self._run_init_containers():
+            self.done.wait()
             return
         backoff = 1.0
         while not self.terminating.is_set():
@@ -539,7 +613,8 @@ class PodWorker:
             "startTime": self.start_time,
             "conditions": [
                 {"type": "PodScheduled", "status": "True", "lastTransitionTime": self.start_time},
-                {"type": "Initialized", "status": "True", "lastTransitionTime": self.start_time},
+                {"type": "Initialized", "status": "True" if state.initialized else "False",
+                 "lastTransitionTime": self.start_time},
                 {"type": "ContainersReady", "status": condition, "lastTransitionTime": now},
                 {"type": "Ready", "status": condition, "lastTransitionTime": now},
             ],
