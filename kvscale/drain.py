@@ -27,6 +27,8 @@ from typing import Any
 
 import uvicorn
 
+from kvscale.listen import ALL_IPV6, bind_all_addresses
+
 logger = logging.getLogger("kvscale.drain")
 
 DRAINING_HEADER = "x-kvscale-draining"
@@ -126,9 +128,23 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(app: Any, drain: Drain, *, host: str, port: int, shutdown_timeout_s: float, name: str,
-          log_level: str = "info", access_log: bool = True) -> None:
-    """``uvicorn.run`` with draining on SIGTERM; returns once the server has stopped."""
+def serve(app: Any, drain: Drain, *, host: str | None, port: int, shutdown_timeout_s: float,
+          name: str, log_level: str = "info", access_log: bool = True) -> None:
+    """``uvicorn.run`` with draining on SIGTERM; returns once the server has stopped.
+
+    `host` None: every address of the pod, IPv4 and IPv6 (kvscale.listen); else only `host`.
+    """
+    sockets = None
+    if host is None:
+        # uvicorn (through asyncio) would bind "::" IPv6-only: a socket of our own takes both.
+        sockets = [bind_all_addresses(port)]
+        host = sockets[0].getsockname()[0]
+        logger.info("%s: listening on every address (%s), port %d", name,
+                    "IPv4 and IPv6" if host == ALL_IPV6 else "IPv4 only", port)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=max(1, int(shutdown_timeout_s)))
-    DrainingServer(config, drain, shutdown_timeout_s, name).run()
+    try:
+        DrainingServer(config, drain, shutdown_timeout_s, name).run(sockets=sockets)
+    finally:
+        for sock in sockets or ():
+            sock.close()

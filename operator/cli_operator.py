@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, default=8081, metavar="PORT",
                         help="serve the operator's Prometheus metrics at :PORT/metrics (0: off)")
-    parser.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port")
+    parser.add_argument("--metrics-host", default=None,
+                        help="address for --metrics-port, and only it (default: every address, IPv4 and IPv6)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
     about = "print the namespace-wide router's objects (the chart's template with --helm)"
@@ -76,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         return render_router.run(args)
     import kopf
 
+    from kvscale.base_urls import base_url
+    from kvscale.listen import all_addresses_host
     from kvscale.operator import registration
     from kvscale.operator.children.owned import Images
     from kvscale.operator.config import OperatorConfig
@@ -131,8 +134,9 @@ def run(args: argparse.Namespace) -> int:
     # Before the election, so a standby answers scrapes too (with no per-service series).
     operator_metrics = OperatorMetrics()
     if args.metrics_port:
-        operator_metrics.serve(args.metrics_port, args.metrics_host)
-        log.info("metrics at http://%s:%d/metrics", args.metrics_host, args.metrics_port)
+        metrics_host = args.metrics_host or all_addresses_host()
+        operator_metrics.serve(args.metrics_port, metrics_host)
+        log.info("metrics at %s/metrics", base_url(metrics_host, args.metrics_port))
 
     identity = args.identity or os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     elector = None

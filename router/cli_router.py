@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("KVSCALE_REPLICA_API_KEY"),
         help="key the router sends to the replicas (default: none)",
     )
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default=None,
+                        help="address to bind, and only it (default: every address, IPv4 and IPv6)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument(
         "--block-size", type=int, default=16, help="replicas' KV block size (heartbeats override it per model)"

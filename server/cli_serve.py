@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="KV cache size in bytes (CPU: default 2 GiB)")
 
     http = parser.add_argument_group("HTTP server")
-    http.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
+    http.add_argument("--host", default=None,
+                      help="address to bind, and only it (default: every address, IPv4 and IPv6)")
     http.add_argument("--port", type=int, default=8000)
     http.add_argument("--api-key", default=os.environ.get("KVSCALE_API_KEY"),
                       help="require `Authorization: Bearer KEY` on the API (default: env KVSCALE_API_KEY)")
@@ -71,12 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="this replica's id in Redis (default: $POD_NAME, else HOST:PORT)")
 
 
-def advertised_base_url(host: str, port: int) -> str:
+def advertised_base_url(host: str | None, port: int) -> str:
     """The base URL other machines reach us at: routers dial it and match our heartbeats by it.
 
-    Bound to every address, that is the pod's IP (the downward API's POD_IP), else the host name.
+    Bound to every address (no --host, or a wildcard), that is the pod's IP (the downward API's
+    POD_IP), else the host name.
     """
-    if host in ("0.0.0.0", "::", ""):
+    if host in (None, "0.0.0.0", "::", ""):
         host = os.environ.get("POD_IP") or socket.gethostname()
     return base_url(host, port)
 
@@ -148,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
     engine, publisher = served.engine, served.publisher
     if publisher is not None:
         publisher.start()
+    where = f"{base_url(args.host, args.port)}/v1" if args.host else f"port {args.port} of every address"
     print(f"kvscale: serving {engine.model_name if not args.served_model_name else args.served_model_name[0]!r} "
-          f"at http://{args.host}:{args.port}/v1 "
+          f"at {where} "
           f"(max_model_len {engine.max_model_len}, block size {engine.block_size})", flush=True)
     freeze_startup_heap()  # the model and tokenizer are loaded: spare them every full GC
     try:

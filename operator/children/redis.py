@@ -15,7 +15,6 @@ from kvscale.operator.children.labels import redis_host, redis_labels, redis_nam
 from kvscale.operator.children.pod_parts import (
     EnvVar,
     container_security_context,
-    field_env,
     pod_security_context,
     secret_env,
     tcp_probe,
@@ -70,16 +69,16 @@ def redis_container(name: str, image: str) -> dict[str, Any]:
         "image": image,
         "command": ["redis-server"],
         "args": [
-            # The pod's own address, like every kvscale pod (see the servers' --host).
-            "--bind", "$(POD_IP)",
+            # Every address of the pod, IPv4 and IPv6 ("-": where the pod has it), as every
+            # kvscale pod listens: Services, probes and port-forward (localhost) all reach it.
+            "--bind", "* -::*",
             "--port", str(REDIS_PORT),
             "--requirepass", f"$({PASSWORD_ENV})",
             "--save", "", "--appendonly", "no",
             # Bounded memory: the index is a cache, and an evicted key only costs a prefix miss.
             "--maxmemory", "200mb", "--maxmemory-policy", "allkeys-lru",
         ],
-        "env": [*field_env("POD_IP"),
-                secret_env(PASSWORD_ENV, SecretKeyRef(redis_name(name), PASSWORD_KEY))],
+        "env": [secret_env(PASSWORD_ENV, SecretKeyRef(redis_name(name), PASSWORD_KEY))],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": tcp_probe("redis", 2, 2),
         "livenessProbe": tcp_probe("redis", 10, 3),

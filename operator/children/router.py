@@ -110,7 +110,6 @@ def router_args(pod: RouterPod) -> list[str]:
     """`kvscale router` flags; the Redis URL and keys come from the environment."""
     args = [
         "router",
-        "--host", "$(POD_IP)",
         "--port", str(ROUTER_PORT),
         *pod.discovery,
         *pod.tokenizer_args,

@@ -46,8 +46,8 @@ def server_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]
         args += ["--model", model_path]
     args += [
         "--served-model-name", spec.model.served_name,
-        # The pod's own address: what it binds and what its heartbeats tell the router to call.
-        "--host", "$(POD_IP)",
+        # No --host: every address of the pod (localhost for port-forward and exec too); the
+        # heartbeats name the pod IP, from POD_IP below.
         "--port", str(SERVER_PORT),
         "--dtype", engine.dtype,
         "--block-size", str(engine.block_size),

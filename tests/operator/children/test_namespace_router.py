@@ -35,7 +35,7 @@ def test_its_command_line_parses_and_drains_within_its_grace_period():
     args = [re.sub(r"\$\((\w+)\)", lambda m: POD_VALUES[m.group(1)], a) for a in container["args"]]
     parsed = build_parser("router").parse_args(args)
     assert parsed.k8s_namespace_wide and parsed.namespace == "team" and parsed.k8s_service is None
-    assert (parsed.host, parsed.port, parsed.policy) == ("10.1.2.3", 8080, "round-robin")
+    assert (parsed.host, parsed.port, parsed.policy) == (None, 8080, "round-robin")  # every address
     pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert 0 < pause + parsed.shutdown_timeout < pod_of(deployment)["terminationGracePeriodSeconds"]
     env = {e["name"]: e for e in container["env"]}

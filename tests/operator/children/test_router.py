@@ -75,12 +75,12 @@ def test_generated_server_and_router_command_lines_parse_with_the_real_cli():
     pod_values = {"POD_IP": "10.1.2.3", "POD_NAME": "chat-abc", "POD_NAMESPACE": "team"}
     server = servers.build_deployment("chat", "team", spec)["spec"]["template"]["spec"]["containers"][0]
     serve = build_parser("serve").parse_args(expand(server["args"], pod_values))
-    assert (serve.host, serve.port, serve.replica_id) == ("10.1.2.3", 8000, "chat-abc")
+    assert (serve.host, serve.port, serve.replica_id) == (None, 8000, "chat-abc")  # every address
     assert serve.max_num_batched_tokens == 512 and serve.max_model_len == 1024
     router = build_router_deployment(service_router("chat", "team", spec, "img"))
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     parsed = build_parser("router").parse_args(expand(args, pod_values))
-    assert (parsed.host, parsed.port, parsed.k8s_service) == ("10.1.2.3", 8080, "chat-pods")
+    assert (parsed.host, parsed.port, parsed.k8s_service) == (None, 8080, "chat-pods")
     assert parsed.namespace == "team" and parsed.k8s_port_name == "http"
     assert parsed.policy == "round-robin" and parsed.balance_epsilon == 0.5
     # Both drain within their pod's grace period, after the preStop pause.
