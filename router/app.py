@@ -50,10 +50,11 @@ class Router:
         in_process = config.redis_url is None
         # Without Redis the index is only the router's own decisions; keep them until capacity.
         self.index = PrefixIndex(prediction_ttl_s=(1e9 if in_process else 10.0))
-        # A replica discovery drops (its pod NotReady or deleted) leaves the index at once.
+        # A replica discovery drops (its pod NotReady or deleted) leaves the index, the ledgers, the
+        # heartbeat table and the metrics' series at once.
         self.replicas = ReplicaSet(
             api_key=config.replica_api_key, health_interval_s=config.health_interval_s,
-            on_removed=lambda replica: self.index.forget(replica.replica_id),
+            on_removed=lambda replica: self.decider.forget(replica.replica_id),
         )
         self.replicas.set_urls(config.replicas)
         self.heartbeats = HeartbeatTable()

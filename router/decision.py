@@ -130,6 +130,15 @@ class Decider:
         self._counter = 0  # requests decided, for round-robin
         self._rng = random.Random(config.seed)
 
+    def forget(self, replica_id: str) -> None:
+        """A replica left the fleet (discovery dropped it): everything kept per replica goes, in the
+        index, the ledgers, the heartbeat table, the hot blocks and the metrics' series."""
+        self.index.forget(replica_id)
+        self.in_flight.forget(replica_id)
+        self.heartbeats.forget(replica_id)
+        self.hot.forget(replica_id)
+        self.metrics.forget_replica(replica_id)
+
     def decide(
         self,
         candidates: list[Replica],

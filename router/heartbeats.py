@@ -51,6 +51,10 @@ class HeartbeatTable:
         for replica_id in beats:
             self._seen[replica_id] = now
 
+    def forget(self, replica_id: str) -> None:
+        """The replica left the fleet: when it was last seen no longer matters."""
+        self._seen.pop(replica_id, None)
+
     def stale(self, replica: Replica) -> bool:
         """It heartbeated before and has not for a while, though Redis has been answering."""
         feed = self.feed

@@ -55,4 +55,10 @@ class InFlight:
         replica = request.replica
         replica.in_flight -= 1
         replica.last_finished = now
-        self._gauge.labels(replica.replica_id).set(replica.in_flight)
+        if self._ledgers.get(replica.replica_id) is request.ledger:
+            # Not for a replica forgotten meanwhile: that would bring its series back.
+            self._gauge.labels(replica.replica_id).set(replica.in_flight)
+
+    def forget(self, replica_id: str) -> None:
+        """The replica left the fleet: its ledger goes (requests still open on it close quietly)."""
+        self._ledgers.pop(replica_id, None)

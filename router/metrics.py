@@ -53,6 +53,31 @@ class RouterMetrics:
         self._index_block_ids = set(sizes)
 
 
+    def forget_replica(self, replica_id: str) -> None:
+        """Drop every series labelled with a replica that left the fleet (a fleet scaled 1 -> 4 -> 1
+        would otherwise keep plotting three dead replicas)."""
+        for gauge in (self.in_flight, self.index_blocks):
+            if replica_id in _label_values(gauge, ("replica",)):
+                gauge.remove(replica_id)
+        self._index_block_ids.discard(replica_id)
+        for values in _label_values(self.requests, ("replica", "policy", "status"), replica=replica_id):
+            self.requests.remove(*values)
+
+
+def _label_values(
+    metric: Counter | Gauge, names: tuple[str, ...], **match: str
+) -> set[tuple[str, ...]] | set[str]:
+    """The label values of ``metric``'s series (one name: the values themselves), those matching
+    ``match`` only."""
+    found: set = set()
+    for family in metric.collect():
+        for sample in family.samples:
+            if all(sample.labels.get(k) == v for k, v in match.items()) and all(n in sample.labels for n in names):
+                values = tuple(sample.labels[n] for n in names)
+                found.add(values[0] if len(names) == 1 else values)
+    return found
+
+
 def is_spill(matched_blocks: dict[str, int], chosen: str, reason: str) -> bool:
     """The chosen replica holds fewer of the prompt's blocks than the best holder: the policy
     passed the cache over for load (the bound, or the score's load term), so the prefix is

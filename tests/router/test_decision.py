@@ -114,3 +114,43 @@ def test_the_default_places_a_cold_prompt_where_no_hot_prefix_is_evicted() -> No
         decider.hot.sent("r0", list(range(100, 110)), time.monotonic())
     chosen = {decider.decide(replicas, [200, 201, 202, 203], key, None, 64).ranked[0] for key in range(20)}
     assert chosen == {"r1"}
+
+
+def test_a_replica_that_leaves_the_fleet_leaves_no_state_or_series_behind() -> None:
+    """A fleet scaled 1 -> 4 -> 1: the three replicas discovery drops keep no index entries, ledger,
+    heartbeat record, hot blocks or metric series; the one that stays keeps its own."""
+    from prometheus_client import generate_latest
+
+    from kvscale.router.replicas import ReplicaSet
+
+    decider, heartbeats, in_flight, metrics = parts("predicted-ttft")
+    fleet = ReplicaSet(on_removed=lambda replica: decider.forget(replica.replica_id))
+    urls = [f"http://10.0.0.{i}:8000" for i in range(4)]
+    fleet.set_urls(urls)
+    wall = time.time()
+    replicas = list(fleet.replicas.values())
+    heartbeats.feed = feed({r.replica_id: beat(r.replica_id, 1, wall) for r in replicas})
+    heartbeats.fold_into(fleet, {})
+    open_requests = []
+    for replica in replicas:
+        decider.index.stored(replica.replica_id, [1, 2])
+        for _ in range(2):
+            decider.hot.sent(replica.replica_id, [1, 2], time.monotonic())
+        open_requests.append(in_flight.open(replica, 100))
+        metrics.requests.labels(replica.replica_id, "predicted-ttft", "200").inc()
+    metrics.set_index_blocks(decider.index.sizes())
+    gone = [r.replica_id for r in replicas[1:]]
+    heartbeats.feed = feed({replicas[0].replica_id: beat(replicas[0].replica_id, 1, wall)})
+    fleet.set_urls(urls[:1])
+    for request in open_requests[1:]:
+        in_flight.close(request)  # a stream that was still open on a dropped replica ends
+    text = generate_latest(metrics.registry).decode()
+    for replica_id in gone:
+        assert f'replica="{replica_id}"' not in text
+        assert in_flight.ledger(replica_id) is None
+        assert replica_id not in decider.index.sizes()
+        assert replica_id not in heartbeats._seen
+        assert decider.hot.footprint(replica_id, time.monotonic()) == 0
+    kept = replicas[0].replica_id
+    assert f'replica="{kept}"' in text and in_flight.ledger(kept) is not None
+    assert decider.index.sizes() == {kept: 2}
