@@ -94,20 +94,22 @@ def candidate_view(
     matched_blocks: int,
     heartbeats: HeartbeatTable,
     in_flight: InFlight,
-    wall: float,
+    now: float,
     hot_blocks: int = 0,
 ) -> routing.Candidate:
-    """One replica as the policy sees it; ``wall`` is the wall clock (heartbeats carry one)."""
+    """One replica as the policy sees it; ``now`` is this router's monotonic clock, onto which
+    the heartbeat's time is brought before any comparison (the replica's clock may be off)."""
     hb = heartbeats.get(replica.replica_id)
     room: int | None = None
+    hb_time = 0.0
     if hb is None:
         load, kv_usage = replica.in_flight, 0.0
     else:
-        load = routing.effective_load(
-            replica.in_flight, hb.load, hb.timestamp, replica.last_finished)
+        hb_time = heartbeats.local_time(hb)
+        load = routing.effective_load(replica.in_flight, hb.load, hb_time, replica.last_finished)
         kv_usage = hb.kv_usage
         room = free_blocks(hb.kv_blocks_total, hot_blocks)
-    extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), wall)
+    extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), now, hb_time)
     return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, free_blocks=room, **extra)
 
 
@@ -159,9 +161,8 @@ class Decider:
             self.index.match(hashes, by_id, now)
             if routing.uses_prefix(self.config.policy) else dict.fromkeys(by_id, 0)
         )
-        wall = time.time()
         views = [
-            candidate_view(r, matched[r.replica_id], self.heartbeats, self.in_flight, wall,
+            candidate_view(r, matched[r.replica_id], self.heartbeats, self.in_flight, now,
                            self.hot.footprint(r.replica_id, now))
             for r in candidates
         ]

@@ -9,6 +9,7 @@ table says nothing and health checks alone decide.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 from kvscale.kv_index_schema import Heartbeat
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 
 # A replica whose heartbeat has been missing this long (while Redis answers) is skipped.
 HEARTBEAT_STALE_S = 3.0
+# Heartbeats per replica whose delays estimate its clock's offset from this router's.
+OFFSET_SAMPLES = 64
 
 
 class HeartbeatTable:
@@ -26,6 +29,8 @@ class HeartbeatTable:
         self.feed = feed  # set by the router's start when it has --redis
         # replica id -> the monotonic time its heartbeat was last seen
         self._seen: dict[str, float] = {}
+        # replica id -> (heartbeat timestamp, received - timestamp) of its latest distinct heartbeats
+        self._offsets: dict[str, deque[tuple[float, float]]] = {}
 
     @property
     def index_stale(self) -> bool:
@@ -48,12 +53,31 @@ class HeartbeatTable:
             if hb.block_size:
                 block_sizes[hb.model] = hb.block_size
         now = time.monotonic()
-        for replica_id in beats:
+        for replica_id, hb in beats.items():
             self._seen[replica_id] = now
+            self.local_time(hb)  # one offset sample per heartbeat, whether or not a decision reads it
 
     def forget(self, replica_id: str) -> None:
-        """The replica left the fleet: when it was last seen no longer matters."""
+        """The replica left the fleet: when it was last seen, and its clock, no longer matter."""
         self._seen.pop(replica_id, None)
+        self._offsets.pop(replica_id, None)
+
+    def local_time(self, heartbeat: Heartbeat) -> float:
+        """When ``heartbeat`` was taken, on this router's monotonic clock.
+
+        Its timestamp is the replica's wall clock, which may be seconds off this router's; compared
+        as is with this router's times, a replica whose clock runs ahead sends heartbeats that look
+        newer than they are. Like the Redis schema, which cuts off with one clock (the server's),
+        this compares like with like: each heartbeat's delay, received (here) minus timestamp
+        (there), is the skew plus the time it took to arrive; the smallest over recent heartbeats
+        is the skew plus the shortest arrival, which is added to the timestamp.
+        """
+        samples = self._offsets.setdefault(heartbeat.replica_id, deque(maxlen=OFFSET_SAMPLES))
+        if heartbeat.received > 0 and (not samples or samples[-1][0] != heartbeat.timestamp):
+            samples.append((heartbeat.timestamp, heartbeat.received - heartbeat.timestamp))
+        if not samples:  # a heartbeat not read from Redis: trust its clock
+            return heartbeat.timestamp - (time.time() - time.monotonic())
+        return heartbeat.timestamp + min(offset for _, offset in samples)
 
     def stale(self, replica: Replica) -> bool:
         """It heartbeated before and has not for a while, though Redis has been answering."""

@@ -4,7 +4,8 @@ Every attempt to send a request opens an entry here and closes it exactly once: 
 fails, or when the response it streams ends. A replica's in-flight count and its last finish
 time feed the policy's load; its prefill ledger feeds the predicted-TTFT inputs.
 
-Only the router's event loop touches this, so it has no locks.
+Times are this router's monotonic clock; heartbeats are brought onto it before they are compared
+(``HeartbeatTable.local_time``). Only the router's event loop touches this, so it has no locks.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class OpenRequest:
 
     def first_byte(self) -> None:
         """Its response started: its prefill is done."""
-        self.ledger.started(self.key, time.time())
+        self.ledger.started(self.key, time.monotonic())
 
 
 class InFlight:
@@ -45,12 +46,12 @@ class InFlight:
         replica.in_flight += 1
         self._keys += 1
         ledger = self._ledgers.setdefault(replica.replica_id, PrefillLedger())
-        ledger.sent(self._keys, prefill_tokens, time.time())
+        ledger.sent(self._keys, prefill_tokens, time.monotonic())
         self._gauge.labels(replica.replica_id).set(replica.in_flight)
         return OpenRequest(replica, ledger, self._keys)
 
     def close(self, request: OpenRequest) -> None:
-        now = time.time()
+        now = time.monotonic()
         request.ledger.done(request.key, now)
         replica = request.replica
         replica.in_flight -= 1

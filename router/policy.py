@@ -119,8 +119,8 @@ def effective_load(
     The heartbeat (running + waiting, once a second) also counts other routers' requests, but a
     heartbeat sent before a request of ours finished there still counts that request: believing
     it would push the replica over the bound and spill prompts away from the cache holding them.
-    So a heartbeat older than our latest completion on that replica is ignored (both are wall
-    clock times) until the next one arrives.
+    So a heartbeat older than our latest completion on that replica is ignored until the next one
+    arrives (both times on this router's clock: the caller brings the heartbeat's onto it).
     """
     if heartbeat_load is None or heartbeat_time < last_local_finish:
         return local_in_flight

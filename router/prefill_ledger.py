@@ -20,9 +20,9 @@ from kvscale.kv_index_schema import Heartbeat
 @dataclass
 class Sent:
     tokens: int  # prompt tokens the replica must compute for it (prompt minus predicted hit)
-    sent_at: float  # wall clock, comparable with the heartbeat's timestamp
-    started_at: float | None = None  # wall clock of its first response byte: prefill done
-    finished_at: float | None = None  # wall clock of its end (it no longer decodes)
+    sent_at: float  # this router's monotonic clock, as is the heartbeat's time it is compared with
+    started_at: float | None = None  # its first response byte: prefill done
+    finished_at: float | None = None  # its end (it no longer decodes)
 
 
 def queued_prefill_tokens(
@@ -105,18 +105,19 @@ class PrefillLedger:
 
 
 def ttft_inputs(
-    heartbeat: Heartbeat | None, ledger: PrefillLedger | None, now: float
+    heartbeat: Heartbeat | None, ledger: PrefillLedger | None, now: float, heartbeat_time: float
 ) -> dict[str, Any]:
     """The predicted-ttft fields of a policy Candidate, from a replica's heartbeat (or None) and
-    this router's ledger for it (or None); ``now`` is the wall clock."""
+    this router's ledger for it (or None). ``now`` and ``heartbeat_time`` (when the heartbeat was
+    taken) are on the ledger's clock, this router's monotonic one."""
     sent = ledger.entries(now) if ledger is not None else []
     if heartbeat is None:
         return {"queued_prefill_tokens": queued_prefill_tokens(None, 0.0, sent),
                 "num_decoding": decoding_count(None, 0.0, sent)}
     return {
         "queued_prefill_tokens": queued_prefill_tokens(
-            heartbeat.prefill_tokens_waiting, heartbeat.timestamp, sent),
-        "num_decoding": decoding_count(heartbeat.num_decoding, heartbeat.timestamp, sent),
+            heartbeat.prefill_tokens_waiting, heartbeat_time, sent),
+        "num_decoding": decoding_count(heartbeat.num_decoding, heartbeat_time, sent),
         "prefill_tokens_per_s": heartbeat.prefill_tokens_per_s,
         "decode_step_s": heartbeat.decode_step_s,
         "step_token_budget": heartbeat.step_token_budget,

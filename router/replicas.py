@@ -39,7 +39,7 @@ class Replica:
     models: set[str] = field(default_factory=set)
     healthy: bool = False
     in_flight: int = 0  # requests this router has open on it
-    last_finished: float = 0.0  # wall clock when one of those last ended
+    last_finished: float = 0.0  # this router's monotonic clock when one of those last ended
     last_check: float = 0.0
     consecutive_failures: int = 0
     status: str = "not checked yet"  # the last health check's verdict, "ok" or why not (/health)

@@ -60,8 +60,28 @@ def test_a_candidates_load_is_ours_raised_by_a_heartbeat_newer_than_our_last_fin
     heartbeats.feed = feed({"r1": beat("r1", 5, wall, prefill_tokens_per_s=900.0)})
     view = candidate_view(replica, 2, heartbeats, in_flight, wall)
     assert (view.load, view.kv_usage, view.prefill_tokens_per_s) == (5, 0.25, 900.0)
-    replica.last_finished = wall + 1  # one of ours ended after the heartbeat was taken
-    assert candidate_view(replica, 2, heartbeats, in_flight, wall).load == 1
+    replica.last_finished = time.monotonic() + 1  # one of ours ended after the heartbeat was taken
+    assert candidate_view(replica, 2, heartbeats, in_flight, time.monotonic()).load == 1
+
+
+def test_a_replica_whose_clock_runs_ahead_does_not_make_an_old_heartbeat_look_new() -> None:
+    """The replica's clock is 5 s ahead of the router's. Its heartbeat (5 in flight) was taken
+    before our request there finished; compared with the replica's own clock it looked newer than
+    that finish, so the stale load was believed. On the router's clock it is older: ignored."""
+    _, heartbeats, in_flight, _ = parts()
+    replica = Replica("http://r1", "r1", healthy=True)
+    request = in_flight.open(replica, 100)
+    skew = 5.0
+    received = time.monotonic()
+    hb = Heartbeat("r1", "m", "http://r1", 16, 5, 0, 3, 12, time.time() + skew, received=received)
+    heartbeats.feed = feed({"r1": hb})
+    assert candidate_view(replica, 0, heartbeats, in_flight, time.monotonic()).load == 5
+    in_flight.close(request)  # ours finished after the heartbeat was taken and read
+    in_flight.open(replica, 100)  # and another one is open
+    view = candidate_view(replica, 0, heartbeats, in_flight, time.monotonic())
+    assert view.load == 1  # ours: the heartbeat predates our finish
+    # On the router's clock the heartbeat was taken no later than it was received.
+    assert heartbeats.local_time(hb) <= received + 1e-6
 
 
 def test_a_session_sticks_to_its_replica_and_the_prefix_holder_wins_otherwise() -> None:

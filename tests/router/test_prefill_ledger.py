@@ -51,14 +51,14 @@ def test_ledger_tracks_open_requests_and_feeds_the_candidate_fields():
     beat = Heartbeat("r", "m", "u", 16, num_running=2, num_waiting=0, kv_blocks_active=1, kv_blocks_total=8,
                      timestamp=100.6, prefill_tokens_waiting=528, num_decoding=0, prefill_tokens_per_s=900.0,
                      decode_step_s=0.02, step_token_budget=400)
-    fields = ttft_inputs(beat, ledger, now=101.0)
+    fields = ttft_inputs(beat, ledger, now=101.0, heartbeat_time=beat.timestamp)
     # 528 seen by the heartbeat, less request 1 (started after it); request 2 was sent before it.
     assert fields == {"queued_prefill_tokens": 16, "num_decoding": 1, "prefill_tokens_per_s": 900.0,
                       "decode_step_s": 0.02, "step_token_budget": 400}
     ledger.done(1, now=101.2)
     ledger.done(2, now=101.2)  # never started (failed over): forgotten at once
     # Request 1 finished, but the 100.6 heartbeat still counts its prompt: it is still taken off.
-    assert ttft_inputs(beat, ledger, now=101.5)["queued_prefill_tokens"] == 16
+    assert ttft_inputs(beat, ledger, now=101.5, heartbeat_time=100.6)["queued_prefill_tokens"] == 16
     # Once it is older than keep_s, a later heartbeat is assumed to have caught up.
-    assert ttft_inputs(None, ledger, now=200.0) == {"queued_prefill_tokens": 0, "num_decoding": 0}
+    assert ttft_inputs(None, ledger, now=200.0, heartbeat_time=0.0) == {"queued_prefill_tokens": 0, "num_decoding": 0}
     assert ledger.entries(200.0) == []
