@@ -7,10 +7,11 @@ non-GEMM time). ``cpu_layer_ops.c``: the decoder layer's elementwise steps (SiLU
 residual add + RMSNorm, RoPE) fused into one pass each.
 
 Both are compiled into one library by the machine's C compiler for the machine it runs on
-(``-march=native``), into ``$KVSCALE_CACHE/native/`` (or ``$TMPDIR/kvscale-native/`` when that
-is read-only, as in the engine image) under a name derived from the sources, the flags and the
-compiler, so a changed source or another CPU never loads a stale build; concurrent processes each
-rename a finished file into place. Where no compiler exists PyTorch ops are used, with one
+(``-march=native``), into ``$KVSCALE_CACHE/native/`` (or ``$TMPDIR/kvscale-native-UID/`` when
+that is read-only, as in the engine image) under a name derived from the sources, the flags, the
+compiler and the CPU it targets, so a changed source or another CPU never loads a stale build;
+concurrent processes each rename a finished file into place. A folder another user owns or may
+write to is never read (a library planted there would run in this process). Where no compiler exists PyTorch ops are used, with one
 warning; every entry point returns None (or runs the reference) for what it does not take.
 
 ``KVSCALE_CPU_KERNELS``: ``auto`` (default: the C kernels when they build), ``native`` (the C
@@ -85,10 +86,41 @@ def mode() -> str:
     return value
 
 
-def library_path(source: bytes, compiler_id: str, cache: Path) -> Path:
-    """Where the build of these sources with these flags and this compiler lives."""
-    key = hashlib.sha256(source + " ".join(CFLAGS + LDFLAGS + LDLIBS).encode() + compiler_id.encode()).hexdigest()[:16]
+def library_path(source: bytes, compiler_id: str, target: str, cache: Path) -> Path:
+    """Where the build of these sources, with these flags, by this compiler, for this CPU lives."""
+    key = hashlib.sha256(source + " ".join(CFLAGS + LDFLAGS + LDLIBS).encode() + compiler_id.encode()
+                         + target.encode()).hexdigest()[:16]
     return cache / f"kvscale_cpu-{key}.so"
+
+
+def source_bytes() -> bytes:
+    return b"".join(resources.files("kvscale.kernels").joinpath(name).read_bytes() for name in SOURCES)
+
+
+def compiler_id(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+
+
+@functools.cache
+def target_of(compiler: str) -> str:
+    """What ``-march=native`` means on this machine, as the compiler resolves it: the -march,
+    -m feature flags and cache --params gcc passes to cc1 (clang: its target CPU and features).
+    Two machines with different instruction sets get different builds even in one shared cache."""
+    driver = subprocess.run([compiler, "-march=native", "-###", "-x", "c", "-c", os.devnull, "-o", os.devnull],
+                            capture_output=True, text=True, check=False)
+    tokens = [t.strip('"') for t in (driver.stderr + driver.stdout).split()]
+    kept = [t for i, t in enumerate(tokens)
+            if t.startswith(("-m", "--param")) or (i and tokens[i - 1] in ("-target-cpu", "-target-feature"))]
+    # A compiler that says nothing of the target: the kernel's own view of the CPU instead.
+    return " ".join(kept) or _cpu_flags()
+
+
+def _cpu_flags() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), info[:4096])
 
 
 def _native_cache() -> Path:
@@ -97,38 +129,85 @@ def _native_cache() -> Path:
     return cache_root() / "native"
 
 
+def _private_tmp() -> Path:
+    """This user's folder for builds under the temporary directory (a pod's /tmp emptyDir)."""
+    return Path(tempfile.gettempdir()) / f"kvscale-native-{os.geteuid()}"
+
+
+def untrusted(directory: Path) -> str | None:
+    """Why a library in ``directory`` could be someone else's (None: only this user can have put
+    it there). A folder others may write to, or that another user owns, could hold a planted
+    library under the very name this build looks for, and loading it runs its code."""
+    try:
+        info = directory.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # made below with mode 0700, or unusable (and then passed over)
+    if info.st_uid != os.geteuid():
+        return f"owned by uid {info.st_uid}, not {os.geteuid()}"
+    if info.st_mode & 0o022:
+        return f"writable by others (mode {info.st_mode & 0o777:o})"
+    return None
+
+
+def _trusted_library(target: Path) -> bool:
+    info = target.stat()
+    return info.st_uid == os.geteuid() and not info.st_mode & 0o022
+
+
 def build(cache: Path | None = None) -> Path:
-    """Compile the kernels unless this exact build is cached; the path of the shared library."""
+    """Compile the kernels unless this exact build is cached; the path of the shared library.
+
+    Only folders this user alone controls are read or written: a folder another user owns or
+    may write to is refused (with a warning) and the build goes to a fresh private folder.
+    """
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise NativeKernelError("no C compiler (cc or $CC) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
-    sources = {name: resources.files("kvscale.kernels").joinpath(name).read_bytes() for name in SOURCES}
-    source = b"".join(sources.values())
+    source, version, target_cpu = source_bytes(), compiler_id(compiler), target_of(compiler)
     # A read-only cache (the image's, where the bundled model lives) is read, and builds go to
     # the temporary directory (a pod's /tmp emptyDir), where later processes find them too.
-    directories = (cache or _native_cache(), Path(tempfile.gettempdir()) / "kvscale-native")
+    directories = []
+    for directory in (cache or _native_cache(), _private_tmp()):
+        if (why := untrusted(directory)) is not None:
+            logger.warning("refusing the C kernel cache %s (%s): building in a private folder instead",
+                           directory, why)
+            continue
+        directories.append(directory)
     for directory in directories:
-        target = library_path(source, version.stdout, directory)
-        if target.exists():
-            return target
+        built = library_path(source, version, target_cpu, directory)
+        if built.exists() and _trusted_library(built):
+            return built
     for directory in directories:
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             workdir = Path(tempfile.mkdtemp(prefix=".build-", dir=directory))
             break
         except OSError:
             continue
     else:
-        raise NativeKernelError(f"neither {directories[0]} nor {directories[1]} is writable")
-    target = library_path(source, version.stdout, workdir.parent)
+        # Nowhere shared is safe or writable: a folder of this process's own (mode 0700).
+        workdir = Path(tempfile.mkdtemp(prefix="kvscale-native-"))
+        logger.warning("C kernels built in %s, for this process only", workdir)
+        return _compile(compiler, source, version, target_cpu, workdir, workdir)
+    return _compile(compiler, source, version, target_cpu, workdir, workdir.parent)
+
+
+def _compile(compiler: str, source: bytes, version: str, target_cpu: str, workdir: Path,
+             directory: Path) -> Path:
+    target = library_path(source, version, target_cpu, directory)
     objects = []
-    for name, text in sources.items():
+    for name in SOURCES:
+        text = resources.files("kvscale.kernels").joinpath(name).read_bytes()
         (workdir / name).write_bytes(text)
         objects.append(str(workdir / f"{name}.o"))
         _run_compiler([compiler, *CFLAGS, "-c", "-o", objects[-1], str(workdir / name)])
     built = workdir / target.name
     _run_compiler([compiler, *LDFLAGS, "-o", str(built), *objects, *LDLIBS])
+    if workdir == directory:  # a private folder of its own: the library stays in it
+        for leftover in workdir.iterdir():
+            if leftover != built:
+                leftover.unlink()
+        return built
     os.replace(built, target)
     shutil.rmtree(workdir, ignore_errors=True)
     return target

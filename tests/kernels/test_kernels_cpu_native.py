@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -102,8 +103,54 @@ def test_build_is_cached_by_source_flags_and_compiler(tmp_path: Path) -> None:
     stamp = first.stat().st_mtime_ns
     assert cpu_native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no build directory left behind
-    other = cpu_native.library_path(b"another source", "gcc 12", tmp_path)
-    assert other != cpu_native.library_path(b"another source", "gcc 13", tmp_path) != first
+    other = cpu_native.library_path(b"another source", "gcc 12", "-march=znver4", tmp_path)
+    assert other != cpu_native.library_path(b"another source", "gcc 13", "-march=znver4", tmp_path) != first
+    # -march=native means another instruction set on another CPU: a cache shared between
+    # machines must never hand an AVX-512 build to an older CPU.
+    assert other != cpu_native.library_path(b"another source", "gcc 12", "-march=haswell", tmp_path)
+
+
+def test_the_key_names_the_cpu_the_compiler_targets() -> None:
+    compiler = cpu_native.shutil.which("cc")
+    assert compiler is not None
+    target = cpu_native.target_of(compiler)
+    assert "-march=" in target  # what -march=native resolved to on this machine
+    flags = Path("/proc/cpuinfo").read_text()
+    if " avx2" in flags:
+        assert "-mavx2" in target.split()
+
+
+def _plant(directory: Path, owner: int, mode: int) -> Path:
+    """A library under the name the build would look for, in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    compiler = cpu_native.shutil.which("cc")
+    assert compiler is not None
+    planted = cpu_native.library_path(
+        cpu_native.source_bytes(), cpu_native.compiler_id(compiler), cpu_native.target_of(compiler),
+        directory)
+    planted.write_bytes(b"not a library")
+    os.chown(directory, owner, owner)
+    os.chown(planted, owner, owner)
+    directory.chmod(mode)
+    return planted
+
+
+@pytest.mark.parametrize(("owner", "mode"), [(65534, 0o700), (65534, 0o755), (os.geteuid(), 0o777)],
+                         ids=["another-user", "another-user-readable", "world-writable"])
+def test_a_library_in_a_directory_others_control_is_never_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, owner: int, mode: int
+) -> None:
+    pod_tmp = tmp_path / "tmp"
+    pod_tmp.mkdir()
+    monkeypatch.setattr(cpu_native.tempfile, "tempdir", str(pod_tmp))
+    # Both places a build is looked for, prepared by someone else.
+    planted = [_plant(tmp_path / "cache", owner, mode),
+               _plant(pod_tmp / f"kvscale-native-{os.geteuid()}", owner, mode)]
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        built = cpu_native.build(tmp_path / "cache")
+    assert built not in planted and built.read_bytes() != b"not a library"
+    assert built.parent.stat().st_uid == os.geteuid() and built.parent.stat().st_mode & 0o077 == 0
+    assert "refusing" in caplog.text and str(tmp_path / "cache") in caplog.text
 
 
 def test_no_compiler_falls_back_with_a_warning_or_fails_when_forced(
@@ -207,7 +254,9 @@ def test_a_read_only_cache_builds_once_in_the_temporary_directory(
     pod_tmp.mkdir()
     monkeypatch.setattr(cpu_native.tempfile, "tempdir", str(pod_tmp))
     first = cpu_native.build(unwritable)
-    assert first.parent == pod_tmp / "kvscale-native"
+    # One folder per user, private: nobody else can put a library where this user loads one.
+    assert first.parent == pod_tmp / f"kvscale-native-{os.geteuid()}"
+    assert first.parent.stat().st_mode & 0o777 == 0o700
     stamp = first.stat().st_mtime_ns
     assert cpu_native.build(unwritable) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]
