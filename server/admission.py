@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# Prompts one /v1/completions request may carry (--max-prompts-per-request): each becomes an
+# engine request of its own, so a request of thousands would flood the queue by itself.
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 2048
+
 
 class InvalidRequest(ValueError):
     """A request the engine must not see; ``param`` names the offending field (OpenAI's ``param``)."""

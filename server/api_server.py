@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvscale.drain import Drain, DrainMiddleware
 from kvscale.server import protocol as p
+from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvscale.server.async_engine import AsyncEngine
 from kvscale.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvscale.server.metrics import HTTPStatusMiddleware, ServerMetrics
@@ -51,6 +52,7 @@ def build_app(
     max_model_len: int,
     api_key: str | None = None,
     max_queue_len: int | None = None,
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
     model_root: str | None = None,
     on_shutdown: Callable[[], None] | None = None,
     drain: Drain | None = None,
@@ -65,7 +67,8 @@ def build_app(
 
     server = OpenAIServer(engine, tokenizer=tokenizer, served_model_names=served_model_names,
                           max_model_len=max_model_len, api_key=api_key,
-                          max_queue_len=max_queue_len, model_root=model_root, version=__version__,
+                          max_queue_len=max_queue_len, max_prompts_per_request=max_prompts_per_request,
+                          model_root=model_root, version=__version__,
                           vocab_size=vocab_size)
     metrics = ServerMetrics(server.model_name, lambda: engine.stats)
     engine.observe(metrics.on_step, metrics.on_request_end)

@@ -197,7 +197,9 @@ class AsyncEngine:
             self._streams[request_id] = stream
             streams.append(stream)
         accepted: asyncio.Future = self._loop.create_future()
-        self.num_pending_adds += len(requests)
+        # Every sequence: a prompt with n > 1 forks into n once prefilled.
+        pending = sum(params.n for _, _, params, _ in requests)
+        self.num_pending_adds += pending
         self._commands.put(_Add(list(requests), accepted))
         try:
             error = await accepted
@@ -306,7 +308,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ back on the event loop
 
     def _on_accepted(self, command: _Add, error: BaseException | None) -> None:
-        self.num_pending_adds -= len(command.requests)
+        self.num_pending_adds -= sum(params.n for _, _, params, _ in command.requests)
         if command.accepted.done():  # the caller was cancelled and already asked for an abort
             return
         command.accepted.set_result(error)

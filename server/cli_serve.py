@@ -12,6 +12,7 @@ from typing import Any
 
 from kvscale.base_urls import authority, base_url
 from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
+from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 
 # Engine flags whose value goes straight into EngineConfig; unset ones keep EngineConfig's default.
 _ENGINE_FIELDS = (
@@ -55,7 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--api-key", default=os.environ.get("KVSCALE_API_KEY"),
                       help="require `Authorization: Bearer KEY` on the API (default: env KVSCALE_API_KEY)")
     http.add_argument("--max-queue-len", type=int, default=None,
-                      help="waiting requests beyond which new ones get 503 + Retry-After (default: no limit)")
+                      help="waiting sequences (prompts times n) beyond which a request gets 503 + "
+                           "Retry-After, or 400 when it alone holds more (default: no limit)")
+    http.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                      help="prompts one /v1/completions request may carry; more get 400 "
+                           f"(default {DEFAULT_MAX_PROMPTS_PER_REQUEST})")
     http.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
                       help="on SIGTERM, how long open requests may take to finish while /health and new "
                            f"requests answer 503 (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}: fits a 60 s pod "
@@ -127,7 +132,8 @@ def build(args: argparse.Namespace) -> Served:
     async_engine = AsyncEngine(engine, publisher=publisher)
     app = build_app(async_engine, tokenizer=tokenizer, served_model_names=served_names,
                     max_model_len=engine.max_model_len, api_key=args.api_key,
-                    max_queue_len=args.max_queue_len, model_root=str(model_path),
+                    max_queue_len=args.max_queue_len, max_prompts_per_request=args.max_prompts_per_request,
+                    model_root=str(model_path),
                     vocab_size=min(len(tokenizer), engine.vocab_size))
     return Served(app, engine, async_engine, publisher)
 
@@ -135,6 +141,9 @@ def build(args: argparse.Namespace) -> Served:
 def run(args: argparse.Namespace) -> int:
     if args.max_queue_len is not None and args.max_queue_len < 0:
         print("kvscale serve: --max-queue-len must be non-negative", file=sys.stderr)
+        return 2
+    if args.max_prompts_per_request < 1:
+        print("kvscale serve: --max-prompts-per-request must be at least 1", file=sys.stderr)
         return 2
     if args.shutdown_timeout < 0:
         print("kvscale serve: --shutdown-timeout must be non-negative", file=sys.stderr)

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from kvscale.server import protocol as p
-from kvscale.server.admission import InvalidRequest, check_prompt
+from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST, InvalidRequest, check_prompt
 from kvscale.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from kvscale.server.outputs import PositionLogprobs
 from kvscale.server.sampling_params import SamplingParams
@@ -130,6 +130,7 @@ class OpenAIServer:
         max_model_len: int,
         api_key: str | None = None,
         max_queue_len: int | None = None,
+        max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
         model_root: str | None = None,
         version: str = "0",
         vocab_size: int | None = None,
@@ -141,6 +142,7 @@ class OpenAIServer:
         self.max_model_len = max_model_len
         self.api_key_digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
         self.max_queue_len = max_queue_len
+        self.max_prompts_per_request = max_prompts_per_request
         self.model_root = model_root
         self.version = version
         # Ids the model embeds and the tokenizer decodes (the engine asserts the model's bound).
@@ -153,15 +155,31 @@ class OpenAIServer:
             raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error",
                            param="model", code="model_not_found")
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, sequences: int = 1) -> None:
+        """Room in the queue for ``sequences`` more (a request's prompts times its ``n``)."""
         if not self.engine.is_alive:
             raise APIError(503, "The engine is not running.", "server_error", code="engine_dead")
-        if self.max_queue_len is not None and self.engine.num_waiting >= self.max_queue_len:
+        limit = self.max_queue_len
+        if limit is None:
+            return
+        if limit and sequences > limit:
+            # Never fits, however long the client waits: a request error, not a busy server.
+            raise bad_request(
+                f"This request would queue {sequences} sequences (its prompts times n), more "
+                f"than this server ever queues (--max-queue-len {limit}). Send fewer prompts "
+                "per request or a smaller n.", "prompt")
+        if self.engine.num_waiting + sequences > limit:
             raise APIError(
-                503, f"The server is busy: {self.engine.num_waiting} requests are waiting "
-                f"(--max-queue-len {self.max_queue_len}). Retry later.", "server_error",
+                503, f"The server is busy: {self.engine.num_waiting} sequences are waiting "
+                f"(--max-queue-len {limit}). Retry later.", "server_error",
                 code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+
+    def check_prompt_count(self, count: int) -> None:
+        if count > self.max_prompts_per_request:
+            raise bad_request(
+                f"This request has {count} prompts; this server takes at most "
+                f"{self.max_prompts_per_request} per request (--max-prompts-per-request).", "prompt")
 
     def check_prompt(self, ids: list[int], param: str = "prompt") -> None:
         try:
@@ -181,7 +199,7 @@ class OpenAIServer:
 
     async def open_streams(self, prepared: Prepared) -> list[RequestStream]:
         """Hand every prompt to the engine in one go (they start in the same step)."""
-        self.check_capacity()
+        self.check_capacity(sum(params.n for params in prepared.params))
         many = len(prepared.prompts) > 1
         requests = [
             (f"{prepared.request_id}-{index}" if many else prepared.request_id, ids, params, prepared.cache_salt)

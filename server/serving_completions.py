@@ -77,7 +77,9 @@ def prepare_completion(server: OpenAIServer, body: p.CompletionRequest) -> Prepa
     prompts, echo_texts, params = [], [], []
     # echo with logprobs returns the prompt tokens' logprobs too (what scoring harnesses use).
     prompt_logprobs = body.logprobs if body.echo else None
-    for prompt in completion_prompts(body.prompt):
+    requested = completion_prompts(body.prompt)
+    server.check_prompt_count(len(requested))  # before tokenizing any of them
+    for prompt in requested:
         ids = completion_prompt_token_ids(server.tokenizer, prompt)
         server.check_prompt(ids)
         try:

@@ -128,3 +128,35 @@ def test_dead_engine_loop_makes_health_503() -> None:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_a_request_is_counted_by_its_sequences_not_as_one(guarded) -> None:
+    """--max-queue-len 1: a request of two prompts, or of one prompt with n=2, would queue two
+    sequences by itself; it can never fit, so it is a 400 that names the limit, not a 503."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    base = {"model": "smollm2-135m-instruct", "max_tokens": 1}
+    for body in ({**base, "prompt": ["one", "two"]}, {**base, "prompt": "one", "n": 2}):
+        response = httpx.post(f"{guarded.base_url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and "--max-queue-len 1" in error["message"]
+    one = httpx.post(f"{guarded.base_url}/v1/completions", json={**base, "prompt": "one"},
+                     headers=headers, timeout=60)
+    assert one.status_code == 200, one.text
+
+
+def test_prompts_per_request_are_capped_before_tokenizing(tmp_path) -> None:
+    proc = ServeProcess("--max-model-len", "128", "--num-gpu-blocks-override", "32",
+                        "--max-prompts-per-request", "3", log_name="prompt-cap")
+    try:
+        url = f"{proc.base_url}/v1/completions"
+        body = {"model": "smollm2-135m-instruct", "max_tokens": 1}
+        refused = httpx.post(url, json={**body, "prompt": ["x"] * 4}, timeout=30)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "prompt" and "--max-prompts-per-request" in error["message"]
+        assert "4 prompts" in error["message"]
+        fine = httpx.post(url, json={**body, "prompt": ["x"] * 3}, timeout=60)
+        assert fine.status_code == 200 and len(fine.json()["choices"]) == 3
+    finally:
+        proc.stop()
