@@ -104,3 +104,24 @@ def test_serve_with_a_host_binds_only_it():
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+NO_IPV6_POD = textwrap.dedent("""
+    import socket
+    from kvscale.listen import bind_all_addresses
+    sock = bind_all_addresses(0)
+    sock.listen()
+    socket.create_connection(("127.0.0.1", sock.getsockname()[1]), timeout=2).close()
+    print("ipv4 answered")
+""")
+
+
+def test_a_pod_with_ipv6_disabled_is_still_served_over_ipv4():
+    """A network namespace of its own with IPv6 switched off, as some clusters' pods have (root,
+    as the process runtime's tests need anyway)."""
+    script = ("sysctl -qw net.ipv6.conf.all.disable_ipv6=1 net.ipv6.conf.default.disable_ipv6=1 "
+              "net.ipv6.conf.lo.disable_ipv6=1 && ip link set lo up && "
+              f'exec "{sys.executable}" -c "$0"')
+    done = subprocess.run(["unshare", "--net", "sh", "-c", script, NO_IPV6_POD],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0 and "ipv4 answered" in done.stdout, done.stderr
