@@ -9,8 +9,10 @@ request is still routed, by load); the replica then answers with the proper erro
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from kvscale.block_hash import hash_prompt_blocks
@@ -53,6 +55,7 @@ class PrefixHasher:
         self.block_sizes: dict[str, int] = {}
         self.load_errors: dict[str, str] = {}  # served name -> why its tokenizer did not load
         self._on_fallback = on_fallback
+        self._executor: ThreadPoolExecutor | None = None
 
     def names_of(self, model: str | None) -> list[str]:
         """The names the servers answer to for ``model``: what requests carry as "model"."""
@@ -92,13 +95,26 @@ class PrefixHasher:
         status.update(self.load_errors)
         return status
 
+    async def prompt_block_hashes_off_loop(
+        self, endpoint: str, body: dict[str, Any], model: str | None
+    ) -> PromptBlocks:
+        """``prompt_block_hashes`` on the hasher's own thread: tokenizing, rendering a chat template
+        and hashing a long prompt takes long (about 0.7 s for 100k tokens here), and on the event
+        loop it would stall every stream the router proxies meanwhile. One thread, so the chat
+        caches are never touched by two at once."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscale-router-hash")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.prompt_block_hashes, endpoint, body, model)
+
     def prompt_block_hashes(
         self, endpoint: str, body: dict[str, Any], model: str | None
     ) -> PromptBlocks:
         """The prompt of a "chat" or "completions" request ``body`` (its parsed JSON)."""
         name = model if model else next(iter(self.tokenizers), "")
         tokenizer = self.tokenizers.get(name)
-        block_size = self.block_sizes.get(model or "", self.default_block_size)
+        # By the name whose tokenizer is used: a request without "model" goes to that model.
+        block_size = self.block_sizes.get(name, self.default_block_size)
         if tokenizer is None:
             self._on_fallback("no_tokenizer")
             return PromptBlocks([], 0, block_size)
