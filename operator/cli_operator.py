@@ -14,7 +14,7 @@ import threading
 import uuid
 
 from kvscale.operator import render_router
-from kvscale.operator.spec import DEFAULT_REDIS_IMAGE, DEFAULT_ROUTER_IMAGE
+from kvscale.operator.spec import DEFAULT_IMAGE, DEFAULT_REDIS_IMAGE, DEFAULT_ROUTER_IMAGE
 
 
 def _env_flag(name: str) -> bool:
@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(env KVSCALE_ALLOW_METRICS_URL_OVERRIDE=1)")
     parser.add_argument("--cluster-domain", default="cluster.local",
                         help="cluster DNS domain used in status.url")
-    images = parser.add_argument_group("images the operator runs beside the servers")
+    images = parser.add_argument_group("images the operator runs")
+    images.add_argument("--engine-image", default=DEFAULT_IMAGE,
+                        help="image of `kvscale serve` pods whose InferenceService names no spec.image")
     images.add_argument("--router-image", default=DEFAULT_ROUTER_IMAGE,
                         help="image of `kvscale router` pods (the control-plane image)")
     images.add_argument("--redis-image", default=DEFAULT_REDIS_IMAGE,
@@ -80,8 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from kvscale.base_urls import base_url
     from kvscale.listen import all_addresses_host
     from kvscale.operator import registration
-    from kvscale.operator.children.owned import Images
-    from kvscale.operator.config import OperatorConfig
+    from kvscale.operator.config import config_from_args
     from kvscale.operator.kube import Kube, load_connection
     from kvscale.operator.leader import LeaderElector
     from kvscale.operator.metrics import OperatorMetrics
@@ -97,14 +98,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("kvscale.operator")
     connection = load_connection(args.kubeconfig, args.context)
     kube = Kube(connection)
-    config = OperatorConfig(
-        resync_interval=args.resync_interval,
-        scrape_interval=args.scrape_interval,
-        scrape_timeout=args.scrape_timeout,
-        allow_metrics_url_override=args.allow_metrics_url_override,
-        cluster_domain=args.cluster_domain,
-        images=Images(router=args.router_image, redis=args.redis_image),
-    )
+    config = config_from_args(args)
     if config.allow_metrics_url_override:
         log.warning("honouring pod annotation serving.kvscale.io/metrics-url for scrape addresses")
 

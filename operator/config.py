@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 from kvscale.operator.children.owned import Images
@@ -18,3 +19,15 @@ class OperatorConfig:
     allow_metrics_url_override: bool = False
     cluster_domain: str = "cluster.local"
     images: Images = field(default_factory=Images)
+
+
+def config_from_args(args: argparse.Namespace) -> OperatorConfig:
+    """The configuration `kvscale operator`'s parsed flags (cli_operator.add_arguments) give."""
+    return OperatorConfig(
+        resync_interval=args.resync_interval,
+        scrape_interval=args.scrape_interval,
+        scrape_timeout=args.scrape_timeout,
+        allow_metrics_url_override=args.allow_metrics_url_override,
+        cluster_domain=args.cluster_domain,
+        images=Images(router=args.router_image, redis=args.redis_image, engine=args.engine_image),
+    )

@@ -15,6 +15,9 @@ VERSION = "v1alpha1"
 PLURAL = "inferenceservices"
 KIND = "InferenceService"
 NAME_LABEL = f"{GROUP}/inferenceservice"
+# The engine image of an InferenceService without spec.image: `kvscale operator --engine-image`
+# (the chart's images.engine) overrides it, so the spec leaves the field empty rather than
+# defaulting it (and so does the CRD: an apiserver-filled default would pin it).
 DEFAULT_IMAGE = "ghcr.io/kvscale/kvscale:0.1.0"
 # The router runs from the slim control-plane image (no torch); the operator's flags override both.
 DEFAULT_ROUTER_IMAGE = "ghcr.io/kvscale/kvscale-control-plane:0.1.0"
@@ -113,7 +116,7 @@ class RouterSpec:
 @dataclass(frozen=True)
 class InferenceServiceSpec:
     model: ModelSource
-    image: str = DEFAULT_IMAGE
+    image: str = ""  # empty: the operator's engine image (Images.engine)
     engine: EngineConfig = field(default_factory=EngineConfig)
     resources: Resources = field(default_factory=Resources)
     node_selector: dict[str, str] = field(default_factory=dict)
@@ -141,7 +144,7 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
     e, r, a = EngineConfig(), Resources(), AutoscalingPolicy()
     return InferenceServiceSpec(
         model=ModelSource(uri=uri, served_name=model.get("servedName") or default_served_name(uri)),
-        image=spec.get("image") or DEFAULT_IMAGE,
+        image=spec.get("image") or "",
         engine=EngineConfig(
             block_size=int(engine.get("blockSize", e.block_size)),
             max_num_seqs=int(engine.get("maxNumSeqs", e.max_num_seqs)),

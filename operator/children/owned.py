@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvscale.operator.children.labels import redis_name, router_name
@@ -18,21 +18,29 @@ from kvscale.operator.children.servers import (
     build_headless_service,
     build_service,
 )
-from kvscale.operator.spec import DEFAULT_REDIS_IMAGE, DEFAULT_ROUTER_IMAGE, InferenceServiceSpec
+from kvscale.operator.spec import (
+    DEFAULT_IMAGE,
+    DEFAULT_REDIS_IMAGE,
+    DEFAULT_ROUTER_IMAGE,
+    InferenceServiceSpec,
+)
 
 
 @dataclass(frozen=True)
 class Images:
-    """Images of the parts the operator runs beside the servers (the servers' is in the spec)."""
+    """The images the operator runs: `engine` for servers whose spec names no image of its own."""
 
     router: str = DEFAULT_ROUTER_IMAGE
     redis: str = DEFAULT_REDIS_IMAGE
+    engine: str = DEFAULT_IMAGE
 
 
 def build_children(name: str, namespace: str, spec: InferenceServiceSpec,
                    images: Images | None = None) -> list[dict[str, Any]]:
     """Everything applied on every reconcile (the generated Redis Secret is created once, apart)."""
     images = images or Images()
+    if not spec.image:
+        spec = replace(spec, image=images.engine)
     children = [
         build_deployment(name, namespace, spec),
         build_service(name, namespace, spec),
