@@ -30,8 +30,9 @@ the other does not, at the other's rate. The other's estimate already pays that 
 rule asks the anchor's queue to cost it again, since the copy delays every request behind it on
 the other replica too. ``slack`` (--balance-epsilon, spec.router.balanceEpsilon) is the tolerated
 prediction error, relative. A prompt nobody holds is placed on the replica with the lowest
-estimate among those with room for it (``free_blocks``: KV blocks not held by the prefixes routed
-there recently), so new prefixes fill empty room before they evict hot ones; when no replica has
+estimate among those with room for it (``free_blocks``: the replica's KV blocks less those this
+router sent there twice or more in the last 30 s, its hot prefixes; kvscale.router.decision), so
+new prefixes fill empty room before they evict hot ones; when no replica has
 room, the lowest estimate takes it and its LRU makes room there. Ties (within 1 ms) go to the longer
 cached prefix, then to the rendezvous hash. The bounded-load cap on in-flight requests
 (``ttft_epsilon``) stays a safety valve: a replica over it goes last whatever it holds.
