@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: venv system-deps k8s-bins k8s-env k8s-env-down image deploy-render serve test test-fast lint bench clean dashboards
+.PHONY: venv system-deps k8s-bins k8s-env k8s-env-down image deploy-render serve test test-node test-fast lint bench clean dashboards
 
 venv: $(STAMP)
 
@@ -65,6 +65,15 @@ test:
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The real-node lane (tests/node, docs/k8s-test-env.md "Real-node lane"): the chart and an
+# InferenceService as containers under a real kubelet, containerd and CNI plugins from Debian,
+# kubelet/kube-proxy/CoreDNS built like the apiserver (tools/node-bins.sh), `make image`'s images
+# imported without a registry (tools/node-images.sh). Needs root; not in `make test` yet.
+test-node: venv system-deps k8s-bins image
+	bash tools/node-bins.sh >/dev/null
+	bash tools/node-images.sh make
+	KVSCALE_NODE_LANE=1 $(VENV)/bin/pytest tests/node -s $(PYTEST_ARGS)
 
 # Everything but the slow end-to-end tests, for a quick loop while editing.
 test-fast: venv

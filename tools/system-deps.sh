@@ -15,6 +15,9 @@ done
 command -v cc >/dev/null || need+=(gcc libc6-dev)
 # `podman run --init` (signals reach the server, as in a pod) needs catatonit, a podman Recommends.
 [ -x /usr/libexec/podman/catatonit ] || need+=(catatonit)
+# The real-node lane (make test-node): containerd (with runc) and the CNI plugins, from Debian.
+command -v containerd >/dev/null || need+=(containerd)
+[ -x /usr/lib/cni/bridge ] || need+=(containernetworking-plugins)
 [ ${#need[@]} -eq 0 ] && exit 0
 SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"

@@ -1,0 +1,246 @@
+"""The platform on a real node: pods as containers under a real kubelet (tests/node/nodeenv.py).
+
+`helm install` of charts/kvscale (the operator runs in-cluster from the chart's image), an
+InferenceService with two replicas and its router, the official `openai` client through
+`kubectl port-forward` to its Service, `kubectl exec` into a server, the restricted security
+context enforced by runc, a rolling update under load, and deletion down to the last container;
+then the node itself is stopped and must leave nothing on the machine. `make test-node`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from nodeenv import NODE_NAME, NodeEnv, leftovers, node_image, start_node_env, stop_node_env
+
+from kvscale.processes import free_port, wait_until
+
+pytestmark = [pytest.mark.slow]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHART = REPO_ROOT / "charts" / "kvscale"
+RELEASE = "kvscale"
+SYSTEM = "kvscale-system"
+WORKLOADS = "team-node"
+NAME = "chat"
+MODEL = "smollm2-135m-instruct"
+SERVER_SELECTOR = f"serving.kvscale.io/inferenceservice={NAME}"
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeEnv]:
+    env = start_node_env(tmp_path_factory.mktemp("node-logs"))
+    print(f"node started: {json.dumps({k: round(v, 1) for k, v in env.timings.items()})}")
+    try:
+        yield env
+    finally:
+        t0 = time.monotonic()
+        stop_node_env(env)
+        print(f"node stopped in {time.monotonic() - t0:.1f}s")
+    # Checked after every test of the module: a stopped node leaves nothing on the machine.
+    assert leftovers() == []
+
+
+def helm(env: NodeEnv, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    home = env.logs / "helm"
+    return subprocess.run(
+        [str(env.k8s_bins / "helm"), *args, f"--kubeconfig={env.kubeconfig}"],
+        capture_output=True, text=True, timeout=timeout, check=False,
+        env={**os.environ, "HELM_CONFIG_HOME": str(home / "config"),
+             "HELM_CACHE_HOME": str(home / "cache"), "HELM_DATA_HOME": str(home / "data")})
+
+
+def diagnosis(env: NodeEnv) -> str:
+    pods = env.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout
+    events = env.kubectl("get", "events", "-A", "--sort-by=.lastTimestamp", check=False).stdout
+    logs = []
+    for ns in (SYSTEM, WORKLOADS):
+        for pod in env.kubectl("get", "pods", "-n", ns, "-o", "name", check=False).stdout.split():
+            tail = env.kubectl("logs", "-n", ns, pod, "--all-containers", "--tail=15",
+                               check=False)
+            logs.append(f"--- {ns}/{pod}\n{tail.stdout}{tail.stderr}")
+    return (f"{pods}\n{events[-4000:]}\n" + "\n".join(logs)
+            + f"\n--- kubelet\n{env.log_tail('kubelet', 15)}")
+
+
+def inference_service(max_num_seqs: int) -> dict:
+    return {
+        "apiVersion": "serving.kvscale.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": NAME, "namespace": WORKLOADS},
+        "spec": {"model": {"uri": f"bundled://{MODEL}"}, "replicas": 2,
+                 # CPU only (the node has no GPU) and small requests: two cores run everything.
+                 "resources": {"gpus": 0, "cpu": "200m", "memory": "2Gi"},
+                 "engine": {"maxModelLen": 1024, "maxNumSeqs": max_num_seqs, "dtype": "float32"},
+                 "router": {"replicas": 1, "resources": {"cpu": "100m", "memory": "512Mi"}}},
+    }
+
+
+def ready(env: NodeEnv) -> bool:
+    status = env.kubectl_json("get", "kvis", NAME, "-n", WORKLOADS).get("status") or {}
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
+
+
+class PortForward:
+    """`kubectl port-forward` to a Service, as the chart's NOTES tell a user to run it."""
+
+    def __init__(self, env: NodeEnv, target: str, port: int) -> None:
+        self.local = free_port()
+        self.proc = subprocess.Popen(
+            [str(env.k8s_bins / "kubectl"), f"--kubeconfig={env.kubeconfig}", "port-forward",
+             "-n", WORKLOADS, "--address", "127.0.0.1", target, f"{self.local}:{port}"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.proc.stdout is not None
+        first = self.proc.stdout.readline()
+        assert first.startswith("Forwarding from"), first + self.proc.stdout.read()
+        self.lines: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.local}"
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_platform_on_a_real_node(node: NodeEnv) -> None:
+    env = node
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    redis = node_image("redis")
+    repository, tag = redis.rsplit(":", 1)
+    installed = helm(env, "install", RELEASE, str(CHART), "--namespace", SYSTEM, "--create-namespace",
+                     "--set", "operator.replicas=1",
+                     "--set", f"images.redis.repository={repository}",
+                     "--set", f"images.redis.tag={tag}",
+                     "--wait", "--timeout", "5m")
+    assert installed.returncode == 0, installed.stderr + diagnosis(env)
+    timings["helm install"] = time.monotonic() - t0
+    operator_pod = env.kubectl_json("get", "pods", "-n", SYSTEM)["items"][0]
+    # A real container on the real node, not a process.
+    assert operator_pod["spec"]["nodeName"] == NODE_NAME
+    assert operator_pod["status"]["containerStatuses"][0]["containerID"].startswith("containerd://")
+
+    env.kubectl("create", "namespace", WORKLOADS)
+    t0 = time.monotonic()
+    env.apply(inference_service(max_num_seqs=8))
+    try:
+        wait_until(lambda: ready(env), 600, interval=2.0, what=f"{NAME} Ready")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{diagnosis(env)}") from None
+    timings["InferenceService Ready"] = time.monotonic() - t0
+    servers = env.kubectl_json("get", "pods", "-n", WORKLOADS, "-l", SERVER_SELECTOR)["items"]
+    assert len(servers) == 2, [p["metadata"]["name"] for p in servers]
+
+    # --- the router's Service through kubectl port-forward, with the official client
+    forward = PortForward(env, f"svc/{NAME}", 80)
+    try:
+        api = client(forward.url)
+        models = [m.id for m in api.models.list()]
+        assert MODEL in models
+        completion = api.completions.create(model=MODEL, prompt="The capital of France is",
+                                            max_tokens=8, temperature=0)
+        assert completion.choices[0].text and completion.usage is not None
+        assert completion.usage.completion_tokens == 8
+        chat = api.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
+                                           messages=[{"role": "user", "content": "Say hello."}])
+        assert chat.choices[0].message.content
+        pieces = [chunk.choices[0].text for chunk in api.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True)
+            if chunk.choices]
+        assert len(pieces) >= 2 and "".join(pieces)
+
+        # --- kubectl exec into a server: the restricted context, as runc applied it
+        pod = servers[0]["metadata"]["name"]
+
+        def sh(script: str) -> subprocess.CompletedProcess[str]:
+            return env.kubectl("exec", "-n", WORKLOADS, pod, "-c", "server", "--", "sh", "-c",
+                               script, check=False)
+
+        uid = sh("id -u")
+        assert uid.returncode == 0, uid.stderr
+        assert int(uid.stdout.strip()) != 0
+        written = sh("echo x > /kvscale-root-write-test")
+        assert written.returncode != 0 and "Read-only file system" in written.stderr, written
+        status = sh("cat /proc/self/status").stdout
+        assert re.search(r"^NoNewPrivs:\s+1$", status, re.M), status
+        assert re.search(r"^CapEff:\s+0+$", status, re.M), status
+        # Writable where the pod spec says so (an emptyDir on /tmp).
+        assert sh("echo x > /tmp/kvscale-write-test && cat /tmp/kvscale-write-test").stdout == "x\n"
+
+        # --- a rolling update of the servers under load: not one request fails
+        failures: list[str] = []
+        served = 0
+        stop = threading.Event()
+
+        def load() -> None:
+            nonlocal served
+            loop_client = client(forward.url)
+            while not stop.is_set():
+                try:
+                    loop_client.completions.create(model=MODEL, prompt="Count: one, two,",
+                                                   max_tokens=4, temperature=0)
+                    served += 1
+                except openai.OpenAIError as exc:
+                    failures.append(repr(exc))
+
+        old = {p["metadata"]["name"] for p in servers}
+        t0 = time.monotonic()
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        try:
+            env.apply(inference_service(max_num_seqs=6))
+
+            def rolled() -> bool:
+                pods = env.kubectl_json("get", "pods", "-n", WORKLOADS, "-l", SERVER_SELECTOR)["items"]
+                names = {p["metadata"]["name"] for p in pods}
+                return (len(pods) == 2 and not names & old
+                        and all(c["ready"] for p in pods for c in p["status"].get("containerStatuses", []))
+                        and ready(env))
+
+            try:
+                wait_until(rolled, 600, interval=2.0, what="the servers rolled over")
+            except TimeoutError as exc:
+                raise AssertionError(f"{exc}\n{diagnosis(env)}") from None
+            time.sleep(3)  # requests keep flowing to the new pods
+        finally:
+            stop.set()
+            loader.join(150)
+        timings["rolling update"] = time.monotonic() - t0
+        assert failures == [], failures[:5]
+        assert served > 0
+    finally:
+        forward.close()
+
+    # --- deletion: the operator's children, then the release, down to the last container
+    t0 = time.monotonic()
+    env.kubectl("delete", "kvis", NAME, "-n", WORKLOADS, "--wait=true", "--timeout=180s")
+    uninstalled = helm(env, "uninstall", RELEASE, "--namespace", SYSTEM, "--wait", "--timeout", "3m")
+    assert uninstalled.returncode == 0, uninstalled.stderr
+    wait_until(lambda: not env.kubectl_json("get", "pods", "-A")["items"], 180, interval=1.0,
+               what="every pod gone")
+    # The kubelet removed every container and sandbox, not only the API objects.
+    wait_until(lambda: not env.ctr("containers", "ls", "-q").stdout.split(), 120, interval=1.0,
+               what="every container gone from containerd")
+    assert not env.ctr("tasks", "ls", "-q").stdout.split()
+    timings["deletion"] = time.monotonic() - t0
+    print(f"platform timings: {json.dumps({k: round(v, 1) for k, v in timings.items()})}")

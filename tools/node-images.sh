@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The images the real-node lane (tests/node) needs beside kvscale's own two, made without a
+# registry and kept in kvscale's podman store (tools/images.sh podman):
+#   pause  the pod sandbox: Debian's static catatonit in pause mode (`catatonit -P`), alone
+#   redis  Debian's redis-server on a debootstrap minbase (the KV index the operator runs)
+# and how all four get into a containerd: `podman save | ctr -n k8s.io images import -`.
+#
+#   tools/node-images.sh make                     make pause and redis if missing
+#   tools/node-images.sh name pause|redis         the image's full name
+#   tools/node-images.sh import SOCKET [NAME...]  stream images into the containerd at SOCKET
+#                                                 (default: pause, redis, engine, control-plane)
+#
+# Names live under localhost/kvscale-node/, so they never shadow an official image.
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+images="$repo_root/tools/images.sh"
+debian_suite="${DEBIAN_SUITE:-bookworm}"
+state="${KVSCALE_PODMAN_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvscale/podman}"
+
+log() { echo "node-images: $*" >&2; }
+die() { log "error: $*"; exit 1; }
+pm() { bash "$images" podman "$@"; }
+
+# The tag names what is inside, so a new Debian package gives a new image.
+pause_name() {
+    command -v catatonit >/dev/null || die "catatonit is not installed (make system-deps)"
+    echo "localhost/kvscale-node/pause:$(dpkg-query -W -f='${Version}' catatonit | tr '+~:' '---')"
+}
+redis_name() {
+    local v
+    v="$(apt-cache policy redis-server | awk '/Candidate:/ {print $2}')"
+    [[ -n "$v" && "$v" != "(none)" ]] || die "apt knows no redis-server package"
+    echo "localhost/kvscale-node/redis:$(echo "$v" | tr '+~:' '---')"
+}
+
+make_pause() {
+    local name tmp
+    name="$(pause_name)"
+    pm image exists "$name" && return
+    tmp="$(mktemp -d)"
+    cp "$(command -v catatonit)" "$tmp/pause"
+    # Pause mode: no child, waits for a signal, reaps nothing but itself (the sandbox's job).
+    tar -C "$tmp" -c . | pm import --change 'ENTRYPOINT ["/pause", "-P"]' - "$name" >/dev/null
+    rm -rf "$tmp"
+    log "made $name"
+}
+
+make_redis() {
+    local name rootfs mirror t0=$SECONDS
+    name="$(redis_name)"
+    pm image exists "$name" && return
+    command -v debootstrap >/dev/null || die "debootstrap is not installed (make system-deps)"
+    mirror="$(awk '/^URIs:/ && $2 !~ /security/ {print $2; exit}' \
+        /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)"
+    mirror="${mirror:-http://deb.debian.org/debian}"
+    mkdir -p "$state/tmp"
+    rootfs="$(mktemp -d "$state/tmp/redis-rootfs.XXXXXX")"
+    log "building $name from Debian $debian_suite ($mirror) ..."
+    debootstrap --variant=minbase --include=redis-server "$debian_suite" "$rootfs" "$mirror" \
+        >"$rootfs.log" 2>&1 || die "debootstrap failed (see $rootfs.log)"
+    rm -rf "$rootfs"/var/lib/apt/lists/* "$rootfs"/var/cache/apt/*.bin \
+        "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/usr/share/{doc,man,info,locale}/*
+    tar -C "$rootfs" -c . | pm import --change 'CMD ["redis-server"]' - "$name" >/dev/null
+    rm -rf "$rootfs" "$rootfs.log"
+    log "made $name in $((SECONDS - t0))s"
+}
+
+import_into() {
+    local socket="$1"; shift
+    local names=("$@") name t0
+    if [[ ${#names[@]} -eq 0 ]]; then
+        names=("$(pause_name)" "$(redis_name)" "$(bash "$images" name engine)"
+               "$(bash "$images" name control-plane)")
+    fi
+    for name in "${names[@]}"; do
+        pm image exists "$name" || die "$name is not in kvscale's podman store (make image / $0 make)"
+        t0=$SECONDS
+        # Streamed: the engine image is ~7 GB, no archive on disk.
+        pm save "$name" | ctr -a "$socket" -n k8s.io images import - >/dev/null \
+            || die "importing $name into $socket failed"
+        log "imported $name in $((SECONDS - t0))s"
+    done
+}
+
+cmd="${1:-}"
+shift || true
+case "$cmd" in
+    make) make_pause; make_redis ;;
+    name)
+        case "${1:-}" in
+            pause) pause_name ;;
+            redis) redis_name ;;
+            *) die "name of what? pause or redis" ;;
+        esac
+        ;;
+    import) [[ $# -ge 1 ]] || die "import SOCKET [NAME...]"; import_into "$@" ;;
+    *) sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
+esac
