@@ -28,6 +28,7 @@ from typing import Any
 import uvicorn
 
 from kvscale.listen import ALL_IPV6, bind_all_addresses
+from kvscale.request_limits import RequestLimitMiddleware, RequestLimits, http_protocol
 
 logger = logging.getLogger("kvscale.drain")
 
@@ -129,11 +130,14 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(app: Any, drain: Drain, *, host: str | None, port: int, shutdown_timeout_s: float,
-          name: str, log_level: str = "info", access_log: bool = True) -> None:
+          name: str, log_level: str = "info", access_log: bool = True,
+          limits: RequestLimits | None = None) -> None:
     """``uvicorn.run`` with draining on SIGTERM; returns once the server has stopped.
 
     `host` None: every address of the pod, IPv4 and IPv6 (kvscale.listen); else only `host`.
+    `limits` bound each request's head, body and upload time (kvscale.request_limits).
     """
+    limits = limits or RequestLimits()
     sockets = None
     if host is None:
         # uvicorn (through asyncio) would bind "::" IPv6-only: a socket of our own takes both.
@@ -141,8 +145,11 @@ def serve(app: Any, drain: Drain, *, host: str | None, port: int, shutdown_timeo
         host = sockets[0].getsockname()[0]
         logger.info("%s: listening on every address (%s), port %d", name,
                     "IPv4 and IPv6" if host == ALL_IPV6 else "IPv4 only", port)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=max(1, int(shutdown_timeout_s)))
+    config = uvicorn.Config(RequestLimitMiddleware(app, limits), host=host, port=port,
+                            log_level=log_level, access_log=access_log,
+                            timeout_graceful_shutdown=max(1, int(shutdown_timeout_s)),
+                            h11_max_incomplete_event_size=limits.max_head_bytes,
+                            http=http_protocol())
     try:
         DrainingServer(config, drain, shutdown_timeout_s, name).run(sockets=sockets)
     finally:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from kvscale import request_limits
 from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS
 from kvscale.router.config import RouterConfig
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None,
                         help="address to bind, and only it (default: every address, IPv4 and IPv6)")
     parser.add_argument("--port", type=int, default=8080)
+    request_limits.add_arguments(parser)
     parser.add_argument(
         "--block-size", type=int, default=16, help="replicas' KV block size (heartbeats override it per model)"
     )
@@ -117,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
     config = config_from_args(args)
+    limits = request_limits.limits_from_args(args)
     app = build_app(config)
     serve(app, app.state.drain, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
-          name="kvscale router", log_level=args.log_level, access_log=False)
+          name="kvscale router", log_level=args.log_level, access_log=False, limits=limits)
     return 0

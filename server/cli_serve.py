@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from kvscale import request_limits
 from kvscale.base_urls import authority, base_url
 from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
@@ -65,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="on SIGTERM, how long open requests may take to finish while /health and new "
                            f"requests answer 503 (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}: fits a 60 s pod "
                            "grace period with a short preStop)")
+    request_limits.add_arguments(http)
     http.add_argument("--uvicorn-log-level", default="info",
                       choices=["critical", "error", "warning", "info", "debug", "trace"])
     http.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -142,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue_len is not None and args.max_queue_len < 0:
         print("kvscale serve: --max-queue-len must be non-negative", file=sys.stderr)
         return 2
+    try:
+        limits = request_limits.limits_from_args(args)
+    except SystemExit as exc:
+        print(f"kvscale serve: {exc}", file=sys.stderr)
+        return 2
     if args.max_prompts_per_request < 1:
         print("kvscale serve: --max-prompts-per-request must be at least 1", file=sys.stderr)
         return 2
@@ -167,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve(served.app, served.app.state.drain, host=args.host, port=args.port,
               shutdown_timeout_s=args.shutdown_timeout, name="kvscale serve",
-              log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log)
+              log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+              limits=limits)
     finally:
         if publisher is not None:
             publisher.stop()  # idempotent; the engine thread stops it too
