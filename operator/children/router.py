@@ -124,7 +124,7 @@ def router_args(pod: RouterPod) -> list[str]:
 
 def router_env(pod: RouterPod) -> list[EnvVar]:
     return [
-        *field_env("POD_IP", "POD_NAME", "POD_NAMESPACE"),
+        *field_env("POD_NAMESPACE"),  # --namespace's default
         # A writable home on a read-only root, and the bundled tokenizer from the image's cache.
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
