@@ -321,6 +321,13 @@ def sweep(node_bins: Path | None) -> None:
         # Its own clean-up of every KUBE-* chain it made (iptables, and nftables if any).
         run(str(proxy), "--cleanup", check=False)
     _remove_kubelet_chains()
+    # The shims' socket folder is containerd's default, whatever its state dir; ours is the
+    # only containerd here, but only empty folders are removed.
+    for folder in (Path("/run/containerd/s"), Path("/run/containerd")):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
     run("ip", "addr", "delete", f"{NODE_IP}/32", "dev", "lo", check=False)
     _remove_cgroups()
     shutil.rmtree(BASE, ignore_errors=True)
@@ -472,8 +479,13 @@ def kubelet_config(port: int, healthz_port: int) -> dict:
         "serializeImagePulls": False,
         # The engine image alone is ~7 GB: never collect the images we imported.
         "imageGCHighThresholdPercent": 100,
-        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
-                         "imagefs.available": "1%"},
+        # No disk-pressure eviction ("0%" switches a signal off): the disk is the machine's,
+        # shared with image builds that briefly fill it, and under pressure the kubelet frees
+        # space by deleting "unused" images: the 7 GB engine image we imported, and the
+        # sandbox image itself.
+        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "0%",
+                         "nodefs.inodesFree": "0%", "imagefs.available": "0%",
+                         "imagefs.inodesFree": "0%"},
         "nodeStatusReportFrequency": "10s",
     }
 
@@ -709,6 +721,12 @@ def _main() -> int:
         sweep(find_or_build_node_bins())
         print("\n".join(leftovers()) or "nothing left")
         return 0
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # A background job ignores SIGINT: TERM stops it cleanly too.
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     env = start_node_env(logs)
     print(f"node Ready; export KUBECONFIG={env.kubeconfig}; timings {env.timings}", flush=True)
     try:

@@ -9,6 +9,7 @@ then the node itself is stopped and must leave nothing on the machine. `make tes
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -20,7 +21,15 @@ from pathlib import Path
 
 import openai
 import pytest
-from nodeenv import NODE_NAME, NodeEnv, leftovers, node_image, start_node_env, stop_node_env
+from nodeenv import (
+    NODE_NAME,
+    POD_CIDR,
+    NodeEnv,
+    leftovers,
+    node_image,
+    start_node_env,
+    stop_node_env,
+)
 
 from kvscale.processes import free_port, wait_until
 
@@ -122,24 +131,19 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def test_platform_on_a_real_node(node: NodeEnv) -> None:
+@pytest.fixture(scope="module")
+def platform(node: NodeEnv) -> NodeEnv:
+    """The chart installed and the InferenceService Ready (the tests below run in file order)."""
     env = node
-    timings: dict[str, float] = {}
     t0 = time.monotonic()
-    redis = node_image("redis")
-    repository, tag = redis.rsplit(":", 1)
+    repository, tag = node_image("redis").rsplit(":", 1)
     installed = helm(env, "install", RELEASE, str(CHART), "--namespace", SYSTEM, "--create-namespace",
                      "--set", "operator.replicas=1",
                      "--set", f"images.redis.repository={repository}",
                      "--set", f"images.redis.tag={tag}",
                      "--wait", "--timeout", "5m")
     assert installed.returncode == 0, installed.stderr + diagnosis(env)
-    timings["helm install"] = time.monotonic() - t0
-    operator_pod = env.kubectl_json("get", "pods", "-n", SYSTEM)["items"][0]
-    # A real container on the real node, not a process.
-    assert operator_pod["spec"]["nodeName"] == NODE_NAME
-    assert operator_pod["status"]["containerStatuses"][0]["containerID"].startswith("containerd://")
-
+    TIMINGS["helm install"] = time.monotonic() - t0
     env.kubectl("create", "namespace", WORKLOADS)
     t0 = time.monotonic()
     env.apply(inference_service(max_num_seqs=8))
@@ -147,15 +151,42 @@ def test_platform_on_a_real_node(node: NodeEnv) -> None:
         wait_until(lambda: ready(env), 600, interval=2.0, what=f"{NAME} Ready")
     except TimeoutError as exc:
         raise AssertionError(f"{exc}\n{diagnosis(env)}") from None
-    timings["InferenceService Ready"] = time.monotonic() - t0
-    servers = env.kubectl_json("get", "pods", "-n", WORKLOADS, "-l", SERVER_SELECTOR)["items"]
-    assert len(servers) == 2, [p["metadata"]["name"] for p in servers]
+    TIMINGS["InferenceService Ready"] = time.monotonic() - t0
+    return env
 
-    # --- the router's Service through kubectl port-forward, with the official client
-    forward = PortForward(env, f"svc/{NAME}", 80)
+
+TIMINGS: dict[str, float] = {}
+
+
+def server_pods(env: NodeEnv) -> list[dict]:
+    return list(env.kubectl_json("get", "pods", "-n", WORKLOADS, "-l", SERVER_SELECTOR)["items"])
+
+
+def test_every_pod_is_a_container_on_the_node(platform: NodeEnv) -> None:
+    pods = platform.kubectl_json("get", "pods", "-A")["items"]
+    # The operator, two servers, the router and Redis.
+    assert len(pods) == 5, [p["metadata"]["name"] for p in pods]
+    assert len(server_pods(platform)) == 2
+    for pod in pods:
+        assert pod["spec"]["nodeName"] == NODE_NAME
+        assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network(POD_CIDR)
+        for status in pod["status"]["containerStatuses"]:
+            assert status["ready"] and status["containerID"].startswith("containerd://")
+    listed = platform.ctr("containers", "ls", "-q").stdout.split()
+    assert len(listed) == 2 * len(pods)  # each pod's container and its sandbox
+
+
+def test_openai_client_through_kubectl_port_forward(platform: NodeEnv) -> None:
+    forward = PortForward(platform, f"svc/{NAME}", 80)
     try:
         api = client(forward.url)
-        models = [m.id for m in api.models.list()]
+        try:
+            models = [m.id for m in api.models.list()]
+        except openai.APIConnectionError as exc:
+            raise AssertionError(
+                f"port-forward reached no listener ({exc!r}); kubectl port-forward dials "
+                f"127.0.0.1 inside the pod, so a pod bound only to its pod IP is unreachable:\n"
+                + "".join(forward.lines[-5:])) from None
         assert MODEL in models
         completion = api.completions.create(model=MODEL, prompt="The capital of France is",
                                             max_tokens=8, temperature=0)
@@ -168,70 +199,78 @@ def test_platform_on_a_real_node(node: NodeEnv) -> None:
             model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0, stream=True)
             if chunk.choices]
         assert len(pieces) >= 2 and "".join(pieces)
-
-        # --- kubectl exec into a server: the restricted context, as runc applied it
-        pod = servers[0]["metadata"]["name"]
-
-        def sh(script: str) -> subprocess.CompletedProcess[str]:
-            return env.kubectl("exec", "-n", WORKLOADS, pod, "-c", "server", "--", "sh", "-c",
-                               script, check=False)
-
-        uid = sh("id -u")
-        assert uid.returncode == 0, uid.stderr
-        assert int(uid.stdout.strip()) != 0
-        written = sh("echo x > /kvscale-root-write-test")
-        assert written.returncode != 0 and "Read-only file system" in written.stderr, written
-        status = sh("cat /proc/self/status").stdout
-        assert re.search(r"^NoNewPrivs:\s+1$", status, re.M), status
-        assert re.search(r"^CapEff:\s+0+$", status, re.M), status
-        # Writable where the pod spec says so (an emptyDir on /tmp).
-        assert sh("echo x > /tmp/kvscale-write-test && cat /tmp/kvscale-write-test").stdout == "x\n"
-
-        # --- a rolling update of the servers under load: not one request fails
-        failures: list[str] = []
-        served = 0
-        stop = threading.Event()
-
-        def load() -> None:
-            nonlocal served
-            loop_client = client(forward.url)
-            while not stop.is_set():
-                try:
-                    loop_client.completions.create(model=MODEL, prompt="Count: one, two,",
-                                                   max_tokens=4, temperature=0)
-                    served += 1
-                except openai.OpenAIError as exc:
-                    failures.append(repr(exc))
-
-        old = {p["metadata"]["name"] for p in servers}
-        t0 = time.monotonic()
-        loader = threading.Thread(target=load, daemon=True)
-        loader.start()
-        try:
-            env.apply(inference_service(max_num_seqs=6))
-
-            def rolled() -> bool:
-                pods = env.kubectl_json("get", "pods", "-n", WORKLOADS, "-l", SERVER_SELECTOR)["items"]
-                names = {p["metadata"]["name"] for p in pods}
-                return (len(pods) == 2 and not names & old
-                        and all(c["ready"] for p in pods for c in p["status"].get("containerStatuses", []))
-                        and ready(env))
-
-            try:
-                wait_until(rolled, 600, interval=2.0, what="the servers rolled over")
-            except TimeoutError as exc:
-                raise AssertionError(f"{exc}\n{diagnosis(env)}") from None
-            time.sleep(3)  # requests keep flowing to the new pods
-        finally:
-            stop.set()
-            loader.join(150)
-        timings["rolling update"] = time.monotonic() - t0
-        assert failures == [], failures[:5]
-        assert served > 0
     finally:
         forward.close()
 
-    # --- deletion: the operator's children, then the release, down to the last container
+
+def test_kubectl_exec_sees_the_restricted_context_enforced(platform: NodeEnv) -> None:
+    pod = server_pods(platform)[0]["metadata"]["name"]
+
+    def sh(script: str) -> subprocess.CompletedProcess[str]:
+        return platform.kubectl("exec", "-n", WORKLOADS, pod, "-c", "server", "--", "sh", "-c",
+                                script, check=False)
+
+    uid = sh("id -u")
+    assert uid.returncode == 0, uid.stderr
+    assert int(uid.stdout.strip()) != 0
+    written = sh("echo x > /kvscale-root-write-test")
+    assert written.returncode != 0 and "Read-only file system" in written.stderr, written
+    status = sh("cat /proc/self/status").stdout
+    assert re.search(r"^NoNewPrivs:\s+1$", status, re.M), status
+    assert re.search(r"^CapEff:\s+0+$", status, re.M), status
+    # Writable only where the pod spec says so (an emptyDir on /tmp).
+    assert sh("echo x > /tmp/kvscale-write-test && cat /tmp/kvscale-write-test").stdout == "x\n"
+
+
+def test_rolling_update_fails_no_request(platform: NodeEnv) -> None:
+    env = platform
+    # As a client inside the cluster: the router's Service, through kube-proxy's rules.
+    service = env.kubectl_json("get", "service", NAME, "-n", WORKLOADS)
+    url = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+    failures: list[str] = []
+    served = 0
+    stop = threading.Event()
+
+    def load() -> None:
+        nonlocal served
+        loop_client = client(url)
+        while not stop.is_set():
+            try:
+                loop_client.completions.create(model=MODEL, prompt="Count: one, two,",
+                                               max_tokens=4, temperature=0)
+                served += 1
+            except openai.OpenAIError as exc:
+                failures.append(repr(exc))
+
+    old = {p["metadata"]["name"] for p in server_pods(env)}
+    t0 = time.monotonic()
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    try:
+        wait_until(lambda: served > 0 or failures, 120, interval=0.5, what="the first request")
+        env.apply(inference_service(max_num_seqs=6))
+
+        def rolled() -> bool:
+            pods = server_pods(env)
+            return (len(pods) == 2 and not {p["metadata"]["name"] for p in pods} & old
+                    and all(c["ready"] for p in pods for c in p["status"].get("containerStatuses", []))
+                    and ready(env))
+
+        try:
+            wait_until(rolled, 600, interval=2.0, what="the servers rolled over")
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\n{diagnosis(env)}") from None
+        before = served
+        wait_until(lambda: served >= before + 3, 120, interval=0.5, what="requests to the new pods")
+    finally:
+        stop.set()
+        loader.join(150)
+    TIMINGS["rolling update"] = time.monotonic() - t0
+    assert failures == [], failures[:5]
+
+
+def test_deletion_leaves_nothing_behind(platform: NodeEnv) -> None:
+    env = platform
     t0 = time.monotonic()
     env.kubectl("delete", "kvis", NAME, "-n", WORKLOADS, "--wait=true", "--timeout=180s")
     uninstalled = helm(env, "uninstall", RELEASE, "--namespace", SYSTEM, "--wait", "--timeout", "3m")
@@ -242,5 +281,6 @@ def test_platform_on_a_real_node(node: NodeEnv) -> None:
     wait_until(lambda: not env.ctr("containers", "ls", "-q").stdout.split(), 120, interval=1.0,
                what="every container gone from containerd")
     assert not env.ctr("tasks", "ls", "-q").stdout.split()
-    timings["deletion"] = time.monotonic() - t0
-    print(f"platform timings: {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
+    assert not env.kubectl_json("get", "deployments,services,secrets", "-n", WORKLOADS)["items"]
+    TIMINGS["deletion"] = time.monotonic() - t0
+    print(f"platform timings: {json.dumps({k: round(v, 1) for k, v in TIMINGS.items()})}")
