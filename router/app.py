@@ -63,6 +63,9 @@ class Router:
             on_fallback=lambda reason: self.metrics.fallbacks.labels(reason).inc(),
             served_names=config.served_model_names,
         )
+        for model in config.models:  # 0 until start() has loaded it
+            for name in self.hasher.names_of(model):
+                self.metrics.tokenizer_loaded.labels(name).set(0)
         self.in_flight = InFlight(self.metrics.in_flight)
         self.decider = Decider(config, self.index, self.heartbeats, self.in_flight, self.metrics)
         self.forwarder = Forwarder(

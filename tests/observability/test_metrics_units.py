@@ -109,6 +109,7 @@ def test_router_metrics_export_the_contract() -> None:
     metrics.predicted_hit_tokens_per_request.observe(16)
     metrics.in_flight.labels("r0").set(0)
     metrics.index_blocks.labels("r0").set(3)
+    metrics.tokenizer_loaded.labels("smollm2-135m-instruct").set(1)
     assert_exports(generate_latest(metrics.registry), names.ROUTER_METRICS)
 
 
@@ -139,6 +140,12 @@ def test_operator_metrics_export_the_contract_and_count_only_changes() -> None:
     assert value(names.OPERATOR_LOAD.series, key) == 2.4
     assert value(names.OPERATOR_PANIC.series, key) == 0
     assert value(names.OPERATOR_MAX.series, key) == 3
+    # Scaled by hand: no bounds, so KVScaleAutoscalerAtMaxReplicas cannot fire for it.
+    manual = AutoscalingPolicy(enabled=False, max_replicas=4)
+    metrics.observe("u1", "ns", "chat", manual, ReplicaCounts(5, 5, 5), None, None, previous=5)
+    assert value(names.OPERATOR_MAX.series, key) is None and value(names.OPERATOR_MIN.series, key) is None
+    assert value(names.OPERATOR_DESIRED.series, key) == 5
+    metrics.observe("u1", "ns", "chat", policy, ReplicaCounts(2, 2, 2), estimate, stable, 2)
     assert scale_direction(2, 2) is None and scale_direction(1, 3) == "up"
     # Registered at reconcile: every decision series reads 0 before the first decision.
     metrics.register("u2", "ns", "new")
