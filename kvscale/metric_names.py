@@ -169,9 +169,11 @@ OPERATOR_CURRENT = Metric(
     "kvscale_operator_current_replicas", GAUGE, "Pods that exist and are not terminating.", _IS)
 OPERATOR_READY = Metric("kvscale_operator_ready_replicas", GAUGE, "Ready pods.", _IS)
 OPERATOR_MIN = Metric(
-    "kvscale_operator_min_replicas", GAUGE, "spec.autoscaling.minReplicas.", _IS)
+    "kvscale_operator_min_replicas", GAUGE,
+    "spec.autoscaling.minReplicas, while autoscaling is enabled (no series otherwise).", _IS)
 OPERATOR_MAX = Metric(
-    "kvscale_operator_max_replicas", GAUGE, "spec.autoscaling.maxReplicas.", _IS)
+    "kvscale_operator_max_replicas", GAUGE,
+    "spec.autoscaling.maxReplicas, while autoscaling is enabled (no series otherwise).", _IS)
 OPERATOR_SCALE_DECISIONS = Metric(
     "kvscale_operator_scale_decisions", COUNTER,
     "Changes of spec.replicas made by the autoscaler, by direction (up/down) and reason.",

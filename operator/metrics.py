@@ -84,8 +84,16 @@ class OperatorMetrics:
         key = (namespace, name)
         self.target_kv_usage.labels(*key).set(policy.target_kv_usage)
         self.target_queue.labels(*key).set(policy.target_queue_length)
-        self.min_replicas.labels(*key).set(policy.min_replicas)
-        self.max_replicas.labels(*key).set(policy.max_replicas)
+        if policy.enabled:
+            self.min_replicas.labels(*key).set(policy.min_replicas)
+            self.max_replicas.labels(*key).set(policy.max_replicas)
+        else:
+            # Bounds no autoscaler applies: a service scaled by hand to 4 is not "at its max".
+            for gauge in (self.min_replicas, self.max_replicas):
+                try:
+                    gauge.remove(*key)
+                except KeyError:
+                    pass
         self.desired.labels(*key).set(counts.desired)
         self.current.labels(*key).set(counts.current)
         self.ready.labels(*key).set(counts.ready)
