@@ -76,6 +76,9 @@ class Board:
     panels: tuple[Panel, ...]
     pod_source: str  # the series whose `pod` label the pod variable lists
     annotations: tuple[tuple[str, str], ...] = field(default=())  # (name, expr)
+    # The series whose namespace / inferenceservice / model_name the variables list: the
+    # servers' by default; the router board lists routers, whether or not their servers run.
+    service_source: str = m.NUM_REQUESTS_RUNNING.series
 
 
 def q(expr: str, legend: str) -> Query:
@@ -186,6 +189,7 @@ ROUTER = Board(
     title="kvscale / Router",
     description="Where the prefix-aware router sends traffic, and how well it predicts caches.",
     pod_source=m.ROUTER_REPLICAS_HEALTHY.series,
+    service_source=m.ROUTER_REPLICAS_HEALTHY.series,
     panels=(
         Panel("Traffic per replica", (
             q(f"sum by (replica) ({rate(m.ROUTER_REQUESTS.series, SEL_ROUTER)})", "{{replica}}"),
@@ -233,7 +237,7 @@ def variables(board: Board) -> g.Templating:
             includeAll=True, multi=True, allValue=".*", refresh=2, sort=1,
             default="$__all")
 
-    source = m.NUM_REQUESTS_RUNNING.series
+    source = board.service_source
     return g.Templating(list=[
         g.Template(name="datasource", label="Data source", type="datasource", query="prometheus",
                    default="default"),
@@ -323,9 +327,13 @@ ALERTS = (
           m.OPERATOR_MAX.series, "15m", "info",
           "{{ $labels.inferenceservice }} ({{ $labels.namespace }}) wants its maxReplicas: "
           "more load will queue."),
-    Alert("KVScaleReplicaNotScraped", 'up{inferenceservice!=""}', "==", "0", "5m", "warning",
-          "Prometheus cannot scrape {{ $labels.pod }} of {{ $labels.inferenceservice }} "
-          "({{ $labels.namespace }})."),
+    # Down now, though scraped within the hour: a pod still loading its model for the first time
+    # (minutes, up to its 30-minute startup probe) was never up, and is not a scrape failure.
+    Alert("KVScaleReplicaNotScraped",
+          'up{inferenceservice!=""} - max_over_time(up{inferenceservice!=""}[1h])', "<", "0", "5m",
+          "warning",
+          "Prometheus scraped {{ $labels.pod }} of {{ $labels.inferenceservice }} "
+          "({{ $labels.namespace }}) before, and cannot now."),
 )
 
 

@@ -68,6 +68,15 @@ def test_dashboard_variables_and_datasource(name: str) -> None:
         assert panel["targets"], panel["title"]
 
 
+def test_the_router_board_lists_routers_whether_or_not_their_servers_run() -> None:
+    """Its service variables come from the routers' own series: a service whose servers are all
+    down (or a router in front of none yet) still has its router board."""
+    variables = {v["name"]: v for v in committed_dashboards()["router"]["templating"]["list"]}
+    for name in ("namespace", "inferenceservice"):
+        assert variables[name]["query"].startswith(
+            f"label_values({names.ROUTER_REPLICAS_HEALTHY.series}"), variables[name]["query"]
+
+
 def all_exprs() -> list[tuple[str, str]]:
     out = [(q.where, q.expr) for q in panel_queries()]
     for group in committed_rules()["groups"]:
