@@ -5,9 +5,11 @@
 #   podman build -t ghcr.io/kvscale/kvscale:0.1.0 .
 #
 # PyPI's Linux torch wheels carry their own CUDA libraries, so a slim Python base is enough; the
-# node's NVIDIA container toolkit provides the driver. Layers go from what changes least to what
-# changes most: dependencies, then the bundled model, then kvscale's sources, so a source change
-# rebuilds seconds, not the torch download.
+# node's NVIDIA container toolkit provides the driver. The default base is the official Python
+# image; `make image` passes its own (BASE_IMAGE=localhost/kvscale/python-base:3.11-bookworm,
+# Debian's python3 3.11 made with debootstrap: no registry needed, no official name reused).
+# Layers go from what changes least to what changes most: dependencies, then the bundled model,
+# then kvscale's sources, so a source change rebuilds seconds, not the torch download.
 ARG BASE_IMAGE=docker.io/library/python:3.11-slim
 FROM ${BASE_IMAGE}
 

@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: venv system-deps k8s-bins k8s-env k8s-env-down image deploy-render serve test test-node test-fast lint bench clean dashboards
+.PHONY: venv system-deps k8s-bins k8s-env k8s-env-down image image-archive image-push deploy-render serve test test-node test-fast lint bench clean dashboards
 
 venv: $(STAMP)
 
@@ -45,6 +45,17 @@ k8s-env-down: venv
 # no registry needed; podman's config and storage are kvscale's own, under ~/.cache/kvscale).
 image: system-deps
 	bash tools/images.sh build all
+
+# The built images where a cluster can use them (docs/deploy.md): one docker-archive for
+# `kind load image-archive` / `ctr -n k8s.io images import`, or a push to a registry you name.
+# Outside the checkout by default: the archive is about 7 GB.
+IMAGE_ARCHIVE ?= $(HOME)/.cache/kvscale/kvscale-images.tar
+image-archive: image
+	bash tools/images.sh archive $(IMAGE_ARCHIVE)
+
+image-push: image
+	@test -n "$(REGISTRY)" || { echo "make image-push REGISTRY=host[:port]/path"; exit 2; }
+	bash tools/images.sh push $(REGISTRY)
 
 # deploy/*.yaml (the kubectl-only install) rendered from charts/kvscale: edit the chart, then this.
 # It first writes the chart's namespace-router template and security contexts from the operator's

@@ -7,6 +7,12 @@
 #   tools/images.sh build [engine|control-plane|all]   build (making the base image first if needed)
 #   tools/images.sh base                               make sure the base image exists
 #   tools/images.sh name engine|control-plane          the image's full name
+#   tools/images.sh archive PATH [engine|control-plane|all]
+#                                  save built images in one docker-archive (PATH - : stdout) for
+#                                  `kind load image-archive PATH` or `ctr -n k8s.io images import PATH`
+#   tools/images.sh push REGISTRY [engine|control-plane|all]
+#                                  tag built images as REGISTRY/kvscale[-control-plane]:VERSION and
+#                                  push them (KVSCALE_PUSH_TLS_VERIFY=false for a plain-HTTP one)
 #   tools/images.sh podman ARGS...                     podman with kvscale's configuration
 #
 # podman's configuration and storage are kvscale's own (tools/images/containers.conf and
@@ -15,16 +21,21 @@
 #
 # KVSCALE_IMAGE_REGISTRY (default ghcr.io/kvscale) names the images; KVSCALE_BUILD_CONTEXT
 # builds from a copy of the checkout instead of the checkout.
-# BASE_IMAGE (default docker.io/library/python:3.11-slim) is the Dockerfiles' base. When it is not
-# in the local storage and cannot be pulled, an equivalent is made from Debian packages with
-# debootstrap (Debian's python3 3.11, pip, venv) and tagged under that name.
+# BASE_IMAGE is the Dockerfiles' base. By default it is kvscale's own, made here from Debian
+# packages with debootstrap (Debian's python3 3.11, pip, venv) and named under localhost/kvscale/,
+# so no registry is needed and no official name is shadowed. Another name (e.g.
+# docker.io/library/python:3.11-slim) is pulled when it is not in the local storage.
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 state="${KVSCALE_PODMAN_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvscale/podman}"
 version="$(awk -F'"' '/^version = /{print $2; exit}' "$repo_root/pyproject.toml")"
 registry="${KVSCALE_IMAGE_REGISTRY:-ghcr.io/kvscale}"
-base_image="${BASE_IMAGE:-docker.io/library/python:3.11-slim}"
+own_base="localhost/kvscale/python-base:3.11-bookworm"
+base_image="${BASE_IMAGE:-$own_base}"
+# What an older tools/images.sh named its debootstrap base: renamed in place (same image, so no
+# layer is rebuilt) unless it really is the official image.
+legacy_base="docker.io/library/python:3.11-slim"
 debian_suite="${DEBIAN_SUITE:-bookworm}"  # python3 3.11, as the default base
 ca_bundle="${KVSCALE_BUILD_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
 
@@ -82,11 +93,20 @@ make_base() {
     if podman image exists "$base_image"; then
         return
     fi
-    log "pulling $base_image ..."
-    if timeout 120 podman pull -q "$base_image" >/dev/null 2>&1; then
+    if [[ "$base_image" != "$own_base" ]]; then
+        log "pulling $base_image ..."
+        timeout 300 podman pull -q "$base_image" >/dev/null || die "cannot pull $base_image"
         return
     fi
-    command -v debootstrap >/dev/null || die "cannot pull $base_image and debootstrap is not installed"
+    # The official image sets PYTHON_VERSION; the debootstrap one an older version made does not.
+    if podman image exists "$legacy_base" \
+        && ! podman image inspect --format '{{.Config.Env}}' "$legacy_base" | grep -q PYTHON_VERSION=; then
+        podman tag "$legacy_base" "$base_image"
+        podman untag "$legacy_base" "$legacy_base"
+        log "renamed the local base $legacy_base to $base_image"
+        return
+    fi
+    command -v debootstrap >/dev/null || die "debootstrap is not installed (make system-deps)"
     local mirror rootfs t0=$SECONDS
     mirror="$(debian_mirror)"
     rootfs="$state/tmp/base-rootfs"
@@ -120,6 +140,50 @@ build() {
     log "built $name in $((SECONDS - t0))s"
 }
 
+built_names() {  # the names of the built images `which` (engine, control-plane or all) covers
+    local which="${1:-all}" names=() one
+    case "$which" in
+        all) names=("$(image_name engine)" "$(image_name control-plane)") ;;
+        engine|control-plane) names=("$(image_name "$which")") ;;
+        *) die "which image? engine, control-plane or all" ;;
+    esac
+    for one in "${names[@]}"; do
+        podman image exists "$one" || die "$one is not built (make image)"
+    done
+    echo "${names[@]}"
+}
+
+archive() {
+    local path="$1" names t0=$SECONDS
+    read -r -a names <<<"$(built_names "${2:-all}")"
+    # docker-archive, the format `docker save` writes: kind, ctr and k3d import it; several
+    # images in one file need --multi-image-archive.
+    if [[ "$path" == - ]]; then
+        podman save --format docker-archive --multi-image-archive "${names[@]}"
+    else
+        mkdir -p "$(dirname "$path")"
+        podman save --format docker-archive --multi-image-archive -o "$path" "${names[@]}"
+        log "saved ${names[*]} to $path in $((SECONDS - t0))s"
+        echo "$path"
+    fi
+}
+
+push() {
+    local target_registry="${1%/}" names one target tls=()
+    [[ -n "$target_registry" ]] || die "push where? tools/images.sh push REGISTRY (host[:port]/path)"
+    read -r -a names <<<"$(built_names "${2:-all}")"
+    [[ "${KVSCALE_PUSH_TLS_VERIFY:-true}" == false ]] && tls=(--tls-verify=false)
+    for one in "${names[@]}"; do
+        # Same repository name and tag, another registry: the chart's repository values change,
+        # its tags (appVersion) do not.
+        target="$target_registry/${one##*/}"
+        podman tag "$one" "$target"
+        log "pushing $target ..."
+        podman push -q "${tls[@]}" "$target" >&2
+        echo "$target"
+    done
+}
+
 # One build or base at a time per store (make image and a test run may overlap).
 lock() { mkdir -p "$state"; exec 9>"$state/.lock"; flock 9; }
 
@@ -143,6 +207,9 @@ case "$cmd" in
             *) die "build what? engine, control-plane or all" ;;
         esac
         ;;
+    archive) [[ -n "${1:-}" ]] || die "archive to where? tools/images.sh archive PATH"
+        setup_podman; archive "$@" ;;
+    push) setup_podman; push "$@" ;;
     podman) setup_podman; exec podman "$@" ;;
-    *) sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) awk 'NR > 1 && !/^#/ {exit} NR > 1' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -10,6 +10,8 @@ command -v redis-server >/dev/null || need+=(redis-server)
 for tool in podman buildah runc debootstrap; do
     command -v "$tool" >/dev/null || need+=("$tool")
 done
+# A real registry on loopback for the `make image-push` test.
+command -v docker-registry >/dev/null || need+=(docker-registry)
 # The engine's CPU decode attention is C compiled on first use (kernels/cpu_native.py); its tests
 # insist that it builds.
 command -v cc >/dev/null || need+=(gcc libc6-dev)

@@ -8,7 +8,10 @@
   image stays under 400 MB; its router in front of the engine container serves a chat completion;
   its operator, with a real ServiceAccount token, reconciles an InferenceService on the session's
   kube-apiserver;
-- layer order: a source change rebuilds only the sources layer (no pip download of torch).
+- layer order: a source change rebuilds only the sources layer (no pip download of torch);
+- into a cluster: both images carry the chart's default names (on kvscale's own base, no
+  official name shadowed); `make image-archive`'s docker-archive holds both under those names
+  and loads into an empty store; `make image-push` puts them in a real registry the user names.
 
 Figures (sizes, build times) come from `python -m bench.image_build`, not from here.
 """
@@ -19,12 +22,14 @@ import json
 import os
 import shutil
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import yaml
 from testenv import kwok_toleration
 
 from kvscale.model_files import load_tokenizer, resolve_model_path
@@ -247,3 +252,124 @@ def test_control_plane_image_runs_the_operator_against_a_real_apiserver(images, 
     finally:
         podman("rm", "-f", "-t", "10", name, check=False)
         env.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+# --------------------------------------------------------------------------- into a cluster
+
+def chart_default_images() -> set[str]:
+    """The images the chart runs when no `images.*` value is set: repository and appVersion."""
+    chart = REPO_ROOT / "charts" / "kvscale"
+    version = yaml.safe_load((chart / "Chart.yaml").read_text())["appVersion"]
+    values = yaml.safe_load((chart / "values.yaml").read_text())["images"]
+    assert not values["engine"]["tag"] and not values["controlPlane"]["tag"]  # appVersion, below
+    return {f"{values[which]['repository']}:{version}" for which in ("engine", "controlPlane")}
+
+
+def test_the_images_are_built_under_the_charts_default_names(images):
+    assert set(images.values()) == chart_default_images()
+    # Built on kvscale's own base, never under an official image's name.
+    base = images_sh("podman", "image", "inspect", "--format", "{{.Id}}",
+                     "localhost/kvscale/python-base:3.11-bookworm").stdout.strip()
+    assert base
+    assert podman("image", "exists", "docker.io/library/python:3.11-slim", check=False).returncode != 0
+
+
+def test_the_archive_holds_both_images_under_the_charts_names(images):
+    """`tools/images.sh archive -` (make image-archive's docker-archive, streamed: ~7 GB need no
+    disk here) holds both images, named as the chart names them, with every layer they list."""
+    proc = subprocess.Popen(["bash", str(IMAGES), "archive", "-"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    members, manifest = set(), None
+    with tarfile.open(fileobj=proc.stdout, mode="r|") as archive:
+        for member in archive:
+            members.add(member.name)
+            if member.name == "manifest.json":
+                manifest = json.load(archive.extractfile(member))  # type: ignore[arg-type]
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr.decode()[-4000:]
+    assert manifest is not None, sorted(members)[:20]
+    assert {tag for entry in manifest for tag in entry["RepoTags"]} == chart_default_images()
+    for entry in manifest:
+        assert {entry["Config"], *entry["Layers"]} <= members, entry["RepoTags"]
+    # An image missing from the store is an error, not a smaller archive.
+    missing = subprocess.run(["bash", str(IMAGES), "archive", "-", "engine"], capture_output=True,
+                             text=True, env={**os.environ, "KVSCALE_IMAGE_REGISTRY": "nowhere.example"},
+                             timeout=120)
+    assert missing.returncode != 0 and "make image" in missing.stderr
+
+
+def test_an_archive_loads_into_a_fresh_store_and_runs(images, tmp_path):
+    """What `ctr import` / `kind load image-archive` do with the file, done by a podman with an
+    empty store of its own: the control-plane image (the small one) comes back under its name
+    and runs."""
+    path = tmp_path / "control-plane.tar"
+    saved = images_sh("archive", str(path), "control-plane")
+    assert saved.stdout.strip().splitlines()[-1] == str(path) and path.stat().st_size > 0
+    fresh = {**os.environ, "KVSCALE_PODMAN_DIR": str(tmp_path / "fresh-store")}
+    try:
+        def in_fresh(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(["bash", str(IMAGES), "podman", *args], capture_output=True,
+                                  text=True, env=fresh, timeout=600)
+
+        assert in_fresh("image", "exists", images["control-plane"]).returncode != 0
+        loaded = in_fresh("load", "-i", str(path))
+        assert loaded.returncode == 0, loaded.stderr
+        assert images["control-plane"] in loaded.stdout
+        ran = in_fresh("run", "--rm", "--read-only", "--user", "1000:1000", images["control-plane"],
+                       "router", "--help")
+        assert ran.returncode == 0 and "--k8s-namespace-wide" in ran.stdout, ran.stderr
+    finally:
+        # Only the fresh store's images (its folder goes with tmp_path); never a reset, which
+        # could reach further than this store.
+        subprocess.run(["bash", str(IMAGES), "podman", "rmi", "--all", "--force"], env=fresh,
+                       capture_output=True, timeout=300, check=False)
+
+
+def test_push_sends_the_images_to_the_registry_the_user_names(images, tmp_path):
+    """`make image-push REGISTRY=host/path` (tools/images.sh push) against a real registry
+    (Debian's docker-registry, plain HTTP on loopback): the image arrives as
+    REGISTRY/<its repository name>:<tag>, the names `--set images.*.repository=REGISTRY/...`
+    gives the chart, and its manifest's config is the local image's."""
+    binary = shutil.which("docker-registry")
+    assert binary, "docker-registry is not installed (make system-deps)"
+    port = free_port()
+    config = tmp_path / "registry.yml"
+    config.write_text(yaml.safe_dump({
+        "version": 0.1, "log": {"level": "warn"},
+        "storage": {"filesystem": {"rootdirectory": str(tmp_path / "blobs")}},
+        "http": {"addr": f"127.0.0.1:{port}"}}))
+    registry = subprocess.Popen([binary, "serve", str(config)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _registry_up(port), 30, what="docker-registry /v2/")
+        target = f"127.0.0.1:{port}/team/ml"
+        pushed = subprocess.run(["bash", str(IMAGES), "push", target, "control-plane"],
+                                capture_output=True, text=True, timeout=900,
+                                env={**os.environ, "KVSCALE_PUSH_TLS_VERIFY": "false"})
+        assert pushed.returncode == 0, pushed.stderr[-4000:]
+        name = images["control-plane"].rsplit("/", 1)[-1]  # kvscale-control-plane:<version>
+        repository, tag = name.split(":")
+        assert pushed.stdout.split() == [f"{target}/{name}"]
+        base = f"http://127.0.0.1:{port}/v2/team/ml/{repository}"
+        assert httpx.get(f"{base}/tags/list", timeout=10).json()["tags"] == [tag]
+        manifest = httpx.get(f"{base}/manifests/{tag}", timeout=10, headers={"Accept": ", ".join((
+            "application/vnd.oci.image.manifest.v1+json",
+            "application/vnd.docker.distribution.manifest.v2+json"))}).json()
+        local_id = podman("image", "inspect", "--format", "{{.Id}}", images["control-plane"]).stdout.strip()
+        assert manifest["config"]["digest"] == f"sha256:{local_id}"
+        # Nothing but a registry to push to is an error.
+        assert subprocess.run(["bash", str(IMAGES), "push"], capture_output=True,
+                              timeout=60).returncode != 0
+    finally:
+        podman("rmi", f"127.0.0.1:{port}/team/ml/{images['control-plane'].rsplit('/', 1)[-1]}",
+               check=False)
+        registry.terminate()
+        registry.wait(timeout=30)
+
+
+def _registry_up(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
