@@ -50,6 +50,9 @@ IMAGES_SCRIPT = REPO_ROOT / "tools" / "images.sh"
 # Everything the node owns, at fixed places (see the module docstring).
 BASE = Path("/var/tmp/kvscale-node")
 LOCK = Path("/var/tmp/kvscale-node.lock")
+# The machine's values of KUBELET_SYSCTLS before the node started: sweep() puts them back even
+# after a killed run.
+SYSCTLS_SAVED = Path("/var/tmp/kvscale-node.sysctls.json")
 NODE_NAME = "kvs-node-0"
 BRIDGE = "kvsnode0"
 CGROUP_ROOT = "kvscale-node"
@@ -264,6 +267,8 @@ def leftovers() -> list[str]:
     if NODE_IP in run("ip", "-o", "addr", "show", "dev", "lo").stdout:
         found.append(f"address {NODE_IP} on lo")
     found += [f"cgroup {p}" for p in _cgroup_dirs() if p.exists()]
+    if SYSCTLS_SAVED.exists():
+        found.append(f"sysctls not restored yet ({SYSCTLS_SAVED})")
     for tool in ("iptables-save", "ip6tables-save"):
         rules = run(tool, check=False).stdout
         found += [f"{tool}: {line}" for line in rules.splitlines()
@@ -330,6 +335,9 @@ def sweep(node_bins: Path | None) -> None:
             pass
     run("ip", "addr", "delete", f"{NODE_IP}/32", "dev", "lo", check=False)
     _remove_cgroups()
+    if SYSCTLS_SAVED.exists():
+        _restore_sysctls(json.loads(SYSCTLS_SAVED.read_text()))
+        SYSCTLS_SAVED.unlink()
     shutil.rmtree(BASE, ignore_errors=True)
 
 
@@ -565,6 +573,7 @@ def start_node_env(logs: Path, *, images: tuple[str, ...] = ()) -> NodeEnv:
     env.timings["binaries"] = time.monotonic() - t0
     sweep(env.node_bins)
     env.sysctls = _read_sysctls()
+    SYSCTLS_SAVED.write_text(json.dumps(env.sysctls))
     try:
         _start(env, images)
     except BaseException:
@@ -645,6 +654,8 @@ def _start(env: NodeEnv, images: tuple[str, ...]) -> None:
     (env.logs / "images.log").write_text(imported.stderr)
     if imported.returncode != 0:
         raise NodeEnvError(f"importing images failed:\n{imported.stderr[-3000:]}")
+    for name in names:
+        _discard_layer_blobs(env, name)
     env.timings["images"] = time.monotonic() - t1
 
     t2 = time.monotonic()
@@ -670,6 +681,28 @@ def _start(env: NodeEnv, images: tuple[str, ...]) -> None:
                  lambda: env.kubectl("get", "serviceaccount", "default", check=False).returncode == 0,
                  "kube-controller-manager")
     env.timings["node"] = time.monotonic() - t2
+
+
+LAYER_TYPES = ("application/vnd.docker.image.rootfs.diff.tar", "application/vnd.oci.image.layer.")
+
+
+def _discard_layer_blobs(env: NodeEnv, name: str) -> None:
+    """Delete an imported image's layer tarballs once they are unpacked, as containerd's
+    discard_unpacked_layers does after a pull: the engine image would otherwise sit on the
+    disk twice (7 GB of tarballs beside 7 GB of snapshots). Containers run from the snapshots;
+    the manifest and config stay, so the CRI still lists the image."""
+    listed = env.ctr("images", "ls", f"name=={name}").stdout.splitlines()[1:]
+    if not listed:
+        raise NodeEnvError(f"{name} is not in containerd after the import")
+    digests = [listed[0].split()[2]]
+    layers = []
+    while digests:
+        blob = json.loads(env.ctr("content", "get", digests.pop()).stdout)
+        digests += [m["digest"] for m in blob.get("manifests", [])]
+        layers += [layer["digest"] for layer in blob.get("layers", [])
+                   if layer.get("mediaType", "").startswith(LAYER_TYPES)]
+    if layers:
+        env.ctr("content", "rm", *layers)
 
 
 def _node_ready(env: NodeEnv) -> bool:
