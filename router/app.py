@@ -274,6 +274,12 @@ class Router:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+async def ping(request: Request) -> Response:
+    """Liveness: answered by the event loop itself, so a wedged loop fails it (a TCP probe is
+    answered by the kernel, and /health is rightly 503 while no server is ready)."""
+    return Response(status_code=200)
+
+
 def _is_api_request(method: str, path: str) -> bool:
     return method == "POST" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize"))
 
@@ -313,6 +319,7 @@ def build_app(config: RouterConfig) -> Starlette:
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/version", version, methods=["GET"]),
             Route("/health", router.health, methods=["GET"]),
+            Route("/ping", ping, methods=["GET"]),
             Route("/metrics", router.metrics_endpoint, methods=["GET"]),
         ],
         lifespan=lifespan,

@@ -138,7 +138,8 @@ class Forwarder:
                 committed = True
             except (httpx.TransportError, httpx.StreamError) as exc:
                 last_error = f"replica {replica.replica_id}: {type(exc).__name__}: {exc}"
-                self.replicas.mark_down(replica)
+                # Refused: nothing listens there. A timeout may be a pause: counted.
+                self.replicas.mark_down(replica, at_once=isinstance(exc, httpx.ConnectError))
                 reason = "timeout" if isinstance(exc, httpx.TimeoutException) else "connection"
                 self.metrics.retries.labels(reason).inc()
                 continue

@@ -45,6 +45,12 @@ class Replica:
     status: str = "not checked yet"  # the last health check's verdict, "ok" or why not (/health)
 
 
+# Failed checks (timeouts, 5xx) in a row before a healthy replica is taken out: one slow answer
+# (a GC pause, a throttled node) must not empty the fleet. A refused connection or a replica that
+# says it is draining is taken out at once.
+FAILURES_TO_MARK_DOWN = 3
+
+
 def describe_check(path: str, status_code: int, api_key: str | None, code: str | None = None) -> str:
     """A health check's verdict from one answer: "ok", or why the replica is not routable, in
     words an operator can act on (the router's log and /health show it)."""
@@ -113,11 +119,16 @@ class ReplicaSet:
             if replica is not None:
                 replica.replica_id = replica_id
 
-    def mark_down(self, replica: Replica) -> None:
-        if replica.healthy:
-            log.warning("replica %s marked down after a failed request", replica.url)
-        replica.healthy = False
+    def mark_down(self, replica: Replica, at_once: bool = True) -> None:
+        """A request to ``replica`` failed: out at once when ``at_once`` (its connection was
+        refused), else once FAILURES_TO_MARK_DOWN failures come in a row."""
         replica.consecutive_failures += 1
+        if not (at_once or replica.consecutive_failures >= FAILURES_TO_MARK_DOWN):
+            return
+        if replica.healthy:
+            log.warning("replica %s marked down after %d failed request(s)", replica.url,
+                        replica.consecutive_failures)
+        replica.healthy = False
 
     def mark_draining(self, replica: Replica) -> None:
         """Route around a replica that said it is shutting down (its /health answers 503 too, so
@@ -158,6 +169,7 @@ class ReplicaSet:
 
     async def check(self, replica: Replica) -> None:
         assert self._client is not None
+        at_once = False  # a failure that takes a healthy replica out without waiting for more
         try:
             health = await self._client.get(f"{replica.url}/health")
             status = describe_check("/health", health.status_code, self.api_key, _error_code(health))
@@ -169,9 +181,18 @@ class ReplicaSet:
                     replica.models = {m["id"] for m in models.json().get("data", [])}
         except httpx.HTTPError as exc:
             status = f"cannot connect: {type(exc).__name__}: {exc}"
+            at_once = isinstance(exc, httpx.ConnectError)  # refused: nothing listens there
         except (ValueError, KeyError, TypeError) as exc:
             status = f"/v1/models answered an unreadable body: {exc!r}"
+        # A replica that says it is draining, or refuses the router's key, will not get better.
+        at_once = at_once or "draining" in status or " answered 401" in status or " answered 403" in status
         ok = status == "ok"
+        failures = 0 if ok else replica.consecutive_failures + 1
+        if not ok and replica.healthy and not at_once and failures < FAILURES_TO_MARK_DOWN:
+            # One slow or failed check: still routable; the next ones decide.
+            replica.consecutive_failures = failures
+            replica.last_check = time.monotonic()
+            return
         if ok and not replica.healthy:
             log.info("replica %s is healthy (models: %s)", replica.url, ", ".join(sorted(replica.models)))
         if not ok and (check_state(status) != check_state(replica.status) or replica.healthy):
@@ -179,7 +200,7 @@ class ReplicaSet:
             log.warning("replica %s is not routable: %s", replica.url, status)
         replica.status = status
         replica.healthy = ok
-        replica.consecutive_failures = 0 if ok else replica.consecutive_failures + 1
+        replica.consecutive_failures = failures
         replica.last_check = time.monotonic()
 
 

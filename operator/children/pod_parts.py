@@ -51,9 +51,9 @@ def container_security_context(user: int = RUN_AS_USER) -> dict[str, Any]:
     }
 
 
-def http_probe(period: int, failures: int, timeout: int = 3) -> dict[str, Any]:
+def http_probe(period: int, failures: int, timeout: int = 3, path: str = "/health") -> dict[str, Any]:
     return {
-        "httpGet": {"path": "/health", "port": "http"},
+        "httpGet": {"path": path, "port": "http"},
         "periodSeconds": period,
         "failureThreshold": failures,
         "timeoutSeconds": timeout,
@@ -61,7 +61,7 @@ def http_probe(period: int, failures: int, timeout: int = 3) -> dict[str, Any]:
 
 
 def tcp_probe(port: str, period: int, failures: int) -> dict[str, Any]:
-    """For liveness where /health may rightly say 503 (a router with no ready server)."""
+    """For what speaks no HTTP (Redis)."""
     return {"tcpSocket": {"port": port}, "periodSeconds": period, "failureThreshold": failures}
 
 

@@ -33,7 +33,6 @@ from kvscale.operator.children.pod_parts import (
     rolling_update,
     scrape_annotations,
     shutdown_timeout,
-    tcp_probe,
 )
 from kvscale.operator.children.redis import service_redis_env
 from kvscale.operator.spec import ROUTER_PORT, InferenceServiceSpec, SecretKeyRef
@@ -142,9 +141,11 @@ def router_container(pod: RouterPod) -> dict[str, Any]:
         "ports": [http_port(ROUTER_PORT)],
         "env": router_env(pod),
         "resources": dict(pod.resources),
-        # /health is 503 while no server is ready: right for readiness, wrong for liveness.
+        # /health is 503 while no server is ready: right for readiness, wrong for liveness, which
+        # asks /ping: answered by the event loop, so a wedged loop fails it (a TCP probe would
+        # pass, the kernel accepting for it).
         "readinessProbe": http_probe(2, 2, timeout=2),
-        "livenessProbe": tcp_probe("http", 10, 3),
+        "livenessProbe": http_probe(10, 3, timeout=5, path="/ping"),
         "lifecycle": pre_stop(),
         "securityContext": container_security_context(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *pod.model_files.mounts],

@@ -48,7 +48,8 @@ def test_default_service_gets_router_redis_and_rbac():
     assert "serving.kvscale.io/inferenceservice" not in labels
     container = pod["containers"][0]
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert "httpGet" not in container["livenessProbe"]  # /health is 503 while no server is ready
+    # /health is 503 while no server is ready; /ping is answered by the router's event loop.
+    assert container["livenessProbe"]["httpGet"] == {"path": "/ping", "port": "http"}
 
 
 def test_router_disabled_or_external_redis_drops_those_children():
