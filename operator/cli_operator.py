@@ -61,10 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     election.add_argument("--retry-period", type=float, default=2.0, metavar="S")
     election.add_argument("--identity", default=None,
                           help="this replica's name in the Lease (default: $POD_NAME or host + id)")
-    parser.add_argument("--liveness", default=None, metavar="URL",
-                        help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, default=8081, metavar="PORT",
-                        help="serve the operator's Prometheus metrics at :PORT/metrics (0: off)")
+                        help="serve the operator's Prometheus metrics at :PORT/metrics, and /healthz "
+                             "for liveness (503 once its working loop is stuck; 0: off)")
     parser.add_argument("--metrics-host", default=None,
                         help="address for --metrics-port, and only it (default: every address, IPv4 and IPv6)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
@@ -81,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvscale.base_urls import base_url
     from kvscale.listen import all_addresses_host
-    from kvscale.operator import registration
+    from kvscale.operator import probes, registration
     from kvscale.operator.config import config_from_args
     from kvscale.operator.kube import Kube, load_connection
     from kvscale.operator.leader import LeaderElector
@@ -125,11 +124,13 @@ def run(args: argparse.Namespace) -> int:
     settings.execution.max_workers = 16
     settings.posting.level = logging.INFO
 
-    # Before the election, so a standby answers scrapes too (with no per-service series).
+    # Before the election, so a standby answers scrapes and probes too (with no per-service
+    # series); its heartbeat is the election's until it leads, then the kopf loop's.
     operator_metrics = OperatorMetrics()
+    heartbeat = probes.Heartbeat()
     if args.metrics_port:
         metrics_host = args.metrics_host or all_addresses_host()
-        operator_metrics.serve(args.metrics_port, metrics_host)
+        probes.serve(args.metrics_port, metrics_host, operator_metrics.registry, heartbeat)
         log.info("metrics at %s/metrics", base_url(metrics_host, args.metrics_port))
 
     identity = args.identity or os.environ.get("POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         elector = LeaderElector(kube, namespace, args.leader_election_id, identity,
                                 args.lease_duration, args.renew_deadline, args.retry_period)
         try:
-            if not elector.acquire(threading.Event()):
+            if not elector.acquire(threading.Event(), on_attempt=lambda: heartbeat.beat("leader election")):
                 return 1
         except KeyboardInterrupt:
             return 130
@@ -164,16 +165,19 @@ def run(args: argparse.Namespace) -> int:
 
         if elector is not None:
             threading.Thread(target=hold, name="lease-holder", daemon=True).start()
-        await kopf.operator(
-            registry=registry,
-            settings=settings,
-            standalone=True,
-            clusterwide=not args.namespace,
-            namespaces=args.namespace,
-            stop_flag=stop_flag,
-            memo=memo,
-            liveness_endpoint=args.liveness,
-        )
+        beating = asyncio.create_task(probes.beat_forever(heartbeat), name="liveness-heartbeat")
+        try:
+            await kopf.operator(
+                registry=registry,
+                settings=settings,
+                standalone=True,
+                clusterwide=not args.namespace,
+                namespaces=args.namespace,
+                stop_flag=stop_flag,
+                memo=memo,
+            )
+        finally:
+            beating.cancel()
 
     try:
         asyncio.run(operate())

@@ -12,6 +12,7 @@ import datetime as dt
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvscale.operator.kube import ApiError, Kube, path_for
@@ -82,10 +83,12 @@ class LeaderElector:
             raise
         return True
 
-    def acquire(self, stop: threading.Event) -> bool:
-        """Block until this process leads (True) or `stop` is set (False)."""
+    def acquire(self, stop: threading.Event, on_attempt: Callable[[], None] = lambda: None) -> bool:
+        """Block until this process leads (True) or `stop` is set (False); `on_attempt` is told
+        of every try (the liveness heartbeat of a standby)."""
         announced = False
         while not stop.is_set():
+            on_attempt()
             try:
                 if self.try_acquire_or_renew():
                     logger.info("became the leader (lease %s/%s)", self.namespace, self.name)

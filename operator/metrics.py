@@ -12,7 +12,6 @@ import threading
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import start_http_server
 
 from kvscale import metric_names as names
 from kvscale.metric_registry import register
@@ -131,7 +130,3 @@ class OperatorMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-    def serve(self, port: int, host: str = "0.0.0.0"):
-        """Serve /metrics on its own port (a daemon thread); returns (server, thread)."""
-        return start_http_server(port, addr=host, registry=self.registry)

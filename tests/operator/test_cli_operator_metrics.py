@@ -7,6 +7,7 @@ import urllib.request
 from kvscale.cli import build_parser
 from kvscale.listen import all_addresses_host
 from kvscale.operator.metrics import OperatorMetrics
+from kvscale.operator.probes import Heartbeat, serve
 from kvscale.processes import free_port
 
 
@@ -22,7 +23,7 @@ def test_metrics_host_defaults_to_every_address():
 
 def test_metrics_on_every_address_answer_ipv4_and_ipv6_loopback():
     port = free_port()
-    server, thread = OperatorMetrics().serve(port, all_addresses_host())
+    server, thread = serve(port, all_addresses_host(), OperatorMetrics().registry, Heartbeat())
     try:
         for host in ("127.0.0.1", "::1"):
             assert "kvscale_operator" in scrape(host, port), host
