@@ -187,7 +187,7 @@ class Router:
 
         prompt = PromptBlocks([], 0, self.config.block_size)
         if routing.uses_prefix(self.config.policy):
-            prompt = await self.hasher.prompt_block_hashes_off_loop(endpoint, body, model)
+            prompt = await self.hasher.prompt_block_hashes_off_loop(endpoint, body, model, len(raw))
         header = self.config.session_header
         session = request.headers.get(header) if header else None
         hash_key: int | str = (

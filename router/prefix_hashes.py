@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, NamedTuple
 
 from kvscale.block_hash import hash_prompt_blocks
@@ -20,6 +21,8 @@ from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS, ChatTokenCache
 from kvscale.tokenization import completion_prompt_token_ids
 
 log = logging.getLogger("kvscale.router")
+# Requests at least this large (bytes; about 4k tokens of text) are hashed off the event loop.
+OFF_LOOP_BYTES = 16_384
 
 
 class PromptBlocks(NamedTuple):
@@ -96,21 +99,26 @@ class PrefixHasher:
         return status
 
     async def prompt_block_hashes_off_loop(
-        self, endpoint: str, body: dict[str, Any], model: str | None
+        self, endpoint: str, body: dict[str, Any], model: str | None, body_bytes: int
     ) -> PromptBlocks:
-        """``prompt_block_hashes`` on the hasher's own thread: tokenizing, rendering a chat template
-        and hashing a long prompt takes long (about 0.7 s for 100k tokens here), and on the event
-        loop it would stall every stream the router proxies meanwhile. One thread, so the chat
-        caches are never touched by two at once."""
+        """``prompt_block_hashes``, off the event loop for a long prompt: tokenizing, rendering a
+        chat template and hashing 100k tokens takes about 0.7 s here, and on the loop it would stall
+        every stream the router proxies meanwhile. A short prompt (``body_bytes``, the request's
+        size, under OFF_LOOP_BYTES) is hashed in place: handing it to a thread costs more (the GIL
+        changes hands every 5 ms on a busy loop) than hashing it. The thread hashes chat prompts
+        without the chat token cache, which only the loop touches."""
+        if body_bytes < OFF_LOOP_BYTES:
+            return self.prompt_block_hashes(endpoint, body, model)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscale-router-hash")
         return await asyncio.get_running_loop().run_in_executor(
-            self._executor, self.prompt_block_hashes, endpoint, body, model)
+            self._executor, partial(self.prompt_block_hashes, endpoint, body, model, chat_cache=False))
 
     def prompt_block_hashes(
-        self, endpoint: str, body: dict[str, Any], model: str | None
+        self, endpoint: str, body: dict[str, Any], model: str | None, chat_cache: bool = True
     ) -> PromptBlocks:
-        """The prompt of a "chat" or "completions" request ``body`` (its parsed JSON)."""
+        """The prompt of a "chat" or "completions" request ``body`` (its parsed JSON); ``chat_cache``
+        False hashes a chat prompt whole, leaving the model's chat token cache untouched."""
         name = model if model else next(iter(self.tokenizers), "")
         tokenizer = self.tokenizers.get(name)
         # By the name whose tokenizer is used: a request without "model" goes to that model.
@@ -123,7 +131,7 @@ class PrefixHasher:
         try:
             if endpoint == "chat":
                 # A follow-up turn tokenizes and hashes only what follows the cached history.
-                cache = self.chat_caches.get(name)
+                cache = self.chat_caches.get(name) if chat_cache else ChatTokenCache(tokenizer, 0)
                 if cache is None:  # a tokenizer set without load_tokenizers
                     cache = ChatTokenCache(tokenizer, self.chat_cache_tokens)
                     self.chat_caches[name] = cache

@@ -5,6 +5,7 @@ the block size of the model it goes to."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 
@@ -62,12 +63,28 @@ def test_a_long_prompt_is_hashed_off_the_event_loop(hasher: PrefixHasher, endpoi
     assert inline.prompt_tokens > 90_000 and inline_s > 0.05
 
     async def hashed() -> object:
-        return await hasher.prompt_block_hashes_off_loop(endpoint, body, None)
+        return await hasher.prompt_block_hashes_off_loop(endpoint, body, None, len(json.dumps(body)))
 
     # On the loop, one gap would be the whole of inline_s; off it, the loop keeps ticking.
     gap, result = longest_gap_while(hashed)
     assert result == inline
     assert gap < inline_s / 3, f"the loop stalled {gap * 1000:.0f} ms (hashing takes {inline_s * 1000:.0f} ms)"
+    if endpoint == "chat":
+        (name,) = hasher.chat_caches
+        assert len(hasher.chat_caches[name]) == 0  # the thread left the loop's chat cache alone
+
+
+def test_a_short_prompt_is_hashed_in_place(hasher: PrefixHasher) -> None:
+    """Handing a short prompt to a thread costs more than hashing it: it is hashed on the loop
+    (the same answer, and the chat token cache keeps serving follow-up turns)."""
+    body = {"messages": [{"role": "user", "content": "a short question"}]}
+
+    async def hashed() -> object:
+        return await hasher.prompt_block_hashes_off_loop("chat", body, None, len(json.dumps(body)))
+
+    assert asyncio.run(hashed()) == hasher.prompt_block_hashes("chat", body, None, chat_cache=False)
+    (name,) = hasher.chat_caches
+    assert len(hasher.chat_caches[name]) == 1
 
 
 def test_a_request_without_model_is_hashed_with_its_models_block_size(hasher: PrefixHasher) -> None:
