@@ -10,7 +10,7 @@ import kopf
 from kvscale.operator.children.owned import Images, build_children, unwanted_children
 from kvscale.operator.children.redis import build_redis_secret
 from kvscale.operator.config import FIELD_MANAGER
-from kvscale.operator.kube import ApiError, Kube, object_path, path_for
+from kvscale.operator.kube import Kube, object_path, path_for
 from kvscale.operator.spec import InferenceServiceSpec
 
 
@@ -24,13 +24,10 @@ def apply_children(kube: Kube, owner: kopf.Body, spec: InferenceServiceSpec, ima
     meta = owner["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     if spec.router.enabled and not spec.router.redis.external:
-        secret = build_redis_secret(name, namespace)
-        if kube.get(object_path(secret)) is None:
-            try:
-                kube.create(path_for("v1", "secrets", namespace), owned(secret, owner))
-            except ApiError as exc:
-                if exc.status != 409:  # another reconcile made it first: keep that password
-                    raise
+        # Created, never read (the operator may not read Secrets): 409 means it exists, and the
+        # live password stays.
+        kube.create_if_absent(path_for("v1", "secrets", namespace),
+                              owned(build_redis_secret(name, namespace), owner))
     for child in build_children(name, namespace, spec, images):
         kube.apply(object_path(child), owned(child, owner), FIELD_MANAGER)
     for api_version, plural, child_name in unwanted_children(name, namespace, spec):

@@ -117,6 +117,18 @@ class Kube:
     def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.request("POST", path, body)
 
+    def create_if_absent(self, path: str, body: dict[str, Any]) -> bool:
+        """Create, or leave alone what exists (409): True when this call made it. Needs only the
+        `create` verb: nothing is read, which is what lets the operator make Secrets it may not
+        read."""
+        try:
+            self.create(path, body)
+        except ApiError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
     def replace(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.request("PUT", path, body)
 

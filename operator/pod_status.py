@@ -3,16 +3,23 @@
 Problems a user can act on (an image that won't pull, a GPU request no node can satisfy, a missing
 Secret, a crashing server) become the reason of the Ready condition while nothing serves, or of
 Progressing while older replicas still do.
+
+A missing Secret (the API key's, say) is learnt from the pods, as the kubelet reports it, never by
+reading Secrets: the operator's RBAC has no `get` on them.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from kvscale.operator.conditions import PROGRESSING, READY, Condition
 
 IMAGE_PULL_REASONS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"}
+# How a kubelet words a CreateContainerConfigError for a Secret an env var names: `secret "x" not
+# found` (no such Secret) or `couldn't find key k in Secret ns/x` (no such key).
+MISSING_SECRET = re.compile(r"\bsecret\b.* not found|couldn't find key .* in secret", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,9 @@ def pod_problem(pod: dict[str, Any]) -> Problem | None:
             return Problem("ImagePullError",
                            f"pod {name}: image {container.get('image', '')!r} cannot be pulled ({reason}) {detail}".strip())
         if reason == "CreateContainerConfigError":
+            if MISSING_SECRET.search(detail):
+                return Problem("SecretNotFound",
+                               f"pod {name} cannot start: {detail} (create the Secret it names)")
             return Problem("ContainerConfigError", f"pod {name}: {detail}".strip())
         if reason == "CrashLoopBackOff":
             return Problem("CrashLoopBackOff",
@@ -67,9 +77,8 @@ def assess(
     desired_replicas: int,
     deployment: dict[str, Any] | None,
     pods: list[dict[str, Any]],
-    missing_secret: str | None = None,
 ) -> Health:
-    """Counts and the Ready / Progressing conditions; `missing_secret` names an absent API-key Secret."""
+    """Counts and the Ready / Progressing conditions."""
     status = (deployment or {}).get("status") or {}
     replicas = int(status.get("replicas") or 0)
     ready = int(status.get("readyReplicas") or 0)
@@ -78,18 +87,11 @@ def assess(
     stale = deployment is not None and (
         status.get("observedGeneration", 0) < deployment.get("metadata", {}).get("generation", 0))
 
-    problem: Problem | None = None
-    if missing_secret is not None:
-        problem = Problem("SecretNotFound", f"the API-key Secret {missing_secret!r} does not exist")
-    if problem is None:
-        problem = next((p for p in map(pod_problem, pods) if p is not None), None)
+    problem = next((p for p in map(pod_problem, pods) if p is not None), None)
     if problem is None and deployment is not None:
         problem = deployment_problem(deployment)
 
-    if missing_secret is not None and problem is not None:
-        # Pods can't start without it, and any still running serve with a key nobody configured.
-        ready_condition = Condition(READY, False, problem.reason, problem.message)
-    elif deployment is None:
+    if deployment is None:
         ready_condition = Condition(READY, False, "DeploymentMissing", "the Deployment is being created")
     elif desired_replicas == 0:
         ready_condition = Condition(READY, False, "ScaledToZero", "spec.replicas is 0")

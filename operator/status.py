@@ -25,14 +25,6 @@ AUTOSCALING_DISABLED = Condition(SCALING_ACTIVE, False, "AutoscalingDisabled",
                                  "spec.replicas is left to the user or an external autoscaler")
 
 
-def missing_api_key_secret(kube: Kube, namespace: str, spec: InferenceServiceSpec) -> str | None:
-    if spec.api_key_secret is None:
-        return None
-    if kube.get(path_for("v1", "secrets", namespace, spec.api_key_secret.name)) is None:
-        return spec.api_key_secret.name
-    return None
-
-
 def router_status(kube: Kube, name: str, namespace: str, spec: InferenceServiceSpec) -> dict[str, Any]:
     deployment = kube.get(path_for("apps/v1", "deployments", namespace, router_name(name)))
     counts = (deployment or {}).get("status") or {}
@@ -68,8 +60,9 @@ def refresh_status(runtime: Runtime, name: str, namespace: str,
     spec = typed_spec(current)
     deployment = kube.get(path_for("apps/v1", "deployments", namespace, name))
     pods = kube.list(path_for("v1", "pods", namespace), selector_string(name))
-    assessed = pod_status.assess(spec.replicas, deployment, pods,
-                                 missing_api_key_secret(kube, namespace, spec))
+    # A missing API-key Secret shows in the pods' status (CreateContainerConfigError): the
+    # operator may not read Secrets, and needs not.
+    assessed = pod_status.assess(spec.replicas, deployment, pods)
     router: dict[str, Any] | None = None
     if spec.router.enabled:
         router = router_status(kube, name, namespace, spec)

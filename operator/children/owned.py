@@ -66,5 +66,8 @@ def unwanted_children(name: str, namespace: str, spec: InferenceServiceSpec) -> 
                      ("rbac.authorization.k8s.io/v1", "roles", router), ("v1", "serviceaccounts", router)]
     if not spec.router.enabled or spec.router.redis.external:
         redis = redis_name(name)
-        unwanted += [("apps/v1", "deployments", redis), ("v1", "services", redis), ("v1", "secrets", redis)]
+        # Not its Secret: the operator may not read Secrets (to check who owns a same-named one)
+        # nor delete them. The garbage collector removes it with the InferenceService; a router
+        # switched on again reuses its password.
+        unwanted += [("apps/v1", "deployments", redis), ("v1", "services", redis)]
     return unwanted

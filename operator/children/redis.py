@@ -4,10 +4,18 @@ the router its URL.
 The index is a cache the replicas rebuild by republishing, so this Redis keeps nothing on disk:
 no persistence, one replica, a password from a Secret generated once and never rotated by a
 reconcile. An external Redis (`spec.router.redis`) replaces all of it.
+
+The password never reaches a command line: the kubelet expands `$(VAR)` in args before the
+runtime starts the process, so `--requirepass $(PASSWORD)` would put it in the container's
+recorded config and in /proc/PID/cmdline. Redis is given the SHA-256 of it instead, as an ACL
+rule for its default user (`#<hex>`); the servers and routers read the password itself from the
+Secret into their environment. The operator writes the Secret once and never reads it (its RBAC
+has no `get` on Secrets), so both keys are made together here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from typing import Any
 
@@ -22,7 +30,9 @@ from kvscale.operator.children.pod_parts import (
 from kvscale.operator.spec import REDIS_PORT, InferenceServiceSpec, RedisSource, SecretKeyRef
 
 PASSWORD_KEY = "password"
+PASSWORD_SHA256_KEY = "password-sha256"
 PASSWORD_ENV = "KVSCALE_REDIS_PASSWORD"
+PASSWORD_SHA256_ENV = "KVSCALE_REDIS_PASSWORD_SHA256"
 URL_ENV = "KVSCALE_REDIS_URL"
 RUN_AS_USER = 999  # the redis user of the official image
 
@@ -53,13 +63,16 @@ def service_redis_env(name: str, namespace: str, spec: InferenceServiceSpec) -> 
 
 def build_redis_secret(name: str, namespace: str) -> dict[str, Any]:
     """Created once (never applied again): a reconcile must not change a live password."""
+    # URL-safe, so it can sit in a redis:// URL unescaped; 256 random bits, so its hash on
+    # Redis's command line gives nothing away.
+    password = secrets.token_urlsafe(32)
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {"name": redis_name(name), "namespace": namespace, "labels": redis_labels(name)},
         "type": "Opaque",
-        # URL-safe, so it can sit in a redis:// URL unescaped.
-        "stringData": {PASSWORD_KEY: secrets.token_urlsafe(32)},
+        "stringData": {PASSWORD_KEY: password,
+                       PASSWORD_SHA256_KEY: hashlib.sha256(password.encode()).hexdigest()},
     }
 
 
@@ -73,12 +86,15 @@ def redis_container(name: str, image: str) -> dict[str, Any]:
             # kvscale pod listens: Services, probes and port-forward (localhost) all reach it.
             "--bind", "* -::*",
             "--port", str(REDIS_PORT),
-            "--requirepass", f"$({PASSWORD_ENV})",
+            # The default user needs the password whose SHA-256 this is (not the password:
+            # see the module's docstring); resetpass drops the image's `nopass`.
+            "--user", "default", "on", "resetpass", f"#$({PASSWORD_SHA256_ENV})",
+            "~*", "&*", "+@all",
             "--save", "", "--appendonly", "no",
             # Bounded memory: the index is a cache, and an evicted key only costs a prefix miss.
             "--maxmemory", "200mb", "--maxmemory-policy", "allkeys-lru",
         ],
-        "env": [secret_env(PASSWORD_ENV, SecretKeyRef(redis_name(name), PASSWORD_KEY))],
+        "env": [secret_env(PASSWORD_SHA256_ENV, SecretKeyRef(redis_name(name), PASSWORD_SHA256_KEY))],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": tcp_probe("redis", 2, 2),
         "livenessProbe": tcp_probe("redis", 10, 3),

@@ -239,7 +239,8 @@ def rendered(helm: Helm) -> list[dict[str, Any]]:
             if o["kind"] not in _CLUSTER_SCOPED else o for o in unique.values()]
 
 
-_CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+_CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                   "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 
 
 def children() -> list[dict[str, Any]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvscale.operator.conditions import PROGRESSING, READY
 from kvscale.operator.pod_status import assess
 
@@ -53,10 +55,30 @@ def test_image_pull_error_while_old_replicas_serve():
     assert "bad:tag" in c[PROGRESSING].message
 
 
-def test_missing_secret_is_not_ready_even_if_pods_are():
-    c = by_type(assess(1, deployment(1, 1, 1), [pod()], missing_secret="llm-key"))
+def config_error(message: str) -> dict:
+    return pod("new", containerStatuses=[{"name": "server", "state": {
+        "waiting": {"reason": "CreateContainerConfigError", "message": message}}}])
+
+
+@pytest.mark.parametrize("message", [
+    'secret "llm-key" not found',  # a kubelet: no such Secret
+    "couldn't find key api-key in Secret team/llm-key",  # a kubelet: no such key
+    "secret 'llm-key' or its key 'api-key' not found",  # tests/cluster/kubelet.py
+])
+def test_a_missing_secret_is_learnt_from_the_pods(message):
+    """Not by reading Secrets (the operator may not): from the kubelet's CreateContainerConfigError."""
+    c = by_type(assess(1, deployment(1, 0, 1), [config_error(message)]))
     assert (c[READY].status, c[READY].reason) == (False, "SecretNotFound")
     assert "llm-key" in c[READY].message
+    # Older replicas still serve: the rollout is stuck on it, not the service.
+    c = by_type(assess(2, deployment(2, 1, 1, generation=2, observed=2), [pod(), config_error(message)]))
+    assert c[READY].status is True
+    assert (c[PROGRESSING].status, c[PROGRESSING].reason) == (False, "SecretNotFound")
+
+
+def test_another_config_error_keeps_its_own_reason():
+    c = by_type(assess(1, deployment(1, 0, 1), [config_error('configmap "settings" not found')]))
+    assert c[READY].reason == "ContainerConfigError"
 
 
 def test_crash_loop_and_stale_deployment():

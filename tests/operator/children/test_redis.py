@@ -29,7 +29,8 @@ def test_internal_redis_url_comes_from_the_generated_secret():
     redis = build_redis_deployment("chat", "team", "redis:7")
     assert redis["spec"]["strategy"] == {"type": "Recreate"}  # never two indexes at once
     container = redis["spec"]["template"]["spec"]["containers"][0]
-    assert "--requirepass" in container["args"] and "$(KVSCALE_REDIS_PASSWORD)" in container["args"]
+    # Redis gets the password's SHA-256, never the password (test_redis_password.py).
+    assert "--requirepass" not in container["args"] and "#$(KVSCALE_REDIS_PASSWORD_SHA256)" in container["args"]
 
 
 def test_a_router_without_an_index_gets_no_url():

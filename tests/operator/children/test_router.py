@@ -64,7 +64,9 @@ def test_router_disabled_or_external_redis_drops_those_children():
     external = parse_spec({**BUNDLED, "router": {"redis": {"secretRef": {"name": "managed"}}}})
     names = kinds(owned.build_children("m", "ns", external))
     assert ("Deployment", "m-redis") not in names and ("Deployment", "m-router") in names
-    assert ("v1", "secrets", "m-redis") in owned.unwanted_children("m", "ns", external)
+    assert ("apps/v1", "deployments", "m-redis") in owned.unwanted_children("m", "ns", external)
+    # Never its Secret: the operator neither reads nor deletes Secrets (the GC removes it).
+    assert all(plural != "secrets" for _, plural, _ in owned.unwanted_children("m", "ns", external))
     router = build_router_deployment(service_router("m", "ns", external, "img"))
     url = env_of(router["spec"]["template"]["spec"]["containers"][0])["KVSCALE_REDIS_URL"]
     assert url["valueFrom"]["secretKeyRef"] == {"name": "managed", "key": "url"}
