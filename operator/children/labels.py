@@ -16,6 +16,9 @@ MANAGED_BY = "kvscale-operator"
 SERVER_COMPONENT = "inference-server"
 ROUTER_COMPONENT = "router"
 REDIS_COMPONENT = "kv-index"
+# On the pods clients reach directly: the servers of an InferenceService without a router (its
+# Service selects them). The chart's NetworkPolicies admit every client to these alone.
+CLIENT_FACING_LABEL = "serving.kvscale.io/client-facing"
 
 
 def part_labels(selector: dict[str, str], instance: str, component: str) -> dict[str, str]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvscale.k8s_labels import SERVERS_ENDPOINTS_LABEL, SERVERS_ENDPOINTS_VALUE
 from kvscale.operator.children.labels import (
+    CLIENT_FACING_LABEL,
     child_labels,
     headless_service_name,
     router_selector,
@@ -130,6 +131,9 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> d
     model_path, init_containers = files.path, files.init_containers
     volumes, mounts = volumes_and_mounts(files)
     labels = child_labels(name)
+    # Without a router the servers are the InferenceService's OpenAI endpoint: say so where
+    # NetworkPolicies can see it (on the pods, not the Deployment's immutable selector).
+    pod_labels = labels if spec.router.enabled else {**labels, CLIENT_FACING_LABEL: "true"}
     pod_spec: dict[str, Any] = {
         "securityContext": pod_security_context(),
         # The server needs no API access; the operator and the router have their own accounts.
@@ -154,7 +158,7 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> d
             "selector": {"matchLabels": selector_labels(name)},
             "strategy": rolling_update(),
             "template": {
-                "metadata": {"labels": labels, "annotations": scrape_annotations(SERVER_PORT)},
+                "metadata": {"labels": pod_labels, "annotations": scrape_annotations(SERVER_PORT)},
                 "spec": pod_spec,
             },
         },

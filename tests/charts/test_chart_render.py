@@ -100,8 +100,10 @@ def test_network_policies_select_what_the_operator_creates(helm):
     docs = helm.template(*ALL_ON)
     policies = {(d["metadata"]["namespace"], d["metadata"]["name"]): d
                 for d in docs if d["kind"] == "NetworkPolicy"}
+    # Every kvscale pod's ingress said outright (test_chart_networkpolicies.py: who reaches whom).
     assert set(policies) == {(ns, f"kvscale-{part}") for ns in ("default", "kvscale-system")
-                             for part in ("redis", "servers")}
+                             for part in ("redis", "servers", "client-facing-servers", "routers")
+                             } | {("kvscale-system", "kvscale-router")}
 
     def selects(selector: dict, labels: dict) -> bool:
         return selector.get("matchLabels", {}).items() <= labels.items() and all(

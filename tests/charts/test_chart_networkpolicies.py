@@ -1,0 +1,171 @@
+"""The chart's NetworkPolicies against the labels of the pods they are about, for every
+combination of what an InferenceService exposes (router on or off, the operator's Redis or an
+external one) and of the namespace-wide router (on or off).
+
+The pods are those the operator's builders make (operator/children) and those the chart renders
+(the operator, the namespace-wide router, the `helm test` pod); the policies are
+`helm template`'s. Who may reach whom is decided here by NetworkPolicy's own rules (a pod no
+Ingress policy selects admits everything; otherwise the union of the rules of those that do), both
+as the chart leaves a namespace and beside a namespace's default-deny policy, which the chart's
+policies must survive.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from chart_helpers import Helm
+
+from kvscale.operator.children.owned import build_children
+from kvscale.operator.spec import REDIS_PORT, ROUTER_PORT, SERVER_PORT, parse_spec
+
+RELEASE = "kvscale"
+RELEASE_NS = "kvscale-system"
+SERVICES_NS = "team"  # where the InferenceServices run (networkPolicies.namespaces)
+CLIENTS_NS = "clients"
+MONITORING_NS = "monitoring"
+BUNDLED = {"model": {"uri": "bundled://smollm2-135m-instruct"}}
+
+
+@dataclass(frozen=True)
+class Pod:
+    name: str
+    namespace: str
+    labels: dict[str, str]
+
+
+def namespace_labels(name: str) -> dict[str, str]:
+    return {"kubernetes.io/metadata.name": name}
+
+
+def selects(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
+    """A label selector as the API defines it (an empty one selects everything)."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        ok = {"In": key in labels and labels[key] in values,
+              "NotIn": key not in labels or labels[key] not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def peer_admits(peer: dict[str, Any], source: Pod, policy_ns: str) -> bool:
+    if "ipBlock" in peer:
+        return False  # pod-to-pod traffic here
+    if "namespaceSelector" in peer:
+        if not selects(peer["namespaceSelector"], namespace_labels(source.namespace)):
+            return False
+    elif source.namespace != policy_ns:
+        return False  # a podSelector alone means the policy's own namespace
+    return selects(peer.get("podSelector"), source.labels)
+
+
+def admitted(policies: list[dict[str, Any]], source: Pod, target: Pod, port: int) -> bool:
+    applying = [p for p in policies if p["metadata"]["namespace"] == target.namespace
+                and "Ingress" in (p["spec"].get("policyTypes") or ["Ingress"])
+                and selects(p["spec"]["podSelector"], target.labels)]
+    if not applying:
+        return True
+    for policy in applying:
+        for rule in policy["spec"].get("ingress") or []:
+            ports = rule.get("ports")
+            if ports and not any(p.get("port") == port for p in ports):
+                continue
+            peers = rule.get("from")
+            if not peers or any(peer_admits(peer, source, target.namespace) for peer in peers):
+                return True
+    return False
+
+
+def template_labels(doc: dict[str, Any]) -> dict[str, str]:
+    return dict(doc["spec"]["template"]["metadata"]["labels"])
+
+
+def built_pods(name: str, spec: dict[str, Any]) -> dict[str, Pod]:
+    """The pods of one InferenceService, by part, with the labels the operator gives them."""
+    parts = {"": "servers", "-router": "router", "-redis": "redis"}
+    pods = {}
+    for child in build_children(name, SERVICES_NS, parse_spec({**BUNDLED, **spec})):
+        if child["kind"] == "Deployment":
+            part = parts[child["metadata"]["name"][len(name):]]
+            pods[part] = Pod(f"{child['metadata']['name']}-pod", SERVICES_NS, template_labels(child))
+    return pods
+
+
+COMBINATIONS = list(itertools.product([True, False], [True, False], [False, True]))
+
+
+@pytest.mark.parametrize(("router", "namespace_router", "external_redis"), COMBINATIONS,
+                         ids=[f"router-{'on' if r else 'off'}-nsrouter-{'on' if n else 'off'}-"
+                              f"{'external' if e else 'own'}-redis" for r, n, e in COMBINATIONS])
+@pytest.mark.parametrize("default_deny", [False, True], ids=["open-namespaces", "default-deny"])
+def test_policies_follow_what_each_inference_service_exposes(helm: Helm, router, namespace_router,
+                                                              external_redis, default_deny):
+    values = ["networkPolicies.enabled=true", f"networkPolicies.namespaces={{{SERVICES_NS}}}",
+              "tests.inferenceService=chat", f"tests.namespace={SERVICES_NS}"]
+    if namespace_router:
+        values += ["namespaceRouter.enabled=true", f"namespaceRouter.namespace={SERVICES_NS}",
+                   "namespaceRouter.redis.url=redis://kv-index.team.svc:6379/0"]
+    docs = helm.template(*values, release=RELEASE, namespace=RELEASE_NS)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    if default_deny:
+        policies += [{"metadata": {"name": "deny", "namespace": ns},
+                      "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}
+                     for ns in (SERVICES_NS, RELEASE_NS)]
+    spec: dict[str, Any] = {"router": {"enabled": router}}
+    if external_redis:
+        spec["router"]["redis"] = {"url": "redis://shared.team.svc:6379/0"}
+    pods = built_pods("chat", spec)
+    assert ("router" in pods) == router and ("redis" in pods) == (router and not external_redis)
+
+    (operator,) = [d for d in docs if d["kind"] == "Deployment"
+                   and d["metadata"]["name"] == f"{RELEASE}-operator"]
+    operator_pod = Pod("operator", RELEASE_NS, template_labels(operator))
+    (helm_test,) = [d for d in docs if d["kind"] == "Pod" and "metrics" in d["metadata"]["name"]]
+    helm_test_pod = Pod("helm-test", SERVICES_NS, dict(helm_test["metadata"]["labels"]))
+    client = Pod("client", CLIENTS_NS, {"app": "chat-ui"})
+    neighbour = Pod("neighbour", SERVICES_NS, {"app": "something-else"})
+    prometheus = Pod("prometheus", MONITORING_NS, {"app.kubernetes.io/name": "prometheus"})
+    namespace_router_pod = None
+    if namespace_router:
+        (nsr,) = [d for d in docs if d["kind"] == "Deployment"
+                  and d["metadata"]["name"] == f"{RELEASE}-router"]
+        namespace_router_pod = Pod("namespace-router", SERVICES_NS, template_labels(nsr))
+
+    def can(source: Pod, target: Pod, port: int) -> bool:
+        return admitted(policies, source, target, port)
+
+    servers = pods["servers"]
+    # Whoever reads a server's /metrics: the operator (autoscaler), Prometheus, the helm test.
+    for scraper in (operator_pod, prometheus, helm_test_pod):
+        assert can(scraper, servers, SERVER_PORT), scraper.name
+    if router:
+        # The router is the OpenAI ingress: clients, Prometheus and the operator (/health) reach it;
+        # the servers behind it are reached through it only.
+        for source in (client, neighbour, prometheus, operator_pod):
+            assert can(source, pods["router"], ROUTER_PORT), source.name
+        assert can(pods["router"], servers, SERVER_PORT)
+        assert not can(client, servers, SERVER_PORT)
+        assert not can(neighbour, servers, SERVER_PORT)
+    else:
+        # No router: the servers are the InferenceService's endpoint, open to its clients.
+        assert servers.labels.get("serving.kvscale.io/client-facing") == "true"
+        assert can(client, servers, SERVER_PORT)
+        assert can(neighbour, servers, SERVER_PORT)
+    if "redis" in pods:
+        assert can(pods["router"], pods["redis"], REDIS_PORT)
+        assert can(servers, pods["redis"], REDIS_PORT)
+        for source in (client, neighbour, prometheus, operator_pod):
+            assert not can(source, pods["redis"], REDIS_PORT), source.name
+    if namespace_router_pod is not None:
+        # Scraped and reached as the per-service routers are; it reaches every server.
+        for source in (client, neighbour, prometheus, operator_pod):
+            assert can(source, namespace_router_pod, ROUTER_PORT), source.name
+        assert can(namespace_router_pod, servers, SERVER_PORT)
