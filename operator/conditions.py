@@ -13,6 +13,7 @@ from typing import Any
 READY = "Ready"
 PROGRESSING = "Progressing"
 SCALING_ACTIVE = "ScalingActive"
+SYNCED = "Synced"  # every child of the current generation applied
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import kopf
 
 from kvscale.operator.apply import apply_children
+from kvscale.operator.conditions import SYNCED, Condition
 from kvscale.operator.inference_service import (
     ObjectKey,
     as_body,
@@ -32,11 +33,33 @@ def reconcile(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
                 return  # gone, or the garbage collector is removing the children: make nothing
             spec = typed_spec(current)
             runtime.metrics.register(key.uid, key.namespace, key.name)
-            apply_children(runtime.kube, as_body(current), spec, runtime.config.images)
-            refresh_status(runtime, key.name, key.namespace, extra_conditions=(
-                None if spec.autoscaling.enabled else [AUTOSCALING_DISABLED]))
+            generation = current["metadata"].get("generation")
+            autoscaling = [] if spec.autoscaling.enabled else [AUTOSCALING_DISABLED]
+            try:
+                conflicts = apply_children(runtime.kube, as_body(current), spec, runtime.config.images)
+            except ApiError as exc:
+                not_applied(runtime, key, f"applying generation {generation} failed: {exc}",
+                            "ApplyFailed", autoscaling)
+                raise
+            if conflicts:  # the periodic resync tries again: nothing to raise
+                not_applied(runtime, key, "; ".join(conflicts) + ": rename this InferenceService "
+                            "or remove those objects", "NameConflict", autoscaling)
+                return
+            refresh_status(runtime, key.name, key.namespace, applied_generation=generation,
+                           extra_conditions=[*autoscaling, Condition(
+                               SYNCED, True, "Applied", f"generation {generation} applied")])
         except ApiError as exc:
             runtime.metrics.error(key.uid, key.namespace, key.name, "reconcile")
             if exc.status in (401, 403):
                 logger.error("the operator lacks a permission: %s", exc)
             raise kopf.TemporaryError(str(exc), delay=runtime.config.resync_interval) from exc
+
+
+def not_applied(runtime: Runtime, key: ObjectKey, message: str, reason: str,
+                autoscaling: list[Condition]) -> None:
+    """Synced=False with why; status.observedGeneration stays where it was."""
+    try:
+        refresh_status(runtime, key.name, key.namespace,
+                       extra_conditions=[*autoscaling, Condition(SYNCED, False, reason, message)])
+    except ApiError:
+        pass  # the API that refused the children may refuse the status too: the error stands

@@ -9,7 +9,7 @@ import kopf
 
 from kvscale.operator import conditions, pod_status
 from kvscale.operator.children.labels import router_name, selector_string, service_url
-from kvscale.operator.conditions import SCALING_ACTIVE, Condition
+from kvscale.operator.conditions import SCALING_ACTIVE, SYNCED, Condition
 from kvscale.operator.inference_service import (
     as_body,
     being_deleted,
@@ -43,7 +43,8 @@ def post_transitions(current: dict[str, Any], assessed: pod_status.Health,
         previous = conditions.find_condition(old_conditions, changed.type) or {}
         if changed.type == SCALING_ACTIVE and previous.get("status") == changed.status_text:
             continue  # its reason moves with every decision; scaling has its own Events
-        is_problem = assessed.problem is not None and changed.reason == assessed.problem.reason
+        is_problem = ((assessed.problem is not None and changed.reason == assessed.problem.reason)
+                      or (changed.type == SYNCED and changed.status is False))
         kopf.event(as_body(current), type="Warning" if is_problem else "Normal",
                    reason=changed.reason,
                    message=f"{changed.type}={changed.status_text}: {changed.message}")
@@ -51,8 +52,13 @@ def post_transitions(current: dict[str, Any], assessed: pod_status.Health,
 
 def refresh_status(runtime: Runtime, name: str, namespace: str,
                    extra: dict[str, Any] | None = None,
-                   extra_conditions: list[Condition] | None = None) -> None:
-    """Status from the Deployment and pods; written only when something changed."""
+                   extra_conditions: list[Condition] | None = None,
+                   applied_generation: int | None = None) -> None:
+    """Status from the Deployment and pods; written only when something changed.
+
+    ``status.observedGeneration`` moves only to an ``applied_generation``: a generation whose
+    children could not all be applied is not observed (the Synced condition says why).
+    """
     kube = runtime.kube
     current = kube.get(inference_service_path(namespace, name))
     if current is None or being_deleted(current):
@@ -77,7 +83,8 @@ def refresh_status(runtime: Runtime, name: str, namespace: str,
         "updatedReplicas": assessed.updated_replicas,
         "selector": selector_string(name),
         "url": service_url(name, namespace, runtime.config.cluster_domain),
-        "observedGeneration": generation,
+        "observedGeneration": (applied_generation if applied_generation is not None
+                               else old_status.get("observedGeneration")),
         "conditions": conditions.merge_conditions(old_status.get("conditions"), updates, generation),
         "router": router,
         **(extra or {}),

@@ -349,6 +349,44 @@ def test_spec_update_rolls_out(cluster):
     delete_and_wait_gone(cluster, ns, name)
 
 
+def user_service(name: str, namespace: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": namespace},
+            "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80, "targetPort": 8080}]}}
+
+
+def test_a_name_someone_else_holds_is_never_taken_over(cluster):
+    """Issue 20, items 6 and 7: a user's Service first, then the InferenceService whose headless
+    Service would carry its name: the operator leaves it untouched, says so (Synced=False,
+    NameConflict, a Warning Event) and does not claim the generation observed; once the name is
+    free it applies and observes it. The other order: the InferenceService first, and the
+    apiserver refuses the user's same-named object."""
+    ns, name = "kvis-problems", "taken"
+    apply(cluster, user_service(f"{name}-pods", ns))
+    apply(cluster, inference_service(name, ns, router={"enabled": False}))
+    synced = wait_for("Synced=False", lambda: (c := condition(cluster.get("kvis", name, ns), "Synced"))
+                      and c["status"] == "False" and c, timeout=60)
+    assert synced["reason"] == "NameConflict" and f"Service {name}-pods already exists" in synced["message"]
+    status = cluster.get("kvis", name, ns)["status"]
+    assert status.get("observedGeneration") is None, status
+    theirs = cluster.get("service", f"{name}-pods", ns)
+    assert theirs["spec"]["selector"] == {"app": "theirs"}
+    assert not theirs["metadata"].get("ownerReferences")
+    assert any(e["reason"] == "NameConflict" and e["type"] == "Warning"
+               for e in events_for(cluster, ns, name)), cluster.explain()
+
+    cluster.kubectl("delete", "service", f"{name}-pods", "-n", ns)
+    applied = wait_for("Synced=True", lambda: (o := cluster.get("kvis", name, ns))
+                       and condition(o, "Synced").get("status") == "True" and o, timeout=60)
+    assert applied["status"]["observedGeneration"] == applied["metadata"]["generation"]
+    ours = cluster.get("service", f"{name}-pods", ns)
+    assert ours["metadata"]["ownerReferences"][0]["name"] == name
+
+    refused = cluster.kubectl("create", "-f", "-", check=False,
+                              input=yaml.safe_dump(user_service(f"{name}-pods", ns)))
+    assert refused.returncode != 0 and "AlreadyExists" in refused.stderr
+    delete_and_wait_gone(cluster, ns, name)
+
+
 def test_problems_show_as_conditions_and_events(cluster):
     # A missing API-key Secret is learnt from the pods' CreateContainerConfigError, which kwok's
     # pods never report: tests/operator/test_platform_secrets.py checks it with real pods.
