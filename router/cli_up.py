@@ -61,9 +61,12 @@ class Stack:
         self.children: list[Child] = []
         self.logdir = tempfile.mkdtemp(prefix="kvscale-up-")
 
-    def spawn(self, name: str, argv: list[str], url: str, health_url: str | None) -> Child:
+    def spawn(self, name: str, argv: list[str], url: str, health_url: str | None,
+              env_extra: dict[str, str] | None = None) -> Child:
+        """``env_extra``: what the child gets in its environment (secrets: never in ``argv``,
+        which every local user can read in /proc)."""
         log = open(os.path.join(self.logdir, f"{name}.log"), "ab")  # noqa: SIM115 - lives with the child
-        env = dict(os.environ)
+        env = {**os.environ, **(env_extra or {})}
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -156,13 +159,13 @@ def run(args: argparse.Namespace) -> int:
             if args.model:
                 argv += ["--model", args.model]
             for flag, value in (("--num-gpu-blocks-override", args.num_gpu_blocks_override),
-                                ("--max-model-len", args.max_model_len), ("--max-num-seqs", args.max_num_seqs),
-                                ("--api-key", args.api_key)):
+                                ("--max-model-len", args.max_model_len), ("--max-num-seqs", args.max_num_seqs)):
                 if value is not None:
                     argv += [flag, str(value)]
             if redis_url:
                 argv += ["--redis", redis_url, "--replica-id", f"replica-{i}"]
-            replica_children.append(stack.spawn(f"replica-{i}", argv, url, f"{url}/health"))
+            replica_children.append(stack.spawn(f"replica-{i}", argv, url, f"{url}/health", env_extra=(
+                {"KVSCALE_API_KEY": args.api_key} if args.api_key else None)))
         print(f"kvscale up: starting {args.replicas} replica(s) (logs in {stack.logdir})", flush=True)
         stack.wait_healthy(replica_children, args.startup_timeout)
 
@@ -174,10 +177,11 @@ def run(args: argparse.Namespace) -> int:
             argv += ["--model", args.model]
         if redis_url:
             argv += ["--redis", redis_url]
-        if args.api_key:
-            argv += ["--api-key", args.api_key, "--replica-api-key", args.api_key]
+        keys = ({"KVSCALE_API_KEY": args.api_key, "KVSCALE_REPLICA_API_KEY": args.api_key}
+                if args.api_key else None)
         health_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        router = stack.spawn("router", argv, router_url, f"http://{health_host}:{args.port}/health")
+        router = stack.spawn("router", argv, router_url, f"http://{health_host}:{args.port}/health",
+                             env_extra=keys)
         stack.wait_healthy([router], args.startup_timeout)
 
         print("kvscale up: ready", flush=True)

@@ -18,6 +18,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
+API_KEY = "sk-up-never-on-argv"
 
 
 def children_of(pid: int) -> set[int]:
@@ -45,7 +46,9 @@ def test_up_serves_through_the_router_and_stops_cleanly():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    # The key reaches `kvscale up` as its environment, as a user's secret would.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+               KVSCALE_API_KEY=API_KEY)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvscale", "up", "--replicas", "2", "--port", str(port),
          "--num-gpu-blocks-override", "64", "--max-model-len", "512", "--max-num-seqs", "4"],
@@ -72,14 +75,18 @@ def test_up_serves_through_the_router_and_stops_cleanly():
         assert "redis-server at redis://127.0.0.1:" in output
         descendants = children_of(proc.pid)
         assert len(descendants) >= 4  # redis, 2 replicas, router
+        # The key never sits on a command line, where any local user reads it (issue 20, item 2).
+        for pid in descendants:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            assert API_KEY not in cmdline, cmdline
 
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY)
         completion = client.completions.create(
             model="smollm2-135m-instruct", prompt="The sky is", max_tokens=4, temperature=0
         )
         assert completion.choices[0].text
         for url in replica_urls:
-            direct = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+            direct = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY)
             assert [m.id for m in direct.models.list().data] == ["smollm2-135m-instruct"]
 
         proc.send_signal(signal.SIGTERM)
