@@ -184,6 +184,9 @@ INVALID = {
     "block size not in enum": (
         {"engine": {"blockSize": 7}}, "Unsupported value: 7"),
     "negative replicas": ({"replicas": -1}, "should be greater than or equal to 0"),
+    "a password in the Redis URL": (
+        {"router": {"redis": {"url": "redis://:hunter2@redis.example:6379/0"}}},
+        "router.redis.url must not hold credentials"),
 }
 
 
