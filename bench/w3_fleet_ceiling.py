@@ -115,11 +115,22 @@ async def drive(router_url: str, prompts: list[str], args, salt: str) -> tuple[l
         return results, time.perf_counter() - started
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_one(name: str, router_url: str, replica_urls: list[str], prompts: list[str], args, ceiling: float,
-            n: int = 0) -> dict:
+            n: int = 0, router_pid: int = 0, replica_pids: tuple[int, ...] = ()) -> dict:
     before = replica_counters(replica_urls)
     load_before = os.getloadavg()[0]
+    cpu_before = (cpu_seconds(router_pid), sum(cpu_seconds(p) for p in replica_pids))
     results, wall = asyncio.run(drive(router_url, prompts, args, salt=f"{name}-{args.seed}-{n}"))
+    cpu_after = (cpu_seconds(router_pid), sum(cpu_seconds(p) for p in replica_pids))
     after = replica_counters(replica_urls)
     ok = [r for r in results if r["ok"]]
     queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before, strict=True))
@@ -142,13 +153,16 @@ def run_one(name: str, router_url: str, replica_urls: list[str], prompts: list[s
         "max_over_mean_requests": max(per_replica) / statistics.mean(per_replica) if any(per_replica) else float("nan"),
         "router_added_ms_p50": quantile(router_ms, 0.5) if router_ms else None,
         "router_added_ms_p99": quantile(router_ms, 0.99) if router_ms else None,
+        "router_cpu_s": round(cpu_after[0] - cpu_before[0], 2),  # the router process's own CPU time
+        "replicas_cpu_s": round(cpu_after[1] - cpu_before[1], 2),
         "loadavg_1m_before": round(load_before, 2),
         "loadavg_1m_after": round(os.getloadavg()[0], 2),
     }
 
 
 MEDIAN_KEYS = ("prefix_cache_hit_rate", "share_of_ceiling", "ttft_p50_s", "ttft_p90_s", "wall_s",
-               "max_over_mean_requests", "router_added_ms_p50", "router_added_ms_p99")
+               "max_over_mean_requests", "router_added_ms_p50", "router_added_ms_p99", "router_cpu_s",
+               "replicas_cpu_s")
 
 
 def medians(results: list[dict]) -> dict[str, dict]:
@@ -156,7 +170,7 @@ def medians(results: list[dict]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for name in dict.fromkeys(r["router"] for r in results):
         runs = [r for r in results if r["router"] == name]
-        out[name] = {k: statistics.median(r[k] for r in runs) if all(r[k] is not None for r in runs) else None
+        out[name] = {k: statistics.median(r[k] for r in runs) if all(r.get(k) is not None for r in runs) else None
                      for k in MEDIAN_KEYS}
         out[name]["passes"] = len(runs)
         out[name]["failed"] = sum(r["failed"] for r in runs)
@@ -247,8 +261,9 @@ def main() -> int:
         time.sleep(3.0)  # heartbeats bind replica ids to URLs; vllm-router checks its workers
         for n in range(args.passes):
             # Every other pass in reverse order: the machine's drift falls on every router alike.
-            for name, url, _ in (routers if n % 2 == 0 else routers[::-1]):
-                row = run_one(name, url, replica_urls, prompts, args, ceiling, n)
+            for name, url, proc in (routers if n % 2 == 0 else routers[::-1]):
+                row = run_one(name, url, replica_urls, prompts, args, ceiling, n, proc.pid,  # type: ignore[attr-defined]
+                              tuple(p.pid for p in replica_procs))
                 results.append(row)
                 print(json.dumps(row), flush=True)
     finally:
