@@ -59,8 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat-cache-tokens", type=int, default=DEFAULT_MAX_TOKENS,
         help="token ids of chat histories kept so a follow-up turn tokenizes only its new part (0: off)",
     )
-    parser.add_argument("--session-header", default="x-session-id", help="header that pins a session to a replica")
-    parser.add_argument("--balance-epsilon", type=float, default=0.25, help="bounded load: at most (1+eps) x mean")
+    parser.add_argument(
+        "--session-header", default="x-session-id",
+        help="header that pins a session to a replica (until that replica is overloaded, as a prefix's holder)")
+    parser.add_argument(
+        "--balance-epsilon", type=float, default=0.25,
+        help="predicted-ttft: a prefix's holder keeps a request until its predicted TTFT exceeds (1+eps) x "
+             "(the best other's + the prefill the hit saves); prefix-affinity: at most (1+eps) x mean in flight")
     parser.add_argument(
         "--ttft-balance-epsilon", type=float, default=TTFT_EPSILON,
         help="predicted-ttft's safety valve: no replica above (1+eps) x mean in-flight requests (negative: off)",
