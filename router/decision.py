@@ -25,6 +25,8 @@ from kvscale.router.replicas import Replica
 SESSIONS_KEPT = 100_000
 # A block routed to a replica within this long is hot there: a new prefix should not evict it.
 HOT_WINDOW_S = 30.0
+# At most this many block hashes remembered per replica (a busy router's 30 s can hold millions).
+HOT_BLOCKS_KEPT = 262_144
 
 
 class SessionMemory:
@@ -51,8 +53,9 @@ class HotBlocks:
     the KV room its hot prefixes take, so that a cold prompt goes where it evicts none of them.
     (A block sent once is a unique suffix, or a prefix not yet reused: LRU may take it.)"""
 
-    def __init__(self, window_s: float = HOT_WINDOW_S) -> None:
+    def __init__(self, window_s: float = HOT_WINDOW_S, capacity: int = HOT_BLOCKS_KEPT) -> None:
         self.window_s = window_s
+        self.capacity = capacity
         # replica -> block hash -> (last sent, times sent), oldest first
         self._sent: dict[str, OrderedDict[int, tuple[float, int]]] = {}
         self._hot: dict[str, int] = {}  # replica -> how many of its entries were sent twice or more
@@ -66,6 +69,10 @@ class HotBlocks:
                 self._hot[replica_id] = self._hot.get(replica_id, 0) + 1
             blocks[block_hash] = (now, times + 1)
             blocks.move_to_end(block_hash)
+        while len(blocks) > self.capacity:
+            _, (_, times) = blocks.popitem(last=False)
+            if times >= 2:
+                self._hot[replica_id] -= 1
 
     def _expire(self, replica_id: str, now: float) -> None:
         blocks = self._sent.get(replica_id)

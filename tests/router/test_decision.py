@@ -121,6 +121,10 @@ def test_hot_blocks_are_the_room_reused_prefixes_take_and_expire() -> None:
     assert hot.footprint("r0", 152.0) == 1
     hot.forget("r0")
     assert hot.footprint("r0", 152.0) == 0
+    small = HotBlocks(window_s=30.0, capacity=2)  # the oldest hashes go first past the capacity
+    small.sent("r0", [1, 2], now=0.0)
+    small.sent("r0", [1, 2, 3], now=1.0)
+    assert small.footprint("r0", 1.0) == 1  # 1 was pushed out; 2 (sent twice) is still hot
 
 
 def test_the_default_places_a_cold_prompt_where_no_hot_prefix_is_evicted() -> None:
