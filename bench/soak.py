@@ -63,6 +63,7 @@ class Outcome:
     hung_up: bool = False  # the client left on purpose
     error: str | None = None
     router_retries: int = 0
+    first_chunk_s: float | None = None  # time to the first streamed chunk (TTFT as a client sees it)
 
 
 @dataclass
@@ -141,7 +142,7 @@ class Platform:
         return name
 
     def rss_mib(self, name: str) -> float | None:
-        child = self.replicas.get(name)
+        child = self.replicas.get(name) or self.routers.get(name)
         if child is None or not child.alive():
             return None
         for line in Path(f"/proc/{child.proc.pid}/status").read_text().splitlines():
@@ -184,6 +185,8 @@ async def one_request(client: httpx.AsyncClient, routers: list[str], index: int,
                         outcome.done = True
                         break
                     outcome.chunks += 1
+                    if outcome.first_chunk_s is None:
+                        outcome.first_chunk_s = time.monotonic() - outcome.started
                     if '"error"' in line[:20]:
                         outcome.error = line[:200]
                     if hang_up_after is not None and outcome.chunks >= hang_up_after:
@@ -309,8 +312,6 @@ def _p99(values: list[float]) -> float | None:
 
 def summarize(outcomes: list[Outcome], faults: list[Fault], platform_: Platform, rss_start: dict,
               wall_s: float, args: argparse.Namespace) -> dict:
-    import re
-
     by_name = {f.name: f for f in faults}
 
     def cut_on(fault_name: str) -> list[Outcome]:
@@ -325,24 +326,7 @@ def summarize(outcomes: list[Outcome], faults: list[Fault], platform_: Platform,
     failed_before = [o for o in outcomes if o.error and o.chunks == 0]
     other_failed = [o for o in outcomes if not o.done and not o.hung_up and o.chunks > 0
                     and o not in cut_on("sigkill_replica")]
-    leaked = {}
-    for name, child in platform_.replicas.items():
-        url = child.url
-        deadline = time.monotonic() + 30
-        value = None
-        while time.monotonic() < deadline:
-            try:
-                text = httpx.get(f"{url}/metrics", timeout=10).text
-            except httpx.HTTPError as exc:
-                value = f"unreachable: {exc}"
-                time.sleep(0.5)
-                continue
-            match = re.search(r"^kvscale:kv_blocks_active(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.M)
-            value = float(match.group(1)) if match else None
-            if value == 0:
-                break
-            time.sleep(0.5)
-        leaked[name] = value
+    leaked = _leaked_blocks(platform_)
     quiet = [o.router_ms for o in outcomes if o.router_ms is not None
              and not any(f.at <= o.started <= (f.until or f.at) for f in faults)]
     windows = {f.name: _p99([o.router_ms for o in outcomes if o.router_ms is not None
@@ -377,6 +361,103 @@ def summarize(outcomes: list[Outcome], faults: list[Fault], platform_: Platform,
     }
 
 
+def _leaked_blocks(platform_: Platform) -> dict:
+    import re
+
+    leaked: dict = {}
+    for name, child in platform_.replicas.items():
+        deadline = time.monotonic() + 30
+        value = None
+        while time.monotonic() < deadline:
+            try:
+                text = httpx.get(f"{child.url}/metrics", timeout=10).text
+            except httpx.HTTPError as exc:
+                value = f"unreachable: {exc}"
+                time.sleep(0.5)
+                continue
+            match = re.search(r"^kvscale:kv_blocks_active(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.M)
+            value = float(match.group(1)) if match else None
+            if value == 0:
+                break
+            time.sleep(0.5)
+        leaked[name] = value
+    return leaked
+
+
+def _honest(outcomes: list[Outcome]) -> dict:
+    finished = [o for o in outcomes if not o.hung_up]
+    return {"requests": len(outcomes), "failed": sum(1 for o in outcomes if o.error),
+            "failed_examples": [o.error for o in outcomes if o.error][:5],
+            "ttft_p50_s": _quantile(0.5, [o.first_chunk_s for o in finished if o.first_chunk_s is not None]),
+            "ttft_p90_s": _quantile(0.9, [o.first_chunk_s for o in finished if o.first_chunk_s is not None])}
+
+
+def _quantile(q: float, values: list[float]) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def hostile_main(args: argparse.Namespace) -> int:
+    """The honest load alone, then the same load beside hostile clients, on one platform."""
+    from hostile_clients import HostileStats, run_hostile
+
+    platform_ = Platform(args.replicas, args.blocks)
+    try:
+        platform_.start(args.startup_timeout)
+        routers = [f"http://127.0.0.1:{platform_.router_ports[n]}" for n in ("router-a", "router-b")]
+        asyncio.run(load(platform_, 2 * args.replicas, args.replicas, args.seed + 99, []))
+        names = [*platform_.names, "router-a", "router-b"]
+        rss_start = {n: platform_.rss_mib(n) for n in names}
+        alone: list[Outcome] = []
+        started = time.monotonic()
+        asyncio.run(load(platform_, args.requests, args.concurrency, args.seed, alone))
+        alone_s = time.monotonic() - started
+        stats = HostileStats()
+        beside: list[Outcome] = []
+
+        async def both() -> None:
+            stop = asyncio.Event()
+            hostile = asyncio.create_task(run_hostile(routers, stats, stop))
+            await asyncio.sleep(5)  # the hostile clients under way before the honest load starts
+            await load(platform_, args.requests, args.concurrency, args.seed, beside)
+            stop.set()
+            await asyncio.wait_for(hostile, 360)
+
+        started = time.monotonic()
+        asyncio.run(both())
+        beside_s = time.monotonic() - started
+        honest_alone, honest_beside = _honest(alone), _honest(beside)
+        p90_alone, p90_beside = honest_alone["ttft_p90_s"], honest_beside["ttft_p90_s"]
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines()
+                      if line.startswith("Model name")), "")
+        result = {
+            "command": " ".join(["bench/soak.py", *sys.argv[1:]]),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"cpu": model, "cores": os.cpu_count(), "platform": platform.platform(),
+                        "load_avg_1m_at_end": os.getloadavg()[0]},
+            "config": {"requests": args.requests, "concurrency": args.concurrency,
+                       "replicas": args.replicas, "routers": 2, "seed": args.seed},
+            "honest_alone": {**honest_alone, "wall_s": round(alone_s, 1)},
+            "honest_beside_hostile": {**honest_beside, "wall_s": round(beside_s, 1)},
+            "ttft_p90_ratio": round(p90_beside / p90_alone, 2) if p90_alone and p90_beside else None,
+            "hostile": stats.as_dict(),
+            "leaked_blocks": _leaked_blocks(platform_),
+            "rss_growth_mib": {n: (round(end - rss_start[n], 1) if end and rss_start.get(n) else None)
+                               for n in names for end in [platform_.rss_mib(n)]},
+            "processes_alive": {n: bool((platform_.replicas.get(n) or platform_.routers.get(n)).alive())
+                                for n in names},
+        }
+    finally:
+        platform_.stack.stop(grace_s=20)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000)
@@ -386,7 +467,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=300)
     parser.add_argument("--out", default="bench/results/soak.json")
+    parser.add_argument("--hostile", action="store_true",
+                        help="no fault schedule: the honest load alone, then beside hostile clients "
+                             "(bench/hostile_clients.py), in the same run")
     args = parser.parse_args()
+    if args.hostile:
+        return hostile_main(args)
     if args.replicas < 2:
         raise SystemExit("--replicas must be at least 2 (one is SIGKILLed, another SIGTERMed)")
 
