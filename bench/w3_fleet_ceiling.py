@@ -91,8 +91,10 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
         async for line in response.aiter_lines():
             if first is None and line.startswith("data: {") and json.loads(line[6:]).get("choices"):
                 first = time.perf_counter()
+    predicted_ms = response.headers.get("x-kvscale-predicted-ttft-ms")
     return {"ok": True, "ttft_s": (first or time.perf_counter()) - started, "latency_s": time.perf_counter() - started,
-            "router_ms": float(response.headers.get("x-kvscale-router-ms", "nan"))}
+            "router_ms": float(response.headers.get("x-kvscale-router-ms", "nan")),
+            "predicted_ttft_s": float(predicted_ms) / 1000 if predicted_ms else None}
 
 
 async def drive(router_url: str, prompts: list[str], args, salt: str) -> tuple[list[dict], float]:
@@ -139,7 +141,16 @@ def run_one(name: str, router_url: str, replica_urls: list[str], prompts: list[s
     hit_rate = hits / queries if queries else 0.0
     ttfts = [r["ttft_s"] for r in ok]
     router_ms = [r["router_ms"] for r in ok if r["router_ms"] == r["router_ms"]]
+    # predicted-ttft's estimate against the TTFT the client measured (which adds the HTTP path).
+    pairs = [(r["predicted_ttft_s"], r["ttft_s"]) for r in ok if r.get("predicted_ttft_s")]
+    errors = [measured - predicted for predicted, measured in pairs]
+    ratios = [measured / predicted for predicted, measured in pairs if predicted > 0]
+    prediction = ({"requests": len(pairs),
+                   "error_s": {f"p{q}": quantile(errors, q / 100) for q in (10, 50, 90)},
+                   "measured_over_predicted": {f"p{q}": quantile(ratios, q / 100) for q in (10, 50, 90)}}
+                  if pairs else None)
     return {
+        "ttft_prediction": prediction,
         "router": name,
         "pass": n,
         "requests": len(results),

@@ -214,6 +214,7 @@ class Router:
             predicted_hit_tokens=predicted_tokens,
             session=session,
             router_ms=(decided - started) * 1000,
+            predicted_ttft_s=decision.predicted_ttft_s,
         ))
 
     async def pass_through(self, request: Request, endpoint: str) -> Response:

@@ -107,6 +107,7 @@ class Decision:
     ranked: list[str]  # best first; the proxy walks it on failover
     matched_blocks: int  # of the first choice
     reason: str  # "affinity" | "load" | "hash" | "sticky" | "round-robin" | "random"
+    predicted_ttft_s: float | None = None  # predicted-ttft's estimate for the first choice
 
 
 def effective_load(
@@ -311,7 +312,8 @@ def predicted_ttft_policy(
     ranked += sorted(over, key=key)
     if reason == "load" and best_match > 0 and ranked[0].matched_blocks == best_match:
         reason = "affinity"
-    return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks, reason)
+    return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks, reason,
+                    predicted_ttft_s=ttft[ranked[0].replica_id])
 
 
 def weighted_scores(candidates: Sequence[Candidate], prompt_blocks: int) -> dict[str, float]:

@@ -51,6 +51,7 @@ class Routed:
     predicted_hit_tokens: int  # of the first choice
     session: str | None
     router_ms: float  # the router's time from the body's last byte to the decision
+    predicted_ttft_s: float | None = None  # for the first choice (predicted-ttft only)
 
 
 def replica_headers(
@@ -156,6 +157,9 @@ class Forwarder:
             out_headers["x-kvscale-replica"] = replica.replica_id
             out_headers["x-kvscale-router-ms"] = f"{routed.router_ms:.3f}"
             out_headers["x-kvscale-predicted-hit-tokens"] = str(routed.predicted_hit_tokens)
+            if routed.predicted_ttft_s is not None and attempt == 0:
+                # What the estimate said of the replica that answers: its error is measurable.
+                out_headers["x-kvscale-predicted-ttft-ms"] = f"{routed.predicted_ttft_s * 1000:.1f}"
             return StreamingResponse(
                 self._passthrough(first, chunks, upstream, request),
                 status_code=upstream.status_code,

@@ -172,6 +172,17 @@ def test_predicted_ttft_keeps_a_cached_prefix_despite_one_more_short_decode():
     assert policy.prefix_affinity(counted, 33, 1).ranked[0] != "holder"
 
 
+def test_the_decision_carries_the_estimate_of_its_first_choice():
+    """What the router reports as x-kvscale-predicted-ttft-ms, so its error can be measured."""
+    holder = ttft_cand("holder", matched=32, queued=4000)
+    other = ttft_cand("other", queued=0)
+    decision = policy.predicted_ttft_policy([holder, other], 528, 16, hash_key=1)
+    rates = policy.pool_rates([holder, other])
+    expected = policy.predicted_ttft(replace(other, prefill_tokens_per_s=rates["other"]), 528, 16)
+    assert decision.ranked[0] == "other" and decision.predicted_ttft_s == pytest.approx(expected)
+    assert policy.round_robin([holder, other], 0).predicted_ttft_s is None
+
+
 def test_predicted_ttft_leaves_a_holder_whose_queue_costs_more_than_the_prefill():
     holder = ttft_cand("holder", matched=32, queued=4000)  # 4 s of prefill queued
     other = ttft_cand("other", queued=0)  # 0.528 s to prefill from scratch
