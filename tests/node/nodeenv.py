@@ -716,16 +716,21 @@ def _node_ready(env: NodeEnv) -> bool:
 def stop_node_env(env: NodeEnv, *, grace: float = 60.0) -> None:
     """Delete every pod through the API (the kubelet stops them and tears their sandboxes down
     as on any node), stop the processes, then sweep what is left and restore the machine."""
+    t0 = time.monotonic()
     try:
         if env.processes.get("kubelet") is not None and env.processes["kubelet"].poll() is None:
             env.kubectl("delete", "pods", "--all", "--all-namespaces", "--grace-period=5",
                         "--wait=false", check=False)
             try:
+                # Running tasks, not containers: exited ones wait for the kubelet's garbage
+                # collection (once a minute); the sweep removes those with containerd's state.
                 wait_until(lambda: not env.kubectl_json("get", "pods", "-A")["items"]
-                           and not env.ctr("containers", "ls", "-q", check=False).stdout.split(),
-                           grace, interval=1.0, what="every pod and container gone")
+                           and not env.ctr("tasks", "ls", "-q", check=False).stdout.split(),
+                           grace, interval=1.0, what="every pod and running container gone")
             except (TimeoutError, NodeEnvError, ValueError):
                 pass  # the sweep below removes them the hard way
+        env.timings["stop: pods"] = time.monotonic() - t0
+        t0 = time.monotonic()
         for name in reversed(list(env.processes)):
             proc = env.processes[name]
             if proc.poll() is None:
@@ -736,7 +741,10 @@ def stop_node_env(env: NodeEnv, *, grace: float = 60.0) -> None:
                     proc.kill()
                     proc.wait()
         env.processes.clear()
+        env.timings["stop: processes"] = time.monotonic() - t0
+        t0 = time.monotonic()
         sweep(env.node_bins)
+        env.timings["stop: sweep"] = time.monotonic() - t0
     finally:
         if env.sysctls:
             _restore_sysctls(env.sysctls)

@@ -54,7 +54,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeEnv]:
     finally:
         t0 = time.monotonic()
         stop_node_env(env)
-        print(f"node stopped in {time.monotonic() - t0:.1f}s")
+        print(f"node stopped in {time.monotonic() - t0:.1f}s: "
+              f"{json.dumps({k: round(v, 1) for k, v in env.timings.items() if k.startswith('stop')})}")
     # Checked after every test of the module: a stopped node leaves nothing on the machine.
     assert leftovers() == []
 
