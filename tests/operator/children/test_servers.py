@@ -123,3 +123,25 @@ def test_services():
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["ports"][0]["port"] == 8000
     assert labels.service_url("m", "ns") == "http://m.ns.svc.cluster.local"
+
+
+def test_a_cpu_server_sizes_its_kv_cache_to_its_memory_limit():
+    """Found on the real-node lane: the CPU KV cache was 2 GiB whatever the limit, and a server
+    limited to 2Gi was OOMKilled before it served (the process runtime enforces no limits)."""
+    from kvscale.cli import build_parser
+    from kvscale.operator.children.servers import build_deployment, quantity_bytes
+
+    assert [quantity_bytes(q) for q in ("2Gi", "512Mi", "1G", "1e9", "2147483648")] == [
+        2 * 2**30, 512 * 2**20, 10**9, 10**9, 2**31]
+    cpu = parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"},
+                      "resources": {"gpus": 0, "memory": "2Gi"}})
+    args = build_deployment("m", "ns", cpu)["spec"]["template"]["spec"]["containers"][0]["args"]
+    parsed = build_parser("serve").parse_args([a.replace("$(POD_NAME)", "m-0") for a in args])
+    assert parsed.kv_cache_memory_bytes == 512 * 2**20  # a quarter of the limit
+    gpu = parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"}, "resources": {"gpus": 1}})
+    assert "--kv-cache-memory-bytes" not in build_deployment("m", "ns", gpu)["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    given = parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"}, "resources": {"gpus": 0},
+                        "engine": {"extraArgs": ["--kv-cache-memory-bytes=1000000"]}})
+    args = build_deployment("m", "ns", given)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args.count("--kv-cache-memory-bytes") == 0 and "--kv-cache-memory-bytes=1000000" in args
