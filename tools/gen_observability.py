@@ -189,7 +189,8 @@ ROUTER = Board(
     title="kvscale / Router",
     description="Where the prefix-aware router sends traffic, and how well it predicts caches.",
     pod_source=m.ROUTER_REPLICAS_HEALTHY.series,
-    service_source=m.ROUTER_REPLICAS_HEALTHY.series,
+    # The routers' own series with a model_name: the model each router tokenizes for.
+    service_source=m.ROUTER_TOKENIZER_LOADED.series,
     panels=(
         Panel("Traffic per replica", (
             q(f"sum by (replica) ({rate(m.ROUTER_REQUESTS.series, SEL_ROUTER)})", "{{replica}}"),

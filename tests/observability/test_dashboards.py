@@ -72,9 +72,9 @@ def test_the_router_board_lists_routers_whether_or_not_their_servers_run() -> No
     """Its service variables come from the routers' own series: a service whose servers are all
     down (or a router in front of none yet) still has its router board."""
     variables = {v["name"]: v for v in committed_dashboards()["router"]["templating"]["list"]}
-    for name in ("namespace", "inferenceservice"):
+    for name in ("namespace", "inferenceservice", "model_name"):
         assert variables[name]["query"].startswith(
-            f"label_values({names.ROUTER_REPLICAS_HEALTHY.series}"), variables[name]["query"]
+            f"label_values({names.ROUTER_TOKENIZER_LOADED.series}"), variables[name]["query"]
 
 
 def all_exprs() -> list[tuple[str, str]]:
