@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from kvscale.operator.router_reports import RouterReport, prefix_routing_condition, report_from_health
+from kvscale.operator.router_reports import (
+    RouterReport,
+    prefix_routing_condition,
+    report_from_health,
+)
 
 
 def test_a_router_without_a_tokenizer_turns_the_condition_false_and_names_it() -> None:

@@ -11,14 +11,15 @@ import sys
 from pathlib import Path
 
 import httpx
-import hypothesis
 import openai
 import pytest
 import schemathesis
 from schemathesis import GenerationMode
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from api_helpers import ServeProcess, scrape, wait_for_idle_pool  # noqa: E402
+from openapi_fuzz import fuzz  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -439,48 +440,15 @@ def test_churn_with_disconnects_returns_pool_to_free(server, client) -> None:
 # ---------------------------------------------------------------------------- schemathesis
 
 
-def _cheap(case) -> None:
-    """Keep generation cheap on a shared CPU: the server's validation is what is under test."""
-    body = case.body
-    if not isinstance(body, dict):
-        return
-    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
-        if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > 4:
-            body[key] = 4
-    if ("prompt" in body or "messages" in body) and body.get("max_tokens") is None and body.get(
-            "max_completion_tokens") is None:
-        body["max_tokens"] = 4  # unset means "up to the context length": far too slow here
-    if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) and body["n"] > 2:
-        body["n"] = 2
-    if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 3:
-        body["prompt"] = body["prompt"][:3]
-
-
-def _fuzz(operation, mode: GenerationMode, base_url: str, calls: dict[str, int]) -> None:
-    @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
-    @hypothesis.settings(max_examples=8, deadline=None, derandomize=True, database=None,
-                         suppress_health_check=list(hypothesis.HealthCheck))
-    def check(case) -> None:
-        _cheap(case)
-        response = case.call(base_url=base_url, timeout=120)
-        calls[operation.label] = calls.get(operation.label, 0) + 1
-        assert response.status_code < 500, (
-            f"{operation.label} {case.body!r} -> {response.status_code} {response.text}")
-        if response.status_code >= 400:
-            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
-
-    check()
-
-
 def test_openapi_fuzz_has_no_server_errors(server) -> None:
     """schemathesis generates valid and invalid requests for every operation in /openapi.json."""
     schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
     calls: dict[str, int] = {}
     for result in schema.get_all_operations():
         operation = result.ok()
-        _fuzz(operation, GenerationMode.POSITIVE, server.base_url, calls)
+        fuzz(operation, GenerationMode.POSITIVE, server.base_url, calls)
         # Only the POST operations take input, so only they have invalid input to generate.
         if operation.method.upper() == "POST":
-            _fuzz(operation, GenerationMode.NEGATIVE, server.base_url, calls)
+            fuzz(operation, GenerationMode.NEGATIVE, server.base_url, calls)
     assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize"} <= set(calls)
     assert httpx.get(f"{server.base_url}/health").status_code == 200
