@@ -101,6 +101,16 @@ def ready(env: NodeEnv) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
 
 
+def fully_ready(env: NodeEnv) -> bool:
+    """Ready says one server serves; the tests want both servers and every other container up
+    (the second server may still be loading its model when the first makes it Ready)."""
+    if not ready(env):
+        return False
+    pods = env.kubectl_json("get", "pods", "-A")["items"]
+    return len(pods) == 5 and all(
+        c.get("ready") for p in pods for c in (p.get("status") or {}).get("containerStatuses") or [{}])
+
+
 class PortForward:
     """`kubectl port-forward` to a Service, as the chart's NOTES tell a user to run it."""
 
@@ -151,7 +161,7 @@ def platform(node: NodeEnv) -> NodeEnv:
     t0 = time.monotonic()
     env.apply(inference_service(max_num_seqs=8))
     try:
-        wait_until(lambda: ready(env), 600, interval=2.0, what=f"{NAME} Ready")
+        wait_until(lambda: fully_ready(env), 600, interval=2.0, what=f"{NAME} Ready, every container up")
     except TimeoutError as exc:
         raise AssertionError(f"{exc}\n{diagnosis(env)}") from None
     TIMINGS["InferenceService Ready"] = time.monotonic() - t0
