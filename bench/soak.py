@@ -303,13 +303,6 @@ def _schedule(platform_: Platform, progress, faults: list[Fault], stop: list[boo
     fault.until = time.monotonic()
 
 
-def _p99(values: list[float]) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(0.99 * len(values)))]
-
-
 def summarize(outcomes: list[Outcome], faults: list[Fault], platform_: Platform, rss_start: dict,
               wall_s: float, args: argparse.Namespace) -> dict:
     by_name = {f.name: f for f in faults}
@@ -329,7 +322,7 @@ def summarize(outcomes: list[Outcome], faults: list[Fault], platform_: Platform,
     leaked = _leaked_blocks(platform_)
     quiet = [o.router_ms for o in outcomes if o.router_ms is not None
              and not any(f.at <= o.started <= (f.until or f.at) for f in faults)]
-    windows = {f.name: _p99([o.router_ms for o in outcomes if o.router_ms is not None
+    windows = {f.name: _quantile(0.99, [o.router_ms for o in outcomes if o.router_ms is not None
                               and f.at <= o.started <= (f.until or f.at)]) for f in faults}
     restarted = {f.target for f in faults}
     rss_end = {n: None if n in restarted else platform_.rss_mib(n) for n in platform_.names}
@@ -356,7 +349,7 @@ def summarize(outcomes: list[Outcome], faults: list[Fault], platform_: Platform,
         "rss_growth_mib": {n: (round(rss_end[n] - rss_start[n], 1) if rss_end.get(n) and rss_start.get(n)
                                else None) for n in platform_.names},
         "rss_note": "replicas restarted by the schedule (SIGKILL, SIGTERM) have no comparable start",
-        "router_ms_p99": {"quiet_baseline": _p99(quiet), **windows},
+        "router_ms_p99": {"quiet_baseline": _quantile(0.99, quiet), **windows},
         "faults": [asdict(f) for f in faults],
     }
 
@@ -385,11 +378,10 @@ def _leaked_blocks(platform_: Platform) -> dict:
 
 
 def _honest(outcomes: list[Outcome]) -> dict:
-    finished = [o for o in outcomes if not o.hung_up]
+    ttfts = [o.first_chunk_s for o in outcomes if not o.hung_up and o.first_chunk_s is not None]
     return {"requests": len(outcomes), "failed": sum(1 for o in outcomes if o.error),
             "failed_examples": [o.error for o in outcomes if o.error][:5],
-            "ttft_p50_s": _quantile(0.5, [o.first_chunk_s for o in finished if o.first_chunk_s is not None]),
-            "ttft_p90_s": _quantile(0.9, [o.first_chunk_s for o in finished if o.first_chunk_s is not None])}
+            "ttft_p50_s": _quantile(0.5, ttfts), "ttft_p90_s": _quantile(0.9, ttfts)}
 
 
 def _quantile(q: float, values: list[float]) -> float | None:
