@@ -12,7 +12,7 @@ import kopf
 
 from kvscale.operator import conditions, scaling, scraping
 from kvscale.operator.apply import apply_children
-from kvscale.operator.children.labels import router_selector, selector_string
+from kvscale.operator.children.labels import as_selector_string, router_selector, selector_string
 from kvscale.operator.conditions import SCALING_ACTIVE, Condition
 from kvscale.operator.deletion_cost import set_deletion_costs
 from kvscale.operator.inference_service import (
@@ -43,8 +43,7 @@ def router_conditions(runtime: Runtime, name: str, namespace: str,
     """PrefixRouting, from what the router pods say of their tokenizers; none without a router."""
     if not spec.router.enabled:
         return []
-    selector = ",".join(f"{k}={v}" for k, v in router_selector(name).items())
-    pods = runtime.kube.list(path_for("v1", "pods", namespace), selector)
+    pods = runtime.kube.list(path_for("v1", "pods", namespace), as_selector_string(router_selector(name)))
     return [prefix_routing_condition(read_router_reports(pods, runtime.config.scrape_timeout))]
 
 

@@ -43,9 +43,14 @@ def child_labels(name: str) -> dict[str, str]:
     return part_labels(selector_labels(name), name, SERVER_COMPONENT)
 
 
+def as_selector_string(labels: dict[str, str]) -> str:
+    """A label selector in the string form the API takes and the scale subresource reports."""
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
 def selector_string(name: str) -> str:
-    """The servers' selector in the string form the scale subresource reports."""
-    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
+    """The servers' selector."""
+    return as_selector_string(selector_labels(name))
 
 
 def headless_service_name(name: str) -> str:
