@@ -19,8 +19,8 @@ from kvscale.server.block_pool import BlockPool
 from kvscale.server.config import EngineConfig
 from kvscale.server.detokenizer import detokenize_incrementally, find_stop_string, init_detokenizer
 from kvscale.server.engine_stats import engine_stats
-from kvscale.server.kv_cache_manager import KVCacheManager, blocks_for
 from kvscale.server.host_tier import HostTier
+from kvscale.server.kv_cache_manager import KVCacheManager, blocks_for
 from kvscale.server.kv_sizing import (
     host_memory_room,
     host_tier_blocks,
