@@ -133,3 +133,27 @@ def test_the_router_tokenizes_the_servers_model_under_the_servers_names():
             assert "/models" in mounts
         if model["uri"].startswith("bundled://"):
             assert serve.model is None and "initContainers" not in router_pod
+
+
+def test_scale_to_zero_gives_the_router_a_hold_and_the_scale_of_its_own_service_alone():
+    spec = parse_spec({**BUNDLED, "autoscaling": {"enabled": True, "minReplicas": 0,
+                                                  "activationTimeoutSeconds": 90}})
+    pod = service_router("chat", "team", spec, "img")
+    args = build_router_deployment(pod)["spec"]["template"]["spec"]["containers"][0]["args"]
+    parsed = build_parser("router").parse_args(
+        expand(args, {"POD_NAMESPACE": "team"}))
+    config = config_from_args(parsed)
+    assert (config.hold_timeout_s, config.scale_from_zero) == (90.0, "chat")
+    role = next(o for o in owned.build_children("chat", "team", spec)
+                if o["kind"] == "Role" and o["metadata"]["name"] == "chat-router")
+    scale_rules = [r for r in role["rules"] if r["apiGroups"] == ["serving.kvscale.io"]]
+    assert scale_rules == [{"apiGroups": ["serving.kvscale.io"],
+                            "resources": ["inferenceservices/scale"], "resourceNames": ["chat"],
+                            "verbs": ["get", "patch"]}]
+    # Without scale to zero: no hold, no write of any kind.
+    plain = build_router_deployment(service_router("chat", "team", parse_spec(BUNDLED), "img"))
+    plain_args = plain["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--hold-timeout" not in plain_args and "--scale-from-zero" not in plain_args
+    plain_role = next(o for o in owned.build_children("chat", "team", parse_spec(BUNDLED))
+                      if o["kind"] == "Role" and o["metadata"]["name"] == "chat-router")
+    assert all(r["apiGroups"] != ["serving.kvscale.io"] for r in plain_role["rules"])
