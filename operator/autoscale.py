@@ -32,6 +32,7 @@ from kvscale.operator.metrics import ReplicaCounts
 from kvscale.operator.router_reports import (
     RouterReport,
     demand_from_reports,
+    indexed_blocks,
     prefix_routing_condition,
     read_router_reports,
 )
@@ -94,13 +95,13 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
         name, namespace = key.name, key.namespace
         pods = kube.list(path_for("v1", "pods", namespace), selector_string(name))
         loads = scraping.scrape_pods(pods, config.scrape_timeout, config.allow_metrics_url_override)
-        set_deletion_costs(kube, pods, loads)
+        reports = router_reports(runtime, name, namespace, spec)
+        set_deletion_costs(kube, pods, loads, indexed_blocks(reports) if reports else None)
         policy = spec.autoscaling
         estimate = scaling.estimate_load(loads, policy)
         extra = load_status(estimate)
         live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         ready = sum(1 for p in live if scraping.is_ready(p))
-        reports = router_reports(runtime, name, namespace, spec)
         demand = demand_from_reports(reports or [])
         if policy.scales_to_zero:
             fields, activated = activation_status(

@@ -10,7 +10,7 @@ reading (`read_router_reports`) asks each ready router pod, in parallel, with a 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -32,6 +32,7 @@ class RouterReport:
     held: int = 0  # requests it holds for a replica
     idle_seconds: float | None = None  # since a request was last open or held there; None: unsaid
     last_cold_start_s: float | None = None  # its last wait from a held request to a ready replica
+    indexed: dict[str, float] = field(default_factory=dict)  # replica id -> blocks its index holds
 
 
 def report_from_health(pod: str, body: Any) -> RouterReport:
@@ -39,14 +40,27 @@ def report_from_health(pod: str, body: Any) -> RouterReport:
         return RouterReport(pod, {}, "its /health lists no tokenizers (an older router?)")
     missing = {str(t.get("model")): str(t.get("error") or "not loaded")
                for t in body["tokenizers"] if isinstance(t, dict) and not t.get("loaded")}
+    indexed = {str(r["id"]): float(r["index_blocks"]) for r in body.get("replicas") or []
+               if isinstance(r, dict) and isinstance(r.get("index_blocks"), (int, float))}
     activation = body.get("activation")
     if not isinstance(activation, dict):
-        return RouterReport(pod, missing)
+        return RouterReport(pod, missing, indexed=indexed)
     idle = activation.get("idle_seconds")
     cold = activation.get("last_cold_start_seconds")
     return RouterReport(pod, missing, held=int(activation.get("held") or 0),
                         idle_seconds=float(idle) if isinstance(idle, (int, float)) else None,
-                        last_cold_start_s=float(cold) if isinstance(cold, (int, float)) else None)
+                        last_cold_start_s=float(cold) if isinstance(cold, (int, float)) else None,
+                        indexed=indexed)
+
+
+def indexed_blocks(reports: list[RouterReport]) -> dict[str, float]:
+    """Blocks the routers' index holds per replica: the most any router holds (they all read
+    the same Redis; one that just started has less)."""
+    out: dict[str, float] = {}
+    for report in reports:
+        for replica, blocks in report.indexed.items():
+            out[replica] = max(out.get(replica, 0.0), blocks)
+    return out
 
 
 def demand_from_reports(reports: list[RouterReport]) -> Demand:

@@ -50,6 +50,7 @@ class PodLoad:
     kv_blocks_total: float | None = None
     num_requests_waiting: float | None = None
     num_requests_running: float | None = None
+    kv_blocks_cached: float | None = None  # free blocks still holding a reusable prefix
     error: str = ""
 
     @property

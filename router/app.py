@@ -343,10 +343,13 @@ class Router:
         if self.drain.draining:
             return JSONResponse(
                 {"status": "draining", "policy": self.config.policy}, status_code=503)
+        indexed = self.index.sizes()
+        # index_blocks: what the operator's pod-deletion-cost weighs (the warm cache routed to).
         replicas = [
             {"url": r.url, "id": r.replica_id, "healthy": self.heartbeats.routable(r),
              "in_flight": r.in_flight, "models": sorted(r.models),
-             "status": self.heartbeats.replica_status(r)}
+             "status": self.heartbeats.replica_status(r),
+             "index_blocks": indexed.get(r.replica_id, 0)}
             for r in self.replicas.replicas.values()
         ]
         # Holding requests at zero replicas is serving: the router stays ready (its Service

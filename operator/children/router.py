@@ -33,6 +33,7 @@ from kvscale.operator.children.pod_parts import (
     rolling_update,
     scrape_annotations,
     shutdown_timeout,
+    topology_spread,
 )
 from kvscale.operator.children.redis import service_redis_env
 from kvscale.operator.spec import GROUP, PLURAL, ROUTER_PORT, InferenceServiceSpec, SecretKeyRef
@@ -187,6 +188,7 @@ def build_router_deployment(pod: RouterPod) -> dict[str, Any]:
                     "securityContext": pod_security_context(),
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": ROUTER_TERMINATION_GRACE_PERIOD_SECONDS,
+                    "topologySpreadConstraints": topology_spread(dict(pod.selector)),
                     **pod.pod_extras,
                     **({"initContainers": pod.model_files.init_containers}
                        if pod.model_files.init_containers else {}),
