@@ -265,7 +265,7 @@ class Fleet:
 def simulate(requests: list[SimRequest], policy, calibration: Calibration, *, start_replicas: int,
              hold_timeout_s: float, end: float | None = None) -> Outcome:
     """Replay ``requests`` (sorted by arrival) through a fleet scaled by ``policy``."""
-    requests = [replace(r) for r in requests]
+    requests = [replace(r, pinned=[]) for r in requests]  # a fresh copy: pinned is mutated
     fleet = Fleet(calibration, hold_timeout_s)
     for _ in range(start_replicas):
         fleet.add(0.0, cold=False)
