@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from metrics_text import samples
 from nodeenv import (
     NODE_NAME,
     POD_CIDR,
@@ -233,16 +234,6 @@ def test_openai_client_through_kubectl_port_forward(platform: NodeEnv) -> None:
 LONG_PROMPT = "Inventory of the lighthouse: " + " ".join(
     f"lamp {n} burned {n * 5 % 11} hours on {('oil', 'gas', 'wax')[n % 3]};" for n in range(40))
 BLOCK_SIZE = 16
-
-
-def samples(text: str, series: str) -> dict[str, float]:
-    """label text -> value, for every sample of ``series``."""
-    found = {}
-    for line in text.splitlines():
-        if line.startswith(series + "{") or line.startswith(series + " "):
-            head, value = line.rsplit(" ", 1)
-            found[head[len(series):]] = float(value)
-    return found
 
 
 def test_prefix_routing_on_the_ipv6_pod_network(platform: NodeEnv) -> None:
