@@ -184,6 +184,9 @@ INVALID = {
     "block size not in enum": (
         {"engine": {"blockSize": 7}}, "Unsupported value: 7"),
     "negative replicas": ({"replicas": -1}, "should be greater than or equal to 0"),
+    "scale to zero without the router": (
+        {"autoscaling": {"enabled": True, "minReplicas": 0}, "router": {"enabled": False}},
+        "autoscaling.minReplicas 0 needs the router"),
     "a password in the Redis URL": (
         {"router": {"redis": {"url": "redis://:hunter2@redis.example:6379/0"}}},
         "router.redis.url must not hold credentials"),
@@ -232,7 +235,10 @@ def test_valid_resource_passes_validation_with_defaults(cluster):
         "enabled": False, "minReplicas": 1, "maxReplicas": 4, "targetKVUsage": 0.7,
         "targetQueueLength": 8, "scaleUpStabilizationSeconds": 0,
         "scaleDownStabilizationSeconds": 300, "panicWindowSeconds": 6, "panicThreshold": 2,
-        "maxScaleUpRate": 2}
+        "maxScaleUpRate": 2, "scaleToZeroAfterSeconds": 300, "activationTimeoutSeconds": 120}
+    # Scale to zero is valid with the router (the default).
+    cluster.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(inference_service(
+        "zero", "kvis-basic", autoscaling={"enabled": True, "minReplicas": 0})))
 
 
 # --------------------------------------------------------------------------- reconciliation

@@ -252,3 +252,24 @@ def test_requests_at_zero_with_redis_frozen_are_answered(cluster: Cluster) -> No
     finally:
         runtime.kill(NAMESPACE, redis_pod["metadata"]["name"], signal.SIGCONT)
     assert results == ["ok"] * 8, results
+
+
+def test_the_routers_only_write_is_its_own_services_scale(cluster: Cluster) -> None:
+    account = f"system:serviceaccount:{NAMESPACE}:{NAME}-router"
+
+    def can(verb: str, resource: str) -> bool:
+        proc = cluster.kubectl("auth", "can-i", verb, resource, "-n", NAMESPACE, f"--as={account}",
+                               check=False)
+        return proc.stdout.strip() == "yes"
+
+    assert can("patch", f"inferenceservices.serving.kvscale.io/{NAME}") is False
+    assert can("patch", "inferenceservices.serving.kvscale.io") is False
+    assert can("get", "inferenceservices.serving.kvscale.io") is False
+    # kubectl auth can-i names a subresource with --subresource.
+    def can_scale(verb: str, name: str) -> bool:
+        proc = cluster.kubectl("auth", "can-i", verb, f"inferenceservices.serving.kvscale.io/{name}",
+                               "--subresource=scale", "-n", NAMESPACE, f"--as={account}", check=False)
+        return proc.stdout.strip() == "yes"
+
+    assert can_scale("patch", NAME) and can_scale("get", NAME)
+    assert not can_scale("patch", "another") and not can_scale("update", NAME)
