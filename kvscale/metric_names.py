@@ -134,12 +134,34 @@ ROUTER_INDEX_BLOCKS = Metric(
     "kvscale_router_index_blocks", GAUGE, "Confirmed block hashes in the index, by replica.",
     ("replica",))
 
+# Scale from zero: requests the router holds while no replica is ready (router/activation.py).
+ROUTER_HELD_REQUESTS = Metric(
+    "kvscale_router_held_requests", GAUGE,
+    "Requests held for a replica to become ready (the service scaling up from zero).")
+ROUTER_HOLDS = Metric(
+    "kvscale_router_holds", COUNTER,
+    "Held requests by how their hold ended: released to a replica, timeout (503), full (503, the "
+    "hold queue was full) or disconnected (the client left).", ("outcome",))
+ROUTER_HOLD_SECONDS = Metric(
+    "kvscale_router_hold_seconds", HISTOGRAM, "Time a request was held before its hold ended.")
+ROUTER_COLD_START_SECONDS = Metric(
+    "kvscale_router_cold_start_seconds", HISTOGRAM,
+    "From the first request held at zero ready replicas to a replica ready to take it.")
+ROUTER_ACTIVATIONS = Metric(
+    "kvscale_router_activations", COUNTER,
+    "Requests to raise the service's replicas from zero, by result (scaled, already: the scale "
+    "was above zero, error).", ("result",))
+
 ROUTER_METRICS = (
     ROUTER_REQUESTS, ROUTER_DECISION_SECONDS, ROUTER_PREDICTED_HIT_TOKENS,
     ROUTER_PREDICTED_HIT_TOKENS_PER_REQUEST, ROUTER_PROMPT_TOKENS, ROUTER_SPILLS, ROUTER_RETRIES,
     ROUTER_FALLBACKS, ROUTER_TOKENIZER_LOADED, ROUTER_REDIS_ERRORS, ROUTER_REDIS_UP, ROUTER_REPLICAS_HEALTHY,
     ROUTER_IN_FLIGHT, ROUTER_INDEX_BLOCKS,
+    ROUTER_HELD_REQUESTS, ROUTER_HOLDS, ROUTER_HOLD_SECONDS, ROUTER_COLD_START_SECONDS,
+    ROUTER_ACTIVATIONS,
 )
+ROUTER_HOLD_OUTCOMES = ("released", "timeout", "full", "disconnected")
+ROUTER_ACTIVATION_RESULTS = ("scaled", "already", "error")
 # Label values created at zero on start, so rate() is defined before the first event of each.
 ROUTER_RETRY_REASONS = ("status_5xx", "timeout", "connection")
 ROUTER_FALLBACK_REASONS = ("no_tokenizer", "untokenizable", "redis_down")
@@ -182,10 +204,19 @@ OPERATOR_RECONCILE_ERRORS = Metric(
     "kvscale_operator_reconcile_errors", COUNTER,
     "Reconciliations and autoscaler runs that failed, by handler.", (*_IS, "handler"))
 
+OPERATOR_HELD_REQUESTS = Metric(
+    "kvscale_operator_held_requests", GAUGE,
+    "Requests the routers hold for a replica (the service at zero), as the autoscaler last read "
+    "them.", _IS)
+OPERATOR_COLD_START_SECONDS = Metric(
+    "kvscale_operator_cold_start_seconds", GAUGE,
+    "The last scale from zero: from the activation to the first ready replica.", _IS)
+
 OPERATOR_METRICS = (
     OPERATOR_LOAD, OPERATOR_KV_USAGE, OPERATOR_WAITING, OPERATOR_TARGET_KV_USAGE,
     OPERATOR_TARGET_QUEUE, OPERATOR_PANIC, OPERATOR_DESIRED, OPERATOR_CURRENT, OPERATOR_READY,
     OPERATOR_MIN, OPERATOR_MAX, OPERATOR_SCALE_DECISIONS, OPERATOR_RECONCILE_ERRORS,
+    OPERATOR_HELD_REQUESTS, OPERATOR_COLD_START_SECONDS,
 )
 
 ALL_METRICS = SERVER_METRICS + ROUTER_METRICS + OPERATOR_METRICS

@@ -136,6 +136,19 @@ AUTOSCALING = Board(
             q(quantile(0.9, m.TTFT, SEL_SERVER), "TTFT p90"),
             q(quantile(0.9, m.QUEUE_TIME, SEL_SERVER), "queue time p90"),
         ), unit="s", width=24),
+        Panel("Scale from zero: requests held", (
+            q(sel(m.OPERATOR_HELD_REQUESTS.series, SEL_SERVICE), "{{inferenceservice}} held (operator)"),
+            q(f"sum by (inferenceservice) ({sel(m.ROUTER_HELD_REQUESTS.series, SEL_SERVICE)})",
+              "{{inferenceservice}} held (routers)"),
+            q(f"sum by (outcome) (increase({sel(m.ROUTER_HOLDS.series, SEL_SERVICE)}[{RATE}]))",
+              "holds ended: {{outcome}}"),
+        ), description="minReplicas 0: requests the routers hold while no replica is ready, and "
+                       "how their holds ended (timeout and full are 503s)."),
+        Panel("Scale from zero: cold start", (
+            q(sel(m.OPERATOR_COLD_START_SECONDS.series, SEL_SERVICE), "{{inferenceservice}} last cold start"),
+            q(quantile(0.9, m.ROUTER_HOLD_SECONDS, SEL_SERVICE), "hold time p90"),
+        ), unit="s", description="From the first held request to a ready replica (the activation), "
+                                 "and how long requests were held."),
     ),
 )
 

@@ -130,6 +130,7 @@ def test_operator_metrics_export_the_contract_and_count_only_changes() -> None:
     stable = ScaleDecision(2, "Stable", "", estimate)
     metrics.observe("u1", "ns", "chat", policy, ReplicaCounts(2, 2, 2), estimate, stable, 2)
     metrics.error("u1", "ns", "chat", "reconcile")
+    metrics.observe_activation("u1", "ns", "chat", held=3, cold_start_s=7.5)
     assert_exports(metrics.render(), names.OPERATOR_METRICS)
     value = metrics.registry.get_sample_value
     key = {"namespace": "ns", "inferenceservice": "chat"}
