@@ -330,6 +330,7 @@ class LLMEngine:
         return engine_stats(
             self.scheduler, self.kv, num_generated_tokens=self.num_generated_tokens,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed, last_step_s=self.last_step_s,
+            offload=self.runner.host_cache.counters if self.runner.host_cache is not None else None,
         )
 
     def drain_kv_events(self) -> list[KVEvent]:

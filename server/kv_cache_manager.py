@@ -31,6 +31,8 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        self.host_cache_queries = 0  # tokens looked up in tier 2 (those tier 1 did not hold)
+        self.host_cache_hits = 0  # tokens found there (promoted)
 
     # --- hashing ------------------------------------------------------------------------
     def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
@@ -130,10 +132,14 @@ class KVCacheManager:
         while len(seq.block_table) < total:
             seq.block_table.append(pool.allocate())
 
-    def record_lookup(self, seq: Sequence, num_hit_tokens: int) -> None:
+    def record_lookup(self, seq: Sequence, num_hit_tokens: int, hits: Seq[PrefixHit] = ()) -> None:
         if self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_hit_tokens
+            if self.pool.host is not None:
+                from_device = sum(1 for h in hits if h.tier == TIER_DEVICE) * self.block_size
+                self.host_cache_queries += seq.num_tokens - from_device
+                self.host_cache_hits += num_hit_tokens - from_device
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (copy-on-write happens on its first write)."""

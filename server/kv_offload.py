@@ -22,18 +22,30 @@ from dataclasses import dataclass, field
 import torch
 
 from kvscale.server.block_pool import TierCopies
+from kvscale.server.kv_tier_policy import RESTORE_BUCKETS
 
 
 @dataclass
 class OffloadCounters:
-    """What the copies moved and took, for the metrics and the swap-or-recompute choice."""
+    """What the copies moved and took (cumulative), for the metrics and the swap-or-recompute
+    choice. The restore-latency histogram is kept as cumulative bucket counts, so it is a few
+    numbers however long the engine runs."""
 
     bytes_down: int = 0
     bytes_up: int = 0
     seconds_down: float = 0.0
     seconds_up: float = 0.0
-    # Seconds of each promotion batch not yet taken by the stats (restore-latency histogram).
-    restores: list[float] = field(default_factory=list)
+    restore_buckets: list[int] = field(default_factory=lambda: [0] * len(RESTORE_BUCKETS))
+    restore_count: int = 0
+    restore_sum: float = 0.0
+
+    def observe_restore(self, seconds: float) -> None:
+        self.seconds_up += seconds
+        self.restore_count += 1
+        self.restore_sum += seconds
+        for i, bound in enumerate(RESTORE_BUCKETS):
+            if seconds <= bound:
+                self.restore_buckets[i] += 1
 
     @property
     def copy_bytes_per_s(self) -> float:
@@ -85,9 +97,7 @@ class HostKVCache:
                 self._promote_gpu(cache, slots, blocks)  # timed by events, read next step
             else:
                 cache.index_copy_(2, torch.tensor(blocks, dtype=torch.long), self.host.index_select(2, slots))
-                seconds = time.perf_counter() - started
-                self.counters.seconds_up += seconds
-                self.counters.restores.append(seconds)
+                self.counters.observe_restore(time.perf_counter() - started)
 
     # --- the GPU path -------------------------------------------------------------------
     def _staging_for(self, n: int) -> torch.Tensor:
@@ -134,7 +144,5 @@ class HostKVCache:
             return
         start, end = self._pending_timing
         end.synchronize()
-        seconds = start.elapsed_time(end) / 1000
-        self.counters.seconds_up += seconds
-        self.counters.restores.append(seconds)
+        self.counters.observe_restore(start.elapsed_time(end) / 1000)
         self._pending_timing = None

@@ -5,6 +5,9 @@ Kept apart from the pool and the scheduler so each rule is one function with its
 
 from __future__ import annotations
 
+# Upper bounds (seconds) of the restore-latency histogram: one step's batch of promotions.
+RESTORE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
 # Demote ahead of need once fewer than this fraction of tier-1 blocks is fresh, so a step that
 # needs blocks finds them without copying first. Small: a block demoted ahead costs a promotion
 # if it is hit again, where left in tier 1 it would have cost nothing.

@@ -111,7 +111,7 @@ class Scheduler:
             num_new = tokens_to_schedule(seq, budget, num_computed)
             if not kv.can_allocate(seq, num_new, cached):
                 break
-            kv.record_lookup(seq, num_computed)
+            kv.record_lookup(seq, num_computed, cached)
             kv.allocate(seq, num_new, cached)
             kv.register_full_blocks(seq, seq.num_computed_tokens + num_new)
             self.waiting.popleft()

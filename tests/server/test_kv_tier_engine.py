@@ -65,6 +65,10 @@ def test_greedy_with_promotion_equals_greedy_without_the_tier(make_engine, dtype
     # The revisit really came from tier 2: it started with its 64-token prefix computed.
     assert tiered.get_stats().prefix_cache_hits >= 64
     assert flat.get_stats().prefix_cache_hits < tiered.get_stats().prefix_cache_hits
+    extra = tiered.get_stats().extra
+    assert extra["external_prefix_cache_hits_total"] >= 64 and extra["kv_blocks_promoted_total"] >= 4
+    assert extra["kv_offload_bytes_cpu_to_gpu"] >= 4 * tiered.runner.host_cache.block_bytes
+    assert extra["kv_restore_seconds_count"] >= 1
 
 
 def test_a_step_that_promotes_while_writing_never_sees_a_mismatch(make_engine):
