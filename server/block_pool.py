@@ -19,10 +19,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvscale.kv_index_schema import TIER_DEVICE, TIER_HOST
 from kvscale.server.host_tier import HostTier
 from kvscale.server.outputs import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-TIER_DEVICE, TIER_HOST = 1, 2
+__all__ = ["TIER_DEVICE", "TIER_HOST", "BlockPool", "KVBlock", "NoFreeBlocksError", "TierCopies"]
 
 
 @dataclass
