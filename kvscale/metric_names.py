@@ -86,6 +86,33 @@ KV_BLOCKS_CACHED = Metric(
 KV_BLOCKS_EVICTED = Metric(
     "kvscale:kv_blocks_evicted", COUNTER,
     "Cached KV blocks whose prefix was dropped to make room for new data.", _M)
+# The second KV tier (host memory, --kv-offloading-size): vLLM's offloading names where vLLM has
+# the metric (transfer_type "GPU_to_CPU" is a demotion, "CPU_to_GPU" a promotion, whatever the
+# device), kvscale's own for the rest. All are exported, as zeros, with no second tier.
+_T = ("model_name", "transfer_type")
+KV_OFFLOAD_BYTES = Metric(
+    "vllm:kv_offload_total_bytes", COUNTER, "Bytes copied between the KV cache and the host tier.", _T)
+KV_OFFLOAD_TIME = Metric(
+    "vllm:kv_offload_total_time", COUNTER, "Seconds spent copying between the KV cache and the host tier.", _T)
+EXTERNAL_PREFIX_CACHE_QUERIES = Metric(
+    "vllm:external_prefix_cache_queries", COUNTER,
+    "Prompt tokens looked up in the host tier (those the KV cache itself did not hold).", _M)
+EXTERNAL_PREFIX_CACHE_HITS = Metric(
+    "vllm:external_prefix_cache_hits", COUNTER, "Prompt tokens found in the host tier (promoted).", _M)
+CPU_CACHE_USAGE = Metric(
+    "vllm:cpu_cache_usage_perc", GAUGE, "Host KV tier usage as a fraction in [0, 1]: slots holding a block.", _M)
+KV_HOST_BLOCKS_TOTAL = Metric("kvscale:kv_host_blocks_total", GAUGE, "Blocks of the host KV tier.", _M)
+KV_HOST_BLOCKS_CACHED = Metric(
+    "kvscale:kv_host_blocks_cached", GAUGE, "Host KV tier blocks holding a findable prefix block.", _M)
+KV_BLOCKS_DEMOTED = Metric(
+    "kvscale:kv_blocks_demoted", COUNTER, "KV blocks copied down to the host tier instead of dropped.", _M)
+KV_BLOCKS_PROMOTED = Metric(
+    "kvscale:kv_blocks_promoted", COUNTER, "KV blocks copied back up from the host tier on a prefix hit.", _M)
+KV_PREEMPTIONS_SWAPPED = Metric(
+    "kvscale:kv_preemptions_swapped", COUNTER,
+    "Preemptions whose blocks went down to the host tier (the rest are recomputed).", _M)
+KV_RESTORE_SECONDS = Metric(
+    "kvscale:kv_restore_seconds", HISTOGRAM, "Time of one step's batch of promotions from the host tier.", _M)
 HTTP_REQUESTS = Metric(
     "kvscale:http_requests", COUNTER, "HTTP requests answered, by route and status code.",
     ("model_name", "route", "status"))
@@ -95,6 +122,9 @@ SERVER_METRICS = (
     PREFIX_CACHE_HITS, NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, TTFT,
     ITL, E2E_LATENCY, QUEUE_TIME, CACHE_CONFIG_INFO, KV_BLOCKS_TOTAL, KV_BLOCKS_ACTIVE,
     KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, HTTP_REQUESTS,
+    KV_OFFLOAD_BYTES, KV_OFFLOAD_TIME, EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS,
+    CPU_CACHE_USAGE, KV_HOST_BLOCKS_TOTAL, KV_HOST_BLOCKS_CACHED, KV_BLOCKS_DEMOTED,
+    KV_BLOCKS_PROMOTED, KV_PREEMPTIONS_SWAPPED, KV_RESTORE_SECONDS,
 )
 
 # --- kvscale router ---------------------------------------------------------------------------
