@@ -12,9 +12,9 @@ writes bench/results/autoscale_calibration.json; the replay reads it.
 
 Workloads (the scaling is written next to every figure in the JSON and docs/benchmarks.md):
 
-- `mooncake`: the Mooncake conversation trace (../shared/data/traces/), time-compressed x4 (the
-  hour in 884 s), each 512-token hash block mapped to one 16-token KV block (tokens / 32, the
-  prefix sharing kept), outputs / 16 (at least 1 token).
+- `mooncake`: the Mooncake conversation trace (../shared/data/traces/), the whole hour in real
+  time (a simulation needs no compression), each 512-token hash block mapped to one 16-token KV
+  block (tokens / 32, the prefix sharing kept), outputs / 16 (at least 1 token).
 - `bursty`: synthetic, 900 s: a base rate of 0.6 x one calibrated replica's capacity, steps x4
   up at 60 s and down at 240 s, again up at 420 s and down at 480 s, then a diurnal ramp
   (1 + 3 sin^2) to the end; 8 shared 128-token prefixes, 256-token prompts, 32-token answers.
@@ -129,7 +129,7 @@ def load_calibration(path: Path) -> Calibration:
 
 # -- workloads ----------------------------------------------------------------------------------
 
-def mooncake(compress: float = 4.0, token_div: int = 32, out_div: int = 16) -> list[SimRequest]:
+def mooncake(compress: float = 1.0, token_div: int = 32, out_div: int = 16) -> list[SimRequest]:
     path = TRACE if TRACE.exists() else TRACE_FALLBACK
     requests = []
     for rid, line in enumerate(path.read_text().splitlines()):
@@ -190,7 +190,8 @@ def idle_heavy(seed: int = 3) -> list[SimRequest]:
 
 
 WORKLOADS = {
-    "mooncake": ("Mooncake conversation trace, time x1/4, tokens /32 (a 512-token block -> 16), outputs /16",
+    "mooncake": ("Mooncake conversation trace, the whole hour in real time, tokens /32 (a 512-token "
+                 "block -> one 16-token block), outputs /16",
                  lambda calibration: mooncake()),
     "bursty": ("synthetic 900 s: base rate 0.6 x one replica's capacity (256-token prompts, 32-token "
                "answers), x4 steps up/down at 60/240 s and 420/480 s, diurnal ramp to x4 from 600 s",
@@ -277,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                                hold_timeout_s=120.0)
             figures = report(outcome, ttft_slo, tpot_slo, span)
             figures["sim_wall_s"] = round(time.monotonic() - begin, 1)
+            if workload == "bursty":  # the x4 step at 60 s: how soon the first scale-up came
+                ups = [t for t, frm, to in outcome.decisions if to > frm and t >= 60.0]
+                figures["step_x4_to_scale_up_s"] = (ups[0] - 60.0) if ups else None
             figures["timeline"] = [(t, wanted, ready) for t, wanted, ready, _ in outcome.timeline]
             figures["ttft_series"] = [(r.arrival, r.first_token - r.arrival) for r in outcome.requests
                                       if r.first_token is not None][::max(1, len(outcome.requests) // 2000)]
