@@ -37,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.autoscale_sim import (
@@ -206,8 +206,15 @@ def policies(workload: str, calibration: Calibration):
     kvscale = AutoscalingPolicy(enabled=True, min_replicas=0 if to_zero else 1,
                                 max_replicas=MAX_REPLICAS, scale_to_zero_after_seconds=60)
     concurrency_target = calibration.max_num_seqs / 2
+    # The rule's sensitivity to its queue target (8 is the CRD's default), same everything else.
+    variants = []
+    for queue in (4, 2, 1):
+        variant = KvscalePolicy(replace(kvscale, target_queue_length=queue))
+        variant.name = f"kvscale-queue{queue}"
+        variants.append(variant)
     return [
         KvscalePolicy(kvscale),
+        *variants,
         HpaPolicy("hpa-concurrency", "concurrency", concurrency_target, 1, MAX_REPLICAS),
         HpaPolicy("keda-queue", "waiting", 5.0, 1, MAX_REPLICAS),
         KpaPolicy(0.7, 1, MAX_REPLICAS),
