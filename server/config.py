@@ -7,6 +7,9 @@ from dataclasses import dataclass
 # On CPU the KV cache lives in ordinary memory; without an explicit budget the engine takes this.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
+# What --quantization takes (vLLM's spelling); server/quantization.py runs it.
+QUANTIZATIONS = ("int8",)
+
 
 @dataclass
 class EngineConfig:
@@ -24,6 +27,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None  # CPU budget for the KV cache
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    quantization: str | None = None  # None | "int8" (weights quantized at load: server/quantization.py)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -38,6 +42,10 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported (supported: {', '.join(QUANTIZATIONS)})"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(

@@ -11,7 +11,12 @@ from torch import nn
 from torch.nn import functional
 
 from kvscale.server.cpu_features import CpuFeatures, cpu_features
-from kvscale.server.cpu_linear import PackedLinear, lay_out_cpu_linears, onednn_packs, packs_with_onednn
+from kvscale.server.cpu_linear import (
+    PackedLinear,
+    lay_out_cpu_linears,
+    onednn_packs,
+    packs_with_onednn,
+)
 from kvscale.server.sampling_params import SamplingParams
 
 # bf16 products summed in float32 by both, in different orders.
