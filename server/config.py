@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvscale.server.structured_outputs.compiler import StructuredOutputsConfig
 
 # On CPU the KV cache lives in ordinary memory; without an explicit budget the engine takes this.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
@@ -25,6 +27,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # CPU budget for the KV cache
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     seed: int = 0
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
