@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvscale.server.structured_outputs.compiler import StructuredOutputsConfig
 
 # On CPU the KV cache lives in ordinary memory; without an explicit budget the engine takes this.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
@@ -26,9 +28,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None  # CPU budget for the KV cache
+    # GiB of host memory for a second KV tier (vLLM's --kv-offloading-size); 0: no second tier.
+    kv_offloading_size: float = 0.0
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     quantization: str | None = None  # None | "int8" (weights quantized at load: server/quantization.py)
     seed: int = 0
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -53,5 +58,7 @@ class EngineConfig:
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override must be at least 1")
+        if not self.kv_offloading_size >= 0:
+            raise ValueError(f"kv_offloading_size must be at least 0 GiB, got {self.kv_offloading_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")
