@@ -14,12 +14,13 @@ from kvscale import request_limits
 from kvscale.base_urls import authority, base_url
 from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from kvscale.server.config import QUANTIZATIONS
 
 # Engine flags whose value goes straight into EngineConfig; unset ones keep EngineConfig's default.
 _ENGINE_FIELDS = (
     "model", "dtype", "block_size", "enable_prefix_caching", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "num_gpu_blocks_override",
-    "kv_cache_memory_bytes", "device", "seed",
+    "kv_cache_memory_bytes", "device", "seed", "quantization",
     "kv_offloading_size",
 )
 
@@ -33,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default: derived from --model)")
     model.add_argument("--dtype", default=None,
                        choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    model.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
+                       help="quantize the weights at load: int8 (per-channel weights, per-token "
+                            "activations; CPU only)")
     model.add_argument("--max-model-len", type=int, default=None,
                        help="context length (prompt + output) in tokens (default: the model's)")
     model.add_argument("--seed", type=int, default=None)

@@ -72,7 +72,7 @@ class LLMEngine:
         hf_config = load_hf_config(path)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
-        self.model = load_model(path, hf_config, self.dtype, self.device)
+        self.model = load_model(path, hf_config, self.dtype, self.device, config.quantization)
         spec = self.model.spec
         self.block_size = config.block_size
 
