@@ -177,9 +177,23 @@ def heartbeat_args(replica_id: str, payload: str) -> list:
 
 
 # One KV event on the wire: ["stored", [hash, ...]], ["removed", [hash, ...]] or ["cleared"].
+# A stored/removed event about the replica's second KV tier (host memory, --kv-offloading-size)
+# carries the tier as a third element: ["stored", [hash, ...], 2]; without it the tier is 1 (the
+# KV cache itself). A demotion is ["removed", [h]] then ["stored", [h], 2], a promotion the
+# reverse, so :blocks (which ignores the tier) holds every hash the replica can serve from either
+# tier, and a reader that ignores the tier still knows the replica holds a demoted prefix.
+# Snapshots carry no tier: after a reload a reader takes every hash as tier 1 until events say
+# otherwise (an optimistic estimate, corrected as blocks move).
 STORED = "stored"
 REMOVED = "removed"
 CLEARED = "cleared"
+TIER_DEVICE = 1
+TIER_HOST = 2
+
+
+def event_tier(event: list) -> int:
+    """The tier a stored/removed event is about (1 when it does not say)."""
+    return int(event[2]) if len(event) > 2 else TIER_DEVICE
 
 
 def events_message(replica_id: str, seq: int, events: list[list]) -> str:

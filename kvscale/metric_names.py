@@ -86,6 +86,33 @@ KV_BLOCKS_CACHED = Metric(
 KV_BLOCKS_EVICTED = Metric(
     "kvscale:kv_blocks_evicted", COUNTER,
     "Cached KV blocks whose prefix was dropped to make room for new data.", _M)
+# The second KV tier (host memory, --kv-offloading-size): vLLM's offloading names where vLLM has
+# the metric (transfer_type "GPU_to_CPU" is a demotion, "CPU_to_GPU" a promotion, whatever the
+# device), kvscale's own for the rest. All are exported, as zeros, with no second tier.
+_T = ("model_name", "transfer_type")
+KV_OFFLOAD_BYTES = Metric(
+    "vllm:kv_offload_total_bytes", COUNTER, "Bytes copied between the KV cache and the host tier.", _T)
+KV_OFFLOAD_TIME = Metric(
+    "vllm:kv_offload_total_time", COUNTER, "Seconds spent copying between the KV cache and the host tier.", _T)
+EXTERNAL_PREFIX_CACHE_QUERIES = Metric(
+    "vllm:external_prefix_cache_queries", COUNTER,
+    "Prompt tokens looked up in the host tier (those the KV cache itself did not hold).", _M)
+EXTERNAL_PREFIX_CACHE_HITS = Metric(
+    "vllm:external_prefix_cache_hits", COUNTER, "Prompt tokens found in the host tier (promoted).", _M)
+CPU_CACHE_USAGE = Metric(
+    "vllm:cpu_cache_usage_perc", GAUGE, "Host KV tier usage as a fraction in [0, 1]: slots holding a block.", _M)
+KV_HOST_BLOCKS_TOTAL = Metric("kvscale:kv_host_blocks_total", GAUGE, "Blocks of the host KV tier.", _M)
+KV_HOST_BLOCKS_CACHED = Metric(
+    "kvscale:kv_host_blocks_cached", GAUGE, "Host KV tier blocks holding a findable prefix block.", _M)
+KV_BLOCKS_DEMOTED = Metric(
+    "kvscale:kv_blocks_demoted", COUNTER, "KV blocks copied down to the host tier instead of dropped.", _M)
+KV_BLOCKS_PROMOTED = Metric(
+    "kvscale:kv_blocks_promoted", COUNTER, "KV blocks copied back up from the host tier on a prefix hit.", _M)
+KV_PREEMPTIONS_SWAPPED = Metric(
+    "kvscale:kv_preemptions_swapped", COUNTER,
+    "Preemptions whose blocks went down to the host tier (the rest are recomputed).", _M)
+KV_RESTORE_SECONDS = Metric(
+    "kvscale:kv_restore_seconds", HISTOGRAM, "Time of one step's batch of promotions from the host tier.", _M)
 HTTP_REQUESTS = Metric(
     "kvscale:http_requests", COUNTER, "HTTP requests answered, by route and status code.",
     ("model_name", "route", "status"))
@@ -95,6 +122,9 @@ SERVER_METRICS = (
     PREFIX_CACHE_HITS, NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, TTFT,
     ITL, E2E_LATENCY, QUEUE_TIME, CACHE_CONFIG_INFO, KV_BLOCKS_TOTAL, KV_BLOCKS_ACTIVE,
     KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, HTTP_REQUESTS,
+    KV_OFFLOAD_BYTES, KV_OFFLOAD_TIME, EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS,
+    CPU_CACHE_USAGE, KV_HOST_BLOCKS_TOTAL, KV_HOST_BLOCKS_CACHED, KV_BLOCKS_DEMOTED,
+    KV_BLOCKS_PROMOTED, KV_PREEMPTIONS_SWAPPED, KV_RESTORE_SECONDS,
 )
 
 # --- kvscale router ---------------------------------------------------------------------------
@@ -134,12 +164,34 @@ ROUTER_INDEX_BLOCKS = Metric(
     "kvscale_router_index_blocks", GAUGE, "Confirmed block hashes in the index, by replica.",
     ("replica",))
 
+# Scale from zero: requests the router holds while no replica is ready (router/activation.py).
+ROUTER_HELD_REQUESTS = Metric(
+    "kvscale_router_held_requests", GAUGE,
+    "Requests held for a replica to become ready (the service scaling up from zero).")
+ROUTER_HOLDS = Metric(
+    "kvscale_router_holds", COUNTER,
+    "Held requests by how their hold ended: released to a replica, timeout (503), full (503, the "
+    "hold queue was full) or disconnected (the client left).", ("outcome",))
+ROUTER_HOLD_SECONDS = Metric(
+    "kvscale_router_hold_seconds", HISTOGRAM, "Time a request was held before its hold ended.")
+ROUTER_COLD_START_SECONDS = Metric(
+    "kvscale_router_cold_start_seconds", HISTOGRAM,
+    "From the first request held at zero ready replicas to a replica ready to take it.")
+ROUTER_ACTIVATIONS = Metric(
+    "kvscale_router_activations", COUNTER,
+    "Requests to raise the service's replicas from zero, by result (scaled, already: the scale "
+    "was above zero, error).", ("result",))
+
 ROUTER_METRICS = (
     ROUTER_REQUESTS, ROUTER_DECISION_SECONDS, ROUTER_PREDICTED_HIT_TOKENS,
     ROUTER_PREDICTED_HIT_TOKENS_PER_REQUEST, ROUTER_PROMPT_TOKENS, ROUTER_SPILLS, ROUTER_RETRIES,
     ROUTER_FALLBACKS, ROUTER_TOKENIZER_LOADED, ROUTER_REDIS_ERRORS, ROUTER_REDIS_UP, ROUTER_REPLICAS_HEALTHY,
     ROUTER_IN_FLIGHT, ROUTER_INDEX_BLOCKS,
+    ROUTER_HELD_REQUESTS, ROUTER_HOLDS, ROUTER_HOLD_SECONDS, ROUTER_COLD_START_SECONDS,
+    ROUTER_ACTIVATIONS,
 )
+ROUTER_HOLD_OUTCOMES = ("released", "timeout", "full", "disconnected")
+ROUTER_ACTIVATION_RESULTS = ("scaled", "already", "error")
 # Label values created at zero on start, so rate() is defined before the first event of each.
 ROUTER_RETRY_REASONS = ("status_5xx", "timeout", "connection")
 ROUTER_FALLBACK_REASONS = ("no_tokenizer", "untokenizable", "redis_down")
@@ -182,10 +234,19 @@ OPERATOR_RECONCILE_ERRORS = Metric(
     "kvscale_operator_reconcile_errors", COUNTER,
     "Reconciliations and autoscaler runs that failed, by handler.", (*_IS, "handler"))
 
+OPERATOR_HELD_REQUESTS = Metric(
+    "kvscale_operator_held_requests", GAUGE,
+    "Requests the routers hold for a replica (the service at zero), as the autoscaler last read "
+    "them.", _IS)
+OPERATOR_COLD_START_SECONDS = Metric(
+    "kvscale_operator_cold_start_seconds", GAUGE,
+    "The last scale from zero: from the activation to the first ready replica.", _IS)
+
 OPERATOR_METRICS = (
     OPERATOR_LOAD, OPERATOR_KV_USAGE, OPERATOR_WAITING, OPERATOR_TARGET_KV_USAGE,
     OPERATOR_TARGET_QUEUE, OPERATOR_PANIC, OPERATOR_DESIRED, OPERATOR_CURRENT, OPERATOR_READY,
     OPERATOR_MIN, OPERATOR_MAX, OPERATOR_SCALE_DECISIONS, OPERATOR_RECONCILE_ERRORS,
+    OPERATOR_HELD_REQUESTS, OPERATOR_COLD_START_SECONDS,
 )
 
 ALL_METRICS = SERVER_METRICS + ROUTER_METRICS + OPERATOR_METRICS

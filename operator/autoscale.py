@@ -1,6 +1,11 @@
 """One autoscaler run for one InferenceService: scrape its ready pods, keep their deletion costs
 and status.kvUsage, and, when autoscaling is on, decide (operator/scaling.py) and scale through
-the scale subresource, as `kubectl scale` does."""
+the scale subresource, as `kubectl scale` does.
+
+With minReplicas 0 the routers' /health also says what they hold and how long they have been
+idle (the `Demand`), and the run records each scale from zero: status.activationStarted when
+requests are first seen held with no ready replica, then status.lastColdStartSeconds and an
+`Activated` Event when the first replica is ready."""
 
 from __future__ import annotations
 
@@ -24,7 +29,13 @@ from kvscale.operator.inference_service import (
 )
 from kvscale.operator.kube import path_for
 from kvscale.operator.metrics import ReplicaCounts
-from kvscale.operator.router_reports import prefix_routing_condition, read_router_reports
+from kvscale.operator.router_reports import (
+    RouterReport,
+    demand_from_reports,
+    indexed_blocks,
+    prefix_routing_condition,
+    read_router_reports,
+)
 from kvscale.operator.runtime import Runtime
 from kvscale.operator.spec import InferenceServiceSpec, parse_spec
 from kvscale.operator.status import AUTOSCALING_DISABLED, refresh_status
@@ -38,13 +49,40 @@ def load_status(estimate: scaling.LoadEstimate | None) -> dict[str, Any]:
     return {"kvUsage": round(estimate.kv_usage, 4), "waitingRequests": int(round(estimate.waiting))}
 
 
-def router_conditions(runtime: Runtime, name: str, namespace: str,
-                      spec: InferenceServiceSpec) -> list[Condition]:
-    """PrefixRouting, from what the router pods say of their tokenizers; none without a router."""
+def router_reports(runtime: Runtime, name: str, namespace: str,
+                   spec: InferenceServiceSpec) -> list[RouterReport] | None:
+    """What the ready router pods say; None without a router."""
     if not spec.router.enabled:
-        return []
+        return None
     pods = runtime.kube.list(path_for("v1", "pods", namespace), as_selector_string(router_selector(name)))
-    return [prefix_routing_condition(read_router_reports(pods, runtime.config.scrape_timeout))]
+    return read_router_reports(pods, runtime.config.scrape_timeout)
+
+
+def router_conditions(reports: list[RouterReport] | None) -> list[Condition]:
+    """PrefixRouting, from what the router pods say of their tokenizers; none without a router."""
+    return [] if reports is None else [prefix_routing_condition(reports)]
+
+
+def activation_status(old_status: dict[str, Any], ready: int, held: int, now_text: str,
+                      cold_starts: list[float]) -> tuple[dict[str, Any], str | None]:
+    """The status fields of a scale from zero, and the Event message when one just ended (pure).
+
+    It starts when requests are held while no replica is ready; it ends at the first ready
+    replica. The cold start is the routers' own measure (first held request to a replica able
+    to take it) when one reports it, else the time since the start was recorded."""
+    started = old_status.get("activationStarted")
+    fields: dict[str, Any] = {"heldRequests": held}
+    if ready == 0:
+        if held > 0 and not started:
+            fields["activationStarted"] = now_text
+        return fields, None
+    if not started:
+        return fields, None
+    measured = max(cold_starts) if cold_starts else (
+        conditions.parse_rfc3339(now_text) - conditions.parse_rfc3339(started)).total_seconds()
+    fields["activationStarted"] = None
+    fields["lastColdStartSeconds"] = round(measured, 1)
+    return fields, f"first replica ready {measured:.1f} s after requests were held at zero replicas"
 
 
 def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
@@ -57,24 +95,36 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
         name, namespace = key.name, key.namespace
         pods = kube.list(path_for("v1", "pods", namespace), selector_string(name))
         loads = scraping.scrape_pods(pods, config.scrape_timeout, config.allow_metrics_url_override)
-        set_deletion_costs(kube, pods, loads)
+        reports = router_reports(runtime, name, namespace, spec)
+        set_deletion_costs(kube, pods, loads, indexed_blocks(reports) if reports else None)
         policy = spec.autoscaling
         estimate = scaling.estimate_load(loads, policy)
         extra = load_status(estimate)
         live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         ready = sum(1 for p in live if scraping.is_ready(p))
+        demand = demand_from_reports(reports or [])
+        if policy.scales_to_zero:
+            fields, activated = activation_status(
+                current.get("status") or {}, ready, demand.held, conditions.now_rfc3339(),
+                [r.last_cold_start_s for r in reports or [] if r.last_cold_start_s is not None])
+            extra.update(fields)
+            runtime.metrics.observe_activation(key.uid, namespace, name, demand.held,
+                                               fields.get("lastColdStartSeconds"))
+            if activated is not None:
+                log.info("%s/%s: %s", namespace, name, activated)
+                kopf.event(as_body(current), type="Normal", reason="Activated", message=activated)
         if not policy.enabled:
             runtime.autoscalers.pop(key.uid, None)
             runtime.metrics.observe(key.uid, namespace, name, policy,
                                     ReplicaCounts(spec.replicas, len(live), ready),
                                     estimate, None, spec.replicas)
             refresh_status(runtime, name, namespace, extra,
-                           [AUTOSCALING_DISABLED, *router_conditions(runtime, name, namespace, spec)])
+                           [AUTOSCALING_DISABLED, *router_conditions(reports)])
             return
 
         state = runtime.autoscalers.get(key.uid, scaling.AutoscalerState())
         decision, runtime.autoscalers[key.uid] = scaling.decide(
-            time.monotonic(), loads, spec.replicas, policy, state)
+            time.monotonic(), loads, spec.replicas, policy, state, demand)
         extra["desiredReplicas"] = decision.replicas
         previous = spec.replicas
         runtime.metrics.observe(key.uid, namespace, name, policy,
@@ -93,8 +143,9 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
                        f"{decision.replicas} replicas ({decision.reason}): {decision.message}")
             log.info("%s/%s: %s", namespace, name, message)
             kopf.event(as_body(current), type="Normal", reason="Scaled", message=message)
-        active = decision.estimate is not None
+        # At zero (or going there) the routers' demand is the metric: scaling is active.
+        active = decision.estimate is not None or decision.reason in scaling.ZERO_REASONS
         scaling_condition = Condition(
             SCALING_ACTIVE, active, decision.reason if active else "NoMetrics", decision.message)
         refresh_status(runtime, name, namespace, extra,
-                       [scaling_condition, *router_conditions(runtime, name, namespace, spec)])
+                       [scaling_condition, *router_conditions(reports)])

@@ -33,6 +33,11 @@ def now_rfc3339(now: dt.datetime | None = None) -> str:
     return moment.astimezone(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def parse_rfc3339(text: str) -> dt.datetime:
+    """A timestamp as now_rfc3339 writes it (the API's format), timezone-aware."""
+    return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+
+
 def merge_conditions(
     existing: list[dict[str, Any]] | None,
     updates: list[Condition],

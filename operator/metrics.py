@@ -21,7 +21,8 @@ from kvscale.operator.spec import AutoscalingPolicy
 # Every (direction, reason) a change of replicas can have (scaling.decide's reasons), created at
 # zero when a service is first seen: a counter born at 1 is invisible to increase().
 _USUAL_DECISIONS = (("up", "ScaleUp"), ("up", "Panic"), ("up", "Bounds"),
-                    ("down", "ScaleDown"), ("down", "Bounds"))
+                    ("down", "ScaleDown"), ("down", "Bounds"), ("up", "Activate"),
+                    ("down", "ScaleToZero"))
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,12 @@ class OperatorMetrics:
         self.max_replicas = register(names.OPERATOR_MAX, r)
         self.scale_decisions = register(names.OPERATOR_SCALE_DECISIONS, r)
         self.reconcile_errors = register(names.OPERATOR_RECONCILE_ERRORS, r)
+        self.held = register(names.OPERATOR_HELD_REQUESTS, r)
+        self.cold_start = register(names.OPERATOR_COLD_START_SECONDS, r)
         self._per_service = (self.load, self.kv_usage, self.waiting, self.target_kv_usage,
                              self.target_queue, self.panic, self.desired, self.current,
-                             self.ready, self.min_replicas, self.max_replicas)
+                             self.ready, self.min_replicas, self.max_replicas, self.held,
+                             self.cold_start)
         self._known: dict[str, tuple[str, str]] = {}  # uid -> (namespace, name)
         self._lock = threading.Lock()
 
@@ -105,6 +109,14 @@ class OperatorMetrics:
             direction = scale_direction(previous, decision.replicas)
             if direction is not None:
                 self.scale_decisions.labels(*key, direction, decision.reason).inc()
+
+    def observe_activation(self, uid: str, namespace: str, name: str, held: int,
+                           cold_start_s: float | None) -> None:
+        """A service that scales to zero: the requests its routers hold, the last cold start."""
+        self.register(uid, namespace, name)
+        self.held.labels(namespace, name).set(held)
+        if cold_start_s is not None:
+            self.cold_start.labels(namespace, name).set(cold_start_s)
 
     def error(self, uid: str, namespace: str, name: str, handler: str) -> None:
         self.register(uid, namespace, name)

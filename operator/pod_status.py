@@ -77,8 +77,10 @@ def assess(
     desired_replicas: int,
     deployment: dict[str, Any] | None,
     pods: list[dict[str, Any]],
+    scales_to_zero: bool = False,
 ) -> Health:
-    """Counts and the Ready / Progressing conditions."""
+    """Counts and the Ready / Progressing conditions. With `scales_to_zero` (minReplicas 0) no
+    ready replica is a normal state: the router holds requests and wakes the servers."""
     status = (deployment or {}).get("status") or {}
     replicas = int(status.get("replicas") or 0)
     ready = int(status.get("readyReplicas") or 0)
@@ -93,12 +95,19 @@ def assess(
 
     if deployment is None:
         ready_condition = Condition(READY, False, "DeploymentMissing", "the Deployment is being created")
+    elif desired_replicas == 0 and scales_to_zero:
+        ready_condition = Condition(READY, True, "ScaledToZero",
+                                    "no replica: the router holds requests and starts one on demand")
     elif desired_replicas == 0:
         ready_condition = Condition(READY, False, "ScaledToZero", "spec.replicas is 0")
     elif ready > 0:
         ready_condition = Condition(READY, True, "Serving", f"{ready}/{desired_replicas} replicas ready")
     elif problem is not None:
         ready_condition = Condition(READY, False, problem.reason, problem.message)
+    elif scales_to_zero:
+        ready_condition = Condition(READY, True, "ScalingFromZero",
+                                    f"0/{desired_replicas} replicas ready: the router holds "
+                                    "requests until one is")
     else:
         ready_condition = Condition(READY, False, "PodsNotReady",
                                     f"0/{desired_replicas} replicas ready (loading the model?)")

@@ -1,5 +1,6 @@
-"""Whether an InferenceService's routers route by prefix: what each ready router pod's /health
-says of its tokenizers, folded into the `PrefixRouting` condition.
+"""What each ready router pod's /health says: of its tokenizers, folded into the `PrefixRouting`
+condition (whether the routers route by prefix), and of its held requests and idle time, folded
+into the autoscaler's `Demand` (scale from and to zero).
 
 A router that cannot load its model's tokenizer keeps serving, by load alone; without this the
 only sign would be a metric. The decision (`prefix_routing_condition`) is a pure function; the
@@ -9,13 +10,14 @@ reading (`read_router_reports`) asks each ready router pod, in parallel, with a 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from kvscale.base_urls import base_url
 from kvscale.operator.conditions import Condition
+from kvscale.operator.scaling import Demand
 from kvscale.operator.scraping import is_ready
 from kvscale.operator.spec import ROUTER_PORT
 
@@ -27,6 +29,10 @@ class RouterReport:
     pod: str
     missing: dict[str, str]  # served model name -> why its tokenizer did not load
     error: str = ""  # the pod could not be asked: its /health unreachable or not as expected
+    held: int = 0  # requests it holds for a replica
+    idle_seconds: float | None = None  # since a request was last open or held there; None: unsaid
+    last_cold_start_s: float | None = None  # its last wait from a held request to a ready replica
+    indexed: dict[str, float] = field(default_factory=dict)  # replica id -> blocks its index holds
 
 
 def report_from_health(pod: str, body: Any) -> RouterReport:
@@ -34,7 +40,36 @@ def report_from_health(pod: str, body: Any) -> RouterReport:
         return RouterReport(pod, {}, "its /health lists no tokenizers (an older router?)")
     missing = {str(t.get("model")): str(t.get("error") or "not loaded")
                for t in body["tokenizers"] if isinstance(t, dict) and not t.get("loaded")}
-    return RouterReport(pod, missing)
+    indexed = {str(r["id"]): float(r["index_blocks"]) for r in body.get("replicas") or []
+               if isinstance(r, dict) and isinstance(r.get("index_blocks"), (int, float))}
+    activation = body.get("activation")
+    if not isinstance(activation, dict):
+        return RouterReport(pod, missing, indexed=indexed)
+    idle = activation.get("idle_seconds")
+    cold = activation.get("last_cold_start_seconds")
+    return RouterReport(pod, missing, held=int(activation.get("held") or 0),
+                        idle_seconds=float(idle) if isinstance(idle, (int, float)) else None,
+                        last_cold_start_s=float(cold) if isinstance(cold, (int, float)) else None,
+                        indexed=indexed)
+
+
+def indexed_blocks(reports: list[RouterReport]) -> dict[str, float]:
+    """Blocks the routers' index holds per replica: the most any router holds (they all read
+    the same Redis; one that just started has less)."""
+    out: dict[str, float] = {}
+    for report in reports:
+        for replica, blocks in report.indexed.items():
+            out[replica] = max(out.get(replica, 0.0), blocks)
+    return out
+
+
+def demand_from_reports(reports: list[RouterReport]) -> Demand:
+    """Held requests summed; idle only as long as the least idle router, and unknown when any
+    router did not say (it may be the one with traffic) or none is ready."""
+    idle = [r.idle_seconds for r in reports]
+    known = bool(reports) and all(i is not None and not r.error for i, r in zip(idle, reports, strict=True))
+    return Demand(held=sum(r.held for r in reports),
+                  idle_seconds=min(i for i in idle if i is not None) if known else None)
 
 
 def read_router_report(client: httpx.Client, pod: dict[str, Any]) -> RouterReport:

@@ -21,6 +21,11 @@ recommends ceil(load) replicas, bounded by min/max.
 - A step up adds at most max(1, (maxScaleUpRate - 1) x current) replicas.
 - Pods without metrics (not exported yet, scrape timeout, HTTP error) are assumed to carry the mean
   load of those that reported; when none reported, nothing is decided.
+
+Scale to zero (minReplicas 0) is not a load decision: the load rule never goes below one replica.
+Zero comes from the routers' `Demand`: nothing open or held on any router for
+scaleToZeroAfterSeconds, and no pod busy. From zero, a request a router holds brings one replica
+at once (reason Activate); the routers also raise the scale themselves, this is the fallback.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from dataclasses import dataclass, replace
 
 from kvscale.operator.spec import AutoscalingPolicy
 
+# Decisions of minReplicas 0 made from the routers' demand, not from pod metrics.
+ZERO_REASONS = ("Activate", "ScaleToZero", "ScaledToZero")
 # ceil(0.7 / 0.7) must be 1, not 2, whatever the float rounding.
 _CEIL_TOLERANCE = 1e-9
 
@@ -42,6 +49,8 @@ class PodLoad:
     kv_blocks_active: float | None = None
     kv_blocks_total: float | None = None
     num_requests_waiting: float | None = None
+    num_requests_running: float | None = None
+    kv_blocks_cached: float | None = None  # free blocks still holding a reusable prefix
     error: str = ""
 
     @property
@@ -53,6 +62,15 @@ class PodLoad:
     def kv_usage(self) -> float:
         assert self.kv_blocks_active is not None and self.kv_blocks_total
         return min(1.0, max(0.0, self.kv_blocks_active / self.kv_blocks_total))
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What the routers say, summed over the ready ones: requests held for a replica (the service
+    at zero), and for how long no request has been open or held on any of them."""
+
+    held: int = 0
+    idle_seconds: float | None = None  # None: some router did not say (unknown: never idle)
 
 
 @dataclass(frozen=True)
@@ -80,7 +98,9 @@ class LoadEstimate:
 @dataclass(frozen=True)
 class ScaleDecision:
     replicas: int
-    reason: str  # ScaleUp, ScaleDown, Panic, Stable, NoMetrics, IncompleteMetrics, WarmingUp, Bounds
+    # ScaleUp, ScaleDown, Panic, Stable, NoMetrics, IncompleteMetrics, WarmingUp, Bounds,
+    # and with minReplicas 0: Activate, ScaleToZero, ScaledToZero
+    reason: str
     message: str
     estimate: LoadEstimate | None = None
     panic: bool = False
@@ -117,8 +137,53 @@ def decide(
     current: int,
     policy: AutoscalingPolicy,
     state: AutoscalerState,
+    demand: Demand | None = None,
 ) -> tuple[ScaleDecision, AutoscalerState]:
-    """Replicas to run now; `current` is the replicas wanted so far (spec.replicas)."""
+    """Replicas to run now; `current` is the replicas wanted so far (spec.replicas); `demand`
+    what the routers say (it matters only with minReplicas 0)."""
+    if policy.min_replicas != 0:
+        return decide_by_load(now, pods, current, policy, state)
+    demand = demand or Demand()
+    since = state.watching_since if state.watching_since is not None else now
+    if current == 0:
+        if demand.held > 0:
+            wanted = min(1, policy.max_replicas)
+            return (ScaleDecision(wanted, "Activate",
+                                  f"{demand.held} request(s) held by the routers"),
+                    AutoscalerState(watching_since=since))
+        return (ScaleDecision(0, "ScaledToZero", "no request held"),
+                AutoscalerState(watching_since=since))
+    # The load rule keeps at least one replica; only idleness takes the last one away.
+    decision, next_state = decide_by_load(
+        now, pods, current, replace(policy, min_replicas=1), state)
+    if decision.replicas <= current and idle_for_zero(pods, policy, demand):
+        return (ScaleDecision(0, "ScaleToZero",
+                              f"no request open or held for {demand.idle_seconds:.0f} s "
+                              f"(scaleToZeroAfterSeconds {policy.scale_to_zero_after_seconds})",
+                              decision.estimate),
+                AutoscalerState(watching_since=next_state.watching_since))
+    return decision, next_state
+
+
+def idle_for_zero(pods: list[PodLoad], policy: AutoscalingPolicy, demand: Demand) -> bool:
+    """The routers saw nothing for the idle window and no pod that reported is working; a pod
+    that did not report may be (a request sent to it around the routers)."""
+    if demand.held > 0 or demand.idle_seconds is None:
+        return False
+    if demand.idle_seconds < policy.scale_to_zero_after_seconds:
+        return False
+    return all(p.has_metrics and not p.kv_blocks_active and not p.num_requests_waiting
+               and not p.num_requests_running for p in pods)
+
+
+def decide_by_load(
+    now: float,
+    pods: list[PodLoad],
+    current: int,
+    policy: AutoscalingPolicy,
+    state: AutoscalerState,
+) -> tuple[ScaleDecision, AutoscalerState]:
+    """The KV-occupancy rule alone (the module's docstring)."""
     since = state.watching_since if state.watching_since is not None else now
     estimate = estimate_load(pods, policy)
     if estimate is None:

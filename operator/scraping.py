@@ -23,7 +23,10 @@ from kvscale.operator.spec import SERVER_PORT
 KV_BLOCKS_ACTIVE = names.KV_BLOCKS_ACTIVE.series
 KV_BLOCKS_TOTAL = names.KV_BLOCKS_TOTAL.series
 NUM_REQUESTS_WAITING = names.NUM_REQUESTS_WAITING.series
-WANTED = (KV_BLOCKS_ACTIVE, KV_BLOCKS_TOTAL, NUM_REQUESTS_WAITING)
+NUM_REQUESTS_RUNNING = names.NUM_REQUESTS_RUNNING.series
+KV_BLOCKS_CACHED = names.KV_BLOCKS_CACHED.series
+WANTED = (KV_BLOCKS_ACTIVE, KV_BLOCKS_TOTAL, NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING,
+          KV_BLOCKS_CACHED)
 METRICS_URL_ANNOTATION = "serving.kvscale.io/metrics-url"
 
 
@@ -75,6 +78,8 @@ def scrape_pod(client: httpx.Client, pod_name: str, url: str | None) -> PodLoad:
         kv_blocks_active=values.get(KV_BLOCKS_ACTIVE),
         kv_blocks_total=values.get(KV_BLOCKS_TOTAL),
         num_requests_waiting=values.get(NUM_REQUESTS_WAITING, 0.0),
+        num_requests_running=values.get(NUM_REQUESTS_RUNNING, 0.0),
+        kv_blocks_cached=values.get(KV_BLOCKS_CACHED, 0.0),
         error=f"missing {', '.join(missing)}" if missing else "",
     )
 

@@ -10,9 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-GROUP = "serving.kvscale.io"
-VERSION = "v1alpha1"
-PLURAL = "inferenceservices"
+from kvscale.k8s_labels import (
+    INFERENCE_SERVICE_GROUP,
+    INFERENCE_SERVICE_PLURAL,
+    INFERENCE_SERVICE_VERSION,
+)
+
+GROUP = INFERENCE_SERVICE_GROUP
+VERSION = INFERENCE_SERVICE_VERSION
+PLURAL = INFERENCE_SERVICE_PLURAL
 KIND = "InferenceService"
 NAME_LABEL = f"{GROUP}/inferenceservice"
 # The engine image of an InferenceService without spec.image: `kvscale operator --engine-image`
@@ -74,6 +80,17 @@ class AutoscalingPolicy:
     panic_window_seconds: int = 6
     panic_threshold: float = 2.0
     max_scale_up_rate: float = 2.0
+    # With min_replicas 0: replicas go to zero once no request was open or held (on any router)
+    # for this long.
+    scale_to_zero_after_seconds: int = 300
+    # How long a router holds a request while the service comes up from zero before answering
+    # 503: longer than a replica's cold start (a model load; seconds for the bundled model,
+    # minutes for a large one), shorter than the router's own upstream read timeout.
+    activation_timeout_seconds: int = 120
+
+    @property
+    def scales_to_zero(self) -> bool:
+        return self.enabled and self.min_replicas == 0
 
 
 @dataclass(frozen=True)
@@ -142,7 +159,7 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
     autoscaling = spec.get("autoscaling") or {}
     secret = spec.get("apiKeySecretRef")
     e, r, a = EngineConfig(), Resources(), AutoscalingPolicy()
-    return InferenceServiceSpec(
+    parsed = InferenceServiceSpec(
         model=ModelSource(uri=uri, served_name=model.get("servedName") or default_served_name(uri)),
         image=spec.get("image") or "",
         engine=EngineConfig(
@@ -176,11 +193,19 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
             panic_window_seconds=int(autoscaling.get("panicWindowSeconds", a.panic_window_seconds)),
             panic_threshold=float(autoscaling.get("panicThreshold", a.panic_threshold)),
             max_scale_up_rate=float(autoscaling.get("maxScaleUpRate", a.max_scale_up_rate)),
+            scale_to_zero_after_seconds=int(
+                autoscaling.get("scaleToZeroAfterSeconds", a.scale_to_zero_after_seconds)),
+            activation_timeout_seconds=int(
+                autoscaling.get("activationTimeoutSeconds", a.activation_timeout_seconds)),
         ),
         api_key_secret=(SecretKeyRef(name=secret["name"], key=secret.get("key") or "api-key")
                         if secret else None),
         router=parse_router(spec.get("router") or {}),
     )
+    if parsed.autoscaling.min_replicas == 0 and not parsed.router.enabled:
+        # At zero replicas only the router is there to hold a request and wake the servers.
+        raise ValueError("autoscaling.minReplicas 0 needs the router (router.enabled: true)")
+    return parsed
 
 
 def parse_router(router: dict[str, Any]) -> RouterSpec:

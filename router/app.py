@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from kvscale.drain import Drain, DrainMiddleware
 from kvscale.processes import freeze_startup_heap
+from kvscale.router import activation as holding
 from kvscale.router import policy as routing
 from kvscale.router.auth import check_api_key
 from kvscale.router.config import RouterConfig
@@ -72,9 +73,20 @@ class Router:
             config.connect_timeout_s, config.policy, self.replicas, self.index, self.in_flight,
             self.decider.sessions, self.metrics,
         )
+        self.activation: holding.Activation | None = None
+        if config.hold_timeout_s is not None:
+            wake = None
+            if config.scale_from_zero:
+                from kvscale.router.wake import ScaleFromZero
+
+                wake = ScaleFromZero(config.scale_from_zero, config.namespace, self.metrics)
+            self.activation = holding.Activation(
+                holding.HoldLimits(config.hold_timeout_s, config.hold_queue), self.metrics, wake)
+            self.forwarder.draining_is_failure = True
         self._watch: EndpointSliceWatch | None = None
         self._sync_task: asyncio.Task[None] | None = None
         self.drain = Drain()  # flipped by SIGTERM (kvscale.drain.serve)
+        self._started = time.monotonic()
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -115,6 +127,8 @@ class Router:
     async def stop(self) -> None:
         if self._sync_task is not None:
             self._sync_task.cancel()
+        if self.activation is not None:
+            await self.activation.stop()
         if self._watch is not None:
             self._watch.stop()
         await self.replicas.stop()
@@ -135,6 +149,67 @@ class Router:
         self.metrics.replicas_healthy.set(
             sum(1 for r in self.replicas.replicas.values() if self.heartbeats.routable(r)))
         self.metrics.set_index_blocks(self.index.sizes())
+        if self.activation is not None:
+            self.activation.update(self._any_available())
+
+    def _any_available(self, model: str | None = None) -> bool:
+        """A replica can take a request for ``model`` (None: any) now: what `_candidates` accepts."""
+        # A replica's models are known once its first health check passed: before that
+        # `_candidates` would answer 404 for it.
+        return any(r.models and (model is None or model in r.models)
+                   and (r.healthy or self.heartbeats.routable(r))
+                   for r in self.replicas.replicas.values())
+
+    def _holds(self, model: str | None) -> bool:
+        """Whether a request for ``model`` is worth holding: one of the names the servers will
+        serve (unknown names are answered 404 at once, as with replicas up)."""
+        names = self.config.served_model_names
+        return model is None or not names or model in names
+
+    async def _hold(self, request: Request, model: str | None) -> Response | None:
+        """None when the request may go on to routing (a replica is ready, or came up while it
+        was held); else the answer: 503 with Retry-After, or nothing for a client that left."""
+        activation = self.activation
+        if activation is None:
+            return None
+        activation.touch()
+        available = self._any_available(model)
+        if available or not self._holds(model):
+            return None
+        verdict = holding.admission(available, activation.held, activation.limits)
+        if verdict == holding.FULL:
+            activation.refused()
+            return self._hold_refused(f"{activation.held} requests are already held for a replica "
+                                      "to come up (the hold queue is full)")
+        outcome = await activation.hold(request.is_disconnected)
+        if outcome == holding.RELEASED:
+            return None
+        if outcome == holding.DISCONNECTED:
+            return Response(status_code=499)  # nobody reads it: the client has gone
+        return self._hold_refused(
+            f"no replica became ready within {activation.limits.timeout_s:g} s "
+            "(the service is scaling up from zero)")
+
+    def _hold_refused(self, message: str) -> Response:
+        assert self.activation is not None
+        self.metrics.requests.labels("none", self.config.policy, "503").inc()
+        response = openai_error(503, message, "service_unavailable")
+        response.headers["Retry-After"] = str(
+            holding.retry_after_s(self.activation.last_cold_start_s, self.activation.limits))
+        return response
+
+    def activation_report(self) -> dict[str, Any]:
+        """What the operator reads from /health: held requests and how long this router has
+        seen no request open or held (the idle window before scaling to zero)."""
+        open_requests = sum(r.in_flight for r in self.replicas.replicas.values())
+        activation = self.activation
+        held = activation.held if activation is not None else 0
+        last = activation.last_activity if activation is not None else self._started
+        last = max([last, *(r.last_finished for r in self.replicas.replicas.values())])
+        return {"enabled": activation is not None, "held": held,
+                "idle_seconds": round(holding.idle_seconds(time.monotonic(), last, open_requests, held), 3),
+                "last_cold_start_seconds": (None if activation is None
+                                            else activation.last_cold_start_s)}
 
     # -- HTTP ------------------------------------------------------------------------------------
     async def _read(self, request: Request) -> tuple[bytes, dict[str, Any], float] | Response:
@@ -180,7 +255,20 @@ class Router:
         if isinstance(read, Response):
             return read
         raw, body, started = read
+        response = await self._route_read(request, endpoint, raw, body, started)
+        if (self.activation is not None and isinstance(response, JSONResponse)
+                and response.status_code == 502 and not self._any_available(body.get("model"))):
+            # Every replica tried had gone (the last one scaled away to zero as this request
+            # arrived): nothing was sent to the client yet, so hold it for the next one.
+            log.info("no replica left for a request: holding it for the next one")
+            response = await self._route_read(request, endpoint, raw, body, time.perf_counter())
+        return response
+
+    async def _route_read(self, request: Request, endpoint: str, raw: bytes, body: dict[str, Any],
+                          started: float) -> Response:
         model = body.get("model")
+        if (held := await self._hold(request, model)) is not None:
+            return held
         candidates = self._candidates(model)
         if isinstance(candidates, Response):
             return candidates
@@ -225,6 +313,8 @@ class Router:
         if isinstance(read, Response):
             return read
         raw, body, started = read
+        if (held := await self._hold(request, body.get("model"))) is not None:
+            return held
         candidates = self._candidates(body.get("model"))
         if isinstance(candidates, Response):
             return candidates
@@ -253,20 +343,26 @@ class Router:
         if self.drain.draining:
             return JSONResponse(
                 {"status": "draining", "policy": self.config.policy}, status_code=503)
+        indexed = self.index.sizes()
+        # index_blocks: what the operator's pod-deletion-cost weighs (the warm cache routed to).
         replicas = [
             {"url": r.url, "id": r.replica_id, "healthy": self.heartbeats.routable(r),
              "in_flight": r.in_flight, "models": sorted(r.models),
-             "status": self.heartbeats.replica_status(r)}
+             "status": self.heartbeats.replica_status(r),
+             "index_blocks": indexed.get(r.replica_id, 0)}
             for r in self.replicas.replicas.values()
         ]
-        ok = any(r["healthy"] for r in replicas)
+        # Holding requests at zero replicas is serving: the router stays ready (its Service
+        # keeps it) so that requests reach it and wake the servers.
+        ok = any(r["healthy"] for r in replicas) or self.activation is not None
         feed = self.heartbeats.feed
         redis_state = None if feed is None else ("up" if feed.healthy else "down")
         tokenizers = [{"model": name, "loaded": error is None, **({"error": error} if error else {})}
                       for name, error in self.hasher.tokenizer_status().items()]
         return JSONResponse(
             {"status": "ok" if ok else "no healthy replica", "policy": self.config.policy,
-             "redis": redis_state, "tokenizers": tokenizers, "replicas": replicas},
+             "redis": redis_state, "tokenizers": tokenizers, "replicas": replicas,
+             "activation": self.activation_report()},
             status_code=200 if ok else 503,
         )
 

@@ -8,6 +8,7 @@ import os
 
 from kvscale import request_limits
 from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
+from kvscale.router.activation import DEFAULT_HOLD_QUEUE
 from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS
 from kvscale.router.config import RouterConfig
 from kvscale.router.policy import DEFAULT_POLICY, POLICIES, TTFT_EPSILON
@@ -71,6 +72,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="predicted-ttft's safety valve: no replica above (1+eps) x mean in-flight requests (negative: off)",
     )
     parser.add_argument("--max-attempts", type=int, default=3, help="replicas tried per request before failing")
+    parser.add_argument(
+        "--hold-timeout", type=float, default=None, metavar="SECONDS",
+        help="while no replica is ready (the service scaled to zero), hold requests up to this long "
+             "for one to come up, then answer 503 with Retry-After (default: 503 at once)")
+    parser.add_argument(
+        "--hold-queue", type=int, default=DEFAULT_HOLD_QUEUE,
+        help="requests held at once with --hold-timeout; one more is answered 503 at once")
+    parser.add_argument(
+        "--scale-from-zero", default=None, metavar="INFERENCESERVICE",
+        help="with --hold-timeout: the InferenceService (in --namespace) whose scale the router "
+             "raises from 0 to 1 when it holds a request")
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between replica health checks")
     parser.add_argument("--seed", type=int, default=None, help="seed for --policy random")
     parser.add_argument("--log-level", default="info")
@@ -90,6 +102,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise SystemExit("kvscale router: --block-size must be at least 1")
     if args.chat_cache_tokens < 0:
         raise SystemExit("kvscale router: --chat-cache-tokens must be non-negative")
+    if args.hold_timeout is not None and args.hold_timeout <= 0:
+        raise SystemExit("kvscale router: --hold-timeout must be positive")
+    if args.hold_queue < 1:
+        raise SystemExit("kvscale router: --hold-queue must be at least 1")
+    if args.scale_from_zero and args.hold_timeout is None:
+        raise SystemExit("kvscale router: --scale-from-zero needs --hold-timeout")
     if args.served_model_name and len(args.model or [None]) != 1:
         raise SystemExit("kvscale router: --served-model-name names one model: give at most one --model with it")
     return RouterConfig(
@@ -113,6 +131,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval,
         seed=args.seed,
         chat_cache_tokens=args.chat_cache_tokens,
+        hold_timeout_s=args.hold_timeout,
+        hold_queue=args.hold_queue,
+        scale_from_zero=args.scale_from_zero,
         freeze_heap_after_start=True,
     )
 

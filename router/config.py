@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvscale.router.activation import DEFAULT_HOLD_QUEUE
 from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS
 from kvscale.router.policy import DEFAULT_POLICY, TTFT_EPSILON
 
@@ -32,3 +33,9 @@ class RouterConfig:
     seed: int | None = None
     freeze_heap_after_start: bool = False  # the CLI sets it; tests that build many apps do not
     chat_cache_tokens: int = DEFAULT_MAX_TOKENS  # chat prompts' token ids kept across turns; 0: off
+    # Scale from zero: hold requests while no replica is ready (None: answer 503 at once), at
+    # most hold_queue of them, and raise this InferenceService's scale from 0 (None: wait for the
+    # operator to).
+    hold_timeout_s: float | None = None
+    hold_queue: int = DEFAULT_HOLD_QUEUE
+    scale_from_zero: str | None = None

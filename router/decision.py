@@ -103,6 +103,7 @@ def candidate_view(
     in_flight: InFlight,
     now: float,
     hot_blocks: int = 0,
+    host_blocks: int = 0,
 ) -> routing.Candidate:
     """One replica as the policy sees it; ``now`` is this router's monotonic clock, onto which
     the heartbeat's time is brought before any comparison (the replica's clock may be off)."""
@@ -117,7 +118,8 @@ def candidate_view(
         kv_usage = hb.kv_usage
         room = free_blocks(hb.kv_blocks_total, hot_blocks)
     extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), now, hb_time)
-    return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, free_blocks=room, **extra)
+    return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, host_blocks=host_blocks,
+                             free_blocks=room, **extra)
 
 
 class Decider:
@@ -168,9 +170,10 @@ class Decider:
             self.index.match(hashes, by_id, now)
             if routing.uses_prefix(self.config.policy) else dict.fromkeys(by_id, 0)
         )
+        in_host = self.index.match_host(hashes, matched)
         views = [
             candidate_view(r, matched[r.replica_id], self.heartbeats, self.in_flight, now,
-                           self.hot.footprint(r.replica_id, now))
+                           self.hot.footprint(r.replica_id, now), in_host.get(r.replica_id, 0))
             for r in candidates
         ]
         index_stale = self.heartbeats.index_stale

@@ -2,6 +2,8 @@
 
 Two kinds of entries per replica:
 - confirmed: block hashes the replica itself reported (KV events and snapshots from Redis);
+- of the confirmed, ``host``: those the replica keeps in its second KV tier (host memory): a hit
+  there costs a copy back up, less than a prefill but more than a tier-1 hit;
 - predicted: hashes of prompts the router just sent there, kept until the replica confirms
   them or they expire. Prefill takes a while; without these, a burst of requests sharing a
   new prefix would scatter before the first one's blocks are reported. Without Redis
@@ -17,10 +19,13 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvscale.kv_index_schema import TIER_HOST
+
 
 @dataclass
 class _ReplicaBlocks:
     confirmed: set[int] = field(default_factory=set)
+    host: set[int] = field(default_factory=set)  # the confirmed ones held in tier 2
     predicted: OrderedDict[int, float] = field(default_factory=OrderedDict)  # hash -> expiry
     seq: int = 0  # last event sequence number applied (from the replica's publisher)
 
@@ -38,27 +43,36 @@ class PrefixIndex:
             blocks = self._replicas[replica_id] = _ReplicaBlocks()
         return blocks
 
-    def stored(self, replica_id: str, block_hashes: Iterable[int]) -> None:
+    def stored(self, replica_id: str, block_hashes: Iterable[int], tier: int = 1) -> None:
         blocks = self._blocks(replica_id)
         for block_hash in block_hashes:
             blocks.confirmed.add(block_hash)
             blocks.predicted.pop(block_hash, None)
+            if tier == TIER_HOST:
+                blocks.host.add(block_hash)
+            else:
+                blocks.host.discard(block_hash)
 
     def removed(self, replica_id: str, block_hashes: Iterable[int]) -> None:
+        """Gone from a tier; a block lives in one tier at a time, so from the replica (a move
+        between tiers is this followed by ``stored`` in the other one)."""
         blocks = self._blocks(replica_id)
         for block_hash in block_hashes:
             blocks.confirmed.discard(block_hash)
+            blocks.host.discard(block_hash)
             blocks.predicted.pop(block_hash, None)
 
     def cleared(self, replica_id: str) -> None:
         blocks = self._blocks(replica_id)
         blocks.confirmed.clear()
+        blocks.host.clear()
         blocks.predicted.clear()
 
     def replace(self, replica_id: str, block_hashes: Iterable[int], seq: int) -> None:
-        """A full snapshot: what the replica holds as of event ``seq``."""
+        """A full snapshot: what the replica holds as of event ``seq`` (tiers unknown: tier 1)."""
         blocks = self._blocks(replica_id)
         blocks.confirmed = set(block_hashes)
+        blocks.host = set()
         blocks.seq = seq
 
     def forget(self, replica_id: str) -> None:
@@ -108,6 +122,15 @@ class PrefixIndex:
                     count += 1
             matched[replica_id] = count
         return matched
+
+    def match_host(self, block_hashes: Sequence[int], matched: dict[str, int]) -> dict[str, int]:
+        """For each replica, how many of its ``matched`` leading blocks sit in its host tier."""
+        out: dict[str, int] = {}
+        for replica_id, count in matched.items():
+            blocks = self._replicas.get(replica_id)
+            host = blocks.host if blocks is not None else set()
+            out[replica_id] = sum(1 for h in block_hashes[:count] if h in host) if host else 0
+        return out
 
     def confirmed_blocks(self, replica_id: str) -> set[int]:
         blocks = self._replicas.get(replica_id)

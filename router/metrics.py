@@ -10,6 +10,8 @@ from kvscale.metric_registry import register
 
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1)
 HIT_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Holds and cold starts: from a replica already coming up (sub-second) to a large model's load.
+HOLD_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
 class RouterMetrics:
@@ -34,6 +36,15 @@ class RouterMetrics:
         self.in_flight: Gauge = register(names.ROUTER_IN_FLIGHT, r)
         self.index_blocks: Gauge = register(names.ROUTER_INDEX_BLOCKS, r)
         self._index_block_ids: set[str] = set()
+        self.held: Gauge = register(names.ROUTER_HELD_REQUESTS, r)
+        self.holds: Counter = register(names.ROUTER_HOLDS, r)
+        self.hold_seconds: Histogram = register(names.ROUTER_HOLD_SECONDS, r, HOLD_BUCKETS)
+        self.cold_start_seconds: Histogram = register(names.ROUTER_COLD_START_SECONDS, r, HOLD_BUCKETS)
+        self.activations: Counter = register(names.ROUTER_ACTIVATIONS, r)
+        for outcome in names.ROUTER_HOLD_OUTCOMES:
+            self.holds.labels(outcome)
+        for result in names.ROUTER_ACTIVATION_RESULTS:
+            self.activations.labels(result)
         # Zero-valued series from the start: rate() needs two samples, and a dashboard panel or an
         # alert on a reason that has not happened yet should read 0, not "No data".
         for reason in names.ROUTER_RETRY_REASONS:

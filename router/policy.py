@@ -11,7 +11,9 @@ from what costs time there, in tokens and seconds rather than in requests:
             + decode_step_s(r) * steps(r)        (only while r has sequences decoding)
   steps(r) = ceil((queued_prefill_tokens(r) + uncached_tokens(r)) / step_token_budget(r))
 step_token_budget is the engine's max_num_batched_tokens: the queue ahead and our prompt share steps.
-uncached_tokens is the prompt minus the leading blocks r holds; the queued work is the
+uncached_tokens is the prompt minus the leading blocks r holds, where a block r holds in its host
+tier (demoted, --kv-offloading-size) counts as 1/HOST_RESTORE_SPEEDUP of a token to compute per
+token: its restore is a copy, cheaper than its prefill, dearer than a tier-1 hit; the queued work is the
 replica's heartbeat corrected by this router's own sends (kvscale.router.prefill_ledger); the rates are
 the replica's own moving averages, each held within a factor RATE_SPREAD of the pool's median: a
 replica serving cache hits runs short prefill steps whose fixed cost makes its tokens/s look low,
@@ -91,6 +93,7 @@ class Candidate:
     load: int  # in-flight requests: max(router's own count, heartbeat running + waiting)
     kv_usage: float = 0.0  # kv_blocks_active / kv_blocks_total from the heartbeat (0..1)
     matched_blocks: int = 0  # leading prompt blocks this replica holds
+    host_blocks: int = 0  # of those, the ones in its host tier (restored by a copy, not free)
     # Prefill work queued there, in tokens: heartbeat corrected by this router's sends.
     queued_prefill_tokens: int = 0
     num_decoding: int = 0  # sequences past prefill (heartbeat, or what this router knows)
@@ -214,6 +217,12 @@ def prefix_affinity(
     return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks, reason)
 
 
+# How many times faster restoring a block from a replica's host tier is than prefilling it:
+# bench/kv_tier.py measures it (docs/benchmarks.md: well above this on CPU); kept conservative,
+# so a tier-1 holder is preferred to a tier-2 one and both to a replica that holds nothing.
+HOST_RESTORE_SPEEDUP = 10.0
+
+
 def predicted_ttft(
     candidate: Candidate,
     prompt_tokens: int,
@@ -223,7 +232,8 @@ def predicted_ttft(
     """Seconds until this request's first token if sent to ``candidate`` (see the module doc)."""
     # At least one token is always computed (the engine needs its logits).
     uncached = max(prompt_tokens - candidate.matched_blocks * block_size, 1)
-    work = candidate.queued_prefill_tokens + uncached
+    restore = min(candidate.host_blocks, candidate.matched_blocks) * block_size / HOST_RESTORE_SPEEDUP
+    work = candidate.queued_prefill_tokens + uncached + restore
     rate = candidate.prefill_tokens_per_s if candidate.prefill_tokens_per_s > 0 else default_rate
     seconds = work / rate
     if candidate.num_decoding > 0 and candidate.decode_step_s > 0:

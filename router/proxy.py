@@ -87,6 +87,9 @@ class Forwarder:
         self.sessions = sessions
         self.metrics = metrics
         self._client: httpx.AsyncClient | None = None
+        # With requests held at zero replicas (router/activation.py): a draining last replica
+        # is a failure too (502, held and retried by the router), not an answer for the client.
+        self.draining_is_failure = False
 
     def open(self) -> None:
         limits = httpx.Limits(
@@ -119,7 +122,7 @@ class Forwarder:
                     stream=True,
                 )
                 draining = upstream.status_code == 503 and upstream.headers.get(DRAINING_HEADER)
-                if draining and not is_last:
+                if draining and (not is_last or self.draining_is_failure):
                     last_error = f"replica {replica.replica_id} is draining"
                     self.replicas.mark_draining(replica)
                     self.metrics.retries.labels("draining").inc()

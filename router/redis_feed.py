@@ -23,6 +23,7 @@ from kvscale.kv_index_schema import (
     STORED,
     Heartbeat,
     blocks_key,
+    event_tier,
     heartbeat_key,
     live_replicas_args,
     live_replicas_script,
@@ -142,7 +143,7 @@ class RedisFeed:
         for event in message.get("events", []):
             kind = event[0]
             if kind == STORED:
-                self.index.stored(replica_id, event[1])
+                self.index.stored(replica_id, event[1], event_tier(event))
             elif kind == REMOVED:
                 self.index.removed(replica_id, event[1])
             elif kind == CLEARED:

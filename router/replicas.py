@@ -204,6 +204,24 @@ class ReplicaSet:
         replica.last_check = time.monotonic()
 
 
+def kube_api_client(kubeconfig: str | None = None):
+    """A kubernetes ApiClient: in-cluster (the pod's ServiceAccount) unless ``kubeconfig`` names
+    a file; outside a pod, $KUBECONFIG or ~/.kube/config."""
+    from kubernetes import client, config
+
+    if kubeconfig is None:
+        try:
+            configuration = client.Configuration()
+            config.load_incluster_config(client_configuration=configuration)
+            return client.ApiClient(configuration)
+        except config.ConfigException:
+            pass
+    # The client reads $KUBECONFIG once, when first imported; read it now. Our own ApiClient
+    # leaves the process-wide default configuration alone.
+    path = kubeconfig or os.environ.get("KUBECONFIG") or None
+    return config.new_client_from_config(config_file=path, persist_config=False)
+
+
 class EndpointSliceWatch:
     """Ready endpoints of a headless Service, from its EndpointSlices, pushed into a ReplicaSet.
 
@@ -272,25 +290,10 @@ class EndpointSliceWatch:
         self._published = urls
         self._loop.call_soon_threadsafe(self._on_urls, urls)
 
-    def _api_client(self):
-        from kubernetes import client, config
-
-        if self.kubeconfig is None:
-            try:
-                configuration = client.Configuration()
-                config.load_incluster_config(client_configuration=configuration)
-                return client.ApiClient(configuration)
-            except config.ConfigException:
-                pass
-        # The client reads $KUBECONFIG once, when first imported; read it now. Our own ApiClient
-        # leaves the process-wide default configuration alone.
-        path = self.kubeconfig or os.environ.get("KUBECONFIG") or None
-        return config.new_client_from_config(config_file=path, persist_config=False)
-
     def _run(self) -> None:
         from kubernetes import client, watch
 
-        api = client.DiscoveryV1Api(self._api_client())
+        api = client.DiscoveryV1Api(kube_api_client(self.kubeconfig))
         selector = self.label_selector
         while not self._stop.is_set():
             try:

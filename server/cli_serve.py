@@ -24,6 +24,7 @@ _ENGINE_FIELDS = (
     "model", "dtype", "block_size", "enable_prefix_caching", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "num_gpu_blocks_override",
     "kv_cache_memory_bytes", "device", "seed",
+    "kv_offloading_size",
 )
 
 
@@ -53,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="exact number of KV blocks (overrides the memory-based sizing)")
     cache.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                        help="KV cache size in bytes (CPU: default 2 GiB)")
+    cache.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                       help="GiB of host memory for a second KV tier that evicted prefix blocks are "
+                            "demoted to and promoted back from (default 0: none)")
 
     http = parser.add_argument_group("HTTP server")
     http.add_argument("--host", default=None,

@@ -23,6 +23,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None  # CPU budget for the KV cache
+    # GiB of host memory for a second KV tier (vLLM's --kv-offloading-size); 0: no second tier.
+    kv_offloading_size: float = 0.0
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     seed: int = 0
 
@@ -45,5 +47,7 @@ class EngineConfig:
             )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override must be at least 1")
+        if not self.kv_offloading_size >= 0:
+            raise ValueError(f"kv_offloading_size must be at least 0 GiB, got {self.kv_offloading_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be at least 1")

@@ -19,8 +19,15 @@ from kvscale.server.block_pool import BlockPool
 from kvscale.server.config import EngineConfig
 from kvscale.server.detokenizer import detokenize_incrementally, find_stop_string, init_detokenizer
 from kvscale.server.engine_stats import engine_stats
+from kvscale.server.host_tier import HostTier
 from kvscale.server.kv_cache_manager import KVCacheManager, blocks_for
-from kvscale.server.kv_sizing import largest_step_profile, pass_decides_pool, pool_blocks
+from kvscale.server.kv_sizing import (
+    host_memory_room,
+    host_tier_blocks,
+    largest_step_profile,
+    pass_decides_pool,
+    pool_blocks,
+)
 from kvscale.server.memory_profile import device_memory
 from kvscale.server.model_loader import (
     eos_token_ids,
@@ -93,10 +100,21 @@ class LLMEngine:
         # A sequence may never need more than the whole pool (so preemption always makes progress).
         self.max_model_len = min(wanted_len, self.num_blocks * config.block_size)
 
-        self.pool = BlockPool(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        # The host tier (--kv-offloading-size): checked against the machine before anything is
+        # allocated; on CPU the KV cache itself is host memory too.
+        room, room_what = host_memory_room()
+        self.num_host_blocks = host_tier_blocks(
+            config.kv_offloading_size, block_bytes, host_room_bytes=room, host_room_what=room_what,
+            other_host_bytes=self.kv_cache_bytes if self.device.type == "cpu" else 0,
+        ) if config.enable_prefix_caching else 0
+        host = HostTier(self.num_host_blocks) if self.num_host_blocks else None
+        self.pool = BlockPool(self.num_blocks, config.block_size, config.enable_prefix_caching, host)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler.block_bytes = block_bytes
         self.runner.allocate_kv_cache(self.num_blocks, self.max_model_len)
+        if self.num_host_blocks:
+            self.runner.allocate_host_cache(self.num_host_blocks)
         self.vocab_size = spec.vocab_size
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
@@ -168,14 +186,28 @@ class LLMEngine:
     # --- the iteration ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        prompt_before = self.num_prompt_tokens_computed
         try:
             return self._step()
         finally:
             # Heartbeats report step times (router's TTFT prediction); every return path counts.
             self.last_step_s = time.perf_counter() - started
+            self._observe_rates(self.num_prompt_tokens_computed - prompt_before)
+
+    def _observe_rates(self, prompt_tokens: int) -> None:
+        """Prefill and copy rates for the swap-or-recompute choice (host tier only)."""
+        host_cache = self.runner.host_cache
+        if host_cache is None:
+            return
+        decoding = sum(1 for seq in self.scheduler.running if seq.num_computed_tokens >= seq.num_prompt_tokens)
+        self.scheduler.step_rates.observe(self.last_step_s, prompt_tokens, decoding)
+        self.scheduler.copy_bytes_per_s = host_cache.counters.copy_bytes_per_s
 
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        # Before the forward (demoted blocks may be written by it, promoted ones read), and even
+        # when nothing runs: a preemption may have queued demotions.
+        self.runner.move_between_tiers(self.kv.take_tier_copies())
         if not sched.scheduled:
             return []
         now = time.monotonic()
@@ -298,6 +330,7 @@ class LLMEngine:
         return engine_stats(
             self.scheduler, self.kv, num_generated_tokens=self.num_generated_tokens,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed, last_step_s=self.last_step_s,
+            offload=self.runner.host_cache.counters if self.runner.host_cache is not None else None,
         )
 
     def drain_kv_events(self) -> list[KVEvent]:

@@ -6,9 +6,15 @@ scheduler's queues and the pool's counters and never touches the model.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvscale.server.kv_cache_manager import KVCacheManager
+from kvscale.server.kv_tier_policy import RESTORE_BUCKETS
 from kvscale.server.outputs import EngineStats
 from kvscale.server.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from kvscale.server.kv_offload import OffloadCounters
 
 
 def engine_stats(
@@ -18,6 +24,7 @@ def engine_stats(
     num_generated_tokens: int,
     num_prompt_tokens_computed: int,
     last_step_s: float,
+    offload: OffloadCounters | None = None,
 ) -> EngineStats:
     pool = kv.pool
     running_requests = {seq.request.request_id for seq in scheduler.running}
@@ -35,6 +42,17 @@ def engine_stats(
             prefill_pending += left
         else:
             num_decoding += 1
+    extra = {
+        "generation_tokens_total": float(num_generated_tokens),
+        "prompt_tokens_computed_total": float(num_prompt_tokens_computed),
+        "prefill_tokens_waiting": float(prefill_pending),
+        "last_step_s": last_step_s,
+        "max_num_batched_tokens": float(scheduler.max_num_batched_tokens),
+        "num_decoding": float(num_decoding),
+        "kv_blocks_evicted_total": float(pool.num_evicted),
+        "enable_prefix_caching": float(kv.enable_prefix_caching),
+    }
+    extra.update(host_tier_stats(scheduler, kv, offload))
     return EngineStats(
         num_running=len(running_requests),
         num_waiting=len(waiting_requests),
@@ -45,14 +63,34 @@ def engine_stats(
         prefix_cache_queries=kv.prefix_cache_queries,
         prefix_cache_hits=kv.prefix_cache_hits,
         num_preemptions=scheduler.num_preemptions,
-        extra={
-            "generation_tokens_total": float(num_generated_tokens),
-            "prompt_tokens_computed_total": float(num_prompt_tokens_computed),
-            "prefill_tokens_waiting": float(prefill_pending),
-            "last_step_s": last_step_s,
-            "max_num_batched_tokens": float(scheduler.max_num_batched_tokens),
-            "num_decoding": float(num_decoding),
-            "kv_blocks_evicted_total": float(pool.num_evicted),
-            "enable_prefix_caching": float(kv.enable_prefix_caching),
-        },
+        extra=extra,
     )
+
+
+def host_tier_stats(scheduler: Scheduler, kv: KVCacheManager, offload: OffloadCounters | None) -> dict[str, float]:
+    """The second KV tier's figures (absent keys read as zero: no tier)."""
+    pool = kv.pool
+    host = pool.host
+    if host is None:
+        return {}
+    out = {
+        "kv_host_blocks_total": float(host.num_slots),
+        "kv_host_blocks_cached": float(host.num_cached),
+        "kv_blocks_demoted_total": float(pool.num_demoted),
+        "kv_blocks_promoted_total": float(pool.num_promoted),
+        "kv_preemptions_swapped_total": float(scheduler.num_swapped_out),
+        "external_prefix_cache_queries_total": float(kv.host_cache_queries),
+        "external_prefix_cache_hits_total": float(kv.host_cache_hits),
+    }
+    if offload is not None:
+        out |= {
+            "kv_offload_bytes_gpu_to_cpu": float(offload.bytes_down),
+            "kv_offload_bytes_cpu_to_gpu": float(offload.bytes_up),
+            "kv_offload_seconds_gpu_to_cpu": offload.seconds_down,
+            "kv_offload_seconds_cpu_to_gpu": offload.seconds_up,
+            "kv_restore_seconds_count": float(offload.restore_count),
+            "kv_restore_seconds_sum": offload.restore_sum,
+        }
+        for bound, count in zip(RESTORE_BUCKETS, offload.restore_buckets, strict=True):
+            out[f"kv_restore_seconds_le_{bound:g}"] = float(count)
+    return out

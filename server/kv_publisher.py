@@ -25,6 +25,7 @@ from kvscale.kv_index_schema import (
     REMOVED,
     REPLICAS_KEY,
     STORED,
+    TIER_DEVICE,
     Heartbeat,
     blocks_key,
     events_message,
@@ -61,10 +62,12 @@ _STOP = object()
 def encode_events(events: list[KVEvent]) -> list[list]:
     encoded: list[list] = []
     for event in events:
-        if isinstance(event, BlockStored):
-            encoded.append([STORED, [int(h) for h in event.block_hashes]])
-        elif isinstance(event, BlockRemoved):
-            encoded.append([REMOVED, [int(h) for h in event.block_hashes]])
+        if isinstance(event, BlockStored | BlockRemoved):
+            kind = STORED if isinstance(event, BlockStored) else REMOVED
+            item: list = [kind, [int(h) for h in event.block_hashes]]
+            if event.tier != TIER_DEVICE:
+                item.append(event.tier)  # the host tier (kv_index_schema: absent means 1)
+            encoded.append(item)
         elif isinstance(event, AllBlocksCleared):
             encoded.append([CLEARED])
     return encoded

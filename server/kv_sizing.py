@@ -147,3 +147,59 @@ def largest_step_profile(
 
 def _gib(num_bytes: int) -> str:
     return f"{num_bytes / GIB:.2f}"
+
+
+# --- the second KV tier (host memory) ---------------------------------------------------------
+def host_tier_blocks(
+    size_gib: float, block_bytes: int, *, host_room_bytes: int, host_room_what: str, other_host_bytes: int = 0
+) -> int:
+    """Blocks of the host tier for ``--kv-offloading-size`` GiB, or a ValueError saying why it
+    does not fit: the tier plus ``other_host_bytes`` (the KV cache itself, when it too lives in
+    host memory) must fit in ``host_room_bytes`` (what the machine or the pod's cgroup leaves)."""
+    if size_gib <= 0:
+        return 0
+    if block_bytes < 1:
+        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+    wanted = int(size_gib * GIB)
+    num_blocks = wanted // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"--kv-offloading-size {size_gib:g} GiB is smaller than one KV block ({block_bytes} bytes)"
+        )
+    needed = num_blocks * block_bytes + other_host_bytes
+    if needed > host_room_bytes:
+        also = f" plus the {_gib(other_host_bytes)} GiB KV cache in host memory" if other_host_bytes else ""
+        raise ValueError(
+            f"--kv-offloading-size {size_gib:g} GiB{also} needs {_gib(needed)} GiB of host memory but "
+            f"only {_gib(host_room_bytes)} GiB is available ({host_room_what}). "
+            f"Decrease --kv-offloading-size (or the KV cache), or give the pod more memory"
+        )
+    return int(num_blocks)
+
+
+def host_memory_room(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> tuple[int, str]:
+    """Bytes of host memory a new allocation may take, and where the figure comes from: the
+    machine's MemAvailable, or less when this process's cgroup (v2) limit leaves less."""
+    available = 0
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    room, what = available, f"MemAvailable of the machine, {_gib(available)} GiB"
+    try:
+        with open(f"{cgroup}/memory.max") as f:
+            limit_text = f.read().strip()
+        with open(f"{cgroup}/memory.current") as f:
+            current = int(f.read().strip())
+    except (OSError, ValueError):
+        return room, what
+    if limit_text != "max":
+        left = int(limit_text) - current
+        if left < room:
+            room = max(left, 0)
+            what = f"the cgroup's memory.max {_gib(int(limit_text))} GiB less {_gib(current)} GiB in use"
+    return room, what

@@ -16,12 +16,18 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvscale import metric_names as names
 from kvscale.metric_registry import register
 from kvscale.server.async_engine import RequestStream
+from kvscale.server.kv_tier_policy import RESTORE_BUCKETS
 from kvscale.server.outputs import EngineStats, RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -74,6 +80,33 @@ class _EngineStatsCollector(Collector):
         config.add_metric([self._model_name, str(stats.block_size), str(stats.kv_blocks_total),
                            "True" if prefix_caching else "False"], 1.0)
         yield config
+        yield from self._host_tier(stats, label, family)
+
+    @staticmethod
+    def _host_tier(stats: EngineStats, label: list[str], family: Callable[[names.Metric, float], Metric]) -> Iterator[Metric]:
+        """The second KV tier (zeros when there is none, so every replica exports the contract)."""
+        extra = stats.extra
+        for metric, key in ((names.KV_OFFLOAD_BYTES, "kv_offload_bytes"), (names.KV_OFFLOAD_TIME, "kv_offload_seconds")):
+            out = CounterMetricFamily(metric.name, metric.help, labels=list(metric.labels))
+            out.add_metric(label + ["GPU_to_CPU"], extra.get(f"{key}_gpu_to_cpu", 0.0))
+            out.add_metric(label + ["CPU_to_GPU"], extra.get(f"{key}_cpu_to_gpu", 0.0))
+            yield out
+        yield family(names.EXTERNAL_PREFIX_CACHE_QUERIES, extra.get("external_prefix_cache_queries_total", 0.0))
+        yield family(names.EXTERNAL_PREFIX_CACHE_HITS, extra.get("external_prefix_cache_hits_total", 0.0))
+        total = extra.get("kv_host_blocks_total", 0.0)
+        cached = extra.get("kv_host_blocks_cached", 0.0)
+        yield family(names.CPU_CACHE_USAGE, cached / total if total else 0.0)
+        yield family(names.KV_HOST_BLOCKS_TOTAL, total)
+        yield family(names.KV_HOST_BLOCKS_CACHED, cached)
+        yield family(names.KV_BLOCKS_DEMOTED, extra.get("kv_blocks_demoted_total", 0.0))
+        yield family(names.KV_BLOCKS_PROMOTED, extra.get("kv_blocks_promoted_total", 0.0))
+        yield family(names.KV_PREEMPTIONS_SWAPPED, extra.get("kv_preemptions_swapped_total", 0.0))
+        metric = names.KV_RESTORE_SECONDS
+        histogram = HistogramMetricFamily(metric.name, metric.help, labels=list(metric.labels))
+        buckets = [(f"{b:g}", extra.get(f"kv_restore_seconds_le_{b:g}", 0.0)) for b in RESTORE_BUCKETS]
+        buckets.append(("+Inf", extra.get("kv_restore_seconds_count", 0.0)))
+        histogram.add_metric(label, buckets, extra.get("kv_restore_seconds_sum", 0.0))
+        yield histogram
 
 
 class ServerMetrics:

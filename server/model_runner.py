@@ -19,6 +19,8 @@ import torch
 
 from kvscale import kernels
 from kvscale.server.attention_metadata import AttentionMetadata, DecodePrefillSplit
+from kvscale.server.block_pool import TierCopies
+from kvscale.server.kv_offload import HostKVCache
 from kvscale.server.memory_profile import MemoryMeter
 from kvscale.server.model_llama import DecoderForCausalLM
 from kvscale.server.outputs import RequestMetrics
@@ -99,6 +101,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.max_model_len = 0
+        self.host_cache: HostKVCache | None = None  # the second KV tier, when there is one
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.kv_cache, self.kv_caches = self._new_kv_cache(num_blocks)
@@ -204,6 +207,19 @@ class ModelRunner:
         forward([(num_tokens, 1), (num_tokens - 1, 1)])  # pure decode
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+    def allocate_host_cache(self, num_slots: int) -> None:
+        """The second KV tier: ``num_slots`` blocks in host memory (pinned on a GPU), once."""
+        assert self.kv_cache is not None, "allocate_kv_cache first"
+        self.host_cache = HostKVCache(num_slots, self.kv_cache)
+
+    @torch.inference_mode()
+    def move_between_tiers(self, copies: TierCopies) -> None:
+        """Demote and promote whole blocks (every layer, K and V) before the next forward."""
+        if not copies:
+            return
+        assert self.host_cache is not None and self.kv_cache is not None, "no host tier"
+        self.host_cache.run(self.kv_cache, copies)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks (every layer, K and V) before they diverge."""

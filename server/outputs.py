@@ -95,11 +95,13 @@ class BlockStored:
     block_hashes: list[int]
     parent_block_hash: int | None
     block_size: int
+    tier: int = 1  # 1: the device's KV pool; 2: the host tier (kvscale.server.host_tier)
 
 
 @dataclass
 class BlockRemoved:
     block_hashes: list[int]
+    tier: int = 1
 
 
 @dataclass

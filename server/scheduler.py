@@ -3,9 +3,11 @@
 Policy (one step):
   1. Running sequences first, oldest first: a decode takes one token, an unfinished prefill
      takes what is left of it (chunked to the remaining token budget).
-     When blocks run out, the newest running sequence is preempted by recompute (its blocks are
-     freed and it goes back to the front of the queue), repeatedly, until the current one fits
-     or is itself the newest.
+     When blocks run out, the newest running sequence is preempted (its blocks are freed and it
+     goes back to the front of the queue), repeatedly, until the current one fits or is itself
+     the newest. With a host tier a victim whose swap is cheaper than its recompute (measured
+     copy and prefill rates, kv_tier_policy.swap_is_cheaper) has its full blocks demoted at
+     once, and resumes by promoting them; otherwise it is recomputed.
   2. Then, unless something was preempted this step, waiting sequences in arrival order while
      the token budget and ``max_num_seqs`` allow; the last one admitted may be a partial chunk.
      A waiting sequence that does not fit stops admission (first come, first served).
@@ -21,7 +23,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvscale.server.kv_cache_manager import KVCacheManager
+from kvscale.server.kv_tier_policy import blocks_to_demote_ahead, swap_is_cheaper, watermark_blocks
 from kvscale.server.sequence import Sequence, SequenceStatus
+from kvscale.server.step_rates import StepRates
 
 
 @dataclass
@@ -54,6 +58,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swapped_out = 0  # preemptions whose blocks went down to the host tier
+        # What the swap-or-recompute choice reads; the engine keeps them up to date.
+        self.block_bytes = 0
+        self.copy_bytes_per_s = 0.0
+        self.step_rates = StepRates()
+        self.watermark = watermark_blocks(kv.pool.num_blocks) if kv.pool.host is not None else 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -92,6 +102,7 @@ class Scheduler:
             break  # the current sequence preempted itself: it was the newest
 
         if out.preempted:
+            self._demote_ahead()
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -100,7 +111,7 @@ class Scheduler:
             num_new = tokens_to_schedule(seq, budget, num_computed)
             if not kv.can_allocate(seq, num_new, cached):
                 break
-            kv.record_lookup(seq, num_computed)
+            kv.record_lookup(seq, num_computed, cached)
             kv.allocate(seq, num_new, cached)
             kv.register_full_blocks(seq, seq.num_computed_tokens + num_new)
             self.waiting.popleft()
@@ -108,10 +119,24 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        self._demote_ahead()
         return out
 
+    def _demote_ahead(self) -> None:
+        """Write-back at the watermark: keep some fresh tier-1 blocks by demoting LRU cached ones."""
+        pool = self.kv.pool
+        if self.watermark:
+            pool.demote_ahead(
+                blocks_to_demote_ahead(pool.num_fresh_blocks, pool.num_cached_free_blocks, self.watermark)
+            )
+
     def _preempt(self, seq: Sequence) -> None:
-        self.kv.free(seq)
+        swap = self.kv.pool.host is not None and swap_is_cheaper(
+            seq.num_registered_blocks, self.block_bytes, seq.num_computed_tokens,
+            self.copy_bytes_per_s, self.step_rates.prefill_tokens_per_s,
+        )
+        self.num_swapped_out += swap
+        self.kv.free(seq, swap_out=swap)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

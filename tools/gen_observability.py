@@ -136,6 +136,19 @@ AUTOSCALING = Board(
             q(quantile(0.9, m.TTFT, SEL_SERVER), "TTFT p90"),
             q(quantile(0.9, m.QUEUE_TIME, SEL_SERVER), "queue time p90"),
         ), unit="s", width=24),
+        Panel("Scale from zero: requests held", (
+            q(sel(m.OPERATOR_HELD_REQUESTS.series, SEL_SERVICE), "{{inferenceservice}} held (operator)"),
+            q(f"sum by (inferenceservice) ({sel(m.ROUTER_HELD_REQUESTS.series, SEL_SERVICE)})",
+              "{{inferenceservice}} held (routers)"),
+            q(f"sum by (outcome) (increase({sel(m.ROUTER_HOLDS.series, SEL_SERVICE)}[{RATE}]))",
+              "holds ended: {{outcome}}"),
+        ), description="minReplicas 0: requests the routers hold while no replica is ready, and "
+                       "how their holds ended (timeout and full are 503s)."),
+        Panel("Scale from zero: cold start", (
+            q(sel(m.OPERATOR_COLD_START_SECONDS.series, SEL_SERVICE), "{{inferenceservice}} last cold start"),
+            q(quantile(0.9, m.ROUTER_HOLD_SECONDS, SEL_SERVICE), "hold time p90"),
+        ), unit="s", description="From the first held request to a ready replica (the activation), "
+                                 "and how long requests were held."),
     ),
 )
 
@@ -171,6 +184,26 @@ SERVING = Board(
             q(f"sum by (pod) ({rate(m.KV_BLOCKS_EVICTED.series, SEL_SERVER)})",
               "{{pod}} evicted blocks/s"),
         )),
+        Panel("Host KV tier: blocks", (
+            q(f"sum by (pod) ({sel(m.KV_HOST_BLOCKS_CACHED.series, SEL_SERVER)})", "{{pod}} cached"),
+            q(f"sum by (pod) ({sel(m.KV_HOST_BLOCKS_TOTAL.series, SEL_SERVER)})", "{{pod}} total"),
+        ), description="Blocks of the second KV tier (--kv-offloading-size) holding a prefix block."),
+        Panel("Host KV tier: demotions, promotions, swaps", (
+            q(f"sum by (pod) ({rate(m.KV_BLOCKS_DEMOTED.series, SEL_SERVER)})", "{{pod}} demoted blocks/s"),
+            q(f"sum by (pod) ({rate(m.KV_BLOCKS_PROMOTED.series, SEL_SERVER)})", "{{pod}} promoted blocks/s"),
+            q(f"sum by (pod) ({rate(m.KV_PREEMPTIONS_SWAPPED.series, SEL_SERVER)})", "{{pod}} swapped preemptions/s"),
+        )),
+        Panel("Host KV tier: hit rate and copy bandwidth", (
+            q(f"sum({rate(m.EXTERNAL_PREFIX_CACHE_HITS.series, SEL_SERVER)}) / "
+              f"sum({rate(m.EXTERNAL_PREFIX_CACHE_QUERIES.series, SEL_SERVER)})", "tier-2 hit rate"),
+            q(f"sum by (transfer_type) ({rate(m.KV_OFFLOAD_BYTES.series, SEL_SERVER)}) / "
+              f"sum by (transfer_type) ({rate(m.KV_OFFLOAD_TIME.series, SEL_SERVER)})",
+              "{{transfer_type}} bytes per copy second"),
+        ), description="Tokens found in the host tier / looked up there (a fraction); copy bytes per "
+                       "second spent copying (bytes/s)."),
+        Panel("Host KV tier: restore latency", tuple(
+            q(quantile(p, m.KV_RESTORE_SECONDS, SEL_SERVER), f"p{int(p * 100)}") for p in (0.5, 0.9, 0.99)
+        ), unit="s", description="One step's batch of promotions, host tier to KV cache."),
         Panel("Finish reasons", (
             q(f"sum by (finished_reason) ({rate(m.REQUEST_SUCCESS.series, SEL_SERVER)})",
               "{{finished_reason}}"),

@@ -16,6 +16,7 @@ from kvscale.operator.children.router import (
 from kvscale.operator.children.servers import (
     build_deployment,
     build_headless_service,
+    build_server_pdb,
     build_service,
 )
 from kvscale.operator.spec import (
@@ -43,6 +44,7 @@ def build_children(name: str, namespace: str, spec: InferenceServiceSpec,
         spec = replace(spec, image=images.engine)
     children = [
         build_deployment(name, namespace, spec),
+        build_server_pdb(name, namespace),
         build_service(name, namespace, spec),
         build_headless_service(name, namespace),
     ]

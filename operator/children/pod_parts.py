@@ -93,3 +93,12 @@ def rolling_update() -> dict[str, Any]:
 
 def http_port(port: int) -> dict[str, Any]:
     return {"name": "http", "containerPort": port, "protocol": "TCP"}
+
+
+def topology_spread(selector: dict[str, str]) -> list[dict[str, Any]]:
+    """Replicas spread over nodes, then zones, so that one node drain or zone outage never takes
+    every replica at once. ScheduleAnyway: a one-node cluster (or one GPU node) still runs them
+    all rather than leaving pods Pending."""
+    return [{"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": dict(selector)}}
+            for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")]

@@ -33,9 +33,10 @@ from kvscale.operator.children.pod_parts import (
     rolling_update,
     scrape_annotations,
     shutdown_timeout,
+    topology_spread,
 )
 from kvscale.operator.children.redis import service_redis_env
-from kvscale.operator.spec import ROUTER_PORT, InferenceServiceSpec, SecretKeyRef
+from kvscale.operator.spec import GROUP, PLURAL, ROUTER_PORT, InferenceServiceSpec, SecretKeyRef
 
 # Routers hold open streams: time for them to finish after SIGTERM.
 ROUTER_TERMINATION_GRACE_PERIOD_SECONDS = 60
@@ -68,8 +69,19 @@ class RouterPod:
     # the router hashes prompts as they do; empty: the bundled model under its own name.
     tokenizer_args: tuple[str, ...] = ()
     model_files: ModelFiles = field(default_factory=lambda: ModelFiles(None))
+    # Scale from zero (autoscaling.minReplicas 0): hold requests this long while no server is
+    # ready, and raise the scale of this InferenceService from 0 (`kvscale router
+    # --hold-timeout --scale-from-zero`); its Role then may get and patch that scale alone.
+    hold_timeout_s: int | None = None
+    scale_from_zero: str | None = None
     container_extras: Mapping[str, Any] = field(default_factory=dict)
     pod_extras: Mapping[str, Any] = field(default_factory=dict)
+
+
+def scale_rule(name: str) -> dict[str, Any]:
+    """The one write a router may make: its own InferenceService's scale, 0 to 1."""
+    return {"apiGroups": [GROUP], "resources": [f"{PLURAL}/scale"], "resourceNames": [name],
+            "verbs": ["get", "patch"]}
 
 
 def router_api_key_env(ref: SecretKeyRef | None) -> list[EnvVar]:
@@ -85,6 +97,7 @@ def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image:
                       "--block-size", str(spec.engine.block_size))
     if files.path is not None:
         tokenizer_args = ("--model", files.path, *tokenizer_args)
+    to_zero = spec.autoscaling.scales_to_zero
     return RouterPod(
         name=router_name(name),
         namespace=namespace,
@@ -94,7 +107,7 @@ def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image:
         replicas=router.replicas,
         discovery=("--k8s-service", headless_service_name(name), "--namespace", "$(POD_NAMESPACE)",
                    "--k8s-port-name", "http"),
-        rules=(ENDPOINTSLICES_RULE,),
+        rules=(ENDPOINTSLICES_RULE, *([scale_rule(name)] if to_zero else [])),
         resources={"requests": {"cpu": router.resources.cpu, "memory": router.resources.memory},
                    "limits": {"memory": router.resources.memory}},
         env=(*service_redis_env(name, namespace, spec), *router_api_key_env(spec.api_key_secret)),
@@ -102,6 +115,8 @@ def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image:
         balance_epsilon=router.balance_epsilon,
         tokenizer_args=tokenizer_args,
         model_files=files,
+        hold_timeout_s=spec.autoscaling.activation_timeout_seconds if to_zero else None,
+        scale_from_zero=name if to_zero else None,
     )
 
 
@@ -118,6 +133,10 @@ def router_args(pod: RouterPod) -> list[str]:
         args += ["--policy", pod.policy]
     if pod.balance_epsilon is not None:
         args += ["--balance-epsilon", str(pod.balance_epsilon)]
+    if pod.hold_timeout_s is not None:
+        args += ["--hold-timeout", str(pod.hold_timeout_s)]
+    if pod.scale_from_zero is not None:
+        args += ["--scale-from-zero", pod.scale_from_zero]
     return args
 
 
@@ -169,6 +188,7 @@ def build_router_deployment(pod: RouterPod) -> dict[str, Any]:
                     "securityContext": pod_security_context(),
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": ROUTER_TERMINATION_GRACE_PERIOD_SECONDS,
+                    "topologySpreadConstraints": topology_spread(dict(pod.selector)),
                     **pod.pod_extras,
                     **({"initContainers": pod.model_files.init_containers}
                        if pod.model_files.init_containers else {}),

@@ -27,6 +27,7 @@ from kvscale.operator.children.pod_parts import (
     rolling_update,
     scrape_annotations,
     shutdown_timeout,
+    topology_spread,
 )
 from kvscale.operator.children.redis import service_redis_env
 from kvscale.operator.spec import SERVER_PORT, InferenceServiceSpec
@@ -168,6 +169,7 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> d
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": TERMINATION_GRACE_PERIOD_SECONDS,
+        "topologySpreadConstraints": topology_spread(selector_labels(name)),
         "containers": [server_container(name, namespace, spec, model_path, mounts)],
         "volumes": volumes,
     }
@@ -190,6 +192,17 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> d
                 "spec": pod_spec,
             },
         },
+    }
+
+
+def build_server_pdb(name: str, namespace: str) -> dict[str, Any]:
+    """A voluntary disruption (a node drain) takes at most one server at a time: the others
+    keep serving and keep their warm caches. At one replica (or zero) it blocks nothing."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "namespace": namespace, "labels": child_labels(name)},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
     }
 
 

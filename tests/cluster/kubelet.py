@@ -84,9 +84,15 @@ def default_images() -> dict[str, Image]:
     cache = os.environ.get("KVSCALE_CACHE") or str(Path.home() / ".cache" / "kvscale")
     # Its entry point and its Python, with kvscale installed (helm test pods run `python -c`).
     hf = str(Path(sys.executable).with_name("hf"))  # the Hub's CLI: hf:// models' init containers
+    # The checkout whose `kvscale` this test imports, first on the path: a git worktree sharing
+    # another checkout's virtualenv (installed editable from there) runs its own code in the pods.
+    import kvscale as tested
+
+    checkout = str(Path(tested.__file__).resolve().parents[1])
     kvscale_image = Image({"kvscale": kvscale, "python": sys.executable, "python3": sys.executable,
                            "hf": hf},
-                          {"KVSCALE_CACHE": cache, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+                          {"KVSCALE_CACHE": cache, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+                           "PYTHONPATH": checkout})
     redis = shutil.which("redis-server")
     images = {"kvscale": kvscale_image}
     if redis is not None:

@@ -6,10 +6,14 @@ host-local addresses), kubelet, kube-proxy (iptables) and CoreDNS (tools/node-bi
 Kubernetes release as the apiserver), and imports kvscale's images into containerd with
 `podman save | ctr import` (tools/node-images.sh): no registry.
 
-Addresses stay inside the machine: everything lives in 198.19.0.0/16 (RFC 2544, never routed).
-The node's own address is on lo; pods get one route, to 198.19.0.0/16 via the bridge, and no
-default route, so nothing a pod sends can leave; nothing is masqueraded but Service traffic
-between addresses of that range.
+The pod network is dual-stack with IPv6 first, as on a single-stack IPv6 cluster's nodes: a
+pod's `status.podIP`, the address a server advertises and the one the router discovers in an
+EndpointSlice are IPv6, and Services get IPv6 cluster IPs (the same code must also work with
+IPv4, which the process runtime under tests/cluster covers). Addresses stay inside the machine:
+everything lives in 198.19.0.0/16 (RFC 2544, never routed) and fd19:19::/48 (a unique local
+prefix of our own). The node's own addresses are on lo; pods get routes to those two ranges via
+the bridge and no default route, so nothing a pod sends can leave; nothing is masqueraded but
+Service traffic from outside the pod ranges.
 
 One node environment per machine at a time (a lock): the names (bridge, cgroup, paths) are
 fixed so that `sweep()` can find and remove what a killed run left behind: containers, shims,
@@ -62,13 +66,26 @@ NODE_RANGE = "198.19.0.0/16"
 POD_CIDR = "198.19.0.0/24"
 POD_GATEWAY = "198.19.0.1"
 SERVICE_CIDR = "198.19.128.0/24"
-KUBERNETES_SERVICE_IP = "198.19.128.1"
 NODE_IP = "198.19.255.1"
+# fd19:19::/48, laid out the same way; IPv6 is the cluster's first family, so the apiserver,
+# the kubelet, CoreDNS and the `kubernetes` Service are on these addresses.
+NODE_RANGE6 = "fd19:19::/48"
+POD_CIDR6 = "fd19:19::/64"
+POD_GATEWAY6 = "fd19:19::1"
+SERVICE_CIDR6 = "fd19:19:0:80::/112"
+KUBERNETES_SERVICE_IP6 = "fd19:19:0:80::1"
+NODE_IP6 = "fd19:19:0:ff::1"
+# Every list of two families below puts IPv6 first: the primary family.
+NODE_ADDRESSES = (NODE_IP6, NODE_IP)
+NODE_PREFIXES = (f"{NODE_IP6}/128", f"{NODE_IP}/32")
 CLUSTER_DOMAIN = "cluster.local"
 # The kubelet sets these at start unless protectKernelDefaults (then it refuses to start where
 # they differ): the node puts the machine's values back when it stops.
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
                    "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")
+# The CNI bridge switches forwarding on for each family it serves (Service traffic between pods
+# is routed through the node); the machine gets its own values back too.
+SAVED_SYSCTLS = (*KUBELET_SYSCTLS, "net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding")
 STARTUP_TIMEOUT_S = 180.0
 
 
@@ -181,7 +198,7 @@ class NodeEnv:
 
 
 def _read_sysctls() -> dict[str, str]:
-    return {name: (Path("/proc/sys") / name).read_text().strip() for name in KUBELET_SYSCTLS}
+    return {name: (Path("/proc/sys") / name).read_text().strip() for name in SAVED_SYSCTLS}
 
 
 def _restore_sysctls(values: dict[str, str]) -> None:
@@ -264,15 +281,15 @@ def leftovers() -> list[str]:
     veths = run("ip", "-o", "link", "show", "master", BRIDGE, check=False).stdout.strip()
     if veths:
         found.append(f"veths {veths}")
-    if NODE_IP in run("ip", "-o", "addr", "show", "dev", "lo").stdout:
-        found.append(f"address {NODE_IP} on lo")
+    on_lo = run("ip", "-o", "addr", "show", "dev", "lo").stdout
+    found += [f"address {ip} on lo" for ip in NODE_ADDRESSES if f" {ip}/" in on_lo]
     found += [f"cgroup {p}" for p in _cgroup_dirs() if p.exists()]
     if SYSCTLS_SAVED.exists():
         found.append(f"sysctls not restored yet ({SYSCTLS_SAVED})")
     for tool in ("iptables-save", "ip6tables-save"):
         rules = run(tool, check=False).stdout
         found += [f"{tool}: {line}" for line in rules.splitlines()
-                  if "KUBE-" in line or "198.19." in line]
+                  if "KUBE-" in line or "198.19." in line or "fd19:19:" in line]
     if BASE.exists():
         found.append(f"folder {BASE}")
     return found
@@ -333,7 +350,8 @@ def sweep(node_bins: Path | None) -> None:
             folder.rmdir()
         except OSError:
             pass
-    run("ip", "addr", "delete", f"{NODE_IP}/32", "dev", "lo", check=False)
+    for prefix in NODE_PREFIXES:
+        run("ip", "addr", "delete", prefix, "dev", "lo", check=False)
     _remove_cgroups()
     if SYSCTLS_SAVED.exists():
         _restore_sysctls(json.loads(SYSCTLS_SAVED.read_text()))
@@ -353,11 +371,11 @@ def _pki(env: NodeEnv) -> None:
             ca, "kube-apiserver",
             server_names=("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
                           f"kubernetes.default.svc.{CLUSTER_DOMAIN}"),
-            server_ips=("127.0.0.1", NODE_IP, KUBERNETES_SERVICE_IP)),
+            server_ips=("127.0.0.1", *NODE_ADDRESSES, KUBERNETES_SERVICE_IP6)),
         # What the apiserver shows the kubelet for exec, logs and port-forward.
         "apiserver-kubelet-client": issue_cert(ca, "kube-apiserver-kubelet-client", ("system:masters",)),
         # The kubelet's serving cert, which the apiserver checks (--kubelet-certificate-authority).
-        "kubelet-serving": issue_cert(ca, NODE_NAME, server_names=(NODE_NAME,), server_ips=(NODE_IP,)),
+        "kubelet-serving": issue_cert(ca, NODE_NAME, server_names=(NODE_NAME,), server_ips=NODE_ADDRESSES),
     }
     for name, pair in certs.items():
         _write(pki / f"{name}.crt", pair.cert)
@@ -445,8 +463,12 @@ def cni_config() -> dict:
             {"type": "bridge", "bridge": BRIDGE, "isGateway": True, "hairpinMode": True,
              # No masquerade and no default route: a pod reaches the node range and nothing else.
              "ipMasq": False,
-             "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_CIDR, "gateway": POD_GATEWAY}]],
-                      "routes": [{"dst": NODE_RANGE}], "dataDir": str(BASE / "cni" / "ipam")}},
+             # One address of each family, IPv6 first; a route to each of our ranges.
+             "ipam": {"type": "host-local",
+                      "ranges": [[{"subnet": POD_CIDR6, "gateway": POD_GATEWAY6}],
+                                 [{"subnet": POD_CIDR, "gateway": POD_GATEWAY}]],
+                      "routes": [{"dst": NODE_RANGE6}, {"dst": NODE_RANGE}],
+                      "dataDir": str(BASE / "cni" / "ipam")}},
             {"type": "portmap", "capabilities": {"portMappings": True}},
         ],
     }
@@ -462,7 +484,7 @@ def kubelet_config(port: int, healthz_port: int) -> dict:
         # This machine has cgroup v1 (hybrid); 1.34 still runs there when told to.
         "failCgroupV1": False,
         "failSwapOn": False,
-        "address": NODE_IP,
+        "address": NODE_IP6,
         "port": port,
         "readOnlyPort": 0,
         "healthzBindAddress": "127.0.0.1",
@@ -478,11 +500,10 @@ def kubelet_config(port: int, healthz_port: int) -> dict:
         "makeIPTablesUtilChains": False,
         "clusterDomain": CLUSTER_DOMAIN,
         # CoreDNS runs on the node's address; pods get no resolver of the machine's.
-        "clusterDNS": [NODE_IP],
+        "clusterDNS": [NODE_IP6],
         "resolvConf": "",
         "containerRuntimeEndpoint": f"unix://{BASE / 'containerd' / 'containerd.sock'}",
         "podLogsDir": str(BASE / "pod-logs"),
-        "podCIDR": POD_CIDR,
         "maxPods": 40,
         "serializeImagePulls": False,
         # The engine image alone is ~7 GB: never collect the images we imported.
@@ -505,11 +526,11 @@ def kube_proxy_config(metrics_port: int, healthz_port: int) -> dict:
         "clientConnection": {"kubeconfig": str(BASE / "pki" / "kube-proxy.kubeconfig")},
         "mode": "iptables",
         "hostnameOverride": NODE_NAME,
-        "clusterCIDR": POD_CIDR,
+        "clusterCIDR": f"{POD_CIDR6},{POD_CIDR}",
         "metricsBindAddress": f"127.0.0.1:{metrics_port}",
         "healthzBindAddress": f"127.0.0.1:{healthz_port}",
         # NodePorts on the node's address only, never on the machine's real interfaces.
-        "nodePortAddresses": [f"{NODE_IP}/32"],
+        "nodePortAddresses": list(NODE_PREFIXES),
         # No NodePorts on 127.0.0.1: kube-proxy would set route_localnet and add the same
         # loopback-blocking rule as the kubelet (see kubelet_config).
         "iptables": {"localhostNodePorts": False},
@@ -523,7 +544,7 @@ def corefile(kubeconfig: Path, health_port: int) -> str:
     # Cluster names only: no `forward`, so a pod's lookup of anything else fails here.
     return f"""\
 .:53 {{
-    bind {NODE_IP}
+    bind {" ".join(NODE_ADDRESSES)}
     errors
     health 127.0.0.1:{health_port}
     kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
@@ -585,12 +606,14 @@ def start_node_env(logs: Path, *, images: tuple[str, ...] = ()) -> NodeEnv:
 def _start(env: NodeEnv, images: tuple[str, ...]) -> None:
     t0 = time.monotonic()
     BASE.mkdir(parents=True)
-    run("ip", "addr", "add", f"{NODE_IP}/32", "dev", "lo")
+    for prefix in NODE_PREFIXES:
+        # No duplicate address detection: the address would stay "tentative" (unusable) a moment.
+        run("ip", "addr", "add", prefix, "dev", "lo", *(("nodad",) if ":" in prefix else ()))
     _make_cgroups()
     ports = {name: free_port() for name in ("etcd", "etcd-peer", "apiserver", "controller-manager",
                                             "scheduler", "kubelet", "kubelet-healthz",
                                             "proxy-metrics", "proxy-healthz", "coredns-health")}
-    env.server = f"https://{NODE_IP}:{ports['apiserver']}"
+    env.server = f"https://[{NODE_IP6}]:{ports['apiserver']}"
     _pki(env)
     pki = BASE / "pki"
     bins = env.k8s_bins
@@ -607,11 +630,11 @@ def _start(env: NodeEnv, images: tuple[str, ...]) -> None:
         str(bins / "kube-apiserver"), f"--etcd-servers={etcd_url}",
         # The node's address: the kubelet, kube-proxy, CoreDNS and pods (through the
         # `kubernetes` Service, whose endpoint this is) all reach it there.
-        f"--bind-address={NODE_IP}", f"--advertise-address={NODE_IP}",
+        f"--bind-address={NODE_IP6}", f"--advertise-address={NODE_IP6}",
         f"--secure-port={ports['apiserver']}",
         f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
         f"--client-ca-file={pki / 'ca.crt'}", "--authorization-mode=RBAC",
-        f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true",
+        f"--service-cluster-ip-range={SERVICE_CIDR6},{SERVICE_CIDR}", "--allow-privileged=true",
         f"--service-account-issuer={env.server}", f"--service-account-key-file={pki / 'sa.pub'}",
         f"--service-account-signing-key-file={pki / 'sa.key'}",
         f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
@@ -634,7 +657,7 @@ def _start(env: NodeEnv, images: tuple[str, ...]) -> None:
         f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={pki / 'ca.crt'}",
         f"--cluster-signing-cert-file={pki / 'ca.crt'}",
         f"--cluster-signing-key-file={pki / 'ca.key'}",
-        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        f"--service-cluster-ip-range={SERVICE_CIDR6},{SERVICE_CIDR}",
     ])
     env.spawn("kube-scheduler", [str(bins / "kube-scheduler"), *delegated,
                                  f"--secure-port={ports['scheduler']}"])
@@ -665,7 +688,7 @@ def _start(env: NodeEnv, images: tuple[str, ...]) -> None:
         str(env.node_bins / "kubelet"), f"--config={BASE / 'kubelet' / 'config.yaml'}",
         f"--kubeconfig={pki / 'kubelet.kubeconfig'}", f"--root-dir={BASE / 'kubelet' / 'root'}",
         f"--cert-dir={BASE / 'kubelet' / 'pki'}", f"--hostname-override={NODE_NAME}",
-        f"--node-ip={NODE_IP}", "--v=1",
+        f"--node-ip={','.join(NODE_ADDRESSES)}", "--v=1",
     ])
     _write(BASE / "kube-proxy.yaml",
            json.dumps(kube_proxy_config(ports["proxy-metrics"], ports["proxy-healthz"])), 0o644)

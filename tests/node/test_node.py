@@ -2,9 +2,10 @@
 
 `helm install` of charts/kvscale (the operator runs in-cluster from the chart's image), an
 InferenceService with two replicas and its router, the official `openai` client through
-`kubectl port-forward` to its Service, `kubectl exec` into a server, the restricted security
-context enforced by runc, a rolling update under load, and deletion down to the last container;
-then the node itself is stopped and must leave nothing on the machine. `make test-node`.
+`kubectl port-forward` to its Service, prefix routing on the node's IPv6-first pod network,
+`kubectl exec` into a server, the restricted security context enforced by runc, a rolling update
+under load, and deletion down to the last container; then the node itself is stopped and must
+leave nothing on the machine. `make test-node`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
+from metrics_text import samples
 from nodeenv import (
     NODE_NAME,
     POD_CIDR,
+    POD_CIDR6,
     NodeEnv,
     leftovers,
     node_image,
@@ -31,6 +35,9 @@ from nodeenv import (
     stop_node_env,
 )
 
+from kvscale.base_urls import base_url
+from kvscale.metric_names import PREFIX_CACHE_HITS, ROUTER_FALLBACKS
+from kvscale.operator.children.labels import headless_service_name
 from kvscale.processes import free_port, wait_until
 
 pytestmark = [pytest.mark.slow]
@@ -182,7 +189,11 @@ def test_every_pod_is_a_container_on_the_node(platform: NodeEnv) -> None:
     assert len(server_pods(platform)) == 2
     for pod in pods:
         assert pod["spec"]["nodeName"] == NODE_NAME
-        assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network(POD_CIDR)
+        # IPv6 first (what a single-stack IPv6 cluster gives every pod), IPv4 second.
+        assert [ipaddress.ip_address(ip["ip"]) in ipaddress.ip_network(cidr)
+                for ip, cidr in zip(pod["status"]["podIPs"], (POD_CIDR6, POD_CIDR), strict=True)
+                ] == [True, True], pod["status"]["podIPs"]
+        assert pod["status"]["podIP"] == pod["status"]["podIPs"][0]["ip"]
         for status in pod["status"]["containerStatuses"]:
             assert status["ready"] and status["containerID"].startswith("containerd://")
     # Each container the API reports is a task runc runs (exited ones of replaced pods may
@@ -220,6 +231,49 @@ def test_openai_client_through_kubectl_port_forward(platform: NodeEnv) -> None:
         forward.close()
 
 
+LONG_PROMPT = "Inventory of the lighthouse: " + " ".join(
+    f"lamp {n} burned {n * 5 % 11} hours on {('oil', 'gas', 'wax')[n % 3]};" for n in range(40))
+BLOCK_SIZE = 16
+
+
+def test_prefix_routing_on_the_ipv6_pod_network(platform: NodeEnv) -> None:
+    """Each server advertises its IPv6 pod address in its heartbeats and KV events; the router
+    finds the same replica in the EndpointSlice (an IPv6 one: the Service's family is the
+    cluster's first). Only when the two spellings of the URL agree does the router's index
+    predict the hits the server then counts."""
+    env = platform
+    server_urls = []
+    for pod in server_pods(env):
+        assert ipaddress.ip_address(pod["status"]["podIP"]).version == 6
+        port = next(p["containerPort"] for c in pod["spec"]["containers"] if c["name"] == "server"
+                    for p in c["ports"] if p["name"] == "http")
+        server_urls.append(base_url(pod["status"]["podIP"], port))
+    # The servers' headless Service, which the router watches.
+    slices = env.kubectl_json("get", "endpointslices", "-n", WORKLOADS, "-l",
+                              f"kubernetes.io/service-name={headless_service_name(NAME)}")["items"]
+    assert {s["addressType"] for s in slices} == {"IPv6"}, slices
+    service = env.kubectl_json("get", "service", NAME, "-n", WORKLOADS)
+    assert ipaddress.ip_address(service["spec"]["clusterIP"]).version == 6
+    router = base_url(service["spec"]["clusterIP"], service["spec"]["ports"][0]["port"])
+
+    def server_hits() -> float:
+        # From the node, straight to each pod's IPv6 address.
+        return sum(sum(samples(httpx.get(f"{url}/metrics", timeout=10).text,
+                               PREFIX_CACHE_HITS.series).values()) for url in server_urls)
+
+    api = client(router)
+    api.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=1, temperature=0)
+    time.sleep(2.0)  # the KV events reach Redis, and the router's index
+    before = server_hits()
+    raw = api.completions.with_raw_response.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=1,
+                                                   temperature=0)
+    predicted = int(raw.headers["x-kvscale-predicted-hit-tokens"])
+    counted = server_hits() - before
+    assert predicted > 0 and abs(predicted - counted) <= BLOCK_SIZE, (predicted, counted, diagnosis(env))
+    fallbacks = samples(httpx.get(f"{router}/metrics", timeout=10).text, ROUTER_FALLBACKS.series)
+    assert fallbacks.get('{reason="no_tokenizer"}', 0.0) == 0.0, fallbacks
+
+
 def test_kubectl_exec_sees_the_restricted_context_enforced(platform: NodeEnv) -> None:
     pod = server_pods(platform)[0]["metadata"]["name"]
 
@@ -243,7 +297,7 @@ def test_rolling_update_fails_no_request(platform: NodeEnv) -> None:
     env = platform
     # As a client inside the cluster: the router's Service, through kube-proxy's rules.
     service = env.kubectl_json("get", "service", NAME, "-n", WORKLOADS)
-    url = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+    url = base_url(service["spec"]["clusterIP"], service["spec"]["ports"][0]["port"])
     failures: list[str] = []
     served = 0
     stop = threading.Event()

@@ -27,6 +27,7 @@ class PodMetrics:
     """What one stand-in pod reports; mutate it to change the load."""
 
     kv_blocks_active: float = 0.0
+    kv_blocks_cached: float = 0.0
     kv_blocks_total: float = 1000.0
     num_requests_waiting: float = 0.0
     delay_s: float = 0.0
@@ -49,7 +50,7 @@ class _Collector:
         if not self.metrics.omit_kv:
             yield gauge("kvscale:kv_blocks_total", self.metrics.kv_blocks_total)
             yield gauge("kvscale:kv_blocks_active", self.metrics.kv_blocks_active)
-            yield gauge("kvscale:kv_blocks_cached", 0.0)
+            yield gauge("kvscale:kv_blocks_cached", self.metrics.kv_blocks_cached)
 
 
 class MetricsEndpoint:

@@ -184,6 +184,9 @@ INVALID = {
     "block size not in enum": (
         {"engine": {"blockSize": 7}}, "Unsupported value: 7"),
     "negative replicas": ({"replicas": -1}, "should be greater than or equal to 0"),
+    "scale to zero without the router": (
+        {"autoscaling": {"enabled": True, "minReplicas": 0}, "router": {"enabled": False}},
+        "autoscaling.minReplicas 0 needs the router"),
     "a password in the Redis URL": (
         {"router": {"redis": {"url": "redis://:hunter2@redis.example:6379/0"}}},
         "router.redis.url must not hold credentials"),
@@ -232,7 +235,10 @@ def test_valid_resource_passes_validation_with_defaults(cluster):
         "enabled": False, "minReplicas": 1, "maxReplicas": 4, "targetKVUsage": 0.7,
         "targetQueueLength": 8, "scaleUpStabilizationSeconds": 0,
         "scaleDownStabilizationSeconds": 300, "panicWindowSeconds": 6, "panicThreshold": 2,
-        "maxScaleUpRate": 2}
+        "maxScaleUpRate": 2, "scaleToZeroAfterSeconds": 300, "activationTimeoutSeconds": 120}
+    # Scale to zero is valid with the router (the default).
+    cluster.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(inference_service(
+        "zero", "kvis-basic", autoscaling={"enabled": True, "minReplicas": 0})))
 
 
 # --------------------------------------------------------------------------- reconciliation
@@ -289,8 +295,9 @@ def test_new_service_gets_children_ready_status_scale_and_columns(cluster):
         wait_for("kvUsage", lambda: (cluster.get("kvis", name, ns)["status"].get("kvUsage")
                                      == pytest.approx(0.42)), timeout=30)
         annotated = cluster.get("pod", pod["metadata"]["name"], ns)
+        # Live blocks count twice (operator/deletion_cost.py): a request to drain, a warm prefix.
         assert annotated["metadata"]["annotations"][
-            "controller.kubernetes.io/pod-deletion-cost"] == "420"
+            "controller.kubernetes.io/pod-deletion-cost"] == "840"
 
         table = cluster.kubectl("get", "kvis", "-n", ns).stdout.splitlines()
         assert table[0].split() == ["NAME", "MODEL", "REPLICAS", "READY", "KV-USAGE", "URL", "AGE"]
@@ -568,14 +575,17 @@ def test_autoscaler_scales_up_under_load_and_down_after_the_window(cluster):
         assert any("scaled up" in e["message"] for e in scaled)
 
         # Give the pods distinct caches, then drop the load: after the stabilization window the
-        # autoscaler goes back to 1, and the survivor is the pod with the most active blocks.
+        # autoscaler goes back to 1, and the survivor is the pod with the warmest cache: the
+        # first holds no live request but a large idle prefix cache (which a cost from active
+        # blocks alone would have removed first).
         pods = sorted(p["metadata"]["name"] for p in cluster.items("pods", ns, f"{LABEL}={name}"))
         wait_for("every pod fed", lambda: all(p in feeder.endpoints for p in pods))
-        for blocks, pod in zip((120, 40, 10), pods, strict=True):
-            feeder.endpoints[pod].metrics.kv_blocks_active = blocks
+        for (active, cached), pod in zip(((0, 300), (40, 0), (10, 0)), pods, strict=True):
+            feeder.endpoints[pod].metrics.kv_blocks_active = active
+            feeder.endpoints[pod].metrics.kv_blocks_cached = cached
         wait_for("deletion costs", lambda: [
             cluster.get("pod", p, ns)["metadata"]["annotations"].get(
-                "controller.kubernetes.io/pod-deletion-cost") for p in pods] == ["120", "40", "10"],
+                "controller.kubernetes.io/pod-deletion-cost") for p in pods] == ["300", "80", "20"],
             timeout=20)
         assert cluster.get("kvis", name, ns)["spec"]["replicas"] == 3  # the window holds it
         wait_for("scale-down to 1", lambda: cluster.get("kvis", name, ns)["spec"]["replicas"] == 1,
@@ -584,7 +594,7 @@ def test_autoscaler_scales_up_under_load_and_down_after_the_window(cluster):
             left := [p["metadata"]["name"] for p in cluster.items("pods", ns, f"{LABEL}={name}")
                      if not p["metadata"].get("deletionTimestamp")]) and len(left) == 1 and left,
             timeout=60)
-        assert survivors == [pods[0]], "scale-in should keep the pod holding the most KV blocks"
+        assert survivors == [pods[0]], "scale-in should keep the pod with the warmest cache"
         scaled = [e for e in events_for(cluster, ns, name) if e["reason"] == "Scaled"]
         assert any("scaled down" in e["message"] for e in scaled)
     except AssertionError as exc:

@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 from hub import HubStandIn
+from metrics_text import samples
 from testenv import kwok_toleration
 
 from kvscale.base_urls import base_url
@@ -45,16 +46,6 @@ SOURCES: dict[str, tuple[dict[str, str], str]] = {
     "named": ({"uri": "bundled://smollm2-135m-instruct", "servedName": "house-chat"}, "house-chat"),
     "claim": ({"uri": "pvc://weights/models/smol"}, "smol"),
 }
-
-
-def samples(text: str, series: str) -> dict[str, float]:
-    """label text -> value, for every sample of ``series``."""
-    found = {}
-    for line in text.splitlines():
-        if line.startswith(series + "{") or line.startswith(series + " "):
-            head, value = line.rsplit(" ", 1)
-            found[head[len(series):]] = float(value)
-    return found
 
 
 def inference_service(name: str, model: dict[str, str]) -> dict[str, Any]:

@@ -94,3 +94,17 @@ def test_crash_loop_and_stale_deployment():
 def test_no_deployment_and_scaled_to_zero():
     assert by_type(assess(1, None, []))[READY].reason == "DeploymentMissing"
     assert by_type(assess(0, deployment(0, 0, 0), []))[READY].reason == "ScaledToZero"
+
+
+def test_zero_replicas_is_a_normal_state_when_the_service_scales_to_zero():
+    at_zero = by_type(assess(0, deployment(0, 0, 0), [], scales_to_zero=True))
+    assert (at_zero[READY].status, at_zero[READY].reason) == (True, "ScaledToZero")
+    assert (at_zero[PROGRESSING].status, at_zero[PROGRESSING].reason) == (False, "RolloutComplete")
+    waking = by_type(assess(1, deployment(1, 0, 1), [pod()], scales_to_zero=True))
+    assert (waking[READY].status, waking[READY].reason) == (True, "ScalingFromZero")
+    # A real problem still shows while coming up from zero.
+    broken = pod(containerStatuses=[{"name": "server", "image": "x",
+                                     "state": {"waiting": {"reason": "ImagePullBackOff"}}}])
+    assert by_type(assess(1, deployment(1, 0, 1), [broken], scales_to_zero=True))[READY].status is False
+    # Scaled to zero by hand, without the router holding: not ready.
+    assert by_type(assess(0, deployment(0, 0, 0), []))[READY].status is False

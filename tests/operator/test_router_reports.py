@@ -30,3 +30,23 @@ def test_every_answering_router_with_its_tokenizers_is_true_and_none_answering_u
     assert prefix_routing_condition([]).status is None
     old = report_from_health("r-3", {"status": "ok"})
     assert old.error and prefix_routing_condition([old]).status is None
+
+
+def test_demand_sums_held_and_is_as_idle_as_the_busiest_router() -> None:
+    from kvscale.operator.router_reports import demand_from_reports
+    from kvscale.operator.scaling import Demand
+
+    def health(held: int, idle: float) -> dict:
+        return {"tokenizers": [], "activation": {"enabled": True, "held": held, "idle_seconds": idle,
+                                                 "last_cold_start_seconds": 4.5}}
+
+    a, b = report_from_health("r-1", health(3, 0.0)), report_from_health("r-2", health(0, 42.0))
+    assert (a.held, a.idle_seconds, a.last_cold_start_s) == (3, 0.0, 4.5)
+    assert demand_from_reports([a, b]) == Demand(held=3, idle_seconds=0.0)
+    assert demand_from_reports([b]) == Demand(held=0, idle_seconds=42.0)
+    # A router that could not be asked, or an older one that does not say: never idle.
+    silent = RouterReport("r-3", {}, "/health: timed out")
+    older = report_from_health("r-4", {"tokenizers": []})
+    assert demand_from_reports([b, silent]).idle_seconds is None
+    assert demand_from_reports([b, older]).idle_seconds is None
+    assert demand_from_reports([]) == Demand(held=0, idle_seconds=None)

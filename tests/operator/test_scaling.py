@@ -154,3 +154,81 @@ def test_bounds_are_enforced_even_without_load_changes():
     assert decision.replicas == 3 and decision.reason == "Bounds"
     decision, _ = decide(0.0, [], 0, policy, AutoscalerState())
     assert decision.replicas == 2
+
+
+# --- scale to and from zero (minReplicas 0) ----------------------------------------------------
+ZERO = replace(POLICY, min_replicas=0, scale_to_zero_after_seconds=30)
+
+
+def idle_pods(n: int) -> list[PodLoad]:
+    return [PodLoad(f"p{i}", kv_blocks_active=0, kv_blocks_total=TOTAL, num_requests_waiting=0,
+                    num_requests_running=0) for i in range(n)]
+
+
+def test_a_held_request_at_zero_brings_one_replica_at_once_and_nothing_stays_at_zero() -> None:
+    from kvscale.operator.scaling import Demand
+
+    decision, _ = decide(0.0, [], 0, ZERO, AutoscalerState(), Demand(held=5, idle_seconds=0.0))
+    assert (decision.replicas, decision.reason) == (1, "Activate")
+    decision, _ = decide(0.0, [], 0, ZERO, AutoscalerState(), Demand(held=0, idle_seconds=999.0))
+    assert (decision.replicas, decision.reason) == (0, "ScaledToZero")
+    # minReplicas 1 is unchanged: no pods, back up to the minimum.
+    decision, _ = decide(0.0, [], 0, POLICY, AutoscalerState(), Demand(held=0))
+    assert decision.replicas == 1
+
+
+def test_zero_only_after_the_idle_window_with_nothing_open_anywhere() -> None:
+    from kvscale.operator.scaling import Demand
+
+    state = AutoscalerState()
+    for idle, pods_now, held, want in (
+            (29.0, idle_pods(1), 0, 1),        # not idle long enough
+            (None, idle_pods(1), 0, 1),        # a router did not say
+            (31.0, idle_pods(1), 2, 1),        # requests held (a replica is coming)
+            (31.0, [replace(idle_pods(1)[0], num_requests_running=1)], 0, 1),  # around the router
+            (31.0, [PodLoad("p0", error="scrape timed out")], 0, 1),  # a silent pod may be busy
+            (31.0, idle_pods(2), 0, 0)):       # idle for the window: straight to zero
+        decision, state = decide(10.0, pods_now, len(pods_now), ZERO, state,
+                                 Demand(held=held, idle_seconds=idle))
+        assert decision.replicas == want, (idle, pods_now, held, decision)
+    assert decision.reason == "ScaleToZero" and "31 s" in decision.message
+
+
+def test_the_load_rule_never_takes_the_last_replica_with_min_zero() -> None:
+    from kvscale.operator.scaling import Demand
+
+    state = AutoscalerState()
+    for t in range(0, 200, 5):  # idle pods but a busy router (idle 0): load says 0, keep 1
+        decision, state = decide(float(t), idle_pods(1), 1, ZERO, state, Demand(idle_seconds=0.0))
+        assert decision.replicas == 1
+    decision, state = decide(200.0, idle_pods(3), 3, ZERO, state, Demand(idle_seconds=0.0))
+    assert decision.replicas in (1, 3) and decision.reason in ("ScaleDown", "WarmingUp")
+
+
+def test_sparse_traffic_scales_down_at_most_once_per_idle_window() -> None:
+    """One request every 1.5 x the idle window, each taking 2 s: the fleet goes 0 -> 1 -> 0
+    once per request, never more (no flapping inside a window)."""
+    from kvscale.operator.scaling import Demand
+
+    window, period, tick = 30.0, 45.0, 1.0
+    replicas, state, last_end = 0, AutoscalerState(), -1e9
+    downs, ups = [], []
+    t = 0.0
+    while t < 10 * period:
+        arrival = (t // period) * period
+        busy = arrival <= t < arrival + 2.0
+        if busy:
+            last_end = arrival + 2.0
+        held = 1 if busy and replicas == 0 else 0
+        idle = 0.0 if busy else t - last_end
+        decision, state = decide(t, idle_pods(replicas), replicas, ZERO, state,
+                                 Demand(held=held, idle_seconds=idle))
+        if decision.replicas < replicas:
+            downs.append(t)
+        elif decision.replicas > replicas:
+            ups.append(t)
+        replicas = decision.replicas
+        t += tick
+    assert len(ups) == len(downs) == 10
+    assert all(b - a >= window for a, b in zip(downs, downs[1:], strict=False))
+    assert all(d % period >= 2.0 + window for d in downs)  # only after a full idle window

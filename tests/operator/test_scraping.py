@@ -49,7 +49,9 @@ def test_parse_sums_over_label_sets():
     )
     assert parse_metrics(text) == {"kvscale:kv_blocks_active": 15.0,
                                    "kvscale:kv_blocks_total": 100.0,
-                                   "vllm:num_requests_waiting": 3.0}
+                                   "vllm:num_requests_waiting": 3.0,
+                                   # scale to zero: a pod busy around the routers is not idle
+                                   "vllm:num_requests_running": 9.0}
 
 
 def test_override_is_honoured_only_when_allowed():

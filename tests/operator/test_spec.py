@@ -52,7 +52,9 @@ def test_python_defaults_match_the_crd_defaults():
         "scaleDownStabilizationSeconds": autoscaling.scale_down_stabilization_seconds,
         "panicWindowSeconds": autoscaling.panic_window_seconds,
         "panicThreshold": autoscaling.panic_threshold,
-        "maxScaleUpRate": autoscaling.max_scale_up_rate}
+        "maxScaleUpRate": autoscaling.max_scale_up_rate,
+        "scaleToZeroAfterSeconds": autoscaling.scale_to_zero_after_seconds,
+        "activationTimeoutSeconds": autoscaling.activation_timeout_seconds}
     # No default image: absent, it is the operator's --engine-image (Images.engine), which an
     # apiserver-filled default would shadow.
     assert "default" not in schema["image"] and parse_spec({"model": {"uri": "hf://a/b"}}).image == ""
@@ -77,3 +79,13 @@ def test_crd_router_schema_matches_the_router():
     assert router["resources"]["properties"]["cpu"]["default"] == defaults.resources.cpu
     assert router["resources"]["properties"]["memory"]["default"] == defaults.resources.memory
     assert router["redis"]["properties"]["secretRef"]["properties"]["key"]["default"] == "url"
+
+
+def test_min_replicas_zero_needs_the_router():
+    spec = parse_spec({**BUNDLED, "autoscaling": {"enabled": True, "minReplicas": 0,
+                                                  "scaleToZeroAfterSeconds": 30}})
+    assert spec.autoscaling.scales_to_zero and spec.autoscaling.scale_to_zero_after_seconds == 30
+    assert not parse_spec({**BUNDLED, "autoscaling": {"minReplicas": 0}}).autoscaling.scales_to_zero
+    with pytest.raises(ValueError, match="needs the router"):
+        parse_spec({**BUNDLED, "autoscaling": {"enabled": True, "minReplicas": 0},
+                    "router": {"enabled": False}})

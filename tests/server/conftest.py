@@ -80,6 +80,11 @@ def assert_no_leak(engine) -> None:
     assert pool.num_active_blocks == 0, f"{pool.num_active_blocks} KV blocks leaked"
     assert pool.num_free_blocks == pool.num_blocks
     assert all(block.ref_count == 0 for block in pool.blocks)
+    host = pool.host
+    if host is not None:  # the second KV tier: every slot holds a findable block or is free
+        assert host.num_releasing == 0, f"{host.num_releasing} host slots still wait for a copy"
+        assert host.num_cached + host.num_free == host.num_slots, "host KV slots leaked"
+        assert not pool.take_tier_copies(), "copies between the tiers left queued"
 
 
 @pytest.fixture

@@ -54,10 +54,17 @@ def test_its_pod_is_the_per_service_routers_pod():
 
     def common(pod: dict) -> dict:
         container = {k: v for k, v in pod["containers"][0].items() if k not in ("args", "env", "resources")}
-        return {**{k: v for k, v in pod.items() if k not in ("containers", "serviceAccountName")},
+        return {**{k: v for k, v in pod.items()
+                   if k not in ("containers", "serviceAccountName", "topologySpreadConstraints")},
                 "container": container}
 
     assert common(ours) == common(theirs)
+    # Both spread over nodes and zones, each over its own pods.
+    for pod, selector in ((ours, dict(namespace_router(NamespaceRouterValues()).selector)),
+                          (theirs, {"serving.kvscale.io/router": "chat"})):
+        spread = pod["topologySpreadConstraints"]
+        assert [c["topologyKey"] for c in spread] == ["kubernetes.io/hostname", "topology.kubernetes.io/zone"]
+        assert all(c["labelSelector"] == {"matchLabels": selector} for c in spread)
     drop_discovery = {"--k8s-service", "chat-pods", "--k8s-namespace-wide", "--namespace", "default",
                       "$(POD_NAMESPACE)", "--policy", "predicted-ttft",
                       "--served-model-name", "smollm2-135m-instruct", "--block-size", "16"}

@@ -30,7 +30,7 @@ def expand(args: list[str], values: dict[str, str]) -> list[str]:
 def test_default_service_gets_router_redis_and_rbac():
     children = owned.build_children("chat", "team", parse_spec(BUNDLED))
     assert kinds(children) == [
-        ("Deployment", "chat"), ("Service", "chat"), ("Service", "chat-pods"),
+        ("Deployment", "chat"), ("PodDisruptionBudget", "chat"), ("Service", "chat"), ("Service", "chat-pods"),
         ("ServiceAccount", "chat-router"), ("Role", "chat-router"), ("RoleBinding", "chat-router"),
         ("Deployment", "chat-router"), ("PodDisruptionBudget", "chat-router"),
         ("Deployment", "chat-redis"), ("Service", "chat-redis"),
@@ -55,7 +55,7 @@ def test_default_service_gets_router_redis_and_rbac():
 def test_router_disabled_or_external_redis_drops_those_children():
     off = parse_spec({**BUNDLED, "router": {"enabled": False}})
     assert kinds(owned.build_children("m", "ns", off)) == [
-        ("Deployment", "m"), ("Service", "m"), ("Service", "m-pods")]
+        ("Deployment", "m"), ("PodDisruptionBudget", "m"), ("Service", "m"), ("Service", "m-pods")]
     assert ("apps/v1", "deployments", "m-router") in owned.unwanted_children("m", "ns", off)
     server = servers.build_deployment("m", "ns", off)["spec"]["template"]["spec"]["containers"][0]
     assert "--replica-id" not in server["args"]
@@ -133,3 +133,40 @@ def test_the_router_tokenizes_the_servers_model_under_the_servers_names():
             assert "/models" in mounts
         if model["uri"].startswith("bundled://"):
             assert serve.model is None and "initContainers" not in router_pod
+
+
+def test_scale_to_zero_gives_the_router_a_hold_and_the_scale_of_its_own_service_alone():
+    spec = parse_spec({**BUNDLED, "autoscaling": {"enabled": True, "minReplicas": 0,
+                                                  "activationTimeoutSeconds": 90}})
+    pod = service_router("chat", "team", spec, "img")
+    args = build_router_deployment(pod)["spec"]["template"]["spec"]["containers"][0]["args"]
+    parsed = build_parser("router").parse_args(
+        expand(args, {"POD_NAMESPACE": "team"}))
+    config = config_from_args(parsed)
+    assert (config.hold_timeout_s, config.scale_from_zero) == (90.0, "chat")
+    role = next(o for o in owned.build_children("chat", "team", spec)
+                if o["kind"] == "Role" and o["metadata"]["name"] == "chat-router")
+    scale_rules = [r for r in role["rules"] if r["apiGroups"] == ["serving.kvscale.io"]]
+    assert scale_rules == [{"apiGroups": ["serving.kvscale.io"],
+                            "resources": ["inferenceservices/scale"], "resourceNames": ["chat"],
+                            "verbs": ["get", "patch"]}]
+    # Without scale to zero: no hold, no write of any kind.
+    plain = build_router_deployment(service_router("chat", "team", parse_spec(BUNDLED), "img"))
+    plain_args = plain["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--hold-timeout" not in plain_args and "--scale-from-zero" not in plain_args
+    plain_role = next(o for o in owned.build_children("chat", "team", parse_spec(BUNDLED))
+                      if o["kind"] == "Role" and o["metadata"]["name"] == "chat-router")
+    assert all(r["apiGroups"] != ["serving.kvscale.io"] for r in plain_role["rules"])
+
+
+def test_servers_get_a_disruption_budget_and_spread_over_nodes_and_zones():
+    children = owned.build_children("chat", "team", parse_spec(BUNDLED))
+    pdb = next(c for c in children if c["kind"] == "PodDisruptionBudget" and c["metadata"]["name"] == "chat")
+    assert pdb["spec"] == {"maxUnavailable": 1,
+                           "selector": {"matchLabels": {"serving.kvscale.io/inferenceservice": "chat"}}}
+    deployment = next(c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"] == "chat")
+    assert deployment["spec"]["selector"]["matchLabels"] == pdb["spec"]["selector"]["matchLabels"]
+    spread = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert {c["topologyKey"] for c in spread} == {"kubernetes.io/hostname", "topology.kubernetes.io/zone"}
+    # ScheduleAnyway: one GPU node still runs every replica.
+    assert all(c["whenUnsatisfiable"] == "ScheduleAnyway" and c["maxSkew"] == 1 for c in spread)

@@ -1,0 +1,337 @@
+"""A fleet of simulated replicas under an autoscaling policy: the level-(b) model of issue 23.
+
+Each replica is `bench.w3_policy_sim.SimReplica` (continuous batching, a token budget per step,
+an LRU prefix cache of the real pool's size), costed by a `Calibration` measured once on a real
+`kvscale serve` of the bundled model (`bench.autoscale_replay --calibrate`). The fleet adds:
+replicas that are ready a measured cold start after they are asked for; a router that sends each
+request to the ready replica with the fewest open requests and holds requests while none is ready
+(503 past the hold limit: a failed request); scale-in that drains a removed replica (its open
+requests finish; they are counted as "on removed pods").
+
+Policies, each observing what it would observe in a cluster, on its own period:
+
+- `kvscale`: the operator's own rule, `kvscale.operator.scaling.decide`, imported (never
+  restated), fed PodLoads built from the replicas (active KV blocks, waiting, running) and the
+  router's Demand (held requests, idle time); scale-in removes the pod with the lowest
+  `kvscale.operator.deletion_cost.pod_cost`.
+- `hpa-concurrency`: the HorizontalPodAutoscaler's documented algorithm on average concurrency per
+  pod (running + waiting), 15 s sync, tolerance 0.1, 300 s scale-down stabilization, scale-up at
+  most max(100 %, 4 pods) per 15 s; scale-in removes the newest pod (the ReplicaSet's default
+  without deletion costs).
+- `keda-queue`: KEDA's scaler on `vllm:num_requests_waiting` with target 5 per pod (an HPA
+  AverageValue metric: desired = ceil(total waiting / 5)), same HPA behaviour.
+- `kpa-kv`: Knative's KPA as AIBrix applies it to KV usage: every 2 s, desired = ceil(mean over
+  the 60 s stable window of total KV usage / target), panic when the 6 s window asks for 2x the
+  ready pods (no scale-down while panicking).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from bench.w3_policy_sim import Costs, SimReplica, SimRequest
+from kvscale.operator import scaling
+from kvscale.operator.deletion_cost import pod_cost
+from kvscale.operator.spec import AutoscalingPolicy
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One real replica's measured figures."""
+
+    prefill_tokens_per_s: float
+    decode_step_s: float  # one decode step at a small batch
+    kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    step_tokens: int
+    cold_start_s: float  # process start to /health 200 (model load and warm-up)
+
+
+@dataclass
+class Pod:
+    name: str
+    replica: SimReplica
+    asked_at: float
+    ready_at: float
+    removed_at: float | None = None
+    busy_until: float = 0.0
+
+    def ready(self, now: float) -> bool:
+        return self.removed_at is None and now >= self.ready_at
+
+    def open_requests(self) -> int:
+        return self.replica.load()
+
+
+@dataclass
+class Outcome:
+    requests: list[SimRequest]
+    failed: int
+    replica_seconds: float
+    decisions: list[tuple[float, int, int]]  # (time, from, to)
+    on_removed: int  # requests open on a pod when it was picked for removal
+    timeline: list[tuple[float, int, int, int]]  # (time, replicas wanted, ready, open requests)
+
+
+# -- policies -----------------------------------------------------------------------------------
+
+@dataclass
+class FleetView:
+    now: float
+    pods: list[Pod]  # not removed (ready or starting)
+    held: int
+    idle_seconds: float
+    current: int  # replicas wanted so far
+
+
+class KvscalePolicy:
+    name = "kvscale"
+    period_s = 5.0  # the operator's --scrape-interval in deploy/operator.yaml
+
+    def __init__(self, policy: AutoscalingPolicy) -> None:
+        self.policy = policy
+        self.state = scaling.AutoscalerState()
+
+    def desired(self, view: FleetView) -> int:
+        loads = [scaling.PodLoad(p.name, kv_blocks_active=float(len(p.replica.refs)),
+                                 kv_blocks_total=float(p.replica.num_blocks),
+                                 num_requests_waiting=float(len(p.replica.waiting)),
+                                 num_requests_running=float(len(p.replica.running)))
+                 for p in view.pods if p.ready(view.now)]
+        decision, self.state = scaling.decide(
+            view.now, loads, view.current, self.policy, self.state,
+            scaling.Demand(held=view.held, idle_seconds=view.idle_seconds))
+        return decision.replicas
+
+    def victim(self, pods: list[Pod]) -> Pod:
+        # The ReplicaSet removes the lowest pod-deletion-cost first: the operator's own cost.
+        return min(pods, key=lambda p: pod_cost(len(p.replica.refs), len(p.replica.cache)))
+
+
+class HpaPolicy:
+    """HPA (autoscaling/v2) on one metric, as its documentation gives the algorithm."""
+
+    period_s = 15.0
+    tolerance = 0.1
+    down_window_s = 300.0
+
+    def __init__(self, name: str, metric: str, target: float, min_replicas: int,
+                 max_replicas: int) -> None:
+        self.name = name
+        self.metric = metric  # "concurrency" (per-pod average) or "waiting" (total / target)
+        self.target = target
+        self.min_replicas = min_replicas
+        self.max_replicas = max_replicas
+        self.recommendations: deque[tuple[float, int]] = deque()
+
+    def desired(self, view: FleetView) -> int:
+        ready = [p for p in view.pods if p.ready(view.now)]
+        current = view.current
+        if not ready:
+            proposal = current
+        elif self.metric == "concurrency":
+            average = sum(p.open_requests() for p in ready) / len(ready)
+            ratio = average / self.target
+            proposal = current if abs(ratio - 1) <= self.tolerance else math.ceil(len(ready) * ratio)
+        else:
+            total = sum(len(p.replica.waiting) for p in ready) + view.held
+            ratio = total / (self.target * len(ready))
+            proposal = current if abs(ratio - 1) <= self.tolerance else math.ceil(total / self.target)
+        proposal = max(self.min_replicas, min(self.max_replicas, proposal))
+        self.recommendations.append((view.now, proposal))
+        while self.recommendations and view.now - self.recommendations[0][0] > self.down_window_s:
+            self.recommendations.popleft()
+        if proposal < current:  # scale-down stabilization: the highest of the window
+            proposal = min(current, max(r for _, r in self.recommendations))
+        if proposal > current:  # default scale-up policy: +100 % or +4 pods per period
+            proposal = min(proposal, max(2 * current, current + 4))
+        return proposal
+
+    def victim(self, pods: list[Pod]) -> Pod:
+        return max(pods, key=lambda p: p.asked_at)  # newest first, without deletion costs
+
+
+class KpaPolicy:
+    """Knative's KPA on total KV usage (AIBrix's KPA on `gpu_cache_usage_perc`)."""
+
+    name = "kpa-kv"
+    period_s = 2.0
+    stable_s = 60.0
+    panic_s = 6.0
+    panic_threshold = 2.0
+
+    def __init__(self, target: float, min_replicas: int, max_replicas: int) -> None:
+        self.target = target
+        self.min_replicas = min_replicas
+        self.max_replicas = max_replicas
+        self.samples: deque[tuple[float, float]] = deque()
+        self.panic_until = -1.0
+
+    def desired(self, view: FleetView) -> int:
+        ready = [p for p in view.pods if p.ready(view.now)]
+        usage = sum(p.replica.kv_usage() for p in ready)
+        self.samples.append((view.now, usage))
+        while self.samples and view.now - self.samples[0][0] > self.stable_s:
+            self.samples.popleft()
+        stable = statistics.mean(u for _, u in self.samples)
+        panic = statistics.mean(u for t, u in self.samples if view.now - t <= self.panic_s)
+        want_stable = math.ceil(stable / self.target - 1e-9)
+        want_panic = math.ceil(panic / self.target - 1e-9)
+        if ready and want_panic >= self.panic_threshold * len(ready):
+            self.panic_until = view.now + self.stable_s
+        if view.now < self.panic_until:
+            want = max(view.current, want_panic)
+        else:
+            want = want_stable
+        return max(self.min_replicas, min(self.max_replicas, want))
+
+    def victim(self, pods: list[Pod]) -> Pod:
+        return max(pods, key=lambda p: p.asked_at)
+
+
+# -- the fleet ----------------------------------------------------------------------------------
+
+@dataclass
+class Fleet:
+    calibration: Calibration
+    hold_timeout_s: float
+    tick_s: float = 0.05
+    pods: list[Pod] = field(default_factory=list)
+    removed: list[Pod] = field(default_factory=list)
+    held: deque[SimRequest] = field(default_factory=deque)
+    failed: int = 0
+    on_removed: int = 0
+    _names: int = 0
+
+    def costs(self) -> Costs:
+        c = self.calibration
+        return Costs(c.prefill_tokens_per_s, c.decode_step_s, c.step_tokens, c.max_num_seqs)
+
+    def add(self, now: float, cold: bool = True) -> None:
+        self._names += 1
+        replica = SimReplica(self._names, self.calibration.kv_blocks, self.calibration.block_size,
+                             self.costs())
+        ready = now + (self.calibration.cold_start_s if cold else 0.0)
+        self.pods.append(Pod(f"pod-{self._names}", replica, now, ready))
+
+    def remove(self, now: float, pod: Pod) -> None:
+        pod.removed_at = now
+        self.on_removed += pod.open_requests()
+        self.pods.remove(pod)
+        self.removed.append(pod)
+
+    def route(self, now: float, request: SimRequest) -> None:
+        ready = [p for p in self.pods if p.ready(now)]
+        if not ready:
+            self.held.append(request)
+            return
+        pod = min(ready, key=lambda p: (p.open_requests(), p.name))
+        request.replica = pod.replica.index
+        pod.replica.waiting.append(request)
+
+    def release_held(self, now: float) -> None:
+        while self.held and now - self.held[0].arrival > self.hold_timeout_s:
+            self.held.popleft()
+            self.failed += 1
+        if self.held and any(p.ready(now) for p in self.pods):
+            while self.held:
+                self.route(now, self.held.popleft())
+
+    def run_pods(self, until: float) -> float:
+        """Every pod's engine steps up to ``until``; returns the time of the last finish."""
+        last = -1.0
+        for pod in [*self.pods, *self.removed]:
+            if pod.removed_at is None and until < pod.ready_at:
+                continue
+            replica = pod.replica
+            pod.busy_until = max(pod.busy_until, pod.ready_at)
+            while pod.busy_until < until and (replica.waiting or replica.running):
+                pod.busy_until, _, done = replica.step(pod.busy_until)
+                if done:
+                    last = max(last, max(r.finished or 0.0 for r in done))
+            if pod.busy_until < until:
+                pod.busy_until = until
+        self.removed = [p for p in self.removed if p.replica.waiting or p.replica.running]
+        return last
+
+    def open_requests(self) -> int:
+        return len(self.held) + sum(p.open_requests() for p in [*self.pods, *self.removed])
+
+
+def simulate(requests: list[SimRequest], policy, calibration: Calibration, *, start_replicas: int,
+             hold_timeout_s: float, end: float | None = None) -> Outcome:
+    """Replay ``requests`` (sorted by arrival) through a fleet scaled by ``policy``."""
+    requests = [replace(r, pinned=[]) for r in requests]  # a fresh copy: pinned is mutated
+    fleet = Fleet(calibration, hold_timeout_s)
+    for _ in range(start_replicas):
+        fleet.add(0.0, cold=False)
+    wanted = start_replicas
+    decisions: list[tuple[float, int, int]] = []
+    timeline: list[tuple[float, int, int, int]] = []
+    horizon = end if end is not None else requests[-1].arrival + 120.0
+    next_request, next_policy, last_activity = 0, 0.0, 0.0
+    replica_seconds = 0.0
+    now = 0.0
+    while now < horizon or fleet.open_requests():
+        while next_request < len(requests) and requests[next_request].arrival <= now:
+            fleet.route(now, requests[next_request])
+            last_activity = now
+            next_request += 1
+        fleet.release_held(now)
+        finished = fleet.run_pods(now + fleet.tick_s)
+        if finished >= 0:
+            last_activity = max(last_activity, finished)
+        if fleet.open_requests():
+            last_activity = now
+        if now >= next_policy:
+            next_policy = now + policy.period_s
+            view = FleetView(now, fleet.pods, len(fleet.held), now - last_activity, wanted)
+            target = policy.desired(view)
+            if target != wanted:
+                decisions.append((now, wanted, target))
+            while len(fleet.pods) < target:
+                fleet.add(now)
+            while len(fleet.pods) > target:
+                fleet.remove(now, policy.victim(fleet.pods))
+            wanted = target
+            timeline.append((now, wanted, sum(p.ready(now) for p in fleet.pods), fleet.open_requests()))
+        # A pod costs from the moment it is asked for until it is gone (drained after removal).
+        replica_seconds += fleet.tick_s * (len(fleet.pods) + len(fleet.removed))
+        now += fleet.tick_s
+        if now > horizon + 3600:
+            break
+    return Outcome(requests, fleet.failed, replica_seconds, decisions, fleet.on_removed, timeline)
+
+
+def reversals(decisions: list[tuple[float, int, int]]) -> int:
+    """Changes of scaling direction (up then down, or down then up)."""
+    directions = [1 if to > frm else -1 for _, frm, to in decisions]
+    return sum(1 for a, b in zip(directions, directions[1:], strict=False) if a != b)
+
+
+def report(outcome: Outcome, ttft_slo_s: float, tpot_slo_s: float, span_s: float) -> dict:
+    served = [r for r in outcome.requests if r.finished is not None and r.first_token is not None]
+    ttfts = sorted(r.first_token - r.arrival for r in served)  # type: ignore[operator]
+    tpots = [((r.finished - r.first_token) / (r.output_tokens - 1)) if r.output_tokens > 1 else 0.0
+             for r in served]  # type: ignore[operator]
+    within = sum(1 for r, tpot in zip(served, tpots, strict=True)
+                 if r.first_token - r.arrival <= ttft_slo_s and tpot <= tpot_slo_s)  # type: ignore[operator]
+    total = len(outcome.requests)
+
+    def q(values: list[float], p: float) -> float:
+        return values[min(len(values) - 1, int(p * len(values)))] if values else float("nan")
+
+    return {
+        "requests": total,
+        "slo_attainment": within / total if total else float("nan"),
+        "ttft_p50_s": q(ttfts, 0.5), "ttft_p90_s": q(ttfts, 0.9), "ttft_p99_s": q(ttfts, 0.99),
+        "replica_seconds": outcome.replica_seconds,
+        "failed": outcome.failed + (total - len(served) - outcome.failed),
+        "reversals_per_hour": reversals(outcome.decisions) * 3600.0 / span_s,
+        "scale_decisions": len(outcome.decisions),
+        "requests_on_removed_pods": outcome.on_removed,
+    }
