@@ -8,7 +8,8 @@ cores a reserved core would cost more compute than the contention does, so both 
 ``--omp-threads-bind`` (env ``KVSCALE_CPU_OMP_THREADS_BIND``, after vLLM's
 ``VLLM_CPU_OMP_THREADS_BIND``): ``auto`` (the rule above), ``nobind`` (no affinity, torch's own
 thread count), or a CPU list such as ``0-2`` or ``0,2,4``: the core's CPUs, the front end keeping
-the others (every CPU, when the list holds all of them).
+the others (every CPU, when the list holds all of them). An explicit ``OMP_NUM_THREADS`` caps the
+core's thread count.
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ class CpuSplit:
     @property
     def num_threads(self) -> int | None:
         return len(self.core) if self.core else None
+
+
+def core_threads(split: CpuSplit, omp_num_threads: str | None) -> int | None:
+    """The core's torch thread count: one per CPU it got, fewer when ``OMP_NUM_THREADS`` says so
+    (a user, or a test running several servers on few cores); None: torch's own choice."""
+    wanted = split.num_threads
+    if omp_num_threads and omp_num_threads.strip().isdigit() and int(omp_num_threads) >= 1:
+        explicit = int(omp_num_threads)
+        return min(explicit, wanted) if wanted else explicit
+    return wanted
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:

@@ -63,7 +63,8 @@ class CoreSettings:
     config: EngineConfig
     input_address: str  # the front end pushes here
     output_address: str  # the core pushes here
-    cpus: tuple[int, ...] | None  # None: no affinity, torch's own thread count
+    cpus: tuple[int, ...] | None  # None: no affinity
+    num_threads: int | None = None  # None: torch's own thread count
     publisher: PublisherSettings | None = None
     warm_up: bool = True
 
@@ -126,8 +127,8 @@ def _start(settings: CoreSettings) -> tuple[Any, Any, float]:
 
     from kvscale.server.engine import LLMEngine
 
-    if settings.cpus:
-        torch.set_num_threads(len(settings.cpus))
+    if settings.num_threads:
+        torch.set_num_threads(settings.num_threads)
     logger.info("pid %d, CPUs %s, %d torch threads", os.getpid(),
                 ",".join(map(str, sorted(os.sched_getaffinity(0)))), torch.get_num_threads())
     engine = LLMEngine(settings.config)

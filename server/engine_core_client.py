@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from kvscale.server.async_engine import EngineFront, NewRequest
 from kvscale.server.config import EngineConfig
-from kvscale.server.cpu_binding import CpuSplit
+from kvscale.server.cpu_binding import CpuSplit, core_threads
 from kvscale.server.engine_core import CoreSettings, PublisherSettings, run_engine_core
 from kvscale.server.engine_core_wire import (
     AbortRequests,
@@ -99,7 +99,9 @@ class EngineCoreClient(EngineFront):
         from_core.bind(f"ipc://{folder}/output")
         settings = CoreSettings(config=config, input_address=f"ipc://{folder}/input",
                                 output_address=f"ipc://{folder}/output",
-                                cpus=cpus.core if cpus else None, publisher=publisher, warm_up=warm_up)
+                                cpus=cpus.core if cpus else None,
+                                num_threads=core_threads(cpus, os.environ.get("OMP_NUM_THREADS")) if cpus else None,
+                                publisher=publisher, warm_up=warm_up)
         # spawn: a fresh interpreter; a fork would inherit this process's threads and locks.
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(settings,), name="kvscale-engine-core", daemon=True)

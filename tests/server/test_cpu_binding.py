@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvscale.server.cpu_binding import RESERVE_FROM, parse_cpu_list, split_cpus
+from kvscale.server.cpu_binding import RESERVE_FROM, core_threads, parse_cpu_list, split_cpus
 
 
 def test_auto_shares_few_cpus_and_keeps_one_for_the_front_end_from_four_on() -> None:
@@ -43,3 +43,13 @@ def test_cpus_outside_the_allowed_set_are_refused() -> None:
 
 def test_parse_cpu_list() -> None:
     assert parse_cpu_list("0-2,5") == (0, 1, 2, 5)
+
+
+def test_an_explicit_omp_num_threads_caps_the_core_threads() -> None:
+    split = split_cpus({0, 1, 2, 3}, "auto")
+    assert core_threads(split, None) == 3
+    assert core_threads(split, "1") == 1
+    assert core_threads(split, "16") == 3  # never more threads than CPUs it is pinned to
+    assert core_threads(split, "junk") == 3
+    assert core_threads(split_cpus({0, 1}, "nobind"), "2") == 2
+    assert core_threads(split_cpus({0, 1}, "nobind"), None) is None
