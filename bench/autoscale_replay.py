@@ -12,9 +12,9 @@ writes bench/results/autoscale_calibration.json; the replay reads it.
 
 Workloads (the scaling is written next to every figure in the JSON and docs/benchmarks.md):
 
-- `mooncake`: the Mooncake conversation trace (../shared/data/traces/), time-compressed x4 (the
-  hour in 884 s), each 512-token hash block mapped to one 16-token KV block (tokens / 32, the
-  prefix sharing kept), outputs / 16 (at least 1 token).
+- `mooncake`: the Mooncake conversation trace (../shared/data/traces/), the whole hour in real
+  time (a simulation needs no compression), each 512-token hash block mapped to one 16-token KV
+  block (tokens / 32, the prefix sharing kept), outputs / 16 (at least 1 token).
 - `bursty`: synthetic, 900 s: a base rate of 0.6 x one calibrated replica's capacity, steps x4
   up at 60 s and down at 240 s, again up at 420 s and down at 480 s, then a diurnal ramp
   (1 + 3 sin^2) to the end; 8 shared 128-token prefixes, 256-token prompts, 32-token answers.
@@ -37,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.autoscale_sim import (
@@ -129,7 +129,7 @@ def load_calibration(path: Path) -> Calibration:
 
 # -- workloads ----------------------------------------------------------------------------------
 
-def mooncake(compress: float = 4.0, token_div: int = 32, out_div: int = 16) -> list[SimRequest]:
+def mooncake(compress: float = 1.0, token_div: int = 32, out_div: int = 16) -> list[SimRequest]:
     path = TRACE if TRACE.exists() else TRACE_FALLBACK
     requests = []
     for rid, line in enumerate(path.read_text().splitlines()):
@@ -190,7 +190,8 @@ def idle_heavy(seed: int = 3) -> list[SimRequest]:
 
 
 WORKLOADS = {
-    "mooncake": ("Mooncake conversation trace, time x1/4, tokens /32 (a 512-token block -> 16), outputs /16",
+    "mooncake": ("Mooncake conversation trace, the whole hour in real time, tokens /32 (a 512-token "
+                 "block -> one 16-token block), outputs /16",
                  lambda calibration: mooncake()),
     "bursty": ("synthetic 900 s: base rate 0.6 x one replica's capacity (256-token prompts, 32-token "
                "answers), x4 steps up/down at 60/240 s and 420/480 s, diurnal ramp to x4 from 600 s",
@@ -205,8 +206,15 @@ def policies(workload: str, calibration: Calibration):
     kvscale = AutoscalingPolicy(enabled=True, min_replicas=0 if to_zero else 1,
                                 max_replicas=MAX_REPLICAS, scale_to_zero_after_seconds=60)
     concurrency_target = calibration.max_num_seqs / 2
+    # The rule's sensitivity to its queue target (8 is the CRD's default), same everything else.
+    variants = []
+    for queue in (4, 2, 1):
+        variant = KvscalePolicy(replace(kvscale, target_queue_length=queue))
+        variant.name = f"kvscale-queue{queue}"
+        variants.append(variant)
     return [
         KvscalePolicy(kvscale),
+        *variants,
         HpaPolicy("hpa-concurrency", "concurrency", concurrency_target, 1, MAX_REPLICAS),
         HpaPolicy("keda-queue", "waiting", 5.0, 1, MAX_REPLICAS),
         KpaPolicy(0.7, 1, MAX_REPLICAS),
@@ -277,9 +285,13 @@ def main(argv: list[str] | None = None) -> int:
                                hold_timeout_s=120.0)
             figures = report(outcome, ttft_slo, tpot_slo, span)
             figures["sim_wall_s"] = round(time.monotonic() - begin, 1)
-            figures["timeline"] = [(t, wanted, ready) for t, wanted, ready, _ in outcome.timeline]
-            figures["ttft_series"] = [(r.arrival, r.first_token - r.arrival) for r in outcome.requests
-                                      if r.first_token is not None][::max(1, len(outcome.requests) // 2000)]
+            if workload == "bursty":  # the x4 step at 60 s: how soon the first scale-up came
+                ups = [t for t, frm, to in outcome.decisions if to > frm and t >= 60.0]
+                figures["step_x4_to_scale_up_s"] = (ups[0] - 60.0) if ups else None
+            figures["timeline"] = [(round(t, 1), wanted, ready) for t, wanted, ready, _ in outcome.timeline]
+            figures["ttft_series"] = [(round(r.arrival, 1), round(r.first_token - r.arrival, 3))
+                                      for r in outcome.requests if r.first_token is not None
+                                      ][::max(1, len(outcome.requests) // 1000)]
             entry["policies"][policy.name] = figures
             print(f"{workload:9s} {policy.name:16s} SLO {figures['slo_attainment']:.3f} "
                   f"replica-s {figures['replica_seconds']:.0f} failed {figures['failed']} "
@@ -299,9 +311,15 @@ def main(argv: list[str] | None = None) -> int:
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
            "calibration": asdict(calibration), "results": results,
            "elapsed_s": round(time.monotonic() - started, 1)}
+    plot(results, (Path(args.out) if args.out else RESULTS / "autoscale_replay.json").with_suffix(".png"))
+    # The series behind the plot, compact, apart from the figures.
+    series = {w: {"load": e.pop("load_series"),
+                  "policies": {p: {"timeline": f.pop("timeline"), "ttft": f.pop("ttft_series")}
+                               for p, f in e["policies"].items()}}
+              for w, e in results.items()}
     path = write_result("autoscale_replay", out, args.out)
-    plot(results, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    path.with_name(path.stem + "_series.json").write_text(json.dumps(series, separators=(",", ":")))
+    print(f"wrote {path}, its _series.json and {path.with_suffix('.png')}")
     return 0
 
 

@@ -336,6 +336,9 @@ class Router:
             return denied
         names = sorted({m for r in self.replicas.replicas.values() if self.heartbeats.routable(r)
                         for m in r.models})
+        if not names and self.activation is not None:
+            # At zero replicas the model is still served: a request for it wakes a replica.
+            names = sorted(self.config.served_model_names)
         return JSONResponse({"object": "list", "data": [
             {"id": n, "object": "model", "created": 0, "owned_by": "kvscale"} for n in names]})
 

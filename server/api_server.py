@@ -57,6 +57,8 @@ def build_app(
     on_shutdown: Callable[[], None] | None = None,
     drain: Drain | None = None,
     vocab_size: int | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """The FastAPI app; starts reading the engine on startup and stops the engine on shutdown.
 
@@ -69,9 +71,11 @@ def build_app(
                           max_model_len=max_model_len, api_key=api_key,
                           max_queue_len=max_queue_len, max_prompts_per_request=max_prompts_per_request,
                           model_root=model_root, version=__version__,
-                          vocab_size=vocab_size)
+                          vocab_size=vocab_size, tool_call_parser=tool_call_parser,
+                          enable_auto_tool_choice=enable_auto_tool_choice)
     metrics = ServerMetrics(server.model_name, lambda: engine.stats)
     engine.observe(metrics.on_step, metrics.on_request_end)
+    server.metrics = metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

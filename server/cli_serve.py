@@ -14,6 +14,7 @@ from kvscale import request_limits
 from kvscale.base_urls import authority, base_url
 from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from kvscale.server.config import QUANTIZATIONS
 from kvscale.server.cpu_binding import ENV as ENV_OMP_BIND
 from kvscale.server.cpu_binding import RESERVE_FROM
 
@@ -23,7 +24,7 @@ logger = logging.getLogger("kvscale.serve")
 _ENGINE_FIELDS = (
     "model", "dtype", "block_size", "enable_prefix_caching", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "num_gpu_blocks_override",
-    "kv_cache_memory_bytes", "device", "seed",
+    "kv_cache_memory_bytes", "device", "seed", "quantization",
     "kv_offloading_size",
 )
 
@@ -37,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default: derived from --model)")
     model.add_argument("--dtype", default=None,
                        choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    model.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
+                       help="quantize the weights at load: int8 (per-channel weights, per-token "
+                            "activations; CPU only)")
     model.add_argument("--max-model-len", type=int, default=None,
                        help="context length (prompt + output) in tokens (default: the model's)")
     model.add_argument("--seed", type=int, default=None)
@@ -85,12 +89,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            f"front end from {RESERVE_FROM} CPUs on, shared below), nobind, or a list "
                            f"such as 0-2; the front end keeps the others (default: ${ENV_OMP_BIND} or auto)")
 
+    structured = parser.add_argument_group("structured outputs and tool calling")
+    structured.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,
+                            metavar="JSON",
+                            help='grammar settings as JSON, e.g. {"compile_timeout_s": 10, '
+                                 '"compile_workers": 1, "mask_threads": 1}; backend: "guidance" only')
+    structured.add_argument("--enable-auto-tool-choice", action="store_true",
+                            help='let tool_choice "auto" parse tool calls out of the answer '
+                                 "(needs --tool-call-parser)")
+    structured.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                            help="the tool-call format of the served model's family")
+
     router = parser.add_argument_group("prefix-aware routing")
     router.add_argument("--redis", default=os.environ.get("KVSCALE_REDIS_URL"), metavar="URL",
                         help="publish KV cache events and load heartbeats to this Redis "
                              "(redis://...; default: $KVSCALE_REDIS_URL)")
     router.add_argument("--replica-id", default=None,
                         help="this replica's id in Redis (default: $POD_NAME, else HOST:PORT)")
+
+
+def _structured_outputs_config(text: str) -> Any:
+    import json
+
+    from kvscale.server.structured_outputs.compiler import StructuredOutputsConfig
+
+    try:
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise ValueError("expected a JSON object")
+        return StructuredOutputsConfig(**fields)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"--structured-outputs-config: {exc}") from exc
 
 
 def advertised_base_url(host: str | None, port: int) -> str:
@@ -128,6 +157,10 @@ def build(args: argparse.Namespace) -> Served:
     fields = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name) is not None}
     if args.served_model_name:
         fields["served_model_name"] = args.served_model_name[0]
+    if args.structured_outputs_config is not None:
+        fields["structured_outputs_config"] = args.structured_outputs_config
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     config = EngineConfig(**fields)
     model_path = resolve_model_path(args.model)
     served_names = list(args.served_model_name or [served_model_name(config.model, None)])
@@ -151,7 +184,8 @@ def build(args: argparse.Namespace) -> Served:
                     max_model_len=ready.max_model_len, api_key=args.api_key,
                     max_queue_len=args.max_queue_len, max_prompts_per_request=args.max_prompts_per_request,
                     model_root=str(model_path),
-                    vocab_size=min(len(tokenizer), ready.vocab_size))
+                    vocab_size=min(len(tokenizer), ready.vocab_size),
+                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
     return Served(app, core, ready.model_name, ready.max_model_len, ready.block_size)
 
 

@@ -17,8 +17,11 @@ from kvscale.server.serving import (
     OpenAIServer,
     Prepared,
     bad_request,
+    check_refused_fields,
     check_stream_options,
+    logit_bias_from,
     sampling_params_from,
+    structured_outputs_from,
     top_entries,
     usage,
 )
@@ -26,6 +29,7 @@ from kvscale.server.serving_streams import (
     ChoiceState,
     StreamFormatter,
     collect,
+    first_outputs,
     stream_events,
     until_disconnect,
 )
@@ -68,18 +72,27 @@ def chat_ids(server: OpenAIServer, messages: list[p.ChatMessage]) -> list[int]:
 def prepare_chat(server: OpenAIServer, body: p.ChatCompletionRequest) -> Prepared:
     server.check_model(body.model)
     check_stream_options(body)
+    check_refused_fields(body)
+    server.note_unknown_fields(body, "/v1/chat/completions")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+    if body.tools and body.tool_choice != "none":
+        raise bad_request("tools are not supported yet by this server.", "tools")
+    structured, constraint_param = structured_outputs_from(body)
+    if structured is not None:
+        server.count_structured(structured.kind)
+    logit_bias = logit_bias_from(body, server.vocab_size)
     ids = chat_ids(server, body.messages)
     server.check_prompt(ids, "messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     try:
         max_tokens = resolve_max_tokens(requested, len(ids), server.max_model_len)
-        params = sampling_params_from(body, max_tokens=max_tokens, logprobs=logprobs)
+        params = sampling_params_from(body, max_tokens=max_tokens, logprobs=logprobs,
+                                      structured_outputs=structured, logit_bias=logit_bias)
     except ValueError as exc:
         raise bad_request(str(exc), getattr(exc, "param", None)) from exc
-    return Prepared(p.random_id("chatcmpl"), [ids], [""], [params], body.cache_salt)
+    return Prepared(p.random_id("chatcmpl"), [ids], [""], [params], body.cache_salt, constraint_param)
 
 
 class ChatFormatter(StreamFormatter):
@@ -106,7 +119,7 @@ class ChatFormatter(StreamFormatter):
 
 async def _respond(server: OpenAIServer, body: p.ChatCompletionRequest, prepared: Prepared,
                    streams) -> p.ChatCompletionResponse:
-    (output,) = await collect(streams)
+    (output,) = await collect(server, streams, prepared)
     choices = []
     completion_tokens = 0
     for completion in sorted(output.outputs, key=lambda c: c.index):
@@ -129,5 +142,8 @@ async def create_chat_completion(server: OpenAIServer, body: p.ChatCompletionReq
     streams = await server.open_streams(prepared)
     if body.stream:
         formatter = ChatFormatter(server, body, prepared)
-        return StreamingResponse(stream_events(server, streams, request, formatter), media_type="text/event-stream")
+        # A constrained request may be refused before any token: wait for that before the 200.
+        first = await first_outputs(server, streams, prepared) if prepared.constraint_param else None
+        return StreamingResponse(stream_events(server, streams, request, formatter, first),
+                                 media_type="text/event-stream")
     return await until_disconnect(request, server, streams, _respond(server, body, prepared, streams))

@@ -213,6 +213,23 @@ SERVING = Board(
               f"({rate(m.HTTP_REQUESTS.series, SEL_SERVER, NOT_2XX)})",
               "{{status}} {{route}}"),
         ), unit="reqps", width=24),
+        Panel("Structured outputs: constrained requests and refusals", (
+            q(f"sum by (kind) ({rate(m.STRUCTURED_REQUESTS.series, SEL_SERVER)})", "{{kind}}"),
+            q(f"sum by (reason) ({rate(m.STRUCTURED_REFUSALS.series, SEL_SERVER)})", "refused: {{reason}}"),
+            q(f"sum({rate(m.TOOL_CALL_PARSE_FAILURES.series, SEL_SERVER)})", "tool-call parse failures"),
+            q(f"sum({rate(m.UNKNOWN_REQUEST_FIELDS.series, SEL_SERVER)})", "unknown request fields"),
+        ), unit="reqps"),
+        Panel("Grammar compile time and cache hits", (
+            q(quantile(0.5, m.STRUCTURED_COMPILE_SECONDS, SEL_SERVER), "compile p50"),
+            q(quantile(0.99, m.STRUCTURED_COMPILE_SECONDS, SEL_SERVER), "compile p99"),
+            q(f"sum({rate(m.STRUCTURED_COMPILE_CACHE_HITS.series, SEL_SERVER)}) / "
+              f"(sum({rate(m.STRUCTURED_COMPILE_CACHE_HITS.series, SEL_SERVER)}) + "
+              f"sum({rate(m.STRUCTURED_COMPILE_SECONDS.count, SEL_SERVER)}))", "cache hit ratio"),
+        ), unit="s"),
+        Panel("Grammar mask time per step", (
+            q(f"sum by (pod) ({rate(m.STRUCTURED_MASK_SECONDS.series, SEL_SERVER)}) / "
+              f"sum by (pod) ({rate(m.STRUCTURED_MASK_STEPS.series, SEL_SERVER)})", "{{pod}}"),
+        ), unit="s"),
     ),
 )
 

@@ -102,10 +102,13 @@ def _health(url: str) -> dict:
 def test_requests_held_at_zero_replicas_are_answered_once_a_replica_is_up(launcher) -> None:
     port = free_port()
     replica_url = f"http://127.0.0.1:{port}"
-    router = launcher.router([replica_url], None, extra=["--hold-timeout", "300", "--hold-queue", "64"])
+    router = launcher.router([replica_url], None, extra=["--hold-timeout", "300", "--hold-queue", "64",
+                                                        "--served-model-name", MODEL])
     # No replica yet: the router is ready all the same (it holds).
     assert _health(router.url)["activation"]["held"] == 0
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    # The model is listed at zero replicas: asking for it is what brings one.
+    assert [m.id for m in client.models.list().data] == [MODEL]
     results: list[str] = []
     lock = threading.Lock()
 

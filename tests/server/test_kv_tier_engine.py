@@ -130,3 +130,20 @@ def _hashes(engine, prompt: list[int]) -> list[int]:
     for i in range(len(prompt) // BS):
         out.append(hash_block_tokens(out[-1] if out else None, prompt[i * BS : (i + 1) * BS], ()))
     return out
+
+
+def test_a_tier_larger_than_the_machine_is_refused_with_the_figures(make_engine):
+    with pytest.raises(ValueError, match=r"--kv-offloading-size 100000 GiB .* needs .* GiB of host memory"):
+        make_engine(num_gpu_blocks_override=16, kv_offloading_size=100000)
+
+
+def test_the_flag_has_vllms_spelling_and_reaches_the_engine_config():
+    import argparse
+
+    from kvscale.server import cli_serve
+
+    parser = argparse.ArgumentParser()
+    cli_serve.add_arguments(parser)
+    args = parser.parse_args(["--kv-offloading-size", "1.5"])
+    assert args.kv_offloading_size == 1.5 and "kv_offloading_size" in cli_serve._ENGINE_FIELDS
+    assert parser.parse_args([]).kv_offloading_size is None  # unset: EngineConfig's 0 (off)
