@@ -219,6 +219,7 @@ class Prepared:
     # The field a grammar came from (response_format, structured_outputs, tools): an engine
     # refusal of the grammar becomes a 400 naming it.
     constraint_param: str | None = None
+    tools: Any = None  # chat's serving_tools.ToolPlan
 
 
 class OpenAIServer:
@@ -270,6 +271,10 @@ class OpenAIServer:
     def count_structured(self, kind: str) -> None:
         if self.metrics is not None:
             self.metrics.count_structured(kind)
+
+    def count_tool_parse_failure(self) -> None:
+        if self.metrics is not None:
+            self.metrics.tool_parse_failures.inc()
 
     def count_refusal(self, reason: str) -> None:
         if self.metrics is not None:
