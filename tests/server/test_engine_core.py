@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -129,3 +130,14 @@ def test_first_request_is_as_fast_as_the_second(tmp_path) -> None:
         assert "warmed up in" in server.log()
     finally:
         server.stop()
+
+
+def test_a_core_that_cannot_start_says_why_and_serve_exits_2() -> None:
+    """A flag only the engine can judge (a context longer than the model's): the core's reason
+    reaches the command line."""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvscale", "serve", "--port", "0", *SMALL[:-1], "1000000"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "max_model_len 1000000 exceeds what the model supports" in result.stderr, result.stderr[-3000:]
