@@ -37,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.autoscale_sim import (
@@ -206,8 +206,15 @@ def policies(workload: str, calibration: Calibration):
     kvscale = AutoscalingPolicy(enabled=True, min_replicas=0 if to_zero else 1,
                                 max_replicas=MAX_REPLICAS, scale_to_zero_after_seconds=60)
     concurrency_target = calibration.max_num_seqs / 2
+    # The rule's sensitivity to its queue target (8 is the CRD's default), same everything else.
+    variants = []
+    for queue in (4, 2, 1):
+        variant = KvscalePolicy(replace(kvscale, target_queue_length=queue))
+        variant.name = f"kvscale-queue{queue}"
+        variants.append(variant)
     return [
         KvscalePolicy(kvscale),
+        *variants,
         HpaPolicy("hpa-concurrency", "concurrency", concurrency_target, 1, MAX_REPLICAS),
         HpaPolicy("keda-queue", "waiting", 5.0, 1, MAX_REPLICAS),
         KpaPolicy(0.7, 1, MAX_REPLICAS),
@@ -281,9 +288,10 @@ def main(argv: list[str] | None = None) -> int:
             if workload == "bursty":  # the x4 step at 60 s: how soon the first scale-up came
                 ups = [t for t, frm, to in outcome.decisions if to > frm and t >= 60.0]
                 figures["step_x4_to_scale_up_s"] = (ups[0] - 60.0) if ups else None
-            figures["timeline"] = [(t, wanted, ready) for t, wanted, ready, _ in outcome.timeline]
-            figures["ttft_series"] = [(r.arrival, r.first_token - r.arrival) for r in outcome.requests
-                                      if r.first_token is not None][::max(1, len(outcome.requests) // 2000)]
+            figures["timeline"] = [(round(t, 1), wanted, ready) for t, wanted, ready, _ in outcome.timeline]
+            figures["ttft_series"] = [(round(r.arrival, 1), round(r.first_token - r.arrival, 3))
+                                      for r in outcome.requests if r.first_token is not None
+                                      ][::max(1, len(outcome.requests) // 1000)]
             entry["policies"][policy.name] = figures
             print(f"{workload:9s} {policy.name:16s} SLO {figures['slo_attainment']:.3f} "
                   f"replica-s {figures['replica_seconds']:.0f} failed {figures['failed']} "
@@ -303,9 +311,15 @@ def main(argv: list[str] | None = None) -> int:
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
            "calibration": asdict(calibration), "results": results,
            "elapsed_s": round(time.monotonic() - started, 1)}
+    plot(results, (Path(args.out) if args.out else RESULTS / "autoscale_replay.json").with_suffix(".png"))
+    # The series behind the plot, compact, apart from the figures.
+    series = {w: {"load": e.pop("load_series"),
+                  "policies": {p: {"timeline": f.pop("timeline"), "ttft": f.pop("ttft_series")}
+                               for p, f in e["policies"].items()}}
+              for w, e in results.items()}
     path = write_result("autoscale_replay", out, args.out)
-    plot(results, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    path.with_name(path.stem + "_series.json").write_text(json.dumps(series, separators=(",", ":")))
+    print(f"wrote {path}, its _series.json and {path.with_suffix('.png')}")
     return 0
 
 

@@ -89,10 +89,10 @@ class FleetView:
 
 
 class KvscalePolicy:
-    name = "kvscale"
     period_s = 5.0  # the operator's --scrape-interval in deploy/operator.yaml
 
     def __init__(self, policy: AutoscalingPolicy) -> None:
+        self.name = "kvscale"
         self.policy = policy
         self.state = scaling.AutoscalerState()
 

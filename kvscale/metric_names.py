@@ -117,11 +117,41 @@ HTTP_REQUESTS = Metric(
     "kvscale:http_requests", COUNTER, "HTTP requests answered, by route and status code.",
     ("model_name", "route", "status"))
 
+# Structured outputs and tool calling (server/structured_outputs, server/tool_parsers).
+STRUCTURED_REQUESTS = Metric(
+    "kvscale:structured_output_requests", COUNTER,
+    "Constrained requests, by kind (json, json_object, regex, choice, grammar, tool).",
+    ("model_name", "kind"))
+STRUCTURED_COMPILE_SECONDS = Metric(
+    "kvscale:structured_output_compile_seconds", HISTOGRAM,
+    "Time to compile a request's grammar (cache misses only).", _M)
+STRUCTURED_COMPILE_CACHE_HITS = Metric(
+    "kvscale:structured_output_compile_cache_hits", COUNTER,
+    "Constrained requests whose grammar was already compiled.", _M)
+STRUCTURED_REFUSALS = Metric(
+    "kvscale:structured_output_refusals", COUNTER,
+    "Constrained requests refused with a 400, by reason (unsupported, timeout, invalid).",
+    ("model_name", "reason"))
+STRUCTURED_MASK_SECONDS = Metric(
+    "kvscale:structured_output_mask_seconds", COUNTER,
+    "Time spent filling and applying grammar bitmasks (divide by mask_steps for time per step).", _M)
+STRUCTURED_MASK_STEPS = Metric(
+    "kvscale:structured_output_mask_steps", COUNTER, "Steps that applied a grammar bitmask.", _M)
+TOOL_CALL_PARSE_FAILURES = Metric(
+    "kvscale:tool_call_parse_failures", COUNTER,
+    "Answers under tool_choice auto whose tool-call markup did not parse (sent as text).", _M)
+UNKNOWN_REQUEST_FIELDS = Metric(
+    "kvscale:unknown_request_fields", COUNTER,
+    "Requests carrying a field neither OpenAI's API nor vLLM's extras define (logged once per name).",
+    ("model_name", "endpoint"))
+
 SERVER_METRICS = (
     NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS, NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, TTFT,
     ITL, E2E_LATENCY, QUEUE_TIME, CACHE_CONFIG_INFO, KV_BLOCKS_TOTAL, KV_BLOCKS_ACTIVE,
     KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, HTTP_REQUESTS,
+    STRUCTURED_REQUESTS, STRUCTURED_COMPILE_SECONDS, STRUCTURED_COMPILE_CACHE_HITS, STRUCTURED_REFUSALS,
+    STRUCTURED_MASK_SECONDS, STRUCTURED_MASK_STEPS, TOOL_CALL_PARSE_FAILURES, UNKNOWN_REQUEST_FIELDS,
     KV_OFFLOAD_BYTES, KV_OFFLOAD_TIME, EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS,
     CPU_CACHE_USAGE, KV_HOST_BLOCKS_TOTAL, KV_HOST_BLOCKS_CACHED, KV_BLOCKS_DEMOTED,
     KV_BLOCKS_PROMOTED, KV_PREEMPTIONS_SWAPPED, KV_RESTORE_SECONDS,

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvscale.server.structured_outputs.compiler import StructuredOutputsConfig
 
 # On CPU the KV cache lives in ordinary memory; without an explicit budget the engine takes this.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+# What --quantization takes (vLLM's spelling); server/quantization.py runs it.
+QUANTIZATIONS = ("int8",)
 
 
 @dataclass
@@ -26,7 +31,9 @@ class EngineConfig:
     # GiB of host memory for a second KV tier (vLLM's --kv-offloading-size); 0: no second tier.
     kv_offloading_size: float = 0.0
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    quantization: str | None = None  # None | "int8" (weights quantized at load: server/quantization.py)
     seed: int = 0
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -40,6 +47,10 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization {self.quantization!r} is not supported (supported: {', '.join(QUANTIZATIONS)})"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(

@@ -5,8 +5,14 @@
   every call. Packed once, a forward's projections on 4-64 rows (batched decode) take 0.58-0.62x
   the time, on 256-2048 rows (prefill) 0.81-1.06x, on one row 1.05-1.16x
   (``python -m bench.cpu_linear``): batched decode is what a server runs.
-- float32: a transposed view of an ``[in, out]`` buffer for torch's own GEMM. oneDNN's packed
-  float32 is 1.4-1.7x slower on one row (a single stream decoding) and no faster on prefill.
+- float32 on Intel: a transposed view of an ``[in, out]`` buffer for torch's GEMM (MKL). On a
+  Xeon oneDNN's packed float32 was 1.4-1.7x slower on one row (a single stream decoding) and no
+  faster on prefill.
+- float32 on AMD (and Hygon): oneDNN's packed layout too. MKL does not run its AVX-512 code on
+  a CPU that is not Intel's (``MKL_DEBUG_CPU_TYPE`` and ``MKL_ENABLE_INSTRUCTIONS`` change
+  nothing in MKL 2024), while oneDNN's JIT reads the CPU's features whoever made it: on an AMD
+  EPYC with AVX-512 a forward's projections on 16-1024 rows take 0.35-0.4x MKL's time, on one
+  row 1.15x (``python -m bench.cpu_linear``; vLLM's CPU build packs float32 through oneDNN too).
 
 Packing replaces each ``nn.Linear`` with a ``PackedLinear`` that no longer holds the plain
 matrix (the weights' memory is not doubled), except a projection tied to an embedding, whose
@@ -18,17 +24,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvscale.server.cpu_features import CpuFeatures, cpu_features
+
+# x86 CPUs on which MKL takes its generic path (Arm builds of torch use no MKL: left as they are).
+_X86_NOT_INTEL = frozenset({"AuthenticAMD", "HygonGenuine"})
+
 # oneDNN packs for an expected row count; the packed weight then runs any count. Decode-sized.
 _PACKING_ROWS_HINT = 64
 
 
+def packs_with_onednn(dtype: torch.dtype, cpu: CpuFeatures, onednn: bool, onednn_bf16: bool) -> bool:
+    """Whether projections in ``dtype`` run packed through oneDNN (``onednn``: torch has it;
+    ``onednn_bf16``: it has bf16 kernels for this CPU). The module docstring says why."""
+    if not onednn:
+        return False
+    if dtype == torch.bfloat16:
+        return onednn_bf16
+    return dtype == torch.float32 and cpu.vendor in _X86_NOT_INTEL
+
+
 def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether this machine's projections in ``dtype`` run packed through oneDNN."""
-    return (
-        dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    onednn = torch.backends.mkldnn.is_available()
+    return packs_with_onednn(dtype, cpu_features(), onednn, onednn and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):

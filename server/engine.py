@@ -49,6 +49,10 @@ from kvscale.server.sampler import Sampler, SamplingRow, make_generator
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.scheduler import ScheduledSeq, Scheduler
 from kvscale.server.sequence import Request, Sequence, SequenceStatus
+from kvscale.server.structured_outputs import StructuredOutputManager
+
+# With only grammars compiling, a step waits this long for one instead of spinning.
+GRAMMAR_WAIT_S = 0.005
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +72,7 @@ class LLMEngine:
         hf_config = load_hf_config(path)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
-        self.model = load_model(path, hf_config, self.dtype, self.device)
+        self.model = load_model(path, hf_config, self.dtype, self.device, config.quantization)
         spec = self.model.spec
         self.block_size = config.block_size
 
@@ -117,6 +121,8 @@ class LLMEngine:
             self.runner.allocate_host_cache(self.num_host_blocks)
         self.vocab_size = spec.vocab_size
         self.requests: dict[str, Request] = {}
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                  config.structured_outputs_config)
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
         self.last_step_s = 0.0
@@ -166,6 +172,10 @@ class LLMEngine:
         init_detokenizer(seq)
         request.seqs.append(seq)
         self.requests[request_id] = request
+        if params.structured_outputs is not None:
+            # Waits for its grammar here, outside the scheduler, while the batch runs on.
+            self.structured.submit(request)
+            return
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
@@ -179,6 +189,7 @@ class LLMEngine:
                 seq.finish_reason = "abort"
         request.finished = True
         request.metrics.finished_time = time.monotonic()
+        self.structured.release(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -204,12 +215,15 @@ class LLMEngine:
         self.scheduler.copy_bytes_per_s = host_cache.counters.copy_bytes_per_s
 
     def _step(self) -> list[RequestOutput]:
+        refused = self._admit_compiled()
         sched = self.scheduler.schedule()
         # Before the forward (demoted blocks may be written by it, promoted ones read), and even
         # when nothing runs: a preemption may have queued demotions.
         self.runner.move_between_tiers(self.kv.take_tier_copies())
         if not sched.scheduled:
-            return []
+            if not refused and self.structured.has_pending():
+                self.structured.wait(GRAMMAR_WAIT_S)
+            return refused
         now = time.monotonic()
         for item in sched.scheduled:
             request = item.seq.request
@@ -239,9 +253,11 @@ class LLMEngine:
                     row_seqs.append(child)
                     row_logits.append(logits_row)
         if not row_seqs:
-            return []
+            return refused
         if row_logits != list(range(len(row_logits))):
             logits = logits[row_logits]
+        # Grammars first: penalties, logit_bias and sampling then see only allowed tokens.
+        self.structured.apply(logits, row_seqs)
         rows = [
             SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator) for seq in row_seqs
         ]
@@ -261,14 +277,38 @@ class LLMEngine:
         self.num_generated_tokens += len(tokens)
 
         build = delta_output if self.output_deltas else cumulative_output
-        outputs = []
+        outputs = refused
         for request in touched.values():
             finished = request.is_finished
             if finished:
                 request.finished = True
                 request.metrics.finished_time = now
                 self.requests.pop(request.request_id, None)
+                self.structured.release(request)
             outputs.append(build(request, finished))
+        return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar is ready go to the scheduler; those whose grammar failed end now,
+        before any token, with the error their client gets (a 400)."""
+        ready, failed = self.structured.poll()
+        for request in ready:
+            for seq in request.seqs:
+                self.scheduler.add(seq)
+        outputs = []
+        now = time.monotonic()
+        build = delta_output if self.output_deltas else cumulative_output
+        for request, message in failed:
+            for seq in request.seqs:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+            request.finished = True
+            request.metrics.finished_time = now
+            self.requests.pop(request.request_id, None)
+            self.structured.release(request)
+            output = build(request, True)
+            output.error = message
+            outputs.append(output)
         return outputs
 
     def _record_prompt_logprobs(self, scheduled: list[ScheduledSeq], step_logits: StepLogits) -> None:
@@ -297,6 +337,7 @@ class LLMEngine:
             self.kv.fork(parent, child)
             child.generator = make_generator(request.params.seed, index)
             init_detokenizer(child)
+            self.structured.fork(parent, child)
             request.seqs.append(child)
             self.scheduler.add_running(child)
             children.append(child)
@@ -312,6 +353,7 @@ class LLMEngine:
             seq.logprobs.append(position_logprobs)
         piece = detokenize_incrementally(self.tokenizer, seq)
         num_output = seq.num_output_tokens
+        grammar_done = self.structured.accept(seq, token)
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
@@ -322,16 +364,22 @@ class LLMEngine:
                 return
             if find_stop_string(seq, len(piece)):
                 return
+        if grammar_done:
+            # Nothing but end-of-sequence can follow: the answer is complete.
+            seq.finish_reason = "stop"
+            return
         if num_output >= seq.request.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 
     # --- introspection ------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
-        return engine_stats(
+        stats = engine_stats(
             self.scheduler, self.kv, num_generated_tokens=self.num_generated_tokens,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed, last_step_s=self.last_step_s,
             offload=self.runner.host_cache.counters if self.runner.host_cache is not None else None,
         )
+        stats.extra.update(self.structured.extra_stats())
+        return stats
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.pool.drain_events()

@@ -28,6 +28,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         num_gpu_blocks_override: int | None = None,
+        quantization: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         config = EngineConfig(
@@ -39,6 +40,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             num_gpu_blocks_override=num_gpu_blocks_override,
+            quantization=quantization,
             **engine_kwargs,
         )
         self.llm_engine = LLMEngine(config)

@@ -41,6 +41,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0)
+COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -74,6 +75,8 @@ class _EngineStatsCollector(Collector):
         yield family(names.KV_BLOCKS_ACTIVE, stats.kv_blocks_active)
         yield family(names.KV_BLOCKS_CACHED, stats.kv_blocks_cached)
         yield family(names.KV_BLOCKS_EVICTED, stats.extra.get("kv_blocks_evicted_total", 0.0))
+        yield family(names.STRUCTURED_MASK_SECONDS, stats.extra.get("structured_mask_seconds_total", 0.0))
+        yield family(names.STRUCTURED_MASK_STEPS, stats.extra.get("structured_mask_steps_total", 0.0))
         info = names.CACHE_CONFIG_INFO
         config = GaugeMetricFamily(info.name, info.help, labels=list(info.labels))
         prefix_caching = stats.extra.get("enable_prefix_caching", 1.0)
@@ -125,12 +128,33 @@ class ServerMetrics:
         self.itl = register(names.ITL, reg, ITL_BUCKETS).labels(model_name)
         self.e2e = register(names.E2E_LATENCY, reg, REQUEST_BUCKETS).labels(model_name)
         self.queue_time = register(names.QUEUE_TIME, reg, REQUEST_BUCKETS).labels(model_name)
+        self.structured_requests = register(names.STRUCTURED_REQUESTS, reg)
+        self.compile_seconds = register(names.STRUCTURED_COMPILE_SECONDS, reg, COMPILE_BUCKETS).labels(model_name)
+        self.compile_cache_hits = register(names.STRUCTURED_COMPILE_CACHE_HITS, reg).labels(model_name)
+        self.structured_refusals = register(names.STRUCTURED_REFUSALS, reg)
+        self.tool_parse_failures = register(names.TOOL_CALL_PARSE_FAILURES, reg).labels(model_name)
+        self.unknown_fields = register(names.UNKNOWN_REQUEST_FIELDS, reg)
+        for reason in ("unsupported", "timeout", "invalid"):
+            self.structured_refusals.labels(model_name, reason)
+        for kind in ("json", "json_object", "regex", "choice", "grammar", "tool"):
+            self.structured_requests.labels(model_name, kind)
+        for endpoint in ("/v1/completions", "/v1/chat/completions"):
+            self.unknown_fields.labels(model_name, endpoint)
         # Pre-create the usual reasons so rate() works before the first request of each kind.
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
         for route in COUNTED_ROUTES:
             self.http_requests.labels(model_name, route, "200")
         reg.register(_EngineStatsCollector(model_name, get_stats))
+
+    def count_unknown_field(self, endpoint: str) -> None:
+        self.unknown_fields.labels(self.model_name, endpoint).inc()
+
+    def count_structured(self, kind: str) -> None:
+        self.structured_requests.labels(self.model_name, kind).inc()
+
+    def count_refusal(self, reason: str) -> None:
+        self.structured_refusals.labels(self.model_name, reason).inc()
 
     def count_http(self, path: str, status: int) -> None:
         route = path if path in COUNTED_ROUTES else "other"
@@ -145,6 +169,11 @@ class ServerMetrics:
             if not stream.first_output_seen:
                 stream.first_output_seen = True
                 self.prompt_tokens.inc(len(output.prompt_token_ids))
+                if metrics is not None and metrics.grammar_cache_hit is not None:
+                    if metrics.grammar_cache_hit:
+                        self.compile_cache_hits.inc()
+                    elif metrics.grammar_compile_s is not None:
+                        self.compile_seconds.observe(metrics.grammar_compile_s)
                 if metrics is not None:
                     if metrics.first_scheduled_time is not None:
                         self.queue_time.observe(max(0.0, metrics.first_scheduled_time - metrics.arrival_time))

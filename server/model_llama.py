@@ -19,6 +19,7 @@ from torch import nn
 from kvscale.kernels import cpu_native
 from kvscale.server.attention_metadata import AttentionMetadata
 from kvscale.server.cpu_linear import lay_out_cpu_linears
+from kvscale.server.quantization import quantize_linears
 
 
 @dataclass
@@ -291,8 +292,9 @@ class DecoderForCausalLM(nn.Module):
                                            residual.index_select(0, logits_indices))
         return self.lm_head(hidden)
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Fill this module from a transformers-named state dict (fusing q/k/v and gate/up)."""
+    def load_hf_weights(self, weights: dict[str, torch.Tensor], quantization: str | None = None) -> None:
+        """Fill this module from a transformers-named state dict (fusing q/k/v and gate/up), then
+        quantize its projections (``quantization``) or lay them out for the CPU's GEMM."""
         own = self.state_dict()
         consumed: set[str] = set()
 
@@ -352,5 +354,7 @@ class DecoderForCausalLM(nn.Module):
         self.load_state_dict(loaded, strict=True)
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        if self.lm_head.weight.device.type == "cpu":
+        if quantization is not None:
+            quantize_linears(self)
+        elif self.lm_head.weight.device.type == "cpu":
             lay_out_cpu_linears(self)

@@ -85,23 +85,28 @@ def _read_weights(path: Path) -> dict[str, Any]:
     return weights
 
 
-# Weights already loaded in this process, keyed by (directory, its config's mtime, dtype, device):
-# engines in one process (tests, benchmarks) share them instead of reading them again.
-_LOADED_MODELS: dict[tuple[str, float, str, str], Any] = {}
+# Weights already loaded in this process, keyed by (directory, its config's mtime, dtype, device,
+# quantization): engines in one process (tests, benchmarks) share them instead of reading them again.
+_LOADED_MODELS: dict[tuple[str, float, str, str, str | None], Any] = {}
 
 
-def load_model(path: Path, hf_config: Any, dtype: Any, device: Any) -> Any:
+def load_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantization: str | None = None) -> Any:
     """Build kvscale's own model for ``hf_config`` and fill it from the checkpoint at ``path``."""
-    key = (str(Path(path).resolve()), (Path(path) / "config.json").stat().st_mtime, str(dtype), str(device))
+    key = (str(Path(path).resolve()), (Path(path) / "config.json").stat().st_mtime, str(dtype), str(device),
+           quantization)
     model = _LOADED_MODELS.get(key)
     if model is None:
-        model = _build_model(path, hf_config, dtype, device)
+        model = _build_model(path, hf_config, dtype, device, quantization)
         _LOADED_MODELS[key] = model
     return model
 
 
-def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any) -> Any:
+def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantization: str | None) -> Any:
     import torch
+
+    from kvscale.server.quantization import check_quantization
+
+    check_quantization(quantization, device.type)
 
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in _ARCHITECTURES:
@@ -116,5 +121,5 @@ def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any) -> Any:
         model = DecoderForCausalLM(spec, hf_config)
     model = model.to_empty(device=device).to(dtype)
     weights = {name: tensor.to(dtype) for name, tensor in _read_weights(path).items()}
-    model.load_hf_weights(weights)
+    model.load_hf_weights(weights, quantization)
     return model.eval()

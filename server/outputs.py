@@ -42,6 +42,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Structured outputs: how long the request's grammar took to compile (0 when cached).
+    grammar_compile_s: float | None = None
+    grammar_cache_hit: bool | None = None
 
 
 @dataclass
@@ -55,6 +58,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # With SamplingParams.prompt_logprobs: per prompt token, None for the first one.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Set when the engine refused the request before any token (its grammar failed to compile or
+    # timed out): the message for the client, which gets a 400.
+    error: str | None = None
 
 
 def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
@@ -86,6 +92,7 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
         outputs=[merged[i] for i in sorted(merged)], finished=last.finished,
         num_cached_tokens=last.num_cached_tokens, metrics=last.metrics,
         prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
+        error=next((d.error for d in deltas if d.error is not None), None),
     )
 
 

@@ -34,6 +34,42 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
 
 
+class RequestBody(OpenAIModel):
+    """A request body: fields neither OpenAI's API nor vLLM's extras define are kept aside
+    (``model_extra``) so the server can log them once and count them, as vLLM does."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="allow")
+
+
+# ----------------------------------------------------------------------------- structured outputs
+
+
+class JsonSchemaFormat(OpenAIModel):
+    model_config = ConfigDict(allow_inf_nan=False, extra="ignore", populate_by_name=True)
+
+    name: str = Field("response", min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's ``structured_outputs`` (exactly one of the constraints)."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -55,7 +91,7 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
 
     model: str | None = None
@@ -78,6 +114,28 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # Accepted as metadata: they change nothing the model generates.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # Fields OpenAI defines that this server cannot honour: refused with a 400 naming them when set
+    # (serving.REFUSED_FIELDS says why).
+    best_of: int | None = None
+    suffix: str | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -94,18 +152,51 @@ class TextContentPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
-    """One message; tool calls and ids are accepted and ignored (the template sees role + text:
-    kvscale.tokenization.normalize_chat_messages)."""
+    """One message; an assistant's ``tool_calls`` and a tool result's ``tool_call_id`` reach the
+    template (kvscale.tokenization.normalize_chat_messages)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def text(self) -> str:
         content = self.content
         return message_text([part.model_dump() for part in content] if isinstance(content, list) else content)
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -114,6 +205,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(OpenAIModel):
@@ -122,6 +216,7 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -184,6 +279,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -206,6 +302,9 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # The first delta of a call carries index, id, type and function.name; later ones index and
+    # function.arguments pieces, which add up to the whole call's arguments.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):

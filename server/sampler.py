@@ -120,6 +120,7 @@ def needs_host_logits(row: SamplingRow) -> bool:
         or p.repetition_penalty != 1.0
         or bool(p.presence_penalty)
         or bool(p.frequency_penalty)
+        or bool(p.logit_bias)
         or len(row.token_ids) - row.num_prompt_tokens < p.min_tokens
     )
 
@@ -152,12 +153,18 @@ class Sampler:
             for i, row in enumerate(rows)
             if len(row.token_ids) - row.num_prompt_tokens < row.params.min_tokens
         ]
-        if needs_penalty or needs_mask:
+        needs_bias = [i for i, row in enumerate(rows) if row.params.logit_bias]
+        if needs_penalty or needs_mask or needs_bias:
             logits = logits.clone()
         if needs_penalty:
             sub = logits[needs_penalty]
             apply_penalties(sub, [rows[i] for i in needs_penalty])
             logits[needs_penalty] = sub
+        for i in needs_bias:
+            bias = rows[i].params.logit_bias
+            assert bias is not None
+            ids = [t for t in bias if t < logits.shape[1]]
+            logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype)
         for i in needs_mask:
             # Not allowed to end before min_tokens: hide every token that would end it.
             banned = set(rows[i].params.stop_token_ids)
@@ -165,7 +172,11 @@ class Sampler:
                 banned |= self.eos_token_ids
             banned_ids = [t for t in banned if t < logits.shape[1]]
             if banned_ids:
+                kept = logits[i, banned_ids].clone()
                 logits[i, banned_ids] = float("-inf")
+                if not torch.isfinite(logits[i]).any():
+                    # A grammar that allows only the end leaves nothing else: let it end.
+                    logits[i, banned_ids] = kept
 
         tokens = greedy_tokens(logits)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -205,6 +216,7 @@ class Sampler:
         if top_n:
             values, ids = row_logprobs.topk(top_n)
             for r, (value, token_id) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
-                if token_id not in result:
+                # A grammar may leave fewer than top_n tokens possible; -inf is no alternative.
+                if token_id not in result and value != float("-inf"):
                     result[token_id] = Logprob(value, r + 1, self.decode_token(token_id))
         return result

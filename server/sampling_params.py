@@ -4,6 +4,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on what a request may generate (vLLM's ``structured_outputs``), as plain
+    data: the engine compiles it (kvscale.server.structured_outputs), the HTTP side only builds it.
+
+    Exactly one of the fields is set. ``json`` is the schema serialized canonically (sorted keys,
+    compact), which is also the compile cache's key.
+    """
+
+    json: str | None = None
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, or GBNF (converted by the library)
+
+    def __post_init__(self) -> None:
+        set_kinds = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, grammar; "
+                f"got {', '.join(set_kinds) or 'none'}"
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
+
 
 @dataclass
 class SamplingParams:
@@ -25,6 +57,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: chosen token plus top-k alternatives
     prompt_logprobs: int | None = None  # the same, for every prompt token after the first
     skip_special_tokens: bool = True
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias, in [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +102,8 @@ class SamplingParams:
             raise bad("logprobs", "in [0, 20]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise bad("prompt_logprobs", "in [0, 20]")
+        if self.logit_bias is not None and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

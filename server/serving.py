@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +19,11 @@ from fastapi.responses import JSONResponse
 
 from kvscale.server import protocol as p
 from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST, InvalidRequest, check_prompt
-from kvscale.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from kvscale.server.async_engine import EngineDeadError, EngineFront, RequestStream
 from kvscale.server.outputs import PositionLogprobs
-from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.sampling_params import SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 # Probes and scrapers never carry the API key.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc",
@@ -57,8 +61,102 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param=param)
 
 
+# Fields OpenAI (or vLLM) defines that this server cannot carry out: a 400 naming the field and
+# why, never a silent 200 (docs/server.md has the whole field table).
+REFUSED_FIELDS: dict[str, str] = {
+    "best_of": "server-side best-of sampling is not implemented; use n and pick on the client",
+    "suffix": "insertion (text after the completion) is not supported by the served model",
+    "modalities": "only text output is supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not available",
+    "reasoning_effort": "the served model has no reasoning mode",
+    "functions": "the deprecated functions field is not supported; use tools",
+    "function_call": "the deprecated function_call field is not supported; use tool_choice",
+    "guided_json": "vLLM's removed guided_* fields are not supported; use structured_outputs.json",
+    "guided_regex": "vLLM's removed guided_* fields are not supported; use structured_outputs.regex",
+    "guided_choice": "vLLM's removed guided_* fields are not supported; use structured_outputs.choice",
+    "guided_grammar": "vLLM's removed guided_* fields are not supported; use structured_outputs.grammar",
+}
+
+
+def check_refused_fields(body: p.SamplingFields) -> None:
+    for name, why in REFUSED_FIELDS.items():
+        value = getattr(body, name, None)
+        if value is None or (name == "best_of" and value == body.n) or (name == "modalities" and value == ["text"]):
+            continue
+        raise bad_request(f"{name} cannot be honoured by this server: {why}.", name)
+    if body.store:
+        raise bad_request("store: true cannot be honoured: this server stores no completions.", "store")
+
+
+def canonical_json(value: Any) -> str:
+    """A schema's one serialization (compact, key order kept: the order of ``properties`` is the
+    order the grammar generates them in), the compile cache's key."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _schema_object(schema: Any, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise bad_request(f"{param} is not valid JSON: {exc}", param) from exc
+    if not isinstance(schema, dict | bool):
+        raise bad_request(f"{param} must be a JSON schema (an object)", param)
+    return canonical_json(schema)
+
+
+def structured_outputs_from(body: p.SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's constraint and the field it came from (for error messages), if any."""
+    fmt = body.response_format
+    so = body.structured_outputs
+    constrained_format = fmt is not None and fmt.type != "text"
+    if constrained_format and so is not None:
+        raise bad_request("Set either response_format or structured_outputs, not both.", "structured_outputs")
+    if constrained_format:
+        assert fmt is not None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema.",
+                              "response_format.json_schema")
+        return StructuredOutputsParams(
+            json=_schema_object(fmt.json_schema.json_schema, "response_format.json_schema.schema")
+        ), "response_format"
+    if so is None:
+        return None, None
+    try:
+        if so.json_schema is not None:
+            return StructuredOutputsParams(json=_schema_object(so.json_schema, "structured_outputs.json")), \
+                "structured_outputs"
+        return StructuredOutputsParams(regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                       json_object=bool(so.json_object)), "structured_outputs"
+    except ValueError as exc:
+        raise bad_request(str(exc), "structured_outputs") from exc
+
+
+def logit_bias_from(body: p.SamplingFields, vocab_size: int) -> dict[int, float] | None:
+    if not body.logit_bias:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in body.logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}.", "logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise bad_request(f"logit_bias token id {token_id} is outside the vocabulary (0..{vocab_size - 1}).",
+                              "logit_bias")
+        if not -100 <= value <= 100:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {value}.", "logit_bias")
+        bias[token_id] = value
+    return bias
+
+
 def sampling_params_from(
-    request: p.SamplingFields, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    request: p.SamplingFields, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None, logit_bias: dict[int, float] | None = None,
 ) -> SamplingParams:
     """SamplingParams for a completion or chat request (OpenAI's defaults where unset)."""
 
@@ -85,6 +183,8 @@ def sampling_params_from(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
+        logit_bias=logit_bias,
+        structured_outputs=structured_outputs,
     )
 
 
@@ -116,6 +216,10 @@ class Prepared:
     echo_texts: list[str]
     params: list[SamplingParams]
     cache_salt: str | None
+    # The field a grammar came from (response_format, structured_outputs, tools): an engine
+    # refusal of the grammar becomes a 400 naming it.
+    constraint_param: str | None = None
+    tools: Any = None  # chat's serving_tools.ToolPlan
 
 
 class OpenAIServer:
@@ -123,7 +227,7 @@ class OpenAIServer:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineFront,
         *,
         tokenizer: Any,
         served_model_names: Sequence[str],
@@ -134,6 +238,8 @@ class OpenAIServer:
         model_root: str | None = None,
         version: str = "0",
         vocab_size: int | None = None,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -147,6 +253,32 @@ class OpenAIServer:
         self.version = version
         # Ids the model embeds and the tokenizer decodes (the engine asserts the model's bound).
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+        self.tool_call_parser = tool_call_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        # Request fields neither API defines: logged once each, counted per request (metrics).
+        self.unknown_fields_seen: set[str] = set()
+        self.metrics: Any = None  # ServerMetrics, set by the app (counts refusals, kinds, fields)
+
+    def note_unknown_fields(self, body: p.RequestBody, endpoint: str) -> None:
+        for name in body.model_extra or {}:
+            if name not in self.unknown_fields_seen:
+                self.unknown_fields_seen.add(name)
+                logger.warning("%s: ignoring the request field %r, which neither OpenAI's API nor "
+                               "vLLM's extras define (logged once)", endpoint, name)
+            if self.metrics is not None:
+                self.metrics.count_unknown_field(endpoint)
+
+    def count_structured(self, kind: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count_structured(kind)
+
+    def count_tool_parse_failure(self) -> None:
+        if self.metrics is not None:
+            self.metrics.tool_parse_failures.inc()
+
+    def count_refusal(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count_refusal(reason)
 
     # -- checks shared by every generate endpoint
 

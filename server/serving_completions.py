@@ -19,8 +19,11 @@ from kvscale.server.serving import (
     OpenAIServer,
     Prepared,
     bad_request,
+    check_refused_fields,
     check_stream_options,
+    logit_bias_from,
     sampling_params_from,
+    structured_outputs_from,
     top_entries,
     usage,
 )
@@ -28,6 +31,7 @@ from kvscale.server.serving_streams import (
     ChoiceState,
     StreamFormatter,
     collect,
+    first_outputs,
     stream_events,
     until_disconnect,
 )
@@ -74,6 +78,12 @@ def choice_index(prompt_index: int, n: int, output_index: int) -> int:
 def prepare_completion(server: OpenAIServer, body: p.CompletionRequest) -> Prepared:
     server.check_model(body.model)
     check_stream_options(body)
+    check_refused_fields(body)
+    server.note_unknown_fields(body, "/v1/completions")
+    structured, constraint_param = structured_outputs_from(body)
+    if structured is not None:
+        server.count_structured(structured.kind)
+    logit_bias = logit_bias_from(body, server.vocab_size)
     prompts, echo_texts, params = [], [], []
     # echo with logprobs returns the prompt tokens' logprobs too (what scoring harnesses use).
     prompt_logprobs = body.logprobs if body.echo else None
@@ -85,7 +95,8 @@ def prepare_completion(server: OpenAIServer, body: p.CompletionRequest) -> Prepa
         try:
             max_tokens = resolve_max_tokens(body.max_tokens, len(ids), server.max_model_len)
             params.append(sampling_params_from(body, max_tokens=max_tokens, logprobs=body.logprobs,
-                                               prompt_logprobs=prompt_logprobs))
+                                               prompt_logprobs=prompt_logprobs, structured_outputs=structured,
+                                               logit_bias=logit_bias))
         except ValueError as exc:
             raise bad_request(str(exc), getattr(exc, "param", None)) from exc
         prompts.append(ids)
@@ -93,7 +104,7 @@ def prepare_completion(server: OpenAIServer, body: p.CompletionRequest) -> Prepa
             echo_texts.append(prompt if isinstance(prompt, str) else server.tokenizer.decode(ids))
         else:
             echo_texts.append("")
-    return Prepared(p.random_id("cmpl"), prompts, echo_texts, params, body.cache_salt)
+    return Prepared(p.random_id("cmpl"), prompts, echo_texts, params, body.cache_salt, constraint_param)
 
 
 def _with_echo(server: OpenAIServer, num_top: int, prompt_ids: list[int],
@@ -135,7 +146,7 @@ class CompletionFormatter(StreamFormatter):
 
 async def _respond(server: OpenAIServer, body: p.CompletionRequest, prepared: Prepared,
                    streams) -> p.CompletionResponse:
-    outputs = await collect(streams)
+    outputs = await collect(server, streams, prepared)
     choices = []
     prompt_tokens = completion_tokens = cached = 0
     for prompt_index, output in enumerate(outputs):
@@ -164,5 +175,8 @@ async def create_completion(server: OpenAIServer, body: p.CompletionRequest, req
     streams = await server.open_streams(prepared)
     if body.stream:
         formatter = CompletionFormatter(server, body, prepared)
-        return StreamingResponse(stream_events(server, streams, request, formatter), media_type="text/event-stream")
+        # A constrained request may be refused before any token: wait for that before the 200.
+        first = await first_outputs(server, streams, prepared) if prepared.constraint_param else None
+        return StreamingResponse(stream_events(server, streams, request, formatter, first),
+                                 media_type="text/event-stream")
     return await until_disconnect(request, server, streams, _respond(server, body, prepared, streams))

@@ -29,15 +29,54 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput | None]]:
-    """(prompt index, delta) from several streams as they come; None: that one aborted."""
+def refusal(server: OpenAIServer, output: RequestOutput | None, prepared: Prepared) -> APIError | None:
+    """The 400 for an output the engine ended with an error before any token (a grammar that
+    failed to compile or ran out of time)."""
+    if output is None or output.error is None:
+        return None
+    server.count_refusal("timeout" if "longer than the limit" in output.error else "unsupported")
+    return APIError(400, output.error, "invalid_request_error", param=prepared.constraint_param)
+
+
+async def first_outputs(server: OpenAIServer, streams: list[RequestStream],
+                        prepared: Prepared) -> list[RequestOutput | None]:
+    """Each stream's first output, read before a streamed response starts, so that a request the
+    engine refuses (its grammar) gets a plain 400 rather than an error inside a 200 stream."""
+    try:
+        outputs = list(await asyncio.gather(*(stream.next() for stream in streams)))
+    except EngineDeadError as exc:
+        server.release(streams)
+        raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
+    except BaseException:
+        server.release(streams)
+        raise
+    for output in outputs:
+        error = refusal(server, output, prepared)
+        if error is not None:
+            server.release(streams)
+            raise error
+    return outputs
+
+
+async def merged(streams: list[RequestStream], first: list[RequestOutput | None] | None = None
+                 ) -> AsyncIterator[tuple[int, RequestOutput | None]]:
+    """(prompt index, delta) from several streams as they come; None: that one aborted. ``first``:
+    outputs already read from each stream (first_outputs), yielded before the rest."""
+    live = list(range(len(streams)))
+    if first is not None:
+        live = []
+        for index, output in enumerate(first):
+            yield index, output
+            if output is not None and not output.finished:
+                live.append(index)
     if len(streams) == 1:
-        while True:
+        while live:
             output = await streams[0].next()
             yield 0, output
             if output is None or output.finished:
                 return
-    pending = {asyncio.ensure_future(stream.next()): index for index, stream in enumerate(streams)}
+        return
+    pending = {asyncio.ensure_future(streams[index].next()): index for index in live}
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -52,12 +91,16 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             task.cancel()
 
 
-async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
-    """Each stream's whole answer (its deltas merged), in prompt order."""
+async def collect(server: OpenAIServer, streams: list[RequestStream], prepared: Prepared) -> list[RequestOutput]:
+    """Each stream's whole answer (its deltas merged), in prompt order; a 400 for a request the
+    engine refused."""
     deltas: list[list[RequestOutput]] = [[] for _ in streams]
     async for index, output in merged(streams):
         if output is None:  # aborted: the client is gone, nobody reads the answer
             raise APIError(499, "Client disconnected.", "invalid_request_error")
+        error = refusal(server, output, prepared)
+        if error is not None:
+            raise error
         deltas[index].append(output)
     return [merge_deltas(outputs) for outputs in deltas if outputs]
 
@@ -134,6 +177,10 @@ class StreamFormatter:
         """The wire form of a choice's pending delta, or None when there is nothing to send yet."""
         raise NotImplementedError
 
+    def closing(self) -> list[list[dict]]:
+        """Chunks sent after the last output (chat's tool calls held for the whole answer)."""
+        return []
+
     def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
         payload: dict[str, Any] = {"id": self.prepared.request_id, "object": self.object_name,
                                    "created": self.created, "model": self.model, "choices": choices}
@@ -160,19 +207,22 @@ class StreamFormatter:
 
 
 async def stream_events(server: OpenAIServer, streams: list[RequestStream], request: Request,
-                        formatter: StreamFormatter) -> AsyncIterator[str]:
+                        formatter: StreamFormatter, first: list[RequestOutput | None] | None = None
+                        ) -> AsyncIterator[str]:
     """Server-sent events for a streamed request, ending with ``data: [DONE]``."""
     watcher = asyncio.ensure_future(watch_disconnect(request, lambda: server.release(streams)))
     try:
         opening = formatter.opening()
         if opening:
             yield sse(formatter.chunk(opening))
-        async for prompt_index, output in merged(streams):
+        async for prompt_index, output in merged(streams, first):
             if output is None:
                 return  # aborted: the client is gone
             choices = formatter.choices(prompt_index, output)
             if choices:
                 yield sse(formatter.chunk(choices))
+        for choices in formatter.closing():
+            yield sse(formatter.chunk(choices))
         if formatter.include_usage:
             yield sse(formatter.chunk([], formatter.usage()))
         yield sse("[DONE]")

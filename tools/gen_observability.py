@@ -213,6 +213,23 @@ SERVING = Board(
               f"({rate(m.HTTP_REQUESTS.series, SEL_SERVER, NOT_2XX)})",
               "{{status}} {{route}}"),
         ), unit="reqps", width=24),
+        Panel("Structured outputs: constrained requests and refusals", (
+            q(f"sum by (kind) ({rate(m.STRUCTURED_REQUESTS.series, SEL_SERVER)})", "{{kind}}"),
+            q(f"sum by (reason) ({rate(m.STRUCTURED_REFUSALS.series, SEL_SERVER)})", "refused: {{reason}}"),
+            q(f"sum({rate(m.TOOL_CALL_PARSE_FAILURES.series, SEL_SERVER)})", "tool-call parse failures"),
+            q(f"sum({rate(m.UNKNOWN_REQUEST_FIELDS.series, SEL_SERVER)})", "unknown request fields"),
+        ), unit="reqps"),
+        Panel("Grammar compile time and cache hits", (
+            q(quantile(0.5, m.STRUCTURED_COMPILE_SECONDS, SEL_SERVER), "compile p50"),
+            q(quantile(0.99, m.STRUCTURED_COMPILE_SECONDS, SEL_SERVER), "compile p99"),
+            q(f"sum({rate(m.STRUCTURED_COMPILE_CACHE_HITS.series, SEL_SERVER)}) / "
+              f"(sum({rate(m.STRUCTURED_COMPILE_CACHE_HITS.series, SEL_SERVER)}) + "
+              f"sum({rate(m.STRUCTURED_COMPILE_SECONDS.count, SEL_SERVER)}))", "cache hit ratio"),
+        ), unit="s"),
+        Panel("Grammar mask time per step", (
+            q(f"sum by (pod) ({rate(m.STRUCTURED_MASK_SECONDS.series, SEL_SERVER)}) / "
+              f"sum by (pod) ({rate(m.STRUCTURED_MASK_STEPS.series, SEL_SERVER)})", "{{pod}}"),
+        ), unit="s"),
     ),
 )
 
@@ -361,6 +378,14 @@ ALERTS = (
           m.OPERATOR_MAX.series, "15m", "info",
           "{{ $labels.inferenceservice }} ({{ $labels.namespace }}) wants its maxReplicas: "
           "more load will queue."),
+    # Scale from zero: a held request answered 503 (held past activationTimeoutSeconds, or the
+    # hold queue full) is a failed request; a disconnected one is the client's choice.
+    Alert("KVScaleActivationRefusing",
+          f'sum by (namespace, inferenceservice) (increase({m.ROUTER_HOLDS.series}'
+          f'{{outcome=~"timeout|full"}}[10m]))', ">", "0", "0m", "warning",
+          "Routers of {{ $labels.inferenceservice }} ({{ $labels.namespace }}) answered held "
+          "requests 503: no replica came up within activationTimeoutSeconds, or the hold queue "
+          "was full."),
     # Down now, though scraped within the hour: a pod still loading its model for the first time
     # (minutes, up to its 30-minute startup probe) was never up, and is not a scrape failure.
     Alert("KVScaleReplicaNotScraped",

@@ -240,6 +240,12 @@ def load(platform: Platform, seconds: float, workers: int = 3) -> list[str]:
                     for _ in client.chat.completions.create(model=MODEL, messages=messages,
                                                             max_tokens=24, stream=True):
                         pass
+                elif n % 3 == 1:
+                    # Constrained: a few distinct schemas, so grammars both compile and hit the cache.
+                    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10 + n % 4}}}
+                    client.chat.completions.create(
+                        model=MODEL, messages=messages, max_tokens=24,
+                        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
                 else:
                     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24)
             except openai.OpenAIError as exc:

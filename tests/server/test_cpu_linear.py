@@ -1,6 +1,6 @@
 """Projections laid out for the CPU's GEMM (server/cpu_linear.py): packed weights compute what
 ``F.linear`` computes, the bf16 engine on the bundled model keeps transformers' probabilities,
-and float32 keeps torch's GEMM (oneDNN's packed float32 loses on one row and on prefill)."""
+and float32 keeps torch's GEMM (MKL) on Intel, oneDNN's packed layout on AMD."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ import transformers
 from torch import nn
 from torch.nn import functional
 
-from kvscale.server.cpu_linear import PackedLinear, lay_out_cpu_linears, onednn_packs
+from kvscale.server.cpu_features import CpuFeatures, cpu_features
+from kvscale.server.cpu_linear import (
+    PackedLinear,
+    lay_out_cpu_linears,
+    onednn_packs,
+    packs_with_onednn,
+)
 from kvscale.server.sampling_params import SamplingParams
 
 # bf16 products summed in float32 by both, in different orders.
@@ -62,10 +68,27 @@ def test_each_dtype_gets_the_layout_that_is_faster_here(dtype: torch.dtype) -> N
     assert (after - before).abs().max() <= TOLERANCE[dtype] * max(1.0, before.abs().max().item())
 
 
-def test_float32_is_never_packed_and_bf16_follows_onednn() -> None:
-    assert onednn_packs(torch.float32) is False
-    supported = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert onednn_packs(torch.bfloat16) is supported
+INTEL = CpuFeatures("GenuineIntel", "Xeon", frozenset({"avx2", "avx512f", "amx_bf16"}))
+AMD = CpuFeatures("AuthenticAMD", "EPYC", frozenset({"avx2", "avx512f", "avx512_bf16"}))
+
+
+def test_float32_packs_off_intel_and_bf16_follows_onednn() -> None:
+    # float32: MKL on Intel, oneDNN on AMD (MKL runs no AVX-512 code on other CPUs).
+    assert packs_with_onednn(torch.float32, INTEL, onednn=True, onednn_bf16=True) is False
+    assert packs_with_onednn(torch.float32, AMD, onednn=True, onednn_bf16=True) is True
+    assert packs_with_onednn(torch.float32, AMD, onednn=False, onednn_bf16=False) is False
+    arm = CpuFeatures("", "", frozenset({"asimd"}))  # torch on Arm: no MKL to route around
+    assert packs_with_onednn(torch.float32, arm, onednn=True, onednn_bf16=False) is False
+    # bf16: wherever oneDNN has bf16 kernels, whoever made the CPU.
+    for cpu in (INTEL, AMD):
+        assert packs_with_onednn(torch.bfloat16, cpu, onednn=True, onednn_bf16=True) is True
+        assert packs_with_onednn(torch.bfloat16, cpu, onednn=True, onednn_bf16=False) is False
+    assert packs_with_onednn(torch.float16, AMD, onednn=True, onednn_bf16=True) is False
+    # This machine's answer is the decision applied to its own CPU.
+    onednn = torch.backends.mkldnn.is_available()
+    bf16 = onednn and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    for dtype in (torch.float32, torch.bfloat16):
+        assert onednn_packs(dtype) is packs_with_onednn(dtype, cpu_features(), onednn, bf16)
 
 
 def test_bf16_engine_keeps_transformers_probabilities(make_engine, run_to_completion, bundled_model_path) -> None:

@@ -40,6 +40,8 @@ NUM_TOKENS = 280
 BOUNDS = {
     ("float32", None): (1e-4, 1e-3),
     ("bfloat16", None): (0.01, 0.5),
+    ("float32", "int8"): (0.03, 2.0),
+    ("bfloat16", "int8"): (0.03, 2.0),
 }
 
 

@@ -1,0 +1,12 @@
+"""Structured outputs: a grammar constrains which tokens a sequence may sample next.
+
+The engine side of ``response_format`` / ``structured_outputs`` / tool calls. One narrow interface
+hides the grammar library (backend.py, llguidance); around it: the compile pool and cache
+(compiler.py), the per-step batch bitmask (bitmask.py) and the engine-facing bookkeeping of a
+matcher per sequence (manager.py). A request's constraint arrives as plain data
+(``SamplingParams.structured_outputs``), so it crosses a process boundary unchanged.
+"""
+
+from kvscale.server.structured_outputs.manager import StructuredOutputManager
+
+__all__ = ["StructuredOutputManager"]

@@ -1,0 +1,191 @@
+"""The engine's side of structured outputs: requests waiting for grammars, a matcher per
+sequence, and the batch bitmask applied to the logits each step.
+
+The engine calls, in step order: ``poll`` (grammars ready or failed: ready requests go to the
+scheduler, failed ones end with an error before any token), ``apply`` (after the forward pass,
+before penalties and sampling: every constrained row's disallowed tokens to -inf, in place),
+``accept`` (each sampled token advances its matcher; a complete grammar ends the sequence),
+``fork`` (n > 1: each sample its own copy of the matcher) and ``release`` (finished or aborted).
+Preemption by recompute needs nothing: a preempted sequence keeps its generated tokens and only
+recomputes their KV, so its matcher is already where it should be.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvscale.server.sequence import Request, Sequence
+from kvscale.server.structured_outputs import backend
+from kvscale.server.structured_outputs.compiler import (
+    GrammarCompiler,
+    PendingGrammar,
+    StructuredOutputsConfig,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GrammarStats:
+    """Cumulative figures for /metrics (EngineStats.extra)."""
+
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    failures: int = 0
+    timeouts: int = 0
+    mask_steps: int = 0
+    mask_rows: int = 0
+    mask_seconds: float = 0.0
+
+
+def unpack(bitmask: torch.Tensor) -> np.ndarray:
+    """The int32 bitmask (rows x words, bit j of word w = token 32w + j) as 0/1 bytes (rows x 32 words)."""
+    # numpy's unpackbits is many times faster than shifting in torch (x86: little-endian words).
+    return np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+
+
+def mask_rows_inplace(logits: np.ndarray, bits: np.ndarray) -> None:
+    """-inf wherever ``bits`` is 0. Each row touches only the smaller side: inside a JSON string
+    nearly every token is allowed, between keys only a handful, so either way it is little work."""
+    vocab = logits.shape[1]
+    for j in range(logits.shape[0]):
+        row_bits = bits[j, :vocab]
+        row = logits[j]
+        if int(np.count_nonzero(row_bits)) * 2 < vocab:
+            keep = np.flatnonzero(row_bits)
+            values = row[keep]
+            row.fill(-np.inf)
+            row[keep] = values
+        else:
+            row[np.flatnonzero(row_bits == 0)] = -np.inf
+
+
+class StructuredOutputManager:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: set[int],
+                 config: StructuredOutputsConfig | None = None) -> None:
+        self.config = config or StructuredOutputsConfig()
+        self.compiler = GrammarCompiler(hf_tokenizer, vocab_size, eos_token_ids, self.config)
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.pending: dict[str, tuple[Request, PendingGrammar]] = {}
+        self.matchers: dict[int, backend.Matcher] = {}  # seq_id -> matcher
+        self.executor = backend.make_executor(self.config.mask_threads)
+        self.stats = GrammarStats()
+
+    # --- requests waiting for their grammar ---------------------------------------------
+    def submit(self, request: Request) -> None:
+        spec = request.params.structured_outputs
+        assert spec is not None
+        self.pending[request.request_id] = (request, self.compiler.submit(spec))
+
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
+    def poll(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Requests whose grammar is ready (each sequence now has its matcher), and requests whose
+        grammar failed, with the message their client gets."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        if not self.pending:
+            return ready, failed
+        now = time.monotonic()
+        timeout_s = self.config.compile_timeout_s
+        for request_id, (request, pending) in list(self.pending.items()):
+            result = pending.poll(now, timeout_s)
+            if result is None:
+                continue
+            del self.pending[request_id]
+            if isinstance(result, str):
+                self.stats.failures += 1
+                if not pending.future.done():
+                    self.stats.timeouts += 1
+                failed.append((request, result))
+                continue
+            self.stats.compiles += 1
+            self.stats.compile_seconds += result.seconds
+            request.metrics.grammar_compile_s = result.seconds
+            request.metrics.grammar_cache_hit = pending.cache_hit
+            for seq in request.seqs:
+                self.matchers[seq.seq_id] = backend.Matcher.of(result.template)
+            ready.append(request)
+        return ready, failed
+
+    def wait(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` for any pending compile (when there is nothing else to run)."""
+        futures = [pending.future for _, pending in self.pending.values()]
+        if futures:
+            wait_futures(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    # --- the step -----------------------------------------------------------------------
+    def apply(self, logits: torch.Tensor, row_seqs: list[Sequence]) -> None:
+        """Mask every constrained row of ``logits`` (one row per entry of ``row_seqs``) in place."""
+        rows = [i for i, seq in enumerate(row_seqs) if seq.seq_id in self.matchers]
+        if not rows:
+            return
+        started = time.perf_counter()
+        bitmask = torch.empty((len(rows), self.words), dtype=torch.int32)
+        backend.fill_bitmasks([self.matchers[row_seqs[i].seq_id] for i in rows], bitmask, self.executor)
+        bits = unpack(bitmask)
+        vocab = logits.shape[1]
+        if vocab > bits.shape[1]:  # ids the tokenizer does not know: never allowed
+            bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+        # The logits come out of the forward pass as inference tensors.
+        with torch.inference_mode():
+            index = torch.tensor(rows, device=logits.device)
+            if logits.device.type == "cpu" and logits.dtype == torch.float32:
+                sub = logits.index_select(0, index)
+                mask_rows_inplace(sub.numpy(), bits)
+            else:
+                sub = logits.index_select(0, index)
+                allowed = torch.from_numpy(bits[:, :vocab].view(np.bool_)).to(logits.device)
+                sub.masked_fill_(allowed.logical_not(), float("-inf"))
+            logits.index_copy_(0, index, sub)
+        self.stats.mask_steps += 1
+        self.stats.mask_rows += len(rows)
+        self.stats.mask_seconds += time.perf_counter() - started
+
+    def accept(self, seq: Sequence, token: int) -> bool:
+        """Advance ``seq``'s matcher by its sampled token; True when the grammar is now complete
+        (or, which the mask should rule out, the token broke it: the sequence ends either way)."""
+        matcher = self.matchers.get(seq.seq_id)
+        if matcher is None:
+            return False
+        if not matcher.consume(token):
+            logger.error("request %s: the grammar rejected a sampled token (%s)",
+                         seq.request.request_id, matcher.error())
+            return True
+        return matcher.is_stopped()
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        matcher = self.matchers.get(parent.seq_id)
+        if matcher is not None:
+            self.matchers[child.seq_id] = matcher.copy()
+
+    def release(self, request: Request) -> None:
+        self.pending.pop(request.request_id, None)
+        for seq in request.seqs:
+            self.matchers.pop(seq.seq_id, None)
+
+    def extra_stats(self) -> dict[str, float]:
+        s = self.stats
+        return {
+            "structured_compiles_total": float(s.compiles),
+            "structured_compile_seconds_total": s.compile_seconds,
+            "structured_compile_cache_hits_total": float(self.compiler.cache_hits),
+            "structured_compile_failures_total": float(s.failures),
+            "structured_compile_timeouts_total": float(s.timeouts),
+            "structured_mask_steps_total": float(s.mask_steps),
+            "structured_mask_seconds_total": s.mask_seconds,
+            "structured_waiting_for_grammar": float(len(self.pending)),
+        }
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()

@@ -1,0 +1,185 @@
+"""Structured outputs end to end: `kvscale serve` with the bundled model, the official `openai`
+client, schemas of every set of the shared JSONSchemaBench sample. Each answer validates with
+`jsonschema`, ends by `length`, or was refused with a 400 before any token: no other outcome."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from api_helpers import ServeProcess, scrape  # noqa: E402
+from jsonschemabench import load_rows, rows_per_set  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PER_SET = 2
+MAX_TOKENS = 128
+TIME_LIMIT_S = 0.3
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = json.dumps({"compile_timeout_s": TIME_LIMIT_S})
+    proc = ServeProcess("--max-model-len", "2048", "--max-num-seqs", "32", "--served-model-name", "smollm2",
+                        "--structured-outputs-config", config, log_name="structured")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def schema_prompt(row: dict) -> list[dict]:
+    text = json.dumps(row["schema"])[:1500]
+    return [{"role": "user", "content": f"Write one JSON value that satisfies this JSON schema:\n{text}"}]
+
+
+def outcome(client: openai.OpenAI, row: dict) -> str:
+    try:
+        response = client.chat.completions.create(
+            model="smollm2", messages=schema_prompt(row), max_tokens=MAX_TOKENS, temperature=0,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "answer", "schema": row["schema"], "strict": True}})
+    except openai.BadRequestError as exc:
+        assert exc.response.json()["error"]["param"] == "response_format"
+        return "refused"
+    choice = response.choices[0]
+    if choice.finish_reason == "length":
+        return "length"
+    assert choice.finish_reason == "stop", choice.finish_reason
+    jsonschema.validate(json.loads(choice.message.content), row["schema"])
+    return "valid"
+
+
+def test_sample_schemas_of_every_set_validate_end_by_length_or_are_refused(client):
+    rows = rows_per_set(load_rows(), PER_SET)
+    assert len({row["set"] for row in rows}) == 11
+    with ThreadPoolExecutor(len(rows)) as pool:
+        outcomes = list(pool.map(lambda row: outcome(client, row), rows))
+    # Every outcome was checked in outcome(); a third valid keeps the check from passing on cuts alone
+    # (the benchmark measures coverage on the whole sample).
+    assert outcomes.count("valid") >= len(rows) // 3, outcomes
+
+
+def test_a_refused_schema_is_a_400_before_any_token_streamed_or_not(client, server):
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}
+    for stream in (False, True):
+        response = httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "stream": stream}, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert "uniqueItems" in error["message"] and error["param"] == "response_format"
+    assert scrape(server.base_url)["kvscale:structured_output_refusals_total{reason=unsupported}"] >= 2
+
+
+def test_structured_outputs_forms_on_completions(client):
+    def complete(prompt: str, so: dict, **kwargs) -> openai.types.Completion:
+        return client.completions.create(model="smollm2", prompt=prompt, max_tokens=40, temperature=0,
+                                         extra_body={"structured_outputs": so}, **kwargs)
+
+    assert complete("Is the sky blue? Answer:", {"choice": ["yes", "no"]}).choices[0].text in ("yes", "no")
+    import re
+
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", complete("Today's date:", {"regex": r"\d{4}-\d{2}-\d{2}"}).choices[0].text)
+    answer = complete("A colour:", {"grammar": 'start: "red" | "green" | "blue"'}).choices[0].text
+    assert answer in ("red", "green", "blue")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    choice = complete("JSON:", {"json": schema}).choices[0]
+    assert choice.finish_reason == "length" or jsonschema.validate(json.loads(choice.text), schema) is None
+    streamed = "".join(c.choices[0].text for c in complete("JSON:", {"json": schema}, stream=True))
+    assert streamed == choice.text
+
+
+def test_json_object_and_n_samples(client):
+    response = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "A JSON object about a cat."}], max_tokens=64,
+        temperature=1.0, seed=3, n=3, response_format={"type": "json_object"}, logprobs=True, top_logprobs=2)
+    for choice in response.choices:
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content), dict)
+        else:
+            assert choice.finish_reason == "length"
+
+
+def test_request_fields_are_honoured_refused_or_counted(client, server):
+    plain = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=4, temperature=0, response_format={"type": "text"})
+    assert plain.choices[0].message.content
+    for field, value in (("best_of", 3), ("suffix", "end"), ("store", True)):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, extra_body={field: value})
+        assert info.value.response.json()["error"]["param"] == field
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       extra_body={"response_format": {"type": "bogus"}})
+    assert "response_format" in info.value.response.json()["error"]["param"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, logit_bias={"999999": 5})
+    assert info.value.response.json()["error"]["param"] == "logit_bias"
+    before = scrape(server.base_url).get("kvscale:unknown_request_fields_total{endpoint=/v1/completions}", 0.0)
+    client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, extra_body={"no_such_field": 1})
+    after = scrape(server.base_url)["kvscale:unknown_request_fields_total{endpoint=/v1/completions}"]
+    assert after == before + 1
+
+
+def hard_schema(offset: int, branches: int) -> dict:
+    return {"anyOf": [{"type": "object", "properties": {
+        f"k{j}": {"type": "integer", "minimum": j + offset, "maximum": j * 1000 + offset + 7} for j in range(i, i + 30)},
+        "required": [f"k{i}"]} for i in range(branches)]}
+
+
+def test_compile_storm_never_stalls_unconstrained_streams(client):
+    """Unconstrained streams keep receiving tokens while 20 distinct hard schemas compile; a
+    schema over the time limit gets its 400 and nothing else is disturbed."""
+    arrivals: list[float] = []
+    stream_done = threading.Event()
+
+    def unconstrained() -> None:
+        stream = client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=400,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                arrivals.append(time.monotonic())
+        stream_done.set()
+
+    reader = threading.Thread(target=unconstrained)
+    reader.start()
+    while len(arrivals) < 3:
+        time.sleep(0.05)
+
+    def constrained(offset: int) -> str:
+        response = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "JSON"}], max_tokens=16, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "h", "schema": hard_schema(offset, 15)}})
+        return response.choices[0].finish_reason
+
+    with ThreadPoolExecutor(21) as pool:
+        storm = [pool.submit(constrained, offset) for offset in range(1, 21)]
+        started = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": "JSON"}], max_tokens=16,
+                response_format={"type": "json_schema", "json_schema": {"name": "slow", "schema": hard_schema(0, 250)}})
+        refused_at = time.monotonic()
+        assert f"limit of {TIME_LIMIT_S:g} s" in info.value.response.json()["error"]["message"]
+        reasons = [f.result() for f in storm]
+        assert all(reason in ("stop", "length") for reason in reasons), reasons
+    # The step loop ran while the over-limit grammar compiled (at least TIME_LIMIT_S): tokens kept
+    # arriving. (A stalled loop would deliver none until the 400.)
+    during = sum(started <= t <= refused_at for t in arrivals)
+    assert during >= 1, (refused_at - started, arrivals[-5:])
+    reader.join(timeout=300)
+    assert stream_done.is_set() and len(arrivals) > 100

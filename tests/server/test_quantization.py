@@ -1,0 +1,103 @@
+"""int8 weights (server/quantization.py): the int8 projection computes F.linear to int8's
+precision, smoothing changes nothing before rounding, and every way in refuses what it cannot run.
+Accuracy on the bundled model: test_precision_accuracy.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional
+
+from kvscale.server.config import EngineConfig
+from kvscale.server.model_llama import RMSNorm
+from kvscale.server.quantization import (
+    Int8Linear,
+    check_quantization,
+    quantize_per_row,
+    smooth_into,
+)
+
+
+def test_per_row_quantization_round_trips_within_half_a_step() -> None:
+    t = torch.randn(6, 40, generator=torch.Generator().manual_seed(0))
+    t[2] = 0.0  # an all-zero row must not divide by zero
+    q, scale = quantize_per_row(t)
+    assert q.dtype == torch.int8 and scale.shape == (6,)
+    assert q.abs().max() <= 127
+    assert ((q.float() * scale[:, None] - t).abs() <= scale[:, None] / 2 + 1e-7).all()
+    assert torch.equal(q[2], torch.zeros_like(q[2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_int8_linear_computes_f_linear(rows: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(48, 96, generator=gen) * 0.05, torch.randn(48, generator=gen)
+    x = torch.randn(rows, 96, generator=gen)
+    layer = Int8Linear(weight.to(dtype), bias.to(dtype))
+    got = layer(x.to(dtype))
+    assert got.dtype == dtype and got.shape == (rows, 48)
+    expected = functional.linear(x, weight, bias)
+    # Two roundings to 1/254 of each row's range: ~1 % of the output's scale, far from a wrong layout.
+    assert (got.float() - expected).abs().max() <= 0.02 * expected.abs().max()
+    # A column slice of a wider tensor (as the fused q|k|v output is read) gives the same.
+    wide = torch.cat([x, torch.randn(rows, 8, generator=gen)], dim=1).to(dtype)
+    assert torch.equal(layer(wide[:, :96]), got)
+
+
+def test_smoothing_keeps_the_function_before_rounding() -> None:
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(32, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(32, generator=gen) * 4)
+        norm.weight[3] = 40.0  # an outlier gain
+    linear = nn.Linear(32, 16, bias=False)
+    x = torch.randn(7, 32, generator=gen)
+    before = linear(norm(x))
+    smooth_into(norm.weight, linear)
+    assert torch.allclose(linear(norm(x)), before, rtol=1e-4, atol=1e-5)
+    assert norm.weight[3] < 40.0 / 2  # the outlier's range moved into the weight
+
+
+def test_unknown_quantization_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"quantization 'awq' is not supported \(supported: int8\)"):
+        EngineConfig(quantization="awq")
+    with pytest.raises(ValueError, match="not supported"):
+        check_quantization("fp8")
+    check_quantization(None)
+    check_quantization("int8", "cpu")
+
+
+def test_int8_on_cuda_is_refused_not_ignored() -> None:
+    with pytest.raises(ValueError, match="CPU only"):
+        check_quantization("int8", "cuda")
+
+
+def test_llm_takes_quantization(bundled_model_path) -> None:
+    from kvscale.server.llm import LLM
+    from kvscale.server.sampling_params import SamplingParams
+
+    llm = LLM(dtype="float32", device="cpu", quantization="int8", num_gpu_blocks_override=16)
+    projections = [m for m in llm.llm_engine.model.modules() if isinstance(m, Int8Linear)]
+    assert len(projections) == 4 * llm.llm_engine.model.spec.num_layers + 1  # + the LM head
+    assert not any(isinstance(m, nn.Linear) for m in llm.llm_engine.model.modules())
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(quantization="gptq")
+
+
+def test_serve_flag_spelled_as_vllm(capsys) -> None:
+    import argparse
+
+    from kvscale.server.cli_serve import _ENGINE_FIELDS, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--quantization", "int8"]).quantization == "int8"
+    assert parser.parse_args([]).quantization is None
+    assert "quantization" in _ENGINE_FIELDS
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "awq"])
+    assert "invalid choice: 'awq'" in capsys.readouterr().err

@@ -1,0 +1,152 @@
+"""The grammar layer without a server: every test instance of the shared sample fed token by
+token through the matcher (a dropped or weakened constraint accepts an invalid instance), refusals
+naming the keyword, bounded whitespace, the compile cache and time limit, and the batch mask."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from jsonschemabench import load_rows  # noqa: E402
+
+from kvscale.server.sampling_params import StructuredOutputsParams  # noqa: E402
+from kvscale.server.structured_outputs import backend  # noqa: E402
+from kvscale.server.structured_outputs.compiler import (  # noqa: E402
+    GrammarCompiler,
+    StructuredOutputsConfig,
+)
+from kvscale.server.structured_outputs.manager import mask_rows_inplace, unpack  # noqa: E402
+
+VOCAB = 49152
+EOS = {0, 2}
+
+
+@pytest.fixture(scope="module")
+def lltokenizer(bundled_tokenizer):
+    return backend.build_tokenizer(bundled_tokenizer, VOCAB, EOS)
+
+
+def compile_json(lltokenizer, schema) -> object:
+    spec = StructuredOutputsParams(json=json.dumps(schema, separators=(",", ":")))
+    return backend.compile_grammar(lltokenizer, backend.grammar_text(spec))
+
+
+def accepts(compiled, ids: list[int]) -> bool:
+    matcher = backend.Matcher.of(compiled)
+    return all(matcher.consume(token) for token in ids) and matcher.is_accepting()
+
+
+def test_every_test_instance_of_the_sample_is_judged_as_the_schema_judges_it(lltokenizer, bundled_tokenizer):
+    rows = [row for row in load_rows() if row.get("tests")]
+    assert len(rows) > 250
+    checked = refused = 0
+    wrong: list[str] = []
+    for row in rows:
+        try:
+            compiled = compile_json(lltokenizer, row["schema"])
+        except backend.GrammarError as exc:
+            # A refusal is allowed (the server answers 400), but it must say what it cannot do.
+            assert str(exc), row["id"]
+            refused += 1
+            continue
+        for test in row["tests"]:
+            text = json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False)
+            ids = bundled_tokenizer(text, add_special_tokens=False)["input_ids"]
+            checked += 1
+            if accepts(compiled, ids) != test["valid"]:
+                wrong.append(f"{row['id']}: valid={test['valid']} {text[:80]}")
+    assert not wrong, wrong[:10]
+    assert checked > 800 and refused < len(rows) // 4, (checked, refused)
+
+
+@pytest.mark.parametrize(("schema", "keyword"), [
+    ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+    ({"type": "array", "contains": {"type": "integer"}}, "contains"),
+    ({"type": "string", "format": "no-such-format"}, "no-such-format"),
+])
+def test_a_schema_that_cannot_be_enforced_exactly_is_refused_naming_the_keyword(lltokenizer, schema, keyword):
+    with pytest.raises(backend.GrammarError, match=keyword):
+        compile_json(lltokenizer, schema)
+
+
+def test_constraints_beside_each_other_are_all_enforced(lltokenizer, bundled_tokenizer):
+    """maxLength beside pattern, minItems/maxItems (constraints other engines drop)."""
+    compiled = compile_json(lltokenizer, {"type": "object", "properties": {
+        "s": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3},
+        "a": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2}},
+        "required": ["s", "a"], "additionalProperties": False})
+
+    def ok(text: str) -> bool:
+        return accepts(compiled, bundled_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    assert ok('{"s":"abc","a":[1]}')
+    assert not ok('{"s":"abcd","a":[1]}')
+    assert not ok('{"s":"ab1","a":[1]}')
+    assert not ok('{"s":"ab","a":[]}')
+    assert not ok('{"s":"ab","a":[1,2,3]}')
+
+
+def test_whitespace_between_tokens_is_bounded(lltokenizer, bundled_tokenizer):
+    compiled = compile_json(lltokenizer, {"type": "object", "properties": {"a": {"type": "integer"}}})
+
+    def ok(text: str) -> bool:
+        return accepts(compiled, bundled_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    assert ok('{"a":1}') and ok('{"a": 1}') and ok('{\n  "a": 1\n}')
+    assert not ok('{"a":  1}')  # two spaces
+    assert not ok('{\n\n"a":1}')
+    assert not ok("{" + "\n" + " " * 17 + '"a":1}')
+
+
+def test_a_complete_grammar_stops_and_a_fork_keeps_its_own_state(lltokenizer, bundled_tokenizer):
+    compiled = backend.compile_grammar(lltokenizer, backend.grammar_text(StructuredOutputsParams(choice=["yes", "no"])))
+    parent = backend.Matcher.of(compiled)
+    child = parent.copy()
+    yes = bundled_tokenizer("yes", add_special_tokens=False)["input_ids"]
+    assert all(parent.consume(t) for t in yes) and parent.is_stopped()
+    assert not child.is_stopped()
+    no = bundled_tokenizer("no", add_special_tokens=False)["input_ids"]
+    assert all(child.consume(t) for t in no) and child.is_stopped()
+
+
+def test_the_cache_serves_a_second_identical_request_and_failures_name_the_time_limit(bundled_tokenizer):
+    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, StructuredOutputsConfig(compile_timeout_s=0.2))
+    try:
+        spec = StructuredOutputsParams(json='{"type":"object"}')
+        first = compiler.submit(spec)
+        first.future.result(timeout=60)
+        second = compiler.submit(StructuredOutputsParams(json='{"type":"object"}'))
+        assert second.cache_hit and compiler.cache_hits == 1
+        # A grammar that takes longer than the limit: hundreds of object branches.
+        slow = {"anyOf": [{"type": "object", "properties": {
+            f"k{j}": {"type": "integer", "minimum": j, "maximum": j * 1000 + 7} for j in range(i, i + 30)},
+            "required": [f"k{i}"]} for i in range(200)]}
+        pending = compiler.submit(StructuredOutputsParams(json=json.dumps(slow)))
+        deadline = time.monotonic() + 60
+        result = None
+        while result is None and time.monotonic() < deadline:
+            result = pending.poll(time.monotonic(), 0.2)
+            time.sleep(0.01)
+        assert isinstance(result, str) and "limit of 0.2 s" in result
+    finally:
+        compiler.shutdown()
+
+
+def test_the_batch_mask_sets_exactly_the_disallowed_tokens_to_minus_infinity():
+    rng = np.random.default_rng(0)
+    for density in (0.001, 0.5, 0.999):
+        bits = (rng.random((3, 4096)) < density).astype(np.uint8)
+        words = torch.from_numpy(np.packbits(bits, axis=1, bitorder="little").view(np.int32).copy())
+        assert (unpack(words) == bits).all()
+        logits = torch.randn(3, 4096)
+        masked = logits.clone()
+        mask_rows_inplace(masked.numpy(), unpack(words))
+        expected = torch.where(torch.from_numpy(bits.astype(bool)), logits, torch.tensor(float("-inf")))
+        assert torch.equal(masked, expected)
