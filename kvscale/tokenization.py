@@ -6,6 +6,7 @@ KV block hashes) on both sides. A change here changes routing; keep them in lock
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -36,35 +37,116 @@ def message_text(content: Any) -> str:
     raise ValueError("message content must be a string, a list of text parts, or null")
 
 
-def normalize_chat_messages(messages: Any) -> list[dict[str, str]]:
-    """The conversation handed to the chat template: each message's role and text, nothing else.
+TOOL_FORMATS = ("hermes", "llama3_json")
 
-    Takes the request's ``messages`` as JSON (the router passes the raw body, the server its
-    validated messages dumped back to dicts), so both render the same text. Fields a template
-    could render differently (names, tool calls, tool call ids) are dropped on both sides.
+
+def tool_definitions(tools: Any) -> list[dict]:
+    """The request's ``tools`` reduced to what a prompt shows (type, name, description,
+    parameters): the server's validated tools and the router's raw JSON render alike."""
+    if not tools:
+        return []
+    if not isinstance(tools, list):
+        raise ValueError("tools must be a list")
+    defs = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError("each tool needs a function with a name")
+        shown: dict[str, Any] = {"name": function["name"]}
+        if isinstance(function.get("description"), str):
+            shown["description"] = function["description"]
+        if isinstance(function.get("parameters"), dict):
+            shown["parameters"] = function["parameters"]
+        defs.append({"type": "function", "function": shown})
+    return defs
+
+
+def tool_call_text(name: str, arguments: Any, tool_format: str = "hermes") -> str:
+    """One call as the model writes it in ``tool_format`` (the parsers in server/tool_parsers
+    read it back): Hermes wraps ``{"name", "arguments"}`` in <tool_call> tags, Llama 3 writes
+    ``{"name", "parameters"}`` bare."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass  # shown as the string it is
+    if tool_format == "llama3_json":
+        return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def tools_system_block(tools: list[dict], tool_format: str = "hermes") -> str:
+    """The tools described for a model whose chat template cannot render them (docs/server.md)."""
+    listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    example = tool_call_text("<name>", {"<argument>": "<value>"}, tool_format)
+    return ("# Tools\n\nThese functions are available. Each is described by a JSON object inside "
+            f"<tools></tools>:\n<tools>\n{listing}\n</tools>\n\nTo call a function, answer with "
+            f"one line per call, exactly in this form:\n{example}")
+
+
+def _message_content(message: dict, tool_format: str) -> str:
+    text = message_text(message.get("content"))
+    calls = message.get("tool_calls") or []
+    if message["role"] == "assistant" and calls:
+        if not isinstance(calls, list):
+            raise ValueError("tool_calls must be a list")
+        rendered = []
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError("each tool call needs a function with a name")
+            rendered.append(tool_call_text(function["name"], function.get("arguments", "{}"), tool_format))
+        text = "\n".join(([text] if text else []) + rendered)
+    if message["role"] == "tool":
+        text = f"<tool_response>\n{text}\n</tool_response>"
+    return text
+
+
+def normalize_chat_messages(messages: Any, tools: Any = None, tool_format: str = "hermes") -> list[dict[str, str]]:
+    """The conversation handed to the chat template: each message's role and text.
+
+    Takes the request's ``messages`` (and ``tools``) as JSON (the router passes the raw body, the
+    server its validated messages dumped back to dicts), so both render the same text. Templates
+    here render role and content only, so tool turns become text in ``tool_format``: an
+    assistant's ``tool_calls`` follow its content as calls, a ``tool`` message is a
+    <tool_response> in a user turn, and the tools are described in a system block (appended to the
+    first system message, or a system message of their own). Names and call ids are not shown.
     """
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
+    if tool_format not in TOOL_FORMATS:
+        raise ValueError(f"unknown tool format {tool_format!r}")
     conversation = []
     for message in messages:
         if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
             raise ValueError(f"each message needs a role, one of {', '.join(CHAT_ROLES)}")
-        conversation.append({"role": message["role"], "content": message_text(message.get("content"))})
+        role = "user" if message["role"] == "tool" else message["role"]
+        conversation.append({"role": role, "content": _message_content(message, tool_format)})
+    defs = tool_definitions(tools)
+    if defs:
+        block = tools_system_block(defs, tool_format)
+        if conversation[0]["role"] == "system":
+            first = conversation[0]["content"]
+            conversation[0] = {"role": "system", "content": f"{first}\n\n{block}" if first else block}
+        else:
+            conversation.insert(0, {"role": "system", "content": block})
     return conversation
 
 
-def render_chat_prompt(tokenizer: Any, messages: list[dict]) -> str:
-    """The chat template applied to ``messages`` (normalised first), ending with the assistant
-    turn's opening."""
+def render_chat_prompt(tokenizer: Any, messages: list[dict], tools: Any = None, tool_format: str = "hermes") -> str:
+    """The chat template applied to ``messages`` (normalised first, with ``tools``), ending with
+    the assistant turn's opening."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
-    conversation = normalize_chat_messages(messages)
+    conversation = normalize_chat_messages(messages, tools, tool_format)
     return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
 
 
-def chat_prompt_token_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Token ids of a /v1/chat/completions prompt, from the request's ``messages`` as JSON."""
-    return chat_text_token_ids(tokenizer, render_chat_prompt(tokenizer, messages))
+def chat_prompt_token_ids(tokenizer: Any, messages: list[dict], tools: Any = None,
+                          tool_format: str = "hermes") -> list[int]:
+    """Token ids of a /v1/chat/completions prompt, from the request's ``messages`` (and
+    ``tools``) as JSON."""
+    return chat_text_token_ids(tokenizer, render_chat_prompt(tokenizer, messages, tools, tool_format))
 
 
 def chat_text_token_ids(tokenizer: Any, text: str) -> list[int]:

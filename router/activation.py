@@ -109,10 +109,15 @@ class Activation:
         self._last_wake = now
         self._waking = asyncio.create_task(self._wake(), name="router-wake")
 
-    async def hold(self, disconnected: Callable[[], Awaitable[bool]]) -> str:
-        """Wait for a replica: RELEASED, TIMEOUT or DISCONNECTED. The caller has checked
-        `admission` first."""
+    async def hold(self, disconnected: Callable[[], Awaitable[bool]],
+                   timeout_s: float | None = None) -> str:
+        """Wait for a replica: RELEASED, TIMEOUT (after ``timeout_s``, the limit by default) or
+        DISCONNECTED. The caller has checked `admission` first, and found no replica available
+        (which this takes as the state until the next `update`)."""
         started = time.monotonic()
+        self.available = False
+        self._ready.clear()
+        limit = self.limits.timeout_s if timeout_s is None else timeout_s
         if self._holding_since is None:
             self._holding_since = started
         self.held += 1
@@ -125,7 +130,7 @@ class Activation:
                 if self.available:
                     outcome = RELEASED
                     break
-                left = started + self.limits.timeout_s - time.monotonic()
+                left = started + limit - time.monotonic()
                 if left <= 0:
                     break
                 try:

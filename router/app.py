@@ -173,22 +173,26 @@ class Router:
         if activation is None:
             return None
         activation.touch()
-        available = self._any_available(model)
-        if available or not self._holds(model):
+        if self._any_available(model) or not self._holds(model):
             return None
-        verdict = holding.admission(available, activation.held, activation.limits)
-        if verdict == holding.FULL:
+        if holding.admission(False, activation.held, activation.limits) == holding.FULL:
             activation.refused()
             return self._hold_refused(f"{activation.held} requests are already held for a replica "
                                       "to come up (the hold queue is full)")
-        outcome = await activation.hold(request.is_disconnected)
-        if outcome == holding.RELEASED:
-            return None
-        if outcome == holding.DISCONNECTED:
-            return Response(status_code=499)  # nobody reads it: the client has gone
-        return self._hold_refused(
-            f"no replica became ready within {activation.limits.timeout_s:g} s "
-            "(the service is scaling up from zero)")
+        deadline = time.monotonic() + activation.limits.timeout_s
+        # Released when the replica table says one is up; held again if that one is already
+        # gone (or its models not known yet) when the request looks.
+        while not self._any_available(model):
+            outcome = await activation.hold(request.is_disconnected,
+                                            max(0.0, deadline - time.monotonic()))
+            if outcome == holding.DISCONNECTED:
+                return Response(status_code=499)  # nobody reads it: the client has gone
+            if outcome == holding.TIMEOUT:
+                return self._hold_refused(
+                    f"no replica became ready within {activation.limits.timeout_s:g} s "
+                    "(the service is scaling up from zero)")
+            await asyncio.sleep(0)  # let the sync loop see what this request saw
+        return None
 
     def _hold_refused(self, message: str) -> Response:
         assert self.activation is not None

@@ -130,11 +130,12 @@ class ChatTokenCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def prompt(self, messages: Any, block_size: int, cache_salt: str | None) -> tuple[list[int], list[int]]:
-        """(token ids, full-block hashes) of the chat prompt for ``messages`` (the request's JSON);
-        exactly what ``chat_prompt_token_ids`` and ``hash_prompt_blocks`` give. Raises
-        ValueError for messages the template cannot take, as they do."""
-        text = render_chat_prompt(self.tokenizer, messages)
+    def prompt(self, messages: Any, block_size: int, cache_salt: str | None,
+               tools: Any = None) -> tuple[list[int], list[int]]:
+        """(token ids, full-block hashes) of the chat prompt for ``messages`` and ``tools`` (the
+        request's JSON); exactly what ``chat_prompt_token_ids`` and ``hash_prompt_blocks`` give.
+        Raises ValueError for messages the template cannot take, as they do."""
+        text = render_chat_prompt(self.tokenizer, messages, tools)
         pattern = self._cuts if self.enabled else None
         cuts = [match.end() for match in pattern.finditer(text)] if pattern is not None else []
         if not cuts:

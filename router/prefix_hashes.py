@@ -135,7 +135,7 @@ class PrefixHasher:
                 if cache is None:  # a tokenizer set without load_tokenizers
                     cache = ChatTokenCache(tokenizer, self.chat_cache_tokens)
                     self.chat_caches[name] = cache
-                token_ids, hashes = cache.prompt(body["messages"], block_size, salt)
+                token_ids, hashes = cache.prompt(body["messages"], block_size, salt, body.get("tools"))
                 return PromptBlocks(hashes, len(token_ids), block_size)
             prompt = body["prompt"]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

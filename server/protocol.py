@@ -216,6 +216,7 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -301,6 +302,9 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # The first delta of a call carries index, id, type and function.name; later ones index and
+    # function.arguments pieces, which add up to the whole call's arguments.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from kvscale.server import protocol as p
 from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST, InvalidRequest, check_prompt
-from kvscale.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from kvscale.server.async_engine import EngineDeadError, EngineFront, RequestStream
 from kvscale.server.outputs import PositionLogprobs
 from kvscale.server.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -219,6 +219,7 @@ class Prepared:
     # The field a grammar came from (response_format, structured_outputs, tools): an engine
     # refusal of the grammar becomes a 400 naming it.
     constraint_param: str | None = None
+    tools: Any = None  # chat's serving_tools.ToolPlan
 
 
 class OpenAIServer:
@@ -226,7 +227,7 @@ class OpenAIServer:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineFront,
         *,
         tokenizer: Any,
         served_model_names: Sequence[str],
@@ -270,6 +271,10 @@ class OpenAIServer:
     def count_structured(self, kind: str) -> None:
         if self.metrics is not None:
             self.metrics.count_structured(kind)
+
+    def count_tool_parse_failure(self) -> None:
+        if self.metrics is not None:
+            self.metrics.tool_parse_failures.inc()
 
     def count_refusal(self, reason: str) -> None:
         if self.metrics is not None:

@@ -33,6 +33,13 @@ from kvscale.server.serving_streams import (
     stream_events,
     until_disconnect,
 )
+from kvscale.server.serving_tools import (
+    ToolError,
+    ToolPlan,
+    ToolStream,
+    finished_message,
+    plan_tools,
+)
 from kvscale.tokenization import chat_prompt_token_ids
 
 
@@ -57,12 +64,13 @@ def chat_logprobs(
     return p.ChatLogprobs(content=content)
 
 
-def chat_ids(server: OpenAIServer, messages: list[p.ChatMessage]) -> list[int]:
+def chat_ids(server: OpenAIServer, messages: list[p.ChatMessage], tools: list[p.Tool] | None = None) -> list[int]:
     """The prompt's token ids (also what POST /tokenize answers for ``messages``)."""
     # Back to the JSON the client sent: the router tokenizes that very form of the messages.
     conversation = [m.model_dump(exclude_none=True) for m in messages]
+    tool_json = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     try:
-        return chat_prompt_token_ids(server.tokenizer, conversation)
+        return chat_prompt_token_ids(server.tokenizer, conversation, tool_json, server.tool_call_parser or "hermes")
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from exc
     except Exception as exc:  # jinja raises its own errors for conversations it rejects
@@ -76,13 +84,18 @@ def prepare_chat(server: OpenAIServer, body: p.ChatCompletionRequest) -> Prepare
     server.note_unknown_fields(body, "/v1/chat/completions")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-    if body.tools and body.tool_choice != "none":
-        raise bad_request("tools are not supported yet by this server.", "tools")
+    try:
+        plan = plan_tools(body, parser=server.tool_call_parser, auto_enabled=server.enable_auto_tool_choice)
+    except ToolError as exc:
+        raise bad_request(str(exc), exc.param) from exc
     structured, constraint_param = structured_outputs_from(body)
-    if structured is not None:
+    if plan.constraint is not None:
+        structured, constraint_param = plan.constraint, "tools"
+        server.count_structured("tool")
+    elif structured is not None:
         server.count_structured(structured.kind)
     logit_bias = logit_bias_from(body, server.vocab_size)
-    ids = chat_ids(server, body.messages)
+    ids = chat_ids(server, body.messages, body.tools)
     server.check_prompt(ids, "messages")
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -92,12 +105,17 @@ def prepare_chat(server: OpenAIServer, body: p.ChatCompletionRequest) -> Prepare
                                       structured_outputs=structured, logit_bias=logit_bias)
     except ValueError as exc:
         raise bad_request(str(exc), getattr(exc, "param", None)) from exc
-    return Prepared(p.random_id("chatcmpl"), [ids], [""], [params], body.cache_salt, constraint_param)
+    return Prepared(p.random_id("chatcmpl"), [ids], [""], [params], body.cache_salt, constraint_param, plan)
 
 
 class ChatFormatter(StreamFormatter):
     object_name = "chat.completion.chunk"
     body: p.ChatCompletionRequest
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.plan: ToolPlan | None = self.prepared.tools
+        self.tool_streams: dict[int, ToolStream] = {}
 
     def opening(self) -> list[dict]:
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -107,6 +125,8 @@ class ChatFormatter(StreamFormatter):
         text = "".join(state.text)
         if not text and not completion.finished:
             return None
+        if self.plan is not None and self.plan.mode is not None:
+            return self._tool_choice(completion, state, text)
         logprobs = None
         if self.body.logprobs and completion.logprobs is not None:
             logprobs = chat_logprobs(state.token_ids, state.logprobs, self.body.top_logprobs or 0,
@@ -114,6 +134,28 @@ class ChatFormatter(StreamFormatter):
         state.sent(text)
         return {"index": completion.index, "delta": {"content": text} if text else {},
                 "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason}
+
+
+    def _tool_choice(self, completion: CompletionOutput, state: ChoiceState, text: str) -> dict | None:
+        plan = self.plan
+        assert plan is not None
+        stream = self.tool_streams.setdefault(completion.index, ToolStream())
+        finish = completion.finish_reason
+        content, calls = stream.step(plan, text, finished=finish is not None)
+        if stream.failed and finish is not None:
+            self.server.count_tool_parse_failure()
+        state.sent(text)
+        if finish == "stop" and stream.ids:
+            finish = "tool_calls"
+        if not content and not calls and finish is None:
+            return None
+        delta: dict = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return {"index": completion.index, "delta": delta, "logprobs": None, "finish_reason": finish,
                 "stop_reason": completion.stop_reason}
 
 
@@ -128,9 +170,15 @@ async def _respond(server: OpenAIServer, body: p.ChatCompletionRequest, prepared
         if body.logprobs and completion.logprobs is not None:
             logprobs = chat_logprobs(completion.token_ids, completion.logprobs, body.top_logprobs or 0,
                                      server.decode_one)
+        content: str | None = completion.text
+        tool_calls: list = []
+        finish = completion.finish_reason
+        if prepared.tools is not None:
+            content, tool_calls, finish = finished_message(prepared.tools, completion.text, finish,
+                                                           server.count_tool_parse_failure)
         choices.append(p.ChatChoice(
-            index=completion.index, message=p.ChatResponseMessage(content=completion.text),
-            logprobs=logprobs, finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+            index=completion.index, message=p.ChatResponseMessage(content=content, tool_calls=tool_calls),
+            logprobs=logprobs, finish_reason=finish, stop_reason=completion.stop_reason,
         ))
     usage_ = usage(len(prepared.prompts[0]), completion_tokens, output.num_cached_tokens)
     return p.ChatCompletionResponse(id=prepared.request_id, model=body.model or server.model_name,

@@ -15,7 +15,7 @@ def tokenize(server: OpenAIServer, body: p.TokenizeRequest) -> p.TokenizeRespons
     if body.prompt is not None:
         ids = completion_prompt_token_ids(server.tokenizer, body.prompt)
     else:
-        ids = chat_ids(server, body.messages or [])
+        ids = chat_ids(server, body.messages or [], body.tools)
     return p.TokenizeResponse(count=len(ids), max_model_len=server.max_model_len, tokens=ids)
 
 

@@ -8,6 +8,7 @@ start a real `kvscale router --hold-timeout` whose replica does not exist yet, t
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 
@@ -173,3 +174,33 @@ def test_a_hold_past_its_limit_or_over_the_queue_is_503_with_retry_after(launche
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.InternalServerError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+
+
+@pytest.mark.slow
+def test_a_request_whose_last_replica_vanished_is_held_for_the_next(launcher) -> None:
+    """The service scaled to zero as the request arrived: its replica refused the connection
+    before any byte reached the client, so the router holds it (rather than answer 502) and sends
+    it to the replica that comes up next."""
+    port = free_port()
+    args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--block-size", str(BLOCK_SIZE),
+            "--max-model-len", "512", "--max-num-seqs", "8"]
+    first = spawn(args, port, "first-replica")
+    launcher.started.append(first)
+    router = launcher.router([f"http://127.0.0.1:{port}"], None,
+                             extra=["--hold-timeout", "300", "--health-interval", "5"])
+    wait_until(lambda: _health(router.url)["replicas"][0]["healthy"], 30, interval=0.2,
+               what="the replica healthy")
+    first.stop(signal.SIGKILL)
+    answers: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: answers.append(httpx.post(
+        router.url + "/v1/completions", timeout=300,
+        json={"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0})))
+    sender.start()
+    wait_until(lambda: _health(router.url)["activation"]["held"] == 1 or answers, 30, interval=0.1,
+               what="the request held after its replica vanished")
+    assert not answers, (answers[0].status_code, answers[0].text, router.log_tail())
+    second = spawn(args, port, "second-replica")
+    launcher.started.append(second)
+    sender.join(120)
+    assert answers and answers[0].status_code == 200, answers and answers[0].text
+    assert answers[0].json()["choices"][0]["text"] is not None
