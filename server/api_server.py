@@ -1,10 +1,10 @@
-"""The OpenAI-compatible HTTP API over an AsyncEngine: the app, its middleware and routes.
+"""The OpenAI-compatible HTTP API over the engine: the app, its middleware and routes.
 
 One module per endpoint, as vLLM's entrypoints are laid out: serving_completions.py,
 serving_chat.py, serving_tokenize.py; what they share (the server's state and checks, opening
 engine streams, the one streaming loop) is serving.py. Handlers turn a request into token ids
 (kvscale.tokenization, shared with the router) and SamplingParams, hand them to the engine
-thread, and read each request's delta stream: to the end (JSON response) or chunk by chunk
+core, and read each request's delta stream: to the end (JSON response) or chunk by chunk
 (server-sent events ending in ``data: [DONE]``). Every error, from malformed JSON to a dead
 engine, leaves as the OpenAI error body. A watcher on the ASGI receive channel aborts a request
 the moment its client disconnects, so its KV blocks go back to the pool even while it waits.
@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvscale.drain import Drain, DrainMiddleware
 from kvscale.server import protocol as p
 from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
-from kvscale.server.async_engine import AsyncEngine
+from kvscale.server.async_engine import EngineFront
 from kvscale.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvscale.server.metrics import HTTPStatusMiddleware, ServerMetrics
 from kvscale.server.serving import ERROR_RESPONSES, APIError, OpenAIServer, bad_request
@@ -45,7 +45,7 @@ def _is_generate(method: str, path: str) -> bool:
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: EngineFront,
     *,
     tokenizer: Any,
     served_model_names: Sequence[str],
@@ -60,7 +60,7 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
-    """The FastAPI app; starts the engine thread on startup and stops it on shutdown.
+    """The FastAPI app; starts reading the engine on startup and stops the engine on shutdown.
 
     ``drain`` (kvscale.drain) is what a SIGTERM flips: /health and new generate requests
     then answer 503 while the open ones finish.
@@ -140,7 +140,8 @@ def build_app(
                                              code="draining"), status_code=503)
         if engine.is_alive:
             return Response(status_code=200)
-        return JSONResponse(p.error_body("The engine loop has stopped.", "server_error",
+        reason = engine.death_reason()
+        return JSONResponse(p.error_body(reason[:1].upper() + reason[1:] + ".", "server_error",
                                          code="engine_dead"), status_code=503)
 
     @app.get("/version", response_model=p.VersionResponse)

@@ -1,4 +1,10 @@
-"""The engine on its own thread, and one asyncio stream per request.
+"""The event-loop side of the engine (one asyncio stream per request), and the engine on a thread.
+
+``EngineFront`` is what the HTTP handlers talk to: it opens a stream per request, ends it on an
+abort, hands each step's outputs to their streams and fails every stream when the engine dies.
+Where the engine runs is its subclass's business: ``AsyncEngine`` (here) drives an LLMEngine on a
+thread of this process (tests, embedding); ``EngineCoreClient`` (engine_core_client.py) talks to
+an engine core process, what ``kvscale serve`` runs.
 
 LLMEngine is not thread-safe, so exactly one thread (the engine thread) ever touches it. The event
 loop talks to that thread through a thread-safe command queue (add, abort, stop) and hears back
@@ -99,35 +105,30 @@ class RequestStream:
         return item
 
 
-class AsyncEngine:
-    """Owns the engine thread; the event-loop side of every request goes through here.
+class EngineFront:
+    """The event-loop side of every request, whatever runs the engine.
 
-    ``on_step(outputs, stats)`` and ``on_request_end(stream, finish_reason)`` run on the event
-    loop (metrics hang off them); ``publisher`` (KV events for the router) runs on the engine
-    thread, since its ``on_step`` needs the engine.
+    ``on_step(outputs, streams, stats)`` and ``on_request_end(stream, finish_reason)`` run on the
+    event loop (metrics hang off them). A subclass starts and stops the engine and carries adds
+    and aborts to it (``_submit``, ``_send_abort``); it calls ``_on_accepted`` when the engine
+    took or refused a batch of adds, ``_on_step_done`` after every step and ``_fail_all`` when
+    the engine died, all on the event loop.
     """
 
     def __init__(
         self,
-        engine: Any,
         *,
-        publisher: Any = None,
         on_step: Callable[[list[RequestOutput], dict[str, RequestStream], EngineStats], None] | None = None,
         on_request_end: Callable[[RequestStream, str], None] | None = None,
     ) -> None:
-        self.engine = engine
-        engine.output_deltas = True  # the HTTP side streams deltas; it never needs the whole so far
-        self.publisher = publisher
         self._on_step = on_step
         self._on_request_end = on_request_end
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
         self.stats: EngineStats | None = None
-        # Adds submitted but not yet taken by the engine thread count as waiting, so a burst
-        # arriving within one step cannot overrun --max-queue-len.
+        # Adds submitted but not yet taken by the engine count as waiting, so a burst arriving
+        # within one step cannot overrun --max-queue-len.
         self.num_pending_adds = 0
 
     def observe(
@@ -139,30 +140,31 @@ class AsyncEngine:
         self._on_step = on_step
         self._on_request_end = on_request_end
 
-    # ------------------------------------------------------------------ lifecycle (event loop)
+    # ------------------------------------------------------------------ what a subclass provides
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self.stats = self.engine.get_stats()
-        self._thread = threading.Thread(target=self._run, name="kvscale-engine", daemon=True)
-        self._thread.start()
+        raise NotImplementedError
 
     async def stop(self) -> None:
-        if self._thread is None:
-            return
-        self._commands.put(_Stop())
-        await asyncio.to_thread(self._thread.join, 30)
+        raise NotImplementedError
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
+        raise NotImplementedError
+
+    def _submit(self, requests: list[NewRequest], accepted: asyncio.Future) -> None:
+        """Carry a batch of adds to the engine; ``_on_accepted`` answers it later."""
+        raise NotImplementedError
+
+    def _send_abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ requests (event loop)
 
     @property
     def num_waiting(self) -> int:
         waiting = self.stats.num_waiting if self.stats else 0
         return waiting + self.num_pending_adds
-
-    # ------------------------------------------------------------------ requests (event loop)
 
     async def add_request(
         self,
@@ -185,7 +187,7 @@ class AsyncEngine:
         then), or EngineDeadError.
         """
         if not self.is_alive:
-            raise EngineDeadError("the engine is not running")
+            raise EngineDeadError(self.death_reason())
         assert self._loop is not None
         ids = [request_id for request_id, *_ in requests]
         if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
@@ -198,9 +200,8 @@ class AsyncEngine:
             streams.append(stream)
         accepted: asyncio.Future = self._loop.create_future()
         # Every sequence: a prompt with n > 1 forks into n once prefilled.
-        pending = sum(params.n for _, _, params, _ in requests)
-        self.num_pending_adds += pending
-        self._commands.put(_Add(list(requests), accepted))
+        self.num_pending_adds += sum(params.n for _, _, params, _ in requests)
+        self._submit(list(requests), accepted)
         try:
             error = await accepted
         except BaseException:
@@ -224,12 +225,100 @@ class AsyncEngine:
         if self._on_request_end is not None:
             self._on_request_end(stream, "abort")
         if self.is_alive:
-            self._commands.put(_Abort(request_id))
+            self._send_abort(request_id)
 
     def release(self, stream: RequestStream) -> None:
         """Call when the reader is done with a stream; aborts it if it has not finished."""
         if not stream.finished:
             self.abort(stream.request_id)
+
+    def death_reason(self) -> str:
+        if self.error is None:
+            return "the engine is not running"
+        return f"the engine stopped: {type(self.error).__name__}: {self.error}"
+
+    # ------------------------------------------------------------------ engine answers (event loop)
+
+    def _on_accepted(self, requests: list[NewRequest], accepted: asyncio.Future,
+                     error: BaseException | None) -> None:
+        self.num_pending_adds -= sum(params.n for _, _, params, _ in requests)
+        if accepted.done():  # the caller was cancelled and already asked for an abort
+            return
+        accepted.set_result(error)
+
+    def _on_step_done(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        self.stats = stats
+        if self._on_step is not None:
+            self._on_step(outputs, self._streams, stats)
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:  # aborted by us already
+                continue
+            stream.put(output)
+            if output.finished:
+                stream.finished = True
+                del self._streams[output.request_id]
+                if self._on_request_end is not None:
+                    reason = next((o.finish_reason for o in output.outputs if o.finish_reason), "stop")
+                    self._on_request_end(stream, reason)
+
+    def _fail_all(self, exc: BaseException) -> EngineDeadError:
+        """Every open stream gets the error; returns it, for the adds still waiting."""
+        if self.error is None:
+            self.error = exc
+        error = EngineDeadError(self.death_reason())
+        for stream in self._streams.values():
+            stream.put(error)
+        self._streams.clear()
+        self.num_pending_adds = 0
+        return error
+
+
+class AsyncEngine(EngineFront):
+    """Drives an LLMEngine on a thread of this process.
+
+    ``publisher`` (KV events for the router) runs on the engine thread, since its ``on_step``
+    needs the engine.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        publisher: Any = None,
+        on_step: Callable[[list[RequestOutput], dict[str, RequestStream], EngineStats], None] | None = None,
+        on_request_end: Callable[[RequestStream, str], None] | None = None,
+    ) -> None:
+        super().__init__(on_step=on_step, on_request_end=on_request_end)
+        self.engine = engine
+        engine.output_deltas = True  # the HTTP side streams deltas; it never needs the whole so far
+        self.publisher = publisher
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle (event loop)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.stats = self.engine.get_stats()
+        self._thread = threading.Thread(target=self._run, name="kvscale-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        await asyncio.to_thread(self._thread.join, 30)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def _submit(self, requests: list[NewRequest], accepted: asyncio.Future) -> None:
+        self._commands.put(_Add(requests, accepted))
+
+    def _send_abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
 
     # ------------------------------------------------------------------ engine thread
 
@@ -240,7 +329,7 @@ class AsyncEngine:
             logger.exception("engine thread died")
             self.error = exc
             if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_all, exc)
+                self._loop.call_soon_threadsafe(self._fail_thread, exc)
         finally:
             if self.publisher is not None:
                 try:
@@ -260,8 +349,8 @@ class AsyncEngine:
                 if isinstance(command, _Stop):
                     return
                 if isinstance(command, _Add):
-                    error = self._engine_add(command)
-                    loop.call_soon_threadsafe(self._on_accepted, command, error)
+                    error = add_all(engine, command.requests)
+                    loop.call_soon_threadsafe(self._on_accepted, command.requests, command.accepted, error)
                 elif isinstance(command, _Abort):
                     engine.abort_request(command.request_id)
             outputs: list[RequestOutput] = []
@@ -287,54 +376,10 @@ class AsyncEngine:
             pass
         return commands
 
-    def _engine_add(self, command: _Add) -> BaseException | None:
-        added: list[str] = []
-        try:
-            for request_id, prompt, params, cache_salt in command.requests:
-                self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
-                added.append(request_id)
-        except (ValueError, TypeError, OverflowError) as exc:
-            error: BaseException = exc
-        except AssertionError as exc:
-            # The edge let through what the engine asserts against: a bug, but one request's.
-            logger.exception("engine refused a request that passed the API's checks")
-            error = RuntimeError(f"internal error: the engine refused this request ({exc})")
-        else:
-            return None
-        for request_id in added:  # all or nothing
-            self.engine.abort_request(request_id)
-        return error
-
     # ------------------------------------------------------------------ back on the event loop
 
-    def _on_accepted(self, command: _Add, error: BaseException | None) -> None:
-        self.num_pending_adds -= sum(params.n for _, _, params, _ in command.requests)
-        if command.accepted.done():  # the caller was cancelled and already asked for an abort
-            return
-        command.accepted.set_result(error)
-
-    def _on_step_done(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
-        self.stats = stats
-        if self._on_step is not None:
-            self._on_step(outputs, self._streams, stats)
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:  # aborted by us already
-                continue
-            stream.put(output)
-            if output.finished:
-                stream.finished = True
-                del self._streams[output.request_id]
-                if self._on_request_end is not None:
-                    reason = next((o.finish_reason for o in output.outputs if o.finish_reason), "stop")
-                    self._on_request_end(stream, reason)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        error = EngineDeadError(f"the engine stopped: {type(exc).__name__}: {exc}")
-        for stream in self._streams.values():
-            stream.put(error)
-        self._streams.clear()
-        self.num_pending_adds = 0
+    def _fail_thread(self, exc: BaseException) -> None:
+        error = self._fail_all(exc)
         # Adds the thread never answered would otherwise wait forever.
         while True:
             try:
@@ -343,3 +388,23 @@ class AsyncEngine:
                 break
             if isinstance(command, _Add) and not command.accepted.done():
                 command.accepted.set_result(error)
+
+
+def add_all(engine: Any, requests: Sequence[NewRequest]) -> BaseException | None:
+    """Add every request to ``engine`` or none of them: None, or what refused the first."""
+    added: list[str] = []
+    try:
+        for request_id, prompt, params, cache_salt in requests:
+            engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
+            added.append(request_id)
+    except (ValueError, TypeError, OverflowError) as exc:
+        error: BaseException = exc
+    except AssertionError as exc:
+        # The edge let through what the engine asserts against: a bug, but one request's.
+        logger.exception("engine refused a request that passed the API's checks")
+        error = RuntimeError(f"internal error: the engine refused this request ({exc})")
+    else:
+        return None
+    for request_id in added:  # all or nothing
+        engine.abort_request(request_id)
+    return error

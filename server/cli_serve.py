@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import copy
+import logging
 import os
 import socket
 import sys
@@ -15,6 +15,10 @@ from kvscale.base_urls import authority, base_url
 from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvscale.server.config import QUANTIZATIONS
+from kvscale.server.cpu_binding import ENV as ENV_OMP_BIND
+from kvscale.server.cpu_binding import RESERVE_FROM
+
+logger = logging.getLogger("kvscale.serve")
 
 # Engine flags whose value goes straight into EngineConfig; unset ones keep EngineConfig's default.
 _ENGINE_FIELDS = (
@@ -79,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       choices=["critical", "error", "warning", "info", "debug", "trace"])
     http.add_argument("--disable-uvicorn-access-log", action="store_true")
 
+    core = parser.add_argument_group("engine core process")
+    core.add_argument("--omp-threads-bind", default=os.environ.get(ENV_OMP_BIND, "auto"), metavar="CPUS",
+                      help="CPUs for the engine core's OpenMP threads: auto (one CPU kept for the HTTP "
+                           f"front end from {RESERVE_FROM} CPUs on, shared below), nobind, or a list "
+                           f"such as 0-2; the front end keeps the others (default: ${ENV_OMP_BIND} or auto)")
+
     structured = parser.add_argument_group("structured outputs and tool calling")
     structured.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,
                             metavar="JSON",
@@ -125,22 +135,24 @@ def advertised_base_url(host: str | None, port: int) -> str:
 
 @dataclass
 class Served:
-    """What `kvscale serve` runs: the app and the parts it is built from."""
+    """What `kvscale serve` runs: the app and the engine core behind it."""
 
     app: Any
-    engine: Any  # LLMEngine
-    async_engine: Any  # AsyncEngine
-    publisher: Any | None
+    core: Any  # EngineCoreClient
+    model_name: str
+    max_model_len: int
+    block_size: int
 
 
 def build(args: argparse.Namespace) -> Served:
-    """The engine, the KV event publisher and the app, from parsed flags (raises ValueError,
-    FileNotFoundError for bad flags or a missing model)."""
-    from kvscale.model_files import load_tokenizer, resolve_model_path
+    """Start the engine core process (blocks until it is warmed up) and build the app over it
+    (raises ValueError, FileNotFoundError for bad flags or a missing model)."""
+    from kvscale.model_files import load_tokenizer, resolve_model_path, served_model_name
     from kvscale.server.api_server import build_app
-    from kvscale.server.async_engine import AsyncEngine
     from kvscale.server.config import EngineConfig
-    from kvscale.server.engine import LLMEngine
+    from kvscale.server.cpu_binding import split_cpus
+    from kvscale.server.engine_core import PublisherSettings
+    from kvscale.server.engine_core_client import EngineCoreClient
 
     fields = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name) is not None}
     if args.served_model_name:
@@ -151,31 +163,30 @@ def build(args: argparse.Namespace) -> Served:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     config = EngineConfig(**fields)
     model_path = resolve_model_path(args.model)
-
-    engine = LLMEngine(config)
-    served_names = list(args.served_model_name or [engine.model_name])
-    # The event loop tokenizes while the engine thread encodes and detokenizes: a fast tokenizer
-    # must not be used by two threads at once, so the HTTP side gets an object of its own.
-    tokenizer = copy.deepcopy(load_tokenizer(model_path))  # load_tokenizer caches by path
+    served_names = list(args.served_model_name or [served_model_name(config.model, None)])
+    cpus = split_cpus(os.sched_getaffinity(0), args.omp_threads_bind)
+    logger.info("CPUs: engine core %s, HTTP front end %s (%s)",
+                ",".join(map(str, cpus.core)) if cpus.core else "unpinned",
+                ",".join(map(str, cpus.front)) if cpus.front else "shares the core's" if cpus.core else "unpinned",
+                cpus.why)
 
     advertised = advertised_base_url(args.host, args.port)
     publisher = None
     if args.redis:
-        from kvscale.server.kv_publisher import KVEventPublisher
-
         replica_id = args.replica_id or os.environ.get("POD_NAME") or authority(advertised)
-        publisher = KVEventPublisher(redis_url=args.redis, replica_id=replica_id,
-                                     model_name=served_names[0], base_url=advertised,
-                                     block_size=engine.block_size)
-
-    async_engine = AsyncEngine(engine, publisher=publisher)
-    app = build_app(async_engine, tokenizer=tokenizer, served_model_names=served_names,
-                    max_model_len=engine.max_model_len, api_key=args.api_key,
+        publisher = PublisherSettings(redis_url=args.redis, replica_id=replica_id,
+                                      model_name=served_names[0], base_url=advertised)
+    # The tokenizer loads while the core builds and warms up its engine.
+    tokenizer = load_tokenizer(model_path)
+    core = EngineCoreClient.launch(config, cpus=cpus, publisher=publisher)
+    ready = core.ready
+    app = build_app(core, tokenizer=tokenizer, served_model_names=served_names,
+                    max_model_len=ready.max_model_len, api_key=args.api_key,
                     max_queue_len=args.max_queue_len, max_prompts_per_request=args.max_prompts_per_request,
                     model_root=str(model_path),
-                    vocab_size=min(len(tokenizer), engine.vocab_size),
+                    vocab_size=min(len(tokenizer), ready.vocab_size),
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
-    return Served(app, engine, async_engine, publisher)
+    return Served(app, core, ready.model_name, ready.max_model_len, ready.block_size)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -196,25 +207,24 @@ def run(args: argparse.Namespace) -> int:
     from kvscale.drain import serve
     from kvscale.processes import freeze_startup_heap
 
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
     try:
         served = build(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvscale serve: {exc}", file=sys.stderr)
         return 2
-    engine, publisher = served.engine, served.publisher
-    if publisher is not None:
-        publisher.start()
+    except RuntimeError as exc:
+        print(f"kvscale serve: the engine core failed to start: {exc}", file=sys.stderr)
+        return 1
     where = f"{base_url(args.host, args.port)}/v1" if args.host else f"port {args.port} of every address"
-    print(f"kvscale: serving {engine.model_name if not args.served_model_name else args.served_model_name[0]!r} "
-          f"at {where} "
-          f"(max_model_len {engine.max_model_len}, block size {engine.block_size})", flush=True)
+    name = args.served_model_name[0] if args.served_model_name else served.model_name
+    print(f"kvscale: serving {name!r} at {where} (max_model_len {served.max_model_len}, block size "
+          f"{served.block_size}, engine core pid {served.core.pid})", flush=True)
     freeze_startup_heap()  # the model and tokenizer are loaded: spare them every full GC
-    try:
-        serve(served.app, served.app.state.drain, host=args.host, port=args.port,
-              shutdown_timeout_s=args.shutdown_timeout, name="kvscale serve",
-              log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
-              limits=limits)
-    finally:
-        if publisher is not None:
-            publisher.stop()  # idempotent; the engine thread stops it too
+    serve(served.app, served.app.state.drain, host=args.host, port=args.port,
+          shutdown_timeout_s=args.shutdown_timeout, name="kvscale serve",
+          log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+          limits=limits)
     return 0

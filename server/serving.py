@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from kvscale.server import protocol as p
 from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST, InvalidRequest, check_prompt
-from kvscale.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from kvscale.server.async_engine import EngineDeadError, EngineFront, RequestStream
 from kvscale.server.outputs import PositionLogprobs
 from kvscale.server.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -237,7 +237,7 @@ class OpenAIServer:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineFront,
         *,
         tokenizer: Any,
         served_model_names: Sequence[str],

@@ -378,6 +378,14 @@ ALERTS = (
           m.OPERATOR_MAX.series, "15m", "info",
           "{{ $labels.inferenceservice }} ({{ $labels.namespace }}) wants its maxReplicas: "
           "more load will queue."),
+    # Scale from zero: a held request answered 503 (held past activationTimeoutSeconds, or the
+    # hold queue full) is a failed request; a disconnected one is the client's choice.
+    Alert("KVScaleActivationRefusing",
+          f'sum by (namespace, inferenceservice) (increase({m.ROUTER_HOLDS.series}'
+          f'{{outcome=~"timeout|full"}}[10m]))', ">", "0", "0m", "warning",
+          "Routers of {{ $labels.inferenceservice }} ({{ $labels.namespace }}) answered held "
+          "requests 503: no replica came up within activationTimeoutSeconds, or the hold queue "
+          "was full."),
     # Down now, though scraped within the hour: a pod still loading its model for the first time
     # (minutes, up to its 30-minute startup probe) was never up, and is not a scrape failure.
     Alert("KVScaleReplicaNotScraped",

@@ -124,4 +124,4 @@ def test_promtool_checks_the_rules() -> None:
     result = subprocess.run(["promtool", "check", "rules", str(CHART / "rules" / "kvscale.rules.yaml")],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 11 rules found" in result.stdout
+    assert "SUCCESS: 12 rules found" in result.stdout

@@ -81,6 +81,14 @@ SERIES = [
      "values": "0+60x30"},
     {"series": 'kvscale_router_fallbacks_total{namespace="team", inferenceservice="chat", pod="r", reason="redis_down"}',
      "values": "0+10x30"},
+    # Scale from zero: `chat`'s router released every held request; `cold`'s timed one out at
+    # minute 12 (and a client of `chat` went away: not a failure).
+    {"series": 'kvscale_router_holds_total{namespace="team", inferenceservice="chat", pod="r", outcome="released"}',
+     "values": "0+2x30"},
+    {"series": 'kvscale_router_holds_total{namespace="team", inferenceservice="chat", pod="r", outcome="disconnected"}',
+     "values": "0x10 1x20"},
+    {"series": 'kvscale_router_holds_total{namespace="team", inferenceservice="cold", pod="s", outcome="timeout"}',
+     "values": "0x12 1x18"},
     # The operator: `auto` autoscales and wants its max; `manual` is scaled by hand to 5 and,
     # with autoscaling off, exports no max (operator/metrics.py).
     {"series": 'kvscale_operator_desired_replicas{namespace="team", inferenceservice="auto"}', "values": "4x30"},
@@ -100,6 +108,9 @@ ALERT_CASES = [
     fires("KVScaleRouterInFallback", "20m", {"namespace": "team", "pod": "r"}),
     # `manual` (5 replicas by hand) never appears; `auto` does after 15 minutes at its max.
     fires("KVScaleAutoscalerAtMaxReplicas", "20m", {"namespace": "team", "inferenceservice": "auto"}),
+    fires("KVScaleActivationRefusing", "11m"),
+    fires("KVScaleActivationRefusing", "14m", {"namespace": "team", "inferenceservice": "cold"}),
+    fires("KVScaleActivationRefusing", "29m"),  # ten minutes later: quiet again
     # `new`, loading for 30 minutes, never fires; `a` does 5 minutes after it stopped answering.
     fires("KVScaleReplicaNotScraped", "12m"),
     fires("KVScaleReplicaNotScraped", "20m", {"namespace": "team", "inferenceservice": "chat", "pod": "a"}),
