@@ -79,6 +79,8 @@ def test_greedy_with_promotion_equals_greedy_without_the_tier(make_engine, dtype
     assert extra["external_prefix_cache_hits_total"] >= 64 and extra["kv_blocks_promoted_total"] >= 4
     assert extra["kv_offload_bytes_cpu_to_gpu"] >= 4 * tiered.runner.host_cache.block_bytes
     assert extra["kv_restore_seconds_count"] >= 1
+    # The swap-or-recompute choice reads rates measured on this engine, not guesses.
+    assert tiered.scheduler.copy_bytes_per_s > 0 and tiered.scheduler.step_rates.prefill_tokens_per_s > 0
 
 
 def test_a_step_that_promotes_while_writing_never_sees_a_mismatch(make_engine):
