@@ -260,35 +260,53 @@ def revisit_ttft(repeats: int, prefix_tokens: int = 2048) -> dict:
 
 
 def no_reuse_throughput(repeats: int, prompts: int = 8, prompt_tokens: int = 128, out_tokens: int = 8) -> dict:
-    """Unique prompts through a pool that evicts every block: tier on (demotes) vs off."""
+    """Unique prompts through a pool that evicts every block: tier on (demotes) vs off.
+
+    Runs alternate (on, off, off, on, ...); each pair's ratio is taken from adjacent runs, so a
+    machine that slows down for a while slows both sides of a pair. Besides wall time, the
+    process's CPU time (less sensitive to other processes taking the cores) and the seconds the
+    tier's copies took are recorded."""
     from kvscale.server.sampling_params import SamplingParams
 
     blocks = 4 * -(-(prompt_tokens + out_tokens) // BS)  # ~4 sequences' worth: constant eviction
     engines = {"tier_on": _engine(blocks, 0.25), "tier_off": _engine(blocks, 0.0)}
     rng = random.Random(1)
-    samples: dict[str, list[float]] = {k: [] for k in engines}
+    wall: dict[str, list[float]] = {k: [] for k in engines}
+    cpu: dict[str, list[float]] = {k: [] for k in engines}
+    copy_s: list[float] = []
     demoted = 0
+    tokens = prompts * (prompt_tokens + out_tokens)
     for rep in range(-1, repeats):  # rep -1: warm-up, untimed
         batch = [_tokens(rng, prompt_tokens) for _ in range(prompts)]
         order = list(engines.items()) if rep % 2 == 0 else list(engines.items())[::-1]
         for name, engine in order:
             params = SamplingParams(temperature=0.0, max_tokens=out_tokens, ignore_eos=True)
             before = engine.pool.num_demoted
-            started = time.perf_counter()
+            counters = engine.runner.host_cache.counters if engine.runner.host_cache else None
+            copied_before = counters.seconds_down + counters.seconds_up if counters else 0.0
+            started, cpu_started = time.perf_counter(), time.process_time()
             for i, p in enumerate(batch):
                 engine.add_request(f"{rep}-{i}", p, params)
             _drain(engine)
             if rep < 0:
                 continue
-            samples[name].append(prompts * (prompt_tokens + out_tokens) / (time.perf_counter() - started))
-            if name == "tier_on":
+            wall[name].append(tokens / (time.perf_counter() - started))
+            cpu[name].append(tokens / (time.process_time() - cpu_started))
+            if counters is not None:
                 demoted += engine.pool.num_demoted - before
-    med = {k: statistics.median(v) for k, v in samples.items()}
+                copy_s.append(counters.seconds_down + counters.seconds_up - copied_before)
+    pair_wall = [a / b for a, b in zip(wall["tier_on"], wall["tier_off"], strict=True)]
+    pair_cpu = [a / b for a, b in zip(cpu["tier_on"], cpu["tier_off"], strict=True)]
+    run_s = [tokens / t for t in wall["tier_on"]]
     return {
         "prompts_per_run": prompts, "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
-        "tier1_blocks": blocks, "tokens_per_s_samples": samples, "median_tokens_per_s": med,
+        "tier1_blocks": blocks, "wall_tokens_per_s": wall, "cpu_tokens_per_s": cpu,
         "demoted_blocks_tier_on": demoted,
-        "ratio_on_over_off": round(med["tier_on"] / med["tier_off"], 3),
+        "median_pair_ratio_wall": round(statistics.median(pair_wall), 3),
+        "median_pair_ratio_cpu": round(statistics.median(pair_cpu), 3),
+        "ratio_of_medians_wall": round(statistics.median(wall["tier_on"]) / statistics.median(wall["tier_off"]), 3),
+        "copy_seconds_per_run": copy_s,
+        "median_copy_share_of_run": round(statistics.median(c / r for c, r in zip(copy_s, run_s, strict=True)), 5),
     }
 
 
@@ -338,31 +356,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--w4-conversations", type=int, default=64)
     parser.add_argument("--w4-blocks", type=int, default=512, help="N, tier 1 for W4")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (medians)")
-    parser.add_argument("--skip-model", action="store_true", help="hit rates only")
+    parser.add_argument("--parts", default="hit,revisit,noreuse,swap",
+                        help="comma-separated: hit (hit rates), revisit, noreuse, swap (the model's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
+    parts = set(args.parts.split(","))
     result: dict = {
         "benchmark": "kv_tier", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine(), "cpu_isa": cpu_isa(),
-        "hit_rate": [
+        "machine": machine(), "cpu_isa": cpu_isa(), "repeats": args.repeats,
+    }
+    if "hit" in parts:
+        result["hit_rate"] = [
             hit_rates(f"mooncake-conversation first {args.trace_requests} (512 → 16 tokens per hash block)",
                       args.trace_blocks, trace_requests(args.trace, args.trace_requests)),
             hit_rates(f"W4 {args.w4_conversations} conversations", args.w4_blocks,
                       w4_turns(0, args.w4_conversations)),
-        ],
-    }
-    print(json.dumps(result["hit_rate"], indent=1), file=sys.stderr)
-    if not args.skip_model:
-        import torch
-
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-        result["revisit_ttft"] = revisit_ttft(args.repeats)
-        print(json.dumps(result["revisit_ttft"]), file=sys.stderr)
-        result["no_reuse_throughput"] = no_reuse_throughput(args.repeats)
-        print(json.dumps(result["no_reuse_throughput"]), file=sys.stderr)
-        result["swap_resume"] = swap_resume(args.repeats)
-        print(json.dumps(result["swap_resume"]), file=sys.stderr)
+        ]
+        print(json.dumps(result["hit_rate"], indent=1), file=sys.stderr)
+    for part, key, run in (("revisit", "revisit_ttft", revisit_ttft), ("noreuse", "no_reuse_throughput",
+                           no_reuse_throughput), ("swap", "swap_resume", swap_resume)):
+        if part in parts:
+            result[key] = run(args.repeats)
+            print(json.dumps(result[key]), file=sys.stderr)
     print(write_result("kv_tier", result, args.out))
     return 0
 

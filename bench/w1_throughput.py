@@ -51,7 +51,7 @@ def side_kvscale(args: argparse.Namespace) -> dict:
     load_start = time.perf_counter()
     llm = LLM(dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory_bytes=args.kv_cache_bytes)
+              kv_cache_memory_bytes=args.kv_cache_bytes, quantization=args.quantization)
     engine = llm.llm_engine
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4, ignore_eos=True))
     load_s = time.perf_counter() - load_start
@@ -142,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", default=None, choices=["int8"],
+                        help="kvscale's weights (vLLM's side keeps --dtype: it quantizes no checkpoint on load)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
     parser.add_argument("--batch-size", type=int, default=16, help="baseline static batch size")
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -226,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": info,
         "workload": {k: getattr(args, k) for k in ("num_requests", "min_prompt", "max_prompt", "min_output",
-                                                    "max_output", "seed", "dtype", "threads", "max_num_seqs",
+                                                    "max_output", "seed", "dtype", "quantization", "threads",
+                                                    "max_num_seqs",
                                                     "max_num_batched_tokens")},
         "gemm_peak": peaks,
         "workload_flops": flops,

@@ -4,7 +4,8 @@ and the CPU kernel backend (``CPU``: C decode attention, the PyTorch references 
 ``cpu_decode_attention.c``: decode attention reading the paged cache in place for every sequence
 of a layer in one call (the PyTorch reference's per-sequence ops were most of a decode step's
 non-GEMM time). ``cpu_layer_ops.c``: the decoder layer's elementwise steps (SiLU-and-multiply,
-residual add + RMSNorm, RoPE) fused into one pass each.
+residual add + RMSNorm, RoPE) fused into one pass each. ``cpu_threads.c``: pins the OpenMP
+pool torch and these kernels share, one thread per CPU (``bind_threads``).
 
 Both are compiled into one library by the machine's C compiler for the machine it runs on
 (``-march=native``), into ``$KVSCALE_CACHE/native/`` (or ``$TMPDIR/kvscale-native-UID/`` when
@@ -40,7 +41,7 @@ from kvscale.kernels.ops import KernelBackend
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_decode_attention.c", "cpu_layer_ops.c")
+SOURCES = ("cpu_decode_attention.c", "cpu_layer_ops.c", "cpu_threads.c")
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are. It is a
 # compile flag only: linked with it, gcc adds crtfastmath.o, which switches the whole process to
@@ -72,6 +73,8 @@ _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     # x, row_stride, positions, cos_table, sin_table, table_stride, out, tokens, heads, head_dim,
     # is_bf16, num_threads
     "kvscale_rope": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I32, _I32]),
+    # cpus, num_threads
+    "kvscale_bind_threads": (ctypes.c_int, [_PTR, _I32]),
 }
 
 
@@ -238,6 +241,17 @@ def _library() -> ctypes.CDLL | None:
         fn.restype = restype
         fn.argtypes = argtypes
     return lib
+
+
+def bind_threads(cpus: list[int]) -> bool:
+    """Pin torch's OpenMP threads one per CPU (thread i to ``cpus[i]``) and use that many from
+    now on (cpu_threads.c says why); False where the C kernels do not run or a pin failed."""
+    lib = _library()
+    if lib is None or not cpus:
+        return False
+    torch.set_num_threads(len(cpus))
+    array = (ctypes.c_int32 * len(cpus))(*cpus)
+    return lib.kvscale_bind_threads(ctypes.cast(array, ctypes.c_void_p), len(cpus)) == 0
 
 
 def available() -> bool:

@@ -101,15 +101,19 @@ class HostKVCache:
 
     # --- the GPU path -------------------------------------------------------------------
     def _staging_for(self, n: int) -> torch.Tensor:
-        """A pinned buffer for ``n`` blocks, free to overwrite (its last copy has ended)."""
+        """A pinned, contiguous ``[layer, k|v, n, ...]`` buffer for ``n`` blocks, free to overwrite
+        (its last copy has ended). One flat buffer, grown by doubling and kept: a view of its
+        prefix is contiguous, so the copies to and from the device stay asynchronous DMA."""
         if self._staging_free is not None:
             self._staging_free.synchronize()
             self._staging_free = None
-        if self._staging is None or self._staging.shape[2] < n:
-            shape = list(self.host.shape)
-            shape[2] = max(n, 2 * (self._staging.shape[2] if self._staging is not None else 0))
-            self._staging = torch.empty(shape, dtype=self.host.dtype, pin_memory=True)
-        return self._staging[:, :, :n]
+        per_block = self.host[:, :, 0].numel()
+        if self._staging is None or self._staging.numel() < n * per_block:
+            have = self._staging.numel() // per_block if self._staging is not None else 0
+            self._staging = torch.empty(max(n, 2 * have) * per_block, dtype=self.host.dtype, pin_memory=True)
+        shape = list(self.host.shape)
+        shape[2] = n
+        return self._staging[: n * per_block].view(shape)
 
     def _demote_gpu(self, cache: torch.Tensor, blocks: list[int], slots: torch.Tensor) -> None:
         staging = self._staging_for(len(blocks))

@@ -17,6 +17,29 @@ PromptType = str | dict[str, Any] | list[int]
 ChatMessages = list[dict[str, Any]]
 
 
+def pin_cpu_threads() -> list[int]:
+    """Pin torch's OpenMP threads one per CPU, as vLLM's CPU worker does (kernels/cpu_threads.c
+    says why); returns the CPUs used, [] when nothing was pinned.
+
+    Only with two threads or more (one thread has no barrier to wait at), only on CPUs this
+    process may use, and not when ``KVSCALE_CPU_OMP_THREADS_BIND=nobind``. The calling thread is
+    the pool's first, so it stays on the first CPU afterwards, and processes it starts inherit that.
+    """
+    import os
+
+    import torch
+
+    from kvscale.kernels import cpu_native
+
+    threads = torch.get_num_threads()
+    if os.environ.get("KVSCALE_CPU_OMP_THREADS_BIND", "auto") == "nobind" or threads < 2:
+        return []
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    if len(cpus) < 2:
+        return []
+    return cpus if cpu_native.bind_threads(cpus) else []
+
+
 class LLM:
     def __init__(
         self,
@@ -44,6 +67,8 @@ class LLM:
             **engine_kwargs,
         )
         self.llm_engine = LLMEngine(config)
+        if self.llm_engine.device.type == "cpu":
+            pin_cpu_threads()
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

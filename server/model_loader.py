@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def load_hf_config(path: str | Path) -> Any:
@@ -51,6 +54,21 @@ def eos_token_ids(tokenizer: Any, path: Path) -> set[int]:
     return ids
 
 
+def auto_cpu_dtype(native_bf16: bool, onednn_bf16: bool) -> tuple[str, str]:
+    """``--dtype auto`` on a CPU: the dtype and why.
+
+    bfloat16 only where the CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX) and oneDNN has
+    kernels for it: there W1 runs faster in bf16 than in fp32 (docs/benchmarks.md) and the
+    perplexity stays within 1 % of transformers' fp32 (tests/server/test_precision_accuracy.py).
+    Elsewhere bf16 is emulated through fp32 and only loses precision.
+    """
+    if native_bf16 and onednn_bf16:
+        return "bfloat16", "the CPU has native bf16 (avx512_bf16/amx_bf16) and oneDNN bf16 kernels"
+    if native_bf16:
+        return "float32", "the CPU has native bf16 but this torch's oneDNN has no bf16 kernels for it"
+    return "float32", "the CPU has no native bf16 (no avx512_bf16 or amx_bf16 flag)"
+
+
 def resolve_dtype(dtype: str, hf_config: Any, device: Any) -> Any:
     import torch
 
@@ -59,7 +77,12 @@ def resolve_dtype(dtype: str, hf_config: Any, device: Any) -> Any:
     if dtype != "auto":
         return names[dtype]
     if device.type == "cpu":
-        return torch.float32  # reduced precision on CPU is slower or less exact for small models
+        from kvscale.server.cpu_features import cpu_features
+
+        onednn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        chosen, why = auto_cpu_dtype(cpu_features().native_bf16, onednn_bf16)
+        logger.info("--dtype auto on %s: %s, because %s", cpu_features().model_name or "this CPU", chosen, why)
+        return names[chosen]
     checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(checkpoint, str):
         checkpoint = names.get(checkpoint)

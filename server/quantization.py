@@ -2,11 +2,11 @@
 
 Weights per output channel (symmetric, scale = max|w| / 127), activations per token at every
 call (the same rule on each row of the input), the product in int8 with int32 sums through
-``torch._int_mm`` (oneDNN's VNNI kernels on x86), rescaled by both scales in float32. Measured
-against the alternatives on an AMD EPYC (AVX-512 VNNI, 1 thread, the bundled model's layer
-projections): 0.4-0.6x the time of oneDNN's packed float32 on 16-512 rows and on par on one row,
-where the weight-only kernel (``_weight_int8pack_mm``) needs bf16 activations to be fast and is
-2x slower than float32 on batches (``python -m bench.cpu_linear``).
+``torch._int_mm`` (oneDNN's VNNI kernels on x86), rescaled by both scales in float32. A first
+look on the 2-vCPU AMD EPYC (AVX-512 VNNI; one thread; one layer's four projections; taken while
+another benchmark ran, so indicative only): 0.37 / 2.1 / 95 ms on 16 / 64 / 512 rows against
+oneDNN-packed float32's 0.63 / 5.6 / 182, 0.18 against 0.21 on one row. The weight-only kernel
+(``_weight_int8pack_mm``) took 790 ms on 64 rows with float32 activations, 11.8 with bf16.
 
 Per-token int8 cannot hold the few input channels the RMSNorm gains scale far up: the q/k/v
 and gate/up projections that read a norm first move that range into their weights (``smooth_into``).

@@ -300,9 +300,10 @@ def test_new_service_gets_children_ready_status_scale_and_columns(cluster):
             "controller.kubernetes.io/pod-deletion-cost"] == "840"
 
         table = cluster.kubectl("get", "kvis", "-n", ns).stdout.splitlines()
-        assert table[0].split() == ["NAME", "MODEL", "REPLICAS", "READY", "KV-USAGE", "URL", "AGE"]
-        assert table[1].split()[:6] == [name, "bundled://smollm2-135m-instruct", "1", "1",
-                                        "0.42", status["url"]]
+        assert table[0].split() == ["NAME", "MODEL", "REPLICAS", "READY", "KV-USAGE", "URL", "STATUS",
+                                    "AGE"]
+        assert table[1].split()[:7] == [name, "bundled://smollm2-135m-instruct", "1", "1",
+                                        "0.42", status["url"], "Serving"]
 
         # kubectl scale reaches the Deployment through the scale subresource; the operator
         # leaves replicas alone since autoscaling is off (the high usage notwithstanding).

@@ -161,6 +161,9 @@ def cluster(process_cluster) -> Iterator[Cluster]:
 
 def test_200_requests_at_zero_replicas_are_all_answered(cluster: Cluster) -> None:
     cluster.wait_at_zero()
+    # Zero replicas is a normal state in `kubectl get kvis`.
+    row = cluster.kubectl("get", "kvis", NAME, "-n", NAMESPACE, "--no-headers").stdout.split()
+    assert row[2:4] == ["0", "0"] and "ScaledToZero" in row, row
     assert cluster.router_health()["status"] == "ok"  # ready, with no server: it holds
     burst = Burst(cluster.client(), 200)
     try:

@@ -38,7 +38,9 @@ def server():
     proc = ServeProcess(
         "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
         "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "16",
-        "--served-model-name", "smollm2", "smollm2-alias", log_name="api",
+        "--served-model-name", "smollm2", "smollm2-alias",
+        "--dtype", "float32",  # the tests compare logprobs with transformers in float32
+        log_name="api",
     )
     yield proc
     proc.stop()

@@ -14,22 +14,27 @@ SMALL_TIER_GIB = 0.02  # ~28 float32 blocks of the bundled model
 
 
 def greedy(n: int = 4) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=n)
+    return SamplingParams(temperature=0.0, max_tokens=n, logprobs=1)
 
 
 def tokens(start: int, n: int) -> list[int]:
     return [(start + 7 * i) % 40000 + 100 for i in range(n)]
 
 
-def run(engine, requests: list[tuple[str, list[int]]]) -> dict[str, list[int]]:
-    """Add every request at once and step until they are all done."""
+def run(engine, requests: list[tuple[str, list[int]]], logprobs: dict | None = None) -> dict[str, list[int]]:
+    """Add every request at once and step until they are all done; the chosen tokens' logprobs
+    go to ``logprobs`` when given."""
     for rid, prompt in requests:
         engine.add_request(rid, prompt, greedy())
     out = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
-                out[o.request_id] = o.outputs[0].token_ids
+                completion = o.outputs[0]
+                out[o.request_id] = completion.token_ids
+                if logprobs is not None:
+                    logprobs[o.request_id] = [
+                        p[t].logprob for p, t in zip(completion.logprobs, completion.token_ids, strict=True)]
     return out
 
 
@@ -56,11 +61,16 @@ N = tokens(20000, 80)
 def test_greedy_with_promotion_equals_greedy_without_the_tier(make_engine, dtype):
     tiered = make_engine(dtype=dtype, num_gpu_blocks_override=16, kv_offloading_size=SMALL_TIER_GIB)
     flat = make_engine(dtype=dtype, num_gpu_blocks_override=16)
-    got, want = {}, {}
+    got, want, got_lp, want_lp = {}, {}, {}, {}
     for phase in ([("q1", Q1)], [("q2", Q2)], [("q1b", Q1_AGAIN), ("n", N)]):
-        got |= run(tiered, phase)
-        want |= run(flat, phase)
+        got |= run(tiered, phase, got_lp)
+        want |= run(flat, phase, want_lp)
     assert got == want
+    # The promoted K/V is the computed K/V, copied: the revisit's logprobs match a recompute's
+    # (up to the different chunking of the attention over the prefix).
+    tolerance = 1e-4 if dtype == "float32" else 5e-2
+    for rid, values in want_lp.items():
+        assert got_lp[rid] == pytest.approx(values, abs=tolerance), rid
     assert tiered.pool.num_promoted >= 4 and tiered.pool.num_demoted >= 4
     # The revisit really came from tier 2: it started with its 64-token prefix computed.
     assert tiered.get_stats().prefix_cache_hits >= 64
@@ -69,6 +79,8 @@ def test_greedy_with_promotion_equals_greedy_without_the_tier(make_engine, dtype
     assert extra["external_prefix_cache_hits_total"] >= 64 and extra["kv_blocks_promoted_total"] >= 4
     assert extra["kv_offload_bytes_cpu_to_gpu"] >= 4 * tiered.runner.host_cache.block_bytes
     assert extra["kv_restore_seconds_count"] >= 1
+    # The swap-or-recompute choice reads rates measured on this engine, not guesses.
+    assert tiered.scheduler.copy_bytes_per_s > 0 and tiered.scheduler.step_rates.prefill_tokens_per_s > 0
 
 
 def test_a_step_that_promotes_while_writing_never_sees_a_mismatch(make_engine):
