@@ -6,7 +6,9 @@ projections: qkv, o, gate_up and down of every layer, plus the LM head on decode
 (every row samples; prefill computes logits only for the rows that end a prompt). ``F.linear``
 gets the layout the engine gave it before packing (float32: a transposed view of an [in, out]
 buffer; bfloat16: the checkpoint's [out, in]). Medians of repeated calls; the ratio packed ÷
-F.linear is what ``server/cpu_linear.py`` decides by (below 1: packing is faster).
+F.linear is what ``server/cpu_linear.py`` decides by (below 1: packing is faster). Each row also
+times ``--quantization int8``'s projection (``server/quantization.py``: int8 weights, the input
+quantized per row on each call) on inputs of that dtype, and its ratio to the faster of the two.
 
     python -m bench.cpu_linear --threads 2      # bench/results/cpu_linear_t2.json
 """
@@ -22,6 +24,7 @@ from bench.common import machine, median_ms, op_bench_args, write_result
 from kvscale.model_files import resolve_model_path
 from kvscale.server.cpu_linear import PackedLinear, onednn_packs
 from kvscale.server.model_llama import spec_from_hf_config
+from kvscale.server.quantization import Int8Linear
 
 ROWS = (1, 4, 16, 64, 256, 2048)
 DECODE_ROWS_MAX = 64
@@ -43,9 +46,10 @@ def measure(dtype: torch.dtype, repeats: int, gen: torch.Generator) -> list[dict
     weights = {name: (torch.randn(out, inp, generator=gen) * 0.02).to(dtype) for name, (inp, out) in shapes.items()}
     plain = {name: w.t().contiguous().t() if dtype == torch.float32 else w for name, w in weights.items()}
     packed = {name: PackedLinear(w, None) for name, w in weights.items()}
+    int8 = {name: Int8Linear(w, None) for name, w in weights.items()}
     rows_out = []
     for rows in ROWS:
-        linear_ms = packed_ms = 0.0
+        linear_ms = packed_ms = int8_ms = 0.0
         for name, (inp, _) in shapes.items():
             if name == "lm_head" and rows > DECODE_ROWS_MAX:
                 continue
@@ -54,8 +58,10 @@ def measure(dtype: torch.dtype, repeats: int, gen: torch.Generator) -> list[dict
             reps = max(5, repeats // 4) if rows >= 256 else repeats
             linear_ms += times * median_ms(lambda x=x, w=plain[name]: functional.linear(x, w), reps, warmup=2)
             packed_ms += times * median_ms(lambda x=x, m=packed[name]: m(x), reps, warmup=2)
+            int8_ms += times * median_ms(lambda x=x, m=int8[name]: m(x), reps, warmup=2)
         rows_out.append({"dtype": str(dtype).removeprefix("torch."), "rows": rows, "f_linear_ms": linear_ms,
-                         "packed_ms": packed_ms, "packed_over_f_linear": packed_ms / linear_ms})
+                         "packed_ms": packed_ms, "packed_over_f_linear": packed_ms / linear_ms,
+                         "int8_ms": int8_ms, "int8_over_best": int8_ms / min(linear_ms, packed_ms)})
     return rows_out
 
 
@@ -67,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.extend(measure(dtype, args.repeats, gen))
     for row in rows:
         print(f"{row['dtype']:9s} rows {row['rows']:5d}  F.linear {row['f_linear_ms']:8.2f} ms  "
-              f"packed {row['packed_ms']:8.2f} ms  {row['packed_over_f_linear']:.2f}x")
+              f"packed {row['packed_ms']:8.2f} ms  {row['packed_over_f_linear']:.2f}x  "
+              f"int8 {row['int8_ms']:8.2f} ms  {row['int8_over_best']:.2f}x")
     result = {"benchmark": "cpu_linear", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
               "threads": args.threads, "engine_packs": {"float32": onednn_packs(torch.float32),
                                                         "bfloat16": onednn_packs(torch.bfloat16)},

@@ -107,8 +107,18 @@ def _schema_object(schema: Any, param: str) -> str:
     return canonical_json(schema)
 
 
-def structured_outputs_from(body: p.SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
-    """The request's constraint and the field it came from (for error messages), if any."""
+def structured_outputs_from(server: OpenAIServer, body: p.SamplingFields
+                            ) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's constraint and the field it came from (for error messages), if any; a
+    constraint that cannot even be read is a 400 counted as an ``invalid`` refusal."""
+    try:
+        return _structured_outputs_from(body)
+    except APIError:
+        server.count_refusal("invalid")
+        raise
+
+
+def _structured_outputs_from(body: p.SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
     fmt = body.response_format
     so = body.structured_outputs
     constrained_format = fmt is not None and fmt.type != "text"

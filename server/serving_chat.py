@@ -88,7 +88,7 @@ def prepare_chat(server: OpenAIServer, body: p.ChatCompletionRequest) -> Prepare
         plan = plan_tools(body, parser=server.tool_call_parser, auto_enabled=server.enable_auto_tool_choice)
     except ToolError as exc:
         raise bad_request(str(exc), exc.param) from exc
-    structured, constraint_param = structured_outputs_from(body)
+    structured, constraint_param = structured_outputs_from(server, body)
     if plan.constraint is not None:
         structured, constraint_param = plan.constraint, "tools"
         server.count_structured("tool")

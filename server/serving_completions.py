@@ -80,7 +80,7 @@ def prepare_completion(server: OpenAIServer, body: p.CompletionRequest) -> Prepa
     check_stream_options(body)
     check_refused_fields(body)
     server.note_unknown_fields(body, "/v1/completions")
-    structured, constraint_param = structured_outputs_from(body)
+    structured, constraint_param = structured_outputs_from(server, body)
     if structured is not None:
         server.count_structured(structured.kind)
     logit_bias = logit_bias_from(body, server.vocab_size)

@@ -101,3 +101,25 @@ def test_serve_flag_spelled_as_vllm(capsys) -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "awq"])
     assert "invalid choice: 'awq'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_with_int8_answers_through_the_openai_client() -> None:
+    import sys
+    from pathlib import Path
+
+    import openai
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from api_helpers import ServeProcess
+
+    server = ServeProcess("--quantization", "int8", "--dtype", "float32", "--device", "cpu",
+                          "--num-gpu-blocks-override", "32", "--max-model-len", "256", log_name="serve-int8")
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        result = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
+                                           temperature=0)
+        assert result.usage.completion_tokens == 4 and result.choices[0].text
+    finally:
+        server.stop()
