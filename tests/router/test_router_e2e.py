@@ -214,8 +214,10 @@ def test_replica_killed_mid_run_fails_no_unstarted_request(replicas, session_red
 
     def one(i: int) -> None:
         started, ok, replica = False, False, ""
-        body = {"model": MODEL, "prompt": f"Count to ten, attempt {i}:", "max_tokens": 24,
-                "temperature": 0, "stream": True}
+        # Long enough that the victim (one sequence at a time) is still on its first answer when
+        # it is killed, however fast a warmed-up engine is: the rest wait in its queue, unstarted.
+        body = {"model": MODEL, "prompt": f"Count to ten, attempt {i}:", "max_tokens": 200,
+                "ignore_eos": True, "temperature": 0, "stream": True}
         try:
             with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as response:
                 replica = response.headers.get("x-kvscale-replica", "")
