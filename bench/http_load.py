@@ -191,7 +191,9 @@ def spawn(name: str, argv: list[str], env: dict[str, str], port: int, model: str
     return Server(name, proc, f"http://127.0.0.1:{port}", model, log_path, argv, spawned_at)
 
 
-def start_kvscale(engine_flags: dict, threads: int, model: str, log_dir: Path) -> Server:
+def start_kvscale(engine_flags: dict, threads: int, model: str, log_dir: Path,
+                  extra_args: tuple[str, ...] = ()) -> Server:
+    """``extra_args``: more `kvscale serve` flags (vLLM's spelling, so the same go to both)."""
     from bench.anchors import vllm_cpu
 
     port = free_port()
@@ -199,13 +201,14 @@ def start_kvscale(engine_flags: dict, threads: int, model: str, log_dir: Path) -
     # The engine core's OpenMP threads on the very CPUs vLLM's get; both front ends take the rest
     # (none when the run uses every CPU: then they share, on both sides).
     bind = vllm_cpu.omp_threads_bind(threads)
-    argv = [*kvscale_argv(engine_flags, port, model), "--omp-threads-bind", bind]
+    argv = [*kvscale_argv(engine_flags, port, model), "--omp-threads-bind", bind, *extra_args]
     server = spawn("kvscale", argv, env, port, model, log_dir, REPO)
     server.info.update(omp_threads_bind=bind)
     return server
 
 
-def start_vllm(engine_flags: dict, threads: int, model: str, log_dir: Path, enforce_eager: bool) -> Server:
+def start_vllm(engine_flags: dict, threads: int, model: str, log_dir: Path, enforce_eager: bool,
+               extra_args: tuple[str, ...] = ()) -> Server:
     from bench.anchors import vllm_cpu
 
     port = free_port()
@@ -215,7 +218,7 @@ def start_vllm(engine_flags: dict, threads: int, model: str, log_dir: Path, enfo
         dtype=engine_flags["dtype"], max_num_seqs=engine_flags["max_num_seqs"],
         max_num_batched_tokens=engine_flags["max_num_batched_tokens"],
         max_model_len=engine_flags["max_model_len"], enable_prefix_caching=engine_flags["enable_prefix_caching"],
-        enforce_eager=enforce_eager)
+        enforce_eager=enforce_eager) + list(extra_args)
     env = vllm_cpu.vllm_env(threads, kv_gib)
     server = spawn("vllm", argv, env, port, model, log_dir, log_dir)
     server.info.update(omp_threads_bind=env["VLLM_CPU_OMP_THREADS_BIND"], kv_cache_gib=kv_gib,
