@@ -127,7 +127,10 @@ async def stream_gaps(http: httpx.AsyncClient, base_url: str, prompt: str, max_t
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
-                choices = json.loads(line[6:])["choices"]
+                event = json.loads(line[6:])
+                if "choices" not in event:
+                    raise RuntimeError(f"stream failed: {line[:300]}")
+                choices = event["choices"]
                 if choices and choices[0].get("text"):
                     arrivals.append(time.perf_counter())
 
@@ -335,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = read_rows(Path(args.sample) if args.sample else default_sample())
     engine_flags = {"device": "cpu", "dtype": "float32", "max_model_len": 4096, "max_num_seqs": 32,
                     "max_num_batched_tokens": 4096, "block_size": 16, "enable_prefix_caching": True,
-                    "kv_cache_memory_bytes": 2 * 1024**3}
+                    # 512 MiB (vLLM: 1 GiB, its least): the shared machine's OOM killer took a
+                    # 2 GiB engine once.
+                    "kv_cache_memory_bytes": 512 * 1024**2}
     log_dir = Path("/tmp/kvscale-bench-structured-serving")
     log_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -349,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.strftime("%H:%M", time.gmtime())
         result["engines"][name] = asyncio.run(bench_engine(name, start, rows, args, parts))
         result["engines"][name]["utc"] = f"{started}-{time.strftime('%H:%M', time.gmtime())}"
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=1))
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=1))  # after each engine: a late failure keeps it
     return 0
 
 
