@@ -73,7 +73,10 @@ async def first_token_s(http: httpx.AsyncClient, base_url: str, body: dict) -> t
         first = None
         async for line in response.aiter_lines():
             if first is None and line.startswith("data: {"):
-                delta = json.loads(line[6:])["choices"]
+                event = json.loads(line[6:])
+                if "choices" not in event:
+                    return 0, None  # refused inside a 200 stream (vLLM does, for schemas xgrammar rejects)
+                delta = event["choices"]
                 if delta and (delta[0].get("delta") or {}).get("content"):
                     first = time.perf_counter() - started
         return 200, first
@@ -106,6 +109,7 @@ async def part_ttft(base_url: str, rows: list[dict], per_set: int) -> dict[str, 
     uncached_p50 = statistics.median(r["uncached_s"] for r in timed) if timed else 0.0
     cached_p50 = statistics.median(r["cached_s"] for r in timed) if timed else 0.0
     return {"schemas": len(chosen), "timed": len(timed), "refused": sum(r["status"] == 400 for r in per_schema),
+            "refused_in_stream": sum(r["status"] == 0 for r in per_schema),
             "uncached_ttft_p50_s": uncached_p50, "cached_ttft_p50_s": cached_p50,
             "uncached_over_cached": uncached_p50 / cached_p50 if cached_p50 else None,
             "per_schema": per_schema}
@@ -251,7 +255,10 @@ async def one_tool_request(http: httpx.AsyncClient, base_url: str, mode: str, to
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
                 continue
-            for part in json.loads(line[6:])["choices"]:
+            event = json.loads(line[6:])
+            if "choices" not in event:
+                return {"outcome": "stream_error", "message": line[:200]}
+            for part in event["choices"]:
                 finish = part.get("finish_reason") or finish
                 for delta in (part.get("delta") or {}).get("tool_calls") or []:
                     function = delta.get("function") or {}
