@@ -16,9 +16,10 @@ import jsonschema
 import openai
 import pytest
 
+from bench.jsonschemabench import load_rows, rows_per_set
+
 sys.path.insert(0, str(Path(__file__).parent))
 from api_helpers import ServeProcess, scrape  # noqa: E402
-from jsonschemabench import load_rows, rows_per_set  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -5,24 +5,20 @@ naming the keyword, bounded whitespace, the compile cache and time limit, and th
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from jsonschemabench import load_rows  # noqa: E402
-
-from kvscale.server.sampling_params import StructuredOutputsParams  # noqa: E402
-from kvscale.server.structured_outputs import backend  # noqa: E402
-from kvscale.server.structured_outputs.compiler import (  # noqa: E402
+from bench.jsonschemabench import load_rows
+from kvscale.server.sampling_params import StructuredOutputsParams
+from kvscale.server.structured_outputs import backend
+from kvscale.server.structured_outputs.compiler import (
     GrammarCompiler,
     StructuredOutputsConfig,
 )
-from kvscale.server.structured_outputs.manager import mask_rows_inplace, unpack  # noqa: E402
+from kvscale.server.structured_outputs.manager import mask_rows_inplace, unpack
 
 VOCAB = 49152
 EOS = {0, 2}
