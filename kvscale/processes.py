@@ -62,15 +62,17 @@ def wait_until(
     raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
 
 
-def wait_for_port(port: int, timeout: float, host: str = "127.0.0.1", what: str = "") -> None:
-    def listening() -> bool:
-        try:
-            with socket.create_connection((host, port), timeout=0.2):
-                return True
-        except OSError:
-            return False
+def port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
 
-    wait_until(listening, timeout, interval=0.05, what=f"{what or 'something'} to listen on {host}:{port}")
+
+def wait_for_port(port: int, timeout: float, host: str = "127.0.0.1", what: str = "") -> None:
+    wait_until(lambda: port_open(host, port), timeout, interval=0.05,
+               what=f"{what or 'something'} to listen on {host}:{port}")
 
 
 def die_with_parent() -> None:

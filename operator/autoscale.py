@@ -55,7 +55,8 @@ def router_reports(runtime: Runtime, name: str, namespace: str,
     if not spec.router.enabled:
         return None
     pods = runtime.kube.list(path_for("v1", "pods", namespace), as_selector_string(router_selector(name)))
-    return read_router_reports(pods, runtime.config.scrape_timeout)
+    return read_router_reports(pods, runtime.config.scrape_timeout,
+                               runtime.config.allow_metrics_url_override)
 
 
 def router_conditions(reports: list[RouterReport] | None) -> list[Condition]:

@@ -18,7 +18,7 @@ import httpx
 from kvscale.base_urls import base_url
 from kvscale.operator.conditions import Condition
 from kvscale.operator.scaling import Demand
-from kvscale.operator.scraping import is_ready
+from kvscale.operator.scraping import annotated_metrics_url, is_ready
 from kvscale.operator.spec import ROUTER_PORT
 
 PREFIX_ROUTING = "PrefixRouting"
@@ -72,26 +72,37 @@ def demand_from_reports(reports: list[RouterReport]) -> Demand:
                   idle_seconds=min(i for i in idle if i is not None) if known else None)
 
 
-def read_router_report(client: httpx.Client, pod: dict[str, Any]) -> RouterReport:
-    name = pod["metadata"]["name"]
+def health_url(pod: dict[str, Any], allow_override: bool) -> str | None:
+    """The router pod's /health: at its pod IP, or beside the address its metrics-url
+    annotation gives (honoured only with --allow-metrics-url-override, as for the servers)."""
+    override = annotated_metrics_url(pod, allow_override)
+    if override:
+        return override.removesuffix("/metrics") + "/health"
     ip = (pod.get("status") or {}).get("podIP")
-    if not ip:
+    return base_url(ip, ROUTER_PORT) + "/health" if ip else None
+
+
+def read_router_report(client: httpx.Client, pod: dict[str, Any], allow_override: bool) -> RouterReport:
+    name = pod["metadata"]["name"]
+    url = health_url(pod, allow_override)
+    if url is None:
         return RouterReport(name, {}, "no pod IP")
     try:
         # 503 (no ready server yet) still carries the body.
-        response = client.get(base_url(ip, ROUTER_PORT) + "/health")
+        response = client.get(url)
         return report_from_health(name, response.json())
     except (httpx.HTTPError, ValueError) as exc:
         return RouterReport(name, {}, f"/health: {exc}")
 
 
-def read_router_reports(pods: list[dict[str, Any]], timeout: float) -> list[RouterReport]:
+def read_router_reports(pods: list[dict[str, Any]], timeout: float,
+                        allow_override: bool = False) -> list[RouterReport]:
     ready = [p for p in pods if is_ready(p)]
     if not ready:
         return []
     with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client, \
             ThreadPoolExecutor(max_workers=min(8, len(ready))) as pool:
-        return list(pool.map(lambda pod: read_router_report(client, pod), ready))
+        return list(pool.map(lambda pod: read_router_report(client, pod, allow_override), ready))
 
 
 def prefix_routing_condition(reports: list[RouterReport]) -> Condition:

@@ -2,7 +2,8 @@
 
 A pod is scraped at http://POD_IP:8000/metrics. With `kvscale operator
 --allow-metrics-url-override` (or KVSCALE_ALLOW_METRICS_URL_OVERRIDE=1) a pod annotation
-`serving.kvscale.io/metrics-url: http://host:port/metrics` replaces that address. It is off by
+`serving.kvscale.io/metrics-url: http://host:port/metrics` replaces that address (on a router
+pod, it also places the /health the operator reads beside it). It is off by
 default because whoever may annotate pods could otherwise point the operator's requests anywhere;
 it exists for clusters whose pods run no real server (kwok in the end-to-end tests) and for
 sidecar-proxied metrics.
@@ -37,11 +38,17 @@ def is_ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
+def annotated_metrics_url(pod: dict[str, Any], allow_override: bool) -> str | None:
+    """The pod's metrics-url annotation, when the operator was told to honour it."""
+    if not allow_override:
+        return None
+    return (pod.get("metadata", {}).get("annotations") or {}).get(METRICS_URL_ANNOTATION) or None
+
+
 def metrics_url(pod: dict[str, Any], allow_override: bool) -> str | None:
-    if allow_override:
-        override = (pod.get("metadata", {}).get("annotations") or {}).get(METRICS_URL_ANNOTATION)
-        if override:
-            return override
+    override = annotated_metrics_url(pod, allow_override)
+    if override:
+        return override
     ip = (pod.get("status") or {}).get("podIP")
     if not ip:
         return None

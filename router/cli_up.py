@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from kvscale.processes import die_with_parent, free_port, wait_for_port
+from kvscale.processes import die_with_parent, free_port, port_open, wait_for_port, wait_until
 from kvscale.router.policy import DEFAULT_POLICY, POLICIES
 
 
@@ -33,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV blocks per replica")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                        help="GiB of host memory per replica for a second KV tier (as `kvscale serve`)")
+    parser.add_argument("--hold-timeout", type=float, default=None, metavar="SECONDS",
+                        help="start the router first: it takes requests at once and holds them up to "
+                             "this long for a replica to be ready (as `kvscale router`)")
     parser.add_argument("--api-key", default=os.environ.get("KVSCALE_API_KEY"), help="key for router and replicas")
     parser.add_argument("--no-redis", action="store_true", help="skip Redis: the router indexes in-process")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
@@ -102,6 +107,14 @@ class Stack:
             if pending:
                 time.sleep(0.3)
 
+    def wait_listening(self, child: Child, host: str, port: int, timeout: float) -> None:
+        """Until ``child`` accepts connections (it may still answer 503), or it exits."""
+        wait_until(lambda: not child.alive() or port_open(host, port), timeout,
+                   what=f"{child.name} to listen on {host}:{port}")
+        if not child.alive():
+            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}; "
+                               f"see {os.path.join(self.logdir, child.name + '.log')}")
+
     def stop(self, grace_s: float = 10.0) -> None:
         # Reverse start order: router, replicas, then Redis.
         for child in reversed(self.children):
@@ -159,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
             if args.model:
                 argv += ["--model", args.model]
             for flag, value in (("--num-gpu-blocks-override", args.num_gpu_blocks_override),
-                                ("--max-model-len", args.max_model_len), ("--max-num-seqs", args.max_num_seqs)):
+                                ("--max-model-len", args.max_model_len), ("--max-num-seqs", args.max_num_seqs),
+                                ("--kv-offloading-size", args.kv_offloading_size)):
                 if value is not None:
                     argv += [flag, str(value)]
             if redis_url:
@@ -167,8 +181,6 @@ def run(args: argparse.Namespace) -> int:
             replica_children.append(stack.spawn(f"replica-{i}", argv, url, f"{url}/health", env_extra=(
                 {"KVSCALE_API_KEY": args.api_key} if args.api_key else None)))
         print(f"kvscale up: starting {args.replicas} replica(s) (logs in {stack.logdir})", flush=True)
-        stack.wait_healthy(replica_children, args.startup_timeout)
-
         router_url = f"http://{args.host}:{args.port}"
         argv = kvscale + ["router", "--host", args.host, "--port", str(args.port), "--policy", args.policy,
                           "--block-size", str(args.block_size),
@@ -177,12 +189,27 @@ def run(args: argparse.Namespace) -> int:
             argv += ["--model", args.model]
         if redis_url:
             argv += ["--redis", redis_url]
+        if args.hold_timeout is not None:
+            argv += ["--hold-timeout", str(args.hold_timeout)]
         keys = ({"KVSCALE_API_KEY": args.api_key, "KVSCALE_REPLICA_API_KEY": args.api_key}
                 if args.api_key else None)
         health_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        router = stack.spawn("router", argv, router_url, f"http://{health_host}:{args.port}/health",
-                             env_extra=keys)
-        stack.wait_healthy([router], args.startup_timeout)
+
+        def start_router() -> Child:
+            return stack.spawn("router", argv, router_url, f"http://{health_host}:{args.port}/health",
+                               env_extra=keys)
+
+        if args.hold_timeout is None:
+            stack.wait_healthy(replica_children, args.startup_timeout)
+            stack.wait_healthy([start_router()], args.startup_timeout)
+        else:
+            # Requests are taken (and held) while the replicas load, as a service scaling from zero.
+            router = start_router()
+            stack.wait_listening(router, health_host, args.port, args.startup_timeout)
+            print(f"kvscale up: router at {router_url}/v1 holds requests until a replica is ready",
+                  flush=True)
+            stack.wait_healthy(replica_children, args.startup_timeout)
+            stack.wait_healthy([router], args.startup_timeout)
 
         print("kvscale up: ready", flush=True)
         print(f"  router:   {router_url}/v1", flush=True)

@@ -354,6 +354,19 @@ class K8sEnv:
     def kubectl_json(self, *args: str, kubeconfig: Path | None = None) -> dict:
         return json.loads(self.kubectl(*args, "-o", "json", kubeconfig=kubeconfig).stdout)
 
+    def wait_established(self, crd: str, timeout: float = 60.0) -> None:
+        """Until the CRD serves. Not `kubectl wait --for=condition=Established`: that fails at once
+        on a CRD the apiserver has not given a status yet ("<nil> ... expected []interface{}")."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.kubectl_json("get", "crd", crd).get("status") or {}
+            if any(c.get("type") == "Established" and c.get("status") == "True"
+                   for c in status.get("conditions") or []):
+                return
+            if time.monotonic() > deadline:
+                raise K8sEnvError(f"crd/{crd} not Established after {timeout:g} s: {status}")
+            time.sleep(0.2)
+
     def kubeconfig_for_user(self, username: str, groups: tuple[str, ...] | list[str] = ()) -> Path:
         """A kubeconfig authenticating as `username` in `groups` via a client cert.
 

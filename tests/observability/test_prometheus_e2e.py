@@ -51,12 +51,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.k8s]
 
 NS, NAME, MODEL = "kvscale-obs", "chat", "smollm2-135m-instruct"
 LABEL = "serving.kvscale.io/inferenceservice"
+ROUTER_LABEL = "serving.kvscale.io/router"
 RATE_INTERVAL = "10s"  # what Grafana's $__rate_interval is at a 1 s scrape interval and more
 VALUES = {"namespace": NS, "inferenceservice": NAME, "model_name": MODEL, "pod": ".*",
           "__rate_interval": RATE_INTERVAL}
 # A shared system prompt, so the engines' prefix caches (and the router's prediction) pay.
 SYSTEM = ("You are a concise assistant for a Kubernetes platform team. Answer in one short "
           "sentence, name the Kubernetes object involved, and never invent flags. ")
+# About 28 bf16 blocks of SmolLM2-135M (fp32: 14) beside the 20 of the KV cache, so re-asked
+# tickets come back from the host tier.
+HOST_TIER_GIB = 0.01
 QUESTIONS = ["What restarts a crashed pod?", "What spreads pods over nodes?",
              "What keeps a fixed number of pods?", "What exposes pods on a stable address?",
              "What stores a password for pods?", "What scales pods on CPU?"]
@@ -108,6 +112,7 @@ class Platform:
         self.operator_metrics = ""
         self.prometheus = ""
         self.pods: dict[str, str] = {}  # pod name -> replica URL
+        self.router_pods: set[str] = set()
         self.sd_file = tmp / "servers.json"
         self.sd_file.write_text("[]")
         self._stop = threading.Event()
@@ -115,6 +120,7 @@ class Platform:
     # -- kwok pods bound to real replicas -------------------------------------------------------
     def feed_pods(self) -> None:
         while not self._stop.wait(0.3):
+            self.bind_router_pods()
             proc = self.env.kubectl("get", "pods", "-n", NS, "-l", f"{LABEL}={NAME}", "-o", "json",
                                     check=False)
             if proc.returncode != 0:
@@ -134,6 +140,20 @@ class Platform:
                 tmp.write_text(json.dumps(targets))
                 tmp.replace(self.sd_file)
 
+    def bind_router_pods(self) -> None:
+        """The operator reads held requests and cold starts from the router pods' /health: the
+        router of `kvscale up` stands in for them."""
+        proc = self.env.kubectl("get", "pods", "-n", NS, "-l", f"{ROUTER_LABEL}={NAME}", "-o", "json",
+                                check=False)
+        if proc.returncode != 0:
+            return
+        for pod in json.loads(proc.stdout)["items"]:
+            name = pod["metadata"]["name"]
+            if name not in self.router_pods:
+                self.env.kubectl("annotate", "pod", name, "-n", NS, "--overwrite",
+                                 f"serving.kvscale.io/metrics-url={self.router_url}/metrics")
+                self.router_pods.add(name)
+
     def query(self, path: str, **params) -> dict:
         response = httpx.get(f"{self.prometheus}/api/v1/{path}", params=params, timeout=30)
         body = response.json()
@@ -141,13 +161,23 @@ class Platform:
         return body["data"]
 
 
-def start_up(platform: Platform) -> None:
-    port = free_port()
+def start_up(platform: Platform) -> Proc:
+    """`kvscale up` with its router started first (it holds requests while the replicas load, as
+    a service scaling from zero) and replicas with a host KV tier; returns once the router listens."""
+    port = int(platform.router_url.rsplit(":", 1)[1])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     up = Proc([sys.executable, "-m", "kvscale", "up", "--replicas", "2", "--port", str(port),
                "--num-gpu-blocks-override", "20", "--max-model-len", "256",
-               "--max-num-seqs", "2"], platform.tmp / "up.log", env)
+               "--max-num-seqs", "2", "--kv-offloading-size", str(HOST_TIER_GIB),
+               "--hold-timeout", "400"], platform.tmp / "up.log", env)
     platform.procs.append(up)
+    wait_until(lambda: "holds requests until a replica is ready" in log_tail(up.log, 100_000)
+               or up.proc.poll() is not None, timeout=120, interval=0.2, what="kvscale up's router")
+    assert up.proc.poll() is None, log_tail(up.log)
+    return up
+
+
+def wait_up_ready(platform: Platform, up: Proc) -> None:
     wait_until(lambda: "kvscale up: ready" in log_tail(up.log, 100_000) or up.proc.poll() is not None,
                timeout=500, interval=0.5, what="kvscale up")
     time.sleep(0.5)
@@ -155,7 +185,6 @@ def start_up(platform: Platform) -> None:
     assert up.proc.poll() is None, text
     platform.replica_urls = re.findall(r"replica-\d: (http://127\.0\.0\.1:\d+)/v1", text)
     assert len(platform.replica_urls) == 2, text
-    platform.router_url = f"http://127.0.0.1:{port}"
 
 
 def start_operator(platform: Platform) -> None:
@@ -210,13 +239,24 @@ def start_prometheus(platform: Platform) -> None:
 def inference_service() -> dict:
     return {"apiVersion": "serving.kvscale.io/v1alpha1", "kind": "InferenceService",
             "metadata": {"name": NAME, "namespace": NS},
-            "spec": {"model": {"uri": "bundled://smollm2-135m-instruct"},
+            "spec": {"model": {"uri": "bundled://smollm2-135m-instruct"}, "replicas": 0,
                      "resources": {"gpus": 1, "cpu": "1", "memory": "2Gi"},
                      "tolerations": [kwok_toleration()],
-                     "router": {"enabled": False},
-                     "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2,
+                     "router": {"enabled": True, "replicas": 1},
+                     "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2,
                                      "targetKVUsage": 0.1, "targetQueueLength": 1,
                                      "scaleDownStabilizationSeconds": 600}}}
+
+
+def ask_once(platform: Platform) -> list[str]:
+    client = openai.OpenAI(base_url=f"{platform.router_url}/v1", api_key="unused", max_retries=0,
+                           timeout=600)
+    try:
+        client.chat.completions.create(model=MODEL, max_tokens=8,
+                                       messages=[{"role": "user", "content": QUESTIONS[0]}])
+        return ["ok"]
+    except openai.OpenAIError as exc:
+        return [repr(exc)]
 
 
 def load(platform: Platform, seconds: float, workers: int = 3) -> list[str]:
@@ -231,8 +271,10 @@ def load(platform: Platform, seconds: float, workers: int = 3) -> list[str]:
         while time.monotonic() < deadline:
             n += 1
             # A shared system prompt (prefix hits), then a unique ticket number: the pools fill
-            # with cached blocks and start evicting.
-            question = f"{QUESTIONS[(i + n) % len(QUESTIONS)]} (ticket {i}-{n})"
+            # with cached blocks and start evicting. Every fourth asks an older ticket again,
+            # whose blocks by then left the KV cache for the host tier.
+            ticket = n - 5 if n % 4 == 0 and n > 5 else n
+            question = f"{QUESTIONS[(i + ticket) % len(QUESTIONS)]} (ticket {i}-{ticket})"
             messages = [{"role": "system", "content": SYSTEM},
                         {"role": "user", "content": question}]
             try:
@@ -276,15 +318,31 @@ def platform(k8s_env, tmp_path_factory):
     feeder = threading.Thread(target=p.feed_pods, daemon=True)
     try:
         k8s_env.kubectl("apply", "-f", str(REPO_ROOT / "crds"))
-        k8s_env.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                        "crd/inferenceservices.serving.kvscale.io")
+        k8s_env.wait_established("inferenceservices.serving.kvscale.io")
         k8s_env.kubectl("create", "namespace", NS)
-        start_up(p)
+        p.router_url = f"http://127.0.0.1:{free_port()}"
         start_operator(p)
         start_prometheus(p)
         feeder.start()
         p.started = time.time()
+        # The service starts at zero replicas: its first request is held by the router while
+        # the operator activates it and the replicas load (a cold start, seen on both sides).
         k8s_env.kubectl("apply", "-f", "-", input=yaml.safe_dump(inference_service()))
+        wait_until(lambda: p.router_pods, timeout=60, what="the router pod bound to the router")
+        up = start_up(p)
+        held: list[str] = []
+        first = threading.Thread(target=lambda: held.extend(ask_once(p)))
+        first.start()
+
+        def activated() -> bool:
+            status = k8s_env.kubectl_json("get", "kvis", NAME, "-n", NS).get("status") or {}
+            return bool(status.get("activationStarted") or status.get("lastColdStartSeconds"))
+
+        wait_until(activated, timeout=120, interval=0.5,
+                   what="the operator to see the held request at zero replicas")
+        wait_up_ready(p, up)
+        first.join(timeout=300)
+        assert held == ["ok"], held
         wait_until(lambda: len(p.pods) >= 1, timeout=90, what="the first pod bound to a replica")
         # As on a cluster, the autoscaler watches the quiet service for a while before the load:
         # Prometheus holds the zero of each decision counter, so increase() sees the scale-up.

@@ -130,8 +130,7 @@ def cluster(k8s_env, tmp_path_factory) -> Any:
     tmp = tmp_path_factory.mktemp("operator")
     c = Cluster(k8s_env, tmp)
     c.kubectl("apply", "-f", str(REPO_ROOT / "crds"))
-    c.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-              "crd/inferenceservices.serving.kvscale.io")
+    c.env.wait_established("inferenceservices.serving.kvscale.io")
     c.kubectl("apply", "-f", str(REPO_ROOT / "deploy" / "rbac.yaml"))
     for namespace in [*WATCHED, UNWATCHED]:
         c.kubectl("create", "namespace", namespace)

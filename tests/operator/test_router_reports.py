@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvscale.operator.router_reports import (
     RouterReport,
+    health_url,
     prefix_routing_condition,
     report_from_health,
 )
@@ -50,3 +51,12 @@ def test_demand_sums_held_and_is_as_idle_as_the_busiest_router() -> None:
     assert demand_from_reports([b, silent]).idle_seconds is None
     assert demand_from_reports([b, older]).idle_seconds is None
     assert demand_from_reports([]) == Demand(held=0, idle_seconds=None)
+
+
+def test_a_router_pods_health_is_read_at_its_ip_or_beside_an_honoured_metrics_url() -> None:
+    pod = {"metadata": {"name": "r-1", "annotations": {
+        "serving.kvscale.io/metrics-url": "http://127.0.0.1:9000/metrics"}},
+        "status": {"podIP": "fd00::7"}}
+    assert health_url(pod, allow_override=False) == "http://[fd00::7]:8080/health"
+    assert health_url(pod, allow_override=True) == "http://127.0.0.1:9000/health"
+    assert health_url({"metadata": {"name": "r-2"}, "status": {}}, allow_override=True) is None
