@@ -14,7 +14,7 @@ GIB = 2**30
 
 # What the two processes of `kvscale serve` hold besides weights, KV cache and activations,
 # measured with the bundled model (VmHWM, docs/deploy.md "Server memory"): the front end peaks at
-# 150 MiB, the engine core holds 870 MiB before its weights (Python, torch, tokenizer, grammar
+# 147 MiB, the engine core holds about 875 MiB besides its weights and KV cache (Python, torch, tokenizer, grammar
 # library). Rounded up: the same 1 GiB for any model.
 SERVER_PROCESSES_BYTES = 1 * GIB
 # The KV cache's share of what the processes leave; the rest holds the weights and activations.

@@ -152,7 +152,7 @@ def _status_mib(pid: int, field: str) -> float:
 
 def test_the_front_end_holds_the_tokenizer_not_torch() -> None:
     """The front end tokenizes, checks and streams; torch and the weights live in the core only.
-    It imported torch through EngineConfig (the structured-outputs package) and peaked at 650 MB:
+    It imported torch through EngineConfig (the structured-outputs package) and peaked at 636 MiB:
     with the core, more than the 2Gi pods of the real-node lane, OOMKilled in a loop."""
     server = ServeProcess(*SMALL, log_name="front-end-memory")
     try:
@@ -178,7 +178,7 @@ def test_the_front_end_holds_the_tokenizer_not_torch() -> None:
         front = server.proc.pid
         assert "libtorch" not in Path(f"/proc/{front}/maps").read_text()
         assert "libtorch" in Path(f"/proc/{core}/maps").read_text()  # the check can tell
-        # 150 MiB measured (the tokenizer, FastAPI, ZMQ); torch alone is over 500 MiB.
+        # 147 MiB measured (the tokenizer, FastAPI, ZMQ); torch alone is over 500 MiB.
         assert _status_mib(front, "VmHWM") < 300, _status_mib(front, "VmHWM")
     finally:
         server.stop()

@@ -144,7 +144,7 @@ def test_a_cpu_server_sizes_its_kv_cache_to_its_memory_limit():
 
     assert [quantity_bytes(q) for q in ("2Gi", "512Mi", "1G", "1e9", "2147483648")] == [
         2 * 2**30, 512 * 2**20, 10**9, 10**9, 2**31]
-    # Both processes count: the front end's measured peak (150 MiB) and the core's runtime.
+    # Both processes count: the front end's measured peak (147 MiB) and the core's runtime.
     assert SERVER_PROCESSES_BYTES >= 1 * 2**30
     assert cpu_kv_cache_bytes("2Gi") == int((2 * 2**30 - SERVER_PROCESSES_BYTES) * CPU_KV_CACHE_SHARE)
     assert cpu_kv_cache_bytes("2Gi") == 256 * 2**20
