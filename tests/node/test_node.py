@@ -98,7 +98,8 @@ def inference_service(max_num_seqs: int) -> dict:
                  # CPU only (the node has no GPU) and small requests: two cores run everything.
                  "resources": {"gpus": 0, "cpu": "200m", "memory": "2Gi"},
                  # The kernel enforces the 2Gi limit here: the operator sizes a CPU server's KV
-                 # pool to a quarter of it (it was a fixed 2 GiB, and the pods were OOMKilled).
+                 # pool from it, both processes of `kvscale serve` counted (operator/server_memory.py;
+                 # a fixed 2 GiB, then a quarter of the limit as if the core were alone: OOMKilled).
                  "engine": {"maxModelLen": 1024, "maxNumSeqs": max_num_seqs, "dtype": "float32"},
                  "router": {"replicas": 1, "resources": {"cpu": "100m", "memory": "512Mi"}}},
     }
