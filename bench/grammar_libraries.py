@@ -24,17 +24,8 @@ from typing import Any
 
 import torch
 
+from bench.jsonschemabench import load_rows, sample_path
 from kvscale.model_files import load_tokenizer, resolve_model_path
-
-
-def default_sample() -> Path:
-    """The shared sample beside the checkout (``../shared``), looked up from every ancestor so a
-    worktree nested one level deeper finds it too."""
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "shared" / "data" / "jsonschemabench" / "sample.jsonl"
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError("../shared/data/jsonschemabench/sample.jsonl not found; pass --sample")
 
 
 def quantiles(values: list[float]) -> dict[str, float | None]:
@@ -148,8 +139,8 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.xgrammar_path:
         sys.path.insert(0, args.xgrammar_path)
-    sample = args.sample or str(default_sample())
-    rows = [json.loads(line) for line in open(sample)][: args.limit]
+    sample = str(args.sample or sample_path())
+    rows = load_rows(sample)[: args.limit]
     path = resolve_model_path(None)
     tokenizer = load_tokenizer(path)
     vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]

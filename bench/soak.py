@@ -13,6 +13,8 @@ Reported (JSON, ``--out``):
 - ``cut_by_sigterm``: streams on the SIGTERMed replica that did not finish (target 0);
 - ``cut_by_sigkill``: streams on the SIGKILLed replica that did not finish (expected: a kill);
 - ``leaked_blocks``: ``kvscale:kv_blocks_active`` on every replica once idle (target 0);
+- ``leaked_host_blocks``: with ``--kv-offloading-size``, host-tier slots neither free nor holding
+  a findable block on every replica once idle (target 0), beside the blocks demoted and promoted;
 - ``rss_growth_mib``: replicas' resident memory from after warm-up to the end (replicas that ran
   throughout);
 - ``router_ms_p99``: the routers' added latency (``x-kvscale-router-ms``) per fault window, and
@@ -29,6 +31,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -39,6 +42,7 @@ from pathlib import Path
 
 import httpx
 
+from kvscale import metric_names as contract
 from kvscale.processes import free_port
 from kvscale.router.cli_up import Child, Stack
 
@@ -76,9 +80,10 @@ class Fault:
 
 
 class Platform:
-    def __init__(self, replicas: int, blocks: int) -> None:
+    def __init__(self, replicas: int, blocks: int, kv_offloading_size: float = 0.0) -> None:
         self.stack = Stack()
         self.blocks = blocks
+        self.kv_offloading_size = kv_offloading_size
         self.redis_port = free_port()
         self.redis: Child | None = None
         self.replicas: dict[str, Child] = {}
@@ -86,6 +91,9 @@ class Platform:
         self.routers: dict[str, Child] = {}
         self.router_ports: dict[str, int] = {}
         self.names = [f"r{i}" for i in range(replicas)]
+        # The replicas share the machine's cores: more OpenMP threads than cores in all would
+        # make every replica wait at each layer for descheduled threads of the others.
+        self.threads_per_replica = max(1, len(os.sched_getaffinity(0)) // replicas)
 
     @property
     def redis_url(self) -> str:
@@ -115,7 +123,9 @@ class Platform:
         child = self.stack.spawn(name, KVSCALE + [
             "serve", "--host", "127.0.0.1", "--port", str(port), "--redis", self.redis_url, "--replica-id", name,
             "--num-gpu-blocks-override", str(self.blocks), "--max-model-len", "512", "--max-num-seqs", "16",
-            "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"], url, f"{url}/health")
+            "--kv-offloading-size", str(self.kv_offloading_size),
+            "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"], url, f"{url}/health",
+            env_extra={"OMP_NUM_THREADS": str(self.threads_per_replica)})
         self.replicas[name] = child
         return child
 
@@ -319,7 +329,7 @@ def summarize(outcomes: list[Outcome], faults: list[Fault], platform_: Platform,
     failed_before = [o for o in outcomes if o.error and o.chunks == 0]
     other_failed = [o for o in outcomes if not o.done and not o.hung_up and o.chunks > 0
                     and o not in cut_on("sigkill_replica")]
-    leaked = _leaked_blocks(platform_)
+    idle = _idle_metrics(platform_)
     quiet = [o.router_ms for o in outcomes if o.router_ms is not None
              and not any(f.at <= o.started <= (f.until or f.at) for f in faults)]
     windows = {f.name: _quantile(0.99, [o.router_ms for o in outcomes if o.router_ms is not None
@@ -333,7 +343,8 @@ def summarize(outcomes: list[Outcome], faults: list[Fault], platform_: Platform,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpu": model, "cores": os.cpu_count(), "platform": platform.platform()},
         "config": {"requests": args.requests, "concurrency": args.concurrency, "replicas": args.replicas,
-                   "routers": 2, "seed": args.seed},
+                   "routers": 2, "seed": args.seed, "blocks": args.blocks,
+                   "kv_offloading_size_gib": args.kv_offloading_size},
         "wall_s": round(wall_s, 1),
         "requests": len(outcomes),
         "completed": sum(o.done for o in outcomes),
@@ -341,11 +352,14 @@ def summarize(outcomes: list[Outcome], faults: list[Fault], platform_: Platform,
         "failed_before_streaming": len(failed_before),
         "failed_before_streaming_examples": [o.error for o in failed_before[:5]],
         "cut_by_sigterm": len(cut_on("sigterm_replica")),
+        "cut_by_sigterm_examples": [asdict(o) for o in cut_on("sigterm_replica")[:3]],
         "cut_by_sigkill": len(cut_on("sigkill_replica")),
         "other_cut_streams": len(other_failed),
         "other_cut_examples": [asdict(o) for o in other_failed[:3]],
         "client_retries_on_other_router": sum(o.router_retries for o in outcomes),
-        "leaked_blocks": leaked,
+        "leaked_blocks": _leaked_blocks(idle),
+        "leaked_host_blocks": _leaked_host_blocks(idle),
+        "host_tier": _host_tier_moves(idle),
         "rss_growth_mib": {n: (round(rss_end[n] - rss_start[n], 1) if rss_end.get(n) and rss_start.get(n)
                                else None) for n in platform_.names},
         "rss_note": "replicas restarted by the schedule (SIGKILL, SIGTERM) have no comparable start",
@@ -354,27 +368,52 @@ def summarize(outcomes: list[Outcome], faults: list[Fault], platform_: Platform,
     }
 
 
-def _leaked_blocks(platform_: Platform) -> dict:
-    import re
+def _gauge(text: str, name: str) -> float | None:
+    match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)
+    return float(match.group(1)) if match else None
 
-    leaked: dict = {}
+
+def _idle_metrics(platform_: Platform) -> dict[str, str]:
+    """Each replica's /metrics once its KV cache holds no live request (or after 30 s)."""
+    texts: dict[str, str] = {}
     for name, child in platform_.replicas.items():
         deadline = time.monotonic() + 30
-        value = None
+        text = ""
         while time.monotonic() < deadline:
             try:
                 text = httpx.get(f"{child.url}/metrics", timeout=10).text
             except httpx.HTTPError as exc:
-                value = f"unreachable: {exc}"
+                text = f"unreachable: {exc}"
                 time.sleep(0.5)
                 continue
-            match = re.search(r"^kvscale:kv_blocks_active(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.M)
-            value = float(match.group(1)) if match else None
-            if value == 0:
+            if _gauge(text, contract.KV_BLOCKS_ACTIVE.series) == 0:
                 break
             time.sleep(0.5)
-        leaked[name] = value
-    return leaked
+        texts[name] = text
+    return texts
+
+
+def _leaked_blocks(texts: dict[str, str]) -> dict:
+    """Tier 1: blocks still held by live requests once idle."""
+    return {name: _gauge(text, contract.KV_BLOCKS_ACTIVE.series) for name, text in texts.items()}
+
+
+def _leaked_host_blocks(texts: dict[str, str]) -> dict:
+    """Tier 2: host slots neither free nor holding a findable block once idle (usage x total
+    counts every slot not free; cached, those a prefix lookup can find)."""
+    out: dict = {}
+    for name, text in texts.items():
+        usage = _gauge(text, contract.CPU_CACHE_USAGE.series)
+        total = _gauge(text, contract.KV_HOST_BLOCKS_TOTAL.series)
+        cached = _gauge(text, contract.KV_HOST_BLOCKS_CACHED.series)
+        out[name] = None if None in (usage, total, cached) else round(usage * total - cached, 3)
+    return out
+
+
+def _host_tier_moves(texts: dict[str, str]) -> dict:
+    """Blocks demoted and promoted, summed over the replicas (those restarted count from zero)."""
+    return {metric.name: sum(_gauge(text, metric.series) or 0.0 for text in texts.values())
+            for metric in (contract.KV_BLOCKS_DEMOTED, contract.KV_BLOCKS_PROMOTED, contract.KV_PREEMPTIONS_SWAPPED)}
 
 
 def _honest(outcomes: list[Outcome]) -> dict:
@@ -395,7 +434,7 @@ def hostile_main(args: argparse.Namespace) -> int:
     """The honest load alone, then the same load beside hostile clients, on one platform."""
     from hostile_clients import HostileStats, run_hostile
 
-    platform_ = Platform(args.replicas, args.blocks)
+    platform_ = Platform(args.replicas, args.blocks, args.kv_offloading_size)
     try:
         platform_.start(args.startup_timeout)
         routers = [f"http://127.0.0.1:{platform_.router_ports[n]}" for n in ("router-a", "router-b")]
@@ -436,7 +475,7 @@ def hostile_main(args: argparse.Namespace) -> int:
             "honest_beside_hostile": {**honest_beside, "wall_s": round(beside_s, 1)},
             "ttft_p90_ratio": round(p90_beside / p90_alone, 2) if p90_alone and p90_beside else None,
             "hostile": stats.as_dict(),
-            "leaked_blocks": _leaked_blocks(platform_),
+            "leaked_blocks": _leaked_blocks(_idle_metrics(platform_)),
             "rss_growth_mib": {n: (round(end - rss_start[n], 1) if end and rss_start.get(n) else None)
                                for n in names for end in [platform_.rss_mib(n)]},
             "processes_alive": {n: bool((platform_.replicas.get(n) or platform_.routers.get(n)).alive())
@@ -456,6 +495,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=24)
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--blocks", type=int, default=256, help="KV blocks per replica")
+    parser.add_argument("--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+                        help="replicas' host KV tier (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=300)
     parser.add_argument("--out", default="bench/results/soak.json")
@@ -468,7 +509,7 @@ def main() -> int:
     if args.replicas < 2:
         raise SystemExit("--replicas must be at least 2 (one is SIGKILLed, another SIGTERMed)")
 
-    platform_ = Platform(args.replicas, args.blocks)
+    platform_ = Platform(args.replicas, args.blocks, args.kv_offloading_size)
     outcomes: list[Outcome] = []
     faults: list[Fault] = []
     stop = [False]
@@ -498,7 +539,7 @@ def main() -> int:
         platform_.stack.stop(grace_s=20)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("faults", "other_cut_examples")}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("faults", "other_cut_examples", "cut_by_sigterm_examples")}, indent=2))
     print(f"logs: {platform_.stack.logdir}", file=sys.stderr)
     return 0
 

@@ -24,25 +24,12 @@ import httpx
 import jsonschema
 
 from bench.common import machine
-from bench.grammar_libraries import default_sample
 from bench.http_load import first_served, start_kvscale, start_vllm, stop
+from bench.jsonschemabench import load_rows, rows_per_set
 from bench.roofline import cpu_isa
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "smollm2"
-
-
-def pick_rows(sample: Path, per_set: int | None) -> list[dict]:
-    rows = [json.loads(line) for line in sample.open()]
-    if per_set is None:
-        return rows
-    taken: dict[str, int] = {}
-    chosen = []
-    for row in rows:
-        if taken.get(row["set"], 0) < per_set:
-            taken[row["set"]] = taken.get(row["set"], 0) + 1
-            chosen.append(row)
-    return chosen
 
 
 def prompt_of(row: dict) -> list[dict]:
@@ -158,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baselines", default="vllm", help="vllm, or none")
     parser.add_argument("--output", default=str(RESULTS / "structured_outputs.json"))
     args = parser.parse_args(argv)
-    rows = pick_rows(Path(args.sample) if args.sample else default_sample(), args.per_set or None)
+    rows = load_rows(args.sample)
+    if args.per_set:
+        rows = rows_per_set(rows, args.per_set)
     engine_flags = {"device": "cpu", "dtype": "float32", "max_model_len": 4096, "max_num_seqs": 32,
                     "max_num_batched_tokens": 4096, "block_size": 16, "enable_prefix_caching": True,
                     "kv_cache_memory_bytes": 2 * 1024**3}

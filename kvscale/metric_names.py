@@ -100,7 +100,7 @@ EXTERNAL_PREFIX_CACHE_QUERIES = Metric(
 EXTERNAL_PREFIX_CACHE_HITS = Metric(
     "vllm:external_prefix_cache_hits", COUNTER, "Prompt tokens found in the host tier (promoted).", _M)
 CPU_CACHE_USAGE = Metric(
-    "vllm:cpu_cache_usage_perc", GAUGE, "Host KV tier usage as a fraction in [0, 1]: slots holding a block.", _M)
+    "vllm:cpu_cache_usage_perc", GAUGE, "Host KV tier usage as a fraction in [0, 1]: slots not free (a block, or one waiting for its copy up).", _M)
 KV_HOST_BLOCKS_TOTAL = Metric("kvscale:kv_host_blocks_total", GAUGE, "Blocks of the host KV tier.", _M)
 KV_HOST_BLOCKS_CACHED = Metric(
     "kvscale:kv_host_blocks_cached", GAUGE, "Host KV tier blocks holding a findable prefix block.", _M)

@@ -15,6 +15,7 @@ from kvscale.k8s_labels import (
     INFERENCE_SERVICE_PLURAL,
     INFERENCE_SERVICE_VERSION,
 )
+from kvscale.operator.server_memory import cpu_kv_cache_bytes
 
 GROUP = INFERENCE_SERVICE_GROUP
 VERSION = INFERENCE_SERVICE_VERSION
@@ -202,6 +203,8 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
                         if secret else None),
         router=parse_router(spec.get("router") or {}),
     )
+    if parsed.resources.gpus == 0:
+        cpu_kv_cache_bytes(parsed.resources.memory)  # a limit the server cannot start in is refused
     if parsed.autoscaling.min_replicas == 0 and not parsed.router.enabled:
         # At zero replicas only the router is there to hold a request and wake the servers.
         raise ValueError("autoscaling.minReplicas 0 needs the router (router.enabled: true)")

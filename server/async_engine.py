@@ -344,7 +344,7 @@ class AsyncEngine(EngineFront):
         last_publish = 0.0
         while True:
             busy = engine.has_unfinished_requests()
-            commands = self._take_commands(block=not busy)
+            commands = take_all(self._commands, block=not busy)
             for command in commands:
                 if isinstance(command, _Stop):
                     return
@@ -365,17 +365,6 @@ class AsyncEngine(EngineFront):
             last_publish = time.monotonic()
             loop.call_soon_threadsafe(self._on_step_done, outputs, stats)
 
-    def _take_commands(self, *, block: bool) -> list:
-        commands = []
-        try:
-            if block:
-                commands.append(self._commands.get(timeout=IDLE_TICK_S))
-            while True:
-                commands.append(self._commands.get_nowait())
-        except queue.Empty:
-            pass
-        return commands
-
     # ------------------------------------------------------------------ back on the event loop
 
     def _fail_thread(self, exc: BaseException) -> None:
@@ -388,6 +377,21 @@ class AsyncEngine(EngineFront):
                 break
             if isinstance(command, _Add) and not command.accepted.done():
                 command.accepted.set_result(error)
+
+
+def take_all(inbox: queue.SimpleQueue, *, block: bool) -> list:
+    """Everything queued for an engine loop between two steps (this thread's or the core
+    process's). ``block`` (nothing to run): wait for the first item, but at most IDLE_TICK_S, so
+    an idle loop still publishes its heartbeat."""
+    items = []
+    try:
+        if block:
+            items.append(inbox.get(timeout=IDLE_TICK_S))
+        while True:
+            items.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    return items
 
 
 def add_all(engine: Any, requests: Sequence[NewRequest]) -> BaseException | None:

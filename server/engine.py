@@ -49,7 +49,7 @@ from kvscale.server.sampler import Sampler, SamplingRow, make_generator
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.scheduler import ScheduledSeq, Scheduler
 from kvscale.server.sequence import Request, Sequence, SequenceStatus
-from kvscale.server.structured_outputs import StructuredOutputManager
+from kvscale.server.structured_outputs.manager import StructuredOutputManager
 
 # With only grammars compiling, a step waits this long for one instead of spinning.
 GRAMMAR_WAIT_S = 0.005

@@ -43,7 +43,6 @@ from kvscale.server.engine_core_wire import (
 
 logger = logging.getLogger("kvscale.engine_core")
 
-IDLE_TICK_S = 1.0
 # How long the last messages (outputs, a failure) may take to leave when the core exits.
 SEND_LINGER_MS = 5000
 
@@ -219,12 +218,12 @@ class EngineCore:
     # ------------------------------------------------------------------ the busy loop
 
     def _loop(self) -> None:
-        from kvscale.server.async_engine import add_all
+        from kvscale.server.async_engine import IDLE_TICK_S, add_all, take_all
 
         engine = self.engine
         last_publish = 0.0
         while True:
-            messages = self._take(block=not engine.has_unfinished_requests())
+            messages = take_all(self._inputs, block=not engine.has_unfinished_requests())
             for message in messages:
                 if isinstance(message, Shutdown):
                     return
@@ -249,14 +248,3 @@ class EngineCore:
                 self.publisher.on_step(events=events, stats=stats, snapshot=engine.cached_block_hashes)
             last_publish = time.monotonic()
             self._outputs.put(StepDone(outputs, stats))
-
-    def _take(self, *, block: bool) -> list:
-        messages = []
-        try:
-            if block:
-                messages.append(self._inputs.get(timeout=IDLE_TICK_S))
-            while True:
-                messages.append(self._inputs.get_nowait())
-        except queue.Empty:
-            pass
-        return messages

@@ -76,6 +76,7 @@ def host_tier_stats(scheduler: Scheduler, kv: KVCacheManager, offload: OffloadCo
     out = {
         "kv_host_blocks_total": float(host.num_slots),
         "kv_host_blocks_cached": float(host.num_cached),
+        "kv_host_blocks_used": float(host.num_slots - host.num_free),
         "kv_blocks_demoted_total": float(pool.num_demoted),
         "kv_blocks_promoted_total": float(pool.num_promoted),
         "kv_preemptions_swapped_total": float(scheduler.num_swapped_out),

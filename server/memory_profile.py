@@ -47,7 +47,7 @@ class MemoryMeter:
             self._non_torch_before = self.used_before - torch.cuda.memory_reserved(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            _malloc_trim()
+            malloc_trim()
             self._rss_before = reset_rss_peak()
         return self
 
@@ -103,7 +103,9 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-def _malloc_trim() -> None:
+def malloc_trim() -> None:
+    """Hand the memory glibc's allocator holds free back to the kernel (freed tensors below
+    its mmap threshold stay resident, and count against a pod's memory limit, until then)."""
     libc = _libc()
     trim = getattr(libc, "malloc_trim", None) if libc is not None else None
     if trim is not None:  # glibc only

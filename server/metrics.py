@@ -98,7 +98,7 @@ class _EngineStatsCollector(Collector):
         yield family(names.EXTERNAL_PREFIX_CACHE_HITS, extra.get("external_prefix_cache_hits_total", 0.0))
         total = extra.get("kv_host_blocks_total", 0.0)
         cached = extra.get("kv_host_blocks_cached", 0.0)
-        yield family(names.CPU_CACHE_USAGE, cached / total if total else 0.0)
+        yield family(names.CPU_CACHE_USAGE, extra.get("kv_host_blocks_used", 0.0) / total if total else 0.0)
         yield family(names.KV_HOST_BLOCKS_TOTAL, total)
         yield family(names.KV_HOST_BLOCKS_CACHED, cached)
         yield family(names.KV_BLOCKS_DEMOTED, extra.get("kv_blocks_demoted_total", 0.0))

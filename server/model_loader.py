@@ -145,4 +145,10 @@ def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantizati
     model = model.to_empty(device=device).to(dtype)
     weights = {name: tensor.to(dtype) for name, tensor in _read_weights(path).items()}
     model.load_hf_weights(weights, quantization)
+    del weights
+    from kvscale.server.memory_profile import malloc_trim
+
+    # The checkpoint's tensors and the copies the load made are freed, but glibc keeps most of
+    # them resident; under a pod's memory limit the KV cache allocated next needs that room.
+    malloc_trim()
     return model.eval()

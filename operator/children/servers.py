@@ -30,6 +30,7 @@ from kvscale.operator.children.pod_parts import (
     topology_spread,
 )
 from kvscale.operator.children.redis import service_redis_env
+from kvscale.operator.server_memory import cpu_kv_cache_bytes
 from kvscale.operator.spec import SERVER_PORT, InferenceServiceSpec
 
 # Model load (and the bundled model's one-time conversion) can take minutes: the startup probe
@@ -38,33 +39,15 @@ STARTUP_PROBE_PERIOD_SECONDS = 10
 STARTUP_PROBE_FAILURES = 180
 # Time for in-flight streams to finish after SIGTERM before the kubelet kills the server.
 TERMINATION_GRACE_PERIOD_SECONDS = 60
-# On CPU the KV cache is ordinary memory with a fixed budget (2 GiB unless told): a server in a
-# smaller container was OOMKilled before it served. It gets this share of its memory limit; the
-# rest holds the weights, activations and Python. 8Gi (the default) gives the old 2 GiB.
-CPU_KV_CACHE_SHARE = 0.25
-_QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-                   "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-
-
-def quantity_bytes(quantity: str) -> int:
-    """A Kubernetes memory quantity ("2Gi", "512Mi", "1G", "1e9", "2147483648") in bytes."""
-    text = quantity.strip()
-    unit = next((u for u in sorted(_QUANTITY_UNITS, key=len, reverse=True) if u and text.endswith(u)), "")
-    number = text[: len(text) - len(unit)] if unit else text
-    try:
-        return int(float(number) * _QUANTITY_UNITS[unit])
-    except ValueError as exc:
-        raise ValueError(f"resources.memory {quantity!r} is not a Kubernetes quantity") from exc
 
 
 def cpu_kv_cache_args(spec: InferenceServiceSpec) -> list[str]:
-    """--kv-cache-memory-bytes for a server without a GPU, sized to its memory limit, unless
-    engine.extraArgs sets it."""
+    """--kv-cache-memory-bytes for a server without a GPU, sized to its memory limit with both
+    of its processes counted (operator/server_memory.py), unless engine.extraArgs sets it."""
     if spec.resources.gpus > 0 or any(
             arg.split("=", 1)[0] == "--kv-cache-memory-bytes" for arg in spec.engine.extra_args):
         return []
-    return ["--kv-cache-memory-bytes",
-            str(int(quantity_bytes(spec.resources.memory) * CPU_KV_CACHE_SHARE))]
+    return ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(spec.resources.memory))]
 
 
 def server_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]:

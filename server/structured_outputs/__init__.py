@@ -5,8 +5,7 @@ hides the grammar library (backend.py, llguidance); around it: the compile pool 
 (compiler.py), the per-step batch bitmask (bitmask.py) and the engine-facing bookkeeping of a
 matcher per sequence (manager.py). A request's constraint arrives as plain data
 (``SamplingParams.structured_outputs``), so it crosses a process boundary unchanged.
+
+The package imports nothing itself: the HTTP front end needs ``compiler.StructuredOutputsConfig``
+(through EngineConfig) and must not pull in manager.py, whose bitmask work needs torch.
 """
-
-from kvscale.server.structured_outputs.manager import StructuredOutputManager
-
-__all__ = ["StructuredOutputManager"]

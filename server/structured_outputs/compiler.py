@@ -78,6 +78,7 @@ class PendingGrammar:
         self.job = job
         self.future = job.future
         self.cache_hit = cache_hit
+        self.timed_out = False  # poll() answered with the time limit's message
 
     def poll(self, now: float, timeout_s: float) -> Compiled | str | None:
         """The compiled grammar, an error message, or None while still compiling."""
@@ -85,15 +86,26 @@ class PendingGrammar:
             exc = self.future.exception()
             if exc is None:
                 result: Compiled = self.future.result()
-                return Compiled(result.template, 0.0 if self.cache_hit else result.seconds)
+                if self.cache_hit:
+                    return Compiled(result.template, 0.0)
+                # Looked at only after it finished (one engine step can outlast a compile under
+                # load): the limit holds all the same, else it would depend on the step's length.
+                # The grammar stays cached: the retry is served at once.
+                if result.seconds >= timeout_s:
+                    return self._over_limit(timeout_s)
+                return result
             if isinstance(exc, backend.GrammarError):
                 return f"This request's grammar cannot be enforced: {exc}"
             return f"Compiling this request's grammar failed: {type(exc).__name__}: {exc}"
         started = self.job.started
         if started is not None and now - started >= timeout_s:
-            return (f"Compiling this request's grammar took longer than the limit of {timeout_s:g} s "
-                    "(--structured-outputs-config compile_timeout_s).")
+            return self._over_limit(timeout_s)
         return None
+
+    def _over_limit(self, timeout_s: float) -> str:
+        self.timed_out = True
+        return (f"Compiling this request's grammar took longer than the limit of {timeout_s:g} s "
+                "(--structured-outputs-config compile_timeout_s).")
 
 
 class GrammarCompiler:

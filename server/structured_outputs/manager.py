@@ -105,7 +105,7 @@ class StructuredOutputManager:
             del self.pending[request_id]
             if isinstance(result, str):
                 self.stats.failures += 1
-                if not pending.future.done():
+                if pending.timed_out:
                     self.stats.timeouts += 1
                 failed.append((request, result))
                 continue

@@ -850,6 +850,15 @@ def _node_ready(env: K8sEnv, name: str) -> bool:
     return ready and not not_ready_taint
 
 
+def ready_pods(env: K8sEnv, namespace: str, selector: str) -> list[dict]:
+    """The pods of ``selector`` in ``namespace`` that say Ready and are not being deleted (a pod
+    on its way out may still say Ready for a moment: nothing should be sent to it)."""
+    return [p for p in env.kubectl_json("get", "pods", "-n", namespace, "-l", selector)["items"]
+            if not p["metadata"].get("deletionTimestamp") and any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in (p.get("status") or {}).get("conditions") or [])]
+
+
 def stop_env(env: K8sEnv, *, keep_logs: bool = False, grace: float = 10.0) -> None:
     """Stop every component (TERM, then KILL after `grace`) and delete the
     workdir, or all of it but logs/ when `keep_logs` (they help after a failure)."""

@@ -159,12 +159,15 @@ def test_operator_metrics_export_the_contract_and_count_only_changes() -> None:
 
 
 def test_host_tier_metrics_come_from_the_engine_stats() -> None:
-    extra = {"kv_host_blocks_total": 100.0, "kv_host_blocks_cached": 25.0, "kv_blocks_demoted_total": 7.0,
+    # Usage counts every slot not free: the 5 whose promotion's copy has not run yet too.
+    extra = {"kv_host_blocks_total": 100.0, "kv_host_blocks_cached": 25.0, "kv_host_blocks_used": 30.0,
+             "kv_blocks_demoted_total": 7.0,
              "kv_offload_bytes_cpu_to_gpu": 4096.0, "kv_offload_seconds_gpu_to_cpu": 0.5,
              "external_prefix_cache_hits_total": 64.0, "kv_restore_seconds_le_0.001": 2.0,
              "kv_restore_seconds_le_1": 3.0, "kv_restore_seconds_count": 3.0, "kv_restore_seconds_sum": 0.2}
     text = ServerMetrics("m", lambda: stats(extra=extra)).render().decode()
-    assert 'vllm:cpu_cache_usage_perc{model_name="m"} 0.25' in text
+    assert 'vllm:cpu_cache_usage_perc{model_name="m"} 0.3' in text
+    assert 'kvscale:kv_host_blocks_cached{model_name="m"} 25.0' in text
     assert 'vllm:kv_offload_total_bytes_total{model_name="m",transfer_type="CPU_to_GPU"} 4096.0' in text
     assert 'vllm:kv_offload_total_time_total{model_name="m",transfer_type="GPU_to_CPU"} 0.5' in text
     assert 'vllm:external_prefix_cache_hits_total{model_name="m"} 64.0' in text

@@ -22,6 +22,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 KVSCALE_BIN = REPO_ROOT / ".venv" / "bin" / "kvscale"
 
 
+def install_operator(env: Any, namespace: str) -> None:
+    """The operator as a cluster gets it from deploy/ (CRDs, RBAC, its Deployment), and the
+    namespace a test's InferenceServices live in. ``env``: tests/cluster/testenv.py's K8sEnv."""
+    env.kubectl("apply", "-f", str(REPO_ROOT / "crds"), "-f", str(REPO_ROOT / "deploy" / "rbac.yaml"))
+    env.kubectl("apply", "-f", str(REPO_ROOT / "deploy" / "operator.yaml"))
+    env.kubectl("create", "namespace", namespace)
+
+
 @dataclass
 class PodMetrics:
     """What one stand-in pod reports; mutate it to change the load."""

@@ -13,20 +13,19 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from testenv import kwok_toleration
+from operator_helpers import install_operator
+from testenv import kwok_toleration, ready_pods
 
 from kvscale.metric_names import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
 from kvscale.processes import wait_until
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "team-a"
 MODEL = "smollm2-135m-instruct"
 READY_TIMEOUT_S = 420.0  # two model loads on a shared 2-core machine
@@ -77,8 +76,7 @@ class Platform:
         return self.get("pods", "-n", NAMESPACE, "-l", selector)["items"]
 
     def ready_pods(self, selector: str) -> list[dict[str, Any]]:
-        return [p for p in self.pods(selector) if not p["metadata"].get("deletionTimestamp") and any(
-            c["type"] == "Ready" and c["status"] == "True" for c in (p.get("status") or {}).get("conditions", []))]
+        return ready_pods(self.env, NAMESPACE, selector)
 
     def server_pods(self, name: str) -> list[dict[str, Any]]:
         return self.ready_pods(f"serving.kvscale.io/inferenceservice={name}")
@@ -114,9 +112,7 @@ class Platform:
 @pytest.fixture(scope="module")
 def platform(process_cluster) -> Iterator[Platform]:
     env = process_cluster.env
-    env.kubectl("apply", "-f", str(REPO_ROOT / "crds"), "-f", str(REPO_ROOT / "deploy" / "rbac.yaml"))
-    env.kubectl("apply", "-f", str(REPO_ROOT / "deploy" / "operator.yaml"))
-    env.kubectl("create", "namespace", NAMESPACE)
+    install_operator(env, NAMESPACE)
     platform = Platform(process_cluster)
     yield platform
     env.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)

@@ -23,11 +23,12 @@ import openai
 import pytest
 from hub import HubStandIn
 from metrics_text import samples
-from testenv import kwok_toleration
+from operator_helpers import install_operator
+from prefix_hits import assert_predicted_hits_counted
+from testenv import kwok_toleration, ready_pods
 
 from kvscale.base_urls import base_url
 from kvscale.metric_names import (
-    PREFIX_CACHE_HITS,
     ROUTER_FALLBACKS,
     ROUTER_TOKENIZER_LOADED,
 )
@@ -89,10 +90,7 @@ class ModelsPlatform:
         return self.cluster.env.kubectl_json("get", *args)
 
     def ready_pods(self, selector: str) -> list[dict[str, Any]]:
-        pods = self.get("pods", "-n", NAMESPACE, "-l", selector)["items"]
-        return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
-            c["type"] == "Ready" and c["status"] == "True"
-            for c in (p.get("status") or {}).get("conditions", []))]
+        return ready_pods(self.cluster.env, NAMESPACE, selector)
 
     def url(self, name: str, component: str) -> str:
         if component == "router":
@@ -124,9 +122,7 @@ def models_platform(process_cluster, tmp_path_factory: pytest.TempPathFactory) -
     hub = HubStandIn({"org/smollm2": converted}, host=runtime.host_ip).start()
     image = runtime.images["kvscale"]
     runtime.images["kvscale"] = dataclasses.replace(image, env={**image.env, "HF_ENDPOINT": hub.url})
-    env.kubectl("apply", "-f", str(REPO_ROOT / "crds"), "-f", str(REPO_ROOT / "deploy" / "rbac.yaml"))
-    env.kubectl("apply", "-f", str(REPO_ROOT / "deploy" / "operator.yaml"))
-    env.kubectl("create", "namespace", NAMESPACE)
+    install_operator(env, NAMESPACE)
     platform = ModelsPlatform(process_cluster, hub)
     try:
         for manifest in [*claim_objects(model_root),
@@ -164,18 +160,8 @@ def test_the_router_predicts_the_hits_the_server_counts(models_platform: ModelsP
     router, server = models_platform.url(name, "router"), models_platform.url(name, "server")
     client = openai.OpenAI(base_url=router + "/v1", api_key="unused", max_retries=0, timeout=120)
 
-    def server_hits() -> float:
-        return sum(samples(httpx.get(server + "/metrics", timeout=5).text, PREFIX_CACHE_HITS.series).values())
-
     prompt = f"{LONG_PROMPT} ({name})"
-    client.completions.create(model=served, prompt=prompt, max_tokens=1, temperature=0)
-    time.sleep(1.5)  # the KV events reach Redis, and the router's index
-    before = server_hits()
-    raw = client.completions.with_raw_response.create(model=served, prompt=prompt, max_tokens=1,
-                                                      temperature=0)
-    predicted = int(raw.headers["x-kvscale-predicted-hit-tokens"])
-    counted = server_hits() - before
-    assert predicted > 0 and abs(predicted - counted) <= BLOCK_SIZE, (predicted, counted)
+    assert_predicted_hits_counted(client, served, prompt, [server], block_size=BLOCK_SIZE, settle_s=1.5)
     # Chat goes through the same tokenizer's chat template.
     messages = [{"role": "user", "content": prompt}]
     client.chat.completions.create(model=served, messages=messages, max_tokens=1, temperature=0)

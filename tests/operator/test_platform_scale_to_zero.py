@@ -17,19 +17,18 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from testenv import kwok_toleration
+from operator_helpers import install_operator
+from testenv import kwok_toleration, ready_pods
 
 from kvscale.processes import wait_until
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "team-zero"
 NAME = "idle"
 MODEL = "smollm2-135m-instruct"
@@ -50,19 +49,14 @@ class Cluster:
     def resource(self) -> dict[str, Any]:
         return self.get("inferenceservice", NAME, "-n", NAMESPACE)
 
-    def pods(self, selector: str, ready_only: bool = False) -> list[dict[str, Any]]:
-        pods = [p for p in self.get("pods", "-n", NAMESPACE, "-l", selector)["items"]
-                if not p["metadata"].get("deletionTimestamp")]
-        if ready_only:
-            pods = [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
-                                           for c in (p.get("status") or {}).get("conditions", []))]
-        return pods
+    def ready_pods(self, selector: str) -> list[dict[str, Any]]:
+        return ready_pods(self.raw.env, NAMESPACE, selector)
 
     def servers(self) -> list[dict[str, Any]]:
         return self.get("pods", "-n", NAMESPACE, "-l", f"serving.kvscale.io/inferenceservice={NAME}")["items"]
 
     def router_url(self) -> str:
-        (router,) = self.pods(f"serving.kvscale.io/router={NAME}", ready_only=True)
+        (router,) = self.ready_pods(f"serving.kvscale.io/router={NAME}")
         return f"http://{router['status']['podIP']}:8080"
 
     def router_health(self) -> dict[str, Any]:
@@ -130,9 +124,7 @@ class Burst:
 @pytest.fixture(scope="module")
 def cluster(process_cluster) -> Iterator[Cluster]:
     env = process_cluster.env
-    env.kubectl("apply", "-f", str(REPO_ROOT / "crds"), "-f", str(REPO_ROOT / "deploy" / "rbac.yaml"))
-    env.kubectl("apply", "-f", str(REPO_ROOT / "deploy" / "operator.yaml"))
-    env.kubectl("create", "namespace", NAMESPACE)
+    install_operator(env, NAMESPACE)
     cluster = Cluster(process_cluster)
     resource = {
         "apiVersion": "serving.kvscale.io/v1alpha1",
@@ -153,7 +145,7 @@ def cluster(process_cluster) -> Iterator[Cluster]:
         },
     }
     env.kubectl("apply", "-f", "-", input=json.dumps(resource))
-    wait_until(lambda: cluster.pods(f"serving.kvscale.io/router={NAME}", ready_only=True), 240,
+    wait_until(lambda: cluster.ready_pods(f"serving.kvscale.io/router={NAME}"), 240,
                interval=1.0, what="the router ready with no server")
     yield cluster
     env.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
@@ -245,7 +237,7 @@ def test_requests_held_while_the_operator_is_gone_are_answered_when_it_is_back(c
 
 def test_requests_at_zero_with_redis_frozen_are_answered(cluster: Cluster) -> None:
     cluster.wait_at_zero()
-    (redis_pod,) = cluster.pods(f"serving.kvscale.io/redis={NAME}", ready_only=True)
+    (redis_pod,) = cluster.ready_pods(f"serving.kvscale.io/redis={NAME}")
     runtime = cluster.raw.runtime
     runtime.kill(NAMESPACE, redis_pod["metadata"]["name"], signal.SIGSTOP)
     try:

@@ -45,8 +45,9 @@ class ServeProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
+        log = self.log()  # before stop(), which closes the log file
         self.stop()
-        raise RuntimeError(f"kvscale serve did not become healthy:\n{self.log()}")
+        raise RuntimeError(f"kvscale serve did not become healthy in {STARTUP_TIMEOUT_S} s:\n{log}")
 
     def log(self) -> str:
         self._log.flush()

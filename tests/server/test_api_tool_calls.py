@@ -14,9 +14,10 @@ import jsonschema
 import openai
 import pytest
 
+from bench.jsonschemabench import load_rows
+
 sys.path.insert(0, str(Path(__file__).parent))
 from api_helpers import ServeProcess  # noqa: E402
-from jsonschemabench import load_rows  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

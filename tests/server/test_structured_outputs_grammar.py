@@ -5,24 +5,21 @@ naming the keyword, bounded whitespace, the compile cache and time limit, and th
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from jsonschemabench import load_rows  # noqa: E402
-
-from kvscale.server.sampling_params import StructuredOutputsParams  # noqa: E402
-from kvscale.server.structured_outputs import backend  # noqa: E402
-from kvscale.server.structured_outputs.compiler import (  # noqa: E402
+from bench.jsonschemabench import load_rows
+from kvscale.server.sampling_params import StructuredOutputsParams
+from kvscale.server.structured_outputs import backend
+from kvscale.server.structured_outputs.compiler import (
+    Compiled,
     GrammarCompiler,
     StructuredOutputsConfig,
 )
-from kvscale.server.structured_outputs.manager import mask_rows_inplace, unpack  # noqa: E402
+from kvscale.server.structured_outputs.manager import mask_rows_inplace, unpack
 
 VOCAB = 49152
 EOS = {0, 2}
@@ -116,6 +113,12 @@ def test_a_complete_grammar_stops_and_a_fork_keeps_its_own_state(lltokenizer, bu
     assert all(child.consume(t) for t in no) and child.is_stopped()
 
 
+# A grammar that takes longer than the limits below: hundreds of object branches.
+SLOW_SCHEMA = {"anyOf": [{"type": "object", "properties": {
+    f"k{j}": {"type": "integer", "minimum": j, "maximum": j * 1000 + 7} for j in range(i, i + 30)},
+    "required": [f"k{i}"]} for i in range(200)]}
+
+
 def test_the_cache_serves_a_second_identical_request_and_failures_name_the_time_limit(bundled_tokenizer):
     compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, StructuredOutputsConfig(compile_timeout_s=0.2))
     try:
@@ -124,17 +127,30 @@ def test_the_cache_serves_a_second_identical_request_and_failures_name_the_time_
         first.future.result(timeout=60)
         second = compiler.submit(StructuredOutputsParams(json='{"type":"object"}'))
         assert second.cache_hit and compiler.cache_hits == 1
-        # A grammar that takes longer than the limit: hundreds of object branches.
-        slow = {"anyOf": [{"type": "object", "properties": {
-            f"k{j}": {"type": "integer", "minimum": j, "maximum": j * 1000 + 7} for j in range(i, i + 30)},
-            "required": [f"k{i}"]} for i in range(200)]}
-        pending = compiler.submit(StructuredOutputsParams(json=json.dumps(slow)))
+        pending = compiler.submit(StructuredOutputsParams(json=json.dumps(SLOW_SCHEMA)))
         deadline = time.monotonic() + 60
         result = None
         while result is None and time.monotonic() < deadline:
             result = pending.poll(time.monotonic(), 0.2)
             time.sleep(0.01)
         assert isinstance(result, str) and "limit of 0.2 s" in result
+    finally:
+        compiler.shutdown()
+
+
+def test_a_compile_over_the_limit_is_refused_even_when_first_looked_at_after_it_finished(bundled_tokenizer):
+    """The engine looks at a compile between two steps; under load one step can outlast a whole
+    compile. The limit must not depend on that: a compile that took longer than the limit fails
+    its request however late it is looked at, and the retry is served from the cache."""
+    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, StructuredOutputsConfig(compile_timeout_s=0.2))
+    try:
+        spec = StructuredOutputsParams(json=json.dumps(SLOW_SCHEMA))
+        pending = compiler.submit(spec)
+        assert pending.future.result(timeout=60).seconds >= 0.2  # the loop never looked meanwhile
+        result = pending.poll(time.monotonic(), 0.2)
+        assert isinstance(result, str) and "limit of 0.2 s" in result
+        retry = compiler.submit(spec)
+        assert retry.cache_hit and isinstance(retry.poll(time.monotonic(), 0.2), Compiled)
     finally:
         compiler.shutdown()
 

@@ -3,7 +3,10 @@ field."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvscale.operator.children import labels, servers
+from kvscale.operator.children.servers import build_deployment
 from kvscale.operator.spec import parse_spec
 
 
@@ -127,17 +130,30 @@ def test_services():
 
 def test_a_cpu_server_sizes_its_kv_cache_to_its_memory_limit():
     """Found on the real-node lane: the CPU KV cache was 2 GiB whatever the limit, and a server
-    limited to 2Gi was OOMKilled before it served (the process runtime enforces no limits)."""
+    limited to 2Gi was OOMKilled before it served (the process runtime enforces no limits).
+    Then again when the engine core became a process of its own: a quarter of the whole limit
+    went to the KV cache as if the core were alone, and the front end and the core together were
+    OOMKilled at 2Gi. Both processes are set aside before the share is taken."""
     from kvscale.cli import build_parser
-    from kvscale.operator.children.servers import build_deployment, quantity_bytes
+    from kvscale.operator.server_memory import (
+        CPU_KV_CACHE_SHARE,
+        SERVER_PROCESSES_BYTES,
+        cpu_kv_cache_bytes,
+        quantity_bytes,
+    )
 
     assert [quantity_bytes(q) for q in ("2Gi", "512Mi", "1G", "1e9", "2147483648")] == [
         2 * 2**30, 512 * 2**20, 10**9, 10**9, 2**31]
+    # Both processes count: the front end's measured peak (147 MiB) and the core's runtime.
+    assert SERVER_PROCESSES_BYTES >= 1 * 2**30
+    assert cpu_kv_cache_bytes("2Gi") == int((2 * 2**30 - SERVER_PROCESSES_BYTES) * CPU_KV_CACHE_SHARE)
+    assert cpu_kv_cache_bytes("2Gi") == 256 * 2**20
+    assert cpu_kv_cache_bytes("8Gi") == 1792 * 2**20
     cpu = parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"},
                       "resources": {"gpus": 0, "memory": "2Gi"}})
     args = build_deployment("m", "ns", cpu)["spec"]["template"]["spec"]["containers"][0]["args"]
     parsed = build_parser("serve").parse_args([a.replace("$(POD_NAME)", "m-0") for a in args])
-    assert parsed.kv_cache_memory_bytes == 512 * 2**20  # a quarter of the limit
+    assert parsed.kv_cache_memory_bytes == 256 * 2**20
     gpu = parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"}, "resources": {"gpus": 1}})
     assert "--kv-cache-memory-bytes" not in build_deployment("m", "ns", gpu)["spec"]["template"]["spec"][
         "containers"][0]["args"]
@@ -145,3 +161,15 @@ def test_a_cpu_server_sizes_its_kv_cache_to_its_memory_limit():
                         "engine": {"extraArgs": ["--kv-cache-memory-bytes=1000000"]}})
     args = build_deployment("m", "ns", given)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args.count("--kv-cache-memory-bytes") == 0 and "--kv-cache-memory-bytes=1000000" in args
+
+
+def test_a_cpu_server_limit_too_small_for_its_processes_is_refused():
+    """A limit the two processes of `kvscale serve` fill before any weights is refused with the
+    figures, instead of a Deployment whose pods are OOMKilled in a loop."""
+    with pytest.raises(ValueError, match=r"resources.memory 1Gi is too small for a CPU server.*at least 1536Mi"):
+        parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"},
+                    "resources": {"gpus": 0, "memory": "1Gi"}})
+    parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"},
+                "resources": {"gpus": 0, "memory": "1536Mi"}})
+    # A GPU server's KV cache lives on the card: its memory limit is not split.
+    parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"}, "resources": {"gpus": 1, "memory": "1Gi"}})

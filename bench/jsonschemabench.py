@@ -1,17 +1,20 @@
 """The shared JSONSchemaBench sample (``../shared/data/jsonschemabench/sample.jsonl``), read where
-it lies beside the checkout; never copied into the repository. Missing: the tests fail loudly."""
+it lies beside the checkout; never copied into the repository. The benchmarks read it and so do
+the structured-output tests (bench code may be imported by tests, never the other way round).
+Missing: whoever asked fails loudly."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 SAMPLE_ENV = "KVSCALE_JSONSCHEMABENCH"
 
 
 def sample_path() -> Path:
-    import os
-
+    """``$KVSCALE_JSONSCHEMABENCH``, else ``shared/data/...`` beside the nearest ancestor of this
+    file that has one: a worktree or clone nested under /work finds /work/shared too."""
     if os.environ.get(SAMPLE_ENV):
         return Path(os.environ[SAMPLE_ENV])
     for parent in Path(__file__).resolve().parents:
@@ -20,11 +23,12 @@ def sample_path() -> Path:
             return candidate
     raise FileNotFoundError(
         "the JSONSchemaBench sample is missing: expected ../shared/data/jsonschemabench/sample.jsonl "
-        f"beside the checkout (or set {SAMPLE_ENV})")
+        f"beside the checkout (or set {SAMPLE_ENV}, or pass --sample)")
 
 
-def load_rows() -> list[dict]:
-    with open(sample_path()) as f:
+def load_rows(path: Path | str | None = None) -> list[dict]:
+    """Every row of the sample at ``path`` (default: sample_path()), in file order."""
+    with open(path or sample_path()) as f:
         return [json.loads(line) for line in f]
 
 
