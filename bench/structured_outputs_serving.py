@@ -36,8 +36,8 @@ import httpx
 import jsonschema
 
 from bench.common import machine, quantile
-from bench.grammar_libraries import default_sample
 from bench.http_load import first_served, start_kvscale, start_vllm, stop
+from bench.jsonschemabench import load_rows
 from bench.roofline import cpu_isa
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -47,10 +47,6 @@ TOOL_MODES = ("named", "required", "auto", "streamed", "single")
 TARGET_TTFT_RATIO = 2.0  # uncached ÷ cached, at most
 TARGET_ITL_RATIO = 1.1  # storm ÷ without, at most
 TARGET_VALID_TOOL_CALLS = 0.85
-
-
-def read_rows(sample: Path) -> list[dict]:
-    return [json.loads(line) for line in sample.open()]
 
 
 def schema_prompt(schema: dict) -> list[dict]:
@@ -342,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=str(RESULTS / "structured_outputs_serving.json"))
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
-    rows = read_rows(Path(args.sample) if args.sample else default_sample())
+    rows = load_rows(args.sample)
     engine_flags = {"device": "cpu", "dtype": "float32", "max_model_len": 4096, "max_num_seqs": 32,
                     "max_num_batched_tokens": 4096, "block_size": 16, "enable_prefix_caching": True,
                     # 512 MiB (vLLM: 1 GiB, its least): the shared machine's OOM killer took a
