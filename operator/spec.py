@@ -61,6 +61,20 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     extra_args: tuple[str, ...] = ()
 
+    def extra_flag(self, flag: str) -> str | None:
+        """The value extraArgs give ``flag`` (``--flag value`` or ``--flag=value``; the last
+        one wins, as with argparse), or None."""
+        value = None
+        for i, arg in enumerate(self.extra_args):
+            if arg == flag and i + 1 < len(self.extra_args):
+                value = self.extra_args[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+        return value
+
+    def sets(self, flag: str) -> bool:
+        return any(arg.split("=", 1)[0] == flag for arg in self.extra_args)
+
 
 @dataclass(frozen=True)
 class Resources:

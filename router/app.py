@@ -62,7 +62,7 @@ class Router:
         self.hasher = PrefixHasher(
             config.models, config.block_size, config.chat_cache_tokens,
             on_fallback=lambda reason: self.metrics.fallbacks.labels(reason).inc(),
-            served_names=config.served_model_names,
+            served_names=config.served_model_names, tool_format=config.tool_call_parser,
         )
         for model in config.models:  # 0 until start() has loaded it
             for name in self.hasher.names_of(model):

@@ -94,9 +94,10 @@ class ChatTokenCache:
     tokenization.
     """
 
-    def __init__(self, tokenizer: Any, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+    def __init__(self, tokenizer: Any, max_tokens: int = DEFAULT_MAX_TOKENS, tool_format: str = "hermes") -> None:
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens
+        self.tool_format = tool_format
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._held = 0  # token ids in _entries
         self._cuts = special_token_pattern(tokenizer)
@@ -135,7 +136,7 @@ class ChatTokenCache:
         """(token ids, full-block hashes) of the chat prompt for ``messages`` and ``tools`` (the
         request's JSON); exactly what ``chat_prompt_token_ids`` and ``hash_prompt_blocks`` give.
         Raises ValueError for messages the template cannot take, as they do."""
-        text = render_chat_prompt(self.tokenizer, messages, tools)
+        text = render_chat_prompt(self.tokenizer, messages, tools, self.tool_format)
         pattern = self._cuts if self.enabled else None
         cuts = [match.end() for match in pattern.finditer(text)] if pattern is not None else []
         if not cuts:

@@ -12,6 +12,7 @@ from kvscale.router.activation import DEFAULT_HOLD_QUEUE
 from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS
 from kvscale.router.config import RouterConfig
 from kvscale.router.policy import DEFAULT_POLICY, POLICIES, TTFT_EPSILON
+from kvscale.tokenization import TOOL_FORMATS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat-cache-tokens", type=int, default=DEFAULT_MAX_TOKENS,
         help="token ids of chat histories kept so a follow-up turn tokenizes only its new part (0: off)",
     )
+    parser.add_argument(
+        "--tool-call-parser", choices=TOOL_FORMATS, default="hermes",
+        help="the servers' --tool-call-parser: the format their prompts render tools and tool calls "
+             "in, so the router hashes an agent's prompt as they do (default: hermes, as theirs)")
     parser.add_argument(
         "--session-header", default="x-session-id",
         help="header that pins a session to a replica (until that replica is overloaded, as a prefix's holder)")
@@ -131,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval,
         seed=args.seed,
         chat_cache_tokens=args.chat_cache_tokens,
+        tool_call_parser=args.tool_call_parser,
         hold_timeout_s=args.hold_timeout,
         hold_queue=args.hold_queue,
         scale_from_zero=args.scale_from_zero,

@@ -33,6 +33,7 @@ class RouterConfig:
     seed: int | None = None
     freeze_heap_after_start: bool = False  # the CLI sets it; tests that build many apps do not
     chat_cache_tokens: int = DEFAULT_MAX_TOKENS  # chat prompts' token ids kept across turns; 0: off
+    tool_call_parser: str = "hermes"  # the servers' --tool-call-parser: how prompts render tools
     # Scale from zero: hold requests while no replica is ready (None: answer 503 at once), at
     # most hold_queue of them, and raise this InferenceService's scale from 0 (None: wait for the
     # operator to).

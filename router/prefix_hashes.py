@@ -46,6 +46,7 @@ class PrefixHasher:
         chat_cache_tokens: int = DEFAULT_MAX_TOKENS,
         on_fallback: Callable[[str], None] = lambda reason: None,
         served_names: list[str] | None = None,
+        tool_format: str = "hermes",
     ) -> None:
         if served_names and len(models) != 1:
             raise ValueError("served model names name one model; give one model with them")
@@ -53,6 +54,7 @@ class PrefixHasher:
         self.served_names = served_names or []
         self.default_block_size = default_block_size
         self.chat_cache_tokens = chat_cache_tokens
+        self.tool_format = tool_format
         self.tokenizers: dict[str, Any] = {}
         self.chat_caches: dict[str, ChatTokenCache] = {}
         self.block_sizes: dict[str, int] = {}
@@ -88,7 +90,7 @@ class PrefixHasher:
                 continue
             for name in names:
                 self.tokenizers[name] = tokenizer
-                self.chat_caches[name] = ChatTokenCache(tokenizer, self.chat_cache_tokens)
+                self.chat_caches[name] = ChatTokenCache(tokenizer, self.chat_cache_tokens, self.tool_format)
                 self.load_errors.pop(name, None)
             log.info("tokenizer for %s loaded from %s", ", ".join(names), model or "the bundled model")
 
@@ -131,9 +133,9 @@ class PrefixHasher:
         try:
             if endpoint == "chat":
                 # A follow-up turn tokenizes and hashes only what follows the cached history.
-                cache = self.chat_caches.get(name) if chat_cache else ChatTokenCache(tokenizer, 0)
+                cache = self.chat_caches.get(name) if chat_cache else ChatTokenCache(tokenizer, 0, self.tool_format)
                 if cache is None:  # a tokenizer set without load_tokenizers
-                    cache = ChatTokenCache(tokenizer, self.chat_cache_tokens)
+                    cache = ChatTokenCache(tokenizer, self.chat_cache_tokens, self.tool_format)
                     self.chat_caches[name] = cache
                 token_ids, hashes = cache.prompt(body["messages"], block_size, salt, body.get("tools"))
                 return PromptBlocks(hashes, len(token_ids), block_size)

@@ -17,6 +17,7 @@ from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvscale.server.config import QUANTIZATIONS
 from kvscale.server.cpu_binding import ENV as ENV_OMP_BIND
 from kvscale.server.cpu_binding import RESERVE_FROM
+from kvscale.tokenization import TOOL_FORMATS
 
 logger = logging.getLogger("kvscale.serve")
 
@@ -97,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     structured.add_argument("--enable-auto-tool-choice", action="store_true",
                             help='let tool_choice "auto" parse tool calls out of the answer '
                                  "(needs --tool-call-parser)")
-    structured.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+    structured.add_argument("--tool-call-parser", default=None, choices=TOOL_FORMATS,
                             help="the tool-call format of the served model's family")
 
     router = parser.add_argument_group("prefix-aware routing")

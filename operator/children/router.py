@@ -97,6 +97,10 @@ def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image:
                       "--block-size", str(spec.engine.block_size))
     if files.path is not None:
         tokenizer_args = ("--model", files.path, *tokenizer_args)
+    # Agents' prompts carry tools, which the servers render in their tool-call format.
+    tool_format = spec.engine.extra_flag("--tool-call-parser")
+    if tool_format is not None:
+        tokenizer_args = (*tokenizer_args, "--tool-call-parser", tool_format)
     to_zero = spec.autoscaling.scales_to_zero
     return RouterPod(
         name=router_name(name),

@@ -44,8 +44,7 @@ TERMINATION_GRACE_PERIOD_SECONDS = 60
 def cpu_kv_cache_args(spec: InferenceServiceSpec) -> list[str]:
     """--kv-cache-memory-bytes for a server without a GPU, sized to its memory limit with both
     of its processes counted (operator/server_memory.py), unless engine.extraArgs sets it."""
-    if spec.resources.gpus > 0 or any(
-            arg.split("=", 1)[0] == "--kv-cache-memory-bytes" for arg in spec.engine.extra_args):
+    if spec.resources.gpus > 0 or spec.engine.sets("--kv-cache-memory-bytes"):
         return []
     return ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(spec.resources.memory))]
 

@@ -197,3 +197,29 @@ def test_the_cli_flag_sets_the_bound_and_rejects_a_negative_one() -> None:
     assert config_from_args(parse(["router", "--replicas", "http://a:1", "--chat-cache-tokens", "0"])).chat_cache_tokens == 0
     with pytest.raises(SystemExit, match="chat-cache-tokens"):
         config_from_args(parse(["router", "--replicas", "http://a:1", "--chat-cache-tokens", "-1"]))
+
+
+def test_tool_turns_render_in_the_configured_tool_call_format(tokenizer) -> None:
+    """The servers render tools and tool calls in their --tool-call-parser format; a cache told
+    the same format gives their ids, whatever the format."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "-3 C, snow"},
+                {"role": "user", "content": "And tomorrow?"}]
+    rendered = {}
+    for tool_format in ("hermes", "llama3_json"):
+        cache = ChatTokenCache(tokenizer, tool_format=tool_format)
+        for _ in range(2):  # a miss, then the turn served from the cache
+            ids, _ = cache.prompt(messages, 16, None, tools)
+            assert ids == chat_prompt_token_ids(tokenizer, messages, tools, tool_format)
+        rendered[tool_format] = ids
+    assert rendered["hermes"] != rendered["llama3_json"]
+    hasher = PrefixHasher([None], tool_format="llama3_json")
+    hasher.load_tokenizers()
+    (cache,) = hasher.chat_caches.values()
+    assert cache.prompt(messages, 16, None, tools)[0] == rendered["llama3_json"]

@@ -135,6 +135,20 @@ def test_the_router_tokenizes_the_servers_model_under_the_servers_names():
             assert serve.model is None and "initContainers" not in router_pod
 
 
+def test_the_router_renders_tools_in_the_servers_tool_call_format():
+    """An agent's prompt carries tools and tool turns, rendered in the servers' --tool-call-parser
+    format: the router must hash the same text, so it gets the same flag."""
+    pod_values = {"POD_IP": "10.1.2.3", "POD_NAME": "chat-abc", "POD_NAMESPACE": "team"}
+    for extra, expected in (([], "hermes"), (["--tool-call-parser", "llama3_json"], "llama3_json"),
+                            (["--enable-auto-tool-choice", "--tool-call-parser=llama3_json"], "llama3_json")):
+        spec = parse_spec({**BUNDLED, "engine": {"extraArgs": extra}})
+        server_pod = servers.build_deployment("chat", "team", spec)["spec"]["template"]["spec"]
+        router_pod = build_router_deployment(service_router("chat", "team", spec, "img"))["spec"]["template"]["spec"]
+        serve = build_parser("serve").parse_args(expand(server_pod["containers"][0]["args"], pod_values))
+        routed = build_parser("router").parse_args(expand(router_pod["containers"][0]["args"], pod_values))
+        assert (serve.tool_call_parser or "hermes") == config_from_args(routed).tool_call_parser == expected
+
+
 def test_scale_to_zero_gives_the_router_a_hold_and_the_scale_of_its_own_service_alone():
     spec = parse_spec({**BUNDLED, "autoscaling": {"enabled": True, "minReplicas": 0,
                                                   "activationTimeoutSeconds": 90}})
