@@ -18,13 +18,12 @@ import redis
 
 from kvscale.block_hash import hash_prompt_blocks
 from kvscale.kv_index_schema import blocks_key
-from kvscale.metric_names import PREFIX_CACHE_HITS
 from kvscale.model_files import load_tokenizer, resolve_model_path
 from kvscale.processes import wait_until
 from kvscale.tokenization import chat_prompt_token_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
-from metrics_text import samples  # noqa: E402
+from prefix_hits import server_hits  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +36,6 @@ TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {
         "lighthouse": {"type": "string"}, "night": {"type": "integer", "minimum": 1, "maximum": 31}},
         "required": ["lighthouse", "night"], "additionalProperties": False}}}
-
-
-def counted_hits(url: str) -> float:
-    return sum(samples(httpx.get(f"{url}/metrics", timeout=10).text, PREFIX_CACHE_HITS.series).values())
 
 
 def test_second_turn_of_a_tool_conversation_is_predicted_as_the_replica_counts(replicas, session_redis, launcher):
@@ -81,14 +76,14 @@ def test_second_turn_of_a_tool_conversation_is_predicted_as_the_replica_counts(r
     store = redis.Redis.from_url(session_redis.url)
     wait_until(lambda: all(store.smismember(blocks_key(holder), hashes)), 20, what="turn one's blocks in Redis")
 
-    before = {rid: counted_hits(r.url) for rid, r in by_id.items()}
+    before = {rid: server_hits([r.url]) for rid, r in by_id.items()}
     second = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=history, tools=[TOOL], tool_choice="none", max_tokens=4, temperature=0)
     assert second.headers["x-kvscale-replica"] == holder
     predicted = int(second.headers["x-kvscale-predicted-hit-tokens"])
-    counted = counted_hits(replica.url) - before[holder]
+    counted = server_hits([replica.url]) - before[holder]
     assert predicted >= len(hashes) * BLOCK - BLOCK, (predicted, len(turn_one))
     assert abs(predicted - counted) <= BLOCK, (predicted, counted)
     assert second.parse().usage.prompt_tokens == len(served)
     # The other replica counted nothing for it.
-    assert all(counted_hits(r.url) == before[rid] for rid, r in by_id.items() if rid != holder)
+    assert all(server_hits([r.url]) == before[rid] for rid, r in by_id.items() if rid != holder)
