@@ -177,9 +177,32 @@ def host_tier_blocks(
     return int(num_blocks)
 
 
+# cgroup v1 writes "no limit" as the largest page-aligned signed 64-bit number.
+_CGROUP_V1_UNLIMITED = 2**62
+
+
+def cgroup_memory(cgroup: str = "/sys/fs/cgroup") -> tuple[int, int, str] | None:
+    """(limit, usage, file) of this process's memory cgroup, or None without a limit: cgroup v2
+    (memory.max) where mounted, else v1 (memory/memory.limit_in_bytes, still what many
+    Kubernetes nodes run)."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            with open(f"{cgroup}/{limit_file}") as f:
+                limit_text = f.read().strip()
+            with open(f"{cgroup}/{usage_file}") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or int(limit_text) >= _CGROUP_V1_UNLIMITED:
+            return None
+        return int(limit_text), usage, limit_file
+    return None
+
+
 def host_memory_room(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> tuple[int, str]:
     """Bytes of host memory a new allocation may take, and where the figure comes from: the
-    machine's MemAvailable, or less when this process's cgroup (v2) limit leaves less."""
+    machine's MemAvailable, or less when this process's cgroup limit leaves less."""
     available = 0
     try:
         with open(meminfo) as f:
@@ -190,16 +213,10 @@ def host_memory_room(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgro
     except OSError:
         pass
     room, what = available, f"MemAvailable of the machine, {_gib(available)} GiB"
-    try:
-        with open(f"{cgroup}/memory.max") as f:
-            limit_text = f.read().strip()
-        with open(f"{cgroup}/memory.current") as f:
-            current = int(f.read().strip())
-    except (OSError, ValueError):
-        return room, what
-    if limit_text != "max":
-        left = int(limit_text) - current
-        if left < room:
-            room = max(left, 0)
-            what = f"the cgroup's memory.max {_gib(int(limit_text))} GiB less {_gib(current)} GiB in use"
+    limited = cgroup_memory(cgroup)
+    if limited is not None:
+        limit, usage, limit_file = limited
+        if limit - usage < room:
+            room = max(limit - usage, 0)
+            what = f"the cgroup's {limit_file} {_gib(limit)} GiB less {_gib(usage)} GiB in use"
     return room, what

@@ -206,6 +206,21 @@ def test_host_memory_room_reads_the_cgroup_limit_when_it_is_lower(tmp_path):
     assert room == 4000000 * 1024 and "MemAvailable" in what
 
 
+def test_host_memory_room_reads_a_cgroup_v1_limit_too(tmp_path):
+    """Many Kubernetes nodes still mount cgroup v1: a pod's limit must count there as well."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")
+    memory = tmp_path / "cg" / "memory"
+    memory.mkdir(parents=True)
+    (memory / "memory.limit_in_bytes").write_text(str(2 * 1024**3) + "\n")
+    (memory / "memory.usage_in_bytes").write_text(str(1024**3 + 512 * 1024**2) + "\n")
+    room, what = host_memory_room(str(meminfo), str(tmp_path / "cg"))
+    assert room == 512 * 1024**2 and "memory.limit_in_bytes" in what
+    (memory / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    room, what = host_memory_room(str(meminfo), str(tmp_path / "cg"))
+    assert room == 4000000 * 1024 and "MemAvailable" in what
+
+
 def test_tier_hits_are_reported_by_tier():
     pool, kv = tiered(2, 4)
     a = fill(kv, list(range(8)), "a")
