@@ -182,11 +182,14 @@ _CGROUP_V1_UNLIMITED = 2**62
 
 
 def cgroup_memory(cgroup: str = "/sys/fs/cgroup") -> tuple[int, int, str] | None:
-    """(limit, usage, file) of this process's memory cgroup, or None without a limit: cgroup v2
-    (memory.max) where mounted, else v1 (memory/memory.limit_in_bytes, still what many
-    Kubernetes nodes run)."""
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    """(limit, working set, limit file) of this process's memory cgroup, or None without a limit:
+    cgroup v2 (memory.max) where mounted, else v1 (memory/memory.limit_in_bytes, still what many
+    Kubernetes nodes run). The working set is the usage less inactive file pages, as the kubelet
+    counts it: the checkpoint's page cache is reclaimed before anything is OOM-killed."""
+    for limit_file, usage_file, stat_file, inactive_key in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat",
+             "total_inactive_file")):
         try:
             with open(f"{cgroup}/{limit_file}") as f:
                 limit_text = f.read().strip()
@@ -196,7 +199,16 @@ def cgroup_memory(cgroup: str = "/sys/fs/cgroup") -> tuple[int, int, str] | None
             continue
         if limit_text == "max" or int(limit_text) >= _CGROUP_V1_UNLIMITED:
             return None
-        return int(limit_text), usage, limit_file
+        inactive = 0
+        try:
+            with open(f"{cgroup}/{stat_file}") as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == inactive_key:
+                        inactive = int(value)
+        except (OSError, ValueError):
+            pass
+        return int(limit_text), max(usage - inactive, 0), limit_file
     return None
 
 
@@ -218,5 +230,5 @@ def host_memory_room(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgro
         limit, usage, limit_file = limited
         if limit - usage < room:
             room = max(limit - usage, 0)
-            what = f"the cgroup's {limit_file} {_gib(limit)} GiB less {_gib(usage)} GiB in use"
+            what = f"the cgroup's {limit_file} {_gib(limit)} GiB less its {_gib(usage)} GiB working set"
     return room, what

@@ -216,6 +216,10 @@ def test_host_memory_room_reads_a_cgroup_v1_limit_too(tmp_path):
     (memory / "memory.usage_in_bytes").write_text(str(1024**3 + 512 * 1024**2) + "\n")
     room, what = host_memory_room(str(meminfo), str(tmp_path / "cg"))
     assert room == 512 * 1024**2 and "memory.limit_in_bytes" in what
+    # Inactive page cache (the checkpoint read at load) is reclaimed before an OOM kill.
+    (memory / "memory.stat").write_text(f"cache 1\ntotal_inactive_file {256 * 1024**2}\n")
+    room, _ = host_memory_room(str(meminfo), str(tmp_path / "cg"))
+    assert room == 768 * 1024**2
     (memory / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
     room, what = host_memory_room(str(meminfo), str(tmp_path / "cg"))
     assert room == 4000000 * 1024 and "MemAvailable" in what
