@@ -553,6 +553,10 @@ class PodMetricsFeeder:
             endpoint.close()
 
 
+def scaled_event(cluster: Cluster, namespace: str, name: str, words: str) -> bool:
+    return any(e["reason"] == "Scaled" and words in e["message"] for e in events_for(cluster, namespace, name))
+
+
 def test_autoscaler_scales_up_under_load_and_down_after_the_window(cluster):
     ns, name = "kvis-autoscale", "auto"
     feeder = PodMetricsFeeder(cluster, ns, name)
@@ -571,8 +575,8 @@ def test_autoscaler_scales_up_under_load_and_down_after_the_window(cluster):
         assert kvis["status"]["kvUsage"] == pytest.approx(0.9)
         assert "lastScaleTime" in kvis["status"]
         assert condition(kvis, "ScalingActive")["status"] == "True"
-        scaled = [e for e in events_for(cluster, ns, name) if e["reason"] == "Scaled"]
-        assert any("scaled up" in e["message"] for e in scaled)
+        # kopf posts Events from a queue of its own: they may come a moment after the change.
+        wait_for("a Scaled event saying scaled up", lambda: scaled_event(cluster, ns, name, "scaled up"), timeout=30)
 
         # Give the pods distinct caches, then drop the load: after the stabilization window the
         # autoscaler goes back to 1, and the survivor is the pod with the warmest cache: the
@@ -595,8 +599,8 @@ def test_autoscaler_scales_up_under_load_and_down_after_the_window(cluster):
                      if not p["metadata"].get("deletionTimestamp")]) and len(left) == 1 and left,
             timeout=60)
         assert survivors == [pods[0]], "scale-in should keep the pod with the warmest cache"
-        scaled = [e for e in events_for(cluster, ns, name) if e["reason"] == "Scaled"]
-        assert any("scaled down" in e["message"] for e in scaled)
+        wait_for("a Scaled event saying scaled down", lambda: scaled_event(cluster, ns, name, "scaled down"),
+                 timeout=30)
     except AssertionError as exc:
         raise AssertionError(f"{exc}{cluster.explain()}") from exc
     finally:
