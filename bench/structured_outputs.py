@@ -30,6 +30,10 @@ from bench.roofline import cpu_isa
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "smollm2"
+# Both sides' server flags: fp32, the same lengths and batch, the same KV cache.
+ENGINE_FLAGS: dict[str, Any] = {"device": "cpu", "dtype": "float32", "max_model_len": 4096, "max_num_seqs": 32,
+                                "max_num_batched_tokens": 4096, "block_size": 16, "enable_prefix_caching": True,
+                                "kv_cache_memory_bytes": 2 * 1024**3}
 
 
 def prompt_of(row: dict) -> list[dict]:
@@ -148,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = load_rows(args.sample)
     if args.per_set:
         rows = rows_per_set(rows, args.per_set)
-    engine_flags = {"device": "cpu", "dtype": "float32", "max_model_len": 4096, "max_num_seqs": 32,
-                    "max_num_batched_tokens": 4096, "block_size": 16, "enable_prefix_caching": True,
-                    "kv_cache_memory_bytes": 2 * 1024**3}
+    engine_flags = ENGINE_FLAGS
     log_dir = Path("/tmp/kvscale-bench-structured")
     log_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -39,9 +39,9 @@ from bench.common import machine, quantile
 from bench.http_load import first_served, start_kvscale, start_vllm, stop
 from bench.jsonschemabench import load_rows
 from bench.roofline import cpu_isa
+from bench.structured_outputs import ENGINE_FLAGS, MODEL
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODEL = "smollm2"
 TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 TOOL_MODES = ("named", "required", "auto", "streamed", "single")
 TARGET_TTFT_RATIO = 2.0  # uncached ÷ cached, at most
@@ -339,11 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     rows = load_rows(args.sample)
-    engine_flags = {"device": "cpu", "dtype": "float32", "max_model_len": 4096, "max_num_seqs": 32,
-                    "max_num_batched_tokens": 4096, "block_size": 16, "enable_prefix_caching": True,
-                    # 512 MiB (vLLM: 1 GiB, its least): the shared machine's OOM killer took a
-                    # 2 GiB engine once.
-                    "kv_cache_memory_bytes": 512 * 1024**2}
+    # 512 MiB (vLLM: 1 GiB, its least): the shared machine's OOM killer took a 2 GiB engine once.
+    engine_flags = {**ENGINE_FLAGS, "kv_cache_memory_bytes": 512 * 1024**2}
     log_dir = Path("/tmp/kvscale-bench-structured-serving")
     log_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

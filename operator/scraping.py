@@ -18,6 +18,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscale import metric_names as names
+from kvscale.base_urls import base_url
 from kvscale.operator.scaling import PodLoad
 from kvscale.operator.spec import SERVER_PORT
 
@@ -50,10 +51,7 @@ def metrics_url(pod: dict[str, Any], allow_override: bool) -> str | None:
     if override:
         return override
     ip = (pod.get("status") or {}).get("podIP")
-    if not ip:
-        return None
-    host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{SERVER_PORT}/metrics"
+    return base_url(ip, SERVER_PORT) + "/metrics" if ip else None
 
 
 def parse_metrics(text: str) -> dict[str, float]:

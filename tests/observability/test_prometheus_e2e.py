@@ -121,17 +121,11 @@ class Platform:
     def feed_pods(self) -> None:
         while not self._stop.wait(0.3):
             self.bind_router_pods()
-            proc = self.env.kubectl("get", "pods", "-n", NS, "-l", f"{LABEL}={NAME}", "-o", "json",
-                                    check=False)
-            if proc.returncode != 0:
-                continue
-            for pod in json.loads(proc.stdout)["items"]:
-                name = pod["metadata"]["name"]
+            for name in self.pod_names(LABEL):
                 if name in self.pods or len(self.pods) >= len(self.replica_urls):
                     continue
                 url = self.replica_urls[len(self.pods)]
-                self.env.kubectl("annotate", "pod", name, "-n", NS, "--overwrite",
-                                 f"serving.kvscale.io/metrics-url={url}/metrics")
+                self.point_metrics_url(name, url)
                 self.pods[name] = url
                 targets = [{"targets": [u.removeprefix("http://")],
                             "labels": {"namespace": NS, "pod": p, "inferenceservice": NAME}}
@@ -143,16 +137,19 @@ class Platform:
     def bind_router_pods(self) -> None:
         """The operator reads held requests and cold starts from the router pods' /health: the
         router of `kvscale up` stands in for them."""
-        proc = self.env.kubectl("get", "pods", "-n", NS, "-l", f"{ROUTER_LABEL}={NAME}", "-o", "json",
-                                check=False)
-        if proc.returncode != 0:
-            return
-        for pod in json.loads(proc.stdout)["items"]:
-            name = pod["metadata"]["name"]
+        for name in self.pod_names(ROUTER_LABEL):
             if name not in self.router_pods:
-                self.env.kubectl("annotate", "pod", name, "-n", NS, "--overwrite",
-                                 f"serving.kvscale.io/metrics-url={self.router_url}/metrics")
+                self.point_metrics_url(name, self.router_url)
                 self.router_pods.add(name)
+
+    def pod_names(self, label: str) -> list[str]:
+        """The service's pods that carry ``label`` (none while the API does not answer)."""
+        proc = self.env.kubectl("get", "pods", "-n", NS, "-l", f"{label}={NAME}", "-o", "json", check=False)
+        return [pod["metadata"]["name"] for pod in json.loads(proc.stdout)["items"]] if proc.returncode == 0 else []
+
+    def point_metrics_url(self, pod: str, url: str) -> None:
+        self.env.kubectl("annotate", "pod", pod, "-n", NS, "--overwrite",
+                         f"serving.kvscale.io/metrics-url={url}/metrics")
 
     def query(self, path: str, **params) -> dict:
         response = httpx.get(f"{self.prometheus}/api/v1/{path}", params=params, timeout=30)
