@@ -71,7 +71,7 @@ class Router:
         self.decider = Decider(config, self.index, self.heartbeats, self.in_flight, self.metrics)
         self.forwarder = Forwarder(
             config.connect_timeout_s, config.policy, self.replicas, self.index, self.in_flight,
-            self.decider.sessions, self.metrics,
+            self.decider.sessions, self.metrics, self.decider.calibration,
         )
         self.activation: holding.Activation | None = None
         if config.hold_timeout_s is not None:
@@ -307,6 +307,8 @@ class Router:
             session=session,
             router_ms=(decided - started) * 1000,
             predicted_ttft_s=decision.predicted_ttft_s,
+            uncalibrated_ttft_s=decision.uncalibrated_ttft_s,
+            streamed=body.get("stream") is True,
         ))
 
     async def pass_through(self, request: Request, endpoint: str) -> Response:
