@@ -56,6 +56,7 @@ class Router:
         self.replicas = ReplicaSet(
             api_key=config.replica_api_key, health_interval_s=config.health_interval_s,
             on_removed=lambda replica: self.decider.forget(replica.replica_id),
+            on_renamed=lambda old, new: self.decider.renamed(old, new),
         )
         self.replicas.set_urls(config.replicas)
         self.heartbeats = HeartbeatTable()

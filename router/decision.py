@@ -155,6 +155,17 @@ class Decider:
         self.calibration.forget(replica_id)
         self.metrics.forget_replica(replica_id)
 
+    def renamed(self, old: str, new: str) -> None:
+        """A replica routed to under its address was named by its first heartbeat: its open
+        requests' ledger moves to the name, what else was kept under the address goes (else a fleet
+        whose pods come and go keeps a dead series per pod)."""
+        self.in_flight.rename(old, new)
+        self.index.forget(old)
+        self.heartbeats.forget(old)
+        self.hot.forget(old)
+        self.calibration.forget(old)
+        self.metrics.forget_replica(old)
+
     def decide(
         self,
         candidates: list[Replica],

@@ -71,6 +71,12 @@ class InFlight:
             # Not for a replica forgotten meanwhile: that would bring its series back.
             self._gauge.labels(replica.replica_id).set(replica.in_flight)
 
+    def rename(self, old: str, new: str) -> None:
+        """A heartbeat named the replica: its ledger (requests still open there) goes with it."""
+        ledger = self._ledgers.pop(old, None)
+        if ledger is not None and new not in self._ledgers:
+            self._ledgers[new] = ledger
+
     def forget(self, replica_id: str) -> None:
         """The replica left the fleet: its ledger goes (requests still open on it close quietly)."""
         self._ledgers.pop(replica_id, None)

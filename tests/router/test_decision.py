@@ -204,3 +204,36 @@ def test_a_replica_measured_slower_than_predicted_loses_a_close_call_unless_cali
             decider.calibration.observe("r2", 0.5, 0.5)
         decision = decider.decide(replicas, hashes, hashes[0], None, 528, 16)
         assert decision.ranked[0] == expected
+
+
+def test_a_replica_renamed_by_its_first_heartbeat_leaves_no_series_under_its_old_name() -> None:
+    """A pod is routed to under its address (host:port) before its first heartbeat names it
+    (its pod name): the series, ledger and hot blocks kept under the address move to the name or
+    go, so when discovery drops the pod nothing of it is left behind."""
+    from prometheus_client import generate_latest
+
+    from kvscale.router.replicas import ReplicaSet
+
+    decider, heartbeats, in_flight, metrics = parts("predicted-ttft")
+    fleet = ReplicaSet(on_removed=lambda replica: decider.forget(replica.replica_id),
+                       on_renamed=decider.renamed)
+    url = "http://10.0.0.7:8000"
+    fleet.set_urls([url])
+    (replica,) = fleet.replicas.values()
+    address = replica.replica_id
+    request = in_flight.open(replica, 100)  # routed before any heartbeat
+    metrics.requests.labels(address, "predicted-ttft", "200").inc()
+    decider.hot.sent(address, [1, 2], time.monotonic())
+    decider.calibration.observe(address, 0.5, 1.0)
+    heartbeats.feed = feed({"pod-a": Heartbeat("pod-a", "m", url, 16, 1, 0, 3, 12, time.time())})
+    heartbeats.fold_into(fleet, {})
+    assert replica.replica_id == "pod-a"
+    assert in_flight.ledger("pod-a") is request.ledger  # the open request is still counted
+    in_flight.close(request)
+    fleet.set_urls([])
+    text = generate_latest(metrics.registry).decode()
+    for name in (address, "pod-a"):
+        assert f'replica="{name}"' not in text
+        assert in_flight.ledger(name) is None
+        assert decider.calibration.pairs(name) == []
+    assert decider.hot.footprint(address, time.monotonic()) == 0
