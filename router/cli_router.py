@@ -76,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ttft-balance-epsilon", type=float, default=TTFT_EPSILON,
         help="predicted-ttft's safety valve: no replica above (1+eps) x mean in-flight requests (negative: off)",
     )
+    parser.add_argument(
+        "--ttft-calibration", action=argparse.BooleanOptionalAction, default=True,
+        help="predicted-ttft: correct each replica's estimate by how its measured TTFTs compared with "
+             "their predictions (relative to the pool, within 2x; --no-ttft-calibration: the raw estimate)")
     parser.add_argument("--max-attempts", type=int, default=3, help="replicas tried per request before failing")
     parser.add_argument(
         "--hold-timeout", type=float, default=None, metavar="SECONDS",
@@ -132,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         session_header=(args.session_header or "").lower() or None,
         epsilon=args.balance_epsilon,
         ttft_epsilon=args.ttft_balance_epsilon if args.ttft_balance_epsilon >= 0 else None,
+        ttft_calibration=args.ttft_calibration,
         max_attempts=args.max_attempts,
         health_interval_s=args.health_interval,
         seed=args.seed,

@@ -21,6 +21,7 @@ from kvscale.router.index import PrefixIndex
 from kvscale.router.metrics import RouterMetrics, is_spill
 from kvscale.router.prefill_ledger import ttft_inputs
 from kvscale.router.replicas import Replica
+from kvscale.router.ttft_calibration import NONE, TtftCalibration
 
 SESSIONS_KEPT = 100_000
 # A block routed to a replica within this long is hot there: a new prefix should not evict it.
@@ -104,6 +105,7 @@ def candidate_view(
     now: float,
     hot_blocks: int = 0,
     host_blocks: int = 0,
+    ttft_scale: float = 1.0,
 ) -> routing.Candidate:
     """One replica as the policy sees it; ``now`` is this router's monotonic clock, onto which
     the heartbeat's time is brought before any comparison (the replica's clock may be off)."""
@@ -119,7 +121,7 @@ def candidate_view(
         room = free_blocks(hb.kv_blocks_total, hot_blocks)
     extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), now, hb_time)
     return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, host_blocks=host_blocks,
-                             free_blocks=room, **extra)
+                             free_blocks=room, ttft_scale=ttft_scale, **extra)
 
 
 class Decider:
@@ -138,6 +140,8 @@ class Decider:
         self.metrics = metrics
         self.sessions = SessionMemory()
         self.hot = HotBlocks()
+        # predicted-ttft's estimate against the TTFTs the forwarder measures, per replica.
+        self.calibration = TtftCalibration()
         self._counter = 0  # requests decided, for round-robin
         self._rng = random.Random(config.seed)
 
@@ -148,7 +152,19 @@ class Decider:
         self.in_flight.forget(replica_id)
         self.heartbeats.forget(replica_id)
         self.hot.forget(replica_id)
+        self.calibration.forget(replica_id)
         self.metrics.forget_replica(replica_id)
+
+    def renamed(self, old: str, new: str) -> None:
+        """A replica routed to under its address was named by its first heartbeat: its open
+        requests' ledger moves to the name, what else was kept under the address goes (else a fleet
+        whose pods come and go keeps a dead series per pod)."""
+        self.in_flight.rename(old, new)
+        self.index.forget(old)
+        self.heartbeats.forget(old)
+        self.hot.forget(old)
+        self.calibration.forget(old)
+        self.metrics.forget_replica(old)
 
     def decide(
         self,
@@ -171,9 +187,12 @@ class Decider:
             if routing.uses_prefix(self.config.policy) else dict.fromkeys(by_id, 0)
         )
         in_host = self.index.match_host(hashes, matched)
+        calibrated = self.config.ttft_calibration and self.config.policy == "predicted-ttft"
+        calibration = self.calibration.current(list(by_id)) if calibrated else NONE
         views = [
             candidate_view(r, matched[r.replica_id], self.heartbeats, self.in_flight, now,
-                           self.hot.footprint(r.replica_id, now), in_host.get(r.replica_id, 0))
+                           self.hot.footprint(r.replica_id, now), in_host.get(r.replica_id, 0),
+                           calibration.scale(r.replica_id))
             for r in candidates
         ]
         index_stale = self.heartbeats.index_stale
@@ -191,6 +210,7 @@ class Decider:
             prompt_tokens=prompt_tokens,
             block_size=block_size,
             ttft_epsilon=self.config.ttft_epsilon,
+            ttft_overhead_s=calibration.overhead_s,
             sticky_replica=self.sessions.get(session),
             index_stale=index_stale,
         )

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from kubelet import KubeletRuntime, start_runtime
 from pod_network import PodNetwork, link_names, netns_names
-from testenv import CPU_NODE_NAME, FAKE_NODE_NAME, K8sEnv, start_env, stop_env
+from testenv import CPU_NODE_NAME, FAKE_NODE_NAME, K8sEnv, ready_pods, start_env, stop_env
 
 from kvscale.processes import wait_until
 
@@ -120,15 +120,12 @@ def cluster(k8s_bins: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         cluster.stop()
 
 
-def ready_pods(cluster: Cluster) -> list[dict]:
-    pods = cluster.env.kubectl_json("get", "pods", "-n", cluster.namespace, "-l", "app=echo")["items"]
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
-        c["type"] == "Ready" and c["status"] == "True" for c in (p.get("status") or {}).get("conditions", []))]
-
-
 def wait_for_two(cluster: Cluster) -> list[dict]:
-    wait_until(lambda: len(ready_pods(cluster)) == 2, 120, interval=0.5, what="two echo pods Ready")
-    return sorted(ready_pods(cluster), key=lambda p: p["metadata"]["name"])
+    def echo_pods() -> list[dict]:
+        return ready_pods(cluster.env, cluster.namespace, "app=echo")
+
+    wait_until(lambda: len(echo_pods()) == 2, 120, interval=0.5, what="two echo pods Ready")
+    return sorted(echo_pods(), key=lambda p: p["metadata"]["name"])
 
 
 def test_the_service_cidr_is_outside_loopback(cluster: Cluster) -> None:

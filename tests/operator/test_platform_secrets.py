@@ -20,7 +20,7 @@ from typing import Any
 import openai
 import pytest
 from kubelet import container_env, expand
-from testenv import kwok_toleration
+from testenv import kwok_toleration, ready_pods
 
 from kvscale.operator.kube import Kube, load_connection
 from kvscale.processes import wait_until
@@ -65,13 +65,6 @@ def cluster(process_cluster) -> Iterator[Any]:
 def conditions_of(env, name: str) -> dict[str, dict[str, Any]]:
     status = env.kubectl_json("get", "inferenceservice", name, "-n", NAMESPACE).get("status") or {}
     return {c["type"]: c for c in status.get("conditions") or []}
-
-
-def ready_pods(env, namespace: str, selector: str) -> list[dict[str, Any]]:
-    return [p for p in env.kubectl_json("get", "pods", "-n", namespace, "-l", selector)["items"]
-            if not p["metadata"].get("deletionTimestamp") and any(
-                c["type"] == "Ready" and c["status"] == "True"
-                for c in (p.get("status") or {}).get("conditions") or [])]
 
 
 def plain_values(pod: dict[str, Any]) -> list[str]:

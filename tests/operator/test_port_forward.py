@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from testenv import kwok_toleration
+from testenv import kwok_toleration, ready_pods
 
 from kvscale.processes import wait_until
 
@@ -57,12 +57,6 @@ def port_forward(cluster: Any, namespace: str, pod: str, port: int, request: str
     return json.loads(done.stdout)
 
 
-def ready_pods(cluster: Any, namespace: str, selector: str) -> list[dict[str, Any]]:
-    pods = cluster.env.kubectl_json("get", "pods", "-n", namespace, "-l", selector)["items"]
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
-        c["type"] == "Ready" and c["status"] == "True" for c in (p.get("status") or {}).get("conditions", []))]
-
-
 @pytest.fixture(scope="module")
 def served(process_cluster) -> Iterator[tuple[Any, str]]:
     """The operator from deploy/*.yaml, and one InferenceService with its router and Redis."""
@@ -87,7 +81,7 @@ def served(process_cluster) -> Iterator[tuple[Any, str]]:
         conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
         return (conditions.get("Ready") == "True" and status.get("readyReplicas") == 1
                 and (status.get("router") or {}).get("readyReplicas", 0) >= 1
-                and bool(ready_pods(process_cluster, namespace, "app.kubernetes.io/component=kv-index")))
+                and bool(ready_pods(process_cluster.env, namespace, "app.kubernetes.io/component=kv-index")))
 
     try:
         wait_until(ready, READY_TIMEOUT_S, interval=1.0, what="chat Ready with its router and Redis")
@@ -97,7 +91,7 @@ def served(process_cluster) -> Iterator[tuple[Any, str]]:
 
 
 def only_pod(cluster: Any, namespace: str, selector: str) -> str:
-    pods = ready_pods(cluster, namespace, selector)
+    pods = ready_pods(cluster.env, namespace, selector)
     assert pods, f"no ready pod for {selector} in {namespace}"
     return pods[0]["metadata"]["name"]
 
