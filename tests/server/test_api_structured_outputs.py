@@ -30,7 +30,7 @@ TIME_LIMIT_S = 0.3
 
 @pytest.fixture(scope="module")
 def server():
-    config = json.dumps({"compile_timeout_s": TIME_LIMIT_S})
+    config = json.dumps({"compile_timeout_s": TIME_LIMIT_S, "fast_forward": True})
     proc = ServeProcess("--max-model-len", "2048", "--max-num-seqs", "32", "--served-model-name", "smollm2",
                         "--structured-outputs-config", config, log_name="structured")
     yield proc
@@ -105,7 +105,7 @@ def test_structured_outputs_forms_on_completions(client):
 
 
 def test_forced_tokens_stream_as_text_like_sampled_ones(client, server):
-    """Fast-forward (on by default): the grammar-forced keys reach a streaming client as ordinary
+    """Fast-forward (on in this server): the grammar-forced keys reach a streaming client as ordinary
     deltas, the stream equals the whole answer, the counter moves, and no KV block is left held."""
     schema = {"type": "object", "properties": {
         "weather_condition_description": {"type": "string", "maxLength": 20},

@@ -119,7 +119,7 @@ def test_greedy_answers_are_the_same_with_fast_forward_in_fewer_steps(make_engin
 
 
 def test_logprobs_requests_sample_every_token(make_engine, bundled_tokenizer, run_to_completion):
-    engine = make_engine()
+    engine = make_engine(structured_outputs_config=StructuredOutputsConfig(fast_forward=True))
     spec = StructuredOutputsParams(json=json.dumps(WEATHER))
     engine.add_request("lp", chat(bundled_tokenizer, "The weather as JSON."), SamplingParams(
         temperature=0, max_tokens=60, logprobs=1, structured_outputs=spec))
