@@ -52,6 +52,7 @@ import random
 import statistics
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,6 +180,8 @@ class SimReplica:
         self.running: list[SimRequest] = []
         self.busy_until = 0.0
         self.stepping = False
+        # Told the hashes this replica stores (its KV events): the router's index confirms them.
+        self.on_stored: Callable[[int, list[int]], None] = lambda index, hashes: None
 
     # what the router sees
     def queued_prefill_tokens(self) -> int:
@@ -259,6 +262,7 @@ class SimReplica:
             hit = self._cached_prefix(r)
             if not self._pin(r, r.hashes):
                 break
+            self.on_stored(self.index, r.hashes)
             self.waiting.popleft()
             r.hit_tokens = hit * self.block_size
             r.to_prefill = max(r.prompt_tokens - r.hit_tokens, 1)
@@ -303,6 +307,13 @@ class SimRouter:
         self.predicted: list[dict[int, float]] = [{} for _ in replicas]
         self.hot = HotBlocks()  # as the real Decider keeps it: the room a cold prompt may take
 
+    def stored(self, replica: int, hashes: list[int]) -> None:
+        """The replica reported these blocks stored: as in the real index, a confirmed block is no
+        longer a prediction, so once the replica evicts it the index no longer says it is there."""
+        predicted = self.predicted[replica]
+        for h in hashes:
+            predicted.pop(h, None)
+
     def matched(self, replica: SimReplica, hashes: list[int], now: float) -> int:
         predicted = self.predicted[replica.index]
         n = 0
@@ -337,7 +348,8 @@ class SimRouter:
         self.hot.sent(decision.ranked[0], req.hashes, now)
         if routing.uses_prefix(name):
             for h in req.hashes:
-                self.predicted[chosen][h] = now + 10.0
+                if h not in self.replicas[chosen].cache:  # the real index predicts only what it has not confirmed
+                    self.predicted[chosen][h] = now + 10.0
         return chosen
 
 
@@ -370,6 +382,8 @@ def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: 
     per_replica = costs if isinstance(costs, list) else [costs] * replicas
     pool = [SimReplica(i, num_blocks, block_size, per_replica[i]) for i in range(replicas)]
     router = SimRouter(policy, pool, block_size, seed)
+    for rep in pool:
+        rep.on_stored = router.stored
     events: list[tuple[float, int, str, int]] = []  # (time, tiebreak, kind, client or replica)
     tie = 0
     position = [0] * len(workload.clients)
