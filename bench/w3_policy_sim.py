@@ -745,8 +745,13 @@ def ceiling_cases(params: dict, w4_params: dict, costs: Costs) -> list[tuple[str
          dict(replicas=3, num_blocks=96, block_size=params["block_size"], costs=eight)),
         ("does not fit, Zipf (12 x 512, 3 x 96 blocks)", "w3-zipf", issue,
          dict(replicas=3, num_blocks=96, block_size=params["block_size"], costs=eight)),
-        # What the TTFT calibration is for: one replica runs at half the speed its heartbeat
-        # reports (a neighbour on its node), which the raw estimate cannot see.
+        # One replica at half the others' speed, as its heartbeat says (replicas time their own
+        # steps); then one whose heartbeat reports the others' speed (a neighbour arrived since:
+        # what the TTFT calibration is for, since the raw estimate cannot see it).
+        ("fits, one replica at half speed", "w3", issue,
+         dict(replicas=3, num_blocks=160, block_size=params["block_size"], costs=[half, eight, eight])),
+        ("does not fit, one replica at half speed", "w3", issue,
+         dict(replicas=3, num_blocks=96, block_size=params["block_size"], costs=[half, eight, eight])),
         ("fits, one replica at half its reported speed", "w3", issue,
          dict(replicas=3, num_blocks=160, block_size=params["block_size"], costs=[half, eight, eight],
               reported=[eight] * 3)),
