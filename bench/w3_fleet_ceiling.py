@@ -20,9 +20,10 @@ time, and the machine's load average before and after.
     python -m bench.w3_fleet_ceiling --vllm-router /tmp/venv/bin/vllm-router   # adds vLLM's router
     python -m bench.w3_fleet_ceiling --workload does-not-fit   # bench/results/w3_fleet_ceiling_does_not_fit.json
 
-A kvscale policy written ``NAME/no-cal`` runs that policy with ``--no-ttft-calibration``. Every
-answer of predicted-ttft carries its calibrated and raw estimates; both are set against the TTFT
-the client measured (``ttft_prediction`` and ``ttft_prediction_uncalibrated``).
+A kvscale policy written ``NAME/cal`` runs that policy with ``--ttft-calibration`` (deciding on the
+calibrated estimate). Every answer of predicted-ttft carries its calibrated and raw estimates; both
+are set against the TTFT the client measured (``ttft_prediction`` and
+``ttft_prediction_uncalibrated``).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ VLLM_POLICIES = ("cache_aware", "round_robin")
 # KV blocks per replica of each workload: 3 x 160 holds the 12 prefixes of 32 blocks with room to
 # spare; 3 x 96 holds fewer than the 12 prefixes and their requests' suffixes.
 WORKLOAD_BLOCKS = {"fits": 160, "does-not-fit": 96}
-# A policy written NAME/no-cal runs with the router's raw estimate (--no-ttft-calibration).
-NO_CALIBRATION = "/no-cal"
+# A policy written NAME/cal decides on the calibrated estimate (--ttft-calibration).
+CALIBRATED = "/cal"
 
 
 def text_prompts(tokenizer, seed: int, groups: int, prefix_tokens: int, requests: int,
@@ -289,12 +290,12 @@ def main() -> int:
         routers: list[tuple[str, str, object]] = []
         for policy in [p for p in args.policies.split(",") if p]:
             port = free_port()
-            name = policy.removesuffix(NO_CALIBRATION)
+            name = policy.removesuffix(CALIBRATED)
             proc = procs.start(f"router-{policy.replace('/', '-')}", [
                 sys.executable, "-m", "kvscale", "router", "--host", "127.0.0.1", "--port", str(port),
                 "--replicas", ",".join(replica_urls), "--redis", redis_url, "--policy", name,
                 "--block-size", str(args.block_size), "--seed", str(args.seed), "--log-level", "warning",
-                "--redis-timeout-ms", "250"] + (["--no-ttft-calibration"] if name != policy else []),
+                "--redis-timeout-ms", "250"] + (["--ttft-calibration"] if name != policy else []),
                 nice=-5 if os.geteuid() == 0 else 0)
             routers.append((f"kvscale {policy}", f"http://127.0.0.1:{port}", proc))
         if args.vllm_router:

@@ -77,9 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="predicted-ttft's safety valve: no replica above (1+eps) x mean in-flight requests (negative: off)",
     )
     parser.add_argument(
-        "--ttft-calibration", action=argparse.BooleanOptionalAction, default=True,
-        help="predicted-ttft: correct each replica's estimate by how its measured TTFTs compared with "
-             "their predictions (relative to the pool, within 2x; --no-ttft-calibration: the raw estimate)")
+        "--ttft-calibration", action=argparse.BooleanOptionalAction, default=False,
+        help="predicted-ttft: decide on each replica's estimate corrected by how its measured TTFTs compared "
+             "with their predictions (relative to the pool, within 2x). Off by default: the corrected "
+             "estimate is then only reported (x-kvscale-predicted-ttft-ms)")
     parser.add_argument("--max-attempts", type=int, default=3, help="replicas tried per request before failing")
     parser.add_argument(
         "--hold-timeout", type=float, default=None, metavar="SECONDS",

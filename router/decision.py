@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
+from dataclasses import replace
 
 from kvscale.router import policy as routing
 from kvscale.router.config import RouterConfig
@@ -187,12 +188,14 @@ class Decider:
             if routing.uses_prefix(self.config.policy) else dict.fromkeys(by_id, 0)
         )
         in_host = self.index.match_host(hashes, matched)
-        calibrated = self.config.ttft_calibration and self.config.policy == "predicted-ttft"
-        calibration = self.calibration.current(list(by_id)) if calibrated else NONE
+        ttft_policy = self.config.policy == "predicted-ttft"
+        calibration = self.calibration.current(list(by_id)) if ttft_policy else NONE
+        # Decisions read the correction only when told to; the estimate reported is corrected anyway.
+        applied = calibration if self.config.ttft_calibration else NONE
         views = [
             candidate_view(r, matched[r.replica_id], self.heartbeats, self.in_flight, now,
                            self.hot.footprint(r.replica_id, now), in_host.get(r.replica_id, 0),
-                           calibration.scale(r.replica_id))
+                           applied.scale(r.replica_id))
             for r in candidates
         ]
         index_stale = self.heartbeats.index_stale
@@ -210,7 +213,7 @@ class Decider:
             prompt_tokens=prompt_tokens,
             block_size=block_size,
             ttft_epsilon=self.config.ttft_epsilon,
-            ttft_overhead_s=calibration.overhead_s,
+            ttft_overhead_s=applied.overhead_s,
             sticky_replica=self.sessions.get(session),
             index_stale=index_stale,
         )
@@ -218,4 +221,7 @@ class Decider:
             self.metrics.spills.inc()
         if decision.ranked:
             self.hot.sent(decision.ranked[0], hashes, now)
+        if decision.ranked and decision.uncalibrated_ttft_s is not None:
+            decision = replace(decision, predicted_ttft_s=calibration.overhead_s
+                               + calibration.scale(decision.ranked[0]) * decision.uncalibrated_ttft_s)
         return decision

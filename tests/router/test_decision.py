@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from kvscale.kv_index_schema import Heartbeat
 from kvscale.router.config import RouterConfig
 from kvscale.router.decision import Decider, HotBlocks, SessionMemory, candidate_view, free_blocks
@@ -183,11 +185,12 @@ def test_a_replica_that_leaves_the_fleet_leaves_no_state_or_series_behind() -> N
     assert decider.index.sizes() == {kept: 2}
 
 
-def test_a_replica_measured_slower_than_predicted_loses_a_close_call_unless_calibration_is_off() -> None:
+def test_a_replica_measured_slower_than_predicted_loses_a_close_call_when_calibration_decides() -> None:
     """r0 holds the prompt with 1,000 tokens queued (1.0 s at its rate) against an idle r1 (0.528 s
     plus 0.512 s saved): kept on the raw estimates. Its last requests took twice their predictions
-    while r1's and r2's took what was predicted: calibrated, r0 is truly overloaded."""
-    for calibrated, expected in ((True, "r1"), (False, "r0")):
+    while r1's and r2's took what was predicted: deciding on the calibrated estimates
+    (--ttft-calibration), r0 is truly overloaded."""
+    for calibrated, expected in ((True, "r1"), (False, "r0")):  # --ttft-calibration, and the default
         decider, heartbeats, _, _ = parts("predicted-ttft")
         decider.config.ttft_calibration = calibrated
         wall = time.time()
@@ -204,6 +207,9 @@ def test_a_replica_measured_slower_than_predicted_loses_a_close_call_unless_cali
             decider.calibration.observe("r2", 0.5, 0.5)
         decision = decider.decide(replicas, hashes, hashes[0], None, 528, 16)
         assert decision.ranked[0] == expected
+        # Either way the estimate reported is the calibrated one: r0's raw estimate doubled, r1's as is.
+        scale = 2.0 if expected == "r0" else 1.0
+        assert decision.predicted_ttft_s == pytest.approx(scale * decision.uncalibrated_ttft_s)
 
 
 def test_a_replica_renamed_by_its_first_heartbeat_leaves_no_series_under_its_old_name() -> None:

@@ -15,6 +15,7 @@ from kvscale.router.replicas import Replica
 from kvscale.router.ttft_calibration import (
     CALIBRATION_SPREAD,
     MIN_PAIRS,
+    RECOMPUTE_EVERY,
     Calibration,
     TtftCalibration,
     calibration,
@@ -113,9 +114,14 @@ def test_the_store_keeps_a_window_per_replica_and_forgets_a_replica_that_left() 
     assert len(store.pairs("a")) == 10
     cal = store.current(["a", "b"])
     assert cal.scale("a") == pytest.approx(2 * cal.scale("b"))
-    assert store.current(["a", "b"]) is cal  # unchanged until a new pair
+    for _ in range(RECOMPUTE_EVERY - 1):
+        store.observe("b", 0.5, 1.0)
+    assert store.current(["a", "b"]) is cal  # a few new pairs move little: not recomputed yet
+    store.observe("b", 0.5, 1.0)
+    assert store.current(["a", "b"]).scale("b") > cal.scale("b")
     store.forget("a")
-    assert store.pairs("a") == [] and store.current(["a", "b"]).scale("a") == pytest.approx(1.0)
+    after = store.current(["a", "b"])
+    assert store.pairs("a") == [] and after.scale("a") == pytest.approx(after.scale("b"))  # the median
     assert Calibration().scale("x") == 1.0
 
 
