@@ -146,3 +146,13 @@ def test_preempted_sequences_with_forced_runs_finish_as_without(make_engine, bun
         if fast_forward:
             assert engine.structured.stats.forced_tokens > 0
     assert results[0] == results[1]
+
+
+def test_only_short_chunks_of_output_tokens_attend_as_decodes():
+    from kvscale.server.model_runner import MAX_DECODE_ROWS_CHUNK, attends_as_decodes
+
+    assert attends_as_decodes(start=40, num_new=3, num_prompt_tokens=40)  # sampled token + forced run
+    assert not attends_as_decodes(start=40, num_new=1, num_prompt_tokens=40)  # a plain decode already is one
+    assert not attends_as_decodes(start=0, num_new=45, num_prompt_tokens=40)  # recompute after preemption
+    assert not attends_as_decodes(start=30, num_new=5, num_prompt_tokens=40)  # a prompt's last chunk
+    assert not attends_as_decodes(start=40, num_new=MAX_DECODE_ROWS_CHUNK + 1, num_prompt_tokens=40)
