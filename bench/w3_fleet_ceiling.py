@@ -3,7 +3,8 @@ kvscale replicas, the same text prompts, the replicas' own counters (issue 21).
 
 The workload is the issue's "fits in the fleet" shape by default: G groups of requests, each group
 sharing a P-token prefix, R requests in random group order, C in flight (closed loop), N replicas
-whose KV pools together hold every prefix. Prompts are text (words), so that a router that routes
+whose KV pools together hold every prefix (160 blocks each). ``--workload does-not-fit`` sends the
+same stream to pools of 96 blocks, which together cannot hold every prefix. Prompts are text (words), so that a router that routes
 on text (`vllm-router`) takes part on equal terms: kvscale's router tokenizes them as the replicas
 do. Each router runs the whole stream once, one after the other, each with its own ``cache_salt``
 (no run inherits another's cache while all see identical prompts); the replicas are shared, so each
@@ -17,6 +18,12 @@ time, and the machine's load average before and after.
 
     python -m bench.w3_fleet_ceiling                       # bench/results/w3_fleet_ceiling.json
     python -m bench.w3_fleet_ceiling --vllm-router /tmp/venv/bin/vllm-router   # adds vLLM's router
+    python -m bench.w3_fleet_ceiling --workload does-not-fit   # bench/results/w3_fleet_ceiling_does_not_fit.json
+
+A kvscale policy written ``NAME/cal`` runs that policy with ``--ttft-calibration`` (deciding on the
+calibrated estimate). Every answer of predicted-ttft carries its calibrated and raw estimates; both
+are set against the TTFT the client measured (``ttft_prediction`` and
+``ttft_prediction_uncalibrated``).
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ from kvscale.processes import free_port
 REPO = Path(__file__).resolve().parents[1]
 KVSCALE_POLICIES = ("predicted-ttft", "weighted", "round-robin")
 VLLM_POLICIES = ("cache_aware", "round_robin")
+# KV blocks per replica of each workload: 3 x 160 holds the 12 prefixes of 32 blocks with room to
+# spare; 3 x 96 holds fewer than the 12 prefixes and their requests' suffixes.
+WORKLOAD_BLOCKS = {"fits": 160, "does-not-fit": 96}
+# A policy written NAME/cal decides on the calibrated estimate (--ttft-calibration).
+CALIBRATED = "/cal"
 
 
 def text_prompts(tokenizer, seed: int, groups: int, prefix_tokens: int, requests: int,
@@ -92,9 +104,27 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
             if first is None and line.startswith("data: {") and json.loads(line[6:]).get("choices"):
                 first = time.perf_counter()
     predicted_ms = response.headers.get("x-kvscale-predicted-ttft-ms")
+    raw_ms = response.headers.get("x-kvscale-predicted-ttft-uncalibrated-ms")
     return {"ok": True, "ttft_s": (first or time.perf_counter()) - started, "latency_s": time.perf_counter() - started,
             "router_ms": float(response.headers.get("x-kvscale-router-ms", "nan")),
-            "predicted_ttft_s": float(predicted_ms) / 1000 if predicted_ms else None}
+            "replica": response.headers.get("x-kvscale-replica"),
+            "predicted_ttft_s": float(predicted_ms) / 1000 if predicted_ms else None,
+            "uncalibrated_ttft_s": float(raw_ms) / 1000 if raw_ms else None}
+
+
+def prediction_error(pairs: list[tuple[float, float]]) -> dict | None:
+    """The estimate against the TTFT the client measured: (measured - predicted) and measured /
+    predicted, p10 / p50 / p90, and the median absolute log error (0: exact; 0.69: off by 2x)."""
+    import math
+
+    if not pairs:
+        return None
+    errors = [measured - predicted for predicted, measured in pairs]
+    ratios = [measured / predicted for predicted, measured in pairs if predicted > 0]
+    return {"requests": len(pairs),
+            "error_s": {f"p{q}": quantile(errors, q / 100) for q in (10, 50, 90)},
+            "measured_over_predicted": {f"p{q}": quantile(ratios, q / 100) for q in (10, 50, 90)},
+            "abs_log_error_p50": quantile([abs(math.log(r)) for r in ratios if r > 0], 0.5)}
 
 
 async def drive(router_url: str, prompts: list[str], args, salt: str) -> tuple[list[dict], float]:
@@ -141,16 +171,15 @@ def run_one(name: str, router_url: str, replica_urls: list[str], prompts: list[s
     hit_rate = hits / queries if queries else 0.0
     ttfts = [r["ttft_s"] for r in ok]
     router_ms = [r["router_ms"] for r in ok if r["router_ms"] == r["router_ms"]]
-    # predicted-ttft's estimate against the TTFT the client measured (which adds the HTTP path).
-    pairs = [(r["predicted_ttft_s"], r["ttft_s"]) for r in ok if r.get("predicted_ttft_s")]
-    errors = [measured - predicted for predicted, measured in pairs]
-    ratios = [measured / predicted for predicted, measured in pairs if predicted > 0]
-    prediction = ({"requests": len(pairs),
-                   "error_s": {f"p{q}": quantile(errors, q / 100) for q in (10, 50, 90)},
-                   "measured_over_predicted": {f"p{q}": quantile(ratios, q / 100) for q in (10, 50, 90)}}
-                  if pairs else None)
+    # predicted-ttft's estimate against the TTFT the client measured (which adds the HTTP path),
+    # calibrated (what the router decided on, plus the overhead) and raw, on the same requests.
+    calibrated = [(r["predicted_ttft_s"], r["ttft_s"]) for r in ok if r.get("predicted_ttft_s")]
+    raw = [(r["uncalibrated_ttft_s"], r["ttft_s"]) for r in ok if r.get("uncalibrated_ttft_s")]
     return {
-        "ttft_prediction": prediction,
+        "ttft_prediction": prediction_error(calibrated),
+        "ttft_prediction_uncalibrated": prediction_error(raw),
+        "per_request": [{k: r.get(k) for k in ("replica", "ttft_s", "predicted_ttft_s", "uncalibrated_ttft_s")}
+                        for r in ok],
         "router": name,
         "pass": n,
         "requests": len(results),
@@ -198,7 +227,10 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-gpu-blocks-override", type=int, default=160, help="KV blocks per replica")
+    parser.add_argument("--workload", choices=tuple(WORKLOAD_BLOCKS), default="fits",
+                        help="fits: the fleet's pools hold every prefix (160 blocks each); does-not-fit: 96 each")
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                        help="KV blocks per replica (default: the workload's)")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     parser.add_argument("--replica-nice", type=int, default=10)
@@ -209,8 +241,14 @@ def main() -> int:
     parser.add_argument("--passes", type=int, default=1,
                         help="times every router runs the stream (alternating order; medians reported)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "w3_fleet_ceiling.json"))
+    parser.add_argument("--out", default=None,
+                        help="default: bench/results/w3_fleet_ceiling.json (fits), w3_fleet_ceiling_does_not_fit.json")
     args = parser.parse_args()
+    if args.num_gpu_blocks_override is None:
+        args.num_gpu_blocks_override = WORKLOAD_BLOCKS[args.workload]
+    if args.out is None:
+        suffix = "" if args.workload == "fits" else "_" + args.workload.replace("-", "_")
+        args.out = str(REPO / "bench" / "results" / f"w3_fleet_ceiling{suffix}.json")
 
     from kvscale.model_files import load_tokenizer, resolve_tokenizer_path
 
@@ -225,7 +263,7 @@ def main() -> int:
     for i, prompt_ids in enumerate(ids):
         clients[i % args.concurrency].append((0.0, prompt_ids, [], args.output_tokens))
     ceiling = capacity_ceiling(Workload(clients), args.block_size, args.replicas * args.num_gpu_blocks_override)
-    print(f"w3_fleet_ceiling: {len(prompts)} prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, "
+    print(f"w3_fleet_ceiling: {args.workload}, {args.replicas} x {args.num_gpu_blocks_override} blocks, {len(prompts)} prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, "
           f"ceiling {ceiling:.3f}", flush=True)
 
     started = time.time()
@@ -252,11 +290,13 @@ def main() -> int:
         routers: list[tuple[str, str, object]] = []
         for policy in [p for p in args.policies.split(",") if p]:
             port = free_port()
-            proc = procs.start(f"router-{policy}", [
+            name = policy.removesuffix(CALIBRATED)
+            proc = procs.start(f"router-{policy.replace('/', '-')}", [
                 sys.executable, "-m", "kvscale", "router", "--host", "127.0.0.1", "--port", str(port),
-                "--replicas", ",".join(replica_urls), "--redis", redis_url, "--policy", policy,
+                "--replicas", ",".join(replica_urls), "--redis", redis_url, "--policy", name,
                 "--block-size", str(args.block_size), "--seed", str(args.seed), "--log-level", "warning",
-                "--redis-timeout-ms", "250"], nice=-5 if os.geteuid() == 0 else 0)
+                "--redis-timeout-ms", "250"] + (["--ttft-calibration"] if name != policy else []),
+                nice=-5 if os.geteuid() == 0 else 0)
             routers.append((f"kvscale {policy}", f"http://127.0.0.1:{port}", proc))
         if args.vllm_router:
             for policy in [p for p in args.vllm_policies.split(",") if p]:
@@ -276,7 +316,7 @@ def main() -> int:
                 row = run_one(name, url, replica_urls, prompts, args, ceiling, n, proc.pid,  # type: ignore[attr-defined]
                               tuple(p.pid for p in replica_procs))
                 results.append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "per_request"}), flush=True)
     finally:
         procs.stop_all()
     out = Path(args.out)

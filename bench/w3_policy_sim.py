@@ -52,12 +52,15 @@ import random
 import statistics
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import machine, quantile, write_result
 from kvscale.router import policy as routing
 from kvscale.router.decision import HotBlocks, free_blocks
+from kvscale.router.ttft_calibration import NONE as NO_CALIBRATION
+from kvscale.router.ttft_calibration import TtftCalibration
 
 
 def simulate(
@@ -164,21 +167,27 @@ class SimRequest:
     finished: float | None = None
     hit_tokens: int = 0
     expected_hit_blocks: int = 0  # what the router's index matched on the chosen replica
+    predicted_ttft_s: float | None = None  # predicted-ttft's raw estimate for the chosen replica
     pinned: list[int] = field(default_factory=list)
 
 
 class SimReplica:
-    def __init__(self, index: int, num_blocks: int, block_size: int, costs: Costs) -> None:
+    def __init__(self, index: int, num_blocks: int, block_size: int, costs: Costs,
+                 reported: Costs | None = None) -> None:
         self.index = index
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.costs = costs
+        # What its heartbeat says of its speed (a replica slowed by a neighbour reports stale rates).
+        self.reported = reported or costs
         self.cache: OrderedDict[int, None] = OrderedDict()  # block hash -> (LRU order)
         self.refs: dict[int, int] = {}  # pinned by running requests
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.busy_until = 0.0
         self.stepping = False
+        # Told the hashes this replica stores (its KV events): the router's index confirms them.
+        self.on_stored: Callable[[int, list[int]], None] = lambda index, hashes: None
 
     # what the router sees
     def queued_prefill_tokens(self) -> int:
@@ -259,6 +268,7 @@ class SimReplica:
             hit = self._cached_prefix(r)
             if not self._pin(r, r.hashes):
                 break
+            self.on_stored(self.index, r.hashes)
             self.waiting.popleft()
             r.hit_tokens = hit * self.block_size
             r.to_prefill = max(r.prompt_tokens - r.hit_tokens, 1)
@@ -292,16 +302,31 @@ class SimReplica:
 
 
 class SimRouter:
-    """The real decision functions over the simulated replicas, with the router's 10 s predictions."""
+    """The real decision functions over the simulated replicas, with the router's 10 s predictions
+    (``predicted-ttft/cal``: deciding on the calibrated estimate, the router's --ttft-calibration)."""
 
     def __init__(self, policy: str, replicas: list[SimReplica], block_size: int, seed: int) -> None:
-        self.policy = policy
+        name = policy.partition("@")[0]
+        self.calibration = TtftCalibration() if name.endswith(CAL) else None
+        self.policy = policy.replace(CAL, "")
         self.replicas = replicas
         self.block_size = block_size
         self.rng = random.Random(seed)
         self.counter = 0
         self.predicted: list[dict[int, float]] = [{} for _ in replicas]
         self.hot = HotBlocks()  # as the real Decider keeps it: the room a cold prompt may take
+
+    def stored(self, replica: int, hashes: list[int]) -> None:
+        """The replica reported these blocks stored: as in the real index, a confirmed block is no
+        longer a prediction, so once the replica evicts it the index no longer says it is there."""
+        predicted = self.predicted[replica]
+        for h in hashes:
+            predicted.pop(h, None)
+
+    def first_token(self, req: SimRequest) -> None:
+        """The router saw ``req``'s first token: a (predicted, measured) pair for its calibration."""
+        if self.calibration is not None and req.predicted_ttft_s and req.first_token is not None:
+            self.calibration.observe(f"r{req.replica}", req.predicted_ttft_s, req.first_token - req.arrival)
 
     def matched(self, replica: SimReplica, hashes: list[int], now: float) -> int:
         predicted = self.predicted[replica.index]
@@ -317,27 +342,33 @@ class SimRouter:
         if name == ORACLE:
             return self.route_oracle(req)
         cands = []
+        ids = [f"r{rep.index}" for rep in self.replicas]
+        calibration = self.calibration.current(ids) if self.calibration is not None else NO_CALIBRATION
         for rep in self.replicas:
             cands.append(routing.Candidate(
                 f"r{rep.index}", rep.load(), rep.kv_usage(),
                 self.matched(rep, req.hashes, now) if routing.uses_prefix(name) else 0,
                 queued_prefill_tokens=rep.queued_prefill_tokens(), num_decoding=rep.num_decoding(),
-                prefill_tokens_per_s=rep.costs.prefill_tokens_per_s, decode_step_s=rep.costs.decode_step_s,
+                prefill_tokens_per_s=rep.reported.prefill_tokens_per_s, decode_step_s=rep.reported.decode_step_s,
                 step_token_budget=rep.costs.step_tokens,
                 free_blocks=free_blocks(rep.num_blocks, self.hot.footprint(f"r{rep.index}", now)),
+                ttft_scale=calibration.scale(f"r{rep.index}"),
             ))
         self.counter += 1
         decision = routing.decide(
             name, cands, prompt_blocks=len(req.hashes), hash_key=req.hashes[0] if req.hashes else req.rid,
             counter=self.counter, rng=self.rng, epsilon=float(eps) if eps else 0.25,
             prompt_tokens=req.prompt_tokens, block_size=self.block_size,
+            ttft_overhead_s=calibration.overhead_s,
         )
         chosen = int(decision.ranked[0][1:])
         req.expected_hit_blocks = decision.matched_blocks
+        req.predicted_ttft_s = decision.uncalibrated_ttft_s
         self.hot.sent(decision.ranked[0], req.hashes, now)
         if routing.uses_prefix(name):
             for h in req.hashes:
-                self.predicted[chosen][h] = now + 10.0
+                if h not in self.replicas[chosen].cache:  # the real index predicts only what it has not confirmed
+                    self.predicted[chosen][h] = now + 10.0
         return chosen
 
 
@@ -353,6 +384,7 @@ class SimRouter:
 
 
 ORACLE = "oracle"  # simulator only: it reads the replicas' true caches and queues
+CAL = "/cal"  # predicted-ttft/cal: decides on the calibrated estimate (the router's --ttft-calibration)
 
 
 @dataclass
@@ -363,13 +395,18 @@ class Workload:
 
 
 def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: int, block_size: int,
-                 costs: Costs | list[Costs], seed: int = 0, details: bool = False) -> dict:
-    """``costs``: one for every replica, or a list (a pool of unequal replicas)."""
+                 costs: Costs | list[Costs], seed: int = 0, details: bool = False,
+                 reported: list[Costs] | None = None) -> dict:
+    """``costs``: one for every replica, or a list (a pool of unequal replicas); ``reported``: what
+    each replica's heartbeat says of its speed, when not its true ``costs``."""
     from kvscale.block_hash import hash_prompt_blocks
 
     per_replica = costs if isinstance(costs, list) else [costs] * replicas
-    pool = [SimReplica(i, num_blocks, block_size, per_replica[i]) for i in range(replicas)]
+    pool = [SimReplica(i, num_blocks, block_size, per_replica[i], reported[i] if reported else None)
+            for i in range(replicas)]
     router = SimRouter(policy, pool, block_size, seed)
+    for rep in pool:
+        rep.on_stored = router.stored
     events: list[tuple[float, int, str, int]] = []  # (time, tiebreak, kind, client or replica)
     tie = 0
     position = [0] * len(workload.clients)
@@ -391,6 +428,9 @@ def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: 
     owner: dict[int, int] = {}
     while events:
         now, _, kind, who = heapq.heappop(events)
+        if kind == "first":
+            router.first_token(requests[who])
+            continue
         if kind == "arrive":
             think, prompt, answer, out = workload.clients[who][position[who]]
             req = SimRequest(len(requests), now, hash_prompt_blocks(prompt, block_size), len(prompt), out,
@@ -406,8 +446,10 @@ def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: 
             if not (rep.waiting or rep.running):
                 rep.stepping = False
                 continue
-            end, _, done = rep.step(now)
+            end, firsts, done = rep.step(now)
             push(end, "step", who)
+            for req in firsts:
+                push(end, "first", req.rid)  # the router sees it when it happens, not when computed
             for req in done:
                 c = owner[req.rid]
                 position[c] += 1
@@ -690,6 +732,7 @@ def ceiling_cases(params: dict, w4_params: dict, costs: Costs) -> list[tuple[str
                  concurrency=8)
     eight = Costs(costs.prefill_tokens_per_s, costs.decode_step_s, costs.step_tokens, 8)
     sixteen = Costs(costs.prefill_tokens_per_s, costs.decode_step_s, costs.step_tokens, 16)
+    half = Costs(costs.prefill_tokens_per_s / 2, costs.decode_step_s * 2, costs.step_tokens, 8)
     return [
         ("W3, real-run setup", "w3", params, real),
         ("W3-Zipf, real-run setup", "w3-zipf", params, real),
@@ -702,6 +745,19 @@ def ceiling_cases(params: dict, w4_params: dict, costs: Costs) -> list[tuple[str
          dict(replicas=3, num_blocks=96, block_size=params["block_size"], costs=eight)),
         ("does not fit, Zipf (12 x 512, 3 x 96 blocks)", "w3-zipf", issue,
          dict(replicas=3, num_blocks=96, block_size=params["block_size"], costs=eight)),
+        # One replica at half the others' speed, as its heartbeat says (replicas time their own
+        # steps); then one whose heartbeat reports the others' speed (a neighbour arrived since:
+        # what the TTFT calibration is for, since the raw estimate cannot see it).
+        ("fits, one replica at half speed", "w3", issue,
+         dict(replicas=3, num_blocks=160, block_size=params["block_size"], costs=[half, eight, eight])),
+        ("does not fit, one replica at half speed", "w3", issue,
+         dict(replicas=3, num_blocks=96, block_size=params["block_size"], costs=[half, eight, eight])),
+        ("fits, one replica at half its reported speed", "w3", issue,
+         dict(replicas=3, num_blocks=160, block_size=params["block_size"], costs=[half, eight, eight],
+              reported=[eight] * 3)),
+        ("does not fit, one replica at half its reported speed", "w3", issue,
+         dict(replicas=3, num_blocks=96, block_size=params["block_size"], costs=[half, eight, eight],
+              reported=[eight] * 3)),
     ]
 
 
@@ -750,7 +806,7 @@ def ceiling_mode(args) -> int:
         if rr is not None:
             for row in rows.values():
                 row["ttft_p90_over_round_robin"] = row["ttft_p90_s"] / rr["ttft_p90_s"]
-        cases.append({"case": case, "workload": kind, "fleet": {k: v for k, v in fleet.items() if k != "costs"},
+        cases.append({"case": case, "workload": kind, "fleet": {k: v for k, v in fleet.items() if k not in ("costs", "reported")},
                       "ceiling": ceiling, "policies": rows})
         print(f"{case:46} ceiling {ceiling:.3f}", flush=True)
         for policy, row in rows.items():

@@ -7,7 +7,8 @@ identical prompts. Policies run one after the other, in an order rotated per wor
 machine's speed drifts meanwhile, so each run also records the rates its replicas measured, and
 the simulator replays every run at its own rates. (``--blocks N`` interleaves policies in N
 slices instead, valid only with pools large enough to keep every policy's cache.) Per (workload,
-policy): the replicas' own prefix-cache hit rate, TTFT p50/p90,
+policy): the replicas' own prefix-cache hit rate and its share of the ceiling (the best hit rate any
+routing could reach with the fleet's KV, on the token ids that run sent), TTFT p50/p90,
 output throughput, max/mean requests per replica, router-added latency p50/p99 (the router's own
 time from a request's last byte to sending it upstream, reported per response), and the replicas'
 measured rates from their heartbeats (prefill tokens/s, decode step time), which calibrate the
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import machine, quantile
+from bench.common import quantile
 from bench.w3_workloads import (
     WORKLOADS,
     conversation_messages,
@@ -169,8 +170,10 @@ async def drive_prompts(router_url: str, prompts: list[list[int]], args, salt: s
                 prompt = queue.get_nowait()
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": args.output_tokens, "temperature": 0,
                         "ignore_eos": True, "stream": True, "cache_salt": salt}
+                sent = time.perf_counter()
                 result = await _stream(client, f"{router_url}/v1/completions", body)
                 result["output_tokens"] = args.output_tokens
+                result["sent_at"], result["prompt_ids"] = sent, prompt
                 results.append(result)
 
         started = time.perf_counter()
@@ -196,8 +199,10 @@ async def drive_chats(router_url: str, convs, args, salt: str) -> tuple[list[dic
                     await asyncio.sleep(conv.think_s[turn])
                     body = {"model": MODEL, "messages": conversation_messages(conv, turn, answers),
                             "max_tokens": args.answer_tokens, "temperature": 0, "stream": True, "cache_salt": salt}
+                    sent = time.perf_counter()
                     result = await _stream(client, f"{router_url}/v1/chat/completions", body)
                     result["turn"] = turn
+                    result["sent_at"], result["messages"] = sent, body["messages"]
                     result["output_tokens"] = result.get("chunks", 0)
                     results.append(result)
                     if not result["ok"]:
@@ -289,6 +294,25 @@ def summarize(args, workload: str, policy: str, results: list[dict], wall: float
     }
 
 
+def run_ceiling(args, results: list[dict], tokenizer) -> float:
+    """The workload's ceiling on the token ids this run sent, in the order it sent them (the best
+    hit rate any routing could reach with the fleet's KV: ``bench.w3_policy_sim.capacity_ceiling``).
+    W4's prompts hold the answers the replicas gave, so each policy's run has its own; an answer
+    counts as the token ids its text encodes to."""
+    from bench.w3_policy_sim import Workload, capacity_ceiling
+    from kvscale.tokenization import chat_prompt_token_ids
+
+    requests = []
+    for r in sorted((r for r in results if r["ok"]), key=lambda r: r["sent_at"]):
+        if "messages" in r:
+            prompt = chat_prompt_token_ids(tokenizer, r["messages"])
+            answer = tokenizer.encode(r.get("text", ""), add_special_tokens=False)
+        else:
+            prompt, answer = r["prompt_ids"], []
+        requests.append((0.0, prompt, answer, r["output_tokens"]))
+    return capacity_ceiling(Workload([requests]), args.block_size, args.replicas * args.num_gpu_blocks_override)
+
+
 def workload_items(args, workload: str) -> list:
     """The run's whole stream: token-id prompts (W3, W3-Zipf) or conversations (W4)."""
     if workload == "w4":
@@ -303,10 +327,12 @@ def run_block(args, workload: str, policy: str, router_url: str, replica_urls: l
     salt = f"{workload}-{policy}-{args.seed}"
     q0, h0 = cache_counters(replica_urls)
     since = time.time()
+    load = os.getloadavg()[0]
     drive = drive_chats if workload == "w4" else drive_prompts
     results, wall = asyncio.run(drive(router_url, items, args, salt))
     q1, h1 = cache_counters(replica_urls)
-    return {"results": results, "wall": wall, "queries": q1 - q0, "hits": h1 - h0, "window": (since, time.time())}
+    return {"results": results, "wall": wall, "queries": q1 - q0, "hits": h1 - h0, "window": (since, time.time()),
+            "loadavg": (load, os.getloadavg()[0])}
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -346,7 +372,8 @@ def ratios(results: list[dict], policy: str = "predicted-ttft") -> dict:
         if me is None:
             continue
         entry: dict = {"max_over_mean_requests": me["max_over_mean_requests"],
-                       "router_added_ms_p99": me["router_added_ms_p99"]}
+                       "router_added_ms_p99": me["router_added_ms_p99"],
+                       "share_of_ceiling": me.get("share_of_ceiling")}
         for other, r in by.items():
             if other == policy:
                 continue
@@ -412,9 +439,13 @@ def main() -> int:
     if not redis_binary:
         print("w3_router: needs redis-server on the PATH (make system-deps)", file=sys.stderr)
         return 2
+    from bench.w3_policy_sim import cpu_info
+    from kvscale.model_files import load_tokenizer, resolve_tokenizer_path
+
+    tokenizer = load_tokenizer(resolve_tokenizer_path(None))
     procs = Processes()
     started = time.time()
-    host = machine()
+    host = cpu_info()
     policies = args.policies.split(",")
     results: list[dict] = []
     sampler = None
@@ -473,11 +504,17 @@ def main() -> int:
                     done[policy].append(run_block(args, workload, policy, routers[policy], replica_urls, block))
             for policy in policies:
                 parts = done[policy]
-                record = summarize(args, workload, policy, [r for part in parts for r in part["results"]],
+                sent = [r for part in parts for r in part["results"]]
+                record = summarize(args, workload, policy, sent,
                                    sum(part["wall"] for part in parts),
                                    (0.0, sum(part["queries"] for part in parts)),
                                    (0.0, sum(part["hits"] for part in parts)))
+                record["ceiling"] = run_ceiling(args, sent, tokenizer)
+                record["share_of_ceiling"] = (record["prefix_cache_hit_rate"] / record["ceiling"]
+                                              if record["ceiling"] else float("nan"))
                 record["replica_rates"] = sampler.summary([part["window"] for part in parts])
+                record["loadavg_1m_before"] = round(parts[0]["loadavg"][0], 2)
+                record["loadavg_1m_after"] = round(parts[-1]["loadavg"][1], 2)
                 print(json.dumps({k: v for k, v in record.items() if k != "per_request"}), flush=True)
                 results.append(record)
     finally:

@@ -140,6 +140,9 @@ STRUCTURED_MASK_SECONDS = Metric(
     "Time spent filling and applying grammar bitmasks (divide by mask_steps for time per step).", _M)
 STRUCTURED_MASK_STEPS = Metric(
     "kvscale:structured_output_mask_steps", COUNTER, "Steps that applied a grammar bitmask.", _M)
+STRUCTURED_FORCED_TOKENS = Metric(
+    "kvscale:structured_output_forced_tokens", COUNTER,
+    "Output tokens the grammar forced, appended without a sampling step (fast-forward).", _M)
 TOOL_CALL_PARSE_FAILURES = Metric(
     "kvscale:tool_call_parse_failures", COUNTER,
     "Answers under tool_choice auto whose tool-call markup did not parse (sent as text).", _M)
@@ -154,7 +157,7 @@ SERVER_METRICS = (
     ITL, E2E_LATENCY, QUEUE_TIME, CACHE_CONFIG_INFO, KV_BLOCKS_TOTAL, KV_BLOCKS_ACTIVE,
     KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, MAX_NUM_SEQS, HTTP_REQUESTS,
     STRUCTURED_REQUESTS, STRUCTURED_COMPILE_SECONDS, STRUCTURED_COMPILE_CACHE_HITS, STRUCTURED_REFUSALS,
-    STRUCTURED_MASK_SECONDS, STRUCTURED_MASK_STEPS, TOOL_CALL_PARSE_FAILURES, UNKNOWN_REQUEST_FIELDS,
+    STRUCTURED_MASK_SECONDS, STRUCTURED_MASK_STEPS, STRUCTURED_FORCED_TOKENS, TOOL_CALL_PARSE_FAILURES, UNKNOWN_REQUEST_FIELDS,
     KV_OFFLOAD_BYTES, KV_OFFLOAD_TIME, EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS,
     CPU_CACHE_USAGE, KV_HOST_BLOCKS_TOTAL, KV_HOST_BLOCKS_CACHED, KV_BLOCKS_DEMOTED,
     KV_BLOCKS_PROMOTED, KV_PREEMPTIONS_SWAPPED, KV_RESTORE_SECONDS,

@@ -56,6 +56,7 @@ class Router:
         self.replicas = ReplicaSet(
             api_key=config.replica_api_key, health_interval_s=config.health_interval_s,
             on_removed=lambda replica: self.decider.forget(replica.replica_id),
+            on_renamed=lambda old, new: self.decider.renamed(old, new),
         )
         self.replicas.set_urls(config.replicas)
         self.heartbeats = HeartbeatTable()
@@ -71,7 +72,7 @@ class Router:
         self.decider = Decider(config, self.index, self.heartbeats, self.in_flight, self.metrics)
         self.forwarder = Forwarder(
             config.connect_timeout_s, config.policy, self.replicas, self.index, self.in_flight,
-            self.decider.sessions, self.metrics,
+            self.decider.sessions, self.metrics, self.decider.calibration,
         )
         self.activation: holding.Activation | None = None
         if config.hold_timeout_s is not None:
@@ -307,6 +308,8 @@ class Router:
             session=session,
             router_ms=(decided - started) * 1000,
             predicted_ttft_s=decision.predicted_ttft_s,
+            uncalibrated_ttft_s=decision.uncalibrated_ttft_s,
+            streamed=body.get("stream") is True,
         ))
 
     async def pass_through(self, request: Request, endpoint: str) -> Response:

@@ -76,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ttft-balance-epsilon", type=float, default=TTFT_EPSILON,
         help="predicted-ttft's safety valve: no replica above (1+eps) x mean in-flight requests (negative: off)",
     )
+    parser.add_argument(
+        "--ttft-calibration", action=argparse.BooleanOptionalAction, default=False,
+        help="predicted-ttft: decide on each replica's estimate corrected by how its measured TTFTs compared "
+             "with their predictions (relative to the pool, within 2x). Off by default: the corrected "
+             "estimate is then only reported (x-kvscale-predicted-ttft-ms)")
     parser.add_argument("--max-attempts", type=int, default=3, help="replicas tried per request before failing")
     parser.add_argument(
         "--hold-timeout", type=float, default=None, metavar="SECONDS",
@@ -132,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         session_header=(args.session_header or "").lower() or None,
         epsilon=args.balance_epsilon,
         ttft_epsilon=args.ttft_balance_epsilon if args.ttft_balance_epsilon >= 0 else None,
+        ttft_calibration=args.ttft_calibration,
         max_attempts=args.max_attempts,
         health_interval_s=args.health_interval,
         seed=args.seed,

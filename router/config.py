@@ -27,6 +27,9 @@ class RouterConfig:
     session_header: str | None = "x-session-id"
     epsilon: float = 0.25
     ttft_epsilon: float | None = TTFT_EPSILON  # predicted-ttft's load cap; None: off
+    # predicted-ttft decides on its estimate corrected by the TTFTs measured here (off: the
+    # correction is only reported; in simulation it spread work under eviction churn)
+    ttft_calibration: bool = False
     max_attempts: int = 3
     health_interval_s: float = 2.0
     connect_timeout_s: float = 2.0

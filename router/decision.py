@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
+from dataclasses import replace
 
 from kvscale.router import policy as routing
 from kvscale.router.config import RouterConfig
@@ -21,6 +22,7 @@ from kvscale.router.index import PrefixIndex
 from kvscale.router.metrics import RouterMetrics, is_spill
 from kvscale.router.prefill_ledger import ttft_inputs
 from kvscale.router.replicas import Replica
+from kvscale.router.ttft_calibration import NONE, TtftCalibration
 
 SESSIONS_KEPT = 100_000
 # A block routed to a replica within this long is hot there: a new prefix should not evict it.
@@ -104,6 +106,7 @@ def candidate_view(
     now: float,
     hot_blocks: int = 0,
     host_blocks: int = 0,
+    ttft_scale: float = 1.0,
 ) -> routing.Candidate:
     """One replica as the policy sees it; ``now`` is this router's monotonic clock, onto which
     the heartbeat's time is brought before any comparison (the replica's clock may be off)."""
@@ -119,7 +122,7 @@ def candidate_view(
         room = free_blocks(hb.kv_blocks_total, hot_blocks)
     extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), now, hb_time)
     return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, host_blocks=host_blocks,
-                             free_blocks=room, **extra)
+                             free_blocks=room, ttft_scale=ttft_scale, **extra)
 
 
 class Decider:
@@ -138,6 +141,8 @@ class Decider:
         self.metrics = metrics
         self.sessions = SessionMemory()
         self.hot = HotBlocks()
+        # predicted-ttft's estimate against the TTFTs the forwarder measures, per replica.
+        self.calibration = TtftCalibration()
         self._counter = 0  # requests decided, for round-robin
         self._rng = random.Random(config.seed)
 
@@ -148,7 +153,19 @@ class Decider:
         self.in_flight.forget(replica_id)
         self.heartbeats.forget(replica_id)
         self.hot.forget(replica_id)
+        self.calibration.forget(replica_id)
         self.metrics.forget_replica(replica_id)
+
+    def renamed(self, old: str, new: str) -> None:
+        """A replica routed to under its address was named by its first heartbeat: its open
+        requests' ledger moves to the name, what else was kept under the address goes (else a fleet
+        whose pods come and go keeps a dead series per pod)."""
+        self.in_flight.rename(old, new)
+        self.index.forget(old)
+        self.heartbeats.forget(old)
+        self.hot.forget(old)
+        self.calibration.forget(old)
+        self.metrics.forget_replica(old)
 
     def decide(
         self,
@@ -171,9 +188,14 @@ class Decider:
             if routing.uses_prefix(self.config.policy) else dict.fromkeys(by_id, 0)
         )
         in_host = self.index.match_host(hashes, matched)
+        ttft_policy = self.config.policy == "predicted-ttft"
+        calibration = self.calibration.current(list(by_id)) if ttft_policy else NONE
+        # Decisions read the correction only when told to; the estimate reported is corrected anyway.
+        applied = calibration if self.config.ttft_calibration else NONE
         views = [
             candidate_view(r, matched[r.replica_id], self.heartbeats, self.in_flight, now,
-                           self.hot.footprint(r.replica_id, now), in_host.get(r.replica_id, 0))
+                           self.hot.footprint(r.replica_id, now), in_host.get(r.replica_id, 0),
+                           applied.scale(r.replica_id))
             for r in candidates
         ]
         index_stale = self.heartbeats.index_stale
@@ -191,6 +213,7 @@ class Decider:
             prompt_tokens=prompt_tokens,
             block_size=block_size,
             ttft_epsilon=self.config.ttft_epsilon,
+            ttft_overhead_s=applied.overhead_s,
             sticky_replica=self.sessions.get(session),
             index_stale=index_stale,
         )
@@ -198,4 +221,7 @@ class Decider:
             self.metrics.spills.inc()
         if decision.ranked:
             self.hot.sent(decision.ranked[0], hashes, now)
+        if decision.ranked and decision.uncalibrated_ttft_s is not None:
+            decision = replace(decision, predicted_ttft_s=calibration.overhead_s
+                               + calibration.scale(decision.ranked[0]) * decision.uncalibrated_ttft_s)
         return decision

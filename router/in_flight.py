@@ -11,6 +11,7 @@ Times are this router's monotonic clock; heartbeats are brought onto it before t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import Gauge
@@ -26,10 +27,17 @@ class OpenRequest:
     # heartbeat binds it (a router that just started), and the lookup then lost the entry.
     ledger: PrefillLedger
     key: int
+    sent_at: float = 0.0  # this router's monotonic clock when it was sent
+    # Told the seconds from sending to the first token, once (the TTFT calibration's measurement).
+    on_started: Callable[[float], None] | None = None
 
     def first_byte(self) -> None:
         """Its response started: its prefill is done."""
-        self.ledger.started(self.key, time.monotonic())
+        now = time.monotonic()
+        self.ledger.started(self.key, now)
+        if self.on_started is not None:
+            on_started, self.on_started = self.on_started, None
+            on_started(now - self.sent_at)
 
 
 class InFlight:
@@ -41,14 +49,17 @@ class InFlight:
     def ledger(self, replica_id: str) -> PrefillLedger | None:
         return self._ledgers.get(replica_id)
 
-    def open(self, replica: Replica, prefill_tokens: int) -> OpenRequest:
-        """``prefill_tokens``: what the replica must compute for it (prompt less predicted hit)."""
+    def open(self, replica: Replica, prefill_tokens: int,
+             on_started: Callable[[float], None] | None = None) -> OpenRequest:
+        """``prefill_tokens``: what the replica must compute for it (prompt less predicted hit);
+        ``on_started`` is told the seconds from now to its first token."""
         replica.in_flight += 1
         self._keys += 1
         ledger = self._ledgers.setdefault(replica.replica_id, PrefillLedger())
-        ledger.sent(self._keys, prefill_tokens, time.monotonic())
+        now = time.monotonic()
+        ledger.sent(self._keys, prefill_tokens, now)
         self._gauge.labels(replica.replica_id).set(replica.in_flight)
-        return OpenRequest(replica, ledger, self._keys)
+        return OpenRequest(replica, ledger, self._keys, now, on_started)
 
     def close(self, request: OpenRequest) -> None:
         now = time.monotonic()
@@ -59,6 +70,12 @@ class InFlight:
         if self._ledgers.get(replica.replica_id) is request.ledger:
             # Not for a replica forgotten meanwhile: that would bring its series back.
             self._gauge.labels(replica.replica_id).set(replica.in_flight)
+
+    def rename(self, old: str, new: str) -> None:
+        """A heartbeat named the replica: its ledger (requests still open there) goes with it."""
+        ledger = self._ledgers.pop(old, None)
+        if ledger is not None and new not in self._ledgers:
+            self._ledgers[new] = ledger
 
     def forget(self, replica_id: str) -> None:
         """The replica left the fleet: its ledger goes (requests still open on it close quietly)."""

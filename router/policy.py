@@ -103,6 +103,9 @@ class Candidate:
     step_token_budget: int = 0  # the engine's max_num_batched_tokens; 0: unknown (one step)
     # KV blocks not held by the prefixes recently routed there (None: unknown, room assumed).
     free_blocks: int | None = None
+    # How much longer than predicted this replica's requests have taken, relative to the pool
+    # (kvscale.router.ttft_calibration): its estimate is multiplied by it.
+    ttft_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,8 @@ class Decision:
     ranked: list[str]  # best first; the proxy walks it on failover
     matched_blocks: int  # of the first choice
     reason: str  # "affinity" | "load" | "hash" | "sticky" | "round-robin" | "random"
-    predicted_ttft_s: float | None = None  # predicted-ttft's estimate for the first choice
+    predicted_ttft_s: float | None = None  # predicted-ttft's estimate for the first choice (calibrated)
+    uncalibrated_ttft_s: float | None = None  # the same before calibration
 
 
 def effective_load(
@@ -270,9 +274,16 @@ def predicted_ttft_policy(
     epsilon: float | None = TTFT_EPSILON,
     slack: float = TTFT_SLACK,
     sticky_replica: str | None = None,
+    ttft_overhead_s: float = 0.0,
 ) -> Decision:
     """Rank replicas: the anchor (session, else longest holder) first unless it is truly overloaded,
-    cold prompts where there is room, the rest by estimate; over the load cap last."""
+    cold prompts where there is room, the rest by estimate; over the load cap last.
+
+    The estimates are calibrated (kvscale.router.ttft_calibration): each candidate's ``ttft_scale``
+    times its estimate, and the prefill a hit saves on another replica times that replica's. The
+    overhead every request pays wherever it goes (``ttft_overhead_s``) is added to the estimate the
+    decision reports, not to the ones it compares: a time common to every replica must not change
+    a decision (added to both sides of the spill rule it would make the holder keep more)."""
     if not candidates:
         return Decision([], 0, "none")
     eligible: list[Candidate]
@@ -282,8 +293,9 @@ def predicted_ttft_policy(
     else:
         eligible, over, _ = _bounded_split(candidates, epsilon)
     rates = pool_rates(candidates)
-    ttft = {c.replica_id: predicted_ttft(
+    raw = {c.replica_id: predicted_ttft(
         replace(c, prefill_tokens_per_s=rates[c.replica_id]), prompt_tokens, block_size) for c in candidates}
+    ttft = {c.replica_id: c.ttft_scale * raw[c.replica_id] for c in candidates}
 
     def key(c: Candidate) -> tuple[float, int, int, int]:
         return (round(ttft[c.replica_id], 3), -c.matched_blocks, c.load,
@@ -305,9 +317,10 @@ def predicted_ttft_policy(
         # index has not seen it (no Redis, or its events still on their way).
         held = (anchor.matched_blocks if reason != "sticky"
                 else max(anchor.matched_blocks, prompt_tokens // max(block_size, 1)))
-        if others and should_spill(
-            ttft[anchor.replica_id], ttft[others[0].replica_id],
-            max(held - others[0].matched_blocks, 0) * block_size / rates[others[0].replica_id],
+        other = others[0] if others else None
+        if other is not None and should_spill(
+            ttft[anchor.replica_id], ttft[other.replica_id],
+            max(held - other.matched_blocks, 0) * block_size / rates[other.replica_id] * other.ttft_scale,
             slack,
         ):
             anchor, reason = None, "load"
@@ -323,7 +336,8 @@ def predicted_ttft_policy(
     if reason == "load" and best_match > 0 and ranked[0].matched_blocks == best_match:
         reason = "affinity"
     return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks, reason,
-                    predicted_ttft_s=ttft[ranked[0].replica_id])
+                    predicted_ttft_s=ttft_overhead_s + ttft[ranked[0].replica_id],
+                    uncalibrated_ttft_s=raw[ranked[0].replica_id])
 
 
 def weighted_scores(candidates: Sequence[Candidate], prompt_blocks: int) -> dict[str, float]:
@@ -389,11 +403,12 @@ def decide(
     prompt_tokens: int = 0,
     block_size: int = 16,
     ttft_epsilon: float | None = TTFT_EPSILON,
+    ttft_overhead_s: float = 0.0,
 ) -> Decision:
     if policy == "predicted-ttft":
         return predicted_ttft_policy(
             candidates, prompt_tokens, block_size, hash_key, epsilon=ttft_epsilon, slack=epsilon,
-            sticky_replica=sticky_replica,
+            sticky_replica=sticky_replica, ttft_overhead_s=ttft_overhead_s,
         )
     if policy == "weighted":
         return weighted(candidates, prompt_blocks, hash_key)

@@ -94,6 +94,18 @@ class PrefixHasher:
                 self.load_errors.pop(name, None)
             log.info("tokenizer for %s loaded from %s", ", ".join(names), model or "the bundled model")
 
+    def block_size(self, name: str) -> int:
+        """The block size of the model served as ``name``: learned from heartbeats, which name a
+        model by its first served name only, so any of the model's names finds it (the names whose
+        tokenizer is the same one)."""
+        if name in self.block_sizes:
+            return self.block_sizes[name]
+        tokenizer = self.tokenizers.get(name)
+        for other, size in self.block_sizes.items():
+            if tokenizer is not None and self.tokenizers.get(other) is tokenizer:
+                return size
+        return self.default_block_size
+
     def tokenizer_status(self) -> dict[str, str | None]:
         """Each served name the router was told of: None when its tokenizer is loaded, else why not."""
         status: dict[str, str | None] = {name: None for name in self.tokenizers}
@@ -124,7 +136,7 @@ class PrefixHasher:
         name = model if model else next(iter(self.tokenizers), "")
         tokenizer = self.tokenizers.get(name)
         # By the name whose tokenizer is used: a request without "model" goes to that model.
-        block_size = self.block_sizes.get(name, self.default_block_size)
+        block_size = self.block_size(name)
         if tokenizer is None:
             self._on_fallback("no_tokenizer")
             return PromptBlocks([], 0, block_size)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -22,6 +22,7 @@ from kvscale.router.in_flight import InFlight, OpenRequest
 from kvscale.router.index import PrefixIndex
 from kvscale.router.metrics import RouterMetrics
 from kvscale.router.replicas import Replica, ReplicaSet
+from kvscale.router.ttft_calibration import TtftCalibration
 
 log = logging.getLogger("kvscale.router")
 
@@ -51,7 +52,9 @@ class Routed:
     predicted_hit_tokens: int  # of the first choice
     session: str | None
     router_ms: float  # the router's time from the body's last byte to the decision
-    predicted_ttft_s: float | None = None  # for the first choice (predicted-ttft only)
+    predicted_ttft_s: float | None = None  # for the first choice (predicted-ttft only), calibrated
+    uncalibrated_ttft_s: float | None = None  # the same before calibration
+    streamed: bool = False  # "stream": true: its first token's arrival is measurable here
 
 
 def replica_headers(
@@ -78,8 +81,10 @@ class Forwarder:
         in_flight: InFlight,
         sessions: SessionMemory,
         metrics: RouterMetrics,
+        calibration: TtftCalibration | None = None,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
+        self.calibration = calibration  # told each streamed first choice's measured TTFT
         self.policy = policy  # for the requests metric's label
         self.replicas = replicas
         self.index = index
@@ -111,7 +116,8 @@ class Forwarder:
             if routed.hashes:
                 self.index.predict(replica.replica_id, routed.hashes, time.monotonic())
             hit = routed.predicted_hit_tokens if attempt == 0 else 0
-            request = self.in_flight.open(replica, max(routed.prompt_tokens - hit, 1))
+            request = self.in_flight.open(replica, max(routed.prompt_tokens - hit, 1),
+                                          self._measure(routed, replica) if attempt == 0 else None)
             committed = False
             upstream: httpx.Response | None = None
             try:
@@ -163,6 +169,9 @@ class Forwarder:
             if routed.predicted_ttft_s is not None and attempt == 0:
                 # What the estimate said of the replica that answers: its error is measurable.
                 out_headers["x-kvscale-predicted-ttft-ms"] = f"{routed.predicted_ttft_s * 1000:.1f}"
+                if routed.uncalibrated_ttft_s is not None:
+                    out_headers["x-kvscale-predicted-ttft-uncalibrated-ms"] = (
+                        f"{routed.uncalibrated_ttft_s * 1000:.1f}")
             return StreamingResponse(
                 self._passthrough(first, chunks, upstream, request),
                 status_code=upstream.status_code,
@@ -170,6 +179,17 @@ class Forwarder:
             )
         self.metrics.requests.labels("none", self.policy, "502").inc()
         return openai_error(502, f"every replica tried failed: {last_error}", "bad_gateway")
+
+    def _measure(self, routed: Routed, replica: Replica) -> Callable[[float], None] | None:
+        """What to do with the request's measured TTFT: a (predicted, measured) pair for the
+        calibration, when there is a prediction and the response streams (otherwise its first byte
+        comes with its last token)."""
+        calibration = self.calibration
+        predicted = routed.uncalibrated_ttft_s
+        if calibration is None or predicted is None or not routed.streamed:
+            return None
+        replica_id = replica.replica_id
+        return lambda measured_s: calibration.observe(replica_id, predicted, measured_s)
 
     async def _passthrough(
         self,

@@ -86,10 +86,12 @@ class ReplicaSet:
         api_key: str | None = None,
         health_interval_s: float = 2.0,
         on_removed: Callable[[Replica], None] | None = None,
+        on_renamed: Callable[[str, str], None] | None = None,
     ) -> None:
         self.replicas: dict[str, Replica] = {}  # url -> replica
         self.api_key = api_key
         self._on_removed = on_removed
+        self._on_renamed = on_renamed  # (old id, new id): a heartbeat named a replica
         self.health_interval_s = health_interval_s
         self._task: asyncio.Task | None = None
         self._client: httpx.AsyncClient | None = None
@@ -116,8 +118,10 @@ class ReplicaSet:
         """Heartbeats name each replica's id and base URL; learn the id of every URL we route to."""
         for url, replica_id in url_to_id.items():
             replica = self.replicas.get(normalize_base_url(url))
-            if replica is not None:
-                replica.replica_id = replica_id
+            if replica is not None and replica.replica_id != replica_id:
+                old, replica.replica_id = replica.replica_id, replica_id
+                if self._on_renamed is not None:
+                    self._on_renamed(old, replica_id)
 
     def mark_down(self, replica: Replica, at_once: bool = True) -> None:
         """A request to ``replica`` failed: out at once when ``at_once`` (its connection was

@@ -78,6 +78,7 @@ class _EngineStatsCollector(Collector):
         yield family(names.MAX_NUM_SEQS, stats.extra.get("max_num_seqs", 0.0))
         yield family(names.STRUCTURED_MASK_SECONDS, stats.extra.get("structured_mask_seconds_total", 0.0))
         yield family(names.STRUCTURED_MASK_STEPS, stats.extra.get("structured_mask_steps_total", 0.0))
+        yield family(names.STRUCTURED_FORCED_TOKENS, stats.extra.get("structured_forced_tokens_total", 0.0))
         info = names.CACHE_CONFIG_INFO
         config = GaugeMetricFamily(info.name, info.help, labels=list(info.labels))
         prefix_caching = stats.extra.get("enable_prefix_caching", 1.0)

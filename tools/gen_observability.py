@@ -232,6 +232,12 @@ SERVING = Board(
             q(f"sum by (pod) ({rate(m.STRUCTURED_MASK_SECONDS.series, SEL_SERVER)}) / "
               f"sum by (pod) ({rate(m.STRUCTURED_MASK_STEPS.series, SEL_SERVER)})", "{{pod}}"),
         ), unit="s"),
+        Panel("Grammar fast-forward: forced share of output tokens", (
+            q(f"sum by (pod) ({rate(m.STRUCTURED_FORCED_TOKENS.series, SEL_SERVER)}) / "
+              f"sum by (pod) ({rate(m.GENERATION_TOKENS.series, SEL_SERVER)})", "{{pod}}"),
+        ), unit="percentunit", description="Tokens appended because the grammar allowed nothing else "
+                                           "(keys, punctuation), each saving a decode step, over all "
+                                           "output tokens."),
     ),
 )
 

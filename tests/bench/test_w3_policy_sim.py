@@ -58,3 +58,27 @@ def test_ratios_against_round_robin_read_the_targets_direction():
     assert ratios == pytest.approx({"hit_rate_ratio": 3.0, "ttft_p50_better": 3.0, "ttft_p90_better": 1.5,
                                     "throughput_ratio": 1.5, "max_over_mean_requests": 1.2})
     assert set(ratios) == set(TARGETS)
+
+
+def test_the_simulated_index_forgets_a_block_the_replica_stored_then_evicted():
+    """As the real index (kvscale.router.index): a prediction lasts until the replica reports the
+    block stored; evicted after that, the block no longer matches. (The simulator kept predictions
+    for their whole 10 s, so on pools too small for the prefixes it anchored requests on replicas
+    that had evicted them.)"""
+    from bench.w3_policy_sim import SimReplica, SimRequest, SimRouter
+
+    replica = SimReplica(0, num_blocks=4, block_size=16, costs=Costs(1000.0, 0.01, 2048, 8))
+    router = SimRouter("predicted-ttft", [replica], 16, seed=0)
+    replica.on_stored = router.stored
+    first = SimRequest(0, 0.0, [1, 2, 3], 48, 1)
+    replica.waiting.append(first)
+    router.route(first, 0.0)
+    assert router.matched(replica, [1, 2, 3], 0.1) == 3  # predicted: not computed yet
+    replica.step(0.1)  # scheduled: stored, and the prediction gives way to the cache
+    assert router.predicted[0] == {}
+    while replica.running:
+        replica.step(1.0)
+    other = SimRequest(1, 2.0, [7, 8, 9, 10], 64, 1)
+    replica.waiting.append(other)
+    replica.step(2.0)  # its 4 blocks evict 1, 2 and 3 from the 4-block pool
+    assert router.matched(replica, [1, 2, 3], 2.5) == 0

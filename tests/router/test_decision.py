@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from kvscale.kv_index_schema import Heartbeat
 from kvscale.router.config import RouterConfig
 from kvscale.router.decision import Decider, HotBlocks, SessionMemory, candidate_view, free_blocks
@@ -161,6 +163,8 @@ def test_a_replica_that_leaves_the_fleet_leaves_no_state_or_series_behind() -> N
         for _ in range(2):
             decider.hot.sent(replica.replica_id, [1, 2], time.monotonic())
         open_requests.append(in_flight.open(replica, 100))
+        for _ in range(8):
+            decider.calibration.observe(replica.replica_id, 0.5, 1.0)
         metrics.requests.labels(replica.replica_id, "predicted-ttft", "200").inc()
     metrics.set_index_blocks(decider.index.sizes())
     gone = [r.replica_id for r in replicas[1:]]
@@ -175,6 +179,67 @@ def test_a_replica_that_leaves_the_fleet_leaves_no_state_or_series_behind() -> N
         assert replica_id not in decider.index.sizes()
         assert replica_id not in heartbeats._seen
         assert decider.hot.footprint(replica_id, time.monotonic()) == 0
+        assert decider.calibration.pairs(replica_id) == []
     kept = replicas[0].replica_id
     assert f'replica="{kept}"' in text and in_flight.ledger(kept) is not None
     assert decider.index.sizes() == {kept: 2}
+
+
+def test_a_replica_measured_slower_than_predicted_loses_a_close_call_when_calibration_decides() -> None:
+    """r0 holds the prompt with 1,000 tokens queued (1.0 s at its rate) against an idle r1 (0.528 s
+    plus 0.512 s saved): kept on the raw estimates. Its last requests took twice their predictions
+    while r1's and r2's took what was predicted: deciding on the calibrated estimates
+    (--ttft-calibration), r0 is truly overloaded."""
+    for calibrated, expected in ((True, "r1"), (False, "r0")):  # --ttft-calibration, and the default
+        decider, heartbeats, _, _ = parts("predicted-ttft")
+        decider.config.ttft_calibration = calibrated
+        wall = time.time()
+        heartbeats.feed = feed({
+            "r0": beat("r0", 1, wall, prefill_tokens_per_s=1000.0, prefill_tokens_waiting=1000),
+            "r1": beat("r1", 0, wall, prefill_tokens_per_s=1000.0),
+            "r2": beat("r2", 1, wall, prefill_tokens_per_s=1000.0, prefill_tokens_waiting=2000)})
+        replicas = [Replica(f"http://r{i}", f"r{i}", healthy=True) for i in range(3)]
+        hashes = list(range(1000, 1033))
+        decider.index.stored("r0", hashes)
+        for _ in range(8):
+            decider.calibration.observe("r0", 0.5, 1.0)
+            decider.calibration.observe("r1", 0.5, 0.5)
+            decider.calibration.observe("r2", 0.5, 0.5)
+        decision = decider.decide(replicas, hashes, hashes[0], None, 528, 16)
+        assert decision.ranked[0] == expected
+        # Either way the estimate reported is the calibrated one: r0's raw estimate doubled, r1's as is.
+        scale = 2.0 if expected == "r0" else 1.0
+        assert decision.predicted_ttft_s == pytest.approx(scale * decision.uncalibrated_ttft_s)
+
+
+def test_a_replica_renamed_by_its_first_heartbeat_leaves_no_series_under_its_old_name() -> None:
+    """A pod is routed to under its address (host:port) before its first heartbeat names it
+    (its pod name): the series, ledger and hot blocks kept under the address move to the name or
+    go, so when discovery drops the pod nothing of it is left behind."""
+    from prometheus_client import generate_latest
+
+    from kvscale.router.replicas import ReplicaSet
+
+    decider, heartbeats, in_flight, metrics = parts("predicted-ttft")
+    fleet = ReplicaSet(on_removed=lambda replica: decider.forget(replica.replica_id),
+                       on_renamed=decider.renamed)
+    url = "http://10.0.0.7:8000"
+    fleet.set_urls([url])
+    (replica,) = fleet.replicas.values()
+    address = replica.replica_id
+    request = in_flight.open(replica, 100)  # routed before any heartbeat
+    metrics.requests.labels(address, "predicted-ttft", "200").inc()
+    decider.hot.sent(address, [1, 2], time.monotonic())
+    decider.calibration.observe(address, 0.5, 1.0)
+    heartbeats.feed = feed({"pod-a": Heartbeat("pod-a", "m", url, 16, 1, 0, 3, 12, time.time())})
+    heartbeats.fold_into(fleet, {})
+    assert replica.replica_id == "pod-a"
+    assert in_flight.ledger("pod-a") is request.ledger  # the open request is still counted
+    in_flight.close(request)
+    fleet.set_urls([])
+    text = generate_latest(metrics.registry).decode()
+    for name in (address, "pod-a"):
+        assert f'replica="{name}"' not in text
+        assert in_flight.ledger(name) is None
+        assert decider.calibration.pairs(name) == []
+    assert decider.hot.footprint(address, time.monotonic()) == 0

@@ -99,3 +99,19 @@ def test_a_request_without_model_is_hashed_with_its_models_block_size(hasher: Pr
     blocks = learned.prompt_block_hashes("completions", {"prompt": prompt}, None)
     assert blocks.block_size == 32
     assert blocks.hashes == hash_prompt_blocks(ids, 32)
+
+
+def test_a_request_naming_another_of_the_models_served_names_gets_its_block_size(hasher: PrefixHasher) -> None:
+    """The servers answer to "chat" and "chat-v2" (--served-model-name chat chat-v2); their
+    heartbeats name the model by its first name only. A request for "chat-v2" goes to the same
+    replicas and must be hashed with the same 32-token blocks, not the default 16."""
+    (name,) = hasher.tokenizers
+    aliased = PrefixHasher([None], served_names=["chat", "chat-v2"])
+    aliased.tokenizers = {"chat": hasher.tokenizers[name], "chat-v2": hasher.tokenizers[name]}
+    aliased.block_sizes["chat"] = 32  # as the heartbeats report it
+    prompt = "The lighthouse keeper counted ships " * 16
+    ids = completion_prompt_token_ids(hasher.tokenizers[name], prompt)
+    for model in ("chat", "chat-v2", None):
+        blocks = aliased.prompt_block_hashes("completions", {"prompt": prompt}, model)
+        assert blocks.block_size == 32, model
+        assert blocks.hashes == hash_prompt_blocks(ids, 32)
