@@ -83,6 +83,9 @@ KV_BLOCKS_ACTIVE = Metric(
 KV_BLOCKS_CACHED = Metric(
     "kvscale:kv_blocks_cached", GAUGE,
     "Free KV blocks still holding a reusable prefix; evicted on demand, so free capacity.", _M)
+MAX_NUM_SEQS = Metric(
+    "kvscale:max_num_seqs", GAUGE,
+    "Sequences the engine batches at once at most (--max-num-seqs): the batch slots.", _M)
 KV_BLOCKS_EVICTED = Metric(
     "kvscale:kv_blocks_evicted", COUNTER,
     "Cached KV blocks whose prefix was dropped to make room for new data.", _M)
@@ -152,7 +155,7 @@ SERVER_METRICS = (
     NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS, NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, TTFT,
     ITL, E2E_LATENCY, QUEUE_TIME, CACHE_CONFIG_INFO, KV_BLOCKS_TOTAL, KV_BLOCKS_ACTIVE,
-    KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, HTTP_REQUESTS,
+    KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, MAX_NUM_SEQS, HTTP_REQUESTS,
     STRUCTURED_REQUESTS, STRUCTURED_COMPILE_SECONDS, STRUCTURED_COMPILE_CACHE_HITS, STRUCTURED_REFUSALS,
     STRUCTURED_MASK_SECONDS, STRUCTURED_MASK_STEPS, STRUCTURED_FORCED_TOKENS, TOOL_CALL_PARSE_FAILURES, UNKNOWN_REQUEST_FIELDS,
     KV_OFFLOAD_BYTES, KV_OFFLOAD_TIME, EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS,
@@ -238,6 +241,10 @@ OPERATOR_LOAD = Metric(
 OPERATOR_KV_USAGE = Metric(
     "kvscale_operator_autoscaler_kv_usage", GAUGE,
     "Mean share of KV blocks held by live requests over the pods that reported.", _IS)
+OPERATOR_OCCUPANCY = Metric(
+    "kvscale_operator_autoscaler_occupancy", GAUGE,
+    "Mean occupancy over the pods that reported: per pod the fuller of KV blocks held by live "
+    "requests and batch slots in use; the signal compared with targetKVUsage.", _IS)
 OPERATOR_WAITING = Metric(
     "kvscale_operator_autoscaler_waiting_requests", GAUGE,
     "Waiting requests over all pods (missing pods extrapolated).", _IS)
@@ -276,7 +283,7 @@ OPERATOR_COLD_START_SECONDS = Metric(
     "The last scale from zero: from the activation to the first ready replica.", _IS)
 
 OPERATOR_METRICS = (
-    OPERATOR_LOAD, OPERATOR_KV_USAGE, OPERATOR_WAITING, OPERATOR_TARGET_KV_USAGE,
+    OPERATOR_LOAD, OPERATOR_KV_USAGE, OPERATOR_OCCUPANCY, OPERATOR_WAITING, OPERATOR_TARGET_KV_USAGE,
     OPERATOR_TARGET_QUEUE, OPERATOR_PANIC, OPERATOR_DESIRED, OPERATOR_CURRENT, OPERATOR_READY,
     OPERATOR_MIN, OPERATOR_MAX, OPERATOR_SCALE_DECISIONS, OPERATOR_RECONCILE_ERRORS,
     OPERATOR_HELD_REQUESTS, OPERATOR_COLD_START_SECONDS,

@@ -96,11 +96,13 @@ AUTOSCALING = Board(
     pod_source=m.NUM_REQUESTS_RUNNING.series,
     annotations=(("Scale decisions", SCALE_EVENTS),),
     panels=(
-        Panel("KV usage signal vs target", (
+        Panel("Occupancy signal vs target", (
+            q(sel(m.OPERATOR_OCCUPANCY.series, SEL_SERVICE), "{{inferenceservice}} occupancy"),
             q(sel(m.OPERATOR_KV_USAGE.series, SEL_SERVICE), "{{inferenceservice}} KV usage (live)"),
             q(sel(m.OPERATOR_TARGET_KV_USAGE.series, SEL_SERVICE), "{{inferenceservice}} target"),
         ), unit="percentunit",
-            description="Mean share of KV blocks held by live requests, against targetKVUsage."),
+            description="Mean occupancy (per pod the fuller of KV blocks held by live requests and "
+                        "batch slots in use) and mean KV usage, against targetKVUsage."),
         Panel("Load (replicas' worth) vs desired replicas", (
             q(sel(m.OPERATOR_LOAD.series, SEL_SERVICE), "{{inferenceservice}} load"),
             q(sel(m.OPERATOR_DESIRED.series, SEL_SERVICE), "{{inferenceservice}} desired"),
