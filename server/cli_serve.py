@@ -180,7 +180,7 @@ def build(args: argparse.Namespace) -> Served:
                                       model_name=served_names[0], base_url=advertised)
     # The tokenizer loads while the core builds and warms up its engine.
     tokenizer = load_tokenizer(model_path)
-    core = EngineCoreClient.launch(config, cpus=cpus, publisher=publisher)
+    core = EngineCoreClient.launch(config, tokenizer=tokenizer, cpus=cpus, publisher=publisher)
     ready = core.ready
     app = build_app(core, tokenizer=tokenizer, served_model_names=served_names,
                     max_model_len=ready.max_model_len, api_key=args.api_key,

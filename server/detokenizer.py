@@ -8,9 +8,29 @@ and waits for the next token.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
-from kvscale.server.sequence import Sequence
+from kvscale.server.sampling_params import SamplingParams
+
+
+class Sequence(Protocol):
+    """What these functions read and write of a sample: the engine's Sequence, or the front
+    end's SampleText when the engine runs in its own process (kvscale.server.output_text)."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    text: str
+    detok_base: int
+    prefix_offset: int
+    read_offset: int
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def is_finished(self) -> bool: ...
 
 
 def init_detokenizer(seq: Sequence) -> None:

@@ -61,6 +61,9 @@ class LLMEngine:
     # The server sets this: each output then carries only what is new since the request's
     # previous one (no per-step copy of the whole text, token ids and logprobs).
     output_deltas = False
+    # The core process clears this: its front end turns token ids into text and ends a sample at
+    # a stop string (kvscale.server.output_text), so the core's steps spend nothing on text.
+    detokenize = True
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -369,7 +372,7 @@ class LLMEngine:
             if seq.logprobs is None:
                 seq.logprobs = []
             seq.logprobs.append(position_logprobs)
-        piece = detokenize_incrementally(self.tokenizer, seq)
+        piece = detokenize_incrementally(self.tokenizer, seq) if self.detokenize else ""
         num_output = seq.num_output_tokens
         grammar_done = self.structured.accept(seq, token)
         if num_output >= params.min_tokens:

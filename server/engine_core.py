@@ -132,6 +132,7 @@ def _start(settings: CoreSettings) -> tuple[Any, Any, float]:
                 ",".join(map(str, sorted(os.sched_getaffinity(0)))), torch.get_num_threads())
     engine = LLMEngine(settings.config)
     engine.output_deltas = True  # the front end streams deltas
+    engine.detokenize = False  # and makes their text (kvscale.server.output_text)
     warm_up_s = 0.0
     if settings.warm_up:
         started = time.perf_counter()

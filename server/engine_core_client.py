@@ -40,6 +40,7 @@ from kvscale.server.engine_core_wire import (
     StepDone,
     front_codec,
 )
+from kvscale.server.output_text import OutputText
 
 logger = logging.getLogger("kvscale.engine_core_client")
 
@@ -65,8 +66,9 @@ def describe_exit(exitcode: int | None) -> str:
 
 class EngineCoreClient(EngineFront):
     def __init__(self, process: Any, context: zmq.Context, inbox: zmq.Socket, outbox: zmq.Socket,
-                 folder: str, ready: Ready) -> None:
+                 folder: str, ready: Ready, tokenizer: Any) -> None:
         super().__init__()
+        self._text = OutputText(tokenizer)  # the core sends token ids; their text is made here
         self._process = process
         self._context = context
         self._to_core = inbox
@@ -85,7 +87,7 @@ class EngineCoreClient(EngineFront):
     # ------------------------------------------------------------------ start-up (blocking)
 
     @classmethod
-    def launch(cls, config: EngineConfig, *, cpus: CpuSplit | None = None,
+    def launch(cls, config: EngineConfig, *, tokenizer: Any, cpus: CpuSplit | None = None,
                publisher: PublisherSettings | None = None, warm_up: bool = True) -> EngineCoreClient:
         """Start the core and wait until it is ready; raises ValueError (a bad flag, a missing
         model) or RuntimeError (anything else) with the core's reason if it fails to start."""
@@ -118,7 +120,7 @@ class EngineCoreClient(EngineFront):
         if cpus is not None and cpus.front:
             os.sched_setaffinity(0, cpus.front)
         logger.info("engine core pid %d ready (warm-up %.2f s)", ready.pid, ready.warm_up_s)
-        return cls(process, context, to_core, from_core, folder, ready)
+        return cls(process, context, to_core, from_core, folder, ready, tokenizer)
 
     @staticmethod
     def _wait_ready(process: Any, from_core: zmq.Socket) -> Ready:
@@ -172,9 +174,12 @@ class EngineCoreClient(EngineFront):
     def _submit(self, requests: list[NewRequest], accepted: asyncio.Future) -> None:
         self._next_batch += 1
         self._batches[self._next_batch] = (requests, accepted)
+        for request_id, _, params, _ in requests:
+            self._text.add(request_id, params)
         self._send(AddRequests(self._next_batch, [NewRequestMsg(*request) for request in requests]))
 
     def _send_abort(self, request_id: str) -> None:
+        self._text.forget(request_id)
         self._send(AbortRequests([request_id]))
 
     def _send(self, message: Any) -> None:
@@ -190,7 +195,10 @@ class EngineCoreClient(EngineFront):
         while True:
             message = self._codec.decode(await from_core.recv())
             if isinstance(message, StepDone):
+                ended = [output.request_id for output in message.outputs if self._text.apply(output)]
                 self._on_step_done(message.outputs, message.stats)
+                if ended:  # by a stop string: the core frees their blocks
+                    self._send(AbortRequests(ended))
             elif isinstance(message, Accepted):
                 self._on_batch(message)
             elif isinstance(message, CoreFailed):
@@ -205,6 +213,8 @@ class EngineCoreClient(EngineFront):
         error: BaseException | None = None
         if message.error is not None:
             error = (ValueError if message.error_kind == "invalid" else RuntimeError)(message.error)
+            for request in requests:
+                self._text.forget(request[0])
         self._on_accepted(requests, accepted, error)
 
     def _on_exit(self) -> None:
@@ -221,6 +231,7 @@ class EngineCoreClient(EngineFront):
 
     def _fail(self, exc: BaseException) -> None:
         error = self._fail_all(exc)
+        self._text.clear()
         batches, self._batches = self._batches, {}
         for _, accepted in batches.values():
             if not accepted.done():

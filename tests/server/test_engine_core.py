@@ -17,7 +17,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from api_helpers import ServeProcess  # noqa: E402
+from api_helpers import ServeProcess, scrape  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -82,6 +82,37 @@ def test_a_killed_core_fails_open_requests_health_and_new_requests() -> None:
     finally:
         server.stop()
     assert server.proc.returncode is not None
+
+
+def test_the_front_end_ends_a_stop_string_and_the_core_frees_its_blocks() -> None:
+    """The core sends token ids; the front end makes the text and finds stop strings. A stop
+    string ends the answer where it begins, and the core is told to abort: it generates a few
+    tokens more at most (not the 400 asked for) and holds no KV block afterwards."""
+    server = ServeProcess(*SMALL, log_name="core-stop-string")
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+        ask = {"model": "smollm2-135m-instruct", "prompt": "Count: 1, 2, 3,", "temperature": 0}
+        free = client.completions.create(**ask, max_tokens=24, extra_body={"ignore_eos": True})
+        text = free.choices[0].text
+        stop = next(word for word in text.split() if text.index(word) > 0)
+        before = scrape(server.base_url)["vllm:generation_tokens_total"]
+        for stream in (False, True):
+            if stream:
+                chunks = list(client.completions.create(**ask, max_tokens=400, stop=[stop], stream=True,
+                                                        extra_body={"ignore_eos": True}))
+                answer = "".join(c.choices[0].text for c in chunks)
+                finish = chunks[-1].choices[0].finish_reason
+            else:
+                done = client.completions.create(**ask, max_tokens=400, stop=[stop],
+                                                 extra_body={"ignore_eos": True})
+                answer, finish = done.choices[0].text, done.choices[0].finish_reason
+            assert (answer, finish) == (text[: text.index(stop)], "stop")
+        time.sleep(1.0)  # the core's last steps before the aborts
+        after = scrape(server.base_url)
+        assert after["vllm:generation_tokens_total"] - before < 2 * 40, after
+        assert after["kvscale:kv_blocks_active"] == 0
+    finally:
+        server.stop()
 
 
 def test_the_core_stops_with_the_front_end() -> None:
