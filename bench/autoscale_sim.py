@@ -100,7 +100,8 @@ class KvscalePolicy:
         loads = [scaling.PodLoad(p.name, kv_blocks_active=float(len(p.replica.refs)),
                                  kv_blocks_total=float(p.replica.num_blocks),
                                  num_requests_waiting=float(len(p.replica.waiting)),
-                                 num_requests_running=float(len(p.replica.running)))
+                                 num_requests_running=float(len(p.replica.running)),
+                                 max_num_seqs=float(p.replica.costs.max_num_seqs))
                  for p in view.pods if p.ready(view.now)]
         decision, self.state = scaling.decide(
             view.now, loads, view.current, self.policy, self.state,

@@ -83,6 +83,9 @@ KV_BLOCKS_ACTIVE = Metric(
 KV_BLOCKS_CACHED = Metric(
     "kvscale:kv_blocks_cached", GAUGE,
     "Free KV blocks still holding a reusable prefix; evicted on demand, so free capacity.", _M)
+MAX_NUM_SEQS = Metric(
+    "kvscale:max_num_seqs", GAUGE,
+    "Sequences the engine batches at once at most (--max-num-seqs): the batch slots.", _M)
 KV_BLOCKS_EVICTED = Metric(
     "kvscale:kv_blocks_evicted", COUNTER,
     "Cached KV blocks whose prefix was dropped to make room for new data.", _M)
@@ -137,6 +140,9 @@ STRUCTURED_MASK_SECONDS = Metric(
     "Time spent filling and applying grammar bitmasks (divide by mask_steps for time per step).", _M)
 STRUCTURED_MASK_STEPS = Metric(
     "kvscale:structured_output_mask_steps", COUNTER, "Steps that applied a grammar bitmask.", _M)
+STRUCTURED_FORCED_TOKENS = Metric(
+    "kvscale:structured_output_forced_tokens", COUNTER,
+    "Output tokens the grammar forced, appended without a sampling step (fast-forward).", _M)
 TOOL_CALL_PARSE_FAILURES = Metric(
     "kvscale:tool_call_parse_failures", COUNTER,
     "Answers under tool_choice auto whose tool-call markup did not parse (sent as text).", _M)
@@ -149,9 +155,9 @@ SERVER_METRICS = (
     NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS, NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, TTFT,
     ITL, E2E_LATENCY, QUEUE_TIME, CACHE_CONFIG_INFO, KV_BLOCKS_TOTAL, KV_BLOCKS_ACTIVE,
-    KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, HTTP_REQUESTS,
+    KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, MAX_NUM_SEQS, HTTP_REQUESTS,
     STRUCTURED_REQUESTS, STRUCTURED_COMPILE_SECONDS, STRUCTURED_COMPILE_CACHE_HITS, STRUCTURED_REFUSALS,
-    STRUCTURED_MASK_SECONDS, STRUCTURED_MASK_STEPS, TOOL_CALL_PARSE_FAILURES, UNKNOWN_REQUEST_FIELDS,
+    STRUCTURED_MASK_SECONDS, STRUCTURED_MASK_STEPS, STRUCTURED_FORCED_TOKENS, TOOL_CALL_PARSE_FAILURES, UNKNOWN_REQUEST_FIELDS,
     KV_OFFLOAD_BYTES, KV_OFFLOAD_TIME, EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS,
     CPU_CACHE_USAGE, KV_HOST_BLOCKS_TOTAL, KV_HOST_BLOCKS_CACHED, KV_BLOCKS_DEMOTED,
     KV_BLOCKS_PROMOTED, KV_PREEMPTIONS_SWAPPED, KV_RESTORE_SECONDS,
@@ -235,6 +241,10 @@ OPERATOR_LOAD = Metric(
 OPERATOR_KV_USAGE = Metric(
     "kvscale_operator_autoscaler_kv_usage", GAUGE,
     "Mean share of KV blocks held by live requests over the pods that reported.", _IS)
+OPERATOR_OCCUPANCY = Metric(
+    "kvscale_operator_autoscaler_occupancy", GAUGE,
+    "Mean occupancy over the pods that reported: per pod the fuller of KV blocks held by live "
+    "requests and batch slots in use; the signal compared with targetKVUsage.", _IS)
 OPERATOR_WAITING = Metric(
     "kvscale_operator_autoscaler_waiting_requests", GAUGE,
     "Waiting requests over all pods (missing pods extrapolated).", _IS)
@@ -273,7 +283,7 @@ OPERATOR_COLD_START_SECONDS = Metric(
     "The last scale from zero: from the activation to the first ready replica.", _IS)
 
 OPERATOR_METRICS = (
-    OPERATOR_LOAD, OPERATOR_KV_USAGE, OPERATOR_WAITING, OPERATOR_TARGET_KV_USAGE,
+    OPERATOR_LOAD, OPERATOR_KV_USAGE, OPERATOR_OCCUPANCY, OPERATOR_WAITING, OPERATOR_TARGET_KV_USAGE,
     OPERATOR_TARGET_QUEUE, OPERATOR_PANIC, OPERATOR_DESIRED, OPERATOR_CURRENT, OPERATOR_READY,
     OPERATOR_MIN, OPERATOR_MAX, OPERATOR_SCALE_DECISIONS, OPERATOR_RECONCILE_ERRORS,
     OPERATOR_HELD_REQUESTS, OPERATOR_COLD_START_SECONDS,

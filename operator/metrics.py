@@ -47,6 +47,7 @@ class OperatorMetrics:
 
         self.load = register(names.OPERATOR_LOAD, r)
         self.kv_usage = register(names.OPERATOR_KV_USAGE, r)
+        self.occupancy = register(names.OPERATOR_OCCUPANCY, r)
         self.waiting = register(names.OPERATOR_WAITING, r)
         self.target_kv_usage = register(names.OPERATOR_TARGET_KV_USAGE, r)
         self.target_queue = register(names.OPERATOR_TARGET_QUEUE, r)
@@ -60,7 +61,7 @@ class OperatorMetrics:
         self.reconcile_errors = register(names.OPERATOR_RECONCILE_ERRORS, r)
         self.held = register(names.OPERATOR_HELD_REQUESTS, r)
         self.cold_start = register(names.OPERATOR_COLD_START_SECONDS, r)
-        self._per_service = (self.load, self.kv_usage, self.waiting, self.target_kv_usage,
+        self._per_service = (self.load, self.kv_usage, self.occupancy, self.waiting, self.target_kv_usage,
                              self.target_queue, self.panic, self.desired, self.current,
                              self.ready, self.min_replicas, self.max_replicas, self.held,
                              self.cold_start)
@@ -103,6 +104,7 @@ class OperatorMetrics:
         if estimate is not None:
             self.load.labels(*key).set(estimate.load)
             self.kv_usage.labels(*key).set(estimate.kv_usage)
+            self.occupancy.labels(*key).set(estimate.occupancy)
             self.waiting.labels(*key).set(estimate.waiting)
         self.panic.labels(*key).set(1 if decision is not None and decision.panic else 0)
         if decision is not None:

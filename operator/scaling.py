@@ -3,12 +3,17 @@ decision and the next state.
 
 Load is measured in replicas' worth of demand:
 
-    load = Σ kv_usage / targetKVUsage + Σ waiting / targetQueueLength
+    load = Σ occupancy / targetKVUsage + Σ waiting / targetQueueLength
+    occupancy = max(kv_usage, running / max_num_seqs)
 
 where kv_usage is a pod's share of KV blocks held by live requests (`kvscale:kv_blocks_active /
-kvscale:kv_blocks_total`) and waiting its `vllm:num_requests_waiting`. Waiting requests hold no KV
-blocks yet, so their demand adds to the occupancy rather than duplicating it. Each observation
-recommends ceil(load) replicas, bounded by min/max.
+kvscale:kv_blocks_total`), running / max_num_seqs its share of batch slots in use
+(`vllm:num_requests_running / kvscale:max_num_seqs`) and waiting its `vllm:num_requests_waiting`.
+A replica is full when either runs out: on a GPU with a long context the KV pool usually goes
+first, on a CPU replica (a pool of thousands of blocks, a batch of 16) the batch slots do, and a
+KV-only signal then stays low while requests queue behind a full batch. Waiting requests hold no
+KV blocks or slots yet, so their demand adds to the occupancy rather than duplicating it. Each
+observation recommends ceil(load) replicas, bounded by min/max.
 
 - Scale up to the smallest recommendation of the last scaleUpStabilizationSeconds (0: at once).
 - Scale down to the largest recommendation of the last scaleDownStabilizationSeconds, only once the
@@ -51,6 +56,7 @@ class PodLoad:
     num_requests_waiting: float | None = None
     num_requests_running: float | None = None
     kv_blocks_cached: float | None = None  # free blocks still holding a reusable prefix
+    max_num_seqs: float | None = None  # batch slots; None from a server that does not say
     error: str = ""
 
     @property
@@ -62,6 +68,17 @@ class PodLoad:
     def kv_usage(self) -> float:
         assert self.kv_blocks_active is not None and self.kv_blocks_total
         return min(1.0, max(0.0, self.kv_blocks_active / self.kv_blocks_total))
+
+    @property
+    def slot_usage(self) -> float:
+        if not self.max_num_seqs:
+            return 0.0
+        return min(1.0, max(0.0, (self.num_requests_running or 0.0) / self.max_num_seqs))
+
+    @property
+    def occupancy(self) -> float:
+        """The fuller of the replica's two limits: KV blocks and batch slots."""
+        return max(self.kv_usage, self.slot_usage)
 
 
 @dataclass(frozen=True)
@@ -90,6 +107,7 @@ class AutoscalerState:
 class LoadEstimate:
     load: float
     kv_usage: float  # mean over the pods that reported
+    occupancy: float  # mean over the pods that reported: max(KV usage, slot usage) per pod
     waiting: float   # total, missing pods extrapolated
     reported: int
     pods: int
@@ -110,12 +128,13 @@ def estimate_load(pods: list[PodLoad], policy: AutoscalingPolicy) -> LoadEstimat
     reported = [p for p in pods if p.has_metrics]
     if not reported:
         return None
-    usage_sum = sum(p.kv_usage for p in reported)
+    occupancy_sum = sum(p.occupancy for p in reported)
     waiting_sum = sum(p.num_requests_waiting or 0.0 for p in reported)
     scale = len(pods) / len(reported)  # missing pods carry the mean
-    usage_total, waiting_total = usage_sum * scale, waiting_sum * scale
-    load = usage_total / policy.target_kv_usage + waiting_total / policy.target_queue_length
-    return LoadEstimate(load=load, kv_usage=usage_sum / len(reported), waiting=waiting_total,
+    occupancy_total, waiting_total = occupancy_sum * scale, waiting_sum * scale
+    load = occupancy_total / policy.target_kv_usage + waiting_total / policy.target_queue_length
+    return LoadEstimate(load=load, kv_usage=sum(p.kv_usage for p in reported) / len(reported),
+                        occupancy=occupancy_sum / len(reported), waiting=waiting_total,
                         reported=len(reported), pods=len(pods))
 
 
@@ -204,7 +223,8 @@ def decide_by_load(
 
     panic_window = within(policy.panic_window_seconds)
     panic = any(o.load >= policy.panic_threshold * max(o.replicas, 1) for o in panic_window)
-    summary = (f"load {estimate.load:.2f} replicas (KV usage {estimate.kv_usage:.0%}, "
+    summary = (f"load {estimate.load:.2f} replicas (occupancy {estimate.occupancy:.0%}, "
+               f"KV usage {estimate.kv_usage:.0%}, "
                f"{estimate.waiting:.0f} waiting, {estimate.reported}/{estimate.pods} pods reported)")
 
     if panic:

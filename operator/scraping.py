@@ -27,8 +27,9 @@ KV_BLOCKS_TOTAL = names.KV_BLOCKS_TOTAL.series
 NUM_REQUESTS_WAITING = names.NUM_REQUESTS_WAITING.series
 NUM_REQUESTS_RUNNING = names.NUM_REQUESTS_RUNNING.series
 KV_BLOCKS_CACHED = names.KV_BLOCKS_CACHED.series
+MAX_NUM_SEQS = names.MAX_NUM_SEQS.series
 WANTED = (KV_BLOCKS_ACTIVE, KV_BLOCKS_TOTAL, NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING,
-          KV_BLOCKS_CACHED)
+          KV_BLOCKS_CACHED, MAX_NUM_SEQS)
 METRICS_URL_ANNOTATION = "serving.kvscale.io/metrics-url"
 
 
@@ -85,6 +86,7 @@ def scrape_pod(client: httpx.Client, pod_name: str, url: str | None) -> PodLoad:
         num_requests_waiting=values.get(NUM_REQUESTS_WAITING, 0.0),
         num_requests_running=values.get(NUM_REQUESTS_RUNNING, 0.0),
         kv_blocks_cached=values.get(KV_BLOCKS_CACHED, 0.0),
+        max_num_seqs=values.get(MAX_NUM_SEQS),
         error=f"missing {', '.join(missing)}" if missing else "",
     )
 

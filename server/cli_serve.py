@@ -94,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     structured.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,
                             metavar="JSON",
                             help='grammar settings as JSON, e.g. {"compile_timeout_s": 10, '
-                                 '"compile_workers": 1, "mask_threads": 1}; backend: "guidance" only')
+                                 '"compile_workers": 1, "mask_threads": 1, "fast_forward": true}; '
+                                 'backend: "guidance" only')
     structured.add_argument("--enable-auto-tool-choice", action="store_true",
                             help='let tool_choice "auto" parse tool calls out of the answer '
                                  "(needs --tool-call-parser)")

@@ -265,8 +265,10 @@ class LLMEngine:
 
         now = time.monotonic()
         touched: dict[str, Request] = {}
+        generated = len(tokens)
         for seq, token, position_logprobs in zip(row_seqs, tokens, logprobs, strict=True):
             self._append_token(seq, token, position_logprobs)
+            generated += self._fast_forward(seq)
             request = seq.request
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
@@ -274,7 +276,7 @@ class LLMEngine:
             touched[request.request_id] = request
             if seq.is_finished:
                 self.scheduler.finish(seq)
-        self.num_generated_tokens += len(tokens)
+        self.num_generated_tokens += generated
 
         build = delta_output if self.output_deltas else cumulative_output
         outputs = refused
@@ -343,6 +345,22 @@ class LLMEngine:
             children.append(child)
         parent.fork_into = 1
         return children
+
+    def _fast_forward(self, seq: Sequence) -> int:
+        """Append the tokens ``seq``'s grammar forces after its sampled one, each through the same
+        end-of-sequence checks as a sampled token (so max_tokens cuts the run); the next step
+        computes their KV together with the next logits as one chunk (the scheduler gives a
+        running sequence every token it has not computed). Returns how many were appended."""
+        if seq.is_finished:
+            return 0
+        appended = 0
+        for token in self.structured.forced_tokens(seq):
+            self._append_token(seq, token, None)
+            appended += 1
+            if seq.is_finished:
+                break
+        self.structured.stats.forced_tokens += appended
+        return appended
 
     def _append_token(self, seq: Sequence, token: int, position_logprobs: PositionLogprobs | None) -> None:
         params = seq.params

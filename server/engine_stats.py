@@ -48,6 +48,7 @@ def engine_stats(
         "prefill_tokens_waiting": float(prefill_pending),
         "last_step_s": last_step_s,
         "max_num_batched_tokens": float(scheduler.max_num_batched_tokens),
+        "max_num_seqs": float(scheduler.max_num_seqs),
         "num_decoding": float(num_decoding),
         "kv_blocks_evicted_total": float(pool.num_evicted),
         "enable_prefix_caching": float(kv.enable_prefix_caching),

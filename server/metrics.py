@@ -75,8 +75,10 @@ class _EngineStatsCollector(Collector):
         yield family(names.KV_BLOCKS_ACTIVE, stats.kv_blocks_active)
         yield family(names.KV_BLOCKS_CACHED, stats.kv_blocks_cached)
         yield family(names.KV_BLOCKS_EVICTED, stats.extra.get("kv_blocks_evicted_total", 0.0))
+        yield family(names.MAX_NUM_SEQS, stats.extra.get("max_num_seqs", 0.0))
         yield family(names.STRUCTURED_MASK_SECONDS, stats.extra.get("structured_mask_seconds_total", 0.0))
         yield family(names.STRUCTURED_MASK_STEPS, stats.extra.get("structured_mask_steps_total", 0.0))
+        yield family(names.STRUCTURED_FORCED_TOKENS, stats.extra.get("structured_forced_tokens_total", 0.0))
         info = names.CACHE_CONFIG_INFO
         config = GaugeMetricFamily(info.name, info.help, labels=list(info.labels))
         prefix_caching = stats.extra.get("enable_prefix_caching", 1.0)

@@ -57,6 +57,19 @@ class StepProfile:
     seconds: float  # how long the pass took (start-up time it costs)
 
 
+# The longest chunk of output tokens attended as one-token rows: a grammar's forced run is a few
+# tokens, and the decode kernel reads the paged cache in place, where a prefill chunk's attention
+# gathers the whole context first (on CPU that gather cost more than the step it saved).
+MAX_DECODE_ROWS_CHUNK = 32
+
+
+def attends_as_decodes(start: int, num_new: int, num_prompt_tokens: int) -> bool:
+    """Whether a chunk of ``num_new`` tokens from position ``start`` attends as that many decodes:
+    only output tokens (a forced run after a sampled token), and only a short chunk; a prompt, or
+    a preempted sequence recomputing from position 0, stays one prefill chunk."""
+    return start >= num_prompt_tokens and 1 < num_new <= MAX_DECODE_ROWS_CHUNK
+
+
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element
@@ -238,13 +251,14 @@ class ModelRunner:
 
         A sequence gets logits to sample from when this step's chunk reaches its last token. A
         request that asked for prompt logprobs also gets the logits of every chunk position that
-        predicts a prompt token; those rows follow the sampling rows.
+        predicts a prompt token; those rows follow the sampling rows. Attention sees a short chunk
+        of output tokens (a grammar's forced run: attends_as_decodes) as that many one-token
+        sequences over the same block table, each seeing the cache up to its own position.
         """
         bs = self.block_size
         num_seqs = len(scheduled)
         input_ids: list[int] = []
         query_start = [0] * (num_seqs + 1)
-        context_lens = [0] * num_seqs
         max_table = max(len(s.seq.block_table) for s in scheduled)
         tables = np.zeros((num_seqs, max_table), dtype=np.int32)
         pos_parts: list[np.ndarray] = []
@@ -252,7 +266,10 @@ class ModelRunner:
         sample_rows: list[int] = []
         prompt_rows: list[PromptRows] = []
         prompt_flat_rows: list[int] = []
-        is_decode = True
+        # Attention's view: one entry per sequence, or per token of a chunk that attends as decodes.
+        attn_table: list[int] = []  # row of `tables` each entry reads
+        attn_query_lens: list[int] = []
+        attn_context_lens: list[int] = []
         for i, item in enumerate(scheduled):
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
@@ -264,12 +281,18 @@ class ModelRunner:
                 pos_parts.append(np.array([start], dtype=np.int64))
                 slot_parts.append(np.array([table[start // bs] * bs + start % bs], dtype=np.int64))
             else:
-                is_decode = False
                 pos = np.arange(start, end, dtype=np.int64)
                 pos_parts.append(pos)
                 slot_parts.append(tables[i, pos // bs].astype(np.int64) * bs + pos % bs)
+            if n > 1 and attends_as_decodes(start, n, seq.num_prompt_tokens):
+                attn_table.extend([i] * n)
+                attn_query_lens.extend([1] * n)
+                attn_context_lens.extend(range(start + 1, end + 1))
+            else:
+                attn_table.append(i)
+                attn_query_lens.append(n)
+                attn_context_lens.append(end)
             query_start[i + 1] = query_start[i] + n
-            context_lens[i] = end
             if end == seq.num_tokens:
                 sample_rows.append(i)
             if seq.request.params.prompt_logprobs is not None:
@@ -278,38 +301,42 @@ class ModelRunner:
                 if last > start:
                     prompt_rows.append(PromptRows(i, start + 1, last - start))
                     prompt_flat_rows.extend(range(query_start[i], query_start[i] + last - start))
+        is_decode = all(q_len == 1 for q_len in attn_query_lens)
+        attn_tables = tables if attn_table == list(range(num_seqs)) else tables[attn_table]
+        attn_query_start = np.concatenate([[0], np.cumsum(attn_query_lens)]).astype(np.int32)
         to_device = self._to_device
         positions = to_device(torch.from_numpy(np.concatenate(pos_parts)))
         meta = AttentionMetadata(
             slot_mapping=to_device(torch.from_numpy(np.concatenate(slot_parts))),
-            block_tables=to_device(torch.from_numpy(tables)),
-            context_lens=to_device(torch.tensor(context_lens, dtype=torch.int32)),
-            query_start_loc=to_device(torch.tensor(query_start, dtype=torch.int32)),
+            block_tables=to_device(torch.from_numpy(attn_tables)),
+            context_lens=to_device(torch.tensor(attn_context_lens, dtype=torch.int32)),
+            query_start_loc=to_device(torch.from_numpy(attn_query_start)),
             is_decode=is_decode,
             kernels=self.kernels,
-            max_query_len=max(item.num_new_tokens for item in scheduled),
+            max_query_len=max(attn_query_lens),
         )
         if not is_decode and not self.kernels.prefill_batches_decodes:
-            meta.split = self._split(scheduled, tables, query_start, context_lens)
+            meta.split = self._split(attn_query_lens, attn_tables, attn_query_start, attn_context_lens)
         ids = to_device(torch.tensor(input_ids, dtype=torch.long))
         flat_rows = [query_start[i + 1] - 1 for i in sample_rows] + prompt_flat_rows
         logits_indices = to_device(torch.tensor(flat_rows, dtype=torch.long))
         return ids, positions, meta, logits_indices, sample_rows, prompt_rows
 
     def _split(
-        self, scheduled: list[ScheduledSeq], tables: np.ndarray, query_start: list[int], context_lens: list[int]
+        self, query_lens: list[int], tables: np.ndarray, query_start: np.ndarray, context_lens: list[int]
     ) -> DecodePrefillSplit | None:
-        """Cut a mixed batch into its single-token sequences and the rest (None if not mixed)."""
-        single = [i for i, item in enumerate(scheduled) if item.num_new_tokens == 1]
-        if not single or len(single) == len(scheduled):
+        """Cut a mixed batch (attention's entries) into its single-token entries and the rest
+        (None if not mixed)."""
+        single = [i for i, q_len in enumerate(query_lens) if q_len == 1]
+        if not single or len(single) == len(query_lens):
             return None
-        multi = [i for i, item in enumerate(scheduled) if item.num_new_tokens > 1]
+        multi = [i for i, q_len in enumerate(query_lens) if q_len > 1]
         prefill_rows = np.concatenate([np.arange(query_start[i], query_start[i + 1]) for i in multi])
-        prefill_starts = np.cumsum([0] + [scheduled[i].num_new_tokens for i in multi])
+        prefill_starts = np.cumsum([0] + [query_lens[i] for i in multi])
         lens = np.asarray(context_lens, dtype=np.int32)
         to_device = self._to_device
         return DecodePrefillSplit(
-            decode_rows=to_device(torch.tensor([query_start[i] for i in single], dtype=torch.long)),
+            decode_rows=to_device(torch.tensor([int(query_start[i]) for i in single], dtype=torch.long)),
             decode_block_tables=to_device(torch.from_numpy(tables[single])),
             decode_context_lens=to_device(torch.from_numpy(lens[single])),
             prefill_rows=to_device(torch.from_numpy(prefill_rows.astype(np.int64))),

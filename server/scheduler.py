@@ -1,8 +1,9 @@
 """Iteration-level scheduling: which sequences run this step, and how many tokens each.
 
 Policy (one step):
-  1. Running sequences first, oldest first: a decode takes one token, an unfinished prefill
-     takes what is left of it (chunked to the remaining token budget).
+  1. Running sequences first, oldest first: a decode takes one token (after a grammar
+     fast-forward, also the forced run appended behind it), an unfinished prefill takes what is
+     left of it (chunked to the remaining token budget).
      When blocks run out, the newest running sequence is preempted (its blocks are freed and it
      goes back to the front of the queue), repeatedly, until the current one fits or is itself
      the newest. With a host tier a victim whose swap is cheaper than its recompute (measured

@@ -96,11 +96,13 @@ AUTOSCALING = Board(
     pod_source=m.NUM_REQUESTS_RUNNING.series,
     annotations=(("Scale decisions", SCALE_EVENTS),),
     panels=(
-        Panel("KV usage signal vs target", (
+        Panel("Occupancy signal vs target", (
+            q(sel(m.OPERATOR_OCCUPANCY.series, SEL_SERVICE), "{{inferenceservice}} occupancy"),
             q(sel(m.OPERATOR_KV_USAGE.series, SEL_SERVICE), "{{inferenceservice}} KV usage (live)"),
             q(sel(m.OPERATOR_TARGET_KV_USAGE.series, SEL_SERVICE), "{{inferenceservice}} target"),
         ), unit="percentunit",
-            description="Mean share of KV blocks held by live requests, against targetKVUsage."),
+            description="Mean occupancy (per pod the fuller of KV blocks held by live requests and "
+                        "batch slots in use) and mean KV usage, against targetKVUsage."),
         Panel("Load (replicas' worth) vs desired replicas", (
             q(sel(m.OPERATOR_LOAD.series, SEL_SERVICE), "{{inferenceservice}} load"),
             q(sel(m.OPERATOR_DESIRED.series, SEL_SERVICE), "{{inferenceservice}} desired"),
@@ -230,6 +232,12 @@ SERVING = Board(
             q(f"sum by (pod) ({rate(m.STRUCTURED_MASK_SECONDS.series, SEL_SERVER)}) / "
               f"sum by (pod) ({rate(m.STRUCTURED_MASK_STEPS.series, SEL_SERVER)})", "{{pod}}"),
         ), unit="s"),
+        Panel("Grammar fast-forward: forced share of output tokens", (
+            q(f"sum by (pod) ({rate(m.STRUCTURED_FORCED_TOKENS.series, SEL_SERVER)}) / "
+              f"sum by (pod) ({rate(m.GENERATION_TOKENS.series, SEL_SERVER)})", "{{pod}}"),
+        ), unit="percentunit", description="Tokens appended because the grammar allowed nothing else "
+                                           "(keys, punctuation), each saving a decode step, over all "
+                                           "output tokens."),
     ),
 )
 

@@ -94,6 +94,12 @@ class Matcher:
     def rollback(self, num_tokens: int) -> bool:
         return bool(self._m.rollback(num_tokens))
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar allows as the only continuation from here (its forced bytes,
+        canonically tokenized, less a last token that a longer one could still replace); not
+        consumed. Empty where the next token is a real choice."""
+        return list(self._m.compute_ff_tokens())
+
     def is_accepting(self) -> bool:
         return bool(self._m.is_accepting())
 

@@ -34,6 +34,10 @@ class StructuredOutputsConfig:
     compile_workers: int = 1
     mask_threads: int = 1  # >1: the batch bitmask is filled by the library's threads
     cache_size: int = DEFAULT_CACHE_SIZE
+    # Append the tokens the grammar forces (keys, punctuation) without a sampling step each; the
+    # next step computes their KV as one chunk (manager.py, docs/server.md). Off by default: on
+    # CPU a batch with such a chunk took the slower prefill attention path (docs/benchmarks.md).
+    fast_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in ("guidance", "llguidance", "auto"):
@@ -44,6 +48,8 @@ class StructuredOutputsConfig:
             raise ValueError("compile_timeout_s must be positive")
         if self.compile_workers < 1 or self.mask_threads < 1 or self.cache_size < 0:
             raise ValueError("compile_workers and mask_threads must be at least 1, cache_size non-negative")
+        if not isinstance(self.fast_forward, bool):
+            raise ValueError("fast_forward must be true or false")
 
 
 @dataclass

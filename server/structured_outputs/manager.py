@@ -5,9 +5,16 @@ The engine calls, in step order: ``poll`` (grammars ready or failed: ready reque
 scheduler, failed ones end with an error before any token), ``apply`` (after the forward pass,
 before penalties and sampling: every constrained row's disallowed tokens to -inf, in place),
 ``accept`` (each sampled token advances its matcher; a complete grammar ends the sequence),
-``fork`` (n > 1: each sample its own copy of the matcher) and ``release`` (finished or aborted).
-Preemption by recompute needs nothing: a preempted sequence keeps its generated tokens and only
-recomputes their KV, so its matcher is already where it should be.
+``forced_tokens`` (fast-forward: what the grammar allows as the only continuation after that
+token, which the engine appends without sampling), ``fork`` (n > 1: each sample its own copy of
+the matcher) and ``release`` (finished or aborted). Preemption by recompute needs nothing: a
+preempted sequence keeps its generated tokens and only recomputes their KV, so its matcher is
+already where it should be.
+
+Fast-forward: the engine appends the forced run to the sequence (each token through the same
+end-of-sequence checks as a sampled one: max_tokens, stop strings, stop ids) and the next step
+computes the run's KV and the following logits as one multi-token chunk, as chunked prefill
+does. The grammar alone decides what is forced; ``fast_forward_allowed`` decides for whom.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.sequence import Request, Sequence
 from kvscale.server.structured_outputs import backend
 from kvscale.server.structured_outputs.compiler import (
@@ -44,6 +52,24 @@ class GrammarStats:
     mask_steps: int = 0
     mask_rows: int = 0
     mask_seconds: float = 0.0
+    forced_tokens: int = 0  # appended by fast-forward, without a sampling step each
+
+
+def fast_forward_allowed(params: SamplingParams) -> bool:
+    """Whether a request's forced tokens may skip sampling. Not with ``logprobs``: a forced token
+    has no logprob without the forward pass it skips. Not with ``logit_bias``: the client may have
+    banned a token the grammar's canonical tokenization would force, which sampling respects (it
+    picks another tokenization of the same text)."""
+    return params.logprobs is None and not params.logit_bias
+
+
+def forced_run(forced: list[int], stop_token_ids: list[int], eos_token_ids: set[int]) -> list[int]:
+    """The part of a forced run to append: up to, not including, the first stop or end-of-sequence
+    id, which is left to a sampling step (min_tokens masks those; a sampled one ends the answer)."""
+    for i, token in enumerate(forced):
+        if token in eos_token_ids or token in stop_token_ids:
+            return forced[:i]
+    return forced
 
 
 def unpack(bitmask: torch.Tensor) -> np.ndarray:
@@ -74,6 +100,7 @@ class StructuredOutputManager:
         self.config = config or StructuredOutputsConfig()
         self.compiler = GrammarCompiler(hf_tokenizer, vocab_size, eos_token_ids, self.config)
         self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
         self.words = (vocab_size + 31) // 32
         self.pending: dict[str, tuple[Request, PendingGrammar]] = {}
         self.matchers: dict[int, backend.Matcher] = {}  # seq_id -> matcher
@@ -164,6 +191,16 @@ class StructuredOutputManager:
             return True
         return matcher.is_stopped()
 
+    def forced_tokens(self, seq: Sequence) -> list[int]:
+        """The tokens ``seq``'s grammar forces next (empty when fast-forward is off, the request
+        is unconstrained or not allowed it, or the next token is a real choice)."""
+        if not self.config.fast_forward:
+            return []
+        matcher = self.matchers.get(seq.seq_id)
+        if matcher is None or not fast_forward_allowed(seq.params):
+            return []
+        return forced_run(matcher.forced_tokens(), seq.params.stop_token_ids, self.eos_token_ids)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         matcher = self.matchers.get(parent.seq_id)
         if matcher is not None:
@@ -184,6 +221,7 @@ class StructuredOutputManager:
             "structured_compile_timeouts_total": float(s.timeouts),
             "structured_mask_steps_total": float(s.mask_steps),
             "structured_mask_seconds_total": s.mask_seconds,
+            "structured_forced_tokens_total": float(s.forced_tokens),
             "structured_waiting_for_grammar": float(len(self.pending)),
         }
 

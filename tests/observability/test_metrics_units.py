@@ -124,7 +124,7 @@ def test_spill_is_passing_over_the_best_cache_for_load() -> None:
 def test_operator_metrics_export_the_contract_and_count_only_changes() -> None:
     metrics = OperatorMetrics()
     policy = AutoscalingPolicy(enabled=True, min_replicas=1, max_replicas=3)
-    estimate = LoadEstimate(load=2.4, kv_usage=0.8, waiting=1, reported=1, pods=1)
+    estimate = LoadEstimate(load=2.4, kv_usage=0.8, occupancy=0.8, waiting=1, reported=1, pods=1)
     up = ScaleDecision(2, "ScaleUp", "", estimate, panic=True)
     metrics.observe("u1", "ns", "chat", policy, ReplicaCounts(2, 1, 1), estimate, up, previous=1)
     stable = ScaleDecision(2, "Stable", "", estimate)

@@ -67,7 +67,7 @@ QUESTIONS = ["What restarts a crashed pod?", "What spreads pods over nodes?",
 
 
 # Panels the load must move (the rest may rightly read 0: no retries, no preemptions...).
-MOVED = [("autoscaling", "Scale decisions"), ("autoscaling", "KV usage signal vs target"),
+MOVED = [("autoscaling", "Scale decisions"), ("autoscaling", "Occupancy signal vs target"),
          ("serving", "Tokens/s in and out"), ("serving", "Prefix-cache hit rate"),
          ("serving", "Preemptions and KV evictions"), ("serving", "Errors by status"),
          ("router", "Traffic per replica"), ("router", "Prefix index size per replica"),

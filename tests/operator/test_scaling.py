@@ -57,6 +57,35 @@ def test_load_is_sum_of_usage_over_target_plus_queue():
     assert abs(estimate.kv_usage - 0.525) < 1e-9 and estimate.waiting == 8
 
 
+def batch_pod(name: str, running: float, kv_usage: float = 0.1, max_num_seqs: float | None = 16.0,
+              waiting: float = 0.0) -> PodLoad:
+    """A CPU-like replica: a large KV pool, few batch slots."""
+    return PodLoad(name, kv_blocks_active=kv_usage * TOTAL, kv_blocks_total=TOTAL,
+                   num_requests_running=running, num_requests_waiting=waiting,
+                   max_num_seqs=max_num_seqs)
+
+
+def test_occupancy_is_the_fuller_of_kv_blocks_and_batch_slots():
+    full_batch = batch_pod("p0", running=16, kv_usage=0.1)
+    kv_bound = batch_pod("p1", running=2, kv_usage=0.9)
+    assert full_batch.occupancy == 1.0 and abs(kv_bound.occupancy - 0.9) < 1e-9
+    estimate = estimate_load([full_batch, kv_bound], POLICY)
+    assert estimate is not None
+    assert abs(estimate.load - (1.0 + 0.9) / 0.7) < 1e-9
+    assert abs(estimate.occupancy - 0.95) < 1e-9 and abs(estimate.kv_usage - 0.5) < 1e-9
+
+
+def test_a_full_batch_scales_up_though_kv_usage_is_low():
+    # One replica with every batch slot taken and 4 requests queued behind it, 10 % of its KV pool
+    # in use: KV usage alone says 0.1 / 0.7 + 4 / 8 = 0.64 replicas (stay at one); the batch says
+    # 1 / 0.7 + 0.5 = 1.93.
+    decision, _ = decide(0.0, [batch_pod("p0", running=16, waiting=4)], 1, POLICY, AutoscalerState())
+    assert (decision.replicas, decision.reason) == (2, "ScaleUp")
+    kv_only, _ = decide(0.0, [batch_pod("p0", running=16, waiting=4, max_num_seqs=None)], 1, POLICY,
+                        AutoscalerState())
+    assert (kv_only.replicas, kv_only.reason) == (1, "Stable")
+
+
 def test_steady_load_keeps_replicas():
     # 3 pods at exactly the target: ceil(3 * 0.7 / 0.7) = 3, never 4 through float rounding.
     history, decisions = replay([pods([0.7, 0.7, 0.7])] * 60, start=3)

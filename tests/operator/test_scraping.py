@@ -46,12 +46,14 @@ def test_parse_sums_over_label_sets():
         'kvscale:kv_blocks_total{model_name="a"} 100\n'
         "vllm:num_requests_waiting 3\n"
         "vllm:num_requests_running 9\n"
+        'kvscale:max_num_seqs{model_name="a"} 16\n'
     )
     assert parse_metrics(text) == {"kvscale:kv_blocks_active": 15.0,
                                    "kvscale:kv_blocks_total": 100.0,
                                    "vllm:num_requests_waiting": 3.0,
                                    # scale to zero: a pod busy around the routers is not idle
-                                   "vllm:num_requests_running": 9.0}
+                                   "vllm:num_requests_running": 9.0,
+                                   "kvscale:max_num_seqs": 16.0}
 
 
 def test_override_is_honoured_only_when_allowed():

@@ -306,10 +306,12 @@ def test_metrics_exposes_vllm_and_kvscale_names(server, client) -> None:
         "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
         "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
         "kvscale:kv_blocks_total", "kvscale:kv_blocks_active", "kvscale:kv_blocks_cached",
+        "kvscale:max_num_seqs",
     ):
         assert f'{name}{{' in text, name
     samples = scrape(server.base_url)
     assert samples["kvscale:kv_blocks_total"] == NUM_BLOCKS
+    assert samples["kvscale:max_num_seqs"] == 16  # the autoscaler's batch slots (--max-num-seqs)
     assert samples["vllm:request_success_total{finished_reason=length}"] >= 1
     assert 'model_name="smollm2"' in text
 

@@ -19,7 +19,7 @@ import pytest
 from bench.jsonschemabench import load_rows, rows_per_set
 
 sys.path.insert(0, str(Path(__file__).parent))
-from api_helpers import ServeProcess, scrape  # noqa: E402
+from api_helpers import ServeProcess, scrape, wait_for_idle_pool  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ TIME_LIMIT_S = 0.3
 
 @pytest.fixture(scope="module")
 def server():
-    config = json.dumps({"compile_timeout_s": TIME_LIMIT_S})
+    config = json.dumps({"compile_timeout_s": TIME_LIMIT_S, "fast_forward": True})
     proc = ServeProcess("--max-model-len", "2048", "--max-num-seqs", "32", "--served-model-name", "smollm2",
                         "--structured-outputs-config", config, log_name="structured")
     yield proc
@@ -102,6 +102,32 @@ def test_structured_outputs_forms_on_completions(client):
     assert choice.finish_reason == "length" or jsonschema.validate(json.loads(choice.text), schema) is None
     streamed = "".join(c.choices[0].text for c in complete("JSON:", {"json": schema}, stream=True))
     assert streamed == choice.text
+
+
+def test_forced_tokens_stream_as_text_like_sampled_ones(client, server):
+    """Fast-forward (on in this server): the grammar-forced keys reach a streaming client as ordinary
+    deltas, the stream equals the whole answer, the counter moves, and no KV block is left held."""
+    schema = {"type": "object", "properties": {
+        "weather_condition_description": {"type": "string", "maxLength": 20},
+        "temperature_in_celsius": {"type": "integer", "minimum": -50, "maximum": 60}},
+        "required": ["weather_condition_description", "temperature_in_celsius"], "additionalProperties": False}
+    ask = {"model": "smollm2", "messages": [{"role": "user", "content": "The weather today as JSON."}],
+           "max_tokens": 80, "temperature": 0, "n": 2,
+           "response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}}}
+    before = scrape(server.base_url).get("kvscale:structured_output_forced_tokens_total", 0.0)
+    whole = client.chat.completions.create(**ask)
+    streamed = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    for choice in whole.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
+        assert streamed[choice.index] == choice.message.content
+    after = wait_for_idle_pool(server.base_url)
+    assert after["kvscale:kv_blocks_active"] == 0
+    # Both keys, forced in every sample of both requests.
+    assert after["kvscale:structured_output_forced_tokens_total"] >= before + 4
 
 
 def test_json_object_and_n_samples(client):
