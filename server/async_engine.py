@@ -353,17 +353,12 @@ class AsyncEngine(EngineFront):
                     loop.call_soon_threadsafe(self._on_accepted, command.requests, command.accepted, error)
                 elif isinstance(command, _Abort):
                     engine.abort_request(command.request_id)
-            outputs: list[RequestOutput] = []
-            if engine.has_unfinished_requests():
-                outputs = engine.step()
-            elif not commands and time.monotonic() - last_publish < IDLE_TICK_S:
+            turn = step_and_publish(engine, self.publisher, had_input=bool(commands),
+                                    last_publish=last_publish)
+            if turn is None:
                 continue
-            stats = engine.get_stats()
-            events = engine.drain_kv_events()
-            if self.publisher is not None:
-                self.publisher.on_step(events=events, stats=stats, snapshot=engine.cached_block_hashes)
             last_publish = time.monotonic()
-            loop.call_soon_threadsafe(self._on_step_done, outputs, stats)
+            loop.call_soon_threadsafe(self._on_step_done, *turn)
 
     # ------------------------------------------------------------------ back on the event loop
 
@@ -392,6 +387,23 @@ def take_all(inbox: queue.SimpleQueue, *, block: bool) -> list:
     except queue.Empty:
         pass
     return items
+
+
+def step_and_publish(engine: Any, publisher: Any, *, had_input: bool,
+                     last_publish: float) -> tuple[list[RequestOutput], EngineStats] | None:
+    """An engine loop's turn after its inbox (this thread's or the core process's): a step when
+    there is work, then the stats and KV events handed to the publisher. None when idle, nothing
+    came in and the heartbeat is not due yet (IDLE_TICK_S after ``last_publish``)."""
+    outputs: list[RequestOutput] = []
+    if engine.has_unfinished_requests():
+        outputs = engine.step()
+    elif not had_input and time.monotonic() - last_publish < IDLE_TICK_S:
+        return None
+    stats = engine.get_stats()
+    events = engine.drain_kv_events()
+    if publisher is not None:
+        publisher.on_step(events=events, stats=stats, snapshot=engine.cached_block_hashes)
+    return outputs, stats
 
 
 def add_all(engine: Any, requests: Sequence[NewRequest]) -> BaseException | None:

@@ -218,7 +218,7 @@ class EngineCore:
     # ------------------------------------------------------------------ the busy loop
 
     def _loop(self) -> None:
-        from kvscale.server.async_engine import IDLE_TICK_S, add_all, take_all
+        from kvscale.server.async_engine import add_all, step_and_publish, take_all
 
         engine = self.engine
         last_publish = 0.0
@@ -237,14 +237,9 @@ class EngineCore:
                 elif isinstance(message, AbortRequests):
                     for request_id in message.request_ids:
                         engine.abort_request(request_id)
-            outputs = []
-            if engine.has_unfinished_requests():
-                outputs = engine.step()
-            elif not messages and time.monotonic() - last_publish < IDLE_TICK_S:
+            turn = step_and_publish(engine, self.publisher, had_input=bool(messages),
+                                    last_publish=last_publish)
+            if turn is None:
                 continue
-            stats = engine.get_stats()
-            events = engine.drain_kv_events()
-            if self.publisher is not None:
-                self.publisher.on_step(events=events, stats=stats, snapshot=engine.cached_block_hashes)
             last_publish = time.monotonic()
-            self._outputs.put(StepDone(outputs, stats))
+            self._outputs.put(StepDone(*turn))
