@@ -309,7 +309,7 @@ class Router:
             router_ms=(decided - started) * 1000,
             predicted_ttft_s=decision.predicted_ttft_s,
             uncalibrated_ttft_s=decision.uncalibrated_ttft_s,
-            streamed=body.get("stream") is True,
+            calibrates=body.get("stream") is True and decision.rate_measured,
         ))
 
     async def pass_through(self, request: Request, endpoint: str) -> Response:

@@ -115,6 +115,9 @@ class Decision:
     reason: str  # "affinity" | "load" | "hash" | "sticky" | "round-robin" | "random"
     predicted_ttft_s: float | None = None  # predicted-ttft's estimate for the first choice (calibrated)
     uncalibrated_ttft_s: float | None = None  # the same before calibration
+    # The first choice's estimate rests on its own measured prefill rate (not the pool's or the
+    # default, which a replica that has not measured itself yet borrows).
+    rate_measured: bool = False
 
 
 def effective_load(
@@ -337,7 +340,8 @@ def predicted_ttft_policy(
         reason = "affinity"
     return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks, reason,
                     predicted_ttft_s=ttft_overhead_s + ttft[ranked[0].replica_id],
-                    uncalibrated_ttft_s=raw[ranked[0].replica_id])
+                    uncalibrated_ttft_s=raw[ranked[0].replica_id],
+                    rate_measured=ranked[0].prefill_tokens_per_s > 0)
 
 
 def weighted_scores(candidates: Sequence[Candidate], prompt_blocks: int) -> dict[str, float]:

@@ -54,7 +54,10 @@ class Routed:
     router_ms: float  # the router's time from the body's last byte to the decision
     predicted_ttft_s: float | None = None  # for the first choice (predicted-ttft only), calibrated
     uncalibrated_ttft_s: float | None = None  # the same before calibration
-    streamed: bool = False  # "stream": true: its first token's arrival is measurable here
+    # Its measured TTFT teaches the calibration: it streams (the first token's arrival is seen
+    # here) and its estimate rests on the replica's own measured rate (a borrowed or default rate's
+    # error says nothing of the replica: a fresh pool's first requests ran 6x their estimate).
+    calibrates: bool = False
 
 
 def replica_headers(
@@ -182,11 +185,10 @@ class Forwarder:
 
     def _measure(self, routed: Routed, replica: Replica) -> Callable[[float], None] | None:
         """What to do with the request's measured TTFT: a (predicted, measured) pair for the
-        calibration, when there is a prediction and the response streams (otherwise its first byte
-        comes with its last token)."""
+        calibration, when there is a prediction and the request ``calibrates``."""
         calibration = self.calibration
         predicted = routed.uncalibrated_ttft_s
-        if calibration is None or predicted is None or not routed.streamed:
+        if calibration is None or predicted is None or not routed.calibrates:
             return None
         replica_id = replica.replica_id
         return lambda measured_s: calibration.observe(replica_id, predicted, measured_s)

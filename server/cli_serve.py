@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     structured.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,
                             metavar="JSON",
                             help='grammar settings as JSON, e.g. {"compile_timeout_s": 10, '
-                                 '"compile_workers": 1, "mask_threads": 1, "fast_forward": true}; '
+                                 '"compile_workers": 1, "mask_threads": 1, "fast_forward": false}; '
                                  'backend: "guidance" only')
     structured.add_argument("--enable-auto-tool-choice", action="store_true",
                             help='let tool_choice "auto" parse tool calls out of the answer '

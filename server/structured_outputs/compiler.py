@@ -35,9 +35,9 @@ class StructuredOutputsConfig:
     mask_threads: int = 1  # >1: the batch bitmask is filled by the library's threads
     cache_size: int = DEFAULT_CACHE_SIZE
     # Append the tokens the grammar forces (keys, punctuation) without a sampling step each; the
-    # next step computes their KV as one chunk (manager.py, docs/server.md). Off by default: on
-    # CPU a batch with such a chunk took the slower prefill attention path (docs/benchmarks.md).
-    fast_forward: bool = False
+    # next step computes their KV as one chunk (manager.py, docs/server.md). On by default: it
+    # gained on the shared sample's schemas (docs/benchmarks.md, bench/structured_fast_forward.py).
+    fast_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in ("guidance", "llguidance", "auto"):

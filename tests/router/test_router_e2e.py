@@ -332,3 +332,45 @@ def test_tokenize_detokenize_and_version_answer_alike_with_or_without_the_router
         assert routed.headers["x-kvscale-replica"]
     unknown = httpx.post(f"{router.url}/tokenize", json={"model": "nope", "prompt": "x"}, timeout=60)
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_huge_prompt_does_not_stall_the_streams_the_router_is_proxying(router, tokenizer):
+    """Tokenizing and hashing a ~100k-token prompt takes the router most of a second; on its event
+    loop that stalled every stream it proxied (issue 21). A stream in flight through the router
+    keeps its inter-chunk gaps while such a prompt arrives. (The replica refuses the huge request
+    at validation, max_tokens -1, so only the router works on it.)"""
+    from kvscale.router.prefix_hashes import PrefixHasher
+
+    text = " ".join(f"{WORDS[i % len(WORDS)]}{i % 97}" for i in range(40_000))
+    inline = PrefixHasher([None], chat_cache_tokens=0)
+    inline.tokenizers = {MODEL: tokenizer}
+    started = time.perf_counter()
+    assert inline.prompt_block_hashes("completions", {"prompt": text}, MODEL).prompt_tokens > 90_000
+    inline_s = time.perf_counter() - started  # what one gap would be if it ran on the loop
+
+    arrivals: list[float] = []
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 160, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.perf_counter())
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    wait_for(lambda: len(arrivals) >= 8, 60, "the stream's first chunks")
+    sent = time.perf_counter()
+    huge = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": -1},
+                      timeout=120)
+    answered = time.perf_counter()
+    streaming.join(120)
+    assert huge.status_code == 400, huge.text  # routed (so hashed), then refused by the replica
+    gaps = list(zip(arrivals, arrivals[1:], strict=False))
+    during = [b - a for a, b in gaps if b > sent and a < answered]
+    before = [b - a for a, b in gaps if b <= sent]
+    assert during and arrivals[-1] > answered, "the stream ended before the huge prompt was routed"
+    assert max(during) < inline_s / 2, (
+        f"a stream waited {max(during) * 1000:.0f} ms while the router hashed a prompt that takes "
+        f"{inline_s * 1000:.0f} ms (gaps before it: up to {max(before) * 1000:.0f} ms)")

@@ -47,6 +47,7 @@ def test_a_follow_up_turn_routes_to_the_replica_holding_the_answer(replicas, ses
     assert second.headers["x-kvscale-replica"] == holder
     # The estimate it routed by, reported so that its error can be measured (issue 21).
     assert float(second.headers["x-kvscale-predicted-ttft-ms"]) > 0
+    assert float(second.headers["x-kvscale-predicted-ttft-uncalibrated-ms"]) > 0  # and before calibration
     predicted = int(second.headers["x-kvscale-predicted-hit-tokens"])
     assert predicted >= (answer_blocks + 1) * BLOCK, (predicted, len(turn_one), len(turn_two))
     # The replica really had them: its own prefix cache served at least as much.

@@ -135,3 +135,25 @@ def test_the_measurement_is_the_time_from_sending_to_the_first_token_once() -> N
     request.first_byte()  # every later chunk: measured once
     in_flight.close(request)
     assert len(measured) == 1 and 0.02 <= measured[0] < 1.0
+
+
+def test_only_estimates_from_a_replicas_own_measured_rate_teach_the_calibration() -> None:
+    """A replica that has not measured itself borrows a rate: its estimate's error says nothing of
+    it (a fresh pool's first requests ran 6x their estimate on the default rate), so the decision
+    says so and the forwarder keeps no pair for it; nor for a response that does not stream."""
+    from kvscale.router.proxy import Forwarder, Routed
+
+    fresh = Candidate("fresh", 0)
+    measured = Candidate("measured", 3, queued_prefill_tokens=4000, prefill_tokens_per_s=500.0)
+    assert not policy.predicted_ttft_policy([fresh, measured], 528, 16, hash_key=1).rate_measured
+    assert policy.predicted_ttft_policy([measured], 528, 16, hash_key=1).rate_measured
+    store = TtftCalibration()
+    forwarder = Forwarder(1.0, "predicted-ttft", None, None, None, None, None, store)  # type: ignore[arg-type]
+    replica = Replica("http://r", "r", healthy=True)
+    base = dict(endpoint="completions", body=b"", headers={}, ranked=[replica], hashes=[], prompt_tokens=528,
+                predicted_hit_tokens=0, session=None, router_ms=0.1, predicted_ttft_s=0.5, uncalibrated_ttft_s=0.5)
+    assert forwarder._measure(Routed(**base, calibrates=False), replica) is None
+    observe = forwarder._measure(Routed(**base, calibrates=True), replica)
+    assert observe is not None
+    observe(0.9)
+    assert store.pairs("r") == [(0.5, 0.9)]

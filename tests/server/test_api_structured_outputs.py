@@ -105,7 +105,7 @@ def test_structured_outputs_forms_on_completions(client):
 
 
 def test_forced_tokens_stream_as_text_like_sampled_ones(client, server):
-    """Fast-forward (on in this server): the grammar-forced keys reach a streaming client as ordinary
+    """Fast-forward (on by default, and named in this server's config): the grammar-forced keys reach a streaming client as ordinary
     deltas, the stream equals the whole answer, the counter moves, and no KV block is left held."""
     schema = {"type": "object", "properties": {
         "weather_condition_description": {"type": "string", "maxLength": 20},

@@ -63,6 +63,11 @@ def requests(tokenizer) -> dict[str, tuple[str, SamplingParams]]:
         "stop_inside_run": (chat(tokenizer, "Who are you?"), SamplingParams(
             max_tokens=40, stop=["Occupation"], structured_outputs=occupation, **greedy)),
     }
+    # A stop token id inside the forced run is left to sampling, which ends the answer on it.
+    engineer = tokenizer.encode(" engineer")
+    assert len(engineer) == 1
+    out["stop_id_inside_run"] = (chat(tokenizer, "Who are you?"), SamplingParams(
+        max_tokens=40, min_tokens=3, stop_token_ids=engineer, structured_outputs=occupation, **greedy))
     out["full"] = (chat(tokenizer, "Who are you?"), SamplingParams(max_tokens=40, structured_outputs=occupation,
                                                                    **greedy))
     # max_tokens ending at every position of the answer, through its six-token forced run.
@@ -107,6 +112,8 @@ def test_greedy_answers_are_the_same_with_fast_forward_in_fewer_steps(make_engin
     stopped = got_on["stop_inside_run"].outputs[0]
     assert stopped.stop_reason == "Occupation" and stopped.text.endswith("; ")
     assert len(got_on["weather_n2"].outputs) == 2
+    by_id = got_on["stop_id_inside_run"].outputs[0]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == bundled_tokenizer.encode(" engineer")[0]
     full = got_on["full"].outputs[0]
     assert full.finish_reason == "stop" and full.text.endswith("; Occupation: software engineer")
     # The last six tokens are the forced run; the cuts end inside it at each of its positions.
