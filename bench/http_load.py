@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, quantile, write_result
-from kvscale.processes import free_port
+from kvscale.processes import die_with_parent, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -186,8 +186,9 @@ def spawn(name: str, argv: list[str], env: dict[str, str], port: int, model: str
     spawned_at = time.perf_counter()
     with log_path.open("wb") as log:
         # Own process group: vLLM's server runs its engine in a child process, stopped with it.
+        # die_with_parent: a benchmark stopped from outside (its finally skipped) leaves no server.
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=die_with_parent)
     return Server(name, proc, f"http://127.0.0.1:{port}", model, log_path, argv, spawned_at)
 
 
