@@ -48,12 +48,10 @@ from bench.autoscale_sim import (
     report,
     simulate,
 )
-from bench.common import REPO, RESULTS, machine, write_result
+from bench.common import MOONCAKE_TRACE, REPO, RESULTS, machine, shared_data, write_result
 from bench.w3_policy_sim import SimRequest
 from kvscale.operator.spec import AutoscalingPolicy
 
-TRACE = REPO.parent.parent / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
-TRACE_FALLBACK = Path("/work/shared/data/traces/mooncake_conversation_trace.jsonl")
 CALIBRATION = RESULTS / "autoscale_calibration.json"
 BLOCK = 16
 MAX_REPLICAS = 16
@@ -130,7 +128,7 @@ def load_calibration(path: Path) -> Calibration:
 # -- workloads ----------------------------------------------------------------------------------
 
 def mooncake(compress: float = 1.0, token_div: int = 32, out_div: int = 16) -> list[SimRequest]:
-    path = TRACE if TRACE.exists() else TRACE_FALLBACK
+    path = shared_data(*MOONCAKE_TRACE)
     requests = []
     for rid, line in enumerate(path.read_text().splitlines()):
         row = json.loads(line)

@@ -17,6 +17,18 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
+MOONCAKE_TRACE = ("traces", "mooncake_conversation_trace.jsonl")
+
+
+def shared_data(*parts: str) -> Path:
+    """``shared/data/<parts>`` beside the nearest ancestor of the checkout that has it: the
+    project's ``../shared/data``, found from a worktree or clone nested deeper too."""
+    for parent in REPO.parents:
+        candidate = parent.joinpath("shared", "data", *parts)
+        if candidate.exists():
+            return candidate
+    raise FileNotFoundError(f"{'/'.join(parts)} is missing: expected ../shared/data/{'/'.join(parts)} "
+                            "beside the checkout")
 
 
 def peak_rss_bytes() -> int:

@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from bench.common import shared_data
+
 SAMPLE_ENV = "KVSCALE_JSONSCHEMABENCH"
 
 
@@ -17,13 +19,10 @@ def sample_path() -> Path:
     file that has one: a worktree or clone nested under /work finds /work/shared too."""
     if os.environ.get(SAMPLE_ENV):
         return Path(os.environ[SAMPLE_ENV])
-    for parent in Path(__file__).resolve().parents:
-        candidate = parent / "shared" / "data" / "jsonschemabench" / "sample.jsonl"
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        "the JSONSchemaBench sample is missing: expected ../shared/data/jsonschemabench/sample.jsonl "
-        f"beside the checkout (or set {SAMPLE_ENV}, or pass --sample)")
+    try:
+        return shared_data("jsonschemabench", "sample.jsonl")
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{exc} (or set {SAMPLE_ENV}, or pass --sample)") from None
 
 
 def load_rows(path: Path | str | None = None) -> list[dict]:

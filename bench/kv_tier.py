@@ -36,11 +36,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import machine, write_result
+from bench.common import MOONCAKE_TRACE, machine, shared_data, write_result
 from bench.roofline import cpu_isa
 
 # ../shared/data/traces/ next to the checkout (its README: never copied into the repo).
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
 BS = 16
 
 
@@ -350,7 +349,7 @@ def swap_resume(repeats: int, context_tokens: int = 1024) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, default=None, help="default: ../shared/data/traces/ (Mooncake)")
     parser.add_argument("--trace-requests", type=int, default=3000)
     parser.add_argument("--trace-blocks", type=int, default=1024, help="N, tier 1 for the trace")
     parser.add_argument("--w4-conversations", type=int, default=64)
@@ -369,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     if "hit" in parts:
         result["hit_rate"] = [
             hit_rates(f"mooncake-conversation first {args.trace_requests} (512 → 16 tokens per hash block)",
-                      args.trace_blocks, trace_requests(args.trace, args.trace_requests)),
+                      args.trace_blocks, trace_requests(args.trace or shared_data(*MOONCAKE_TRACE), args.trace_requests)),
             hit_rates(f"W4 {args.w4_conversations} conversations", args.w4_blocks,
                       w4_turns(0, args.w4_conversations)),
         ]
