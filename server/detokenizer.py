@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from kvscale.server.sampling_params import SamplingParams
 
 
-class Sequence(Protocol):
+class DetokenizedSample(Protocol):
     """What these functions read and write of a sample: the engine's Sequence, or the front
     end's SampleText when the engine runs in its own process (kvscale.server.output_text)."""
 
@@ -33,14 +33,14 @@ class Sequence(Protocol):
     def is_finished(self) -> bool: ...
 
 
-def init_detokenizer(seq: Sequence) -> None:
+def init_detokenizer(seq: DetokenizedSample) -> None:
     """Start the window a few prompt tokens back, so the first output token gets its context."""
     seq.detok_base = max(seq.num_prompt_tokens - 4, 0)
     seq.prefix_offset = 0
     seq.read_offset = seq.num_prompt_tokens - seq.detok_base
 
 
-def detokenize_incrementally(tokenizer: Any, seq: Sequence) -> str:
+def detokenize_incrementally(tokenizer: Any, seq: DetokenizedSample) -> str:
     """Append the text of ``seq``'s newest tokens to ``seq.text``; returns the new piece."""
     skip = seq.params.skip_special_tokens
     ids = seq.token_ids[seq.detok_base :]
@@ -55,7 +55,7 @@ def detokenize_incrementally(tokenizer: Any, seq: Sequence) -> str:
     return ""
 
 
-def find_stop_string(seq: Sequence, piece_len: int) -> bool:
+def find_stop_string(seq: DetokenizedSample, piece_len: int) -> bool:
     """End ``seq`` at the first stop string that the latest piece completed; trims the text."""
     stops = seq.params.stop
     if not stops or not piece_len:
@@ -76,14 +76,14 @@ def find_stop_string(seq: Sequence, piece_len: int) -> bool:
     return True
 
 
-def visible_text(seq: Sequence) -> str:
+def visible_text(seq: DetokenizedSample) -> str:
     """Text safe to show now: while running, hold back what could still become a stop string."""
     if seq.is_finished or not seq.params.stop:
         return seq.text
     return seq.text[: visible_text_len(seq)]
 
 
-def visible_text_len(seq: Sequence) -> int:
+def visible_text_len(seq: DetokenizedSample) -> int:
     """How much of ``seq.text`` is safe to show now (see visible_text), without copying it."""
     if seq.is_finished or not seq.params.stop:
         return len(seq.text)
