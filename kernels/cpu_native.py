@@ -1,9 +1,11 @@
 """The engine's C kernels for CPUs (built on first use and cached), their Python entry points,
-and the CPU kernel backend (``CPU``: C decode attention, the PyTorch references for the rest).
+and the CPU kernel backend (``CPU``: C decode attention, C prefill attention on AMX CPUs, the
+PyTorch references for the rest).
 
 ``cpu_decode_attention.c``: decode attention reading the paged cache in place for every sequence
 of a layer in one call (the PyTorch reference's per-sequence ops were most of a decode step's
-non-GEMM time). ``cpu_layer_ops.c``: the decoder layer's elementwise steps (SiLU-and-multiply,
+non-GEMM time). ``cpu_prefill_attention.c``: bfloat16 prefill attention on AMX tiles over the
+paged cache, every sequence of a layer in one call. ``cpu_layer_ops.c``: the decoder layer's elementwise steps (SiLU-and-multiply,
 residual add + RMSNorm, RoPE) fused into one pass each. ``cpu_threads.c``: pins the OpenMP
 pool torch and these kernels share, one thread per CPU (``bind_threads``).
 
@@ -41,7 +43,7 @@ from kvscale.kernels.ops import KernelBackend
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_decode_attention.c", "cpu_layer_ops.c", "cpu_threads.c")
+SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_layer_ops.c", "cpu_threads.c")
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are. It is a
 # compile flag only: linked with it, gcc adds crtfastmath.o, which switches the whole process to
@@ -54,7 +56,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-ffast-mat
 LDFLAGS = ("-shared", "-fopenmp")
 LDLIBS = ("-lmvec", "-lm")
 MODES = ("auto", "native", "reference")
-_BAD_TABLE = 2  # KVSCALE_BAD_TABLE in cpu_decode_attention.c
+_BAD_TABLE = 2  # KVSCALE_BAD_TABLE in cpu_decode_attention.c, KVSCALE_PREFILL_BAD_TABLE in cpu_prefill_attention.c
+_PREFILL_UNSUPPORTED = 1  # KVSCALE_PREFILL_UNSUPPORTED
 
 _PTR, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # The C prototypes as ctypes sees them, (result, arguments): the one place the Python side
@@ -66,6 +69,13 @@ _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
         _I32, _I32, _I32, _I32, _I32,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
         _F32, _PTR, _I32,  # scale, out, num_threads
     ]),
+    "kvscale_paged_prefill_attention": (ctypes.c_int, [
+        _PTR, _I64, _PTR, _PTR, _I64,  # query, query_stride, k_cache, v_cache, num_blocks
+        _PTR, _I64, _PTR, _PTR,  # block_tables, table_stride, query_start_loc, context_lens
+        _I32, _I32, _I32, _I32, _I32,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
+        _F32, _PTR, _I32,  # scale, out, num_threads
+    ]),
+    "kvscale_prefill_attention_available": (ctypes.c_int, []),
     # gate_up, out, rows, width, is_bf16, num_threads
     "kvscale_silu_and_mul": (None, [_PTR, _PTR, _I64, _I64, _I32, _I32]),
     # x, residual, weight, out, rows, width, eps, is_bf16, num_threads
@@ -362,14 +372,81 @@ def paged_decode_attention(
     return out.to(query.dtype)
 
 
+@functools.cache
+def amx_prefill_available() -> bool:
+    """Whether prefill attention runs in C here: a build with AMX and the OS's leave to use it."""
+    lib = _library()
+    return lib is not None and bool(lib.kvscale_prefill_attention_available())
+
+
+def paged_prefill_attention(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+) -> Tensor:
+    """:class:`kvscale.kernels.ops.PrefillAttention`: on CPUs with AMX and a bfloat16 cache and
+    query, every multi-token sequence of a layer in one C call (cpu_prefill_attention.c) and the
+    single-token ones through the C decode kernel; elsewhere the PyTorch reference (float32, other
+    head sizes, CPUs without AMX)."""
+    num_tokens, num_heads, head_dim = query.shape
+    if (query.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or query.device.type != "cpu"
+            or head_dim % 32 or head_dim > 256 or query.stride(2) != 1 or query.stride(1) != head_dim
+            or not amx_prefill_available()):
+        return reference.paged_prefill_attention(
+            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, decode=paged_decode_attention
+        )
+    reference.check_cache(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    reference.check_heads(num_heads, num_kv_heads)
+    if cache_head_dim != head_dim:
+        raise ValueError(f"query head_dim {head_dim} does not match the cache's {cache_head_dim}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    num_seqs = context_lens.shape[0]
+    starts = query_start_loc.to(torch.int32).contiguous()
+    if starts.shape != (num_seqs + 1,) or int(starts[0]) != 0 or int(starts[-1]) != num_tokens:
+        raise ValueError(f"query_start_loc {starts.tolist()} does not describe {num_tokens} tokens of {num_seqs} seqs")
+    lens = context_lens.to(torch.int32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    out = query.new_empty((num_tokens, num_heads, head_dim))
+    lib = _library()
+    assert lib is not None  # amx_prefill_available() said so
+    status = lib.kvscale_paged_prefill_attention(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+        tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads(),
+    )
+    if status == _BAD_TABLE:
+        raise ValueError(
+            "a sequence has more new tokens than context, or needs more blocks than its block table "
+            f"row holds, or a used entry is not a block of the {num_blocks}-block cache"
+        )
+    if status:
+        raise MemoryError("prefill attention could not allocate its packed K/V")
+    # Single-token sequences (decodes inside a mixed batch): the kernel left their rows to this.
+    single = ((starts[1:] - starts[:-1]) == 1).nonzero().flatten()
+    if single.numel():
+        rows = starts[:-1].index_select(0, single).long()
+        out[rows] = paged_decode_attention(
+            query.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, single.to(block_tables.device)),
+            context_lens.index_select(0, single.to(context_lens.device)), scale,
+        )
+    return out
+
+
 # The engine's CPU path: decode attention in C (also for the decode tokens of mixed batches),
-# KV writes and multi-token prefill attention in PyTorch (already one gather and one SDPA each).
+# prefill attention in C on AMX CPUs with a bfloat16 model, KV writes and the rest of prefill
+# attention in PyTorch (one gather and one SDPA per group of equal sequences).
 CPU = KernelBackend(
     "cpu",
     write_kv=reference.write_kv,
     paged_decode_attention=paged_decode_attention,
-    paged_prefill_attention=functools.partial(
-        reference.paged_prefill_attention, decode=paged_decode_attention
-    ),
+    paged_prefill_attention=paged_prefill_attention,
     prefill_batches_decodes=True,
 )

@@ -81,6 +81,7 @@ def test_perplexity_ratio_against_transformers_float32(
     ours = engine_logprobs(make_engine(**overrides), run_to_completion, text_ids)
     ratio = perplexity(ours) / perplexity(reference_logprobs)
     worst = max(abs(a - b) for a, b in zip(ours, reference_logprobs, strict=True))
+    print(f"{dtype} {quantization}: perplexity ratio {ratio:.5f}, worst token {worst:.4f} nats")
     ratio_bound, worst_bound = BOUNDS[(dtype, quantization)]
     assert abs(ratio - 1) <= ratio_bound, f"perplexity ratio {ratio:.5f} (bound 1 ± {ratio_bound})"
     assert worst <= worst_bound, f"a token's log-probability differs by {worst:.4f} nats (bound {worst_bound})"

@@ -1,0 +1,422 @@
+/* Paged prefill attention for CPUs with AMX (bfloat16 tiles), read against the paged KV cache.
+ *
+ * Why: with a bfloat16 model the projections run on AMX and a 2048-token prefill step's largest
+ * remaining cost was attention through PyTorch: per group of equal sequences a gather of K/V
+ * out of the paged cache, a transpose, a mask and one SDPA call, per layer. Here one call per
+ * layer does every sequence: K and V of each (sequence, KV head) are packed once from the cache
+ * into AMX's tile layouts (shared by the GQA group's query heads and every query tile), then each
+ * (sequence, head, 16 query rows) item runs a flash-attention loop over 32-key tiles: scores on
+ * AMX in float32, an online softmax on AVX-512 in float32, probabilities rounded to bfloat16 for
+ * the value product (as SDPA's bfloat16 kernel rounds them), the output accumulated in float32.
+ * Causal: the query at position p sees keys 0..p; a query tile stops at its last row's position.
+ *
+ * Layouts:
+ *   query   [num_tokens, num_heads, head_dim] bfloat16, tokens `query_stride` elements apart
+ *   cache   [num_blocks, block_size, num_kv_heads, head_dim] bfloat16 (as uint16)
+ *   tables  [num_seqs, table_stride] int32; query_start_loc [num_seqs + 1], context_lens int32
+ *   out     [num_tokens, num_heads, head_dim] bfloat16, contiguous
+ * Sequences with fewer than two new tokens are left untouched (the decode kernel serves them).
+ * head_dim is a multiple of 32 up to 256. Without AMX in the build (-march=native on a CPU
+ * without it) or without the kernel's permission to use it, the call returns UNSUPPORTED and the
+ * caller runs the PyTorch reference.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KVSCALE_PREFILL_OK 0
+#define KVSCALE_PREFILL_UNSUPPORTED 1
+#define KVSCALE_PREFILL_BAD_TABLE 2
+#define KVSCALE_PREFILL_NO_MEMORY 3
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define Q_ROWS 16     /* query rows per item: one AMX tile's rows */
+#define KEYS 32       /* keys per step: two 16-key score tiles, one 32-deep value product */
+#define MAX_HEAD_DIM 256
+/* Stands for -infinity: the build's -ffast-math lets the compiler assume no infinities. */
+#define HIDDEN (-1e30f)
+
+/* Linux hands out AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA); the grant is for the whole process and lasts, so asking once is enough. */
+static int amx_permitted(void) {
+    static int state; /* 0 unknown, 1 granted, -1 refused; a racing second ask is harmless */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Every tile is 16 rows of 64 bytes: tmm0/1 scores^T of keys 0-15 / 16-31, tmm2 the B operand
+ * (a 32-dim chunk of Q^T, then P^T), tmm3 the A operand (a K chunk, then a V^T chunk), tmm4-7
+ * the accumulator out^T, 16 dims each. */
+static void configure_tiles(void) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* 2^x for x <= 0 (x <= -150 gives exactly 0): 2^round(x) by VSCALEFPS times a degree-6 Taylor
+ * polynomial of 2^f on [-0.5, 0.5] (relative error ~1e-7, far below bfloat16's rounding). */
+static inline __m512 exp2_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-200.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Where a (sequence, KV head)'s packed K and V live, and what they are packed from. */
+typedef struct {
+    const uint16_t *k_cache, *v_cache;
+    const int32_t *table;
+    int context_len, block_size, num_kv_heads, head_dim;
+} kv_source;
+
+static inline const uint16_t *cache_row(const uint16_t *cache, const kv_source *src, int kv_head, int key) {
+    const int64_t slot = (int64_t)src->table[key / src->block_size] * src->block_size + key % src->block_size;
+    return cache + (slot * src->num_kv_heads + kv_head) * src->head_dim;
+}
+
+/* Keys 32*kt .. 32*kt+31 of one KV head into the tile layouts (zeros past the context):
+ *   K: the keys' rows as they are, [32 keys][head_dim]: the A operand of scores^T = K . Q^T.
+ *   V: transposed per 16-dim chunk, [16 dims][32 keys]: the A operand of out^T += V^T . P^T.
+ * V^T as dwords is the transpose of the key pairs' interleave (dword (kp, d) = V[2kp][d],
+ * V[2kp+1][d]): each key pair is interleaved with one permute, then each dim's row gathered. */
+static void pack_keys(const kv_source *src, int kv_head, int kt, uint16_t *k_packed, uint16_t *v_packed) {
+    const int head_dim = src->head_dim, v_chunks = head_dim / 16;
+    const uint16_t *v_rows[KEYS];
+    uint16_t *k_rows = k_packed + (size_t)kt * KEYS * head_dim;
+    int block = kt * KEYS / src->block_size, slot = kt * KEYS % src->block_size;
+    for (int i = 0; i < KEYS; i++) {
+        if (kt * KEYS + i < src->context_len) {
+            const int64_t row = ((int64_t)src->table[block] * src->block_size + slot) * src->num_kv_heads + kv_head;
+            memcpy(k_rows + (size_t)i * head_dim, src->k_cache + row * head_dim, sizeof(uint16_t) * head_dim);
+            v_rows[i] = src->v_cache + row * head_dim;
+            if (++slot == src->block_size) slot = 0, block++;
+        } else {
+            memset(k_rows + (size_t)i * head_dim, 0, sizeof(uint16_t) * head_dim);
+            v_rows[i] = NULL;
+        }
+    }
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i pair_rows = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+    _Alignas(64) uint32_t pairs[16 * 16];
+    uint32_t *v_tiles = (uint32_t *)(v_packed + (size_t)kt * v_chunks * 16 * KEYS);
+    for (int c = 0; c < v_chunks; c++) {
+        for (int kp = 0; kp < 16; kp++) {
+            const __m256i even = v_rows[2 * kp] != NULL ? _mm256_loadu_si256((const __m256i *)(v_rows[2 * kp] + c * 16))
+                                                        : _mm256_setzero_si256();
+            const __m256i odd = v_rows[2 * kp + 1] != NULL
+                                    ? _mm256_loadu_si256((const __m256i *)(v_rows[2 * kp + 1] + c * 16))
+                                    : _mm256_setzero_si256();
+            _mm512_store_si512(pairs + kp * 16, _mm512_permutexvar_epi16(
+                order, _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1)));
+        }
+        for (int d = 0; d < 16; d++)
+            _mm512_store_si512(v_tiles + (c * 16 + d) * 16,
+                               _mm512_i32gather_epi32(_mm512_add_epi32(pair_rows, _mm512_set1_epi32(d)), pairs, 4));
+    }
+}
+
+/* Two float32 vectors (16 lanes each) as bfloat16 pairs: dword m = (a[m], b[m]), the VNNI layout
+ * of a B operand's row and of two adjacent bfloat16 columns of a row-major output. */
+static inline __m512i interleave_bf16(__m512 a, __m512 b) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+/* The packed K/V of a call, kept for the next one: a fresh multi-megabyte allocation is fresh
+ * pages from the OS each time, and their faults cost as much as the attention itself. Per calling
+ * thread (the engine calls from one), grown on demand, never freed. */
+static uint16_t *packed_scratch(size_t elements) {
+    static __thread uint16_t *buffer;
+    static __thread size_t capacity;
+    if (elements > capacity) {
+        free(buffer);
+        capacity = elements + elements / 4 + 4096;
+        buffer = aligned_alloc(64, (sizeof(uint16_t) * capacity + 63) / 64 * 64);
+        if (buffer == NULL) capacity = 0;
+    }
+    return buffer;
+}
+
+typedef struct {
+    int seq, head, q_tile;
+    int64_t cost; /* keys seen times rows: the largest items are handed out first */
+} work_item;
+
+static int by_cost_descending(const void *a, const void *b) {
+    const int64_t x = ((const work_item *)a)->cost, y = ((const work_item *)b)->cost;
+    return (x < y) - (x > y);
+}
+
+/* The accumulator's 16-dim chunks (2 or 4) between tiles 4-7 and `acc` ([dim][row]). */
+static inline void store_resident(float *acc, int v_chunks) {
+    _tile_stored(4, acc, 64);
+    _tile_stored(5, acc + 16 * Q_ROWS, 64);
+    if (v_chunks == 4) {
+        _tile_stored(6, acc + 2 * 16 * Q_ROWS, 64);
+        _tile_stored(7, acc + 3 * 16 * Q_ROWS, 64);
+    }
+}
+
+static inline void load_resident(const float *acc, int v_chunks) {
+    _tile_loadd(4, acc, 64);
+    _tile_loadd(5, acc + 16 * Q_ROWS, 64);
+    if (v_chunks == 4) {
+        _tile_loadd(6, acc + 2 * 16 * Q_ROWS, 64);
+        _tile_loadd(7, acc + 3 * 16 * Q_ROWS, 64);
+    }
+}
+
+/* One item: query rows q_tile*16 .. +15 of one head of one sequence against its packed keys.
+ * Everything runs transposed (keys or dims down, the 16 query rows across a vector's lanes), so
+ * the softmax's maxima and sums over keys are lane-wise operations between vectors, never
+ * reductions within one. */
+static void attend_item(const uint16_t *query, int64_t query_stride, const uint16_t *k_packed,
+                        const uint16_t *v_packed, int q_start, int q_len, int context_len, int head,
+                        int q_tile, int head_dim, float scale_log2, uint16_t *out, int num_heads) {
+    const int k_chunks = head_dim / 32, v_chunks = head_dim / 16, dim_pairs = head_dim / 2;
+    const int first = q_tile * Q_ROWS;
+    const int rows = q_len - first < Q_ROWS ? q_len - first : Q_ROWS;
+    _Alignas(64) uint32_t q_t[MAX_HEAD_DIM / 2 * Q_ROWS]; /* Q^T as VNNI: [dim pair][row] */
+    _Alignas(64) float scores[KEYS * Q_ROWS];             /* scores^T: [key][row] */
+    _Alignas(64) uint32_t probs[KEYS / 2 * Q_ROWS];       /* P^T as VNNI: [key pair][row] */
+    _Alignas(64) float acc[MAX_HEAD_DIM * Q_ROWS];        /* out^T: [dim][row] */
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    /* Rows past the sequence's end read row 0 again (finite, never stored) and take the last
+     * real row's position, so they see no more keys than the real rows. */
+    const __m512i row_ids = _mm512_min_epi32(lanes, _mm512_set1_epi32(rows - 1));
+    const __m512i positions = _mm512_add_epi32(row_ids, _mm512_set1_epi32(context_len - q_len + first));
+    const __m512i q_rows = _mm512_mullo_epi32(row_ids, _mm512_set1_epi32((int)(query_stride / 2)));
+    const uint32_t *q_base = (const uint32_t *)(query + (int64_t)(q_start + first) * query_stride + (int64_t)head * head_dim);
+    for (int dp = 0; dp < dim_pairs; dp++)
+        _mm512_store_si512(q_t + dp * Q_ROWS, _mm512_i32gather_epi32(_mm512_add_epi32(q_rows, _mm512_set1_epi32(dp)), q_base, 4));
+    memset(acc, 0, sizeof(float) * Q_ROWS * head_dim);
+    /* Up to 64 dims the accumulator stays in tiles 4-7 from the first key to the last; wider
+     * heads keep it in memory, one 16-dim chunk through tile 4 at a time. */
+    const int resident = v_chunks == 2 || v_chunks == 4;
+    if (resident) load_resident(acc, v_chunks);
+    __m512 running_max = _mm512_set1_ps(HIDDEN), running_sum = _mm512_setzero_ps();
+    const int last_position = context_len - q_len + first + rows - 1;
+    const int key_tiles = last_position / KEYS + 1;
+    const __m512 scale = _mm512_set1_ps(scale_log2), hidden = _mm512_set1_ps(HIDDEN);
+    for (int kt = 0; kt < key_tiles; kt++) {
+        const uint16_t *keys = k_packed + (size_t)kt * KEYS * head_dim;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int c = 0; c < k_chunks; c++) {
+            _tile_loadd(2, q_t + c * 16 * Q_ROWS, 64);
+            _tile_loadd(3, keys + c * 32, head_dim * 2);
+            _tile_dpbf16ps(0, 3, 2);
+            _tile_loadd(3, keys + 16 * head_dim + c * 32, head_dim * 2);
+            _tile_dpbf16ps(1, 3, 2);
+        }
+        _tile_stored(0, scores, 64);
+        _tile_stored(1, scores + 16 * Q_ROWS, 64);
+        __m512 s[KEYS];
+        const int masked = kt * KEYS + KEYS - 1 > context_len - q_len + first;
+        __m512 tile_max = hidden;
+        for (int i = 0; i < KEYS; i++) {
+            s[i] = _mm512_mul_ps(_mm512_load_ps(scores + i * Q_ROWS), scale);
+            if (masked)
+                s[i] = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(kt * KEYS + i)), hidden, s[i]);
+            tile_max = _mm512_max_ps(tile_max, s[i]);
+        }
+        /* The running maximum moves only when a score passes it by more than 2^8 (probabilities
+         * up to 256 are exact enough in float32 and bfloat16 alike), so the accumulator is seldom
+         * rescaled. Key 0 is in the first tile and seen by every row: finite from there on. */
+        const __mmask16 grew = _mm512_cmp_ps_mask(tile_max, _mm512_add_ps(running_max, _mm512_set1_ps(8.0f)), _CMP_GT_OQ);
+        const __m512 new_max = _mm512_mask_mov_ps(running_max, grew, tile_max);
+        __m512 tile_sum = _mm512_setzero_ps();
+        for (int i = 0; i < KEYS; i += 2) {
+            const __m512 even = exp2_nonpositive(_mm512_sub_ps(s[i], new_max));
+            const __m512 odd = exp2_nonpositive(_mm512_sub_ps(s[i + 1], new_max));
+            tile_sum = _mm512_add_ps(tile_sum, _mm512_add_ps(even, odd));
+            _mm512_store_si512(probs + (i / 2) * Q_ROWS, interleave_bf16(even, odd));
+        }
+        if (grew) {
+            const __m512 rescale = exp2_nonpositive(_mm512_sub_ps(running_max, new_max));
+            running_sum = _mm512_mul_ps(running_sum, rescale);
+            /* Before the first tile the accumulator is zeros: nothing to rescale. */
+            if (kt > 0) {
+                if (resident) store_resident(acc, v_chunks);
+                for (int d = 0; d < head_dim; d++)
+                    _mm512_store_ps(acc + d * Q_ROWS, _mm512_mul_ps(_mm512_load_ps(acc + d * Q_ROWS), rescale));
+                if (resident) load_resident(acc, v_chunks);
+            }
+            running_max = new_max;
+        }
+        running_sum = _mm512_add_ps(running_sum, tile_sum);
+        _tile_loadd(2, probs, 64);
+        const uint16_t *values = v_packed + (size_t)kt * v_chunks * 16 * KEYS;
+        if (resident) {
+            _tile_loadd(3, values, KEYS * 2);
+            _tile_dpbf16ps(4, 3, 2);
+            _tile_loadd(3, values + 16 * KEYS, KEYS * 2);
+            _tile_dpbf16ps(5, 3, 2);
+            if (v_chunks == 4) {
+                _tile_loadd(3, values + 2 * 16 * KEYS, KEYS * 2);
+                _tile_dpbf16ps(6, 3, 2);
+                _tile_loadd(3, values + 3 * 16 * KEYS, KEYS * 2);
+                _tile_dpbf16ps(7, 3, 2);
+            }
+        } else {
+            for (int c = 0; c < v_chunks; c++) {
+                _tile_loadd(4, acc + c * 16 * Q_ROWS, 64);
+                _tile_loadd(3, values + c * 16 * KEYS, KEYS * 2);
+                _tile_dpbf16ps(4, 3, 2);
+                _tile_stored(4, acc + c * 16 * Q_ROWS, 64);
+            }
+        }
+    }
+    if (resident) store_resident(acc, v_chunks);
+    /* out = out^T / sum, back to rows: adjacent dims paired into dwords, then each row's dwords
+     * gathered from the pairs' columns. */
+    const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.0f), running_sum);
+    for (int dp = 0; dp < dim_pairs; dp++)
+        _mm512_store_si512(q_t + dp * Q_ROWS, interleave_bf16(_mm512_mul_ps(_mm512_load_ps(acc + (2 * dp) * Q_ROWS), inverse),
+                                                              _mm512_mul_ps(_mm512_load_ps(acc + (2 * dp + 1) * Q_ROWS), inverse)));
+    const __m512i columns = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(Q_ROWS));
+    for (int r = 0; r < rows; r++) {
+        uint32_t *dst = (uint32_t *)(out + ((int64_t)(q_start + first + r) * num_heads + head) * head_dim);
+        for (int dp = 0; dp < dim_pairs; dp += 16)
+            _mm512_storeu_si512(dst + dp, _mm512_i32gather_epi32(_mm512_add_epi32(columns, _mm512_set1_epi32(dp * Q_ROWS + r)), q_t, 4));
+    }
+}
+
+int kvscale_paged_prefill_attention(
+    const void *query, int64_t query_stride, const void *k_cache, const void *v_cache, int64_t num_blocks,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *query_start_loc,
+    const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+    int block_size, float scale, void *out, int num_threads) {
+    if (head_dim % 32 || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads || !amx_permitted())
+        return KVSCALE_PREFILL_UNSUPPORTED;
+    const int group = num_heads / num_kv_heads;
+    /* Offsets of each sequence's packed keys (in bfloat16 elements) and its first key tile; the
+     * tables of every used block are checked before anything is read through them. */
+    int64_t *packed_at = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    int64_t *tiles_at = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    if (packed_at == NULL || tiles_at == NULL) {
+        free(packed_at);
+        free(tiles_at);
+        return KVSCALE_PREFILL_NO_MEMORY;
+    }
+    int64_t num_items = 0;
+    packed_at[0] = tiles_at[0] = 0;
+    int status = KVSCALE_PREFILL_OK;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = query_start_loc[s + 1] - query_start_loc[s], context_len = context_lens[s];
+        int key_tiles = 0;
+        if (q_len >= 2) {
+            const int blocks = (context_len + block_size - 1) / block_size;
+            if (q_len > context_len || blocks > table_stride) status = KVSCALE_PREFILL_BAD_TABLE;
+            for (int b = 0; b < blocks && status == KVSCALE_PREFILL_OK; b++) {
+                const int32_t block = block_tables[(int64_t)s * table_stride + b];
+                if (block < 0 || block >= num_blocks) status = KVSCALE_PREFILL_BAD_TABLE;
+            }
+            key_tiles = (context_len + KEYS - 1) / KEYS;
+            num_items += (int64_t)num_heads * ((q_len + Q_ROWS - 1) / Q_ROWS);
+        }
+        /* Per KV head and 32-key tile: K and V, head_dim x 32 bfloat16 each. */
+        packed_at[s + 1] = packed_at[s] + (int64_t)key_tiles * num_kv_heads * head_dim * KEYS * 2;
+        tiles_at[s + 1] = tiles_at[s] + (int64_t)key_tiles * num_kv_heads;
+    }
+    uint16_t *packed = status == KVSCALE_PREFILL_OK ? packed_scratch((size_t)packed_at[num_seqs]) : NULL;
+    work_item *items = status == KVSCALE_PREFILL_OK ? malloc(sizeof(work_item) * (size_t)(num_items + 1)) : NULL;
+    if (status == KVSCALE_PREFILL_OK && (packed == NULL || items == NULL)) status = KVSCALE_PREFILL_NO_MEMORY;
+    if (status != KVSCALE_PREFILL_OK) {
+        free(packed_at);
+        free(tiles_at);
+        free(items);
+        return status;
+    }
+    int64_t n = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        if (q_len < 2) continue;
+        for (int h = 0; h < num_heads; h++)
+            for (int t = 0; t * Q_ROWS < q_len; t++) {
+                const int last = context_lens[s] - q_len + (t * Q_ROWS + Q_ROWS < q_len ? t * Q_ROWS + Q_ROWS : q_len);
+                items[n++] = (work_item){s, h, t, (int64_t)last};
+            }
+    }
+    qsort(items, (size_t)num_items, sizeof(work_item), by_cost_descending);
+    const int64_t total_tiles = tiles_at[num_seqs];
+    const float scale_log2 = scale * 1.4426950408889634f;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        /* Pack every (sequence, KV head, 32-key tile) once; a sequence's K words for a KV head
+         * come first, then its V words. */
+        #pragma omp for schedule(dynamic, 8)
+        for (int64_t i = 0; i < total_tiles; i++) {
+            int s = 0;
+            while (tiles_at[s + 1] <= i) s++;
+            const int key_tiles = (int)((tiles_at[s + 1] - tiles_at[s]) / num_kv_heads);
+            const int kv_head = (int)((i - tiles_at[s]) / key_tiles), kt = (int)((i - tiles_at[s]) % key_tiles);
+            const kv_source src = {k_cache, v_cache, block_tables + (int64_t)s * table_stride, context_lens[s],
+                                   block_size, num_kv_heads, head_dim};
+            uint16_t *k_packed = packed + packed_at[s] + (int64_t)kv_head * key_tiles * head_dim * KEYS * 2;
+            pack_keys(&src, kv_head, kt, k_packed, k_packed + (int64_t)key_tiles * head_dim * KEYS);
+        }
+        configure_tiles();
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_items; i++) {
+            const work_item item = items[i];
+            const int s = item.seq, kv_head = item.head / group;
+            const int key_tiles = (int)((tiles_at[s + 1] - tiles_at[s]) / num_kv_heads);
+            const uint16_t *k_packed = packed + packed_at[s] + (int64_t)kv_head * key_tiles * head_dim * KEYS * 2;
+            attend_item(query, query_stride, k_packed, k_packed + (int64_t)key_tiles * head_dim * KEYS,
+                        query_start_loc[s], query_start_loc[s + 1] - query_start_loc[s], context_lens[s],
+                        item.head, item.q_tile, head_dim, scale_log2, out, num_heads);
+        }
+        _tile_release();
+    }
+    free(packed_at);
+    free(tiles_at);
+    free(items);
+    return KVSCALE_PREFILL_OK;
+}
+
+int kvscale_prefill_attention_available(void) { return amx_permitted(); }
+
+#else
+
+int kvscale_paged_prefill_attention(
+    const void *query, int64_t query_stride, const void *k_cache, const void *v_cache, int64_t num_blocks,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *query_start_loc,
+    const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+    int block_size, float scale, void *out, int num_threads) {
+    (void)query, (void)query_stride, (void)k_cache, (void)v_cache, (void)num_blocks, (void)block_tables;
+    (void)table_stride, (void)query_start_loc, (void)context_lens, (void)num_seqs, (void)num_heads;
+    (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)out, (void)num_threads;
+    return KVSCALE_PREFILL_UNSUPPORTED;
+}
+
+int kvscale_prefill_attention_available(void) { return 0; }
+
+#endif

@@ -1,0 +1,114 @@
+"""The C prefill attention (bfloat16 on AMX, cpu_prefill_attention.c) against dense attention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_checks import TOLERANCE, dense_attention, make_case, max_error
+
+import kvscale.kernels as kernels
+from kvscale.kernels import cpu_native
+
+
+@pytest.fixture(autouse=True)
+def _fresh_library(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("KVSCALE_CPU_KERNELS", raising=False)
+    cpu_native._library.cache_clear()
+    cpu_native.amx_prefill_available.cache_clear()
+    yield
+    cpu_native._library.cache_clear()
+    cpu_native.amx_prefill_available.cache_clear()
+
+
+def _cpu_has_amx_bf16() -> bool:
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags.split())
+
+
+def _attend(case):
+    return cpu_native.paged_prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
+                                              case.query_start_loc, case.context_lens, case.scale)
+
+
+def test_the_amx_path_is_there_exactly_where_the_cpu_has_amx() -> None:
+    # The fast path must not vanish quietly on an AMX machine (a build or permission problem),
+    # nor claim to run where the instructions do not exist.
+    assert cpu_native.amx_prefill_available() == _cpu_has_amx_bf16()
+
+
+# (context_lens, q_lens): whole prompts with tails of every size, chunks after a cached prefix,
+# single-token decodes in the same batch, a query tile that straddles a 32-key step.
+SHAPES = [
+    ([2, 17, 33, 100], [2, 17, 33, 100]),
+    ([300, 47, 5, 1000], [300, 40, 1, 64]),
+    ([64, 65, 31, 16], [1, 65, 31, 2]),
+]
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("groups", [(9, 3), (4, 4), (8, 1)], ids=lambda g: f"{g[0]}q{g[1]}kv")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "ctx" + "-".join(map(str, s[0])))
+def test_bf16_prefill_matches_dense(head_dim: int, groups: tuple[int, int], shape) -> None:
+    context_lens, q_lens = shape
+    case = make_case(torch.Generator().manual_seed(head_dim + groups[0]), context_lens=context_lens,
+                     q_lens=q_lens, num_heads=groups[0], num_kv_heads=groups[1], head_dim=head_dim,
+                     block_size=16, dtype=torch.bfloat16)
+    out = _attend(case)
+    assert out.shape == case.query.shape and out.dtype == torch.bfloat16
+    assert max_error(out, dense_attention(case)) <= TOLERANCE[torch.bfloat16]
+
+
+def test_a_block_size_that_does_not_divide_a_key_step() -> None:
+    case = make_case(torch.Generator().manual_seed(5), context_lens=[77, 130], q_lens=[77, 50],
+                     num_heads=6, num_kv_heads=2, head_dim=64, block_size=5, dtype=torch.bfloat16)
+    assert max_error(_attend(case), dense_attention(case)) <= TOLERANCE[torch.bfloat16]
+
+
+def test_the_query_may_be_the_q_heads_of_the_fused_qk_rows() -> None:
+    # The model passes q as a view into [tokens, q heads + k heads, head_dim] (after RoPE).
+    case = make_case(torch.Generator().manual_seed(6), context_lens=[90, 40], q_lens=[90, 20],
+                     num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    fused = torch.cat([case.query, torch.full((case.query.shape[0], 3, 64), 7.0, dtype=torch.bfloat16)], dim=1)
+    view = fused[:, :9]
+    assert not view.is_contiguous()
+    out = cpu_native.paged_prefill_attention(view, case.k_cache, case.v_cache, case.block_tables,
+                                             case.query_start_loc, case.context_lens, case.scale)
+    assert torch.equal(out, _attend(case))
+
+
+def test_a_bad_block_table_raises_instead_of_reading_out_of_bounds() -> None:
+    case = make_case(torch.Generator().manual_seed(7), context_lens=[40], q_lens=[40],
+                     num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    outside = case.block_tables.clone()
+    outside[0, 1] = case.k_cache.shape[0]
+    with pytest.raises(ValueError, match="not a block of the"):
+        cpu_native.paged_prefill_attention(case.query, case.k_cache, case.v_cache, outside,
+                                           case.query_start_loc, case.context_lens, case.scale)
+    short = case.block_tables[:, :2].contiguous()  # 40 tokens need 3 blocks of 16
+    with pytest.raises(ValueError, match="more blocks than its block table row"):
+        cpu_native.paged_prefill_attention(case.query, case.k_cache, case.v_cache, short,
+                                           case.query_start_loc, case.context_lens, case.scale)
+
+
+def test_the_cpu_backend_runs_it_for_bf16_prefill_where_amx_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = cpu_native._library()
+    assert lib is not None
+    calls: list[int] = []
+    real = lib.kvscale_paged_prefill_attention
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(lib, "kvscale_paged_prefill_attention", counting)
+    backend = kernels.backend_for(torch.device("cpu"))
+    for dtype in (torch.bfloat16, torch.float32):
+        case = make_case(torch.Generator().manual_seed(8), context_lens=[50, 20], q_lens=[30, 20], num_heads=9,
+                         num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+        out = backend.paged_prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
+                                              case.query_start_loc, case.context_lens, case.scale)
+        assert max_error(out, dense_attention(case)) <= TOLERANCE[dtype]
+    # bfloat16 through the C kernel on AMX; float32 (and everything on other CPUs) through SDPA.
+    assert len(calls) == int(_cpu_has_amx_bf16())
