@@ -6,7 +6,9 @@ cache so K/V come from memory, not cache) through `cpu_native.paged_decode_atten
 `reference.paged_decode_attention`; reported with the K/V bytes read per second. Layer ops: SiLU-
 and-multiply and residual-add + RMSNorm on a 2048-token prefill's activations against the torch
 ops the model ran before, and RoPE on the q|k heads of a 2048-token step's fused qkv rows against
-the model's PyTorch formula. Medians of repeated calls, float32 and bfloat16. Also the sampler's
+the model's PyTorch formula. bfloat16 prefill attention of a W1 and a W2 prefill step's layer
+(the C kernel on AMX CPUs; elsewhere both sides are the reference). Medians of repeated calls,
+float32 and bfloat16. Also the sampler's
 greedy ids (``server.sampler.greedy_tokens``, ``max(dim).indices``) against ``argmax`` on a
 64-row decode step's float32 logits over the bundled model's vocabulary.
 
@@ -15,6 +17,7 @@ greedy ids (``server.sampler.greedy_tokens``, ``max(dim).indices``) against ``ar
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -79,6 +82,46 @@ def measure(dtype: torch.dtype, gen: torch.Generator, repeats: int) -> list[dict
     ref = median_ms(lambda: apply_rope(heads, cos, sin), repeats, warmup=1)
     rows.append({"op": "rope q|k [2048, 12, 64]", "dtype": str(dtype), "c_ms": native, "torch_ms": ref,
                  "speedup": ref / native})
+    if dtype == torch.bfloat16:
+        rows.extend(prefill_rows(gen, repeats))
+    return rows
+
+
+# (name, context lens, new tokens): a W1 prefill step's prompts (2048 tokens of 8 prompts of
+# 60-512) and W2's chunks (16 requests' 64 own tokens after a cached 1024-token prefix).
+PREFILL_STEPS = (
+    ("W1 step, 8 prompts", [480, 100, 350, 250, 512, 60, 200, 96], [480, 100, 350, 250, 512, 60, 200, 96]),
+    ("W2 step, 16 x 64 after 1024", [1088] * 16, [64] * 16),
+)
+
+
+def prefill_rows(gen: torch.Generator, repeats: int) -> list[dict]:
+    """bfloat16 prefill attention of one layer (9 query / 3 KV heads of 64, 16-token blocks
+    scattered over the cache): the C kernel (AMX) against what the engine ran before it (the
+    reference: one gather and one SDPA per group of equal sequences)."""
+    rows = []
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 8192
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    for name, context_lens, q_lens in PREFILL_STEPS:
+        blocks = [-(-n // block_size) for n in context_lens]
+        order = torch.randperm(num_blocks, generator=gen)[: sum(blocks)].to(torch.int32)
+        tables = torch.zeros(len(blocks), max(blocks), dtype=torch.int32)
+        for i, start in enumerate(torch.tensor([0, *blocks]).cumsum(0)[:-1].tolist()):
+            tables[i, : blocks[i]] = order[start : start + blocks[i]]
+        query = torch.randn(sum(q_lens), num_heads + num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+        args = (query[:, :num_heads], k_cache, v_cache, tables,
+                torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32),
+                torch.tensor(context_lens, dtype=torch.int32), head_dim**-0.5)
+        native = median_ms(functools.partial(cpu_native.paged_prefill_attention, *args), repeats, warmup=1)
+        ref = median_ms(functools.partial(reference.paged_prefill_attention, *args,
+                                          decode=cpu_native.paged_decode_attention), repeats, warmup=1)
+        # Causal attention's multiply-adds: each new token against its position + 1 keys.
+        flops = sum(4 * num_heads * head_dim * (q * (c - q) + q * (q + 1) / 2) for c, q in zip(context_lens, q_lens, strict=True))
+        rows.append({"op": f"prefill attention, {name}", "dtype": str(torch.bfloat16), "c_ms": native,
+                     "torch_ms": ref, "speedup": ref / native, "c_gflop_per_s": flops / native / 1e6,
+                     "amx": cpu_native.amx_prefill_available()})
     return rows
 
 

@@ -70,10 +70,13 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
-/* 2^x for x <= 0 (x <= -150 gives exactly 0): 2^round(x) by VSCALEFPS times a degree-6 Taylor
- * polynomial of 2^f on [-0.5, 0.5] (relative error ~1e-7, far below bfloat16's rounding). */
+/* 2^x for x <= 0: 2^round(x) by VSCALEFPS times a degree-6 Taylor polynomial of 2^f on
+ * [-0.5, 0.5] (relative error ~1e-7, far below bfloat16's rounding). Below -125 the result is
+ * exactly 0 rather than a subnormal: subnormal results take a microcode assist each, which
+ * doubled the kernel's time (unless something in the process had set flush-to-zero). */
 static inline __m512 exp2_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-200.0f));
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
     __m512 p = _mm512_set1_ps(1.5403530e-4f);
@@ -83,7 +86,7 @@ static inline __m512 exp2_nonpositive(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_maskz_scalef_ps(normal, p, n);
 }
 
 /* Where a (sequence, KV head)'s packed K and V live, and what they are packed from. */
