@@ -71,12 +71,12 @@ static void configure_tiles(void) {
 }
 
 /* 2^x for x <= 0: 2^round(x) by VSCALEFPS times a degree-6 Taylor polynomial of 2^f on
- * [-0.5, 0.5] (relative error ~1e-7, far below bfloat16's rounding). Below -125 the result is
- * exactly 0 rather than a subnormal: subnormal results take a microcode assist each, which
- * doubled the kernel's time (unless something in the process had set flush-to-zero). */
+ * [-0.5, 0.5] (relative error ~1e-7, far below bfloat16's rounding). Below -100 the result is
+ * exactly 0: subnormal results (and products of them later) take a microcode assist each,
+ * which doubled the kernel's time (unless something in the process had set flush-to-zero). */
 static inline __m512 exp2_nonpositive(__m512 x) {
-    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-100.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
     __m512 p = _mm512_set1_ps(1.5403530e-4f);

@@ -298,3 +298,12 @@ def test_a_float32_query_over_a_bf16_cache_is_not_rounded_to_bf16() -> None:
     query = torch.randn(case.query.shape, generator=torch.Generator().manual_seed(8))  # not bf16 values
     args = (query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale)
     assert max_error(cpu_native.paged_decode_attention(*args), reference.paged_decode_attention(*args)) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_peaked_scores_match_dense(dtype: torch.dtype) -> None:
+    # Scores hundreds apart (a sharp head): the weights far below the peak are cut to exact
+    # zeros rather than subnormals, and the result still matches dense attention.
+    case = random_case(torch.Generator().manual_seed(11), decode=True, dtype=dtype)
+    case.query.mul_(40)
+    assert max_error(_run(case), dense_attention(case)) <= TOLERANCE[dtype]
