@@ -7,6 +7,7 @@ process, timing each phase of every step with wrappers, and the forward pass's o
 
     python -m bench.profile_engine --threads 2           # writes bench/results/profile_engine.json
     python -m bench.profile_engine --num-requests 16 --max-output 32   # a quick look
+    python -m bench.profile_engine --dtype bfloat16 --prefill-attention sdpa   # without the AMX kernel
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--profile-steps", type=int, default=3, help="steps of each kind under torch.profiler")
+    parser.add_argument("--prefill-attention", choices=["auto", "sdpa"], default="auto",
+                        help="sdpa: the PyTorch reference even where the C kernel (AMX) would run, "
+                             "for a before/after of that kernel")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -65,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     from kvscale.server.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
+    if args.prefill_attention == "sdpa":
+        from kvscale.kernels import cpu_native
+
+        cpu_native.amx_prefill_available = lambda: False  # type: ignore[method-assign]
     prompts, outputs = workload(args)
     llm = LLM(dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
