@@ -87,11 +87,12 @@ def measure(dtype: torch.dtype, gen: torch.Generator, repeats: int) -> list[dict
     return rows
 
 
-# (name, context lens, new tokens): a W1 prefill step's prompts (2048 tokens of 8 prompts of
-# 60-512) and W2's chunks (16 requests' 64 own tokens after a cached 1024-token prefix).
+# (name, context lens, new tokens, shared prefix tokens): a W1 prefill step's prompts (2048
+# tokens of 8 prompts of 60-512) and W2's chunks (16 requests' 64 own tokens after a cached
+# 1024-token prefix, whose blocks they share as prefix caching has them).
 PREFILL_STEPS = (
-    ("W1 step, 8 prompts", [480, 100, 350, 250, 512, 60, 200, 96], [480, 100, 350, 250, 512, 60, 200, 96]),
-    ("W2 step, 16 x 64 after 1024", [1088] * 16, [64] * 16),
+    ("W1 step, 8 prompts", [480, 100, 350, 250, 512, 60, 200, 96], [480, 100, 350, 250, 512, 60, 200, 96], 0),
+    ("W2 step, 16 x 64 after 1024", [1088] * 16, [64] * 16, 1024),
 )
 
 
@@ -104,12 +105,16 @@ def prefill_rows(gen: torch.Generator, repeats: int) -> list[dict]:
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
     v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    for name, context_lens, q_lens in PREFILL_STEPS:
+    for name, context_lens, q_lens, shared in PREFILL_STEPS:
         blocks = [-(-n // block_size) for n in context_lens]
-        order = torch.randperm(num_blocks, generator=gen)[: sum(blocks)].to(torch.int32)
+        order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
         tables = torch.zeros(len(blocks), max(blocks), dtype=torch.int32)
-        for i, start in enumerate(torch.tensor([0, *blocks]).cumsum(0)[:-1].tolist()):
-            tables[i, : blocks[i]] = order[start : start + blocks[i]]
+        prefix_blocks = shared // block_size
+        tables[:, :prefix_blocks] = order[:prefix_blocks]
+        used = prefix_blocks
+        for i, count in enumerate(blocks):
+            tables[i, prefix_blocks:count] = order[used : used + count - prefix_blocks]
+            used += count - prefix_blocks
         query = torch.randn(sum(q_lens), num_heads + num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
         args = (query[:, :num_heads], k_cache, v_cache, tables,
                 torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32),

@@ -101,7 +101,8 @@ static inline const uint16_t *cache_row(const uint16_t *cache, const kv_source *
     return cache + (slot * src->num_kv_heads + kv_head) * src->head_dim;
 }
 
-/* Keys 32*kt .. 32*kt+31 of one KV head into the tile layouts (zeros past the context):
+/* Keys 32*kt .. 32*kt+31 of one KV head into the tile layouts at k_packed and v_packed (zeros
+ * past the context):
  *   K: the keys' rows as they are, [32 keys][head_dim]: the A operand of scores^T = K . Q^T.
  *   V: transposed per 16-dim chunk, [16 dims][32 keys]: the A operand of out^T += V^T . P^T.
  * V^T as dwords is the transpose of the key pairs' interleave (dword (kp, d) = V[2kp][d],
@@ -109,7 +110,7 @@ static inline const uint16_t *cache_row(const uint16_t *cache, const kv_source *
 static void pack_keys(const kv_source *src, int kv_head, int kt, uint16_t *k_packed, uint16_t *v_packed) {
     const int head_dim = src->head_dim, v_chunks = head_dim / 16;
     const uint16_t *v_rows[KEYS];
-    uint16_t *k_rows = k_packed + (size_t)kt * KEYS * head_dim;
+    uint16_t *k_rows = k_packed;
     int block = kt * KEYS / src->block_size, slot = kt * KEYS % src->block_size;
     for (int i = 0; i < KEYS; i++) {
         if (kt * KEYS + i < src->context_len) {
@@ -127,7 +128,7 @@ static void pack_keys(const kv_source *src, int kv_head, int kt, uint16_t *k_pac
     const __m512i pair_rows = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
     _Alignas(64) uint32_t pairs[16 * 16];
-    uint32_t *v_tiles = (uint32_t *)(v_packed + (size_t)kt * v_chunks * 16 * KEYS);
+    uint32_t *v_tiles = (uint32_t *)v_packed;
     for (int c = 0; c < v_chunks; c++) {
         for (int kp = 0; kp < 16; kp++) {
             const __m256i even = v_rows[2 * kp] != NULL ? _mm256_loadu_si256((const __m256i *)(v_rows[2 * kp] + c * 16))
@@ -200,8 +201,8 @@ static inline void load_resident(const float *acc, int v_chunks) {
  * Everything runs transposed (keys or dims down, the 16 query rows across a vector's lanes), so
  * the softmax's maxima and sums over keys are lane-wise operations between vectors, never
  * reductions within one. */
-static void attend_item(const uint16_t *query, int64_t query_stride, const uint16_t *k_packed,
-                        const uint16_t *v_packed, int q_start, int q_len, int context_len, int head,
+static void attend_item(const uint16_t *query, int64_t query_stride, const uint16_t *packed,
+                        const int32_t *tiles, int64_t tile_stride, int64_t head_offset, int q_start, int q_len, int context_len, int head,
                         int q_tile, int head_dim, float scale_log2, uint16_t *out, int num_heads) {
     const int k_chunks = head_dim / 32, v_chunks = head_dim / 16, dim_pairs = head_dim / 2;
     const int first = q_tile * Q_ROWS;
@@ -229,7 +230,7 @@ static void attend_item(const uint16_t *query, int64_t query_stride, const uint1
     const int key_tiles = last_position / KEYS + 1;
     const __m512 scale = _mm512_set1_ps(scale_log2), hidden = _mm512_set1_ps(HIDDEN);
     for (int kt = 0; kt < key_tiles; kt++) {
-        const uint16_t *keys = k_packed + (size_t)kt * KEYS * head_dim;
+        const uint16_t *keys = packed + tiles[kt] * tile_stride + head_offset;
         _tile_zero(0);
         _tile_zero(1);
         for (int c = 0; c < k_chunks; c++) {
@@ -276,7 +277,7 @@ static void attend_item(const uint16_t *query, int64_t query_stride, const uint1
         }
         running_sum = _mm512_add_ps(running_sum, tile_sum);
         _tile_loadd(2, probs, 64);
-        const uint16_t *values = v_packed + (size_t)kt * v_chunks * 16 * KEYS;
+        const uint16_t *values = keys + KEYS * head_dim;
         if (resident) {
             _tile_loadd(3, values, KEYS * 2);
             _tile_dpbf16ps(4, 3, 2);
@@ -320,17 +321,13 @@ int kvscale_paged_prefill_attention(
     if (head_dim % 32 || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads || !amx_permitted())
         return KVSCALE_PREFILL_UNSUPPORTED;
     const int group = num_heads / num_kv_heads;
-    /* Offsets of each sequence's packed keys (in bfloat16 elements) and its first key tile; the
-     * tables of every used block are checked before anything is read through them. */
-    int64_t *packed_at = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    /* Each sequence's 32-key tiles as ids of packed tiles (tiles_at: where a sequence's ids start).
+     * A whole tile over the same blocks as another sequence's (a shared prefix) is packed once.
+     * The tables of every used block are checked before anything is read through them. */
     int64_t *tiles_at = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
-    if (packed_at == NULL || tiles_at == NULL) {
-        free(packed_at);
-        free(tiles_at);
-        return KVSCALE_PREFILL_NO_MEMORY;
-    }
+    if (tiles_at == NULL) return KVSCALE_PREFILL_NO_MEMORY;
     int64_t num_items = 0;
-    packed_at[0] = tiles_at[0] = 0;
+    tiles_at[0] = 0;
     int status = KVSCALE_PREFILL_OK;
     for (int s = 0; s < num_seqs; s++) {
         const int q_len = query_start_loc[s + 1] - query_start_loc[s], context_len = context_lens[s];
@@ -345,16 +342,41 @@ int kvscale_paged_prefill_attention(
             key_tiles = (context_len + KEYS - 1) / KEYS;
             num_items += (int64_t)num_heads * ((q_len + Q_ROWS - 1) / Q_ROWS);
         }
-        /* Per KV head and 32-key tile: K and V, head_dim x 32 bfloat16 each. */
-        packed_at[s + 1] = packed_at[s] + (int64_t)key_tiles * num_kv_heads * head_dim * KEYS * 2;
-        tiles_at[s + 1] = tiles_at[s] + (int64_t)key_tiles * num_kv_heads;
+        tiles_at[s + 1] = tiles_at[s] + key_tiles;
     }
-    uint16_t *packed = status == KVSCALE_PREFILL_OK ? packed_scratch((size_t)packed_at[num_seqs]) : NULL;
+    int32_t *tile_ids = status == KVSCALE_PREFILL_OK ? malloc(sizeof(int32_t) * (size_t)(tiles_at[num_seqs] + 1)) : NULL;
+    /* Per packed tile: the sequence and step it is packed from. */
+    int32_t *source = status == KVSCALE_PREFILL_OK ? malloc(sizeof(int32_t) * 2 * (size_t)(tiles_at[num_seqs] + 1)) : NULL;
     work_item *items = status == KVSCALE_PREFILL_OK ? malloc(sizeof(work_item) * (size_t)(num_items + 1)) : NULL;
-    if (status == KVSCALE_PREFILL_OK && (packed == NULL || items == NULL)) status = KVSCALE_PREFILL_NO_MEMORY;
+    if (status == KVSCALE_PREFILL_OK && (tile_ids == NULL || source == NULL || items == NULL))
+        status = KVSCALE_PREFILL_NO_MEMORY;
+    int32_t num_packed = 0;
+    for (int s = 0; s < num_seqs && status == KVSCALE_PREFILL_OK; s++) {
+        const int32_t *table = block_tables + (int64_t)s * table_stride;
+        for (int kt = 0; kt < tiles_at[s + 1] - tiles_at[s]; kt++) {
+            int32_t id = -1;
+            const int first_block = kt * KEYS / block_size, last_block = (kt * KEYS + KEYS - 1) / block_size;
+            for (int other = 0; other < s && id < 0 && (kt + 1) * KEYS <= context_lens[s]; other++)
+                if (tiles_at[other + 1] - tiles_at[other] > kt && (kt + 1) * KEYS <= context_lens[other]
+                    && memcmp(table + first_block, block_tables + (int64_t)other * table_stride + first_block,
+                              sizeof(int32_t) * (size_t)(last_block - first_block + 1)) == 0)
+                    id = tile_ids[tiles_at[other] + kt];
+            if (id < 0) {
+                id = num_packed++;
+                source[2 * id] = s;
+                source[2 * id + 1] = kt;
+            }
+            tile_ids[tiles_at[s] + kt] = id;
+        }
+    }
+    /* A packed tile: per KV head, K [32 keys][head_dim] then V^T [head_dim][32 keys]. */
+    const int64_t head_stride = (int64_t)2 * KEYS * head_dim, tile_stride = head_stride * num_kv_heads;
+    uint16_t *packed = status == KVSCALE_PREFILL_OK ? packed_scratch((size_t)(num_packed * tile_stride)) : NULL;
+    if (status == KVSCALE_PREFILL_OK && packed == NULL) status = KVSCALE_PREFILL_NO_MEMORY;
     if (status != KVSCALE_PREFILL_OK) {
-        free(packed_at);
         free(tiles_at);
+        free(tile_ids);
+        free(source);
         free(items);
         return status;
     }
@@ -369,38 +391,32 @@ int kvscale_paged_prefill_attention(
             }
     }
     qsort(items, (size_t)num_items, sizeof(work_item), by_cost_descending);
-    const int64_t total_tiles = tiles_at[num_seqs];
     const float scale_log2 = scale * 1.4426950408889634f;
     #pragma omp parallel num_threads(num_threads)
     {
-        /* Pack every (sequence, KV head, 32-key tile) once; a sequence's K words for a KV head
-         * come first, then its V words. */
         #pragma omp for schedule(dynamic, 8)
-        for (int64_t i = 0; i < total_tiles; i++) {
-            int s = 0;
-            while (tiles_at[s + 1] <= i) s++;
-            const int key_tiles = (int)((tiles_at[s + 1] - tiles_at[s]) / num_kv_heads);
-            const int kv_head = (int)((i - tiles_at[s]) / key_tiles), kt = (int)((i - tiles_at[s]) % key_tiles);
+        for (int64_t i = 0; i < (int64_t)num_packed * num_kv_heads; i++) {
+            const int id = (int)(i / num_kv_heads), kv_head = (int)(i % num_kv_heads), s = source[2 * id];
             const kv_source src = {k_cache, v_cache, block_tables + (int64_t)s * table_stride, context_lens[s],
                                    block_size, num_kv_heads, head_dim};
-            uint16_t *k_packed = packed + packed_at[s] + (int64_t)kv_head * key_tiles * head_dim * KEYS * 2;
-            pack_keys(&src, kv_head, kt, k_packed, k_packed + (int64_t)key_tiles * head_dim * KEYS);
+            uint16_t *k_packed = packed + id * tile_stride + kv_head * head_stride;
+            pack_keys(&src, kv_head, source[2 * id + 1], k_packed, k_packed + KEYS * head_dim);
         }
         configure_tiles();
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; i++) {
             const work_item item = items[i];
-            const int s = item.seq, kv_head = item.head / group;
-            const int key_tiles = (int)((tiles_at[s + 1] - tiles_at[s]) / num_kv_heads);
-            const uint16_t *k_packed = packed + packed_at[s] + (int64_t)kv_head * key_tiles * head_dim * KEYS * 2;
-            attend_item(query, query_stride, k_packed, k_packed + (int64_t)key_tiles * head_dim * KEYS,
-                        query_start_loc[s], query_start_loc[s + 1] - query_start_loc[s], context_lens[s],
-                        item.head, item.q_tile, head_dim, scale_log2, out, num_heads);
+            const int s = item.seq;
+            attend_item(query, query_stride, packed, tile_ids + tiles_at[s], tile_stride,
+                        (int64_t)(item.head / group) * head_stride, query_start_loc[s],
+                        query_start_loc[s + 1] - query_start_loc[s], context_lens[s], item.head, item.q_tile,
+                        head_dim, scale_log2, out, num_heads);
         }
         _tile_release();
     }
-    free(packed_at);
     free(tiles_at);
+    free(tile_ids);
+    free(source);
     free(items);
     return KVSCALE_PREFILL_OK;
 }

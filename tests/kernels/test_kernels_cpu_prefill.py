@@ -9,7 +9,7 @@ import torch
 from kernel_checks import TOLERANCE, dense_attention, make_case, max_error
 
 import kvscale.kernels as kernels
-from kvscale.kernels import cpu_native
+from kvscale.kernels import cpu_native, reference
 
 
 @pytest.fixture(autouse=True)
@@ -112,3 +112,26 @@ def test_the_cpu_backend_runs_it_for_bf16_prefill_where_amx_is(monkeypatch: pyte
         assert max_error(out, dense_attention(case)) <= TOLERANCE[dtype]
     # bfloat16 through the C kernel on AMX; float32 (and everything on other CPUs) through SDPA.
     assert len(calls) == int(_cpu_has_amx_bf16())
+
+
+def test_sequences_sharing_prefix_blocks_match_the_reference() -> None:
+    # Requests after a common prefix point at the same blocks (prefix caching); the kernel packs
+    # those keys once. Sequence 1 shares 4 blocks (64 tokens) with sequence 0, sequence 2 shares
+    # 3 (48 tokens: its second 32-key step is half shared) and sequence 3 shares all of
+    # sequence 0's blocks but has fewer keys than they hold.
+    gen = torch.Generator().manual_seed(9)
+    num_blocks, block_size, kv_heads, head_dim = 40, 16, 3, 64
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    tables = torch.tensor([[7, 3, 20, 11, 5, 30, 31],
+                           [7, 3, 20, 11, 8, 9, -1],
+                           [7, 3, 20, 12, 13, -1, -1],
+                           [7, 3, 20, 11, 5, 30, 31]], dtype=torch.int32)
+    context_lens = torch.tensor([100, 90, 70, 97], dtype=torch.int32)
+    q_lens = [100, 26, 22, 2]
+    starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    query = torch.randn(sum(q_lens), 9, head_dim, generator=gen).to(torch.bfloat16)
+    args = (query, k_cache, v_cache, tables, starts, context_lens, head_dim**-0.5)
+    out = cpu_native.paged_prefill_attention(*args)
+    expected = reference.paged_prefill_attention(query.float(), k_cache.float(), v_cache.float(), *args[3:])
+    assert max_error(out, expected) <= TOLERANCE[torch.bfloat16]
