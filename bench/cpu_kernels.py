@@ -8,7 +8,7 @@ and-multiply and residual-add + RMSNorm on a 2048-token prefill's activations ag
 ops the model ran before, and RoPE on the q|k heads of a 2048-token step's fused qkv rows against
 the model's PyTorch formula. bfloat16 prefill attention of a W1 and a W2 prefill step's layer
 (the C kernel on AMX CPUs; elsewhere both sides are the reference). Medians of repeated calls,
-float32 and bfloat16. Also the sampler's
+float32 and bfloat16. The KV write of a decode and a prefill step's tokens. Also the sampler's
 greedy ids (``server.sampler.greedy_tokens``, ``max(dim).indices``) against ``argmax`` on a
 64-row decode step's float32 logits over the bundled model's vocabulary.
 
@@ -82,6 +82,16 @@ def measure(dtype: torch.dtype, gen: torch.Generator, repeats: int) -> list[dict
     ref = median_ms(lambda: apply_rope(heads, cos, sin), repeats, warmup=1)
     rows.append({"op": "rope q|k [2048, 12, 64]", "dtype": str(dtype), "c_ms": native, "torch_ms": ref,
                  "speedup": ref / native})
+    for tokens in (64, 2048):  # a decode step's and a prefill step's new K/V, into a 2048-block cache
+        k_cache = torch.zeros(2048, 16, 3, 64, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        kv = torch.randn(tokens, 6, 64, generator=gen).to(dtype)
+        slots = torch.randperm(2048 * 16, generator=gen)[:tokens]
+        args = (kv[:, :3], kv[:, 3:], k_cache, v_cache, slots)
+        native = median_ms(functools.partial(cpu_native.write_kv, *args), repeats, warmup=1)
+        ref = median_ms(functools.partial(reference.write_kv, *args), repeats, warmup=1)
+        rows.append({"op": f"write_kv {tokens} tokens", "dtype": str(dtype), "c_ms": native, "torch_ms": ref,
+                     "speedup": ref / native})
     if dtype == torch.bfloat16:
         rows.extend(prefill_rows(gen, repeats))
     return rows

@@ -4,7 +4,8 @@ PyTorch references for the rest).
 
 ``cpu_decode_attention.c``: decode attention reading the paged cache in place for every sequence
 of a layer in one call (the PyTorch reference's per-sequence ops were most of a decode step's
-non-GEMM time). ``cpu_prefill_attention.c``: bfloat16 prefill attention on AMX tiles over the
+non-GEMM time). ``cpu_write_kv.c``: the new tokens' K/V rows into their cache slots.
+``cpu_prefill_attention.c``: bfloat16 prefill attention on AMX tiles over the
 paged cache, every sequence of a layer in one call. ``cpu_layer_ops.c``: the decoder layer's elementwise steps (SiLU-and-multiply,
 residual add + RMSNorm, RoPE) fused into one pass each. ``cpu_threads.c``: pins the OpenMP
 pool torch and these kernels share, one thread per CPU (``bind_threads``).
@@ -43,7 +44,7 @@ from kvscale.kernels.ops import KernelBackend
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_layer_ops.c", "cpu_threads.c")
+SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_write_kv.c", "cpu_layer_ops.c", "cpu_threads.c")
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are. It is a
 # compile flag only: linked with it, gcc adds crtfastmath.o, which switches the whole process to
@@ -76,6 +77,8 @@ _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
         _F32, _PTR, _I32,  # scale, out, num_threads
     ]),
     "kvscale_prefill_attention_available": (ctypes.c_int, []),
+    # key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, num_tokens, row, elem
+    "kvscale_write_kv": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64]),
     # gate_up, out, rows, width, is_bf16, num_threads
     "kvscale_silu_and_mul": (None, [_PTR, _PTR, _I64, _I64, _I32, _I32]),
     # x, residual, weight, out, rows, width, eps, is_bf16, num_threads
@@ -440,12 +443,31 @@ def paged_prefill_attention(
     return out
 
 
-# The engine's CPU path: decode attention in C (also for the decode tokens of mixed batches),
-# prefill attention in C on AMX CPUs with a bfloat16 model, KV writes and the rest of prefill
+def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """:class:`kvscale.kernels.ops.WriteKV` in C (two row copies per token); the reference where
+    the C kernels do not run or the rows need a cast or are not contiguous per token."""
+    lib = _library()
+    reference.check_write_kv(key, value, k_cache, v_cache, slot_mapping)
+    if (lib is None or key.dtype != k_cache.dtype or value.dtype != v_cache.dtype or k_cache.dtype != v_cache.dtype
+            or key.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (key, value))):
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    status = lib.kvscale_write_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                  k_cache.data_ptr(), v_cache.data_ptr(), num_slots, slots.data_ptr(),
+                                  key.shape[0], key.shape[1] * key.shape[2], key.element_size())
+    if status:
+        raise ValueError(f"a slot in slot_mapping is outside the {num_slots}-slot cache")
+
+
+# The engine's CPU path: KV writes and decode attention in C (also for the decode tokens of
+# mixed batches), prefill attention in C on AMX CPUs with a bfloat16 model, the rest of prefill
 # attention in PyTorch (one gather and one SDPA per group of equal sequences).
 CPU = KernelBackend(
     "cpu",
-    write_kv=reference.write_kv,
+    write_kv=write_kv,
     paged_decode_attention=paged_decode_attention,
     paged_prefill_attention=paged_prefill_attention,
     prefill_batches_decodes=True,

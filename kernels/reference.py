@@ -21,16 +21,7 @@ def write_kv(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
     """:class:`kvscale.kernels.ops.WriteKV` with one ``index_copy_`` per cache."""
-    check_cache(k_cache, v_cache)
-    if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(
-            f"key/value must be [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], "
-            f"got {tuple(key.shape)} and {tuple(value.shape)}"
-        )
-    if slot_mapping.shape != (key.shape[0],):
-        raise ValueError(
-            f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}"
-        )
+    check_write_kv(key, value, k_cache, v_cache, slot_mapping)
     slots = slot_mapping.to(device=key.device, dtype=torch.long)
     keep = slots >= 0
     if not bool(keep.all()):
@@ -210,6 +201,19 @@ def check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
         raise ValueError(
             "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+
+
+def check_write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    check_cache(k_cache, v_cache)
+    if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"key/value must be [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(
+            f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}"
         )
 
 
