@@ -8,6 +8,7 @@
  * follow transformers: RMSNorm in float32, the normalised row rounded to the model dtype before
  * the weight multiplies it (as `weight * x.to(dtype)`), SiLU in float32.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -54,8 +55,12 @@ static inline __attribute__((always_inline)) void silu_and_mul_one(
     const void *gate_up, void *out, int64_t in, int64_t o, int64_t width, int64_t i, int is_bf16) {
     const float gate = get(gate_up, in + i, is_bf16);
     const float up = get(gate_up, in + width + i, is_bf16);
+    /* Below gate = -88.7 exp(-gate) overflows, and the vectorised division (a reciprocal estimate,
+     * then a Newton step taking 0 * inf) made gate / inf NaN; with exp capped at FLT_MAX the
+     * quotient is at most |gate| / FLT_MAX in size (torch: -0). Finite exp values pass unchanged. */
+    const float e = fminf(expf(-gate), FLT_MAX);
     /* torch rounds silu(gate) to the dtype before multiplying by up. */
-    put(out, o + i, round_to(gate / (1.0f + expf(-gate)), is_bf16) * up, is_bf16);
+    put(out, o + i, round_to(gate / (1.0f + e), is_bf16) * up, is_bf16);
 }
 
 #if KVSCALE_AVX512
@@ -95,9 +100,9 @@ static inline __attribute__((always_inline)) __m512 round16_to(__m512 f, int is_
  * inlined: no call, no spills. x = n ln2 + r, exp(x) = 2^n p(r) with p of degree 5; 2^n p by
  * VSCALEFPS, one rounding of the same exact product glibc's multiply by 2^n's bits makes. Lanes
  * with |x| > 87.33654 (overflow, underflow, NaN) take the scalar expf, as glibc's does; `check` 0:
- * the caller knows there are none. */
+ * the caller knows there are none; `outside`: those lanes. */
 #define EXP16_LIMIT 0x42AEAC4F /* 87.33654f */
-static inline __attribute__((always_inline)) __m512 exp16(__m512 x, int check) {
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x, int check, __mmask16 *outside) {
     const __m512 shifter = _mm512_set1_ps(0x1.8p23f);  /* n lands in the low mantissa bits */
     const __m512 shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), shifter);  /* log2(e) */
     const __m512 n = _mm512_sub_ps(shifted, shifter);
@@ -112,6 +117,7 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x, int check) {
     __m512 result = _mm512_scalef_ps(p, n);
     const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
     __mmask16 special = check ? _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(EXP16_LIMIT)) : 0;
+    *outside = special;
     if (__builtin_expect(special != 0, 0)) {
         float lanes[16], results[16];
         _mm512_storeu_ps(lanes, x);
@@ -148,7 +154,10 @@ static inline __attribute__((always_inline)) void store32_bf16(uint16_t *p, __m5
  * (width % 32 >= 16), the 12-bit VRCPPS on two 8-lane halves, which `halves` reproduces. */
 static inline __attribute__((always_inline)) __m512 silu_mul16(
     __m512 gate, __m512 up, int is_bf16, int halves, int check) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate), check);
+    __mmask16 outside;
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate), check, &outside);
+    /* silu_and_mul_one's cap at FLT_MAX (only these lanes can overflow). */
+    if (__builtin_expect(outside != 0, 0)) e = _mm512_min_ps(e, _mm512_set1_ps(FLT_MAX));
     const __m512 y = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
     const __m512 silu = !halves ? _mm512_div_ps(gate, y) : _mm512_insertf32x8(
         _mm512_castps256_ps512(_mm256_div_ps(_mm512_castps512_ps256(gate), _mm512_castps512_ps256(y))),

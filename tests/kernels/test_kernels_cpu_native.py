@@ -219,6 +219,19 @@ def test_silu_and_mul_matches_torch(rows: int, width: int, dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_silu_and_mul_below_the_exp_overflow_is_tiny_not_nan(dtype: torch.dtype) -> None:
+    """exp(-gate) overflows below gate = -88.7; the vectorised division (reciprocal estimate and
+    Newton step) once turned gate / inf into NaN there, which the rest of the layer spreads."""
+    width = 1551  # 32-value steps, a 16-value step and a scalar tail
+    gate = torch.linspace(-400.0, -80.0, width).to(dtype)
+    gate_up = torch.cat((gate, torch.full((width,), 3.0))).to(dtype).repeat(3, 1)
+    out = cpu_native.silu_and_mul(gate_up)
+    assert out is not None and not out.isnan().any()
+    expected = torch.nn.functional.silu(gate) * 3  # -0 past the overflow, ~1e-36 before it
+    assert float((out[0].float() - expected.float()).abs().max()) <= 1e-34
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize(("rows", "width"), [(33, 576), (1, 576), (19, 577), (3, 13)])
 def test_add_rms_norm_matches_torch(rows: int, width: int, with_residual: bool, dtype: torch.dtype) -> None:
