@@ -302,6 +302,7 @@ def test_layer_ops_give_the_portable_loops_bits(
     and the updated residual are bit-identical to the portable C loops' (NaN where they give NaN)."""
     native = cpu_native._library()
     assert native is not None
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for width in ODD_WIDTHS:
@@ -323,7 +324,7 @@ def test_layer_ops_give_the_portable_loops_bits(
                     assert torch.equal(torch.isnan(got), nan), (name, width, rows)
                     assert torch.equal(_bits(got)[~nan], _bits(want)[~nan]), (name, width, rows)
     finally:
-        torch.set_num_threads(1)
+        torch.set_num_threads(before)
 
 
 def test_layer_ops_leave_what_they_do_not_take_to_torch() -> None:
