@@ -8,9 +8,22 @@
  * follow transformers: RMSNorm in float32, the normalised row rounded to the model dtype before
  * the weight multiplies it (as `weight * x.to(dtype)`), SiLU in float32.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+/* Explicit AVX-512 loops where gcc's own vectorisation of the portable loops falls short (SiLU:
+ * a call and register spills per 16 values around glibc's vector expf; the float32 add + RMSNorm:
+ * a scalar loop). They give bit-identical results to the portable loops as gcc builds those here
+ * (-O3 -ffast-math with glibc's libmvec), which the tests check on odd widths by building this
+ * file again with -DKVSCALE_PORTABLE. Other CPUs (and compilers) run the portable loops. */
+#if defined(__AVX512F__) && !defined(KVSCALE_PORTABLE)
+#define KVSCALE_AVX512 1
+#include <immintrin.h>
+#else
+#define KVSCALE_AVX512 0
+#endif
 
 static inline float bf16_to_float(uint16_t bits) {
     union { uint32_t u; float f; } value = { .u = (uint32_t)bits << 16 };
@@ -37,18 +50,173 @@ static inline __attribute__((always_inline)) float round_to(float f, int is_bf16
     return is_bf16 ? bf16_to_float(float_to_bf16(f)) : f;
 }
 
+/* out[o + i] = silu(gate) * up for gate_up[in + i] and gate_up[in + width + i]. */
+static inline __attribute__((always_inline)) void silu_and_mul_one(
+    const void *gate_up, void *out, int64_t in, int64_t o, int64_t width, int64_t i, int is_bf16) {
+    const float gate = get(gate_up, in + i, is_bf16);
+    const float up = get(gate_up, in + width + i, is_bf16);
+    /* Below gate = -88.7 exp(-gate) overflows, and the vectorised division (a reciprocal estimate,
+     * then a Newton step taking 0 * inf) made gate / inf NaN; with exp capped at FLT_MAX the
+     * quotient is at most |gate| / FLT_MAX in size (torch: -0). Finite exp values pass unchanged. */
+    const float e = fminf(expf(-gate), FLT_MAX);
+    /* torch rounds silu(gate) to the dtype before multiplying by up. */
+    put(out, o + i, round_to(gate / (1.0f + e), is_bf16) * up, is_bf16);
+}
+
+#if KVSCALE_AVX512
+/* 16 float32 or bfloat16 values as float32 (bf16: the 16 bits moved to the top of a float). */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t i, int is_bf16) {
+    if (!is_bf16) return _mm512_loadu_ps((const float *)base + i);
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    const __m512i wide = _mm512_cvtepu16_epi32(bits);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* float_to_bf16's rounding (to nearest even), 16 lanes at once, the bf16 left in each lane's top
+ * 16 bits: + 0x7FFF, + 0x8000 where the kept part is odd (a bit test, not a shift: vector shifts
+ * share one port with much of the rest). Not VCVTNEPS2BF16: that one flushes subnormal inputs to
+ * zero and quiets NaNs. */
+static inline __attribute__((always_inline)) __m512i bf16_round16(__m512 f) {
+    const __m512i bits = _mm512_castps_si512(f);
+    const __mmask16 odd = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x10000));
+    return _mm512_mask_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd, bits,
+                                 _mm512_set1_epi32(0x8000));
+}
+
+static inline __attribute__((always_inline)) void store16(void *base, int64_t i, __m512 f, int is_bf16) {
+    if (!is_bf16) _mm512_storeu_ps((float *)base + i, f);
+    else _mm256_storeu_si256((__m256i *)((uint16_t *)base + i),
+                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round16(f), 16)));
+}
+
+/* round_to for 16 lanes. */
+static inline __attribute__((always_inline)) __m512 round16_to(__m512 f, int is_bf16) {
+    if (!is_bf16) return f;
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16_round16(f), _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* expf of 16 lanes by the algorithm and constants of glibc's AVX-512 vector expf (libmvec's
+ * _ZGVeN16v_expf, which gcc called for the portable loop), so the results are the same bits, here
+ * inlined: no call, no spills. x = n ln2 + r, exp(x) = 2^n p(r) with p of degree 5; 2^n p by
+ * VSCALEFPS, one rounding of the same exact product glibc's multiply by 2^n's bits makes. Lanes
+ * with |x| > 87.33654 (overflow, underflow, NaN) take the scalar expf, as glibc's does; `check` 0:
+ * the caller knows there are none; `outside`: those lanes. */
+#define EXP16_LIMIT 0x42AEAC4F /* 87.33654f */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x, int check, __mmask16 *outside) {
+    const __m512 shifter = _mm512_set1_ps(0x1.8p23f);  /* n lands in the low mantissa bits */
+    const __m512 shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), shifter);  /* log2(e) */
+    const __m512 n = _mm512_sub_ps(shifted, shifter);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x);  /* ln2, high bits */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f), r);  /* ln2, the rest */
+    __m512 p = _mm512_set1_ps(0x1.0fb3fcp-7f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1.570724p-5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1.555958p-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1.fffe68p-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0x1.fffffcp-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 result = _mm512_scalef_ps(p, n);
+    const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
+    __mmask16 special = check ? _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(EXP16_LIMIT)) : 0;
+    *outside = special;
+    if (__builtin_expect(special != 0, 0)) {
+        float lanes[16], results[16];
+        _mm512_storeu_ps(lanes, x);
+        _mm512_storeu_ps(results, result);
+        for (; special; special &= special - 1) {
+            const int lane = __builtin_ctz(special);
+            results[lane] = expf(lanes[lane]);
+        }
+        result = _mm512_loadu_ps(results);
+    }
+    /* Opaque to the optimiser: glibc's result was a call's, so -ffast-math never fused its last
+     * multiply into the caller's 1 + exp (an FMA would round once where the call rounded twice). */
+    __asm__("" : "+v"(result));
+    return result;
+}
+
+/* 32 bfloat16 values as two float32 vectors: the even-indexed values and the odd-indexed ones, one
+ * instruction each (widening 16 in order takes two). Elementwise math does not mind the order, and
+ * store32_bf16 interleaves the results back. */
+static inline __attribute__((always_inline)) void load32_bf16(const uint16_t *p, __m512 *even, __m512 *odd) {
+    const __m512i pairs = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline __attribute__((always_inline)) void store32_bf16(uint16_t *p, __m512 even, __m512 odd) {
+    const __m512i low = _mm512_srli_epi32(bf16_round16(even), 16);
+    _mm512_storeu_si512(p, _mm512_mask_blend_epi16(0xAAAAAAAAu, low, bf16_round16(odd)));
+}
+
+/* silu(gate) * up for 16 lanes, before the store's rounding. gate / (1 + e) compiles
+ * (-ffast-math) to a reciprocal estimate and a Newton step, as the portable loop's vectorised
+ * division did: VRCP14PS in its 32-value main loop, and, in its 16-value epilogue
+ * (width % 32 >= 16), the 12-bit VRCPPS on two 8-lane halves, which `halves` reproduces. */
+static inline __attribute__((always_inline)) __m512 silu_mul16(
+    __m512 gate, __m512 up, int is_bf16, int halves, int check) {
+    __mmask16 outside;
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate), check, &outside);
+    /* silu_and_mul_one's cap at FLT_MAX (only these lanes can overflow). */
+    if (__builtin_expect(outside != 0, 0)) e = _mm512_min_ps(e, _mm512_set1_ps(FLT_MAX));
+    const __m512 y = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
+    const __m512 silu = !halves ? _mm512_div_ps(gate, y) : _mm512_insertf32x8(
+        _mm512_castps256_ps512(_mm256_div_ps(_mm512_castps512_ps256(gate), _mm512_castps512_ps256(y))),
+        _mm256_div_ps(_mm512_extractf32x8_ps(gate, 1), _mm512_extractf32x8_ps(y, 1)), 1);
+    return _mm512_mul_ps(round16_to(silu, is_bf16), up);
+}
+
+/* One row, 16 or 32 values a step (is_bf16 a constant here: each dtype gets its own loop). As the
+ * portable loop splits a row: 32 values at a time, one 16-value step, then the last width % 16
+ * values as scalar code (glibc's scalar expf, an exact division). */
+static inline __attribute__((always_inline)) void silu_and_mul_row16(
+    const void *gate_up, void *out, int64_t in, int64_t o, int64_t width, int is_bf16) {
+    const int64_t pairs = width - width % 32, vectors = width - width % 16;
+    for (int64_t i = 0; i < pairs; i += 32) {
+        if (is_bf16) {
+            const uint16_t *gate = (const uint16_t *)gate_up + in + i, *up = gate + width;
+            __m512 gate_even, gate_odd, up_even, up_odd;
+            load32_bf16(gate, &gate_even, &gate_odd);
+            load32_bf16(up, &up_even, &up_odd);
+            /* exp16's range test on the 32 bf16 values as they are (bits 0x42AE: 87.0), one
+             * compare for both halves. */
+            const __m512i magnitudes = _mm512_and_si512(_mm512_loadu_si512(gate), _mm512_set1_epi16(0x7FFF));
+            if (!_mm512_cmpgt_epu16_mask(magnitudes, _mm512_set1_epi16(EXP16_LIMIT >> 16)))
+                store32_bf16((uint16_t *)out + o + i, silu_mul16(gate_even, up_even, 1, 0, 0),
+                             silu_mul16(gate_odd, up_odd, 1, 0, 0));
+            else
+                store32_bf16((uint16_t *)out + o + i, silu_mul16(gate_even, up_even, 1, 0, 1),
+                             silu_mul16(gate_odd, up_odd, 1, 0, 1));
+        } else {
+            for (int64_t j = i; j < i + 32; j += 16) {
+                const __m512 gate = load16(gate_up, in + j, 0), up = load16(gate_up, in + width + j, 0);
+                store16(out, o + j, silu_mul16(gate, up, 0, 0, 1), 0);
+            }
+        }
+    }
+    if (vectors > pairs) {
+        const __m512 gate = load16(gate_up, in + pairs, is_bf16);
+        const __m512 up = load16(gate_up, in + width + pairs, is_bf16);
+        store16(out, o + pairs, silu_mul16(gate, up, is_bf16, 1, 1), is_bf16);
+    }
+    for (int64_t i = vectors; i < width; i++) {
+        __asm__ volatile("");  /* keeps gcc from vectorising these (with other expf and division) */
+        silu_and_mul_one(gate_up, out, in, o, width, i, is_bf16);
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void silu_and_mul_rows(
     const void *gate_up, void *out, int64_t rows, int64_t width, int is_bf16, int num_threads) {
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t in = r * 2 * width, o = r * width;
+#if KVSCALE_AVX512
+        if (is_bf16) silu_and_mul_row16(gate_up, out, in, o, width, 1);
+        else silu_and_mul_row16(gate_up, out, in, o, width, 0);
+#else
         #pragma omp simd
-        for (int64_t i = 0; i < width; i++) {
-            const float gate = get(gate_up, in + i, is_bf16);
-            const float up = get(gate_up, in + width + i, is_bf16);
-            /* torch rounds silu(gate) to the dtype before multiplying by up. */
-            put(out, o + i, round_to(gate / (1.0f + expf(-gate)), is_bf16) * up, is_bf16);
-        }
+        for (int64_t i = 0; i < width; i++) silu_and_mul_one(gate_up, out, in, o, width, i, is_bf16);
+#endif
     }
 }
 
@@ -59,9 +227,63 @@ void kvscale_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t 
     else silu_and_mul_rows(gate_up, out, rows, width, 0, num_threads);
 }
 
+/* out[base:] = weight * the row normalised, from the row's sum of squares. */
+static inline __attribute__((always_inline)) void normalize_row(
+    const void *source, const void *weight, void *out, int64_t base, int64_t width, float squares,
+    float eps, int is_bf16) {
+    const float inv = 1.0f / sqrtf(squares / (float)width + eps);
+    #pragma omp simd
+    for (int64_t i = 0; i < width; i++) {
+        const float normed = round_to(get(source, base + i, is_bf16) * inv, is_bf16);
+        put(out, base + i, get(weight, i, is_bf16) * normed, is_bf16);
+    }
+}
+
+#if KVSCALE_AVX512
+/* float32 with a residual. gcc leaves the portable loop's sum of squares scalar: one FMA chain per
+ * row in element order, latency-bound (4 cycles a value) and slower than the memory it reads. The
+ * same chains, for the same bits, run here up to 16 rows at a time, one row per vector lane, each
+ * step gathering one value from every row; the add before and the normalisation after are plain
+ * row loops. */
+static void add_rms_norm_f32_rows(const float *x, float *residual, const float *weight, float *out,
+                                  int64_t rows, int64_t width, float eps, int num_threads) {
+    /* 16 rows a block, fewer where that leaves a thread without one (small decode batches). */
+    int64_t block = (rows + num_threads - 1) / num_threads;
+    block = block > 16 ? 16 : block < 1 ? 1 : block;
+    const int64_t blocks = (rows + block - 1) / block;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t first = b * block, count = rows - first < block ? rows - first : block;
+        for (int64_t r = first; r < first + count; r++) {
+            #pragma omp simd
+            for (int64_t i = 0; i < width; i++) residual[r * width + i] += x[r * width + i];
+        }
+        const __mmask16 lanes = (__mmask16)((1u << count) - 1u);
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i starts = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)width));  /* row offsets */
+        const float *column = residual + first * width;
+        __m512 squares = _mm512_setzero_ps();
+        for (int64_t i = 0; i < width; i++) {
+            const __m512 value = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, starts, column + i, 4);
+            squares = _mm512_fmadd_ps(value, value, squares);
+        }
+        float sums[16];
+        _mm512_storeu_ps(sums, squares);
+        for (int64_t r = 0; r < count; r++)
+            normalize_row(residual, weight, out, (first + r) * width, width, sums[r], eps, 0);
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void add_rms_norm_rows(
     const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t width,
     float eps, int is_bf16, int num_threads) {
+#if KVSCALE_AVX512
+    if (!is_bf16 && residual != NULL) {
+        add_rms_norm_f32_rows(x, residual, weight, out, rows, width, eps, num_threads);
+        return;
+    }
+#endif
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t base = r * width;
@@ -81,13 +303,7 @@ static inline __attribute__((always_inline)) void add_rms_norm_rows(
                 squares += value * value;
             }
         }
-        const void *source = residual != NULL ? residual : x;
-        const float inv = 1.0f / sqrtf(squares / (float)width + eps);
-        #pragma omp simd
-        for (int64_t i = 0; i < width; i++) {
-            const float normed = round_to(get(source, base + i, is_bf16) * inv, is_bf16);
-            put(out, base + i, get(weight, i, is_bf16) * normed, is_bf16);
-        }
+        normalize_row(residual != NULL ? residual : x, weight, out, base, width, squares, eps, is_bf16);
     }
 }
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import shutil
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -203,10 +206,10 @@ LAYER_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows", [1, 7, 300])
-def test_silu_and_mul_matches_torch(rows: int, dtype: torch.dtype) -> None:
-    gate_up = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)).mul(4).to(dtype)
-    gate, up = gate_up.split(1536, dim=-1)
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (7, 1536), (300, 1536), (7, 1551), (3, 47), (5, 15)])
+def test_silu_and_mul_matches_torch(rows: int, width: int, dtype: torch.dtype) -> None:
+    gate_up = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(rows)).mul(4).to(dtype)
+    gate, up = gate_up.split(width, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
     out = cpu_native.silu_and_mul(gate_up)
     assert out is not None and out.dtype == dtype and out.shape == expected.shape
@@ -216,12 +219,26 @@ def test_silu_and_mul_matches_torch(rows: int, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_silu_and_mul_below_the_exp_overflow_is_tiny_not_nan(dtype: torch.dtype) -> None:
+    """exp(-gate) overflows below gate = -88.7; the vectorised division (reciprocal estimate and
+    Newton step) once turned gate / inf into NaN there, which the rest of the layer spreads."""
+    width = 1551  # 32-value steps, a 16-value step and a scalar tail
+    gate = torch.linspace(-400.0, -80.0, width).to(dtype)
+    gate_up = torch.cat((gate, torch.full((width,), 3.0))).to(dtype).repeat(3, 1)
+    out = cpu_native.silu_and_mul(gate_up)
+    assert out is not None and not out.isnan().any()
+    expected = torch.nn.functional.silu(gate) * 3  # -0 past the overflow, ~1e-36 before it
+    assert float((out[0].float() - expected.float()).abs().max()) <= 1e-34
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_add_rms_norm_matches_torch(with_residual: bool, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("rows", "width"), [(33, 576), (1, 576), (19, 577), (3, 13)])
+def test_add_rms_norm_matches_torch(rows: int, width: int, with_residual: bool, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(int(with_residual))
-    x = torch.randn(33, 576, generator=gen).to(dtype)
-    residual = torch.randn(33, 576, generator=gen).to(dtype)
-    weight = torch.rand(576, generator=gen).add(0.5).to(dtype)
+    x = torch.randn(rows, width, generator=gen).to(dtype)
+    residual = torch.randn(rows, width, generator=gen).to(dtype)
+    weight = torch.rand(width, generator=gen).add(0.5).to(dtype)
     summed = residual + x
     expected = _torch_rms_norm(summed if with_residual else x, weight, 1e-5)
     stream = residual.clone()
@@ -231,6 +248,83 @@ def test_add_rms_norm_matches_torch(with_residual: bool, dtype: torch.dtype) -> 
     assert float(error.max()) <= LAYER_TOLERANCE[dtype]
     # The residual stream is updated in place with the sum (and left alone without one).
     assert torch.equal(stream, summed if with_residual else residual)
+
+
+@pytest.fixture(scope="module")
+def portable_layer_ops(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """cpu_layer_ops.c built again with -DKVSCALE_PORTABLE: only the plain C loops, as the compiler
+    vectorises them (what the engine ran before the explicit AVX-512 loops, and still runs on CPUs
+    without AVX-512)."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    assert compiler is not None
+    directory = tmp_path_factory.mktemp("portable")
+    source = directory / "cpu_layer_ops.c"
+    source.write_bytes(resources.files("kvscale.kernels").joinpath("cpu_layer_ops.c").read_bytes())
+    built = directory / "layer_ops.so"
+    cpu_native._run_compiler([compiler, *cpu_native.CFLAGS, "-DKVSCALE_PORTABLE", "-c", "-o",
+                              str(directory / "layer_ops.o"), str(source)])
+    cpu_native._run_compiler([compiler, *cpu_native.LDFLAGS, "-o", str(built), str(directory / "layer_ops.o"),
+                              *cpu_native.LDLIBS])
+    lib = ctypes.CDLL(str(built))
+    for name in ("kvscale_silu_and_mul", "kvscale_add_rms_norm"):
+        restype, argtypes = cpu_native._C_PROTOTYPES[name]
+        getattr(lib, name).restype = restype
+        getattr(lib, name).argtypes = argtypes
+    return lib
+
+
+def _activations(shape: tuple[int, int], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Ordinary values with some that take the kernels' rare paths: large (exp over- or
+    underflows), tiny (subnormal in float32) and huge ones."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=gen) * 4
+    pick = torch.rand(shape, generator=gen)
+    values = torch.where(pick < 0.03, torch.randn(shape, generator=gen) * 60, values)
+    values = torch.where(pick > 0.99, torch.randn(shape, generator=gen) * 1e-39, values)
+    values = torch.where((pick > 0.98) & (pick <= 0.99), torch.randn(shape, generator=gen) * 1e30, values)
+    return values.to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+# Every split of a row: 32-value steps, a 16-value step (width % 32 >= 16), a scalar tail.
+ODD_WIDTHS = [1, 15, 16, 17, 31, 32, 33, 47, 63, 575, 576, 1536, 1551]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layer_ops_give_the_portable_loops_bits(
+    dtype: torch.dtype, threads: int, portable_layer_ops: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The explicit AVX-512 loops (on CPUs with them) change speed, not numerics: every output
+    and the updated residual are bit-identical to the portable C loops' (NaN where they give NaN)."""
+    native = cpu_native._library()
+    assert native is not None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for width in ODD_WIDTHS:
+            for rows in (1, 5, 37):
+                seed = width * 100 + rows
+                gate_up = _activations((rows, 2 * width), dtype, seed)
+                x, residual = _activations((rows, width), dtype, seed + 1), _activations((rows, width), dtype, seed + 2)
+                weight = (torch.rand(width, generator=torch.Generator().manual_seed(seed)) + 0.5).to(dtype)
+                results = []
+                for lib in (native, portable_layer_ops):
+                    with monkeypatch.context() as patch:
+                        patch.setattr(cpu_native, "_library", lambda lib=lib: lib)
+                        stream = residual.clone()
+                        results.append([cpu_native.silu_and_mul(gate_up), cpu_native.add_rms_norm(x, None, weight, 1e-5),
+                                        cpu_native.add_rms_norm(x, stream, weight, 1e-5), stream])
+                for name, got, want in zip(("silu_and_mul", "rms_norm", "add + rms_norm", "residual"), *results,
+                                           strict=True):
+                    nan = torch.isnan(want)
+                    assert torch.equal(torch.isnan(got), nan), (name, width, rows)
+                    assert torch.equal(_bits(got)[~nan], _bits(want)[~nan]), (name, width, rows)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_layer_ops_leave_what_they_do_not_take_to_torch() -> None:
