@@ -35,6 +35,12 @@ static inline float bf16_to_float(uint16_t bits) {
     return value.f;
 }
 
+/* Round to nearest even, as torch's cast does (outputs here are finite). */
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } value = { .f = f };
+    return (uint16_t)((value.u + 0x7FFFu + ((value.u >> 16) & 1u)) >> 16);
+}
+
 /* Rows of head_dim = 16 * chunks floats in vector registers (chunks <= 8). Tokens go in tiles
  * so one tile's K/V rows (of this KV head) stay in L1 while each query row of the GQA group runs
  * over them, with that row's query (or output accumulator) held in registers throughout. */
@@ -297,11 +303,15 @@ static inline __attribute__((always_inline)) void attend_rows(
  * would crash the process instead of raising); KVSCALE_NO_MEMORY if a score buffer failed. */
 enum { KVSCALE_OK = 0, KVSCALE_NO_MEMORY = 1, KVSCALE_BAD_TABLE = 2 };
 
+/* With io_bf16, `query` and `out` are bfloat16 arrays (the model's own q and attention output,
+ * each task's rows widened and rounded back here instead of by two tensor casts per layer);
+ * otherwise float32. query_is_bf16 says the query's values are bfloat16 ones (always so with
+ * io_bf16). */
 int kvscale_paged_decode_attention(
-    const float *query, const void *k_cache, const void *v_cache, int cache_is_bf16, int query_is_bf16,
+    const void *query, const void *k_cache, const void *v_cache, int cache_is_bf16, int query_is_bf16,
     int64_t num_blocks, const int32_t *block_tables, int64_t table_stride,
     const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-    int block_size, float scale, float *out, int num_threads) {
+    int block_size, float scale, void *out, int io_bf16, int num_threads) {
     const int group = num_heads / num_kv_heads;
 #if defined(KVSCALE_BF16_DOTS)
     /* bf16 dot products (scores and weighted values) only when the query is bfloat16 itself
@@ -334,17 +344,26 @@ int kvscale_paged_decode_attention(
         const size_t rows = (size_t)heads_per_task * (size_t)group;
         float *scores = malloc(sizeof(float) * rows * (size_t)(max_len > 0 ? max_len : 1));
         float *widened = malloc(sizeof(float) * TILE * (size_t)heads_per_task * (size_t)head_dim);
-        if (scores == NULL || widened == NULL) failed = KVSCALE_NO_MEMORY;
+        float *rows_io = io_bf16 ? malloc(sizeof(float) * 2 * rows * (size_t)head_dim) : NULL;
+        if (scores == NULL || widened == NULL || (io_bf16 && rows_io == NULL)) failed = KVSCALE_NO_MEMORY;
 
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < (int64_t)num_seqs * tasks_per_seq; task++) {
-            if (scores == NULL || widened == NULL) continue;
+            if (failed != KVSCALE_OK) continue;
             const int s = (int)(task / tasks_per_seq);
             const int h0 = (int)(task % tasks_per_seq) * heads_per_task;
             const int64_t first_row = (int64_t)s * num_heads + (int64_t)h0 * group;
-            const float *q = query + first_row * head_dim;
+            const size_t task_elems = rows * (size_t)head_dim;
+            const float *q = (const float *)query + first_row * head_dim;
+            float *o = (float *)out + first_row * head_dim;
+            if (io_bf16) {
+                const uint16_t *src = (const uint16_t *)query + first_row * head_dim;
+                float *widened_q = rows_io;
+                for (size_t i = 0; i < task_elems; i++) widened_q[i] = bf16_to_float(src[i]);
+                q = widened_q;
+                o = rows_io + task_elems;
+            }
             const int32_t *table = block_tables + (int64_t)s * table_stride;
-            float *o = out + first_row * head_dim;
             const int n = context_lens[s];
             const int h1 = h0 + heads_per_task;
             /* Constant chunk counts for the common head sizes let the compiler unroll fully. */
@@ -369,9 +388,14 @@ int kvscale_paged_decode_attention(
             else
                 attend_rows(q, k_cache, v_cache, cache_is_bf16, bf16_dots, table, n, num_kv_heads,
                             group, head_dim / 16, block_size, scale, h0, h1, scores, widened, o);
+            if (io_bf16) {
+                uint16_t *dst = (uint16_t *)out + first_row * head_dim;
+                for (size_t i = 0; i < task_elems; i++) dst[i] = float_to_bf16(o[i]);
+            }
         }
         free(scores);
         free(widened);
+        free(rows_io);
     }
     return failed;
 }

@@ -68,7 +68,7 @@ _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
         _PTR, _PTR, _PTR, _I32, _I32,  # query, k_cache, v_cache, cache_is_bf16, query_is_bf16
         _I64, _PTR, _I64, _PTR,  # num_blocks, block_tables, table_stride, context_lens
         _I32, _I32, _I32, _I32, _I32,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
-        _F32, _PTR, _I32,  # scale, out, num_threads
+        _F32, _PTR, _I32, _I32,  # scale, out, io_bf16, num_threads
     ]),
     "kvscale_paged_prefill_attention": (ctypes.c_int, [
         _PTR, _I64, _PTR, _PTR, _I64,  # query, query_stride, k_cache, v_cache, num_blocks
@@ -354,15 +354,18 @@ def paged_decode_attention(
             f"block_tables must be [{num_seqs}, max_blocks] and context_lens [{num_seqs}], got "
             f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}"
         )
-    q = query.to(torch.float32).contiguous()
+    # A bfloat16 query and output stay bfloat16 (the kernel widens and rounds each task's rows);
+    # anything else goes through float32.
+    io_bf16 = query.dtype == torch.bfloat16
+    q = query.contiguous() if io_bf16 else query.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
-    out = torch.empty(q.shape, dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=q.dtype)
     status = lib.kvscale_paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
         int(query.dtype == torch.bfloat16),
         num_blocks, tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), int(io_bf16),
         torch.get_num_threads(),
     )
     if status == _BAD_TABLE:
