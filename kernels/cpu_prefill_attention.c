@@ -159,7 +159,7 @@ static inline __m512i interleave_bf16(__m512 a, __m512 b) {
 static uint16_t *packed_scratch(size_t elements) {
     static __thread uint16_t *buffer;
     static __thread size_t capacity;
-    if (elements > capacity) {
+    if (elements > capacity || buffer == NULL) {
         free(buffer);
         capacity = elements + elements / 4 + 4096;
         buffer = aligned_alloc(64, (sizeof(uint16_t) * capacity + 63) / 64 * 64);

@@ -135,3 +135,9 @@ def test_sequences_sharing_prefix_blocks_match_the_reference() -> None:
     out = cpu_native.paged_prefill_attention(*args)
     expected = reference.paged_prefill_attention(query.float(), k_cache.float(), v_cache.float(), *args[3:])
     assert max_error(out, expected) <= TOLERANCE[torch.bfloat16]
+
+
+def test_a_batch_of_single_tokens_only_goes_to_the_decode_kernel() -> None:
+    case = make_case(torch.Generator().manual_seed(10), context_lens=[5, 40, 17], q_lens=[1, 1, 1],
+                     num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    assert max_error(_attend(case), dense_attention(case)) <= TOLERANCE[torch.bfloat16]
