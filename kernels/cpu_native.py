@@ -326,6 +326,16 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
     return out
 
 
+def _check_paged(query: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """What the C attention kernels assume of a query and the paged caches they read in place."""
+    reference.check_cache(k_cache, v_cache)
+    reference.check_heads(query.shape[1], k_cache.shape[2])
+    if k_cache.shape[3] != query.shape[2]:
+        raise ValueError(f"query head_dim {query.shape[2]} does not match the cache's {k_cache.shape[3]}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+
+
 def paged_decode_attention(
     query: Tensor,
     k_cache: Tensor,
@@ -341,14 +351,9 @@ def paged_decode_attention(
     if (lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or query.is_cuda
             or head_dim % 16 or head_dim > 128):
         return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
-    reference.check_cache(k_cache, v_cache)
+    _check_paged(query, k_cache, v_cache)
     num_seqs, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    reference.check_heads(num_heads, num_kv_heads)
-    if cache_head_dim != head_dim:
-        raise ValueError(f"query head_dim {head_dim} does not match the cache's {cache_head_dim}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
         raise ValueError(
             f"block_tables must be [{num_seqs}, max_blocks] and context_lens [{num_seqs}], got "
@@ -407,13 +412,8 @@ def paged_prefill_attention(
         return reference.paged_prefill_attention(
             query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, decode=paged_decode_attention
         )
-    reference.check_cache(k_cache, v_cache)
-    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    reference.check_heads(num_heads, num_kv_heads)
-    if cache_head_dim != head_dim:
-        raise ValueError(f"query head_dim {head_dim} does not match the cache's {cache_head_dim}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    _check_paged(query, k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
     starts = query_start_loc.to(torch.int32).contiguous()
     if starts.shape != (num_seqs + 1,) or int(starts[0]) != 0 or int(starts[-1]) != num_tokens:
