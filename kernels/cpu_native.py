@@ -5,9 +5,9 @@ PyTorch references for the rest).
 ``cpu_decode_attention.c``: decode attention reading the paged cache in place for every sequence
 of a layer in one call (the PyTorch reference's per-sequence ops were most of a decode step's
 non-GEMM time). ``cpu_write_kv.c``: the new tokens' K/V rows into their cache slots.
-``cpu_prefill_attention.c``: bfloat16 prefill attention on AMX tiles over the
-paged cache, every sequence of a layer in one call. ``cpu_layer_ops.c``: the decoder layer's elementwise steps (SiLU-and-multiply,
-residual add + RMSNorm, RoPE) fused into one pass each. ``cpu_threads.c``: pins the OpenMP
+``cpu_prefill_attention.c``: bfloat16 prefill attention on AMX tiles over the paged cache, every
+sequence of a layer in one call. ``cpu_layer_ops.c``: the decoder layer's elementwise steps
+(SiLU-and-multiply, residual add + RMSNorm, RoPE) fused into one pass each. ``cpu_threads.c``: pins the OpenMP
 pool torch and these kernels share, one thread per CPU (``bind_threads``).
 
 Both are compiled into one library by the machine's C compiler for the machine it runs on
@@ -58,7 +58,6 @@ LDFLAGS = ("-shared", "-fopenmp")
 LDLIBS = ("-lmvec", "-lm")
 MODES = ("auto", "native", "reference")
 _BAD_TABLE = 2  # KVSCALE_BAD_TABLE in cpu_decode_attention.c, KVSCALE_PREFILL_BAD_TABLE in cpu_prefill_attention.c
-_PREFILL_UNSUPPORTED = 1  # KVSCALE_PREFILL_UNSUPPORTED
 
 _PTR, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # The C prototypes as ctypes sees them, (result, arguments): the one place the Python side
@@ -450,6 +449,7 @@ def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
     """:class:`kvscale.kernels.ops.WriteKV` in C (two row copies per token); the reference where
     the C kernels do not run or the rows need a cast or are not contiguous per token."""
     lib = _library()
+    # First, so that a malformed key gets its ValueError before any stride is read below.
     reference.check_write_kv(key, value, k_cache, v_cache, slot_mapping)
     if (lib is None or key.dtype != k_cache.dtype or value.dtype != v_cache.dtype or k_cache.dtype != v_cache.dtype
             or key.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous())

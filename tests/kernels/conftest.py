@@ -8,9 +8,25 @@ The CPU run covers the same comparisons through Triton's interpreter.
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 # kernel_checks.py (the comparisons, shared with bench/gpu_kernels.py) is imported by module name.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 collect_ignore = [] if torch.cuda.is_available() else ["test_kernels_gpu.py"]
+
+
+@pytest.fixture
+def fresh_cpu_library(monkeypatch: pytest.MonkeyPatch):
+    """Each test picks the C kernels up again from its own environment."""
+    from kvscale.kernels import cpu_native
+
+    def clear() -> None:
+        cpu_native._library.cache_clear()
+        cpu_native.amx_prefill_available.cache_clear()
+
+    monkeypatch.delenv("KVSCALE_CPU_KERNELS", raising=False)
+    clear()
+    yield
+    clear()

@@ -16,14 +16,7 @@ from kernel_checks import TOLERANCE, dense_attention, make_case, max_error, rand
 import kvscale.kernels as kernels
 from kvscale.kernels import cpu_native, reference
 
-
-@pytest.fixture(autouse=True)
-def _fresh_library(monkeypatch: pytest.MonkeyPatch):
-    """Each test picks the kernel up again from its own environment."""
-    monkeypatch.delenv("KVSCALE_CPU_KERNELS", raising=False)
-    cpu_native._library.cache_clear()
-    yield
-    cpu_native._library.cache_clear()
+pytestmark = pytest.mark.usefixtures("fresh_cpu_library")
 
 
 def _run(case, impl=cpu_native.paged_decode_attention) -> torch.Tensor:

@@ -11,15 +11,7 @@ from kernel_checks import TOLERANCE, dense_attention, make_case, max_error
 import kvscale.kernels as kernels
 from kvscale.kernels import cpu_native, reference
 
-
-@pytest.fixture(autouse=True)
-def _fresh_library(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("KVSCALE_CPU_KERNELS", raising=False)
-    cpu_native._library.cache_clear()
-    cpu_native.amx_prefill_available.cache_clear()
-    yield
-    cpu_native._library.cache_clear()
-    cpu_native.amx_prefill_available.cache_clear()
+pytestmark = pytest.mark.usefixtures("fresh_cpu_library")
 
 
 def _cpu_has_amx_bf16() -> bool:

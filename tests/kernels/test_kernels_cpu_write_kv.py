@@ -8,13 +8,7 @@ from kernel_checks import check_write_kv
 
 from kvscale.kernels import cpu_native, reference
 
-
-@pytest.fixture(autouse=True)
-def _fresh_library(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.delenv("KVSCALE_CPU_KERNELS", raising=False)
-    cpu_native._library.cache_clear()
-    yield
-    cpu_native._library.cache_clear()
+pytestmark = pytest.mark.usefixtures("fresh_cpu_library")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
