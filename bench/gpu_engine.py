@@ -1,0 +1,301 @@
+"""The whole engine on a GPU, JSON out: greedy equality with transformers, W1 throughput against
+transformers, the decode step against its bandwidth roofline, and the host KV tier's restore copies.
+
+    python -m bench.gpu_engine                 # needs CUDA; writes bench/results/gpu_engine.json
+    python -m bench.gpu_engine --device cpu --quick   # the same code paths on CPU, small
+
+Every part has its baseline in the same run, on the same device:
+
+1. Greedy equality: the bundled model (float32 and bfloat16), five prompts through ``LLM``
+   (one batch, then a second call whose prompt repeats a first prompt: a prefix-cache hit),
+   against transformers' ``generate`` one prompt at a time; tokens equal, or where the first
+   difference is.
+2. W1 (bench/w1_throughput.py's workload: 64 requests, prompts 32-512, outputs 16-256,
+   ignore_eos) in bfloat16: kvscale all at once against transformers in static batches of 16;
+   and a wider W1 (256 requests, kvscale ``max_num_seqs`` 256, transformers batches of 64).
+3. Decode step: N sequences of a given context decoding together; wall time per step against
+   the roofline (weights + KV bytes read + logits) at the card's datasheet bandwidth.
+4. Host KV tier: promoting blocks host -> device through ``HostKVCache`` (the engine's code
+   path) against one contiguous pinned host -> device copy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from bench.common import machine, write_result
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "woodcutter and his three daughters. Every morning the youngest",
+    "Q: What is 12 times 7?\nA:",
+    "List three colours of the rainbow:",
+]
+
+
+def sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def greedy_equality(path: Path, dtype: str, device: Any, new_tokens: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvscale.server.llm import LLM
+    from kvscale.server.sampling_params import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    # The repeat shares the third prompt's first two blocks (32 tokens): a prefix-cache hit.
+    repeat = prompts[2][:32] + prompts[0]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm = LLM(model=str(path), dtype=dtype, device=str(device), max_num_seqs=8,
+              max_num_batched_tokens=64, num_gpu_blocks_override=256)
+    ours = [list(r.outputs[0].token_ids) for r in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    hits_before = llm.llm_engine.get_stats().prefix_cache_hits
+    ours.append(list(llm.generate([{"prompt_token_ids": repeat}], params)[0].outputs[0].token_ids))
+    hits = llm.llm_engine.get_stats().prefix_cache_hits - hits_before
+    del llm
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device).eval()
+    rows = []
+    with torch.inference_mode():
+        for i, prompt in enumerate([*prompts, repeat]):
+            ids = torch.tensor([prompt], device=device)
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+            first_difference = next((j for j, (a, b) in enumerate(zip(ours[i], ref, strict=True)) if a != b), None)
+            rows.append({"prompt": i, "equal": ours[i] == ref, "first_difference": first_difference})
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"dtype": dtype, "new_tokens": new_tokens, "prefix_cache_hits_on_repeat": hits,
+            "equal": sum(r["equal"] for r in rows), "prompts": len(rows), "rows": rows}
+
+
+def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_batch: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.w1_throughput import workload
+    from kvscale.server.llm import LLM
+    from kvscale.server.sampling_params import SamplingParams
+
+    spec = SimpleNamespace(seed=0, num_requests=num_requests, min_prompt=32, max_prompt=512,
+                           min_output=16, max_output=256)
+    prompts, outputs = workload(spec)
+    llm = LLM(model=str(path), dtype="bfloat16", device=str(device), max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=2048, kv_cache_memory_bytes=4 * 1024**3)
+    llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4, ignore_eos=True))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
+    sync(device)
+    started = time.perf_counter()
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    sync(device)
+    ours_s = time.perf_counter() - started
+    assert sum(len(r.outputs[0].token_ids) for r in results) == sum(outputs)
+    ttfts = [r.metrics.first_token_time - r.metrics.arrival_time for r in results]
+    del llm, results
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).to(device).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    def run_batch(batch: list[list[int]], max_new: int) -> None:
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(batch):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
+                       min_new_tokens=max_new, do_sample=False, pad_token_id=pad)
+
+    with torch.inference_mode():
+        run_batch([prompts[0][:32]], 4)
+        sync(device)
+        started = time.perf_counter()
+        for i in range(0, len(prompts), baseline_batch):
+            run_batch(prompts[i : i + baseline_batch], max(outputs[i : i + baseline_batch]))
+        sync(device)
+        baseline_s = time.perf_counter() - started
+    useful = sum(outputs)
+    return {
+        "num_requests": num_requests, "max_num_seqs": max_num_seqs, "output_tokens": useful,
+        "kvscale_output_tokens_per_s": useful / ours_s, "kvscale_mean_ttft_s": statistics.mean(ttfts),
+        "transformers_batch": baseline_batch, "transformers_output_tokens_per_s": useful / baseline_s,
+        "ratio": baseline_s / ours_s,
+    }
+
+
+def decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int, peak_gbps: float | None) -> dict:
+    import torch
+
+    from bench.gpu_kernels import ModelShape
+    from kvscale.server.llm import LLM
+    from kvscale.server.sampling_params import SamplingParams
+
+    llm = LLM(model=str(path), dtype="bfloat16", device=str(device), max_num_seqs=num_seqs,
+              max_num_batched_tokens=max(2048, context), max_model_len=context + steps + 8,
+              num_gpu_blocks_override=num_seqs * ((context + steps) // 16 + 2) + 64)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for i in range(num_seqs):
+        # Distinct prompts: no sequence shares a block with another, as in a decode-heavy fleet.
+        engine.add_request(str(i), [3 + (i * 7919 + j * 104729) % 40000 for j in range(context)], params)
+    step_times = []
+    while engine.has_unfinished_requests():
+        sync(device)
+        started = time.perf_counter()
+        engine.step()
+        sync(device)
+        step_times.append(time.perf_counter() - started)
+    # The last ``steps`` steps are pure decode (every prompt was prefilled before its first token).
+    decode_times = step_times[-steps:]
+    step_s = statistics.median(decode_times)
+    spec = engine.runner.model.spec
+    shape = ModelShape(num_layers=spec.num_layers, hidden=spec.hidden_size, num_heads=spec.num_heads,
+                       num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                       intermediate=spec.intermediate_size, vocab=spec.vocab_size)
+    weight_bytes = shape.weight_params() * 2  # bfloat16; counted from the shapes, as the CPU path packs its weights
+    cache_bytes = engine.runner.kv_cache.element_size()
+    kv_bytes = num_seqs * (context + steps // 2) * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * cache_bytes
+    logits_bytes = num_seqs * spec.vocab_size * 4
+    roofline_s = (weight_bytes + kv_bytes + logits_bytes) / (peak_gbps * 1e9) if peak_gbps else None
+    del llm, engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "num_seqs": num_seqs, "context": context, "decode_steps": len(decode_times),
+        "step_ms_median": step_s * 1000, "weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes,
+        "roofline_ms": roofline_s * 1000 if roofline_s else None,
+        "fraction_of_roofline": roofline_s / step_s if roofline_s else None,
+        "output_tokens_per_s": num_seqs / step_s,
+    }
+
+
+def host_tier(device: Any, num_blocks: int, repeats: int) -> dict:
+    import torch
+
+    from kvscale.server.block_pool import TierCopies
+    from kvscale.server.kv_offload import HostKVCache
+
+    # The bundled model's cache: [layer, k|v, block, offset, kv_head, head_dim], bfloat16.
+    cache = torch.zeros((30, 2, num_blocks + 8, 16, 3, 64), dtype=torch.bfloat16, device=device)
+    tier = HostKVCache(num_blocks, cache)
+    tier.host.normal_()
+    order = torch.randperm(num_blocks).tolist()
+    copies = TierCopies(promote=[(slot, block) for block, slot in enumerate(order)])
+    wall, device_s = [], []
+    for _ in range(repeats + 1):
+        sync(device)
+        before = tier.counters.restore_sum
+        started = time.perf_counter()
+        tier.run(cache, copies)
+        sync(device)
+        wall.append(time.perf_counter() - started)
+        tier.run(cache, TierCopies())  # collects the last promotion's event timing
+        device_s.append(tier.counters.restore_sum - before)
+    assert torch.equal(cache[:, :, 0].cpu(), tier.host[:, :, order[0]]), "promoted block differs"
+    nbytes = num_blocks * tier.block_bytes
+    result: dict[str, Any] = {"blocks": num_blocks, "bytes": nbytes, "block_bytes": tier.block_bytes,
+                              "promote_wall_ms_median": statistics.median(wall[1:]) * 1000}
+    if device.type == "cuda":
+        source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        times = []
+        for _ in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            target.copy_(source, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        link_s = statistics.median(times[1:])
+        copy_s = statistics.median(device_s[1:])
+        result |= {
+            "link_copy_gbps": nbytes / link_s / 1e9,
+            "promote_device_gbps": nbytes / copy_s / 1e9,  # H2D + scatter on the copy stream
+            "promote_wall_gbps": nbytes / statistics.median(wall[1:]) / 1e9,  # with the host-side gather
+            "device_ratio_to_link": link_s / copy_s,
+            "wall_ratio_to_link": link_s / statistics.median(wall[1:]),
+        }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default=None, help="default: the bundled model")
+    parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke run)")
+    parser.add_argument("--parts", default="equality,w1,decode,tier")
+    parser.add_argument("--peak-gbps", type=float, default=None, help="default: the card's datasheet figure")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    from bench.gpu_kernels import peak_bandwidth_gbps
+    from kvscale.model_files import resolve_model_path
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench.gpu_engine: CUDA is not available here (use --device cpu for a smoke run)")
+        return 2
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = args.peak_gbps or (peak_bandwidth_gbps(name) if device.type == "cuda" else None)
+    path = resolve_model_path(args.model)
+    parts = set(args.parts.split(","))
+    report: dict[str, Any] = {"machine": machine(), "device": name, "peak_gbps": peak,
+                              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    quick = args.quick
+
+    failures: list[str] = []
+
+    def emit(key: str, part: Callable[[], dict]) -> None:
+        # One part failing (a first run on a new card) must not cost the others' figures.
+        try:
+            value = part()
+        except Exception:
+            value = {"error": traceback.format_exc()}
+            failures.append(key)
+        report.setdefault(key, []).append(value)
+        print(key, json.dumps(value), flush=True)
+        write_result("gpu_engine", report, args.out)  # partial results survive a timeout
+
+    if "equality" in parts:
+        for dtype in ("float32", "bfloat16"):
+            emit("greedy_equality", lambda dtype=dtype: greedy_equality(path, dtype, device, 8 if quick else 32))
+    if "w1" in parts:
+        emit("w1", lambda: w1(path, device, 8 if quick else 64, 64, 16))
+        if not quick:
+            emit("w1", lambda: w1(path, device, 256, 256, 64))
+    if "decode" in parts:
+        for num_seqs, context in ([(4, 64)] if quick else [(1, 512), (64, 1024), (256, 1024), (64, 4096)]):
+            emit("decode_step", lambda n=num_seqs, c=context: decode_step(path, device, n, c, 8 if quick else 32, peak))
+    if "tier" in parts:
+        emit("host_tier", lambda: host_tier(device, 32 if quick else 1024, 3 if quick else 10))
+    print("wrote", write_result("gpu_engine", report, args.out))
+    if failures:
+        print("failed parts:", ", ".join(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
