@@ -15,8 +15,10 @@ Every part has its baseline in the same run, on the same device:
    and a wider W1 (256 requests, kvscale ``max_num_seqs`` 256, transformers batches of 64).
 3. Decode step: N sequences of a given context decoding together; wall time per step against
    the roofline (weights + KV bytes read + logits) at the card's datasheet bandwidth.
-4. Host KV tier: promoting blocks host -> device through ``HostKVCache`` (the engine's code
-   path) against one contiguous pinned host -> device copy of the same bytes.
+4. Host KV tier: promoting and demoting blocks through ``HostKVCache`` (the engine's code path),
+   with the tier's slots in order and shuffled, every byte checked, against one contiguous
+   pinned copy of the same bytes each way; and inside the engine, a step that promotes, demotes
+   and writes into just-demoted blocks at once, every block's bytes checked.
 """
 
 from __future__ import annotations
@@ -199,43 +201,123 @@ def host_tier(device: Any, num_blocks: int, repeats: int) -> dict:
     cache = torch.zeros((30, 2, num_blocks + 8, 16, 3, 64), dtype=torch.bfloat16, device=device)
     tier = HostKVCache(num_blocks, cache)
     tier.host.normal_()
-    order = torch.randperm(num_blocks).tolist()
-    copies = TierCopies(promote=[(slot, block) for block, slot in enumerate(order)])
-    wall, device_s = [], []
-    for _ in range(repeats + 1):
+    nbytes = num_blocks * tier.block_bytes
+    result: dict[str, Any] = {"blocks": num_blocks, "bytes": nbytes, "block_bytes": tier.block_bytes}
+
+    def timed(copies: TierCopies) -> tuple[float, float]:
+        """Wall time of one ``run`` until its copies landed, and the promotion's event time."""
         sync(device)
         before = tier.counters.restore_sum
         started = time.perf_counter()
         tier.run(cache, copies)
         sync(device)
-        wall.append(time.perf_counter() - started)
+        wall = time.perf_counter() - started
         tier.run(cache, TierCopies())  # collects the last promotion's event timing
-        device_s.append(tier.counters.restore_sum - before)
-    assert torch.equal(cache[:, :, 0].cpu(), tier.host[:, :, order[0]]), "promoted block differs"
-    nbytes = num_blocks * tier.block_bytes
-    result: dict[str, Any] = {"blocks": num_blocks, "bytes": nbytes, "block_bytes": tier.block_bytes,
-                              "promote_wall_ms_median": statistics.median(wall[1:]) * 1000}
+        return wall, tier.counters.restore_sum - before
+
+    # Slots in order (a prefix demoted together) and shuffled (a tier after long churn).
+    for name, order in (("sequential", list(range(num_blocks))), ("shuffled", torch.randperm(num_blocks).tolist())):
+        promote = TierCopies(promote=[(slot, block) for block, slot in enumerate(order)])
+        samples = [timed(promote) for _ in range(repeats + 1)][1:]
+        assert torch.equal(cache[:, :, :num_blocks].cpu(), tier.host[order].movedim(0, 2)), f"{name}: promoted bytes differ"
+        result[f"promote_{name}_wall_ms"] = statistics.median(w for w, _ in samples) * 1000
+        result[f"promote_{name}_event_ms"] = statistics.median(e for _, e in samples) * 1000
+        demote = TierCopies(demote=[(block, slot) for block, slot in enumerate(order)])
+        cache[:, :, :num_blocks].normal_()
+        walls = [timed(demote)[0] for _ in range(repeats + 1)][1:]
+        assert torch.equal(tier.host[order].movedim(0, 2), cache[:, :, :num_blocks].cpu()), f"{name}: demoted bytes differ"
+        result[f"demote_{name}_wall_ms"] = statistics.median(walls) * 1000
     if device.type == "cuda":
         source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        times = []
+        up, down = [], []
         for _ in range(repeats + 1):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            target.copy_(source, non_blocking=True)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        link_s = statistics.median(times[1:])
-        copy_s = statistics.median(device_s[1:])
-        result |= {
-            "link_copy_gbps": nbytes / link_s / 1e9,
-            "promote_device_gbps": nbytes / copy_s / 1e9,  # H2D + scatter on the copy stream
-            "promote_wall_gbps": nbytes / statistics.median(wall[1:]) / 1e9,  # with the host-side gather
-            "device_ratio_to_link": link_s / copy_s,
-            "wall_ratio_to_link": link_s / statistics.median(wall[1:]),
-        }
+            for samples, copy in ((up, lambda: target.copy_(source, non_blocking=True)),
+                                  (down, lambda: source.copy_(target, non_blocking=True))):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                copy()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1000)
+        link_up, link_down = statistics.median(up[1:]), statistics.median(down[1:])
+        result["link_up_gbps"] = nbytes / link_up / 1e9
+        result["link_down_gbps"] = nbytes / link_down / 1e9
+        for name in ("sequential", "shuffled"):
+            result[f"promote_{name}_wall_ratio_to_link"] = link_up * 1000 / result[f"promote_{name}_wall_ms"]
+            result[f"promote_{name}_event_ratio_to_link"] = link_up * 1000 / result[f"promote_{name}_event_ms"]
+            result[f"demote_{name}_wall_ratio_to_link"] = link_down * 1000 / result[f"demote_{name}_wall_ms"]
     return result
+
+
+def tier_in_engine(path: Path, device: Any) -> dict:
+    """One step that promotes a prefix, demotes other blocks and writes new K/V into blocks it
+    just demoted (tests/server/test_kv_tier_engine.py's case, here on the GPU's copy stream):
+    every block that went down or came up holds exactly the bytes it held before."""
+    import torch
+
+    from kvscale.block_hash import hash_block_tokens
+    from kvscale.server.block_pool import TierCopies
+    from kvscale.server.config import EngineConfig
+    from kvscale.server.engine import LLMEngine
+    from kvscale.server.sampling_params import SamplingParams
+
+    def tokens(start: int, n: int) -> list[int]:
+        return [(start + 7 * i) % 40000 + 100 for i in range(n)]
+
+    def hashes(prompt: list[int]) -> list[int]:
+        out: list[int] = []
+        for i in range(len(prompt) // 16):
+            out.append(hash_block_tokens(out[-1] if out else None, prompt[i * 16 : (i + 1) * 16], ()))
+        return out
+
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", device=str(device),
+                                    num_gpu_blocks_override=16, kv_offloading_size=0.02))
+    runner = engine.runner
+
+    def content(block_hash: int) -> torch.Tensor:
+        sync(device)
+        block = engine.pool.lookup(block_hash)
+        if block is not None:
+            return runner.kv_cache[:, :, block].to("cpu", copy=True)
+        return runner.host_cache.host[engine.pool.host._entries[block_hash].slot].clone()
+
+    def finish(rid: str, prompt: list[int]) -> None:
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=4))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    q1, q2 = tokens(1, 64), tokens(5000, 240)
+    finish("q1", q1)
+    q1_kv = {h: content(h) for h in hashes(q1)}
+    finish("q2", q2)
+    demoted_first = all(h in engine.pool.host for h in q1_kv)
+    q2_kv = {h: content(h) for h in hashes(q2) if engine.pool.lookup(h) is not None}
+    seen: list[TierCopies] = []
+    move = runner.move_between_tiers
+
+    def recording(copies: TierCopies) -> None:
+        seen.append(TierCopies(list(copies.demote), list(copies.promote)))
+        move(copies)
+
+    runner.move_between_tiers = recording
+    engine.add_request("q1b", q1 + tokens(9000, 8), SamplingParams(temperature=0.0, max_tokens=4))
+    engine.add_request("n", tokens(20000, 80), SamplingParams(temperature=0.0, max_tokens=4))
+    engine.step()
+    written = set(engine.requests["n"].seqs[0].block_table)
+    rewritten = len(written & {b for b, _ in seen[0].demote}) if seen else 0
+    demoted_intact = sum(torch.equal(content(h), kv) for h, kv in q2_kv.items())
+    promoted_intact = sum(engine.pool.lookup(h) is not None and torch.equal(content(h), kv) for h, kv in q1_kv.items())
+    while engine.has_unfinished_requests():
+        engine.step()
+    counters = runner.host_cache.counters
+    return {
+        "q1_demoted_by_q2": demoted_first, "promoted": len(seen[0].promote) if seen else 0,
+        "demoted": len(seen[0].demote) if seen else 0, "demoted_blocks_rewritten_same_step": rewritten,
+        "demoted_intact": f"{demoted_intact}/{len(q2_kv)}", "promoted_intact": f"{promoted_intact}/{len(q1_kv)}",
+        "ok": demoted_first and rewritten > 0 and demoted_intact == len(q2_kv) and promoted_intact == len(q1_kv),
+        "restores": counters.restore_count, "restore_seconds": counters.restore_sum,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", default=None, help="default: the bundled model")
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke run)")
-    parser.add_argument("--parts", default="equality,w1,decode,tier")
+    parser.add_argument("--parts", default="equality,w1,decode,tier,tier_engine")
     parser.add_argument("--peak-gbps", type=float, default=None, help="default: the card's datasheet figure")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -260,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = args.peak_gbps or (peak_bandwidth_gbps(name) if device.type == "cuda" else None)
-    path = resolve_model_path(args.model)
     parts = set(args.parts.split(","))
+    path = resolve_model_path(args.model) if parts - {"tier"} else Path()
     report: dict[str, Any] = {"machine": machine(), "device": name, "peak_gbps": peak,
                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     quick = args.quick
@@ -291,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
             emit("decode_step", lambda n=num_seqs, c=context: decode_step(path, device, n, c, 8 if quick else 32, peak))
     if "tier" in parts:
         emit("host_tier", lambda: host_tier(device, 32 if quick else 1024, 3 if quick else 10))
+    if "tier_engine" in parts:
+        emit("tier_in_engine", lambda: tier_in_engine(path, device))
     print("wrote", write_result("gpu_engine", report, args.out))
     if failures:
         print("failed parts:", ", ".join(failures))

@@ -1,17 +1,22 @@
 """The second KV tier's memory and the copies between it and the KV cache.
 
-The host tier is one tensor shaped like the KV cache, ``[layer, k|v, slot, offset, kv_head,
-head_dim]``, allocated once when the engine starts: pinned when the cache is on a GPU, so the
-copies are DMA, and plain memory on CPU. A step's copies run before its forward, in one batch
-each way: demotions (cache → host) first, since a demoted block may be handed out again and
-written by this very step, then promotions (host → cache).
+The host tier is one tensor allocated once when the engine starts, slot-major:
+``[slot, layer, k|v, offset, kv_head, head_dim]``, so each block is one contiguous piece of host
+memory (the cache keeps ``[layer, k|v, block, ...]``; a block there is ``2 × layers`` pieces).
+It is pinned when the cache is on a GPU, so the copies are DMA straight from and into the tier's
+slots, one copy per run of consecutive slots, with no gather or scatter on the host; on CPU it is
+plain memory. A step's copies run before its forward, in one batch each way: demotions
+(cache → host) first, since a demoted block may be handed out again and written by this very
+step, then promotions (host → cache).
 
-On a GPU both directions run on a copy stream of their own, ordered by events, never by sleeps:
-the copy stream waits for the compute stream (so it reads blocks only after the kernels that
-wrote them), a demotion finishes before the host scatters it into its slots, and the compute
-stream waits for the promotion's event before the forward reads the promoted blocks. The pinned
-staging buffers are kept for the next step and reused only after the copy that used them ended.
-On CPU the same two batches are plain ``index_select`` / ``index_copy_`` calls.
+On a GPU both directions run on a copy stream of their own, ordered by events, never by sleeps.
+A demotion gathers its blocks on the device (after the compute stream's writers) and the compute
+stream waits only for that gather, not for the copy down; a promotion copies its slots up into a
+device buffer and scatters them into the cache, and the compute stream waits for it before the
+forward reads the promoted blocks. Every copy touching the tier's slots is on the one copy
+stream, so a slot handed out again (host_tier.py releases promoted slots after the step) is
+written only after the copy that read it. On CPU the same two batches are plain
+``index_select`` / ``index_copy_`` calls.
 """
 
 from __future__ import annotations
@@ -53,26 +58,35 @@ class OffloadCounters:
         return (self.bytes_down + self.bytes_up) / seconds if seconds > 0 else 0.0
 
 
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive slots in list order, as ``(position, first slot, length)``:
+    each run is one contiguous copy of the slot-major tier."""
+    runs: list[tuple[int, int, int]] = []
+    for position, slot in enumerate(slots):
+        if runs and slot == runs[-1][1] + runs[-1][2] and position == runs[-1][0] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((position, slot, 1))
+    return runs
+
+
 class HostKVCache:
     def __init__(self, num_slots: int, cache: torch.Tensor) -> None:
-        shape = list(cache.shape)
-        shape[2] = num_slots
+        shape = [num_slots, *cache.shape[:2], *cache.shape[3:]]
         self.device = cache.device
         self.on_gpu = cache.device.type == "cuda"
         # Allocated once, for the engine's life; zeros so the pages are the process's from now
         # on the GPU path (pinning faults them in) and lazily on CPU.
         self.host = torch.zeros(shape, dtype=cache.dtype, pin_memory=self.on_gpu)
-        self.block_bytes = self.host[:, :, 0].numel() * self.host.element_size()
+        self.block_bytes = self.host[0].numel() * self.host.element_size()
         self.counters = OffloadCounters()
         if self.on_gpu:
             self.stream = torch.cuda.Stream(cache.device)
-            self._staging: torch.Tensor | None = None
-            self._staging_free: torch.cuda.Event | None = None
             self._pending_timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     @property
     def num_slots(self) -> int:
-        return self.host.shape[2]
+        return self.host.shape[0]
 
     def run(self, cache: torch.Tensor, copies: TierCopies) -> None:
         """Do a step's copies between ``cache`` and the host tier: demotions, then promotions."""
@@ -81,66 +95,55 @@ class HostKVCache:
         if copies.demote:
             started = time.perf_counter()
             blocks = [b for b, _ in copies.demote]
-            slots = torch.tensor([s for _, s in copies.demote], dtype=torch.long)
+            slots = [s for _, s in copies.demote]
             if self.on_gpu:
                 self._demote_gpu(cache, blocks, slots)
             else:
-                self.host.index_copy_(2, slots, cache.index_select(2, torch.tensor(blocks, dtype=torch.long)))
+                self.host.index_copy_(0, torch.tensor(slots, dtype=torch.long),
+                                      cache.index_select(2, torch.tensor(blocks, dtype=torch.long)).movedim(2, 0))
             self.counters.seconds_down += time.perf_counter() - started
             self.counters.bytes_down += len(blocks) * self.block_bytes
         if copies.promote:
             started = time.perf_counter()
-            slots = torch.tensor([s for s, _ in copies.promote], dtype=torch.long)
+            slots = [s for s, _ in copies.promote]
             blocks = [b for _, b in copies.promote]
             self.counters.bytes_up += len(blocks) * self.block_bytes
             if self.on_gpu:
                 self._promote_gpu(cache, slots, blocks)  # timed by events, read next step
             else:
-                cache.index_copy_(2, torch.tensor(blocks, dtype=torch.long), self.host.index_select(2, slots))
+                cache.index_copy_(2, torch.tensor(blocks, dtype=torch.long),
+                                  self.host.index_select(0, torch.tensor(slots, dtype=torch.long)).movedim(0, 2))
                 self.counters.observe_restore(time.perf_counter() - started)
 
     # --- the GPU path -------------------------------------------------------------------
-    def _staging_for(self, n: int) -> torch.Tensor:
-        """A pinned, contiguous ``[layer, k|v, n, ...]`` buffer for ``n`` blocks, free to overwrite
-        (its last copy has ended). One flat buffer, grown by doubling and kept: a view of its
-        prefix is contiguous, so the copies to and from the device stay asynchronous DMA."""
-        if self._staging_free is not None:
-            self._staging_free.synchronize()
-            self._staging_free = None
-        per_block = self.host[:, :, 0].numel()
-        if self._staging is None or self._staging.numel() < n * per_block:
-            have = self._staging.numel() // per_block if self._staging is not None else 0
-            self._staging = torch.empty(max(n, 2 * have) * per_block, dtype=self.host.dtype, pin_memory=True)
-        shape = list(self.host.shape)
-        shape[2] = n
-        return self._staging[: n * per_block].view(shape)
-
-    def _demote_gpu(self, cache: torch.Tensor, blocks: list[int], slots: torch.Tensor) -> None:
-        staging = self._staging_for(len(blocks))
-        index = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=False)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the writers
+    def _demote_gpu(self, cache: torch.Tensor, blocks: list[int], slots: list[int]) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)  # after the kernels that wrote these blocks
         with torch.cuda.stream(self.stream):
-            staging.copy_(cache.index_select(2, index), non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        # The scatter into the host slots reads the staging buffer: the copy must have landed,
-        # and the freed blocks are not written before the next forward is queued after this.
-        done.synchronize()
-        self.host.index_copy_(2, slots, staging)
+            # Device tensors are made on the copy stream, so the allocator reuses their memory
+            # only after these copies, never under a kernel of the compute stream.
+            index = torch.tensor(blocks, dtype=torch.long).to(self.device)
+            gathered = cache.index_select(2, index).movedim(2, 0).contiguous()
+            read = torch.cuda.Event()
+            read.record(self.stream)
+            for position, slot, length in slot_runs(slots):
+                self.host[slot : slot + length].copy_(gathered[position : position + length], non_blocking=True)
+        # This step may hand the demoted blocks out and write them: only the gather must be done.
+        compute.wait_event(read)
 
-    def _promote_gpu(self, cache: torch.Tensor, slots: torch.Tensor, blocks: list[int]) -> None:
-        staging = self._staging_for(len(blocks))
-        torch.index_select(self.host, 2, slots, out=staging)
-        index = torch.tensor(blocks, dtype=torch.long).to(self.device, non_blocking=False)
+    def _promote_gpu(self, cache: torch.Tensor, slots: list[int], blocks: list[int]) -> None:
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # earlier readers of these blocks are done with them
         with torch.cuda.stream(self.stream):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
-            cache.index_copy_(2, index, staging.to(self.device, non_blocking=True))
+            index = torch.tensor(blocks, dtype=torch.long).to(self.device)
+            landed = torch.empty((len(slots), *self.host.shape[1:]), dtype=cache.dtype, device=self.device)
+            for position, slot, length in slot_runs(slots):
+                landed[position : position + length].copy_(self.host[slot : slot + length], non_blocking=True)
+            cache.index_copy_(2, index, landed.movedim(0, 2))
             end.record(self.stream)
         compute.wait_event(end)  # the forward reads the promoted blocks only after they landed
-        self._staging_free = end
         self._pending_timing = (start, end)
 
     def _collect_gpu_timing(self) -> None:

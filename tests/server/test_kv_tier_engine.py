@@ -45,7 +45,7 @@ def block_content(engine, block_hash: int) -> torch.Tensor:
     if block_id is not None:
         return runner.kv_cache[:, :, block_id].clone()
     entry = pool.host._entries[block_hash]
-    return runner.host_cache.host[:, :, entry.slot].clone()
+    return runner.host_cache.host[entry.slot].clone()
 
 
 # Q1 is evicted to tier 2 by Q2 (which fills the 16-block pool); then Q1 comes back with a new
