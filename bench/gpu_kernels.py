@@ -114,7 +114,8 @@ def paged_setup(num_seqs: int, context_len: int, shape: ModelShape, dtype: torch
     return caches, block_tables, context_lens, slot_mapping
 
 
-def bench_decode_kernel(num_seqs: int, context_len: int, peak_gbps: float | None) -> dict:
+def bench_decode_kernel(num_seqs: int, context_len: int, peak_gbps: float | None,
+                        partitions: list[int] | None = None) -> dict:
     import kvscale.kernels as kernels
     from kvscale.kernels import reference
 
@@ -129,9 +130,9 @@ def bench_decode_kernel(num_seqs: int, context_len: int, peak_gbps: float | None
 
     triton = kernels.backend_for(query.device)
 
-    def triton_call():
+    def triton_call(partition_size: int | None = None):
         return triton.paged_decode_attention(query, k_cache, v_cache, block_tables,
-                                             context_lens, scale)
+                                             context_lens, scale, partition_size=partition_size)
 
     def reference_call():
         return reference.paged_decode_attention(query, k_cache, v_cache, block_tables,
@@ -144,6 +145,9 @@ def bench_decode_kernel(num_seqs: int, context_len: int, peak_gbps: float | None
     kv_bytes = 2 * num_seqs * context_len * MODEL.num_kv_heads * MODEL.head_dim * elem
     io_bytes = 2 * query.numel() * elem + block_tables.numel() * 4 + context_lens.numel() * 4
     achieved_gbps = (kv_bytes + io_bytes) / (kernel_ms * 1e-3) / 1e9
+    # The same kernel with the context split into partitions of each size (tokens), so the
+    # default split can be chosen from measurements rather than guessed.
+    by_partition = {size: median_ms(lambda size=size: triton_call(size)) for size in partitions or []}
     return {
         "num_seqs": num_seqs,
         "context_len": context_len,
@@ -156,6 +160,7 @@ def bench_decode_kernel(num_seqs: int, context_len: int, peak_gbps: float | None
         "reference_ms_median": reference_ms,
         "speedup_vs_reference": reference_ms / kernel_ms,
         "max_abs_error_vs_reference": error,
+        **({"kernel_ms_by_partition_size": by_partition} if by_partition else {}),
     }
 
 
@@ -290,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-gbps", type=float, default=None,
                         help="the card's peak memory bandwidth, if its name is not known here")
     parser.add_argument("--quick", action="store_true", help="fewer configurations")
+    parser.add_argument("--partitions", default="",
+                        help="comma-separated partition sizes (tokens) to time the decode kernel "
+                             "at beside its default split; skips the whole-step rows")
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).resolve().parent / "results" / "gpu_kernels.json")
     args = parser.parse_args(argv)
@@ -332,9 +340,17 @@ def main(argv: list[str] | None = None) -> int:
         step_configs = [(1, 512), (16, 1024), (64, 1024), (256, 1024), (64, 4096)]
         if args.quick:
             kernel_configs, step_configs = kernel_configs[2:4], step_configs[2:3]
+        partitions = [int(size) for size in args.partitions.split(",") if size]
+        if partitions:
+            step_configs = []
+        # The clocks rise from idle under load: the first configuration must not time the ramp.
+        warm = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        for _ in range(100):
+            warm @ warm
+        torch.cuda.synchronize()
         report["decode_kernel"] = []
         for num_seqs, context_len in kernel_configs:
-            row = bench_decode_kernel(num_seqs, context_len, peak)
+            row = bench_decode_kernel(num_seqs, context_len, peak, partitions)
             report["decode_kernel"].append(row)
             print("decode kernel", json.dumps(row), flush=True)
         report["decode_step"] = []
