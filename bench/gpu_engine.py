@@ -15,7 +15,9 @@ Every part has its baseline in the same run, on the same device:
    and a wider W1 (256 requests, kvscale ``max_num_seqs`` 256, transformers batches of 64).
 3. Decode step: N sequences of a given context decoding together; wall time per step against
    the roofline (weights + KV bytes read + logits) at the card's datasheet bandwidth.
-4. Host KV tier: promoting and demoting blocks through ``HostKVCache`` (the engine's code path),
+4. Decode CUDA graphs (server/decode_graphs.py): greedy tokens with graphs against the same
+   engine with ``enforce_eager``, W1 and the decode step both ways.
+5. Host KV tier: promoting and demoting blocks through ``HostKVCache`` (the engine's code path),
    with the tier's slots in order and shuffled, every byte checked, against one contiguous
    pinned copy of the same bytes each way; and inside the engine, a step that promotes, demotes
    and writes into just-demoted blocks at once, every block's bytes checked.
@@ -89,7 +91,8 @@ def greedy_equality(path: Path, dtype: str, device: Any, new_tokens: int) -> dic
             "equal": sum(r["equal"] for r in rows), "prompts": len(rows), "rows": rows}
 
 
-def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_batch: int) -> dict:
+def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_batch: int | None,
+       enforce_eager: bool = False) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -101,7 +104,7 @@ def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_b
                            min_output=16, max_output=256)
     prompts, outputs = workload(spec)
     llm = LLM(model=str(path), dtype="bfloat16", device=str(device), max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=2048, kv_cache_memory_bytes=4 * 1024**3)
+              max_num_batched_tokens=2048, kv_cache_memory_bytes=4 * 1024**3, enforce_eager=enforce_eager)
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4, ignore_eos=True))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
     sync(device)
@@ -114,6 +117,12 @@ def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_b
     del llm, results
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    useful = sum(outputs)
+    row = {"num_requests": num_requests, "max_num_seqs": max_num_seqs, "enforce_eager": enforce_eager,
+           "output_tokens": useful, "kvscale_output_tokens_per_s": useful / ours_s,
+           "kvscale_mean_ttft_s": statistics.mean(ttfts)}
+    if baseline_batch is None:
+        return row
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).to(device).eval()
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
@@ -136,16 +145,12 @@ def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_b
             run_batch(prompts[i : i + baseline_batch], max(outputs[i : i + baseline_batch]))
         sync(device)
         baseline_s = time.perf_counter() - started
-    useful = sum(outputs)
-    return {
-        "num_requests": num_requests, "max_num_seqs": max_num_seqs, "output_tokens": useful,
-        "kvscale_output_tokens_per_s": useful / ours_s, "kvscale_mean_ttft_s": statistics.mean(ttfts),
-        "transformers_batch": baseline_batch, "transformers_output_tokens_per_s": useful / baseline_s,
-        "ratio": baseline_s / ours_s,
-    }
+    return row | {"transformers_batch": baseline_batch, "transformers_output_tokens_per_s": useful / baseline_s,
+                  "ratio": baseline_s / ours_s}
 
 
-def decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int, peak_gbps: float | None) -> dict:
+def decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int, peak_gbps: float | None,
+                enforce_eager: bool = False) -> dict:
     import torch
 
     from bench.gpu_kernels import ModelShape
@@ -154,7 +159,7 @@ def decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int
 
     llm = LLM(model=str(path), dtype="bfloat16", device=str(device), max_num_seqs=num_seqs,
               max_num_batched_tokens=max(2048, context), max_model_len=context + steps + 8,
-              num_gpu_blocks_override=num_seqs * ((context + steps) // 16 + 2) + 64)
+              num_gpu_blocks_override=num_seqs * ((context + steps) // 16 + 2) + 64, enforce_eager=enforce_eager)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for i in range(num_seqs):
@@ -183,12 +188,38 @@ def decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
-        "num_seqs": num_seqs, "context": context, "decode_steps": len(decode_times),
+        "num_seqs": num_seqs, "context": context, "enforce_eager": enforce_eager, "decode_steps": len(decode_times),
         "step_ms_median": step_s * 1000, "weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes,
         "roofline_ms": roofline_s * 1000 if roofline_s else None,
         "fraction_of_roofline": roofline_s / step_s if roofline_s else None,
         "output_tokens_per_s": num_seqs / step_s,
     }
+
+
+def graphs_vs_eager(path: Path, dtype: str, device: Any, new_tokens: int) -> dict:
+    """Greedy tokens of the engine replaying decode graphs against the same engine eager, on
+    batches that pad (5 prompts: the graph of 8) and that do not."""
+    from transformers import AutoTokenizer
+
+    from kvscale.server.llm import LLM
+    from kvscale.server.sampling_params import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    prompts = [{"prompt_token_ids": tokenizer.encode(p)} for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    tokens = {}
+    for eager in (True, False):
+        llm = LLM(model=str(path), dtype=dtype, device=str(device), max_num_seqs=16, max_num_batched_tokens=256,
+                  num_gpu_blocks_override=256, enforce_eager=eager)
+        tokens[eager] = [list(r.outputs[0].token_ids) for r in llm.generate(prompts, params)]
+        tokens[eager] += [list(r.outputs[0].token_ids) for r in llm.generate(prompts[:1], params)]
+        graphs = llm.llm_engine.runner.decode_graphs
+        if not eager and device.type == "cuda":
+            assert graphs is not None and graphs.sizes[-1] == 16, "no decode graphs were captured"
+        del llm
+    rows = [{"equal": a == b, "first_difference": next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)}
+            for a, b in zip(tokens[True], tokens[False], strict=True)]
+    return {"dtype": dtype, "equal": sum(r["equal"] for r in rows), "sequences": len(rows), "rows": rows}
 
 
 def host_tier(device: Any, num_blocks: int, repeats: int) -> dict:
@@ -325,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", default=None, help="default: the bundled model")
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke run)")
-    parser.add_argument("--parts", default="equality,w1,decode,tier,tier_engine")
+    parser.add_argument("--parts", default="equality,w1,decode,graphs,tier,tier_engine")
     parser.add_argument("--peak-gbps", type=float, default=None, help="default: the card's datasheet figure")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -371,6 +402,15 @@ def main(argv: list[str] | None = None) -> int:
     if "decode" in parts:
         for num_seqs, context in ([(4, 64)] if quick else [(1, 512), (64, 1024), (256, 1024), (64, 4096)]):
             emit("decode_step", lambda n=num_seqs, c=context: decode_step(path, device, n, c, 8 if quick else 32, peak))
+    if "graphs" in parts:
+        for dtype in ("float32", "bfloat16"):
+            emit("graphs_vs_eager", lambda dtype=dtype: graphs_vs_eager(path, dtype, device, 8 if quick else 32))
+        emit("w1", lambda: w1(path, device, 8 if quick else 64, 64, None, enforce_eager=True))
+        emit("w1", lambda: w1(path, device, 8 if quick else 64, 64, None))
+        for num_seqs, context in ([(4, 64)] if quick else [(1, 512), (64, 1024), (256, 1024), (64, 4096)]):
+            for eager in (True, False):
+                emit("decode_step", lambda n=num_seqs, c=context, e=eager: decode_step(
+                    path, device, n, c, 8 if quick else 32, peak, enforce_eager=e))
     if "tier" in parts:
         emit("host_tier", lambda: host_tier(device, 32 if quick else 1024, 3 if quick else 10))
     if "tier_engine" in parts:

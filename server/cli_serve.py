@@ -26,7 +26,7 @@ _ENGINE_FIELDS = (
     "model", "dtype", "block_size", "enable_prefix_caching", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "num_gpu_blocks_override",
     "kv_cache_memory_bytes", "device", "seed", "quantization",
-    "kv_offloading_size",
+    "kv_offloading_size", "enforce_eager",
 )
 
 
@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="context length (prompt + output) in tokens (default: the model's)")
     model.add_argument("--seed", type=int, default=None)
     model.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: auto)")
+    model.add_argument("--enforce-eager", action="store_true", default=None,
+                       help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
 
     cache = parser.add_argument_group("KV cache and batching")
     cache.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")

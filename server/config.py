@@ -33,6 +33,9 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     quantization: str | None = None  # None | "int8" (weights quantized at load: server/quantization.py)
     seed: int = 0
+    # On a GPU, decode steps replay CUDA graphs (server/decode_graphs.py) unless this is set
+    # (vLLM's --enforce-eager); CPU steps are always eager.
+    enforce_eager: bool = False
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:

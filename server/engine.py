@@ -120,6 +120,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler.block_bytes = block_bytes
         self.runner.allocate_kv_cache(self.num_blocks, self.max_model_len)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            started = time.perf_counter()
+            self.runner.capture_decode_graphs(config.max_num_seqs)
+            logger.info("kvscale engine: captured decode CUDA graphs for batch sizes up to %d in %.1f s "
+                        "(--enforce-eager turns them off)", config.max_num_seqs, time.perf_counter() - started)
         if self.num_host_blocks:
             self.runner.allocate_host_cache(self.num_host_blocks)
         self.vocab_size = spec.vocab_size

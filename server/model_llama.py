@@ -279,6 +279,21 @@ class DecoderForCausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` for the chosen rows of the flattened batch."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, kv_caches, meta, logits_indices))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The final norm's output ``[len(logits_indices), hidden]`` for the chosen rows (what a
+        CUDA graph of a decode step keeps: far smaller than its logits)."""
         assert self._cos_sin is not None, "build_rope_cache first"
         cos_table, sin_table = self._cos_sin
         cos = cos_table.index_select(0, positions).unsqueeze(1)  # broadcast over heads
@@ -290,7 +305,7 @@ class DecoderForCausalLM(nn.Module):
         assert residual is not None, "a model without layers"
         hidden, _ = self.norm.add_and_norm(hidden.index_select(0, logits_indices),
                                            residual.index_select(0, logits_indices))
-        return self.lm_head(hidden)
+        return hidden
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor], quantization: str | None = None) -> None:
         """Fill this module from a transformers-named state dict (fusing q/k/v and gate/up), then

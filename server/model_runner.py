@@ -20,6 +20,7 @@ import torch
 from kvscale import kernels
 from kvscale.server.attention_metadata import AttentionMetadata, DecodePrefillSplit
 from kvscale.server.block_pool import TierCopies
+from kvscale.server.decode_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from kvscale.server.kv_offload import HostKVCache
 from kvscale.server.memory_profile import MemoryMeter
 from kvscale.server.model_llama import DecoderForCausalLM
@@ -115,6 +116,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.max_model_len = 0
         self.host_cache: HostKVCache | None = None  # the second KV tier, when there is one
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps, unless eager
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.kv_cache, self.kv_caches = self._new_kv_cache(num_blocks)
@@ -220,6 +222,16 @@ class ModelRunner:
         forward([(num_tokens, 1), (num_tokens - 1, 1)])  # pure decode
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, max_num_seqs: int, capture: Capture | None = None) -> None:
+        """Capture pure-decode steps of up to ``max_num_seqs`` sequences (server/decode_graphs.py);
+        ``capture`` defaults to CUDA graphs on the runner's GPU."""
+        assert self.kv_cache is not None, "allocate_kv_cache first"
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.kernels, max_num_seqs, -(-self.max_model_len // self.block_size),
+            self.device, capture or cuda_graph_capture(self.device),
+        )
 
     def allocate_host_cache(self, num_slots: int) -> None:
         """The second KV tier: ``num_slots`` blocks in host memory (pinned on a GPU), once."""
@@ -360,6 +372,11 @@ class ModelRunner:
         brings only token ids back for plain greedy rows), and those for prompt logprobs (host)."""
         self.copy_blocks(copies)
         ids, positions, meta, logits_indices, sample_rows, prompt_rows = self.prepare(scheduled)
-        logits = self.model(ids, positions, self.kv_caches, meta, logits_indices).float()
+        hidden = None
+        if self.decode_graphs is not None and meta.is_decode and not prompt_rows and len(ids) == len(sample_rows):
+            hidden = self.decode_graphs.run(ids, positions, meta)
+        if hidden is None:
+            hidden = self.model.hidden_states(ids, positions, self.kv_caches, meta, logits_indices)
+        logits = self.model.compute_logits(hidden).float()
         num_sample = len(sample_rows)
         return StepLogits(logits[:num_sample], sample_rows, logits[num_sample:].cpu(), prompt_rows)

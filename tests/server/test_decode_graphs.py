@@ -1,0 +1,88 @@
+"""Decode steps through the graph path's static buffers (server/decode_graphs.py).
+
+CUDA graphs need a GPU; here the capture is replaced by rerunning the captured forward, so what
+a replay reads is exactly what the static buffers hold: the step's inputs copied in, the padding
+rows masked. ``python -m bench.gpu_engine --parts graphs`` checks the real capture on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvscale.server.decode_graphs import capture_sizes, padded_size
+from kvscale.server.sampling_params import SamplingParams
+
+
+def test_capture_sizes_follow_the_ladder_up_to_max_num_seqs() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(4) == [1, 2, 4]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(64) == [1, 2, 4, *range(8, 65, 8)]
+
+
+def test_padded_size_is_the_smallest_captured_size_that_fits() -> None:
+    sizes = capture_sizes(20)
+    assert [padded_size(sizes, n) for n in (1, 3, 4, 5, 9, 17, 20, 21)] == [1, 4, 4, 8, 16, 20, 20, None]
+
+
+def test_a_padded_replay_gives_the_eager_step_and_writes_only_its_own_slots(make_engine) -> None:
+    engine = make_engine(max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for rid, length in (("a", 5), ("b", 20), ("c", 37)):
+        engine.add_request(rid, list(range(100 + length, 100 + 2 * length)), params)
+    engine.step()  # all three prefill in one step; the next step is pure decode
+    scheduled = engine.scheduler.schedule().scheduled
+    assert [s.num_new_tokens for s in scheduled] == [1, 1, 1]
+    runner = engine.runner
+    before = runner.kv_cache.clone()
+    eager = runner.execute(scheduled, []).sample.clone()
+    after_eager = runner.kv_cache.clone()
+
+    replayed: list[int] = []
+
+    def rerun(forward):
+        def replay() -> torch.Tensor:
+            replayed.append(forward.args[0])
+            return forward()
+
+        return replay
+
+    runner.capture_decode_graphs(8, capture=rerun)
+    assert sorted(runner.decode_graphs._replays) == [1, 2, 4, 8]
+    runner.kv_cache.copy_(before)
+    graphed = runner.execute(scheduled, []).sample
+    assert replayed == [4], "three sequences should replay the graph of four"
+    assert graphed.shape == eager.shape
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+    assert torch.equal(graphed.argmax(dim=1), eager.argmax(dim=1))
+    # The step wrote its three tokens' K/V, and the padded row wrote nothing anywhere.
+    written = torch.zeros(runner.kv_cache.shape[2] * runner.kv_cache.shape[3], dtype=torch.bool)
+    for item in scheduled:
+        position = item.seq.num_computed_tokens
+        written[item.seq.block_table[position // engine.block_size] * engine.block_size + position % engine.block_size] = True
+    flat = runner.kv_cache.flatten(2, 3)
+    assert torch.equal(flat[:, :, ~written], before.flatten(2, 3)[:, :, ~written])
+    torch.testing.assert_close(flat[:, :, written], after_eager.flatten(2, 3)[:, :, written], rtol=1e-4, atol=1e-4)
+    for rid in ("a", "b", "c"):
+        engine.abort_request(rid)
+
+
+def test_more_sequences_than_captured_run_eagerly(make_engine) -> None:
+    engine = make_engine(max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(str(i), list(range(200 + i, 210 + i)), params)
+    engine.step()
+    replayed: list[int] = []
+
+    def rerun(forward):
+        def replay() -> torch.Tensor:
+            replayed.append(forward.args[0])
+            return forward()
+
+        return replay
+
+    engine.runner.capture_decode_graphs(2, capture=rerun)  # sizes 1 and 2 only
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert replayed == [], "three sequences do not fit a graph of two"
