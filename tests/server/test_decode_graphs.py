@@ -86,3 +86,20 @@ def test_more_sequences_than_captured_run_eagerly(make_engine) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert replayed == [], "three sequences do not fit a graph of two"
+
+
+def test_enforce_eager_has_vllms_spelling_and_reaches_the_engine_config() -> None:
+    import argparse
+
+    from kvscale.server import cli_serve
+    from kvscale.server.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    cli_serve.add_arguments(parser)
+    assert parser.parse_args(["--enforce-eager"]).enforce_eager is True
+    assert parser.parse_args([]).enforce_eager is None  # unset: EngineConfig's False (graphs on a GPU)
+    assert "enforce_eager" in cli_serve._ENGINE_FIELDS and EngineConfig().enforce_eager is False
+
+
+def test_a_cpu_engine_captures_no_graphs(make_engine) -> None:
+    assert make_engine().runner.decode_graphs is None
