@@ -96,7 +96,7 @@ def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_b
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bench.w1_throughput import workload
+    from bench.w1_throughput import static_batches, workload
     from kvscale.server.llm import LLM
     from kvscale.server.sampling_params import SamplingParams
 
@@ -125,26 +125,8 @@ def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_b
         return row
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).to(device).eval()
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-
-    def run_batch(batch: list[list[int]], max_new: int) -> None:
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(batch):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
-                       min_new_tokens=max_new, do_sample=False, pad_token_id=pad)
-
     with torch.inference_mode():
-        run_batch([prompts[0][:32]], 4)
-        sync(device)
-        started = time.perf_counter()
-        for i in range(0, len(prompts), baseline_batch):
-            run_batch(prompts[i : i + baseline_batch], max(outputs[i : i + baseline_batch]))
-        sync(device)
-        baseline_s = time.perf_counter() - started
+        baseline_s = static_batches(model, prompts, outputs, baseline_batch, device)
     return row | {"transformers_batch": baseline_batch, "transformers_output_tokens_per_s": useful / baseline_s,
                   "ratio": baseline_s / ours_s}
 

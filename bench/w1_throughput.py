@@ -25,6 +25,7 @@ import json
 import random
 import sys
 import time
+from typing import Any
 
 from bench.common import machine, peak_rss_bytes, run_side, write_result
 from bench.roofline import cpu_isa, decoder_flops, gemm_peak
@@ -92,6 +93,34 @@ def side_vllm(args: argparse.Namespace) -> dict:
     return result
 
 
+def static_batches(model: Any, prompts: list[list[int]], outputs: list[int], batch_size: int, device: Any) -> float:
+    """Seconds for transformers' ``generate`` to give every prompt its output length, in arrival
+    order in left-padded static batches, each until its longest output (after a warm-up)."""
+    import torch
+
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    def run_batch(batch: list[list[int]], max_new: int) -> None:
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(batch):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
+                       min_new_tokens=max_new, do_sample=False, pad_token_id=pad)
+
+    run_batch([prompts[0][:32]], 4)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        run_batch(prompts[i : i + batch_size], max(outputs[i : i + batch_size]))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
 def side_baseline(args: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -104,24 +133,8 @@ def side_baseline(args: argparse.Namespace) -> dict:
     path = resolve_model_path(None)
     dtype = resolve_dtype(args.dtype, AutoConfig.from_pretrained(str(path)), torch.device("cpu"))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-
-    def run_batch(batch_prompts: list[list[int]], max_new: int) -> None:
-        width = max(len(p) for p in batch_prompts)
-        ids = torch.full((len(batch_prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(batch_prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                       do_sample=False, pad_token_id=pad)
-
     with torch.inference_mode():
-        run_batch([prompts[0][:32]], 4)  # warm-up
-        start = time.perf_counter()
-        for i in range(0, len(prompts), args.batch_size):
-            run_batch(prompts[i : i + args.batch_size], max(outputs[i : i + args.batch_size]))
-        elapsed = time.perf_counter() - start
+        elapsed = static_batches(model, prompts, outputs, args.batch_size, torch.device("cpu"))
     useful = sum(outputs)
     return {
         "elapsed_s": elapsed,

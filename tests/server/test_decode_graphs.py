@@ -13,6 +13,19 @@ from kvscale.server.decode_graphs import capture_sizes, padded_size
 from kvscale.server.sampling_params import SamplingParams
 
 
+def rerunning(replayed: list[int]):
+    """A capture that reruns the forward on replay, noting the batch size it replays."""
+
+    def capture(forward):
+        def replay() -> torch.Tensor:
+            replayed.append(forward.args[0])
+            return forward()
+
+        return replay
+
+    return capture
+
+
 def test_capture_sizes_follow_the_ladder_up_to_max_num_seqs() -> None:
     assert capture_sizes(1) == [1]
     assert capture_sizes(4) == [1, 2, 4]
@@ -39,15 +52,7 @@ def test_a_padded_replay_gives_the_eager_step_and_writes_only_its_own_slots(make
     after_eager = runner.kv_cache.clone()
 
     replayed: list[int] = []
-
-    def rerun(forward):
-        def replay() -> torch.Tensor:
-            replayed.append(forward.args[0])
-            return forward()
-
-        return replay
-
-    runner.capture_decode_graphs(8, capture=rerun)
+    runner.capture_decode_graphs(8, capture=rerunning(replayed))
     assert sorted(runner.decode_graphs._replays) == [1, 2, 4, 8]
     runner.kv_cache.copy_(before)
     graphed = runner.execute(scheduled, []).sample
@@ -74,15 +79,7 @@ def test_more_sequences_than_captured_run_eagerly(make_engine) -> None:
         engine.add_request(str(i), list(range(200 + i, 210 + i)), params)
     engine.step()
     replayed: list[int] = []
-
-    def rerun(forward):
-        def replay() -> torch.Tensor:
-            replayed.append(forward.args[0])
-            return forward()
-
-        return replay
-
-    engine.runner.capture_decode_graphs(2, capture=rerun)  # sizes 1 and 2 only
+    engine.runner.capture_decode_graphs(2, capture=rerunning(replayed))  # sizes 1 and 2 only
     while engine.has_unfinished_requests():
         engine.step()
     assert replayed == [], "three sequences do not fit a graph of two"
