@@ -18,6 +18,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 MOONCAKE_TRACE = ("traces", "mooncake_conversation_trace.jsonl")
+# Prompts of different lengths (some span several 16-token blocks) for the greedy checks of the
+# engine against transformers: the tests on CPU and bench.gpu_engine on a GPU.
+GREEDY_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "woodcutter and his three daughters. Every morning the youngest",
+    "Q: What is 12 times 7?\nA:",
+    "List three colours of the rainbow:",
+]
 
 
 def shared_data(*parts: str) -> Path:

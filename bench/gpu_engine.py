@@ -36,16 +36,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from bench.common import machine, write_result
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
-    "woodcutter and his three daughters. Every morning the youngest",
-    "Q: What is 12 times 7?\nA:",
-    "List three colours of the rainbow:",
-]
+from bench.common import GREEDY_PROMPTS, machine, write_result
 
 
 def sync(device: Any) -> None:
@@ -63,7 +54,7 @@ def greedy_equality(path: Path, dtype: str, device: Any, new_tokens: int) -> dic
     from kvscale.server.sampling_params import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    prompts = [tokenizer.encode(p) for p in GREEDY_PROMPTS]
     # The repeat shares the third prompt's first two blocks (32 tokens): a prefix-cache hit.
     repeat = prompts[2][:32] + prompts[0]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -187,7 +178,7 @@ def graphs_vs_eager(path: Path, dtype: str, device: Any, new_tokens: int) -> dic
     from kvscale.server.sampling_params import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    prompts = [{"prompt_token_ids": tokenizer.encode(p)} for p in PROMPTS]
+    prompts = [{"prompt_token_ids": tokenizer.encode(p)} for p in GREEDY_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     tokens = {}
     for eager in (True, False):

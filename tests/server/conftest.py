@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from bench.common import GREEDY_PROMPTS
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -20,15 +22,6 @@ def pytest_configure(config):
 
     torch.set_num_threads(int(os.environ.get("KVSCALE_TEST_THREADS", "1")))
 
-# Prompts of different lengths (some span several 16-token blocks) for the greedy checks.
-GREEDY_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
-    "woodcutter and his three daughters. Every morning the youngest",
-    "Q: What is 12 times 7?\nA:",
-    "List three colours of the rainbow:",
-]
 GREEDY_NEW_TOKENS = 16
 
 
