@@ -18,6 +18,11 @@ import pytest
 # Test infrastructure in tests/cluster (the control plane, the pod process runtime) is imported by
 # module name. Not tests/ itself: its kvscale/ folder would shadow the real package.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cluster"))
+# The benchmark harness (bench/, at the repository root) is imported by its package name, from
+# any test folder run alone. Appended, not prepended: nothing at the root may shadow what is installed.
+REPO = str(Path(__file__).resolve().parents[1])
+if REPO not in sys.path:
+    sys.path.append(REPO)
 
 from kubelet import KubeletRuntime, start_runtime  # noqa: E402
 from testenv import (  # noqa: E402
