@@ -57,7 +57,9 @@ def greedy_equality(path: Path, dtype: str, device: Any, new_tokens: int) -> dic
     prompts = [tokenizer.encode(p) for p in GREEDY_PROMPTS]
     # The repeat shares the third prompt's first two blocks (32 tokens): a prefix-cache hit.
     repeat = prompts[2][:32] + prompts[0]
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    # Both sides stop at the end-of-sequence token: with ignore_eos the engine may emit it and go
+    # on (vLLM's meaning), while transformers' min_new_tokens forbids it, so they would differ there.
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
     llm = LLM(model=str(path), dtype=dtype, device=str(device), max_num_seqs=8,
               max_num_batched_tokens=64, num_gpu_blocks_override=256)
     ours = [list(r.outputs[0].token_ids) for r in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
@@ -72,8 +74,9 @@ def greedy_equality(path: Path, dtype: str, device: Any, new_tokens: int) -> dic
         for i, prompt in enumerate([*prompts, repeat]):
             ids = torch.tensor([prompt], device=device)
             ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-            first_difference = next((j for j, (a, b) in enumerate(zip(ours[i], ref, strict=True)) if a != b), None)
+                                 do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+            first_difference = next((j for j, (a, b) in enumerate(zip(ours[i], ref, strict=False)) if a != b),
+                                    None if len(ours[i]) == len(ref) else min(len(ours[i]), len(ref)))
             rows.append({"prompt": i, "equal": ours[i] == ref, "first_difference": first_difference})
     del model
     if device.type == "cuda":
