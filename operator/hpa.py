@@ -18,12 +18,15 @@ from decimal import Decimal
 from typing import Any
 
 from kvscale import metric_names as names
+from kvscale.operator.conditions import SCALING_ACTIVE, Condition
 from kvscale.operator.spec import GROUP, PLURAL, VERSION
 
 # The custom metric's name in custom.metrics.k8s.io (no ':' there: it is a URL path segment).
 CONCURRENCY_METRIC = "kvscale_concurrency"
 # The label the chart's PodMonitor copies the pod's InferenceService name into.
 INFERENCE_SERVICE_LABEL = "inferenceservice"
+KIND = "InferenceService"
+EXTERNAL_AUTOSCALER = "ExternalAutoscaler"
 
 
 def concurrency_series() -> tuple[str, str]:
@@ -79,8 +82,7 @@ def horizontal_pod_autoscaler(
         "kind": "HorizontalPodAutoscaler",
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
-            "scaleTargetRef": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService",
-                               "name": name},
+            "scaleTargetRef": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": name},
             "minReplicas": min_replicas,
             "maxReplicas": max_replicas,
             "metrics": [{"type": "Pods", "pods": {
@@ -90,3 +92,27 @@ def horizontal_pod_autoscaler(
             "behavior": {"scaleDown": {"stabilizationWindowSeconds": scale_down_stabilization_s}},
         },
     }
+
+
+def targeting(hpas: list[dict[str, Any]], name: str) -> list[str]:
+    """The names of the HPAs (of one namespace) whose scaleTargetRef is InferenceService ``name``
+    (any version of the group: the HPA resolves it through the scale subresource)."""
+    found = []
+    for item in hpas:
+        ref = (item.get("spec") or {}).get("scaleTargetRef") or {}
+        group = str(ref.get("apiVersion", "")).split("/", 1)[0]
+        if ref.get("kind") == KIND and ref.get("name") == name and group == GROUP:
+            found.append(item["metadata"]["name"])
+    return sorted(found)
+
+
+def external_autoscaler_condition(hpa_names: list[str]) -> Condition:
+    """ScalingActive while the built-in autoscaler steps aside for an HPA: two writers of
+    spec.replicas would undo each other's decisions at every sync."""
+    listed = ", ".join(hpa_names)
+    noun = "HorizontalPodAutoscaler" if len(hpa_names) == 1 else "HorizontalPodAutoscalers"
+    return Condition(
+        SCALING_ACTIVE, False, EXTERNAL_AUTOSCALER,
+        f"{noun} {listed} also scale(s) this InferenceService while spec.autoscaling.enabled is "
+        "true; the operator's autoscaler stands aside: set spec.autoscaling.enabled to false to "
+        f"leave spec.replicas to the HPA, or delete the HPA to use the operator's")

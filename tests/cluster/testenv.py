@@ -331,6 +331,7 @@ class K8sEnv:
     process_pods: bool = False
     service_cidr: str = SERVICE_CIDR
     pod_cidr: str = PROCESS_POD_CIDR  # where the process runtime gives its pods addresses
+    hpa_sync_period_s: int = HPA_SYNC_PERIOD_S  # the HPA controller's period here
 
     @property
     def kubernetes_service_ip(self) -> str:
@@ -449,6 +450,7 @@ class K8sEnv:
             process_pods=bool(state.get("process_pods", False)),
             service_cidr=state.get("service_cidr", SERVICE_CIDR),
             pod_cidr=state.get("pod_cidr", PROCESS_POD_CIDR),
+            hpa_sync_period_s=int(state.get("hpa_sync_period_s", HPA_SYNC_PERIOD_S)),
         )
 
 
@@ -664,11 +666,13 @@ def start_env(
     tie_to_parent: bool = True,
     timeout: float = STARTUP_TIMEOUT_S,
     process_pods: bool = False,
+    hpa_sync_period_s: int = HPA_SYNC_PERIOD_S,
 ) -> K8sEnv:
     """Start a fresh control plane under `workdir` and return once the fake
     nodes are Ready. `tie_to_parent`: the processes die with this one (tests);
     `up` passes False so they outlive the command. `process_pods`: kwok does not
-    play pods; start tests/cluster/kubelet.py's runtime to run them."""
+    play pods; start tests/cluster/kubelet.py's runtime to run them.
+    `hpa_sync_period_s`: the HPA controller's period (a benchmark wants a cluster's 15 s)."""
     check_bins(bins)
     workdir = workdir.resolve()
     if (workdir / "env.json").exists():
@@ -701,6 +705,7 @@ def start_env(
     env = K8sEnv(
         workdir=workdir, bins=bins.resolve(), server=server, kubeconfig=kubeconfig, ports=ports,
         process_pods=process_pods, service_cidr=service_cidr, pod_cidr=pod_cidr,
+        hpa_sync_period_s=hpa_sync_period_s,
     )
     env.save()
     try:
@@ -804,7 +809,7 @@ def _start_components(env: K8sEnv, tie_to_parent: bool, timeout: float) -> None:
             f"--service-cluster-ip-range={env.service_cidr}",
             # The HPA controller (on with `*`) reconciles every 15 s by default: shortened here
             # only, so a test sees a few HPA decisions within a minute.
-            f"--horizontal-pod-autoscaler-sync-period={HPA_SYNC_PERIOD_S}s",
+            f"--horizontal-pod-autoscaler-sync-period={env.hpa_sync_period_s}s",
         ],
         tie_to_parent,
     )

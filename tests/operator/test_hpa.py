@@ -62,3 +62,25 @@ def test_quantity(value: float, text: str) -> None:
 def test_quantity_refuses_what_it_cannot_write() -> None:
     with pytest.raises(ValueError):
         hpa.quantity(0.0001)
+
+
+def _hpa(name: str, kind: str = "InferenceService", target: str = "chat",
+         api_version: str = "serving.kvscale.io/v1alpha1") -> dict:
+    return {"metadata": {"name": name},
+            "spec": {"scaleTargetRef": {"apiVersion": api_version, "kind": kind, "name": target}}}
+
+
+def test_only_hpas_on_this_inference_service_count() -> None:
+    hpas = [_hpa("b"), _hpa("a"), _hpa("other", target="other"), _hpa("deploy", kind="Deployment"),
+            _hpa("alien", api_version="example.com/v1"), {"metadata": {"name": "empty"}, "spec": {}}]
+    assert hpa.targeting(hpas, "chat") == ["a", "b"]
+    assert hpa.targeting([], "chat") == []
+
+
+def test_the_conflict_condition_says_what_to_do() -> None:
+    condition = hpa.external_autoscaler_condition(["chat"])
+    assert (condition.type, condition.status, condition.reason) == ("ScalingActive", False,
+                                                                    "ExternalAutoscaler")
+    assert condition.message.startswith("HorizontalPodAutoscaler chat also scale")
+    assert "set spec.autoscaling.enabled to false" in condition.message
+    assert "delete the HPA" in condition.message

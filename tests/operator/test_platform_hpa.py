@@ -197,3 +197,34 @@ def test_load_scales_out_through_the_real_hpa_and_back_in(cluster: Cluster) -> N
         raise AssertionError(cluster.diagnosis()) from None
     assert any(e.startswith("SuccessfulRescale: New size: 1") for e in cluster.hpa_events()), \
         cluster.hpa_events()
+
+
+def test_the_operator_stands_aside_when_its_autoscaler_is_turned_on_beside_the_hpa(
+        cluster: Cluster) -> None:
+    """enabled: true with an HPA on the same service: no fight, a readable condition instead."""
+    env = cluster.raw.env
+
+    def scaling_active() -> dict[str, Any]:
+        conditions = (cluster.resource().get("status") or {}).get("conditions", [])
+        return next((c for c in conditions if c["type"] == "ScalingActive"), {})
+
+    env.kubectl("patch", "inferenceservice", NAME, "-n", NAMESPACE, "--type=merge",
+                "-p", json.dumps({"spec": {"autoscaling": {"enabled": True, "minReplicas": 1,
+                                                           "maxReplicas": 2}}}))
+    try:
+        wait_until(lambda: scaling_active().get("reason") == "ExternalAutoscaler", 60,
+                   interval=1.0, what="ScalingActive False/ExternalAutoscaler")
+        condition = scaling_active()
+        assert condition["status"] == "False", condition
+        assert f"HorizontalPodAutoscaler {NAME} also scale" in condition["message"], condition
+        assert "set spec.autoscaling.enabled to false" in condition["message"], condition
+        assert "desiredReplicas" not in (cluster.resource().get("status") or {})
+        events = cluster.get("events", "-n", NAMESPACE, "--field-selector",
+                             f"involvedObject.kind=InferenceService,involvedObject.name={NAME}")
+        assert any("ExternalAutoscaler" in (e.get("reason", "") + e.get("message", ""))
+                   for e in events["items"]), [e["reason"] for e in events["items"]]
+    finally:
+        env.kubectl("patch", "inferenceservice", NAME, "-n", NAMESPACE, "--type=merge",
+                    "-p", json.dumps({"spec": {"autoscaling": {"enabled": False}}}))
+    wait_until(lambda: scaling_active().get("reason") == "AutoscalingDisabled", 60, interval=1.0,
+               what="ScalingActive back to AutoscalingDisabled")
