@@ -30,9 +30,12 @@ system-deps:
 # Go-built control plane (kube-apiserver, etcd, controller-manager, scheduler, kwok),
 # cached outside the repo; KUBEBUILDER_ASSETS wins when it names a folder with them. Also
 # kube-apiserver at the chart's oldest supported minor (tools/k8s-oldest.sh), which the chart's
-# version test applies everything to. The last line printed is the control plane's folder.
+# version test applies everything to. And prometheus-adapter (tools/prometheus-adapter.sh), the
+# custom metrics API the real HPA reads in the HPA tests. The last line printed is the control
+# plane's folder.
 k8s-bins:
 	@bash tools/k8s-oldest.sh >/dev/null
+	@bash tools/prometheus-adapter.sh >/dev/null
 	@bash tools/k8s-bins.sh
 
 k8s-env: venv k8s-bins

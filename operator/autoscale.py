@@ -15,7 +15,7 @@ from typing import Any
 
 import kopf
 
-from kvscale.operator import conditions, scaling, scraping
+from kvscale.operator import conditions, hpa, scaling, scraping
 from kvscale.operator.apply import apply_children
 from kvscale.operator.children.labels import as_selector_string, router_selector, selector_string
 from kvscale.operator.conditions import SCALING_ACTIVE, Condition
@@ -27,7 +27,7 @@ from kvscale.operator.inference_service import (
     inference_service_path,
     typed_spec,
 )
-from kvscale.operator.kube import path_for
+from kvscale.operator.kube import ApiError, path_for
 from kvscale.operator.metrics import ReplicaCounts
 from kvscale.operator.router_reports import (
     RouterReport,
@@ -57,6 +57,19 @@ def router_reports(runtime: Runtime, name: str, namespace: str,
     pods = runtime.kube.list(path_for("v1", "pods", namespace), as_selector_string(router_selector(name)))
     return read_router_reports(pods, runtime.config.scrape_timeout,
                                runtime.config.allow_metrics_url_override)
+
+
+def competing_hpas(runtime: Runtime, name: str, namespace: str) -> list[str]:
+    """HPAs targeting this InferenceService (none if the operator may not list them: an RBAC
+    older than this check must not stop autoscaling)."""
+    try:
+        items = runtime.kube.list(path_for("autoscaling/v2", "horizontalpodautoscalers", namespace))
+    except ApiError as exc:
+        if exc.status in (403, 404):
+            log.debug("%s/%s: HPAs not listed (%s)", namespace, name, exc)
+            return []
+        raise
+    return hpa.targeting(items, name)
 
 
 def router_conditions(reports: list[RouterReport] | None) -> list[Condition]:
@@ -121,6 +134,14 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
                                     estimate, None, spec.replicas)
             refresh_status(runtime, name, namespace, extra,
                            [AUTOSCALING_DISABLED, *router_conditions(reports)])
+            return
+
+        competing = competing_hpas(runtime, name, namespace)
+        if competing:
+            # Forget the history: once the HPA goes, a full scale-down window is watched again.
+            runtime.autoscalers.pop(key.uid, None)
+            refresh_status(runtime, name, namespace, extra,
+                           [hpa.external_autoscaler_condition(competing), *router_conditions(reports)])
             return
 
         state = runtime.autoscalers.get(key.uid, scaling.AutoscalerState())

@@ -10,6 +10,7 @@ import kopf
 from kvscale.operator import conditions, pod_status
 from kvscale.operator.children.labels import router_name, selector_string, service_url
 from kvscale.operator.conditions import SCALING_ACTIVE, SYNCED, Condition
+from kvscale.operator.hpa import EXTERNAL_AUTOSCALER
 from kvscale.operator.inference_service import (
     as_body,
     being_deleted,
@@ -41,10 +42,13 @@ def post_transitions(current: dict[str, Any], assessed: pod_status.Health,
     old_conditions = (current.get("status") or {}).get("conditions")
     for changed in conditions.transitions(old_conditions, updates):
         previous = conditions.find_condition(old_conditions, changed.type) or {}
-        if changed.type == SCALING_ACTIVE and previous.get("status") == changed.status_text:
+        # Standing aside for an HPA is for the user to settle: always an Event, a Warning.
+        external = changed.type == SCALING_ACTIVE and changed.reason == EXTERNAL_AUTOSCALER
+        if (changed.type == SCALING_ACTIVE and previous.get("status") == changed.status_text
+                and not external):
             continue  # its reason moves with every decision; scaling has its own Events
         is_problem = ((assessed.problem is not None and changed.reason == assessed.problem.reason)
-                      or (changed.type == SYNCED and changed.status is False))
+                      or (changed.type == SYNCED and changed.status is False) or external)
         kopf.event(as_body(current), type="Warning" if is_problem else "Normal",
                    reason=changed.reason,
                    message=f"{changed.type}={changed.status_text}: {changed.message}")

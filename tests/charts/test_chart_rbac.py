@@ -46,6 +46,7 @@ OPERATOR_RULES = {
     *{("serving.kvscale.io", "inferenceservices/status", v) for v in ("get", "patch")},
     *{("serving.kvscale.io", "inferenceservices/scale", v) for v in ("get", "patch")},
     ("serving.kvscale.io", "inferenceservices/finalizers", "update"),
+    ("autoscaling", "horizontalpodautoscalers", "list"),
     *{("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch", "delete")},
     *{("", r, v) for r in ("services", "serviceaccounts") for v in ("get", "create", "patch", "delete")},
     *{("policy", "poddisruptionbudgets", v) for v in ("get", "create", "patch", "delete")},
@@ -64,6 +65,7 @@ GRANTED = [
     ("create", "services"), ("create", "serviceaccounts"), ("create", "poddisruptionbudgets.policy"),
     ("create", "roles.rbac.authorization.k8s.io"), ("create", "rolebindings.rbac.authorization.k8s.io"),
     ("list", "pods"), ("patch", "pods"), ("create", "secrets"), ("create", "events"),
+    ("list", "horizontalpodautoscalers.autoscaling"),
     *[(verb, "endpointslices.discovery.k8s.io") for verb in ENDPOINTSLICES_RULE["verbs"]],
 ]
 # What it never may, wherever it serves.
@@ -72,6 +74,7 @@ REFUSED_IN_SERVED = [
     ("update", "secrets"), ("patch", "secrets"),
     ("create", "pods"), ("delete", "pods"), ("update", "pods"), ("create", "pods", "exec"),
     ("get", "configmaps"), ("deletecollection", "deployments.apps"),
+    ("patch", "horizontalpodautoscalers.autoscaling"),
     ("escalate", "roles.rbac.authorization.k8s.io"), ("bind", "roles.rbac.authorization.k8s.io"),
     ("bind", "clusterroles.rbac.authorization.k8s.io"),
     ("update", "leases.coordination.k8s.io"),

@@ -15,7 +15,8 @@ kubelet would run it:
   `kubectl port-forward` is dialling 127.0.0.1 inside the pod's namespace (`PodWorker.enter`).
   Nothing leaves the machine. Each process runs in its own mount namespace where
   /etc/hosts resolves the cluster's Service names (as cluster DNS would), /tmp and /dev/shm are
-  the pod's own emptyDirs, and a pod with a service-account token finds it where client
+  the pod's own emptyDirs, configMap and secret volumes are read-only folders of their keys
+  (written at container start), and a pod with a service-account token finds it where client
   libraries look (/var/run/secrets/kubernetes.io/serviceaccount) with KUBERNETES_SERVICE_HOST set.
 - Startup, readiness and liveness probes (httpGet, tcpSocket) run against the process and are
   reported in the pod's status (Ready, ContainersReady, containerStatuses); the EndpointSlice
@@ -316,6 +317,9 @@ class PodWorker:
                 source.mkdir(parents=True, exist_ok=True)
                 source.chmod(0o1777)
                 mounts.append((source, target, read_only))
+            elif "configMap" in volume or "secret" in volume:
+                # Always read-only, as the kubelet mounts them.
+                mounts.append((self._key_files(mount["name"], volume), target, True))
             elif "persistentVolumeClaim" in volume:
                 mounts.append((self._claim_path(volume["persistentVolumeClaim"]["claimName"]), target,
                                read_only or bool(volume["persistentVolumeClaim"].get("readOnly"))))
@@ -323,6 +327,31 @@ class PodWorker:
         if (token_dir / "token").is_file():
             mounts.append((token_dir, SERVICE_ACCOUNT_DIR, False))
         return mounts
+
+    def _key_files(self, name: str, volume: dict[str, Any]) -> Path:
+        """A configMap or secret volume: a folder with one file per key, written when the
+        container starts (the kubelet also refreshes it later; nothing here needs that)."""
+        if "configMap" in volume:
+            ref, kind, object_name = volume["configMap"], "configmaps", volume["configMap"].get("name")
+        else:
+            ref, kind, object_name = volume["secret"], "secrets", volume["secret"].get("secretName")
+        obj = self.runtime.kube.get(path_for("v1", kind, self.key[0], object_name or ""))
+        if obj is None and not ref.get("optional"):
+            raise ConfigError(f"{kind[:-1]} {object_name!r} not found")
+        files: dict[str, bytes] = {}
+        for key, value in ((obj or {}).get("data") or {}).items():
+            files[key] = base64.b64decode(value) if kind == "secrets" else value.encode()
+        for key, value in ((obj or {}).get("binaryData") or {}).items():
+            files[key] = base64.b64decode(value)
+        if ref.get("items"):  # only the keys listed, at their paths
+            files = {item["path"]: files[item["key"]] for item in ref["items"] if item["key"] in files}
+        folder = self.dir / "volumes" / name
+        shutil.rmtree(folder, ignore_errors=True)
+        for path, content in files.items():
+            (folder / path).parent.mkdir(parents=True, exist_ok=True)
+            (folder / path).write_bytes(content)
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
 
     def _claim_path(self, claim: str) -> Path:
         """The folder of the hostPath or local PersistentVolume bound to ``claim``."""

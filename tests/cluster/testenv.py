@@ -35,6 +35,7 @@ from kvscale.processes import die_with_parent, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BINS_SCRIPT = REPO_ROOT / "tools" / "k8s-bins.sh"
+ADAPTER_SCRIPT = REPO_ROOT / "tools" / "prometheus-adapter.sh"
 
 # Start order; stopped in reverse.
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
@@ -90,6 +91,10 @@ spec:
 """
 
 STARTUP_TIMEOUT_S = 180.0
+# The client cert kube-apiserver presents to aggregated API servers (kubeadm's name for it).
+FRONT_PROXY_CLIENT = "front-proxy-client"
+# The HPA controller's reconcile period here (kube-controller-manager's default is 15 s).
+HPA_SYNC_PERIOD_S = 2
 
 # Processes this interpreter started, by pid: their liveness comes from
 # Popen.poll(), which also reaps them. (Right after exec, /proc/PID/cmdline can
@@ -122,6 +127,21 @@ def find_or_build_bins() -> Path:
     bins = Path(lines[-1])
     check_bins(bins)
     return bins
+
+
+def find_or_build_prometheus_adapter() -> Path:
+    """prometheus-adapter (tools/prometheus-adapter.sh: built from Go modules and cached like the
+    control plane; KVSCALE_PROMETHEUS_ADAPTER names one of your own). Raises when it cannot be
+    had: the tests that need it fail, they never skip."""
+    proc = subprocess.run(["bash", str(ADAPTER_SCRIPT)], stdout=subprocess.PIPE, stderr=None,
+                          text=True, check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise K8sEnvError(f"{ADAPTER_SCRIPT} failed with exit code {proc.returncode}")
+    binary = Path(lines[-1])
+    if not os.access(binary, os.X_OK):
+        raise K8sEnvError(f"{ADAPTER_SCRIPT} printed {binary}, which is not an executable")
+    return binary
 
 
 def check_bins(bins: Path) -> None:
@@ -311,6 +331,7 @@ class K8sEnv:
     process_pods: bool = False
     service_cidr: str = SERVICE_CIDR
     pod_cidr: str = PROCESS_POD_CIDR  # where the process runtime gives its pods addresses
+    hpa_sync_period_s: int = HPA_SYNC_PERIOD_S  # the HPA controller's period here
 
     @property
     def kubernetes_service_ip(self) -> str:
@@ -429,6 +450,7 @@ class K8sEnv:
             process_pods=bool(state.get("process_pods", False)),
             service_cidr=state.get("service_cidr", SERVICE_CIDR),
             pod_cidr=state.get("pod_cidr", PROCESS_POD_CIDR),
+            hpa_sync_period_s=int(state.get("hpa_sync_period_s", HPA_SYNC_PERIOD_S)),
         )
 
 
@@ -545,7 +567,13 @@ def _write_pki(workdir: Path, kubernetes_service_ip: str = KUBERNETES_SERVICE_IP
     )
     admin = issue_cert(ca, "admin", ("system:masters",))
     service_accounts = make_signing_key_pair()
-    for name, pair in (("ca", ca), ("apiserver", serving), ("admin", admin)):
+    # The aggregation layer (custom.metrics.k8s.io served by prometheus-adapter): kube-apiserver
+    # proxies to an extension API server with this client cert, and the extension trusts the
+    # X-Remote-User headers only from a cert of this CA, as kubeadm sets it up.
+    front_proxy_ca = make_ca("kvscale-testenv-front-proxy-ca")
+    front_proxy_client = issue_cert(front_proxy_ca, FRONT_PROXY_CLIENT)
+    for name, pair in (("ca", ca), ("apiserver", serving), ("admin", admin),
+                       ("front-proxy-ca", front_proxy_ca), ("front-proxy-client", front_proxy_client)):
         _write_private(pki / f"{name}.crt", pair.cert)
         _write_private(pki / f"{name}.key", pair.key)
     _write_private(pki / "sa.pub", service_accounts.cert)
@@ -638,11 +666,13 @@ def start_env(
     tie_to_parent: bool = True,
     timeout: float = STARTUP_TIMEOUT_S,
     process_pods: bool = False,
+    hpa_sync_period_s: int = HPA_SYNC_PERIOD_S,
 ) -> K8sEnv:
     """Start a fresh control plane under `workdir` and return once the fake
     nodes are Ready. `tie_to_parent`: the processes die with this one (tests);
     `up` passes False so they outlive the command. `process_pods`: kwok does not
-    play pods; start tests/cluster/kubelet.py's runtime to run them."""
+    play pods; start tests/cluster/kubelet.py's runtime to run them.
+    `hpa_sync_period_s`: the HPA controller's period (a benchmark wants a cluster's 15 s)."""
     check_bins(bins)
     workdir = workdir.resolve()
     if (workdir / "env.json").exists():
@@ -675,6 +705,7 @@ def start_env(
     env = K8sEnv(
         workdir=workdir, bins=bins.resolve(), server=server, kubeconfig=kubeconfig, ports=ports,
         process_pods=process_pods, service_cidr=service_cidr, pod_cidr=pod_cidr,
+        hpa_sync_period_s=hpa_sync_period_s,
     )
     env.save()
     try:
@@ -735,6 +766,15 @@ def _start_components(env: K8sEnv, tie_to_parent: bool, timeout: float) -> None:
             # which Endpoints validation rejects; nothing here needs them.
             "--endpoint-reconciler-type=none",
             "--profiling=false",
+            # The aggregation layer: what kube-apiserver sends extension API servers (the
+            # custom-metrics adapter) and which client cert they must accept it from.
+            f"--requestheader-client-ca-file={pki / 'front-proxy-ca.crt'}",
+            f"--requestheader-allowed-names={FRONT_PROXY_CLIENT}",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
         ],
         tie_to_parent,
     )
@@ -767,6 +807,9 @@ def _start_components(env: K8sEnv, tie_to_parent: bool, timeout: float) -> None:
             f"--cluster-signing-cert-file={pki / 'ca.crt'}",
             f"--cluster-signing-key-file={pki / 'ca.key'}",
             f"--service-cluster-ip-range={env.service_cidr}",
+            # The HPA controller (on with `*`) reconciles every 15 s by default: shortened here
+            # only, so a test sees a few HPA decisions within a minute.
+            f"--horizontal-pod-autoscaler-sync-period={env.hpa_sync_period_s}s",
         ],
         tie_to_parent,
     )

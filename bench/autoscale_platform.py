@@ -1,0 +1,267 @@
+"""Autoscaling replay, level (a): real kvscale replicas on the whole-platform runtime (issue 23).
+
+    flock /tmp/kvscale-bench.lock python -m bench.autoscale_replay --level a \
+        [--policies kvscale,hpa-real] [--span 240]
+
+One control plane (tests/cluster/testenv.py, with the HPA controller at a cluster's default
+15 s sync period) and the process runtime (tests/cluster/kubelet.py) run every pod as a real
+process: the operator from deploy/ (two pods, leader-elected), each InferenceService's router and
+Redis, and its `kvscale serve` replicas of the bundled model. For each policy, in turn, on the
+same arrivals (a compressed bursty trace from bench.autoscale_replay: base rate 0.6 x one
+calibrated replica's capacity, x4 from 25 % to 75 % of the span; 256-token prompts over 8 shared
+128-token prefixes, 32-token answers), a fresh InferenceService starts at one replica and:
+
+- `kvscale`: the operator's autoscaler (autoscaling.enabled, the CRD's defaults, max 3).
+- `hpa-real`: autoscaling.enabled false and the real HPA of kube-controller-manager on average
+  concurrency per pod (target 8, half of --max-num-seqs, as the level-(b) HPA; its own 300 s
+  scale-down stabilization; max 3), read from prometheus-adapter (built from Go modules) over a
+  real Prometheus (tests/cluster/custom_metrics.py): operator/hpa.py's rules and HPA.
+
+Each request is a streamed completion sent at its arrival time to the router's pod address;
+TTFT, TPOT and failures are measured at the client. Every second the benchmark reads
+spec.replicas and the server pods: replica-seconds count server pods that exist (a starting pod
+holds its GPU too), reversals count direction changes of spec.replicas. SLO as level (b):
+TTFT <= max(1 s, 4 x the median prompt's prefill on one idle replica), TPOT <= 3 x one decode step.
+
+All replicas share this machine's cores: a second replica adds capacity only as far as the cores
+are free, unlike on GPU nodes. Say so next to any figure.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.autoscale_sim import Calibration
+from bench.common import REPO, machine, quantile, write_result
+from bench.w3_policy_sim import SimRequest
+
+sys.path.insert(0, str(REPO / "tests" / "cluster"))
+
+NAME = "replay"
+MODEL = "smollm2-135m-instruct"
+MAX_REPLICAS = 3
+HPA_TARGET_CONCURRENCY = 8  # half of --max-num-seqs 16, as level (b)'s HPA
+CLUSTER_HPA_SYNC_S = 15  # kube-controller-manager's default, not the tests' 2 s
+NAME_LABEL = "serving.kvscale.io/inferenceservice"
+# One token each for the bundled model's tokenizer, so a prompt is ~its SimRequest's length.
+WORDS = ("pod node service volume secret replica deployment label selector quota limit request "
+         "probe lease event namespace cluster").split()
+
+
+@dataclass
+class Outcome:
+    arrival: float
+    ttft: float | None = None
+    tpot: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class Run:
+    policy: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # t, spec, pods, ready
+
+
+def prompt_text(request: SimRequest) -> str:
+    """About ``prompt_tokens`` tokens: its shared 128-token prefix group, then its own words."""
+    group = (request.hashes[0] - 10_000_000) // 100 if request.hashes else 0  # synthetic()'s groups
+    rng = random.Random(group)
+    shared = " ".join(rng.choice(WORDS) for _ in range(120))
+    own_rng = random.Random(10_000 + request.rid)
+    own = " ".join(own_rng.choice(WORDS) for _ in range(max(1, request.prompt_tokens - 128)))
+    return f"Notes {group}: {shared}\nTicket {request.rid}: {own}\nSummary:"
+
+
+def inference_service(namespace: str, policy: str) -> dict[str, Any]:
+    autoscaling: dict[str, Any] = ({"enabled": True, "minReplicas": 1, "maxReplicas": MAX_REPLICAS}
+                                   if policy == "kvscale" else {"enabled": False})
+    from testenv import kwok_toleration
+
+    return {
+        "apiVersion": "serving.kvscale.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": NAME, "namespace": namespace},
+        "spec": {
+            "model": {"uri": f"bundled://{MODEL}"}, "replicas": 1,
+            "resources": {"gpus": 1, "cpu": "1", "memory": "2Gi"},
+            # bench.autoscale_replay's calibration flags.
+            "engine": {"maxModelLen": 1024, "maxNumSeqs": 16, "maxNumBatchedTokens": 512},
+            "tolerations": [kwok_toleration()],
+            "autoscaling": autoscaling,
+            "router": {"replicas": 1},
+        },
+    }
+
+
+def send(client: Any, url: str, request: SimRequest, start: float, outcome: Outcome) -> None:
+    delay = start + request.arrival - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+    t0 = time.monotonic()
+    first = last = None
+    chunks = 0
+    try:
+        with client.stream("POST", url + "/v1/completions", json={
+                "model": MODEL, "prompt": prompt_text(request), "max_tokens": request.output_tokens,
+                "min_tokens": request.output_tokens, "temperature": 0, "stream": True}) as response:
+            if response.status_code != 200:
+                outcome.error = f"HTTP {response.status_code}: {response.read()[:200]!r}"
+                return
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    last = time.monotonic()
+                    first = first or last
+                    chunks += 1
+    except Exception as exc:  # every failure counted
+        outcome.error = f"{type(exc).__name__}: {exc}"
+        return
+    if first is None or last is None:
+        outcome.error = "no token"
+        return
+    outcome.ttft = first - t0
+    outcome.tpot = (last - first) / (chunks - 1) if chunks > 1 else 0.0
+
+
+def sample(env: Any, namespace: str, run: Run, start: float, stop: threading.Event) -> None:
+    from testenv import ready_pods
+
+    while not stop.wait(1.0):
+        try:
+            spec = env.kubectl_json("get", "inferenceservice", NAME, "-n", namespace)["spec"]["replicas"]
+            pods = [p for p in env.kubectl_json("get", "pods", "-n", namespace, "-l",
+                                                f"{NAME_LABEL}={NAME}")["items"]
+                    if not p["metadata"].get("deletionTimestamp")]
+            ready = len(ready_pods(env, namespace, f"{NAME_LABEL}={NAME}"))
+        except Exception:  # one failed read: the next second has it
+            continue
+        run.timeline.append((round(time.monotonic() - start, 1), int(spec), len(pods), ready))
+
+
+def replay(env: Any, policy: str, requests: list[SimRequest], tail_s: float) -> Run:
+    import httpx
+    from testenv import ready_pods
+
+    namespace = f"replay-{policy}"
+    env.kubectl("create", "namespace", namespace)
+    env.kubectl("apply", "-f", "-", input=json.dumps(inference_service(namespace, policy)))
+    if policy == "hpa-real":
+        from kvscale.operator.hpa import horizontal_pod_autoscaler
+
+        env.kubectl("apply", "-f", "-", input=json.dumps(horizontal_pod_autoscaler(
+            NAME, namespace, min_replicas=1, max_replicas=MAX_REPLICAS,
+            target_concurrency=HPA_TARGET_CONCURRENCY)))
+    deadline = time.monotonic() + 600
+    while not (ready_pods(env, namespace, f"{NAME_LABEL}={NAME}")
+               and ready_pods(env, namespace, f"serving.kvscale.io/router={NAME}")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{namespace}: no ready server and router after 600 s")
+        time.sleep(1)
+    (router,) = ready_pods(env, namespace, f"serving.kvscale.io/router={NAME}")
+    url = f"http://{router['status']['podIP']}:8080"
+    run = Run(policy, [Outcome(r.arrival) for r in requests])
+    stop = threading.Event()
+    start = time.monotonic()
+    sampler = threading.Thread(target=sample, args=(env, namespace, run, start, stop), daemon=True)
+    sampler.start()
+    with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=len(requests))) as client:
+        threads = [threading.Thread(target=send, args=(client, url, r, start, o), daemon=True)
+                   for r, o in zip(requests, run.outcomes, strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(900)
+    time.sleep(tail_s)
+    stop.set()
+    sampler.join(10)
+    env.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=300s", check=False)
+    return run
+
+
+def figures(run: Run, span_s: float, ttft_slo: float, tpot_slo: float) -> dict[str, Any]:
+    done = [o for o in run.outcomes if o.error is None]
+    ttfts = [o.ttft for o in done if o.ttft is not None]
+    within = [o for o in done if o.ttft is not None and o.ttft <= ttft_slo
+              and (o.tpot or 0.0) <= tpot_slo]
+    # Replica-seconds over the trace's span (the same window for every policy).
+    seconds = 0.0
+    for (t0, _, pods, _), (t1, _, _, _) in zip(run.timeline, run.timeline[1:], strict=False):
+        if t0 < span_s:
+            seconds += pods * (min(t1, span_s) - t0)
+    specs = [spec for _, spec, _, _ in run.timeline]
+    moves = [b - a for a, b in zip(specs, specs[1:], strict=False) if b != a]
+    reversals = sum(1 for a, b in zip(moves, moves[1:], strict=False) if (a > 0) != (b > 0))
+    ups = [t for (t, spec, _, _), prev in zip(run.timeline[1:], specs, strict=False) if spec > prev]
+    return {
+        "requests": len(run.outcomes), "failed": len(run.outcomes) - len(done),
+        "errors": sorted({o.error for o in run.outcomes if o.error})[:5],
+        "slo_attainment": len(within) / len(run.outcomes),
+        "ttft_p50_s": quantile(ttfts, 0.5) if ttfts else None,
+        "ttft_p90_s": quantile(ttfts, 0.9) if ttfts else None,
+        "tpot_p50_s": statistics.median([o.tpot for o in done if o.tpot is not None]) if done else None,
+        "replica_seconds": round(seconds, 1),
+        "max_replicas": max(specs) if specs else None,
+        "reversals": reversals,
+        "reversals_per_hour": reversals * 3600 / span_s,
+        "first_scale_up_s": ups[0] if ups else None,
+        "timeline": run.timeline,
+    }
+
+
+def run_level_a(policies: list[str], requests: list[SimRequest], calibration: Calibration,
+                ttft_slo: float, tpot_slo: float, workdir: Path, tail_s: float = 20.0) -> dict[str, Any]:
+    from custom_metrics import start_custom_metrics
+    from kubelet import start_runtime
+    from testenv import (
+        CPU_NODE_NAME,
+        FAKE_NODE_NAME,
+        find_or_build_bins,
+        find_or_build_prometheus_adapter,
+        start_env,
+        stop_env,
+    )
+
+    span = requests[-1].arrival
+    env = start_env(workdir / "env", find_or_build_bins(), process_pods=True,
+                    hpa_sync_period_s=CLUSTER_HPA_SYNC_S)
+    runtime = metrics = None
+    results: dict[str, Any] = {}
+    try:
+        runtime = start_runtime(env, workdir / "kubelet", (FAKE_NODE_NAME, CPU_NODE_NAME))
+        env.kubectl("apply", "-f", str(REPO / "crds"), "-f", str(REPO / "deploy" / "rbac.yaml"))
+        env.kubectl("apply", "-f", str(REPO / "deploy" / "operator.yaml"))
+        if "hpa-real" in policies:
+            metrics = start_custom_metrics(env, runtime, workdir / "custom-metrics",
+                                           find_or_build_prometheus_adapter())
+        for policy in policies:
+            began = time.monotonic()
+            run = replay(env, policy, requests, tail_s)
+            results[policy] = figures(run, span, ttft_slo, tpot_slo)
+            results[policy]["wall_s"] = round(time.monotonic() - began, 1)
+            r = results[policy]
+            print(f"level-a {policy:9s} SLO {r['slo_attainment']:.3f} TTFT p50/p90 "
+                  f"{r['ttft_p50_s']}/{r['ttft_p90_s']} replica-s {r['replica_seconds']} "
+                  f"failed {r['failed']} reversals {r['reversals']} max {r['max_replicas']} "
+                  f"first up {r['first_scale_up_s']}", flush=True)
+    finally:
+        if metrics is not None:
+            metrics.stop()
+        if runtime is not None:
+            runtime.stop()
+        stop_env(env, keep_logs=True)
+    return {"level": "a (real replicas on the whole-platform runtime)", "span_s": span,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+            "ttft_slo_s": ttft_slo, "tpot_slo_s": tpot_slo, "hpa_sync_period_s": CLUSTER_HPA_SYNC_S,
+            "max_replicas": MAX_REPLICAS, "hpa_target_concurrency": HPA_TARGET_CONCURRENCY,
+            "calibration": calibration.__dict__, "policies": results}
+
+
+def write(out: dict[str, Any], path: str | None) -> Path:
+    return write_result("autoscale_replay_level_a", {"benchmark": "autoscale_replay", **out}, path)
