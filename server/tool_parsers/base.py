@@ -68,7 +68,7 @@ class ToolCallFormat:
         """
         more = ' ("\\n" call)*' if many else ""
         if self.trigger:
-            # The lexer ends TEXT_THEN_TRIGGER at the first trigger (lazy), so the first
+            # The lexer ends text_then_trigger at the first trigger (lazy), so the first
             # alternative, TEXT alone, only ever holds text without one.
             opened = [f"opened_{i}: {self.call_rule(tool, after_trigger=True)}" for i, tool in enumerate(tools)]
             return "\n".join([
