@@ -75,13 +75,45 @@ def tool_call_text(name: str, arguments: Any, tool_format: str = "hermes") -> st
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
 
 
+# An example argument of each JSON type: empty or zero, so that a model copying the example still
+# writes a value of the right type, and none reads as an answer.
+_EXAMPLE_VALUES: dict[str, Any] = {"string": "", "integer": 0, "number": 0, "boolean": False,
+                                   "array": [], "object": {}, "null": None}
+
+
+def example_arguments(schema: Any, depth: int = 0) -> Any:
+    """A skeleton of arguments for a tool's ``parameters`` schema: its required properties (all of
+    them when none is required), each with a value of its type (an enum's or const's first)."""
+    if not isinstance(schema, dict):
+        return {}
+    if "const" in schema:
+        return schema["const"]
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    properties = schema.get("properties")
+    if kind == "object" or (kind is None and isinstance(properties, dict)):
+        if not isinstance(properties, dict) or depth > 2:
+            return {}
+        required = [k for k in schema.get("required") or [] if k in properties]
+        return {key: example_arguments(properties[key], depth + 1) for key in required or properties}
+    return _EXAMPLE_VALUES.get(kind, "") if isinstance(kind, str) else ""
+
+
 def tools_system_block(tools: list[dict], tool_format: str = "hermes") -> str:
-    """The tools described for a model whose chat template cannot render them (docs/server.md)."""
+    """The tools described for a model whose chat template cannot render them (docs/server.md).
+
+    The call syntax is shown with the first tool (its name, a skeleton of its arguments): a small
+    model copies a placeholder such as ``<name>`` verbatim (docs/benchmarks.md, BFCL in auto)."""
     listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-    example = tool_call_text("<name>", {"<argument>": "<value>"}, tool_format)
+    first = tools[0]["function"]
+    arguments = example_arguments(first.get("parameters"))
+    example = tool_call_text(first["name"], arguments if isinstance(arguments, dict) else {}, tool_format)
     return ("# Tools\n\nThese functions are available. Each is described by a JSON object inside "
             f"<tools></tools>:\n<tools>\n{listing}\n</tools>\n\nTo call a function, answer with "
-            f"one line per call, exactly in this form:\n{example}")
+            f"one line per call, in this form (here calling {first['name']}):\n{example}")
 
 
 def _message_content(message: dict, tool_format: str) -> str:

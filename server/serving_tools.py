@@ -4,8 +4,10 @@ streamed.
 
 ``tool_choice`` named or ``required``: the answer is forced, by a grammar, to be calls in the
 format's syntax with each tool's parameters schema (``parallel_tool_calls: false``: exactly one
-call). ``auto``: the model answers freely and the ``--tool-call-parser`` format finds calls in the
-text (without ``--enable-auto-tool-choice`` that is a 400 saying so). ``none``: plain text.
+call). ``auto``: the model writes free text until it opens a call (the format's trigger), and
+from there on the grammar holds it to calls of the declared tools, the same call rules as forced
+calls; the ``--tool-call-parser`` format finds the calls in the text (without
+``--enable-auto-tool-choice`` that is a 400 saying so). ``none``: plain text.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from kvscale.server import protocol as p
 from kvscale.server.sampling_params import StructuredOutputsParams
+from kvscale.server.structured_outputs import backend
 from kvscale.server.tool_parsers import ToolCallFormat, tool_call_format
 
 
@@ -55,8 +58,10 @@ def plan_tools(body: p.ChatCompletionRequest, *, parser: str | None, auto_enable
             raise ToolError('tool_choice "auto" needs the server started with --enable-auto-tool-choice '
                             "--tool-call-parser (hermes or llama3_json); a named or \"required\" "
                             "tool_choice works without them.", "tool_choice")
-        return ToolPlan("auto", fmt, parallel)
     definitions = [tool.function.model_dump(exclude_none=True) for tool in tools]
+    if choice == "auto":
+        grammar = fmt.auto_grammar([auto_enforced(d) for d in definitions], many=parallel)
+        return ToolPlan("auto", fmt, parallel, StructuredOutputsParams(grammar=grammar))
     if choice == "required":
         chosen = definitions
     else:
@@ -68,6 +73,17 @@ def plan_tools(body: p.ChatCompletionRequest, *, parser: str | None, auto_enable
         parallel = False  # a named choice is one call of that function
     grammar = fmt.grammar(chosen, many=parallel)
     return ToolPlan("forced", fmt, parallel, StructuredOutputsParams(grammar=grammar))
+
+
+def auto_enforced(definition: dict[str, Any]) -> dict[str, Any]:
+    """The tool as ``auto`` constrains its calls: its parameters schema where the library enforces
+    it exactly. A tool the model need not call must not turn a request into a 400, so a non-strict
+    one the library refuses keeps its name but takes any JSON object as arguments; a strict one
+    keeps its schema, and the compile's 400 names the keyword, as for a forced call."""
+    parameters = definition.get("parameters")
+    if definition.get("strict") or not parameters or backend.schema_refusal(parameters) is None:
+        return definition
+    return {**definition, "parameters": {"type": "object"}}
 
 
 class ToolError(ValueError):
@@ -96,8 +112,6 @@ def finished_message(plan: ToolPlan, text: str, finish_reason: str | None,
         return text, [], finish_reason
     if not calls:
         return text, [], finish_reason
-    if not plan.parallel and plan.mode == "auto":
-        calls = calls[:1]  # auto is unconstrained: a second call is dropped (docs/server.md)
     tool_calls = [wire_call(None, tool_call_id(), call.name or "", call.arguments) for call in calls]
     return content or None, tool_calls, "tool_calls"
 
@@ -133,8 +147,6 @@ class ToolStream:
             return self._content_up_to(surely_content), deltas
         text_out = "" if self.in_calls else self._content_up_to(len(content))
         self.in_calls = True
-        if not plan.parallel and plan.mode == "auto":
-            calls = calls[:1]
         for index, call in enumerate(calls):
             if call.name is None:
                 break

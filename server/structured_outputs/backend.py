@@ -57,6 +57,17 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         raise GrammarError(str(exc)) from exc
 
 
+def schema_refusal(schema: dict[str, Any]) -> str | None:
+    """Why the library cannot enforce ``schema`` exactly (the keyword it names), or None. Needs
+    no tokenizer: a refusal is the schema's, whatever the vocabulary (about a millisecond)."""
+    try:
+        text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as exc:
+        return _first_line(str(exc))
+    error = llguidance.LLMatcher.validate_grammar(text, None)
+    return _first_line(error) if error else None
+
+
 def compile_grammar(tokenizer: Any, text: str) -> Any:
     """A pristine matcher for ``text``; every sequence gets its own copy (``Matcher.of``)."""
     matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)

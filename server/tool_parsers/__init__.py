@@ -2,8 +2,9 @@
 
 One module per format (``--tool-call-parser``): hermes.py (``<tool_call>`` tags around
 ``{"name", "arguments"}``), llama3_json.py (bare ``{"name", "parameters"}``). Each gives the
-grammar that forces calls in its format (named and ``required`` tool choice) and the parser that
-finds them in text, whole or partial (streaming). How tools and past calls are shown to the model
+grammar that forces calls in its format (named and ``required`` tool choice), the grammar that
+lets text through until a call opens and then holds it to the declared tools (``auto``), and the
+parser that finds them in text, whole or partial (streaming). How tools and past calls are shown to the model
 is prompt rendering, in kvscale/tokenization.py, shared with the router.
 """
 

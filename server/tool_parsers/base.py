@@ -30,23 +30,63 @@ class ToolCallFormat:
     args_key = "arguments"
     open_tag = ""  # text that opens a call
     close_tag = ""  # text that closes it
+    # The start of ``open_tag`` that marks a call in free text (auto tool choice): once it is
+    # written, the rest of the call is constrained. Empty: calls can only start the answer.
+    trigger = ""
 
-    # --- grammars that force calls (named and required tool choice) ----------------------------
-    def call_rule(self, tool: dict[str, Any]) -> str:
-        """Lark for one call of ``tool`` (its name fixed, its arguments its parameters schema)."""
+    # --- grammars that force calls (named and required tool choice) or constrain them (auto) --
+    def call_rule(self, tool: dict[str, Any], *, after_trigger: bool = False) -> str:
+        """Lark for one call of ``tool`` (its name fixed, its arguments its parameters schema);
+        ``after_trigger``: what follows the trigger, once free text has written it."""
         schema = dict(tool.get("parameters") or {"type": "object"})
         schema["x-guidance"] = {"whitespace_pattern": ARGS_WHITESPACE}
         head = self.open_tag + "{" + json.dumps("name") + ": " + json.dumps(tool["name"]) + ", " + \
             json.dumps(self.args_key) + ": "
+        if after_trigger:
+            head = head[len(self.trigger):]
         return f"{json.dumps(head)} %json {json.dumps(schema)} {json.dumps('}' + self.close_tag)}"
+
+    def _call_rules(self, tools: list[dict[str, Any]]) -> list[str]:
+        rules = [f"call_{i}: {self.call_rule(tool)}" for i, tool in enumerate(tools)]
+        choice = " | ".join(f"call_{i}" for i in range(len(tools)))
+        return [f"call: {choice}", *rules]
 
     def grammar(self, tools: list[dict[str, Any]], *, many: bool) -> str:
         """Lark for one call of any of ``tools`` (or, with ``many``, one or more, a newline
         between): ``parallel_tool_calls: false`` is enforced here, not by dropping calls."""
-        rules = [f"call_{i}: {self.call_rule(tool)}" for i, tool in enumerate(tools)]
-        choice = " | ".join(f"call_{i}" for i in range(len(tools)))
         start = 'start: call ("\\n" call)*' if many else "start: call"
-        return "\n".join([start, f"call: {choice}", *rules])
+        return "\n".join([start, *self._call_rules(tools)])
+
+    def auto_grammar(self, tools: list[dict[str, Any]], *, many: bool) -> str:
+        """Lark for an ``auto`` answer: free text, or text up to a call followed by calls only.
+
+        Free text is anything until the format's trigger; from there on the answer is a call of
+        one of ``tools`` (its arguments its parameters schema), then, with ``many``, further
+        calls a newline apart, then the end. As xgrammar's structural tags do in vLLM and
+        SGLang, the trigger is a lazy lexeme: it ends the text the moment it is written, so text
+        cannot run on past a call's opening unconstrained.
+        """
+        more = ' ("\\n" call)*' if many else ""
+        if self.trigger:
+            # The lexer ends text_then_trigger at the first trigger (lazy), so the first
+            # alternative, TEXT alone, only ever holds text without one.
+            opened = [f"opened_{i}: {self.call_rule(tool, after_trigger=True)}" for i, tool in enumerate(tools)]
+            return "\n".join([
+                "%llguidance {}",
+                f"start: TEXT | text_then_trigger opened{more}",
+                f"text_then_trigger[lazy]: TEXT {json.dumps(self.trigger)}",
+                "TEXT: /(.|\\n)*/",
+                f"call: {json.dumps(self.trigger)} opened",
+                "opened: " + " | ".join(f"opened_{i}" for i in range(len(tools))),
+                *opened])
+        # No trigger (Llama 3 JSON): an answer whose first non-space is "{" is calls, any other
+        # answer is text (the parser reads them so: find_calls).
+        return "\n".join([
+            "%llguidance {}",
+            f"start: TEXT | LEAD call{more}",
+            "TEXT: /[ \\t\\n]*([^ \\t\\n{](.|\\n)*)?/",
+            "LEAD: /[ \\t\\n]*/",
+            *self._call_rules(tools)])
 
     # --- parsing ------------------------------------------------------------------------------
     def find_calls(self, text: str) -> tuple[str, list[tuple[int, int, bool]]]:

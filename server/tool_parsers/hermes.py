@@ -13,6 +13,7 @@ class HermesFormat(ToolCallFormat):
     args_key = "arguments"
     open_tag = OPEN + "\n"
     close_tag = "\n" + CLOSE
+    trigger = OPEN
 
     def find_calls(self, text: str) -> tuple[str, list[tuple[int, int, bool]]]:
         first = text.find(OPEN)

@@ -101,15 +101,32 @@ def test_forced_calls_on_bfcl_rows_validate_and_stream_the_same(client, mode):
     assert valid >= len(cases) // 2, valid
 
 
-def test_auto_parses_hermes_calls_or_answers_in_text(client):
+def test_auto_answers_text_or_calls_of_the_declared_tool_that_validate(client):
+    """Once the model opens a call in auto, the grammar holds it to a declared tool and its
+    schema: no `<name>` copied from the prompt, no string for an integer."""
+    for tool, messages in bfcl_cases():
+        response = client.chat.completions.create(model="smollm2", messages=messages, tools=[tool],
+                                                  tool_choice="auto", max_tokens=160, temperature=0)
+        choice = response.choices[0]
+        if choice.finish_reason == "tool_calls":
+            check_calls(tool, choice.message, "tool_calls")
+        else:
+            assert not choice.message.tool_calls and choice.finish_reason in ("stop", "length")
+
+
+def test_auto_serves_a_tool_the_library_cannot_enforce_unless_it_is_strict(client, server):
     tool, messages = bfcl_cases()[0]
-    response = client.chat.completions.create(model="smollm2", messages=messages, tools=[tool], tool_choice="auto",
-                                              max_tokens=96, temperature=0)
-    choice = response.choices[0]
-    if choice.finish_reason == "tool_calls":
-        check_calls(tool, choice.message, "tool_calls")
-    else:
-        assert choice.message.content and not choice.message.tool_calls
+    unique = {"name": "tag", "parameters": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}}
+    response = client.chat.completions.create(
+        model="smollm2", messages=messages, tools=[tool, {"type": "function", "function": unique}],
+        tool_choice="auto", max_tokens=32, temperature=0)
+    assert response.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    strict = {"type": "function", "function": {**unique, "strict": True}}
+    response_ = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+        "model": "smollm2", "messages": messages, "tools": [tool, strict], "tool_choice": "auto"})
+    error = response_.json()["error"]
+    assert response_.status_code == 400 and error["param"] == "tools" and "uniqueItems" in error["message"]
 
 
 def test_tool_choice_errors_are_400_naming_the_field(client, server):

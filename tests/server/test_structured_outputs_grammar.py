@@ -73,6 +73,25 @@ def test_a_schema_that_cannot_be_enforced_exactly_is_refused_naming_the_keyword(
         compile_json(lltokenizer, schema)
 
 
+def test_the_tokenizer_free_check_refuses_exactly_what_the_compile_refuses(lltokenizer):
+    """``schema_refusal`` (used where auto tool choice picks a tool's constraint, before any
+    tokenizer) agrees with the compile on every schema of the sample; annotations, which assert
+    nothing, pass as they are."""
+    for row in load_rows():
+        try:
+            compile_json(lltokenizer, row["schema"])
+            compiled = True
+        except backend.GrammarError:
+            compiled = False
+        assert (backend.schema_refusal(row["schema"]) is None) == compiled, row["id"]
+    annotated = {"type": "object", "title": "t", "description": "d", "$comment": "c", "examples": [{}],
+                 "default": {}, "deprecated": True, "readOnly": True, "writeOnly": False,
+                 "properties": {"x": {"type": "string", "contentMediaType": "text/plain",
+                                      "contentEncoding": "base64"}}}
+    assert backend.schema_refusal(annotated) is None
+    assert "uniqueItems" in (backend.schema_refusal({"type": "array", "uniqueItems": True}) or "")
+
+
 def test_constraints_beside_each_other_are_all_enforced(lltokenizer, bundled_tokenizer):
     """maxLength beside pattern, minItems/maxItems (constraints other engines drop)."""
     compiled = compile_json(lltokenizer, {"type": "object", "properties": {

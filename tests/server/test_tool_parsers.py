@@ -71,10 +71,10 @@ def test_auto_without_a_parser_is_refused_naming_the_flags():
                    parser=None, auto_enabled=False)
 
 
-@pytest.mark.parametrize("fmt_name", sorted(ANSWERS))
-def test_forced_grammars_admit_valid_calls_only_and_one_call_without_parallel(fmt_name, bundled_tokenizer):
+@pytest.fixture(scope="module")
+def admits(bundled_tokenizer):
+    """admits(plan, text): whether the plan's grammar accepts ``text`` as a whole answer."""
     lltok = backend.build_tokenizer(bundled_tokenizer, 49152, {0, 2})
-    fmt = tool_call_format(fmt_name)
 
     def admits(plan, text: str) -> bool:
         compiled = backend.compile_grammar(lltok, backend.grammar_text(plan.constraint))
@@ -82,6 +82,12 @@ def test_forced_grammars_admit_valid_calls_only_and_one_call_without_parallel(fm
         ids = bundled_tokenizer(text, add_special_tokens=False)["input_ids"]
         return all(matcher.consume(t) for t in ids) and matcher.is_accepting()
 
+    return admits
+
+
+@pytest.mark.parametrize("fmt_name", sorted(ANSWERS))
+def test_forced_grammars_admit_valid_calls_only_and_one_call_without_parallel(fmt_name, admits):
+    fmt = tool_call_format(fmt_name)
     one = tool_call_text("get_weather", {"city": "Rome"}, fmt_name)
     other = tool_call_text("math.add", {"a": 1, "b": 2}, fmt_name)
     bad_args = tool_call_text("get_weather", {"town": "Rome"}, fmt_name)
@@ -97,6 +103,43 @@ def test_forced_grammars_admit_valid_calls_only_and_one_call_without_parallel(fm
     assert admits(named, other) and not admits(named, one)
     assert fmt.parse(one, final=True)[1][0].name == "get_weather"
 
+
+
+UNIQUE = {"type": "function", "function": {"name": "tag", "parameters": {
+    "type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+    "required": ["tags"]}}}
+
+
+@pytest.mark.parametrize("fmt_name", sorted(ANSWERS))
+def test_auto_lets_text_through_and_constrains_an_opened_call_to_a_declared_tool(fmt_name, admits):
+    auto = plan_tools(request(tool_choice="auto"), parser=fmt_name, auto_enabled=True)
+    single = plan_tools(request(tool_choice="auto", parallel_tool_calls=False), parser=fmt_name, auto_enabled=True)
+    one = tool_call_text("get_weather", {"city": "Rome"}, fmt_name)
+    other = tool_call_text("math.add", {"a": 1, "b": 2}, fmt_name)
+    # Free text, with or without a call's opening in its words, stays free.
+    prose = "It is sunny in Rome {today} < > <tool_ca"
+    assert admits(auto, prose) and admits(auto, "")
+    # A call: its name one of the tools, its arguments valid; then another call (parallel) or the end.
+    lead = "Let me check.\n" if fmt_name == "hermes" else ""
+    assert admits(auto, lead + one) and admits(auto, one + "\n" + other)
+    assert admits(single, one) and not admits(single, one + "\n" + other)
+    assert not admits(auto, tool_call_text("<name>", {"<argument>": "<value>"}, fmt_name))
+    assert not admits(auto, tool_call_text("get_weather", {"city": "Rome", "days": "10"}, fmt_name))
+    assert not admits(auto, one + " and some text after it")
+
+
+def test_auto_with_a_tool_the_library_cannot_enforce(admits):
+    # Not strict: the request is served, that tool's arguments any JSON object, the others exact.
+    body = p.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[WEATHER, UNIQUE])
+    plan = plan_tools(body, parser="hermes", auto_enabled=True)
+    assert admits(plan, tool_call_text("tag", {"tags": ["a", "a"], "other": 1}))
+    assert not admits(plan, tool_call_text("tag", ["a"]))
+    assert not admits(plan, tool_call_text("get_weather", {"town": "Rome"}))
+    # Strict: enforced exactly or not at all; the compile refuses it naming the keyword (a 400).
+    strict = {"type": "function", "function": {**UNIQUE["function"], "strict": True}}
+    body = p.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[WEATHER, strict])
+    with pytest.raises(backend.GrammarError, match="uniqueItems"):
+        admits(plan_tools(body, parser="hermes", auto_enabled=True), "")
 
 def test_tool_turns_reach_the_template_and_router_and_server_render_alike(bundled_tokenizer):
     from kvscale.router.chat_tokens import ChatTokenCache
