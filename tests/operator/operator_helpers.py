@@ -17,9 +17,33 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from testenv import kwok_toleration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KVSCALE_BIN = REPO_ROOT / ".venv" / "bin" / "kvscale"
+
+
+BUNDLED_MODEL = "smollm2-135m-instruct"
+
+
+def platform_inference_service(name: str, namespace: str, replicas: int, *, max_model_len: int = 2048,
+                               **spec: Any) -> dict[str, Any]:
+    """An InferenceService of the bundled model for the whole-platform tests: small enough for
+    several replicas on a 2-core machine, its GPU node kwok's; ``spec`` adds or replaces fields."""
+    return {
+        "apiVersion": "serving.kvscale.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"uri": f"bundled://{BUNDLED_MODEL}"},
+            "replicas": replicas,
+            "resources": {"gpus": 1, "cpu": "1", "memory": "2Gi"},
+            "engine": {"maxModelLen": max_model_len, "maxNumSeqs": 16, "maxNumBatchedTokens": 512,
+                       "dtype": "float32"},
+            "tolerations": [kwok_toleration()],
+            **spec,
+        },
+    }
 
 
 def install_operator(env: Any, namespace: str) -> None:

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from operator_helpers import install_operator
-from testenv import kwok_toleration, ready_pods
+from operator_helpers import install_operator, platform_inference_service
+from testenv import ready_pods
 
 from kvscale.metric_names import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
 from kvscale.processes import wait_until
@@ -40,21 +40,7 @@ def metric_value(text: str, name: str) -> float:
 
 
 def inference_service(name: str, replicas: int, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "serving.kvscale.io/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "model": {"uri": f"bundled://{MODEL}"},
-            "replicas": replicas,
-            # Small enough for several replicas on this machine; the GPU node is kwok's.
-            "resources": {"gpus": 1, "cpu": "1", "memory": "2Gi"},
-            "engine": {"maxModelLen": 2048, "maxNumSeqs": 16, "maxNumBatchedTokens": 512,
-                       "dtype": "float32"},
-            "tolerations": [kwok_toleration()],
-            **spec,
-        },
-    }
+    return platform_inference_service(name, NAMESPACE, replicas, **spec)
 
 
 @dataclass

@@ -19,8 +19,8 @@ from typing import Any
 import openai
 import pytest
 from custom_metrics import CustomMetrics, start_custom_metrics
-from operator_helpers import install_operator
-from testenv import find_or_build_prometheus_adapter, kwok_toleration, ready_pods
+from operator_helpers import install_operator, platform_inference_service
+from testenv import find_or_build_prometheus_adapter, ready_pods
 
 from kvscale.operator.hpa import CONCURRENCY_METRIC, horizontal_pod_autoscaler
 from kvscale.operator.spec import NAME_LABEL
@@ -77,22 +77,9 @@ class Cluster:
 
 
 def inference_service() -> dict[str, Any]:
-    return {
-        "apiVersion": "serving.kvscale.io/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": NAME, "namespace": NAMESPACE},
-        "spec": {
-            "model": {"uri": f"bundled://{MODEL}"},
-            "replicas": 1,
-            "resources": {"gpus": 1, "cpu": "1", "memory": "2Gi"},
-            "engine": {"maxModelLen": 1024, "maxNumSeqs": 16, "maxNumBatchedTokens": 512,
-                       "dtype": "float32"},
-            "tolerations": [kwok_toleration()],
-            # The HPA owns spec.replicas: the operator's own autoscaler stays off.
-            "autoscaling": {"enabled": False},
-            "router": {"replicas": 1},
-        },
-    }
+    # The HPA owns spec.replicas: the operator's own autoscaler stays off.
+    return platform_inference_service(NAME, NAMESPACE, 1, max_model_len=1024, autoscaling={"enabled": False},
+                                      router={"replicas": 1})
 
 
 @pytest.fixture(scope="module")

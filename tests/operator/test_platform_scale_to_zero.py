@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from operator_helpers import install_operator
-from testenv import kwok_toleration, ready_pods
+from operator_helpers import install_operator, platform_inference_service
+from testenv import ready_pods
 
 from kvscale.processes import wait_until
 
@@ -126,24 +126,14 @@ def cluster(process_cluster) -> Iterator[Cluster]:
     env = process_cluster.env
     install_operator(env, NAMESPACE)
     cluster = Cluster(process_cluster)
-    resource = {
-        "apiVersion": "serving.kvscale.io/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": NAME, "namespace": NAMESPACE},
-        "spec": {
-            "model": {"uri": f"bundled://{MODEL}"},
-            "replicas": 0,
-            "resources": {"gpus": 1, "cpu": "1", "memory": "2Gi"},
-            "engine": {"maxModelLen": 1024, "maxNumSeqs": 16, "maxNumBatchedTokens": 512,
-                       "dtype": "float32"},
-            "tolerations": [kwok_toleration()],
-            "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 1,
-                            "scaleToZeroAfterSeconds": IDLE_WINDOW_S,
-                            # A cold start on a shared 2-core machine, with room.
-                            "activationTimeoutSeconds": 400},
-            "router": {"replicas": 1},
-        },
-    }
+    resource = platform_inference_service(
+        NAME, NAMESPACE, 0, max_model_len=1024,
+        autoscaling={"enabled": True, "minReplicas": 0, "maxReplicas": 1,
+                     "scaleToZeroAfterSeconds": IDLE_WINDOW_S,
+                     # A cold start on a shared 2-core machine, with room.
+                     "activationTimeoutSeconds": 400},
+        router={"replicas": 1},
+    )
     env.kubectl("apply", "-f", "-", input=json.dumps(resource))
     wait_until(lambda: cluster.ready_pods(f"serving.kvscale.io/router={NAME}"), 240,
                interval=1.0, what="the router ready with no server")
