@@ -44,7 +44,8 @@ from kvscale.kernels.ops import KernelBackend
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_write_kv.c", "cpu_layer_ops.c", "cpu_threads.c")
+SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_write_kv.c", "cpu_layer_ops.c", "cpu_quantize.c",
+           "cpu_threads.c")
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are. It is a
 # compile flag only: linked with it, gcc adds crtfastmath.o, which switches the whole process to
@@ -85,6 +86,10 @@ _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     # x, row_stride, positions, cos_table, sin_table, table_stride, out, tokens, heads, head_dim,
     # is_bf16, num_threads
     "kvscale_rope": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I32, _I32]),
+    # x, rows, width, is_bf16, q, scales, num_threads
+    "kvscale_quantize_rows_u8": (None, [_PTR, _I64, _I64, _I32, _PTR, _PTR, _I32]),
+    # y, scales, bias, rows, width, out, out_bf16, num_threads
+    "kvscale_rescale_rows": (None, [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _I32, _I32]),
     # cpus, num_threads
     "kvscale_bind_threads": (ctypes.c_int, [_PTR, _I32]),
 }
@@ -322,6 +327,35 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
     lib.kvscale_rope(x.data_ptr(), x.stride(0), None, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
                      out.data_ptr(), tokens, heads, head_dim, int(x.dtype == torch.bfloat16),
                      torch.get_num_threads())
+    return out
+
+
+def quantize_rows_u8(x: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Each row of ``x`` ``[rows, width]`` quantized symmetrically to int8, stored +128 as uint8
+    (cpu_quantize.c says why), and the float32 scale of each row; None where the C kernels do not
+    apply."""
+    lib = _library()
+    if lib is None or not _fits(x) or x.dim() != 2:
+        return None
+    rows, width = x.shape
+    q = torch.empty((rows, width), dtype=torch.uint8)
+    scales = torch.empty(rows, dtype=torch.float32)
+    lib.kvscale_quantize_rows_u8(x.data_ptr(), rows, width, int(x.dtype == torch.bfloat16), q.data_ptr(),
+                                 scales.data_ptr(), torch.get_num_threads())
+    return q, scales
+
+
+def rescale_rows(y: Tensor, scales: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``(y * scales[:, None] + bias).to(dtype)`` for float32 ``y`` ``[rows, width]`` in one pass;
+    None where the C kernels do not apply."""
+    lib = _library()
+    if (lib is None or dtype not in (torch.float32, torch.bfloat16) or not _fits(y, scales)
+            or y.dtype != torch.float32 or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+        return None
+    rows, width = y.shape
+    out = torch.empty((rows, width), dtype=dtype)
+    lib.kvscale_rescale_rows(y.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(), rows, width,
+                             out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
     return out
 
 

@@ -125,3 +125,24 @@ def test_serve_with_int8_answers_through_the_openai_client() -> None:
         assert result.usage.completion_tokens == 4 and result.choices[0].text
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_prepacked_int8_gemm_gives_the_same_sums_as_int_mm(dtype: torch.dtype, monkeypatch) -> None:
+    from kvscale.server import quantization
+
+    if not quantization.onednn_int8():
+        pytest.fail("no oneDNN int8 path here (torch without qlinear ops, or a CPU without VNNI/AMX): "
+                    "the prepacked GEMM cannot be checked on this machine")
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(200, 576, generator=gen) * 0.05, torch.randn(200, generator=gen)
+    x = torch.randn(2, 32, 576, generator=gen).to(dtype)  # leading dims are flattened and kept
+    prepacked = Int8Linear(weight, bias)
+    monkeypatch.setattr(quantization, "onednn_int8", lambda: False)
+    plain = Int8Linear(weight, bias)
+    assert prepacked.prepacked and not plain.prepacked
+    got, expected = prepacked(x), plain(x)
+    assert got.shape == (2, 32, 200) and got.dtype == dtype
+    # The same integer sums; the activation codes may differ by one on a rounding boundary.
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-3,
+                               atol=2e-2)
