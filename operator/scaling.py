@@ -3,8 +3,8 @@ decision and the next state.
 
 Load is measured in replicas' worth of demand:
 
-    load = Σ occupancy / targetKVUsage + max(Σ waiting / targetQueueLength,
-                                             Σ queued prefill seconds / targetPrefillSeconds)
+    load = max(Σ occupancy / targetKVUsage + Σ waiting / targetQueueLength,
+               Σ queued prefill seconds / targetPrefillSeconds)
     occupancy = max(kv_usage, running / max_num_seqs)
     queued prefill seconds = prefill_tokens_waiting / prefill_tokens_per_s
 
@@ -17,14 +17,17 @@ KV-only signal then stays low while requests queue behind a full batch. Waiting 
 KV blocks or slots yet, so their demand adds to the occupancy rather than duplicating it. Each
 observation recommends ceil(load) replicas, bounded by min/max.
 
-The queue is counted two ways and the larger wins: in requests, and in seconds of prompt work
-(`kvscale:prefill_tokens_waiting / kvscale:prefill_tokens_per_s`, the replica's own measured rate:
-what a request arriving there waits for its first token behind the prompts ahead of it). A count
-of requests is blind to their length: eight waiting 200-token prompts and eight 8,000-token ones
-are the same queue to it, while the second is forty times the wait. Where prefill compute binds
-(long prompts, a slow replica) the seconds say so before the count does; with short prompts the
-count still speaks first. A replica that has not measured its rate yet takes the median of those
-that have; when none has, its prompt work counts as nothing (the request count still does).
+The second measure is prompt work: a replica's queued prefill in seconds
+(`kvscale:prefill_tokens_waiting / kvscale:prefill_tokens_per_s`, its own measured rate) is about
+what a request arriving there waits for its first token behind the prompts ahead of it, and the
+fleet wants enough replicas that this wait stays at targetPrefillSeconds. Slots, KV and a count of
+waiting requests are blind to prompt length: eight waiting 200-token prompts and eight
+8,000-token ones are the same queue to them, while the second is forty times the wait. Where
+prefill compute binds (long prompts, a slow replica) the seconds ask for more replicas than
+occupancy does; elsewhere occupancy does and the seconds change nothing. Either is enough to need
+that many replicas, so the load is the larger (not the sum: a queued prompt is both a waiting
+request and prefill work). A replica that has not measured its rate yet takes the median of
+those that have; when none has, its prompt work counts as nothing (occupancy still does).
 
 - Scale up to the smallest recommendation of the last scaleUpStabilizationSeconds (0: at once).
 - Scale down to the largest recommendation of the last scaleDownStabilizationSeconds, only once the
@@ -164,10 +167,9 @@ def estimate_load(pods: list[PodLoad], policy: AutoscalingPolicy) -> LoadEstimat
     scale = len(pods) / len(reported)  # missing pods carry the mean
     occupancy_total, waiting_total = occupancy_sum * scale, waiting_sum * scale
     prefill_total = prefill_sum * scale
-    # The same queue in two units (module docstring): the larger is the demand it stands for.
-    queued = max(waiting_total / policy.target_queue_length,
-                 prefill_total / policy.target_prefill_seconds)
-    load = occupancy_total / policy.target_kv_usage + queued
+    # Two measures of the replicas needed (module docstring); either suffices, so the larger.
+    load = max(occupancy_total / policy.target_kv_usage + waiting_total / policy.target_queue_length,
+               prefill_total / policy.target_prefill_seconds)
     return LoadEstimate(load=load, kv_usage=sum(p.kv_usage for p in reported) / len(reported),
                         occupancy=occupancy_sum / len(reported), waiting=waiting_total,
                         reported=len(reported), pods=len(pods), prefill_seconds=prefill_total)

@@ -96,19 +96,20 @@ def prompt_pod(name: str, waiting: float, prefill_tokens: float, rate: float | N
 
 def test_long_prompts_queued_count_in_seconds_of_prefill_not_in_requests():
     # Two waiting requests of 2,000 prompt tokens at 1,000 tokens/s: 4 s of prefill ahead of the
-    # next arrival. As a count they are a quarter of a replica (2 / 8); as work, 4 replicas' worth
-    # at targetPrefillSeconds 1.
+    # next arrival. Slots and count say 1 / 0.7 + 2 / 8 = 1.7 replicas; the work says 4 at
+    # targetPrefillSeconds 1, and either is enough to need them.
     pod = prompt_pod("p0", waiting=2, prefill_tokens=4000, rate=1000.0)
     estimate = estimate_load([pod], POLICY)
     assert estimate is not None
     assert estimate.prefill_seconds == 4.0
-    assert abs(estimate.load - (1.0 / 0.7 + 4.0)) < 1e-9
+    assert abs(estimate.load - 4.0) < 1e-9
     decision, _ = decide(0.0, [pod], 1, replace(POLICY, panic_threshold=10.0), AutoscalerState())
     assert decision.reason == "ScaleUp" and decision.replicas == 2  # +100 % per step
 
 
-def test_short_prompts_leave_the_request_count_in_charge():
-    # Eight waiting 50-token prompts at 1,000 tokens/s: 0.4 s of prefill, one replica as a count.
+def test_short_prompts_leave_occupancy_in_charge_and_are_not_counted_twice():
+    # Eight waiting 50-token prompts at 1,000 tokens/s: 0.4 s of prefill. The occupancy measure
+    # (a full batch, eight waiting) is larger and stands alone: the prompts are not added on top.
     estimate = estimate_load([prompt_pod("p0", waiting=8, prefill_tokens=400, rate=1000.0)], POLICY)
     assert estimate is not None
     assert abs(estimate.load - (1.0 / 0.7 + 8 / 8)) < 1e-9
