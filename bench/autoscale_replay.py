@@ -22,7 +22,8 @@ Workloads (the scaling is written next to every figure in the JSON and docs/benc
   minReplicas 0, scaleToZeroAfterSeconds 60; the others cannot go below one replica).
 
 Policies (bench.autoscale_sim): kvscale (the operator's rule, imported), hpa-concurrency,
-keda-queue, kpa-kv. SLO: TTFT within max(1 s, 4 x the median prompt's prefill time on one idle
+keda-queue, kpa-kv, all behind the same router (kvscale's own decision functions by default,
+`--router`). SLO: TTFT within max(1 s, 4 x the median prompt's prefill time on one idle
 replica) and TPOT within 3 x one decode step. The real HPA of kube-controller-manager through
 prometheus-adapter is a policy of level (a) only: `--level a` (bench.autoscale_platform) replays
 a compressed bursty trace on real replicas on the whole-platform runtime, policies `kvscale` and
@@ -43,6 +44,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.autoscale_sim import (
+    FEWEST_OPEN,
     Calibration,
     HpaPolicy,
     KpaPolicy,
@@ -53,6 +55,7 @@ from bench.autoscale_sim import (
 from bench.common import MOONCAKE_TRACE, REPO, RESULTS, machine, shared_data, write_result
 from bench.w3_policy_sim import SimRequest
 from kvscale.operator.spec import AutoscalingPolicy
+from kvscale.router.policy import DEFAULT_POLICY
 
 CALIBRATION = RESULTS / "autoscale_calibration.json"
 BLOCK = 16
@@ -206,11 +209,14 @@ def policies(workload: str, calibration: Calibration):
     kvscale = AutoscalingPolicy(enabled=True, min_replicas=0 if to_zero else 1,
                                 max_replicas=MAX_REPLICAS, scale_to_zero_after_seconds=60)
     concurrency_target = calibration.max_num_seqs / 2
-    # The rule's sensitivity to its queue target (8 is the CRD's default), same everything else.
-    variants = []
-    for queue in (4, 2, 1):
-        variant = KvscalePolicy(replace(kvscale, target_queue_length=queue))
-        variant.name = f"kvscale-queue{queue}"
+    # The rule without its prefill term (the queue in requests only: the rule before 2026-11-26),
+    # and its sensitivity to targetPrefillSeconds (1 s is the CRD's default), same everything else.
+    before = KvscalePolicy(replace(kvscale, target_prefill_seconds=math.inf))
+    before.name = "kvscale-requests-only"
+    variants = [before]
+    for seconds in (0.5, 2.0, 4.0):
+        variant = KvscalePolicy(replace(kvscale, target_prefill_seconds=seconds))
+        variant.name = f"kvscale-prefill{seconds:g}s"
         variants.append(variant)
     return [
         KvscalePolicy(kvscale),
@@ -260,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration", default=str(CALIBRATION))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--router", default=DEFAULT_POLICY,
+                        help=f"the fleet's router for every policy: a kvscale routing policy, or "
+                             f"{FEWEST_OPEN} (the replica with the fewest open requests, the stand-in "
+                             "before 2026-11-26)")
+    parser.add_argument("--step-tokens", type=int, default=None,
+                        help="what-if: the replicas' --max-num-batched-tokens instead of the "
+                             "calibration's 512 (the chunked-prefill budget)")
     parser.add_argument("--level", choices=("a", "b"), default="b",
                         help="a: real replicas on the whole-platform runtime (bench.autoscale_platform)")
     parser.add_argument("--policies", default="kvscale,hpa-real",
@@ -277,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                      args.calibration)
         print(json.dumps(measured, indent=2))
     calibration = load_calibration(Path(args.calibration))
+    if args.step_tokens:
+        calibration = replace(calibration, step_tokens=args.step_tokens)
     started = time.monotonic()
     results: dict = {}
     for workload in args.workloads.split(","):
@@ -290,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         for policy in policies(workload, calibration):
             begin = time.monotonic()
             outcome = simulate(requests, policy, calibration, start_replicas=1,
-                               hold_timeout_s=120.0)
+                               hold_timeout_s=120.0, router=args.router)
             figures = report(outcome, ttft_slo, tpot_slo, span)
             figures["sim_wall_s"] = round(time.monotonic() - begin, 1)
             if workload == "bursty":  # the x4 step at 60 s: how soon the first scale-up came
@@ -304,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{workload:9s} {policy.name:16s} SLO {figures['slo_attainment']:.3f} "
                   f"replica-s {figures['replica_seconds']:.0f} failed {figures['failed']} "
                   f"reversals/h {figures['reversals_per_hour']:.1f} "
+                  f"missed ttft/tpot/both {figures['missed_ttft_only']}/{figures['missed_tpot_only']}/"
+                  f"{figures['missed_both']} "
                   f"on-removed {figures['requests_on_removed_pods']} ({figures['sim_wall_s']} s)",
                   flush=True)
         base = entry["policies"]
@@ -317,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         results[workload] = entry
     out = {"benchmark": "autoscale_replay", "level": "b (simulated fleet, calibrated)",
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
-           "calibration": asdict(calibration), "results": results,
+           "calibration": asdict(calibration), "router": args.router, "results": results,
            "elapsed_s": round(time.monotonic() - started, 1)}
     plot(results, (Path(args.out) if args.out else RESULTS / "autoscale_replay.json").with_suffix(".png"))
     # The series behind the plot, compact, apart from the figures.

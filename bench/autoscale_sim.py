@@ -3,16 +3,21 @@
 Each replica is `bench.w3_policy_sim.SimReplica` (continuous batching, a token budget per step,
 an LRU prefix cache of the real pool's size), costed by a `Calibration` measured once on a real
 `kvscale serve` of the bundled model (`bench.autoscale_replay --calibrate`). The fleet adds:
-replicas that are ready a measured cold start after they are asked for; a router that sends each
-request to the ready replica with the fewest open requests and holds requests while none is ready
-(503 past the hold limit: a failed request); scale-in that drains a removed replica (its open
-requests finish; they are counted as "on removed pods").
+replicas that are ready a measured cold start after they are asked for; a router over the ready
+replicas that holds requests while none is ready (503 past the hold limit: a failed request);
+scale-in that drains a removed replica (its open requests finish; they are counted as "on removed
+pods"). The router is kvscale's own by default, the same for every policy (all of them would run
+behind it): `bench.w3_policy_sim.SimRouter`, the real decision functions of `kvscale.router.policy`
+with the router's default policy, fed each replica's queued prefill, decodes, prefix matches from
+an index that predicts a sent prompt's blocks for 10 s. `router="fewest-open"` is the earlier
+stand-in: the ready replica with the fewest open requests.
 
 Policies, each observing what it would observe in a cluster, on its own period:
 
 - `kvscale`: the operator's own rule, `kvscale.operator.scaling.decide`, imported (never
-  restated), fed PodLoads built from the replicas (active KV blocks, waiting, running) and the
-  router's Demand (held requests, idle time); scale-in removes the pod with the lowest
+  restated), fed PodLoads built from the replicas as their /metrics would report them (active KV
+  blocks, waiting, running, prompt tokens still to compute, the prefill rate once the replica has
+  prefilled) and the router's Demand (held requests, idle time); scale-in removes the pod with the lowest
   `kvscale.operator.deletion_cost.pod_cost`.
 - `hpa-concurrency`: the HorizontalPodAutoscaler's documented algorithm on average concurrency per
   pod (running + waiting), 15 s sync, tolerance 0.1, 300 s scale-down stabilization, scale-up at
@@ -32,10 +37,13 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from bench.w3_policy_sim import Costs, SimReplica, SimRequest
+from bench.w3_policy_sim import Costs, SimReplica, SimRequest, SimRouter
 from kvscale.operator import scaling
 from kvscale.operator.deletion_cost import pod_cost
 from kvscale.operator.spec import AutoscalingPolicy
+from kvscale.router.policy import DEFAULT_POLICY
+
+FEWEST_OPEN = "fewest-open"  # the earlier stand-in for the router
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,14 @@ class Outcome:
 
 # -- policies -----------------------------------------------------------------------------------
 
+def prefill_tokens_waiting(replica: SimReplica) -> int:
+    """As the engine reports it (server/engine_stats.py): a waiting prompt less the prefix its
+    cache holds now, plus what running requests have still to prefill."""
+    waiting = sum(max(r.prompt_tokens - replica._cached_prefix(r) * replica.block_size, 1)
+                  for r in replica.waiting)
+    return waiting + sum(r.to_prefill for r in replica.running)
+
+
 @dataclass
 class FleetView:
     now: float
@@ -101,7 +117,11 @@ class KvscalePolicy:
                                  kv_blocks_total=float(p.replica.num_blocks),
                                  num_requests_waiting=float(len(p.replica.waiting)),
                                  num_requests_running=float(len(p.replica.running)),
-                                 max_num_seqs=float(p.replica.costs.max_num_seqs))
+                                 max_num_seqs=float(p.replica.costs.max_num_seqs),
+                                 prefill_tokens_waiting=float(prefill_tokens_waiting(p.replica)),
+                                 # A replica measures its rate once it has prefilled something.
+                                 prefill_tokens_per_s=(p.replica.costs.prefill_tokens_per_s
+                                                       if p.replica.cache else 0.0))
                  for p in view.pods if p.ready(view.now)]
         decision, self.state = scaling.decide(
             view.now, loads, view.current, self.policy, self.state,
@@ -200,6 +220,7 @@ class KpaPolicy:
 class Fleet:
     calibration: Calibration
     hold_timeout_s: float
+    router: str = DEFAULT_POLICY  # a kvscale.router.policy name, or FEWEST_OPEN
     tick_s: float = 0.05
     pods: list[Pod] = field(default_factory=list)
     removed: list[Pod] = field(default_factory=list)
@@ -207,6 +228,11 @@ class Fleet:
     failed: int = 0
     on_removed: int = 0
     _names: int = 0
+    _router: SimRouter | None = None
+
+    def __post_init__(self) -> None:
+        if self.router != FEWEST_OPEN:
+            self._router = SimRouter(self.router, [], self.calibration.block_size, seed=0)
 
     def costs(self) -> Costs:
         c = self.calibration
@@ -216,6 +242,8 @@ class Fleet:
         self._names += 1
         replica = SimReplica(self._names, self.calibration.kv_blocks, self.calibration.block_size,
                              self.costs())
+        if self._router is not None:
+            replica.on_stored = self._router.stored  # its KV events reach the router's index
         ready = now + (self.calibration.cold_start_s if cold else 0.0)
         self.pods.append(Pod(f"pod-{self._names}", replica, now, ready))
 
@@ -230,7 +258,12 @@ class Fleet:
         if not ready:
             self.held.append(request)
             return
-        pod = min(ready, key=lambda p: (p.open_requests(), p.name))
+        if self._router is None:
+            pod = min(ready, key=lambda p: (p.open_requests(), p.name))
+        else:
+            self._router.replicas = [p.replica for p in ready]
+            chosen = self._router.route(request, now)
+            pod = next(p for p in ready if p.replica.index == chosen)
         request.replica = pod.replica.index
         pod.replica.waiting.append(request)
 
@@ -264,10 +297,10 @@ class Fleet:
 
 
 def simulate(requests: list[SimRequest], policy, calibration: Calibration, *, start_replicas: int,
-             hold_timeout_s: float, end: float | None = None) -> Outcome:
+             hold_timeout_s: float, end: float | None = None, router: str = DEFAULT_POLICY) -> Outcome:
     """Replay ``requests`` (sorted by arrival) through a fleet scaled by ``policy``."""
     requests = [replace(r, pinned=[]) for r in requests]  # a fresh copy: pinned is mutated
-    fleet = Fleet(calibration, hold_timeout_s)
+    fleet = Fleet(calibration, hold_timeout_s, router)
     for _ in range(start_replicas):
         fleet.add(0.0, cold=False)
     wanted = start_replicas
@@ -321,6 +354,10 @@ def report(outcome: Outcome, ttft_slo_s: float, tpot_slo_s: float, span_s: float
              for r in served]  # type: ignore[operator]
     within = sum(1 for r, tpot in zip(served, tpots, strict=True)
                  if r.first_token - r.arrival <= ttft_slo_s and tpot <= tpot_slo_s)  # type: ignore[operator]
+    # Which half of the SLO the served misses broke: TTFT is the scaler's and the router's to
+    # keep; TPOT also depends on the prefill chunks the engine interleaves with decodes.
+    late = [r.first_token - r.arrival > ttft_slo_s for r in served]  # type: ignore[operator]
+    slow = [tpot > tpot_slo_s for tpot in tpots]
     total = len(outcome.requests)
 
     def q(values: list[float], p: float) -> float:
@@ -330,6 +367,10 @@ def report(outcome: Outcome, ttft_slo_s: float, tpot_slo_s: float, span_s: float
         "requests": total,
         "slo_attainment": within / total if total else float("nan"),
         "ttft_p50_s": q(ttfts, 0.5), "ttft_p90_s": q(ttfts, 0.9), "ttft_p99_s": q(ttfts, 0.99),
+        "missed_ttft_only": sum(a and not b for a, b in zip(late, slow, strict=True)),
+        "missed_tpot_only": sum(b and not a for a, b in zip(late, slow, strict=True)),
+        "missed_both": sum(a and b for a, b in zip(late, slow, strict=True)),
+        "tpot_p50_s": q(sorted(tpots), 0.5),
         "replica_seconds": outcome.replica_seconds,
         "failed": outcome.failed + (total - len(served) - outcome.failed),
         "reversals_per_hour": reversals(outcome.decisions) * 3600.0 / span_s,

@@ -51,7 +51,7 @@ import json
 import random
 import statistics
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,7 +313,8 @@ class SimRouter:
         self.block_size = block_size
         self.rng = random.Random(seed)
         self.counter = 0
-        self.predicted: list[dict[int, float]] = [{} for _ in replicas]
+        # By replica index (a fleet that scales adds replicas with new indices): hash -> until when.
+        self.predicted: defaultdict[int, dict[int, float]] = defaultdict(dict)
         self.hot = HotBlocks()  # as the real Decider keeps it: the room a cold prompt may take
 
     def stored(self, replica: int, hashes: list[int]) -> None:
@@ -366,8 +367,9 @@ class SimRouter:
         req.predicted_ttft_s = decision.uncalibrated_ttft_s
         self.hot.sent(decision.ranked[0], req.hashes, now)
         if routing.uses_prefix(name):
+            cache = next(rep.cache for rep in self.replicas if rep.index == chosen)
             for h in req.hashes:
-                if h not in self.replicas[chosen].cache:  # the real index predicts only what it has not confirmed
+                if h not in cache:  # the real index predicts only what it has not confirmed
                     self.predicted[chosen][h] = now + 10.0
         return chosen
 

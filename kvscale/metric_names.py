@@ -86,6 +86,13 @@ KV_BLOCKS_CACHED = Metric(
 MAX_NUM_SEQS = Metric(
     "kvscale:max_num_seqs", GAUGE,
     "Sequences the engine batches at once at most (--max-num-seqs): the batch slots.", _M)
+# The autoscaler's prefill signal: queued prompt work in seconds is the first over the second.
+PREFILL_TOKENS_WAITING = Metric(
+    "kvscale:prefill_tokens_waiting", GAUGE,
+    "Prompt tokens queued or mid-prefill that the engine must still compute (cached prefixes excluded).", _M)
+PREFILL_TOKENS_PER_S = Metric(
+    "kvscale:prefill_tokens_per_s", GAUGE,
+    "Measured prefill rate: moving average over recent steps that prefilled; 0 until measured.", _M)
 KV_BLOCKS_EVICTED = Metric(
     "kvscale:kv_blocks_evicted", COUNTER,
     "Cached KV blocks whose prefix was dropped to make room for new data.", _M)
@@ -155,7 +162,8 @@ SERVER_METRICS = (
     NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS, NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, TTFT,
     ITL, E2E_LATENCY, QUEUE_TIME, CACHE_CONFIG_INFO, KV_BLOCKS_TOTAL, KV_BLOCKS_ACTIVE,
-    KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, MAX_NUM_SEQS, HTTP_REQUESTS,
+    KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, MAX_NUM_SEQS, PREFILL_TOKENS_WAITING, PREFILL_TOKENS_PER_S,
+    HTTP_REQUESTS,
     STRUCTURED_REQUESTS, STRUCTURED_COMPILE_SECONDS, STRUCTURED_COMPILE_CACHE_HITS, STRUCTURED_REFUSALS,
     STRUCTURED_MASK_SECONDS, STRUCTURED_MASK_STEPS, STRUCTURED_FORCED_TOKENS, TOOL_CALL_PARSE_FAILURES, UNKNOWN_REQUEST_FIELDS,
     KV_OFFLOAD_BYTES, KV_OFFLOAD_TIME, EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS,

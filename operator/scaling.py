@@ -3,8 +3,10 @@ decision and the next state.
 
 Load is measured in replicas' worth of demand:
 
-    load = Σ occupancy / targetKVUsage + Σ waiting / targetQueueLength
+    load = max(Σ occupancy / targetKVUsage + Σ waiting / targetQueueLength,
+               Σ queued prefill seconds / targetPrefillSeconds)
     occupancy = max(kv_usage, running / max_num_seqs)
+    queued prefill seconds = prefill_tokens_waiting / prefill_tokens_per_s
 
 where kv_usage is a pod's share of KV blocks held by live requests (`kvscale:kv_blocks_active /
 kvscale:kv_blocks_total`), running / max_num_seqs its share of batch slots in use
@@ -14,6 +16,18 @@ first, on a CPU replica (a pool of thousands of blocks, a batch of 16) the batch
 KV-only signal then stays low while requests queue behind a full batch. Waiting requests hold no
 KV blocks or slots yet, so their demand adds to the occupancy rather than duplicating it. Each
 observation recommends ceil(load) replicas, bounded by min/max.
+
+The second measure is prompt work: a replica's queued prefill in seconds
+(`kvscale:prefill_tokens_waiting / kvscale:prefill_tokens_per_s`, its own measured rate) is about
+what a request arriving there waits for its first token behind the prompts ahead of it, and the
+fleet wants enough replicas that this wait stays at targetPrefillSeconds. Slots, KV and a count of
+waiting requests are blind to prompt length: eight waiting 200-token prompts and eight
+8,000-token ones are the same queue to them, while the second is forty times the wait. Where
+prefill compute binds (long prompts, a slow replica) the seconds ask for more replicas than
+occupancy does; elsewhere occupancy does and the seconds change nothing. Either is enough to need
+that many replicas, so the load is the larger (not the sum: a queued prompt is both a waiting
+request and prefill work). A replica that has not measured its rate yet takes the median of
+those that have; when none has, its prompt work counts as nothing (occupancy still does).
 
 - Scale up to the smallest recommendation of the last scaleUpStabilizationSeconds (0: at once).
 - Scale down to the largest recommendation of the last scaleDownStabilizationSeconds, only once the
@@ -57,6 +71,8 @@ class PodLoad:
     num_requests_running: float | None = None
     kv_blocks_cached: float | None = None  # free blocks still holding a reusable prefix
     max_num_seqs: float | None = None  # batch slots; None from a server that does not say
+    prefill_tokens_waiting: float | None = None  # prompt tokens still to compute there
+    prefill_tokens_per_s: float | None = None  # its measured prefill rate (0/None: unmeasured)
     error: str = ""
 
     @property
@@ -111,6 +127,7 @@ class LoadEstimate:
     waiting: float   # total, missing pods extrapolated
     reported: int
     pods: int
+    prefill_seconds: float = 0.0  # queued prompt work, total, missing pods extrapolated
 
 
 @dataclass(frozen=True)
@@ -124,18 +141,38 @@ class ScaleDecision:
     panic: bool = False
 
 
+def prefill_seconds(pods: list[PodLoad]) -> list[float]:
+    """Each pod's queued prompt work in seconds at its own measured rate; a pod that has not
+    measured one yet (a new replica) borrows the median of those that have."""
+    measured = sorted(rate for p in pods if (rate := p.prefill_tokens_per_s))
+    fallback = 0.0
+    if measured:
+        middle = len(measured) // 2
+        fallback = (measured[middle] if len(measured) % 2
+                    else (measured[middle - 1] + measured[middle]) / 2)
+    out = []
+    for p in pods:
+        rate = p.prefill_tokens_per_s or fallback
+        out.append(max(0.0, p.prefill_tokens_waiting or 0.0) / rate if rate > 0 else 0.0)
+    return out
+
+
 def estimate_load(pods: list[PodLoad], policy: AutoscalingPolicy) -> LoadEstimate | None:
     reported = [p for p in pods if p.has_metrics]
     if not reported:
         return None
     occupancy_sum = sum(p.occupancy for p in reported)
     waiting_sum = sum(p.num_requests_waiting or 0.0 for p in reported)
+    prefill_sum = sum(prefill_seconds(reported))
     scale = len(pods) / len(reported)  # missing pods carry the mean
     occupancy_total, waiting_total = occupancy_sum * scale, waiting_sum * scale
-    load = occupancy_total / policy.target_kv_usage + waiting_total / policy.target_queue_length
+    prefill_total = prefill_sum * scale
+    # Two measures of the replicas needed (module docstring); either suffices, so the larger.
+    load = max(occupancy_total / policy.target_kv_usage + waiting_total / policy.target_queue_length,
+               prefill_total / policy.target_prefill_seconds)
     return LoadEstimate(load=load, kv_usage=sum(p.kv_usage for p in reported) / len(reported),
                         occupancy=occupancy_sum / len(reported), waiting=waiting_total,
-                        reported=len(reported), pods=len(pods))
+                        reported=len(reported), pods=len(pods), prefill_seconds=prefill_total)
 
 
 def clamp(replicas: int, policy: AutoscalingPolicy) -> int:
@@ -225,7 +262,8 @@ def decide_by_load(
     panic = any(o.load >= policy.panic_threshold * max(o.replicas, 1) for o in panic_window)
     summary = (f"load {estimate.load:.2f} replicas (occupancy {estimate.occupancy:.0%}, "
                f"KV usage {estimate.kv_usage:.0%}, "
-               f"{estimate.waiting:.0f} waiting, {estimate.reported}/{estimate.pods} pods reported)")
+               f"{estimate.waiting:.0f} waiting, {estimate.prefill_seconds:.1f} s of prefill queued, "
+               f"{estimate.reported}/{estimate.pods} pods reported)")
 
     if panic:
         target = max(current, max(recommend(o.load, policy) for o in panic_window))

@@ -28,8 +28,10 @@ NUM_REQUESTS_WAITING = names.NUM_REQUESTS_WAITING.series
 NUM_REQUESTS_RUNNING = names.NUM_REQUESTS_RUNNING.series
 KV_BLOCKS_CACHED = names.KV_BLOCKS_CACHED.series
 MAX_NUM_SEQS = names.MAX_NUM_SEQS.series
+PREFILL_TOKENS_WAITING = names.PREFILL_TOKENS_WAITING.series
+PREFILL_TOKENS_PER_S = names.PREFILL_TOKENS_PER_S.series
 WANTED = (KV_BLOCKS_ACTIVE, KV_BLOCKS_TOTAL, NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING,
-          KV_BLOCKS_CACHED, MAX_NUM_SEQS)
+          KV_BLOCKS_CACHED, MAX_NUM_SEQS, PREFILL_TOKENS_WAITING, PREFILL_TOKENS_PER_S)
 METRICS_URL_ANNOTATION = "serving.kvscale.io/metrics-url"
 
 
@@ -87,6 +89,8 @@ def scrape_pod(client: httpx.Client, pod_name: str, url: str | None) -> PodLoad:
         num_requests_running=values.get(NUM_REQUESTS_RUNNING, 0.0),
         kv_blocks_cached=values.get(KV_BLOCKS_CACHED, 0.0),
         max_num_seqs=values.get(MAX_NUM_SEQS),
+        prefill_tokens_waiting=values.get(PREFILL_TOKENS_WAITING),
+        prefill_tokens_per_s=values.get(PREFILL_TOKENS_PER_S),
         error=f"missing {', '.join(missing)}" if missing else "",
     )
 

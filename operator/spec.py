@@ -90,6 +90,9 @@ class AutoscalingPolicy:
     max_replicas: int = 4
     target_kv_usage: float = 0.7
     target_queue_length: int = 8
+    # Seconds of queued prompt work (prefill tokens waiting / the replica's measured prefill rate)
+    # one more replica is worth: about the wait for a first token behind other prompts.
+    target_prefill_seconds: float = 1.0
     scale_up_stabilization_seconds: int = 0
     scale_down_stabilization_seconds: int = 300
     panic_window_seconds: int = 6
@@ -201,6 +204,8 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
             max_replicas=int(autoscaling.get("maxReplicas", a.max_replicas)),
             target_kv_usage=float(autoscaling.get("targetKVUsage", a.target_kv_usage)),
             target_queue_length=int(autoscaling.get("targetQueueLength", a.target_queue_length)),
+            target_prefill_seconds=float(
+                autoscaling.get("targetPrefillSeconds", a.target_prefill_seconds)),
             scale_up_stabilization_seconds=int(
                 autoscaling.get("scaleUpStabilizationSeconds", a.scale_up_stabilization_seconds)),
             scale_down_stabilization_seconds=int(

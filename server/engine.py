@@ -214,13 +214,13 @@ class LLMEngine:
             self._observe_rates(self.num_prompt_tokens_computed - prompt_before)
 
     def _observe_rates(self, prompt_tokens: int) -> None:
-        """Prefill and copy rates for the swap-or-recompute choice (host tier only)."""
-        host_cache = self.runner.host_cache
-        if host_cache is None:
-            return
+        """The prefill rate (/metrics: the autoscaler's queued prefill seconds; the host tier's
+        swap-or-recompute choice) and, with a host tier, its copy rate."""
         decoding = sum(1 for seq in self.scheduler.running if seq.num_computed_tokens >= seq.num_prompt_tokens)
         self.scheduler.step_rates.observe(self.last_step_s, prompt_tokens, decoding)
-        self.scheduler.copy_bytes_per_s = host_cache.counters.copy_bytes_per_s
+        host_cache = self.runner.host_cache
+        if host_cache is not None:
+            self.scheduler.copy_bytes_per_s = host_cache.counters.copy_bytes_per_s
 
     def _step(self) -> list[RequestOutput]:
         refused = self._admit_compiled()

@@ -49,6 +49,8 @@ def engine_stats(
         "last_step_s": last_step_s,
         "max_num_batched_tokens": float(scheduler.max_num_batched_tokens),
         "max_num_seqs": float(scheduler.max_num_seqs),
+        # With prefill_tokens_waiting, the seconds of prompt work queued here (the autoscaler's).
+        "prefill_tokens_per_s": scheduler.step_rates.prefill_tokens_per_s,
         "num_decoding": float(num_decoding),
         "kv_blocks_evicted_total": float(pool.num_evicted),
         "enable_prefix_caching": float(kv.enable_prefix_caching),

@@ -76,6 +76,8 @@ class _EngineStatsCollector(Collector):
         yield family(names.KV_BLOCKS_CACHED, stats.kv_blocks_cached)
         yield family(names.KV_BLOCKS_EVICTED, stats.extra.get("kv_blocks_evicted_total", 0.0))
         yield family(names.MAX_NUM_SEQS, stats.extra.get("max_num_seqs", 0.0))
+        yield family(names.PREFILL_TOKENS_WAITING, stats.extra.get("prefill_tokens_waiting", 0.0))
+        yield family(names.PREFILL_TOKENS_PER_S, stats.extra.get("prefill_tokens_per_s", 0.0))
         yield family(names.STRUCTURED_MASK_SECONDS, stats.extra.get("structured_mask_seconds_total", 0.0))
         yield family(names.STRUCTURED_MASK_STEPS, stats.extra.get("structured_mask_steps_total", 0.0))
         yield family(names.STRUCTURED_FORCED_TOKENS, stats.extra.get("structured_forced_tokens_total", 0.0))

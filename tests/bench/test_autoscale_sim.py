@@ -35,3 +35,29 @@ def test_a_burst_scales_up_and_reversals_count_direction_changes() -> None:
                        hold_timeout_s=120.0)
     assert max(to for _, _, to in outcome.decisions) > 1 and outcome.failed == 0
     assert reversals([(0, 1, 2), (1, 2, 3), (2, 3, 1), (3, 1, 2)]) == 2
+
+
+def test_the_fleet_routes_through_kvscales_router_and_kvscale_sees_prefill_work() -> None:
+    from bench.autoscale_sim import FEWEST_OPEN, Fleet, prefill_tokens_waiting
+    from bench.w3_policy_sim import SimRequest
+
+    def request(rid: int, output: int) -> SimRequest:
+        hashes = [700 + i for i in range(8)] + [10_000 + rid]  # 128 shared tokens + 16 of its own
+        return SimRequest(rid, 0.0, hashes, 144, output)
+
+    waiting = {}
+    for router in ("predicted-ttft", FEWEST_OPEN):
+        fleet = Fleet(CAL, hold_timeout_s=60.0, router=router)
+        fleet.add(0.0, cold=False)
+        fleet.add(0.0, cold=False)
+        first = request(0, output=200)
+        fleet.route(0.0, first)
+        fleet.run_pods(1.0)  # prefilled and still decoding: its prefix is cached there
+        second = request(1, output=4)
+        fleet.route(1.0, second)
+        # kvscale's router sends the prefix back to its holder; the stand-in to the emptier one.
+        assert (second.replica == first.replica) is (router != FEWEST_OPEN), router
+        pod = next(p for p in fleet.pods if p.replica.index == second.replica)
+        waiting[router] = prefill_tokens_waiting(pod.replica)
+    # As the engine reports it: the waiting prompt less what that replica's cache holds.
+    assert waiting == {"predicted-ttft": 16, FEWEST_OPEN: 144}

@@ -69,6 +69,14 @@ def test_server_metrics_export_the_contract_and_cache_config_info() -> None:
     assert "kvscale:kv_blocks_evicted_total{model_name=\"m\"} 3.0" in text
 
 
+def test_server_metrics_carry_the_queued_prefill_work_and_the_measured_rate() -> None:
+    # What the autoscaler divides: seconds of prompt work queued on the replica.
+    extra = {"prefill_tokens_waiting": 1024.0, "prefill_tokens_per_s": 256.0}
+    text = ServerMetrics("m", lambda: stats(extra=extra)).render().decode()
+    assert 'kvscale:prefill_tokens_waiting{model_name="m"} 1024.0' in text
+    assert 'kvscale:prefill_tokens_per_s{model_name="m"} 256.0' in text
+
+
 def test_http_status_middleware_counts_by_route_and_status() -> None:
     metrics = ServerMetrics("m", lambda: None)
 

@@ -62,6 +62,8 @@ class PodMetrics:
     kv_blocks_cached: float = 0.0
     kv_blocks_total: float = 1000.0
     num_requests_waiting: float = 0.0
+    prefill_tokens_waiting: float = 0.0
+    prefill_tokens_per_s: float = 0.0
     delay_s: float = 0.0
     status: int = 200
     omit_kv: bool = False
@@ -79,6 +81,8 @@ class _Collector:
 
         yield gauge("vllm:num_requests_waiting", self.metrics.num_requests_waiting)
         yield gauge("vllm:num_requests_running", 1.0)
+        yield gauge("kvscale:prefill_tokens_waiting", self.metrics.prefill_tokens_waiting)
+        yield gauge("kvscale:prefill_tokens_per_s", self.metrics.prefill_tokens_per_s)
         if not self.metrics.omit_kv:
             yield gauge("kvscale:kv_blocks_total", self.metrics.kv_blocks_total)
             yield gauge("kvscale:kv_blocks_active", self.metrics.kv_blocks_active)

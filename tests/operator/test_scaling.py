@@ -86,6 +86,54 @@ def test_a_full_batch_scales_up_though_kv_usage_is_low():
     assert (kv_only.replicas, kv_only.reason) == (1, "Stable")
 
 
+def prompt_pod(name: str, waiting: float, prefill_tokens: float, rate: float | None,
+               running: float = 16.0) -> PodLoad:
+    """A busy replica with ``waiting`` requests holding ``prefill_tokens`` of prompt work."""
+    return PodLoad(name, kv_blocks_active=0.1 * TOTAL, kv_blocks_total=TOTAL,
+                   num_requests_running=running, num_requests_waiting=waiting, max_num_seqs=16.0,
+                   prefill_tokens_waiting=prefill_tokens, prefill_tokens_per_s=rate)
+
+
+def test_long_prompts_queued_count_in_seconds_of_prefill_not_in_requests():
+    # Two waiting requests of 2,000 prompt tokens at 1,000 tokens/s: 4 s of prefill ahead of the
+    # next arrival. Slots and count say 1 / 0.7 + 2 / 8 = 1.7 replicas; the work says 4 at
+    # targetPrefillSeconds 1, and either is enough to need them.
+    pod = prompt_pod("p0", waiting=2, prefill_tokens=4000, rate=1000.0)
+    estimate = estimate_load([pod], POLICY)
+    assert estimate is not None
+    assert estimate.prefill_seconds == 4.0
+    assert abs(estimate.load - 4.0) < 1e-9
+    decision, _ = decide(0.0, [pod], 1, replace(POLICY, panic_threshold=10.0), AutoscalerState())
+    assert decision.reason == "ScaleUp" and decision.replicas == 2  # +100 % per step
+
+
+def test_short_prompts_leave_occupancy_in_charge_and_are_not_counted_twice():
+    # Eight waiting 50-token prompts at 1,000 tokens/s: 0.4 s of prefill. The occupancy measure
+    # (a full batch, eight waiting) is larger and stands alone: the prompts are not added on top.
+    estimate = estimate_load([prompt_pod("p0", waiting=8, prefill_tokens=400, rate=1000.0)], POLICY)
+    assert estimate is not None
+    assert abs(estimate.load - (1.0 / 0.7 + 8 / 8)) < 1e-9
+
+
+def test_prefill_seconds_use_each_pods_own_rate_and_the_median_for_an_unmeasured_one():
+    slow = prompt_pod("slow", waiting=1, prefill_tokens=500, rate=250.0)   # 2 s
+    fast = prompt_pod("fast", waiting=1, prefill_tokens=500, rate=1000.0)  # 0.5 s
+    new = prompt_pod("new", waiting=1, prefill_tokens=500, rate=0.0)       # median 625/s: 0.8 s
+    estimate = estimate_load([slow, fast, new], POLICY)
+    assert estimate is not None and abs(estimate.prefill_seconds - 3.3) < 1e-9
+    # No pod measured yet (a service that just started): the prompt work cannot be timed, the
+    # request count still counts.
+    unmeasured = estimate_load([prompt_pod("p0", waiting=4, prefill_tokens=9000, rate=None)], POLICY)
+    assert unmeasured is not None and unmeasured.prefill_seconds == 0.0
+    assert abs(unmeasured.load - (1.0 / 0.7 + 4 / 8)) < 1e-9
+
+
+def test_prefill_seconds_of_a_pod_without_metrics_are_extrapolated():
+    estimate = estimate_load([prompt_pod("p0", waiting=0, prefill_tokens=1000, rate=1000.0),
+                              PodLoad("p1", error="scrape timed out")], POLICY)
+    assert estimate is not None and estimate.prefill_seconds == 2.0
+
+
 def test_steady_load_keeps_replicas():
     # 3 pods at exactly the target: ceil(3 * 0.7 / 0.7) = 3, never 4 through float rounding.
     history, decisions = replay([pods([0.7, 0.7, 0.7])] * 60, start=3)

@@ -47,13 +47,18 @@ def test_parse_sums_over_label_sets():
         "vllm:num_requests_waiting 3\n"
         "vllm:num_requests_running 9\n"
         'kvscale:max_num_seqs{model_name="a"} 16\n'
+        'kvscale:prefill_tokens_waiting{model_name="a"} 512\n'
+        'kvscale:prefill_tokens_per_s{model_name="a"} 256.5\n'
     )
     assert parse_metrics(text) == {"kvscale:kv_blocks_active": 15.0,
                                    "kvscale:kv_blocks_total": 100.0,
                                    "vllm:num_requests_waiting": 3.0,
                                    # scale to zero: a pod busy around the routers is not idle
                                    "vllm:num_requests_running": 9.0,
-                                   "kvscale:max_num_seqs": 16.0}
+                                   "kvscale:max_num_seqs": 16.0,
+                                   # the queued prefill seconds: tokens / the measured rate
+                                   "kvscale:prefill_tokens_waiting": 512.0,
+                                   "kvscale:prefill_tokens_per_s": 256.5}
 
 
 def test_override_is_honoured_only_when_allowed():
@@ -64,7 +69,8 @@ def test_override_is_honoured_only_when_allowed():
 
 
 def test_scrape_ready_pods_in_parallel_with_timeouts_and_errors(endpoints):
-    busy = endpoints(kv_blocks_active=800, kv_blocks_total=1000, num_requests_waiting=4)
+    busy = endpoints(kv_blocks_active=800, kv_blocks_total=1000, num_requests_waiting=4,
+                     prefill_tokens_waiting=600, prefill_tokens_per_s=300)
     slow = endpoints(delay_s=3.0)
     broken = endpoints(status=500)
     silent = endpoints(omit_kv=True)
@@ -77,6 +83,7 @@ def test_scrape_ready_pods_in_parallel_with_timeouts_and_errors(endpoints):
     assert set(loads) == {"busy", "slow", "broken", "silent"}  # not-ready pods are not scraped
     assert loads["busy"].has_metrics and loads["busy"].kv_usage == pytest.approx(0.8)
     assert loads["busy"].num_requests_waiting == 4
+    assert (loads["busy"].prefill_tokens_waiting, loads["busy"].prefill_tokens_per_s) == (600, 300)
     assert loads["slow"].error == "scrape timed out" and not loads["slow"].has_metrics
     assert loads["broken"].error == "HTTP 500"
     assert "kvscale:kv_blocks_active" in loads["silent"].error

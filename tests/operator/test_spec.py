@@ -48,6 +48,7 @@ def test_python_defaults_match_the_crd_defaults():
         "enabled": autoscaling.enabled, "minReplicas": autoscaling.min_replicas,
         "maxReplicas": autoscaling.max_replicas, "targetKVUsage": autoscaling.target_kv_usage,
         "targetQueueLength": autoscaling.target_queue_length,
+        "targetPrefillSeconds": autoscaling.target_prefill_seconds,
         "scaleUpStabilizationSeconds": autoscaling.scale_up_stabilization_seconds,
         "scaleDownStabilizationSeconds": autoscaling.scale_down_stabilization_seconds,
         "panicWindowSeconds": autoscaling.panic_window_seconds,

@@ -24,3 +24,15 @@ def test_waiting_prefill_tokens_leave_out_what_the_prefix_cache_already_holds(ma
     assert extra["num_decoding"] == 1
     assert extra["max_num_batched_tokens"] == 512
     assert extra["last_step_s"] > 0
+
+
+def test_the_prefill_rate_is_measured_without_a_host_tier(make_engine):
+    # The autoscaler divides prefill_tokens_waiting by it (kvscale:prefill_tokens_per_s); it used
+    # to be measured only for the host tier's swap-or-recompute choice, so it read 0 elsewhere.
+    engine = make_engine(max_num_seqs=2, max_num_batched_tokens=512, block_size=16)
+    assert engine.get_stats().extra["prefill_tokens_per_s"] == 0.0  # unmeasured
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("a", list(range(1000, 1096)), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats().extra["prefill_tokens_per_s"] > 0
