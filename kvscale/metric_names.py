@@ -244,8 +244,8 @@ ROUTER_FALLBACK_REASONS = ("no_tokenizer", "untokenizable", "redis_down")
 _IS = ("namespace", "inferenceservice")
 OPERATOR_LOAD = Metric(
     "kvscale_operator_autoscaler_load", GAUGE,
-    "The autoscaler's signal: demand in replicas' worth (KV usage / target + waiting / target).",
-    _IS)
+    "The autoscaler's signal: demand in replicas' worth, the larger of occupancy / targetKVUsage "
+    "+ waiting / targetQueueLength and queued prefill seconds / targetPrefillSeconds.", _IS)
 OPERATOR_KV_USAGE = Metric(
     "kvscale_operator_autoscaler_kv_usage", GAUGE,
     "Mean share of KV blocks held by live requests over the pods that reported.", _IS)
@@ -256,11 +256,20 @@ OPERATOR_OCCUPANCY = Metric(
 OPERATOR_WAITING = Metric(
     "kvscale_operator_autoscaler_waiting_requests", GAUGE,
     "Waiting requests over all pods (missing pods extrapolated).", _IS)
+# The load's second measure (operator/scaling.py): prompt work queued, timed at each pod's rate.
+OPERATOR_PREFILL_SECONDS = Metric(
+    "kvscale_operator_autoscaler_prefill_seconds", GAUGE,
+    "Seconds of queued prefill over all pods (per pod kvscale:prefill_tokens_waiting / its "
+    "kvscale:prefill_tokens_per_s; missing pods extrapolated): the signal compared with "
+    "targetPrefillSeconds.", _IS)
 OPERATOR_TARGET_KV_USAGE = Metric(
     "kvscale_operator_autoscaler_target_kv_usage", GAUGE, "spec.autoscaling.targetKVUsage.", _IS)
 OPERATOR_TARGET_QUEUE = Metric(
     "kvscale_operator_autoscaler_target_queue_length", GAUGE,
     "spec.autoscaling.targetQueueLength.", _IS)
+OPERATOR_TARGET_PREFILL_SECONDS = Metric(
+    "kvscale_operator_autoscaler_target_prefill_seconds", GAUGE,
+    "spec.autoscaling.targetPrefillSeconds.", _IS)
 OPERATOR_PANIC = Metric(
     "kvscale_operator_autoscaler_panic", GAUGE, "1 while the autoscaler is in panic mode.", _IS)
 OPERATOR_DESIRED = Metric(
@@ -291,8 +300,8 @@ OPERATOR_COLD_START_SECONDS = Metric(
     "The last scale from zero: from the activation to the first ready replica.", _IS)
 
 OPERATOR_METRICS = (
-    OPERATOR_LOAD, OPERATOR_KV_USAGE, OPERATOR_OCCUPANCY, OPERATOR_WAITING, OPERATOR_TARGET_KV_USAGE,
-    OPERATOR_TARGET_QUEUE, OPERATOR_PANIC, OPERATOR_DESIRED, OPERATOR_CURRENT, OPERATOR_READY,
+    OPERATOR_LOAD, OPERATOR_KV_USAGE, OPERATOR_OCCUPANCY, OPERATOR_WAITING, OPERATOR_PREFILL_SECONDS,
+    OPERATOR_TARGET_KV_USAGE, OPERATOR_TARGET_QUEUE, OPERATOR_TARGET_PREFILL_SECONDS, OPERATOR_PANIC, OPERATOR_DESIRED, OPERATOR_CURRENT, OPERATOR_READY,
     OPERATOR_MIN, OPERATOR_MAX, OPERATOR_SCALE_DECISIONS, OPERATOR_RECONCILE_ERRORS,
     OPERATOR_HELD_REQUESTS, OPERATOR_COLD_START_SECONDS,
 )

@@ -49,8 +49,10 @@ class OperatorMetrics:
         self.kv_usage = register(names.OPERATOR_KV_USAGE, r)
         self.occupancy = register(names.OPERATOR_OCCUPANCY, r)
         self.waiting = register(names.OPERATOR_WAITING, r)
+        self.prefill_seconds = register(names.OPERATOR_PREFILL_SECONDS, r)
         self.target_kv_usage = register(names.OPERATOR_TARGET_KV_USAGE, r)
         self.target_queue = register(names.OPERATOR_TARGET_QUEUE, r)
+        self.target_prefill = register(names.OPERATOR_TARGET_PREFILL_SECONDS, r)
         self.panic = register(names.OPERATOR_PANIC, r)
         self.desired = register(names.OPERATOR_DESIRED, r)
         self.current = register(names.OPERATOR_CURRENT, r)
@@ -61,8 +63,9 @@ class OperatorMetrics:
         self.reconcile_errors = register(names.OPERATOR_RECONCILE_ERRORS, r)
         self.held = register(names.OPERATOR_HELD_REQUESTS, r)
         self.cold_start = register(names.OPERATOR_COLD_START_SECONDS, r)
-        self._per_service = (self.load, self.kv_usage, self.occupancy, self.waiting, self.target_kv_usage,
-                             self.target_queue, self.panic, self.desired, self.current,
+        self._per_service = (self.load, self.kv_usage, self.occupancy, self.waiting,
+                             self.prefill_seconds, self.target_kv_usage, self.target_queue,
+                             self.target_prefill, self.panic, self.desired, self.current,
                              self.ready, self.min_replicas, self.max_replicas, self.held,
                              self.cold_start)
         self._known: dict[str, tuple[str, str]] = {}  # uid -> (namespace, name)
@@ -88,6 +91,7 @@ class OperatorMetrics:
         key = (namespace, name)
         self.target_kv_usage.labels(*key).set(policy.target_kv_usage)
         self.target_queue.labels(*key).set(policy.target_queue_length)
+        self.target_prefill.labels(*key).set(policy.target_prefill_seconds)
         if policy.enabled:
             self.min_replicas.labels(*key).set(policy.min_replicas)
             self.max_replicas.labels(*key).set(policy.max_replicas)
@@ -106,6 +110,8 @@ class OperatorMetrics:
             self.kv_usage.labels(*key).set(estimate.kv_usage)
             self.occupancy.labels(*key).set(estimate.occupancy)
             self.waiting.labels(*key).set(estimate.waiting)
+            # Shown on its own: the decision message names it, a dashboard needs it over time.
+            self.prefill_seconds.labels(*key).set(estimate.prefill_seconds)
         self.panic.labels(*key).set(1 if decision is not None and decision.panic else 0)
         if decision is not None:
             direction = scale_direction(previous, decision.replicas)

@@ -166,6 +166,26 @@ def test_operator_metrics_export_the_contract_and_count_only_changes() -> None:
                  {**key, "direction": "up", "reason": "ScaleUp"}) is None
 
 
+def test_operator_metrics_show_the_queued_prefill_seconds_against_their_target() -> None:
+    """The load's second measure gets its own series, set on every run that has an estimate."""
+    metrics = OperatorMetrics()
+    policy = AutoscalingPolicy(enabled=True, max_replicas=8, target_prefill_seconds=2.0)
+    estimate = LoadEstimate(load=3.2, kv_usage=0.1, occupancy=0.5, waiting=2, reported=2, pods=2,
+                            prefill_seconds=6.4)
+    decision = ScaleDecision(2, "ScaleUp", "", estimate)
+    metrics.observe("u1", "ns", "chat", policy, ReplicaCounts(2, 1, 1), estimate, decision, 1)
+    value = metrics.registry.get_sample_value
+    key = {"namespace": "ns", "inferenceservice": "chat"}
+    assert value(names.OPERATOR_PREFILL_SECONDS.series, key) == 6.4
+    assert value(names.OPERATOR_TARGET_PREFILL_SECONDS.series, key) == 2.0
+    # A run without an estimate (no pod reported) keeps the last value rather than a false 0.
+    metrics.observe("u1", "ns", "chat", policy, ReplicaCounts(2, 2, 0), None, None, 2)
+    assert value(names.OPERATOR_PREFILL_SECONDS.series, key) == 6.4
+    metrics.forget("u1")
+    assert value(names.OPERATOR_PREFILL_SECONDS.series, key) is None
+    assert value(names.OPERATOR_TARGET_PREFILL_SECONDS.series, key) is None
+
+
 def test_host_tier_metrics_come_from_the_engine_stats() -> None:
     # Usage counts every slot not free: the 5 whose promotion's copy has not run yet too.
     extra = {"kv_host_blocks_total": 100.0, "kv_host_blocks_cached": 25.0, "kv_host_blocks_used": 30.0,
