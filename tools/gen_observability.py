@@ -89,6 +89,15 @@ def q(expr: str, legend: str) -> Query:
 SCALE_EVENTS = (f"sum by (namespace, inferenceservice, direction, reason) "
                 f"(increase({sel(m.OPERATOR_SCALE_DECISIONS.series, SEL_SERVICE)}[{RATE}])) > 0")
 
+# The rule of operator/scaling.py, as its docstring and docs/operator.md write it.
+LOAD_RULE = ("load = max(Σ occupancy / targetKVUsage + Σ waiting / targetQueueLength, "
+             "Σ prefill seconds / targetPrefillSeconds), Σ over pods: per pod, occupancy is the "
+             "fuller of KV blocks held by live requests and batch slots in use, prefill seconds "
+             "its kvscale:prefill_tokens_waiting / kvscale:prefill_tokens_per_s. The two "
+             "measures are not added: either alone needs that many replicas. Desired replicas "
+             "follow ceil(load) through the stabilization windows, panic mode and the step "
+             "limit, within min/max.")
+
 AUTOSCALING = Board(
     uid="kvscale-autoscaling",
     title="kvscale / Autoscaling",
@@ -106,7 +115,20 @@ AUTOSCALING = Board(
         Panel("Load (replicas' worth) vs desired replicas", (
             q(sel(m.OPERATOR_LOAD.series, SEL_SERVICE), "{{inferenceservice}} load"),
             q(sel(m.OPERATOR_DESIRED.series, SEL_SERVICE), "{{inferenceservice}} desired"),
-        ), description="load = KV usage / target + waiting / targetQueueLength, summed over pods."),
+        ), description=LOAD_RULE),
+        Panel("Queued prefill seconds vs target", (
+            q(sel(m.OPERATOR_PREFILL_SECONDS.series, SEL_SERVICE), "{{inferenceservice}} prefill queued"),
+            q(sel(m.OPERATOR_TARGET_PREFILL_SECONDS.series, SEL_SERVICE),
+              "{{inferenceservice}} target"),
+        ), unit="s",
+            description="The load's second measure: seconds of prompt work queued over all pods "
+                        "(per pod kvscale:prefill_tokens_waiting / its measured "
+                        "kvscale:prefill_tokens_per_s), against targetPrefillSeconds; each "
+                        "targetPrefillSeconds of it asks for one replica."),
+        Panel("Waiting requests: autoscaler view vs target", (
+            q(sel(m.OPERATOR_WAITING.series, SEL_SERVICE), "{{inferenceservice}} waiting"),
+            q(sel(m.OPERATOR_TARGET_QUEUE.series, SEL_SERVICE), "{{inferenceservice}} target"),
+        )),
         Panel("Replicas: desired / current / ready", (
             q(sel(m.OPERATOR_DESIRED.series, SEL_SERVICE), "{{inferenceservice}} desired"),
             q(sel(m.OPERATOR_CURRENT.series, SEL_SERVICE), "{{inferenceservice}} current"),
@@ -121,10 +143,6 @@ AUTOSCALING = Board(
         Panel("Panic mode", (
             q(sel(m.OPERATOR_PANIC.series, SEL_SERVICE), "{{inferenceservice}} panic"),
         ), description="1 while a burst keeps the autoscaler from scaling down."),
-        Panel("Waiting requests: autoscaler view vs target", (
-            q(sel(m.OPERATOR_WAITING.series, SEL_SERVICE), "{{inferenceservice}} waiting"),
-            q(sel(m.OPERATOR_TARGET_QUEUE.series, SEL_SERVICE), "{{inferenceservice}} target"),
-        )),
         Panel("KV blocks per pod: active / cached / total", (
             q(sel(m.KV_BLOCKS_ACTIVE.series, SEL_SERVER), "{{pod}} active"),
             q(sel(m.KV_BLOCKS_CACHED.series, SEL_SERVER), "{{pod}} cached"),
@@ -137,7 +155,7 @@ AUTOSCALING = Board(
         Panel("Queue's effect on TTFT (p90)", (
             q(quantile(0.9, m.TTFT, SEL_SERVER), "TTFT p90"),
             q(quantile(0.9, m.QUEUE_TIME, SEL_SERVER), "queue time p90"),
-        ), unit="s", width=24),
+        ), unit="s"),
         Panel("Scale from zero: requests held", (
             q(sel(m.OPERATOR_HELD_REQUESTS.series, SEL_SERVICE), "{{inferenceservice}} held (operator)"),
             q(f"sum by (inferenceservice) ({sel(m.ROUTER_HELD_REQUESTS.series, SEL_SERVICE)})",

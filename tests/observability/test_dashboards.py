@@ -116,7 +116,8 @@ def test_all_contract_metrics_are_used_or_documented() -> None:
         assert f"`{metric.name}`" in doc, f"{metric.name} is not documented in docs/observability.md"
     # The dashboards show the new metrics the issue asks for.
     for metric in (names.KV_BLOCKS_EVICTED, names.ROUTER_SPILLS, names.OPERATOR_PANIC,
-                   names.OPERATOR_SCALE_DECISIONS, names.ROUTER_REDIS_ERRORS):
+                   names.OPERATOR_SCALE_DECISIONS, names.ROUTER_REDIS_ERRORS,
+                   names.OPERATOR_PREFILL_SECONDS, names.OPERATOR_TARGET_PREFILL_SECONDS):
         assert metric.series in used, metric.name
 
 
@@ -125,3 +126,20 @@ def test_promtool_checks_the_rules() -> None:
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 12 rules found" in result.stdout
+
+
+def test_the_autoscaling_board_shows_both_measures_of_the_load_beside_it() -> None:
+    """The load panel's description is the rule of operator/scaling.py (both measures, their
+    larger), and the queued prefill seconds sit in the rows of the load and occupancy panels."""
+    panels = committed_dashboards()["autoscaling"]["panels"]
+    by_title = {p["title"]: p for p in panels}
+    load = by_title["Load (replicas' worth) vs desired replicas"]
+    for term in ("max(", "targetKVUsage", "targetQueueLength", "targetPrefillSeconds",
+                 names.PREFILL_TOKENS_WAITING.name, names.PREFILL_TOKENS_PER_S.name):
+        assert term in load["description"], term
+    prefill = by_title["Queued prefill seconds vs target"]
+    assert [t["expr"].split("{")[0] for t in prefill["targets"]] == [
+        names.OPERATOR_PREFILL_SECONDS.series, names.OPERATOR_TARGET_PREFILL_SECONDS.series]
+    assert prefill["fieldConfig"]["defaults"]["unit"] == "s"
+    first_rows = {p["title"] for p in panels if p["gridPos"]["y"] <= load["gridPos"]["y"] + 8}
+    assert {"Occupancy signal vs target", load["title"], prefill["title"]} <= first_rows
