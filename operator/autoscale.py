@@ -99,6 +99,22 @@ def activation_status(old_status: dict[str, Any], ready: int, held: int, now_tex
     return fields, f"first replica ready {measured:.1f} s after requests were held at zero replicas"
 
 
+def scaled_message(previous: int, decision: scaling.ScaleDecision) -> str:
+    """The Scaled Event's message: the change, and the decision's why (scaling.describe)."""
+    direction = "up" if decision.replicas > previous else "down"
+    return (f"scaled {direction} from {previous} to {decision.replicas} replicas "
+            f"({decision.reason}): {decision.message}")
+
+
+def scaling_condition(decision: scaling.ScaleDecision) -> Condition:
+    """ScalingActive from a decision; its message is the decision's why, which `kubectl describe
+    kvis` shows between Scaled Events (those come only with a change)."""
+    # At zero (or going there) the routers' demand is the metric: scaling is active.
+    active = decision.estimate is not None or decision.reason in scaling.ZERO_REASONS
+    return Condition(SCALING_ACTIVE, active, decision.reason if active else "NoMetrics",
+                     decision.message)
+
+
 def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
     kube, config = runtime.kube, runtime.config
     with runtime.lock(key.uid):
@@ -160,14 +176,8 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
                            parse_spec({**current["spec"], "replicas": decision.replicas}),
                            config.images)
             extra["lastScaleTime"] = conditions.now_rfc3339()
-            direction = "up" if decision.replicas > previous else "down"
-            message = (f"scaled {direction} from {previous} to "
-                       f"{decision.replicas} replicas ({decision.reason}): {decision.message}")
+            message = scaled_message(previous, decision)
             log.info("%s/%s: %s", namespace, name, message)
             kopf.event(as_body(current), type="Normal", reason="Scaled", message=message)
-        # At zero (or going there) the routers' demand is the metric: scaling is active.
-        active = decision.estimate is not None or decision.reason in scaling.ZERO_REASONS
-        scaling_condition = Condition(
-            SCALING_ACTIVE, active, decision.reason if active else "NoMetrics", decision.message)
         refresh_status(runtime, name, namespace, extra,
-                       [scaling_condition, *router_conditions(reports)])
+                       [scaling_condition(decision), *router_conditions(reports)])

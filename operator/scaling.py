@@ -56,7 +56,7 @@ from kvscale.operator.spec import AutoscalingPolicy
 
 # Decisions of minReplicas 0 made from the routers' demand, not from pod metrics.
 ZERO_REASONS = ("Activate", "ScaleToZero", "ScaledToZero")
-# ceil(0.7 / 0.7) must be 1, not 2, whatever the float rounding.
+# ceil(0.7 / 0.7) must be 1, not 2, whatever the float rounding; equal measures tie likewise.
 _CEIL_TOLERANCE = 1e-9
 
 
@@ -128,6 +128,15 @@ class LoadEstimate:
     reported: int
     pods: int
     prefill_seconds: float = 0.0  # queued prompt work, total, missing pods extrapolated
+    # The two measures the load is the larger of, in replicas' worth (module docstring).
+    occupancy_load: float = 0.0  # Σ occupancy / targetKVUsage + Σ waiting / targetQueueLength
+    prefill_load: float = 0.0    # Σ prefill seconds / targetPrefillSeconds
+
+    @property
+    def set_by_prefill(self) -> bool:
+        """The queued prompt work, not occupancy and queue, asked for more replicas (a tie is
+        occupancy's: the prefill term then changed nothing, float rounding aside)."""
+        return self.prefill_load > self.occupancy_load + _CEIL_TOLERANCE
 
 
 @dataclass(frozen=True)
@@ -168,11 +177,30 @@ def estimate_load(pods: list[PodLoad], policy: AutoscalingPolicy) -> LoadEstimat
     occupancy_total, waiting_total = occupancy_sum * scale, waiting_sum * scale
     prefill_total = prefill_sum * scale
     # Two measures of the replicas needed (module docstring); either suffices, so the larger.
-    load = max(occupancy_total / policy.target_kv_usage + waiting_total / policy.target_queue_length,
-               prefill_total / policy.target_prefill_seconds)
-    return LoadEstimate(load=load, kv_usage=sum(p.kv_usage for p in reported) / len(reported),
+    occupancy_load = (occupancy_total / policy.target_kv_usage
+                      + waiting_total / policy.target_queue_length)
+    prefill_load = prefill_total / policy.target_prefill_seconds
+    return LoadEstimate(load=max(occupancy_load, prefill_load),
+                        kv_usage=sum(p.kv_usage for p in reported) / len(reported),
                         occupancy=occupancy_sum / len(reported), waiting=waiting_total,
-                        reported=len(reported), pods=len(pods), prefill_seconds=prefill_total)
+                        reported=len(reported), pods=len(pods), prefill_seconds=prefill_total,
+                        occupancy_load=occupancy_load, prefill_load=prefill_load)
+
+
+def describe(estimate: LoadEstimate, policy: AutoscalingPolicy) -> str:
+    """Why the load is what it is, for the ScalingActive condition and the Scaled Event. When the
+    prefill seconds set it, they come first with their target: a reader comparing the occupancy
+    figures with targetKVUsage would otherwise find no reason for the replicas asked for."""
+    occupancy = (f"occupancy {estimate.occupancy:.0%}, KV usage {estimate.kv_usage:.0%}, "
+                 f"{estimate.waiting:.0f} waiting")
+    reported = f"{estimate.reported}/{estimate.pods} pods reported"
+    if estimate.set_by_prefill:
+        return (f"load {estimate.load:.2f} replicas from {estimate.prefill_seconds:.1f} s of "
+                f"prefill queued / targetPrefillSeconds {policy.target_prefill_seconds:g} s "
+                f"(occupancy and queue alone: {estimate.occupancy_load:.2f}; {occupancy}; "
+                f"{reported})")
+    return (f"load {estimate.load:.2f} replicas ({occupancy}, "
+            f"{estimate.prefill_seconds:.1f} s of prefill queued, {reported})")
 
 
 def clamp(replicas: int, policy: AutoscalingPolicy) -> int:
@@ -260,10 +288,7 @@ def decide_by_load(
 
     panic_window = within(policy.panic_window_seconds)
     panic = any(o.load >= policy.panic_threshold * max(o.replicas, 1) for o in panic_window)
-    summary = (f"load {estimate.load:.2f} replicas (occupancy {estimate.occupancy:.0%}, "
-               f"KV usage {estimate.kv_usage:.0%}, "
-               f"{estimate.waiting:.0f} waiting, {estimate.prefill_seconds:.1f} s of prefill queued, "
-               f"{estimate.reported}/{estimate.pods} pods reported)")
+    summary = describe(estimate, policy)
 
     if panic:
         target = max(current, max(recommend(o.load, policy) for o in panic_window))
