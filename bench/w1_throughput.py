@@ -165,7 +165,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--side", choices=["kvscale", "baseline", "gemm"], help=argparse.SUPPRESS)
     parser.add_argument("--baselines", default="vllm,transformers",
                         help="comma-separated: vllm, transformers, kvscale-float32 (kvscale itself in "
-                             "float32, for a --dtype bfloat16 run; empty: none)")
+                             "float32, for a --dtype bfloat16 run), kvscale-unquantized (kvscale in the same "
+                             "dtype without --quantization, for a --quantization run); empty: none")
     parser.add_argument("--skip-baseline", action="store_true", help="same as --baselines ''")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = list(argv if argv is not None else sys.argv[1:])
     passthrough = _strip(raw, ("--out", "--baselines"), ("--skip-baseline",))
     baselines = [] if args.skip_baseline else [b for b in args.baselines.split(",") if b]
-    unknown = set(baselines) - {"vllm", "transformers", "kvscale-float32"}
+    unknown = set(baselines) - {"vllm", "transformers", "kvscale-float32", "kvscale-unquantized"}
     if unknown:
         raise SystemExit(f"unknown baselines {sorted(unknown)}")
     info = machine()
@@ -216,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         fp32_args = _strip(passthrough, ("--dtype",), ()) + ["--dtype", "float32"]
         own_fp32 = run_side("bench.w1_throughput", "kvscale", fp32_args)
         print(f"kvscale float32: {own_fp32['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    own_unquantized = None
+    if "kvscale-unquantized" in baselines:
+        own_unquantized = run_side("bench.w1_throughput", "kvscale", _strip(passthrough, ("--quantization",), ()))
+        print(f"kvscale without quantization: {own_unquantized['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     vllm = side_vllm(args) if "vllm" in baselines else None
     if vllm:
         print(f"vLLM: {vllm['output_tokens_per_s']:.1f} tok/s in {vllm['elapsed_s']:.1f} s "
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts, outputs = workload(args)
     flops = decoder_flops(load_hf_config(resolve_model_path(None)), [len(p) for p in prompts], outputs)
     for side, dtype in ((kvscale, args.dtype), (vllm, args.dtype), (baseline, args.dtype),
-                        (own_fp32, "float32")):
+                        (own_fp32, "float32"), (own_unquantized, args.dtype)):
         if side:
             side["useful_gflops"] = flops["total_flop"] / side["elapsed_s"] / 1e9
             side["fraction_of_gemm_peak"] = side["useful_gflops"] / peaks[dtype]["best_gflops"]
@@ -253,12 +258,15 @@ def main(argv: list[str] | None = None) -> int:
         "kvscale_over_transformers": ratio(baseline),
         "kvscale_float32": own_fp32,
         "kvscale_over_own_float32": ratio(own_fp32),
+        "kvscale_unquantized": own_unquantized,
+        "kvscale_over_own_unquantized": ratio(own_unquantized),
         "speedup": ratio(baseline),  # kept for older readers of this JSON
         "target_kvscale_over_vllm": 1.3 if args.threads > 1 else 1.0,
     }
     path = write_result("w1_throughput", result, args.out)
     for name, value in (("vLLM", result["kvscale_over_vllm"]), ("transformers", result["kvscale_over_transformers"]),
-                        ("kvscale float32", result["kvscale_over_own_float32"])):
+                        ("kvscale float32", result["kvscale_over_own_float32"]),
+                        ("kvscale unquantized", result["kvscale_over_own_unquantized"])):
         if value:
             print(f"kvscale / {name}: {value:.2f}x", file=sys.stderr)
     print(path)

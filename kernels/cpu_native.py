@@ -88,8 +88,8 @@ _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "kvscale_rope": (None, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I32, _I32]),
     # x, rows, width, is_bf16, q, scales, num_threads
     "kvscale_quantize_rows_u8": (None, [_PTR, _I64, _I64, _I32, _PTR, _PTR, _I32]),
-    # y, scales, bias, rows, width, out, out_bf16, num_threads
-    "kvscale_rescale_rows": (None, [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _I32, _I32]),
+    # y, y_bf16, scales, bias, rows, width, out, out_bf16, num_threads
+    "kvscale_rescale_rows": (None, [_PTR, _I32, _PTR, _PTR, _I64, _I64, _PTR, _I32, _I32]),
     # cpus, num_threads
     "kvscale_bind_threads": (ctypes.c_int, [_PTR, _I32]),
 }
@@ -345,18 +345,18 @@ def quantize_rows_u8(x: Tensor) -> tuple[Tensor, Tensor] | None:
     return q, scales
 
 
-def rescale_rows(y: Tensor, scales: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    """``(y * scales[:, None] + bias).to(dtype)`` for float32 ``y`` ``[rows, width]`` in one pass;
-    None where the C kernels do not apply."""
+def rescale_rows(y: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor | None:
+    """``y * scales[:, None] + bias`` for ``y`` ``[rows, width]`` (float32 or bfloat16, a GEMM's
+    fresh output), in place in one pass; None where the C kernels do not apply."""
     lib = _library()
-    if (lib is None or dtype not in (torch.float32, torch.bfloat16) or not _fits(y, scales)
-            or y.dtype != torch.float32 or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+    if (lib is None or not _fits(y) or y.dim() != 2 or scales.dtype != torch.float32 or not scales.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
         return None
     rows, width = y.shape
-    out = torch.empty((rows, width), dtype=dtype)
-    lib.kvscale_rescale_rows(y.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(), rows, width,
-                             out.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())
-    return out
+    is_bf16 = int(y.dtype == torch.bfloat16)
+    lib.kvscale_rescale_rows(y.data_ptr(), is_bf16, scales.data_ptr(), None if bias is None else bias.data_ptr(), rows,
+                             width, y.data_ptr(), is_bf16, torch.get_num_threads())
+    return y
 
 
 def _check_paged(query: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:

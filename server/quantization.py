@@ -99,12 +99,15 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous()
         if self.prepacked:
             xq, x_scale = quantize_rows_u8(rows)
+            # The GEMM writes the model's dtype (a bf16 output is half the bytes to write and read
+            # back), then each row takes its input scale in place: in bf16 two roundings instead of one.
             sums = torch.ops.onednn.qlinear_pointwise(
                 xq, 1.0, 128, self.packed_weight, self.weight_scale, self.weight_zero_point, None, 1.0, 0,
-                torch.float32, "none", [], "")
-            out = cpu_native.rescale_rows(sums, x_scale, self.bias_f32, x.dtype)
+                x.dtype if x.dtype == torch.bfloat16 else torch.float32, "none", [], "")
+            out = cpu_native.rescale_rows(sums, x_scale, self.bias_f32)
             if out is None:
-                out = self._rescale(sums, x_scale, x.dtype)
+                out = self._rescale(sums.float(), x_scale, x.dtype)
+            out = out.to(x.dtype)
         else:
             xq8, x_scale = quantize_per_row(rows)
             sums = torch._int_mm(xq8, self.weight_t).float().mul_(self.weight_scale)

@@ -33,17 +33,18 @@ def test_quantize_rows_matches_the_reference(rows: int, width: int, dtype: torch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_rescale_rows_matches_torch(dtype: torch.dtype, with_bias: bool) -> None:
+def test_rescale_rows_matches_torch_in_place(dtype: torch.dtype, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(7)
-    sums, scales = torch.randn(70, 333, generator=gen) * 100, torch.rand(70, generator=gen)
+    sums, scales = (torch.randn(70, 333, generator=gen) * 100).to(dtype), torch.rand(70, generator=gen)
     bias = torch.randn(333, generator=gen) if with_bias else None
-    expected = sums * scales[:, None] + (bias if bias is not None else 0.0)
-    got = cpu_native.rescale_rows(sums, scales, bias, dtype)
-    assert got is not None and got.dtype == dtype
-    torch.testing.assert_close(got, expected.to(dtype), rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-4)
+    expected = (sums.float() * scales[:, None] + (bias if bias is not None else 0.0)).to(dtype)
+    got = cpu_native.rescale_rows(sums, scales, bias)
+    assert got is not None and got.dtype == dtype and got.data_ptr() == sums.data_ptr()
+    torch.testing.assert_close(got, expected, rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-4)
 
 
 def test_what_the_kernels_do_not_take_falls_back() -> None:
     assert cpu_native.quantize_rows_u8(torch.randn(4, 8, dtype=torch.float16)) is None
     assert cpu_native.quantize_rows_u8(torch.randn(4, 8).t()) is None  # not contiguous
-    assert cpu_native.rescale_rows(torch.randn(4, 8), torch.rand(4), None, torch.float16) is None
+    assert cpu_native.rescale_rows(torch.randn(4, 8, dtype=torch.float16), torch.rand(4), None) is None
+    assert cpu_native.rescale_rows(torch.randn(4, 8), torch.rand(4, dtype=torch.float64), None) is None
