@@ -55,6 +55,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-ffast-mat
     # rows are 512 bits, so each would otherwise be split in two.
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
 )
+# Flags for one file on top of CFLAGS (cpu_quantize.c says why).
+FILE_CFLAGS = {"cpu_quantize.c": ("-fno-unsafe-math-optimizations",)}
 LDFLAGS = ("-shared", "-fopenmp")
 LDLIBS = ("-lmvec", "-lm")
 MODES = ("auto", "native", "reference")
@@ -108,7 +110,8 @@ def mode() -> str:
 
 def library_path(source: bytes, compiler_id: str, target: str, cache: Path) -> Path:
     """Where the build of these sources, with these flags, by this compiler, for this CPU lives."""
-    key = hashlib.sha256(source + " ".join(CFLAGS + LDFLAGS + LDLIBS).encode() + compiler_id.encode()
+    per_file = "".join(f"{name}:{' '.join(flags)}" for name, flags in sorted(FILE_CFLAGS.items()))
+    key = hashlib.sha256(source + " ".join(CFLAGS + LDFLAGS + LDLIBS).encode() + per_file.encode() + compiler_id.encode()
                          + target.encode()).hexdigest()[:16]
     return cache / f"kvscale_cpu-{key}.so"
 
@@ -220,7 +223,7 @@ def _compile(compiler: str, source: bytes, version: str, target_cpu: str, workdi
         text = resources.files("kvscale.kernels").joinpath(name).read_bytes()
         (workdir / name).write_bytes(text)
         objects.append(str(workdir / f"{name}.o"))
-        _run_compiler([compiler, *CFLAGS, "-c", "-o", objects[-1], str(workdir / name)])
+        _run_compiler([compiler, *CFLAGS, *FILE_CFLAGS.get(name, ()), "-c", "-o", objects[-1], str(workdir / name)])
     built = workdir / target.name
     _run_compiler([compiler, *LDFLAGS, "-o", str(built), *objects, *LDLIBS])
     if workdir == directory:  # a private folder of its own: the library stays in it

@@ -22,11 +22,11 @@ def test_quantize_rows_matches_the_reference(rows: int, width: int, dtype: torch
     q, scales = got
     assert q.dtype == torch.uint8 and scales.dtype == torch.float32 and q.shape == (rows, width)
     expected_q, expected_scales = quantize_per_row(x)
-    torch.testing.assert_close(scales, expected_scales, rtol=1e-6, atol=0)
-    # x * (1 / scale) here, x / scale in torch: a value on a rounding boundary may land one code apart.
+    # Bit for bit: a code one step off on a rounding boundary moved the bundled model's int8
+    # perplexity ratio by a percent (cpu_quantize.c says how).
+    assert torch.equal(scales, expected_scales)
     signed = q.to(torch.int16) - 128
-    assert int((signed - expected_q.to(torch.int16)).abs().max()) <= 1
-    assert float((signed != expected_q).float().mean()) < 1e-3
+    assert torch.equal(signed, expected_q.to(torch.int16))
     assert torch.equal(q[0], torch.full((width,), 128, dtype=torch.uint8))
     assert int(signed.abs().max()) <= 127
 
