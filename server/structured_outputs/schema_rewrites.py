@@ -1,0 +1,297 @@
+"""Exact rewrites of JSON-schema keywords llguidance refuses into forms it enforces.
+
+kvscale enforces a schema exactly or refuses it with a 400 naming the keyword. Some refused
+keywords have an equivalent form in keywords the library does implement; rewriting them before
+the compile answers those schemas without weakening anything. Every rewrite here accepts exactly
+the instances the original accepts; where that is not proven the keyword is left as it is, and the
+library's refusal names it as before:
+
+- ``dependencies`` (draft-04/06/07), ``dependentRequired`` / ``dependentSchemas`` (2019-09+):
+  "k absent, or the dependency holds" is ``anyOf: [{properties: {k: false}}, {required: [k, ...]}]``
+  (a schema dependency adds its schema to the second branch). Both branches accept every
+  non-object, as the keyword does, and neither changes what the node's own ``properties`` /
+  ``additionalProperties`` mean (each is a separate conjunct under ``allOf``).
+- ``oneOf`` whose branches are provably pairwise disjoint is ``anyOf`` (no instance can match two).
+  The proof (``_disjoint``) compares sound over-approximations of what each branch accepts: its
+  possible JSON types, its possible values (``const`` / ``enum``) and, for objects, a property
+  that one branch requires and whose values the two branches keep apart.
+- ``not`` of a few simple forms: ``not: {}`` is ``false``; ``not: {type: T}`` is the other types;
+  ``not: {required: [a, b]}`` is "an object without a, or without b".
+
+Nothing is rewritten in a node beside a ``$ref``: in draft-07 and earlier, ``$ref`` makes its
+siblings ignored, so adding a conjunct there would add a constraint the schema does not have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+# Keywords whose value is one subschema, a list of subschemas, or a map of name -> subschema.
+SCHEMA_KEYWORDS = ("additionalProperties", "additionalItems", "contains", "propertyNames", "not",
+                   "if", "then", "else", "unevaluatedItems", "unevaluatedProperties", "contentSchema")
+LIST_KEYWORDS = ("allOf", "anyOf", "oneOf", "prefixItems")
+MAP_KEYWORDS = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas")
+DATA_KEYWORDS = ("const", "enum", "default", "examples")
+
+ALL_TYPES = frozenset({"array", "boolean", "null", "number", "object", "string"})
+TYPE_NAMES = ALL_TYPES | {"integer"}
+# Keywords that assert nothing: a ``not`` whose schema holds only these and ``type`` is a type test.
+ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated",
+                         "readOnly", "writeOnly"})
+# How deep the disjointness proof follows properties and references (it only ever gives up).
+PROOF_DEPTH = 4
+
+
+def rewrite_schema(schema: Any) -> Any:
+    """``schema`` with every provable rewrite applied (a new object; the argument is untouched)."""
+    return _Rewriter(schema).node(schema)
+
+
+class _Rewriter:
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        declared = root.get("$schema", "") if isinstance(root, dict) else ""
+        declared = declared if isinstance(declared, str) else ""
+        # Which spelling of dependencies the schema's draft defines; with no $schema, both (each
+        # means what its author wrote it for, and neither is an annotation in the other draft).
+        self.new_draft = "2019-09" in declared or "2020-12" in declared
+        self.old_draft = bool(declared) and not self.new_draft
+        # A local "#/..." pointer is relative to the nearest enclosing $id: with nested $ids the
+        # proof does not follow references at all.
+        self.refs_resolvable = not _has_nested_id(root, top=True)
+
+    def node(self, schema: Any) -> Any:
+        if not isinstance(schema, dict):
+            return schema
+        out = {key: self.children(key, value) for key, value in schema.items()}
+        if "$ref" in out:
+            return out
+        conjuncts: list[Any] = []
+        if not self.new_draft and isinstance(out.get("dependencies"), dict):
+            conjuncts += _dependency_conjuncts(out.pop("dependencies"))
+        if not self.old_draft:
+            for key in ("dependentRequired", "dependentSchemas"):
+                if isinstance(out.get(key), dict):
+                    conjuncts += _dependency_conjuncts(out.pop(key))
+        if "not" in out:
+            negated = _negation(out["not"])
+            if negated is False:
+                return False
+            if negated is not None:
+                del out["not"]
+                conjuncts.append(negated)
+        if isinstance(out.get("oneOf"), list) and self._pairwise_disjoint(schema["oneOf"]):
+            branches = out.pop("oneOf")
+            if "anyOf" in out:
+                conjuncts.append({"anyOf": branches})
+            else:
+                out["anyOf"] = branches
+        if conjuncts:
+            out["allOf"] = list(out.get("allOf", [])) + conjuncts
+        return out
+
+    def children(self, key: str, value: Any) -> Any:
+        if key in SCHEMA_KEYWORDS or (key == "items" and not isinstance(value, list)):
+            return self.node(value)
+        if (key in LIST_KEYWORDS or key == "items") and isinstance(value, list):
+            return [self.node(item) for item in value]
+        if key in MAP_KEYWORDS and isinstance(value, dict):
+            return {name: self.node(item) for name, item in value.items()}
+        if key == "dependencies" and isinstance(value, dict):
+            return {name: item if isinstance(item, list) else self.node(item) for name, item in value.items()}
+        return value  # const, enum, default, examples, ...: data, never schemas
+
+    # --- oneOf: the disjointness proof ----------------------------------------------------
+    def _pairwise_disjoint(self, branches: list[Any]) -> bool:
+        shapes = [self.shape(branch, PROOF_DEPTH) for branch in branches]
+        return all(_disjoint(a, b, self, PROOF_DEPTH) for i, a in enumerate(shapes) for b in shapes[i + 1:])
+
+    def shape(self, schema: Any, depth: int) -> _Shape:
+        """What ``schema`` may accept, over-approximated (a looser shape is always sound)."""
+        if schema is False:
+            return _Shape(types=frozenset())
+        if not isinstance(schema, dict) or depth <= 0:
+            return _Shape()
+        if "$ref" in schema:
+            # Draft-07 ignores $ref's siblings, 2019-09 applies them: the target alone is sound
+            # for both (a looser shape).
+            target = self.resolve(schema["$ref"])
+            return self.shape(target, depth - 1) if target is not None else _Shape()
+        shape = _Shape()
+        if "type" in schema:
+            named = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+            if all(name in TYPE_NAMES for name in named):  # not draft-03's "any" or a schema
+                shape.types = frozenset(_json_type_name(name) for name in named)
+        if "const" in schema:
+            shape.restrict_values([schema["const"]])
+        if isinstance(schema.get("enum"), list):
+            shape.restrict_values(schema["enum"])
+        if isinstance(schema.get("properties"), dict):
+            for name, sub in schema["properties"].items():
+                shape.properties.setdefault(name, []).append(sub)
+        if isinstance(schema.get("required"), list):
+            shape.required |= {name for name in schema["required"] if isinstance(name, str)}
+        for sub in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
+            shape.meet(self.shape(sub, depth - 1))
+        for key in ("anyOf", "oneOf"):
+            if isinstance(schema.get(key), list):
+                # Any one branch: the union of the branches' types (values and properties dropped).
+                types: frozenset[str] = frozenset()
+                for sub in schema[key]:
+                    branch = self.shape(sub, depth - 1)
+                    types |= branch.possible_types()
+                shape.meet(_Shape(types=types))
+        return shape
+
+    def resolve(self, ref: Any) -> Any:
+        """The subschema a local JSON-pointer ``$ref`` names, or None (remote, anchors, $id)."""
+        if not self.refs_resolvable or not isinstance(ref, str) or not ref.startswith("#"):
+            return None
+        node = self.root
+        pointer = unquote(ref[1:])
+        if pointer and not pointer.startswith("/"):
+            return None  # an anchor name
+        for token in pointer.split("/")[1:]:
+            token = token.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and token in node:
+                node = node[token]
+            elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+                node = node[int(token)]
+            else:
+                return None
+        return node
+
+
+@dataclass
+class _Shape:
+    """An over-approximation of the instances a schema accepts."""
+
+    types: frozenset[str] | None = None  # JSON types it may accept (integer counted as number)
+    values: list[Any] | None = None  # None: any value; else the instance is one of these
+    properties: dict[str, list[Any]] = field(default_factory=dict)  # name -> schemas its value meets
+    required: set[str] = field(default_factory=set)
+
+    def possible_types(self) -> frozenset[str]:
+        types = ALL_TYPES if self.types is None else self.types
+        if self.values is not None:
+            types = types & frozenset(_type_of(value) for value in self.values)
+        return types
+
+    def restrict_values(self, values: list[Any]) -> None:
+        if self.values is None:
+            self.values = list(values)
+        else:
+            # Python's == holds wherever JSON equality does (and also for True == 1): keeping
+            # every value that equals one of the other list keeps at least the true intersection.
+            self.values = [value for value in self.values if any(value == other for other in values)]
+
+    def meet(self, other: _Shape) -> None:
+        """Both shapes hold (allOf)."""
+        if other.types is not None:
+            self.types = other.types if self.types is None else self.types & other.types
+        if other.values is not None:
+            self.restrict_values(other.values)
+        for name, subs in other.properties.items():
+            self.properties.setdefault(name, []).extend(subs)
+        self.required |= other.required
+
+
+def _disjoint(a: _Shape, b: _Shape, rewriter: _Rewriter, depth: int) -> bool:
+    """True only if no instance can satisfy both shapes."""
+    if a.values is not None and b.values is not None:
+        if not any(x == y for x in a.values for y in b.values):
+            return True
+    common = a.possible_types() & b.possible_types()
+    if not common:
+        return True
+    if common != {"object"} or depth <= 0:
+        return False
+    # Both accept only objects: a property one of them requires (so it is there) whose value
+    # cannot satisfy what each says of it.
+    for name in (a.required | b.required) & a.properties.keys() & b.properties.keys():
+        left, right = _Shape(), _Shape()
+        for sub in a.properties[name]:
+            left.meet(rewriter.shape(sub, depth - 1))
+        for sub in b.properties[name]:
+            right.meet(rewriter.shape(sub, depth - 1))
+        if _disjoint(left, right, rewriter, depth - 1):
+            return True
+    return False
+
+
+def _json_type_name(name: Any) -> str:
+    # integer is a subset of number: counted as number, two numeric types always overlap.
+    return "number" if name == "integer" else str(name)
+
+
+def _type_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+# --- dependencies ---------------------------------------------------------------------------
+def _dependency_conjuncts(dependencies: dict[str, Any]) -> list[Any]:
+    """One ``anyOf`` per dependency: "the key is absent, or everything it depends on holds"."""
+    conjuncts: list[Any] = []
+    for key, dependency in dependencies.items():
+        absent = {"properties": {key: False}}
+        if isinstance(dependency, list):  # property dependency: these keys must be there too
+            present: dict[str, Any] = {"required": [key] + [name for name in dependency if name != key]}
+        else:  # schema dependency: the whole instance must also validate against it
+            present = {"required": [key], "allOf": [dependency]}
+        conjuncts.append({"anyOf": [absent, present]})
+    return conjuncts
+
+
+# --- not ------------------------------------------------------------------------------------
+def _negation(negated: Any) -> Any:
+    """An equivalent of ``not: negated`` without ``not``, False (nothing matches), or None."""
+    if negated is True or negated == {}:
+        return False
+    if not isinstance(negated, dict):
+        return None
+    asserting = {key for key in negated if key not in ANNOTATIONS}
+    if asserting == {"type"}:
+        named = negated["type"] if isinstance(negated["type"], list) else [negated["type"]]
+        if not all(name in TYPE_NAMES for name in named):
+            return None
+        if "integer" in named and "number" not in named:
+            return None  # "not an integer" takes in 1.5: no type list says that
+        others = sorted(ALL_TYPES - {_json_type_name(name) for name in named})
+        return {"type": others} if others else False
+    if asserting == {"required"} and isinstance(negated["required"], list) and negated["required"]:
+        # required holds for every non-object, so its negation holds only for an object that
+        # lacks at least one of the keys.
+        keys = list(dict.fromkeys(negated["required"]))
+        return {"type": "object", "anyOf": [{"properties": {key: False}} for key in keys]}
+    return None
+
+
+def _has_nested_id(schema: Any, top: bool) -> bool:
+    """Whether a subschema below the root declares its own base URI (``$id``, draft-04 ``id``).
+    Walks every dict and list but data keywords; a property *named* id is a map key, and a map's
+    values are schemas, so both are judged as schemas (a false alarm only disables the proof)."""
+    if isinstance(schema, list):
+        return any(_has_nested_id(item, False) for item in schema)
+    if not isinstance(schema, dict):
+        return False
+    if not top and (isinstance(schema.get("$id"), str) or isinstance(schema.get("id"), str)):
+        return True
+    for key, value in schema.items():
+        if key in DATA_KEYWORDS:
+            continue
+        if key in MAP_KEYWORDS and isinstance(value, dict):
+            if any(_has_nested_id(item, False) for item in value.values()):
+                return True
+        elif _has_nested_id(value, False):
+            return True
+    return False
