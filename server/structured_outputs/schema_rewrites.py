@@ -11,10 +11,13 @@ library's refusal names it as before:
   (a schema dependency adds its schema to the second branch). Both branches accept every
   non-object, as the keyword does, and neither changes what the node's own ``properties`` /
   ``additionalProperties`` mean (each is a separate conjunct under ``allOf``).
-- ``oneOf`` whose branches are provably pairwise disjoint is ``anyOf`` (no instance can match two).
-  The proof (``_disjoint``) compares sound over-approximations of what each branch accepts: its
-  possible JSON types, its possible values (``const`` / ``enum``) and, for objects, a property
-  that one branch requires and whose values the two branches keep apart.
+- ``oneOf`` whose branches are provably pairwise disjoint (among the instances the node's own
+  ``type`` lets through) is ``anyOf``: no instance can match two. The proof (``_disjoint``)
+  compares sound over-approximations of what each branch accepts: its possible JSON types, its
+  possible values (``const`` / ``enum``) and, for objects, a property that one branch requires
+  and that the other forbids (``additionalProperties: false``) or whose values the two keep apart.
+  Where every branch (two or more) constrains objects alone, a non-object matches them all and
+  oneOf rejects it: then ``oneOf`` is ``type: object`` and ``anyOf``, if disjoint among objects.
 - ``not`` of a few simple forms: ``not: {}`` is ``false``; ``not: {type: T}`` is the other types;
   ``not: {required: [a, b]}`` is "an object without a, or without b".
 
@@ -40,6 +43,10 @@ TYPE_NAMES = ALL_TYPES | {"integer"}
 # Keywords that assert nothing: a ``not`` whose schema holds only these and ``type`` is a type test.
 ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated",
                          "readOnly", "writeOnly"})
+# Keywords that constrain objects alone: any other instance passes them.
+OBJECT_KEYWORDS = frozenset({"properties", "patternProperties", "additionalProperties", "required",
+                             "minProperties", "maxProperties", "propertyNames", "dependencies",
+                             "dependentRequired", "dependentSchemas", "unevaluatedProperties"})
 # How deep the disjointness proof follows properties and references (it only ever gives up).
 PROOF_DEPTH = 4
 
@@ -82,12 +89,15 @@ class _Rewriter:
             if negated is not None:
                 del out["not"]
                 conjuncts.append(negated)
-        if isinstance(out.get("oneOf"), list) and self._pairwise_disjoint(schema["oneOf"]):
-            branches = out.pop("oneOf")
-            if "anyOf" in out:
-                conjuncts.append({"anyOf": branches})
-            else:
-                out["anyOf"] = branches
+        if isinstance(out.get("oneOf"), list):
+            proof = self._one_of_proof(schema)
+            if proof is not None:
+                branches = out.pop("oneOf")
+                conjuncts += proof
+                if "anyOf" in out:
+                    conjuncts.append({"anyOf": branches})
+                else:
+                    out["anyOf"] = branches
         if conjuncts:
             out["allOf"] = list(out.get("allOf", [])) + conjuncts
         return out
@@ -104,9 +114,44 @@ class _Rewriter:
         return value  # const, enum, default, examples, ...: data, never schemas
 
     # --- oneOf: the disjointness proof ----------------------------------------------------
-    def _pairwise_disjoint(self, branches: list[Any]) -> bool:
-        shapes = [self.shape(branch, PROOF_DEPTH) for branch in branches]
+    def _one_of_proof(self, node: dict[str, Any]) -> list[Any] | None:
+        """None unless the node's ``oneOf`` may become ``anyOf``; then the conjuncts that must
+        come with it. Only the instances the node's own ``type`` lets through need disjoint
+        branches. And where every branch (two or more) accepts every non-object, a non-object
+        matches them all, so oneOf rejects it: "an object" plus disjointness among objects."""
+        branches = node["oneOf"]
+        domain = _Shape()
+        if "type" in node:
+            domain = self.shape({"type": node["type"]}, PROOF_DEPTH)
+        if self._pairwise_disjoint(branches, domain):
+            return []
+        if len(branches) >= 2 and all(self._accepts_every_non_object(b, PROOF_DEPTH) for b in branches):
+            domain.meet(_Shape(types=frozenset({"object"})))
+            if self._pairwise_disjoint(branches, domain):
+                return [{"type": "object"}]
+        return None
+
+    def _pairwise_disjoint(self, branches: list[Any], domain: _Shape) -> bool:
+        shapes = []
+        for branch in branches:
+            shape = self.shape(branch, PROOF_DEPTH)
+            shape.meet(domain)
+            shapes.append(shape)
         return all(_disjoint(a, b, self, PROOF_DEPTH) for i, a in enumerate(shapes) for b in shapes[i + 1:])
+
+    def _accepts_every_non_object(self, schema: Any, depth: int) -> bool:
+        """True only if ``schema`` holds for every instance that is not an object: it has only
+        keywords that apply to objects alone (an under-approximation: False may be wrong)."""
+        if schema is True:
+            return True
+        if not isinstance(schema, dict) or depth <= 0:
+            return False
+        if "$ref" in schema:
+            target = self.resolve(schema["$ref"])
+            others = set(schema) - {"$ref"} - ANNOTATIONS
+            # Whether or not the siblings apply (draft-07 ignores them), they must pass too.
+            return target is not None and others <= OBJECT_KEYWORDS and self._accepts_every_non_object(target, depth - 1)
+        return set(schema) - ANNOTATIONS - {"$schema", "$id", "id", "definitions", "$defs"} <= OBJECT_KEYWORDS
 
     def shape(self, schema: Any, depth: int) -> _Shape:
         """What ``schema`` may accept, over-approximated (a looser shape is always sound)."""
@@ -133,6 +178,9 @@ class _Rewriter:
                 shape.properties.setdefault(name, []).append(sub)
         if isinstance(schema.get("required"), list):
             shape.required |= {name for name in schema["required"] if isinstance(name, str)}
+        if schema.get("additionalProperties") is False and not schema.get("patternProperties"):
+            declared = schema.get("properties")
+            shape.allowed_keys = set(declared) if isinstance(declared, dict) else set()
         for sub in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
             shape.meet(self.shape(sub, depth - 1))
         for key in ("anyOf", "oneOf"):
@@ -172,6 +220,7 @@ class _Shape:
     values: list[Any] | None = None  # None: any value; else the instance is one of these
     properties: dict[str, list[Any]] = field(default_factory=dict)  # name -> schemas its value meets
     required: set[str] = field(default_factory=set)
+    allowed_keys: set[str] | None = None  # None: any key; else an object has only these keys
 
     def possible_types(self) -> frozenset[str]:
         types = ALL_TYPES if self.types is None else self.types
@@ -196,6 +245,9 @@ class _Shape:
         for name, subs in other.properties.items():
             self.properties.setdefault(name, []).extend(subs)
         self.required |= other.required
+        if other.allowed_keys is not None:
+            self.allowed_keys = (set(other.allowed_keys) if self.allowed_keys is None
+                                 else self.allowed_keys & other.allowed_keys)
 
 
 def _disjoint(a: _Shape, b: _Shape, rewriter: _Rewriter, depth: int) -> bool:
@@ -208,8 +260,11 @@ def _disjoint(a: _Shape, b: _Shape, rewriter: _Rewriter, depth: int) -> bool:
         return True
     if common != {"object"} or depth <= 0:
         return False
-    # Both accept only objects: a property one of them requires (so it is there) whose value
-    # cannot satisfy what each says of it.
+    # Both accept only objects: a property one of them requires (so it is there) that the other
+    # allows no object to have, or whose value cannot satisfy what each says of it.
+    for needs, other in ((a, b), (b, a)):
+        if other.allowed_keys is not None and needs.required - other.allowed_keys:
+            return True
     for name in (a.required | b.required) & a.properties.keys() & b.properties.keys():
         left, right = _Shape(), _Shape()
         for sub in a.properties[name]:

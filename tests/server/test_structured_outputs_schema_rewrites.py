@@ -131,11 +131,37 @@ def test_one_of_told_apart_by_a_required_property_becomes_any_of(judge):
     assert "oneOf" not in json.dumps(rewritten)
 
 
+def test_one_of_of_branches_that_constrain_only_objects_is_an_object_matching_one(judge):
+    """Every non-object matches every such branch, so oneOf rejects it; among objects the
+    branches are told apart by a required key's value, or by a key the other cannot have, or
+    within the node's own type."""
+    schema = {"definitions": {
+        "closed": {"properties": {"b": {}, "c": {}}, "additionalProperties": False, "title": "t"}},
+        "type": "object", "properties": {
+            "kv": {"oneOf": [{"properties": {"k": {"const": 1}}, "required": ["k"]},
+                             {"properties": {"k": {"enum": [2, 3]}}, "required": ["k"]}]},
+            "keys": {"oneOf": [{"required": ["a"]}, {"$ref": "#/definitions/closed"}]},
+            # Strings would match both branches, but the node's own type lets none through.
+            "typed": {"type": "object", "oneOf": [
+                {"type": ["object", "string"], "properties": {"k": {"const": 1}}, "required": ["k"]},
+                {"type": ["object", "string"], "properties": {"k": {"const": 2}}, "required": ["k"]}]}}}
+    values = NON_OBJECTS + [{}, {"k": 1}, {"k": 2}, {"k": 4}, {"a": 0}, {"b": 0}, {"a": 0, "b": 1}, {"c": 0, "b": 1}]
+    instances = [{key: value} for key in schema["properties"] for value in values]
+    rewritten = judge(schema, instances)
+    assert "oneOf" not in json.dumps(rewritten)
+
+
 @pytest.mark.parametrize("branches", [
     [{"type": "number"}, {"type": "integer"}],  # 1 is both
     [{"required": ["radius"]}, {"required": ["length", "width"]}],  # an object may have all three
     [{"type": "object", "properties": {"k": {"const": 1}}}, {"type": "object", "properties": {"k": {"const": 2}}}],  # k absent
-    [{"properties": {"k": {"const": 1}}, "required": ["k"]}, {"properties": {"k": {"const": 2}}, "required": ["k"]}],  # non-objects
+    [{"properties": {"eq": {"type": "integer"}}}, {"properties": {"lt": {"type": "integer"}}}],  # {} is both
+    # A short string matches the first only: not "an object, and one branch".
+    [{"properties": {"k": {"const": 1}}, "required": ["k"]}, {"properties": {"k": {"const": 2}}, "required": ["k"], "minLength": 3}],
+    [{"required": ["a"]}, {"properties": {"b": {}}, "additionalProperties": True}],  # {"a": 1} is both
+    [{"type": "string"}, {"required": ["a"]}],  # a string matches both
+    [{"type": ["object", "string"], "properties": {"k": {"const": 1}}, "required": ["k"]},
+     {"type": ["object", "string"], "properties": {"k": {"const": 2}}, "required": ["k"]}],  # so does this one's
     [{"type": "string"}, {"$ref": "#/definitions/loop"}],  # a reference that never reaches a type
     [{"type": "string"}, {"$ref": "https://example.com/remote.json"}],
     [{"type": "any"}, {"type": "string"}],  # draft-03's any: not a type name the proof knows
