@@ -21,12 +21,18 @@ library's refusal names it as before:
 - ``not`` of a few simple forms: ``not: {}`` is ``false``; ``not: {type: T}`` is the other types;
   ``not: {required: [a, b]}`` is "an object without a, or without b".
 
-Nothing is rewritten in a node beside a ``$ref``: in draft-07 and earlier, ``$ref`` makes its
+- Siblings that assert nothing more, which the library would have to intersect into a branch
+  that reaches a reference cycle (it refuses that): beside ``anyOf``, a ``type`` every branch
+  already implies and ``additionalProperties: {}``; beside a draft-07-or-earlier ``$ref``, every
+  sibling (that draft ignores them); beside a later ``$ref``, a ``type`` its target implies.
+
+Nothing else is rewritten in a node beside a ``$ref``: in draft-07 and earlier, ``$ref`` makes its
 siblings ignored, so adding a conjunct there would add a constraint the schema does not have.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -43,6 +49,9 @@ TYPE_NAMES = ALL_TYPES | {"integer"}
 # Keywords that assert nothing: a ``not`` whose schema holds only these and ``type`` is a type test.
 ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated",
                          "readOnly", "writeOnly"})
+# What stays beside a draft-07-or-earlier $ref, whose other siblings are ignored: the subschemas
+# other references may name, and what sets the base URI.
+KEEP_BESIDE_REF = frozenset({"definitions", "$defs", "$schema", "$id", "id"})
 # Keywords that constrain objects alone: any other instance passes them.
 OBJECT_KEYWORDS = frozenset({"properties", "patternProperties", "additionalProperties", "required",
                              "minProperties", "maxProperties", "propertyNames", "dependencies",
@@ -68,13 +77,15 @@ class _Rewriter:
         # A local "#/..." pointer is relative to the nearest enclosing $id: with nested $ids the
         # proof does not follow references at all.
         self.refs_resolvable = not _has_nested_id(root, top=True)
+        # 2019-09's unevaluatedProperties sees what additionalProperties evaluated, even {}.
+        self.reads_annotations = '"unevaluatedProperties"' in json.dumps(root)
 
     def node(self, schema: Any) -> Any:
         if not isinstance(schema, dict):
             return schema
         out = {key: self.children(key, value) for key, value in schema.items()}
         if "$ref" in out:
-            return out
+            return self._beside_ref(out)
         conjuncts: list[Any] = []
         if not self.new_draft and isinstance(out.get("dependencies"), dict):
             conjuncts += _dependency_conjuncts(out.pop("dependencies"))
@@ -100,7 +111,38 @@ class _Rewriter:
                     out["anyOf"] = branches
         if conjuncts:
             out["allOf"] = list(out.get("allOf", [])) + conjuncts
+        self._drop_what_any_of_implies(out)
         return out
+
+    def _beside_ref(self, node: dict[str, Any]) -> dict[str, Any]:
+        """A ``$ref`` node with the siblings that assert nothing dropped. In draft-07 and earlier
+        ``$ref`` makes every sibling ignored; from 2019-09 (or undeclared) they apply, and only a
+        ``type`` the target already implies goes. The library cannot intersect siblings into a
+        target that reaches a reference cycle, and nothing else is rewritten here."""
+        if self.old_draft:
+            return {key: value for key, value in node.items() if key == "$ref" or key in KEEP_BESIDE_REF}
+        if "type" in node:
+            admitted = _admitted_types(node["type"])
+            target = self.resolve(node["$ref"])
+            if admitted and target is not None and self.shape(target, PROOF_DEPTH).possible_types() <= admitted:
+                return {key: value for key, value in node.items() if key != "type"}
+        return node
+
+    def _drop_what_any_of_implies(self, node: dict[str, Any]) -> None:
+        """Beside ``anyOf``, a keyword every branch already implies changes nothing; the library
+        cannot intersect such siblings into a branch that reaches a reference cycle, so they go:
+        a ``type`` that admits every type a branch may take, and an ``additionalProperties`` that
+        admits anything (unless something reads its annotation: ``unevaluatedProperties``)."""
+        branches = node.get("anyOf")
+        if not isinstance(branches, list) or not branches:
+            return
+        if node.get("additionalProperties") in (True, {}) and not self.reads_annotations:
+            del node["additionalProperties"]
+        if "type" in node:
+            admitted = _admitted_types(node["type"])
+            if admitted and all(self.shape(branch, PROOF_DEPTH).possible_types() <= admitted
+                                for branch in branches):
+                del node["type"]
 
     def children(self, key: str, value: Any) -> Any:
         if key in SCHEMA_KEYWORDS or (key == "items" and not isinstance(value, list)):
@@ -274,6 +316,15 @@ def _disjoint(a: _Shape, b: _Shape, rewriter: _Rewriter, depth: int) -> bool:
         if _disjoint(left, right, rewriter, depth - 1):
             return True
     return False
+
+
+def _admitted_types(named: Any) -> frozenset[str]:
+    """The shape types a ``type`` keyword admits whole (empty where unsure): an integer type
+    admits no 1.5, so it admits no shape's "number"."""
+    names = named if isinstance(named, list) else [named]
+    if not all(name in TYPE_NAMES for name in names):
+        return frozenset()
+    return frozenset(name for name in names if name != "integer")
 
 
 def _json_type_name(name: Any) -> str:

@@ -269,3 +269,58 @@ def test_sample_schemas_that_compile_only_since_the_rewrites_judge_every_test_in
                 assert not accepts_text(compiled, encode, compact(test["data"]))
     assert not wrong, wrong
     assert checked >= 30, checked
+
+
+# --- siblings the library would have to intersect into a reference cycle -------------------
+LIST_DEFINITIONS = {
+    "list": {"type": "object", "properties": {"kind": {"const": "list"}, "items": {"type": "array", "items": {"$ref": "#"}}},
+             "required": ["kind"], "additionalProperties": False},
+    "text": {"type": "object", "properties": {"kind": {"const": "text"}, "text": {"type": "string"}},
+             "required": ["kind"]}}
+NESTED_LISTS = [{"kind": "text"}, {"kind": "text", "text": "a", "x": 1}, {"kind": "list", "items": []},
+                {"kind": "list", "items": [{"kind": "text"}, {"kind": "list", "items": [{"kind": "text", "text": 1}]}]},
+                {"kind": "list", "items": [{"kind": "list", "items": [{"kind": "text"}]}]}, {"kind": "list", "x": 1},
+                {"kind": "other"}, {}, "s", None]
+
+
+def test_siblings_of_any_of_that_every_branch_implies_go_and_a_cycle_compiles(judge):
+    """A type every branch already has, and additionalProperties: {} (admits anything)."""
+    schema = {"type": "object", "additionalProperties": {}, "title": "t", "definitions": LIST_DEFINITIONS,
+              "anyOf": [{"$ref": "#/definitions/list"}, {"$ref": "#/definitions/text"}]}
+    assert "circular" in (library_refusal(schema) or "")
+    rewritten = judge(schema, NESTED_LISTS)
+    assert "type" not in rewritten and "additionalProperties" not in rewritten
+
+
+@pytest.mark.parametrize("sibling", [
+    {"type": "integer"},  # a branch's number may be 1.5: an integer type is not implied
+    {"type": ["object", "string"], "additionalProperties": False},  # asserts something
+])
+def test_siblings_of_any_of_that_assert_something_stay(sibling):
+    schema = {"anyOf": [{"type": "number"}, {"type": "object"}], **sibling}
+    assert rewrite_schema(schema) == schema
+    annotated = {"anyOf": [{"type": "object"}], "additionalProperties": {}, "unevaluatedProperties": False}
+    assert rewrite_schema(annotated) == annotated  # unevaluatedProperties reads what {} evaluated
+
+
+def test_siblings_of_a_draft_07_ref_are_ignored_as_the_draft_says(judge):
+    """Draft-07 and earlier ignore every sibling of $ref; the library would apply them."""
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": LIST_DEFINITIONS,
+              "properties": {"doc": {"$ref": "#/definitions/list", "type": "string", "description": "d",
+                                     "dependencies": {"kind": ["x"]}}}}
+    rewritten = judge(schema, [{"doc": value} for value in NESTED_LISTS] + [{}])
+    assert rewritten["properties"]["doc"] == {"$ref": "#/definitions/list"}
+
+
+def test_siblings_of_a_later_ref_apply_and_only_an_implied_type_goes(judge):
+    schema = {"$schema": DRAFT_2020, "$defs": {"s": {"type": "string", "maxLength": 3}, "n": {"type": "number"}},
+              "properties": {"implied": {"$ref": "#/$defs/s", "type": ["string", "null"]},
+                             "applies": {"$ref": "#/$defs/s", "minLength": 2},
+                             "narrows": {"$ref": "#/$defs/n", "type": "integer"}}}
+    # Not 2.0: an integer to JSON Schema, which the library's integer grammar does not generate.
+    values = ["", "ab", "abcd", None, 1, 1.5]
+    instances = [{key: value} for key in schema["properties"] for value in values]
+    rewritten = judge(schema, instances, jsonschema.Draft202012Validator)
+    assert rewritten["properties"]["implied"] == {"$ref": "#/$defs/s"}
+    assert rewritten["properties"]["applies"] == schema["properties"]["applies"]
+    assert rewritten["properties"]["narrows"] == schema["properties"]["narrows"]
