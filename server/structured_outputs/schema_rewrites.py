@@ -18,8 +18,10 @@ library's refusal names it as before:
   and that the other forbids (``additionalProperties: false``) or whose values the two keep apart.
   Where every branch (two or more) constrains objects alone, a non-object matches them all and
   oneOf rejects it: then ``oneOf`` is ``type: object`` and ``anyOf``, if disjoint among objects.
-- ``not`` of a few simple forms: ``not: {}`` is ``false``; ``not: {type: T}`` is the other types;
-  ``not: {required: [a, b]}`` is "an object without a, or without b".
+- ``not`` of a few forms: ``not: {}`` is ``false``; ``not: {type: T}`` is the other types;
+  ``not: {maxItems: n}`` is "an array of n + 1 items or more" (likewise minItems,
+  maxLength, minLength); ``not: {properties: P, required: R}`` is "an object without a key of R,
+  or with a key of P whose value breaks P's schema for it" (where that schema has a negation).
 
 - Siblings that assert nothing more, which the library would have to intersect into a branch
   that reaches a reference cycle (it refuses that): beside ``anyOf``, a ``type`` every branch
@@ -99,7 +101,8 @@ class _Rewriter:
                 return False
             if negated is not None:
                 del out["not"]
-                conjuncts.append(negated)
+                if negated is not True:
+                    conjuncts.append(negated)
         if isinstance(out.get("oneOf"), list):
             proof = self._one_of_proof(schema)
             if proof is not None:
@@ -359,27 +362,67 @@ def _dependency_conjuncts(dependencies: dict[str, Any]) -> list[Any]:
 
 
 # --- not ------------------------------------------------------------------------------------
+# A bound on a count -> (the only type it constrains, the keyword that bounds the other way).
+COUNT_BOUNDS = {"maxItems": ("array", "minItems"), "minItems": ("array", "maxItems"),
+                "maxLength": ("string", "minLength"), "minLength": ("string", "maxLength")}
+
+
 def _negation(negated: Any) -> Any:
-    """An equivalent of ``not: negated`` without ``not``, False (nothing matches), or None."""
+    """An equivalent of ``not: negated`` without ``not``: a schema, True (everything matches),
+    False (nothing does), or None where no form is known."""
     if negated is True or negated == {}:
         return False
+    if negated is False:
+        return True
     if not isinstance(negated, dict):
         return None
-    asserting = {key for key in negated if key not in ANNOTATIONS}
-    if asserting == {"type"}:
-        named = negated["type"] if isinstance(negated["type"], list) else [negated["type"]]
-        if not all(name in TYPE_NAMES for name in named):
-            return None
-        if "integer" in named and "number" not in named:
-            return None  # "not an integer" takes in 1.5: no type list says that
-        others = sorted(ALL_TYPES - {_json_type_name(name) for name in named})
-        return {"type": others} if others else False
-    if asserting == {"required"} and isinstance(negated["required"], list) and negated["required"]:
-        # required holds for every non-object, so its negation holds only for an object that
-        # lacks at least one of the keys.
-        keys = list(dict.fromkeys(negated["required"]))
-        return {"type": "object", "anyOf": [{"properties": {key: False}} for key in keys]}
+    asserting = {key: value for key, value in negated.items() if key not in ANNOTATIONS}
+    keys = set(asserting)
+    if keys == {"type"}:
+        return _other_types(asserting["type"])
+    if len(keys) == 1 and next(iter(keys)) in COUNT_BOUNDS:
+        return _outside_count_bound(*next(iter(asserting.items())))
+    if keys and keys <= {"properties", "required"}:
+        return _object_breaking(asserting.get("properties", {}), asserting.get("required", []))
     return None
+
+
+def _other_types(named: Any) -> Any:
+    names = named if isinstance(named, list) else [named]
+    if not all(name in TYPE_NAMES for name in names):
+        return None
+    if "integer" in names and "number" not in names:
+        return None  # "not an integer" takes in 1.5: no type list says that
+    others = sorted(ALL_TYPES - {_json_type_name(name) for name in names})
+    return {"type": others} if others else False
+
+
+def _outside_count_bound(keyword: str, bound: Any) -> Any:
+    """not {maxItems: n} is "an array of n + 1 items or more" (and so on): the bound holds for
+    every instance of another type, so its negation holds for none."""
+    if not isinstance(bound, int) or isinstance(bound, bool) or bound < 0:
+        return None
+    applies_to, opposite = COUNT_BOUNDS[keyword]
+    if keyword.startswith("min") and bound == 0:
+        return False  # every array has at least 0 items
+    limit = bound + 1 if keyword.startswith("max") else bound - 1
+    return {"type": applies_to, opposite: limit}
+
+
+def _object_breaking(properties: Any, required: Any) -> Any:
+    """not {properties: P, required: R}: properties and required hold for every non-object, so
+    their negation is an object that lacks a key of R, or has a key of P whose value breaks P's
+    schema for it."""
+    if not isinstance(properties, dict) or not isinstance(required, list):
+        return None
+    ways: list[Any] = [{"properties": {key: False}} for key in dict.fromkeys(required)]
+    for key, schema in properties.items():
+        broken = _negation(schema)
+        if broken is None:
+            return None
+        if broken is not False:
+            ways.append({"required": [key], "properties": {key: broken}})
+    return {"type": "object", "anyOf": ways} if ways else False
 
 
 def _has_nested_id(schema: Any, top: bool) -> bool:

@@ -196,8 +196,13 @@ def test_simple_negations_become_types_and_absent_keys(judge):
         "gone": {"not": {}}, "also_gone": {"description": "d", "not": True},
         "not_object": {"not": {"type": "object", "title": "t"}},
         "not_number": {"not": {"type": ["number", "null"]}},
-        "one_missing": {"not": {"required": ["a", "b"]}}}}
-    values = [None, True, 0, 1.5, "s", [], {}, {"a": 1}, {"a": 1, "b": 2}, {"b": 1, "c": 0}]
+        "one_missing": {"not": {"required": ["a", "b"]}},
+        "always": {"not": False}, "none_required": {"not": {"required": []}},
+        "nonempty": {"not": {"maxItems": 0}}, "short": {"not": {"minLength": 2}}, "any_string": {"not": {"minLength": 0}},
+        "broken": {"not": {"properties": {"a": {"type": "number"}, "b": {"maxItems": 1}, "c": {}, "d": False},
+                           "required": ["a"]}}}}
+    values = [None, True, 0, 1.5, "s", "st", [], [1], [1, 2], {}, {"a": 1}, {"a": "x"}, {"a": 1, "b": 2},
+              {"a": 1, "b": [1, 2]}, {"a": 1, "b": [1]}, {"a": 1, "c": 0}, {"a": 1, "d": 0}, {"b": 1, "c": 0}]
     instances = [{key: value} for key in schema["properties"] for value in values] + [{}]
     rewritten = judge(schema, instances)
     assert '"not"' not in json.dumps(rewritten)
@@ -205,8 +210,9 @@ def test_simple_negations_become_types_and_absent_keys(judge):
 
 @pytest.mark.parametrize("negated", [
     {"type": "integer"},  # 1.5 is not an integer: no list of types says "number but not integer"
-    {"required": ["a"], "properties": {"a": {"type": "string"}}},
+    {"required": ["a"], "properties": {"a": {"enum": ["x"]}}},  # a value outside an enum: no form
     {"enum": [1, 2]},
+    {"maxItems": 1, "minItems": 1},
 ])
 def test_other_negations_stay_refused_naming_not(negated):
     schema = {"type": "object", "properties": {"p": {"not": negated}}}
