@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.json_key_order import compact, judged_valid
 from bench.jsonschemabench import load_rows
 from kvscale.server.sampling_params import StructuredOutputsParams
 from kvscale.server.structured_outputs import backend
@@ -20,7 +21,6 @@ from kvscale.server.structured_outputs.compiler import (
     StructuredOutputsConfig,
 )
 from kvscale.server.structured_outputs.manager import mask_rows_inplace, unpack
-from tests.server.grammar_helpers import compact, judged_valid
 
 VOCAB = 49152
 EOS = {0, 2}

@@ -15,11 +15,11 @@ import jsonschema
 import llguidance
 import pytest
 
+from bench.json_key_order import accepts_text, compact, judged_valid
 from bench.jsonschemabench import load_rows
 from kvscale.server.sampling_params import StructuredOutputsParams
 from kvscale.server.structured_outputs import backend
 from kvscale.server.structured_outputs.schema_rewrites import rewrite_schema
-from tests.server.grammar_helpers import accepts_text, compact, judged_valid
 
 VOCAB = 49152
 EOS = {0, 2}

@@ -1,4 +1,4 @@
-"""Feeding JSON instances through a compiled grammar, for the structured-output tests.
+"""Judging JSON test instances with a compiled grammar (bench.grammar_libraries, the tests).
 
 llguidance generates an object's declared properties in the order the schema declares them, then
 any others: a valid instance whose keys come in another order is rejected as written, though JSON
