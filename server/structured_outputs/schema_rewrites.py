@@ -29,7 +29,8 @@ library's refusal names it as before:
   sibling (that draft ignores them); beside a later ``$ref``, a ``type`` its target implies.
 
 Nothing else is rewritten in a node beside a ``$ref``: in draft-07 and earlier, ``$ref`` makes its
-siblings ignored, so adding a conjunct there would add a constraint the schema does not have.
+siblings ignored, so adding a conjunct there would add a constraint the schema does not have. And
+nothing a local ``$ref`` points into (``#/properties/a/oneOf/0``) is moved or removed.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ PROOF_DEPTH = 4
 
 def rewrite_schema(schema: Any) -> Any:
     """``schema`` with every provable rewrite applied (a new object; the argument is untouched)."""
-    return _Rewriter(schema).node(schema)
+    return _Rewriter(schema).node(schema, ())
 
 
 class _Rewriter:
@@ -81,29 +82,38 @@ class _Rewriter:
         self.refs_resolvable = not _has_nested_id(root, top=True)
         # 2019-09's unevaluatedProperties sees what additionalProperties evaluated, even {}.
         self.reads_annotations = '"unevaluatedProperties"' in json.dumps(root)
+        # Every path a local reference passes through: a rewrite that moves or removes what such a
+        # path names would leave the reference dangling, so there nothing is rewritten.
+        self.referenced: set[tuple[str, ...]] = set()
+        for pointer in _local_pointers(root):
+            self.referenced |= {pointer[:i] for i in range(1, len(pointer) + 1)}
 
-    def node(self, schema: Any) -> Any:
+    def keeps(self, path: tuple[str, ...], key: str) -> bool:
+        """Whether a reference reaches into ``key`` of the node at ``path`` (so it must stay)."""
+        return path + (key,) in self.referenced
+
+    def node(self, schema: Any, path: tuple[str, ...]) -> Any:
         if not isinstance(schema, dict):
             return schema
-        out = {key: self.children(key, value) for key, value in schema.items()}
+        out = {key: self.children(key, value, path + (key,)) for key, value in schema.items()}
         if "$ref" in out:
-            return self._beside_ref(out)
+            return self._beside_ref(out, path)
         conjuncts: list[Any] = []
-        if not self.new_draft and isinstance(out.get("dependencies"), dict):
+        if not self.new_draft and isinstance(out.get("dependencies"), dict) and not self.keeps(path, "dependencies"):
             conjuncts += _dependency_conjuncts(out.pop("dependencies"))
         if not self.old_draft:
             for key in ("dependentRequired", "dependentSchemas"):
-                if isinstance(out.get(key), dict):
+                if isinstance(out.get(key), dict) and not self.keeps(path, key):
                     conjuncts += _dependency_conjuncts(out.pop(key))
-        if "not" in out:
+        if "not" in out and not self.keeps(path, "not"):
             negated = _negation(out["not"])
-            if negated is False:
+            if negated is False and not any(self.keeps(path, key) for key in out):
                 return False
-            if negated is not None:
+            if negated is not None and negated is not False:
                 del out["not"]
                 if negated is not True:
                     conjuncts.append(negated)
-        if isinstance(out.get("oneOf"), list):
+        if isinstance(out.get("oneOf"), list) and not self.keeps(path, "oneOf"):
             proof = self._one_of_proof(schema)
             if proof is not None:
                 branches = out.pop("oneOf")
@@ -114,16 +124,17 @@ class _Rewriter:
                     out["anyOf"] = branches
         if conjuncts:
             out["allOf"] = list(out.get("allOf", [])) + conjuncts
-        self._drop_what_any_of_implies(out)
+        self._drop_what_any_of_implies(out, path)
         return out
 
-    def _beside_ref(self, node: dict[str, Any]) -> dict[str, Any]:
+    def _beside_ref(self, node: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
         """A ``$ref`` node with the siblings that assert nothing dropped. In draft-07 and earlier
         ``$ref`` makes every sibling ignored; from 2019-09 (or undeclared) they apply, and only a
         ``type`` the target already implies goes. The library cannot intersect siblings into a
         target that reaches a reference cycle, and nothing else is rewritten here."""
         if self.old_draft:
-            return {key: value for key, value in node.items() if key == "$ref" or key in KEEP_BESIDE_REF}
+            return {key: value for key, value in node.items()
+                    if key == "$ref" or key in KEEP_BESIDE_REF or self.keeps(path, key)}
         if "type" in node:
             admitted = _admitted_types(node["type"])
             target = self.resolve(node["$ref"])
@@ -131,7 +142,7 @@ class _Rewriter:
                 return {key: value for key, value in node.items() if key != "type"}
         return node
 
-    def _drop_what_any_of_implies(self, node: dict[str, Any]) -> None:
+    def _drop_what_any_of_implies(self, node: dict[str, Any], path: tuple[str, ...]) -> None:
         """Beside ``anyOf``, a keyword every branch already implies changes nothing; the library
         cannot intersect such siblings into a branch that reaches a reference cycle, so they go:
         a ``type`` that admits every type a branch may take, and an ``additionalProperties`` that
@@ -139,7 +150,8 @@ class _Rewriter:
         branches = node.get("anyOf")
         if not isinstance(branches, list) or not branches:
             return
-        if node.get("additionalProperties") in (True, {}) and not self.reads_annotations:
+        if (node.get("additionalProperties") in (True, {}) and not self.reads_annotations
+                and not self.keeps(path, "additionalProperties")):
             del node["additionalProperties"]
         if "type" in node:
             admitted = _admitted_types(node["type"])
@@ -147,15 +159,16 @@ class _Rewriter:
                                 for branch in branches):
                 del node["type"]
 
-    def children(self, key: str, value: Any) -> Any:
+    def children(self, key: str, value: Any, path: tuple[str, ...]) -> Any:
         if key in SCHEMA_KEYWORDS or (key == "items" and not isinstance(value, list)):
-            return self.node(value)
+            return self.node(value, path)
         if (key in LIST_KEYWORDS or key == "items") and isinstance(value, list):
-            return [self.node(item) for item in value]
+            return [self.node(item, path + (str(i),)) for i, item in enumerate(value)]
         if key in MAP_KEYWORDS and isinstance(value, dict):
-            return {name: self.node(item) for name, item in value.items()}
+            return {name: self.node(item, path + (name,)) for name, item in value.items()}
         if key == "dependencies" and isinstance(value, dict):
-            return {name: item if isinstance(item, list) else self.node(item) for name, item in value.items()}
+            return {name: item if isinstance(item, list) else self.node(item, path + (name,))
+                    for name, item in value.items()}
         return value  # const, enum, default, examples, ...: data, never schemas
 
     # --- oneOf: the disjointness proof ----------------------------------------------------
@@ -243,11 +256,10 @@ class _Rewriter:
         if not self.refs_resolvable or not isinstance(ref, str) or not ref.startswith("#"):
             return None
         node = self.root
-        pointer = unquote(ref[1:])
-        if pointer and not pointer.startswith("/"):
+        tokens = _pointer_tokens(ref)
+        if tokens is None:
             return None  # an anchor name
-        for token in pointer.split("/")[1:]:
-            token = token.replace("~1", "/").replace("~0", "~")
+        for token in tokens:
             if isinstance(node, dict) and token in node:
                 node = node[token]
             elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
@@ -423,6 +435,32 @@ def _object_breaking(properties: Any, required: Any) -> Any:
         if broken is not False:
             ways.append({"required": [key], "properties": {key: broken}})
     return {"type": "object", "anyOf": ways} if ways else False
+
+
+def _pointer_tokens(ref: str) -> tuple[str, ...] | None:
+    """The tokens of a local JSON-pointer reference ("#/a/b~1c" -> ("a", "b/c")), else None."""
+    pointer = unquote(ref[1:])
+    if not ref.startswith("#") or (pointer and not pointer.startswith("/")):
+        return None
+    return tuple(token.replace("~1", "/").replace("~0", "~") for token in pointer.split("/")[1:])
+
+
+def _local_pointers(schema: Any) -> list[tuple[str, ...]]:
+    """The pointer of every local ``$ref`` anywhere in ``schema`` (data included: a false alarm
+    only keeps a rewrite from being made)."""
+    found: list[tuple[str, ...]] = []
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            tokens = _pointer_tokens(ref) if isinstance(ref, str) else None
+            if tokens:
+                found.append(tokens)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
 
 
 def _has_nested_id(schema: Any, top: bool) -> bool:

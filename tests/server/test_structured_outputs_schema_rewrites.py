@@ -330,3 +330,20 @@ def test_siblings_of_a_later_ref_apply_and_only_an_implied_type_goes(judge):
     assert rewritten["properties"]["implied"] == {"$ref": "#/$defs/s"}
     assert rewritten["properties"]["applies"] == schema["properties"]["applies"]
     assert rewritten["properties"]["narrows"] == schema["properties"]["narrows"]
+
+
+def test_nothing_a_reference_points_into_is_moved_or_removed():
+    """A rewrite that moved oneOf's branches, a dependency's schema, a not, or a draft-07 $ref's
+    ignored sibling would leave a reference to them dangling: those stay as written (refused)."""
+    schema = {"type": "object", "properties": {
+        "a": {"oneOf": [{"type": "string"}, {"type": "null"}]},
+        "b": {"dependencies": {"x": {"required": ["y"]}}},
+        "c": {"not": {"type": "string", "title": "t"}},
+        "d": {"not": {}, "definitions": {"s": {"type": "string"}}},
+        "uses": {"anyOf": [{"$ref": "#/properties/a/oneOf/0"}, {"$ref": "#/properties/b/dependencies/x"},
+                           {"$ref": "#/properties/c/not"}, {"$ref": "#/properties/d/definitions/s"}]}}}
+    assert rewrite_schema(schema) == schema
+    draft_07 = {"$schema": "http://json-schema.org/draft-07/schema#", "definitions": {"o": {"type": "object"}},
+                "properties": {"p": {"$ref": "#/definitions/o", "properties": {"q": {"type": "integer"}}},
+                               "r": {"$ref": "#/properties/p/properties/q"}}}
+    assert rewrite_schema(draft_07) == draft_07
