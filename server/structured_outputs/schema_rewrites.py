@@ -22,7 +22,6 @@ library's refusal names it as before:
   ``not: {maxItems: n}`` is "an array of n + 1 items or more" (likewise minItems,
   maxLength, minLength); ``not: {properties: P, required: R}`` is "an object without a key of R,
   or with a key of P whose value breaks P's schema for it" (where that schema has a negation).
-
 - Siblings that assert nothing more, which the library would have to intersect into a branch
   that reaches a reference cycle (it refuses that): beside ``anyOf``, a ``type`` every branch
   already implies and ``additionalProperties: {}``; beside a draft-07-or-earlier ``$ref``, every
