@@ -7,6 +7,7 @@ a valid instance must be accepted, an invalid one rejected. Mask time is the tim
 token bitmask, measured at every position of the valid instances.
 
     python -m bench.grammar_libraries --out bench/results/grammar_libraries.json [--xgrammar-path DIR]
+        [--kvscale-rewrites]
 
 xgrammar is not a kvscale dependency: point ``--xgrammar-path`` at a directory it was installed
 into (``pip install --no-deps --target DIR xgrammar apache-tvm-ffi``).
@@ -24,8 +25,16 @@ from typing import Any
 
 import torch
 
+from bench.json_key_order import judged_valid
 from bench.jsonschemabench import load_rows, sample_path
 from kvscale.model_files import load_tokenizer, resolve_model_path
+
+
+def backend_schema(schema: Any) -> Any:
+    """The schema kvscale hands the library (its key order is the one the grammar generates)."""
+    from kvscale.server.structured_outputs.schema_rewrites import rewrite_schema
+
+    return rewrite_schema(schema)
 
 
 def quantiles(values: list[float]) -> dict[str, float | None]:
@@ -68,6 +77,46 @@ class LLGuidance:
             if not matcher.consume_token(token):
                 return False
         return matcher.is_accepting()
+
+
+class KvscaleRewrites:
+    """llguidance as kvscale's server uses it: the schema's refused keywords rewritten where an
+    exact equivalent is proven (server/structured_outputs/schema_rewrites.py), the server's
+    bounded whitespace. A valid instance rejected as written counts as accepted when some other
+    key order of it is accepted (llguidance fixes the order of declared properties; JSON Schema
+    ignores key order; bench/json_key_order.py); an invalid one must be rejected as written and
+    in the schema's key order."""
+
+    name = "llguidance + kvscale rewrites"
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        from kvscale.server.structured_outputs import backend
+
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.tok = backend.build_tokenizer(tokenizer, vocab_size, {tokenizer.eos_token_id})
+        self.other_key_order = 0  # valid instances accepted only in another key order
+
+    def compile(self, schema: dict) -> Any:
+        from kvscale.server.sampling_params import StructuredOutputsParams
+
+        spec = StructuredOutputsParams(json=json.dumps(schema, separators=(",", ":")))
+        return self.backend.compile_grammar(self.tok, self.backend.grammar_text(spec))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def accepts(self, compiled: Any, ids: list[int], mask_times: list[float] | None,
+                instance: Any = None, schema: Any = None) -> bool:
+        matcher = self.backend.Matcher.of(compiled)
+        as_written = all(matcher.consume(token) for token in ids) and matcher.is_accepting()
+        if mask_times is None:  # an invalid instance: rejected as written and in the schema's order
+            return as_written or not judged_valid(compiled, self.encode, instance, schema, False)
+        if as_written:
+            return True
+        accepted = judged_valid(compiled, self.encode, instance, schema, True)
+        self.other_key_order += accepted
+        return accepted
 
 
 class XGrammar:
@@ -114,7 +163,11 @@ def measure(lib: Any, rows: list[dict], tokenizer: Any) -> dict:
         for test in row.get("tests") or []:
             text = json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            ok = lib.accepts(compiled, ids, mask_s if test["valid"] else None)
+            if isinstance(lib, KvscaleRewrites):
+                ok = lib.accepts(compiled, ids, [] if test["valid"] else None, test["data"],
+                                 backend_schema(row["schema"]))
+            else:
+                ok = lib.accepts(compiled, ids, mask_s if test["valid"] else None)
             checked += 1
             if ok and not test["valid"]:
                 wrong_accept += 1
@@ -126,6 +179,8 @@ def measure(lib: Any, rows: list[dict], tokenizer: Any) -> dict:
         "mask_us": {k: (v * 1e6 if v is not None else None) for k, v in quantiles(mask_s).items()},
         "instances_checked": checked, "wrong_acceptances": wrong_accept, "wrong_rejections": wrong_reject,
         "refusals": refused,
+        **({"valid_accepted_only_in_another_key_order": lib.other_key_order}
+           if isinstance(lib, KvscaleRewrites) else {}),
     }
 
 
@@ -135,6 +190,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--xgrammar-path", default=None)
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--kvscale-rewrites", action="store_true",
+                        help="also measure llguidance behind kvscale's exact schema rewrites")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.xgrammar_path:
@@ -145,6 +202,8 @@ def main() -> None:
     tokenizer = load_tokenizer(path)
     vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
     libs: list[Any] = [LLGuidance(tokenizer, vocab_size)]
+    if args.kvscale_rewrites:
+        libs.append(KvscaleRewrites(tokenizer, vocab_size))
     if args.xgrammar_path:
         libs.append(XGrammar(tokenizer, vocab_size))
     result = {"date": time.strftime("%Y-%m-%d"), "sample": sample, "libraries": {}}

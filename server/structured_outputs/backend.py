@@ -19,6 +19,7 @@ from typing import Any
 import llguidance
 
 from kvscale.server.sampling_params import StructuredOutputsParams
+from kvscale.server.structured_outputs.schema_rewrites import rewrite_schema
 
 # Between JSON tokens: nothing, one space, or a newline and up to 16 spaces of indentation. A
 # bounded pattern means a small model can never loop on whitespace until max_tokens (the
@@ -43,7 +44,8 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     """The library's grammar for a request's constraint (cheap: no tokenizer work yet)."""
     try:
         if spec.json is not None:
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(library_schema(spec.json),
+                                                                 defaults=JSON_OPTIONS)
         if spec.json_object:
             return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
         if spec.regex is not None:
@@ -57,11 +59,21 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         raise GrammarError(str(exc)) from exc
 
 
+def library_schema(schema: str | dict[str, Any]) -> str | dict[str, Any]:
+    """What the library is given for a request's schema: the schema with the keywords it refuses
+    rewritten into exact equivalents where that is proven (schema_rewrites.py), else unchanged,
+    so its refusal still names the keyword. A function of the schema alone, so the compile
+    cache's key (the request's canonical schema text) stands for the rewritten schema too."""
+    parsed = json.loads(schema) if isinstance(schema, str) else schema
+    rewritten = rewrite_schema(parsed)
+    return schema if rewritten == parsed else rewritten
+
+
 def schema_refusal(schema: dict[str, Any]) -> str | None:
     """Why the library cannot enforce ``schema`` exactly (the keyword it names), or None. Needs
     no tokenizer: a refusal is the schema's, whatever the vocabulary (about a millisecond)."""
     try:
-        text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        text = llguidance.LLMatcher.grammar_from_json_schema(library_schema(schema), defaults=JSON_OPTIONS)
     except ValueError as exc:
         return _first_line(str(exc))
     error = llguidance.LLMatcher.validate_grammar(text, None)
