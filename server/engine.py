@@ -238,6 +238,9 @@ class LLMEngine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
                 request.num_cached_tokens = item.seq.num_computed_tokens
+        # The masks of the rows that will sample, filled while the forward runs.
+        self.structured.start_masks([item.seq for item in sched.scheduled
+                                     if item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens])
         step_logits = self.runner.execute(sched.scheduled, self.kv.take_pending_copies())
         logits, sample_rows = step_logits.sample, step_logits.sample_rows
         if step_logits.prompt_rows:

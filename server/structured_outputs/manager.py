@@ -2,8 +2,11 @@
 sequence, and the batch bitmask applied to the logits each step.
 
 The engine calls, in step order: ``poll`` (grammars ready or failed: ready requests go to the
-scheduler, failed ones end with an error before any token), ``apply`` (after the forward pass,
-before penalties and sampling: every constrained row's disallowed tokens to -inf, in place),
+scheduler, failed ones end with an error before any token), ``start_masks`` (before the forward
+pass: the scheduled sequences' masks are filled on a thread while the forward runs, since a
+matcher's state depends only on the tokens already accepted), ``apply`` (after the forward pass,
+before penalties and sampling: every constrained row's disallowed tokens to -inf, in place, from
+the masks filled early, or filled now for a row that was not foreseen, as a fork's),
 ``accept`` (each sampled token advances its matcher; a complete grammar ends the sequence),
 ``forced_tokens`` (fast-forward: what the grammar allows as the only continuation after that
 token, which the engine appends without sampling), ``fork`` (n > 1: each sample its own copy of
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +54,8 @@ class GrammarStats:
     timeouts: int = 0
     mask_steps: int = 0
     mask_rows: int = 0
-    mask_seconds: float = 0.0
+    mask_seconds: float = 0.0  # filling masks (mostly hidden behind the forward pass)
+    mask_apply_seconds: float = 0.0  # waiting for them and applying them to the logits, on the step's path
     forced_tokens: int = 0  # appended by fast-forward, without a sampling step each
 
 
@@ -94,6 +98,21 @@ def mask_rows_inplace(logits: np.ndarray, bits: np.ndarray) -> None:
             row[np.flatnonzero(row_bits == 0)] = -np.inf
 
 
+@dataclass
+class EarlyMasks:
+    """The masks of one step's sequences, being filled on the mask thread during the forward pass."""
+
+    seq_ids: list[int]
+    bitmask: torch.Tensor  # row k: seq_ids[k]
+    fill_seconds: Future[float]
+
+
+def _fill_timed(matchers: list[backend.Matcher], bitmask: torch.Tensor, executor: Any | None) -> float:
+    started = time.perf_counter()
+    backend.fill_bitmasks(matchers, bitmask, executor)
+    return time.perf_counter() - started
+
+
 class StructuredOutputManager:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: set[int],
                  config: StructuredOutputsConfig | None = None) -> None:
@@ -105,6 +124,9 @@ class StructuredOutputManager:
         self.pending: dict[str, tuple[Request, PendingGrammar]] = {}
         self.matchers: dict[int, backend.Matcher] = {}  # seq_id -> matcher
         self.executor = backend.make_executor(self.config.mask_threads)
+        # One thread: it only waits on the library, which fills rows on its own threads.
+        self.mask_thread = ThreadPoolExecutor(1, thread_name_prefix="kvscale-masks")
+        self.early: EarlyMasks | None = None
         self.stats = GrammarStats()
 
     # --- requests waiting for their grammar ---------------------------------------------
@@ -152,15 +174,52 @@ class StructuredOutputManager:
             wait_futures(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     # --- the step -----------------------------------------------------------------------
+    def start_masks(self, seqs: list[Sequence]) -> None:
+        """Start filling the masks of ``seqs`` (those of a step that may sample) on the mask thread,
+        so that the forward pass hides the fill; ``apply`` collects them."""
+        self._settle()
+        constrained = [seq for seq in seqs if seq.seq_id in self.matchers]
+        if not constrained:
+            return
+        bitmask = torch.empty((len(constrained), self.words), dtype=torch.int32)
+        matchers = [self.matchers[seq.seq_id] for seq in constrained]
+        self.early = EarlyMasks([seq.seq_id for seq in constrained], bitmask,
+                                self.mask_thread.submit(_fill_timed, matchers, bitmask, self.executor))
+
+    def _settle(self) -> EarlyMasks | None:
+        """Wait for the early fill, if one runs (nothing may advance, copy or drop a matcher while
+        the mask thread reads it), and hand it over."""
+        early, self.early = self.early, None
+        if early is not None:
+            self.stats.mask_seconds += early.fill_seconds.result()
+        return early
+
+    def _bitmask(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Row i: the mask of seqs[i], from the early fill where it has it, else filled now."""
+        early = self._settle()
+        ids = [seq.seq_id for seq in seqs]
+        if early is not None and early.seq_ids == ids:
+            return early.bitmask
+        bitmask = torch.empty((len(seqs), self.words), dtype=torch.int32)
+        filled = {seq_id: k for k, seq_id in enumerate(early.seq_ids)} if early is not None else {}
+        have = [(i, filled[seq_id]) for i, seq_id in enumerate(ids) if seq_id in filled]
+        if have and early is not None:
+            bitmask[[i for i, _ in have]] = early.bitmask[[k for _, k in have]]
+        missing = [i for i, seq_id in enumerate(ids) if seq_id not in filled]
+        if missing:
+            rows = torch.empty((len(missing), self.words), dtype=torch.int32)
+            self.stats.mask_seconds += _fill_timed([self.matchers[ids[i]] for i in missing], rows, self.executor)
+            bitmask[missing] = rows
+        return bitmask
+
     def apply(self, logits: torch.Tensor, row_seqs: list[Sequence]) -> None:
         """Mask every constrained row of ``logits`` (one row per entry of ``row_seqs``) in place."""
         rows = [i for i, seq in enumerate(row_seqs) if seq.seq_id in self.matchers]
         if not rows:
+            self._settle()
             return
         started = time.perf_counter()
-        bitmask = torch.empty((len(rows), self.words), dtype=torch.int32)
-        backend.fill_bitmasks([self.matchers[row_seqs[i].seq_id] for i in rows], bitmask, self.executor)
-        bits = unpack(bitmask)
+        bits = unpack(self._bitmask([row_seqs[i] for i in rows]))
         vocab = logits.shape[1]
         if vocab > bits.shape[1]:  # ids the tokenizer does not know: never allowed
             bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
@@ -177,11 +236,12 @@ class StructuredOutputManager:
             logits.index_copy_(0, index, sub)
         self.stats.mask_steps += 1
         self.stats.mask_rows += len(rows)
-        self.stats.mask_seconds += time.perf_counter() - started
+        self.stats.mask_apply_seconds += time.perf_counter() - started
 
     def accept(self, seq: Sequence, token: int) -> bool:
         """Advance ``seq``'s matcher by its sampled token; True when the grammar is now complete
         (or, which the mask should rule out, the token broke it: the sequence ends either way)."""
+        self._settle()
         matcher = self.matchers.get(seq.seq_id)
         if matcher is None:
             return False
@@ -202,11 +262,13 @@ class StructuredOutputManager:
         return forced_run(matcher.forced_tokens(), seq.params.stop_token_ids, self.eos_token_ids)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
+        self._settle()
         matcher = self.matchers.get(parent.seq_id)
         if matcher is not None:
             self.matchers[child.seq_id] = matcher.copy()
 
     def release(self, request: Request) -> None:
+        self._settle()
         self.pending.pop(request.request_id, None)
         for seq in request.seqs:
             self.matchers.pop(seq.seq_id, None)
@@ -226,4 +288,6 @@ class StructuredOutputManager:
         }
 
     def shutdown(self) -> None:
+        self._settle()
+        self.mask_thread.shutdown()
         self.compiler.shutdown()

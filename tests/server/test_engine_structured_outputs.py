@@ -121,3 +121,37 @@ def test_logit_bias_moves_the_greedy_choice(make_engine, run_to_completion, bund
     done = run_to_completion(engine)
     assert done["plain"].outputs[0].token_ids != [target]
     assert done["biased"].outputs[0].token_ids == [target]
+
+
+def test_masks_filled_during_the_forward_give_what_masks_filled_after_it_give(
+        make_engine, run_to_completion, bundled_tokenizer, monkeypatch):
+    """The step starts filling the scheduled rows' masks before the forward pass (the manager's
+    start_masks) and collects them after it; rows it did not foresee (the n > 1 forks made at
+    sampling) are filled then. Same tokens as filling every mask after the forward."""
+    from kvscale.server.structured_outputs.manager import StructuredOutputManager
+
+    prompt = chat_prompt(bundled_tokenizer, "Describe a person as JSON.")
+
+    def run() -> dict:
+        engine = make_engine()
+        engine.add_request("greedy", prompt, SamplingParams(temperature=0, max_tokens=40,
+                                                            structured_outputs=person_spec()))
+        engine.add_request("forks", prompt, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=40,
+                                                           structured_outputs=person_spec()))
+        engine.add_request("free", prompt, SamplingParams(temperature=0, max_tokens=12))
+        done = run_to_completion(engine)
+        assert engine.structured.early is None  # collected or settled, never left running
+        return {rid: [c.token_ids for c in out.outputs] for rid, out in done.items()}
+
+    started: list[int] = []
+    original = StructuredOutputManager.start_masks
+
+    def counting(self, seqs):
+        original(self, seqs)
+        started.append(len(self.early.seq_ids) if self.early is not None else 0)
+
+    monkeypatch.setattr(StructuredOutputManager, "start_masks", counting)
+    early = run()
+    assert sum(started) > 0  # the early path ran
+    monkeypatch.setattr(StructuredOutputManager, "start_masks", lambda self, seqs: None)
+    assert run() == early
