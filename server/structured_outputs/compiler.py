@@ -11,7 +11,6 @@ in the cache, so a retry is served at once.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -115,16 +114,6 @@ class PendingGrammar:
                 "(--structured-outputs-config compile_timeout_s).")
 
 
-def lower_priority() -> None:
-    """Run this thread at the lowest priority (Linux: nice is per thread): on a CPU node the
-    engine's OpenMP threads use every core, and a compile holding one of them stalls each of their
-    barriers for a time slice, so decoding would wait on the compile after all."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux, or refused: the compile still runs
-        pass
-
-
 class GrammarCompiler:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: set[int],
                  config: StructuredOutputsConfig) -> None:
@@ -134,8 +123,7 @@ class GrammarCompiler:
         self._eos_token_ids = set(eos_token_ids)
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(config.compile_workers, thread_name_prefix="grammar-compile",
-                                        initializer=lower_priority)
+        self._pool = ThreadPoolExecutor(config.compile_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], _Job] = OrderedDict()
         self.cache_hits = 0

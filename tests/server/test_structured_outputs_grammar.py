@@ -189,24 +189,3 @@ def test_the_batch_mask_sets_exactly_the_disallowed_tokens_to_minus_infinity():
         mask_rows_inplace(masked.numpy(), unpack(words))
         expected = torch.where(torch.from_numpy(bits.astype(bool)), logits, torch.tensor(float("-inf")))
         assert torch.equal(masked, expected)
-
-
-def test_compiles_run_at_the_lowest_priority_and_the_engine_thread_keeps_its_own(bundled_tokenizer):
-    """On a CPU node the engine's OpenMP threads take every core; a compile competing at their
-    priority stalled their barriers (inter-token latency ×16 during a compile storm,
-    docs/benchmarks.md), so compile threads run at nice 19 and nothing else changes."""
-    import os
-    import threading
-
-    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, StructuredOutputsConfig())
-    try:
-        seen: list[int] = []
-        compiler._pool.submit(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-                              ).result(timeout=60)
-        assert seen == [19]
-        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
-        pending = compiler.submit(StructuredOutputsParams(json='{"type":"object"}'))
-        pending.future.result(timeout=60)  # and they still compile
-    finally:
-        compiler.shutdown()
