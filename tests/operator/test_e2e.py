@@ -232,7 +232,7 @@ def test_valid_resource_passes_validation_with_defaults(cluster):
     assert spec["engine"]["blockSize"] == 16 and spec["engine"]["enablePrefixCaching"] is True
     assert spec["autoscaling"] == {
         "enabled": False, "minReplicas": 1, "maxReplicas": 4, "targetKVUsage": 0.7,
-        "targetQueueLength": 8, "scaleUpStabilizationSeconds": 0,
+        "targetQueueLength": 8, "targetPrefillSeconds": 1, "scaleUpStabilizationSeconds": 0,
         "scaleDownStabilizationSeconds": 300, "panicWindowSeconds": 6, "panicThreshold": 2,
         "maxScaleUpRate": 2, "scaleToZeroAfterSeconds": 300, "activationTimeoutSeconds": 120}
     # Scale to zero is valid with the router (the default).
