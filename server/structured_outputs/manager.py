@@ -55,7 +55,6 @@ class GrammarStats:
     mask_steps: int = 0
     mask_rows: int = 0
     mask_seconds: float = 0.0  # filling masks (mostly hidden behind the forward pass)
-    mask_apply_seconds: float = 0.0  # waiting for them and applying them to the logits, on the step's path
     forced_tokens: int = 0  # appended by fast-forward, without a sampling step each
 
 
@@ -218,7 +217,6 @@ class StructuredOutputManager:
         if not rows:
             self._settle()
             return
-        started = time.perf_counter()
         bits = unpack(self._bitmask([row_seqs[i] for i in rows]))
         vocab = logits.shape[1]
         if vocab > bits.shape[1]:  # ids the tokenizer does not know: never allowed
@@ -236,7 +234,6 @@ class StructuredOutputManager:
             logits.index_copy_(0, index, sub)
         self.stats.mask_steps += 1
         self.stats.mask_rows += len(rows)
-        self.stats.mask_apply_seconds += time.perf_counter() - started
 
     def accept(self, seq: Sequence, token: int) -> bool:
         """Advance ``seq``'s matcher by its sampled token; True when the grammar is now complete
