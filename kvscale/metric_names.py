@@ -140,7 +140,7 @@ STRUCTURED_COMPILE_CACHE_HITS = Metric(
     "Constrained requests whose grammar was already compiled.", _M)
 STRUCTURED_REFUSALS = Metric(
     "kvscale:structured_output_refusals", COUNTER,
-    "Constrained requests refused with a 400, by reason (unsupported, timeout, invalid).",
+    "Constrained requests refused, by reason (unsupported, timeout, invalid: a 400; wait_timeout: a 503).",
     ("model_name", "reason"))
 STRUCTURED_MASK_SECONDS = Metric(
     "kvscale:structured_output_mask_seconds", COUNTER,

@@ -303,7 +303,7 @@ class LLMEngine:
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar is ready go to the scheduler; those whose grammar failed end now,
-        before any token, with the error their client gets (a 400)."""
+        before any token, with the error their client gets (a 400, or a 503 when it waited too long)."""
         ready, failed = self.structured.poll()
         for request in ready:
             for seq in request.seqs:
@@ -311,7 +311,7 @@ class LLMEngine:
         outputs = []
         now = time.monotonic()
         build = delta_output if self.output_deltas else cumulative_output
-        for request, message in failed:
+        for request, failure in failed:
             for seq in request.seqs:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = "abort"
@@ -320,7 +320,7 @@ class LLMEngine:
             self.requests.pop(request.request_id, None)
             self.structured.release(request)
             output = build(request, True)
-            output.error = message
+            output.error, output.error_reason = failure.message, failure.reason
             outputs.append(output)
         return outputs
 

@@ -59,8 +59,10 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token, None for the first one.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     # Set when the engine refused the request before any token (its grammar failed to compile or
-    # timed out): the message for the client, which gets a 400.
+    # timed out): the message for the client, and why (compiler.GrammarFailure.reason: the
+    # client gets a 400, or a 503 for "wait_timeout").
     error: str | None = None
+    error_reason: str | None = None
 
 
 def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
@@ -93,6 +95,7 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
         num_cached_tokens=last.num_cached_tokens, metrics=last.metrics,
         prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),
         error=next((d.error for d in deltas if d.error is not None), None),
+        error_reason=next((d.error_reason for d in deltas if d.error_reason is not None), None),
     )
 
 

@@ -30,11 +30,16 @@ def sse(payload: dict | str) -> str:
 
 
 def refusal(server: OpenAIServer, output: RequestOutput | None, prepared: Prepared) -> APIError | None:
-    """The 400 for an output the engine ended with an error before any token (a grammar that
-    failed to compile or ran out of time)."""
+    """The error for an output the engine ended before any token: a 400 for a grammar that failed
+    to compile or ran past its CPU-time limit, a 503 for one that waited past the wall-clock bound
+    (busy CPUs, not the schema: a retry is served from the compile cache)."""
     if output is None or output.error is None:
         return None
-    server.count_refusal("timeout" if "longer than the limit" in output.error else "unsupported")
+    reason = output.error_reason or "unsupported"
+    server.count_refusal(reason)
+    if reason == "wait_timeout":
+        return APIError(503, output.error, "server_error", param=prepared.constraint_param,
+                        code="grammar_compile_wait_timeout", headers={"Retry-After": "1"})
     return APIError(400, output.error, "invalid_request_error", param=prepared.constraint_param)
 
 

@@ -1,12 +1,21 @@
-"""Compiling grammars off the step loop: a bounded thread pool, a cache, a time limit.
+"""Compiling grammars off the step loop: a bounded pool of low-priority threads, a cache, two limits.
 
 A request whose grammar is compiling waits here, not in the scheduler; every other request keeps
 decoding (the library releases the GIL while it builds a lexer). The cache is keyed by the
 constraint's kind and canonical text (a JSON schema is serialized with sorted keys); the tokenizer
 is fixed per compiler (one per engine), so it needs no place in the key. Identical requests that
-arrive while the first is compiling share its future. A compile that outlives the time limit
-fails its requests with a message naming the limit; it still finishes in the background and lands
-in the cache, so a retry is served at once.
+arrive while the first is compiling share its future.
+
+Compile threads run at the lowest priority (``compile_priority``, thread_priority.py): on a CPU
+node the engine's OpenMP threads hold every core, and a compile at their priority stalls each of
+their barriers for whole time slices (docs/benchmarks.md, "compile storm"). A busy engine then
+starves its compiles, so the time limit (``compile_timeout_s``) counts the compile's own CPU time,
+read from its thread's CPU clock: a compile is not failed for time the scheduler never gave it.
+A second bound, in wall-clock time (``compile_wait_timeout_s``), caps how long a request waits for
+its grammar, queue included, so a starved compile cannot hold it forever; that request gets a
+503 (the server is busy, the schema is not at fault). A compile that outlives either limit fails
+its requests; it still finishes in the background and lands in the cache, so a retry is served
+at once.
 """
 
 from __future__ import annotations
@@ -20,8 +29,12 @@ from typing import Any
 
 from kvscale.server.sampling_params import StructuredOutputsParams
 from kvscale.server.structured_outputs import backend
+from kvscale.server.thread_priority import PRIORITIES, lower_this_thread
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+# Generous: a compile within its CPU-time limit is only this late when the engine has kept every
+# core busy for this long; it bounds the client's wait, it is not meant to refuse schemas.
+DEFAULT_COMPILE_WAIT_TIMEOUT_S = 60.0
 DEFAULT_CACHE_SIZE = 512
 
 
@@ -30,8 +43,10 @@ class StructuredOutputsConfig:
     """``--structured-outputs-config`` (vLLM's flag; JSON)."""
 
     backend: str = "guidance"
-    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # the compile's own CPU time
+    compile_wait_timeout_s: float = DEFAULT_COMPILE_WAIT_TIMEOUT_S  # wall clock, queue included
     compile_workers: int = 1
+    compile_priority: str = "idle"  # thread_priority.PRIORITIES
     mask_threads: int = 1  # >1: the batch bitmask is filled by the library's threads
     cache_size: int = DEFAULT_CACHE_SIZE
     # Append the tokens the grammar forces (keys, punctuation) without a sampling step each; the
@@ -46,6 +61,12 @@ class StructuredOutputsConfig:
                 "grammars with llguidance ('guidance'); see docs/server.md for why not xgrammar")
         if not self.compile_timeout_s > 0:
             raise ValueError("compile_timeout_s must be positive")
+        # Below the CPU-time limit the wait bound would decide alone, even on an idle machine.
+        if not self.compile_wait_timeout_s >= self.compile_timeout_s:
+            raise ValueError(f"compile_wait_timeout_s ({self.compile_wait_timeout_s:g}) must be at least "
+                             f"compile_timeout_s ({self.compile_timeout_s:g})")
+        if self.compile_priority not in PRIORITIES:
+            raise ValueError(f"compile_priority must be one of {', '.join(PRIORITIES)}")
         if self.compile_workers < 1 or self.mask_threads < 1 or self.cache_size < 0:
             raise ValueError("compile_workers and mask_threads must be at least 1, cache_size non-negative")
         if not isinstance(self.fast_forward, bool):
@@ -55,7 +76,18 @@ class StructuredOutputsConfig:
 @dataclass
 class Compiled:
     template: Any  # the library's pristine matcher
-    seconds: float  # how long the compile took (0 for a cache hit)
+    seconds: float  # wall-clock time from a worker picking it up to done (0 for a cache hit)
+    cpu_seconds: float = 0.0  # the compile thread's own CPU time, what the time limit counts
+
+
+@dataclass(frozen=True)
+class GrammarFailure:
+    """Why a request gets no grammar: ``reason`` is "unsupported" (the library refused or failed
+    on it: a 400), "timeout" (over the CPU-time limit: a 400) or "wait_timeout" (waited past the
+    wall-clock bound: a 503); ``message`` is what its client reads."""
+
+    reason: str
+    message: str
 
 
 def cache_key(spec: StructuredOutputsParams) -> tuple[str, str]:
@@ -68,13 +100,38 @@ def cache_key(spec: StructuredOutputsParams) -> tuple[str, str]:
     return kind, str(getattr(spec, kind))
 
 
+def _thread_cpu_clock() -> int | None:
+    """The calling thread's CPU-time clock, readable from any thread (None where the OS has none)."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None
+
+
 class _Job:
-    """A compile in the pool; ``started`` is set when a worker picks it up (the time limit counts
-    compile time, not time queued behind other compiles)."""
+    """A compile in the pool. The limit counts from a worker picking it up (not time queued
+    behind other compiles), in the worker thread's CPU time."""
 
     def __init__(self) -> None:
-        self.started: float | None = None
         self.future: Future = Future()
+        self.started: float | None = None  # monotonic
+        # (the worker's CPU clock, its reading when the job started); the clock None: wall time.
+        self.cpu_start: tuple[int | None, float] | None = None
+
+    def cpu_seconds(self, now: float) -> float | None:
+        """CPU time the running compile has had so far; None before it starts. Read it before
+        looking at the future: the worker sets the future before it takes its next job, so a
+        reading taken while the future was not yet done is this job's own."""
+        start = self.cpu_start
+        if start is None:
+            return None
+        clock, at = start
+        if clock is None:
+            return now - at
+        try:
+            return time.clock_gettime(clock) - at
+        except OSError:  # the worker is gone (shutdown): nothing is running
+            return None
 
 
 class PendingGrammar:
@@ -84,10 +141,11 @@ class PendingGrammar:
         self.job = job
         self.future = job.future
         self.cache_hit = cache_hit
-        self.timed_out = False  # poll() answered with the time limit's message
+        self.submitted = time.monotonic()  # the wait bound counts from here, queue included
 
-    def poll(self, now: float, timeout_s: float) -> Compiled | str | None:
-        """The compiled grammar, an error message, or None while still compiling."""
+    def poll(self, now: float, config: StructuredOutputsConfig) -> Compiled | GrammarFailure | None:
+        """The compiled grammar, why there is none, or None while still compiling."""
+        running_cpu_s = self.job.cpu_seconds(now)
         if self.future.done():
             exc = self.future.exception()
             if exc is None:
@@ -97,21 +155,27 @@ class PendingGrammar:
                 # Looked at only after it finished (one engine step can outlast a compile under
                 # load): the limit holds all the same, else it would depend on the step's length.
                 # The grammar stays cached: the retry is served at once.
-                if result.seconds >= timeout_s:
-                    return self._over_limit(timeout_s)
+                if result.cpu_seconds >= config.compile_timeout_s:
+                    return self._over_limit(config.compile_timeout_s)
+                # Done, so served even if this look came after the wait bound: no longer waiting.
                 return result
             if isinstance(exc, backend.GrammarError):
-                return f"This request's grammar cannot be enforced: {exc}"
-            return f"Compiling this request's grammar failed: {type(exc).__name__}: {exc}"
-        started = self.job.started
-        if started is not None and now - started >= timeout_s:
-            return self._over_limit(timeout_s)
+                return GrammarFailure("unsupported", f"This request's grammar cannot be enforced: {exc}")
+            return GrammarFailure("unsupported", f"Compiling this request's grammar failed: {type(exc).__name__}: {exc}")
+        if running_cpu_s is not None and running_cpu_s >= config.compile_timeout_s:
+            return self._over_limit(config.compile_timeout_s)
+        if now - self.submitted >= config.compile_wait_timeout_s:
+            return GrammarFailure("wait_timeout", (
+                f"This request waited longer than the limit of {config.compile_wait_timeout_s:g} s for its "
+                "grammar to compile (--structured-outputs-config compile_wait_timeout_s): the server's CPUs "
+                "are busy. The compile goes on; a retry is served from the cache once it is done."))
         return None
 
-    def _over_limit(self, timeout_s: float) -> str:
-        self.timed_out = True
-        return (f"Compiling this request's grammar took longer than the limit of {timeout_s:g} s "
-                "(--structured-outputs-config compile_timeout_s).")
+    @staticmethod
+    def _over_limit(timeout_s: float) -> GrammarFailure:
+        return GrammarFailure("timeout", (
+            f"Compiling this request's grammar took longer than the limit of {timeout_s:g} s of CPU time "
+            "(--structured-outputs-config compile_timeout_s)."))
 
 
 class GrammarCompiler:
@@ -123,7 +187,8 @@ class GrammarCompiler:
         self._eos_token_ids = set(eos_token_ids)
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(config.compile_workers, thread_name_prefix="grammar-compile")
+        self._pool = ThreadPoolExecutor(config.compile_workers, thread_name_prefix="grammar-compile",
+                                        initializer=lower_this_thread, initargs=(config.compile_priority,))
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], _Job] = OrderedDict()
         self.cache_hits = 0
@@ -158,10 +223,13 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutputsParams, job: _Job) -> None:
         try:
             tokenizer = self.tokenizer()
-            job.started = time.monotonic()
-            started = time.perf_counter()
+            clock = _thread_cpu_clock()
+            # time.thread_time() reads this same clock (the calling thread's CPU time).
+            started, cpu_started = time.monotonic(), time.thread_time()
+            job.started = started
+            job.cpu_start = (clock, cpu_started if clock is not None else started)
             template = backend.compile_grammar(tokenizer, backend.grammar_text(spec))
-            job.future.set_result(Compiled(template, time.perf_counter() - started))
+            job.future.set_result(Compiled(template, time.monotonic() - started, time.thread_time() - cpu_started))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting requests
             job.future.set_exception(exc)
 

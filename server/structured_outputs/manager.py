@@ -37,6 +37,7 @@ from kvscale.server.sequence import Request, Sequence
 from kvscale.server.structured_outputs import backend
 from kvscale.server.structured_outputs.compiler import (
     GrammarCompiler,
+    GrammarFailure,
     PendingGrammar,
     StructuredOutputsConfig,
 )
@@ -51,7 +52,8 @@ class GrammarStats:
     compiles: int = 0
     compile_seconds: float = 0.0
     failures: int = 0
-    timeouts: int = 0
+    timeouts: int = 0  # over the CPU-time limit
+    wait_timeouts: int = 0  # waited past the wall-clock bound (a starved or queued compile)
     mask_steps: int = 0
     mask_rows: int = 0
     mask_seconds: float = 0.0  # filling masks (mostly hidden behind the forward pass)
@@ -137,24 +139,23 @@ class StructuredOutputManager:
     def has_pending(self) -> bool:
         return bool(self.pending)
 
-    def poll(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+    def poll(self) -> tuple[list[Request], list[tuple[Request, GrammarFailure]]]:
         """Requests whose grammar is ready (each sequence now has its matcher), and requests whose
-        grammar failed, with the message their client gets."""
+        grammar failed, with why (the message their client gets)."""
         ready: list[Request] = []
-        failed: list[tuple[Request, str]] = []
+        failed: list[tuple[Request, GrammarFailure]] = []
         if not self.pending:
             return ready, failed
         now = time.monotonic()
-        timeout_s = self.config.compile_timeout_s
         for request_id, (request, pending) in list(self.pending.items()):
-            result = pending.poll(now, timeout_s)
+            result = pending.poll(now, self.config)
             if result is None:
                 continue
             del self.pending[request_id]
-            if isinstance(result, str):
+            if isinstance(result, GrammarFailure):
                 self.stats.failures += 1
-                if pending.timed_out:
-                    self.stats.timeouts += 1
+                self.stats.timeouts += result.reason == "timeout"
+                self.stats.wait_timeouts += result.reason == "wait_timeout"
                 failed.append((request, result))
                 continue
             self.stats.compiles += 1
@@ -278,6 +279,7 @@ class StructuredOutputManager:
             "structured_compile_cache_hits_total": float(self.compiler.cache_hits),
             "structured_compile_failures_total": float(s.failures),
             "structured_compile_timeouts_total": float(s.timeouts),
+            "structured_compile_wait_timeouts_total": float(s.wait_timeouts),
             "structured_mask_steps_total": float(s.mask_steps),
             "structured_mask_seconds_total": s.mask_seconds,
             "structured_forced_tokens_total": float(s.forced_tokens),

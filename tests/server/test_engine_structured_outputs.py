@@ -56,6 +56,39 @@ def test_a_grammar_that_fails_ends_the_request_with_an_error_and_nothing_else(ma
     assert done["ok"].error is None and len(done["ok"].outputs[0].token_ids) == 8
 
 
+def test_grammar_limits_end_requests_with_their_reason_and_the_batch_runs_on(make_engine, run_to_completion):
+    """Over the CPU-time limit: "timeout" (a 400 at the API); queued behind two long compiles past
+    the wall-clock bound: "wait_timeout" (a 503); an unconstrained request beside them decodes to
+    the end."""
+    from kvscale.server.structured_outputs.compiler import StructuredOutputsConfig
+
+    # At the engine's priority: the first compile must reach 0.05 s of CPU time within the 1 s
+    # bound on a machine that other work may be keeping busy.
+    engine = make_engine(structured_outputs_config=StructuredOutputsConfig(
+        compile_timeout_s=0.05, compile_wait_timeout_s=1.0, compile_priority="normal"))
+
+    def slow(offset: int) -> StructuredOutputsParams:  # ~0.6 s of CPU time each (idle Xeon)
+        return StructuredOutputsParams(json=json.dumps({"anyOf": [{"type": "object", "properties": {
+            f"k{j}": {"type": "integer", "minimum": j + offset, "maximum": j * 1000 + offset + 7}
+            for j in range(i, i + 30)},
+            "required": [f"k{i}"]} for i in range(250)]}))
+
+    engine.structured.compiler.tokenizer()  # else the first compile builds it (~0.5 s, which the wait counts)
+    engine.add_request("slow", "Hello", SamplingParams(max_tokens=8, structured_outputs=slow(0)))
+    engine.add_request("slow2", "Hello", SamplingParams(max_tokens=8, structured_outputs=slow(1)))
+    # Behind both on the one compile worker, which they keep busy for longer than 1 s of wall
+    # time whatever the load (a thread's wall time is at least its CPU time).
+    engine.add_request("queued", "Hello", SamplingParams(max_tokens=8, structured_outputs=person_spec()))
+    engine.add_request("plain", "Hello", SamplingParams(temperature=0, max_tokens=8))
+    done = run_to_completion(engine)
+    assert done["slow"].error_reason == "timeout" and "compile_timeout_s" in done["slow"].error
+    assert done["queued"].error_reason == "wait_timeout" and "compile_wait_timeout_s" in done["queued"].error
+    assert done["queued"].outputs[0].token_ids == []
+    assert done["plain"].error is None and len(done["plain"].outputs[0].token_ids) == 8
+    stats = engine.structured.stats
+    assert stats.timeouts >= 1 and stats.wait_timeouts >= 1 and stats.timeouts + stats.wait_timeouts == 3
+
+
 def test_abort_while_compiling_and_while_decoding_leaks_nothing(make_engine, run_to_completion, bundled_tokenizer):
     engine = make_engine()
     prompt = chat_prompt(bundled_tokenizer, "JSON please")

@@ -5,7 +5,12 @@ naming the keyword, bounded whitespace, the compile cache and time limit, and th
 from __future__ import annotations
 
 import json
+import os
+import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -18,6 +23,7 @@ from kvscale.server.structured_outputs import backend
 from kvscale.server.structured_outputs.compiler import (
     Compiled,
     GrammarCompiler,
+    GrammarFailure,
     StructuredOutputsConfig,
 )
 from kvscale.server.structured_outputs.manager import mask_rows_inplace, unpack
@@ -142,8 +148,23 @@ SLOW_SCHEMA = {"anyOf": [{"type": "object", "properties": {
     "required": [f"k{i}"]} for i in range(200)]}
 
 
+# Five branches: about 0.01 s of CPU time (SmolLM2's tokenizer, idle Xeon).
+SMALL_SCHEMA = {"anyOf": SLOW_SCHEMA["anyOf"][:5]}
+LIMIT = StructuredOutputsConfig(compile_timeout_s=0.2)
+
+
+def poll_until_answered(pending, config: StructuredOutputsConfig) -> Compiled | GrammarFailure:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        result = pending.poll(time.monotonic(), config)
+        if result is not None:
+            return result
+        time.sleep(0.01)
+    raise AssertionError("no answer in 60 s")
+
+
 def test_the_cache_serves_a_second_identical_request_and_failures_name_the_time_limit(bundled_tokenizer):
-    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, StructuredOutputsConfig(compile_timeout_s=0.2))
+    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, LIMIT)
     try:
         spec = StructuredOutputsParams(json='{"type":"object"}')
         first = compiler.submit(spec)
@@ -151,12 +172,9 @@ def test_the_cache_serves_a_second_identical_request_and_failures_name_the_time_
         second = compiler.submit(StructuredOutputsParams(json='{"type":"object"}'))
         assert second.cache_hit and compiler.cache_hits == 1
         pending = compiler.submit(StructuredOutputsParams(json=json.dumps(SLOW_SCHEMA)))
-        deadline = time.monotonic() + 60
-        result = None
-        while result is None and time.monotonic() < deadline:
-            result = pending.poll(time.monotonic(), 0.2)
-            time.sleep(0.01)
-        assert isinstance(result, str) and "limit of 0.2 s" in result
+        result = poll_until_answered(pending, LIMIT)
+        assert isinstance(result, GrammarFailure) and result.reason == "timeout", result
+        assert "limit of 0.2 s of CPU time" in result.message and "compile_timeout_s" in result.message
     finally:
         compiler.shutdown()
 
@@ -165,17 +183,120 @@ def test_a_compile_over_the_limit_is_refused_even_when_first_looked_at_after_it_
     """The engine looks at a compile between two steps; under load one step can outlast a whole
     compile. The limit must not depend on that: a compile that took longer than the limit fails
     its request however late it is looked at, and the retry is served from the cache."""
-    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, StructuredOutputsConfig(compile_timeout_s=0.2))
+    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, LIMIT)
     try:
         spec = StructuredOutputsParams(json=json.dumps(SLOW_SCHEMA))
         pending = compiler.submit(spec)
-        assert pending.future.result(timeout=60).seconds >= 0.2  # the loop never looked meanwhile
-        result = pending.poll(time.monotonic(), 0.2)
-        assert isinstance(result, str) and "limit of 0.2 s" in result
+        assert pending.future.result(timeout=60).cpu_seconds >= 0.2  # the loop never looked meanwhile
+        result = pending.poll(time.monotonic(), LIMIT)
+        assert isinstance(result, GrammarFailure) and "limit of 0.2 s" in result.message
         retry = compiler.submit(spec)
-        assert retry.cache_hit and isinstance(retry.poll(time.monotonic(), 0.2), Compiled)
+        assert retry.cache_hit and isinstance(retry.poll(time.monotonic(), LIMIT), Compiled)
     finally:
         compiler.shutdown()
+
+
+@contextmanager
+def gil_starved(hold_s: float) -> Iterator[None]:
+    """Starves every other thread of this process that runs Python: a busy thread holds the GIL
+    for ``hold_s`` at a time, so a compile worker waits that long each time it needs it (after the
+    library's native compile, at least) while its CPU clock stands still; a scheduler that gives
+    a low-priority compile no core does the same to it, without a test's control over how long."""
+    stop = threading.Event()
+
+    def hold() -> None:
+        while not stop.is_set():
+            pass
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(hold_s)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        holder.join()
+        sys.setswitchinterval(switch)
+
+
+def test_a_compile_starved_past_the_limit_in_wall_time_but_not_in_its_own_cpu_time_succeeds(bundled_tokenizer):
+    """The limit counts the compile's own CPU time: compile threads run at the lowest priority,
+    so a busy engine starves them, and time the compile never got must not fail it."""
+    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, LIMIT)
+    try:
+        compiler.submit(StructuredOutputsParams(json='{"type":"object"}')).future.result(timeout=60)  # tokenizer
+        with gil_starved(0.5):
+            pending = compiler.submit(StructuredOutputsParams(json=json.dumps(SMALL_SCHEMA)))
+            done = pending.future.result(timeout=60)
+        assert done.seconds > 0.2 > done.cpu_seconds, done  # starved past the limit's value, under it in CPU
+        result = pending.poll(time.monotonic(), LIMIT)
+        assert isinstance(result, Compiled), result
+    finally:
+        compiler.shutdown()
+
+
+def test_a_compile_starved_while_it_runs_is_not_refused_on_the_way(bundled_tokenizer):
+    """Looked at while it runs (the engine polls between steps), a starved compile is judged by
+    the CPU time it has had so far, not by the wall-clock time since it started."""
+    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, LIMIT)
+    answers: list[Compiled | GrammarFailure] = []
+    try:
+        compiler.submit(StructuredOutputsParams(json='{"type":"object"}')).future.result(timeout=60)
+        with gil_starved(0.5):
+            pending = compiler.submit(StructuredOutputsParams(json=json.dumps(SMALL_SCHEMA)))
+            while not pending.future.done():
+                answer = pending.poll(time.monotonic(), LIMIT)
+                if answer is not None:
+                    answers.append(answer)
+                    break
+                time.sleep(0.01)
+        assert not answers, answers
+        assert time.monotonic() - pending.job.started > 0.2
+        assert isinstance(pending.poll(time.monotonic(), LIMIT), Compiled)
+    finally:
+        compiler.shutdown()
+
+
+def test_a_request_that_waits_past_the_wall_clock_bound_gets_the_bound_and_the_retry_is_cached(bundled_tokenizer):
+    """Queued behind a long compile on the one worker (the same wait a starved compile makes),
+    a request gets the wall-clock bound's message once it has waited that long; its compile
+    goes on and the retry is served from the cache."""
+    config = StructuredOutputsConfig(compile_timeout_s=0.2, compile_wait_timeout_s=0.3)
+    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, config)
+    try:
+        compiler.submit(StructuredOutputsParams(json='{"type":"object"}')).future.result(timeout=60)
+        slow = compiler.submit(StructuredOutputsParams(json=json.dumps(SLOW_SCHEMA)))  # ~0.5 s of CPU
+        spec = StructuredOutputsParams(json=json.dumps(SMALL_SCHEMA))
+        queued = compiler.submit(spec)
+        result = poll_until_answered(queued, config)
+        assert isinstance(result, GrammarFailure) and result.reason == "wait_timeout", result
+        assert "limit of 0.3 s" in result.message and "compile_wait_timeout_s" in result.message
+        over = poll_until_answered(slow, config)
+        assert isinstance(over, GrammarFailure) and over.reason == "timeout", over
+        queued.future.result(timeout=60)
+        retry = compiler.submit(spec)
+        assert retry.cache_hit and isinstance(retry.poll(time.monotonic(), config), Compiled)
+    finally:
+        compiler.shutdown()
+
+
+def test_compile_workers_run_at_the_lowest_priority_by_default_and_still_compile(bundled_tokenizer):
+    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, StructuredOutputsConfig())
+    try:
+        worker = compiler._pool.submit(threading.get_native_id).result(timeout=60)
+        assert os.sched_getscheduler(worker) == os.SCHED_IDLE
+        pending = compiler.submit(StructuredOutputsParams(json=json.dumps(SMALL_SCHEMA)))
+        assert isinstance(poll_until_answered(pending, compiler.config), Compiled)
+    finally:
+        compiler.shutdown()
+
+
+def test_the_wait_bound_may_not_be_below_the_cpu_time_limit():
+    with pytest.raises(ValueError, match="compile_wait_timeout_s"):
+        StructuredOutputsConfig(compile_timeout_s=5, compile_wait_timeout_s=1)
+    with pytest.raises(ValueError, match="compile_priority"):
+        StructuredOutputsConfig(compile_priority="realtime")
 
 
 def test_the_batch_mask_sets_exactly_the_disallowed_tokens_to_minus_infinity():
