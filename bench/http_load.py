@@ -193,18 +193,20 @@ def spawn(name: str, argv: list[str], env: dict[str, str], port: int, model: str
 
 
 def start_kvscale(engine_flags: dict, threads: int, model: str, log_dir: Path,
-                  extra_args: tuple[str, ...] = ()) -> Server:
-    """``extra_args``: more `kvscale serve` flags (vLLM's spelling, so the same go to both)."""
+                  extra_args: tuple[str, ...] = (), checkout: Path = REPO, name: str = "kvscale") -> Server:
+    """``extra_args``: more `kvscale serve` flags (vLLM's spelling, so the same go to both).
+    ``checkout``: the kvscale source tree to serve from (another commit's worktree, for a
+    before/after in one run); ``name``: its log's name."""
     from bench.anchors import vllm_cpu
 
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(checkout)}
     # The engine core's OpenMP threads on the very CPUs vLLM's get; both front ends take the rest
     # (none when the run uses every CPU: then they share, on both sides).
     bind = vllm_cpu.omp_threads_bind(threads)
     argv = [*kvscale_argv(engine_flags, port, model), "--omp-threads-bind", bind, *extra_args]
-    server = spawn("kvscale", argv, env, port, model, log_dir, REPO)
-    server.info.update(omp_threads_bind=bind)
+    server = spawn(name, argv, env, port, model, log_dir, checkout)
+    server.info.update(omp_threads_bind=bind, checkout=str(checkout))
     return server
 
 

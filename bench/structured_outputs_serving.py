@@ -17,6 +17,11 @@ Both servers run with ``--enable-auto-tool-choice --tool-call-parser hermes`` (v
 any tool call); vLLM's CPU build runs the same parts but the storm after kvscale in the same
 invocation (``--baselines vllm``).
 
+kvscale against itself in the same run: ``--before-checkout PATH`` serves an earlier commit's
+worktree first (say ``git worktree add --detach /tmp/kvscale-main main``), and
+``--compile-priorities normal,nice,idle`` runs one kvscale side per compile-thread priority
+(``--structured-outputs-config {"compile_priority": ...}``), in that order.
+
     flock /tmp/kvscale-bench.lock python -m bench.structured_outputs_serving --baselines vllm
 
 Writes bench/results/structured_outputs_serving.json.
@@ -28,6 +33,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -186,6 +192,7 @@ async def part_storm(base_url: str, rounds: int, streams: int, stream_tokens: in
     storm_p99 = summary["storm"]["itl_p99_s"]
     return {"rounds": rounds, "streams": streams, "stream_tokens": stream_tokens, "branches": branches,
             "storm_tokens": storm_tokens, **summary,
+            "storm_over_alone_p50": summary["storm"]["itl_p50_s"] / summary["alone"]["itl_p50_s"],
             "storm_over_alone_p99": storm_p99 / summary["alone"]["itl_p99_s"],
             "storm_over_cached_p99": storm_p99 / summary["cached"]["itl_p99_s"],
             "runs": {name: [{k: v for k, v in run.items() if k != "gaps_s"} for run in runs]
@@ -306,11 +313,11 @@ async def bench_engine(name: str, start, rows: list[dict], args, parts: list[str
         if "ttft" in parts:
             result["ttft"] = await part_ttft(server.base_url, rows, args.ttft_per_set)
             print(name, "ttft", json.dumps({k: v for k, v in result["ttft"].items() if k != "per_schema"}), flush=True)
-        if "storm" in parts and name == "kvscale":
+        if "storm" in parts and name.startswith("kvscale"):
             result["storm"] = await part_storm(server.base_url, args.storm_rounds, args.storm_streams,
                                                args.storm_stream_tokens, args.storm_branches, args.storm_tokens)
             print(name, "storm", json.dumps({k: result["storm"][k] for k in (
-                "storm_over_alone_p99", "storm_over_cached_p99")}), flush=True)
+                "storm_over_alone_p50", "storm_over_alone_p99", "storm_over_cached_p99")}), flush=True)
         if "tools" in parts:
             result["tools"] = await part_tools(server.base_url, rows, args.tool_rows_per_set, args.tool_max_tokens,
                                                args.concurrency)
@@ -320,11 +327,38 @@ async def bench_engine(name: str, start, rows: list[dict], args, parts: list[str
     return result
 
 
+def git_commit(tree: Path) -> str | None:
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def kvscale_sides(args: argparse.Namespace, engine_flags: dict, log_dir: Path) -> list[tuple[str, Any]]:
+    """(name, start) of each kvscale server the run measures, in order."""
+    sides: list[tuple[str, Any]] = []
+    if args.before_checkout:
+        checkout = Path(args.before_checkout).resolve()
+        sides.append(("kvscale_before", lambda: start_kvscale(engine_flags, args.threads, MODEL, log_dir, TOOL_FLAGS,
+                                                              checkout=checkout, name="kvscale_before")))
+    priorities = [p for p in args.compile_priorities.split(",") if p]
+    if not priorities:
+        sides.append(("kvscale", lambda: start_kvscale(engine_flags, args.threads, MODEL, log_dir, TOOL_FLAGS)))
+    for priority in priorities:
+        flags = (*TOOL_FLAGS, "--structured-outputs-config", json.dumps({"compile_priority": priority}))
+        sides.append((f"kvscale_{priority}", lambda flags=flags, name=f"kvscale_{priority}": start_kvscale(
+            engine_flags, args.threads, MODEL, log_dir, flags, name=name)))
+    return sides
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sample", default=None)
     parser.add_argument("--parts", default="ttft,storm,tools")
     parser.add_argument("--baselines", default="vllm", help="vllm, or none")
+    parser.add_argument("--before-checkout", default=None, metavar="PATH",
+                        help="also serve kvscale from this source tree, first (an earlier commit's worktree)")
+    parser.add_argument("--compile-priorities", default="", metavar="LIST",
+                        help="one kvscale side per compile-thread priority (normal, nice, idle); "
+                             "default: one side with the default configuration")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--ttft-per-set", type=int, default=2, help="schemas per non-BFCL set")
@@ -345,8 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                               "machine": {**machine(), "isa": cpu_isa()}, "argv": vars(args),
-                              "engine_flags": engine_flags, "server_flags": list(TOOL_FLAGS), "engines": {}}
-    sides = [("kvscale", lambda: start_kvscale(engine_flags, args.threads, MODEL, log_dir, TOOL_FLAGS))]
+                              "engine_flags": engine_flags, "server_flags": list(TOOL_FLAGS),
+                              "commits": {"this": git_commit(Path(__file__).resolve().parents[1]),
+                                          "before": git_commit(Path(args.before_checkout)) if args.before_checkout
+                                          else None},
+                              "engines": {}}
+    sides = kvscale_sides(args, engine_flags, log_dir)
     if args.baselines == "vllm":
         sides.append(("vllm", lambda: start_vllm(engine_flags, args.threads, MODEL, log_dir, enforce_eager=False,
                                                  extra_args=TOOL_FLAGS)))
