@@ -6,16 +6,14 @@ constraint's kind and canonical text (a JSON schema is serialized with sorted ke
 is fixed per compiler (one per engine), so it needs no place in the key. Identical requests that
 arrive while the first is compiling share its future.
 
-Compile threads run at the lowest priority (``compile_priority``, thread_priority.py): on a CPU
-node the engine's OpenMP threads hold every core, and a compile at their priority stalls each of
-their barriers for whole time slices (docs/benchmarks.md, "compile storm"). A busy engine then
-starves its compiles, so the time limit (``compile_timeout_s``) counts the compile's own CPU time,
-read from its thread's CPU clock: a compile is not failed for time the scheduler never gave it.
-A second bound, in wall-clock time (``compile_wait_timeout_s``), caps how long a request waits for
-its grammar, queue included, so a starved compile cannot hold it forever; that request gets a
-503 (the server is busy, the schema is not at fault). A compile that outlives either limit fails
-its requests; it still finishes in the background and lands in the cache, so a retry is served
-at once.
+Compile threads run at the lowest priority (``compile_priority``; compile_pool.py says why, and
+how a starved pool is rescued after ``compile_starved_after_s``). Other work can therefore slow a
+compile down, so the time limit (``compile_timeout_s``) counts the compile's own CPU time, read
+from its thread's CPU clock: a compile is not failed for time the scheduler never gave it. A
+second bound, in wall-clock time (``compile_wait_timeout_s``), caps how long a request waits for
+its grammar, queue included; that request gets a 503 (the server is busy, the schema is not at
+fault). A compile that outlives either limit fails its requests; it still finishes in the
+background and lands in the cache, so a retry is served at once.
 """
 
 from __future__ import annotations
@@ -23,18 +21,23 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from kvscale.server.sampling_params import StructuredOutputsParams
 from kvscale.server.structured_outputs import backend
-from kvscale.server.thread_priority import PRIORITIES, lower_this_thread
+from kvscale.server.structured_outputs.compile_pool import Compiled, CompileJob, CompilePool
+from kvscale.server.thread_priority import PRIORITIES
+
+__all__ = ["Compiled", "GrammarCompiler", "GrammarFailure", "PendingGrammar", "StructuredOutputsConfig"]
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 # Generous: a compile within its CPU-time limit is only this late when the engine has kept every
 # core busy for this long; it bounds the client's wait, it is not meant to refuse schemas.
 DEFAULT_COMPILE_WAIT_TIMEOUT_S = 60.0
+# Starved compile workers (compile_pool.py) are rescued after this long: a compile that the
+# lowered priority keeps from running costs its request this much, then runs as if not lowered.
+DEFAULT_COMPILE_STARVED_AFTER_S = 1.0
 DEFAULT_CACHE_SIZE = 512
 
 
@@ -47,6 +50,7 @@ class StructuredOutputsConfig:
     compile_wait_timeout_s: float = DEFAULT_COMPILE_WAIT_TIMEOUT_S  # wall clock, queue included
     compile_workers: int = 1
     compile_priority: str = "idle"  # thread_priority.PRIORITIES
+    compile_starved_after_s: float = DEFAULT_COMPILE_STARVED_AFTER_S
     mask_threads: int = 1  # >1: the batch bitmask is filled by the library's threads
     cache_size: int = DEFAULT_CACHE_SIZE
     # Append the tokens the grammar forces (keys, punctuation) without a sampling step each; the
@@ -67,17 +71,12 @@ class StructuredOutputsConfig:
                              f"compile_timeout_s ({self.compile_timeout_s:g})")
         if self.compile_priority not in PRIORITIES:
             raise ValueError(f"compile_priority must be one of {', '.join(PRIORITIES)}")
+        if not self.compile_starved_after_s > 0:
+            raise ValueError("compile_starved_after_s must be positive")
         if self.compile_workers < 1 or self.mask_threads < 1 or self.cache_size < 0:
             raise ValueError("compile_workers and mask_threads must be at least 1, cache_size non-negative")
         if not isinstance(self.fast_forward, bool):
             raise ValueError("fast_forward must be true or false")
-
-
-@dataclass
-class Compiled:
-    template: Any  # the library's pristine matcher
-    seconds: float  # wall-clock time from a worker picking it up to done (0 for a cache hit)
-    cpu_seconds: float = 0.0  # the compile thread's own CPU time, what the time limit counts
 
 
 @dataclass(frozen=True)
@@ -100,44 +99,10 @@ def cache_key(spec: StructuredOutputsParams) -> tuple[str, str]:
     return kind, str(getattr(spec, kind))
 
 
-def _thread_cpu_clock() -> int | None:
-    """The calling thread's CPU-time clock, readable from any thread (None where the OS has none)."""
-    try:
-        return time.pthread_getcpuclockid(threading.get_ident())
-    except (AttributeError, OSError):
-        return None
-
-
-class _Job:
-    """A compile in the pool. The limit counts from a worker picking it up (not time queued
-    behind other compiles), in the worker thread's CPU time."""
-
-    def __init__(self) -> None:
-        self.future: Future = Future()
-        self.started: float | None = None  # monotonic
-        # (the worker's CPU clock, its reading when the job started); the clock None: wall time.
-        self.cpu_start: tuple[int | None, float] | None = None
-
-    def cpu_seconds(self, now: float) -> float | None:
-        """CPU time the running compile has had so far; None before it starts. Read it before
-        looking at the future: the worker sets the future before it takes its next job, so a
-        reading taken while the future was not yet done is this job's own."""
-        start = self.cpu_start
-        if start is None:
-            return None
-        clock, at = start
-        if clock is None:
-            return now - at
-        try:
-            return time.clock_gettime(clock) - at
-        except OSError:  # the worker is gone (shutdown): nothing is running
-            return None
-
-
 class PendingGrammar:
     """One request's wait for its grammar."""
 
-    def __init__(self, job: _Job, cache_hit: bool) -> None:
+    def __init__(self, job: CompileJob, cache_hit: bool) -> None:
         self.job = job
         self.future = job.future
         self.cache_hit = cache_hit
@@ -187,10 +152,10 @@ class GrammarCompiler:
         self._eos_token_ids = set(eos_token_ids)
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(config.compile_workers, thread_name_prefix="grammar-compile",
-                                        initializer=lower_this_thread, initargs=(config.compile_priority,))
+        self.pool = CompilePool(self.tokenizer, _compile, config.compile_workers, config.compile_priority,
+                                config.compile_starved_after_s)
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], _Job] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], CompileJob] = OrderedDict()
         self.cache_hits = 0
         self.cache_misses = 0
 
@@ -212,26 +177,16 @@ class GrammarCompiler:
                 self.cache_hits += 1
                 return PendingGrammar(job, cache_hit=job.future.done())
             self.cache_misses += 1
-            job = _Job()
-            self._pool.submit(self._compile, spec, job)
+            job = self.pool.submit(spec)
             if self.config.cache_size:
                 self._cache[key] = job
                 while len(self._cache) > self.config.cache_size:
                     self._cache.popitem(last=False)
         return PendingGrammar(job, cache_hit=False)
 
-    def _compile(self, spec: StructuredOutputsParams, job: _Job) -> None:
-        try:
-            tokenizer = self.tokenizer()
-            clock = _thread_cpu_clock()
-            # time.thread_time() reads this same clock (the calling thread's CPU time).
-            started, cpu_started = time.monotonic(), time.thread_time()
-            job.started = started
-            job.cpu_start = (clock, cpu_started if clock is not None else started)
-            template = backend.compile_grammar(tokenizer, backend.grammar_text(spec))
-            job.future.set_result(Compiled(template, time.monotonic() - started, time.thread_time() - cpu_started))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting requests
-            job.future.set_exception(exc)
-
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
+
+
+def _compile(tokenizer: Any, spec: StructuredOutputsParams) -> Any:
+    return backend.compile_grammar(tokenizer, backend.grammar_text(spec))

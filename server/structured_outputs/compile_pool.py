@@ -1,0 +1,212 @@
+"""The threads that compile grammars: low-priority workers, and a rescuer for when they starve.
+
+Workers run at ``compile_priority`` (SCHED_IDLE by default, thread_priority.py), so a compile
+takes only CPU time the engine's OpenMP threads leave: at their priority it stalls every barrier
+of every op for whole time slices (docs/benchmarks.md, "compile storm"). The price is that other
+work can starve the workers: the engine at full load, or any process at a normal priority in the
+same cgroup (a CPU hog beside a test server gave a SCHED_IDLE thread ~1 % of a core). So one more
+thread, the rescuer, stays at the process's priority and watches the workers' CPU clocks: when
+they have had work but less than ``STARVED_SHARE`` of a CPU for ``starved_after_s``, it compiles
+the oldest unfinished job itself (a queued one is taken from the queue; a running one is compiled
+again, and whichever copy finishes first serves). A starved pool therefore costs its requests
+``starved_after_s`` and then compiles as it would without lowered priority, never forever.
+
+Each job records the CPU clock of every thread compiling it; its CPU time is the most any of them
+has had (compiler.py's time limit counts that, not wall-clock time the scheduler never gave it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from kvscale.server.thread_priority import lower_this_thread
+
+logger = logging.getLogger(__name__)
+
+# Below this share of a CPU per worker (while they have work) the pool counts as starved. On a
+# quiet 2-vCPU Xeon, SCHED_IDLE compiles beside four decoding streams got ~25 % (a storm's 20
+# compiles took 17 s instead of 4); beside two CPU hogs at the engine's priority, ~1 %.
+STARVED_SHARE = 0.05
+# How often the rescuer reads the workers' clocks.
+RESCUE_POLL_S = 0.05
+
+
+@dataclass
+class Compiled:
+    template: Any  # the library's pristine matcher
+    seconds: float  # wall-clock time from the first thread picking it up to done (0 for a cache hit)
+    cpu_seconds: float = 0.0  # CPU time of the thread whose copy finished, what the time limit counts
+
+
+def thread_cpu_clock() -> int | None:
+    """The calling thread's CPU-time clock, readable from any thread (None where the OS has none)."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None
+
+
+def read_clock(clock: int) -> float | None:
+    try:
+        return time.clock_gettime(clock)
+    except OSError:  # the thread has ended
+        return None
+
+
+class CompileJob:
+    """One compile: its argument, its future, and the threads running it."""
+
+    def __init__(self, arg: Any) -> None:
+        self.arg = arg
+        self.future: Future[Compiled] = Future()
+        self.submitted = time.monotonic()
+        self.started: float | None = None  # monotonic, when the first thread picked it up
+        # (CPU clock, its reading at the start) per thread compiling it; the clock None: the
+        # OS has none, and the reading is the monotonic start (wall time stands in).
+        self.runs: list[tuple[int | None, float]] = []
+
+    def cpu_seconds(self, now: float) -> float | None:
+        """The most CPU time any thread has spent on this job so far; None before it starts.
+        Read it before looking at the future: a thread settles the future (or finds it settled)
+        before it takes another job, so a reading taken while the future was not yet done is
+        this job's own."""
+        spent = None
+        for clock, at in list(self.runs):
+            reading = now if clock is None else read_clock(clock)
+            if reading is not None:
+                spent = max(spent or 0.0, reading - at)
+        return spent
+
+
+class CompilePool:
+    def __init__(self, prepare: Callable[[], Any], compile_fn: Callable[[Any, Any], Any], workers: int,
+                 priority: str, starved_after_s: float) -> None:
+        """``compile_fn(prepare(), arg)`` compiles; ``prepare`` (the tokenizer, built once) runs
+        before a job's clocks start, so a job is not charged for it."""
+        self._prepare = prepare
+        self._compile_fn = compile_fn
+        self._priority = priority
+        self._starved_after_s = starved_after_s
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._queue: deque[CompileJob] = deque()
+        self._running: list[CompileJob] = []  # taken by a worker, not yet settled
+        self._clocks: list[int] = []  # the workers' CPU clocks
+        self._closed = False
+        self.rescues = 0
+        self.threads = [threading.Thread(target=self._work_loop, name=f"grammar-compile-{i}", daemon=True)
+                        for i in range(workers)]
+        if priority != "normal":
+            self.threads.append(threading.Thread(target=self._rescue_loop, name="grammar-compile-rescue",
+                                                 daemon=True))
+        for thread in self.threads:
+            thread.start()
+
+    def submit(self, arg: Any) -> CompileJob:
+        job = CompileJob(arg)
+        with self._work:
+            self._queue.append(job)
+            self._work.notify_all()
+        return job
+
+    def shutdown(self) -> None:
+        with self._work:
+            self._closed = True
+            for job in self._queue:
+                job.future.cancel()
+            self._queue.clear()
+            self._work.notify_all()
+
+    # --- the threads ----------------------------------------------------------------------
+    def _work_loop(self) -> None:
+        lower_this_thread(self._priority)
+        clock = thread_cpu_clock()
+        with self._work:
+            if clock is not None:
+                self._clocks.append(clock)
+        while True:
+            with self._work:
+                self._work.wait_for(lambda: self._closed or bool(self._queue))
+                if self._closed:
+                    return
+                job = self._queue.popleft()
+                self._running.append(job)
+            self._run(job)
+            with self._work:
+                self._running.remove(job)
+                self._work.notify_all()
+
+    def _rescue_loop(self) -> None:
+        mark: tuple[float, float] | None = None  # (when, the workers' CPU time then) while busy
+        while True:
+            with self._work:
+                # Work queued counts as well as work running: a starved worker may not even get
+                # the CPU to take a job up.
+                if not (self._running or self._queue):
+                    mark = None
+                    self._work.wait_for(lambda: self._closed or bool(self._running or self._queue))
+                if self._closed:
+                    return
+                clocks = list(self._clocks)
+            now, cpu = time.monotonic(), self._workers_cpu(clocks)
+            if mark is None:
+                mark = (now, cpu)
+            elif now - mark[0] >= self._starved_after_s:
+                share = (cpu - mark[1]) / (now - mark[0]) / max(1, len(clocks))
+                if share < STARVED_SHARE:
+                    self._rescue_one(share)
+                    mark = None
+                else:
+                    mark = (now, cpu)
+            time.sleep(RESCUE_POLL_S)
+
+    @staticmethod
+    def _workers_cpu(clocks: list[int]) -> float:
+        return sum(reading for reading in map(read_clock, clocks) if reading is not None)
+
+    def _rescue_one(self, share: float) -> None:
+        """Compile the oldest unfinished job at this thread's (the process's) priority."""
+        with self._work:
+            unfinished = [job for job in (*self._running, *self._queue) if not job.future.done()]
+            if not unfinished:
+                return
+            job = min(unfinished, key=lambda j: j.submitted)
+            if job in self._queue:
+                self._queue.remove(job)
+            self.rescues += 1
+        logger.info("grammar compile workers starved (%.1f %% of a CPU for %g s): compiling at the "
+                    "engine's priority", 100 * share, self._starved_after_s)
+        self._run(job)
+
+    def _run(self, job: CompileJob) -> None:
+        if job.future.done():  # the rescuer or a worker got there first
+            return
+        try:
+            prepared = self._prepare()
+            clock = thread_cpu_clock()
+            # time.thread_time() reads this same clock (the calling thread's CPU time).
+            started, cpu_started = time.monotonic(), time.thread_time()
+            if job.started is None:
+                job.started = started
+            job.runs.append((clock, cpu_started if clock is not None else started))
+            template = self._compile_fn(prepared, job.arg)
+            self._settle(job, Compiled(template, time.monotonic() - job.started,
+                                       time.thread_time() - cpu_started))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting requests
+            self._settle(job, exc)
+
+    def _settle(self, job: CompileJob, outcome: Compiled | BaseException) -> None:
+        with self._lock:
+            if job.future.done():
+                return
+            if isinstance(outcome, BaseException):
+                job.future.set_exception(outcome)
+            else:
+                job.future.set_result(outcome)
