@@ -232,6 +232,7 @@ class LLMEngine:
             if not refused and self.structured.has_pending():
                 self.structured.wait(GRAMMAR_WAIT_S)
             return refused
+        self.structured.engine_busy()
         now = time.monotonic()
         for item in sched.scheduled:
             request = item.seq.request

@@ -2,14 +2,17 @@
 
 Workers run at ``compile_priority`` (SCHED_IDLE by default, thread_priority.py), so a compile
 takes only CPU time the engine's OpenMP threads leave: at their priority it stalls every barrier
-of every op for whole time slices (docs/benchmarks.md, "compile storm"). The price is that other
-work can starve the workers: the engine at full load, or any process at a normal priority in the
-same cgroup (a CPU hog beside a test server gave a SCHED_IDLE thread ~1 % of a core). So one more
-thread, the rescuer, stays at the process's priority and watches the workers' CPU clocks: when
-they have had work but less than ``STARVED_SHARE`` of a CPU for ``starved_after_s``, it compiles
-the oldest unfinished job itself (a queued one is taken from the queue; a running one is compiled
-again, and whichever copy finishes first serves). A starved pool therefore costs its requests
-``starved_after_s`` and then compiles as it would without lowered priority, never forever.
+of every op for whole time slices (docs/benchmarks.md, "compile storm"). While the engine decodes
+that is next to nothing (~1.5 % of a CPU on a 2-vCPU Xeon with four streams): compiles wait for
+the engine, by design, and compiler.py's wall-clock bound ends a wait that grows too long.
+
+They must not wait for anything else. Any process at a normal priority in the same cgroup (a CPU
+hog beside a test server) starves a SCHED_IDLE thread as much while the engine is idle. So one
+more thread, the rescuer, stays at the process's priority and watches the workers' CPU clocks:
+when they have had work but less than ``STARVED_SHARE`` of a CPU for ``starved_after_s`` while
+the engine ran no forward pass (``engine_busy``), it compiles the oldest unfinished job itself (a
+queued one is taken from the queue; a running one is compiled again, and whichever copy finishes
+first serves), and the next, for as long as the engine stays idle.
 
 Each job records the CPU clock of every thread compiling it; its CPU time is the most any of them
 has had (compiler.py's time limit counts that, not wall-clock time the scheduler never gave it).
@@ -30,9 +33,9 @@ from kvscale.server.thread_priority import lower_this_thread
 
 logger = logging.getLogger(__name__)
 
-# Below this share of a CPU per worker (while they have work) the pool counts as starved. On a
-# quiet 2-vCPU Xeon, SCHED_IDLE compiles beside four decoding streams got ~25 % (a storm's 20
-# compiles took 17 s instead of 4); beside two CPU hogs at the engine's priority, ~1 %.
+# Below this share of a CPU per worker (while they have work) the pool counts as starved. A
+# SCHED_IDLE worker on an idle 2-vCPU Xeon gets ~100 %; beside two CPU hogs at a normal priority
+# ~1 %, whatever the engine does.
 STARVED_SHARE = 0.05
 # How often the rescuer reads the workers' clocks.
 RESCUE_POLL_S = 0.05
@@ -100,6 +103,7 @@ class CompilePool:
         self._running: list[CompileJob] = []  # taken by a worker, not yet settled
         self._clocks: list[int] = []  # the workers' CPU clocks
         self._closed = False
+        self._engine_busy_at = float("-inf")  # monotonic, the last forward pass
         self.rescues = 0
         self.threads = [threading.Thread(target=self._work_loop, name=f"grammar-compile-{i}", daemon=True)
                         for i in range(workers)]
@@ -115,6 +119,11 @@ class CompilePool:
             self._queue.append(job)
             self._work.notify_all()
         return job
+
+    def engine_busy(self) -> None:
+        """The engine runs a forward pass now (called by its step): starved workers are then
+        waiting for the engine, as they should, and the rescuer leaves them be."""
+        self._engine_busy_at = time.monotonic()
 
     def shutdown(self) -> None:
         with self._work:
@@ -160,8 +169,12 @@ class CompilePool:
                 mark = (now, cpu)
             elif now - mark[0] >= self._starved_after_s:
                 share = (cpu - mark[1]) / (now - mark[0]) / max(1, len(clocks))
-                if share < STARVED_SHARE:
-                    self._rescue_one(share)
+                since = mark[0]
+                if share < STARVED_SHARE and self._engine_busy_at < since:
+                    # Starved by something other than the engine: compile here, one job after
+                    # another, until none is left or the engine runs again.
+                    while self._engine_busy_at < since and self._rescue_one(share):
+                        pass
                     mark = None
                 else:
                     mark = (now, cpu)
@@ -171,19 +184,21 @@ class CompilePool:
     def _workers_cpu(clocks: list[int]) -> float:
         return sum(reading for reading in map(read_clock, clocks) if reading is not None)
 
-    def _rescue_one(self, share: float) -> None:
-        """Compile the oldest unfinished job at this thread's (the process's) priority."""
+    def _rescue_one(self, share: float) -> bool:
+        """Compile the oldest unfinished job at this thread's (the process's) priority; False
+        when there is none (or the pool was shut down)."""
         with self._work:
             unfinished = [job for job in (*self._running, *self._queue) if not job.future.done()]
-            if not unfinished:
-                return
+            if self._closed or not unfinished:
+                return False
             job = min(unfinished, key=lambda j: j.submitted)
             if job in self._queue:
                 self._queue.remove(job)
             self.rescues += 1
-        logger.info("grammar compile workers starved (%.1f %% of a CPU for %g s): compiling at the "
-                    "engine's priority", 100 * share, self._starved_after_s)
+        logger.info("grammar compile workers starved (%.1f %% of a CPU for %g s) while the engine is idle: "
+                    "compiling at the engine's priority", 100 * share, self._starved_after_s)
         self._run(job)
+        return True
 
     def _run(self, job: CompileJob) -> None:
         if job.future.done():  # the rescuer or a worker got there first

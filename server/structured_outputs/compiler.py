@@ -7,12 +7,12 @@ is fixed per compiler (one per engine), so it needs no place in the key. Identic
 arrive while the first is compiling share its future.
 
 Compile threads run at the lowest priority (``compile_priority``; compile_pool.py says why, and
-how a starved pool is rescued after ``compile_starved_after_s``). Other work can therefore slow a
-compile down, so the time limit (``compile_timeout_s``) counts the compile's own CPU time, read
-from its thread's CPU clock: a compile is not failed for time the scheduler never gave it. A
-second bound, in wall-clock time (``compile_wait_timeout_s``), caps how long a request waits for
-its grammar, queue included; that request gets a 503 (the server is busy, the schema is not at
-fault). A compile that outlives either limit fails its requests; it still finishes in the
+how a pool starved while the engine is idle is rescued after ``compile_starved_after_s``): a
+compile waits while the engine decodes. So the time limit (``compile_timeout_s``) counts the
+compile's own CPU time, read from its thread's CPU clock: a compile is not failed for time the
+scheduler never gave it. A second bound, in wall-clock time (``compile_wait_timeout_s``), caps
+how long a request waits for its grammar, queue included; that request gets a 503 (the server is
+busy, the schema is not at fault). A compile that outlives either limit fails its requests; it still finishes in the
 background and lands in the cache, so a retry is served at once.
 """
 
@@ -35,8 +35,8 @@ DEFAULT_COMPILE_TIMEOUT_S = 10.0
 # Generous: a compile within its CPU-time limit is only this late when the engine has kept every
 # core busy for this long; it bounds the client's wait, it is not meant to refuse schemas.
 DEFAULT_COMPILE_WAIT_TIMEOUT_S = 60.0
-# Starved compile workers (compile_pool.py) are rescued after this long: a compile that the
-# lowered priority keeps from running costs its request this much, then runs as if not lowered.
+# Compile workers starved while the engine is idle (by other processes: compile_pool.py) are
+# rescued after this long: it costs their requests this much, then they compile as if not lowered.
 DEFAULT_COMPILE_STARVED_AFTER_S = 1.0
 DEFAULT_CACHE_SIZE = 512
 

@@ -167,6 +167,10 @@ class StructuredOutputManager:
             ready.append(request)
         return ready, failed
 
+    def engine_busy(self) -> None:
+        """A forward pass runs now: low-priority compiles wait for it (compile_pool.py)."""
+        self.compiler.pool.engine_busy()
+
     def wait(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` for any pending compile (when there is nothing else to run)."""
         futures = [pending.future for _, pending in self.pending.values()]

@@ -25,12 +25,17 @@ pytestmark = pytest.mark.slow
 
 PER_SET = 2
 MAX_TOKENS = 128
-TIME_LIMIT_S = 0.3
+TIME_LIMIT_S = 0.3  # of the compile's own CPU time
+# Compiles wait while the engine decodes (they run at SCHED_IDLE): on a busy machine the storm
+# test's constrained requests wait for its whole unconstrained stream, which other load can slow
+# to a minute or more. The wall-clock bound is not what these tests are about.
+WAIT_LIMIT_S = 600
 
 
 @pytest.fixture(scope="module")
 def server():
-    config = json.dumps({"compile_timeout_s": TIME_LIMIT_S, "fast_forward": True})
+    config = json.dumps({"compile_timeout_s": TIME_LIMIT_S, "compile_wait_timeout_s": WAIT_LIMIT_S,
+                         "fast_forward": True})
     proc = ServeProcess("--max-model-len", "2048", "--max-num-seqs", "32", "--served-model-name", "smollm2",
                         "--structured-outputs-config", config, log_name="structured")
     yield proc
@@ -166,10 +171,10 @@ def test_request_fields_are_honoured_refused_or_counted(client, server):
     assert after == before + 1
 
 
-# Compile times on an idle machine (SmolLM2's tokenizer): 5 branches ~0.015 s, 250 ~0.7 s (near
-# llguidance's own lexer size limit). The time limit is wall time, so a compile starved of CPU
-# (a loaded 2-core machine) takes several times longer: the storm keeps a ~20x margin under the
-# limit, the slow schema stays over it at any load.
+# Compile CPU times (SmolLM2's tokenizer): 5 branches ~0.015 s, 250 ~0.5 s (near llguidance's
+# own lexer size limit). The time limit counts the compile's own CPU time, which load does not
+# stretch as it stretches wall time: the storm keeps a ~20x margin under the limit, the slow
+# schema stays over it.
 STORM_BRANCHES = 5
 SLOW_BRANCHES = 250
 # Long enough to outlast the storm and the over-limit compile (~1 s idle, ~40 tokens); not more:

@@ -292,30 +292,69 @@ def test_compile_workers_run_at_the_lowest_priority_by_default_and_still_compile
         compiler.shutdown()
 
 
-def test_a_starved_compile_worker_is_rescued_by_a_thread_at_the_process_priority(bundled_tokenizer):
-    """Processes at a normal priority leave a SCHED_IDLE worker next to nothing (one CPU, eight
-    busy loops: well under STARVED_SHARE); after compile_starved_after_s the rescuer, not
-    lowered and free to run on any CPU, compiles the job itself."""
+@contextmanager
+def starved_worker(compiler: GrammarCompiler) -> Iterator[None]:
+    """Processes at a normal priority leave a SCHED_IDLE worker next to nothing: the worker on
+    one CPU with eight busy loops, far under STARVED_SHARE. The rescuer is left free to run on
+    any CPU."""
     cpu = min(os.sched_getaffinity(0))
-    config = StructuredOutputsConfig(compile_timeout_s=0.2, compile_starved_after_s=0.3)
-    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, config)
-    hogs: list[subprocess.Popen] = []
+    worker = compiler.pool.threads[0].native_id
+    assert worker is not None
+    os.sched_setaffinity(worker, {cpu})
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                             preexec_fn=lambda: os.sched_setaffinity(0, {cpu})) for _ in range(8)]
     try:
-        compiler.submit(StructuredOutputsParams(json='{"type":"object"}')).future.result(timeout=60)  # tokenizer
-        worker = compiler.pool.threads[0].native_id
-        assert worker is not None
-        os.sched_setaffinity(worker, {cpu})
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                                 preexec_fn=lambda: os.sched_setaffinity(0, {cpu})) for _ in range(8)]
-        # ~0.1 s of CPU time: the starved worker alone would take several seconds over it.
-        pending = compiler.submit(StructuredOutputsParams(json=json.dumps({"anyOf": SLOW_SCHEMA["anyOf"][:60]})))
-        result = poll_until_answered(pending, config)
-        assert isinstance(result, Compiled), result
-        assert compiler.pool.rescues >= 1
+        yield
     finally:
         for hog in hogs:
             hog.kill()
             hog.wait()
+
+
+# ~0.1 s of CPU time: the starved worker alone would take several seconds over it.
+MEDIUM_SCHEMA = {"anyOf": SLOW_SCHEMA["anyOf"][:60]}
+
+
+def test_a_worker_starved_while_the_engine_is_idle_is_rescued_at_the_process_priority(bundled_tokenizer):
+    config = StructuredOutputsConfig(compile_timeout_s=0.2, compile_starved_after_s=0.3)
+    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, config)
+    try:
+        compiler.submit(StructuredOutputsParams(json='{"type":"object"}')).future.result(timeout=60)  # tokenizer
+        with starved_worker(compiler):
+            pending = compiler.submit(StructuredOutputsParams(json=json.dumps(MEDIUM_SCHEMA)))
+            result = poll_until_answered(pending, config)
+        assert isinstance(result, Compiled), result
+        assert compiler.pool.rescues >= 1
+    finally:
+        compiler.shutdown()
+
+
+def test_a_worker_starved_while_the_engine_runs_forward_passes_waits_for_the_engine(bundled_tokenizer):
+    """Compiles yield to the engine by design: while it reports forward passes, no rescue; once
+    it stops, the rescuer steps in."""
+    config = StructuredOutputsConfig(compile_timeout_s=0.2, compile_starved_after_s=0.3)
+    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, config)
+    stepping = threading.Event()
+
+    def engine() -> None:
+        while not stepping.wait(0.02):
+            compiler.pool.engine_busy()
+
+    try:
+        compiler.submit(StructuredOutputsParams(json='{"type":"object"}')).future.result(timeout=60)
+        with starved_worker(compiler):
+            steps = threading.Thread(target=engine)
+            steps.start()
+            pending = compiler.submit(StructuredOutputsParams(json=json.dumps(MEDIUM_SCHEMA)))
+            time.sleep(1.5)  # five times compile_starved_after_s
+            assert compiler.pool.rescues == 0 and not pending.future.done()
+            stepping.set()
+            steps.join()
+            result = poll_until_answered(pending, config)
+        assert isinstance(result, Compiled), result
+        assert compiler.pool.rescues >= 1
+    finally:
+        stepping.set()
         compiler.shutdown()
 
 
