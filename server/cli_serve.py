@@ -95,9 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     structured = parser.add_argument_group("structured outputs and tool calling")
     structured.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,
                             metavar="JSON",
-                            help='grammar settings as JSON, e.g. {"compile_timeout_s": 10, '
-                                 '"compile_workers": 1, "mask_threads": 1, "fast_forward": false}; '
-                                 'backend: "guidance" only')
+                            help='grammar settings as JSON, e.g. {"compile_timeout_s": 10 (CPU time), '
+                                 '"compile_wait_timeout_s": 60 (wall clock), "compile_workers": 1, '
+                                 '"compile_priority": "idle", "mask_threads": 1, "fast_forward": false}; '
+                                 'backend: "guidance" only (docs/server.md)')
     structured.add_argument("--enable-auto-tool-choice", action="store_true",
                             help='let tool_choice "auto" parse tool calls out of the answer '
                                  "(needs --tool-call-parser)")
