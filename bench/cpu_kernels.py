@@ -24,7 +24,7 @@ import torch
 
 from bench.common import machine, median_ms, op_bench_args, write_result
 from kvscale.kernels import cpu_native, reference
-from kvscale.server.model_llama import apply_rope
+from kvscale.kernels.layer_ops import torch_rope
 from kvscale.server.sampler import greedy_tokens
 
 
@@ -87,7 +87,7 @@ def measure(dtype: torch.dtype, gen: torch.Generator, repeats: int) -> list[dict
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)[:, None]
     sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)[:, None]
     native = median_ms(lambda: cpu_native.rope(heads, cos, sin), repeats, warmup=1)
-    ref = median_ms(lambda: apply_rope(heads, cos, sin), repeats, warmup=1)
+    ref = median_ms(lambda: torch_rope(heads, cos, sin), repeats, warmup=1)
     rows.append({"op": "rope q|k [2048, 12, 64]", "dtype": str(dtype), "c_ms": native, "torch_ms": ref,
                  "speedup": ref / native})
     for tokens in (64, 2048):  # a decode step's and a prefill step's new K/V, into a 2048-block cache
