@@ -14,7 +14,9 @@ Every part has its baseline in the same run, on the same device:
    ignore_eos) in bfloat16: kvscale all at once against transformers in static batches of 16;
    and a wider W1 (256 requests, kvscale ``max_num_seqs`` 256, transformers batches of 64).
 3. Decode step: N sequences of a given context decoding together; wall time per step against
-   the roofline (weights + KV bytes read + logits) at the card's datasheet bandwidth.
+   the roofline (weights + KV bytes read + logits) at the card's datasheet bandwidth. The engine
+   does not detokenize, as under ``kvscale serve`` (its core leaves that to the front end).
+   ``--parts layer_ops``: the same with the Triton layer ops and with their PyTorch forms.
 4. Decode CUDA graphs (server/decode_graphs.py): greedy tokens with graphs against the same
    engine with ``enforce_eager``, W1 and the decode step both ways.
 5. Host KV tier: promoting and demoting blocks through ``HostKVCache`` (the engine's code path),
@@ -126,7 +128,19 @@ def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_b
 
 
 def decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int, peak_gbps: float | None,
-                enforce_eager: bool = False) -> dict:
+                enforce_eager: bool = False, triton_layer_ops: bool = True) -> dict:
+    from kvscale.kernels import layer_ops
+
+    layer_ops.TRITON_LAYER_OPS = triton_layer_ops
+    try:
+        row = _decode_step(path, device, num_seqs, context, steps, peak_gbps, enforce_eager)
+    finally:
+        layer_ops.TRITON_LAYER_OPS = True
+    return row | {"triton_layer_ops": triton_layer_ops}
+
+
+def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int, peak_gbps: float | None,
+                 enforce_eager: bool) -> dict:
     import torch
 
     from bench.gpu_kernels import ModelShape
@@ -137,6 +151,7 @@ def decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int
               max_num_batched_tokens=max(2048, context), max_model_len=context + steps + 8,
               num_gpu_blocks_override=num_seqs * ((context + steps) // 16 + 2) + 64, enforce_eager=enforce_eager)
     engine = llm.llm_engine
+    engine.detokenize = False  # as the engine core runs under `kvscale serve`: the front end detokenizes
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for i in range(num_seqs):
         # Distinct prompts: no sequence shares a block with another, as in a decode-heavy fleet.
@@ -387,6 +402,12 @@ def main(argv: list[str] | None = None) -> int:
             for eager in (True, False):
                 emit("decode_step", lambda n=num_seqs, c=context, e=eager: decode_step(
                     path, device, n, c, 8 if quick else 32, peak, enforce_eager=e))
+    if "layer_ops" in parts:
+        # The Triton layer ops against their PyTorch forms, same engine, decode graphs on.
+        for num_seqs, context in ([(4, 64)] if quick else [(64, 1024), (256, 1024), (256, 4096)]):
+            for fused in (True, False):
+                emit("decode_step", lambda n=num_seqs, c=context, f=fused: decode_step(
+                    path, device, n, c, 8 if quick else 32, peak, triton_layer_ops=f))
     if "tier" in parts:
         emit("host_tier", lambda: host_tier(device, 32 if quick else 1024, 3 if quick else 10))
     if "tier_engine" in parts:
