@@ -151,7 +151,8 @@ def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: in
     budget = max(2048, context)
     # Sequences prefilled early decode while later prompts prefill (chunked prefill), so each
     # needs room for those tokens too; timing starts once every one of them is decoding.
-    headroom = steps + num_seqs * context // budget + 8
+    # Decodes share each step's token budget with the prefill chunks, which stretches the prefill.
+    headroom = steps + 2 * -(-num_seqs * context // max(budget - num_seqs, 1)) + 16
     llm = LLM(model=str(path), dtype="bfloat16", device=str(device), max_num_seqs=num_seqs,
               max_num_batched_tokens=budget, max_model_len=context + headroom + 8,
               num_gpu_blocks_override=num_seqs * ((context + headroom) // 16 + 2) + 64, enforce_eager=enforce_eager)
@@ -363,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke run)")
     parser.add_argument("--parts", default="equality,w1,decode,graphs,tier,tier_engine")
     parser.add_argument("--peak-gbps", type=float, default=None, help="default: the card's datasheet figure")
+    parser.add_argument("--shapes", default="64x1024,256x1024,256x4096",
+                        help="--parts layer_ops: the decode steps' sequences x context")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -419,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                     path, device, n, c, 8 if quick else 32, peak, enforce_eager=e))
     if "layer_ops" in parts:
         # The Triton layer ops against their PyTorch forms, same engine, decode graphs on.
-        for num_seqs, context in ([(4, 64)] if quick else [(64, 1024), (256, 1024), (256, 4096)]):
+        shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
+        for num_seqs, context in ([(4, 64)] if quick else shapes):
             for fused in (True, False):
                 emit("decode_step", lambda n=num_seqs, c=context, f=fused: decode_step(
                     path, device, n, c, 8 if quick else 32, peak, triton_layer_ops=f))
