@@ -17,7 +17,8 @@ Every part has its baseline in the same run, on the same device:
    the roofline (weights + KV bytes read + logits) at the card's datasheet bandwidth, timed once
    every sequence is decoding. The engine runs as its core does under ``kvscale serve``: outputs
    as deltas, no detokenization (the front end's work).
-   ``--parts layer_ops``: the same with the Triton layer ops and with their PyTorch forms.
+   ``--parts layer_ops``: W1 and the decode step with the Triton layer ops and with their
+   PyTorch forms.
 4. Decode CUDA graphs (server/decode_graphs.py): greedy tokens with graphs against the same
    engine with ``enforce_eager``, W1 and the decode step both ways.
 5. Host KV tier: promoting and demoting blocks through ``HostKVCache`` (the engine's code path),
@@ -89,7 +90,19 @@ def greedy_equality(path: Path, dtype: str, device: Any, new_tokens: int) -> dic
 
 
 def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_batch: int | None,
-       enforce_eager: bool = False) -> dict:
+       enforce_eager: bool = False, triton_layer_ops: bool = True) -> dict:
+    from kvscale.kernels import layer_ops
+
+    layer_ops.TRITON_LAYER_OPS = triton_layer_ops
+    try:
+        row = _w1(path, device, num_requests, max_num_seqs, baseline_batch, enforce_eager)
+    finally:
+        layer_ops.TRITON_LAYER_OPS = True
+    return row | {"triton_layer_ops": triton_layer_ops}
+
+
+def _w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_batch: int | None,
+        enforce_eager: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -422,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
                     path, device, n, c, 8 if quick else 32, peak, enforce_eager=e))
     if "layer_ops" in parts:
         # The Triton layer ops against their PyTorch forms, same engine, decode graphs on.
+        for fused in (True, False):  # W1, 64 and 256 requests, decode graphs on
+            emit("w1", lambda f=fused: w1(path, device, 8 if quick else 64, 64, None, triton_layer_ops=f))
+            if not quick:
+                emit("w1", lambda f=fused: w1(path, device, 256, 256, None, triton_layer_ops=f))
         shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
         for num_seqs, context in ([(4, 64)] if quick else shapes):
             for fused in (True, False):
