@@ -120,6 +120,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         # Whether cos/sin repeat their first half in their second (not with partial rotary).
         self.rope_halves_repeat = True
+        # An FP8 KV cache's per-tensor scales (vLLM's k_scale/v_scale; kernels/fp8.py): 1.0, as
+        # vLLM has them for a checkpoint that brings none (no loader reads them yet).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -147,24 +151,27 @@ class Attention(nn.Module):
             qk = layer_ops.rope(heads, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         ops = meta.kernels
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_scale, v_scale = self.k_scale, self.v_scale
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         if meta.is_decode:
-            out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+            out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
+                                             k_scale=k_scale, v_scale=v_scale)
         elif meta.split is not None:
             split = meta.split
             out = q.new_empty(q.shape)
             out[split.decode_rows] = ops.paged_decode_attention(
                 q[split.decode_rows], k_cache, v_cache, split.decode_block_tables, split.decode_context_lens,
-                self.scale,
+                self.scale, k_scale=k_scale, v_scale=v_scale,
             )
             out[split.prefill_rows] = ops.paged_prefill_attention(
                 q[split.prefill_rows], k_cache, v_cache, split.prefill_block_tables, split.prefill_query_start_loc,
                 split.prefill_context_lens, self.scale, max_query_len=meta.max_query_len,
+                k_scale=k_scale, v_scale=v_scale,
             )
         else:
             out = ops.paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
-                max_query_len=meta.max_query_len,
+                max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale,
             )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

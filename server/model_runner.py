@@ -102,11 +102,14 @@ class ModelRunner:
     sizes the cache from it and calls ``allocate_kv_cache``."""
 
     def __init__(
-        self, model: DecoderForCausalLM, block_size: int, dtype: torch.dtype, device: torch.device
+        self, model: DecoderForCausalLM, block_size: int, dtype: torch.dtype, device: torch.device,
+        *, kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.dtype = dtype
+        # What the KV cache stores (--kv-cache-dtype); the model's dtype unless told otherwise.
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.device = device
         if device.type == "cpu":
             keep_freed_memory_for_reuse()
@@ -132,7 +135,7 @@ class ModelRunner:
         # One allocation for the whole cache: [layer, k|v, block, offset, kv_head, head_dim].
         cache = torch.zeros(
             spec.num_layers, 2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
-            dtype=self.dtype, device=self.device,
+            dtype=self.kv_cache_dtype, device=self.device,
         )
         return cache, [(cache[i, 0], cache[i, 1]) for i in range(spec.num_layers)]
 
