@@ -19,13 +19,13 @@
  * Scores and softmax are float32; two passes over the context (scores, then weighted values).
  *
  * An FP8 cache is half a bfloat16 one's bytes, and decode attention reads every cached byte of a
- * batch once per step (it is bound by memory bandwidth, not arithmetic): each tile of FP8 rows is
- * widened to float32 in L1 (widen_tile) and attended on the float32 path. The conversions are a
- * zero-extension and a shift to IEEE half-precision bits and one VCVTPH2PS: e5m2 is the top byte
- * of a half; e4m3's exponent bias is 7 where a half's is 15, so its bits, moved into a half's
- * exponent and mantissa, read 2^-8 of its value (subnormals included: a half has them too). The
- * 2^8 and the scales are not multiplied into every element: the K factor goes into the score
- * scale, the V factor onto each output row (sum p * (s * v) = s * sum p * v).
+ * batch once per step: each tile of FP8 rows is widened in L1, once for all the query rows of its
+ * GQA group, to bfloat16 for the bf16 dot products with a bfloat16 query (fp8x32_to_bf16, exact),
+ * else to float32 (fp8_row_to_float: zero-extension and a shift to IEEE half-precision bits, then
+ * VCVTPH2PS; e5m2 is the top byte of a half; e4m3's exponent bias is 7 where a half's is 15, so
+ * its bits, moved into a half's exponent and mantissa, read 2^-8 of its value, subnormals
+ * included). The 2^8 and the scales are not multiplied into every element: the K factor goes
+ * into the score scale, the V factor onto each output row (sum p * (s * v) = s * sum p * v).
  */
 #include <math.h>
 #include <stdint.h>
@@ -124,18 +124,43 @@ static inline __attribute__((always_inline)) void widen_tile(const char **rows, 
 }
 
 #if defined(KVSCALE_BF16_DOTS)
-/* An FP8 tile's rows widened to bfloat16 (exactly: every FP8 value, e4m3's read as 2^-8 of it
- * included, is a bfloat16 one) for the bf16 dot products; the row pointers moved there. */
+/* 32 FP8 values as bfloat16 bits, exactly (every e4m3 and e5m2 value is a bfloat16 one), on
+ * integer lanes: a normal value's exponent and mantissa move up into bfloat16's and its exponent
+ * is rebiased (+120 for e4m3's bias 7, +112 for e5m2's 15); zero and the subnormals (exponent 0),
+ * which that would get wrong, are looked up by their mantissa instead (VPERMW takes the low five
+ * bits, which for them are the mantissa alone). Cheaper than widening to float32 and rounding
+ * back, and this conversion is all an FP8 tile costs on top of a bfloat16 one. */
+static inline __attribute__((always_inline)) __m512i fp8x32_to_bf16(const uint8_t *src, int format) {
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)src));
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(bytes, _mm512_set1_epi16(0x80)), 8);
+    __m512i magnitude, subnormal_table;
+    __mmask32 subnormal;
+    if (format == KVSCALE_E4M3) {
+        magnitude = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(bytes, _mm512_set1_epi16(0x7f)), 4),
+                                     _mm512_set1_epi16(120 << 7));
+        subnormal = _mm512_testn_epi16_mask(bytes, _mm512_set1_epi16(0x78));
+        /* m * 2^-9 for m = 0..7: 0, 2^-9, 2^-8, 1.5 * 2^-8, 2^-7, 1.25, 1.5, 1.75 * 2^-7. */
+        subnormal_table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                           0x3c60, 0x3c40, 0x3c20, 0x3c00, 0x3bc0, 0x3b80, 0x3b00, 0);
+    } else {
+        magnitude = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(bytes, _mm512_set1_epi16(0x7f)), 5),
+                                     _mm512_set1_epi16(112 << 7));
+        subnormal = _mm512_testn_epi16_mask(bytes, _mm512_set1_epi16(0x7c));
+        /* m * 2^-16 for m = 0..3: 0, 2^-16, 2^-15, 1.5 * 2^-15. */
+        subnormal_table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                           0, 0, 0, 0, 0x3840, 0x3800, 0x3780, 0);
+    }
+    magnitude = _mm512_mask_permutexvar_epi16(magnitude, subnormal, bytes, subnormal_table);
+    return _mm512_or_si512(magnitude, sign);
+}
+
+/* An FP8 tile's rows widened to bfloat16 for the bf16 dot products; the row pointers moved there. */
 static inline __attribute__((always_inline)) void widen_tile_bf16(const char **rows, int tile, int width, int format,
                                                                   uint16_t *widened) {
-    _Alignas(64) float wide[32];
     for (int i = 0; i < tile; i++) {
         uint16_t *dst = widened + (size_t)i * width;
-        for (int d = 0; d < width; d += 32) {
-            fp8_row_to_float((const uint8_t *)rows[i] + d, 32, format, wide);
-            const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_load_ps(wide + 16), _mm512_load_ps(wide));
-            memcpy(dst + d, &packed, 64);
-        }
+        for (int d = 0; d < width; d += 32)
+            _mm512_storeu_si512(dst + d, fp8x32_to_bf16((const uint8_t *)rows[i] + d, format));
         rows[i] = (const char *)dst;
     }
 }
@@ -402,10 +427,6 @@ int kvscale_paged_decode_attention(
     int block_size, float scale, float k_scale, float v_scale, void *out, int io_bf16, int num_threads) {
     const int group = num_heads / num_kv_heads;
     const int cache_is_bf16 = cache_format == KVSCALE_BF16, cache_is_fp8 = cache_format >= KVSCALE_E4M3;
-    /* The FP8 factors out of the elements (see the top of the file); other caches have none. */
-    const float k_factor = cache_is_fp8 ? k_scale * fp8_unit(cache_format) : 1.0f;
-    const float v_factor = cache_is_fp8 ? v_scale * fp8_unit(cache_format) : 1.0f;
-    const float score_scale = scale * k_factor;
 #if defined(KVSCALE_BF16_DOTS)
     /* bf16 dot products (scores and weighted values) only when the query is bfloat16 itself
      * (rounding a float32 query would change the result) and rows are whole 32-element chunks. */
@@ -414,6 +435,12 @@ int kvscale_paged_decode_attention(
     const int bf16_dots = 0;
     (void)query_is_bf16, (void)cache_is_bf16;
 #endif
+    /* The FP8 factors out of the elements (see the top of the file): the scales, and 2^8 where
+     * e4m3 is widened to float32 through half precision; other caches have none. */
+    const float unit = bf16_dots ? 1.0f : fp8_unit(cache_format);
+    const float k_factor = cache_is_fp8 ? k_scale * unit : 1.0f;
+    const float v_factor = cache_is_fp8 ? v_scale * unit : 1.0f;
+    const float score_scale = scale * k_factor;
     if (cache_format < KVSCALE_F32 || cache_format > KVSCALE_E5M2) return KVSCALE_BAD_FORMAT;
     int max_len = 0;
     for (int s = 0; s < num_seqs; s++) {
