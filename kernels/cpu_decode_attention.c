@@ -562,21 +562,22 @@ int kvscale_paged_decode_attention(
              * fully and drop the other formats' branches. */
 #define ATTEND(format, dots, chunks) attend_rows(q, k_cache, v_cache, format, dots, tables, table, n, num_kv_heads, group, \
                                                  chunks, block_size, score_scale, v_factor, h0, h1, scores, widened, o)
-            if (head_dim == 64 && bf16_dots && cache_is_bf16) ATTEND(KVSCALE_BF16, 1, 4);
-            else if (head_dim == 64 && cache_format == KVSCALE_BF16) ATTEND(KVSCALE_BF16, 0, 4);
-            else if (head_dim == 64 && bf16_dots && cache_format == KVSCALE_E4M3) ATTEND(KVSCALE_E4M3, 1, 4);
-            else if (head_dim == 64 && bf16_dots && cache_format == KVSCALE_E5M2) ATTEND(KVSCALE_E5M2, 1, 4);
-            else if (head_dim == 64 && cache_format == KVSCALE_E4M3) ATTEND(KVSCALE_E4M3, 0, 4);
-            else if (head_dim == 64 && cache_format == KVSCALE_E5M2) ATTEND(KVSCALE_E5M2, 0, 4);
-            else if (head_dim == 64) ATTEND(KVSCALE_F32, 0, 4);
-            else if (head_dim == 128 && bf16_dots && cache_is_bf16) ATTEND(KVSCALE_BF16, 1, 8);
-            else if (head_dim == 128 && cache_format == KVSCALE_BF16) ATTEND(KVSCALE_BF16, 0, 8);
-            else if (head_dim == 128 && bf16_dots && cache_format == KVSCALE_E4M3) ATTEND(KVSCALE_E4M3, 1, 8);
-            else if (head_dim == 128 && bf16_dots && cache_format == KVSCALE_E5M2) ATTEND(KVSCALE_E5M2, 1, 8);
-            else if (head_dim == 128 && cache_format == KVSCALE_E4M3) ATTEND(KVSCALE_E4M3, 0, 8);
-            else if (head_dim == 128 && cache_format == KVSCALE_E5M2) ATTEND(KVSCALE_E5M2, 0, 8);
-            else if (head_dim == 128) ATTEND(KVSCALE_F32, 0, 8);
+/* Every (format, bf16 dots) pair for one constant chunk count; FP8 without bf16 dots (a float32
+ * query) and float32 go through the float32 path. */
+#define ATTEND_ANY_FORMAT(chunks)                                                                        \
+    do {                                                                                                 \
+        if (cache_format == KVSCALE_BF16 && bf16_dots) ATTEND(KVSCALE_BF16, 1, chunks);                  \
+        else if (cache_format == KVSCALE_BF16) ATTEND(KVSCALE_BF16, 0, chunks);                          \
+        else if (cache_format == KVSCALE_E4M3 && bf16_dots) ATTEND(KVSCALE_E4M3, 1, chunks);             \
+        else if (cache_format == KVSCALE_E5M2 && bf16_dots) ATTEND(KVSCALE_E5M2, 1, chunks);             \
+        else if (cache_format == KVSCALE_E4M3) ATTEND(KVSCALE_E4M3, 0, chunks);                          \
+        else if (cache_format == KVSCALE_E5M2) ATTEND(KVSCALE_E5M2, 0, chunks);                          \
+        else ATTEND(KVSCALE_F32, 0, chunks);                                                             \
+    } while (0)
+            if (head_dim == 64) ATTEND_ANY_FORMAT(4);
+            else if (head_dim == 128) ATTEND_ANY_FORMAT(8);
             else ATTEND(cache_format, bf16_dots, head_dim / 16);
+#undef ATTEND_ANY_FORMAT
 #undef ATTEND
             if (io_bf16) {
                 uint16_t *dst = (uint16_t *)out + first_row * head_dim;

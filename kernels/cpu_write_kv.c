@@ -48,25 +48,25 @@ static inline float bits_f32(uint32_t u) {
     return v.f;
 }
 
-static inline uint8_t to_e4m3(float x) {
+/* One format's rounding: `largest` and `smallest_normal` as float32 bits, the float32 mantissa
+ * bits cut off (20 for e4m3, 21 for e5m2), the exponent rebias in the result's bit positions,
+ * and 1 / the smallest subnormal. */
+static inline uint8_t to_fp8(float x, uint32_t largest, uint32_t smallest_normal, int cut, uint32_t rebias,
+                             float per_subnormal) {
     const uint32_t u = f32_bits(x), sign = (u >> 24) & 0x80u;
     uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint8_t)(sign | 0x7fu);                  /* NaN */
-    if (a > 0x43e00000u) a = 0x43e00000u;                                 /* 448 */
-    if (a < 0x3c800000u)                                                  /* < 2^-6 */
-        return (uint8_t)(sign | (f32_bits(bits_f32(a) * 512.0f + 8388608.0f) - 0x4b000000u));
-    return (uint8_t)(sign | (((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3)));
+    if (a > 0x7f800000u) return (uint8_t)(sign | 0x7fu); /* NaN */
+    if (a > largest) a = largest;                        /* saturate, infinities too */
+    if (a < smallest_normal)
+        return (uint8_t)(sign | (f32_bits(bits_f32(a) * per_subnormal + 8388608.0f) - 0x4b000000u));
+    return (uint8_t)(sign | (((a + ((1u << (cut - 1)) - 1u) + ((a >> cut) & 1u)) >> cut) - rebias));
 }
 
-static inline uint8_t to_e5m2(float x) {
-    const uint32_t u = f32_bits(x), sign = (u >> 24) & 0x80u;
-    uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint8_t)(sign | 0x7fu);                  /* NaN */
-    if (a > 0x47600000u) a = 0x47600000u;                                 /* 57344 */
-    if (a < 0x38800000u)                                                  /* < 2^-14 */
-        return (uint8_t)(sign | (f32_bits(bits_f32(a) * 65536.0f + 8388608.0f) - 0x4b000000u));
-    return (uint8_t)(sign | (((a + 0xfffffu + ((a >> 21) & 1u)) >> 21) - (112u << 2)));
-}
+/* e4m3: largest 448, smallest normal 2^-6, subnormals 2^-9 apart, bias 7 (127 - 120). */
+static inline uint8_t to_e4m3(float x) { return to_fp8(x, 0x43e00000u, 0x3c800000u, 20, 120u << 3, 512.0f); }
+
+/* e5m2: largest 57344, smallest normal 2^-14, subnormals 2^-16 apart, bias 15 (127 - 112). */
+static inline uint8_t to_e5m2(float x) { return to_fp8(x, 0x47600000u, 0x38800000u, 21, 112u << 2, 65536.0f); }
 
 static void quantize_row(const void *src, int is_bf16, int64_t row, float scale, int format, uint8_t *dst) {
     float widened[row];
