@@ -13,7 +13,10 @@ greedy ids (``server.sampler.greedy_tokens``, ``max(dim).indices``) against ``ar
 64-row decode step's float32 logits over the bundled model's vocabulary. With a bfloat16 model,
 the FP8 KV cache (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``): the same decode and prefill
 steps and KV writes over the same values quantized, each row also against the bfloat16 cache's
-C time (``vs_bf16_cache``: above 1, the FP8 cache is faster).
+C time (``vs_bf16_cache``: above 1, the FP8 cache is faster). The one-layer decode case reads the
+same 15 MB every call, which stays in a large L3 (this Xeon's is 480 MiB); "30 layers" runs a
+whole decode step's attention instead, 30 layers' caches one after the other (0.9 GB of
+bfloat16 K/V), so each layer reads its K/V from memory as the engine's do.
 
     python -m bench.cpu_kernels --threads 1      # bench/results/cpu_kernels_t1.json
 """
@@ -106,7 +109,46 @@ def measure(dtype: torch.dtype, gen: torch.Generator, repeats: int) -> list[dict
     if dtype == torch.bfloat16:
         rows.extend(prefill_rows(gen, repeats))
         rows.extend(fp8_rows(case, rows, gen, repeats))
+        rows.extend(decode_step_rows(gen, max(3, repeats // 3)))
     return rows
+
+
+def decode_step_rows(gen: torch.Generator, repeats: int, num_layers: int = 30) -> list[dict]:
+    """A decode step's attention: the W1-like decode case over ``num_layers`` layers' own caches
+    in turn (each just the 64 sequences' blocks), bfloat16 and each FP8 format; per layer."""
+    num_seqs, num_heads, num_kv_heads, head_dim, block_size, blocks_per_seq = 64, 9, 3, 64, 16, 38
+    num_blocks = num_seqs * blocks_per_seq
+    lens = torch.randint(1, 601, (num_seqs,), generator=gen, dtype=torch.int32)
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    layers = []
+    for _ in range(num_layers):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        tables = torch.randperm(num_blocks, generator=gen).view(num_seqs, blocks_per_seq).to(torch.int32)
+        layers.append((torch.randn(shape, generator=gen).to(torch.bfloat16),
+                       torch.randn(shape, generator=gen).to(torch.bfloat16), tables))
+    kv_values = int(lens.sum()) * num_kv_heads * head_dim * 2
+
+    def step(caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        for k_cache, v_cache, tables in caches:
+            cpu_native.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim**-0.5)
+
+    rows = []
+    bf16_ms = median_ms(functools.partial(step, layers), repeats, warmup=1) / num_layers
+    rows.append({"op": f"paged_decode_attention, {num_layers} layers", "dtype": str(torch.bfloat16),
+                 "c_ms": bf16_ms, "torch_ms": float("nan"), "speedup": float("nan"),
+                 "c_kv_gb_per_s": kv_values * 2 / bf16_ms / 1e6})
+    for dtype in fp8.FP8_DTYPES:
+        quantized = [(fp8.quantize(k, dtype, 1.0), fp8.quantize(v, dtype, 1.0), t) for k, v, t in layers]
+        c_ms = median_ms(functools.partial(step, quantized), repeats, warmup=1) / num_layers
+        rows.append({"op": f"paged_decode_attention, {num_layers} layers, KV {_fp8_name(dtype)}",
+                     "dtype": str(torch.bfloat16), "c_ms": c_ms, "torch_ms": float("nan"), "speedup": float("nan"),
+                     "c_kv_gb_per_s": kv_values / c_ms / 1e6, "vs_bf16_cache": bf16_ms / c_ms})
+        del quantized
+    return rows
+
+
+def _fp8_name(dtype: torch.dtype) -> str:
+    return {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}[dtype]
 
 
 def fp8_rows(case: dict, bf16_rows: list[dict], gen: torch.Generator, repeats: int) -> list[dict]:
@@ -115,7 +157,7 @@ def fp8_rows(case: dict, bf16_rows: list[dict], gen: torch.Generator, repeats: i
     bf16_c_ms = {row["op"]: row["c_ms"] for row in bf16_rows}
     query, k_cache, v_cache, *rest = case["args"]
     for dtype in fp8.FP8_DTYPES:
-        name = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}[dtype]
+        name = _fp8_name(dtype)
         k8, v8 = fp8.quantize(k_cache, dtype, 1.0), fp8.quantize(v_cache, dtype, 1.0)
         args = (query, k8, v8, *rest)
         native = median_ms(functools.partial(cpu_native.paged_decode_attention, *args), repeats, warmup=1)
