@@ -52,9 +52,8 @@ BOUNDS = {
 # (dtype, quantization, kv_cache_dtype) -> bounds as above: int8 weights' 3 % for an FP8 cache
 # alone (measured on this text: e4m3 1.005 with bfloat16 weights, 1.007 with float32; e5m2, one
 # mantissa bit fewer, 1.017). With int8 weights as well the two errors compound more than they
-# add (int8 alone 1.009, e4m3 alone 1.005, together 1.037): 5 %, still well short of what a
-# broken cache gives (a K/V read from the wrong slot or scale moves the ratio by tens of percent).
-# The worst token is the bound int8 weights have.
+# add (int8 alone 1.009, e4m3 alone 1.005, together 1.037): 5 %. The worst token is the bound
+# int8 weights have.
 KV_BOUNDS = {
     ("bfloat16", None, "fp8_e4m3"): (0.03, 2.0),
     ("bfloat16", None, "fp8_e5m2"): (0.03, 2.0),
