@@ -10,7 +10,13 @@ the model's PyTorch formula. bfloat16 prefill attention of a W1 and a W2 prefill
 (the C kernel on AMX CPUs; elsewhere both sides are the reference). Medians of repeated calls,
 float32 and bfloat16. The KV write of a decode and a prefill step's tokens. Also the sampler's
 greedy ids (``server.sampler.greedy_tokens``, ``max(dim).indices``) against ``argmax`` on a
-64-row decode step's float32 logits over the bundled model's vocabulary.
+64-row decode step's float32 logits over the bundled model's vocabulary. With a bfloat16 model,
+the FP8 KV cache (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``): the same decode and prefill
+steps and KV writes over the same values quantized, each row also against the bfloat16 cache's
+C time (``vs_bf16_cache``: above 1, the FP8 cache is faster). The one-layer decode case reads the
+same 15 MB every call, which stays in a large L3 (this Xeon's is 480 MiB); "30 layers" runs a
+whole decode step's attention instead, 30 layers' caches one after the other (0.9 GB of
+bfloat16 K/V), so each layer reads its K/V from memory as the engine's do.
 
     python -m bench.cpu_kernels --threads 1      # bench/results/cpu_kernels_t1.json
 """
@@ -23,8 +29,8 @@ import time
 import torch
 
 from bench.common import machine, median_ms, op_bench_args, write_result
-from kvscale.kernels import cpu_native, reference
-from kvscale.server.model_llama import apply_rope
+from kvscale.kernels import cpu_native, fp8, reference
+from kvscale.kernels.layer_ops import torch_rope
 from kvscale.server.sampler import greedy_tokens
 
 
@@ -87,7 +93,7 @@ def measure(dtype: torch.dtype, gen: torch.Generator, repeats: int) -> list[dict
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)[:, None]
     sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)[:, None]
     native = median_ms(lambda: cpu_native.rope(heads, cos, sin), repeats, warmup=1)
-    ref = median_ms(lambda: apply_rope(heads, cos, sin), repeats, warmup=1)
+    ref = median_ms(lambda: torch_rope(heads, cos, sin), repeats, warmup=1)
     rows.append({"op": "rope q|k [2048, 12, 64]", "dtype": str(dtype), "c_ms": native, "torch_ms": ref,
                  "speedup": ref / native})
     for tokens in (64, 2048):  # a decode step's and a prefill step's new K/V, into a 2048-block cache
@@ -102,6 +108,78 @@ def measure(dtype: torch.dtype, gen: torch.Generator, repeats: int) -> list[dict
                      "speedup": ref / native})
     if dtype == torch.bfloat16:
         rows.extend(prefill_rows(gen, repeats))
+        rows.extend(fp8_rows(case, rows, gen, repeats))
+        rows.extend(decode_step_rows(gen, max(3, repeats // 3)))
+    return rows
+
+
+def decode_step_rows(gen: torch.Generator, repeats: int, num_layers: int = 30) -> list[dict]:
+    """A decode step's attention: the W1-like decode case over ``num_layers`` layers' own caches
+    in turn (each just the 64 sequences' blocks), bfloat16 and each FP8 format; per layer."""
+    num_seqs, num_heads, num_kv_heads, head_dim, block_size, blocks_per_seq = 64, 9, 3, 64, 16, 38
+    num_blocks = num_seqs * blocks_per_seq
+    lens = torch.randint(1, 601, (num_seqs,), generator=gen, dtype=torch.int32)
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    layers = []
+    for _ in range(num_layers):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        tables = torch.randperm(num_blocks, generator=gen).view(num_seqs, blocks_per_seq).to(torch.int32)
+        layers.append((torch.randn(shape, generator=gen).to(torch.bfloat16),
+                       torch.randn(shape, generator=gen).to(torch.bfloat16), tables))
+    kv_values = int(lens.sum()) * num_kv_heads * head_dim * 2
+
+    def step(caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        for k_cache, v_cache, tables in caches:
+            cpu_native.paged_decode_attention(query, k_cache, v_cache, tables, lens, head_dim**-0.5)
+
+    rows = []
+    bf16_ms = median_ms(functools.partial(step, layers), repeats, warmup=1) / num_layers
+    rows.append({"op": f"paged_decode_attention, {num_layers} layers", "dtype": str(torch.bfloat16),
+                 "c_ms": bf16_ms, "torch_ms": float("nan"), "speedup": float("nan"),
+                 "c_kv_gb_per_s": kv_values * 2 / bf16_ms / 1e6})
+    for dtype in fp8.FP8_DTYPES:
+        quantized = [(fp8.quantize(k, dtype, 1.0), fp8.quantize(v, dtype, 1.0), t) for k, v, t in layers]
+        c_ms = median_ms(functools.partial(step, quantized), repeats, warmup=1) / num_layers
+        rows.append({"op": f"paged_decode_attention, {num_layers} layers, KV {_fp8_name(dtype)}",
+                     "dtype": str(torch.bfloat16), "c_ms": c_ms, "torch_ms": float("nan"), "speedup": float("nan"),
+                     "c_kv_gb_per_s": kv_values / c_ms / 1e6, "vs_bf16_cache": bf16_ms / c_ms})
+        del quantized
+    return rows
+
+
+def _fp8_name(dtype: torch.dtype) -> str:
+    return {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}[dtype]
+
+
+def fp8_rows(case: dict, bf16_rows: list[dict], gen: torch.Generator, repeats: int) -> list[dict]:
+    """The bfloat16 decode case, prefill steps and KV writes with the cache in each FP8 format."""
+    rows: list[dict] = []
+    bf16_c_ms = {row["op"]: row["c_ms"] for row in bf16_rows}
+    query, k_cache, v_cache, *rest = case["args"]
+    for dtype in fp8.FP8_DTYPES:
+        name = _fp8_name(dtype)
+        k8, v8 = fp8.quantize(k_cache, dtype, 1.0), fp8.quantize(v_cache, dtype, 1.0)
+        args = (query, k8, v8, *rest)
+        native = median_ms(functools.partial(cpu_native.paged_decode_attention, *args), repeats, warmup=1)
+        ref = median_ms(functools.partial(reference.paged_decode_attention, *args), repeats, warmup=1)
+        rows.append({"op": f"paged_decode_attention, KV {name}", "dtype": str(torch.bfloat16), "c_ms": native,
+                     "torch_ms": ref, "speedup": ref / native, "c_kv_gb_per_s": case["kv_bytes"] / 2 / native / 1e6,
+                     "vs_bf16_cache": bf16_c_ms["paged_decode_attention"] / native})
+        for tokens in (64, 2048):
+            k_dest = torch.zeros(2048, 16, 3, 64, dtype=dtype)
+            v_dest = torch.zeros_like(k_dest)
+            kv = torch.randn(tokens, 6, 64, generator=gen).to(torch.bfloat16)
+            slots = torch.randperm(2048 * 16, generator=gen)[:tokens]
+            write = (kv[:, :3], kv[:, 3:], k_dest, v_dest, slots)
+            native = median_ms(functools.partial(cpu_native.write_kv, *write), repeats, warmup=1)
+            ref = median_ms(functools.partial(reference.write_kv, *write), repeats, warmup=1)
+            rows.append({"op": f"write_kv {tokens} tokens, KV {name}", "dtype": str(torch.bfloat16), "c_ms": native,
+                         "torch_ms": ref, "speedup": ref / native,
+                         "vs_bf16_cache": bf16_c_ms[f"write_kv {tokens} tokens"] / native})
+        for row in prefill_rows(gen, repeats, dtype):
+            row["op"] += f", KV {name}"
+            row["vs_bf16_cache"] = bf16_c_ms[row["op"].removesuffix(f", KV {name}")] / row["c_ms"]
+            rows.append(row)
     return rows
 
 
@@ -114,15 +192,17 @@ PREFILL_STEPS = (
 )
 
 
-def prefill_rows(gen: torch.Generator, repeats: int) -> list[dict]:
+def prefill_rows(gen: torch.Generator, repeats: int, cache_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """bfloat16 prefill attention of one layer (9 query / 3 KV heads of 64, 16-token blocks
-    scattered over the cache): the C kernel (AMX) against what the engine ran before it (the
-    reference: one gather and one SDPA per group of equal sequences)."""
+    scattered over the cache, in ``cache_dtype``): the C kernel (AMX) against what the engine ran
+    before it (the reference: one gather and one SDPA per group of equal sequences)."""
     rows = []
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 8192
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
     v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    if fp8.is_fp8(cache_dtype):
+        k_cache, v_cache = fp8.quantize(k_cache, cache_dtype, 1.0), fp8.quantize(v_cache, cache_dtype, 1.0)
     for name, context_lens, q_lens, shared in PREFILL_STEPS:
         blocks = [-(-n // block_size) for n in context_lens]
         order = torch.randperm(num_blocks, generator=gen).to(torch.int32)

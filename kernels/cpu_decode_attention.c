@@ -10,12 +10,22 @@
  *
  * Layouts (all contiguous):
  *   query   [num_seqs, num_heads, head_dim] float32
- *   cache   [num_blocks, block_size, num_kv_heads, head_dim] float32 or bfloat16 (as uint16)
+ *   cache   [num_blocks, block_size, num_kv_heads, head_dim] float32, bfloat16 (as uint16) or FP8
+ *           (e4m3 / e5m2 bytes: the values divided by k_scale / v_scale, kernels/fp8.py)
  *   tables  [num_seqs, table_stride] int32, context_lens [num_seqs] int32
  *   out     [num_seqs, num_heads, head_dim] float32
  * head_dim is a multiple of 16 up to 128 (the Python side sends anything else to the reference).
  * Heads h = kv_head * group + g share KV head kv_head (GQA), as in the PyTorch reference.
  * Scores and softmax are float32; two passes over the context (scores, then weighted values).
+ *
+ * An FP8 cache is half a bfloat16 one's bytes, and decode attention reads every cached byte of a
+ * batch once per step: each tile of FP8 rows is widened in L1, once for all the query rows of its
+ * GQA group, to bfloat16 for the bf16 dot products with a bfloat16 query (fp8x32_to_bf16, exact),
+ * else to float32 (fp8_row_to_float: zero-extension and a shift to IEEE half-precision bits, then
+ * VCVTPH2PS; e5m2 is the top byte of a half; e4m3's exponent bias is 7 where a half's is 15, so
+ * its bits, moved into a half's exponent and mantissa, read 2^-8 of its value, subnormals
+ * included). The 2^8 and the scales are not multiplied into every element: the K factor goes
+ * into the score scale, the V factor onto each output row (sum p * (s * v) = s * sum p * v).
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,9 +36,49 @@
 #if defined(__AVX512BF16__) && defined(__has_builtin)
 #if __has_builtin(__builtin_shufflevector)
 #define KVSCALE_BF16_DOTS 1
+#endif
+#endif
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+/* The cache formats (`cache_format`; kernels/fp8.py's cache_format() gives them). */
+enum { KVSCALE_F32 = 0, KVSCALE_BF16 = 1, KVSCALE_E4M3 = 2, KVSCALE_E5M2 = 3 };
+
+static inline size_t format_bytes(int format) {
+    return format == KVSCALE_F32 ? 4 : format == KVSCALE_BF16 ? 2 : 1;
+}
+
+/* What widen_tile's float32 copy of an FP8 element is worth in its value: e4m3 is read as a
+ * half 2^-8 of its value (see above). */
+static inline float fp8_unit(int format) {
+    return format == KVSCALE_E4M3 ? 256.0f : 1.0f;
+}
+
+/* One row of `width` FP8 bytes (width a multiple of 16) to float32, times 1/fp8_unit. */
+static inline __attribute__((always_inline)) void fp8_row_to_float(const uint8_t *src, int width, int format,
+                                                                   float *dst) {
+#if defined(__AVX512F__)
+    const __m256i sign = _mm256_set1_epi16(0x80), rest = _mm256_set1_epi16(0x7f);
+    for (int d = 0; d < width; d += 16) {
+        __m256i half = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + d)));
+        half = format == KVSCALE_E5M2 ? _mm256_slli_epi16(half, 8)
+                                      : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(half, sign), 8),
+                                                        _mm256_slli_epi16(_mm256_and_si256(half, rest), 7));
+        _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(half));
+    }
+#else
+    /* Without AVX-512: the same values from the fields (sign, exponent, mantissa). */
+    const int mantissa_bits = format == KVSCALE_E5M2 ? 2 : 3, bias = format == KVSCALE_E5M2 ? 15 : 7;
+    const float unit = 1.0f / fp8_unit(format);
+    for (int d = 0; d < width; d++) {
+        const int exponent = (src[d] & 0x7f) >> mantissa_bits, mantissa = src[d] & ((1 << mantissa_bits) - 1);
+        const float magnitude = exponent == 0 ? ldexpf((float)mantissa, 1 - bias - mantissa_bits)
+                                              : ldexpf((float)((1 << mantissa_bits) | mantissa), exponent - bias - mantissa_bits);
+        dst[d] = (src[d] & 0x80 ? -magnitude : magnitude) * unit;
+    }
 #endif
+}
 
 static inline float bf16_to_float(uint16_t bits) {
     union { uint32_t u; float f; } value = { .u = (uint32_t)bits << 16 };
@@ -55,26 +105,132 @@ static inline __attribute__((always_inline)) vfloat16 load16(const char *row, in
     return value;
 }
 
-/* A bfloat16 tile's rows widened once into `widened` (float32, `width` per row), and the row
- * pointers moved there: each row is then read by every query row of its GQA group at float32
+/* A bfloat16 or FP8 tile's rows widened once into `widened` (float32, `width` per row), and the
+ * row pointers moved there: each row is then read by every query row of its GQA group at float32
  * speed instead of being widened once per query row. */
-static void widen_tile(const char **rows, int tile, int width, float *widened) {
+static inline __attribute__((always_inline)) void widen_tile(const char **rows, int tile, int width, int format,
+                                                             float *widened) {
     for (int i = 0; i < tile; i++) {
-        const uint16_t *src = (const uint16_t *)rows[i];
         float *dst = widened + (size_t)i * width;
-        #pragma omp simd
-        for (int d = 0; d < width; d++) dst[d] = bf16_to_float(src[d]);
+        if (format == KVSCALE_BF16) {
+            const uint16_t *src = (const uint16_t *)rows[i];
+            #pragma omp simd
+            for (int d = 0; d < width; d++) dst[d] = bf16_to_float(src[d]);
+        } else {
+            fp8_row_to_float((const uint8_t *)rows[i], width, format, dst);
+        }
         rows[i] = (const char *)dst;
     }
 }
+
+#if defined(KVSCALE_BF16_DOTS)
+/* 32 FP8 values as bfloat16 bits, exactly (every e4m3 and e5m2 value is a bfloat16 one), on
+ * integer lanes: a normal value's exponent and mantissa move up into bfloat16's and its exponent
+ * is rebiased (+120 for e4m3's bias 7, +112 for e5m2's 15); zero and the subnormals (exponent 0),
+ * which that would get wrong, are looked up by their mantissa instead (VPERMW takes the low five
+ * bits, which for them are the mantissa alone). Cheaper than widening to float32 and rounding
+ * back, and this conversion is all an FP8 tile costs on top of a bfloat16 one. */
+static inline __attribute__((always_inline)) __m512i fp8x32_to_bf16(const uint8_t *src, int format) {
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)src));
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(bytes, _mm512_set1_epi16(0x80)), 8);
+    __m512i magnitude, subnormal_table;
+    __mmask32 subnormal;
+    if (format == KVSCALE_E4M3) {
+        magnitude = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(bytes, _mm512_set1_epi16(0x7f)), 4),
+                                     _mm512_set1_epi16(120 << 7));
+        subnormal = _mm512_testn_epi16_mask(bytes, _mm512_set1_epi16(0x78));
+        /* m * 2^-9 for m = 0..7: 0, 2^-9, 2^-8, 1.5 * 2^-8, 2^-7, 1.25, 1.5, 1.75 * 2^-7. */
+        subnormal_table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                           0x3c60, 0x3c40, 0x3c20, 0x3c00, 0x3bc0, 0x3b80, 0x3b00, 0);
+    } else {
+        magnitude = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(bytes, _mm512_set1_epi16(0x7f)), 5),
+                                     _mm512_set1_epi16(112 << 7));
+        subnormal = _mm512_testn_epi16_mask(bytes, _mm512_set1_epi16(0x7c));
+        /* m * 2^-16 for m = 0..3: 0, 2^-16, 2^-15, 1.5 * 2^-15. */
+        subnormal_table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                           0, 0, 0, 0, 0x3840, 0x3800, 0x3780, 0);
+    }
+    magnitude = _mm512_mask_permutexvar_epi16(magnitude, subnormal, bytes, subnormal_table);
+    return _mm512_or_si512(magnitude, sign);
+}
+
+#if defined(__AVX512VBMI__)
+/* The bfloat16 bits of FP8 codes 0..127 (the sign is bit 7 in both), split into their high and
+ * low bytes, 64 codes a register: the tables of VPERMI2B lookups (fp8x64_to_bf16; VBMI, which
+ * Cooper Lake's bf16 lacks: there the integer conversion does it all). */
+#define KVSCALE_FP8_LOOKUP 1
+typedef struct {
+    __m512i high[2], low[2];
+} fp8_tables;
+
+static inline float fp8_code_value(int code, int format) {
+    const int mantissa_bits = format == KVSCALE_E5M2 ? 2 : 3, bias = format == KVSCALE_E5M2 ? 15 : 7;
+    const int exponent = code >> mantissa_bits, mantissa = code & ((1 << mantissa_bits) - 1);
+    return exponent == 0 ? ldexpf((float)mantissa, 1 - bias - mantissa_bits)
+                         : ldexpf((float)((1 << mantissa_bits) | mantissa), exponent - bias - mantissa_bits);
+}
+
+static fp8_tables make_fp8_tables(int format) {
+    _Alignas(64) uint8_t high[128], low[128];
+    for (int code = 0; code < 128; code++) {
+        union { float f; uint32_t u; } value = { .f = fp8_code_value(code, format) };
+        high[code] = (uint8_t)(value.u >> 24); /* exact: an FP8 value has at most 3 mantissa bits */
+        low[code] = (uint8_t)(value.u >> 16);
+    }
+    fp8_tables tables;
+    for (int h = 0; h < 2; h++) {
+        tables.high[h] = _mm512_load_si512(high + 64 * h);
+        tables.low[h] = _mm512_load_si512(low + 64 * h);
+    }
+    return tables;
+}
+
+/* 64 FP8 values as bfloat16, exactly, by table: two VPERMI2B lookups (the code's low seven bits
+ * pick the high and the low byte of its magnitude), the sign ORed in, and two VPERMT2B
+ * interleaving the bytes into words in order: six instructions where the integer conversion
+ * (fp8x32_to_bf16) takes about twenty. */
+static inline __attribute__((always_inline)) void fp8x64_to_bf16(const uint8_t *src, const fp8_tables *tables,
+                                                                 uint16_t *dst) {
+    const __m512i codes = _mm512_loadu_si512(src);
+    __m512i high = _mm512_permutex2var_epi8(tables->high[0], codes, tables->high[1]);
+    const __m512i low = _mm512_permutex2var_epi8(tables->low[0], codes, tables->low[1]);
+    high = _mm512_ternarylogic_epi32(high, codes, _mm512_set1_epi8((char)0x80), 0xF8); /* high | (codes & 0x80) */
+    /* Word j of the first half: low[j], high[j] (bit 6 of an index picks the second register). */
+    const __m512i first = _mm512_set_epi8(
+        95, 31, 94, 30, 93, 29, 92, 28, 91, 27, 90, 26, 89, 25, 88, 24, 87, 23, 86, 22, 85, 21, 84, 20, 83, 19, 82, 18,
+        81, 17, 80, 16, 79, 15, 78, 14, 77, 13, 76, 12, 75, 11, 74, 10, 73, 9, 72, 8, 71, 7, 70, 6, 69, 5, 68, 4, 67, 3,
+        66, 2, 65, 1, 64, 0);
+    const __m512i second = _mm512_add_epi8(first, _mm512_set1_epi8(32));
+    _mm512_storeu_si512(dst, _mm512_permutex2var_epi8(low, first, high));
+    _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi8(low, second, high));
+}
+#endif
+
+/* An FP8 tile's rows widened to bfloat16 for the bf16 dot products; the row pointers moved there. */
+static inline __attribute__((always_inline)) void widen_tile_bf16(const char **rows, int tile, int width, int format,
+                                                                  const void *tables, uint16_t *widened) {
+    for (int i = 0; i < tile; i++) {
+        uint16_t *dst = widened + (size_t)i * width;
+        const uint8_t *src = (const uint8_t *)rows[i];
+        int d = 0;
+#if defined(KVSCALE_FP8_LOOKUP)
+        for (; d + 64 <= width; d += 64) fp8x64_to_bf16(src + d, (const fp8_tables *)tables, dst + d);
+#else
+        (void)tables;
+#endif
+        for (; d < width; d += 32) _mm512_storeu_si512(dst + d, fp8x32_to_bf16(src + d, format));
+        rows[i] = (const char *)dst;
+    }
+}
+#endif
 
 /* Touches every 1 KiB of context positions t0 .. t0 + tile - 1 ahead of their use: blocks lie
  * scattered over the cache and the hardware prefetcher loses the stream at each block edge
  * (docs/benchmarks.md has `python -m bench.cpu_kernels` before and after, separate builds). */
 static inline __attribute__((always_inline)) void prefetch_tile(
-    const void *cache, int is_bf16, const int32_t *table, int t0, int tile, int block_size,
+    const void *cache, int format, const int32_t *table, int t0, int tile, int block_size,
     int num_kv_heads, int head_dim) {
-    const size_t elem = is_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const size_t elem = format_bytes(format);
     const int64_t row_bytes = (int64_t)num_kv_heads * head_dim * elem;
     for (int t = t0; t < t0 + tile;) {
         const int slot = t % block_size;
@@ -86,12 +242,13 @@ static inline __attribute__((always_inline)) void prefetch_tile(
 }
 
 /* Pointers to the rows (KV heads [h0, h1)) of context positions t0 .. t0 + tile - 1: into the
- * cache itself, or, for a bfloat16 cache given a `widened` buffer, to float32 copies there; the
- * next tile of the n positions is asked for meanwhile. */
+ * cache itself (float32; bfloat16 for the bf16 dot products), or into `widened`: copies in
+ * float32, or for the bf16 dot products an FP8 tile's in bfloat16. The next tile of the n
+ * positions is asked for meanwhile. */
 static inline __attribute__((always_inline)) void tile_rows(
-    const void *cache, int is_bf16, const int32_t *table, int t0, int tile, int n, int block_size,
-    int num_kv_heads, int head_dim, int h0, int h1, float *widened, const char **rows) {
-    const size_t elem = is_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const void *cache, int format, int bf16_dots, const void *tables, const int32_t *table, int t0, int tile, int n,
+    int block_size, int num_kv_heads, int head_dim, int h0, int h1, float *widened, const char **rows) {
+    const size_t elem = format_bytes(format);
     const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
     /* One division per tile: the block and slot of each next position follow by increment. */
     int b = t0 / block_size, slot = t0 % block_size;
@@ -106,9 +263,19 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
     }
     if (t0 + TILE < n)
-        prefetch_tile(cache, is_bf16, table, t0 + TILE, n - t0 - TILE < TILE ? n - t0 - TILE : TILE,
+        prefetch_tile(cache, format, table, t0 + TILE, n - t0 - TILE < TILE ? n - t0 - TILE : TILE,
                       block_size, num_kv_heads, head_dim);
-    if (is_bf16 && widened != NULL) widen_tile(rows, tile, (h1 - h0) * head_dim, widened);
+    const int width = (h1 - h0) * head_dim;
+#if defined(KVSCALE_BF16_DOTS)
+    if (bf16_dots) {
+        if (format != KVSCALE_BF16)
+            widen_tile_bf16(rows, tile, width, format, tables, (uint16_t *)widened);
+        return;
+    }
+#else
+    (void)tables;
+#endif
+    if (format != KVSCALE_F32) widen_tile(rows, tile, width, format, widened);
 }
 
 static inline __attribute__((always_inline)) float sum16(vfloat16 v) {
@@ -223,10 +390,12 @@ static inline __attribute__((always_inline)) void weighted_values_bf16(
 }
 #endif
 
+/* `v_factor`: what each output row is multiplied by at the end (an FP8 cache's V scale; 1 for the
+ * others); an FP8 cache's K factor is in `scale` already. */
 static inline __attribute__((always_inline)) void attend_rows(
-    const float *q, const void *k_cache, const void *v_cache, int is_bf16, int bf16_dots,
+    const float *q, const void *k_cache, const void *v_cache, int format, int bf16_dots, const void *tables,
     const int32_t *table, int n, int num_kv_heads, int group, int chunks, int block_size, float scale,
-    int h0, int h1, float *scores, float *widened, float *o) {
+    float v_factor, int h0, int h1, float *scores, float *widened, float *o) {
     const int head_dim = chunks * 16;
     const int rows = (h1 - h0) * group;
     const char *k_rows[TILE], *v_rows[TILE];
@@ -234,8 +403,8 @@ static inline __attribute__((always_inline)) void attend_rows(
     if (n <= 0) return;
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int tile = n - t0 < TILE ? n - t0 : TILE;
-        tile_rows(k_cache, is_bf16, table, t0, tile, n, block_size, num_kv_heads, head_dim, h0, h1,
-                  bf16_dots ? NULL : widened, k_rows);
+        tile_rows(k_cache, format, bf16_dots, tables, table, t0, tile, n, block_size, num_kv_heads, head_dim, h0, h1,
+                  widened, k_rows);
 #if defined(KVSCALE_BF16_DOTS)
         if (bf16_dots) {
             scores_bf16(q, k_rows, tile, rows, group, head_dim, scale, scores, n, t0);
@@ -275,8 +444,8 @@ static inline __attribute__((always_inline)) void attend_rows(
     }
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int tile = n - t0 < TILE ? n - t0 : TILE;
-        tile_rows(v_cache, is_bf16, table, t0, tile, n, block_size, num_kv_heads, head_dim, h0, h1,
-                  bf16_dots ? NULL : widened, v_rows);
+        tile_rows(v_cache, format, bf16_dots, tables, table, t0, tile, n, block_size, num_kv_heads, head_dim, h0, h1,
+                  widened, v_rows);
 #if defined(KVSCALE_BF16_DOTS)
         if (bf16_dots) {
             weighted_values_bf16(scores, v_rows, tile, rows, group, head_dim, n, t0, o);
@@ -296,31 +465,54 @@ static inline __attribute__((always_inline)) void attend_rows(
             for (int c = 0; c < chunks; c++) memcpy(orow + c * 16, &ov[c], 64);
         }
     }
+    if (v_factor != 1.0f) {
+        #pragma omp simd
+        for (size_t i = 0; i < (size_t)rows * (size_t)head_dim; i++) o[i] *= v_factor;
+    }
 }
 
 /* Returns 0 on success; before touching anything, KVSCALE_BAD_TABLE if a context needs more
  * blocks than its table row has or a used entry is not a block of the cache (an out-of-range read
- * would crash the process instead of raising); KVSCALE_NO_MEMORY if a score buffer failed. */
-enum { KVSCALE_OK = 0, KVSCALE_NO_MEMORY = 1, KVSCALE_BAD_TABLE = 2 };
+ * would crash the process instead of raising), KVSCALE_BAD_FORMAT for an unknown cache format;
+ * KVSCALE_NO_MEMORY if a score buffer failed. */
+enum { KVSCALE_OK = 0, KVSCALE_NO_MEMORY = 1, KVSCALE_BAD_TABLE = 2, KVSCALE_BAD_FORMAT = 3 };
 
 /* With io_bf16, `query` and `out` are bfloat16 arrays (the model's own q and attention output,
  * each task's rows widened and rounded back here instead of by two tensor casts per layer);
  * otherwise float32. query_is_bf16 says the query's values are bfloat16 ones (always so with
  * io_bf16). */
 int kvscale_paged_decode_attention(
-    const void *query, const void *k_cache, const void *v_cache, int cache_is_bf16, int query_is_bf16,
+    const void *query, const void *k_cache, const void *v_cache, int cache_format, int query_is_bf16,
     int64_t num_blocks, const int32_t *block_tables, int64_t table_stride,
     const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-    int block_size, float scale, void *out, int io_bf16, int num_threads) {
+    int block_size, float scale, float k_scale, float v_scale, void *out, int io_bf16, int num_threads) {
     const int group = num_heads / num_kv_heads;
+    const int cache_is_bf16 = cache_format == KVSCALE_BF16, cache_is_fp8 = cache_format >= KVSCALE_E4M3;
 #if defined(KVSCALE_BF16_DOTS)
     /* bf16 dot products (scores and weighted values) only when the query is bfloat16 itself
      * (rounding a float32 query would change the result) and rows are whole 32-element chunks. */
-    const int bf16_dots = cache_is_bf16 && query_is_bf16 && head_dim % 32 == 0;
+    const int bf16_dots = (cache_is_bf16 || cache_is_fp8) && query_is_bf16 && head_dim % 32 == 0;
 #else
     const int bf16_dots = 0;
-    (void)query_is_bf16;
+    (void)query_is_bf16, (void)cache_is_bf16;
 #endif
+    /* The FP8 factors out of the elements (see the top of the file): the scales, and 2^8 where
+     * e4m3 is widened to float32 through half precision; other caches have none. */
+    const float unit = bf16_dots ? 1.0f : fp8_unit(cache_format);
+    const float k_factor = cache_is_fp8 ? k_scale * unit : 1.0f;
+    const float v_factor = cache_is_fp8 ? v_scale * unit : 1.0f;
+    const float score_scale = scale * k_factor;
+#if defined(KVSCALE_FP8_LOOKUP)
+    fp8_tables fp8_lookup;
+    const void *tables = NULL;
+    if (bf16_dots && cache_is_fp8) {
+        fp8_lookup = make_fp8_tables(cache_format);
+        tables = &fp8_lookup;
+    }
+#else
+    const void *tables = NULL;
+#endif
+    if (cache_format < KVSCALE_F32 || cache_format > KVSCALE_E5M2) return KVSCALE_BAD_FORMAT;
     int max_len = 0;
     for (int s = 0; s < num_seqs; s++) {
         const int n = context_lens[s];
@@ -366,28 +558,27 @@ int kvscale_paged_decode_attention(
             const int32_t *table = block_tables + (int64_t)s * table_stride;
             const int n = context_lens[s];
             const int h1 = h0 + heads_per_task;
-            /* Constant chunk counts for the common head sizes let the compiler unroll fully. */
-            if (head_dim == 64 && bf16_dots)
-                attend_rows(q, k_cache, v_cache, 1, 1, table, n, num_kv_heads, group, 4, block_size,
-                            scale, h0, h1, scores, widened, o);
-            else if (head_dim == 64 && cache_is_bf16)
-                attend_rows(q, k_cache, v_cache, 1, 0, table, n, num_kv_heads, group, 4, block_size,
-                            scale, h0, h1, scores, widened, o);
-            else if (head_dim == 64)
-                attend_rows(q, k_cache, v_cache, 0, 0, table, n, num_kv_heads, group, 4, block_size,
-                            scale, h0, h1, scores, widened, o);
-            else if (head_dim == 128 && bf16_dots)
-                attend_rows(q, k_cache, v_cache, 1, 1, table, n, num_kv_heads, group, 8, block_size,
-                            scale, h0, h1, scores, widened, o);
-            else if (head_dim == 128 && cache_is_bf16)
-                attend_rows(q, k_cache, v_cache, 1, 0, table, n, num_kv_heads, group, 8, block_size,
-                            scale, h0, h1, scores, widened, o);
-            else if (head_dim == 128)
-                attend_rows(q, k_cache, v_cache, 0, 0, table, n, num_kv_heads, group, 8, block_size,
-                            scale, h0, h1, scores, widened, o);
-            else
-                attend_rows(q, k_cache, v_cache, cache_is_bf16, bf16_dots, table, n, num_kv_heads,
-                            group, head_dim / 16, block_size, scale, h0, h1, scores, widened, o);
+            /* Constant chunk counts and formats for the common head sizes let the compiler unroll
+             * fully and drop the other formats' branches. */
+#define ATTEND(format, dots, chunks) attend_rows(q, k_cache, v_cache, format, dots, tables, table, n, num_kv_heads, group, \
+                                                 chunks, block_size, score_scale, v_factor, h0, h1, scores, widened, o)
+/* Every (format, bf16 dots) pair for one constant chunk count; FP8 without bf16 dots (a float32
+ * query) and float32 go through the float32 path. */
+#define ATTEND_ANY_FORMAT(chunks)                                                                        \
+    do {                                                                                                 \
+        if (cache_format == KVSCALE_BF16 && bf16_dots) ATTEND(KVSCALE_BF16, 1, chunks);                  \
+        else if (cache_format == KVSCALE_BF16) ATTEND(KVSCALE_BF16, 0, chunks);                          \
+        else if (cache_format == KVSCALE_E4M3 && bf16_dots) ATTEND(KVSCALE_E4M3, 1, chunks);             \
+        else if (cache_format == KVSCALE_E5M2 && bf16_dots) ATTEND(KVSCALE_E5M2, 1, chunks);             \
+        else if (cache_format == KVSCALE_E4M3) ATTEND(KVSCALE_E4M3, 0, chunks);                          \
+        else if (cache_format == KVSCALE_E5M2) ATTEND(KVSCALE_E5M2, 0, chunks);                          \
+        else ATTEND(KVSCALE_F32, 0, chunks);                                                             \
+    } while (0)
+            if (head_dim == 64) ATTEND_ANY_FORMAT(4);
+            else if (head_dim == 128) ATTEND_ANY_FORMAT(8);
+            else ATTEND(cache_format, bf16_dots, head_dim / 16);
+#undef ATTEND_ANY_FORMAT
+#undef ATTEND
             if (io_bf16) {
                 uint16_t *dst = (uint16_t *)out + first_row * head_dim;
                 for (size_t i = 0; i < task_elems; i++) dst[i] = float_to_bf16(o[i]);

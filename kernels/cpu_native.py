@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from kvscale.kernels import reference
+from kvscale.kernels import fp8, reference
 from kvscale.kernels.ops import KernelBackend
 
 logger = logging.getLogger(__name__)
@@ -55,8 +55,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-ffast-mat
     # rows are 512 bits, so each would otherwise be split in two.
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
 )
-# Flags for one file on top of CFLAGS (cpu_quantize.c says why).
-FILE_CFLAGS = {"cpu_quantize.c": ("-fno-unsafe-math-optimizations",)}
+# Flags for one file on top of CFLAGS (cpu_quantize.c and cpu_write_kv.c say why).
+FILE_CFLAGS = {"cpu_quantize.c": ("-fno-unsafe-math-optimizations",), "cpu_write_kv.c": ("-fno-fast-math",)}
 LDFLAGS = ("-shared", "-fopenmp")
 LDLIBS = ("-lmvec", "-lm")
 MODES = ("auto", "native", "reference")
@@ -67,20 +67,24 @@ _PTR, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c
 # writes them; the argument names are the C sources'.
 _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "kvscale_paged_decode_attention": (ctypes.c_int, [
-        _PTR, _PTR, _PTR, _I32, _I32,  # query, k_cache, v_cache, cache_is_bf16, query_is_bf16
+        _PTR, _PTR, _PTR, _I32, _I32,  # query, k_cache, v_cache, cache_format, query_is_bf16
         _I64, _PTR, _I64, _PTR,  # num_blocks, block_tables, table_stride, context_lens
         _I32, _I32, _I32, _I32, _I32,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
-        _F32, _PTR, _I32, _I32,  # scale, out, io_bf16, num_threads
+        _F32, _F32, _F32, _PTR, _I32, _I32,  # scale, k_scale, v_scale, out, io_bf16, num_threads
     ]),
     "kvscale_paged_prefill_attention": (ctypes.c_int, [
         _PTR, _I64, _PTR, _PTR, _I64,  # query, query_stride, k_cache, v_cache, num_blocks
         _PTR, _I64, _PTR, _PTR,  # block_tables, table_stride, query_start_loc, context_lens
         _I32, _I32, _I32, _I32, _I32,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
-        _F32, _PTR, _I32,  # scale, out, num_threads
+        _I32, _F32, _F32, _F32, _PTR, _I32,  # cache_format, k_scale, v_scale, scale, out, num_threads
     ]),
     "kvscale_prefill_attention_available": (ctypes.c_int, []),
     # key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, num_tokens, row, elem
     "kvscale_write_kv": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64]),
+    # key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, num_tokens, row, is_bf16,
+    # format, k_scale, v_scale
+    "kvscale_write_kv_fp8": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I32, _I32,
+                                            _F32, _F32]),
     # gate_up, out, rows, width, is_bf16, num_threads
     "kvscale_silu_and_mul": (None, [_PTR, _PTR, _I64, _I64, _I32, _I32]),
     # x, residual, weight, out, rows, width, eps, is_bf16, num_threads
@@ -379,14 +383,18 @@ def paged_decode_attention(
     block_tables: Tensor,
     context_lens: Tensor,
     scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """:class:`kvscale.kernels.ops.DecodeAttention` in C, every sequence of a layer in one call;
     the reference where the C kernel does not apply (no compiler, another dtype or head size)."""
     lib = _library()
     head_dim = query.shape[-1]
-    if (lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or query.is_cuda
-            or head_dim % 16 or head_dim > 128):
-        return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+    cache_format = fp8.cache_format(k_cache.dtype)
+    if lib is None or cache_format is None or query.is_cuda or head_dim % 16 or head_dim > 128:
+        return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
+                                                k_scale=k_scale, v_scale=v_scale)
     _check_paged(query, k_cache, v_cache)
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -403,11 +411,11 @@ def paged_decode_attention(
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)
     status = lib.kvscale_paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_format,
         int(query.dtype == torch.bfloat16),
         num_blocks, tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), int(io_bf16),
-        torch.get_num_threads(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, k_scale, v_scale, out.data_ptr(),
+        int(io_bf16), torch.get_num_threads(),
     )
     if status == _BAD_TABLE:
         raise ValueError(
@@ -436,17 +444,21 @@ def paged_prefill_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
-    """:class:`kvscale.kernels.ops.PrefillAttention`: on CPUs with AMX and a bfloat16 cache and
-    query, every multi-token sequence of a layer in one C call (cpu_prefill_attention.c) and the
-    single-token ones through the C decode kernel; elsewhere the PyTorch reference (float32, other
-    head sizes, CPUs without AMX)."""
+    """:class:`kvscale.kernels.ops.PrefillAttention`: on CPUs with AMX, a bfloat16 query and a
+    bfloat16 or FP8 cache, every multi-token sequence of a layer in one C call
+    (cpu_prefill_attention.c) and the single-token ones through the C decode kernel; elsewhere the
+    PyTorch reference (float32, other head sizes, CPUs without AMX)."""
     num_tokens, num_heads, head_dim = query.shape
-    if (query.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or query.device.type != "cpu"
+    if (query.dtype != torch.bfloat16 or not (k_cache.dtype == torch.bfloat16 or fp8.is_fp8(k_cache.dtype))
+            or query.device.type != "cpu"
             or head_dim % 32 or head_dim > 256 or query.stride(2) != 1 or query.stride(1) != head_dim
             or not amx_prefill_available()):
         return reference.paged_prefill_attention(
-            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, decode=paged_decode_attention
+            query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, decode=paged_decode_attention,
+            k_scale=k_scale, v_scale=v_scale,
         )
     _check_paged(query, k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -462,7 +474,8 @@ def paged_prefill_attention(
     status = lib.kvscale_paged_prefill_attention(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
         tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), torch.get_num_threads(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, fp8.cache_format(k_cache.dtype), k_scale, v_scale,
+        scale, out.data_ptr(), torch.get_num_threads(),
     )
     if status == _BAD_TABLE:
         raise ValueError(
@@ -477,27 +490,39 @@ def paged_prefill_attention(
         rows = starts[:-1].index_select(0, single).long()
         out[rows] = paged_decode_attention(
             query.index_select(0, rows), k_cache, v_cache, block_tables.index_select(0, single.to(block_tables.device)),
-            context_lens.index_select(0, single.to(context_lens.device)), scale,
+            context_lens.index_select(0, single.to(context_lens.device)), scale, k_scale=k_scale, v_scale=v_scale,
         )
     return out
 
 
-def write_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """:class:`kvscale.kernels.ops.WriteKV` in C (two row copies per token); the reference where
-    the C kernels do not run or the rows need a cast or are not contiguous per token."""
+def write_kv(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+    *, k_scale: float = 1.0, v_scale: float = 1.0,
+) -> None:
+    """:class:`kvscale.kernels.ops.WriteKV` in C (two row copies per token, or two rows quantized
+    into an FP8 cache); the reference where the C kernels do not run or the rows need a cast or
+    are not contiguous per token."""
     lib = _library()
     # First, so that a malformed key gets its ValueError before any stride is read below.
     reference.check_write_kv(key, value, k_cache, v_cache, slot_mapping)
-    if (lib is None or key.dtype != k_cache.dtype or value.dtype != v_cache.dtype or k_cache.dtype != v_cache.dtype
+    quantized = fp8.is_fp8(k_cache.dtype)
+    if (lib is None or k_cache.dtype != v_cache.dtype or key.dtype != value.dtype
+            or (key.dtype not in (torch.float32, torch.bfloat16) if quantized else key.dtype != k_cache.dtype)
             or key.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (key, value))):
-        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return
     slots = slot_mapping.to(torch.int64).contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    status = lib.kvscale_write_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                                  k_cache.data_ptr(), v_cache.data_ptr(), num_slots, slots.data_ptr(),
-                                  key.shape[0], key.shape[1] * key.shape[2], key.element_size())
+    if quantized:
+        status = lib.kvscale_write_kv_fp8(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                          k_cache.data_ptr(), v_cache.data_ptr(), num_slots, slots.data_ptr(),
+                                          key.shape[0], key.shape[1] * key.shape[2], int(key.dtype == torch.bfloat16),
+                                          fp8.cache_format(k_cache.dtype), k_scale, v_scale)
+    else:
+        status = lib.kvscale_write_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                      k_cache.data_ptr(), v_cache.data_ptr(), num_slots, slots.data_ptr(),
+                                      key.shape[0], key.shape[1] * key.shape[2], key.element_size())
     if status:
         raise ValueError(f"a slot in slot_mapping is outside the {num_slots}-slot cache")
 

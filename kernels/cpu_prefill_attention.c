@@ -12,7 +12,10 @@
  *
  * Layouts:
  *   query   [num_tokens, num_heads, head_dim] bfloat16, tokens `query_stride` elements apart
- *   cache   [num_blocks, block_size, num_kv_heads, head_dim] bfloat16 (as uint16)
+ *   cache   [num_blocks, block_size, num_kv_heads, head_dim] bfloat16 (as uint16), or FP8 bytes
+ *           (`cache_format` 2: e4m3, 3: e5m2, holding the values divided by k_scale / v_scale:
+ *           kernels/fp8.py), which packing widens to bfloat16 (their values times the scale,
+ *           rounded to nearest even, as the PyTorch reference dequantizes them for its SDPA)
  *   tables  [num_seqs, table_stride] int32; query_start_loc [num_seqs + 1], context_lens int32
  *   out     [num_tokens, num_heads, head_dim] bfloat16, contiguous
  * Sequences with fewer than two new tokens are left untouched (the decode kernel serves them).
@@ -28,6 +31,9 @@
 #define KVSCALE_PREFILL_UNSUPPORTED 1
 #define KVSCALE_PREFILL_BAD_TABLE 2
 #define KVSCALE_PREFILL_NO_MEMORY 3
+#define KVSCALE_PREFILL_BF16 1
+#define KVSCALE_PREFILL_E4M3 2
+#define KVSCALE_PREFILL_E5M2 3
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
@@ -91,14 +97,32 @@ static inline __m512 exp2_nonpositive(__m512 x) {
 
 /* Where a (sequence, KV head)'s packed K and V live, and what they are packed from. */
 typedef struct {
-    const uint16_t *k_cache, *v_cache;
+    const void *k_cache, *v_cache;
     const int32_t *table;
     int context_len, block_size, num_kv_heads, head_dim;
+    int format;                /* KVSCALE_PREFILL_BF16 / _E4M3 / _E5M2 */
+    float k_factor, v_factor;  /* FP8: what the half-precision reading of an element is multiplied by */
 } kv_source;
 
-static inline const uint16_t *cache_row(const uint16_t *cache, const kv_source *src, int kv_head, int key) {
-    const int64_t slot = (int64_t)src->table[key / src->block_size] * src->block_size + key % src->block_size;
-    return cache + (slot * src->num_kv_heads + kv_head) * src->head_dim;
+/* One FP8 row to bfloat16: each byte read as half-precision bits (e5m2 is a half's top byte;
+ * e4m3's fields moved into a half's read 2^-8 of its value, subnormals included), widened by
+ * VCVTPH2PS, times `factor` (the scale, and 2^8 for e4m3), rounded to nearest even. */
+static inline void fp8_row_to_bf16(const uint8_t *src, int head_dim, int format, float factor, uint16_t *dst) {
+    const __m256i sign = _mm256_set1_epi16(0x80), rest = _mm256_set1_epi16(0x7f);
+    const __m512 times = _mm512_set1_ps(factor);
+    for (int d = 0; d < head_dim; d += 32) {
+        __m512 wide[2];
+        for (int h = 0; h < 2; h++) {
+            __m256i half = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + d + 16 * h)));
+            half = format == KVSCALE_PREFILL_E5M2
+                       ? _mm256_slli_epi16(half, 8)
+                       : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(half, sign), 8),
+                                         _mm256_slli_epi16(_mm256_and_si256(half, rest), 7));
+            wide[h] = _mm512_mul_ps(_mm512_cvtph_ps(half), times);
+        }
+        const __m512bh packed = _mm512_cvtne2ps_pbh(wide[1], wide[0]);
+        memcpy(dst + d, &packed, 64);
+    }
 }
 
 /* Keys 32*kt .. 32*kt+31 of one KV head into the tile layouts at k_packed and v_packed (zeros
@@ -110,13 +134,23 @@ static inline const uint16_t *cache_row(const uint16_t *cache, const kv_source *
 static void pack_keys(const kv_source *src, int kv_head, int kt, uint16_t *k_packed, uint16_t *v_packed) {
     const int head_dim = src->head_dim, v_chunks = head_dim / 16;
     const uint16_t *v_rows[KEYS];
+    uint16_t v_widened[KEYS * MAX_HEAD_DIM]; /* an FP8 cache's V rows as bfloat16 */
     uint16_t *k_rows = k_packed;
     int block = kt * KEYS / src->block_size, slot = kt * KEYS % src->block_size;
     for (int i = 0; i < KEYS; i++) {
         if (kt * KEYS + i < src->context_len) {
             const int64_t row = ((int64_t)src->table[block] * src->block_size + slot) * src->num_kv_heads + kv_head;
-            memcpy(k_rows + (size_t)i * head_dim, src->k_cache + row * head_dim, sizeof(uint16_t) * head_dim);
-            v_rows[i] = src->v_cache + row * head_dim;
+            if (src->format == KVSCALE_PREFILL_BF16) {
+                memcpy(k_rows + (size_t)i * head_dim, (const uint16_t *)src->k_cache + row * head_dim,
+                       sizeof(uint16_t) * head_dim);
+                v_rows[i] = (const uint16_t *)src->v_cache + row * head_dim;
+            } else {
+                fp8_row_to_bf16((const uint8_t *)src->k_cache + row * head_dim, head_dim, src->format, src->k_factor,
+                                k_rows + (size_t)i * head_dim);
+                fp8_row_to_bf16((const uint8_t *)src->v_cache + row * head_dim, head_dim, src->format, src->v_factor,
+                                v_widened + (size_t)i * head_dim);
+                v_rows[i] = v_widened + (size_t)i * head_dim;
+            }
             if (++slot == src->block_size) slot = 0, block++;
         } else {
             memset(k_rows + (size_t)i * head_dim, 0, sizeof(uint16_t) * head_dim);
@@ -317,9 +351,11 @@ int kvscale_paged_prefill_attention(
     const void *query, int64_t query_stride, const void *k_cache, const void *v_cache, int64_t num_blocks,
     const int32_t *block_tables, int64_t table_stride, const int32_t *query_start_loc,
     const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-    int block_size, float scale, void *out, int num_threads) {
-    if (head_dim % 32 || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads || !amx_permitted())
+    int block_size, int cache_format, float k_scale, float v_scale, float scale, void *out, int num_threads) {
+    if (head_dim % 32 || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads || !amx_permitted()
+        || cache_format < KVSCALE_PREFILL_BF16 || cache_format > KVSCALE_PREFILL_E5M2)
         return KVSCALE_PREFILL_UNSUPPORTED;
+    const float unit = cache_format == KVSCALE_PREFILL_E4M3 ? 256.0f : 1.0f;
     const int group = num_heads / num_kv_heads;
     /* Each sequence's 32-key tiles as ids of packed tiles (tiles_at: where a sequence's ids start).
      * A whole tile over the same blocks as another sequence's (a shared prefix) is packed once.
@@ -398,7 +434,7 @@ int kvscale_paged_prefill_attention(
         for (int64_t i = 0; i < (int64_t)num_packed * num_kv_heads; i++) {
             const int id = (int)(i / num_kv_heads), kv_head = (int)(i % num_kv_heads), s = source[2 * id];
             const kv_source src = {k_cache, v_cache, block_tables + (int64_t)s * table_stride, context_lens[s],
-                                   block_size, num_kv_heads, head_dim};
+                                   block_size, num_kv_heads, head_dim, cache_format, k_scale * unit, v_scale * unit};
             uint16_t *k_packed = packed + id * tile_stride + kv_head * head_stride;
             pack_keys(&src, kv_head, source[2 * id + 1], k_packed, k_packed + KEYS * head_dim);
         }
@@ -429,10 +465,11 @@ int kvscale_paged_prefill_attention(
     const void *query, int64_t query_stride, const void *k_cache, const void *v_cache, int64_t num_blocks,
     const int32_t *block_tables, int64_t table_stride, const int32_t *query_start_loc,
     const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-    int block_size, float scale, void *out, int num_threads) {
+    int block_size, int cache_format, float k_scale, float v_scale, float scale, void *out, int num_threads) {
     (void)query, (void)query_stride, (void)k_cache, (void)v_cache, (void)num_blocks, (void)block_tables;
     (void)table_stride, (void)query_start_loc, (void)context_lens, (void)num_seqs, (void)num_heads;
-    (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)out, (void)num_threads;
+    (void)num_kv_heads, (void)head_dim, (void)block_size, (void)cache_format, (void)k_scale, (void)v_scale;
+    (void)scale, (void)out, (void)num_threads;
     return KVSCALE_PREFILL_UNSUPPORTED;
 }
 

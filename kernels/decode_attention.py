@@ -19,6 +19,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from kvscale.kernels.fp8 import refuse_fp8
+
 _LOG2E = 1.4426950408889634
 
 
@@ -191,6 +193,8 @@ def paged_decode_attention(
     context_lens: Tensor,
     scale: float,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     partition_size: int | None = None,
 ) -> Tensor:
     """:class:`kvscale.kernels.ops.DecodeAttention` in Triton.
@@ -198,7 +202,10 @@ def paged_decode_attention(
     ``partition_size`` (tokens, a multiple of the tile) overrides the split of long contexts;
     by default the context is split only when too few (sequence, KV head) pairs would keep
     the GPU's multiprocessors busy.
+
+    The cache is in the model's dtype (the scales, which only an FP8 cache has, are not used).
     """
+    refuse_fp8(k_cache, "Triton")
     num_seqs, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if v_cache.shape != k_cache.shape or cache_head_dim != head_dim:

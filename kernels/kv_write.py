@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvscale.kernels.fp8 import refuse_fp8
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -52,9 +54,12 @@ def _write_kv_kernel(
 
 
 def write_kv(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+    *, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    """:class:`kvscale.kernels.ops.WriteKV`, one program per token."""
+    """:class:`kvscale.kernels.ops.WriteKV`, one program per token (a cache in the model's dtype:
+    the scales, which only an FP8 cache has, are not used)."""
+    refuse_fp8(k_cache, "Triton")
     num_tokens, num_kv_heads, head_dim = key.shape
     if k_cache.shape != v_cache.shape or k_cache.shape[2:] != (num_kv_heads, head_dim):
         raise ValueError(

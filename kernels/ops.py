@@ -7,7 +7,9 @@ engine picks its backend once (:func:`kvscale.kernels.backend_for`) and calls it
 no dispatch, allocation or reflection per call.
 
 Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a slot is
-``block_id * block_size + offset``. Softmax runs in float32 whatever the cache dtype.
+``block_id * block_size + offset``. Softmax runs in float32 whatever the cache dtype. An FP8
+cache (``--kv-cache-dtype fp8*``) holds K and V divided by ``k_scale``/``v_scale``
+(:mod:`kvscale.kernels.fp8` has the exact semantics); other caches ignore the scales.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from torch import Tensor
 
 class WriteKV(Protocol):
     def __call__(
-        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+        self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+        *, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> None:
         """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into their slots in
         place. A slot of -1 means "don't store" (e.g. a token whose KV is already cached)."""
@@ -35,6 +38,9 @@ class DecodeAttention(Protocol):
         block_tables: Tensor,
         context_lens: Tensor,
         scale: float,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> Tensor:
         """Attention of one new token per sequence over its whole paged context.
 
@@ -57,6 +63,8 @@ class PrefillAttention(Protocol):
         scale: float,
         *,
         max_query_len: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> Tensor:
         """Causal attention of a ragged batch of new tokens over their paged contexts.
 

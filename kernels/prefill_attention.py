@@ -17,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvscale.kernels.decode_attention import _LOG2E, dot_options, load_kv_tile
+from kvscale.kernels.fp8 import refuse_fp8
 
 
 @triton.jit
@@ -115,12 +116,17 @@ def paged_prefill_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """:class:`kvscale.kernels.ops.PrefillAttention` in Triton.
 
     ``max_query_len`` sizes the launch grid; without it it is read back from
     ``query_start_loc`` (a device sync).
+
+    The cache is in the model's dtype (the scales, which only an FP8 cache has, are not used).
     """
+    refuse_fp8(k_cache, "Triton")
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if v_cache.shape != k_cache.shape or cache_head_dim != head_dim:

@@ -12,13 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvscale.kernels import fp8
 from kvscale.kernels.ops import DecodeAttention, KernelBackend
 
 __all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention", "REFERENCE"]
 
 
 def write_kv(
-    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+    *, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """:class:`kvscale.kernels.ops.WriteKV` with one ``index_copy_`` per cache."""
     check_write_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -29,8 +31,18 @@ def write_kv(
     # A view, not a copy: the cache must be contiguous so that in-place writes land in it.
     k_flat = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
     v_flat = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+    if fp8.is_fp8(k_cache.dtype):
+        # index_copy_ has no FP8 kernel on CPU: the bytes are copied as bytes.
+        k_flat.view(torch.uint8).index_copy_(0, slots, fp8.quantize(key, k_cache.dtype, k_scale).view(torch.uint8))
+        v_flat.view(torch.uint8).index_copy_(0, slots, fp8.quantize(value, v_cache.dtype, v_scale).view(torch.uint8))
+        return
     k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
     v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def widened(cached: Tensor, scale: float) -> Tensor:
+    """Cached K or V in float32: an FP8 cache's values times its scale, any other as it is."""
+    return fp8.dequantize(cached, scale) if fp8.is_fp8(cached.dtype) else cached.float()
 
 
 def paged_decode_attention(
@@ -40,6 +52,9 @@ def paged_decode_attention(
     block_tables: Tensor,
     context_lens: Tensor,
     scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """:class:`kvscale.kernels.ops.DecodeAttention`, one sequence at a time."""
     check_cache(k_cache, v_cache)
@@ -74,8 +89,8 @@ def paged_decode_attention(
         if not n:
             continue
         blocks = table[i, : seq_blocks[i]]
-        k = k_blocks.index_select(0, blocks).view(rows)[:n].float().transpose(0, 1)  # [Hkv, n, D]
-        v = v_blocks.index_select(0, blocks).view(rows)[:n].float().transpose(0, 1)
+        k = widened(k_blocks.index_select(0, blocks).view(rows)[:n], k_scale).transpose(0, 1)  # [Hkv, n, D]
+        v = widened(v_blocks.index_select(0, blocks).view(rows)[:n], v_scale).transpose(0, 1)
         scores = torch.matmul(grouped[i], k.transpose(1, 2)).mul_(scale)
         out[i] = torch.matmul(torch.softmax(scores, dim=-1), v)
     return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
@@ -91,6 +106,8 @@ def paged_prefill_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     decode: DecodeAttention | None = None,
 ) -> Tensor:
     """:class:`kvscale.kernels.ops.PrefillAttention`, sequences of equal shape batched.
@@ -119,7 +136,8 @@ def paged_prefill_attention(
         idx = torch.tensor(single, device=query.device)
         token_idx = torch.tensor([starts[i] for i in single], device=query.device)
         out[token_idx] = (decode or paged_decode_attention)(
-            query[token_idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale
+            query[token_idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale,
+            k_scale=k_scale, v_scale=v_scale,
         )
     # Sequences with the same (new tokens, context) — chunks after a shared prefix, equal prompts —
     # attend in one batched call: one gather and one SDPA instead of one each per sequence.
@@ -130,6 +148,10 @@ def paged_prefill_attention(
     for (q_len, ctx), members in groups.items():
         tables = block_tables[torch.tensor(members, device=block_tables.device)]
         keys, values = _gather_kv(k_cache, v_cache, tables, ctx)  # [S, ctx, Hkv, D]
+        if fp8.is_fp8(keys.dtype):
+            # In the query's dtype, as the C prefill kernel packs them (bfloat16 for AMX).
+            keys = fp8.dequantize(keys, k_scale).to(query.dtype)
+            values = fp8.dequantize(values, v_scale).to(query.dtype)
         rows: slice | Tensor
         if len(members) == 1:
             rows = slice(starts[members[0]], starts[members[0] + 1])

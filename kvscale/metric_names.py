@@ -75,7 +75,7 @@ QUEUE_TIME = Metric(
 # Extension reads num_gpu_blocks and block_size from it.
 CACHE_CONFIG_INFO = Metric(
     "vllm:cache_config_info", GAUGE, "KV cache configuration (value 1; the labels carry it).",
-    ("model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"))
+    ("model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"))
 KV_BLOCKS_TOTAL = Metric("kvscale:kv_blocks_total", GAUGE, "KV cache blocks in the pool.", _M)
 KV_BLOCKS_ACTIVE = Metric(
     "kvscale:kv_blocks_active", GAUGE,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvscale.server.config import KV_CACHE_DTYPES
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="text to complete")
@@ -17,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=1, help="number of samples")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="what the KV cache stores: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
 
@@ -29,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
             n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, max_tokens=args.max_tokens,
         )
-        llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+        llm = LLM(model=args.model, dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype)
         if args.chat:
             outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
         else:

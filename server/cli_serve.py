@@ -14,7 +14,7 @@ from kvscale import request_limits
 from kvscale.base_urls import authority, base_url
 from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
-from kvscale.server.config import QUANTIZATIONS
+from kvscale.server.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from kvscale.server.cpu_binding import ENV as ENV_OMP_BIND
 from kvscale.server.cpu_binding import RESERVE_FROM
 from kvscale.tokenization import TOOL_FORMATS
@@ -26,7 +26,7 @@ _ENGINE_FIELDS = (
     "model", "dtype", "block_size", "enable_prefix_caching", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "num_gpu_blocks_override",
     "kv_cache_memory_bytes", "device", "seed", "quantization",
-    "kv_offloading_size", "enforce_eager",
+    "kv_offloading_size", "enforce_eager", "kv_cache_dtype",
 )
 
 
@@ -61,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="exact number of KV blocks (overrides the memory-based sizing)")
     cache.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                        help="KV cache size in bytes (CPU: default 2 GiB)")
+    cache.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES),
+                       help="what the KV cache stores: auto (the model's dtype) or fp8 (= fp8_e4m3) / "
+                            "fp8_e5m2, one byte per value: twice the blocks in the same memory and half "
+                            "the bytes for attention to read (CPU only; default auto)")
     cache.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
                        help="GiB of host memory for a second KV tier that evicted prefix blocks are "
                             "demoted to and promoted back from (default 0: none)")

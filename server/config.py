@@ -12,6 +12,9 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 # What --quantization takes (vLLM's spelling); server/quantization.py runs it.
 QUANTIZATIONS = ("int8",)
 
+# What --kv-cache-dtype takes (vLLM's spelling; fp8 is fp8_e4m3); server/kv_cache_dtype.py resolves it.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 
 @dataclass
 class EngineConfig:
@@ -32,6 +35,7 @@ class EngineConfig:
     kv_offloading_size: float = 0.0
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     quantization: str | None = None  # None | "int8" (weights quantized at load: server/quantization.py)
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "auto" (the model's dtype) or an FP8 format
     seed: int = 0
     # On a GPU, decode steps replay CUDA graphs (server/decode_graphs.py) unless this is set
     # (vLLM's --enforce-eager); CPU steps are always eager.
@@ -54,6 +58,10 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization {self.quantization!r} is not supported (supported: {', '.join(QUANTIZATIONS)})"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported (supported: {', '.join(KV_CACHE_DTYPES)})"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(

@@ -20,6 +20,7 @@ from kvscale.server.config import EngineConfig
 from kvscale.server.detokenizer import detokenize_incrementally, find_stop_string, init_detokenizer
 from kvscale.server.engine_stats import engine_stats
 from kvscale.server.host_tier import HostTier
+from kvscale.server.kv_cache_dtype import kv_cache_dtype_name, resolve_kv_cache_dtype
 from kvscale.server.kv_cache_manager import KVCacheManager, blocks_for
 from kvscale.server.kv_sizing import (
     host_memory_room,
@@ -75,6 +76,8 @@ class LLMEngine:
         hf_config = load_hf_config(path)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        # Before the weights load: a cache dtype this backend cannot read is refused at once.
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.model = load_model(path, hf_config, self.dtype, self.device, config.quantization)
         spec = self.model.spec
         self.block_size = config.block_size
@@ -89,10 +92,12 @@ class LLMEngine:
             )
         wanted_len = config.max_model_len or model_max_len
 
-        block_bytes = kv_block_bytes(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim, self.dtype)
+        block_bytes = kv_block_bytes(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim,
+                                     self.kv_cache_dtype)
         self.eos_token_ids = eos_token_ids(self.tokenizer, path)
         self.sampler = Sampler(self.eos_token_ids, self._decode_token, seed=config.seed)
-        self.runner = ModelRunner(self.model, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, config.block_size, self.dtype, self.device,
+                                  kv_cache_dtype=self.kv_cache_dtype)
         used = total = 0
         if self.device.type == "cuda":
             # RoPE tables for the longest possible sequence first: they stay for the engine's
@@ -135,9 +140,9 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.last_step_s = 0.0
         logger.info(
-            "kvscale engine: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+            "kvscale engine: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB, KV cache dtype %s), max_model_len %d",
             self.model_name, self.device, self.dtype, self.num_blocks, self.block_size,
-            self.kv_cache_bytes / 2**20, self.max_model_len,
+            self.kv_cache_bytes / 2**20, kv_cache_dtype_name(self.kv_cache_dtype), self.max_model_len,
         )
 
     def _decode_token(self, token_id: int) -> str:
@@ -409,6 +414,7 @@ class LLMEngine:
             offload=self.runner.host_cache.counters if self.runner.host_cache is not None else None,
         )
         stats.extra.update(self.structured.extra_stats())
+        stats.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)
         return stats
 
     def drain_kv_events(self) -> list[KVEvent]:

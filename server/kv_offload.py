@@ -70,6 +70,12 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache as its raw bytes (same shape): PyTorch has no CPU index_copy_ for FP8, and a
+    tier copy moves bytes anyway. Other caches as they are."""
+    return cache.view(torch.uint8) if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache
+
+
 class HostKVCache:
     def __init__(self, num_slots: int, cache: torch.Tensor) -> None:
         shape = [num_slots, *cache.shape[:2], *cache.shape[3:]]
@@ -99,8 +105,9 @@ class HostKVCache:
             if self.on_gpu:
                 self._demote_gpu(cache, blocks, slots)
             else:
-                self.host.index_copy_(0, torch.tensor(slots, dtype=torch.long),
-                                      cache.index_select(2, torch.tensor(blocks, dtype=torch.long)).movedim(2, 0))
+                as_bytes(self.host).index_copy_(
+                    0, torch.tensor(slots, dtype=torch.long),
+                    as_bytes(cache).index_select(2, torch.tensor(blocks, dtype=torch.long)).movedim(2, 0))
             self.counters.seconds_down += time.perf_counter() - started
             self.counters.bytes_down += len(blocks) * self.block_bytes
         if copies.promote:
@@ -111,8 +118,9 @@ class HostKVCache:
             if self.on_gpu:
                 self._promote_gpu(cache, slots, blocks)  # timed by events, read next step
             else:
-                cache.index_copy_(2, torch.tensor(blocks, dtype=torch.long),
-                                  self.host.index_select(0, torch.tensor(slots, dtype=torch.long)).movedim(0, 2))
+                as_bytes(cache).index_copy_(
+                    2, torch.tensor(blocks, dtype=torch.long),
+                    as_bytes(self.host).index_select(0, torch.tensor(slots, dtype=torch.long)).movedim(0, 2))
                 self.counters.observe_restore(time.perf_counter() - started)
 
     # --- the GPU path -------------------------------------------------------------------

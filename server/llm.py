@@ -52,6 +52,7 @@ class LLM:
         max_model_len: int | None = None,
         num_gpu_blocks_override: int | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         **engine_kwargs: Any,
     ) -> None:
         config = EngineConfig(
@@ -64,6 +65,7 @@ class LLM:
             max_model_len=max_model_len,
             num_gpu_blocks_override=num_gpu_blocks_override,
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             **engine_kwargs,
         )
         self.llm_engine = LLMEngine(config)

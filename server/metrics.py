@@ -85,7 +85,7 @@ class _EngineStatsCollector(Collector):
         config = GaugeMetricFamily(info.name, info.help, labels=list(info.labels))
         prefix_caching = stats.extra.get("enable_prefix_caching", 1.0)
         config.add_metric([self._model_name, str(stats.block_size), str(stats.kv_blocks_total),
-                           "True" if prefix_caching else "False"], 1.0)
+                           "True" if prefix_caching else "False", stats.kv_cache_dtype], 1.0)
         yield config
         yield from self._host_tier(stats, label, family)
 

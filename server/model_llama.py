@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvscale.kernels import cpu_native
+from kvscale.kernels import layer_ops
 from kvscale.server.attention_metadata import AttentionMetadata
 from kvscale.server.cpu_linear import lay_out_cpu_linears
 from kvscale.server.quantization import quantize_linears
@@ -89,48 +89,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = cpu_native.add_rms_norm(x, None, self.weight, self.eps)
-        if fused is not None:
-            return fused
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # torch's fused kernel: bit-identical to the three-step form below, one pass.
-            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(dtype)
+        return layer_ops.add_rms_norm(x, None, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``residual + x`` (the sum that closes a sublayer) and its norm (which opens the next);
-        on CPU one pass that also updates ``residual`` in place."""
-        fused = cpu_native.add_rms_norm(x, residual, self.weight, self.eps)
-        if fused is not None:
-            return fused, residual
-        residual = residual + x
-        return self.forward(residual), residual
+        """``residual += x`` in place (the sum that closes a sublayer) and its norm (which opens
+        the next), in one pass where a kernel does both."""
+        return layer_ops.add_rms_norm(x, residual, self.weight, self.eps), residual
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` into a new tensor, half a head at a time.
-
-    cos/sin repeat their first half in their second (transformers builds them as
-    ``cat(freqs, freqs)``), so each half needs two products and one add or subtract: the same
-    roundings as the rotate-half form (``a + (-b)`` is ``a - b``), bit for bit, with a third of
-    its memory traffic. A partial rotary tail (cos 1, sin 0) also comes out unchanged.
-    """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos1, sin1, cos2, sin2 = cos[..., :half], sin[..., :half], cos[..., half:], sin[..., half:]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.mul(x1, cos1, out=out[..., :half]).sub_(x2 * sin1)
-    torch.mul(x2, cos2, out=out[..., half:]).add_(x1 * sin2)
-    return out
 
 
 class Attention(nn.Module):
@@ -151,6 +120,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         # Whether cos/sin repeat their first half in their second (not with partial rotary).
         self.rope_halves_repeat = True
+        # An FP8 KV cache's per-tensor scales (vLLM's k_scale/v_scale; kernels/fp8.py): 1.0, as
+        # vLLM has them for a checkpoint that brings none (no loader reads them yet).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -175,29 +148,30 @@ class Attention(nn.Module):
         else:
             # q and k rotated together, one set of ops for all heads.
             heads = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-            qk = cpu_native.rope(heads, cos, sin)
-            if qk is None:
-                qk = apply_rope(heads, cos, sin)
+            qk = layer_ops.rope(heads, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         ops = meta.kernels
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_scale, v_scale = self.k_scale, self.v_scale
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         if meta.is_decode:
-            out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+            out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
+                                             k_scale=k_scale, v_scale=v_scale)
         elif meta.split is not None:
             split = meta.split
             out = q.new_empty(q.shape)
             out[split.decode_rows] = ops.paged_decode_attention(
                 q[split.decode_rows], k_cache, v_cache, split.decode_block_tables, split.decode_context_lens,
-                self.scale,
+                self.scale, k_scale=k_scale, v_scale=v_scale,
             )
             out[split.prefill_rows] = ops.paged_prefill_attention(
                 q[split.prefill_rows], k_cache, v_cache, split.prefill_block_tables, split.prefill_query_start_loc,
                 split.prefill_context_lens, self.scale, max_query_len=meta.max_query_len,
+                k_scale=k_scale, v_scale=v_scale,
             )
         else:
             out = ops.paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
-                max_query_len=meta.max_query_len,
+                max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale,
             )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -211,11 +185,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        activated = cpu_native.silu_and_mul(gate_up)
-        if activated is None:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            activated = nn.functional.silu(gate) * up
-        return self.down_proj(activated)
+        return self.down_proj(layer_ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):

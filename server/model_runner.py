@@ -102,11 +102,14 @@ class ModelRunner:
     sizes the cache from it and calls ``allocate_kv_cache``."""
 
     def __init__(
-        self, model: DecoderForCausalLM, block_size: int, dtype: torch.dtype, device: torch.device
+        self, model: DecoderForCausalLM, block_size: int, dtype: torch.dtype, device: torch.device,
+        *, kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.dtype = dtype
+        # What the KV cache stores (--kv-cache-dtype); the model's dtype unless told otherwise.
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.device = device
         if device.type == "cpu":
             keep_freed_memory_for_reuse()
@@ -132,7 +135,7 @@ class ModelRunner:
         # One allocation for the whole cache: [layer, k|v, block, offset, kv_head, head_dim].
         cache = torch.zeros(
             spec.num_layers, 2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
-            dtype=self.dtype, device=self.device,
+            dtype=self.kv_cache_dtype, device=self.device,
         )
         return cache, [(cache[i, 0], cache[i, 1]) for i in range(spec.num_layers)]
 
@@ -273,8 +276,13 @@ class ModelRunner:
         query_start = [0] * (num_seqs + 1)
         max_table = max(len(s.seq.block_table) for s in scheduled)
         tables = np.zeros((num_seqs, max_table), dtype=np.int32)
+        # Single-token rows (decodes: most rows of most steps) as Python ints, longer chunks as
+        # arrays; numpy's per-call cost on a one-element array was most of a decode row's time.
+        positions_list: list[int] = []
+        slots_list: list[int] = []
         pos_parts: list[np.ndarray] = []
         slot_parts: list[np.ndarray] = []
+        chunk_at: list[int] = []  # where each chunk's positions go among the single tokens
         sample_rows: list[int] = []
         prompt_rows: list[PromptRows] = []
         prompt_flat_rows: list[int] = []
@@ -290,10 +298,11 @@ class ModelRunner:
             tables[i, : len(table)] = table
             input_ids.extend(seq.token_ids[start:end])
             if n == 1:
-                pos_parts.append(np.array([start], dtype=np.int64))
-                slot_parts.append(np.array([table[start // bs] * bs + start % bs], dtype=np.int64))
+                positions_list.append(start)
+                slots_list.append(table[start // bs] * bs + start % bs)
             else:
                 pos = np.arange(start, end, dtype=np.int64)
+                chunk_at.append(len(positions_list))
                 pos_parts.append(pos)
                 slot_parts.append(tables[i, pos // bs].astype(np.int64) * bs + pos % bs)
             if n > 1 and attends_as_decodes(start, n, seq.num_prompt_tokens):
@@ -317,9 +326,9 @@ class ModelRunner:
         attn_tables = tables if attn_table == list(range(num_seqs)) else tables[attn_table]
         attn_query_start = np.concatenate([[0], np.cumsum(attn_query_lens)]).astype(np.int32)
         to_device = self._to_device
-        positions = to_device(torch.from_numpy(np.concatenate(pos_parts)))
+        positions = to_device(torch.from_numpy(_merge_rows(positions_list, chunk_at, pos_parts)))
         meta = AttentionMetadata(
-            slot_mapping=to_device(torch.from_numpy(np.concatenate(slot_parts))),
+            slot_mapping=to_device(torch.from_numpy(_merge_rows(slots_list, chunk_at, slot_parts))),
             block_tables=to_device(torch.from_numpy(attn_tables)),
             context_lens=to_device(torch.tensor(attn_context_lens, dtype=torch.int32)),
             query_start_loc=to_device(torch.from_numpy(attn_query_start)),
@@ -380,3 +389,18 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden).float()
         num_sample = len(sample_rows)
         return StepLogits(logits[:num_sample], sample_rows, logits[num_sample:].cpu(), prompt_rows)
+
+
+def _merge_rows(singles: list[int], chunk_at: list[int], chunks: list[np.ndarray]) -> np.ndarray:
+    """The step's rows in batch order: ``singles`` with each chunk inserted before the single
+    row it preceded (``chunk_at``: how many single rows came before it)."""
+    if not chunks:
+        return np.array(singles, dtype=np.int64)
+    parts: list[np.ndarray] = []
+    done = 0
+    for at, chunk in zip(chunk_at, chunks, strict=True):
+        parts.append(np.array(singles[done:at], dtype=np.int64))
+        parts.append(chunk)
+        done = at
+    parts.append(np.array(singles[done:], dtype=np.int64))
+    return np.concatenate(parts)

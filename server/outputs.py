@@ -136,6 +136,7 @@ class EngineStats:
     prefix_cache_hits: int  # cumulative, in tokens
     num_preemptions: int  # cumulative
     extra: dict[str, float] = field(default_factory=dict)
+    kv_cache_dtype: str = "auto"  # what the cache stores (vLLM's cache_dtype label): the engine fills it in
 
     @property
     def kv_cache_usage(self) -> float:

@@ -173,6 +173,7 @@ def run_offline(
     enable_prefix_caching: bool = True,
     kv_cache_gib: int = 2,
     enforce_eager: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Run these requests (token ids, greedy, ignore_eos) through vLLM's offline ``LLM``.
 
@@ -191,6 +192,7 @@ def run_offline(
         "enable_prefix_caching": enable_prefix_caching,
         "enforce_eager": enforce_eager,
         "threads": threads,
+        "kv_cache_dtype": kv_cache_dtype,
     }
     env = vllm_env(threads, kv_cache_gib)
     with tempfile.TemporaryDirectory() as tmp:
@@ -237,6 +239,7 @@ def _offline_side(spec_path: str, result_path: str) -> None:
         max_model_len=spec["max_model_len"],
         enable_prefix_caching=spec["enable_prefix_caching"],
         enforce_eager=spec["enforce_eager"],
+        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
         seed=0,
         disable_log_stats=False,  # per-request timestamps (TTFT)
     )
@@ -272,6 +275,7 @@ def _offline_side(spec_path: str, result_path: str) -> None:
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "threads": spec["threads"],
         "enforce_eager": spec["enforce_eager"],
+        "kv_cache_dtype": spec.get("kv_cache_dtype", "auto"),
     }
     Path(result_path).write_text(json.dumps(result))
 

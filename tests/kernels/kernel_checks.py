@@ -243,6 +243,68 @@ def check_attention(impl, gen: torch.Generator, kernel: str, dtype: torch.dtype,
     }
 
 
+# Element-wise ops round at the same points as their PyTorch forms: only the reductions' order and
+# the transcendental functions' last bits may differ (relative error, by dtype). bfloat16 allows a
+# few units in the last place because Triton's interpreter rounds it by truncation.
+LAYER_OP_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}
+
+
+def relative_error(actual: Tensor, expected: Tensor) -> float:
+    expected = expected.cpu().double()
+    return float(((actual.detach().cpu().double() - expected).abs() / (1 + expected.abs())).max())
+
+
+def check_layer_op(gen: torch.Generator, kernel: str, dtype: torch.dtype, device) -> dict:
+    """One random case of a Triton layer op (:mod:`kvscale.kernels.layer_ops_triton`) against
+    its PyTorch form (:mod:`kvscale.kernels.layer_ops`)."""
+    from kvscale.kernels import layer_ops, layer_ops_triton
+
+    def pick(options: list) -> int:
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    rows = int(torch.randint(1, 40, (1,), generator=gen))
+    detail: dict = {"rows": rows}
+    if kernel == "add_rms_norm":
+        width = pick([64, 576, 1000])
+        x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
+        weight = (1 + 0.2 * torch.randn(width, generator=gen)).to(dtype)
+        residual = torch.randn(rows, width, generator=gen).to(dtype) if pick([0, 1]) else None
+        stream = None if residual is None else residual.clone()
+        expected = layer_ops.torch_rms_norm(x if residual is None else residual.add_(x), weight, 1e-5)
+        stream_dev = None if stream is None else stream.to(device)
+        actual = layer_ops_triton.add_rms_norm(x.to(device), stream_dev, weight.to(device), 1e-5)
+        errors = [relative_error(actual, expected)]
+        if residual is not None:
+            errors.append(relative_error(stream_dev, residual))  # the sum left in the stream
+        detail |= {"width": width, "residual": residual is not None}
+    elif kernel == "rope":
+        head_dim, q_heads, kv_heads = pick([16, 64, 80]), pick([3, 9]), pick([1, 3])
+        # The q|k heads as the model passes them: a view into the fused qkv rows (v left out).
+        qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+        heads = qkv[:, : (q_heads + kv_heads) * head_dim].view(rows, -1, head_dim)
+        angles = torch.rand(rows, head_dim // 2, generator=gen) * 50
+        cos = torch.cat([angles.cos()] * 2, -1).to(dtype)[:, None, :]
+        sin = torch.cat([angles.sin()] * 2, -1).to(dtype)[:, None, :]
+        expected = layer_ops.torch_rope(heads, cos, sin)
+        qkv_dev = qkv.to(device)
+        actual = layer_ops_triton.rope(qkv_dev[:, : (q_heads + kv_heads) * head_dim].view(rows, -1, head_dim),
+                                       cos.to(device), sin.to(device))
+        errors = [relative_error(actual, expected)]
+        detail |= {"head_dim": head_dim, "heads": q_heads + kv_heads}
+    else:
+        width = pick([64, 1000, 1536])
+        gate_up = (torch.randn(rows, 2 * width, generator=gen) * 3).to(dtype)
+        expected = layer_ops.torch_silu_and_mul(gate_up)
+        actual = layer_ops_triton.silu_and_mul(gate_up.to(device))
+        errors = [relative_error(actual, expected)]
+        detail |= {"width": width}
+    if actual is None or actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise AssertionError(f"{kernel}: got {actual if actual is None else (actual.shape, actual.dtype)}, "
+                             f"expected {tuple(expected.shape)} {expected.dtype}")
+    return {"kernel": kernel, "dtype": str(dtype).removeprefix("torch."), **detail,
+            "max_error": max(errors), "tolerance": LAYER_OP_TOLERANCE[dtype]}
+
+
 def random_case_on_cpu(case: PagedCase) -> PagedCase:
     fields = {name: getattr(case, name) for name in PagedCase.__dataclass_fields__}
     for name, value in fields.items():
@@ -251,7 +313,9 @@ def random_case_on_cpu(case: PagedCase) -> PagedCase:
     return PagedCase(**fields)
 
 
-KERNELS = ["write_kv", "decode", "decode_split", "prefill"]
+ATTENTION_KERNELS = ["write_kv", "decode", "decode_split", "prefill"]
+LAYER_OPS = ["add_rms_norm", "rope", "silu_and_mul"]
+KERNELS = ATTENTION_KERNELS + LAYER_OPS
 
 
 def run_checks(kernels: list[str], dtypes: list[torch.dtype], cases: int, seed: int,
@@ -276,7 +340,9 @@ def run_checks(kernels: list[str], dtypes: list[torch.dtype], cases: int, seed: 
         for dtype in dtypes:
             gen = torch.Generator().manual_seed(seed)
             for _ in range(cases):
-                if kernel == "write_kv":
+                if kernel in LAYER_OPS:
+                    result = check_layer_op(gen, kernel, dtype, device)
+                elif kernel == "write_kv":
                     result = check_write_kv(impl, gen, dtype, device)
                 else:
                     result = check_attention(impl, gen, kernel, dtype, device)

@@ -16,6 +16,11 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kvscale.kernels.decode_attention import _decode_kernel, _merge_partitions_kernel
 from kvscale.kernels.kv_write import _write_kv_kernel
+from kvscale.kernels.layer_ops_triton import (
+    _add_rms_norm_kernel,
+    _rope_kernel,
+    _silu_and_mul_kernel,
+)
 from kvscale.kernels.prefill_attention import _prefill_kernel
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -54,6 +59,13 @@ def test_kernels_compile_to_sm90_cubin(dtype: str) -> None:
             **SHAPE, **dot, "BLOCK_M": 64, "BLOCK_N": 64}),
         compile_for_h100(_write_kv_kernel, tensors,
                          {"NUM_KV_HEADS": 3, "HEAD_DIM": 64, "BLOCK_H": 4, "BLOCK_D": 64}),
+        compile_for_h100(_add_rms_norm_kernel, {
+            **{n: "*" + dtype for n in ["x_ptr", "residual_ptr", "weight_ptr", "out_ptr"]}, "eps": "fp32"},
+            {"HAS_RESIDUAL": True, "BLOCK": 1024}),
+        compile_for_h100(_rope_kernel, {n: "*" + dtype for n in ["x_ptr", "cos_ptr", "sin_ptr", "out_ptr"]},
+                         {"HEAD_DIM": 64, "HALF": 32, "BLOCK_H": 16, "BLOCK_HALF": 32}),
+        compile_for_h100(_silu_and_mul_kernel, {n: "*" + dtype for n in ["gate_up_ptr", "out_ptr"]},
+                         {"BLOCK": 1024}),
     ]
     for kernel in compiled:
         assert kernel.asm["cubin"], "no cubin produced"

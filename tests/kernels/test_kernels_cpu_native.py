@@ -351,7 +351,7 @@ def test_a_read_only_cache_builds_once_in_the_temporary_directory(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rope_matches_the_models_formula_on_fused_qkv_rows(dtype: torch.dtype) -> None:
-    from kvscale.server.model_llama import apply_rope
+    from kvscale.kernels.layer_ops import torch_rope
 
     gen = torch.Generator().manual_seed(11)
     tokens, q_heads, kv_heads, head_dim = 37, 9, 3, 64
@@ -361,7 +361,7 @@ def test_rope_matches_the_models_formula_on_fused_qkv_rows(dtype: torch.dtype) -
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)[:, None]
     sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)[:, None]
     out = cpu_native.rope(heads, cos, sin)
-    expected = apply_rope(heads, cos, sin)
+    expected = torch_rope(heads, cos, sin)
     assert out is not None and out.is_contiguous() and out.shape == expected.shape
     assert max_error(out, expected) <= LAYER_TOLERANCE[dtype] * 4
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-KERNELS = ["write_kv", "decode", "decode_split", "prefill"]
+KERNELS = ["write_kv", "decode", "decode_split", "prefill", "add_rms_norm", "rope", "silu_and_mul"]
 DTYPES = ["float32", "bfloat16", "float16"]
 CASES = 4
 
@@ -48,7 +48,11 @@ def test_triton_kernel_matches_reference_interpreted(
     assert len(mine) == CASES
     failures = [r for r in mine if not r["max_error"] <= r["tolerance"]]
     assert not failures, json.dumps(failures, indent=1)
-    if kernel != "write_kv":
+    if kernel == "add_rms_norm":
+        assert {r["residual"] for r in mine} == {True, False}
+    elif kernel in ("rope", "silu_and_mul"):
+        assert any(r["rows"] > 1 for r in mine)
+    elif kernel != "write_kv":
         # The random cases must actually cover what the kernels are for.
         assert any(len(r["context_lens"]) > 1 for r in mine)
         assert any(r["num_heads"] > r["num_kv_heads"] for r in mine)

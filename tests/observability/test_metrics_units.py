@@ -64,7 +64,7 @@ def test_server_metrics_export_the_contract_and_cache_config_info() -> None:
     found = assert_exports(metrics.render(), names.SERVER_METRICS)
     assert found[names.CACHE_CONFIG_INFO.series] == [
         {"model_name": "m", "block_size": "16", "num_gpu_blocks": "64",
-         "enable_prefix_caching": "True"}]
+         "enable_prefix_caching": "True", "cache_dtype": "auto"}]
     text = metrics.render().decode()
     assert "kvscale:kv_blocks_evicted_total{model_name=\"m\"} 3.0" in text
 

@@ -5,6 +5,10 @@ The figure is the perplexity ratio (engine ÷ transformers) over a few hundred t
 must match to rounding (its greedy tokens equal transformers': test_engine_greedy.py), bfloat16
 stay within 1 %, int8 weights within 3 %. Each check also bounds the worst single-token
 difference, so a layout bug that happens to average out still fails.
+
+An FP8 KV cache (--kv-cache-dtype) is judged the same way against the same float32 reference:
+every prompt position attends to K/V read back from the cache, so the whole text sees FP8's
+rounding (3 mantissa bits for e4m3, 2 for e5m2, scales 1.0 as vLLM's default).
 """
 
 from __future__ import annotations
@@ -42,6 +46,19 @@ BOUNDS = {
     ("bfloat16", None): (0.01, 0.5),
     ("float32", "int8"): (0.03, 2.0),
     ("bfloat16", "int8"): (0.03, 2.0),
+}
+
+
+# (dtype, quantization, kv_cache_dtype) -> bounds as above: int8 weights' 3 % for an FP8 cache
+# alone (measured on this text: e4m3 1.005 with bfloat16 weights, 1.007 with float32; e5m2, one
+# mantissa bit fewer, 1.017). With int8 weights as well the two errors compound more than they
+# add (int8 alone 1.009, e4m3 alone 1.005, together 1.037): 5 %. The worst token is the bound
+# int8 weights have.
+KV_BOUNDS = {
+    ("bfloat16", None, "fp8_e4m3"): (0.03, 2.0),
+    ("bfloat16", None, "fp8_e5m2"): (0.03, 2.0),
+    ("float32", None, "fp8_e4m3"): (0.03, 2.0),
+    ("bfloat16", "int8", "fp8_e4m3"): (0.05, 2.0),
 }
 
 
@@ -83,5 +100,21 @@ def test_perplexity_ratio_against_transformers_float32(
     worst = max(abs(a - b) for a, b in zip(ours, reference_logprobs, strict=True))
     print(f"{dtype} {quantization}: perplexity ratio {ratio:.5f}, worst token {worst:.4f} nats")
     ratio_bound, worst_bound = BOUNDS[(dtype, quantization)]
+    assert abs(ratio - 1) <= ratio_bound, f"perplexity ratio {ratio:.5f} (bound 1 ± {ratio_bound})"
+    assert worst <= worst_bound, f"a token's log-probability differs by {worst:.4f} nats (bound {worst_bound})"
+
+
+@pytest.mark.parametrize(("dtype", "quantization", "kv_cache_dtype"), list(KV_BOUNDS), ids=lambda v: str(v))
+def test_perplexity_ratio_with_an_fp8_kv_cache(
+    make_engine, run_to_completion, text_ids, reference_logprobs, dtype, quantization, kv_cache_dtype
+):
+    engine = make_engine(dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                         num_gpu_blocks_override=64)
+    assert engine.runner.kv_cache.element_size() == 1
+    ours = engine_logprobs(engine, run_to_completion, text_ids)
+    ratio = perplexity(ours) / perplexity(reference_logprobs)
+    worst = max(abs(a - b) for a, b in zip(ours, reference_logprobs, strict=True))
+    print(f"{dtype} {quantization} KV {kv_cache_dtype}: perplexity ratio {ratio:.5f}, worst token {worst:.4f} nats")
+    ratio_bound, worst_bound = KV_BOUNDS[(dtype, quantization, kv_cache_dtype)]
     assert abs(ratio - 1) <= ratio_bound, f"perplexity ratio {ratio:.5f} (bound 1 ± {ratio_bound})"
     assert worst <= worst_bound, f"a token's log-probability differs by {worst:.4f} nats (bound {worst_bound})"
