@@ -154,7 +154,9 @@ def _start(settings: CoreSettings) -> tuple[Any, Any, float]:
 def warm_up(engine: Any) -> None:
     """Build (or load) the kernels and run every path a first request takes, leaving no trace:
     the runner's prefill, mixed and decode passes on scratch blocks, then the sampler, greedy
-    and random, with logprobs."""
+    and random, with logprobs; and the grammar library's view of the tokenizer (~0.5 s), which
+    the first constrained request would otherwise build while the batch decodes, holding the GIL
+    (a 0.28 s gap in the streams of a compile storm's first round, docs/benchmarks.md)."""
     import torch
 
     from kvscale.server.sampler import SamplingRow, make_generator
@@ -167,6 +169,7 @@ def warm_up(engine: Any) -> None:
         SamplingRow(SamplingParams(temperature=1.0, top_p=0.9, top_k=8), [0, 1], 1, make_generator(0, 1)),
     ]
     engine.sampler(logits, rows)
+    engine.structured.compiler.tokenizer()
 
 
 class EngineCore:
