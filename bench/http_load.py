@@ -200,7 +200,9 @@ def start_kvscale(engine_flags: dict, threads: int, model: str, log_dir: Path,
     from bench.anchors import vllm_cpu
 
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(checkout)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
+    if checkout != REPO:  # that tree's kvscale, not an installed or inherited one
+        env["PYTHONPATH"] = str(checkout)
     # The engine core's OpenMP threads on the very CPUs vLLM's get; both front ends take the rest
     # (none when the run uses every CPU: then they share, on both sides).
     bind = vllm_cpu.omp_threads_bind(threads)
