@@ -91,14 +91,11 @@ def greedy_equality(path: Path, dtype: str, device: Any, new_tokens: int) -> dic
 
 def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_batch: int | None,
        enforce_eager: bool = False, triton_layer_ops: bool = True) -> dict:
-    from kvscale.kernels import layer_ops
+    from bench.gpu_kernels import triton_layer_ops as layer_ops_as
 
-    layer_ops.TRITON_LAYER_OPS = triton_layer_ops
-    try:
-        row = _w1(path, device, num_requests, max_num_seqs, baseline_batch, enforce_eager)
-    finally:
-        layer_ops.TRITON_LAYER_OPS = True
-    return row | {"triton_layer_ops": triton_layer_ops}
+    with layer_ops_as(triton_layer_ops):
+        return _w1(path, device, num_requests, max_num_seqs, baseline_batch, enforce_eager) | {
+            "triton_layer_ops": triton_layer_ops}
 
 
 def _w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_batch: int | None,
@@ -143,14 +140,11 @@ def _w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_
 
 def decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int, peak_gbps: float | None,
                 enforce_eager: bool = False, triton_layer_ops: bool = True) -> dict:
-    from kvscale.kernels import layer_ops
+    from bench.gpu_kernels import triton_layer_ops as layer_ops_as
 
-    layer_ops.TRITON_LAYER_OPS = triton_layer_ops
-    try:
-        row = _decode_step(path, device, num_seqs, context, steps, peak_gbps, enforce_eager)
-    finally:
-        layer_ops.TRITON_LAYER_OPS = True
-    return row | {"triton_layer_ops": triton_layer_ops}
+    with layer_ops_as(triton_layer_ops):
+        return _decode_step(path, device, num_seqs, context, steps, peak_gbps, enforce_eager) | {
+            "triton_layer_ops": triton_layer_ops}
 
 
 def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int, peak_gbps: float | None,

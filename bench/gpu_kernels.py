@@ -21,11 +21,13 @@ Timings are medians from ``triton.testing.do_bench`` (which clears the L2 cache 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import math
 import platform
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -165,6 +167,18 @@ def bench_decode_kernel(num_seqs: int, context_len: int, peak_gbps: float | None
     }
 
 
+@contextlib.contextmanager
+def triton_layer_ops(enabled: bool) -> Iterator[None]:
+    """Run the layer ops in Triton (True) or as their PyTorch forms (False, the same-run baseline)."""
+    from kvscale.kernels import layer_ops
+
+    layer_ops.TRITON_LAYER_OPS = enabled
+    try:
+        yield
+    finally:
+        layer_ops.TRITON_LAYER_OPS = True
+
+
 class DecodeStep:
     """One decode step of a SmolLM2-135M-shaped model over paged KV, random weights, through the
     ops the engine's model calls (kvscale.kernels.layer_ops and the attention backend given)."""
@@ -233,7 +247,7 @@ def bench_decode_step(num_seqs: int, context_len: int, peak_gbps: float | None) 
     """The step eager and as a CUDA graph, with the Triton layer ops and, in the same run, with
     their PyTorch forms; and eager with the reference attention where that fits in memory."""
     import kvscale.kernels as kernels
-    from kvscale.kernels import layer_ops, reference
+    from kvscale.kernels import reference
 
     elem = 2  # bfloat16
     weight_bytes = MODEL.weight_params() * elem
@@ -247,8 +261,7 @@ def bench_decode_step(num_seqs: int, context_len: int, peak_gbps: float | None) 
     timings: dict = {}
     tokens: dict = {}
     for fused in (True, False):
-        layer_ops.TRITON_LAYER_OPS = fused
-        try:
+        with triton_layer_ops(fused):
             tokens[fused] = step()
             name = "triton_layer_ops" if fused else "torch_layer_ops"
             timings[f"{name}_eager_ms_median"] = median_ms(step)
@@ -257,8 +270,6 @@ def bench_decode_step(num_seqs: int, context_len: int, peak_gbps: float | None) 
             except Exception as exc:  # noqa: BLE001 - recorded in the JSON rather than hidden
                 timings[f"{name}_cuda_graph_ms_median"] = None
                 timings[f"{name}_cuda_graph_error"] = f"{type(exc).__name__}: {exc}"
-        finally:
-            layer_ops.TRITON_LAYER_OPS = True
     del step
     torch.cuda.empty_cache()
     reference_ms = token_agreement = None

@@ -18,7 +18,9 @@ from kvscale.server.config import KV_CACHE_DTYPES
 
 __all__ = ["kv_cache_dtype_name", "resolve_kv_cache_dtype"]
 
-_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_FP8_NAMES = {dtype: name for name, dtype in _FP8.items()}
+_FP8["fp8"] = torch.float8_e4m3fn
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -38,4 +40,4 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
 
 def kv_cache_dtype_name(dtype: torch.dtype) -> str:
     """How logs and /metrics name a cache dtype: vLLM's spelling for FP8, torch's otherwise."""
-    return {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}.get(dtype, str(dtype).removeprefix("torch."))
+    return _FP8_NAMES.get(dtype, str(dtype).removeprefix("torch."))

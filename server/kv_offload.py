@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvscale.kernels import fp8
 from kvscale.server.block_pool import TierCopies
 from kvscale.server.kv_tier_policy import RESTORE_BUCKETS
 
@@ -73,7 +74,7 @@ def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
 def as_bytes(cache: torch.Tensor) -> torch.Tensor:
     """An FP8 cache as its raw bytes (same shape): PyTorch has no CPU index_copy_ for FP8, and a
     tier copy moves bytes anyway. Other caches as they are."""
-    return cache.view(torch.uint8) if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache
+    return cache.view(torch.uint8) if fp8.is_fp8(cache.dtype) else cache
 
 
 class HostKVCache:

@@ -151,24 +151,25 @@ def test_prefill_matches_the_reference_and_dense_attention(dtype, k_scale, v_sca
 
 
 def test_the_fp8_prefill_runs_in_c_where_the_bfloat16_one_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The FP8 cache must not quietly send prefill back to the PyTorch reference on an AMX CPU.
-    if not cpu_native.amx_prefill_available():
-        pytest.skip("no AMX prefill kernel on this CPU (test_kernels_cpu_prefill.py checks that is right)")
+    # The FP8 cache must not quietly send prefill back to the PyTorch reference where a bfloat16
+    # cache's prefill runs in C (an AMX CPU); elsewhere both take the reference.
     lib = cpu_native._library()
     assert lib is not None
     calls: list[int] = []
     real = lib.kvscale_paged_prefill_attention
     monkeypatch.setattr(lib, "kvscale_paged_prefill_attention", lambda *a: calls.append(a[14]) or real(*a))
-    case = _quantized(make_case(torch.Generator().manual_seed(9), context_lens=[40, 70], q_lens=[40, 30],
-                                num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16),
-                      torch.float8_e5m2, 1.0, 1.0)
-    cpu_native.paged_prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                       case.query_start_loc, case.context_lens, case.scale)
-    assert calls == [fp8.cache_format(torch.float8_e5m2)]
+    for dtype in (torch.bfloat16, torch.float8_e5m2):
+        case = make_case(torch.Generator().manual_seed(9), context_lens=[40, 70], q_lens=[40, 30],
+                         num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+        if dtype != torch.bfloat16:
+            case = _quantized(case, dtype, 1.0, 1.0)
+        cpu_native.paged_prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
+                                           case.query_start_loc, case.context_lens, case.scale)
+    expected = [fp8.cache_format(torch.bfloat16), fp8.cache_format(torch.float8_e5m2)]
+    assert calls == (expected if cpu_native.amx_prefill_available() else [])
 
 
 def test_the_triton_kernels_refuse_an_fp8_cache() -> None:
-    pytest.importorskip("triton")
     from kvscale.kernels.triton_kernels import TRITON
 
     case = _quantized(make_case(torch.Generator().manual_seed(1), context_lens=[5], q_lens=[1], num_heads=2,
