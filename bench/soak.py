@@ -161,6 +161,10 @@ class Platform:
         return None
 
 
+# Transport failures that leave a request unanswered and may be retried on another router.
+RETRIED_BEFORE_HEAD = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
 def _prompt(rng: random.Random) -> str:
     words = " ".join(rng.choice(WORDS) for _ in range(rng.choice([4, 12, 40, 120])))
     return rng.choice(PREFIXES) + words
@@ -174,12 +178,15 @@ async def one_request(client: httpx.AsyncClient, routers: list[str], index: int,
             "stream": True, "ignore_eos": True}
     hang_up_after = rng.randint(1, 6) if rng.random() < 1 / 3 else None
     order = routers[index % len(routers):] + routers[: index % len(routers)]
-    for attempt, router in enumerate(order * 3):  # a Service in front of the routers, retried briefly
+    tries = order * 3  # a Service in front of the routers, retried briefly
+    for attempt, router in enumerate(tries):
+        head = False  # the router's response status and headers arrived
         try:
             async with client.stream("POST", f"{router}/v1/completions", json=body) as response:
+                head = True
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")[:200]
-                    if response.status_code == 503 and attempt + 1 < len(order) * 3:
+                    if response.status_code == 503 and attempt + 1 < len(tries):
                         outcome.router_retries += 1
                         await asyncio.sleep(0.2)
                         continue
@@ -203,8 +210,11 @@ async def one_request(client: httpx.AsyncClient, routers: list[str], index: int,
                         outcome.hung_up = True
                         break
                 break
-        except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
-            if outcome.chunks == 0 and attempt + 1 < len(order) * 3:
+        except RETRIED_BEFORE_HEAD as exc:
+            # A stopping router closes its idle keep-alive connections; one the client picked from
+            # its pool at that moment is reset before any answer. Clients retry that (the openai
+            # client retries every connection error); a failure after the answer began is a loss.
+            if not head and attempt + 1 < len(tries):
                 outcome.router_retries += 1
                 await asyncio.sleep(0.2)
                 continue
@@ -350,7 +360,7 @@ def summarize(outcomes: list[Outcome], faults: list[Fault], platform_: Platform,
         "completed": sum(o.done for o in outcomes),
         "hung_up_on_purpose": sum(o.hung_up for o in outcomes),
         "failed_before_streaming": len(failed_before),
-        "failed_before_streaming_examples": [o.error for o in failed_before[:5]],
+        "failed_before_streaming_examples": [f"{o.error} ({_when(o, faults)})" for o in failed_before[:5]],
         "cut_by_sigterm": len(cut_on("sigterm_replica")),
         "cut_by_sigterm_examples": [asdict(o) for o in cut_on("sigterm_replica")[:3]],
         "cut_by_sigkill": len(cut_on("sigkill_replica")),
@@ -371,6 +381,12 @@ def summarize(outcomes: list[Outcome], faults: list[Fault], platform_: Platform,
 def _gauge(text: str, name: str) -> float | None:
     match = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)
     return float(match.group(1)) if match else None
+
+
+def _when(outcome: Outcome, faults: list[Fault]) -> str:
+    """Which fault a request overlapped, to tell a failure's cause from the report alone."""
+    overlapped = [f.name for f in faults if outcome.started <= (f.until or f.at) and f.at <= outcome.ended]
+    return "during " + ", ".join(overlapped) if overlapped else "no fault under way"
 
 
 def _idle_metrics(platform_: Platform) -> dict[str, str]:
