@@ -153,6 +153,7 @@ def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: in
 
     from bench.gpu_kernels import ModelShape
     from kvscale.server.llm import LLM
+    from kvscale.server.output_builder import OutputKind
     from kvscale.server.sampling_params import SamplingParams
 
     budget = max(2048, context)
@@ -165,7 +166,7 @@ def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: in
               num_gpu_blocks_override=num_seqs * ((context + headroom) // 16 + 2) + 64, enforce_eager=enforce_eager)
     engine = llm.llm_engine
     # As the engine core runs under `kvscale serve`: deltas out, the front end detokenizes.
-    engine.output_deltas, engine.detokenize = True, False
+    engine.output_kind, engine.detokenize = OutputKind.DELTA, False
     params = SamplingParams(temperature=0.0, max_tokens=headroom, ignore_eos=True)
     for i in range(num_seqs):
         # Distinct prompts: no sequence shares a block with another, as in a decode-heavy fleet.

@@ -94,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     kinds = {"prefill": [], "decode": []}
     step_times: dict[str, list[float]] = {"prefill": [], "decode": []}
     tables: dict[str, Any] = {}
-    generated = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         sched_peek = engine.scheduler
@@ -104,12 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         if len(kinds[kind]) < args.profile_steps and (kind == "prefill" or len(sched_peek.running) >= 8):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                outs = engine.step()
+                engine.step()
             kinds[kind].append(prof)
         else:
-            outs = engine.step()
+            engine.step()
         step_times[kind].append(time.perf_counter() - t0)
-        generated += sum(1 for _ in outs)
     elapsed = time.perf_counter() - start
     for kind, profs in kinds.items():
         merged: dict[str, dict[str, float]] = {}

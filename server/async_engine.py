@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvscale.server.output_builder import OutputKind
 from kvscale.server.outputs import EngineStats, RequestOutput, merge_deltas
 from kvscale.server.sampling_params import SamplingParams
 
@@ -291,7 +292,7 @@ class AsyncEngine(EngineFront):
     ) -> None:
         super().__init__(on_step=on_step, on_request_end=on_request_end)
         self.engine = engine
-        engine.output_deltas = True  # the HTTP side streams deltas; it never needs the whole so far
+        engine.output_kind = OutputKind.DELTA  # the HTTP side streams deltas; it never needs the whole so far
         self.publisher = publisher
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None

@@ -38,7 +38,7 @@ from kvscale.server.model_loader import (
     resolve_dtype,
 )
 from kvscale.server.model_runner import ModelRunner, StepLogits, StepProfile, kv_block_bytes
-from kvscale.server.output_builder import cumulative_output, delta_output
+from kvscale.server.output_builder import OutputKind, build_output
 from kvscale.server.outputs import (
     EngineStats,
     KVEvent,
@@ -59,9 +59,10 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    # The server sets this: each output then carries only what is new since the request's
-    # previous one (no per-step copy of the whole text, token ids and logprobs).
-    output_deltas = False
+    # What a step hands back for each request it touched (output_builder.py): the server takes
+    # deltas (no per-step copy of the whole text, token ids and logprobs), the offline LLM only
+    # finished requests.
+    output_kind = OutputKind.CUMULATIVE
     # The core process clears this: its front end turns token ids into text and ends a sample at
     # a stop string (kvscale.server.output_text), so the core's steps spend nothing on text.
     detokenize = True
@@ -295,7 +296,6 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         self.num_generated_tokens += generated
 
-        build = delta_output if self.output_deltas else cumulative_output
         outputs = refused
         for request in touched.values():
             finished = request.is_finished
@@ -304,7 +304,9 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 self.requests.pop(request.request_id, None)
                 self.structured.release(request)
-            outputs.append(build(request, finished))
+            output = build_output(self.output_kind, request, finished)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -316,7 +318,6 @@ class LLMEngine:
                 self.scheduler.add(seq)
         outputs = []
         now = time.monotonic()
-        build = delta_output if self.output_deltas else cumulative_output
         for request, failure in failed:
             for seq in request.seqs:
                 seq.status = SequenceStatus.FINISHED
@@ -325,7 +326,8 @@ class LLMEngine:
             request.metrics.finished_time = now
             self.requests.pop(request.request_id, None)
             self.structured.release(request)
-            output = build(request, True)
+            output = build_output(self.output_kind, request, True)
+            assert output is not None  # every kind sends a finished request
             output.error, output.error_reason = failure.message, failure.reason
             outputs.append(output)
         return outputs

@@ -125,13 +125,14 @@ def _start(settings: CoreSettings) -> tuple[Any, Any, float]:
     import torch
 
     from kvscale.server.engine import LLMEngine
+    from kvscale.server.output_builder import OutputKind
 
     if settings.num_threads:
         torch.set_num_threads(settings.num_threads)
     logger.info("pid %d, CPUs %s, %d torch threads", os.getpid(),
                 ",".join(map(str, sorted(os.sched_getaffinity(0)))), torch.get_num_threads())
     engine = LLMEngine(settings.config)
-    engine.output_deltas = True  # the front end streams deltas
+    engine.output_kind = OutputKind.DELTA  # the front end streams deltas
     engine.detokenize = False  # and makes their text (kvscale.server.output_text)
     warm_up_s = 0.0
     if settings.warm_up:

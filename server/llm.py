@@ -9,6 +9,7 @@ from typing import Any
 from kvscale.server.admission import check_prompt, resolve_max_tokens
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine import LLMEngine
+from kvscale.server.output_builder import OutputKind
 from kvscale.server.outputs import RequestOutput
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.tokenization import completion_prompt_token_ids
@@ -69,6 +70,8 @@ class LLM:
             **engine_kwargs,
         )
         self.llm_engine = LLMEngine(config)
+        # generate() returns finished requests only: a running one costs its step nothing.
+        self.llm_engine.output_kind = OutputKind.FINAL_ONLY
         if self.llm_engine.device.type == "cpu":
             pin_cpu_threads()
         self._ids = itertools.count()

@@ -1,18 +1,36 @@
-"""A request's output after a step, built from its sequences: cumulative, or only what is new.
+"""A request's output after a step, built from its sequences: cumulative, only what is new, or
+nothing until it finishes (``OutputKind``, vLLM's ``RequestOutputKind``).
 
-The offline ``LLM`` gets cumulative outputs (everything so far); the server gets deltas
-(``LLMEngine.output_deltas``): each carries only the text, token ids and logprobs its step added,
-so no step copies a whole answer. Either way ``metrics`` is a snapshot, since the live one moves
-on with the request.
+``LLMEngine.step`` used directly gives cumulative outputs (everything so far); the server takes
+deltas: each carries only the text, token ids and logprobs its step added, so no step copies a
+whole answer. The offline ``LLM`` returns finished requests only, so it takes ``FINAL_ONLY``: a
+running request costs its step nothing. Either way ``metrics`` is a snapshot, since the live one
+moves on with the request.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import replace
 
 from kvscale.server.detokenizer import visible_text, visible_text_len
 from kvscale.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvscale.server.sequence import Request
+
+
+class OutputKind(enum.Enum):
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
+def build_output(kind: OutputKind, request: Request, finished: bool) -> RequestOutput | None:
+    """The output ``kind`` asks for after a step that touched ``request``; None: nothing to send."""
+    if kind is OutputKind.DELTA:
+        return delta_output(request, finished)
+    if kind is OutputKind.FINAL_ONLY and not finished:
+        return None
+    return cumulative_output(request, finished)
 
 
 def cumulative_output(request: Request, finished: bool) -> RequestOutput:

@@ -1,8 +1,8 @@
 """What the engine hands back: per-request outputs, plus KV cache events and stats.
 
-For the server (``LLMEngine.output_deltas``) each output is a delta: the text, token ids and
-logprobs its step added; ``merge_deltas`` folds several into one. The offline API gets cumulative
-outputs (everything so far). Either way ``metrics`` is a snapshot taken when the output was made.
+For the server (``OutputKind.DELTA``) each output is a delta: the text, token ids and logprobs
+its step added; ``merge_deltas`` folds several into one. Otherwise outputs are cumulative
+(everything so far). Either way ``metrics`` is a snapshot taken when the output was made.
 """
 
 from __future__ import annotations

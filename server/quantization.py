@@ -84,8 +84,9 @@ class Int8Linear(nn.Module):
         q, scale = quantize_per_row(weight.detach())
         self.weight_scale: torch.Tensor
         self.register_buffer("weight_scale", scale)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
+        # One copy, in float32: the rescale adds it to float32 sums (C kernel or PyTorch).
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.prepacked = onednn_int8()
         if self.prepacked:
             self.packed_weight = torch.ops.onednn.qlinear_prepack(q, None)
@@ -104,7 +105,7 @@ class Int8Linear(nn.Module):
             sums = torch.ops.onednn.qlinear_pointwise(
                 xq, 1.0, 128, self.packed_weight, self.weight_scale, self.weight_zero_point, None, 1.0, 0,
                 x.dtype if x.dtype == torch.bfloat16 else torch.float32, "none", [], "")
-            out = cpu_native.rescale_rows(sums, x_scale, self.bias_f32)
+            out = cpu_native.rescale_rows(sums, x_scale, self.bias)
             if out is None:
                 out = self._rescale(sums.float(), x_scale, x.dtype)
             out = out.to(x.dtype)
@@ -116,8 +117,8 @@ class Int8Linear(nn.Module):
 
     def _rescale(self, sums: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         sums.mul_(x_scale[:, None])
-        if self.bias_f32 is not None:
-            sums.add_(self.bias_f32)
+        if self.bias is not None:
+            sums.add_(self.bias)
         return sums.to(dtype)
 
     def extra_repr(self) -> str:

@@ -4,6 +4,8 @@
   logprobs, never a copy of everything so far (quadratic in output length).
 - Timestamps in an output are a snapshot: a reader one step behind still sees that step's times.
 - A list of prompts is admitted in one go, in the same engine step.
+- The offline LLM takes finished requests only (``OutputKind.FINAL_ONLY``): a running request
+  gets no output built at all.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 
 from kvscale.server.async_engine import AsyncEngine
+from kvscale.server.output_builder import OutputKind
 from kvscale.server.outputs import RequestOutput, merge_deltas
 from kvscale.server.sampling_params import SamplingParams
 
@@ -39,7 +42,7 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(make_engine) -> None:
     cumulative = _run(make_engine(), "c", prompt, params)[-1]
 
     engine = make_engine()
-    engine.output_deltas = True
+    engine.output_kind = OutputKind.DELTA
     deltas = _run(engine, "d", prompt, params)
     assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
     for delta in deltas[1:]:
@@ -52,6 +55,36 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(make_engine) -> None:
         assert (got.index, got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
             want.index, want.text, want.token_ids, want.finish_reason, want.stop_reason)
         assert [sorted(p) for p in got.logprobs] == [sorted(p) for p in want.logprobs]
+
+
+def test_final_only_gives_each_request_once_as_the_cumulative_answer(make_engine) -> None:
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True, stop=[" named"],
+                            prompt_logprobs=1)
+    prompt = "Once upon a time, in a small village,"
+    cumulative = _run(make_engine(), "c", prompt, params)
+    assert len(cumulative) > 1
+
+    engine = make_engine()
+    engine.output_kind = OutputKind.FINAL_ONLY
+    final = _run(engine, "f", prompt, params)
+    assert len(final) == 1 and final[0].finished
+    want = cumulative[-1]
+    for got, expected in zip(final[0].outputs, want.outputs, strict=True):
+        assert (got.index, got.text, got.token_ids, got.finish_reason, got.stop_reason, got.logprobs) == (
+            expected.index, expected.text, expected.token_ids, expected.finish_reason, expected.stop_reason,
+            expected.logprobs)
+    assert final[0].prompt_logprobs == want.prompt_logprobs
+
+
+def test_the_offline_llm_asks_for_final_outputs_only() -> None:
+    from kvscale.server.llm import LLM
+
+    llm = LLM(dtype="float32", device="cpu", num_gpu_blocks_override=32, max_model_len=128)
+    assert llm.llm_engine.output_kind is OutputKind.FINAL_ONLY
+    outputs = llm.generate(["The capital of France is", "Two plus two is"],
+                           SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [5, 5]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
 
 
 def test_a_list_of_prompts_is_admitted_in_one_go(make_engine) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from kvscale.server.output_builder import OutputKind
 from kvscale.server.outputs import merge_deltas
 from kvscale.server.sampling_params import SamplingParams, StructuredOutputsParams
 from kvscale.server.structured_outputs.compiler import StructuredOutputsConfig
@@ -78,7 +79,7 @@ def requests(tokenizer) -> dict[str, tuple[str, SamplingParams]]:
 
 
 def run(engine, batch: dict[str, tuple[str, SamplingParams]], deltas: bool) -> tuple[dict, int]:
-    engine.output_deltas = deltas
+    engine.output_kind = OutputKind.DELTA if deltas else OutputKind.CUMULATIVE
     for request_id, (prompt, params) in batch.items():
         engine.add_request(request_id, prompt, params)
     outputs: dict[str, list] = {}
