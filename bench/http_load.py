@@ -213,7 +213,8 @@ def start_kvscale(engine_flags: dict, threads: int, model: str, log_dir: Path,
 
 
 def start_vllm(engine_flags: dict, threads: int, model: str, log_dir: Path, enforce_eager: bool,
-               extra_args: tuple[str, ...] = ()) -> Server:
+               extra_args: tuple[str, ...] = (), name: str = "vllm") -> Server:
+    """``name``: its log's name (one per vLLM configuration of a run)."""
     from bench.anchors import vllm_cpu
 
     port = free_port()
@@ -225,7 +226,7 @@ def start_vllm(engine_flags: dict, threads: int, model: str, log_dir: Path, enfo
         max_model_len=engine_flags["max_model_len"], enable_prefix_caching=engine_flags["enable_prefix_caching"],
         enforce_eager=enforce_eager) + list(extra_args)
     env = vllm_cpu.vllm_env(threads, kv_gib)
-    server = spawn("vllm", argv, env, port, model, log_dir, log_dir)
+    server = spawn(name, argv, env, port, model, log_dir, log_dir)
     server.info.update(omp_threads_bind=env["VLLM_CPU_OMP_THREADS_BIND"], kv_cache_gib=kv_gib,
                        enforce_eager=enforce_eager)
     return server

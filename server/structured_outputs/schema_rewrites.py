@@ -22,6 +22,9 @@ library's refusal names it as before:
   ``not: {maxItems: n}`` is "an array of n + 1 items or more" (likewise minItems,
   maxLength, minLength); ``not: {properties: P, required: R}`` is "an object without a key of R,
   or with a key of P whose value breaks P's schema for it" (where that schema has a negation).
+- ``propertyNames`` that every string passes (``true``, ``{}``, ``{type: "string"}``, a list of
+  types with ``"string"``, annotations beside): an object's keys are strings, so it asserts
+  nothing and goes (the library does not implement the keyword at all).
 - Siblings that assert nothing more, which the library would have to intersect into a branch
   that reaches a reference cycle (it refuses that): beside ``anyOf``, a ``type`` every branch
   already implies and ``additionalProperties: {}``; beside a draft-07-or-earlier ``$ref``, every
@@ -121,6 +124,8 @@ class _Rewriter:
                     conjuncts.append({"anyOf": branches})
                 else:
                     out["anyOf"] = branches
+        if "propertyNames" in out and _every_string_passes(out["propertyNames"]) and not self.keeps(path, "propertyNames"):
+            del out["propertyNames"]
         if conjuncts:
             out["allOf"] = list(out.get("allOf", [])) + conjuncts
         self._drop_what_any_of_implies(out, path)
@@ -359,6 +364,16 @@ def _type_of(value: Any) -> str:
 
 
 # --- dependencies ---------------------------------------------------------------------------
+def _every_string_passes(schema: Any) -> bool:
+    """True only if every string is valid under ``schema``: nothing but annotations and a
+    ``type`` that admits strings (an under-approximation: False may be wrong)."""
+    if schema is True:
+        return True
+    if not isinstance(schema, dict) or set(schema) - ANNOTATIONS - {"type"}:
+        return False
+    return "type" not in schema or "string" in _admitted_types(schema["type"])
+
+
 def _dependency_conjuncts(dependencies: dict[str, Any]) -> list[Any]:
     """One ``anyOf`` per dependency: "the key is absent, or everything it depends on holds"."""
     conjuncts: list[Any] = []

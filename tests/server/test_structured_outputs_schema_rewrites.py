@@ -220,6 +220,34 @@ def test_other_negations_stay_refused_naming_not(negated):
     assert "not" in (backend.schema_refusal(schema) or "")
 
 
+# --- propertyNames --------------------------------------------------------------------------
+def test_property_names_that_every_string_passes_go(judge):
+    """An object's keys are strings: a propertyNames every string passes asserts nothing."""
+    schema = {"$schema": DRAFT_2020, "type": "object", "properties": {
+        "env": {"type": "object", "propertyNames": {"type": "string"}, "additionalProperties": {"type": "string"}},
+        "any": {"propertyNames": True}, "empty": {"propertyNames": {}},
+        "listed": {"propertyNames": {"type": ["null", "string"], "title": "t", "description": "d"}}}}
+    values = [*NON_OBJECTS, {}, {"a": "x"}, {"a": 1}, {"": "y", "b c": "z"}]
+    instances = [{key: value} for key in schema["properties"] for value in values] + [{}]
+    rewritten = judge(schema, instances, jsonschema.Draft202012Validator)
+    assert "propertyNames" not in json.dumps(rewritten)
+    assert backend.schema_refusal(schema) is None
+
+
+@pytest.mark.parametrize("names", [{"pattern": "^a"}, {"maxLength": 3}, {"type": "integer"}, {"enum": ["a"]},
+                                   {"type": "string", "minLength": 1}, {"type": "any"}, False])
+def test_property_names_that_assert_something_stay_refused(names):
+    schema = {"type": "object", "propertyNames": names}
+    assert rewrite_schema(schema) == schema
+    assert "propertyNames" in (backend.schema_refusal(schema) or "")
+
+
+def test_a_property_names_a_reference_points_into_stays():
+    schema = {"type": "object", "propertyNames": {"type": "string"},
+              "properties": {"p": {"$ref": "#/propertyNames"}}}
+    assert rewrite_schema(schema) == schema
+
+
 # --- what is never touched ------------------------------------------------------------------
 def test_nothing_beside_a_ref_and_no_data_is_rewritten():
     """Draft-07 ignores $ref's siblings: a conjunct added there would be a new constraint. Names
