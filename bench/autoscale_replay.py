@@ -70,6 +70,7 @@ from bench.autoscale_sim import (
     SharedHost,
     report,
     simulate,
+    start_pressure,
 )
 from bench.common import (
     MOONCAKE_TRACE,
@@ -256,9 +257,13 @@ def load_shared_host(path: Path, background_cores: float = 0.0) -> SharedHost:
     data = json.loads(path.read_text())["calibration"].get("shared_host")
     if data is None:
         raise SystemExit(f"{path} has no shared_host figures: recalibrate (--calibrate --calibration NEW)")
-    return SharedHost(cores=data["cores"], busy_cores=data["busy_cores"],
+    host = SharedHost(cores=data["cores"], busy_cores=data["busy_cores"],
                       start_cores=data["start_cores"], background_cores=background_cores,
                       exponent=data["exponent"])
+    if data.get("slowdown_during_start"):  # what a cold start really cost the stepping replica
+        host = replace(host, start_pressure_cores=start_pressure(
+            replace(host, background_cores=0.0), data["slowdown_during_start"]))
+    return host
 
 
 def load_calibration(path: Path) -> Calibration:

@@ -16,8 +16,8 @@ stand-in: the ready replica with the fewest open requests.
 replicas that share one host's cores, as level (a) runs them on a CPU machine: each tick, the CPU
 wanted by the replicas stepping, the replicas starting (a cold start loads and warms the model on
 the same cores) and the rest of the platform is set against the host's cores, and every step and
-every cold start in progress is stretched by `host_slowdown`. The hour-long level-(b) replays keep
-independent replicas.
+every cold start in progress is stretched (`host_slowdown`, `start_slowdown`). The hour-long
+level-(b) replays keep independent replicas.
 
 Policies, each observing what it would observe in a cluster, on its own period:
 
@@ -79,17 +79,37 @@ class SharedHost:
     # waits at every barrier for them, so two replicas on the same cores can each run at less than
     # half speed. Fitted from two busy replicas: slowdown = (demand / cores) ** exponent.
     exponent: float = 1.0
+    # What a cold start costs a stepping replica, in cores of demand, when that differs from its
+    # CPU use (fitted from a step measured while a replica starts: `start_pressure`); None: its
+    # CPU use, start_cores.
+    start_pressure_cores: float | None = None
 
 
 def host_slowdown(host: SharedHost, stepping: int, starting: int) -> float:
-    """How much longer a step (or a second of cold start) takes than alone on an idle host, with
-    ``stepping`` replicas stepping and ``starting`` replicas in their cold start on ``host``.
-    Alone means the calibration's conditions: one replica stepping and nothing else, which the
-    host runs at full speed as long as the demand fits its cores."""
-    demand = stepping * host.busy_cores + starting * host.start_cores + host.background_cores
+    """How much longer a step takes than alone on an idle host, with ``stepping`` replicas
+    stepping and ``starting`` replicas in their cold start on ``host``. Alone means the
+    calibration's conditions: one replica stepping and nothing else, which the host runs at full
+    speed as long as the demand fits its cores."""
+    start = host.start_cores if host.start_pressure_cores is None else host.start_pressure_cores
+    demand = stepping * host.busy_cores + starting * start + host.background_cores
     if demand <= host.cores:
         return 1.0
     return (demand / host.cores) ** host.exponent
+
+
+def start_slowdown(host: SharedHost, stepping: int, starting: int) -> float:
+    """How much longer a second of cold start takes than alone: a fair share of the cores (a
+    model load reads, converts and compiles; it has no barrier to wait at)."""
+    demand = stepping * host.busy_cores + starting * host.start_cores + host.background_cores
+    return max(1.0, demand / host.cores)
+
+
+def start_pressure(host: SharedHost, slowdown_during_start: float) -> float:
+    """The `SharedHost.start_pressure_cores` that makes `host_slowdown` with one replica stepping
+    and one starting give ``slowdown_during_start`` (measured); never below its CPU use."""
+    fitted = host.cores * slowdown_during_start ** (1.0 / host.exponent) - host.busy_cores \
+        - host.background_cores
+    return max(host.start_cores, fitted)
 
 
 def contention_exponent(cores: float, busy_cores: float, two_busy_slowdown: float) -> float:
@@ -325,24 +345,26 @@ class Fleet:
             while self.held:
                 self.route(now, self.held.popleft())
 
-    def slowdown(self, now: float) -> float:
-        """The shared host's slowdown over the tick from ``now`` (1.0 without a shared host)."""
+    def slowdown(self, now: float) -> tuple[float, float]:
+        """The shared host's slowdown over the tick from ``now`` of a step and of a cold start
+        (1.0 without a shared host)."""
         if self.host is None:
-            return 1.0
+            return 1.0, 1.0
         live = [*self.pods, *self.removed]
         starting = sum(1 for p in self.pods if not p.ready(now))
         stepping = sum(1 for p in live if (p.removed_at is not None or p.ready(now))
                        and (p.busy_until > now or p.replica.waiting or p.replica.running))
-        return host_slowdown(self.host, stepping, starting)
+        return (host_slowdown(self.host, stepping, starting),
+                start_slowdown(self.host, stepping, starting))
 
     def run_pods(self, until: float) -> float:
         """Every pod's engine steps up to ``until``; returns the time of the last finish."""
         last = -1.0
-        slowdown = self.slowdown(until - self.tick_s)
+        slowdown, start = self.slowdown(until - self.tick_s)
         if self.host is not None:
             for pod in self.pods:
                 if pod.ready_at == math.inf:
-                    pod.start_left -= self.tick_s / slowdown
+                    pod.start_left -= self.tick_s / start
                     if pod.start_left <= 0:
                         pod.ready_at = until
         for pod in [*self.pods, *self.removed]:

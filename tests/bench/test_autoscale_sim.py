@@ -85,6 +85,23 @@ def test_host_slowdown_is_demand_over_cores_beyond_what_the_host_holds() -> None
     assert contention_exponent(2.0, 2.0, 1.8) == 1.0 and contention_exponent(4.0, 2.0, 1.5) == 1.0
 
 
+def test_a_cold_start_can_cost_a_stepping_replica_more_than_its_cpu_share() -> None:
+    from dataclasses import replace
+
+    from bench.autoscale_sim import SharedHost, host_slowdown, start_pressure, start_slowdown
+
+    host = SharedHost(cores=2.0, busy_cores=2.0, start_cores=1.0, exponent=2.0)
+    assert host_slowdown(host, 1, 1) == 1.5 ** 2  # from its CPU use alone
+    # Measured: a step took 6x while a replica started; the start's pressure is fitted to that.
+    fitted = replace(host, start_pressure_cores=start_pressure(host, 6.0))
+    assert abs(host_slowdown(fitted, 1, 1) - 6.0) < 1e-9
+    assert host_slowdown(fitted, 1, 0) == 1.0 and host_slowdown(fitted, 2, 0) == 4.0
+    # The start itself progresses at a fair share of the cores, whatever its pressure.
+    assert start_slowdown(fitted, 1, 1) == 1.5 and start_slowdown(fitted, 0, 1) == 1.0
+    # A measurement below what its CPU use explains never lowers it.
+    assert start_pressure(host, 1.0) == 1.0
+
+
 def test_on_a_shared_host_a_cold_start_slows_the_serving_replica_and_itself() -> None:
     from bench.autoscale_sim import FEWEST_OPEN, Fleet, SharedHost
     from bench.w3_policy_sim import SimRequest
