@@ -35,7 +35,7 @@ a compressed bursty trace on real replicas on the whole-platform runtime, polici
 
     flock -x /tmp/kvscale-bench.lock python -m bench.autoscale_replay --level a \
         --calibration bench/results/autoscale_calibration_host.json --span 240 \
-        --policies hpa-real,kvscale --step-load 1.0 --dashboard docs/images/dashboard-autoscaling-replay.png
+        --policies hpa-real,kvscale --step-load 0.3 --dashboard docs/images/dashboard-autoscaling-replay.png
 
 then replays the same arrivals in the simulator (level (b)) with the same policies and settings
 (`hpa-real`: the simulator's HPA at the real controller's 15 s sync, tolerance 0.1, 300 s
@@ -423,9 +423,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="level a: kvscale and/or hpa-real (the real HPA via prometheus-adapter)")
     parser.add_argument("--span", type=float, default=240.0,
                         help="level a: seconds of compressed bursty trace per policy")
-    parser.add_argument("--step-load", type=float, default=1.0,
+    parser.add_argument("--step-load", type=float, default=0.3,
                         help="level a: the x4 step's rate as a fraction of one calibrated replica's "
-                             "capacity (the base is a quarter of it); 2.4 before 2026-11-26 12:00")
+                             "capacity (the base is a quarter of it); 0.3: what this 2-core host "
+                             "served with queueing, not timeouts (docs/benchmarks.md); the run "
+                             "before 2026-11-26 12:00 had 2.4")
     parser.add_argument("--dashboard", default=None,
                         help="level a: render the autoscaling dashboard of the kvscale policy's run "
                              "from its Prometheus into this PNG")
