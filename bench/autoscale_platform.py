@@ -24,7 +24,11 @@ holds its GPU too), reversals count direction changes of spec.replicas. SLO as l
 TTFT <= max(1 s, 4 x the median prompt's prefill on one idle replica), TPOT <= 3 x one decode step.
 
 All replicas share this machine's cores: a second replica adds capacity only as far as the cores
-are free, unlike on GPU nodes. Say so next to any figure.
+are free, unlike on GPU nodes. Say so next to any figure. Before each policy's trace the host's
+CPU in use (the platform with one idle replica) is measured over 10 s: the level-(b) replay of
+the same arrivals (bench.autoscale_replay) takes it as the shared host's background. With
+`dashboard`, Prometheus also scrapes the operator and the routers (the chart's other PodMonitors)
+and the kvscale policy's run draws the chart's autoscaling dashboard from it.
 """
 
 from __future__ import annotations
@@ -69,6 +73,25 @@ class Run:
     policy: str
     outcomes: list[Outcome] = field(default_factory=list)
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # t, spec, pods, ready
+    background_cores: float | None = None  # the host's CPU in use before the trace (one idle replica)
+    dashboard_empty_panels: list[str] | None = None
+
+
+def host_busy_cores(seconds: float) -> float:
+    """CPUs in use on this host, averaged over ``seconds`` (/proc/stat through psutil)."""
+    import psutil
+
+    def busy_and_total() -> tuple[float, float]:
+        t = psutil.cpu_times()
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        total = sum(t)
+        return total - idle, total
+
+    busy0, total0 = busy_and_total()
+    time.sleep(seconds)
+    busy1, total1 = busy_and_total()
+    cores = psutil.cpu_count() or 1
+    return cores * (busy1 - busy0) / max(total1 - total0, 1e-9)
 
 
 def prompt_text(request: SimRequest) -> str:
@@ -145,7 +168,21 @@ def sample(env: Any, namespace: str, run: Run, start: float, stop: threading.Eve
         run.timeline.append((round(time.monotonic() - start, 1), int(spec), len(pods), ready))
 
 
-def replay(env: Any, policy: str, requests: list[SimRequest], tail_s: float) -> Run:
+def render_autoscaling_dashboard(prometheus_url: str, namespace: str, start: float, end: float,
+                                 path: Path) -> list[str]:
+    """The chart's autoscaling dashboard over [start, end] (Unix seconds) of ``namespace``'s
+    InferenceService, from the run's Prometheus; returns the panels without data."""
+    from bench.dashboard_render import render_from_prometheus
+
+    board = json.loads((REPO / "charts" / "kvscale" / "dashboards" / "autoscaling.json").read_text())
+    # $__rate_interval: what Grafana sets at a 1 s scrape (the end-to-end test's value).
+    values = {"namespace": namespace, "inferenceservice": NAME, "model_name": MODEL, "pod": ".*",
+              "__rate_interval": "10s"}
+    return render_from_prometheus(board, prometheus_url, values, start, end, path)
+
+
+def replay(env: Any, policy: str, requests: list[SimRequest], tail_s: float,
+           prometheus_url: str | None = None, dashboard: Path | None = None) -> Run:
     import httpx
     from testenv import ready_pods
 
@@ -167,8 +204,13 @@ def replay(env: Any, policy: str, requests: list[SimRequest], tail_s: float) -> 
     (router,) = ready_pods(env, namespace, f"serving.kvscale.io/router={NAME}")
     url = f"http://{router['status']['podIP']}:8080"
     run = Run(policy, [Outcome(r.arrival) for r in requests])
+    # What the rest of the platform takes from the host's cores (control plane, operator, router,
+    # Redis, Prometheus, the adapter, the idle replica): the simulator's SharedHost.background_cores.
+    run.background_cores = round(host_busy_cores(10.0), 3)
+    print(f"level-a {policy}: the host's background CPU {run.background_cores} cores", flush=True)
     stop = threading.Event()
     start = time.monotonic()
+    wall_start = time.time()
     sampler = threading.Thread(target=sample, args=(env, namespace, run, start, stop), daemon=True)
     sampler.start()
     with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=len(requests))) as client:
@@ -181,6 +223,14 @@ def replay(env: Any, policy: str, requests: list[SimRequest], tail_s: float) -> 
     time.sleep(tail_s)
     stop.set()
     sampler.join(10)
+    if dashboard is not None and prometheus_url is not None:
+        try:
+            run.dashboard_empty_panels = render_autoscaling_dashboard(
+                prometheus_url, namespace, wall_start, time.time(), dashboard)
+            print(f"level-a {policy}: dashboard {dashboard}, panels without data: "
+                  f"{run.dashboard_empty_panels}", flush=True)
+        except Exception as exc:  # the picture is secondary: the figures still count
+            print(f"level-a {policy}: dashboard not rendered: {type(exc).__name__}: {exc}", flush=True)
     env.kubectl("delete", "namespace", namespace, "--wait=true", "--timeout=300s", check=False)
     return run
 
@@ -211,12 +261,17 @@ def figures(run: Run, span_s: float, ttft_slo: float, tpot_slo: float) -> dict[s
         "reversals": reversals,
         "reversals_per_hour": reversals * 3600 / span_s,
         "first_scale_up_s": ups[0] if ups else None,
+        "background_cores": run.background_cores,
+        "dashboard_empty_panels": run.dashboard_empty_panels,
         "timeline": run.timeline,
     }
 
 
 def run_level_a(policies: list[str], requests: list[SimRequest], calibration: Calibration,
-                ttft_slo: float, tpot_slo: float, workdir: Path, tail_s: float = 20.0) -> dict[str, Any]:
+                ttft_slo: float, tpot_slo: float, workdir: Path, tail_s: float = 20.0,
+                dashboard: Path | None = None) -> dict[str, Any]:
+    """Each policy in turn on ``requests``; ``dashboard``: the kvscale run's autoscaling dashboard
+    drawn there from the run's Prometheus (which then also scrapes the operator and routers)."""
     from custom_metrics import start_custom_metrics
     from kubelet import start_runtime
     from testenv import (
@@ -237,12 +292,15 @@ def run_level_a(policies: list[str], requests: list[SimRequest], calibration: Ca
         runtime = start_runtime(env, workdir / "kubelet", (FAKE_NODE_NAME, CPU_NODE_NAME))
         env.kubectl("apply", "-f", str(REPO / "crds"), "-f", str(REPO / "deploy" / "rbac.yaml"))
         env.kubectl("apply", "-f", str(REPO / "deploy" / "operator.yaml"))
-        if "hpa-real" in policies:
+        if "hpa-real" in policies or dashboard is not None:
             metrics = start_custom_metrics(env, runtime, workdir / "custom-metrics",
-                                           find_or_build_prometheus_adapter())
+                                           find_or_build_prometheus_adapter(),
+                                           platform=dashboard is not None)
         for policy in policies:
             began = time.monotonic()
-            run = replay(env, policy, requests, tail_s)
+            run = replay(env, policy, requests, tail_s,
+                         prometheus_url=metrics.prometheus_url if metrics else None,
+                         dashboard=dashboard if policy == "kvscale" else None)
             results[policy] = figures(run, span, ttft_slo, tpot_slo)
             results[policy]["wall_s"] = round(time.monotonic() - began, 1)
             r = results[policy]

@@ -7,8 +7,12 @@
 `--calibrate` starts a real `kvscale serve` (the platform tests' engine flags) and measures, on
 this machine: the cold start (process start to /health 200, the model load and warm-up), the KV
 pool (`kvscale:kv_blocks_total`), the prefill rate (a 480-token prompt's time to first token) and
-a decode step (a 64-token answer's time after its first token), each the median of 3 runs. It
-writes bench/results/autoscale_calibration.json; the replay reads it.
+a decode step (a 64-token answer's time after its first token), each the median of 3 runs; then
+what sharing the host's cores costs (`autoscale_sim.SharedHost`): the CPU the replica used during
+its cold start and while decoding, its decode step while a second replica starts, and both
+decoding at once. It writes `--calibration` (default bench/results/autoscale_calibration.json,
+which the level-(b) figures of docs/benchmarks.md quote: give a new path for a new measurement);
+the replay reads it. With `--workloads ''` it stops there.
 
 Workloads (the scaling is written next to every figure in the JSON and docs/benchmarks.md):
 
@@ -27,7 +31,20 @@ keda-queue, kpa-kv, all behind the same router (kvscale's own decision functions
 replica) and TPOT within 3 x one decode step. The real HPA of kube-controller-manager through
 prometheus-adapter is a policy of level (a) only: `--level a` (bench.autoscale_platform) replays
 a compressed bursty trace on real replicas on the whole-platform runtime, policies `kvscale` and
-`hpa-real`.
+`hpa-real`:
+
+    flock -x /tmp/kvscale-bench.lock python -m bench.autoscale_replay --level a \
+        --calibration bench/results/autoscale_calibration_host.json --span 240 \
+        --policies hpa-real,kvscale --step-load 0.3 --dashboard docs/images/dashboard-autoscaling-replay.png
+
+then replays the same arrivals in the simulator (level (b)) with the same policies and settings
+(`hpa-real`: the simulator's HPA at the real controller's 15 s sync, tolerance 0.1, 300 s
+scale-down stabilization, target 8), on replicas that share the host's cores as level (a)'s do
+(`SharedHost`, from the calibration, with the background CPU level (a) measured before its
+trace), and prints (a) against (b): TTFT p90 and replica-seconds over the span, their ratios and
+whether each is within +-15 %. `--step-load` sets the x4 step's rate in units of one calibrated
+replica's capacity (its base is a quarter of that); `--compare-only LEVEL_A_JSON` redoes only the
+(b) side against an earlier level-(a) result.
 """
 
 from __future__ import annotations
@@ -35,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -49,10 +67,20 @@ from bench.autoscale_sim import (
     HpaPolicy,
     KpaPolicy,
     KvscalePolicy,
+    SharedHost,
     report,
     simulate,
+    start_pressure,
 )
-from bench.common import MOONCAKE_TRACE, REPO, RESULTS, machine, shared_data, write_result
+from bench.common import (
+    MOONCAKE_TRACE,
+    REPO,
+    RESULTS,
+    machine,
+    quantile,
+    shared_data,
+    write_result,
+)
 from bench.w3_policy_sim import SimRequest
 from kvscale.operator.spec import AutoscalingPolicy
 from kvscale.router.policy import DEFAULT_POLICY
@@ -66,60 +94,176 @@ ENGINE_FLAGS = ["--max-model-len", "1024", "--max-num-seqs", "16", "--max-num-ba
 
 # -- calibration on a real replica --------------------------------------------------------------
 
-def calibrate() -> dict:
-    import httpx
+class ServeProcess:
+    """One `kvscale serve` of the bundled model with the calibration's flags, and its CPU time."""
 
-    from kvscale.processes import free_port
+    def __init__(self) -> None:
+        import psutil
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "kvscale", "serve", "--host", "127.0.0.1",
-                             "--port", str(port), *ENGINE_FLAGS],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-    try:
+        from kvscale.processes import free_port
+
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvscale", "serve", "--host", "127.0.0.1",
+                                      "--port", self.url.rsplit(":", 1)[1], *ENGINE_FLAGS],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        self.process = psutil.Process(self.proc.pid)
+
+    def cpu_seconds(self) -> float:
+        """CPU time of the process and its children (the engine core, a kernel's compiler)."""
+        import psutil
+
+        total = 0.0
+        for p in [self.process, *self.process.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system + t.children_user + t.children_system
+        return total
+
+    def wait_ready(self) -> float:
+        """Seconds from process start to /health 200."""
+        import httpx
+
         while True:
-            if proc.poll() is not None:
+            if self.proc.poll() is not None:
                 raise SystemExit("kvscale serve exited during calibration")
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return time.monotonic() - self.started
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        cold_start = time.monotonic() - started
-        metrics = httpx.get(url + "/metrics", timeout=5).text
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def timed(client, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+    """(time to first token, total time) of one streamed completion."""
+    t0 = time.perf_counter()
+    first = None
+    with client.stream("POST", "/v1/completions", json={
+            "model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": max_tokens,
+            "min_tokens": max_tokens, "temperature": 0, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and first is None:
+                first = time.perf_counter() - t0
+    return first or 0.0, time.perf_counter() - t0
+
+
+def decode_step(client, seed: int) -> float:
+    """One 64-token answer's time per token after its first."""
+    ttft, total = timed(client, [5 + seed, 6, 7, 8], 64)
+    return (total - ttft) / 63
+
+
+def calibrate() -> dict:
+    """One replica alone (cold start, KV pool, prefill, decode), then what sharing this host's
+    cores costs (see `autoscale_sim.SharedHost`): the CPU a replica uses starting and stepping,
+    its decode steps while a second replica starts, and two replicas decoding at once."""
+    import threading
+
+    import httpx
+
+    from bench.autoscale_sim import SharedHost, contention_exponent, host_slowdown
+
+    first = ServeProcess()
+    second: ServeProcess | None = None
+    try:
+        cold_start = first.wait_ready()
+        start_cores = first.cpu_seconds() / cold_start
+        metrics = httpx.get(first.url + "/metrics", timeout=5).text
         kv_blocks = int(sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                             if line.startswith("kvscale:kv_blocks_total")))
-        client = httpx.Client(base_url=url, timeout=120)
+        client = httpx.Client(base_url=first.url, timeout=120)
         prompt_ids = [random.Random(i).randrange(1000, 20000) for i in range(480)]
-
-        def timed(prompt: list[int], max_tokens: int) -> tuple[float, float]:
-            t0 = time.perf_counter()
-            first = None
-            with client.stream("POST", "/v1/completions", json={
-                    "model": "smollm2-135m-instruct", "prompt": prompt, "max_tokens": max_tokens,
-                    "min_tokens": max_tokens, "temperature": 0, "stream": True}) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: ") and first is None:
-                        first = time.perf_counter() - t0
-            return first or 0.0, time.perf_counter() - t0
-
-        timed(prompt_ids[:16], 2)  # anything left to warm
-        prefill, decode = [], []
+        timed(client, prompt_ids[:16], 2)  # anything left to warm
+        prefill, decode, busy = [], [], []
         for run in range(3):
             fresh = [(t + 7919 * (run + 1)) % 30000 + 100 for t in prompt_ids]  # no cache hit
-            ttft, _ = timed(fresh, 1)
+            ttft, _ = timed(client, fresh, 1)
             prefill.append(len(fresh) / ttft)
-            ttft, total = timed([5 + run, 6, 7, 8], 64)
-            decode.append((total - ttft) / 63)
+            cpu, wall = first.cpu_seconds(), time.perf_counter()
+            decode.append(decode_step(client, run))
+            busy.append((first.cpu_seconds() - cpu) / (time.perf_counter() - wall))
+        step = statistics.median(decode)
+        # A second replica starts while the first decodes without a pause.
+        during_start: list[float] = []
+        second = ServeProcess()
+        done = threading.Event()
+
+        def keep_decoding() -> None:
+            seed = 10
+            while not done.is_set():
+                during_start.append(decode_step(client, seed))
+                seed += 1
+
+        worker = threading.Thread(target=keep_decoding)
+        worker.start()
+        second_cold = second.wait_ready()
+        second_start_cores = second.cpu_seconds() / second_cold
+        done.set()
+        worker.join()
+        # Both replicas decode at once.
+        other = httpx.Client(base_url=second.url, timeout=120)
+        timed(other, prompt_ids[:16], 2)
+        both: list[float] = []
+        for run in range(3):
+            threads = [threading.Thread(target=lambda c=c, s=run: both.append(decode_step(c, 20 + s)))
+                       for c in (client, other)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        cores = float(os.cpu_count() or 1)
+        busy_cores = statistics.median(busy)
+        two_busy = statistics.median(both) / step
+        host = SharedHost(cores=cores, busy_cores=busy_cores, start_cores=start_cores,
+                          exponent=contention_exponent(cores, busy_cores, two_busy))
+        shared = {**asdict(host), "two_busy_slowdown": two_busy,
+                  # A check of the model on a case it was not fitted to: a step while a replica starts.
+                  "slowdown_during_start": (statistics.median(during_start) / step
+                                            if during_start else None),
+                  "predicted_slowdown_during_start": host_slowdown(host, 1, 1),
+                  "second_cold_start_s": second_cold, "second_start_cores": second_start_cores,
+                  "runs": {"busy_cores": busy, "during_start": during_start, "both": both}}
         return {"cold_start_s": cold_start, "kv_blocks": kv_blocks,
                 "prefill_tokens_per_s": statistics.median(prefill),
-                "decode_step_s": statistics.median(decode), "runs": {"prefill": prefill, "decode": decode},
-                "engine_flags": ENGINE_FLAGS}
+                "decode_step_s": step, "runs": {"prefill": prefill, "decode": decode},
+                "engine_flags": ENGINE_FLAGS, "shared_host": shared}
     finally:
-        proc.terminate()
-        proc.wait(30)
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def cpu_description() -> dict:
+    """The CPU's model and the ISA extensions the engine's kernels care about (/proc/cpuinfo)."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                  if line.startswith("model name")), "unknown")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
+              "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+    return {"model": model, "isa": [f for f in wanted if f in flags]}
+
+
+def load_shared_host(path: Path, background_cores: float = 0.0) -> SharedHost:
+    """The calibration's shared-host figures (files from before 2026-11-26 have none)."""
+    data = json.loads(path.read_text())["calibration"].get("shared_host")
+    if data is None:
+        raise SystemExit(f"{path} has no shared_host figures: recalibrate (--calibrate --calibration NEW)")
+    host = SharedHost(cores=data["cores"], busy_cores=data["busy_cores"],
+                      start_cores=data["start_cores"], background_cores=background_cores,
+                      exponent=data["exponent"])
+    if data.get("slowdown_during_start"):  # what a cold start really cost the stepping replica
+        host = replace(host, start_pressure_cores=start_pressure(
+            replace(host, background_cores=0.0), data["slowdown_during_start"]))
+    return host
 
 
 def load_calibration(path: Path) -> Calibration:
@@ -279,22 +423,38 @@ def main(argv: list[str] | None = None) -> int:
                         help="level a: kvscale and/or hpa-real (the real HPA via prometheus-adapter)")
     parser.add_argument("--span", type=float, default=240.0,
                         help="level a: seconds of compressed bursty trace per policy")
+    parser.add_argument("--step-load", type=float, default=0.3,
+                        help="level a: the x4 step's rate as a fraction of one calibrated replica's "
+                             "capacity (the base is a quarter of it); 0.3: what this 2-core host "
+                             "served with queueing, not timeouts (docs/benchmarks.md); the run "
+                             "before 2026-11-26 12:00 had 2.4")
+    parser.add_argument("--dashboard", default=None,
+                        help="level a: render the autoscaling dashboard of the kvscale policy's run "
+                             "from its Prometheus into this PNG")
+    parser.add_argument("--compare-only", default=None, metavar="LEVEL_A_JSON",
+                        help="level a: skip the real replay, set (b) against this earlier result")
     args = parser.parse_args(argv)
-    if args.level == "a":
-        return level_a(args)
     if args.calibrate:
+        if Path(args.calibration).resolve() == CALIBRATION.resolve() and CALIBRATION.exists():
+            raise SystemExit(f"{CALIBRATION} is the measurement docs/benchmarks.md's level-(b) figures "
+                             "quote: write a new one elsewhere (--calibration NEW.json)")
         measured = calibrate()
         write_result("autoscale_calibration", {"benchmark": "autoscale_calibration",
                                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                               "machine": machine(), "calibration": measured},
+                                               "machine": {**machine(), "cpu": cpu_description()},
+                                               "calibration": measured},
                      args.calibration)
         print(json.dumps(measured, indent=2))
+        if not args.workloads and args.level == "b":
+            return 0
+    if args.level == "a":
+        return level_a(args)
     calibration = load_calibration(Path(args.calibration))
     if args.step_tokens:
         calibration = replace(calibration, step_tokens=args.step_tokens)
     started = time.monotonic()
     results: dict = {}
-    for workload in args.workloads.split(","):
+    for workload in filter(None, args.workloads.split(",")):
         description, build = WORKLOADS[workload]
         requests = build(calibration)
         span = requests[-1].arrival
@@ -348,10 +508,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def compressed_bursty(calibration: Calibration, span: float, seed: int = 1) -> list[SimRequest]:
+def compressed_bursty(calibration: Calibration, span: float, seed: int = 1,
+                      base_fraction: float = 0.6) -> list[SimRequest]:
     """Level (a)'s arrivals: the bursty workload squeezed into ``span`` seconds: the base rate
-    (0.6 x one replica's capacity), x4 from 25 % to 75 % of the span, the base again."""
-    base = 0.6 * one_replica_rps(calibration, 256, 32)
+    (``base_fraction`` x one replica's capacity), x4 from 25 % to 75 % of the span, the base again."""
+    base = base_fraction * one_replica_rps(calibration, 256, 32)
 
     def rate(t: float) -> float:
         return 4 * base if 0.25 * span <= t < 0.75 * span else base
@@ -359,21 +520,119 @@ def compressed_bursty(calibration: Calibration, span: float, seed: int = 1) -> l
     return sorted(synthetic(rate, span, seed=seed), key=lambda r: r.arrival)
 
 
+VALIDATION_TOLERANCE = 0.15  # issue 23: (a) validates (b) within +-15 %
+
+
+def level_b_policy(name: str):
+    """The simulator's policy standing for level (a)'s ``name``, with the same settings."""
+    from bench.autoscale_platform import HPA_TARGET_CONCURRENCY, MAX_REPLICAS, inference_service
+    from kvscale.operator.spec import parse_spec
+
+    if name == "kvscale":  # the very spec level (a) applies, parsed as the operator parses it
+        return KvscalePolicy(parse_spec(inference_service("replay-kvscale", name)["spec"]).autoscaling)
+    if name == "hpa-real":  # the real controller's settings: 15 s sync, 0.1, 300 s (HpaPolicy's)
+        return HpaPolicy(name, "concurrency", HPA_TARGET_CONCURRENCY, 1, MAX_REPLICAS)
+    raise ValueError(f"no level-(b) policy for {name!r}")
+
+
+def within(a: float | None, b: float | None) -> tuple[float | None, bool]:
+    """(b / a, whether b is within the tolerance of a)."""
+    if not a or b is None or math.isnan(b):
+        return None, False
+    ratio = b / a
+    return ratio, abs(ratio - 1.0) <= VALIDATION_TOLERANCE
+
+
+def replay_level_b(level_a: dict, requests: list[SimRequest], calibration: Calibration,
+                   calibration_path: Path, ttft_slo: float, tpot_slo: float) -> dict:
+    """Level (a)'s arrivals through the simulator, per policy of (a): replicas sharing the host's
+    cores (the host's background CPU as (a) measured it before its trace), and, for reference,
+    independent replicas; TTFT p90 and replica-seconds over the span set against (a)'s."""
+    span = level_a["span_s"]
+    out: dict = {}
+    for name, measured in level_a["policies"].items():
+        host = load_shared_host(calibration_path, measured.get("background_cores", 0.0))
+        entry: dict = {"host": asdict(host)}
+        for variant, on in (("shared_host", host), ("independent", None)):
+            outcome = simulate(requests, level_b_policy(name), calibration, start_replicas=1,
+                               hold_timeout_s=300.0, host=on, count_until=span)
+            figures = report(outcome, ttft_slo, tpot_slo, span)
+            ups = [t for t, frm, to in outcome.decisions if to > frm]
+            # Quantiles as level (a) computes them (interpolated), over the served requests.
+            ttfts = [r.first_token - r.arrival for r in outcome.requests if r.first_token is not None]
+            entry[variant] = {
+                "slo_attainment": figures["slo_attainment"], "ttft_p50_s": quantile(ttfts, 0.5),
+                "ttft_p90_s": quantile(ttfts, 0.9), "tpot_p50_s": figures["tpot_p50_s"],
+                "replica_seconds": round(outcome.replica_seconds_window, 1),
+                "failed": figures["failed"], "first_scale_up_s": ups[0] if ups else None,
+                "max_replicas": max([1, *(to for _, _, to in outcome.decisions)]),
+                "decisions": [(round(t, 1), frm, to) for t, frm, to in outcome.decisions]}
+        b = entry["shared_host"]
+        ttft_ratio, ttft_ok = within(measured.get("ttft_p90_s"), b["ttft_p90_s"])
+        rs_ratio, rs_ok = within(measured.get("replica_seconds"), b["replica_seconds"])
+        entry["validation"] = {"ttft_p90_b_over_a": ttft_ratio, "ttft_p90_within": ttft_ok,
+                               "replica_seconds_b_over_a": rs_ratio, "replica_seconds_within": rs_ok,
+                               "tolerance": VALIDATION_TOLERANCE}
+        out[name] = entry
+    return out
+
+
+def comparison_table(level_a: dict, level_b: dict) -> str:
+    """(a) against (b) per policy, as printed and as docs/benchmarks.md shows it."""
+    def f(value, digits=1):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = ["| policy | TTFT p90 (a) | TTFT p90 (b, shared host) | b/a | replica-s (a) | "
+             "replica-s (b, shared host) | b/a | within +-15 % | (b) independent replicas: TTFT p90 / replica-s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, b in level_b.items():
+        a, v, ind = level_a["policies"][name], b["validation"], b["independent"]
+        ok = ("both" if v["ttft_p90_within"] and v["replica_seconds_within"] else
+              "TTFT only" if v["ttft_p90_within"] else
+              "replica-s only" if v["replica_seconds_within"] else "neither")
+        lines.append(f"| {name} | {f(a.get('ttft_p90_s'), 2)} s | {f(b['shared_host']['ttft_p90_s'], 2)} s | "
+                     f"{f(v['ttft_p90_b_over_a'], 2)} | {f(a.get('replica_seconds'))} | "
+                     f"{f(b['shared_host']['replica_seconds'])} | {f(v['replica_seconds_b_over_a'], 2)} | "
+                     f"{ok} | {f(ind['ttft_p90_s'], 2)} s / {f(ind['replica_seconds'])} |")
+    return "\n".join(lines)
+
+
 def level_a(args: argparse.Namespace) -> int:
     import tempfile
 
     from bench.autoscale_platform import run_level_a, write
 
-    calibration = load_calibration(Path(args.calibration))
-    requests = compressed_bursty(calibration, args.span)
+    calibration_path = Path(args.calibration)
+    calibration = load_calibration(calibration_path)
+    base_fraction = args.step_load / 4
+    requests = compressed_bursty(calibration, args.span, base_fraction=base_fraction)
     ttft_slo, tpot_slo = slo(requests, calibration)
-    with tempfile.TemporaryDirectory(prefix="kvscale-level-a-") as tmp:
-        out = run_level_a(args.policies.split(","), requests, calibration, ttft_slo, tpot_slo,
-                          Path(tmp))
-    out["scaling"] = (f"synthetic bursty compressed to {args.span:.0f} s: base rate 0.6 x one "
-                      "calibrated replica's capacity (256-token prompts over 8 shared 128-token "
-                      "prefixes, 32-token answers), x4 from 25 % to 75 % of the span")
-    out["requests"] = len(requests)
+    if args.compare_only:  # (b) against a level-(a) result already measured
+        out = json.loads(Path(args.compare_only).read_text())
+        if out.get("requests") != len(requests):
+            raise SystemExit(f"{args.compare_only} replayed {out.get('requests')} requests, these "
+                             f"arguments make {len(requests)}: not the same arrivals")
+    else:
+        dashboard = Path(args.dashboard) if args.dashboard else None
+        load_before = [round(x, 2) for x in os.getloadavg()]
+        with tempfile.TemporaryDirectory(prefix="kvscale-level-a-") as tmp:
+            out = run_level_a(args.policies.split(","), requests, calibration, ttft_slo, tpot_slo,
+                              Path(tmp), dashboard=dashboard)
+        out["scaling"] = (f"synthetic bursty compressed to {args.span:.0f} s: base rate "
+                          f"{base_fraction:g} x one calibrated replica's capacity (256-token prompts "
+                          "over 8 shared 128-token prefixes, 32-token answers), x4 from 25 % to 75 % "
+                          f"of the span (the step at {args.step_load:g} x one replica's capacity)")
+        out["requests"] = len(requests)
+        out["calibration_file"] = str(calibration_path)
+        out["machine"]["cpu"] = cpu_description()
+        out["loadavg_before"] = load_before  # 1, 5, 15 min
+        out["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        print(f"wrote {write(out, args.out)} (level a; level b next)", flush=True)
+    out["level_b_replay"] = replay_level_b(out, requests, calibration, calibration_path,
+                                           ttft_slo, tpot_slo)
+    table = comparison_table(out, out["level_b_replay"])
+    out["comparison_table"] = table
+    print(table)
     path = write(out, args.out)
     print(f"wrote {path}")
     return 0

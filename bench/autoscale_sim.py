@@ -12,6 +12,13 @@ with the router's default policy, fed each replica's queued prefill, decodes, pr
 an index that predicts a sent prompt's blocks for 10 s. `router="fewest-open"` is the earlier
 stand-in: the ready replica with the fewest open requests.
 
+`host` (a `SharedHost`, default None: every replica has its own compute, as on GPU nodes) models
+replicas that share one host's cores, as level (a) runs them on a CPU machine: each tick, the CPU
+wanted by the replicas stepping, the replicas starting (a cold start loads and warms the model on
+the same cores) and the rest of the platform is set against the host's cores, and every step and
+every cold start in progress is stretched (`host_slowdown`, `start_slowdown`). The hour-long
+level-(b) replays keep independent replicas.
+
 Policies, each observing what it would observe in a cluster, on its own period:
 
 - `kvscale`: the operator's own rule, `kvscale.operator.scaling.decide`, imported (never
@@ -59,6 +66,62 @@ class Calibration:
     cold_start_s: float  # process start to /health 200 (model load and warm-up)
 
 
+@dataclass(frozen=True)
+class SharedHost:
+    """Replicas sharing one host's cores, each figure measured on that host
+    (`bench.autoscale_replay --calibrate`)."""
+
+    cores: float  # the host's CPUs
+    busy_cores: float  # CPU one replica uses while it steps (CPU-s per wall s, alone on the host)
+    start_cores: float  # CPU a replica uses during its cold start (same, process start to ready)
+    background_cores: float = 0.0  # what the rest of the platform uses (control plane, router...)
+    # Contention beyond a fair share of the cores: an OpenMP pool whose threads are descheduled
+    # waits at every barrier for them, so two replicas on the same cores can each run at less than
+    # half speed. Fitted from two busy replicas: slowdown = (demand / cores) ** exponent.
+    exponent: float = 1.0
+    # What a cold start costs a stepping replica, in cores of demand, when that differs from its
+    # CPU use (fitted from a step measured while a replica starts: `start_pressure`); None: its
+    # CPU use, start_cores.
+    start_pressure_cores: float | None = None
+
+
+def host_slowdown(host: SharedHost, stepping: int, starting: int) -> float:
+    """How much longer a step takes than alone on an idle host, with ``stepping`` replicas
+    stepping and ``starting`` replicas in their cold start on ``host``. Alone means the
+    calibration's conditions: one replica stepping and nothing else, which the host runs at full
+    speed as long as the demand fits its cores."""
+    start = host.start_cores if host.start_pressure_cores is None else host.start_pressure_cores
+    demand = stepping * host.busy_cores + starting * start + host.background_cores
+    if demand <= host.cores:
+        return 1.0
+    return (demand / host.cores) ** host.exponent
+
+
+def start_slowdown(host: SharedHost, stepping: int, starting: int) -> float:
+    """How much longer a second of cold start takes than alone: a fair share of the cores (a
+    model load reads, converts and compiles; it has no barrier to wait at)."""
+    demand = stepping * host.busy_cores + starting * host.start_cores + host.background_cores
+    return max(1.0, demand / host.cores)
+
+
+def start_pressure(host: SharedHost, slowdown_during_start: float) -> float:
+    """The `SharedHost.start_pressure_cores` that makes `host_slowdown` with one replica stepping
+    and one starting give ``slowdown_during_start`` (measured); never below its CPU use."""
+    fitted = host.cores * slowdown_during_start ** (1.0 / host.exponent) - host.busy_cores \
+        - host.background_cores
+    return max(host.start_cores, fitted)
+
+
+def contention_exponent(cores: float, busy_cores: float, two_busy_slowdown: float) -> float:
+    """The `SharedHost.exponent` that makes `host_slowdown` give the slowdown measured with two
+    replicas stepping at once (1.0, a fair share, when the two fit the cores or the measurement
+    shows no more than a fair share's slowdown)."""
+    ratio = 2 * busy_cores / cores
+    if ratio <= 1.0 or two_busy_slowdown <= 1.0:
+        return 1.0
+    return max(1.0, math.log(two_busy_slowdown) / math.log(ratio))
+
+
 @dataclass
 class Pod:
     name: str
@@ -67,6 +130,8 @@ class Pod:
     ready_at: float
     removed_at: float | None = None
     busy_until: float = 0.0
+    start_left: float = 0.0  # on a shared host: seconds of cold start still to run, at full speed
+    slowdown: float = 1.0  # the host's slowdown at its last step (its measured rates show it)
 
     def ready(self, now: float) -> bool:
         return self.removed_at is None and now >= self.ready_at
@@ -83,6 +148,7 @@ class Outcome:
     decisions: list[tuple[float, int, int]]  # (time, from, to)
     on_removed: int  # requests open on a pod when it was picked for removal
     timeline: list[tuple[float, int, int, int]]  # (time, replicas wanted, ready, open requests)
+    replica_seconds_window: float = 0.0  # replica-seconds before `simulate`'s count_until
 
 
 # -- policies -----------------------------------------------------------------------------------
@@ -120,7 +186,8 @@ class KvscalePolicy:
                                  max_num_seqs=float(p.replica.costs.max_num_seqs),
                                  prefill_tokens_waiting=float(prefill_tokens_waiting(p.replica)),
                                  # A replica measures its rate once it has prefilled something.
-                                 prefill_tokens_per_s=(p.replica.costs.prefill_tokens_per_s
+                                 # (on a shared host, what it ran at lately)
+                                 prefill_tokens_per_s=(p.replica.costs.prefill_tokens_per_s / p.slowdown
                                                        if p.replica.cache else 0.0))
                  for p in view.pods if p.ready(view.now)]
         decision, self.state = scaling.decide(
@@ -221,6 +288,7 @@ class Fleet:
     calibration: Calibration
     hold_timeout_s: float
     router: str = DEFAULT_POLICY  # a kvscale.router.policy name, or FEWEST_OPEN
+    host: SharedHost | None = None  # None: each replica has its own compute
     tick_s: float = 0.05
     pods: list[Pod] = field(default_factory=list)
     removed: list[Pod] = field(default_factory=list)
@@ -244,8 +312,10 @@ class Fleet:
                              self.costs())
         if self._router is not None:
             replica.on_stored = self._router.stored  # its KV events reach the router's index
-        ready = now + (self.calibration.cold_start_s if cold else 0.0)
-        self.pods.append(Pod(f"pod-{self._names}", replica, now, ready))
+        start = self.calibration.cold_start_s if cold else 0.0
+        # On a shared host the cold start runs at the host's pace: ready once it has run out.
+        ready = now + start if self.host is None or not cold else math.inf
+        self.pods.append(Pod(f"pod-{self._names}", replica, now, ready, start_left=start))
 
     def remove(self, now: float, pod: Pod) -> None:
         pod.removed_at = now
@@ -275,16 +345,36 @@ class Fleet:
             while self.held:
                 self.route(now, self.held.popleft())
 
+    def slowdown(self, now: float) -> tuple[float, float]:
+        """The shared host's slowdown over the tick from ``now`` of a step and of a cold start
+        (1.0 without a shared host)."""
+        if self.host is None:
+            return 1.0, 1.0
+        live = [*self.pods, *self.removed]
+        starting = sum(1 for p in self.pods if not p.ready(now))
+        stepping = sum(1 for p in live if (p.removed_at is not None or p.ready(now))
+                       and (p.busy_until > now or p.replica.waiting or p.replica.running))
+        return (host_slowdown(self.host, stepping, starting),
+                start_slowdown(self.host, stepping, starting))
+
     def run_pods(self, until: float) -> float:
         """Every pod's engine steps up to ``until``; returns the time of the last finish."""
         last = -1.0
+        slowdown, start = self.slowdown(until - self.tick_s)
+        if self.host is not None:
+            for pod in self.pods:
+                if pod.ready_at == math.inf:
+                    pod.start_left -= self.tick_s / start
+                    if pod.start_left <= 0:
+                        pod.ready_at = until
         for pod in [*self.pods, *self.removed]:
-            if pod.removed_at is None and until < pod.ready_at:
-                continue
+            if (pod.removed_at is None and until < pod.ready_at) or pod.ready_at == math.inf:
+                continue  # still starting (a pod removed before it was ready never runs)
             replica = pod.replica
             pod.busy_until = max(pod.busy_until, pod.ready_at)
             while pod.busy_until < until and (replica.waiting or replica.running):
-                pod.busy_until, _, done = replica.step(pod.busy_until)
+                pod.slowdown = slowdown
+                pod.busy_until, _, done = replica.step(pod.busy_until, slowdown)
                 if done:
                     last = max(last, max(r.finished or 0.0 for r in done))
             if pod.busy_until < until:
@@ -297,10 +387,13 @@ class Fleet:
 
 
 def simulate(requests: list[SimRequest], policy, calibration: Calibration, *, start_replicas: int,
-             hold_timeout_s: float, end: float | None = None, router: str = DEFAULT_POLICY) -> Outcome:
-    """Replay ``requests`` (sorted by arrival) through a fleet scaled by ``policy``."""
+             hold_timeout_s: float, end: float | None = None, router: str = DEFAULT_POLICY,
+             host: SharedHost | None = None, count_until: float | None = None) -> Outcome:
+    """Replay ``requests`` (sorted by arrival) through a fleet scaled by ``policy``; ``host``:
+    replicas sharing one host's cores; ``count_until``: also count replica-seconds up to then
+    (level (a) counts them over the trace's span)."""
     requests = [replace(r, pinned=[]) for r in requests]  # a fresh copy: pinned is mutated
-    fleet = Fleet(calibration, hold_timeout_s, router)
+    fleet = Fleet(calibration, hold_timeout_s, router, host)
     for _ in range(start_replicas):
         fleet.add(0.0, cold=False)
     wanted = start_replicas
@@ -308,7 +401,7 @@ def simulate(requests: list[SimRequest], policy, calibration: Calibration, *, st
     timeline: list[tuple[float, int, int, int]] = []
     horizon = end if end is not None else requests[-1].arrival + 120.0
     next_request, next_policy, last_activity = 0, 0.0, 0.0
-    replica_seconds = 0.0
+    replica_seconds = window = 0.0
     now = 0.0
     while now < horizon or fleet.open_requests():
         while next_request < len(requests) and requests[next_request].arrival <= now:
@@ -335,10 +428,13 @@ def simulate(requests: list[SimRequest], policy, calibration: Calibration, *, st
             timeline.append((now, wanted, sum(p.ready(now) for p in fleet.pods), fleet.open_requests()))
         # A pod costs from the moment it is asked for until it is gone (drained after removal).
         replica_seconds += fleet.tick_s * (len(fleet.pods) + len(fleet.removed))
+        if count_until is not None and now < count_until:
+            window += min(fleet.tick_s, count_until - now) * (len(fleet.pods) + len(fleet.removed))
         now += fleet.tick_s
         if now > horizon + 3600:
             break
-    return Outcome(requests, fleet.failed, replica_seconds, decisions, fleet.on_removed, timeline)
+    return Outcome(requests, fleet.failed, replica_seconds, decisions, fleet.on_removed, timeline,
+                   window)
 
 
 def reversals(decisions: list[tuple[float, int, int]]) -> int:

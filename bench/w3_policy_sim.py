@@ -249,8 +249,9 @@ class SimReplica:
                 del self.refs[h]
         req.pinned = []
 
-    def step(self, now: float) -> tuple[float, list[SimRequest], list[SimRequest]]:
-        """Run one engine step from ``now``: (its end, requests that got their first token, finished)."""
+    def step(self, now: float, slowdown: float = 1.0) -> tuple[float, list[SimRequest], list[SimRequest]]:
+        """Run one engine step from ``now``: (its end, requests that got their first token, finished).
+        ``slowdown`` stretches the step (replicas sharing a host's cores: bench.autoscale_sim)."""
         budget = self.costs.step_tokens
         decoding = [r for r in self.running if r.to_prefill == 0]
         budget -= len(decoding)
@@ -278,7 +279,8 @@ class SimReplica:
             r._take = take  # type: ignore[attr-defined]
             budget -= take
             prefill_tokens += take
-        seconds = (self.costs.decode_step_s if decoding else 0.0) + prefill_tokens / self.costs.prefill_tokens_per_s
+        seconds = slowdown * ((self.costs.decode_step_s if decoding else 0.0)
+                              + prefill_tokens / self.costs.prefill_tokens_per_s)
         end = now + max(seconds, 1e-4)
         firsts, done = [], []
         for r in prefilling:

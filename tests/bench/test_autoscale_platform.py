@@ -34,3 +34,66 @@ def test_figures_count_replica_seconds_in_the_span_and_reversals() -> None:
     assert out["reversals"] == 2 and out["max_replicas"] == 3 and out["first_scale_up_s"] == 10.0
     assert out["failed"] == 1 and out["errors"] == ["HTTP 503"]
     assert out["slo_attainment"] == 1 / 3
+
+
+def test_level_b_replays_level_as_policies_with_their_settings() -> None:
+    from bench.autoscale_replay import level_b_policy
+    from bench.autoscale_sim import HpaPolicy, KvscalePolicy
+
+    kvscale = level_b_policy("kvscale")
+    assert isinstance(kvscale, KvscalePolicy)
+    assert (kvscale.policy.min_replicas, kvscale.policy.max_replicas) == (1, 3)
+    assert kvscale.policy.scale_down_stabilization_seconds == 300  # the CRD's default, as (a) runs
+    hpa = level_b_policy("hpa-real")
+    assert isinstance(hpa, HpaPolicy)
+    assert (hpa.period_s, hpa.tolerance, hpa.down_window_s, hpa.target, hpa.max_replicas) == \
+        (15.0, 0.1, 300.0, 8, 3)
+
+
+def test_a_is_set_against_b_on_the_same_arrivals(tmp_path) -> None:
+    import json
+
+    from bench.autoscale_replay import comparison_table, replay_level_b, slo, within
+
+    assert within(10.0, 11.4) == (11.4 / 10.0, True) and within(10.0, 8.4)[1] is False
+    assert within(None, 1.0) == (None, False)
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"calibration": {"shared_host": {
+        "cores": 2.0, "busy_cores": 2.0, "start_cores": 1.0, "exponent": 1.2}}}))
+    requests = compressed_bursty(CAL, 80.0, base_fraction=0.25)
+    span = requests[-1].arrival
+    level_a = {"span_s": span, "policies": {
+        "kvscale": {"ttft_p90_s": 2.0, "replica_seconds": span, "background_cores": 0.4},
+        "hpa-real": {"ttft_p90_s": None, "replica_seconds": span}}}
+    out = replay_level_b(level_a, requests, CAL, calibration, *slo(requests, CAL))
+    kvscale = out["kvscale"]
+    assert kvscale["shared_host"]["replica_seconds"] <= 3 * span + 0.1
+    assert out["kvscale"]["validation"]["replica_seconds_b_over_a"] == \
+        kvscale["shared_host"]["replica_seconds"] / span
+    assert out["hpa-real"]["validation"]["ttft_p90_within"] is False  # (a) had no TTFT
+    # The background CPU (a) measured reaches the simulated host; the shared host is no faster.
+    assert kvscale["host"]["background_cores"] == 0.4 and out["hpa-real"]["host"]["background_cores"] == 0.0
+    assert kvscale["shared_host"]["ttft_p90_s"] >= kvscale["independent"]["ttft_p90_s"]
+    assert kvscale["shared_host"]["failed"] == 0
+    table = comparison_table(level_a, out)
+    assert table.count("\n") == 3 and "| kvscale | 2.00 s |" in table
+
+
+def test_the_replays_prometheus_scrapes_what_the_autoscaling_dashboard_needs(tmp_path) -> None:
+    import subprocess
+
+    import yaml
+    from custom_metrics import prometheus_config
+
+    config = prometheus_config(tmp_path / "servers.json", platform=True)
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"kvscale-servers", "kvscale-routers", "kvscale-operator"}
+    # The operator's series carry namespace and inferenceservice themselves (the chart's honorLabels).
+    assert jobs["kvscale-operator"]["honor_labels"] is True
+    assert not jobs["kvscale-routers"]["honor_labels"]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    check = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert [j["job_name"] for j in prometheus_config(tmp_path / "s.json")["scrape_configs"]] == \
+        ["kvscale-servers"]

@@ -61,3 +61,90 @@ def test_the_fleet_routes_through_kvscales_router_and_kvscale_sees_prefill_work(
         waiting[router] = prefill_tokens_waiting(pod.replica)
     # As the engine reports it: the waiting prompt less what that replica's cache holds.
     assert waiting == {"predicted-ttft": 16, FEWEST_OPEN: 144}
+
+
+# -- replicas sharing one host's cores (level (a) on a CPU machine) -----------------------------
+
+def test_host_slowdown_is_demand_over_cores_beyond_what_the_host_holds() -> None:
+    from bench.autoscale_sim import SharedHost, contention_exponent, host_slowdown
+
+    host = SharedHost(cores=2.0, busy_cores=2.0, start_cores=1.0)
+    assert host_slowdown(host, 1, 0) == 1.0  # the calibration's own conditions: full speed
+    assert host_slowdown(host, 0, 1) == 1.0  # a cold start alone fits the cores
+    assert host_slowdown(host, 2, 0) == 2.0  # two replicas stepping: each at half speed
+    assert host_slowdown(host, 1, 1) == 1.5  # one stepping while one loads its model
+    assert host_slowdown(SharedHost(2.0, 2.0, 1.0, background_cores=0.5), 1, 0) == 1.25
+    # Many cores: nothing competes.
+    assert host_slowdown(SharedHost(cores=64.0, busy_cores=2.0, start_cores=1.0), 3, 2) == 1.0
+    # Spinning OpenMP pools: two busy replicas measured at 2.6x, not a fair share's 2x.
+    exponent = contention_exponent(2.0, 2.0, 2.6)
+    fitted = SharedHost(2.0, 2.0, 1.0, exponent=exponent)
+    assert abs(host_slowdown(fitted, 2, 0) - 2.6) < 1e-9 and exponent > 1.0
+    assert host_slowdown(fitted, 3, 0) > 3.0
+    # A measurement at or below a fair share, or two replicas that fit the cores: fair share.
+    assert contention_exponent(2.0, 2.0, 1.8) == 1.0 and contention_exponent(4.0, 2.0, 1.5) == 1.0
+
+
+def test_a_cold_start_can_cost_a_stepping_replica_more_than_its_cpu_share() -> None:
+    from dataclasses import replace
+
+    from bench.autoscale_sim import SharedHost, host_slowdown, start_pressure, start_slowdown
+
+    host = SharedHost(cores=2.0, busy_cores=2.0, start_cores=1.0, exponent=2.0)
+    assert host_slowdown(host, 1, 1) == 1.5 ** 2  # from its CPU use alone
+    # Measured: a step took 6x while a replica started; the start's pressure is fitted to that.
+    fitted = replace(host, start_pressure_cores=start_pressure(host, 6.0))
+    assert abs(host_slowdown(fitted, 1, 1) - 6.0) < 1e-9
+    assert host_slowdown(fitted, 1, 0) == 1.0 and host_slowdown(fitted, 2, 0) == 4.0
+    # The start itself progresses at a fair share of the cores, whatever its pressure.
+    assert start_slowdown(fitted, 1, 1) == 1.5 and start_slowdown(fitted, 0, 1) == 1.0
+    # A measurement below what its CPU use explains never lowers it.
+    assert start_pressure(host, 1.0) == 1.0
+
+
+def test_on_a_shared_host_a_cold_start_slows_the_serving_replica_and_itself() -> None:
+    from bench.autoscale_sim import FEWEST_OPEN, Fleet, SharedHost
+    from bench.w3_policy_sim import SimRequest
+
+    def start_second(host: SharedHost | None) -> tuple[float, float]:
+        """(when the second replica is ready, the first one's decode steps done by then)."""
+        fleet = Fleet(CAL, hold_timeout_s=60.0, router=FEWEST_OPEN, host=host)
+        fleet.add(0.0, cold=False)
+        long = SimRequest(0, 0.0, [1], 16, output_tokens=10_000)  # decodes all along
+        fleet.route(0.0, long)
+        fleet.add(0.0)  # cold: 10 s alone
+        now = 0.0
+        while not fleet.pods[1].ready(now):
+            fleet.run_pods(now + fleet.tick_s)
+            now += fleet.tick_s
+        return fleet.pods[1].ready_at, long.generated
+
+    alone_ready, alone_steps = start_second(None)
+    shared_ready, shared_steps = start_second(SharedHost(cores=2.0, busy_cores=2.0, start_cores=1.0))
+    assert abs(alone_ready - CAL.cold_start_s) < 0.1
+    assert abs(shared_ready - 1.5 * CAL.cold_start_s) < 0.1  # demand 3 on 2 cores
+    # The first replica decoded at 1/1.5 of its speed for the whole (longer) start.
+    assert abs(shared_steps / shared_ready - alone_steps / alone_ready / 1.5) < 0.5
+
+
+def test_an_idle_host_changes_nothing_and_replica_seconds_count_in_a_window() -> None:
+    from bench.autoscale_sim import SharedHost
+
+    # About one replica's capacity in the steps (x4 of 2 requests/s): the fleet scales to 2-3.
+    requests = sorted(synthetic(bursty_rate(2.0), 300.0, seed=2), key=lambda r: r.arrival)
+    policy = lambda: HpaPolicy("hpa", "concurrency", 4, 1, 8)  # noqa: E731
+    independent = simulate(requests, policy(), CAL, start_replicas=1, hold_timeout_s=120.0)
+    roomy = simulate(requests, policy(), CAL, start_replicas=1, hold_timeout_s=120.0,
+                     host=SharedHost(cores=1000.0, busy_cores=2.0, start_cores=1.0))
+    # Only the cold starts' end moves, to a tick boundary.
+    assert abs(roomy.replica_seconds - independent.replica_seconds) < 0.01 * independent.replica_seconds
+    assert [(round(t), a, b) for t, a, b in roomy.decisions] == \
+        [(round(t), a, b) for t, a, b in independent.decisions]
+    tight = simulate(requests, policy(), CAL, start_replicas=1, hold_timeout_s=120.0,
+                     host=SharedHost(cores=2.0, busy_cores=2.0, start_cores=1.0))
+    ttft = lambda o: sorted(r.first_token - r.arrival for r in o.requests)[int(0.9 * len(o.requests))]  # noqa: E731
+    assert ttft(tight) > ttft(independent)  # more replicas add no compute there
+    # One replica, never scaled: the window holds exactly its seconds.
+    one = simulate(requests[:5], HpaPolicy("hpa", "concurrency", 100, 1, 1), CAL, start_replicas=1,
+                   hold_timeout_s=120.0, count_until=30.0)
+    assert abs(one.replica_seconds_window - 30.0) < 0.06 and one.replica_seconds > 30.0

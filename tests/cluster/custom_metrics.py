@@ -39,7 +39,12 @@ import yaml
 from kubelet import Image, KubeletRuntime
 from testenv import K8sEnv, PemPair, issue_cert
 
-from kvscale.operator.children.labels import MANAGED_BY, SERVER_COMPONENT
+from kvscale.operator.children.labels import (
+    MANAGED_BY,
+    ROUTER_COMPONENT,
+    ROUTER_LABEL,
+    SERVER_COMPONENT,
+)
 from kvscale.operator.hpa import INFERENCE_SERVICE_LABEL, adapter_rules
 from kvscale.operator.spec import NAME_LABEL
 from kvscale.processes import free_port, wait_until
@@ -56,32 +61,59 @@ SCRAPE_INTERVAL_S = 1
 RELIST_INTERVAL_S = 5
 
 
-def server_targets(env: K8sEnv) -> list[dict[str, Any]]:
-    """file_sd targets for the pods the chart's servers PodMonitor selects, with its labels."""
-    pods = env.kubectl_json("get", "pods", "--all-namespaces", "-l",
-                            f"app.kubernetes.io/managed-by={MANAGED_BY},"
-                            f"app.kubernetes.io/component={SERVER_COMPONENT}")["items"]
+def pod_targets(env: K8sEnv, selector: str, port_name: str, name_label: str | None,
+                namespace: str | None = None) -> list[dict[str, Any]]:
+    """file_sd targets for the running pods ``selector`` picks (all namespaces, or one), on their
+    port ``port_name``, with the labels a PodMonitor gives (namespace, pod, and inferenceservice
+    from the pod's label ``name_label``)."""
+    where = ["-n", namespace] if namespace else ["--all-namespaces"]
+    pods = env.kubectl_json("get", "pods", *where, "-l", selector)["items"]
     targets = []
     for pod in pods:
         status, meta = pod.get("status") or {}, pod["metadata"]
         if status.get("phase") in ("Failed", "Succeeded") or not status.get("podIP"):
             continue
         ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports") or []
-                 if p.get("name") == "http"]
-        labels = {"namespace": meta["namespace"], "pod": meta["name"],
-                  INFERENCE_SERVICE_LABEL: (meta.get("labels") or {}).get(NAME_LABEL, "")}
+                 if p.get("name") == port_name]
+        labels = {"namespace": meta["namespace"], "pod": meta["name"]}
+        if name_label:
+            labels[INFERENCE_SERVICE_LABEL] = (meta.get("labels") or {}).get(name_label, "")
         targets += [{"targets": [f"{status['podIP']}:{port}"], "labels": labels} for port in ports]
     return targets
 
 
-def prometheus_config(sd_file: Path) -> dict[str, Any]:
-    """One scrape job standing for the chart's servers PodMonitor."""
+def server_targets(env: K8sEnv) -> list[dict[str, Any]]:
+    """file_sd targets for the pods the chart's servers PodMonitor selects, with its labels."""
+    return pod_targets(env, f"app.kubernetes.io/managed-by={MANAGED_BY},"
+                            f"app.kubernetes.io/component={SERVER_COMPONENT}", "http", NAME_LABEL)
+
+
+# The chart's other two PodMonitors, for the dashboards (tests/cluster's operator runs from
+# deploy/, in kvscale-system): each InferenceService's router, and the operator, whose own series
+# already carry namespace and inferenceservice (hence honor_labels, as the PodMonitor says).
+PLATFORM_JOBS: dict[str, tuple[str, str, str | None, str | None, bool]] = {
+    # job: (selector, port, inferenceservice from, namespace, honor_labels)
+    "kvscale-routers": (f"app.kubernetes.io/managed-by={MANAGED_BY},"
+                        f"app.kubernetes.io/component={ROUTER_COMPONENT}", "http", ROUTER_LABEL,
+                        None, False),
+    "kvscale-operator": ("app.kubernetes.io/component=operator", "metrics", None,
+                         "kvscale-system", True),
+}
+
+
+def prometheus_config(sd_file: Path, platform: bool = False) -> dict[str, Any]:
+    """One scrape job standing for the chart's servers PodMonitor; with ``platform``, also its
+    routers and operator PodMonitors (file_sd files beside ``sd_file``, named after the job)."""
+    jobs = [{"job_name": "kvscale-servers",
+             "file_sd_configs": [{"files": [str(sd_file)], "refresh_interval": "1s"}]}]
+    if platform:
+        jobs += [{"job_name": job, "honor_labels": honor,
+                  "file_sd_configs": [{"files": [str(sd_file.with_name(f"{job}.json"))],
+                                       "refresh_interval": "1s"}]}
+                 for job, (_, _, _, _, honor) in PLATFORM_JOBS.items()]
     return {
         "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "scrape_timeout": "900ms"},
-        "scrape_configs": [{
-            "job_name": "kvscale-servers",
-            "file_sd_configs": [{"files": [str(sd_file)], "refresh_interval": "1s"}],
-        }],
+        "scrape_configs": jobs,
     }
 
 
@@ -97,17 +129,25 @@ class CustomMetrics:
     objects: list[dict[str, Any]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _discovery: threading.Thread | None = None
+    platform: bool = False  # also scraping the routers and the operator
 
     def discover(self, sd_file: Path) -> None:
-        """Rewrites ``sd_file`` (atomically: Prometheus watches it) while running."""
+        """Rewrites ``sd_file`` (atomically: Prometheus watches it) while running, and with
+        ``platform`` the routers' and the operator's files beside it."""
         while not self._stop.wait(1.0):
-            try:
-                targets = server_targets(self.env)
-            except Exception:  # an API hiccup: the next round catches up
-                continue
-            tmp = sd_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(targets))
-            tmp.replace(sd_file)
+            files = {sd_file: lambda: server_targets(self.env)}
+            if self.platform:
+                files.update({sd_file.with_name(f"{job}.json"):
+                              (lambda args=args: pod_targets(self.env, *args[:4]))
+                              for job, args in PLATFORM_JOBS.items()})
+            for path, targets_of in files.items():
+                try:
+                    targets = targets_of()
+                except Exception:  # an API hiccup: the next round catches up
+                    continue
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(targets))
+                tmp.replace(path)
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         import httpx
@@ -156,7 +196,8 @@ def _quantity(text: str) -> float:
     return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
 
 
-def start_prometheus(env: K8sEnv, runtime: KubeletRuntime, workdir: Path) -> CustomMetrics:
+def start_prometheus(env: K8sEnv, runtime: KubeletRuntime, workdir: Path,
+                     platform: bool = False) -> CustomMetrics:
     for tool in ("prometheus", "promtool"):
         if shutil.which(tool) is None:
             raise RuntimeError(f"{tool} is missing: run `make system-deps`")
@@ -164,7 +205,9 @@ def start_prometheus(env: K8sEnv, runtime: KubeletRuntime, workdir: Path) -> Cus
     config = workdir / "prometheus.yml"
     sd_file = workdir / "servers.json"
     sd_file.write_text("[]")
-    config.write_text(yaml.safe_dump(prometheus_config(sd_file)))
+    for job in PLATFORM_JOBS if platform else ():
+        sd_file.with_name(f"{job}.json").write_text("[]")
+    config.write_text(yaml.safe_dump(prometheus_config(sd_file, platform)))
     check = subprocess.run(["promtool", "check", "config", str(config)], capture_output=True,
                            text=True, check=False)
     if check.returncode != 0:
@@ -176,7 +219,7 @@ def start_prometheus(env: K8sEnv, runtime: KubeletRuntime, workdir: Path) -> Cus
         ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
          f"--web.listen-address={address}", "--log.level=warn"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    metrics = CustomMetrics(env, f"http://{address}", workdir, proc, log)
+    metrics = CustomMetrics(env, f"http://{address}", workdir, proc, log, platform=platform)
     metrics._discovery = threading.Thread(target=metrics.discover, args=(sd_file,), daemon=True)
     metrics._discovery.start()
 
@@ -294,10 +337,12 @@ def api_available(env: K8sEnv) -> bool:
 
 
 def start_custom_metrics(env: K8sEnv, runtime: KubeletRuntime, workdir: Path,
-                         adapter_binary: Path, timeout: float = 180) -> CustomMetrics:
-    """Prometheus on the host, prometheus-adapter as a pod, the APIServices Available."""
+                         adapter_binary: Path, timeout: float = 180,
+                         platform: bool = False) -> CustomMetrics:
+    """Prometheus on the host, prometheus-adapter as a pod, the APIServices Available;
+    ``platform``: Prometheus also scrapes the routers and the operator (for the dashboards)."""
     runtime.images["prometheus-adapter"] = Image({"/adapter": str(adapter_binary)})
-    metrics = start_prometheus(env, runtime, workdir)
+    metrics = start_prometheus(env, runtime, workdir, platform)
     try:
         pki = env.workdir / "pki"
         ca = PemPair((pki / "ca.crt").read_bytes(), (pki / "ca.key").read_bytes())
@@ -318,4 +363,5 @@ def start_custom_metrics(env: K8sEnv, runtime: KubeletRuntime, workdir: Path,
 
 
 __all__ = ["ADAPTER", "GROUP", "NAMESPACE", "CustomMetrics", "adapter_objects", "api_available",
-           "prometheus_config", "server_targets", "start_custom_metrics", "start_prometheus"]
+           "pod_targets", "prometheus_config", "server_targets", "start_custom_metrics",
+           "start_prometheus"]

@@ -40,9 +40,9 @@ from observability_helpers import (  # noqa: E402
     load_generator,
     panel_queries,
 )
-from render import render_dashboard  # noqa: E402
 from testenv import kwok_toleration  # noqa: E402
 
+from bench.dashboard_render import render_dashboard  # noqa: E402
 from kvscale import metric_names as names  # noqa: E402
 from kvscale.operator import scraping  # noqa: E402
 from kvscale.processes import free_port, wait_until  # noqa: E402

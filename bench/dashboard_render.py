@@ -1,12 +1,16 @@
 """Draw a dashboard with matplotlib from Prometheus range-query results: one subplot per panel,
 laid out like the Grafana grid (two columns; full-width panels span both), one line per series
-labelled with the panel's legend format. What docs/observability.md shows."""
+labelled with the panel's legend format. What docs/observability.md shows: the end-to-end test
+(tests/observability/test_prometheus_e2e.py) and the autoscaling replay on real replicas
+(bench/autoscale_platform.py) draw their pictures with it. It lives in bench/, which the package
+does not ship, so that both can import it."""
 
 from __future__ import annotations
 
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -70,3 +74,37 @@ def render_dashboard(title: str, panels: list[dict], series: dict[int, list[Seri
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
+
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    """A dashboard query with its variables ($namespace, $__rate_interval...) filled in."""
+    return re.sub(r"\$(\w+)", lambda m: values[m.group(1)], expr)
+
+
+def render_from_prometheus(board: dict[str, Any], prometheus_url: str, values: dict[str, str],
+                           start: float, end: float, path: Path, step_s: float = 1.0) -> list[str]:
+    """Range-query every panel of ``board`` (a dashboard's JSON) and its annotations from the
+    Prometheus at ``prometheus_url`` over [start, end] (Unix seconds), draw them into ``path``;
+    returns the titles of the panels that got no data."""
+    import httpx
+
+    def query(expr: str) -> list[dict[str, Any]]:
+        body = httpx.get(f"{prometheus_url}/api/v1/query_range", timeout=30, params={
+            "query": substitute(expr, values), "start": start, "end": end, "step": step_s}).json()
+        if body.get("status") != "success":
+            raise RuntimeError(f"Prometheus refused {expr!r}: {body}")
+        return body["data"]["result"]
+
+    series: dict[int, list[Series]] = {}
+    empty = []
+    for panel in board["panels"]:
+        found = series.setdefault(panel["id"], [])
+        for target in panel["targets"]:
+            found += [(target["legendFormat"], s["metric"], [(float(t), float(v)) for t, v in s["values"]])
+                      for s in query(target["expr"])]
+        if not any(not math.isnan(v) for _, _, points in found for _, v in points):
+            empty.append(panel["title"])
+    annotations = [float(t) for a in board["annotations"]["list"] if "expr" in a
+                   for s in query(a["expr"]) for t, v in s["values"] if float(v) > 0]
+    render_dashboard(board["title"], board["panels"], series, annotations, start, path)
+    return empty
