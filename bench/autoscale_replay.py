@@ -81,6 +81,7 @@ from bench.common import (
     shared_data,
     write_result,
 )
+from bench.roofline import cpu_isa
 from bench.w3_policy_sim import SimRequest
 from kvscale.operator.spec import AutoscalingPolicy
 from kvscale.router.policy import DEFAULT_POLICY
@@ -238,18 +239,6 @@ def calibrate() -> dict:
         first.stop()
         if second is not None:
             second.stop()
-
-
-def cpu_description() -> dict:
-    """The CPU's model and the ISA extensions the engine's kernels care about (/proc/cpuinfo)."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                  if line.startswith("model name")), "unknown")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
-    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
-              "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
-    return {"model": model, "isa": [f for f in wanted if f in flags]}
 
 
 def load_shared_host(path: Path, background_cores: float = 0.0) -> SharedHost:
@@ -441,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = calibrate()
         write_result("autoscale_calibration", {"benchmark": "autoscale_calibration",
                                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                               "machine": {**machine(), "cpu": cpu_description()},
+                                               "machine": {**machine(), "cpu": cpu_isa()},
                                                "calibration": measured},
                      args.calibration)
         print(json.dumps(measured, indent=2))
@@ -624,7 +613,7 @@ def level_a(args: argparse.Namespace) -> int:
                           f"of the span (the step at {args.step_load:g} x one replica's capacity)")
         out["requests"] = len(requests)
         out["calibration_file"] = str(calibration_path)
-        out["machine"]["cpu"] = cpu_description()
+        out["machine"]["cpu"] = cpu_isa()
         out["loadavg_before"] = load_before  # 1, 5, 15 min
         out["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
         print(f"wrote {write(out, args.out)} (level a; level b next)", flush=True)

@@ -363,7 +363,6 @@ def _type_of(value: Any) -> str:
     return "array" if isinstance(value, list) else "object"
 
 
-# --- dependencies ---------------------------------------------------------------------------
 def _every_string_passes(schema: Any) -> bool:
     """True only if every string is valid under ``schema``: nothing but annotations and a
     ``type`` that admits strings (an under-approximation: False may be wrong)."""
@@ -374,6 +373,7 @@ def _every_string_passes(schema: Any) -> bool:
     return "type" not in schema or "string" in _admitted_types(schema["type"])
 
 
+# --- dependencies ---------------------------------------------------------------------------
 def _dependency_conjuncts(dependencies: dict[str, Any]) -> list[Any]:
     """One ``anyOf`` per dependency: "the key is absent, or everything it depends on holds"."""
     conjuncts: list[Any] = []
