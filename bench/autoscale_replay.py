@@ -76,6 +76,7 @@ from bench.common import (
     MOONCAKE_TRACE,
     REPO,
     RESULTS,
+    exit_on_sigterm,
     machine,
     quantile,
     shared_data,
@@ -423,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-only", default=None, metavar="LEVEL_A_JSON",
                         help="level a: skip the real replay, set (b) against this earlier result")
     args = parser.parse_args(argv)
+    exit_on_sigterm()  # level (a)'s control plane, pods and Prometheus stop on SIGTERM too
     if args.calibrate:
         if Path(args.calibration).resolve() == CALIBRATION.resolve() and CALIBRATION.exists():
             raise SystemExit(f"{CALIBRATION} is the measurement docs/benchmarks.md's level-(b) figures "

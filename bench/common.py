@@ -7,12 +7,14 @@ import json
 import os
 import platform
 import resource
+import signal
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,6 +67,19 @@ def run_side(module: str, side: str, args: list[str]) -> dict[str, Any]:
     if out.returncode != 0:
         raise SystemExit(f"{module} --side {side} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (`kill`, `timeout`, a cancelled job) ends the benchmark as Ctrl-C does: an exception
+    in the main thread, so every ``finally`` and ``with`` stops what the run started. Python's
+    default ends the process on the spot, and what has no death signal outlives it (a container,
+    the pods' network namespaces, a temporary folder). A second SIGTERM ends it at once."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        raise SystemExit(128 + signum)  # the status a shell reports for a process the signal ended
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def write_result(name: str, result: dict[str, Any], out: str | None = None) -> Path:

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import REPO, machine, write_result
+from bench.common import REPO, exit_on_sigterm, machine, write_result
 from kvscale.processes import free_port, wait_until
 
 IMAGES = REPO / "tools" / "images.sh"
@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="build in a fresh podman store")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    exit_on_sigterm()  # the engine container `podman run -d` started is removed on SIGTERM too
 
     result: dict[str, Any] = {"machine": machine(), "cold": args.cold,
                               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

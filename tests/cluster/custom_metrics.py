@@ -47,7 +47,7 @@ from kvscale.operator.children.labels import (
 )
 from kvscale.operator.hpa import INFERENCE_SERVICE_LABEL, adapter_rules
 from kvscale.operator.spec import NAME_LABEL
-from kvscale.processes import free_port, wait_until
+from kvscale.processes import die_with_parent, free_port, wait_until
 
 NAMESPACE = "custom-metrics"
 ADAPTER = "prometheus-adapter"
@@ -218,7 +218,8 @@ def start_prometheus(env: K8sEnv, runtime: KubeletRuntime, workdir: Path,
     proc = subprocess.Popen(
         ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
          f"--web.listen-address={address}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # Dies with this process however it ends (SIGKILL too), as the control plane and pods do.
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
     metrics = CustomMetrics(env, f"http://{address}", workdir, proc, log, platform=platform)
     metrics._discovery = threading.Thread(target=metrics.discover, args=(sd_file,), daemon=True)
     metrics._discovery.start()
