@@ -18,7 +18,8 @@ Every part has its baseline in the same run, on the same device:
    every sequence is decoding. The engine runs as its core does under ``kvscale serve``: outputs
    as deltas, no detokenization (the front end's work).
    ``--parts layer_ops``: W1 and the decode step with the Triton layer ops and with their
-   PyTorch forms.
+   PyTorch forms. ``--parts async``: greedy tokens, W1 and the decode step with async
+   scheduling (server/async_scheduling.py) and with synchronous steps.
 4. Decode CUDA graphs (server/decode_graphs.py): greedy tokens with graphs against the same
    engine with ``enforce_eager``, W1 and the decode step both ways.
 5. Host KV tier: promoting and demoting blocks through ``HostKVCache`` (the engine's code path),
@@ -90,16 +91,16 @@ def greedy_equality(path: Path, dtype: str, device: Any, new_tokens: int) -> dic
 
 
 def w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_batch: int | None,
-       enforce_eager: bool = False, triton_layer_ops: bool = True) -> dict:
+       enforce_eager: bool = False, triton_layer_ops: bool = True, async_scheduling: bool | None = None) -> dict:
     from bench.gpu_kernels import triton_layer_ops as layer_ops_as
 
     with layer_ops_as(triton_layer_ops):
-        return _w1(path, device, num_requests, max_num_seqs, baseline_batch, enforce_eager) | {
+        return _w1(path, device, num_requests, max_num_seqs, baseline_batch, enforce_eager, async_scheduling) | {
             "triton_layer_ops": triton_layer_ops}
 
 
 def _w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_batch: int | None,
-        enforce_eager: bool) -> dict:
+        enforce_eager: bool, async_scheduling: bool | None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -111,7 +112,9 @@ def _w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_
                            min_output=16, max_output=256)
     prompts, outputs = workload(spec)
     llm = LLM(model=str(path), dtype="bfloat16", device=str(device), max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=2048, kv_cache_memory_bytes=4 * 1024**3, enforce_eager=enforce_eager)
+              max_num_batched_tokens=2048, kv_cache_memory_bytes=4 * 1024**3, enforce_eager=enforce_eager,
+              async_scheduling=async_scheduling)
+    overlapped = llm.llm_engine.async_scheduling
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4, ignore_eos=True))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in outputs]
     sync(device)
@@ -126,7 +129,7 @@ def _w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_
         torch.cuda.empty_cache()
     useful = sum(outputs)
     row = {"num_requests": num_requests, "max_num_seqs": max_num_seqs, "enforce_eager": enforce_eager,
-           "output_tokens": useful, "kvscale_output_tokens_per_s": useful / ours_s,
+           "async_scheduling": overlapped, "output_tokens": useful, "kvscale_output_tokens_per_s": useful / ours_s,
            "kvscale_mean_ttft_s": statistics.mean(ttfts)}
     if baseline_batch is None:
         return row
@@ -139,16 +142,16 @@ def _w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_
 
 
 def decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int, peak_gbps: float | None,
-                enforce_eager: bool = False, triton_layer_ops: bool = True) -> dict:
+                enforce_eager: bool = False, triton_layer_ops: bool = True, async_scheduling: bool | None = None) -> dict:
     from bench.gpu_kernels import triton_layer_ops as layer_ops_as
 
     with layer_ops_as(triton_layer_ops):
-        return _decode_step(path, device, num_seqs, context, steps, peak_gbps, enforce_eager) | {
+        return _decode_step(path, device, num_seqs, context, steps, peak_gbps, enforce_eager, async_scheduling) | {
             "triton_layer_ops": triton_layer_ops}
 
 
 def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: int, peak_gbps: float | None,
-                 enforce_eager: bool) -> dict:
+                 enforce_eager: bool, async_scheduling: bool | None) -> dict:
     import torch
 
     from bench.gpu_kernels import ModelShape
@@ -163,7 +166,8 @@ def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: in
     headroom = steps + 2 * -(-num_seqs * context // max(budget - num_seqs, 1)) + 16
     llm = LLM(model=str(path), dtype="bfloat16", device=str(device), max_num_seqs=num_seqs,
               max_num_batched_tokens=budget, max_model_len=context + headroom + 8,
-              num_gpu_blocks_override=num_seqs * ((context + headroom) // 16 + 2) + 64, enforce_eager=enforce_eager)
+              num_gpu_blocks_override=num_seqs * ((context + headroom) // 16 + 2) + 64, enforce_eager=enforce_eager,
+              async_scheduling=async_scheduling)
     engine = llm.llm_engine
     # As the engine core runs under `kvscale serve`: deltas out, the front end detokenizes.
     engine.output_kind, engine.detokenize = OutputKind.DELTA, False
@@ -177,17 +181,22 @@ def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: in
     if len(running) != num_seqs:
         raise RuntimeError(f"only {len(running)} of {num_seqs} sequences decode together (KV room or preemption)")
     tokens_before = sum(seq.num_tokens for seq in running)
+    # No wait for the device between steps: a synchronous step waits for its own tokens anyway,
+    # and with async scheduling a step's wall time is the period at which steps complete.
     decode_times = []
+    sync(device)
+    run_started = time.perf_counter()
     for _ in range(steps):
-        sync(device)
         started = time.perf_counter()
         engine.step()
-        sync(device)
         decode_times.append(time.perf_counter() - started)
+    sync(device)
+    run_s = time.perf_counter() - run_started
     if len(running) != num_seqs:
         raise RuntimeError("a sequence finished or was preempted while the decode steps were timed")
     mean_context = (tokens_before + sum(seq.num_tokens for seq in running)) / 2 / num_seqs
     step_s = statistics.median(decode_times)
+    engine_async = engine.async_scheduling
     spec = engine.runner.model.spec
     shape = ModelShape(num_layers=spec.num_layers, hidden=spec.hidden_size, num_heads=spec.num_heads,
                        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
@@ -202,8 +211,8 @@ def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: in
         torch.cuda.empty_cache()
     return {
         "num_seqs": num_seqs, "context": context, "mean_context_timed": mean_context, "enforce_eager": enforce_eager,
-        "decode_steps": len(decode_times),
-        "step_ms_median": step_s * 1000, "weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes,
+        "async_scheduling": engine_async, "decode_steps": len(decode_times),
+        "step_ms_median": step_s * 1000, "step_ms_mean_of_run": run_s / len(decode_times) * 1000, "weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes,
         "roofline_ms": roofline_s * 1000 if roofline_s else None,
         "fraction_of_roofline": roofline_s / step_s if roofline_s else None,
         "output_tokens_per_s": num_seqs / step_s,
@@ -234,6 +243,31 @@ def graphs_vs_eager(path: Path, dtype: str, device: Any, new_tokens: int) -> dic
     rows = [{"equal": a == b, "first_difference": next((j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)}
             for a, b in zip(tokens[True], tokens[False], strict=True)]
     return {"dtype": dtype, "equal": sum(r["equal"] for r in rows), "sequences": len(rows), "rows": rows}
+
+
+def async_vs_sync(path: Path, dtype: str, device: Any, new_tokens: int) -> dict:
+    """Greedy tokens with async scheduling against the same engine stepping synchronously, decode
+    graphs on, with every way a sequence ends (end token, stop string, max_tokens)."""
+    from transformers import AutoTokenizer
+
+    from kvscale.server.llm import LLM
+    from kvscale.server.sampling_params import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    prompts = [{"prompt_token_ids": tokenizer.encode(p)} for p in GREEDY_PROMPTS]
+    params = [SamplingParams(temperature=0.0, max_tokens=max(new_tokens - 3 * i, 2), ignore_eos=i % 2 == 0,
+                             stop=[".", "\n\n"] if i == 1 else [])
+              for i in range(len(prompts))]
+    tokens = {}
+    for overlapped in (False, True):
+        llm = LLM(model=str(path), dtype=dtype, device=str(device), max_num_seqs=16, max_num_batched_tokens=256,
+                  num_gpu_blocks_override=256, async_scheduling=overlapped)
+        tokens[overlapped] = [(list(r.outputs[0].token_ids), r.outputs[0].finish_reason)
+                              for r in llm.generate(prompts, params)]
+        del llm
+    rows = [a == b for a, b in zip(tokens[False], tokens[True], strict=True)]
+    return {"dtype": dtype, "equal": sum(rows), "sequences": len(rows),
+            "finish_reasons": [reason for _, reason in tokens[True]]}
 
 
 def host_tier(device: Any, num_blocks: int, repeats: int) -> dict:
@@ -376,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="--parts layer_ops: the decode steps' sequences x context")
     parser.add_argument("--layer-ops-order", default="tfft",
                         help="--parts layer_ops: t (Triton layer ops) and f (PyTorch forms), in run order")
+    parser.add_argument("--async-order", default="sasa",
+                        help="--parts async: s (synchronous steps) and a (async scheduling), in run order")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -444,6 +480,21 @@ def main(argv: list[str] | None = None) -> int:
             for fused in order:
                 emit("decode_step", lambda n=num_seqs, c=context, f=fused: decode_step(
                     path, device, n, c, 8 if quick else 32, peak, triton_layer_ops=f))
+    if "async" in parts:
+        # Async scheduling against synchronous steps, same engine, decode graphs and Triton layer
+        # ops on; one untimed W1 first takes Triton's compiles.
+        for dtype in ("float32", "bfloat16"):
+            emit("async_vs_sync", lambda dtype=dtype: async_vs_sync(path, dtype, device, 8 if quick else 32))
+        w1(path, device, 8, 64, None)
+        order = [flag == "a" for flag in args.async_order]
+        shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
+        for overlapped in order:
+            emit("w1", lambda o=overlapped: w1(path, device, 8 if quick else 64, 64, None, async_scheduling=o))
+            if not quick:
+                emit("w1", lambda o=overlapped: w1(path, device, 256, 256, None, async_scheduling=o))
+            for num_seqs, context in ([(4, 64)] if quick else shapes):
+                emit("decode_step", lambda n=num_seqs, c=context, o=overlapped: decode_step(
+                    path, device, n, c, 8 if quick else 32, peak, async_scheduling=o))
     if "tier" in parts:
         emit("host_tier", lambda: host_tier(device, 32 if quick else 1024, 3 if quick else 10))
     if "tier_engine" in parts:

@@ -26,7 +26,7 @@ _ENGINE_FIELDS = (
     "model", "dtype", "block_size", "enable_prefix_caching", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "num_gpu_blocks_override",
     "kv_cache_memory_bytes", "device", "seed", "quantization",
-    "kv_offloading_size", "enforce_eager", "kv_cache_dtype",
+    "kv_offloading_size", "enforce_eager", "kv_cache_dtype", "async_scheduling",
 )
 
 
@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: auto)")
     model.add_argument("--enforce-eager", action="store_true", default=None,
                        help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
+    model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="queue the next step before this one's tokens are read, so the host's work "
+                            "overlaps the GPU's; steps of requests that need the host between tokens "
+                            "(sampling, logprobs, penalties, grammars) stay synchronous "
+                            "(default: on with a GPU, off on CPU)")
 
     cache = parser.add_argument_group("KV cache and batching")
     cache.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")

@@ -40,6 +40,9 @@ class EngineConfig:
     # On a GPU, decode steps replay CUDA graphs (server/decode_graphs.py) unless this is set
     # (vLLM's --enforce-eager); CPU steps are always eager.
     enforce_eager: bool = False
+    # Queue the next step before this one's tokens are read (server/async_scheduling.py; vLLM's
+    # --async-scheduling). None: on where it overlaps anything, i.e. on a GPU.
+    async_scheduling: bool | None = None
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ import time
 import torch
 
 from kvscale.model_files import load_tokenizer, resolve_model_path, served_model_name
+from kvscale.server.async_scheduling import InFlightStep, can_overlap, use_async_scheduling
 from kvscale.server.block_pool import BlockPool
 from kvscale.server.config import EngineConfig
 from kvscale.server.detokenizer import detokenize_incrementally, find_stop_string, init_detokenizer
@@ -46,10 +47,10 @@ from kvscale.server.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from kvscale.server.sampler import Sampler, SamplingRow, make_generator
+from kvscale.server.sampler import Sampler, SamplingRow, greedy_tokens, make_generator
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.scheduler import ScheduledSeq, Scheduler
-from kvscale.server.sequence import Request, Sequence, SequenceStatus
+from kvscale.server.sequence import PLACEHOLDER_TOKEN, Request, Sequence, SequenceStatus
 from kvscale.server.structured_outputs.manager import StructuredOutputManager
 
 # With only grammars compiling, a step waits this long for one instead of spinning.
@@ -140,11 +141,19 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
         self.last_step_s = 0.0
+        self.async_scheduling = use_async_scheduling(config.async_scheduling, self.device)
+        self.in_flight: InFlightStep | None = None  # the step queued, its tokens not read yet
+        # Requests that need the host between two of their steps (async_scheduling.can_overlap):
+        # while there is one, steps run synchronously.
+        self.sync_request_ids: set[str] = set()
         logger.info(
             "kvscale engine: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB, KV cache dtype %s), max_model_len %d",
             self.model_name, self.device, self.dtype, self.num_blocks, self.block_size,
             self.kv_cache_bytes / 2**20, kv_cache_dtype_name(self.kv_cache_dtype), self.max_model_len,
         )
+        if self.async_scheduling:
+            logger.info("kvscale engine: async scheduling on (the next step is queued before this one's "
+                        "tokens are read; --no-async-scheduling turns it off)")
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -186,6 +195,8 @@ class LLMEngine:
         init_detokenizer(seq)
         request.seqs.append(seq)
         self.requests[request_id] = request
+        if not can_overlap(params):
+            self.sync_request_ids.add(request_id)
         if params.structured_outputs is not None:
             # Waits for its grammar here, outside the scheduler, while the batch runs on.
             self.structured.submit(request)
@@ -193,7 +204,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return
         for seq in request.seqs:
@@ -201,8 +212,14 @@ class LLMEngine:
                 self.scheduler.finish(seq)
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
-        request.finished = True
         request.metrics.finished_time = time.monotonic()
+        self._forget(request)
+
+    def _forget(self, request: Request) -> None:
+        """A request leaves the engine: finished, aborted or refused."""
+        request.finished = True
+        self.requests.pop(request.request_id, None)
+        self.sync_request_ids.discard(request.request_id)
         self.structured.release(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -229,6 +246,14 @@ class LLMEngine:
             self.scheduler.copy_bytes_per_s = host_cache.counters.copy_bytes_per_s
 
     def _step(self) -> list[RequestOutput]:
+        if self.async_scheduling and not self.sync_request_ids:
+            return self._step_overlapped()
+        # Some request needs the host between its steps: the queued step's tokens come first.
+        outputs = self._finish_in_flight()
+        outputs += self._step_sync()
+        return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
         refused = self._admit_compiled()
         sched = self.scheduler.schedule()
         # Before the forward (demoted blocks may be written by it, promoted ones read), and even
@@ -239,12 +264,7 @@ class LLMEngine:
                 self.structured.wait(GRAMMAR_WAIT_S)
             return refused
         self.structured.engine_busy()
-        now = time.monotonic()
-        for item in sched.scheduled:
-            request = item.seq.request
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-                request.num_cached_tokens = item.seq.num_computed_tokens
+        self._mark_scheduled(sched.scheduled)
         # The masks of the rows that will sample, filled while the forward runs.
         self.structured.start_masks([item.seq for item in sched.scheduled
                                      if item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens])
@@ -252,12 +272,7 @@ class LLMEngine:
         logits, sample_rows = step_logits.sample, step_logits.sample_rows
         if step_logits.prompt_rows:
             self._record_prompt_logprobs(sched.scheduled, step_logits)
-
-        for item in sched.scheduled:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            if seq.num_computed_tokens <= seq.num_prompt_tokens:
-                self.num_prompt_tokens_computed += item.num_new_tokens
+        self._count_computed(sched.scheduled)
 
         # Rows to sample: one per sequence, n per prompt that has just been prefilled for n samples.
         row_seqs: list[Sequence] = []
@@ -280,7 +295,65 @@ class LLMEngine:
             SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator) for seq in row_seqs
         ]
         tokens, logprobs = self.sampler(logits, rows)
+        return self._take_tokens(row_seqs, tokens, logprobs, refused)
 
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Queue this step behind the one in flight, then read that one's tokens while the device
+        runs this one (server/async_scheduling.py)."""
+        sched = self.scheduler.schedule()
+        self.runner.move_between_tiers(self.kv.take_tier_copies())
+        if not sched.scheduled:
+            return self._finish_in_flight()
+        self._mark_scheduled(sched.scheduled)
+        step_logits = self.runner.execute(sched.scheduled, self.kv.take_pending_copies(), self.in_flight)
+        self._count_computed(sched.scheduled)
+        seqs = [sched.scheduled[i].seq for i in step_logits.sample_rows]
+        queued = InFlightStep.start(seqs, greedy_tokens(step_logits.sample)) if seqs else None
+        outputs = self._finish_in_flight()
+        unfinished = [seq for seq in seqs if not seq.is_finished]
+        for seq in unfinished:
+            seq.token_ids.append(PLACEHOLDER_TOKEN)
+        # A step whose every row ended meanwhile is left to run unread: nothing waits for it.
+        self.in_flight = queued if unfinished else None
+        return outputs
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """The in-flight step's tokens in place of their placeholders, and the outputs they make."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is None:
+            return []
+        row_seqs: list[Sequence] = []
+        tokens: list[int] = []
+        for seq, token in zip(flight.seqs, flight.tokens(), strict=True):
+            if seq.is_finished:
+                continue  # ended (or aborted) after this step was queued: its row ran for nothing
+            placeholder = seq.token_ids.pop()
+            assert placeholder == PLACEHOLDER_TOKEN
+            row_seqs.append(seq)
+            tokens.append(token)
+        return self._take_tokens(row_seqs, tokens, [None] * len(tokens), [])
+
+    def _mark_scheduled(self, scheduled: list[ScheduledSeq]) -> None:
+        now = time.monotonic()
+        for item in scheduled:
+            request = item.seq.request
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+                request.num_cached_tokens = item.seq.num_computed_tokens
+
+    def _count_computed(self, scheduled: list[ScheduledSeq]) -> None:
+        for item in scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.num_prompt_tokens_computed += item.num_new_tokens
+
+    def _take_tokens(
+        self, row_seqs: list[Sequence], tokens: list[int], logprobs: list[PositionLogprobs | None],
+        outputs: list[RequestOutput],
+    ) -> list[RequestOutput]:
+        """Append each row's sampled token (and a grammar's forced ones) to its sequence, end the
+        sequences that are done, and add an output per request touched to ``outputs``."""
         now = time.monotonic()
         touched: dict[str, Request] = {}
         generated = len(tokens)
@@ -296,14 +369,11 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         self.num_generated_tokens += generated
 
-        outputs = refused
         for request in touched.values():
             finished = request.is_finished
             if finished:
-                request.finished = True
                 request.metrics.finished_time = now
-                self.requests.pop(request.request_id, None)
-                self.structured.release(request)
+                self._forget(request)
             output = build_output(self.output_kind, request, finished)
             if output is not None:
                 outputs.append(output)
@@ -322,10 +392,8 @@ class LLMEngine:
             for seq in request.seqs:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = "abort"
-            request.finished = True
             request.metrics.finished_time = now
-            self.requests.pop(request.request_id, None)
-            self.structured.release(request)
+            self._forget(request)
             output = build_output(self.output_kind, request, True)
             assert output is not None  # every kind sends a finished request
             output.error, output.error_reason = failure.message, failure.reason

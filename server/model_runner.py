@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvscale import kernels
+from kvscale.server.async_scheduling import InFlightStep
 from kvscale.server.attention_metadata import AttentionMetadata, DecodePrefillSplit
 from kvscale.server.block_pool import TierCopies
 from kvscale.server.decode_graphs import Capture, DecodeGraphs, cuda_graph_capture
@@ -28,7 +29,7 @@ from kvscale.server.outputs import RequestMetrics
 from kvscale.server.sampler import Sampler, SamplingRow, make_generator
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.scheduler import ScheduledSeq
-from kvscale.server.sequence import Request, Sequence
+from kvscale.server.sequence import PLACEHOLDER_TOKEN, Request, Sequence
 
 
 @dataclass
@@ -260,9 +261,12 @@ class ModelRunner:
         cache[:, :, dst] = cache[:, :, src]
 
     def prepare(
-        self, scheduled: list[ScheduledSeq]
+        self, scheduled: list[ScheduledSeq], in_flight: InFlightStep | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int], list[PromptRows]]:
         """Inputs for this step, the flattened rows whose logits are needed, and their sequences.
+
+        A decode row whose token is still a placeholder takes it from ``in_flight``'s sampled
+        tokens on the device (server/async_scheduling.py).
 
         A sequence gets logits to sample from when this step's chunk reaches its last token. A
         request that asked for prompt logprobs also gets the logits of every chunk position that
@@ -283,6 +287,8 @@ class ModelRunner:
         pos_parts: list[np.ndarray] = []
         slot_parts: list[np.ndarray] = []
         chunk_at: list[int] = []  # where each chunk's positions go among the single tokens
+        fill_at: list[int] = []  # rows whose input is a placeholder
+        fill_from: list[int] = []  # ... and the in-flight step's row that samples it
         sample_rows: list[int] = []
         prompt_rows: list[PromptRows] = []
         prompt_flat_rows: list[int] = []
@@ -296,11 +302,17 @@ class ModelRunner:
             end = start + n
             table = seq.block_table
             tables[i, : len(table)] = table
-            input_ids.extend(seq.token_ids[start:end])
             if n == 1:
+                token = seq.token_ids[start]
+                if token == PLACEHOLDER_TOKEN:
+                    assert in_flight is not None, "a placeholder with no step in flight"
+                    fill_at.append(len(input_ids))
+                    fill_from.append(in_flight.row_of[seq.seq_id])
+                input_ids.append(token)
                 positions_list.append(start)
                 slots_list.append(table[start // bs] * bs + start % bs)
             else:
+                input_ids.extend(seq.token_ids[start:end])
                 pos = np.arange(start, end, dtype=np.int64)
                 chunk_at.append(len(positions_list))
                 pos_parts.append(pos)
@@ -339,6 +351,10 @@ class ModelRunner:
         if not is_decode and not self.kernels.prefill_batches_decodes:
             meta.split = self._split(attn_query_lens, attn_tables, attn_query_start, attn_context_lens)
         ids = to_device(torch.tensor(input_ids, dtype=torch.long))
+        if fill_at:
+            assert in_flight is not None
+            rows = to_device(torch.tensor(fill_from, dtype=torch.long))
+            ids[to_device(torch.tensor(fill_at, dtype=torch.long))] = in_flight.device_tokens[rows]
         flat_rows = [query_start[i + 1] - 1 for i in sample_rows] + prompt_flat_rows
         logits_indices = to_device(torch.tensor(flat_rows, dtype=torch.long))
         return ids, positions, meta, logits_indices, sample_rows, prompt_rows
@@ -375,12 +391,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]]
+        self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]], in_flight: InFlightStep | None = None,
     ) -> StepLogits:
         """Run one step; float32 logits to sample from (left on the model's device: the sampler
-        brings only token ids back for plain greedy rows), and those for prompt logprobs (host)."""
+        brings only token ids back for plain greedy rows), and those for prompt logprobs (host).
+        Placeholder inputs come from ``in_flight``'s tokens."""
         self.copy_blocks(copies)
-        ids, positions, meta, logits_indices, sample_rows, prompt_rows = self.prepare(scheduled)
+        ids, positions, meta, logits_indices, sample_rows, prompt_rows = self.prepare(scheduled, in_flight)
         hidden = None
         if self.decode_graphs is not None and meta.is_decode and not prompt_rows and len(ids) == len(sample_rows):
             hidden = self.decode_graphs.run(ids, positions, meta)

@@ -19,6 +19,9 @@ class SequenceStatus(enum.Enum):
 
 _seq_ids = itertools.count()
 
+# A sequence's last token while its sampled one is still on the device (server/async_scheduling.py).
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -52,6 +55,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has: all but a trailing placeholder."""
+        return len(self.token_ids) - (self.token_ids[-1] == PLACEHOLDER_TOKEN)
 
     @property
     def num_output_tokens(self) -> int:

@@ -68,6 +68,7 @@ def hf_greedy_tokens(hf_bundled_model, bundled_tokenizer) -> dict[str, list[int]
 def assert_no_leak(engine) -> None:
     """Every block is free again and no request is left behind."""
     assert not engine.has_unfinished_requests(), sorted(engine.requests)
+    assert engine.in_flight is None, "a queued step's tokens were never read"
     assert not engine.scheduler.running and not engine.scheduler.waiting
     pool = engine.pool
     assert pool.num_active_blocks == 0, f"{pool.num_active_blocks} KV blocks leaked"
