@@ -10,7 +10,8 @@ the model's PyTorch formula. bfloat16 prefill attention of a W1 and a W2 prefill
 (the C kernel on AMX CPUs; elsewhere both sides are the reference). Medians of repeated calls,
 float32 and bfloat16. The KV write of a decode and a prefill step's tokens. Also the sampler's
 greedy ids (``server.sampler.greedy_tokens``, ``max(dim).indices``) against ``argmax`` on a
-64-row decode step's float32 logits over the bundled model's vocabulary. With a bfloat16 model,
+64-row decode step's float32 logits over the bundled model's vocabulary, and on a bfloat16
+model's logits (64 and 256 rows) as they are against a float32 copy first (the engine's way before). With a bfloat16 model,
 the FP8 KV cache (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``): the same decode and prefill
 steps and KV writes over the same values quantized, each row also against the bfloat16 cache's
 C time (``vs_bf16_cache``: above 1, the FP8 cache is faster). The one-layer decode case reads the
@@ -245,6 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     greedy["speedup"] = greedy["argmax_ms"] / greedy["greedy_tokens_ms"]
     print(f"greedy ids [64, 49152] float32: max(dim).indices {greedy['greedy_tokens_ms']:.3f} ms  "
           f"argmax {greedy['argmax_ms']:.3f} ms  {greedy['speedup']:.2f}x")
+    # A bfloat16 model's logits: the sampler argmaxes them as they are; before, the runner made a
+    # float32 copy of every row first. Both at a decode step of 64 and of 256 sequences.
+    for num_rows in (64, 256):
+        bf16 = torch.randn(num_rows, 49152, generator=gen).bfloat16()
+        as_is = median_ms(lambda x=bf16: greedy_tokens(x), args.repeats, warmup=1)
+        copied = median_ms(lambda x=bf16: greedy_tokens(x.float()), args.repeats, warmup=1)
+        greedy[f"bf16_{num_rows}_rows"] = {"as_is_ms": as_is, "float32_copy_ms": copied, "speedup": copied / as_is}
+        print(f"greedy ids [{num_rows}, 49152] bfloat16: as they are {as_is:.3f} ms  "
+              f"float32 copy first {copied:.3f} ms  {copied / as_is:.2f}x")
     result = {"benchmark": "cpu_kernels", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
               "threads": args.threads, "rows": rows, "greedy_ids": greedy}
     print(write_result(f"cpu_kernels_t{args.threads}", result, args.out))

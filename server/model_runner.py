@@ -393,8 +393,9 @@ class ModelRunner:
     def execute(
         self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]], in_flight: InFlightStep | None = None,
     ) -> StepLogits:
-        """Run one step; float32 logits to sample from (left on the model's device: the sampler
-        brings only token ids back for plain greedy rows), and those for prompt logprobs (host).
+        """Run one step; logits to sample from in the model's dtype (left on its device: the
+        sampler argmaxes plain greedy rows where they are and converts only rows that need a
+        distribution to float32), and float32 ones for prompt logprobs (host).
         Placeholder inputs come from ``in_flight``'s tokens."""
         self.copy_blocks(copies)
         ids, positions, meta, logits_indices, sample_rows, prompt_rows = self.prepare(scheduled, in_flight)
@@ -403,9 +404,11 @@ class ModelRunner:
             hidden = self.decode_graphs.run(ids, positions, meta)
         if hidden is None:
             hidden = self.model.hidden_states(ids, positions, self.kv_caches, meta, logits_indices)
-        logits = self.model.compute_logits(hidden).float()
+        # Not converted to float32 here: that copy of [rows, vocab] was most of a greedy bf16
+        # step's sampling time on CPU, and an argmax over exactly converted values is the same.
+        logits = self.model.compute_logits(hidden)
         num_sample = len(sample_rows)
-        return StepLogits(logits[:num_sample], sample_rows, logits[num_sample:].cpu(), prompt_rows)
+        return StepLogits(logits[:num_sample], sample_rows, logits[num_sample:].float().cpu(), prompt_rows)
 
 
 def _merge_rows(singles: list[int], chunk_at: list[int], chunks: list[np.ndarray]) -> np.ndarray:

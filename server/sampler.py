@@ -137,6 +137,10 @@ class Sampler:
     ) -> tuple[list[int], list[PositionLogprobs | None]]:
         if logits.device.type != "cpu":
             return self.sample_on_device(logits, rows)
+        if not any(needs_host_logits(row) for row in rows):
+            # Plain greedy rows: the argmax of the model's dtype is the argmax of its exact float32
+            # conversion, without a [rows, vocab] float32 copy.
+            return greedy_tokens(logits).tolist(), [None] * len(rows)
         logits = logits.float()
         want_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=1) if want_logprobs else None

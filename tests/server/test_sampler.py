@@ -32,6 +32,22 @@ def draw_many(params: SamplingParams, logits: list[float], count: int = 400) -> 
     return tokens
 
 
+def test_bfloat16_logits_sample_as_their_float32_values_do():
+    """Greedy rows are argmaxed in the model's dtype (ties, common in bfloat16, to the first),
+    rows that need a distribution on float32: the same tokens and logprobs either way."""
+    generator = torch.Generator().manual_seed(3)
+    logits = (torch.randn(64, 1000, generator=generator) * 4).round().bfloat16()  # many exact ties
+    greedy = [row(SamplingParams(temperature=0)) for _ in range(64)]
+    tokens, _ = sampler()(logits, greedy)
+    assert tokens == sampler()(logits.float(), greedy)[0] == logits.float().argmax(dim=1).tolist()
+
+    def mixed() -> list[SamplingRow]:  # fresh generators for each call
+        return [row(SamplingParams(temperature=0, logprobs=2)), row(SamplingParams(temperature=0.7, seed=5)),
+                row(SamplingParams(temperature=0, repetition_penalty=1.3), tokens=(5, 9))]
+
+    assert sampler()(logits[:3], mixed()) == sampler()(logits[:3].float(), mixed())
+
+
 def test_greedy_takes_argmax():
     tokens, logprobs = sampler()(logits_rows([0, 3, 1, 0, 0, 0, 0, 0], [5, 0, 0, 0, 0, 0, 0, 0]),
                                  [row(SamplingParams(temperature=0)), row(SamplingParams(temperature=0))])
