@@ -11,11 +11,10 @@ moves on with the request.
 from __future__ import annotations
 
 import enum
-from dataclasses import replace
 
 from kvscale.server.detokenizer import visible_text, visible_text_len
 from kvscale.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from kvscale.server.sequence import Request
+from kvscale.server.sequence import Request, Sequence
 
 
 class OutputKind(enum.Enum):
@@ -44,7 +43,7 @@ def cumulative_output(request: Request, finished: bool) -> RequestOutput:
             stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
         )
-        for seq in sorted(request.seqs, key=lambda s: s.index)
+        for seq in _by_index(request)
     ]
     prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs is not None else None
     return _request_output(request, completions, finished, prompt_logprobs)
@@ -53,7 +52,7 @@ def cumulative_output(request: Request, finished: bool) -> RequestOutput:
 def delta_output(request: Request, finished: bool) -> RequestOutput:
     """What the request produced since its previous delta (and marks it sent)."""
     completions = []
-    for seq in sorted(request.seqs, key=lambda s: s.index):
+    for seq in _by_index(request):
         text_end = max(visible_text_len(seq), seq.sent_text)
         num_output = seq.num_output_tokens
         completions.append(CompletionOutput(
@@ -73,6 +72,11 @@ def delta_output(request: Request, finished: bool) -> RequestOutput:
     return _request_output(request, completions, finished, prompt_logprobs)
 
 
+def _by_index(request: Request) -> list[Sequence]:
+    seqs = request.seqs
+    return seqs if len(seqs) == 1 else sorted(seqs, key=lambda s: s.index)
+
+
 def _request_output(request: Request, completions: list[CompletionOutput], finished: bool,
                     prompt_logprobs: list[PositionLogprobs | None] | None) -> RequestOutput:
     return RequestOutput(
@@ -82,6 +86,6 @@ def _request_output(request: Request, completions: list[CompletionOutput], finis
         outputs=completions,
         finished=finished,
         num_cached_tokens=request.num_cached_tokens,
-        metrics=replace(request.metrics),
+        metrics=request.metrics.snapshot(),
         prompt_logprobs=prompt_logprobs,
     )

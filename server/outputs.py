@@ -46,6 +46,13 @@ class RequestMetrics:
     grammar_compile_s: float | None = None
     grammar_cache_hit: bool | None = None
 
+    def snapshot(self) -> RequestMetrics:
+        """A copy that stays as it is while the request moves on (one per output: a step of 256
+        sequences makes 256; ``dataclasses.replace`` cost three times as much)."""
+        copied = object.__new__(RequestMetrics)
+        copied.__dict__.update(self.__dict__)
+        return copied
+
 
 @dataclass
 class RequestOutput:

@@ -97,6 +97,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return bool(self.seqs) and all(seq.is_finished for seq in self.seqs) and all(
-            seq.fork_into == 1 for seq in self.seqs
-        )
+        seqs = self.seqs
+        if len(seqs) == 1:  # most requests: no generator per call
+            return seqs[0].finish_reason is not None and seqs[0].fork_into == 1
+        return bool(seqs) and all(seq.is_finished for seq in seqs) and all(seq.fork_into == 1 for seq in seqs)
