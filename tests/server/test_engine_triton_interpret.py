@@ -147,8 +147,8 @@ def _child(spec: dict) -> None:
     split_steps = [0]
     prepare = engine.runner.prepare
 
-    def prepare_counting(scheduled):
-        inputs = prepare(scheduled)
+    def prepare_counting(scheduled, in_flight=None):
+        inputs = prepare(scheduled, in_flight)
         split_steps[0] += inputs[2].split is not None
         return inputs
 
