@@ -5,6 +5,8 @@ The HTTP server and the offline ``LLM`` both drive this: ``add_request`` / ``abo
 finished request is reported once with ``finished=True`` and forgotten. The engine wires the
 parts together at construction (model, KV pool sized by kv_sizing.py, scheduler, runner,
 sampler) and owns the step loop and the end-of-sequence checks; its stats are engine_stats.py's.
+With async scheduling (a GPU's default, async_scheduling.py) a ``step()`` queues the next
+iteration and returns the outputs of the one before it.
 """
 
 from __future__ import annotations
