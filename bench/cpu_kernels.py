@@ -11,8 +11,8 @@ the model's PyTorch formula. bfloat16 prefill attention of a W1 and a W2 prefill
 float32 and bfloat16. The KV write of a decode and a prefill step's tokens. Also the sampler's
 greedy ids (``server.sampler.greedy_tokens``, ``max(dim).indices``) against ``argmax`` on a
 64-row decode step's float32 logits over the bundled model's vocabulary, and on a bfloat16
-model's logits (64 and 256 rows) as they are against a float32 copy first (the engine's way before). With a bfloat16 model,
-the FP8 KV cache (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``): the same decode and prefill
+model's logits (64 and 256 rows) as they are against a float32 copy first (the engine's way
+before). With a bfloat16 model, the FP8 KV cache (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``): the same decode and prefill
 steps and KV writes over the same values quantized, each row also against the bfloat16 cache's
 C time (``vs_bf16_cache``: above 1, the FP8 cache is faster). The one-layer decode case reads the
 same 15 MB every call, which stays in a large L3 (this Xeon's is 480 MiB); "30 layers" runs a

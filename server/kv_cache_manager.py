@@ -172,7 +172,8 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        num_full = num_tokens // self.block_size
+        # A placeholder's id is not known yet (async_scheduling.py): the block it fills waits a step.
+        num_full = min(num_tokens, seq.num_known_tokens) // self.block_size
         if num_full <= seq.num_registered_blocks:
             return
         self._ensure_hashes(seq, num_full)

@@ -95,8 +95,7 @@ class Scheduler:
                     break
             else:
                 kv.allocate(seq, num_new)
-                # A placeholder's id is not known yet (async_scheduling.py): its block waits a step.
-                kv.register_full_blocks(seq, min(seq.num_computed_tokens + num_new, seq.num_known_tokens))
+                kv.register_full_blocks(seq, seq.num_computed_tokens + num_new)
                 out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
                 i += 1
