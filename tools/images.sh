@@ -75,7 +75,24 @@ setup_podman() {
     sed -e "s|@STATE@|$state|g" "$repo_root/tools/images/storage.conf" > "$state/storage.conf"
     export CONTAINERS_CONF="$state/containers.conf"
     export CONTAINERS_STORAGE_CONF="$state/storage.conf"
-    export TMPDIR="$state/tmp"  # layers are big; not /tmp
+    private_tmpdir
+}
+
+# Layers are big, so podman's temporary files go under the state folder, not /tmp; and into a
+# folder of this invocation's own, removed when it exits: `podman save` to a pipe first writes
+# the whole archive (~6 GB for the engine) to a temporary file and leaves it there when the
+# reader fails. A folder whose invocation was killed by a signal (no EXIT trap runs) is removed
+# by the next invocation.
+private_tmpdir() {
+    local left pid
+    for left in "$state"/tmp/pid-*; do
+        [[ -d "$left" ]] || continue
+        pid="${left##*/pid-}"
+        kill -0 "$pid" 2>/dev/null || rm -rf "$left"
+    done
+    export TMPDIR="$state/tmp/pid-$$"
+    mkdir -p "$TMPDIR"
+    trap 'rm -rf "$TMPDIR"' EXIT
 }
 
 debian_mirror() {
@@ -210,6 +227,7 @@ case "$cmd" in
     archive) [[ -n "${1:-}" ]] || die "archive to where? tools/images.sh archive PATH"
         setup_podman; archive "$@" ;;
     push) setup_podman; push "$@" ;;
-    podman) setup_podman; exec podman "$@" ;;
+    # Not exec: the EXIT trap removes the temporary folder after podman.
+    podman) setup_podman; podman "$@" ;;
     *) awk 'NR > 1 && !/^#/ {exit} NR > 1' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -3,7 +3,8 @@
 # registry and kept in kvscale's podman store (tools/images.sh podman):
 #   pause  the pod sandbox: Debian's static catatonit in pause mode (`catatonit -P`), alone
 #   redis  Debian's redis-server on a debootstrap minbase (the KV index the operator runs)
-# and how all four get into a containerd: `podman save | ctr -n k8s.io images import -`.
+# and how all four get into a containerd: `podman save` through a named pipe into
+# `ctr -n k8s.io images import -`.
 #
 #   tools/node-images.sh make                     make pause and redis if missing
 #   tools/node-images.sh name pause|redis         the image's full name
@@ -76,11 +77,28 @@ import_into() {
     for name in "${names[@]}"; do
         pm image exists "$name" || die "$name is not in kvscale's podman store (make image / $0 make)"
         t0=$SECONDS
-        # Streamed: the engine image is ~7 GB, no archive on disk.
-        pm save "$name" | ctr -a "$socket" -n k8s.io images import - >/dev/null \
-            || die "importing $name into $socket failed"
+        stream_into "$socket" "$name" || die "importing $name into $socket failed"
         log "imported $name in $((SECONDS - t0))s"
     done
+}
+
+# Through a named pipe: `podman save` to stdout first stages the whole archive (~6 GB for the
+# engine) in a temporary file; to a path (the pipe) it writes as it reads the layers.
+stream_into() {
+    local socket="$1" name="$2" pipe_dir saved=0 imported=0
+    pipe_dir="$(mktemp -d)"
+    mkfifo "$pipe_dir/archive"
+    ctr -a "$socket" -n k8s.io images import - <"$pipe_dir/archive" >/dev/null &
+    local importer=$!
+    pm save -o "$pipe_dir/archive" "$name" >/dev/null || saved=$?
+    if [[ $saved -ne 0 ]]; then
+        # A save that failed before opening the pipe leaves the importer waiting to open it:
+        # one open for writing lets it see the end of the stream (none when it has gone).
+        timeout 5 bash -c ': >"$1"' _ "$pipe_dir/archive" || true
+    fi
+    wait "$importer" || imported=$?
+    rm -rf "$pipe_dir"
+    [[ $saved -eq 0 && $imported -eq 0 ]]
 }
 
 cmd="${1:-}"

@@ -275,8 +275,8 @@ def test_the_images_are_built_under_the_charts_default_names(images):
 
 
 def test_the_archive_holds_both_images_under_the_charts_names(images):
-    """`tools/images.sh archive -` (make image-archive's docker-archive, streamed: ~7 GB need no
-    disk here) holds both images, named as the chart names them, with every layer they list."""
+    """`tools/images.sh archive -` (make image-archive's docker-archive, streamed to the reader;
+    podman stages it in the invocation's temporary folder first) holds both images, named as the chart names them, with every layer they list."""
     proc = subprocess.Popen(["bash", str(IMAGES), "archive", "-"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     assert proc.stdout is not None
@@ -324,6 +324,46 @@ def test_an_archive_loads_into_a_fresh_store_and_runs(images, tmp_path):
         # could reach further than this store.
         subprocess.run(["bash", str(IMAGES), "podman", "rmi", "--all", "--force"], env=fresh,
                        capture_output=True, timeout=300, check=False)
+
+
+def podman_tmp() -> Path:
+    """Where tools/images.sh points podman's TMPDIR: one `pid-N` folder per invocation."""
+    state = os.environ.get("KVSCALE_PODMAN_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvscale", "podman")
+    return Path(state) / "tmp"
+
+
+def test_a_failed_import_leaves_no_archive_behind(images):
+    """`podman save` to a pipe writes the whole archive to a temporary file first and leaves it
+    there when the reader fails: a containerd import that failed once left the engine's ~6 GB
+    behind, and the next run of the node lane found the disk full. The control-plane image,
+    streamed by tools/node-images.sh into a containerd socket that does not exist, fails; its
+    archive goes with the invocation."""
+    before = set(podman_tmp().iterdir())
+    failed = subprocess.run(["bash", str(REPO_ROOT / "tools" / "node-images.sh"), "import",
+                             "/nonexistent/containerd.sock", images["control-plane"]],
+                            capture_output=True, text=True, timeout=600)
+    assert failed.returncode != 0 and "importing" in failed.stderr, failed.stderr[-2000:]
+    assert set(podman_tmp().iterdir()) - before == set()
+
+
+def test_a_killed_invocations_temporary_folder_goes_with_the_next_one(images):
+    """A tools/images.sh killed by a signal runs no EXIT trap: the next invocation removes the
+    folder of a process that is gone, and never one of a process still running."""
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    dead = podman_tmp() / f"pid-{finished.pid}"
+    live = podman_tmp() / f"pid-{os.getpid()}"
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "archive").write_bytes(b"x" * 4096)
+    try:
+        podman("image", "exists", images["control-plane"])
+        assert not dead.exists()
+        assert (live / "archive").exists()
+    finally:
+        shutil.rmtree(dead, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
 
 
 def test_push_sends_the_images_to_the_registry_the_user_names(images, tmp_path):

@@ -4,7 +4,7 @@ Beside a control plane of its own (etcd, kube-apiserver, controller-manager, sch
 tools/k8s-bins.sh) it runs containerd and runc from Debian, the Debian CNI plugins (a bridge,
 host-local addresses), kubelet, kube-proxy (iptables) and CoreDNS (tools/node-bins.sh, the same
 Kubernetes release as the apiserver), and imports kvscale's images into containerd with
-`podman save | ctr import` (tools/node-images.sh): no registry.
+`podman save` through a named pipe into `ctr import` (tools/node-images.sh): no registry.
 
 The pod network is dual-stack with IPv6 first, as on a single-stack IPv6 cluster's nodes: a
 pod's `status.podIP`, the address a server advertises and the one the router discovers in an

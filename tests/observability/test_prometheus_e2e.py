@@ -307,6 +307,40 @@ def load(platform: Platform, seconds: float, workers: int = 3) -> list[str]:
     return failures
 
 
+def restores(replica_url: str) -> float:
+    """How many promotion batches from the host tier the replica has timed."""
+    text = httpx.get(f"{replica_url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(names.KV_RESTORE_SECONDS.count))
+
+
+def restore_from_the_host_tier(platform: Platform) -> None:
+    """Make one replica bring a prefix back from its host tier, whatever the load did: ask a
+    4-block prompt, push its blocks out of the 20-block KV cache with 4-block prompts that share
+    nothing with it (down to the host tier, which keeps the latest 14 blocks or more), ask it
+    again. The load's re-asked tickets usually do this, but a slow machine can end the load
+    before any re-ask reaches blocks that went down. Token ids as prompts, so each prompt is
+    exactly the blocks counted here (on a bare replica 4 pushes are one too few, 5 and 6
+    restore)."""
+    url = platform.replica_urls[0]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    block = 16
+    before = restores(url)
+    for attempt, evictions in enumerate((5, 6)):
+        base = 1000 + 5000 * attempt  # distinct ids per prompt: no shared blocks
+        kept = list(range(base, base + 4 * block))
+        client.completions.create(model=MODEL, prompt=kept, max_tokens=1)
+        for k in range(1, evictions + 1):
+            start = base + 4 * block * k
+            client.completions.create(model=MODEL, prompt=list(range(start, start + 4 * block)),
+                                      max_tokens=1)
+        client.completions.create(model=MODEL, prompt=kept, max_tokens=1)
+        if restores(url) > before:
+            return
+    raise AssertionError(f"{url} restored nothing from its host tier after 4-block prompts "
+                         f"pushed 5 and 6 times out of its KV cache")
+
+
 @pytest.fixture(scope="module")
 def platform(k8s_env, tmp_path_factory):
     for tool in ("prometheus", "promtool", "redis-server"):
@@ -355,6 +389,7 @@ def platform(k8s_env, tmp_path_factory):
 
         wait_until(scaled, timeout=90, interval=1, what="the autoscaler to scale to 2")
         p.failures += load(p, 20)
+        restore_from_the_host_tier(p)
         time.sleep(4)  # a few more scrapes and rule evaluations after the load
         p.ended = time.time()
         yield p

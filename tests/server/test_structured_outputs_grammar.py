@@ -313,10 +313,13 @@ def starved_worker(compiler: GrammarCompiler) -> Iterator[None]:
 
 # ~0.1 s of CPU time: the starved worker alone would take several seconds over it.
 MEDIUM_SCHEMA = {"anyOf": SLOW_SCHEMA["anyOf"][:60]}
+# The rescue tests are about who compiles, not the time limit: the default limit, far above the
+# medium schema's CPU time (under a loaded make test, 0.2 s was once too little).
+RESCUE = StructuredOutputsConfig(compile_starved_after_s=0.3)
 
 
 def test_a_worker_starved_while_the_engine_is_idle_is_rescued_at_the_process_priority(bundled_tokenizer):
-    config = StructuredOutputsConfig(compile_timeout_s=0.2, compile_starved_after_s=0.3)
+    config = RESCUE
     compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, config)
     try:
         compiler.submit(StructuredOutputsParams(json='{"type":"object"}')).future.result(timeout=60)  # tokenizer
@@ -332,7 +335,7 @@ def test_a_worker_starved_while_the_engine_is_idle_is_rescued_at_the_process_pri
 def test_a_worker_starved_while_the_engine_runs_forward_passes_waits_for_the_engine(bundled_tokenizer):
     """Compiles yield to the engine by design: while it reports forward passes, no rescue; once
     it stops, the rescuer steps in."""
-    config = StructuredOutputsConfig(compile_timeout_s=0.2, compile_starved_after_s=0.3)
+    config = RESCUE
     compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, config)
     stepping = threading.Event()
 
