@@ -30,6 +30,17 @@ SPAWNER = textwrap.dedent("""
 """)
 
 
+# `python -m MODULE ARGS...` with Ctrl-C's default handling. A process started in the
+# background by a non-interactive shell (`make test &`, a CI runner's script) inherits SIGINT
+# ignored, and Python keeps an ignored SIGINT ignored: the bench would never see the signal.
+AS_FROM_A_TERMINAL = textwrap.dedent("""
+    import runpy, signal, sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.argv = sys.argv[1:]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+""")
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -100,8 +111,8 @@ def test_level_a_stopped_from_outside_stops_the_platform_it_started(tmp_path, st
 
     log = open(tmp_path / "bench.log", "wb")  # noqa: SIM115 - the bench holds it
     bench = subprocess.Popen(
-        [sys.executable, "-m", "bench.autoscale_replay", "--level", "a", "--policies", "hpa-real",
-         "--span", "20"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        [sys.executable, "-c", AS_FROM_A_TERMINAL, "bench.autoscale_replay", "--level", "a",
+         "--policies", "hpa-real", "--span", "20"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
         # Its temporary folder (tempfile's) under tmp_path: the test finds the platform there.
         env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)})
     log.close()
