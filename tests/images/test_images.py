@@ -276,7 +276,8 @@ def test_the_images_are_built_under_the_charts_default_names(images):
 
 def test_the_archive_holds_both_images_under_the_charts_names(images):
     """`tools/images.sh archive -` (make image-archive's docker-archive, streamed to the reader;
-    podman stages it in the invocation's temporary folder first) holds both images, named as the chart names them, with every layer they list."""
+    podman stages it in the invocation's temporary folder first) holds both images, named as the
+    chart names them, with every layer they list."""
     proc = subprocess.Popen(["bash", str(IMAGES), "archive", "-"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     assert proc.stdout is not None
