@@ -6,7 +6,8 @@ PyTorch references for the rest).
 of a layer in one call (the PyTorch reference's per-sequence ops were most of a decode step's
 non-GEMM time). ``cpu_write_kv.c``: the new tokens' K/V rows into their cache slots.
 ``cpu_prefill_attention.c``: bfloat16 prefill attention on AMX tiles over the paged cache, every
-sequence of a layer in one call. ``cpu_layer_ops.c``: the decoder layer's elementwise steps
+sequence of a layer in one call. ``cpu_linear_amx.c``: bfloat16 projections on AMX tiles, the
+weight laid out once in the order the kernel streams it. ``cpu_layer_ops.c``: the decoder layer's elementwise steps
 (SiLU-and-multiply, residual add + RMSNorm, RoPE) fused into one pass each. ``cpu_threads.c``: pins the OpenMP
 pool torch and these kernels share, one thread per CPU (``bind_threads``).
 
@@ -45,7 +46,7 @@ from kvscale.kernels.ops import KernelBackend
 logger = logging.getLogger(__name__)
 
 SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_write_kv.c", "cpu_layer_ops.c", "cpu_quantize.c",
-           "cpu_threads.c")
+           "cpu_linear_amx.c", "cpu_threads.c")
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are. It is a
 # compile flag only: linked with it, gcc adds crtfastmath.o, which switches the whole process to
@@ -96,6 +97,11 @@ _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "kvscale_quantize_rows_u8": (None, [_PTR, _I64, _I64, _I32, _PTR, _PTR, _I32]),
     # y, y_bf16, scales, bias, rows, width, out, out_bf16, num_threads
     "kvscale_rescale_rows": (None, [_PTR, _I32, _PTR, _PTR, _I64, _I64, _PTR, _I32, _I32]),
+    "kvscale_linear_amx_available": (ctypes.c_int, []),
+    # weight, n, k, packed
+    "kvscale_linear_amx_pack": (None, [_PTR, _I64, _I64, _PTR]),
+    # x, x_stride, packed, bias, m, n, k, out, num_threads
+    "kvscale_linear_amx": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I32]),
     # cpus, num_threads
     "kvscale_bind_threads": (ctypes.c_int, [_PTR, _I32]),
 }
@@ -425,6 +431,49 @@ def paged_decode_attention(
     if status:
         raise MemoryError("decode attention could not allocate its score buffers")
     return out.to(query.dtype)
+
+
+@functools.cache
+def amx_linear_available() -> bool:
+    """Whether bfloat16 projections run in C here: a build with AMX and the OS's leave to use it."""
+    lib = _library()
+    return lib is not None and bool(lib.kvscale_linear_amx_available())
+
+
+AMX_LINEAR_MULTIPLE = 32  # cpu_linear_amx.c's blocks: in and out features are multiples of it
+
+
+def pack_linear_amx(weight: Tensor) -> Tensor | None:
+    """``weight`` ``[out, in]`` (bfloat16) laid out for :func:`linear_amx` (a flat tensor), or
+    None where that kernel does not run it (no AMX, another dtype, sizes not multiples of 32)."""
+    out_features, in_features = weight.shape
+    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or out_features % AMX_LINEAR_MULTIPLE
+            or in_features % AMX_LINEAR_MULTIPLE or not amx_linear_available()):
+        return None
+    plain = weight.detach().contiguous()
+    packed = torch.empty(plain.numel(), dtype=torch.bfloat16)
+    lib = _library()
+    assert lib is not None  # amx_linear_available() said so
+    lib.kvscale_linear_amx_pack(plain.data_ptr(), out_features, in_features, packed.data_ptr())
+    return packed
+
+
+def linear_amx(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    """``x W^T (+ bias)`` for ``x`` ``[..., in]`` bfloat16 and ``packed`` from
+    :func:`pack_linear_amx`; ``bias`` float32 or None."""
+    in_features = x.shape[-1]
+    rows = x.reshape(-1, in_features)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = x.new_empty((*x.shape[:-1], out_features))
+    lib = _library()
+    assert lib is not None  # pack_linear_amx() needed it
+    status = lib.kvscale_linear_amx(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                                    None if bias is None else bias.data_ptr(), rows.shape[0], out_features,
+                                    in_features, out.data_ptr(), torch.get_num_threads())
+    if status:
+        raise MemoryError("the AMX projection could not allocate its activation buffer")
+    return out
 
 
 @functools.cache

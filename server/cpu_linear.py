@@ -1,5 +1,10 @@
 """Projections on the CPU: each weight laid out once, at load, for the GEMM that will run it.
 
+- bfloat16 on CPUs with AMX, up to ``AMX_ROWS_MAX`` rows (batched decode): kvscale's own kernel
+  (``kernels/cpu_linear_amx.c``), the weight laid out in the order it streams it; more rows
+  (prefill) stay on oneDNN's packed GEMM, which is faster there, so such a projection holds its
+  weight twice (docs/benchmarks.md, "Projections on AMX", measures both). Layers whose sizes are
+  not multiples of 32 keep oneDNN alone.
 - bfloat16 where oneDNN has bf16 kernels (AVX-512 BF16, AMX): oneDNN's packed layout, made once.
   ``F.linear`` in bf16 also reaches oneDNN but hands it a plain matrix, which it re-lays out on
   every call. Packed once, a forward's projections on 4-64 rows (batched decode) take 0.58-0.62x
@@ -21,9 +26,12 @@ matrix the embedding still reads.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
+from kvscale.kernels import cpu_native
 from kvscale.server.cpu_features import CpuFeatures, cpu_features
 
 # x86 CPUs on which MKL takes its generic path (Arm builds of torch use no MKL: left as they are).
@@ -31,6 +39,8 @@ _X86_NOT_INTEL = frozenset({"AuthenticAMD", "HygonGenuine"})
 
 # oneDNN packs for an expected row count; the packed weight then runs any count. Decode-sized.
 _PACKING_ROWS_HINT = 64
+# The most rows a projection runs on kvscale's AMX kernel rather than oneDNN's (see the docstring).
+AMX_ROWS_MAX = 64
 
 
 def packs_with_onednn(dtype: torch.dtype, cpu: CpuFeatures, onednn: bool, onednn_bf16: bool) -> bool:
@@ -49,6 +59,12 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return packs_with_onednn(dtype, cpu_features(), onednn, onednn and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def amx_packs() -> bool:
+    """Whether bfloat16 projections may run on kvscale's AMX kernel (``KVSCALE_CPU_LINEAR=onednn``
+    keeps oneDNN's, for a before/after)."""
+    return os.environ.get("KVSCALE_CPU_LINEAR", "auto") != "onednn" and cpu_native.amx_linear_available()
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` with W in oneDNN's packed layout (an opaque tensor, not a parameter)."""
 
@@ -65,13 +81,35 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
+class AmxLinear(PackedLinear):
+    """A :class:`PackedLinear` that runs up to ``AMX_ROWS_MAX`` rows on AMX tiles
+    (``kernels/cpu_linear_amx.c``), from a second copy of W in that kernel's layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, amx_weight: torch.Tensor) -> None:
+        super().__init__(weight, bias)
+        self.amx_weight = amx_weight
+        # The kernel adds the bias in float32, before its one rounding.
+        self.amx_bias = None if bias is None else bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > AMX_ROWS_MAX * self.in_features:
+            return super().forward(x)
+        return cpu_native.linear_amx(x, self.amx_weight, self.amx_bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", up to {AMX_ROWS_MAX} rows on AMX"
+
+
 def lay_out_cpu_linears(model: nn.Module) -> None:
     """Give every ``nn.Linear`` of a CPU model its weight layout (see the module docstring)."""
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     seen: set[int] = set()
     for parent, name, linear in linears:
-        if onednn_packs(linear.weight.dtype):
+        amx_weight = cpu_native.pack_linear_amx(linear.weight) if amx_packs() else None
+        if amx_weight is not None and onednn_packs(linear.weight.dtype):
+            setattr(parent, name, AmxLinear(linear.weight, linear.bias, amx_weight))
+        elif onednn_packs(linear.weight.dtype):
             setattr(parent, name, PackedLinear(linear.weight, linear.bias))
         elif id(linear.weight) not in seen:
             seen.add(id(linear.weight))

@@ -10,8 +10,11 @@ import transformers
 from torch import nn
 from torch.nn import functional
 
+from kvscale.kernels import cpu_native
 from kvscale.server.cpu_features import CpuFeatures, cpu_features
 from kvscale.server.cpu_linear import (
+    AMX_ROWS_MAX,
+    AmxLinear,
     PackedLinear,
     lay_out_cpu_linears,
     onednn_packs,
@@ -66,6 +69,40 @@ def test_each_dtype_gets_the_layout_that_is_faster_here(dtype: torch.dtype) -> N
     assert torch.equal(model.embed.weight.detach(), embedding)
     after = model.head(model.block(x)).float()
     assert (after - before).abs().max() <= TOLERANCE[dtype] * max(1.0, before.abs().max().item())
+
+
+def _decoder_sized(dtype: torch.dtype) -> nn.Module:
+    """Projections whose sizes the AMX kernel takes (multiples of 32), and one it does not."""
+    model = nn.Sequential(nn.Linear(64, 96, bias=True), nn.Linear(96, 64, bias=False), nn.Linear(64, 40))
+    return model.to(dtype)
+
+
+def test_bf16_decode_rows_run_on_amx_and_prefill_rows_on_onednn() -> None:
+    model = _decoder_sized(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    inputs = {rows: torch.randn(rows, 64, generator=gen).to(torch.bfloat16) for rows in (1, 33, AMX_ROWS_MAX + 1)}
+    before = {rows: model(x).float() for rows, x in inputs.items()}
+    lay_out_cpu_linears(model)
+    first, second, odd = model
+    if not (onednn_packs(torch.bfloat16) and cpu_native.amx_linear_available()):
+        assert not any(isinstance(m, AmxLinear) for m in model)
+        return
+    assert isinstance(first, AmxLinear) and isinstance(second, AmxLinear)
+    assert type(odd) is PackedLinear  # 40 outputs: not whole blocks of 32
+    for rows, x in inputs.items():
+        after = model(x).float()
+        assert (after - before[rows]).abs().max() <= TOLERANCE[torch.bfloat16] * max(1.0, before[rows].abs().max().item())
+    # Which GEMM ran: the AMX copy alone serves up to AMX_ROWS_MAX rows, oneDNN's alone beyond.
+    first.packed_weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(96, 64, dtype=torch.bfloat16), 64)
+    assert first(inputs[33]).abs().sum() > 0
+    assert torch.equal(first(inputs[AMX_ROWS_MAX + 1]), first.bias.expand(AMX_ROWS_MAX + 1, 96))
+
+
+def test_onednn_alone_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSCALE_CPU_LINEAR", "onednn")
+    model = _decoder_sized(torch.bfloat16)
+    lay_out_cpu_linears(model)
+    assert not any(isinstance(m, AmxLinear) for m in model)
 
 
 INTEL = CpuFeatures("GenuineIntel", "Xeon", frozenset({"avx2", "avx512f", "amx_bf16"}))

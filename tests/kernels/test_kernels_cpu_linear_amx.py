@@ -1,0 +1,75 @@
+"""The AMX projection (cpu_linear_amx.c) against float32 matrix products of the same bf16 inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvscale.kernels import cpu_native
+
+pytestmark = pytest.mark.usefixtures("fresh_cpu_library")
+
+
+def _cpu_has_amx_bf16() -> bool:
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags.split())
+
+
+amx = pytest.mark.skipif(not _cpu_has_amx_bf16(), reason="this CPU has no AMX bf16 tiles")
+
+
+def test_the_amx_path_is_there_exactly_where_the_cpu_has_amx() -> None:
+    assert cpu_native.amx_linear_available() == _cpu_has_amx_bf16()
+
+
+def _bf16_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    expected = x.float() @ weight.float().t()
+    return expected if bias is None else expected + bias
+
+
+@amx
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 64, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (64, 160)])
+def test_the_projection_is_the_bf16_product(rows: int, out_features: int, in_features: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * out_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    # A column slice of wider rows, as the fused projections' outputs are read.
+    wide = torch.randn(rows, in_features + 32, generator=gen).to(torch.bfloat16)
+    x = wide[:, 16:16 + in_features]
+    packed = cpu_native.pack_linear_amx(weight)
+    assert packed is not None
+    got = cpu_native.linear_amx(x, packed, bias, out_features)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    expected = _bf16_product(x, weight, bias)
+    # One rounding to bfloat16 of a float32 sum: half a unit in the last place, and the sums'
+    # order (a few float32 ulps) besides.
+    assert ((got.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-3).all()
+
+
+@amx
+def test_leading_dimensions_are_kept() -> None:
+    weight = torch.randn(32, 64).to(torch.bfloat16)
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    packed = cpu_native.pack_linear_amx(weight)
+    assert packed is not None
+    got = cpu_native.linear_amx(x, packed, None, 32)
+    assert got.shape == (2, 3, 32)
+    expected = _bf16_product(x.reshape(6, 64), weight, None).reshape(2, 3, 32)
+    assert ((got.float() - expected).abs() <= expected.abs() * 2**-8 + 1e-3).all()
+
+
+@pytest.mark.parametrize(("shape", "dtype"), [((48, 64), torch.bfloat16), ((64, 40), torch.bfloat16),
+                                              ((64, 64), torch.float32)], ids=["out-48", "in-40", "float32"])
+def test_what_the_kernel_cannot_run_is_left_to_onednn(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    assert cpu_native.pack_linear_amx(torch.zeros(shape, dtype=dtype)) is None
+
+
+def test_without_the_c_kernels_nothing_is_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSCALE_CPU_KERNELS", "reference")
+    cpu_native._library.cache_clear()
+    cpu_native.amx_linear_available.cache_clear()
+    assert cpu_native.pack_linear_amx(torch.zeros(64, 64, dtype=torch.bfloat16)) is None
