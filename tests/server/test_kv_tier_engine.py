@@ -67,8 +67,11 @@ def test_greedy_with_promotion_equals_greedy_without_the_tier(make_engine, dtype
         want |= run(flat, phase, want_lp)
     assert got == want
     # The promoted K/V is the computed K/V, copied: the revisit's logprobs match a recompute's
-    # (up to the different chunking of the attention over the prefix).
-    tolerance = 1e-4 if dtype == "float32" else 5e-2
+    # (up to the different chunking of the attention over the prefix; in bfloat16 also up to
+    # the projections' GEMM, which differs with the row count: the tier's prefix was computed in
+    # a 64-row step, on the AMX kernel where the CPU has one, the recompute in a 152-row step on
+    # oneDNN's, and their roundings part by up to ~0.09 nats here).
+    tolerance = 1e-4 if dtype == "float32" else 0.15
     for rid, values in want_lp.items():
         assert got_lp[rid] == pytest.approx(values, abs=tolerance), rid
     assert tiered.pool.num_promoted >= 4 and tiered.pool.num_demoted >= 4
