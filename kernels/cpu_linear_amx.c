@@ -1,4 +1,5 @@
-/* bfloat16 projections on AMX tiles, the weight streamed once per call: y = x W^T (+ bias).
+/* Projections on AMX tiles, the weight streamed once per call: y = x W^T (+ bias), in bfloat16,
+ * or in int8 (``--quantization int8``: weights per output channel, activations per row).
  *
  * Why: a batched decode step's projections read the whole model's weights (270 MB for the
  * bundled model in bfloat16) for a few dozen rows of activations. oneDNN's packed GEMM ran them
@@ -17,6 +18,13 @@
  *   bias    [n] float32 or NULL
  * n and k are multiples of 32. Products accumulate in float32 over the whole of k, then the
  * bias is added and each value rounded to nearest even once, as oneDNN's bf16 GEMM does.
+ *
+ * int8: the same walk over blocks of 32 output columns by 64 inputs (two B tiles of 16 rows of
+ * input quads, AMX's int8 layout), the weight int8 [n, k] (k a multiple of 64), the activations
+ * each row's int8 values stored +128 as uint8 (cpu_quantize.c) with their float32 scale. Sums
+ * are exact in int32; the +128 comes off as 128 times each column's weight sum (computed at
+ * packing), then y = sum * w_scale[col] * x_scale[row] + bias[col] in float32, rounded once to
+ * the output's dtype.
  * Without AMX in the build (-march=native on a CPU without it) or without the OS's leave to use
  * it, the calls return UNSUPPORTED and the caller keeps oneDNN.
  */
@@ -28,6 +36,8 @@
 #define KVSCALE_LINEAR_UNSUPPORTED 1
 #define KVSCALE_LINEAR_NO_MEMORY 3
 
+#define INT8_DEPTH 64  /* int8 inputs per block: one tile's 16 rows of quads */
+
 #define COLS 32       /* output columns per block: two B tiles */
 #define DEPTH 32      /* inputs per block: one tile's 16 rows of pairs */
 #define BLOCK (COLS * DEPTH)
@@ -35,7 +45,7 @@
 #define M_CHUNK 256   /* activation rows kept in L2 while the weight is streamed once for them */
 #define PREFETCH_AHEAD 4  /* blocks (8 KB) ahead of the one being multiplied, into L1 */
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
@@ -161,6 +171,114 @@ int kvscale_linear_amx(const uint16_t *x, int64_t x_stride, const uint16_t *pack
     return KVSCALE_LINEAR_OK;
 }
 
+void kvscale_linear_amx_int8_pack(const int8_t *weight, int64_t n, int64_t k, int8_t *packed, int32_t *column_sums) {
+    const int64_t k_blocks = k / INT8_DEPTH;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < n / COLS; nb++) {
+        for (int64_t kb = 0; kb < k_blocks; kb++) {
+            int8_t *block = packed + (nb * k_blocks + kb) * (COLS * INT8_DEPTH);
+            for (int half = 0; half < 2; half++)
+                for (int r = 0; r < 16; r++)
+                    for (int c = 0; c < 16; c++)
+                        for (int p = 0; p < 4; p++)
+                            block[half * 1024 + r * 64 + c * 4 + p] =
+                                weight[(nb * COLS + half * 16 + c) * k + kb * INT8_DEPTH + 4 * r + p];
+        }
+        for (int c = 0; c < COLS; c++) {
+            int32_t sum = 0;
+            for (int64_t i = 0; i < k; i++) sum += weight[(nb * COLS + c) * k + i];
+            column_sums[nb * COLS + c] = sum;
+        }
+    }
+}
+
+/* Rows [row0, row0 + rows) of the padded uint8 activations (rows <= 32) times one column block. */
+static void block_product_int8(const uint8_t *xs, int64_t k, int64_t row0, int rows, const int8_t *blocks,
+                               int64_t k_blocks, int32_t *acc /* [32][32] */) {
+    const int two = rows > 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t kb = 0; kb < k_blocks; kb++) {
+        const int8_t *block = blocks + kb * (COLS * INT8_DEPTH);
+        const char *ahead = (const char *)(block + PREFETCH_AHEAD * COLS * INT8_DEPTH);
+        for (int line = 0; line < COLS * INT8_DEPTH; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        _tile_loadd(6, block, 64);
+        _tile_loadd(7, block + 1024, 64);
+        _tile_loadd(4, xs + row0 * k + kb * INT8_DEPTH, k);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, xs + (row0 + 16) * k + kb * INT8_DEPTH, k);
+            _tile_dpbusd(2, 5, 6);
+            _tile_dpbusd(3, 5, 7);
+        }
+    }
+    _tile_stored(0, acc, COLS * 4);
+    _tile_stored(1, acc + 16, COLS * 4);
+    if (two) {
+        _tile_stored(2, acc + 16 * COLS, COLS * 4);
+        _tile_stored(3, acc + 16 * COLS + 16, COLS * 4);
+    }
+}
+
+int kvscale_linear_amx_int8(const uint8_t *x, const float *x_scales, const int8_t *packed, const int32_t *column_sums,
+                            const float *w_scales, const float *bias, int64_t m, int64_t n, int64_t k, void *out,
+                            int out_bf16, int num_threads) {
+    if (!amx_permitted()) return KVSCALE_LINEAR_UNSUPPORTED;
+    const int64_t k_blocks = k / INT8_DEPTH, col_blocks = n / COLS;
+    const int64_t chunk_rows = m < M_CHUNK ? m : M_CHUNK;
+    const int64_t padded_rows = (chunk_rows + 15) / 16 * 16;
+    uint8_t *xs = aligned_alloc(64, (size_t)(padded_rows * k + 63) / 64 * 64);
+    if (xs == NULL) return KVSCALE_LINEAR_NO_MEMORY;
+    for (int64_t m0 = 0; m0 < m; m0 += M_CHUNK) {
+        const int64_t rows = m - m0 < M_CHUNK ? m - m0 : M_CHUNK;
+        const int64_t rows_padded = (rows + 15) / 16 * 16;
+        memcpy(xs, x + m0 * k, (size_t)(rows * k));
+        /* Padding rows of 128 (zero once the +128 is taken off): never stored anyway. */
+        memset(xs + rows * k, 128, (size_t)((rows_padded - rows) * k));
+#pragma omp parallel num_threads(num_threads)
+        {
+            configure_tiles();
+            int32_t acc[16 * 2 * COLS] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+            for (int64_t nb = 0; nb < col_blocks; nb++) {
+                const int8_t *blocks = packed + nb * k_blocks * (COLS * INT8_DEPTH);
+                const __m512i offset_lo = _mm512_mullo_epi32(_mm512_loadu_si512(column_sums + nb * COLS), _mm512_set1_epi32(128));
+                const __m512i offset_hi = _mm512_mullo_epi32(_mm512_loadu_si512(column_sums + nb * COLS + 16), _mm512_set1_epi32(128));
+                const __m512 scale_lo = _mm512_loadu_ps(w_scales + nb * COLS), scale_hi = _mm512_loadu_ps(w_scales + nb * COLS + 16);
+                const __m512 bias_lo = bias ? _mm512_loadu_ps(bias + nb * COLS) : _mm512_setzero_ps();
+                const __m512 bias_hi = bias ? _mm512_loadu_ps(bias + nb * COLS + 16) : _mm512_setzero_ps();
+                for (int64_t row0 = 0; row0 < rows_padded; row0 += ROWS_PER_PASS) {
+                    const int tile_rows = rows_padded - row0 < ROWS_PER_PASS ? (int)(rows_padded - row0) : ROWS_PER_PASS;
+                    block_product_int8(xs, k, row0, tile_rows, blocks, k_blocks, acc);
+                    const int live = rows - row0 < tile_rows ? (int)(rows - row0) : tile_rows;
+                    for (int r = 0; r < live; r++) {
+                        const int64_t row = m0 + row0 + r;
+                        const __m512 row_scale = _mm512_set1_ps(x_scales[row]);
+                        const __m512i sum_lo = _mm512_sub_epi32(_mm512_load_si512(acc + r * COLS), offset_lo);
+                        const __m512i sum_hi = _mm512_sub_epi32(_mm512_load_si512(acc + r * COLS + 16), offset_hi);
+                        const __m512 lo = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum_lo), scale_lo), row_scale, bias_lo);
+                        const __m512 hi = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum_hi), scale_hi), row_scale, bias_hi);
+                        if (out_bf16) {
+                            _mm512_storeu_si512((uint16_t *)out + row * n + nb * COLS, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                        } else {
+                            _mm512_storeu_ps((float *)out + row * n + nb * COLS, lo);
+                            _mm512_storeu_ps((float *)out + row * n + nb * COLS + 16, hi);
+                        }
+                    }
+                }
+            }
+            _tile_release();
+        }
+    }
+    free(xs);
+    return KVSCALE_LINEAR_OK;
+}
+
 #else
 
 int kvscale_linear_amx_available(void) { return 0; }
@@ -172,6 +290,18 @@ void kvscale_linear_amx_pack(const uint16_t *weight, int64_t n, int64_t k, uint1
 int kvscale_linear_amx(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const float *bias, int64_t m,
                        int64_t n, int64_t k, uint16_t *out, int num_threads) {
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)m, (void)n, (void)k, (void)out, (void)num_threads;
+    return KVSCALE_LINEAR_UNSUPPORTED;
+}
+
+void kvscale_linear_amx_int8_pack(const int8_t *weight, int64_t n, int64_t k, int8_t *packed, int32_t *column_sums) {
+    (void)weight, (void)n, (void)k, (void)packed, (void)column_sums;
+}
+
+int kvscale_linear_amx_int8(const uint8_t *x, const float *x_scales, const int8_t *packed, const int32_t *column_sums,
+                            const float *w_scales, const float *bias, int64_t m, int64_t n, int64_t k, void *out,
+                            int out_bf16, int num_threads) {
+    (void)x, (void)x_scales, (void)packed, (void)column_sums, (void)w_scales, (void)bias, (void)m, (void)n, (void)k;
+    (void)out, (void)out_bf16, (void)num_threads;
     return KVSCALE_LINEAR_UNSUPPORTED;
 }
 

@@ -102,6 +102,10 @@ _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "kvscale_linear_amx_pack": (None, [_PTR, _I64, _I64, _PTR]),
     # x, x_stride, packed, bias, m, n, k, out, num_threads
     "kvscale_linear_amx": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I32]),
+    # weight, n, k, packed, column_sums
+    "kvscale_linear_amx_int8_pack": (None, [_PTR, _I64, _I64, _PTR, _PTR]),
+    # x, x_scales, packed, column_sums, w_scales, bias, m, n, k, out, out_bf16, num_threads
+    "kvscale_linear_amx_int8": (ctypes.c_int, [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I32, _I32]),
     # cpus, num_threads
     "kvscale_bind_threads": (ctypes.c_int, [_PTR, _I32]),
 }
@@ -471,6 +475,46 @@ def linear_amx(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int
     status = lib.kvscale_linear_amx(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
                                     None if bias is None else bias.data_ptr(), rows.shape[0], out_features,
                                     in_features, out.data_ptr(), torch.get_num_threads())
+    if status:
+        raise MemoryError("the AMX projection could not allocate its activation buffer")
+    return out
+
+
+AMX_INT8_DEPTH = 64  # cpu_linear_amx.c's int8 blocks: in features are a multiple of it
+
+
+def pack_linear_amx_int8(weight: Tensor) -> tuple[Tensor, Tensor] | None:
+    """An int8 ``weight`` ``[out, in]`` laid out for :func:`linear_amx_int8`, and each output
+    column's weight sum (int32); None where that kernel does not run it."""
+    out_features, in_features = weight.shape
+    if (weight.dtype != torch.int8 or weight.device.type != "cpu" or out_features % AMX_LINEAR_MULTIPLE
+            or in_features % AMX_INT8_DEPTH or not amx_linear_available()):
+        return None
+    plain = weight.contiguous()
+    packed = torch.empty(plain.numel(), dtype=torch.int8)
+    column_sums = torch.empty(out_features, dtype=torch.int32)
+    lib = _library()
+    assert lib is not None  # amx_linear_available() said so
+    lib.kvscale_linear_amx_int8_pack(plain.data_ptr(), out_features, in_features, packed.data_ptr(),
+                                     column_sums.data_ptr())
+    return packed, column_sums
+
+
+def linear_amx_int8(xq: Tensor, x_scales: Tensor, packed: tuple[Tensor, Tensor], w_scales: Tensor,
+                    bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """``(xq - 128) Wq^T * w_scales * x_scales[:, None] + bias`` in ``out_dtype`` (bfloat16 or
+    float32): ``xq`` ``[rows, in]`` uint8 (int8 values +128) with float32 ``x_scales``, the
+    weight from :func:`pack_linear_amx_int8`, float32 ``w_scales`` and ``bias``."""
+    weight, column_sums = packed
+    rows, in_features = xq.shape
+    out_features = column_sums.shape[0]
+    out = torch.empty((rows, out_features), dtype=out_dtype)
+    lib = _library()
+    assert lib is not None  # pack_linear_amx_int8() needed it
+    status = lib.kvscale_linear_amx_int8(
+        xq.contiguous().data_ptr(), x_scales.contiguous().data_ptr(), weight.data_ptr(), column_sums.data_ptr(),
+        w_scales.data_ptr(), None if bias is None else bias.data_ptr(), rows, out_features, in_features,
+        out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
     if status:
         raise MemoryError("the AMX projection could not allocate its activation buffer")
     return out

@@ -23,6 +23,7 @@ from torch import nn
 from kvscale.kernels import cpu_native
 from kvscale.server.config import QUANTIZATIONS
 from kvscale.server.cpu_features import cpu_features
+from kvscale.server.cpu_linear import AMX_ROWS_MAX, amx_packs
 
 # How much of the activations' range smoothing moves into the weights (SmoothQuant's alpha): on the
 # bundled model's fixed text (tests/server/test_precision_accuracy.py) 0.5 gave the lowest
@@ -88,6 +89,9 @@ class Int8Linear(nn.Module):
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.prepacked = onednn_int8()
+        # Decode's few rows on kvscale's AMX kernel, from a second copy of the int8 weight in its
+        # layout (server/cpu_linear.py says why; the integer sums are the same exact ones).
+        self.amx_weight = cpu_native.pack_linear_amx_int8(q) if self.prepacked and amx_packs() else None
         if self.prepacked:
             self.packed_weight = torch.ops.onednn.qlinear_prepack(q, None)
             self.weight_zero_point = torch.zeros(self.out_features, dtype=torch.int64)
@@ -100,6 +104,10 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous()
         if self.prepacked:
             xq, x_scale = quantize_rows_u8(rows)
+            if self.amx_weight is not None and rows.shape[0] <= AMX_ROWS_MAX and x.dtype in (torch.bfloat16,
+                                                                                              torch.float32):
+                out = cpu_native.linear_amx_int8(xq, x_scale, self.amx_weight, self.weight_scale, self.bias, x.dtype)
+                return out.reshape(*x.shape[:-1], self.out_features)
             # The GEMM writes the model's dtype (a bf16 output is half the bytes to write and read
             # back), then each row takes its input scale in place: in bf16 two roundings instead of one.
             sums = torch.ops.onednn.qlinear_pointwise(
@@ -123,6 +131,8 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         layout = "oneDNN prepacked" if self.prepacked else "plain"
+        if self.amx_weight is not None:
+            layout += f", up to {AMX_ROWS_MAX} rows on AMX"
         return f"in_features={self.in_features}, out_features={self.out_features}, int8=per-channel, {layout}"
 
 

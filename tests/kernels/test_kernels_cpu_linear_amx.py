@@ -73,3 +73,41 @@ def test_without_the_c_kernels_nothing_is_packed(monkeypatch: pytest.MonkeyPatch
     cpu_native._library.cache_clear()
     cpu_native.amx_linear_available.cache_clear()
     assert cpu_native.pack_linear_amx(torch.zeros(64, 64, dtype=torch.bfloat16)) is None
+
+
+def _int8_case(rows: int, out_features: int, in_features: int, with_bias: bool):
+    gen = torch.Generator().manual_seed(rows + out_features)
+    weight = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    xq = torch.randint(0, 256, (rows, in_features), generator=gen, dtype=torch.uint8)
+    x_scales = torch.rand(rows, generator=gen) * 0.01 + 1e-4
+    w_scales = torch.rand(out_features, generator=gen) * 0.01 + 1e-4
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    sums = (xq.long() - 128) @ weight.long().t()  # exact
+    expected = sums.double() * w_scales.double() * x_scales.double()[:, None]
+    if bias is not None:
+        expected += bias.double()
+    return weight, xq, x_scales, w_scales, bias, expected
+
+
+@amx
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 33, 64, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (64, 192)])
+def test_the_int8_projection_is_the_exact_integer_product_rescaled(
+        rows: int, out_features: int, in_features: int, with_bias: bool, out_dtype: torch.dtype) -> None:
+    weight, xq, x_scales, w_scales, bias, expected = _int8_case(rows, out_features, in_features, with_bias)
+    packed = cpu_native.pack_linear_amx_int8(weight)
+    assert packed is not None
+    assert torch.equal(packed[1], weight.int().sum(dim=1, dtype=torch.int32))
+    got = cpu_native.linear_amx_int8(xq, x_scales, packed, w_scales, bias, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (rows, out_features)
+    # The sums are exact; what is left is float32's (or bfloat16's) rounding of the rescale.
+    relative = 2**-20 if out_dtype == torch.float32 else 2**-8
+    assert ((got.double() - expected).abs() <= expected.abs() * relative + 1e-6).all()
+
+
+@pytest.mark.parametrize(("shape", "dtype"), [((48, 64), torch.int8), ((64, 96), torch.int8),
+                                              ((64, 64), torch.uint8)], ids=["out-48", "in-96", "uint8"])
+def test_what_the_int8_kernel_cannot_run_is_left_to_onednn(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    assert cpu_native.pack_linear_amx_int8(torch.zeros(shape, dtype=dtype)) is None

@@ -118,3 +118,22 @@ def test_perplexity_ratio_with_an_fp8_kv_cache(
     ratio_bound, worst_bound = KV_BOUNDS[(dtype, quantization, kv_cache_dtype)]
     assert abs(ratio - 1) <= ratio_bound, f"perplexity ratio {ratio:.5f} (bound 1 ± {ratio_bound})"
     assert worst <= worst_bound, f"a token's log-probability differs by {worst:.4f} nats (bound {worst_bound})"
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", None), ("bfloat16", "int8"), ("float32", "int8")],
+                         ids=lambda v: str(v))
+def test_perplexity_ratio_in_decode_sized_steps(
+    make_engine, run_to_completion, text_ids, reference_logprobs, dtype, quantization
+):
+    """The text computed 32 tokens a step: every projection runs on as many rows as a batched
+    decode step has, where the CPU's AMX kernels take over from oneDNN (server/cpu_linear.py), so
+    those paths answer to the same bounds as prefill's."""
+    engine = make_engine(dtype=dtype, quantization=quantization, num_gpu_blocks_override=64,
+                         max_num_batched_tokens=32, max_num_seqs=32)
+    ours = engine_logprobs(engine, run_to_completion, text_ids)
+    ratio = perplexity(ours) / perplexity(reference_logprobs)
+    worst = max(abs(a - b) for a, b in zip(ours, reference_logprobs, strict=True))
+    print(f"{dtype} {quantization} in 32-token steps: perplexity ratio {ratio:.5f}, worst token {worst:.4f} nats")
+    ratio_bound, worst_bound = BOUNDS[(dtype, quantization)]
+    assert abs(ratio - 1) <= ratio_bound, f"perplexity ratio {ratio:.5f} (bound 1 ± {ratio_bound})"
+    assert worst <= worst_bound, f"a token's log-probability differs by {worst:.4f} nats (bound {worst_bound})"
