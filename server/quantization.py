@@ -106,8 +106,8 @@ class Int8Linear(nn.Module):
             xq, x_scale = quantize_rows_u8(rows)
             if self.amx_weight is not None and rows.shape[0] <= AMX_ROWS_MAX and x.dtype in (torch.bfloat16,
                                                                                               torch.float32):
-                out = cpu_native.linear_amx_int8(xq, x_scale, self.amx_weight, self.weight_scale, self.bias, x.dtype)
-                return out.reshape(*x.shape[:-1], self.out_features)
+                fused = cpu_native.linear_amx_int8(xq, x_scale, self.amx_weight, self.weight_scale, self.bias, x.dtype)
+                return fused.reshape(*x.shape[:-1], self.out_features)
             # The GEMM writes the model's dtype (a bf16 output is half the bytes to write and read
             # back), then each row takes its input scale in place: in bf16 two roundings instead of one.
             sums = torch.ops.onednn.qlinear_pointwise(
