@@ -6,8 +6,9 @@ PyTorch references for the rest).
 of a layer in one call (the PyTorch reference's per-sequence ops were most of a decode step's
 non-GEMM time). ``cpu_write_kv.c``: the new tokens' K/V rows into their cache slots.
 ``cpu_prefill_attention.c``: bfloat16 prefill attention on AMX tiles over the paged cache, every
-sequence of a layer in one call. ``cpu_linear_amx.c``: bfloat16 projections on AMX tiles, the
-weight laid out once in the order the kernel streams it. ``cpu_layer_ops.c``: the decoder layer's elementwise steps
+sequence of a layer in one call. ``cpu_linear_amx.c``: bfloat16 and int8 projections on AMX tiles,
+the weight laid out once in the order the kernel streams it. ``cpu_token_mask.c``: a structured
+output step's token bitmask applied to its logits rows in place. ``cpu_layer_ops.c``: the decoder layer's elementwise steps
 (SiLU-and-multiply, residual add + RMSNorm, RoPE) fused into one pass each. ``cpu_threads.c``: pins the OpenMP
 pool torch and these kernels share, one thread per CPU (``bind_threads``).
 
@@ -46,7 +47,7 @@ from kvscale.kernels.ops import KernelBackend
 logger = logging.getLogger(__name__)
 
 SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_write_kv.c", "cpu_layer_ops.c", "cpu_quantize.c",
-           "cpu_linear_amx.c", "cpu_threads.c")
+           "cpu_linear_amx.c", "cpu_token_mask.c", "cpu_threads.c")
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are. It is a
 # compile flag only: linked with it, gcc adds crtfastmath.o, which switches the whole process to
@@ -57,7 +58,9 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", "-ffast-mat
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
 )
 # Flags for one file on top of CFLAGS (cpu_quantize.c and cpu_write_kv.c say why).
-FILE_CFLAGS = {"cpu_quantize.c": ("-fno-unsafe-math-optimizations",), "cpu_write_kv.c": ("-fno-fast-math",)}
+FILE_CFLAGS = {"cpu_quantize.c": ("-fno-unsafe-math-optimizations",), "cpu_write_kv.c": ("-fno-fast-math",),
+               # It writes -inf: -ffast-math's finite-math-only would let the compiler assume none.
+               "cpu_token_mask.c": ("-fno-fast-math",)}
 LDFLAGS = ("-shared", "-fopenmp")
 LDLIBS = ("-lmvec", "-lm")
 MODES = ("auto", "native", "reference")
@@ -106,6 +109,8 @@ _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "kvscale_linear_amx_int8_pack": (None, [_PTR, _I64, _I64, _PTR, _PTR]),
     # x, x_scales, packed, column_sums, w_scales, bias, m, n, k, out, out_bf16, num_threads
     "kvscale_linear_amx_int8": (ctypes.c_int, [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I32, _I32]),
+    # logits, row_stride, is_bf16, rows, num_rows, bitmask, words, vocab, num_threads
+    "kvscale_apply_token_bitmask": (None, [_PTR, _I64, _I32, _PTR, _I64, _PTR, _I64, _I64, _I32]),
     # cpus, num_threads
     "kvscale_bind_threads": (ctypes.c_int, [_PTR, _I32]),
 }
@@ -374,6 +379,21 @@ def rescale_rows(y: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor | Non
     lib.kvscale_rescale_rows(y.data_ptr(), is_bf16, scales.data_ptr(), None if bias is None else bias.data_ptr(), rows,
                              width, y.data_ptr(), is_bf16, torch.get_num_threads())
     return y
+
+
+def apply_token_bitmask(logits: Tensor, rows: list[int], bitmask: Tensor) -> bool:
+    """-inf in place wherever row ``rows[i]`` of ``logits`` ``[n, vocab]`` has its token's bit 0 in
+    ``bitmask[i]`` (int32 words, bit j of word w = token 32w + j; tokens past them are masked
+    too); False, untouched, where the C kernels do not apply."""
+    lib = _library()
+    if (lib is None or not _fits(logits) or logits.dim() != 2 or bitmask.dtype != torch.int32
+            or not bitmask.is_contiguous() or bitmask.shape[0] != len(rows)):
+        return False
+    index = torch.tensor(rows, dtype=torch.int64)
+    lib.kvscale_apply_token_bitmask(logits.data_ptr(), logits.stride(0), int(logits.dtype == torch.bfloat16),
+                                    index.data_ptr(), len(rows), bitmask.data_ptr(), bitmask.shape[1],
+                                    logits.shape[1], torch.get_num_threads())
+    return True
 
 
 def _check_paged(query: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:

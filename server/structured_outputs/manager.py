@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvscale.kernels import cpu_native
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.sequence import Request, Sequence
 from kvscale.server.structured_outputs import backend
@@ -97,6 +98,21 @@ def mask_rows_inplace(logits: np.ndarray, bits: np.ndarray) -> None:
             row[keep] = values
         else:
             row[np.flatnonzero(row_bits == 0)] = -np.inf
+
+
+def _apply_unpacked(logits: torch.Tensor, rows: list[int], bits: np.ndarray) -> None:
+    """The PyTorch path of ``apply`` (a GPU's logits, or no C kernels): 0/1 bytes per token."""
+    vocab = logits.shape[1]
+    if vocab > bits.shape[1]:  # ids the tokenizer does not know: never allowed
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+    index = torch.tensor(rows, device=logits.device)
+    sub = logits.index_select(0, index)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        mask_rows_inplace(sub.numpy(), bits)
+    else:
+        allowed = torch.from_numpy(bits[:, :vocab].view(np.bool_)).to(logits.device)
+        sub.masked_fill_(allowed.logical_not(), float("-inf"))
+    logits.index_copy_(0, index, sub)
 
 
 @dataclass
@@ -222,21 +238,11 @@ class StructuredOutputManager:
         if not rows:
             self._settle()
             return
-        bits = unpack(self._bitmask([row_seqs[i] for i in rows]))
-        vocab = logits.shape[1]
-        if vocab > bits.shape[1]:  # ids the tokenizer does not know: never allowed
-            bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+        bitmask = self._bitmask([row_seqs[i] for i in rows])
         # The logits come out of the forward pass as inference tensors.
         with torch.inference_mode():
-            index = torch.tensor(rows, device=logits.device)
-            if logits.device.type == "cpu" and logits.dtype == torch.float32:
-                sub = logits.index_select(0, index)
-                mask_rows_inplace(sub.numpy(), bits)
-            else:
-                sub = logits.index_select(0, index)
-                allowed = torch.from_numpy(bits[:, :vocab].view(np.bool_)).to(logits.device)
-                sub.masked_fill_(allowed.logical_not(), float("-inf"))
-            logits.index_copy_(0, index, sub)
+            if not cpu_native.apply_token_bitmask(logits, rows, bitmask):
+                _apply_unpacked(logits, rows, unpack(bitmask))
         self.stats.mask_steps += 1
         self.stats.mask_rows += len(rows)
 
