@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_write_kv.c", "cpu_layer_ops.c", "cpu_quantize.c",
            "cpu_linear_amx.c", "cpu_token_mask.c", "cpu_threads.c")
+HEADERS = ("cpu_amx.h",)  # included by the sources above: copied beside them, and part of the build's key
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are. It is a
 # compile flag only: linked with it, gcc adds crtfastmath.o, which switches the whole process to
@@ -136,7 +137,7 @@ def library_path(source: bytes, compiler_id: str, target: str, cache: Path) -> P
 
 
 def source_bytes() -> bytes:
-    return b"".join(resources.files("kvscale.kernels").joinpath(name).read_bytes() for name in SOURCES)
+    return b"".join(resources.files("kvscale.kernels").joinpath(name).read_bytes() for name in SOURCES + HEADERS)
 
 
 def compiler_id(compiler: str) -> str:
@@ -237,6 +238,8 @@ def build(cache: Path | None = None) -> Path:
 def _compile(compiler: str, source: bytes, version: str, target_cpu: str, workdir: Path,
              directory: Path) -> Path:
     target = library_path(source, version, target_cpu, directory)
+    for name in HEADERS:
+        (workdir / name).write_bytes(resources.files("kvscale.kernels").joinpath(name).read_bytes())
     objects = []
     for name in SOURCES:
         text = resources.files("kvscale.kernels").joinpath(name).read_bytes()

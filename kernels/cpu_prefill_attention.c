@@ -36,9 +36,7 @@
 #define KVSCALE_PREFILL_E5M2 3
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx.h"
 
 #define Q_ROWS 16     /* query rows per item: one AMX tile's rows */
 #define KEYS 32       /* keys per step: two 16-key score tiles, one 32-deep value product */
@@ -46,35 +44,9 @@
 /* Stands for -infinity: the build's -ffast-math lets the compiler assume no infinities. */
 #define HIDDEN (-1e30f)
 
-/* Linux hands out AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
- * XFEATURE_XTILEDATA); the grant is for the whole process and lasts, so asking once is enough. */
-static int amx_permitted(void) {
-    static int state; /* 0 unknown, 1 granted, -1 refused; a racing second ask is harmless */
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Every tile is 16 rows of 64 bytes: tmm0/1 scores^T of keys 0-15 / 16-31, tmm2 the B operand
- * (a 32-dim chunk of Q^T, then P^T), tmm3 the A operand (a K chunk, then a V^T chunk), tmm4-7
- * the accumulator out^T, 16 dims each. */
-static void configure_tiles(void) {
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        config.colsb[t] = 64;
-        config.rows[t] = 16;
-    }
-    _tile_loadconfig(&config);
-}
+/* Every tile is 16 rows of 64 bytes (configure_tiles, cpu_amx.h): tmm0/1 scores^T of keys 0-15 /
+ * 16-31, tmm2 the B operand (a 32-dim chunk of Q^T, then P^T), tmm3 the A operand (a K chunk,
+ * then a V^T chunk), tmm4-7 the accumulator out^T, 16 dims each. */
 
 /* 2^x for x <= 0: 2^round(x) by VSCALEFPS times a degree-6 Taylor polynomial of 2^f on
  * [-0.5, 0.5] (relative error ~1e-7, far below bfloat16's rounding). Below -100 the result is

@@ -88,6 +88,15 @@ def perplexity(logprobs: list[float]) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
+def check_against_reference(ours: list[float], reference: list[float], bounds: tuple[float, float], label: str) -> None:
+    ratio = perplexity(ours) / perplexity(reference)
+    worst = max(abs(a - b) for a, b in zip(ours, reference, strict=True))
+    print(f"{label}: perplexity ratio {ratio:.5f}, worst token {worst:.4f} nats")
+    ratio_bound, worst_bound = bounds
+    assert abs(ratio - 1) <= ratio_bound, f"perplexity ratio {ratio:.5f} (bound 1 ± {ratio_bound})"
+    assert worst <= worst_bound, f"a token's log-probability differs by {worst:.4f} nats (bound {worst_bound})"
+
+
 @pytest.mark.parametrize(("dtype", "quantization"), list(BOUNDS), ids=lambda v: str(v))
 def test_perplexity_ratio_against_transformers_float32(
     make_engine, run_to_completion, text_ids, reference_logprobs, dtype, quantization
@@ -96,12 +105,7 @@ def test_perplexity_ratio_against_transformers_float32(
     if quantization is not None:
         overrides["quantization"] = quantization
     ours = engine_logprobs(make_engine(**overrides), run_to_completion, text_ids)
-    ratio = perplexity(ours) / perplexity(reference_logprobs)
-    worst = max(abs(a - b) for a, b in zip(ours, reference_logprobs, strict=True))
-    print(f"{dtype} {quantization}: perplexity ratio {ratio:.5f}, worst token {worst:.4f} nats")
-    ratio_bound, worst_bound = BOUNDS[(dtype, quantization)]
-    assert abs(ratio - 1) <= ratio_bound, f"perplexity ratio {ratio:.5f} (bound 1 ± {ratio_bound})"
-    assert worst <= worst_bound, f"a token's log-probability differs by {worst:.4f} nats (bound {worst_bound})"
+    check_against_reference(ours, reference_logprobs, BOUNDS[(dtype, quantization)], f"{dtype} {quantization}")
 
 
 @pytest.mark.parametrize(("dtype", "quantization", "kv_cache_dtype"), list(KV_BOUNDS), ids=lambda v: str(v))
@@ -112,12 +116,8 @@ def test_perplexity_ratio_with_an_fp8_kv_cache(
                          num_gpu_blocks_override=64)
     assert engine.runner.kv_cache.element_size() == 1
     ours = engine_logprobs(engine, run_to_completion, text_ids)
-    ratio = perplexity(ours) / perplexity(reference_logprobs)
-    worst = max(abs(a - b) for a, b in zip(ours, reference_logprobs, strict=True))
-    print(f"{dtype} {quantization} KV {kv_cache_dtype}: perplexity ratio {ratio:.5f}, worst token {worst:.4f} nats")
-    ratio_bound, worst_bound = KV_BOUNDS[(dtype, quantization, kv_cache_dtype)]
-    assert abs(ratio - 1) <= ratio_bound, f"perplexity ratio {ratio:.5f} (bound 1 ± {ratio_bound})"
-    assert worst <= worst_bound, f"a token's log-probability differs by {worst:.4f} nats (bound {worst_bound})"
+    check_against_reference(ours, reference_logprobs, KV_BOUNDS[(dtype, quantization, kv_cache_dtype)],
+                            f"{dtype} {quantization} KV {kv_cache_dtype}")
 
 
 @pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", None), ("bfloat16", "int8"), ("float32", "int8")],
@@ -131,9 +131,5 @@ def test_perplexity_ratio_in_decode_sized_steps(
     engine = make_engine(dtype=dtype, quantization=quantization, num_gpu_blocks_override=64,
                          max_num_batched_tokens=32, max_num_seqs=32)
     ours = engine_logprobs(engine, run_to_completion, text_ids)
-    ratio = perplexity(ours) / perplexity(reference_logprobs)
-    worst = max(abs(a - b) for a, b in zip(ours, reference_logprobs, strict=True))
-    print(f"{dtype} {quantization} in 32-token steps: perplexity ratio {ratio:.5f}, worst token {worst:.4f} nats")
-    ratio_bound, worst_bound = BOUNDS[(dtype, quantization)]
-    assert abs(ratio - 1) <= ratio_bound, f"perplexity ratio {ratio:.5f} (bound 1 ± {ratio_bound})"
-    assert worst <= worst_bound, f"a token's log-probability differs by {worst:.4f} nats (bound {worst_bound})"
+    check_against_reference(ours, reference_logprobs, BOUNDS[(dtype, quantization)],
+                            f"{dtype} {quantization} in 32-token steps")
