@@ -23,6 +23,15 @@ from torch import Tensor
 
 from kvscale.kernels import reference
 
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has the instructions the C kernels' AMX paths need (bf16 tiles and
+    AVX-512 BF16), as /proc/cpuinfo says: what their availability checks must agree with."""
+    from kvscale.server.cpu_features import cpu_features
+
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_features().flags
+
+
 # Max abs error allowed against the float64 dense attention / the reference, by dtype.
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 

@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from kernel_checks import cpu_has_amx_bf16
 
 from kvscale.kernels import cpu_native
 
 pytestmark = pytest.mark.usefixtures("fresh_cpu_library")
 
 
-def _cpu_has_amx_bf16() -> bool:
-    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags.split())
-
-
-amx = pytest.mark.skipif(not _cpu_has_amx_bf16(), reason="this CPU has no AMX bf16 tiles")
+amx = pytest.mark.skipif(not cpu_has_amx_bf16(), reason="this CPU has no AMX bf16 tiles")
 
 
 def test_the_amx_path_is_there_exactly_where_the_cpu_has_amx() -> None:
-    assert cpu_native.amx_linear_available() == _cpu_has_amx_bf16()
+    assert cpu_native.amx_linear_available() == cpu_has_amx_bf16()
 
 
 def _bf16_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from kernel_checks import TOLERANCE, dense_attention, make_case, max_error
+from kernel_checks import TOLERANCE, cpu_has_amx_bf16, dense_attention, make_case, max_error
 
 import kvscale.kernels as kernels
 from kvscale.kernels import cpu_native, reference
 
 pytestmark = pytest.mark.usefixtures("fresh_cpu_library")
-
-
-def _cpu_has_amx_bf16() -> bool:
-    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags.split())
 
 
 def _attend(case):
@@ -27,7 +20,7 @@ def _attend(case):
 def test_the_amx_path_is_there_exactly_where_the_cpu_has_amx() -> None:
     # The fast path must not vanish quietly on an AMX machine (a build or permission problem),
     # nor claim to run where the instructions do not exist.
-    assert cpu_native.amx_prefill_available() == _cpu_has_amx_bf16()
+    assert cpu_native.amx_prefill_available() == cpu_has_amx_bf16()
 
 
 # (context_lens, q_lens): whole prompts with tails of every size, chunks after a cached prefix,
@@ -103,7 +96,7 @@ def test_the_cpu_backend_runs_it_for_bf16_prefill_where_amx_is(monkeypatch: pyte
                                               case.query_start_loc, case.context_lens, case.scale)
         assert max_error(out, dense_attention(case)) <= TOLERANCE[dtype]
     # bfloat16 through the C kernel on AMX; float32 (and everything on other CPUs) through SDPA.
-    assert len(calls) == int(_cpu_has_amx_bf16())
+    assert len(calls) == int(cpu_has_amx_bf16())
 
 
 def test_sequences_sharing_prefix_blocks_match_the_reference() -> None:
