@@ -529,13 +529,15 @@ def linear_amx_int8(xq: Tensor, x_scales: Tensor, packed: tuple[Tensor, Tensor],
     float32): ``xq`` ``[rows, in]`` uint8 (int8 values +128) with float32 ``x_scales``, the
     weight from :func:`pack_linear_amx_int8`, float32 ``w_scales`` and ``bias``."""
     weight, column_sums = packed
+    # Named: a temporary's memory would be freed once its data_ptr() was read, before the call.
+    xq, x_scales = xq.contiguous(), x_scales.contiguous()
     rows, in_features = xq.shape
     out_features = column_sums.shape[0]
     out = torch.empty((rows, out_features), dtype=out_dtype)
     lib = _library()
     assert lib is not None  # pack_linear_amx_int8() needed it
     status = lib.kvscale_linear_amx_int8(
-        xq.contiguous().data_ptr(), x_scales.contiguous().data_ptr(), weight.data_ptr(), column_sums.data_ptr(),
+        xq.data_ptr(), x_scales.data_ptr(), weight.data_ptr(), column_sums.data_ptr(),
         w_scales.data_ptr(), None if bias is None else bias.data_ptr(), rows, out_features, in_features,
         out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
     if status:

@@ -105,3 +105,14 @@ def test_the_int8_projection_is_the_exact_integer_product_rescaled(
                                               ((64, 64), torch.uint8)], ids=["out-48", "in-96", "uint8"])
 def test_what_the_int8_kernel_cannot_run_is_left_to_onednn(shape: tuple[int, int], dtype: torch.dtype) -> None:
     assert cpu_native.pack_linear_amx_int8(torch.zeros(shape, dtype=dtype)) is None
+
+
+@amx
+def test_the_int8_projection_takes_strided_activations() -> None:
+    weight, xq, x_scales, w_scales, bias, expected = _int8_case(33, 64, 192, True)
+    packed = cpu_native.pack_linear_amx_int8(weight)
+    assert packed is not None
+    wide = torch.full((33, 256), 7, dtype=torch.uint8)
+    wide[:, 32:224] = xq
+    got = cpu_native.linear_amx_int8(wide[:, 32:224], x_scales, packed, w_scales, bias, torch.float32)
+    assert ((got.double() - expected).abs() <= expected.abs() * 2**-20 + 1e-6).all()
