@@ -106,10 +106,11 @@ def lay_out_cpu_linears(model: nn.Module) -> None:
                if isinstance(child, nn.Linear)]
     seen: set[int] = set()
     for parent, name, linear in linears:
-        amx_weight = cpu_native.pack_linear_amx(linear.weight) if amx_packs() else None
-        if amx_weight is not None and onednn_packs(linear.weight.dtype):
+        onednn = onednn_packs(linear.weight.dtype)
+        amx_weight = cpu_native.pack_linear_amx(linear.weight) if onednn and amx_packs() else None
+        if amx_weight is not None:
             setattr(parent, name, AmxLinear(linear.weight, linear.bias, amx_weight))
-        elif onednn_packs(linear.weight.dtype):
+        elif onednn:
             setattr(parent, name, PackedLinear(linear.weight, linear.bias))
         elif id(linear.weight) not in seen:
             seen.add(id(linear.weight))
