@@ -74,6 +74,9 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)  # t, spec, pods, ready
     background_cores: float | None = None  # the host's CPU in use before the trace (one idle replica)
+    probe_gaps: list[float] | None = None  # a probe's decode steps there, alone (s)
+    probe_ttfts: list[tuple[float, float | None]] | None = None  # (sent at, TTFT) of probe requests
+    probe_batch: dict[str, float] | None = None  # the TTFT probe's decode: its batch and TPOT
     dashboard_empty_panels: list[str] | None = None
 
 
@@ -122,6 +125,87 @@ def inference_service(namespace: str, policy: str) -> dict[str, Any]:
             "router": {"replicas": 1},
         },
     }
+
+
+PROBE_TOKENS = 200
+PROBE_REQUESTS = 12  # sent one at a time, PROBE_SPACING_S apart: the trace's shape
+PROBE_SPACING_S = 0.75
+PROBE_START_S = 1.0  # after the background streams started
+# Streams decoding all through the TTFT probe, so that it sees a busy replica, as the trace's
+# requests do (a batch of about this size in its x4 step).
+PROBE_BACKGROUND_STREAMS = 3
+PROBE_BACKGROUND_TOKENS = 400
+
+
+def probe_decode_gaps(url: str) -> list[float]:
+    """One replica's decode steps on this host beside the rest of the platform, as a client sees
+    them: one streamed answer of PROBE_TOKENS tokens through the router, alone, its gaps between
+    tokens (one step each at a batch of one). Its prompt shares no block with the trace's."""
+    import httpx
+
+    arrivals: list[float] = []
+    with httpx.Client(timeout=120) as client, client.stream("POST", url + "/v1/completions", json={
+            "model": MODEL, "prompt": "Probe: " + " ".join(WORDS), "max_tokens": PROBE_TOKENS,
+            "min_tokens": PROBE_TOKENS, "temperature": 0, "stream": True}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                arrivals.append(time.monotonic())
+    gaps = [round(b - a, 5) for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    if len(gaps) < PROBE_TOKENS // 2:
+        raise RuntimeError(f"the probe streamed {len(arrivals)} chunks for {PROBE_TOKENS} tokens")
+    return gaps
+
+
+def probe_requests() -> tuple[list[SimRequest], list[SimRequest]]:
+    """The TTFT probe: (its background streams, its requests). The requests have the trace's
+    shape (a 128-token prefix shared among them, 256-token prompts, 32-token answers) in a prefix
+    group of their own and come one at a time while the streams decode."""
+    from bench.autoscale_replay import BLOCK
+
+    def request(rid: int, group: int, arrival: float, output: int) -> SimRequest:
+        shared = [10_000_000 + group * 100 + i for i in range(128 // BLOCK)]
+        own = [20_000_000 + rid * 100 + j for j in range(128 // BLOCK)]
+        return SimRequest(rid, arrival, shared + own, 256, output,
+                          answer_hashes=[-rid * 1000 - j - 1 for j in range(output // BLOCK)])
+
+    # Groups 50 and up: the trace's are 0-7.
+    background = [request(100_100 + i, 51 + i, 0.0, PROBE_BACKGROUND_TOKENS)
+                  for i in range(PROBE_BACKGROUND_STREAMS)]
+    probes = [request(100_000 + i, 50, PROBE_START_S + i * PROBE_SPACING_S, 32)
+              for i in range(PROBE_REQUESTS)]
+    return background, probes
+
+
+def probe_ttfts(url: str) -> tuple[list[tuple[float, float | None]], dict[str, float]]:
+    """(sent at, TTFT) of `probe_requests` through the router, one at a time beside its
+    background streams: what the path from client to engine and back adds to a first token on a
+    busy replica, which the simulator's engine does not model; and the decode step at that batch
+    as the client saw it (the background streams' TPOT, median; the batch: the streams plus the
+    probe requests open on average)."""
+    import httpx
+
+    background, requests = probe_requests()
+    outcomes = [Outcome(r.arrival) for r in requests]
+    streamed = [Outcome(r.arrival) for r in background]
+    start = time.monotonic()
+    with httpx.Client(timeout=120) as client:
+        streams = [threading.Thread(target=send, args=(client, url, r, start, o), daemon=True)
+                   for r, o in zip(background, streamed, strict=True)]
+        for stream in streams:
+            stream.start()
+        for request, outcome in zip(requests, outcomes, strict=True):
+            send(client, url, request, start, outcome)
+        for stream in streams:
+            stream.join(120)
+    tpots = [o.tpot for o in streamed if o.tpot is not None]
+    served = [o for o in outcomes if o.ttft is not None and o.tpot is not None]
+    if len(tpots) < len(background) or not served:
+        raise RuntimeError(f"the TTFT probe failed: {[o.error for o in streamed + outcomes if o.error]}")
+    open_s = sum(o.ttft + (requests[0].output_tokens - 1) * o.tpot for o in served)  # type: ignore[operator]
+    batch = len(background) + open_s / (len(requests) * PROBE_SPACING_S)
+    return ([(o.arrival, _rounded(o.ttft)) for o in outcomes],
+            {"batch": round(batch, 2), "tpot_s": round(statistics.median(tpots), 5)})
 
 
 def send(client: Any, url: str, request: SimRequest, start: float, outcome: Outcome) -> None:
@@ -208,6 +292,13 @@ def replay(env: Any, policy: str, requests: list[SimRequest], tail_s: float,
     # Redis, Prometheus, the adapter, the idle replica): the simulator's SharedHost.background_cores.
     run.background_cores = round(host_busy_cores(10.0), 3)
     print(f"level-a {policy}: the host's background CPU {run.background_cores} cores", flush=True)
+    run.probe_gaps = probe_decode_gaps(url)
+    run.probe_ttfts, run.probe_batch = probe_ttfts(url)
+    ttfts = [t for _, t in run.probe_ttfts if t is not None]
+    print(f"level-a {policy}: probe decode steps p50/p90/p99 {quantile(run.probe_gaps, 0.5):.4f}/"
+          f"{quantile(run.probe_gaps, 0.9):.4f}/{quantile(run.probe_gaps, 0.99):.4f} s, "
+          f"TTFT p50/p90 {quantile(ttfts, 0.5):.3f}/{quantile(ttfts, 0.9):.3f} s, decode beside them "
+          f"{run.probe_batch}", flush=True)
     stop = threading.Event()
     start = time.monotonic()
     wall_start = time.time()
@@ -262,9 +353,17 @@ def figures(run: Run, span_s: float, ttft_slo: float, tpot_slo: float) -> dict[s
         "reversals_per_hour": reversals * 3600 / span_s,
         "first_scale_up_s": ups[0] if ups else None,
         "background_cores": run.background_cores,
+        "probe": {"decode_gaps_s": run.probe_gaps, "ttft": run.probe_ttfts, "decode_at_batch": run.probe_batch},
         "dashboard_empty_panels": run.dashboard_empty_panels,
         "timeline": run.timeline,
+        # Each request as the client saw it, in arrival order: (arrival s, TTFT s, TPOT s), None
+        # where it failed; level (b)'s replay keeps the same per request, to compare by phase.
+        "per_request": [(round(o.arrival, 3), _rounded(o.ttft), _rounded(o.tpot)) for o in run.outcomes],
     }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def run_level_a(policies: list[str], requests: list[SimRequest], calibration: Calibration,

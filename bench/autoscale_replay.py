@@ -7,7 +7,9 @@
 `--calibrate` starts a real `kvscale serve` (the platform tests' engine flags) and measures, on
 this machine: the cold start (process start to /health 200, the model load and warm-up), the KV
 pool (`kvscale:kv_blocks_total`), the prefill rate (a 480-token prompt's time to first token) and
-a decode step (a 64-token answer's time after its first token), each the median of 3 runs; then
+a decode step (a 64-token answer's time after its first token), each the median of 3 runs, and
+the decode step at batches of 4, 8 and 16 streams decoding at once (the cost each sequence beyond
+the first adds to a step, `Calibration.decode_step_per_seq_s`, is their slope); then
 what sharing the host's cores costs (`autoscale_sim.SharedHost`): the CPU the replica used during
 its cold start and while decoding, its decode step while a second replica starts, and both
 decoding at once. It writes `--calibration` (default bench/results/autoscale_calibration.json,
@@ -26,7 +28,9 @@ Workloads (the scaling is written next to every figure in the JSON and docs/benc
   minReplicas 0, scaleToZeroAfterSeconds 60; the others cannot go below one replica).
 
 Policies (bench.autoscale_sim): kvscale (the operator's rule, imported), hpa-concurrency,
-keda-queue, kpa-kv, all behind the same router (kvscale's own decision functions by default,
+keda-queue, kpa-kv, and the HPA and KEDA rules at tighter targets (`HPA_TUNED_TARGETS`,
+`KEDA_TUNED_TARGETS`: "at equal attainment" sets kvscale's replica-seconds against what the
+baseline's settings would spend at kvscale's attainment, `at_equal_attainment`), all behind the same router (kvscale's own decision functions by default,
 `--router`). SLO: TTFT within max(1 s, 4 x the median prompt's prefill time on one idle
 replica) and TPOT within 3 x one decode step. The real HPA of kube-controller-manager through
 prometheus-adapter is a policy of level (a) only: `--level a` (bench.autoscale_platform) replays
@@ -34,14 +38,18 @@ a compressed bursty trace on real replicas on the whole-platform runtime, polici
 `hpa-real`:
 
     flock -x /tmp/kvscale-bench.lock python -m bench.autoscale_replay --level a \
-        --calibration bench/results/autoscale_calibration_host.json --span 240 \
+        --calibration bench/results/autoscale_calibration_host_1127.json --span 240 \
         --policies hpa-real,kvscale --step-load 0.3 --dashboard docs/images/dashboard-autoscaling-replay.png
 
 then replays the same arrivals in the simulator (level (b)) with the same policies and settings
 (`hpa-real`: the simulator's HPA at the real controller's 15 s sync, tolerance 0.1, 300 s
 scale-down stabilization, target 8), on replicas that share the host's cores as level (a)'s do
-(`SharedHost`, from the calibration, with the background CPU level (a) measured before its
-trace), and prints (a) against (b): TTFT p90 and replica-seconds over the span, their ratios and
+(`SharedHost`, from the calibration, with what level (a) measured on the platform just before
+each trace: the background CPU, a probe's decode steps alone through the router (the simulated
+steps vary as they did: `SharedHost.step_factors`), the decode step at the TTFT probe's batch
+(the platform's cost per decoding sequence), and what the path from client to engine added to
+the TTFT probe's first tokens beside three decoding streams (drawn for each simulated request)),
+and prints (a) against (b): TTFT p90 and replica-seconds over the span, their ratios and
 whether each is within +-15 %. `--step-load` sets the x4 step's rate in units of one calibrated
 replica's capacity (its base is a quarter of that); `--compare-only LEVEL_A_JSON` redoes only the
 (b) side against an earlier level-(a) result.
@@ -162,6 +170,34 @@ def decode_step(client, seed: int) -> float:
     return (total - ttft) / 63
 
 
+DECODE_BATCHES = (4, 8, 16)  # up to the calibration's --max-num-seqs
+
+
+def concurrent_decode_steps(client, batch: int, seed: int) -> list[float]:
+    """Each of ``batch`` streams' time per token after its first, all decoding at once: a decode
+    step at that batch size."""
+    import threading
+
+    steps: list[float] = []
+    threads = [threading.Thread(target=lambda s=seed + i: steps.append(decode_step(client, s)))
+               for i in range(batch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return steps
+
+
+def per_sequence_slope(by_batch: dict[int, float]) -> float:
+    """What each sequence beyond the first adds to a decode step: the least-squares slope through
+    the batch-1 step (`Calibration.decode_step_per_seq_s`), never below 0."""
+    one = by_batch[1]
+    points = [(batch - 1, step - one) for batch, step in by_batch.items() if batch > 1]
+    if not points:
+        return 0.0
+    return max(0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points))
+
+
 def calibrate() -> dict:
     """One replica alone (cold start, KV pool, prefill, decode), then what sharing this host's
     cores costs (see `autoscale_sim.SharedHost`): the CPU a replica uses starting and stepping,
@@ -192,6 +228,9 @@ def calibrate() -> dict:
             decode.append(decode_step(client, run))
             busy.append((first.cpu_seconds() - cpu) / (time.perf_counter() - wall))
         step = statistics.median(decode)
+        by_batch = {1: step}
+        for batch in DECODE_BATCHES:
+            by_batch[batch] = statistics.median(concurrent_decode_steps(client, batch, seed=100 * batch))
         # A second replica starts while the first decodes without a pause.
         during_start: list[float] = []
         second = ServeProcess()
@@ -234,7 +273,9 @@ def calibrate() -> dict:
                   "runs": {"busy_cores": busy, "during_start": during_start, "both": both}}
         return {"cold_start_s": cold_start, "kv_blocks": kv_blocks,
                 "prefill_tokens_per_s": statistics.median(prefill),
-                "decode_step_s": step, "runs": {"prefill": prefill, "decode": decode},
+                "decode_step_s": step, "decode_step_per_seq_s": per_sequence_slope(by_batch),
+                "decode_step_s_by_batch": by_batch,
+                "runs": {"prefill": prefill, "decode": decode},
                 "engine_flags": ENGINE_FLAGS, "shared_host": shared}
     finally:
         first.stop()
@@ -261,7 +302,8 @@ def load_calibration(path: Path) -> Calibration:
     return Calibration(prefill_tokens_per_s=data["prefill_tokens_per_s"],
                        decode_step_s=data["decode_step_s"], kv_blocks=data["kv_blocks"],
                        block_size=BLOCK, max_num_seqs=16, step_tokens=512,
-                       cold_start_s=data["cold_start_s"])
+                       cold_start_s=data["cold_start_s"],
+                       decode_step_per_seq_s=data.get("decode_step_per_seq_s", 0.0))
 
 
 # -- workloads ----------------------------------------------------------------------------------
@@ -352,18 +394,59 @@ def policies(workload: str, calibration: Calibration):
         variant = KvscalePolicy(replace(kvscale, target_prefill_seconds=seconds))
         variant.name = f"kvscale-prefill{seconds:g}s"
         variants.append(variant)
+    # The baselines at tighter targets too, as their users would tune them for a higher
+    # attainment: the replica-seconds each would spend at kvscale's attainment come from these.
+    tuned = [HpaPolicy(f"hpa-concurrency{target:g}", "concurrency", target, 1, MAX_REPLICAS)
+             for target in HPA_TUNED_TARGETS]
+    tuned += [HpaPolicy(f"keda-queue{target:g}", "waiting", target, 1, MAX_REPLICAS)
+              for target in KEDA_TUNED_TARGETS]
     return [
         KvscalePolicy(kvscale),
         *variants,
         HpaPolicy("hpa-concurrency", "concurrency", concurrency_target, 1, MAX_REPLICAS),
         HpaPolicy("keda-queue", "waiting", 5.0, 1, MAX_REPLICAS),
         KpaPolicy(0.7, 1, MAX_REPLICAS),
+        *tuned,
     ]
+
+
+HPA_TUNED_TARGETS = (6.0, 4.0, 2.0, 1.0)  # average concurrency per pod (the default run: 8)
+KEDA_TUNED_TARGETS = (2.0, 1.0)  # waiting requests per pod (the default run: 5)
+
+
+def at_equal_attainment(policies: dict[str, dict], family: str) -> dict:
+    """kvscale's replica-seconds over what ``family`` (a baseline's name prefix: its default and
+    its tuned targets) would spend at kvscale's SLO attainment: its settings as points
+    (attainment, replica-seconds), linearly between a setting attaining at most as much and one
+    attaining at least as much, the cheapest such pair. ``ratio`` None where kvscale's attainment
+    is outside the settings' range (``reason`` says which side; nothing is extrapolated)."""
+    kv = policies["kvscale"]
+    target = kv["slo_attainment"]
+    points = [(f["slo_attainment"], f["replica_seconds"], name) for name, f in policies.items()
+              if name == family or (name.startswith(family) and name[len(family):][:1].isdigit())]
+    below = [p for p in points if p[0] <= target]
+    above = [p for p in points if p[0] >= target]
+    span = {"range": [min(p[0] for p in points), max(p[0] for p in points)]}
+    if not below:
+        return {"ratio": None, "reason": "kvscale attains less than every setting", **span}
+    if not above:
+        return {"ratio": None, "reason": "no setting reaches kvscale's attainment", **span}
+
+    def between(low: tuple, high: tuple) -> float:
+        if high[0] == low[0]:
+            return min(low[1], high[1])
+        return low[1] + (target - low[0]) / (high[0] - low[0]) * (high[1] - low[1])
+
+    cost, low, high = min((between(lo, hi), lo[2], hi[2]) for lo in below for hi in above)
+    return {"ratio": kv["replica_seconds"] / cost, "replica_seconds": cost, "between": [low, high], **span}
 
 
 def slo(requests: list[SimRequest], calibration: Calibration) -> tuple[float, float]:
     prompt_p50 = statistics.median(r.prompt_tokens for r in requests)
     return (max(1.0, 4 * prompt_p50 / calibration.prefill_tokens_per_s), 3 * calibration.decode_step_s)
+
+
+PLOTTED = ("kvscale", "kvscale-requests-only", "hpa-concurrency", "keda-queue", "kpa-kv")  # defaults
 
 
 def plot(results: dict, path: Path) -> None:
@@ -376,6 +459,8 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(names), 2, figsize=(13, 3.2 * len(names)), squeeze=False)
     for row, workload in enumerate(names):
         for policy, data in results[workload]["policies"].items():
+            if policy not in PLOTTED:
+                continue
             times = [p[0] for p in data["timeline"]]
             axes[row][0].step(times, [p[1] for p in data["timeline"]], where="post", label=policy)
             ttft = data["ttft_series"]
@@ -479,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
         entry["ratios"] = {
             "replica_seconds_vs_hpa": kv["replica_seconds"] / base["hpa-concurrency"]["replica_seconds"],
             "replica_seconds_vs_keda": kv["replica_seconds"] / base["keda-queue"]["replica_seconds"],
+            "replica_seconds_vs_hpa_at_equal_attainment": at_equal_attainment(base, "hpa-concurrency"),
+            "replica_seconds_vs_keda_at_equal_attainment": at_equal_attainment(base, "keda-queue"),
             "reversals_vs_kpa": (kv["reversals_per_hour"] / base["kpa-kv"]["reversals_per_hour"]
                                  if base["kpa-kv"]["reversals_per_hour"] else None),
         }
@@ -534,7 +621,61 @@ def within(a: float | None, b: float | None) -> tuple[float | None, bool]:
     return ratio, abs(ratio - 1.0) <= VALIDATION_TOLERANCE
 
 
-def replay_level_b(level_a: dict, requests: list[SimRequest], calibration: Calibration,
+def with_step_factors(host: SharedHost, calibration: Calibration, gaps: list[float]) -> SharedHost:
+    """``host`` with level (a)'s probe steps (a batch of one, through the platform) as
+    `SharedHost.step_factors`: each over the step the simulator expects there, so that the
+    simulated steps vary as the measured ones did, around the measured mean."""
+    from bench.autoscale_sim import host_slowdown
+
+    expected = calibration.decode_step_s * host_slowdown(host, 1, 0)
+    return replace(host, step_factors=tuple(gap / expected for gap in gaps))
+
+
+def path_residuals(probe: list, calibration: Calibration, host: SharedHost) -> list[float]:
+    """What the path from client to engine and back added to each of level (a)'s probe
+    requests' TTFT: the measured TTFT less the simulator's for the same requests, beside the same
+    background streams, on the same host (`bench.autoscale_platform.probe_requests`)."""
+    from bench.autoscale_platform import probe_requests
+
+    background, requests = probe_requests()
+    if not probe or len(probe) != len(requests):
+        return []
+    alone = HpaPolicy("probe", "concurrency", 1e9, 1, 1)  # one replica, never scaled
+    outcome = simulate(background + requests, alone, calibration, start_replicas=1,
+                       hold_timeout_s=300.0, host=host)
+    simulated = {r.rid: r.first_token - r.arrival for r in outcome.requests if r.first_token is not None}
+    return [round(ttft - simulated[r.rid], 4) for r, (_, ttft) in zip(requests, probe, strict=True)
+            if ttft is not None and r.rid in simulated]
+
+
+def add_path_latency(requests: list[SimRequest], residuals: list[float], seed: int = 1) -> None:
+    """Each served request's first token (and its end) later by a residual drawn from
+    `path_residuals` (seeded): the hops the simulator's engine does not model."""
+    if not residuals:
+        return
+    rng = random.Random(seed)
+    for r in requests:
+        if r.first_token is not None:
+            extra = max(rng.choice(residuals), r.arrival - r.first_token)  # never before it was sent
+            r.first_token += extra
+            if r.finished is not None:
+                r.finished += extra
+
+
+def with_platform_batch_cost(calibration: Calibration, probe: dict) -> Calibration:
+    """``calibration`` with what each decoding sequence beyond the first adds to a step as level
+    (a)'s platform showed it (the router's and the front end's work per streamed token shares the
+    engine's cores): from the probe's step alone (its decode gaps' mean) and at its TTFT probe's
+    batch. Unchanged without a probe (results from before it)."""
+    gaps, at_batch = probe.get("decode_gaps_s"), probe.get("decode_at_batch")
+    if not gaps or not at_batch or at_batch["batch"] <= 1:
+        return calibration
+    alone = statistics.fmean(gaps)
+    per_sequence = calibration.decode_step_s * max(0.0, at_batch["tpot_s"] / alone - 1) / (at_batch["batch"] - 1)
+    return replace(calibration, decode_step_per_seq_s=per_sequence)
+
+
+def replay_level_b(level_a: dict, requests: list[SimRequest], base_calibration: Calibration,
                    calibration_path: Path, ttft_slo: float, tpot_slo: float) -> dict:
     """Level (a)'s arrivals through the simulator, per policy of (a): replicas sharing the host's
     cores (the host's background CPU as (a) measured it before its trace), and, for reference,
@@ -542,11 +683,21 @@ def replay_level_b(level_a: dict, requests: list[SimRequest], calibration: Calib
     span = level_a["span_s"]
     out: dict = {}
     for name, measured in level_a["policies"].items():
-        host = load_shared_host(calibration_path, measured.get("background_cores", 0.0))
-        entry: dict = {"host": asdict(host)}
-        for variant, on in (("shared_host", host), ("independent", None)):
-            outcome = simulate(requests, level_b_policy(name), calibration, start_replicas=1,
+        probe = measured.get("probe") or {}
+        calibration = with_platform_batch_cost(base_calibration, probe)
+        host = with_step_factors(load_shared_host(calibration_path, measured.get("background_cores", 0.0)),
+                                 calibration, probe.get("decode_gaps_s") or [])
+        residuals = path_residuals(probe.get("ttft") or [], calibration, host)
+        entry: dict = {"host": {**asdict(host), "step_factors": len(host.step_factors)},
+                       "path_residuals_s": residuals,
+                       "decode_step_per_seq_s": calibration.decode_step_per_seq_s}
+        # The shared host with what the platform measured; independent replicas as the
+        # level-(b) replays run them (the calibration alone), for reference.
+        for variant, on, costs in (("shared_host", host, calibration), ("independent", None, base_calibration)):
+            outcome = simulate(requests, level_b_policy(name), costs, start_replicas=1,
                                hold_timeout_s=300.0, host=on, count_until=span)
+            if on is not None:
+                add_path_latency(outcome.requests, residuals)
             figures = report(outcome, ttft_slo, tpot_slo, span)
             ups = [t for t, frm, to in outcome.decisions if to > frm]
             # Quantiles as level (a) computes them (interpolated), over the served requests.
@@ -557,7 +708,10 @@ def replay_level_b(level_a: dict, requests: list[SimRequest], calibration: Calib
                 "replica_seconds": round(outcome.replica_seconds_window, 1),
                 "failed": figures["failed"], "first_scale_up_s": ups[0] if ups else None,
                 "max_replicas": max([1, *(to for _, _, to in outcome.decisions)]),
-                "decisions": [(round(t, 1), frm, to) for t, frm, to in outcome.decisions]}
+                "decisions": [(round(t, 1), frm, to) for t, frm, to in outcome.decisions],
+                "per_request": [(round(r.arrival, 3),
+                                 None if r.first_token is None else round(r.first_token - r.arrival, 4))
+                                for r in sorted(outcome.requests, key=lambda r: r.arrival)]}
         b = entry["shared_host"]
         ttft_ratio, ttft_ok = within(measured.get("ttft_p90_s"), b["ttft_p90_s"])
         rs_ratio, rs_ok = within(measured.get("replica_seconds"), b["replica_seconds"])

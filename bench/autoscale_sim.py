@@ -40,6 +40,7 @@ Policies, each observing what it would observe in a cluster, on its own period:
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -58,12 +59,15 @@ class Calibration:
     """One real replica's measured figures."""
 
     prefill_tokens_per_s: float
-    decode_step_s: float  # one decode step at a small batch
+    decode_step_s: float  # one decode step of one sequence
     kv_blocks: int
     block_size: int
     max_num_seqs: int
     step_tokens: int
     cold_start_s: float  # process start to /health 200 (model load and warm-up)
+    # What each decoding sequence beyond the first adds to a step, fitted from steps measured at
+    # several batch sizes (calibrations before 2026-11-27 have none: 0)
+    decode_step_per_seq_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,10 @@ class SharedHost:
     # CPU use (fitted from a step measured while a replica starts: `start_pressure`); None: its
     # CPU use, start_cores.
     start_pressure_cores: float | None = None
+    # How much one step's time varies on that host beside the rest of the platform (scrapes,
+    # controllers, the router's hops): decode steps measured there, each over their mean, so that
+    # the calibrated step stays the mean. Each simulated step draws one (seeded); () for none.
+    step_factors: tuple[float, ...] = ()
 
 
 def host_slowdown(host: SharedHost, stepping: int, starting: int) -> float:
@@ -297,6 +305,7 @@ class Fleet:
     on_removed: int = 0
     _names: int = 0
     _router: SimRouter | None = None
+    _jitter: random.Random = field(default_factory=lambda: random.Random(0))
 
     def __post_init__(self) -> None:
         if self.router != FEWEST_OPEN:
@@ -304,7 +313,8 @@ class Fleet:
 
     def costs(self) -> Costs:
         c = self.calibration
-        return Costs(c.prefill_tokens_per_s, c.decode_step_s, c.step_tokens, c.max_num_seqs)
+        return Costs(c.prefill_tokens_per_s, c.decode_step_s, c.step_tokens, c.max_num_seqs,
+                     c.decode_step_per_seq_s)
 
     def add(self, now: float, cold: bool = True) -> None:
         self._names += 1
@@ -357,6 +367,12 @@ class Fleet:
         return (host_slowdown(self.host, stepping, starting),
                 start_slowdown(self.host, stepping, starting))
 
+    def step_factor(self) -> float:
+        """One step's variation on the shared host (`SharedHost.step_factors`), 1.0 without."""
+        if self.host is None or not self.host.step_factors:
+            return 1.0
+        return self._jitter.choice(self.host.step_factors)
+
     def run_pods(self, until: float) -> float:
         """Every pod's engine steps up to ``until``; returns the time of the last finish."""
         last = -1.0
@@ -374,7 +390,7 @@ class Fleet:
             pod.busy_until = max(pod.busy_until, pod.ready_at)
             while pod.busy_until < until and (replica.waiting or replica.running):
                 pod.slowdown = slowdown
-                pod.busy_until, _, done = replica.step(pod.busy_until, slowdown)
+                pod.busy_until, _, done = replica.step(pod.busy_until, slowdown * self.step_factor())
                 if done:
                     last = max(last, max(r.finished or 0.0 for r in done))
             if pod.busy_until < until:

@@ -4,7 +4,8 @@ Two modes.
 
 ``--mode calibrated`` (default). Each replica is a continuous-batching engine: FCFS, a token budget
 per step, prompt blocks findable when scheduled, an LRU KV pool of the real size in blocks, answer
-blocks cached as they are decoded. A step costs ``decode_step_s`` if anything decodes plus its
+blocks cached as they are decoded. A step costs ``decode_step_s`` if anything decodes (plus
+``decode_step_per_seq_s`` per sequence beyond the first, where a calibration measured it) plus its
 prompt tokens over ``prefill_tokens_per_s``: the two figures are taken from a real run's own
 heartbeats (``bench.w3_router`` samples them; ``--calibration`` names its JSON). The simulated
 router is the real one's decision functions (``kvscale.router.policy``) fed what the real router
@@ -150,6 +151,14 @@ class Costs:
     decode_step_s: float
     step_tokens: int = 2048  # the engine's max_num_batched_tokens
     max_num_seqs: int = 8
+    # What each decoding sequence beyond the first adds to a step (0: a step costs the same at any
+    # batch, the model the router runs were calibrated with).
+    decode_step_per_seq_s: float = 0.0
+
+    def decode_s(self, num_decoding: int) -> float:
+        if num_decoding == 0:
+            return 0.0
+        return self.decode_step_s + self.decode_step_per_seq_s * (num_decoding - 1)
 
 
 @dataclass
@@ -279,7 +288,7 @@ class SimReplica:
             r._take = take  # type: ignore[attr-defined]
             budget -= take
             prefill_tokens += take
-        seconds = slowdown * ((self.costs.decode_step_s if decoding else 0.0)
+        seconds = slowdown * (self.costs.decode_s(len(decoding))
                               + prefill_tokens / self.costs.prefill_tokens_per_s)
         end = now + max(seconds, 1e-4)
         firsts, done = [], []

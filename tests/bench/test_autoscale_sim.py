@@ -148,3 +148,79 @@ def test_an_idle_host_changes_nothing_and_replica_seconds_count_in_a_window() ->
     one = simulate(requests[:5], HpaPolicy("hpa", "concurrency", 100, 1, 1), CAL, start_replicas=1,
                    hold_timeout_s=120.0, count_until=30.0)
     assert abs(one.replica_seconds_window - 30.0) < 0.06 and one.replica_seconds > 30.0
+
+
+def test_a_decode_step_grows_with_its_batch_by_the_calibrated_slope() -> None:
+    from bench.autoscale_replay import per_sequence_slope
+    from bench.w3_policy_sim import Costs, SimReplica, SimRequest
+
+    # Steps measured at 1, 4, 8, 16 on a line 0.02 + 0.001 per sequence beyond the first.
+    assert abs(per_sequence_slope({1: 0.02, 4: 0.023, 8: 0.027, 16: 0.035}) - 0.001) < 1e-12
+    assert per_sequence_slope({1: 0.02, 8: 0.019}) == 0.0  # noise below the batch-1 step: flat
+    assert per_sequence_slope({1: 0.02}) == 0.0
+
+    def decode_steps(costs: Costs, batch: int) -> float:
+        """Seconds of one step that only decodes ``batch`` sequences."""
+        replica = SimReplica(0, 512, 16, costs)
+        for rid in range(batch):
+            replica.waiting.append(SimRequest(rid, 0.0, [1000 + rid], 16, output_tokens=10))
+        end, _, _ = replica.step(0.0)  # their prefills
+        return replica.step(end)[0] - end
+
+    flat = Costs(2000.0, 0.02, 512, 16)
+    sloped = Costs(2000.0, 0.02, 512, 16, decode_step_per_seq_s=0.001)
+    assert abs(decode_steps(flat, 8) - 0.02) < 1e-9
+    assert abs(decode_steps(sloped, 1) - 0.02) < 1e-9
+    assert abs(decode_steps(sloped, 8) - 0.027) < 1e-9
+
+
+def test_step_factors_vary_steps_around_the_calibrated_mean_reproducibly() -> None:
+    from bench.autoscale_sim import FEWEST_OPEN, Fleet, SharedHost
+    from bench.w3_policy_sim import SimRequest
+
+    def decode_steps(host: SharedHost) -> tuple[int, list[float]]:
+        """(tokens one replica alone on ``host`` decodes in 30 s, when each tick's steps ended)."""
+        fleet = Fleet(CAL, hold_timeout_s=60.0, router=FEWEST_OPEN, host=host)
+        fleet.add(0.0, cold=False)
+        request = SimRequest(0, 0.0, [1], 16, output_tokens=100_000)
+        fleet.route(0.0, request)
+        ends, now = [], 0.0
+        while now < 30.0:
+            fleet.run_pods(now + fleet.tick_s)
+            now += fleet.tick_s
+            ends.append(fleet.pods[0].busy_until)
+        return request.generated, ends
+
+    roomy = dict(cores=1000.0, busy_cores=2.0, start_cores=1.0)
+    plain, plain_ends = decode_steps(SharedHost(**roomy))
+    varied, varied_ends = decode_steps(SharedHost(**roomy, step_factors=(0.5, 1.5)))
+    assert decode_steps(SharedHost(**roomy, step_factors=(0.5, 1.5))) == (varied, varied_ends)  # seeded
+    doubled, _ = decode_steps(SharedHost(**roomy, step_factors=(2.0,)))
+    assert abs(plain - 30.0 / CAL.decode_step_s) < 3
+    assert abs(doubled / plain - 0.5) < 0.02  # each step stretched by its factor
+    assert abs(varied / plain - 1.0) < 0.1  # factors averaging 1 keep the calibrated mean
+    assert varied_ends != plain_ends
+
+
+def test_at_equal_attainment_reads_the_baselines_settings_at_kvscales_attainment() -> None:
+    from bench.autoscale_replay import at_equal_attainment
+
+    def f(attained: float, seconds: float) -> dict:
+        return {"slo_attainment": attained, "replica_seconds": seconds}
+
+    policies = {"kvscale": f(0.90, 800.0), "hpa-concurrency": f(0.80, 500.0),
+                "hpa-concurrency4": f(0.95, 1400.0), "hpa-concurrency2": f(1.0, 1600.0),
+                "hpa-concurrency-other": f(0.99, 10.0),  # not one of its settings
+                "keda-queue": f(0.85, 700.0), "keda-queue2": f(0.88, 750.0)}
+    hpa = at_equal_attainment(policies, "hpa-concurrency")
+    # From 0.80 towards 0.95: 500 + 2/3 * 900 = 1100; towards 1.0: 500 + 1/2 * 1100 = 1050.
+    assert hpa["between"] == ["hpa-concurrency", "hpa-concurrency2"]
+    assert abs(hpa["replica_seconds"] - 1050.0) < 1e-9 and abs(hpa["ratio"] - 800 / 1050) < 1e-12
+    keda = at_equal_attainment(policies, "keda-queue")
+    assert keda["ratio"] is None and keda["reason"] == "no setting reaches kvscale's attainment"
+    low = at_equal_attainment({**policies, "kvscale": f(0.5, 100.0)}, "hpa-concurrency")
+    assert low["ratio"] is None and low["reason"] == "kvscale attains less than every setting"
+    # At a setting's own attainment the line from a cheaper, lower one to a higher one can pass
+    # below it: the baseline is given the cheaper (0.80 -> 1.0: 500 + 3/4 * 1100 = 1325).
+    exact = at_equal_attainment({**policies, "kvscale": f(0.95, 700.0)}, "hpa-concurrency")
+    assert abs(exact["replica_seconds"] - 1325.0) < 1e-9
