@@ -62,11 +62,22 @@ def test_a_is_set_against_b_on_the_same_arrivals(tmp_path) -> None:
         "cores": 2.0, "busy_cores": 2.0, "start_cores": 1.0, "exponent": 1.2}}}))
     requests = compressed_bursty(CAL, 80.0, base_fraction=0.25)
     span = requests[-1].arrival
+    from bench.autoscale_platform import probe_requests
+
+    # What (a) measured on the platform before the kvscale trace (the hpa-real side has none, as
+    # results from before the probe): steps alone, the step at a batch, the TTFT probe.
+    probe = {"decode_gaps_s": [CAL.decode_step_s * 1.2] * 50,
+             "decode_at_batch": {"batch": 4.0, "tpot_s": CAL.decode_step_s * 1.5},
+             "ttft": [(r.arrival, 0.3) for r in probe_requests()[1]]}
     level_a = {"span_s": span, "policies": {
-        "kvscale": {"ttft_p90_s": 2.0, "replica_seconds": span, "background_cores": 0.4},
+        "kvscale": {"ttft_p90_s": 2.0, "replica_seconds": span, "background_cores": 0.4, "probe": probe},
         "hpa-real": {"ttft_p90_s": None, "replica_seconds": span}}}
     out = replay_level_b(level_a, requests, CAL, calibration, *slo(requests, CAL))
     kvscale = out["kvscale"]
+    assert kvscale["host"]["step_factors"] == 50 and len(kvscale["path_residuals_s"]) == len(probe["ttft"])
+    assert abs(kvscale["decode_step_per_seq_s"] - CAL.decode_step_s * (1.5 / 1.2 - 1) / 3) < 1e-12
+    assert out["hpa-real"]["host"]["step_factors"] == 0 and out["hpa-real"]["path_residuals_s"] == []
+    assert out["hpa-real"]["decode_step_per_seq_s"] == CAL.decode_step_per_seq_s
     assert kvscale["shared_host"]["replica_seconds"] <= 3 * span + 0.1
     assert out["kvscale"]["validation"]["replica_seconds_b_over_a"] == \
         kvscale["shared_host"]["replica_seconds"] / span
