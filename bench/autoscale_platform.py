@@ -66,6 +66,7 @@ class Outcome:
     ttft: float | None = None
     tpot: float | None = None
     error: str | None = None
+    chunk_times: list[float] | None = None  # a list: every chunk's arrival is added to it
 
 
 @dataclass
@@ -143,17 +144,16 @@ def probe_decode_gaps(url: str) -> list[float]:
     tokens (one step each at a batch of one). Its prompt shares no block with the trace's."""
     import httpx
 
-    arrivals: list[float] = []
-    with httpx.Client(timeout=120) as client, client.stream("POST", url + "/v1/completions", json={
-            "model": MODEL, "prompt": "Probe: " + " ".join(WORDS), "max_tokens": PROBE_TOKENS,
-            "min_tokens": PROBE_TOKENS, "temperature": 0, "stream": True}) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                arrivals.append(time.monotonic())
+    from bench.autoscale_replay import shaped_request
+
+    outcome = Outcome(0.0, chunk_times=[])
+    with httpx.Client(timeout=120) as client:  # group 49: the trace's groups are 0-7
+        send(client, url, shaped_request(100_200, 49, 0.0, output=PROBE_TOKENS), time.monotonic(), outcome)
+    arrivals = outcome.chunk_times or []
     gaps = [round(b - a, 5) for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    if len(gaps) < PROBE_TOKENS // 2:
-        raise RuntimeError(f"the probe streamed {len(arrivals)} chunks for {PROBE_TOKENS} tokens")
+    if outcome.error is not None or len(gaps) < PROBE_TOKENS // 2:
+        raise RuntimeError(f"the probe streamed {len(arrivals)} chunks for {PROBE_TOKENS} tokens: "
+                           f"{outcome.error}")
     return gaps
 
 
@@ -161,18 +161,12 @@ def probe_requests() -> tuple[list[SimRequest], list[SimRequest]]:
     """The TTFT probe: (its background streams, its requests). The requests have the trace's
     shape (a 128-token prefix shared among them, 256-token prompts, 32-token answers) in a prefix
     group of their own and come one at a time while the streams decode."""
-    from bench.autoscale_replay import BLOCK
-
-    def request(rid: int, group: int, arrival: float, output: int) -> SimRequest:
-        shared = [10_000_000 + group * 100 + i for i in range(128 // BLOCK)]
-        own = [20_000_000 + rid * 100 + j for j in range(128 // BLOCK)]
-        return SimRequest(rid, arrival, shared + own, 256, output,
-                          answer_hashes=[-rid * 1000 - j - 1 for j in range(output // BLOCK)])
+    from bench.autoscale_replay import shaped_request
 
     # Groups 50 and up: the trace's are 0-7.
-    background = [request(100_100 + i, 51 + i, 0.0, PROBE_BACKGROUND_TOKENS)
+    background = [shaped_request(100_100 + i, 51 + i, 0.0, output=PROBE_BACKGROUND_TOKENS)
                   for i in range(PROBE_BACKGROUND_STREAMS)]
-    probes = [request(100_000 + i, 50, PROBE_START_S + i * PROBE_SPACING_S, 32)
+    probes = [shaped_request(100_000 + i, 50, PROBE_START_S + i * PROBE_SPACING_S)
               for i in range(PROBE_REQUESTS)]
     return background, probes
 
@@ -227,6 +221,8 @@ def send(client: Any, url: str, request: SimRequest, start: float, outcome: Outc
                     last = time.monotonic()
                     first = first or last
                     chunks += 1
+                    if outcome.chunk_times is not None:
+                        outcome.chunk_times.append(last)
     except Exception as exc:  # every failure counted
         outcome.error = f"{type(exc).__name__}: {exc}"
         return

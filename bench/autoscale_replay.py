@@ -30,8 +30,8 @@ Workloads (the scaling is written next to every figure in the JSON and docs/benc
 Policies (bench.autoscale_sim): kvscale (the operator's rule, imported), hpa-concurrency,
 keda-queue, kpa-kv, and the HPA and KEDA rules at tighter targets (`HPA_TUNED_TARGETS`,
 `KEDA_TUNED_TARGETS`: "at equal attainment" sets kvscale's replica-seconds against what the
-baseline's settings would spend at kvscale's attainment, `at_equal_attainment`), all behind the same router (kvscale's own decision functions by default,
-`--router`). SLO: TTFT within max(1 s, 4 x the median prompt's prefill time on one idle
+baseline's settings would spend at kvscale's attainment, `at_equal_attainment`), all behind the
+same router (kvscale's own decision functions by default, `--router`). SLO: TTFT within max(1 s, 4 x the median prompt's prefill time on one idle
 replica) and TPOT within 3 x one decode step. The real HPA of kube-controller-manager through
 prometheus-adapter is a policy of level (a) only: `--level a` (bench.autoscale_platform) replays
 a compressed bursty trace on real replicas on the whole-platform runtime, policies `kvscale` and
@@ -76,6 +76,7 @@ from bench.autoscale_sim import (
     KpaPolicy,
     KvscalePolicy,
     SharedHost,
+    host_slowdown,
     report,
     simulate,
     start_pressure,
@@ -322,6 +323,15 @@ def mooncake(compress: float = 1.0, token_div: int = 32, out_div: int = 16) -> l
     return requests
 
 
+def shaped_request(rid: int, group: int, arrival: float, prompt: int = 256, output: int = 32) -> SimRequest:
+    """A request of the synthetic workloads' shape: a 128-token prefix shared by its ``group``,
+    then blocks of its own (`bench.autoscale_platform.prompt_text` writes its text)."""
+    shared = [10_000_000 + group * 100 + i for i in range(128 // BLOCK)]
+    own = [20_000_000 + rid * 100 + i for i in range((prompt - 128) // BLOCK)]
+    return SimRequest(rid, arrival, shared + own, prompt, output,
+                      answer_hashes=[-(rid * 1000 + i) - 1 for i in range(output // BLOCK)])
+
+
 def synthetic(rate_at, span_s: float, seed: int, prompt: int = 256, output: int = 32) -> list[SimRequest]:
     rng = random.Random(seed)
     requests, t, rid = [], 0.0, 0
@@ -329,11 +339,7 @@ def synthetic(rate_at, span_s: float, seed: int, prompt: int = 256, output: int 
     while t < span_s:  # thinning: a Poisson process of the time-varying rate
         t += rng.expovariate(peak)
         if t < span_s and rng.random() < rate_at(t) / peak:
-            group = rng.randrange(8)
-            shared = [10_000_000 + group * 100 + i for i in range(128 // BLOCK)]
-            own = [20_000_000 + rid * 100 + i for i in range((prompt - 128) // BLOCK)]
-            requests.append(SimRequest(rid, t, shared + own, prompt, output,
-                                       answer_hashes=[-(rid * 1000 + i) - 1 for i in range(output // BLOCK)]))
+            requests.append(shaped_request(rid, rng.randrange(8), t, prompt, output))
             rid += 1
     return requests
 
@@ -625,8 +631,6 @@ def with_step_factors(host: SharedHost, calibration: Calibration, gaps: list[flo
     """``host`` with level (a)'s probe steps (a batch of one, through the platform) as
     `SharedHost.step_factors`: each over the step the simulator expects there, so that the
     simulated steps vary as the measured ones did, around the measured mean."""
-    from bench.autoscale_sim import host_slowdown
-
     expected = calibration.decode_step_s * host_slowdown(host, 1, 0)
     return replace(host, step_factors=tuple(gap / expected for gap in gaps))
 

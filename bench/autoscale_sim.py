@@ -88,8 +88,9 @@ class SharedHost:
     # CPU use, start_cores.
     start_pressure_cores: float | None = None
     # How much one step's time varies on that host beside the rest of the platform (scrapes,
-    # controllers, the router's hops): decode steps measured there, each over their mean, so that
-    # the calibrated step stays the mean. Each simulated step draws one (seeded); () for none.
+    # controllers, the router's hops): decode steps measured there, each over the step this model
+    # expects there (`bench.autoscale_replay.with_step_factors`). Each simulated step's time is
+    # multiplied by one drawn from them (seeded); () for none.
     step_factors: tuple[float, ...] = ()
 
 
