@@ -364,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-enforce-eager", action="store_true",
                         help="start vLLM without torch.compile (quick plumbing checks; not its fast path)")
     parser.add_argument("--start-timeout", type=float, default=900, help="seconds a server may take to start")
+    parser.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
+                        help="`--stream-interval` of both servers (vLLM's flag): tokens per streamed "
+                             "event after the first; ITL is then the gap between such events")
     parser.add_argument("--output", default=None,
                         help="JSON path (default bench/results/http_load.json; with vllm, "
                              "http_load_vllm_t<threads>.json)")
@@ -404,11 +407,13 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     try:
         # One server at a time while starting, so each start-up has the machine to itself.
-        servers["kvscale"] = start_kvscale(engine_flags, args.threads, BUNDLED_NAME, log_dir)
+        interval = ("--stream-interval", str(args.stream_interval))
+        servers["kvscale"] = start_kvscale(engine_flags, args.threads, BUNDLED_NAME, log_dir, interval)
         first_served_s["kvscale"] = asyncio.run(first_served(servers["kvscale"], args.start_timeout))
         print(f"kvscale serve: first request served {first_served_s['kvscale']:.1f} s after spawn", flush=True)
         if "vllm" in baselines:
-            servers["vllm"] = start_vllm(engine_flags, args.threads, BUNDLED_NAME, log_dir, args.vllm_enforce_eager)
+            servers["vllm"] = start_vllm(engine_flags, args.threads, BUNDLED_NAME, log_dir, args.vllm_enforce_eager,
+                                         interval)
             first_served_s["vllm"] = asyncio.run(first_served(servers["vllm"], args.start_timeout))
             print(f"vLLM serve: first request served {first_served_s['vllm']:.1f} s after spawn", flush=True)
 
@@ -447,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {"requests": args.requests, "concurrency": args.concurrency,
                      "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
                      "seed": args.seed, "temperature": args.temperature, "ignore_eos": True,
-                     "prompts": "random token ids", "streaming": True, "client": "openai.AsyncOpenAI"},
+                     "prompts": "random token ids", "streaming": True, "client": "openai.AsyncOpenAI",
+                     "stream_interval": args.stream_interval},
         "engine": engine_flags,
         "baselines": baselines,
         "servers": {name: {"argv": server.argv[1:], "first_served_s": first_served_s.get(name), **server.info}

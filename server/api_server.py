@@ -59,6 +59,7 @@ def build_app(
     vocab_size: int | None = None,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    stream_interval: int = 1,
 ) -> FastAPI:
     """The FastAPI app; starts reading the engine on startup and stops the engine on shutdown.
 
@@ -72,7 +73,8 @@ def build_app(
                           max_queue_len=max_queue_len, max_prompts_per_request=max_prompts_per_request,
                           model_root=model_root, version=__version__,
                           vocab_size=vocab_size, tool_call_parser=tool_call_parser,
-                          enable_auto_tool_choice=enable_auto_tool_choice)
+                          enable_auto_tool_choice=enable_auto_tool_choice,
+                          stream_interval=stream_interval)
     metrics = ServerMetrics(server.model_name, lambda: engine.stats)
     engine.observe(metrics.on_step, metrics.on_request_end)
     server.metrics = metrics

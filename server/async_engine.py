@@ -69,10 +69,15 @@ class RequestStream:
 
     A reader that falls behind gets what it missed folded into one output (``merge_deltas``).
     ``aborted`` means the request ended early (client gone, engine dead).
+
+    ``stream_interval`` (vLLM's ``--stream-interval``): after the first token, deltas are held
+    until they carry that many tokens (or the request ends) before the reader wakes, so a stream
+    costs the front end and its client one event per that many tokens instead of one per token.
     """
 
     request_id: str
     num_prompt_tokens: int
+    stream_interval: int = 1
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
     aborted: bool = False
@@ -81,9 +86,28 @@ class RequestStream:
     last_token_time: float | None = None
     first_output_seen: bool = False
     _held: Any = _NOTHING  # an end (None, an error) read while folding deltas; returned next
+    _first_token_put: bool = False
+    _holding: list[RequestOutput] = field(default_factory=list)  # below the stream interval
+    _holding_tokens: int = 0
 
     def put(self, item: RequestOutput | BaseException | None) -> None:
+        if isinstance(item, RequestOutput):
+            tokens = max((len(completion.token_ids) for completion in item.outputs), default=0)
+            if (self.stream_interval > 1 and self._first_token_put and not item.finished
+                    and item.error is None):
+                self._holding.append(item)
+                self._holding_tokens += tokens
+                if self._holding_tokens >= self.stream_interval:
+                    self._release_held()
+                return
+            self._first_token_put = self._first_token_put or tokens > 0
+        self._release_held()
         self._queue.put_nowait(item)
+
+    def _release_held(self) -> None:
+        if self._holding:
+            self._queue.put_nowait(merge_deltas(self._holding))
+            self._holding, self._holding_tokens = [], 0
 
     async def next(self) -> RequestOutput | None:
         """Everything new since the last call as one output (None once aborted); raises
@@ -180,9 +204,10 @@ class EngineFront:
         (stream,) = await self.add_requests([(request_id, prompt, params, cache_salt)])
         return stream
 
-    async def add_requests(self, requests: Sequence[NewRequest]) -> list[RequestStream]:
+    async def add_requests(self, requests: Sequence[NewRequest], *,
+                           stream_interval: int = 1) -> list[RequestStream]:
         """Hand requests to the engine in one go (they start in the same step); returns their
-        streams once the engine accepted all of them.
+        streams (``RequestStream.stream_interval``) once the engine accepted all of them.
 
         Raises what ``LLMEngine.add_request`` raised for the first it refused (none is kept
         then), or EngineDeadError.
@@ -196,7 +221,8 @@ class EngineFront:
         streams = []
         for request_id, prompt, _, _ in requests:
             stream = RequestStream(request_id=request_id,
-                                   num_prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)
+                                   num_prompt_tokens=len(prompt) if isinstance(prompt, list) else 0,
+                                   stream_interval=stream_interval)
             self._streams[request_id] = stream
             streams.append(stream)
         accepted: asyncio.Future = self._loop.create_future()

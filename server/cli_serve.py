@@ -86,6 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
                       help="prompts one /v1/completions request may carry; more get 400 "
                            f"(default {DEFAULT_MAX_PROMPTS_PER_REQUEST})")
+    http.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
+                      help="a streamed answer's events carry at least this many tokens (not the first "
+                           "nor the last): fewer, larger events for the server and its clients, at "
+                           "the cost of smoothness; a request's stream_interval may ask for more "
+                           "(default 1: every token)")
     http.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
                       help="on SIGTERM, how long open requests may take to finish while /health and new "
                            f"requests answer 503 (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}: fits a 60 s pod "
@@ -199,7 +204,8 @@ def build(args: argparse.Namespace) -> Served:
                     max_queue_len=args.max_queue_len, max_prompts_per_request=args.max_prompts_per_request,
                     model_root=str(model_path),
                     vocab_size=min(len(tokenizer), ready.vocab_size),
-                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
+                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    stream_interval=args.stream_interval)
     return Served(app, core, ready.model_name, ready.max_model_len, ready.block_size)
 
 
@@ -214,6 +220,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.max_prompts_per_request < 1:
         print("kvscale serve: --max-prompts-per-request must be at least 1", file=sys.stderr)
+        return 2
+    if args.stream_interval < 1:
+        print("kvscale serve: --stream-interval must be at least 1", file=sys.stderr)
         return 2
     if args.shutdown_timeout < 0:
         print("kvscale serve: --shutdown-timeout must be non-negative", file=sys.stderr)

@@ -113,6 +113,8 @@ class SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's: stream every this many tokens (at least the server's --stream-interval).
+    stream_interval: int | None = Field(None, ge=1)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None

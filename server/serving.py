@@ -230,6 +230,7 @@ class Prepared:
     # refusal of the grammar becomes a 400 naming it.
     constraint_param: str | None = None
     tools: Any = None  # chat's serving_tools.ToolPlan
+    stream_interval: int | None = None  # the request's own (vLLM's extra field); None: the server's
 
 
 class OpenAIServer:
@@ -250,6 +251,7 @@ class OpenAIServer:
         vocab_size: int | None = None,
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
+        stream_interval: int = 1,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -265,6 +267,7 @@ class OpenAIServer:
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
         self.tool_call_parser = tool_call_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.stream_interval = stream_interval  # --stream-interval: a request may ask for more, not less
         # Request fields neither API defines: logged once each, counted per request (metrics).
         self.unknown_fields_seen: set[str] = set()
         self.metrics: Any = None  # ServerMetrics, set by the app (counts refusals, kinds, fields)
@@ -348,7 +351,8 @@ class OpenAIServer:
             for index, (ids, params) in enumerate(zip(prepared.prompts, prepared.params, strict=True))
         ]
         try:
-            return await self.engine.add_requests(requests)
+            return await self.engine.add_requests(
+                requests, stream_interval=max(self.stream_interval, prepared.stream_interval or 1))
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
         except (ValueError, TypeError, OverflowError) as exc:

@@ -105,7 +105,8 @@ def prepare_chat(server: OpenAIServer, body: p.ChatCompletionRequest) -> Prepare
                                       structured_outputs=structured, logit_bias=logit_bias)
     except ValueError as exc:
         raise bad_request(str(exc), getattr(exc, "param", None)) from exc
-    return Prepared(p.random_id("chatcmpl"), [ids], [""], [params], body.cache_salt, constraint_param, plan)
+    return Prepared(p.random_id("chatcmpl"), [ids], [""], [params], body.cache_salt, constraint_param, plan,
+                    stream_interval=body.stream_interval)
 
 
 class ChatFormatter(StreamFormatter):

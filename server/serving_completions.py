@@ -104,7 +104,8 @@ def prepare_completion(server: OpenAIServer, body: p.CompletionRequest) -> Prepa
             echo_texts.append(prompt if isinstance(prompt, str) else server.tokenizer.decode(ids))
         else:
             echo_texts.append("")
-    return Prepared(p.random_id("cmpl"), prompts, echo_texts, params, body.cache_salt, constraint_param)
+    return Prepared(p.random_id("cmpl"), prompts, echo_texts, params, body.cache_salt, constraint_param,
+                    stream_interval=body.stream_interval)
 
 
 def _with_echo(server: OpenAIServer, num_top: int, prompt_ids: list[int],

@@ -113,6 +113,30 @@ def test_stream_completion_matches_non_streaming(client) -> None:
     assert all(chunk.choices[0].finish_reason is None for chunk in chunks[:-1])
 
 
+def tokens_per_event(client, **extra) -> tuple[list[int], str]:
+    """Tokens each text-carrying event of a greedy 17-token stream holds, and the whole text."""
+    chunks = list(client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=17,
+                                            temperature=0, stream=True, logprobs=1,
+                                            extra_body={"ignore_eos": True, **extra}))
+    counts = [len(chunk.choices[0].logprobs.tokens) for chunk in chunks if chunk.choices[0].logprobs]
+    return counts, "".join(chunk.choices[0].text for chunk in chunks)
+
+
+def test_a_request_stream_interval_groups_tokens_after_the_first(client) -> None:
+    every, text = tokens_per_event(client)
+    assert sum(every) == 17 and len(every) > 5  # a reader a step behind gets two steps in one event
+    grouped, grouped_text = tokens_per_event(client, stream_interval=5)
+    # The first token at once, then at least five per event; the end goes out as it comes.
+    assert all(count >= 5 for count in grouped[1:-1]) and sum(grouped) == 17
+    assert len(grouped) <= 1 + 4 and grouped_text == text
+
+
+def test_a_stream_interval_below_one_is_refused(client) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        tokens_per_event(client, stream_interval=0)
+    assert error_of(refused.value)["param"] == "stream_interval"
+
+
 def test_stream_with_usage_ends_with_a_usage_chunk(client) -> None:
     chunks = list(client.completions.create(
         model="smollm2", prompt="Once upon a time", max_tokens=7, temperature=0, stream=True,

@@ -4,6 +4,7 @@ and OpenAI error body."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 import time
@@ -158,5 +159,33 @@ def test_prompts_per_request_are_capped_before_tokenizing(tmp_path) -> None:
         assert "4 prompts" in error["message"]
         fine = httpx.post(url, json={**body, "prompt": ["x"] * 3}, timeout=60)
         assert fine.status_code == 200 and len(fine.json()["choices"]) == 3
+    finally:
+        proc.stop()
+
+
+def test_the_server_stream_interval_is_a_floor_for_requests() -> None:
+    proc = ServeProcess("--max-model-len", "128", "--num-gpu-blocks-override", "32",
+                        "--stream-interval", "4", log_name="stream-interval")
+    try:
+        def counts(**extra) -> list[int]:
+            body = {"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 13,
+                    "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 1, **extra}
+            events = []
+            with httpx.stream("POST", f"{proc.base_url}/v1/completions", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        logprobs = json.loads(line[6:])["choices"][0]["logprobs"]
+                        events.append(len(logprobs["tokens"]))
+            assert sum(events) == 13
+            return events
+
+        def grouped_by(events: list[int], interval: int) -> bool:
+            # After the first token at least ``interval`` per event (more when the reader lags).
+            return all(n >= interval for n in events[1:-1]) and len(events) <= 1 + -(-12 // interval)
+
+        assert grouped_by(counts(), 4)
+        assert grouped_by(counts(stream_interval=1), 4)  # a request may not ask for less
+        assert grouped_by(counts(stream_interval=6), 6)
     finally:
         proc.stop()
