@@ -48,23 +48,30 @@
  * 16-31, tmm2 the B operand (a 32-dim chunk of Q^T, then P^T), tmm3 the A operand (a K chunk,
  * then a V^T chunk), tmm4-7 the accumulator out^T, 16 dims each. */
 
-/* 2^x for x <= 0: 2^round(x) by VSCALEFPS times a degree-6 Taylor polynomial of 2^f on
- * [-0.5, 0.5] (relative error ~1e-7, far below bfloat16's rounding). Below -100 the result is
- * exactly 0: subnormal results (and products of them later) take a microcode assist each,
- * which doubled the kernel's time (unless something in the process had set flush-to-zero). */
+/* 2^x for x <= 0: 2^round(x) by VSCALEFPS times a degree-4 Taylor polynomial of 2^f on
+ * [-0.5, 0.5] (relative error below 5e-5, a fortieth of the bfloat16 rounding the probabilities
+ * get before the value product). Far below the maximum (-1e29 for a masked key) the result is
+ * exactly 0; results in float32's subnormal range are flushed to 0, since the kernel's threads
+ * run with flush-to-zero (attention_fp_mode): a subnormal result, and every product of one
+ * later, would take a microcode assist each, which doubled the kernel's time. */
 static inline __m512 exp2_nonpositive(__m512 x) {
-    const __mmask16 normal = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-100.0f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    __m512 p = _mm512_set1_ps(9.6181291e-3f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(normal, p, n);
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Flush-to-zero and denormals-are-zero (MXCSR bits 15 and 6) for the calling thread, for the
+ * kernel's own loops; the previous mode is restored before the thread goes back to the pool, so
+ * nothing else in the process (torch, Python) loses its subnormals. */
+static inline unsigned int attention_fp_mode(void) {
+    const unsigned int previous = _mm_getcsr();
+    _mm_setcsr(previous | 0x8040u);
+    return previous;
 }
 
 /* Where a (sequence, KV head)'s packed K and V live, and what they are packed from. */
@@ -203,6 +210,25 @@ static inline void load_resident(const float *acc, int v_chunks) {
     }
 }
 
+/* Scores^T of 32 keys (K . Q^T) into tiles 0 and 1, not yet stored: the tile unit works on them
+ * while the caller goes on. */
+static inline void issue_scores(const uint16_t *keys, const uint32_t *q_t, int k_chunks, int head_dim) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int c = 0; c < k_chunks; c++) {
+        _tile_loadd(2, q_t + c * 16 * Q_ROWS, 64);
+        _tile_loadd(3, keys + c * 32, head_dim * 2);
+        _tile_dpbf16ps(0, 3, 2);
+        _tile_loadd(3, keys + 16 * head_dim + c * 32, head_dim * 2);
+        _tile_dpbf16ps(1, 3, 2);
+    }
+}
+
+static inline void store_scores(float *scores) {
+    _tile_stored(0, scores, 64);
+    _tile_stored(1, scores + 16 * Q_ROWS, 64);
+}
+
 /* One item: query rows q_tile*16 .. +15 of one head of one sequence against its packed keys.
  * Everything runs transposed (keys or dims down, the 16 query rows across a vector's lanes), so
  * the softmax's maxima and sums over keys are lane-wise operations between vectors, never
@@ -214,8 +240,8 @@ static void attend_item(const uint16_t *query, int64_t query_stride, const uint1
     const int first = q_tile * Q_ROWS;
     const int rows = q_len - first < Q_ROWS ? q_len - first : Q_ROWS;
     _Alignas(64) uint32_t q_t[MAX_HEAD_DIM / 2 * Q_ROWS]; /* Q^T as VNNI: [dim pair][row] */
-    _Alignas(64) float scores[KEYS * Q_ROWS];             /* scores^T: [key][row] */
-    _Alignas(64) uint32_t probs[KEYS / 2 * Q_ROWS];       /* P^T as VNNI: [key pair][row] */
+    _Alignas(64) float score_buffers[2][KEYS * Q_ROWS];   /* scores^T: [key][row], this tile's and the next's */
+    _Alignas(64) uint32_t prob_buffers[2][KEYS / 2 * Q_ROWS]; /* P^T as VNNI: [key pair][row], by tile parity */
     _Alignas(64) float acc[MAX_HEAD_DIM * Q_ROWS];        /* out^T: [dim][row] */
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     /* Rows past the sequence's end read row 0 again (finite, never stored) and take the last
@@ -235,40 +261,42 @@ static void attend_item(const uint16_t *query, int64_t query_stride, const uint1
     const int last_position = context_len - q_len + first + rows - 1;
     const int key_tiles = last_position / KEYS + 1;
     const __m512 scale = _mm512_set1_ps(scale_log2), hidden = _mm512_set1_ps(HIDDEN);
+    /* Software-pipelined: the tile unit computes the next key tile's scores while the vector
+     * units run this tile's softmax (they wait on each other only through the two score buffers),
+     * instead of each idling while the other works. */
+    issue_scores(packed + tiles[0] * tile_stride + head_offset, q_t, k_chunks, head_dim);
+    store_scores(score_buffers[0]);
     for (int kt = 0; kt < key_tiles; kt++) {
         const uint16_t *keys = packed + tiles[kt] * tile_stride + head_offset;
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int c = 0; c < k_chunks; c++) {
-            _tile_loadd(2, q_t + c * 16 * Q_ROWS, 64);
-            _tile_loadd(3, keys + c * 32, head_dim * 2);
-            _tile_dpbf16ps(0, 3, 2);
-            _tile_loadd(3, keys + 16 * head_dim + c * 32, head_dim * 2);
-            _tile_dpbf16ps(1, 3, 2);
-        }
-        _tile_stored(0, scores, 64);
-        _tile_stored(1, scores + 16 * Q_ROWS, 64);
-        __m512 s[KEYS];
+        float *scores = score_buffers[kt & 1];
+        if (kt + 1 < key_tiles) issue_scores(packed + tiles[kt + 1] * tile_stride + head_offset, q_t, k_chunks, head_dim);
+        /* Scores stay unscaled until the exponent: scale * s - max is one FMA (scale > 0, so the
+         * largest unscaled score is the largest scaled one). A masked key's score is HIDDEN. */
         const int masked = kt * KEYS + KEYS - 1 > context_len - q_len + first;
-        __m512 tile_max = hidden;
-        for (int i = 0; i < KEYS; i++) {
-            s[i] = _mm512_mul_ps(_mm512_load_ps(scores + i * Q_ROWS), scale);
-            if (masked)
-                s[i] = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(kt * KEYS + i)), hidden, s[i]);
-            tile_max = _mm512_max_ps(tile_max, s[i]);
-        }
+        if (masked)
+            for (int i = 0; i < KEYS; i++) {
+                const __mmask16 seen = _mm512_cmpge_epi32_mask(positions, _mm512_set1_epi32(kt * KEYS + i));
+                _mm512_store_ps(scores + i * Q_ROWS, _mm512_mask_blend_ps(seen, hidden, _mm512_load_ps(scores + i * Q_ROWS)));
+            }
+        __m512 raw_max = hidden;
+        for (int i = 0; i < KEYS; i++) raw_max = _mm512_max_ps(raw_max, _mm512_load_ps(scores + i * Q_ROWS));
+        const __m512 tile_max = _mm512_mul_ps(raw_max, scale);
         /* The running maximum moves only when a score passes it by more than 2^8 (probabilities
          * up to 256 are exact enough in float32 and bfloat16 alike), so the accumulator is seldom
          * rescaled. Key 0 is in the first tile and seen by every row: finite from there on. */
         const __mmask16 grew = _mm512_cmp_ps_mask(tile_max, _mm512_add_ps(running_max, _mm512_set1_ps(8.0f)), _CMP_GT_OQ);
         const __m512 new_max = _mm512_mask_mov_ps(running_max, grew, tile_max);
-        __m512 tile_sum = _mm512_setzero_ps();
+        /* Four partial sums: one chain of 16 dependent adds would be the loop's critical path. */
+        __m512 partial[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        const __m512 minus_max = _mm512_sub_ps(_mm512_setzero_ps(), new_max);
+        uint32_t *probs = prob_buffers[kt & 1];
         for (int i = 0; i < KEYS; i += 2) {
-            const __m512 even = exp2_nonpositive(_mm512_sub_ps(s[i], new_max));
-            const __m512 odd = exp2_nonpositive(_mm512_sub_ps(s[i + 1], new_max));
-            tile_sum = _mm512_add_ps(tile_sum, _mm512_add_ps(even, odd));
+            const __m512 even = exp2_nonpositive(_mm512_fmadd_ps(_mm512_load_ps(scores + i * Q_ROWS), scale, minus_max));
+            const __m512 odd = exp2_nonpositive(_mm512_fmadd_ps(_mm512_load_ps(scores + (i + 1) * Q_ROWS), scale, minus_max));
+            partial[(i / 2) & 3] = _mm512_add_ps(partial[(i / 2) & 3], _mm512_add_ps(even, odd));
             _mm512_store_si512(probs + (i / 2) * Q_ROWS, interleave_bf16(even, odd));
         }
+        const __m512 tile_sum = _mm512_add_ps(_mm512_add_ps(partial[0], partial[1]), _mm512_add_ps(partial[2], partial[3]));
         if (grew) {
             const __m512 rescale = exp2_nonpositive(_mm512_sub_ps(running_max, new_max));
             running_sum = _mm512_mul_ps(running_sum, rescale);
@@ -303,6 +331,7 @@ static void attend_item(const uint16_t *query, int64_t query_stride, const uint1
                 _tile_stored(4, acc + c * 16 * Q_ROWS, 64);
             }
         }
+        if (kt + 1 < key_tiles) store_scores(score_buffers[(kt + 1) & 1]);
     }
     if (resident) store_resident(acc, v_chunks);
     /* out = out^T / sum, back to rows: adjacent dims paired into dwords, then each row's dwords
@@ -411,6 +440,7 @@ int kvscale_paged_prefill_attention(
             pack_keys(&src, kv_head, source[2 * id + 1], k_packed, k_packed + KEYS * head_dim);
         }
         configure_tiles();
+        const unsigned int fp_mode = attention_fp_mode();
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_items; i++) {
             const work_item item = items[i];
@@ -420,6 +450,7 @@ int kvscale_paged_prefill_attention(
                         query_start_loc[s + 1] - query_start_loc[s], context_lens[s], item.head, item.q_tile,
                         head_dim, scale_log2, out, num_heads);
         }
+        _mm_setcsr(fp_mode);
         _tile_release();
     }
     free(tiles_at);
