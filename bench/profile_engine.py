@@ -3,7 +3,10 @@
 
 Runs a W1-shaped workload (random token ids, ignore_eos, greedy) through ``LLMEngine`` in this
 process, timing each phase of every step with wrappers, and the forward pass's ops with
-``torch.profiler`` over a few steps of each kind (prefill-bearing and pure decode).
+``torch.profiler`` over a few steps of each kind (prefill-bearing and pure decode). The C kernels
+(attention, KV writes, the layer ops, kvscale's own projections) are calls through ctypes that
+torch.profiler does not see, so every step's forward is also split by wrappers around the kernel
+backend's ops, the layer ops and each projection module (``forward_ops_s``).
 
     python -m bench.profile_engine --threads 2           # writes bench/results/profile_engine.json
     python -m bench.profile_engine --num-requests 16 --max-output 32   # a quick look
@@ -24,8 +27,10 @@ from bench.w1_throughput import workload
 
 
 def _wrap(obj: Any, name: str, bucket: str, totals: dict[str, float]) -> None:
-    inner = getattr(obj, name)
+    setattr(obj, name, _timed(getattr(obj, name), bucket, totals))
 
+
+def _timed(inner: Any, bucket: str, totals: dict[str, float]) -> Any:
     def timed(*args, **kwargs):
         start = time.perf_counter()
         try:
@@ -33,7 +38,32 @@ def _wrap(obj: Any, name: str, bucket: str, totals: dict[str, float]) -> None:
         finally:
             totals[bucket] += time.perf_counter() - start
 
-    setattr(obj, name, timed)
+    return timed
+
+
+def _wrap_forward_ops(runner: Any, totals: dict[str, float]) -> None:
+    """Time the forward's parts into ``totals``: the kernel backend's ops, the layer ops, and each
+    projection module (the outermost of nested ones, so none counts twice)."""
+    import dataclasses
+
+    from torch import nn
+
+    from kvscale.kernels import layer_ops
+
+    runner.kernels = dataclasses.replace(
+        runner.kernels,
+        write_kv=_timed(runner.kernels.write_kv, "kv_write", totals),
+        paged_decode_attention=_timed(runner.kernels.paged_decode_attention, "decode_attention", totals),
+        paged_prefill_attention=_timed(runner.kernels.paged_prefill_attention, "prefill_attention", totals))
+    for name in ("add_rms_norm", "rope", "silu_and_mul"):
+        setattr(layer_ops, name, _timed(getattr(layer_ops, name), name, totals))
+    wrapped: list[str] = []
+    for name, module in runner.model.named_modules():
+        if any(name.startswith(outer + ".") for outer in wrapped):
+            continue
+        if isinstance(module, nn.Linear) or type(module).__name__ in ("PackedLinear", "AmxLinear", "Int8Linear"):
+            module.forward = _timed(module.forward, "projections", totals)
+            wrapped.append(name)
 
 
 def _op_table(prof, top: int) -> list[dict[str, Any]]:
@@ -85,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     totals: dict[str, float] = collections.defaultdict(float)
     _wrap(engine.scheduler, "schedule", "schedule", totals)
     _wrap(engine.runner, "prepare", "prepare_inputs", totals)
-    _wrap(engine.runner.model, "forward", "forward", totals)
+    _wrap(engine.runner.model, "hidden_states", "forward", totals)
+    _wrap(engine.runner.model, "compute_logits", "logits", totals)
+    forward_ops: dict[str, float] = collections.defaultdict(float)
+    _wrap_forward_ops(engine.runner, forward_ops)
     _wrap(engine, "sampler", "sample", totals)
     _wrap(engine, "_append_token", "append_token_detokenize", totals)
 
@@ -123,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     phases = dict(totals)
     phases["step_total"] = elapsed
     phases["other_step_python"] = elapsed - sum(totals.values())  # engine.step around the phases
+    # The LM head is a projection inside compute_logits, not the hidden states' forward.
+    forward_split = dict(forward_ops)
+    forward_split["forward_other"] = totals["forward"] + totals["logits"] - sum(forward_ops.values())
     result = {
         "benchmark": "profile_engine",
         "date": time.strftime("%Y-%m-%d"),
@@ -131,11 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         "output_tokens": sum(outputs),
         "output_tokens_per_s": sum(outputs) / elapsed,
         "phases_s": phases,
+        "forward_ops_s": forward_split,
         "steps": {k: {"count": len(v), "median_s": sorted(v)[len(v) // 2] if v else None} for k, v in step_times.items()},
         "ops_per_profiled_step": tables,
     }
     path = write_result("profile_engine", result, args.out)
-    print(json.dumps({k: result[k] for k in ("output_tokens_per_s", "phases_s", "steps")}, indent=1), file=sys.stderr)
+    print(json.dumps({k: result[k] for k in ("output_tokens_per_s", "phases_s", "forward_ops_s", "steps")}, indent=1),
+          file=sys.stderr)
     for kind, rows in tables.items():
         print(f"--- {kind} (per profiled step)", file=sys.stderr)
         for r in rows[:18]:
