@@ -59,6 +59,12 @@ def machine() -> dict[str, Any]:
     }
 
 
+def git_commit(tree: Path) -> str | None:
+    """The commit checked out in ``tree`` (a repository or worktree), or None outside git."""
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 def run_side(module: str, side: str, args: list[str]) -> dict[str, Any]:
     """Run one side of a benchmark in its own process, so its peak memory is its own."""
     cmd = [sys.executable, "-m", module, "--side", side, *args]

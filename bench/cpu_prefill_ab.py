@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import machine, write_result
+from bench.common import git_commit, machine, write_result
 from bench.roofline import cpu_isa
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,11 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     for op, figures in summary.items():
         print(f"{op}: before {figures['before_c_ms']:.3f} ms, after {figures['after_c_ms']:.3f} ms, "
               f"{figures['before_over_after']:.2f}x")
-    before_head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.before_checkout, capture_output=True,
-                                 text=True).stdout.strip()
     result = {"benchmark": "cpu_prefill_ab", "date": time.strftime("%Y-%m-%d %H:%M"),
               "machine": {**machine(), "isa": cpu_isa()},
-              "threads": args.threads, "before_checkout_head": before_head, "rounds": rounds, "summary": summary}
+              "threads": args.threads, "commits": {"after": git_commit(REPO), "before": git_commit(args.before_checkout)}, "rounds": rounds, "summary": summary}
     print(write_result(f"cpu_prefill_ab_t{args.threads}", result, args.out))
     return 0
 

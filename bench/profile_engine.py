@@ -49,6 +49,8 @@ def _wrap_forward_ops(runner: Any, totals: dict[str, float]) -> None:
     from torch import nn
 
     from kvscale.kernels import layer_ops
+    from kvscale.server.cpu_linear import PackedLinear
+    from kvscale.server.quantization import Int8Linear
 
     runner.kernels = dataclasses.replace(
         runner.kernels,
@@ -61,7 +63,7 @@ def _wrap_forward_ops(runner: Any, totals: dict[str, float]) -> None:
     for name, module in runner.model.named_modules():
         if any(name.startswith(outer + ".") for outer in wrapped):
             continue
-        if isinstance(module, nn.Linear) or type(module).__name__ in ("PackedLinear", "AmxLinear", "Int8Linear"):
+        if isinstance(module, nn.Linear | PackedLinear | Int8Linear):  # AmxLinear is a PackedLinear
             module.forward = _timed(module.forward, "projections", totals)
             wrapped.append(name)
 

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from typing import Any
 import httpx
 import jsonschema
 
-from bench.common import machine, quantile
+from bench.common import git_commit, machine, quantile
 from bench.http_load import first_served, start_kvscale, start_vllm, stop
 from bench.jsonschemabench import load_rows
 from bench.roofline import cpu_isa
@@ -330,11 +329,6 @@ async def bench_engine(name: str, start, rows: list[dict], args, parts: list[str
     finally:
         stop(server)
     return result
-
-
-def git_commit(tree: Path) -> str | None:
-    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def kvscale_sides(args: argparse.Namespace, engine_flags: dict, log_dir: Path) -> list[tuple[str, Any]]:

@@ -91,10 +91,9 @@ class RequestStream:
     _holding_tokens: int = 0
 
     def put(self, item: RequestOutput | BaseException | None) -> None:
-        if isinstance(item, RequestOutput):
+        if self.stream_interval > 1 and isinstance(item, RequestOutput):
             tokens = max((len(completion.token_ids) for completion in item.outputs), default=0)
-            if (self.stream_interval > 1 and self._first_token_put and not item.finished
-                    and item.error is None):
+            if self._first_token_put and not item.finished and item.error is None:
                 self._holding.append(item)
                 self._holding_tokens += tokens
                 if self._holding_tokens >= self.stream_interval:
