@@ -26,6 +26,13 @@
  * its bits, moved into a half's exponent and mantissa, read 2^-8 of its value, subnormals
  * included). The 2^8 and the scales are not multiplied into every element: the K factor goes
  * into the score scale, the V factor onto each output row (sum p * (s * v) = s * sum p * v).
+ *
+ * On CPUs with AMX a bfloat16 cache (bfloat16 query, blocks of whole 16-key tiles, heads of 64 or
+ * 128 dims) runs on tiles instead (attend_rows_amx, below): the same two passes, with scores and
+ * the value product as tile dot products and the softmax between them unchanged. Where the
+ * cache is in L3 the AVX-512 path is bound by its arithmetic: a score is a dot product summed
+ * across a vector's lanes, and each pair of value rows is interleaved again for every query row
+ * of the GQA group.
  */
 #include <math.h>
 #include <stdint.h>
@@ -391,6 +398,190 @@ static inline __attribute__((always_inline)) void weighted_values_bf16(
 }
 #endif
 
+/* Each of `rows` rows of n scores (row r at scores + r * n) to its softmax, in place. */
+static inline __attribute__((always_inline)) void softmax_rows(float *scores, int rows, int n) {
+    for (int r = 0; r < rows; r++) {
+        float *row = scores + (int64_t)r * n;
+        float peak = row[0];
+        for (int t = 1; t < n; t++) peak = row[t] > peak ? row[t] : peak;
+        float total = 0.0f;
+        /* Weights below e^-70 of the peak count as 0 (they are below float32's precision of
+         * the sum anyway). Without the cut a peaked row sends expf inputs below -87 into
+         * libmvec's scalar fallback and leaves subnormal weights, a microcode assist each on
+         * every later multiply: a decode layer with peaked scores took 3x as long. */
+        #pragma omp simd reduction(+ : total)
+        for (int t = 0; t < n; t++) {
+            const float shifted = row[t] - peak;
+            row[t] = shifted < -70.0f ? 0.0f : expf(shifted > -70.0f ? shifted : -70.0f);
+            total += row[t];
+        }
+        const float inv = 1.0f / total;
+        #pragma omp simd
+        for (int t = 0; t < n; t++) row[t] *= inv;
+    }
+}
+
+#if defined(KVSCALE_BF16_DOTS) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include "cpu_amx.h"
+#define KVSCALE_DECODE_AMX 1
+/* A bfloat16 cache's heads on AMX tiles, where the cache's blocks hold whole 16-key tiles
+ * (block_size a multiple of 16) and heads are whole 64-dim value chunks. On AVX-512 each score
+ * is a dot product summed across a vector's lanes and each value pair is interleaved once per
+ * query row of the GQA group; here K's rows are the A operand as they lie in the cache (16 keys
+ * of one block, a row stride apart), the group's query rows the columns of a B operand
+ * (scores^T = K . Q^T: [key][row], 16 rows of which the group uses `group`), and a value pair is
+ * interleaved once into a B operand (out = P . V, P's rows the group's). Tiles (16 rows of 64
+ * bytes, configure_tiles): tmm0 scores^T, tmm1 Q^T's 32-dim chunk, tmm2 the A operand (K's
+ * chunk, then P), tmm3 V's interleaved chunk, tmm4-7 out, 16 dims each, for 64 dims at a time. */
+
+/* The scores of KV head `head` (its `group` query rows, float32 in q) against the context's
+ * keys, scaled, into scores[row][t] (rows head_row .. head_row + group - 1). */
+static inline __attribute__((always_inline)) void amx_scores(
+    const float *q, const uint16_t *k_cache, const int32_t *table, int n, int num_kv_heads, int group, int head_dim,
+    int block_size, float scale, int head, int head_row, int prefetch, float *scores) {
+    const int k_chunks = head_dim / 32;
+    const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
+    _Alignas(64) uint32_t q_t[128 / 2 * 16]; /* Q^T as bf16 pairs: [dim pair][16 columns] */
+    _Alignas(64) float tile_scores[16 * 16];
+    memset(q_t, 0, sizeof(uint32_t) * (size_t)(head_dim / 2) * 16);
+    for (int g = 0; g < group; g++) {
+        const float *row = q + (size_t)(head_row + g) * head_dim;
+        for (int dp = 0; dp < head_dim / 2; dp++)
+            q_t[dp * 16 + g] = float_to_bf16(row[2 * dp]) | (uint32_t)float_to_bf16(row[2 * dp + 1]) << 16;
+    }
+    const __m512i key_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(16));
+    const __m512 scaled = _mm512_set1_ps(scale);
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        if (prefetch && t0 % TILE == 0)
+            for (int ahead = t0 == 0 ? TILE : 2 * TILE; ahead <= 2 * TILE; ahead += TILE)
+                if (t0 + ahead < n)
+                    prefetch_tile(k_cache, KVSCALE_BF16, table, t0 + ahead, n - t0 - ahead < TILE ? n - t0 - ahead : TILE,
+                                  block_size, num_kv_heads, head_dim);
+        /* Rows past the context (to the block's end) are computed and never read. */
+        const uint16_t *keys = k_cache + (((int64_t)table[t0 / block_size] * block_size + t0 % block_size) * row_stride
+                                          + (int64_t)head * head_dim);
+        _tile_zero(0);
+        for (int c = 0; c < k_chunks; c++) {
+            _tile_loadd(1, q_t + c * 16 * 16, 64);
+            _tile_loadd(2, keys + c * 32, row_stride * 2);
+            _tile_dpbf16ps(0, 2, 1);
+        }
+        _tile_stored(0, tile_scores, 64);
+        const __mmask16 valid = n - t0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t0)) - 1);
+        for (int g = 0; g < group; g++) {
+            const __m512 column = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid,
+                                                           _mm512_add_epi32(key_rows, _mm512_set1_epi32(g)),
+                                                           tile_scores, 4);
+            _mm512_mask_storeu_ps(scores + (int64_t)(head_row + g) * n + t0, valid, _mm512_mul_ps(column, scaled));
+        }
+    }
+}
+
+/* out rows head_row .. + group - 1 = P . V over the context, for KV head `head`, from the
+ * normalized probabilities in scores (rounded to bfloat16, as the AVX-512 path rounds them). */
+static inline __attribute__((always_inline)) void amx_values(
+    const float *scores, const uint16_t *v_cache, const int32_t *table, int n, int num_kv_heads, int group,
+    int head_dim, int block_size, int head, int head_row, int prefetch, float *o) {
+    const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
+    _Alignas(64) uint16_t probs[16 * 32];      /* A: [row][32 keys] */
+    _Alignas(64) uint32_t values[4][16 * 16];  /* B: per 16-dim chunk (in unpack order), [key pair][dim] */
+    _Alignas(64) float out[4][16 * 16];
+    const __m512i first16 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i last16 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    memset(probs, 0, sizeof probs);
+    for (int d0 = 0; d0 < head_dim; d0 += 64) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int t0 = 0; t0 < n; t0 += 32) {
+            if (prefetch && d0 == 0)
+                for (int ahead = t0 == 0 ? TILE : 2 * TILE; ahead <= 2 * TILE; ahead += TILE)
+                    if (t0 + ahead < n)
+                        prefetch_tile(v_cache, KVSCALE_BF16, table, t0 + ahead, n - t0 - ahead < TILE ? n - t0 - ahead : TILE,
+                                      block_size, num_kv_heads, head_dim);
+            const int keys = n - t0 < 32 ? n - t0 : 32;
+            {
+                const __mmask16 low = keys >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << keys) - 1);
+                const __mmask16 high = keys <= 16 ? 0 : keys >= 32 ? (__mmask16)0xFFFF : (__mmask16)((1u << (keys - 16)) - 1);
+                for (int g = 0; g < group; g++) {
+                    const float *p = scores + (int64_t)(head_row + g) * n + t0;
+                    const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, p + 16), _mm512_maskz_loadu_ps(low, p));
+                    memcpy(probs + g * 32, &packed, 64);
+                }
+            }
+            /* Two keys' rows interleaved (key pair kp: dword d = V[2kp][d], V[2kp+1][d], in the
+             * unpack's lane order); keys past the context are zeros, not the block's stale rows. */
+            for (int half = 0; half < 2; half++) {
+                /* 16 keys of one block (block_size is a multiple of 16), a row stride apart. */
+                const int t = t0 + 16 * half;
+                const uint16_t *rows = t < n ? v_cache + (((int64_t)table[t / block_size] * block_size + t % block_size)
+                                                          * row_stride + (int64_t)head * head_dim + d0)
+                                             : NULL;
+                const int valid = n - t < 16 ? n - t : 16;
+                for (int kp = 8 * half; kp < 8 * half + 8; kp++) {
+                    const int i = 2 * (kp - 8 * half);
+                    for (int c = 0; c < 2; c++) {
+                        const __m512i a = i < valid ? _mm512_loadu_si512(rows + i * row_stride + c * 32) : _mm512_setzero_si512();
+                        const __m512i b = i + 1 < valid ? _mm512_loadu_si512(rows + (i + 1) * row_stride + c * 32)
+                                                        : _mm512_setzero_si512();
+                        _mm512_store_si512(values[2 * c] + kp * 16, _mm512_unpacklo_epi16(a, b));
+                        _mm512_store_si512(values[2 * c + 1] + kp * 16, _mm512_unpackhi_epi16(a, b));
+                    }
+                }
+            }
+            _tile_loadd(2, probs, 64);
+            _tile_loadd(3, values[0], 64);
+            _tile_dpbf16ps(4, 2, 3);
+            _tile_loadd(3, values[1], 64);
+            _tile_dpbf16ps(5, 2, 3);
+            _tile_loadd(3, values[2], 64);
+            _tile_dpbf16ps(6, 2, 3);
+            _tile_loadd(3, values[3], 64);
+            _tile_dpbf16ps(7, 2, 3);
+        }
+        _tile_stored(4, out[0], 64);
+        _tile_stored(5, out[1], 64);
+        _tile_stored(6, out[2], 64);
+        _tile_stored(7, out[3], 64);
+        for (int g = 0; g < group; g++) {
+            float *dst = o + (size_t)(head_row + g) * head_dim + d0;
+            for (int c = 0; c < 2; c++) {
+                const __m512 lo = _mm512_load_ps(out[2 * c] + g * 16), hi = _mm512_load_ps(out[2 * c + 1] + g * 16);
+                _mm512_storeu_ps(dst + c * 32, _mm512_permutex2var_ps(lo, first16, hi));
+                _mm512_storeu_ps(dst + c * 32 + 16, _mm512_permutex2var_ps(lo, last16, hi));
+            }
+        }
+    }
+}
+
+/* attend_rows for a bfloat16 cache on AMX tiles (decode_amx_applies says when). */
+static void attend_rows_amx(const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int n,
+                            int num_kv_heads, int group, int head_dim, int block_size, float scale, int h0, int h1,
+                            float *scores, float *o) {
+    const int rows = (h1 - h0) * group;
+    memset(o, 0, sizeof(float) * (size_t)rows * (size_t)head_dim);
+    if (n <= 0) return;
+    /* The first head's pass asks for every head's rows of the next tile (a position's heads are
+     * adjacent in the cache); the other heads find them in L2. */
+    for (int h = h0; h < h1; h++)
+        amx_scores(q, (const uint16_t *)k_cache, table, n, num_kv_heads, group, head_dim, block_size, scale, h,
+                   (h - h0) * group, h == h0, scores);
+    /* V's first tile is asked for while the softmax runs. */
+    prefetch_tile(v_cache, KVSCALE_BF16, table, 0, n < TILE ? n : TILE, block_size, num_kv_heads, head_dim);
+    softmax_rows(scores, rows, n);
+    for (int h = h0; h < h1; h++)
+        amx_values(scores, (const uint16_t *)v_cache, table, n, num_kv_heads, group, head_dim, block_size, h,
+                   (h - h0) * group, h == h0, o);
+}
+
+static int decode_amx_applies(int cache_format, int bf16_dots, int block_size, int group, int head_dim) {
+    return cache_format == KVSCALE_BF16 && bf16_dots && block_size % 16 == 0 && group <= 16 && head_dim % 64 == 0
+           && head_dim <= 128 && amx_permitted();
+}
+#endif
+
 /* `v_factor`: what each output row is multiplied by at the end (an FP8 cache's V scale; 1 for the
  * others); an FP8 cache's K factor is in `scale` already. */
 static inline __attribute__((always_inline)) void attend_rows(
@@ -424,25 +615,7 @@ static inline __attribute__((always_inline)) void attend_rows(
             }
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float *row = scores + (int64_t)r * n;
-        float peak = row[0];
-        for (int t = 1; t < n; t++) peak = row[t] > peak ? row[t] : peak;
-        float total = 0.0f;
-        /* Weights below e^-70 of the peak count as 0 (they are below float32's precision of
-         * the sum anyway). Without the cut a peaked row sends expf inputs below -87 into
-         * libmvec's scalar fallback and leaves subnormal weights, a microcode assist each on
-         * every later multiply: a decode layer with peaked scores took 3x as long. */
-        #pragma omp simd reduction(+ : total)
-        for (int t = 0; t < n; t++) {
-            const float shifted = row[t] - peak;
-            row[t] = shifted < -70.0f ? 0.0f : expf(shifted > -70.0f ? shifted : -70.0f);
-            total += row[t];
-        }
-        const float inv = 1.0f / total;
-        #pragma omp simd
-        for (int t = 0; t < n; t++) row[t] *= inv;
-    }
+    softmax_rows(scores, rows, n);
     for (int t0 = 0; t0 < n; t0 += TILE) {
         const int tile = n - t0 < TILE ? n - t0 : TILE;
         tile_rows(v_cache, format, bf16_dots, tables, table, t0, tile, n, block_size, num_kv_heads, head_dim, h0, h1,
@@ -526,6 +699,9 @@ int kvscale_paged_decode_attention(
         }
     }
     int failed = KVSCALE_OK;
+#if defined(KVSCALE_DECODE_AMX)
+    const int use_amx = decode_amx_applies(cache_format, bf16_dots, block_size, group, head_dim);
+#endif
 
     /* Whole sequences (all KV heads: one contiguous sweep over each block) when there are enough
      * of them to share out; otherwise one task per (sequence, KV head) to keep every thread busy. */
@@ -539,6 +715,9 @@ int kvscale_paged_decode_attention(
         float *widened = malloc(sizeof(float) * TILE * (size_t)heads_per_task * (size_t)head_dim);
         float *rows_io = io_bf16 ? malloc(sizeof(float) * 2 * rows * (size_t)head_dim) : NULL;
         if (scores == NULL || widened == NULL || (io_bf16 && rows_io == NULL)) failed = KVSCALE_NO_MEMORY;
+#if defined(KVSCALE_DECODE_AMX)
+        if (use_amx) configure_tiles();
+#endif
 
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < (int64_t)num_seqs * tasks_per_seq; task++) {
@@ -575,6 +754,12 @@ int kvscale_paged_decode_attention(
         else if (cache_format == KVSCALE_E5M2) ATTEND(KVSCALE_E5M2, 0, chunks);                          \
         else ATTEND(KVSCALE_F32, 0, chunks);                                                             \
     } while (0)
+#if defined(KVSCALE_DECODE_AMX)
+            if (use_amx)
+                attend_rows_amx(q, k_cache, v_cache, table, n, num_kv_heads, group, head_dim, block_size, score_scale,
+                                h0, h1, scores, o);
+            else
+#endif
             if (head_dim == 64) ATTEND_ANY_FORMAT(4);
             else if (head_dim == 128) ATTEND_ANY_FORMAT(8);
             else ATTEND(cache_format, bf16_dots, head_dim / 16);
@@ -585,9 +770,25 @@ int kvscale_paged_decode_attention(
                 for (size_t i = 0; i < task_elems; i++) dst[i] = float_to_bf16(o[i]);
             }
         }
+#if defined(KVSCALE_DECODE_AMX)
+        if (use_amx) _tile_release();
+#endif
         free(scores);
         free(widened);
         free(rows_io);
     }
     return failed;
+}
+
+/* Whether a call with these shapes runs on AMX tiles (attend_rows_amx) here. */
+int kvscale_decode_attention_on_amx(int cache_format, int query_is_bf16, int block_size, int num_heads,
+                                    int num_kv_heads, int head_dim) {
+#if defined(KVSCALE_DECODE_AMX)
+    return num_kv_heads > 0 && num_heads % num_kv_heads == 0
+           && decode_amx_applies(cache_format, query_is_bf16 && head_dim % 32 == 0, block_size,
+                                 num_heads / num_kv_heads, head_dim);
+#else
+    (void)cache_format, (void)query_is_bf16, (void)block_size, (void)num_heads, (void)num_kv_heads, (void)head_dim;
+    return 0;
+#endif
 }

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_checks import TOLERANCE, dense_attention, make_case, max_error, random_case
+from kernel_checks import (
+    TOLERANCE,
+    cpu_has_amx_bf16,
+    dense_attention,
+    make_case,
+    max_error,
+    random_case,
+)
 
 import kvscale.kernels as kernels
 from kvscale.kernels import cpu_native, reference
@@ -385,6 +392,60 @@ def test_a_float32_query_over_a_bf16_cache_is_not_rounded_to_bf16() -> None:
     query = torch.randn(case.query.shape, generator=torch.Generator().manual_seed(8))  # not bf16 values
     args = (query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale)
     assert max_error(cpu_native.paged_decode_attention(*args), reference.paged_decode_attention(*args)) <= 1e-5
+
+
+# Contexts around the AMX path's 16-key score tiles and 32-key value steps.
+AMX_EDGE_CONTEXTS = [1, 15, 16, 17, 31, 32, 33, 64, 200]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (8, 8), (16, 1), (32, 2)], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_bf16_decode_on_amx_tiles_matches_dense(num_heads: int, num_kv_heads: int, head_dim: int,
+                                                block_size: int) -> None:
+    """A bfloat16 cache in whole 16-key blocks runs on AMX tiles where the CPU has them (GQA
+    groups up to a tile's 16 columns); every shape matches dense attention either way."""
+    case = make_case(torch.Generator().manual_seed(head_dim + block_size + num_heads), context_lens=AMX_EDGE_CONTEXTS,
+                     q_lens=[1] * len(AMX_EDGE_CONTEXTS), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, block_size=block_size, dtype=torch.bfloat16)
+    on_amx = cpu_native.decode_attention_on_amx(torch.bfloat16, torch.bfloat16, block_size, num_heads, num_kv_heads,
+                                                head_dim)
+    assert on_amx == cpu_has_amx_bf16()
+    assert max_error(_run(case), dense_attention(case)) <= TOLERANCE[torch.bfloat16]
+
+
+def test_what_amx_tiles_do_not_take_goes_to_the_vector_loops() -> None:
+    # Blocks that split a 16-key tile, a group wider than a tile's 16 columns, heads that are not
+    # whole 64-dim value chunks, a float32 query, a float32 or FP8 cache: the AVX-512 path.
+    amx = cpu_has_amx_bf16()
+    bf16 = torch.bfloat16
+    assert cpu_native.decode_attention_on_amx(bf16, bf16, 16, 9, 3, 64) == amx
+    assert not cpu_native.decode_attention_on_amx(bf16, bf16, 8, 9, 3, 64)
+    assert not cpu_native.decode_attention_on_amx(bf16, bf16, 16, 34, 2, 64)
+    assert not cpu_native.decode_attention_on_amx(bf16, bf16, 16, 8, 2, 96)
+    assert not cpu_native.decode_attention_on_amx(bf16, torch.float32, 16, 9, 3, 64)
+    assert not cpu_native.decode_attention_on_amx(torch.float32, torch.float32, 16, 9, 3, 64)
+    assert not cpu_native.decode_attention_on_amx(torch.float8_e4m3fn, bf16, 16, 9, 3, 64)
+    case = make_case(torch.Generator().manual_seed(5), context_lens=[37, 1, 100], q_lens=[1, 1, 1], num_heads=34,
+                     num_kv_heads=2, head_dim=64, block_size=16, dtype=bf16)
+    assert max_error(_run(case), dense_attention(case)) <= TOLERANCE[bf16]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_stale_slots_past_a_context_never_reach_the_output(block_size: int) -> None:
+    """The AMX path computes whole 16-key score tiles and 32-key value steps, reading the slots
+    past a context's end in its last block; NaN there (a freed block's leftovers can be anything)
+    must not reach the output: their scores are dropped, their values replaced by zeros."""
+    case = make_case(torch.Generator().manual_seed(block_size), context_lens=AMX_EDGE_CONTEXTS,
+                     q_lens=[1] * len(AMX_EDGE_CONTEXTS), num_heads=9, num_kv_heads=3, head_dim=64,
+                     block_size=block_size, dtype=torch.bfloat16)
+    for seq, context in enumerate(AMX_EDGE_CONTEXTS):
+        last_block = int(case.block_tables[seq, (context - 1) // block_size])
+        case.k_cache[last_block, (context - 1) % block_size + 1:] = float("nan")
+        case.v_cache[last_block, (context - 1) % block_size + 1:] = float("nan")
+    out = _run(case)
+    assert torch.isfinite(out).all()
+    assert max_error(out, dense_attention(case)) <= TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -1,10 +1,10 @@
-"""The pure part of bench/cpu_prefill_ab.py: medians over rounds and before ÷ after per op."""
+"""The pure part of bench/cpu_kernels_ab.py: medians over rounds and before ÷ after per op."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.cpu_prefill_ab import summarize
+from bench.cpu_kernels_ab import summarize
 
 
 def rows(w1: float, w2: float) -> list[dict]:
