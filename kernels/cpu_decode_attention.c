@@ -434,13 +434,31 @@ static inline __attribute__((always_inline)) void softmax_rows(float *scores, in
  * bytes, configure_tiles): tmm0 scores^T, tmm1 Q^T's 32-dim chunk, tmm2 the A operand (K's
  * chunk, then P), tmm3 V's interleaved chunk, tmm4-7 out, 16 dims each, for 64 dims at a time. */
 
+/* `count` rows of `width` elements starting at `first`, `stride` bytes apart, as bfloat16: a
+ * bfloat16 cache's rows where they lie, an FP8 cache's widened into `staging` (exactly; the
+ * scales are applied outside). *row_stride says how far apart the returned rows are, in elements. */
+static inline __attribute__((always_inline)) const uint16_t *rows_as_bf16(
+    const char *first, int64_t stride, int count, int width, int format, const void *tables, uint16_t *staging,
+    int64_t *row_stride) {
+    if (format == KVSCALE_BF16) {
+        *row_stride = stride / 2;
+        return (const uint16_t *)first;
+    }
+    const char *rows[16];
+    for (int i = 0; i < count; i++) rows[i] = first + i * stride;
+    widen_tile_bf16(rows, count, width, format, tables, staging);
+    *row_stride = width;
+    return staging;
+}
+
 /* The scores of KV head `head` (its `group` query rows, float32 in q) against the context's
  * keys, scaled, into scores[row][t] (rows head_row .. head_row + group - 1). */
 static inline __attribute__((always_inline)) void amx_scores(
-    const float *q, const uint16_t *k_cache, const int32_t *table, int n, int num_kv_heads, int group, int head_dim,
-    int block_size, float scale, int head, int head_row, int prefetch, float *scores) {
+    const float *q, const void *k_cache, int format, const void *tables, const int32_t *table, int n, int num_kv_heads,
+    int group, int head_dim, int block_size, float scale, int head, int head_row, int prefetch, float *scores) {
     const int k_chunks = head_dim / 32;
-    const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t row_stride = (int64_t)num_kv_heads * head_dim * format_bytes(format);
+    _Alignas(64) uint16_t staging[16 * 128]; /* an FP8 tile's K rows as bfloat16 */
     _Alignas(64) uint32_t q_t[128 / 2 * 16]; /* Q^T as bf16 pairs: [dim pair][16 columns] */
     _Alignas(64) float tile_scores[16 * 16];
     memset(q_t, 0, sizeof(uint32_t) * (size_t)(head_dim / 2) * 16);
@@ -456,15 +474,18 @@ static inline __attribute__((always_inline)) void amx_scores(
         if (prefetch && t0 % TILE == 0)
             for (int ahead = t0 == 0 ? TILE : 2 * TILE; ahead <= 2 * TILE; ahead += TILE)
                 if (t0 + ahead < n)
-                    prefetch_tile(k_cache, KVSCALE_BF16, table, t0 + ahead, n - t0 - ahead < TILE ? n - t0 - ahead : TILE,
+                    prefetch_tile(k_cache, format, table, t0 + ahead, n - t0 - ahead < TILE ? n - t0 - ahead : TILE,
                                   block_size, num_kv_heads, head_dim);
         /* Rows past the context (to the block's end) are computed and never read. */
-        const uint16_t *keys = k_cache + (((int64_t)table[t0 / block_size] * block_size + t0 % block_size) * row_stride
-                                          + (int64_t)head * head_dim);
+        int64_t key_stride;
+        const uint16_t *keys = rows_as_bf16(
+            (const char *)k_cache + ((int64_t)table[t0 / block_size] * block_size + t0 % block_size) * row_stride
+                + (int64_t)head * head_dim * format_bytes(format),
+            row_stride, 16, head_dim, format, tables, staging, &key_stride);
         _tile_zero(0);
         for (int c = 0; c < k_chunks; c++) {
             _tile_loadd(1, q_t + c * 16 * 16, 64);
-            _tile_loadd(2, keys + c * 32, row_stride * 2);
+            _tile_loadd(2, keys + c * 32, key_stride * 2);
             _tile_dpbf16ps(0, 2, 1);
         }
         _tile_stored(0, tile_scores, 64);
@@ -481,9 +502,10 @@ static inline __attribute__((always_inline)) void amx_scores(
 /* out rows head_row .. + group - 1 = P . V over the context, for KV head `head`, from the
  * normalized probabilities in scores (rounded to bfloat16, as the AVX-512 path rounds them). */
 static inline __attribute__((always_inline)) void amx_values(
-    const float *scores, const uint16_t *v_cache, const int32_t *table, int n, int num_kv_heads, int group,
-    int head_dim, int block_size, int head, int head_row, int prefetch, float *o) {
-    const int64_t row_stride = (int64_t)num_kv_heads * head_dim;
+    const float *scores, const void *v_cache, int format, const void *tables, const int32_t *table, int n,
+    int num_kv_heads, int group, int head_dim, int block_size, int head, int head_row, int prefetch, float *o) {
+    const int64_t row_stride = (int64_t)num_kv_heads * head_dim * format_bytes(format);
+    _Alignas(64) uint16_t staging[16 * 64]; /* an FP8 half-step's V rows (64 dims) as bfloat16 */
     _Alignas(64) uint16_t probs[16 * 32];      /* A: [row][32 keys] */
     _Alignas(64) uint32_t values[4][16 * 16];  /* B: per 16-dim chunk (in unpack order), [key pair][dim] */
     _Alignas(64) float out[4][16 * 16];
@@ -499,7 +521,7 @@ static inline __attribute__((always_inline)) void amx_values(
             if (prefetch && d0 == 0)
                 for (int ahead = t0 == 0 ? TILE : 2 * TILE; ahead <= 2 * TILE; ahead += TILE)
                     if (t0 + ahead < n)
-                        prefetch_tile(v_cache, KVSCALE_BF16, table, t0 + ahead, n - t0 - ahead < TILE ? n - t0 - ahead : TILE,
+                        prefetch_tile(v_cache, format, table, t0 + ahead, n - t0 - ahead < TILE ? n - t0 - ahead : TILE,
                                       block_size, num_kv_heads, head_dim);
             const int keys = n - t0 < 32 ? n - t0 : 32;
             {
@@ -516,15 +538,17 @@ static inline __attribute__((always_inline)) void amx_values(
             for (int half = 0; half < 2; half++) {
                 /* 16 keys of one block (block_size is a multiple of 16), a row stride apart. */
                 const int t = t0 + 16 * half;
-                const uint16_t *rows = t < n ? v_cache + (((int64_t)table[t / block_size] * block_size + t % block_size)
-                                                          * row_stride + (int64_t)head * head_dim + d0)
-                                             : NULL;
                 const int valid = n - t < 16 ? n - t : 16;
+                int64_t stride = 0;
+                const uint16_t *rows = valid > 0 ? rows_as_bf16(
+                    (const char *)v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_stride
+                        + ((int64_t)head * head_dim + d0) * format_bytes(format),
+                    row_stride, valid, 64, format, tables, staging, &stride) : NULL;
                 for (int kp = 8 * half; kp < 8 * half + 8; kp++) {
                     const int i = 2 * (kp - 8 * half);
                     for (int c = 0; c < 2; c++) {
-                        const __m512i a = i < valid ? _mm512_loadu_si512(rows + i * row_stride + c * 32) : _mm512_setzero_si512();
-                        const __m512i b = i + 1 < valid ? _mm512_loadu_si512(rows + (i + 1) * row_stride + c * 32)
+                        const __m512i a = i < valid ? _mm512_loadu_si512(rows + i * stride + c * 32) : _mm512_setzero_si512();
+                        const __m512i b = i + 1 < valid ? _mm512_loadu_si512(rows + (i + 1) * stride + c * 32)
                                                         : _mm512_setzero_si512();
                         _mm512_store_si512(values[2 * c] + kp * 16, _mm512_unpacklo_epi16(a, b));
                         _mm512_store_si512(values[2 * c + 1] + kp * 16, _mm512_unpackhi_epi16(a, b));
@@ -556,28 +580,32 @@ static inline __attribute__((always_inline)) void amx_values(
     }
 }
 
-/* attend_rows for a bfloat16 cache on AMX tiles (decode_amx_applies says when). */
-static void attend_rows_amx(const float *q, const void *k_cache, const void *v_cache, const int32_t *table, int n,
-                            int num_kv_heads, int group, int head_dim, int block_size, float scale, int h0, int h1,
-                            float *scores, float *o) {
+/* attend_rows on AMX tiles (decode_amx_applies says when); `v_factor` as attend_rows'. */
+static void attend_rows_amx(const float *q, const void *k_cache, const void *v_cache, int format, const void *tables,
+                            const int32_t *table, int n, int num_kv_heads, int group, int head_dim, int block_size,
+                            float scale, float v_factor, int h0, int h1, float *scores, float *o) {
     const int rows = (h1 - h0) * group;
     memset(o, 0, sizeof(float) * (size_t)rows * (size_t)head_dim);
     if (n <= 0) return;
-    /* The first head's pass asks for every head's rows of the next tile (a position's heads are
+    /* The first head's pass asks for every head's rows of the next tiles (a position's heads are
      * adjacent in the cache); the other heads find them in L2. */
     for (int h = h0; h < h1; h++)
-        amx_scores(q, (const uint16_t *)k_cache, table, n, num_kv_heads, group, head_dim, block_size, scale, h,
+        amx_scores(q, k_cache, format, tables, table, n, num_kv_heads, group, head_dim, block_size, scale, h,
                    (h - h0) * group, h == h0, scores);
     /* V's first tile is asked for while the softmax runs. */
-    prefetch_tile(v_cache, KVSCALE_BF16, table, 0, n < TILE ? n : TILE, block_size, num_kv_heads, head_dim);
+    prefetch_tile(v_cache, format, table, 0, n < TILE ? n : TILE, block_size, num_kv_heads, head_dim);
     softmax_rows(scores, rows, n);
     for (int h = h0; h < h1; h++)
-        amx_values(scores, (const uint16_t *)v_cache, table, n, num_kv_heads, group, head_dim, block_size, h,
+        amx_values(scores, v_cache, format, tables, table, n, num_kv_heads, group, head_dim, block_size, h,
                    (h - h0) * group, h == h0, o);
+    if (v_factor != 1.0f) {
+        #pragma omp simd
+        for (size_t i = 0; i < (size_t)rows * (size_t)head_dim; i++) o[i] *= v_factor;
+    }
 }
 
 static int decode_amx_applies(int cache_format, int bf16_dots, int block_size, int group, int head_dim) {
-    return cache_format == KVSCALE_BF16 && bf16_dots && block_size % 16 == 0 && group <= 16 && head_dim % 64 == 0
+    return cache_format != KVSCALE_F32 && bf16_dots && block_size % 16 == 0 && group <= 16 && head_dim % 64 == 0
            && head_dim <= 128 && amx_permitted();
 }
 #endif
@@ -756,8 +784,8 @@ int kvscale_paged_decode_attention(
     } while (0)
 #if defined(KVSCALE_DECODE_AMX)
             if (use_amx)
-                attend_rows_amx(q, k_cache, v_cache, table, n, num_kv_heads, group, head_dim, block_size, score_scale,
-                                h0, h1, scores, o);
+                attend_rows_amx(q, k_cache, v_cache, cache_format, tables, table, n, num_kv_heads, group, head_dim,
+                                block_size, score_scale, v_factor, h0, h1, scores, o);
             else
 #endif
             if (head_dim == 64) ATTEND_ANY_FORMAT(4);

@@ -105,6 +105,24 @@ def test_decode_on_the_models_shape_matches_the_reference(dtype, num_seqs) -> No
 
 
 @pytest.mark.parametrize("dtype", FORMATS, ids=str)
+def test_nan_codes_past_a_context_never_reach_the_decode_output(dtype) -> None:
+    # On AMX CPUs an FP8 tile is widened whole (16 keys, the block's stale slots past a context
+    # included) before its tile products: their scores must be dropped and their values zeroed.
+    lens = [1, 15, 17, 33, 200]
+    case = _quantized(make_case(torch.Generator().manual_seed(3), context_lens=lens, q_lens=[1] * len(lens),
+                                num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16),
+                      dtype, 0.5, 2.0)
+    for seq, context in enumerate(lens):
+        last_block = int(case.block_tables[seq, (context - 1) // 16])
+        for cache in (case.k_cache, case.v_cache):
+            cache.view(torch.uint8)[last_block, (context - 1) % 16 + 1:] = 0x7F  # NaN in both formats
+    args = (case.query, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale)
+    native = cpu_native.paged_decode_attention(*args, k_scale=0.5, v_scale=2.0)
+    assert torch.isfinite(native).all()
+    assert max_error(native, dense_attention(case)) <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", FORMATS, ids=str)
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_every_fp8_code_widens_exactly(dtype, query_dtype) -> None:
     # A context of one token attends with weight 1: the output is that token's V row, so each of

@@ -414,9 +414,9 @@ def test_bf16_decode_on_amx_tiles_matches_dense(num_heads: int, num_kv_heads: in
     assert max_error(_run(case), dense_attention(case)) <= TOLERANCE[torch.bfloat16]
 
 
-def test_what_amx_tiles_do_not_take_goes_to_the_vector_loops() -> None:
+def test_which_shapes_go_to_amx_tiles() -> None:
     # Blocks that split a 16-key tile, a group wider than a tile's 16 columns, heads that are not
-    # whole 64-dim value chunks, a float32 query, a float32 or FP8 cache: the AVX-512 path.
+    # whole 64-dim value chunks, a float32 query, a float32 cache: the AVX-512 path.
     amx = cpu_has_amx_bf16()
     bf16 = torch.bfloat16
     assert cpu_native.decode_attention_on_amx(bf16, bf16, 16, 9, 3, 64) == amx
@@ -425,7 +425,9 @@ def test_what_amx_tiles_do_not_take_goes_to_the_vector_loops() -> None:
     assert not cpu_native.decode_attention_on_amx(bf16, bf16, 16, 8, 2, 96)
     assert not cpu_native.decode_attention_on_amx(bf16, torch.float32, 16, 9, 3, 64)
     assert not cpu_native.decode_attention_on_amx(torch.float32, torch.float32, 16, 9, 3, 64)
-    assert not cpu_native.decode_attention_on_amx(torch.float8_e4m3fn, bf16, 16, 9, 3, 64)
+    assert not cpu_native.decode_attention_on_amx(torch.float8_e4m3fn, torch.float32, 16, 9, 3, 64)
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):  # widened to bfloat16 in L1, then tiles
+        assert cpu_native.decode_attention_on_amx(fp8, bf16, 16, 9, 3, 64) == amx
     case = make_case(torch.Generator().manual_seed(5), context_lens=[37, 1, 100], q_lens=[1, 1, 1], num_heads=34,
                      num_kv_heads=2, head_dim=64, block_size=16, dtype=bf16)
     assert max_error(_run(case), dense_attention(case)) <= TOLERANCE[bf16]
