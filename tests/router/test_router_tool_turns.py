@@ -30,11 +30,15 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
 BLOCK = 16
 
+# The lighthouse is an enum so the forced call is bounded: a free string let greedy decoding run
+# on inside it to max_tokens (finish "length", no call to answer) whenever a rounding change
+# moved the small model's path, and this test is about the second turn's prefix, not the call.
 TOOL = {"type": "function", "function": {
     "name": "count_ships",
     "description": "How many ships passed a lighthouse on a given night.",
     "parameters": {"type": "object", "properties": {
-        "lighthouse": {"type": "string"}, "night": {"type": "integer", "minimum": 1, "maximum": 31}},
+        "lighthouse": {"type": "string", "enum": ["North Point", "South Point"]},
+        "night": {"type": "integer", "minimum": 1, "maximum": 31}},
         "required": ["lighthouse", "night"], "additionalProperties": False}}}
 
 
