@@ -27,8 +27,8 @@
  * included). The 2^8 and the scales are not multiplied into every element: the K factor goes
  * into the score scale, the V factor onto each output row (sum p * (s * v) = s * sum p * v).
  *
- * On CPUs with AMX a bfloat16 cache (bfloat16 query, blocks of whole 16-key tiles, heads of 64 or
- * 128 dims) runs on tiles instead (attend_rows_amx, below): the same two passes, with scores and
+ * On CPUs with AMX a bfloat16 or FP8 cache (bfloat16 query, blocks of whole 16-key tiles, heads of
+ * 64 or 128 dims) runs on tiles instead (attend_rows_amx, below): the same two passes, with scores and
  * the value product as tile dot products and the softmax between them unchanged. Where the
  * cache is in L3 the AVX-512 path is bound by its arithmetic: a score is a dot product summed
  * across a vector's lanes, and each pair of value rows is interleaved again for every query row
@@ -398,6 +398,18 @@ static inline __attribute__((always_inline)) void weighted_values_bf16(
 }
 #endif
 
+/* Whether a call takes its scores and weighted values as bf16 dot products (the AVX-512 loops'
+ * VDPBF16PS, or AMX tiles): only when the query is bfloat16 itself (rounding a float32 query
+ * would change the result), the cache bfloat16 or FP8, and rows whole 32-element chunks. */
+static int bf16_dots_apply(int cache_format, int query_is_bf16, int head_dim) {
+#if defined(KVSCALE_BF16_DOTS)
+    return cache_format >= KVSCALE_BF16 && cache_format <= KVSCALE_E5M2 && query_is_bf16 && head_dim % 32 == 0;
+#else
+    (void)cache_format, (void)query_is_bf16, (void)head_dim;
+    return 0;
+#endif
+}
+
 /* Each of `rows` rows of n scores (row r at scores + r * n) to its softmax, in place. */
 static inline __attribute__((always_inline)) void softmax_rows(float *scores, int rows, int n) {
     for (int r = 0; r < rows; r++) {
@@ -424,7 +436,7 @@ static inline __attribute__((always_inline)) void softmax_rows(float *scores, in
 #if defined(KVSCALE_BF16_DOTS) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include "cpu_amx.h"
 #define KVSCALE_DECODE_AMX 1
-/* A bfloat16 cache's heads on AMX tiles, where the cache's blocks hold whole 16-key tiles
+/* A bfloat16 or FP8 cache's heads on AMX tiles, where the cache's blocks hold whole 16-key tiles
  * (block_size a multiple of 16) and heads are whole 64-dim value chunks. On AVX-512 each score
  * is a dot product summed across a vector's lanes and each value pair is interleaved once per
  * query row of the GQA group; here K's rows are the A operand as they lie in the cache (16 keys
@@ -433,6 +445,19 @@ static inline __attribute__((always_inline)) void softmax_rows(float *scores, in
  * interleaved once into a B operand (out = P . V, P's rows the group's). Tiles (16 rows of 64
  * bytes, configure_tiles): tmm0 scores^T, tmm1 Q^T's 32-dim chunk, tmm2 the A operand (K's
  * chunk, then P), tmm3 V's interleaved chunk, tmm4-7 out, 16 dims each, for 64 dims at a time. */
+
+/* Asks for the tiles one and two ahead of key t0 (both at the context's start, then the second
+ * each TILE keys): with the arithmetic on tiles a tile's work is too short to hide one tile's
+ * fetch. */
+static inline __attribute__((always_inline)) void prefetch_ahead(
+    const void *cache, int format, const int32_t *table, int t0, int n, int block_size, int num_kv_heads,
+    int head_dim) {
+    if (t0 % TILE) return;
+    for (int ahead = t0 == 0 ? TILE : 2 * TILE; ahead <= 2 * TILE; ahead += TILE)
+        if (t0 + ahead < n)
+            prefetch_tile(cache, format, table, t0 + ahead, n - t0 - ahead < TILE ? n - t0 - ahead : TILE, block_size,
+                          num_kv_heads, head_dim);
+}
 
 /* `count` rows of `width` elements starting at `first`, `stride` bytes apart, as bfloat16: a
  * bfloat16 cache's rows where they lie, an FP8 cache's widened into `staging` (exactly; the
@@ -471,11 +496,7 @@ static inline __attribute__((always_inline)) void amx_scores(
                                                 _mm512_set1_epi32(16));
     const __m512 scaled = _mm512_set1_ps(scale);
     for (int t0 = 0; t0 < n; t0 += 16) {
-        if (prefetch && t0 % TILE == 0)
-            for (int ahead = t0 == 0 ? TILE : 2 * TILE; ahead <= 2 * TILE; ahead += TILE)
-                if (t0 + ahead < n)
-                    prefetch_tile(k_cache, format, table, t0 + ahead, n - t0 - ahead < TILE ? n - t0 - ahead : TILE,
-                                  block_size, num_kv_heads, head_dim);
+        if (prefetch) prefetch_ahead(k_cache, format, table, t0, n, block_size, num_kv_heads, head_dim);
         /* Rows past the context (to the block's end) are computed and never read. */
         int64_t key_stride;
         const uint16_t *keys = rows_as_bf16(
@@ -518,20 +539,14 @@ static inline __attribute__((always_inline)) void amx_values(
         _tile_zero(6);
         _tile_zero(7);
         for (int t0 = 0; t0 < n; t0 += 32) {
-            if (prefetch && d0 == 0)
-                for (int ahead = t0 == 0 ? TILE : 2 * TILE; ahead <= 2 * TILE; ahead += TILE)
-                    if (t0 + ahead < n)
-                        prefetch_tile(v_cache, format, table, t0 + ahead, n - t0 - ahead < TILE ? n - t0 - ahead : TILE,
-                                      block_size, num_kv_heads, head_dim);
+            if (prefetch && d0 == 0) prefetch_ahead(v_cache, format, table, t0, n, block_size, num_kv_heads, head_dim);
             const int keys = n - t0 < 32 ? n - t0 : 32;
-            {
-                const __mmask16 low = keys >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << keys) - 1);
-                const __mmask16 high = keys <= 16 ? 0 : keys >= 32 ? (__mmask16)0xFFFF : (__mmask16)((1u << (keys - 16)) - 1);
-                for (int g = 0; g < group; g++) {
-                    const float *p = scores + (int64_t)(head_row + g) * n + t0;
-                    const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, p + 16), _mm512_maskz_loadu_ps(low, p));
-                    memcpy(probs + g * 32, &packed, 64);
-                }
+            const __mmask16 low = keys >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << keys) - 1);
+            const __mmask16 high = keys <= 16 ? 0 : keys >= 32 ? (__mmask16)0xFFFF : (__mmask16)((1u << (keys - 16)) - 1);
+            for (int g = 0; g < group; g++) {
+                const float *p = scores + (int64_t)(head_row + g) * n + t0;
+                const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, p + 16), _mm512_maskz_loadu_ps(low, p));
+                memcpy(probs + g * 32, &packed, 64);
             }
             /* Two keys' rows interleaved (key pair kp: dword d = V[2kp][d], V[2kp+1][d], in the
              * unpack's lane order); keys past the context are zeros, not the block's stale rows. */
@@ -604,9 +619,10 @@ static void attend_rows_amx(const float *q, const void *k_cache, const void *v_c
     }
 }
 
-static int decode_amx_applies(int cache_format, int bf16_dots, int block_size, int group, int head_dim) {
-    return cache_format != KVSCALE_F32 && bf16_dots && block_size % 16 == 0 && group <= 16 && head_dim % 64 == 0
-           && head_dim <= 128 && amx_permitted();
+/* `bf16_dots`: bf16_dots_apply's answer (a bfloat16 query over a bfloat16 or FP8 cache). */
+static int decode_amx_applies(int bf16_dots, int block_size, int group, int head_dim) {
+    return bf16_dots && block_size % 16 == 0 && group <= 16 && head_dim % 64 == 0 && head_dim <= 128
+           && amx_permitted();
 }
 #endif
 
@@ -689,15 +705,8 @@ int kvscale_paged_decode_attention(
     const int32_t *context_lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
     int block_size, float scale, float k_scale, float v_scale, void *out, int io_bf16, int num_threads) {
     const int group = num_heads / num_kv_heads;
-    const int cache_is_bf16 = cache_format == KVSCALE_BF16, cache_is_fp8 = cache_format >= KVSCALE_E4M3;
-#if defined(KVSCALE_BF16_DOTS)
-    /* bf16 dot products (scores and weighted values) only when the query is bfloat16 itself
-     * (rounding a float32 query would change the result) and rows are whole 32-element chunks. */
-    const int bf16_dots = (cache_is_bf16 || cache_is_fp8) && query_is_bf16 && head_dim % 32 == 0;
-#else
-    const int bf16_dots = 0;
-    (void)query_is_bf16, (void)cache_is_bf16;
-#endif
+    const int cache_is_fp8 = cache_format >= KVSCALE_E4M3;
+    const int bf16_dots = bf16_dots_apply(cache_format, query_is_bf16, head_dim);
     /* The FP8 factors out of the elements (see the top of the file): the scales, and 2^8 where
      * e4m3 is widened to float32 through half precision; other caches have none. */
     const float unit = bf16_dots ? 1.0f : fp8_unit(cache_format);
@@ -728,7 +737,7 @@ int kvscale_paged_decode_attention(
     }
     int failed = KVSCALE_OK;
 #if defined(KVSCALE_DECODE_AMX)
-    const int use_amx = decode_amx_applies(cache_format, bf16_dots, block_size, group, head_dim);
+    const int use_amx = decode_amx_applies(bf16_dots, block_size, group, head_dim);
 #endif
 
     /* Whole sequences (all KV heads: one contiguous sweep over each block) when there are enough
@@ -813,7 +822,7 @@ int kvscale_decode_attention_on_amx(int cache_format, int query_is_bf16, int blo
                                     int num_kv_heads, int head_dim) {
 #if defined(KVSCALE_DECODE_AMX)
     return num_kv_heads > 0 && num_heads % num_kv_heads == 0
-           && decode_amx_applies(cache_format, query_is_bf16 && head_dim % 32 == 0, block_size,
+           && decode_amx_applies(bf16_dots_apply(cache_format, query_is_bf16, head_dim), block_size,
                                  num_heads / num_kv_heads, head_dim);
 #else
     (void)cache_format, (void)query_is_bf16, (void)block_size, (void)num_heads, (void)num_kv_heads, (void)head_dim;

@@ -4,7 +4,7 @@ PyTorch references for the rest).
 
 ``cpu_decode_attention.c``: decode attention reading the paged cache in place for every sequence
 of a layer in one call (the PyTorch reference's per-sequence ops were most of a decode step's
-non-GEMM time); a bfloat16 cache on AMX tiles where the CPU has them. ``cpu_write_kv.c``: the new tokens' K/V rows into their cache slots.
+non-GEMM time); a bfloat16 or FP8 cache on AMX tiles where the CPU has them. ``cpu_write_kv.c``: the new tokens' K/V rows into their cache slots.
 ``cpu_prefill_attention.c``: bfloat16 prefill attention on AMX tiles over the paged cache, every
 sequence of a layer in one call. ``cpu_linear_amx.c``: bfloat16 and int8 projections on AMX tiles,
 the weight laid out once in the order the kernel streams it. ``cpu_token_mask.c``: a structured
@@ -549,9 +549,9 @@ def linear_amx_int8(xq: Tensor, x_scales: Tensor, packed: tuple[Tensor, Tensor],
 
 def decode_attention_on_amx(cache_dtype: torch.dtype, query_dtype: torch.dtype, block_size: int, num_heads: int,
                             num_kv_heads: int, head_dim: int) -> bool:
-    """Whether :func:`paged_decode_attention` runs these shapes on AMX tiles here: a bfloat16
-    cache and query, blocks of whole 16-key tiles, heads of 64 or 128 dims, on a build with AMX
-    and the OS's leave to use it. Elsewhere the C kernel's AVX-512 (or plain) loops serve them."""
+    """Whether :func:`paged_decode_attention` runs these shapes on AMX tiles here: a bfloat16 or
+    FP8 cache with a bfloat16 query, blocks of whole 16-key tiles, heads of 64 or 128 dims, GQA
+    groups up to 16, on a build with AMX and the OS's leave to use it. Elsewhere the C kernel's AVX-512 (or plain) loops serve them."""
     lib = _library()
     cache_format = fp8.cache_format(cache_dtype)
     return lib is not None and cache_format is not None and bool(lib.kvscale_decode_attention_on_amx(
