@@ -45,6 +45,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && defined(__linux__)
 #include "cpu_amx.h"
+#include "cpu_silu.h"
 #include <omp.h>
 
 #define COLS 32           /* output columns per block: two B tiles of 16 */
@@ -142,23 +143,32 @@ typedef struct {
     const float *w_scales;      /* int8: [n] */
     const float *x_scales;      /* int8: [m] */
     int out_bf16;
-    void *out;                  /* [m, n] */
+    int silu_mul;               /* the n columns are gate|up: out [m, n / 2] = silu(gate) * up */
+    void *out;                  /* [m, n], or [m, n / 2] */
 } epilogue;
 
-static void store_row(const epilogue *e, const void *acc_row, int64_t row, int64_t n, int64_t col0) {
-    __m512 value[2];
+/* A row's 32 output values of a block as float32, before their rounding to the output's dtype. */
+static inline void row_values(const epilogue *e, const void *acc_row, int64_t row, int64_t col0, __m512 value[2]) {
     for (int h = 0; h < 2; h++) {
         const int64_t col = col0 + 16 * h;
         if (e->int8) {
             const __m512i zero_point = _mm512_mullo_epi32(_mm512_loadu_si512(e->column_sums + col), _mm512_set1_epi32(128));
             const __m512i sum = _mm512_sub_epi32(_mm512_load_si512((const int32_t *)acc_row + 16 * h), zero_point);
-            value[h] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_loadu_ps(e->w_scales + col)),
-                                     _mm512_set1_ps(e->x_scales[row]));
+            __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_loadu_ps(e->w_scales + col));
+            /* This order of the two products wherever the values go (-ffast-math may reassociate
+             * them, differently in store_row and store_silu_row). */
+            __asm__("" : "+v"(scaled));
+            value[h] = _mm512_mul_ps(scaled, _mm512_set1_ps(e->x_scales[row]));
         } else {
             value[h] = _mm512_load_ps((const float *)acc_row + 16 * h);
         }
         if (e->bias) value[h] = _mm512_add_ps(value[h], _mm512_loadu_ps(e->bias + col));
     }
+}
+
+static void store_row(const epilogue *e, const void *acc_row, int64_t row, int64_t n, int64_t col0) {
+    __m512 value[2];
+    row_values(e, acc_row, row, col0, value);
     if (e->out_bf16) {
         _mm512_storeu_si512((uint16_t *)e->out + row * n + col0, (__m512i)_mm512_cvtne2ps_pbh(value[1], value[0]));
     } else {
@@ -167,11 +177,43 @@ static void store_row(const epilogue *e, const void *acc_row, int64_t row, int64
     }
 }
 
+/* 16 float32 values as store_row leaves them in a bfloat16 output, widened back. */
+static inline __m512 as_stored_bf16(__m512 value) {
+    const __m256i bits = (__m256i)_mm512_cvtneps_pbh(value);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* out[row, col0:col0 + 32] = silu(gate) * up from a gate block's and the matching up block's sums
+ * (`width` = n / 2 output columns): gate and up rounded as store_row would store them, then
+ * kvscale_silu_and_mul's arithmetic and rounding (cpu_silu.h), so the result is the same bits as
+ * the projection followed by that op. */
+static void store_silu_row(const epilogue *e, const void *gate_row, const void *up_row, int64_t row, int64_t width,
+                           int64_t col0) {
+    __m512 gate[2], up[2];
+    row_values(e, gate_row, row, col0, gate);
+    row_values(e, up_row, row, width + col0, up);
+    for (int h = 0; h < 2; h++) {
+        /* Opaque to the optimiser, as a store and a load would be: -ffast-math would otherwise fuse
+         * the scaling's last multiply into SiLU's first operations and round differently. */
+        __asm__("" : "+v"(gate[h]), "+v"(up[h]));
+        if (e->out_bf16) {
+            const __m512 value = silu_mul16(as_stored_bf16(gate[h]), as_stored_bf16(up[h]), 1, 0, 1);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)e->out + row * width + col0 + 16 * h),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round16(value), 16)));
+        } else {
+            _mm512_storeu_ps((float *)e->out + row * width + col0 + 16 * h, silu_mul16(gate[h], up[h], 0, 0, 1));
+        }
+    }
+}
+
 /* y = x W^T for rows of `row_bytes` (k inputs), the weight's blocks streamed once per 256 rows. */
 static int run(const uint8_t *x, int64_t x_stride_bytes, int64_t row_bytes, uint8_t pad, const uint8_t *packed,
                int64_t m, int64_t n, const epilogue *e, int num_threads) {
     if (!amx_permitted()) return KVSCALE_LINEAR_UNSUPPORTED;
     const int64_t k_blocks = row_bytes / 64, col_blocks = n / COLS;
+    /* silu_mul: block nb of the gate and block nb of the up half go out together as one. */
+    if (e->silu_mul && n % (2 * COLS)) return KVSCALE_LINEAR_UNSUPPORTED;
+    const int64_t out_blocks = e->silu_mul ? col_blocks / 2 : col_blocks;
     const int64_t padded_rows = ((m < M_CHUNK ? m : M_CHUNK) + 15) / 16 * 16;
     /* The activations with their rows padded to a whole A tile, by values that add nothing. */
     uint8_t *xs = aligned_alloc(64, (size_t)(padded_rows * row_bytes + 63) / 64 * 64);
@@ -185,14 +227,22 @@ static int run(const uint8_t *x, int64_t x_stride_bytes, int64_t row_bytes, uint
         {
             configure_tiles();
             int32_t acc[16 * 2 * COLS] __attribute__((aligned(64)));
+            int32_t up_acc[16 * 2 * COLS] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
-            for (int64_t nb = 0; nb < col_blocks; nb++) {
+            for (int64_t nb = 0; nb < out_blocks; nb++) {
                 const uint8_t *blocks = packed + nb * k_blocks * BLOCK_BYTES;
+                const uint8_t *up_blocks = packed + (nb + out_blocks) * k_blocks * BLOCK_BYTES;
                 for (int64_t row0 = 0; row0 < rows_padded; row0 += ROWS_PER_PASS) {
                     const int tile_rows = rows_padded - row0 < ROWS_PER_PASS ? (int)(rows_padded - row0) : ROWS_PER_PASS;
                     block_product(xs, row_bytes, row0, tile_rows, blocks, k_blocks, acc, e->int8);
+                    if (e->silu_mul) block_product(xs, row_bytes, row0, tile_rows, up_blocks, k_blocks, up_acc, e->int8);
                     const int live = rows - row0 < tile_rows ? (int)(rows - row0) : tile_rows;
-                    for (int r = 0; r < live; r++) store_row(e, acc + r * COLS, m0 + row0 + r, n, nb * COLS);
+                    for (int r = 0; r < live; r++) {
+                        if (e->silu_mul)
+                            store_silu_row(e, acc + r * COLS, up_acc + r * COLS, m0 + row0 + r, n / 2, nb * COLS);
+                        else
+                            store_row(e, acc + r * COLS, m0 + row0 + r, n, nb * COLS);
+                    }
                 }
             }
             _tile_release();
@@ -203,16 +253,16 @@ static int run(const uint8_t *x, int64_t x_stride_bytes, int64_t row_bytes, uint
 }
 
 int kvscale_linear_amx(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const float *bias, int64_t m,
-                       int64_t n, int64_t k, uint16_t *out, int num_threads) {
-    const epilogue e = {.int8 = 0, .bias = bias, .out_bf16 = 1, .out = out};
+                       int64_t n, int64_t k, uint16_t *out, int silu_mul, int num_threads) {
+    const epilogue e = {.int8 = 0, .bias = bias, .out_bf16 = 1, .silu_mul = silu_mul, .out = out};
     return run((const uint8_t *)x, x_stride * 2, k * 2, 0, (const uint8_t *)packed, m, n, &e, num_threads);
 }
 
 int kvscale_linear_amx_int8(const uint8_t *x, const float *x_scales, const int8_t *packed, const int32_t *column_sums,
                             const float *w_scales, const float *bias, int64_t m, int64_t n, int64_t k, void *out,
-                            int out_bf16, int num_threads) {
+                            int out_bf16, int silu_mul, int num_threads) {
     const epilogue e = {.int8 = 1, .bias = bias, .column_sums = column_sums, .w_scales = w_scales,
-                        .x_scales = x_scales, .out_bf16 = out_bf16, .out = out};
+                        .x_scales = x_scales, .out_bf16 = out_bf16, .silu_mul = silu_mul, .out = out};
     /* Padding rows of 128: zero once the +128 is taken off (and never stored anyway). */
     return run(x, k, k, 128, (const uint8_t *)packed, m, n, &e, num_threads);
 }
@@ -226,8 +276,9 @@ void kvscale_linear_amx_pack(const uint16_t *weight, int64_t n, int64_t k, uint1
 }
 
 int kvscale_linear_amx(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const float *bias, int64_t m,
-                       int64_t n, int64_t k, uint16_t *out, int num_threads) {
-    (void)x, (void)x_stride, (void)packed, (void)bias, (void)m, (void)n, (void)k, (void)out, (void)num_threads;
+                       int64_t n, int64_t k, uint16_t *out, int silu_mul, int num_threads) {
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)m, (void)n, (void)k, (void)out, (void)silu_mul;
+    (void)num_threads;
     return KVSCALE_LINEAR_UNSUPPORTED;
 }
 
@@ -237,9 +288,9 @@ void kvscale_linear_amx_int8_pack(const int8_t *weight, int64_t n, int64_t k, in
 
 int kvscale_linear_amx_int8(const uint8_t *x, const float *x_scales, const int8_t *packed, const int32_t *column_sums,
                             const float *w_scales, const float *bias, int64_t m, int64_t n, int64_t k, void *out,
-                            int out_bf16, int num_threads) {
+                            int out_bf16, int silu_mul, int num_threads) {
     (void)x, (void)x_scales, (void)packed, (void)column_sums, (void)w_scales, (void)bias, (void)m, (void)n, (void)k;
-    (void)out, (void)out_bf16, (void)num_threads;
+    (void)out, (void)out_bf16, (void)silu_mul, (void)num_threads;
     return KVSCALE_LINEAR_UNSUPPORTED;
 }
 

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_write_kv.c", "cpu_layer_ops.c", "cpu_quantize.c",
            "cpu_linear_amx.c", "cpu_token_mask.c", "cpu_threads.c")
-HEADERS = ("cpu_amx.h",)  # included by the sources above: copied beside them, and part of the build's key
+HEADERS = ("cpu_amx.h", "cpu_silu.h")  # included by the sources above: copied beside them, and part of the build's key
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are. It is a
 # compile flag only: linked with it, gcc adds crtfastmath.o, which switches the whole process to
@@ -106,12 +106,13 @@ _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "kvscale_linear_amx_available": (ctypes.c_int, []),
     # weight, n, k, packed
     "kvscale_linear_amx_pack": (None, [_PTR, _I64, _I64, _PTR]),
-    # x, x_stride, packed, bias, m, n, k, out, num_threads
-    "kvscale_linear_amx": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I32]),
+    # x, x_stride, packed, bias, m, n, k, out, silu_mul, num_threads
+    "kvscale_linear_amx": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I32, _I32]),
     # weight, n, k, packed, column_sums
     "kvscale_linear_amx_int8_pack": (None, [_PTR, _I64, _I64, _PTR, _PTR]),
-    # x, x_scales, packed, column_sums, w_scales, bias, m, n, k, out, out_bf16, num_threads
-    "kvscale_linear_amx_int8": (ctypes.c_int, [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I32, _I32]),
+    # x, x_scales, packed, column_sums, w_scales, bias, m, n, k, out, out_bf16, silu_mul, num_threads
+    "kvscale_linear_amx_int8": (ctypes.c_int, [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I32, _I32,
+                                               _I32]),
     # logits, row_stride, is_bf16, rows, num_rows, bitmask, words, vocab, num_threads
     "kvscale_apply_token_bitmask": (None, [_PTR, _I64, _I32, _PTR, _I64, _PTR, _I64, _I64, _I32]),
     # cpus, num_threads
@@ -487,22 +488,35 @@ def pack_linear_amx(weight: Tensor) -> Tensor | None:
     return packed
 
 
-def linear_amx(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+def silu_mul_fits(out_features: int) -> bool:
+    """Whether a gate|up projection of ``out_features`` can apply SiLU-and-multiply as it stores:
+    each half a whole number of the kernels' 32-column blocks."""
+    return out_features % (2 * AMX_LINEAR_MULTIPLE) == 0
+
+
+def linear_amx(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int, silu_mul: bool = False) -> Tensor:
     """``x W^T (+ bias)`` for ``x`` ``[..., in]`` bfloat16 and ``packed`` from
-    :func:`pack_linear_amx`; ``bias`` float32 or None."""
+    :func:`pack_linear_amx`; ``bias`` float32 or None. With ``silu_mul`` (W a fused gate|up, see
+    :func:`silu_mul_fits`), ``silu_and_mul`` of that product instead, bit for bit, in one pass."""
     in_features = x.shape[-1]
     rows = x.reshape(-1, in_features)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    out = x.new_empty((*x.shape[:-1], out_features))
+    out = x.new_empty((*x.shape[:-1], out_features // 2 if silu_mul else out_features))
     lib = _library()
     assert lib is not None  # pack_linear_amx() needed it
     status = lib.kvscale_linear_amx(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
                                     None if bias is None else bias.data_ptr(), rows.shape[0], out_features,
-                                    in_features, out.data_ptr(), torch.get_num_threads())
+                                    in_features, out.data_ptr(), int(silu_mul), torch.get_num_threads())
+    _check_linear_status(status)
+    return out
+
+
+def _check_linear_status(status: int) -> None:
+    if status == 1:
+        raise ValueError("the AMX projection does not take this shape (silu_mul_fits says which do)")
     if status:
         raise MemoryError("the AMX projection could not allocate its activation buffer")
-    return out
 
 
 AMX_INT8_DEPTH = 64  # cpu_linear_amx.c's int8 blocks: in features are a multiple of it
@@ -526,24 +540,24 @@ def pack_linear_amx_int8(weight: Tensor) -> tuple[Tensor, Tensor] | None:
 
 
 def linear_amx_int8(xq: Tensor, x_scales: Tensor, packed: tuple[Tensor, Tensor], w_scales: Tensor,
-                    bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+                    bias: Tensor | None, out_dtype: torch.dtype, silu_mul: bool = False) -> Tensor:
     """``(xq - 128) Wq^T * w_scales * x_scales[:, None] + bias`` in ``out_dtype`` (bfloat16 or
     float32): ``xq`` ``[rows, in]`` uint8 (int8 values +128) with float32 ``x_scales``, the
-    weight from :func:`pack_linear_amx_int8`, float32 ``w_scales`` and ``bias``."""
+    weight from :func:`pack_linear_amx_int8`, float32 ``w_scales`` and ``bias``; ``silu_mul`` as
+    in :func:`linear_amx`."""
     weight, column_sums = packed
     # Named: a temporary's memory would be freed once its data_ptr() was read, before the call.
     xq, x_scales = xq.contiguous(), x_scales.contiguous()
     rows, in_features = xq.shape
     out_features = column_sums.shape[0]
-    out = torch.empty((rows, out_features), dtype=out_dtype)
+    out = torch.empty((rows, out_features // 2 if silu_mul else out_features), dtype=out_dtype)
     lib = _library()
     assert lib is not None  # pack_linear_amx_int8() needed it
     status = lib.kvscale_linear_amx_int8(
         xq.data_ptr(), x_scales.data_ptr(), weight.data_ptr(), column_sums.data_ptr(),
         w_scales.data_ptr(), None if bias is None else bias.data_ptr(), rows, out_features, in_features,
-        out.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
-    if status:
-        raise MemoryError("the AMX projection could not allocate its activation buffer")
+        out.data_ptr(), int(out_dtype == torch.bfloat16), int(silu_mul), torch.get_num_threads())
+    _check_linear_status(status)
     return out
 
 

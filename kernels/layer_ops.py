@@ -89,9 +89,18 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     return out if out is not None else torch_silu_and_mul(gate_up)
 
 
+def projected_silu_and_mul(gate_up_proj: nn.Module, x: Tensor) -> Tensor:
+    """``silu_and_mul(gate_up_proj(x))``: in one pass where the projection applies the activation
+    as it stores its output (its ``silu_and_mul`` method, the CPU's AMX kernel on decode's rows),
+    else the projection and then the op."""
+    fused = getattr(gate_up_proj, "silu_and_mul", None)
+    out = fused(x) if fused is not None else None
+    return out if out is not None else silu_and_mul(gate_up_proj(x))
+
+
 def torch_silu_and_mul(gate_up: Tensor) -> Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.silu(gate) * up
 
 
-__all__ = ["add_rms_norm", "rope", "silu_and_mul", "torch_rms_norm", "torch_rope", "torch_silu_and_mul", "TRITON_LAYER_OPS"]
+__all__ = ["add_rms_norm", "projected_silu_and_mul", "rope", "silu_and_mul", "torch_rms_norm", "torch_rope", "torch_silu_and_mul", "TRITON_LAYER_OPS"]

@@ -96,6 +96,14 @@ class AmxLinear(PackedLinear):
             return super().forward(x)
         return cpu_native.linear_amx(x, self.amx_weight, self.amx_bias, self.out_features)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu_and_mul(self(x))`` in one pass, for a gate|up projection on decode's rows: the
+        kernel applies the activation as it stores them, bit for bit the two ops' result; None
+        where the rows go to oneDNN."""
+        if x.numel() > AMX_ROWS_MAX * self.in_features or not cpu_native.silu_mul_fits(self.out_features):
+            return None
+        return cpu_native.linear_amx(x, self.amx_weight, self.amx_bias, self.out_features, silu_mul=True)
+
     def extra_repr(self) -> str:
         return super().extra_repr() + f", up to {AMX_ROWS_MAX} rows on AMX"
 

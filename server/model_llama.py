@@ -184,8 +184,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(layer_ops.silu_and_mul(gate_up))
+        return self.down_proj(layer_ops.projected_silu_and_mul(self.gate_up_proj, x))
 
 
 class DecoderLayer(nn.Module):

@@ -100,6 +100,18 @@ class Int8Linear(nn.Module):
             self.weight_t: torch.Tensor
             self.register_buffer("weight_t", q.t().contiguous())
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu_and_mul(self(x))`` in one pass, for a gate|up projection, where decode's rows run
+        on the AMX kernel (it applies the activation as it stores them); None elsewhere."""
+        rows = x.reshape(-1, self.in_features)
+        if (self.amx_weight is None or rows.shape[0] > AMX_ROWS_MAX or x.dtype not in (torch.bfloat16, torch.float32)
+                or not cpu_native.silu_mul_fits(self.out_features)):
+            return None
+        xq, x_scale = quantize_rows_u8(rows.contiguous())
+        out = cpu_native.linear_amx_int8(xq, x_scale, self.amx_weight, self.weight_scale, self.bias, x.dtype,
+                                         silu_mul=True)
+        return out.reshape(*x.shape[:-1], self.out_features // 2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         if self.prepacked:

@@ -116,3 +116,59 @@ def test_the_int8_projection_takes_strided_activations() -> None:
     wide[:, 32:224] = xq
     got = cpu_native.linear_amx_int8(wide[:, 32:224], x_scales, packed, w_scales, bias, torch.float32)
     assert ((got.double() - expected).abs() <= expected.abs() * 2**-20 + 1e-6).all()
+
+
+def _gate_up_activations(rows: int, in_features: int, gen: torch.Generator) -> torch.Tensor:
+    """Ordinary activations and a few huge ones, so that some gate values leave expf's vector
+    range (|gate| > 87) and take the kernel's scalar path."""
+    x = torch.randn(rows, in_features, generator=gen) * 3
+    return torch.where(torch.rand(rows, in_features, generator=gen) < 0.02, x * 400, x)
+
+
+@amx
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("rows", [1, 7, 17, 33, 64, 300])
+def test_silu_and_mul_as_the_projection_stores_is_the_two_ops_bit_for_bit(rows: int, with_bias: bool) -> None:
+    """The gate|up projection with SiLU-and-multiply applied as it stores its rows gives exactly
+    the bits of the projection followed by the layer op, huge gates (expf's scalar path) included."""
+    gen = torch.Generator().manual_seed(rows)
+    out_features, in_features = 192, 96
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.2).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen) * 3 if with_bias else None
+    x = _gate_up_activations(rows, in_features, gen).to(torch.bfloat16)
+    packed = cpu_native.pack_linear_amx(weight)
+    assert packed is not None
+    two_ops = cpu_native.silu_and_mul(cpu_native.linear_amx(x, packed, bias, out_features))
+    fused = cpu_native.linear_amx(x, packed, bias, out_features, silu_mul=True)
+    assert two_ops is not None and fused.shape == (rows, out_features // 2)
+    assert torch.equal(fused.view(torch.int16), two_ops.view(torch.int16))
+
+
+@amx
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("rows", [1, 17, 64, 300])
+def test_the_int8_projection_applies_silu_and_mul_bit_for_bit(rows: int, with_bias: bool, out_dtype: torch.dtype) -> None:
+    weight, xq, x_scales, w_scales, bias, _ = _int8_case(rows, 128, 192, with_bias)
+    # Scales that put some gates past expf's vector range.
+    x_scales = x_scales * 50
+    packed = cpu_native.pack_linear_amx_int8(weight)
+    assert packed is not None
+    product = cpu_native.linear_amx_int8(xq, x_scales, packed, w_scales, bias, out_dtype)
+    assert product[:, :64].abs().max() > 87
+    two_ops = cpu_native.silu_and_mul(product)
+    fused = cpu_native.linear_amx_int8(xq, x_scales, packed, w_scales, bias, out_dtype, silu_mul=True)
+    assert two_ops is not None and fused.shape == (rows, 64)
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(fused.view(bits), two_ops.view(bits))
+
+
+@amx
+def test_silu_and_mul_needs_halves_of_whole_blocks() -> None:
+    """A gate|up of 96 columns has halves of 48, which split a 32-column block: refused with a
+    ValueError (silu_mul_fits says so first), never a wrong pairing of gate and up columns."""
+    assert not cpu_native.silu_mul_fits(96) and cpu_native.silu_mul_fits(128)
+    packed = cpu_native.pack_linear_amx(torch.randn(96, 64).to(torch.bfloat16))
+    assert packed is not None
+    with pytest.raises(ValueError, match="silu_mul_fits"):
+        cpu_native.linear_amx(torch.randn(4, 64).to(torch.bfloat16), packed, None, 96, silu_mul=True)

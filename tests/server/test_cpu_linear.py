@@ -10,7 +10,7 @@ import transformers
 from torch import nn
 from torch.nn import functional
 
-from kvscale.kernels import cpu_native
+from kvscale.kernels import cpu_native, layer_ops
 from kvscale.server.cpu_features import CpuFeatures, cpu_features
 from kvscale.server.cpu_linear import (
     AMX_ROWS_MAX,
@@ -96,6 +96,28 @@ def test_bf16_decode_rows_run_on_amx_and_prefill_rows_on_onednn() -> None:
     first.packed_weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(96, 64, dtype=torch.bfloat16), 64)
     assert first(inputs[33]).abs().sum() > 0
     assert torch.equal(first(inputs[AMX_ROWS_MAX + 1]), first.bias.expand(AMX_ROWS_MAX + 1, 96))
+
+
+@pytest.mark.parametrize("rows", [1, 33, AMX_ROWS_MAX, AMX_ROWS_MAX + 1])
+def test_the_mlp_activation_is_the_same_bits_fused_or_not(rows: int) -> None:
+    """``projected_silu_and_mul`` on a bf16 gate|up: decode's rows on AMX with the activation
+    applied as the kernel stores them, prefill's rows (and a plain ``nn.Linear``) through the
+    projection and then the op: the same bits either way."""
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = nn.Linear(64, 128, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16) * 4
+    plain = layer_ops.silu_and_mul(gate_up(x))
+    assert torch.equal(layer_ops.projected_silu_and_mul(gate_up, x), plain)
+    holder = nn.Sequential(gate_up)
+    lay_out_cpu_linears(holder)
+    laid_out = holder[0]
+    if not isinstance(laid_out, AmxLinear):
+        assert not (onednn_packs(torch.bfloat16) and cpu_native.amx_linear_available())
+        return
+    fused = laid_out.silu_and_mul(x)
+    assert (fused is None) == (rows > AMX_ROWS_MAX)
+    two_ops = layer_ops.silu_and_mul(laid_out(x))
+    assert torch.equal(layer_ops.projected_silu_and_mul(laid_out, x).view(torch.int16), two_ops.view(torch.int16))
 
 
 def test_onednn_alone_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:

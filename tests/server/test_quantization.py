@@ -146,3 +146,23 @@ def test_prepacked_int8_gemm_gives_the_same_sums_as_int_mm(dtype: torch.dtype, m
     # The same integer sums; the activation codes may differ by one on a rounding boundary.
     torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-3,
                                atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 40, 65])
+def test_int8_mlp_activation_is_the_same_bits_fused_or_not(rows: int, dtype: torch.dtype) -> None:
+    """An int8 gate|up with the activation applied as the AMX kernel stores decode's rows gives
+    the bits of the projection followed by the layer op; prefill's rows (past 64) take the two."""
+    from kvscale.kernels import cpu_native, layer_ops
+
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = Int8Linear(torch.randn(256, 576, generator=gen) * 0.05, torch.randn(256, generator=gen))
+    x = (torch.randn(rows, 576, generator=gen) * 4).to(dtype)
+    fused = gate_up.silu_and_mul(x)
+    assert (fused is None) == (gate_up.amx_weight is None or rows > 64)
+    two_ops = layer_ops.silu_and_mul(gate_up(x))
+    got = layer_ops.projected_silu_and_mul(gate_up, x)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert got.shape == (rows, 128) and torch.equal(got.view(bits), two_ops.view(bits))
+    if cpu_native.amx_linear_available():
+        assert gate_up.amx_weight is not None, "AMX here, yet the int8 weight was not laid out for it"
