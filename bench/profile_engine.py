@@ -65,6 +65,10 @@ def _wrap_forward_ops(runner: Any, totals: dict[str, float]) -> None:
             continue
         if isinstance(module, nn.Linear | PackedLinear | Int8Linear):  # AmxLinear is a PackedLinear
             module.forward = _timed(module.forward, "projections", totals)
+            # A gate|up that applies SiLU-and-multiply as it stores (AMX, decode's rows): a
+            # projection with a longer epilogue, counted as one.
+            if hasattr(module, "silu_and_mul"):
+                module.silu_and_mul = _timed(module.silu_and_mul, "projections", totals)
             wrapped.append(name)
 
 
