@@ -378,10 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or str(RESULTS / (f"http_load_vllm_t{args.threads}.json" if "vllm" in baselines
                                            else "http_load.json"))
 
-    from bench.roofline import cpu_isa
+    from bench.roofline import cpu_isa, memory_stream
     from kvscale.model_files import BUNDLED_NAME, load_tokenizer, resolve_model_path
 
-    info = {**machine(), "isa": cpu_isa(), "device": "cpu", "threads": args.threads}
+    info = {**machine(), "isa": cpu_isa(), "device": "cpu", "threads": args.threads,
+            "memory_stream_before": memory_stream(args.threads)}
     vocab_size = len(load_tokenizer(resolve_model_path(None)))
     engine_flags = {
         "dtype": args.dtype,
@@ -444,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():
             stop(server)
 
+    info["memory_stream_after"] = memory_stream(args.threads)
     vllm_server = servers.get("vllm")
     result: dict[str, Any] = {
         "benchmark": "http_load",

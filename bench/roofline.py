@@ -68,6 +68,29 @@ def gemm_peak(threads: int, dtype: str = "float32", size: int = 2048, seconds: f
             "median_gflops": rates[len(rates) // 2], "runs": len(rates)}
 
 
+def memory_stream(threads: int, mib: int = 512, seconds: float = 1.0) -> dict[str, Any]:
+    """GB/s of one read of a ``mib`` MiB float32 buffer (``torch.sum``) at this thread count, best
+    and median of the passes made in ``seconds`` (at least three). A decode step reads every
+    weight and the batch's K/V, so engines bound by their bytes move with this figure; shared
+    VMs move it from one hour to the next (docs/benchmarks.md), so the runs record it beside their
+    figures, before and after."""
+    import torch
+
+    torch.set_num_threads(threads)
+    buffer = torch.ones(mib * 1024 * 1024 // 4)
+    buffer.sum()
+    nbytes = buffer.numel() * 4
+    rates = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(rates) < 3:
+        start = time.perf_counter()
+        buffer.sum()
+        rates.append(nbytes / (time.perf_counter() - start) / 1e9)
+    rates.sort()
+    return {"threads": threads, "bytes": nbytes, "best_gbps": rates[-1], "median_gbps": rates[len(rates) // 2],
+            "runs": len(rates), "at": time.strftime("%H:%M:%S", time.gmtime())}
+
+
 def decoder_flops(config: Any, prompt_lens: list[int], output_lens: list[int]) -> dict[str, float]:
     """Useful FLOPs to serve these requests on this decoder (a transformers config).
 

@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from bench.common import machine, peak_rss_bytes, run_side, write_result
-from bench.roofline import cpu_isa, decoder_flops, gemm_peak
+from bench.roofline import cpu_isa, decoder_flops, gemm_peak, memory_stream
 
 
 def workload(args: argparse.Namespace, vocab_size: int = 49152) -> tuple[list[list[int]], list[int]]:
@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown baselines {sorted(unknown)}")
     info = machine()
     info["isa"] = cpu_isa()
+    info["memory_stream_before"] = memory_stream(args.threads)
     peaks = run_side("bench.w1_throughput", "gemm", passthrough)
     print(f"GEMM peak: {json.dumps({k: round(v['best_gflops']) for k, v in peaks.items()})} GFLOP/s",
           file=sys.stderr)
@@ -248,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     # vLLM's best of the KV caches it ran with is the baseline.
     vllm = max((v for v in (vllm_auto, vllm_fp8) if v), key=lambda v: v["output_tokens_per_s"], default=None)
     baseline = run_side("bench.w1_throughput", "baseline", passthrough) if "transformers" in baselines else None
+    info["memory_stream_after"] = memory_stream(args.threads)
+    print(f"memory stream: {info['memory_stream_before']['median_gbps']:.1f} GB/s before, "
+          f"{info['memory_stream_after']['median_gbps']:.1f} after", file=sys.stderr)
 
     from kvscale.model_files import resolve_model_path
     from kvscale.server.model_loader import load_hf_config

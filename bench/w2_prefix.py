@@ -23,7 +23,7 @@ import sys
 import time
 
 from bench.common import machine, peak_rss_bytes, run_side, write_result
-from bench.roofline import cpu_isa
+from bench.roofline import cpu_isa, memory_stream
 
 
 def workload(args: argparse.Namespace, vocab_size: int = 49152) -> list[list[int]]:
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     passthrough = [a for i, a in enumerate(raw) if a not in drop and (i == 0 or raw[i - 1] not in drop)]
     info = machine()
     info["isa"] = cpu_isa()
+    info["memory_stream_before"] = memory_stream(args.threads)
     on = run_side("bench.w2_prefix", "on", passthrough)
     off = run_side("bench.w2_prefix", "off", passthrough)
     vllm = None
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm.pop("log_tail", None)
         ttfts = vllm.pop("ttfts_s")
         vllm["median_ttft_s"] = statistics.median(ttfts) if ttfts else None
+    info["memory_stream_after"] = memory_stream(args.threads)
     result = {
         "benchmark": "w2_prefix",
         "date": time.strftime("%Y-%m-%d"),
