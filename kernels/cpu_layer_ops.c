@@ -72,12 +72,6 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-static inline __attribute__((always_inline)) void store16(void *base, int64_t i, __m512 f, int is_bf16) {
-    if (!is_bf16) _mm512_storeu_ps((float *)base + i, f);
-    else _mm256_storeu_si256((__m256i *)((uint16_t *)base + i),
-                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round16(f), 16)));
-}
-
 /* 32 bfloat16 values as two float32 vectors: the even-indexed values and the odd-indexed ones, one
  * instruction each (widening 16 in order takes two). Elementwise math does not mind the order, and
  * store32_bf16 interleaves the results back. */

@@ -197,12 +197,10 @@ static void store_silu_row(const epilogue *e, const void *gate_row, const void *
          * the scaling's last multiply into SiLU's first operations and round differently. */
         __asm__("" : "+v"(gate[h]), "+v"(up[h]));
         if (e->out_bf16) {
-            const __m512 value = silu_mul16(as_stored_bf16(gate[h]), as_stored_bf16(up[h]), 1, 0, 1);
-            _mm256_storeu_si256((__m256i *)((uint16_t *)e->out + row * width + col0 + 16 * h),
-                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round16(value), 16)));
-        } else {
-            _mm512_storeu_ps((float *)e->out + row * width + col0 + 16 * h, silu_mul16(gate[h], up[h], 0, 0, 1));
+            gate[h] = as_stored_bf16(gate[h]);
+            up[h] = as_stored_bf16(up[h]);
         }
+        store16(e->out, row * width + col0 + 16 * h, silu_mul16(gate[h], up[h], e->out_bf16, 0, 1), e->out_bf16);
     }
 }
 

@@ -512,9 +512,13 @@ def linear_amx(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int
     return out
 
 
+_LINEAR_UNSUPPORTED = 1  # cpu_linear_amx.c's KVSCALE_LINEAR_UNSUPPORTED
+
+
 def _check_linear_status(status: int) -> None:
-    if status == 1:
-        raise ValueError("the AMX projection does not take this shape (silu_mul_fits says which do)")
+    if status == _LINEAR_UNSUPPORTED:
+        raise ValueError("the AMX projection cannot run this call: no AMX tiles granted here, or silu_mul on "
+                         "halves that split a 32-column block (silu_mul_fits says which shapes fit)")
     if status:
         raise MemoryError("the AMX projection could not allocate its activation buffer")
 

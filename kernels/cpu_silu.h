@@ -22,6 +22,13 @@ static inline __attribute__((always_inline)) __m512i bf16_round16(__m512 f) {
                                  _mm512_set1_epi32(0x8000));
 }
 
+/* 16 float32 values stored as float32, or as bfloat16 with bf16_round16's rounding. */
+static inline __attribute__((always_inline)) void store16(void *base, int64_t i, __m512 f, int is_bf16) {
+    if (!is_bf16) _mm512_storeu_ps((float *)base + i, f);
+    else _mm256_storeu_si256((__m256i *)((uint16_t *)base + i),
+                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round16(f), 16)));
+}
+
 /* round_to for 16 lanes. */
 static inline __attribute__((always_inline)) __m512 round16_to(__m512 f, int is_bf16) {
     if (!is_bf16) return f;

@@ -91,8 +91,12 @@ class AmxLinear(PackedLinear):
         # The kernel adds the bias in float32, before its one rounding.
         self.amx_bias = None if bias is None else bias.detach().float()
 
+    def _on_amx(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows run on the AMX kernel (decode's few) rather than oneDNN."""
+        return x.numel() <= AMX_ROWS_MAX * self.in_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > AMX_ROWS_MAX * self.in_features:
+        if not self._on_amx(x):
             return super().forward(x)
         return cpu_native.linear_amx(x, self.amx_weight, self.amx_bias, self.out_features)
 
@@ -100,7 +104,7 @@ class AmxLinear(PackedLinear):
         """``silu_and_mul(self(x))`` in one pass, for a gate|up projection on decode's rows: the
         kernel applies the activation as it stores them, bit for bit the two ops' result; None
         where the rows go to oneDNN."""
-        if x.numel() > AMX_ROWS_MAX * self.in_features or not cpu_native.silu_mul_fits(self.out_features):
+        if not self._on_amx(x) or not cpu_native.silu_mul_fits(self.out_features):
             return None
         return cpu_native.linear_amx(x, self.amx_weight, self.amx_bias, self.out_features, silu_mul=True)
 

@@ -100,15 +100,22 @@ class Int8Linear(nn.Module):
             self.weight_t: torch.Tensor
             self.register_buffer("weight_t", q.t().contiguous())
 
+    def _amx_weight_for(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The AMX kernel's weight where these rows (``[rows, in]``) run on it (decode's few, where
+        it is laid out, in an output dtype it writes), else None."""
+        if rows.shape[0] <= AMX_ROWS_MAX and rows.dtype in (torch.bfloat16, torch.float32):
+            return self.amx_weight
+        return None
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu_and_mul(self(x))`` in one pass, for a gate|up projection, where decode's rows run
         on the AMX kernel (it applies the activation as it stores them); None elsewhere."""
         rows = x.reshape(-1, self.in_features)
-        if (self.amx_weight is None or rows.shape[0] > AMX_ROWS_MAX or x.dtype not in (torch.bfloat16, torch.float32)
-                or not cpu_native.silu_mul_fits(self.out_features)):
+        amx_weight = self._amx_weight_for(rows)
+        if amx_weight is None or not cpu_native.silu_mul_fits(self.out_features):
             return None
         xq, x_scale = quantize_rows_u8(rows.contiguous())
-        out = cpu_native.linear_amx_int8(xq, x_scale, self.amx_weight, self.weight_scale, self.bias, x.dtype,
+        out = cpu_native.linear_amx_int8(xq, x_scale, amx_weight, self.weight_scale, self.bias, x.dtype,
                                          silu_mul=True)
         return out.reshape(*x.shape[:-1], self.out_features // 2)
 
@@ -116,9 +123,9 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features).contiguous()
         if self.prepacked:
             xq, x_scale = quantize_rows_u8(rows)
-            if self.amx_weight is not None and rows.shape[0] <= AMX_ROWS_MAX and x.dtype in (torch.bfloat16,
-                                                                                              torch.float32):
-                fused = cpu_native.linear_amx_int8(xq, x_scale, self.amx_weight, self.weight_scale, self.bias, x.dtype)
+            amx_weight = self._amx_weight_for(rows)
+            if amx_weight is not None:
+                fused = cpu_native.linear_amx_int8(xq, x_scale, amx_weight, self.weight_scale, self.bias, x.dtype)
                 return fused.reshape(*x.shape[:-1], self.out_features)
             # The GEMM writes the model's dtype (a bf16 output is half the bytes to write and read
             # back), then each row takes its input scale in place: in bf16 two roundings instead of one.
