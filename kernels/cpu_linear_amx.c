@@ -36,13 +36,6 @@
 #define KVSCALE_LINEAR_UNSUPPORTED 1
 #define KVSCALE_LINEAR_NO_MEMORY 3
 
-#define COLS 32       /* output columns per block: two B tiles */
-#define DEPTH 32      /* inputs per block: one tile's 16 rows of pairs */
-#define BLOCK (COLS * DEPTH)
-#define ROWS_PER_PASS 32  /* activation rows per pass over a block: two A tiles */
-#define M_CHUNK 256   /* activation rows kept in L2 while the weight is streamed once for them */
-#define PREFETCH_AHEAD 4  /* blocks (8 KB) ahead of the one being multiplied, into L1 */
-
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && defined(__linux__)
 #include "cpu_amx.h"
 #include "cpu_silu.h"
@@ -51,6 +44,8 @@
 #define COLS 32           /* output columns per block: two B tiles of 16 */
 #define BLOCK_BYTES 2048  /* a block: 32 columns by 32 bf16 or 64 int8 inputs, two 1 KB B tiles */
 #define ROWS_PER_PASS 32  /* activation rows per pass over a block: two A tiles */
+#define ROWS_PER_GROUP 64 /* rows whose two passes take turns over each chunk of a column block */
+#define K_CHUNK 4         /* blocks (8 KB) of a column block both passes multiply before the next */
 #define M_CHUNK 256       /* activation rows kept in L2 while the weight is streamed once for them */
 #define PREFETCH_AHEAD 4  /* blocks (8 KB) ahead of the one being multiplied, into L1 */
 
@@ -90,48 +85,99 @@ void kvscale_linear_amx_int8_pack(const int8_t *weight, int64_t n, int64_t k, in
     }
 }
 
-/* Rows [row0, row0 + rows) of the padded activations (rows <= 32, `row_bytes` apart) times one
- * column block, into acc [32][32] (float32 sums of bf16, or int32 sums of u8 x s8). */
-static void block_product(const uint8_t *xs, int64_t row_bytes, int64_t row0, int rows, const uint8_t *blocks,
-                          int64_t k_blocks, void *acc, int int8) {
-    const int two = rows > 16;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
+/* The sums of up to 32 rows by a block's 32 columns live in tiles 0-3 (tiles 2 and 3 hold rows
+ * 16-31, used when `two`): zeroed, or resumed from acc [32][32] where a chunk left them. */
+static inline void start_sums(const int32_t *acc, int two, int resume) {
+    if (resume) {
+        _tile_loadd(0, acc, COLS * 4);
+        _tile_loadd(1, acc + 16, COLS * 4);
+        if (two) {
+            _tile_loadd(2, acc + 16 * COLS, COLS * 4);
+            _tile_loadd(3, acc + 16 * COLS + 16, COLS * 4);
+        }
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
     }
+}
+
+static inline void store_sums(int32_t *acc, int two) {
+    _tile_stored(0, acc, COLS * 4);
+    _tile_stored(1, acc + 16, COLS * 4);
+    if (two) {
+        _tile_stored(2, acc + 16 * COLS, COLS * 4);
+        _tile_stored(3, acc + 16 * COLS + 16, COLS * 4);
+    }
+}
+
+/* The sums += rows `a` (16, or 32 when `two`, `row_bytes` apart) times one block (32 inputs by
+ * 32 columns: float32 sums of bf16, or int32 sums of u8 x s8). */
+static inline void multiply_block(const uint8_t *block, const uint8_t *a, int64_t row_bytes, int two, int int8) {
+    _tile_loadd(6, block, 64);
+    _tile_loadd(7, block + 1024, 64);
+    _tile_loadd(4, a, row_bytes);
+    if (int8) {
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(1, 4, 7);
+    } else {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    if (two) {
+        _tile_loadd(5, a + 16 * row_bytes, row_bytes);
+        if (int8) {
+            _tile_dpbusd(2, 5, 6);
+            _tile_dpbusd(3, 5, 7);
+        } else {
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+/* Up to 32 rows of the padded activations (`row_bytes` apart) times one column block, into acc
+ * [32][32]: one pass over the block's k_blocks, each prefetched into L1 a few blocks ahead. */
+static void block_product(const uint8_t *xs, int64_t row_bytes, int rows, const uint8_t *blocks, int64_t k_blocks,
+                          int32_t *acc, int int8) {
+    const int two = rows > 16;
+    start_sums(acc, two, 0);
     for (int64_t kb = 0; kb < k_blocks; kb++) {
         const uint8_t *block = blocks + kb * BLOCK_BYTES;
         for (int line = 0; line < BLOCK_BYTES; line += 64)
             _mm_prefetch((const char *)block + PREFETCH_AHEAD * BLOCK_BYTES + line, _MM_HINT_T0);
-        _tile_loadd(6, block, 64);
-        _tile_loadd(7, block + 1024, 64);
-        _tile_loadd(4, xs + row0 * row_bytes + kb * 64, row_bytes);
-        if (int8) {
-            _tile_dpbusd(0, 4, 6);
-            _tile_dpbusd(1, 4, 7);
-        } else {
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (two) {
-            _tile_loadd(5, xs + (row0 + 16) * row_bytes + kb * 64, row_bytes);
-            if (int8) {
-                _tile_dpbusd(2, 5, 6);
-                _tile_dpbusd(3, 5, 7);
-            } else {
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-        }
+        multiply_block(block, xs + kb * 64, row_bytes, two, int8);
     }
-    int32_t *out = acc;
-    _tile_stored(0, out, COLS * 4);
-    _tile_stored(1, out + 16, COLS * 4);
-    if (two) {
-        _tile_stored(2, out + 16 * COLS, COLS * 4);
-        _tile_stored(3, out + 16 * COLS + 16, COLS * 4);
+    store_sums(acc, two);
+}
+
+/* 33 to 64 rows times one column block, into acc [64][32]. Two whole passes would leave memory
+ * idle during the second (it multiplies what the first fetched: a third of the projection's time
+ * at 64 rows, docs/benchmarks.md). So both passes take turns over each chunk of K_CHUNK blocks,
+ * their sums parked in acc between turns, while each turn prefetches its half of the next chunk:
+ * the weight keeps streaming in while the tiles multiply what is already in L1. Parking sums in
+ * float32 or int32 loses nothing, so the result is the same bits as two whole passes. */
+static void block_product_pair(const uint8_t *xs, int64_t row_bytes, int rows, const uint8_t *blocks,
+                               int64_t k_blocks, int32_t *acc, int int8) {
+    for (int64_t kb0 = 0; kb0 < k_blocks; kb0 += K_CHUNK) {
+        const int64_t kb1 = kb0 + K_CHUNK < k_blocks ? kb0 + K_CHUNK : k_blocks;
+        const uint8_t *next_chunk = blocks + kb1 * BLOCK_BYTES; /* past the last: the next column block's */
+        for (int pass = 0; pass < 2; pass++) {
+            const int two = pass == 0 || rows > ROWS_PER_PASS + 16;
+            int32_t *sums = acc + pass * ROWS_PER_PASS * COLS;
+            const uint8_t *a = xs + pass * ROWS_PER_PASS * row_bytes;
+            start_sums(sums, two, kb0 > 0);
+            for (int64_t kb = kb0; kb < kb1; kb++) {
+                /* Each turn's step prefetches 1 KB: the two turns together, the next chunk. */
+                const char *ahead = (const char *)next_chunk + ((kb - kb0) * 2 + pass) * (BLOCK_BYTES / 2);
+                for (int line = 0; line < BLOCK_BYTES / 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+                multiply_block(blocks + kb * BLOCK_BYTES, a + kb * 64, row_bytes, two, int8);
+            }
+            store_sums(sums, two);
+        }
     }
 }
 
@@ -224,16 +270,19 @@ static int run(const uint8_t *x, int64_t x_stride_bytes, int64_t row_bytes, uint
 #pragma omp parallel num_threads(num_threads)
         {
             configure_tiles();
-            int32_t acc[16 * 2 * COLS] __attribute__((aligned(64)));
-            int32_t up_acc[16 * 2 * COLS] __attribute__((aligned(64)));
+            int32_t acc[ROWS_PER_GROUP * COLS] __attribute__((aligned(64)));
+            int32_t up_acc[ROWS_PER_GROUP * COLS] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
             for (int64_t nb = 0; nb < out_blocks; nb++) {
                 const uint8_t *blocks = packed + nb * k_blocks * BLOCK_BYTES;
                 const uint8_t *up_blocks = packed + (nb + out_blocks) * k_blocks * BLOCK_BYTES;
-                for (int64_t row0 = 0; row0 < rows_padded; row0 += ROWS_PER_PASS) {
-                    const int tile_rows = rows_padded - row0 < ROWS_PER_PASS ? (int)(rows_padded - row0) : ROWS_PER_PASS;
-                    block_product(xs, row_bytes, row0, tile_rows, blocks, k_blocks, acc, e->int8);
-                    if (e->silu_mul) block_product(xs, row_bytes, row0, tile_rows, up_blocks, k_blocks, up_acc, e->int8);
+                for (int64_t row0 = 0; row0 < rows_padded; row0 += ROWS_PER_GROUP) {
+                    const int tile_rows = rows_padded - row0 < ROWS_PER_GROUP ? (int)(rows_padded - row0) : ROWS_PER_GROUP;
+                    void (*product)(const uint8_t *, int64_t, int, const uint8_t *, int64_t, int32_t *, int) =
+                        tile_rows > ROWS_PER_PASS ? block_product_pair : block_product;
+                    const uint8_t *rows_x = xs + row0 * row_bytes;
+                    product(rows_x, row_bytes, tile_rows, blocks, k_blocks, acc, e->int8);
+                    if (e->silu_mul) product(rows_x, row_bytes, tile_rows, up_blocks, k_blocks, up_acc, e->int8);
                     const int live = rows - row0 < tile_rows ? (int)(rows - row0) : tile_rows;
                     for (int r = 0; r < live; r++) {
                         if (e->silu_mul)

@@ -118,6 +118,31 @@ def test_the_int8_projection_takes_strided_activations() -> None:
     assert ((got.double() - expected).abs() <= expected.abs() * 2**-20 + 1e-6).all()
 
 
+@amx
+@pytest.mark.parametrize("rows", [33, 48, 49, 64, 100])
+def test_a_row_comes_out_the_same_alone_or_in_a_batch(rows: int) -> None:
+    """Batches of 33-64 rows take both 32-row passes in turns over chunks of k, their sums parked
+    between turns (block_product_pair); a row alone takes one pass. Parking float32 or int32 sums
+    loses nothing, so each row's output is the same bits either way, over k of several chunks."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(96, 576, generator=gen) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(96, generator=gen)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    packed = cpu_native.pack_linear_amx(weight)
+    assert packed is not None
+    batched = cpu_native.linear_amx(x, packed, bias, 96)
+    alone = torch.cat([cpu_native.linear_amx(x[r:r + 1], packed, bias, 96) for r in range(rows)])
+    assert torch.equal(batched, alone)
+
+    int8_weight, xq, x_scales, w_scales, _, _ = _int8_case(rows, 64, 320, False)
+    int8_packed = cpu_native.pack_linear_amx_int8(int8_weight)
+    assert int8_packed is not None
+    batched = cpu_native.linear_amx_int8(xq, x_scales, int8_packed, w_scales, bias[:64], torch.float32)
+    alone = torch.cat([cpu_native.linear_amx_int8(xq[r:r + 1], x_scales[r:r + 1], int8_packed, w_scales, bias[:64],
+                                                  torch.float32) for r in range(rows)])
+    assert torch.equal(batched, alone)
+
+
 def _gate_up_activations(rows: int, in_features: int, gen: torch.Generator) -> torch.Tensor:
     """Ordinary activations and a few huge ones, so that some gate values leave expf's vector
     range (|gate| > 87) and take the kernel's scalar path."""
