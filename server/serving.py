@@ -22,6 +22,7 @@ from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST, InvalidReq
 from kvscale.server.async_engine import EngineDeadError, EngineFront, RequestStream
 from kvscale.server.outputs import PositionLogprobs
 from kvscale.server.sampling_params import SamplingParams, StructuredOutputsParams
+from kvscale.server.structured_outputs.strict_schema import close_objects
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +132,11 @@ def _structured_outputs_from(body: p.SamplingFields) -> tuple[StructuredOutputsP
         if fmt.json_schema is None or fmt.json_schema.json_schema is None:
             raise bad_request("response_format of type json_schema needs json_schema.schema.",
                               "response_format.json_schema")
-        return StructuredOutputsParams(
-            json=_schema_object(fmt.json_schema.json_schema, "response_format.json_schema.schema")
-        ), "response_format"
+        schema = fmt.json_schema.json_schema
+        if fmt.json_schema.strict:
+            schema = close_objects(schema)
+        return StructuredOutputsParams(json=_schema_object(schema, "response_format.json_schema.schema")), \
+            "response_format"
     if so is None:
         return None, None
     try:

@@ -19,6 +19,7 @@ from typing import Any
 from kvscale.server import protocol as p
 from kvscale.server.sampling_params import StructuredOutputsParams
 from kvscale.server.structured_outputs import backend
+from kvscale.server.structured_outputs.strict_schema import close_objects
 from kvscale.server.tool_parsers import ToolCallFormat, tool_call_format
 
 
@@ -58,7 +59,7 @@ def plan_tools(body: p.ChatCompletionRequest, *, parser: str | None, auto_enable
             raise ToolError('tool_choice "auto" needs the server started with --enable-auto-tool-choice '
                             "--tool-call-parser (hermes or llama3_json); a named or \"required\" "
                             "tool_choice works without them.", "tool_choice")
-    definitions = [tool.function.model_dump(exclude_none=True) for tool in tools]
+    definitions = [strict_closed(tool.function.model_dump(exclude_none=True)) for tool in tools]
     if choice == "auto":
         grammar = fmt.auto_grammar([auto_enforced(d) for d in definitions], many=parallel)
         return ToolPlan("auto", fmt, parallel, StructuredOutputsParams(grammar=grammar))
@@ -73,6 +74,14 @@ def plan_tools(body: p.ChatCompletionRequest, *, parser: str | None, auto_enable
         parallel = False  # a named choice is one call of that function
     grammar = fmt.grammar(chosen, many=parallel)
     return ToolPlan("forced", fmt, parallel, StructuredOutputsParams(grammar=grammar))
+
+
+def strict_closed(definition: dict[str, Any]) -> dict[str, Any]:
+    """A ``strict`` tool's parameters with the objects they leave open closed (strict_schema.py)."""
+    parameters = definition.get("parameters")
+    if not definition.get("strict") or not isinstance(parameters, dict):
+        return definition
+    return {**definition, "parameters": close_objects(parameters)}
 
 
 def auto_enforced(definition: dict[str, Any]) -> dict[str, Any]:

@@ -81,7 +81,7 @@ class _Rewriter:
         self.old_draft = bool(declared) and not self.new_draft
         # A local "#/..." pointer is relative to the nearest enclosing $id: with nested $ids the
         # proof does not follow references at all.
-        self.refs_resolvable = not _has_nested_id(root, top=True)
+        self.refs_resolvable = not has_nested_id(root, top=True)
         # 2019-09's unevaluatedProperties sees what additionalProperties evaluated, even {}.
         self.reads_annotations = '"unevaluatedProperties"' in json.dumps(root)
         # Every path a local reference passes through: a rewrite that moves or removes what such a
@@ -257,20 +257,7 @@ class _Rewriter:
 
     def resolve(self, ref: Any) -> Any:
         """The subschema a local JSON-pointer ``$ref`` names, or None (remote, anchors, $id)."""
-        if not self.refs_resolvable or not isinstance(ref, str) or not ref.startswith("#"):
-            return None
-        node = self.root
-        tokens = _pointer_tokens(ref)
-        if tokens is None:
-            return None  # an anchor name
-        for token in tokens:
-            if isinstance(node, dict) and token in node:
-                node = node[token]
-            elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
-                node = node[int(token)]
-            else:
-                return None
-        return node
+        return resolve_local_ref(self.root, ref) if self.refs_resolvable else None
 
 
 @dataclass
@@ -451,12 +438,30 @@ def _object_breaking(properties: Any, required: Any) -> Any:
     return {"type": "object", "anyOf": ways} if ways else False
 
 
-def _pointer_tokens(ref: str) -> tuple[str, ...] | None:
+def pointer_tokens(ref: str) -> tuple[str, ...] | None:
     """The tokens of a local JSON-pointer reference ("#/a/b~1c" -> ("a", "b/c")), else None."""
     pointer = unquote(ref[1:])
     if not ref.startswith("#") or (pointer and not pointer.startswith("/")):
         return None
     return tuple(token.replace("~1", "/").replace("~0", "~") for token in pointer.split("/")[1:])
+
+
+def resolve_local_ref(root: Any, ref: Any) -> Any:
+    """The subschema of ``root`` a local JSON-pointer ``$ref`` names, or None (remote, an anchor,
+    nothing there). Only right where no subschema below the root sets its own base URI
+    (:func:`has_nested_id`)."""
+    tokens = pointer_tokens(ref) if isinstance(ref, str) else None
+    if tokens is None:
+        return None
+    node = root
+    for token in tokens:
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return None
+    return node
 
 
 def _local_pointers(schema: Any) -> list[tuple[str, ...]]:
@@ -468,7 +473,7 @@ def _local_pointers(schema: Any) -> list[tuple[str, ...]]:
         node = stack.pop()
         if isinstance(node, dict):
             ref = node.get("$ref")
-            tokens = _pointer_tokens(ref) if isinstance(ref, str) else None
+            tokens = pointer_tokens(ref) if isinstance(ref, str) else None
             if tokens:
                 found.append(tokens)
             stack.extend(node.values())
@@ -477,12 +482,12 @@ def _local_pointers(schema: Any) -> list[tuple[str, ...]]:
     return found
 
 
-def _has_nested_id(schema: Any, top: bool) -> bool:
+def has_nested_id(schema: Any, top: bool) -> bool:
     """Whether a subschema below the root declares its own base URI (``$id``, draft-04 ``id``).
     Walks every dict and list but data keywords; a property *named* id is a map key, and a map's
     values are schemas, so both are judged as schemas (a false alarm only disables the proof)."""
     if isinstance(schema, list):
-        return any(_has_nested_id(item, False) for item in schema)
+        return any(has_nested_id(item, False) for item in schema)
     if not isinstance(schema, dict):
         return False
     if not top and (isinstance(schema.get("$id"), str) or isinstance(schema.get("id"), str)):
@@ -491,8 +496,8 @@ def _has_nested_id(schema: Any, top: bool) -> bool:
         if key in DATA_KEYWORDS:
             continue
         if key in MAP_KEYWORDS and isinstance(value, dict):
-            if any(_has_nested_id(item, False) for item in value.values()):
+            if any(has_nested_id(item, False) for item in value.values()):
                 return True
-        elif _has_nested_id(value, False):
+        elif has_nested_id(value, False):
             return True
     return False
