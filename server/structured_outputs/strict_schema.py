@@ -35,17 +35,16 @@ from typing import Any
 from kvscale.server.structured_outputs.schema_rewrites import has_nested_id, resolve_local_ref
 
 # Subschemas applied to a new instance (a property's value, an item): a fresh start.
-FRESH_ONE = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems",
-             "contentSchema")
-FRESH_MAP = ("properties", "patternProperties")
-FRESH_LIST = ("prefixItems", "items")
+FRESH = frozenset({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties", "items",
+                   "prefixItems", "additionalItems", "unevaluatedItems", "contentSchema"})
 # Subschemas applied in place to the same instance beside the node's own keywords.
-IN_PLACE_ONE = ("then", "else")
-IN_PLACE_MAP = ("dependentSchemas", "dependencies")
-IN_PLACE_LIST = ("allOf",)
+IN_PLACE = frozenset({"allOf", "then", "else", "dependentSchemas", "dependencies"})
+# In place too, but each alone where the node evaluates nothing else: anyOf's branches, $ref's target.
+ALTERNATIVES = frozenset({"anyOf", "$ref"})
 # Subschemas where a narrower schema can widen what the whole accepts.
-NOT_MONOTONE_ONE = ("not", "if", "contains", "propertyNames")
-NOT_MONOTONE_LIST = ("oneOf",)
+NOT_MONOTONE = frozenset({"not", "if", "contains", "propertyNames", "oneOf"})
+# Keywords whose value maps names to subschemas (the others hold one subschema or a list).
+MAPS = frozenset({"properties", "patternProperties", "dependentSchemas", "dependencies"})
 # Keywords that evaluate an object's properties, in the node or in place through it.
 EVALUATES_PROPERTIES = frozenset({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties",
                                   "allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas",
@@ -88,38 +87,32 @@ def _visit(node: Any, root: dict[str, Any], place: str, places: dict[int, tuple[
     seen.add((id(node), place))
     _, alone = places.get(id(node), (node, True))
     places[id(node)] = (node, alone and place == CLEAN)
-    fresh = FROZEN if place == FROZEN else CLEAN
-    in_place = FROZEN if place == FROZEN else SHARED
     for key, value in node.items():
-        if key in FRESH_MAP and isinstance(value, dict):
-            for child in value.values():
-                _visit(child, root, fresh, places, seen)
-        elif key in FRESH_LIST and isinstance(value, list):
-            for child in value:
-                _visit(child, root, fresh, places, seen)
-        elif key in FRESH_ONE:
-            _visit(value, root, fresh, places, seen)
-        elif key in IN_PLACE_ONE:
-            _visit(value, root, in_place, places, seen)
-        elif key in IN_PLACE_MAP and isinstance(value, dict):
-            for child in value.values():
-                _visit(child, root, in_place, places, seen)
-        elif key in IN_PLACE_LIST and isinstance(value, list):
-            for child in value:
-                _visit(child, root, in_place, places, seen)
-        elif key in NOT_MONOTONE_ONE:
-            _visit(value, root, FROZEN, places, seen)
-        elif key in NOT_MONOTONE_LIST and isinstance(value, list):
-            for child in value:
-                _visit(child, root, FROZEN, places, seen)
-        elif key in ("anyOf", "$ref"):
-            # A branch or a reference target stands for the node alone where the node evaluates
-            # no property by any other keyword.
-            alone_here = place == CLEAN and not (EVALUATES_PROPERTIES & (node.keys() - {key}))
-            branch_place = FROZEN if place == FROZEN else CLEAN if alone_here else SHARED
-            targets = value if key == "anyOf" and isinstance(value, list) else [resolve_local_ref(root, value)]
-            for child in targets:
-                _visit(child, root, branch_place, places, seen)
+        child_place = _child_place(key, node, place)
+        if child_place is None:
+            continue
+        if key == "$ref":
+            children = [resolve_local_ref(root, value)]
+        elif key in MAPS:
+            children = list(value.values()) if isinstance(value, dict) else []
+        else:
+            children = value if isinstance(value, list) else [value]
+        for child in children:
+            _visit(child, root, child_place, places, seen)
+
+
+def _child_place(key: str, node: dict[str, Any], place: str) -> str | None:
+    """Where the subschemas under ``key`` of ``node`` (itself at ``place``) stand; None for a
+    keyword that holds no subschema."""
+    if key not in FRESH | IN_PLACE | ALTERNATIVES | NOT_MONOTONE:
+        return None
+    if place == FROZEN or key in NOT_MONOTONE:
+        return FROZEN
+    if key in FRESH:
+        return CLEAN
+    if key in ALTERNATIVES and place == CLEAN and not EVALUATES_PROPERTIES & (node.keys() - {key}):
+        return CLEAN  # a branch or a reference target stands for the node alone
+    return SHARED
 
 
 def _has_unresolvable_ref(schema: dict[str, Any]) -> bool:
