@@ -9,8 +9,9 @@ cut where vLLM's ended). So where a request sets ``strict: true`` (``response_fo
 or a tool's ``function``), each object the schema leaves open gets ``additionalProperties: false``
 if that provably only removes instances, and only those the request's own ``strict`` excludes:
 
-- the node lists ``properties``, every ``required`` key among them, and ``minProperties`` no more
-  than their count (closing never makes an object unsatisfiable);
+- the node lists ``properties``, every ``required`` and ``dependentRequired`` key among them,
+  ``minProperties`` no more than their count, and no ``const`` or ``enum`` (closing never rules
+  out an object the node would otherwise take for want of a key it may not hold);
 - nothing else could evaluate one of its properties: the node has no ``patternProperties``,
   ``additionalProperties``, ``unevaluatedProperties`` or in-place subschemas (``allOf``,
   ``anyOf``, ``oneOf``, ``$ref``, ``if``/``then``/``else``, ``dependentSchemas``), and it is not
@@ -73,8 +74,14 @@ def _closable(node: dict[str, Any]) -> bool:
     properties = node.get("properties")
     if not isinstance(properties, dict) or not properties or EVALUATES_PROPERTIES & (node.keys() - {"properties"}):
         return False
+    if "const" in node or "enum" in node:
+        return False  # the listed values decide; a closed object could rule them all out
     required = node.get("required", [])
     if not isinstance(required, list) or any(key not in properties for key in required):
+        return False
+    needed = node.get("dependentRequired", {})
+    if not isinstance(needed, dict) or any(not isinstance(keys, list) or any(key not in properties for key in keys)
+                                           for keys in needed.values()):
         return False
     least = node.get("minProperties", 0)
     return isinstance(least, int) and least <= len(properties)

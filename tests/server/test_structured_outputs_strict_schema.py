@@ -61,10 +61,13 @@ def test_open_objects_are_closed_at_every_level_and_the_request_schema_is_not_ch
     {"type": "object", "properties": {"a": {}}, "unevaluatedProperties": {"type": "string"}},
     {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]},  # b is only required
     {"type": "object", "properties": {"a": {}}, "minProperties": 2},
+    {"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["b"]}},
+    {"type": "object", "properties": {"a": {}}, "enum": [{"a": 1, "b": 2}]},
+    {"type": "object", "properties": {"a": {}}, "const": {"a": 1, "b": 2}},
     {"type": "object"},  # any object: nothing is listed, so nothing could be closed to
     True,
 ], ids=["additional-true", "additional-schema", "pattern", "unevaluated", "required-unlisted", "min-properties",
-        "no-properties", "boolean"])
+        "dependent-required-unlisted", "enum", "const", "no-properties", "boolean"])
 def test_a_schema_that_says_what_else_an_object_holds_or_needs_more_is_left_open(schema: Any) -> None:
     assert close_objects(schema) is schema
 
