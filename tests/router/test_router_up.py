@@ -42,6 +42,17 @@ def children_of(pid: int) -> set[int]:
     return found
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is alive and not a zombie. A process can exit between any two reads of its
+    /proc entry, so a vanished entry at either read means it is gone (a CI run once lost this
+    race: ProcessLookupError reading /proc/<pid>/stat after /proc/<pid> existed)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return not state.startswith("Z")
+
+
 def test_up_serves_through_the_router_and_stops_cleanly():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -93,8 +104,7 @@ def test_up_serves_through_the_router_and_stops_cleanly():
         assert proc.wait(60) == 0
         reader.join(5)
         assert "kvscale up: all stopped" in "".join(lines)
-        still = [pid for pid in descendants if Path(f"/proc/{pid}").exists()
-                 and not (Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z"))]
+        still = [pid for pid in descendants if _running(pid)]
         assert still == [], f"orphans left running: {still}"
     finally:
         if proc.poll() is None:
