@@ -33,7 +33,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvscale.server.structured_outputs.schema_rewrites import has_nested_id, resolve_local_ref
+from kvscale.server.structured_outputs.schema_rewrites import (
+    DATA_KEYWORDS,
+    has_nested_id,
+    resolve_local_ref,
+)
 
 # Subschemas applied to a new instance (a property's value, an item): a fresh start.
 FRESH = frozenset({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties", "items",
@@ -44,6 +48,7 @@ IN_PLACE = frozenset({"allOf", "then", "else", "dependentSchemas", "dependencies
 ALTERNATIVES = frozenset({"anyOf", "$ref"})
 # Subschemas where a narrower schema can widen what the whole accepts.
 NOT_MONOTONE = frozenset({"not", "if", "contains", "propertyNames", "oneOf"})
+SUBSCHEMA_KEYWORDS = FRESH | IN_PLACE | ALTERNATIVES | NOT_MONOTONE
 # Keywords whose value maps names to subschemas (the others hold one subschema or a list).
 MAPS = frozenset({"properties", "patternProperties", "dependentSchemas", "dependencies"})
 # Keywords that evaluate an object's properties, in the node or in place through it.
@@ -111,7 +116,7 @@ def _visit(node: Any, root: dict[str, Any], place: str, places: dict[int, tuple[
 def _child_place(key: str, node: dict[str, Any], place: str) -> str | None:
     """Where the subschemas under ``key`` of ``node`` (itself at ``place``) stand; None for a
     keyword that holds no subschema."""
-    if key not in FRESH | IN_PLACE | ALTERNATIVES | NOT_MONOTONE:
+    if key not in SUBSCHEMA_KEYWORDS:
         return None
     if place == FROZEN or key in NOT_MONOTONE:
         return FROZEN
@@ -134,7 +139,7 @@ def _has_unresolvable_ref(schema: dict[str, Any]) -> bool:
             ref = node.get("$ref")
             if ref is not None and (not isinstance(ref, str) or resolve_local_ref(schema, ref) is None):
                 return True
-            stack.extend(value for key, value in node.items() if key not in ("const", "enum", "default", "examples"))
+            stack.extend(value for key, value in node.items() if key not in DATA_KEYWORDS)
         elif isinstance(node, list):
             stack.extend(node)
     return False
