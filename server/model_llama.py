@@ -18,6 +18,7 @@ from torch import nn
 
 from kvscale.kernels import layer_ops
 from kvscale.server.attention_metadata import AttentionMetadata
+from kvscale.server.cpu_decode_step import CpuDecodeStep
 from kvscale.server.cpu_linear import lay_out_cpu_linears
 from kvscale.server.quantization import quantize_linears
 
@@ -218,6 +219,9 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self._hf_config = hf_config
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Built at the first decode step (the weights' final layout is known by then).
+        self._cpu_decode_step: CpuDecodeStep | None = None
+        self._cpu_decode_step_checked = False
 
     def build_rope_cache(self, max_len: int) -> None:
         """cos/sin for every position once, computed exactly as transformers does per step."""
@@ -265,16 +269,31 @@ class DecoderForCausalLM(nn.Module):
         CUDA graph of a decode step keeps: far smaller than its logits)."""
         assert self._cos_sin is not None, "build_rope_cache first"
         cos_table, sin_table = self._cos_sin
-        cos = cos_table.index_select(0, positions).unsqueeze(1)  # broadcast over heads
-        sin = sin_table.index_select(0, positions).unsqueeze(1)
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, k_cache, v_cache, meta)
+        one_call = self._one_call_decode(hidden.shape[0], kv_caches, meta)
+        if one_call is not None:
+            hidden, residual = one_call.run(hidden, positions, cos_table, sin_table, kv_caches, meta)
+        else:
+            cos = cos_table.index_select(0, positions).unsqueeze(1)  # broadcast over heads
+            sin = sin_table.index_select(0, positions).unsqueeze(1)
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(hidden, residual, cos, sin, k_cache, v_cache, meta)
         assert residual is not None, "a model without layers"
         hidden, _ = self.norm.add_and_norm(hidden.index_select(0, logits_indices),
                                            residual.index_select(0, logits_indices))
         return hidden
+
+    def _one_call_decode(self, rows: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                         meta: AttentionMetadata) -> CpuDecodeStep | None:
+        """The one-call path for this step's layers (server/cpu_decode_step.py), where it applies."""
+        if not meta.is_decode:
+            return None
+        if not self._cpu_decode_step_checked:
+            self._cpu_decode_step = CpuDecodeStep.for_model(self)
+            self._cpu_decode_step_checked = True
+        step = self._cpu_decode_step
+        return step if step is not None and step.applies(rows, kv_caches, meta) else None
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor], quantization: str | None = None) -> None:
         """Fill this module from a transformers-named state dict (fusing q/k/v and gate/up), then
@@ -346,3 +365,4 @@ class DecoderForCausalLM(nn.Module):
             quantize_linears(self)
         elif self.lm_head.weight.device.type == "cpu":
             lay_out_cpu_linears(self)
+        self._cpu_decode_step_checked = False  # the layers' weights are laid out anew

@@ -1,0 +1,123 @@
+"""A decode step's decoder layers in one C call, on CPUs whose projections run on AMX.
+
+Each layer is about ten kernels; called one by one from Python, each paid a few microseconds of
+module dispatch, argument checks, tensor allocation and ctypes besides its work: over the bundled
+model's 30 layers, a fifth of a 64-sequence decode step on two cores. ``kernels/cpu_decode_layers.c``
+runs the same kernels in the same order, so a step's output is bit for bit the modules' (tests/
+server/test_cpu_decode_step.py). This module decides where it applies and hands it the weights
+as the modules hold them; anything it does not cover (prefill rows, float32, oneDNN projections,
+per-head q/k norms, partial rotary) stays on the modules.
+
+``KVSCALE_CPU_DECODE_STEP=modules`` keeps the modules, for a before/after in one tree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import Tensor, nn
+
+from kvscale.kernels import cpu_native, fp8
+from kvscale.server.attention_metadata import AttentionMetadata
+from kvscale.server.cpu_linear import AMX_ROWS_MAX, AmxLinear
+from kvscale.server.quantization import Int8Linear
+
+if TYPE_CHECKING:
+    from kvscale.server.model_llama import DecoderForCausalLM, DecoderLayer
+
+# Cache dtypes the C attention and KV write take with a bfloat16 query.
+_CACHE_DTYPES = (torch.bfloat16, *fp8.FP8_DTYPES)
+
+
+def enabled() -> bool:
+    return os.environ.get("KVSCALE_CPU_DECODE_STEP", "auto") != "modules"
+
+
+def _decoder_layers(model: DecoderForCausalLM) -> list[DecoderLayer]:
+    return cast("list[DecoderLayer]", list(model.layers))
+
+
+def _projection(module: nn.Module, silu_mul: bool = False) -> cpu_native.Projection | None:
+    """``module``'s weight as the AMX kernel holds it, or None where decode rows would not run on it."""
+    if silu_mul and not cpu_native.silu_mul_fits(getattr(module, "out_features", 1)):
+        return None
+    if isinstance(module, AmxLinear):
+        bias = module.amx_bias
+        return cpu_native.Projection(module.amx_weight.data_ptr(), None, None, None if bias is None else bias.data_ptr(),
+                                     module.out_features, module.in_features)
+    if isinstance(module, Int8Linear) and module.prepacked and module.amx_weight is not None:
+        packed, column_sums = module.amx_weight
+        bias = module.bias
+        return cpu_native.Projection(packed.data_ptr(), column_sums.data_ptr(), module.weight_scale.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), module.out_features, module.in_features)
+    return None
+
+
+class CpuDecodeStep:
+    """The decoder layers of one model as ``kvscale_decode_layers`` takes them."""
+
+    def __init__(self, model: DecoderForCausalLM, layers: ctypes.Array, shape: cpu_native.DecoderShape) -> None:
+        self.model = model  # its modules own every buffer the structs point into
+        self.layers = layers
+        self.shape = shape
+
+    @classmethod
+    def for_model(cls, model: DecoderForCausalLM) -> CpuDecodeStep | None:
+        """The one-call path for ``model``, or None where some layer needs the modules."""
+        spec = model.spec
+        weight = model.embed_tokens.weight
+        if (not enabled() or weight.dtype != torch.bfloat16 or weight.device.type != "cpu"
+                or not cpu_native.available() or spec.qk_norm or spec.head_dim % 16 or spec.head_dim > 128):
+            return None
+        structs = []
+        for layer in _decoder_layers(model):
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if not attn.rope_halves_repeat or any(n.dtype != torch.bfloat16 or not n.is_contiguous() for n in norms):
+                return None
+            projections = (_projection(attn.qkv_proj), _projection(attn.o_proj),
+                           _projection(mlp.gate_up_proj, silu_mul=True), _projection(mlp.down_proj))
+            if any(p is None for p in projections):
+                return None
+            structs.append(cpu_native.DecoderLayer(norms[0].data_ptr(), norms[1].data_ptr(), *projections))
+        shape = cpu_native.DecoderShape(
+            hidden=spec.hidden_size, intermediate=spec.intermediate_size, num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, eps=spec.rms_norm_eps, scale=spec.head_dim**-0.5)
+        return cls(model, (cpu_native.DecoderLayer * len(structs))(*structs), shape)
+
+    def applies(self, rows: int, kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> bool:
+        """Whether this step's batch runs here: decode rows the AMX kernel takes, on the CPU
+        kernels, over caches their attention reads."""
+        if not meta.is_decode or meta.kernels.name != "cpu" or not 0 < rows <= AMX_ROWS_MAX:
+            return False
+        # One attention entry per row (the modules' path raises its own error for anything else).
+        if meta.block_tables.dim() != 2 or {meta.block_tables.shape[0], meta.context_lens.numel(),
+                                            meta.slot_mapping.numel()} != {rows}:
+            return False
+        dtype, shape = kv_caches[0][0].dtype, kv_caches[0][0].shape
+        return dtype in _CACHE_DTYPES and all(
+            c.dtype == dtype and c.shape == shape and c.is_contiguous() for pair in kv_caches for c in pair)
+
+    def run(self, hidden: Tensor, positions: Tensor, cos_table: Tensor, sin_table: Tensor,
+            kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """The last layer's MLP output and the residual stream (the final norm is the model's),
+        from the token embeddings ``hidden``, which it overwrites."""
+        for struct, module, (k_cache, v_cache) in zip(self.layers, _decoder_layers(self.model), kv_caches, strict=True):
+            struct.k_cache, struct.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            struct.k_scale, struct.v_scale = module.self_attn.k_scale, module.self_attn.v_scale
+        num_blocks, block_size = kv_caches[0][0].shape[:2]
+        cache_format = fp8.cache_format(kv_caches[0][0].dtype)
+        assert cache_format is not None  # applies() said so
+        self.shape.cache_format, self.shape.block_size, self.shape.num_blocks = cache_format, block_size, num_blocks
+        hidden = hidden.contiguous()
+        residual = torch.empty_like(hidden)
+        positions = positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        lens = meta.context_lens.to(torch.int32).contiguous()
+        cpu_native.decode_layers(self.layers, self.shape, hidden, residual, positions, cos_table.contiguous(),
+                                 sin_table.contiguous(), slots, tables, lens)
+        return hidden, residual

@@ -1,0 +1,137 @@
+"""A decode step's layers in one C call (server/cpu_decode_step.py) against the modules' path:
+the same bits out, the same KV written, and the modules wherever a kernel would not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvscale.kernels import cpu_native
+from kvscale.server.attention_metadata import AttentionMetadata
+from kvscale.server.cpu_decode_step import CpuDecodeStep
+from kvscale.server.cpu_linear import AMX_ROWS_MAX
+from kvscale.server.model_llama import DecoderForCausalLM, spec_from_hf_config
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 1024
+
+
+def _model(quantization: str | None = None, bias: bool = False, qk_norm: bool = False) -> DecoderForCausalLM:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, attention_bias=bias,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config)
+    weights = {name: tensor.detach().to(torch.bfloat16) for name, tensor in hf.state_dict().items()}
+    gen = torch.Generator().manual_seed(1)
+    for name in weights:
+        if name.endswith(("_proj.weight", "lm_head.weight")):
+            weights[name] = (torch.randn(weights[name].shape, generator=gen) * 0.1).to(torch.bfloat16)
+        elif name.endswith("_proj.bias"):  # freshly initialised biases are zero
+            weights[name] = torch.randn(weights[name].shape, generator=gen).to(torch.bfloat16)
+        elif name.endswith("norm.weight"):
+            weights[name] = (1 + 0.2 * torch.randn(weights[name].shape, generator=gen)).to(torch.bfloat16)
+    spec = spec_from_hf_config(config)
+    spec.qk_norm = qk_norm
+    model = DecoderForCausalLM(spec, config).to(torch.bfloat16)
+    if qk_norm:
+        for i in range(spec.num_layers):
+            for norm in ("q_norm", "k_norm"):
+                weights[f"model.layers.{i}.self_attn.{norm}.weight"] = torch.ones(spec.head_dim, dtype=torch.bfloat16)
+    model.load_hf_weights(weights, quantization=quantization)
+    model.build_rope_cache(512)
+    return model
+
+
+def _caches(model: DecoderForCausalLM, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(2)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, model.spec.num_kv_heads, model.spec.head_dim)
+    return [tuple(torch.randn(shape, generator=gen).to(dtype) for _ in range(2))  # type: ignore[misc]
+            for _ in range(model.spec.num_layers)]
+
+
+def _decode_step(rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """``rows`` sequences of random lengths, each on blocks of its own in shuffled order, one new
+    token each."""
+    gen = torch.Generator().manual_seed(rows)
+    lens = torch.randint(1, 120, (rows,), generator=gen)
+    needed = [(int(n) + BLOCK_SIZE - 1) // BLOCK_SIZE for n in lens]
+    blocks = torch.randperm(NUM_BLOCKS, generator=gen)[: sum(needed)].tolist()
+    tables = torch.zeros(rows, max(needed), dtype=torch.int32)
+    for row, count in enumerate(needed):
+        tables[row, :count] = torch.tensor(blocks[:count], dtype=torch.int32)
+        del blocks[:count]
+    positions = lens - 1
+    slots = torch.tensor([int(tables[r, p // BLOCK_SIZE]) * BLOCK_SIZE + int(p % BLOCK_SIZE)
+                          for r, p in enumerate(positions)], dtype=torch.int64)
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=lens.to(torch.int32),
+                             query_start_loc=torch.arange(rows + 1, dtype=torch.int32), is_decode=True,
+                             kernels=cpu_native.CPU)
+    ids = torch.randint(0, 256, (rows,), generator=gen)
+    return ids, positions, meta
+
+
+def _both_paths(model: DecoderForCausalLM, rows: int, cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
+    ids, positions, meta = _decode_step(rows)
+    logits_rows = torch.arange(rows)
+    one_call_caches = _caches(model, cache_dtype)
+    assert model._one_call_decode(rows, one_call_caches, meta) is not None  # the path under test ran
+    one_call = model.hidden_states(ids, positions, one_call_caches, meta, logits_rows)
+    monkeypatch.setenv("KVSCALE_CPU_DECODE_STEP", "modules")
+    model._cpu_decode_step_checked = False
+    module_caches = _caches(model, cache_dtype)
+    assert model._one_call_decode(rows, module_caches, meta) is None
+    modules = model.hidden_states(ids, positions, module_caches, meta, logits_rows)
+    return one_call, modules, one_call_caches, module_caches
+
+
+amx = pytest.mark.skipif(not cpu_native.amx_linear_available(), reason="this CPU has no AMX tiles")
+
+
+def test_it_is_offered_exactly_where_the_projections_run_on_amx() -> None:
+    assert (CpuDecodeStep.for_model(_model()) is not None) == cpu_native.amx_linear_available()
+
+
+@amx
+@pytest.mark.parametrize("rows", [1, 7, 33, AMX_ROWS_MAX])
+@pytest.mark.parametrize(("quantization", "bias", "cache_dtype"), [
+    (None, False, torch.bfloat16), (None, True, torch.bfloat16), ("int8", True, torch.bfloat16),
+    (None, False, torch.float8_e4m3fn), ("int8", False, torch.float8_e5m2),
+], ids=["bf16", "bf16-bias", "int8-bias", "bf16-fp8-cache", "int8-fp8-e5m2-cache"])
+def test_the_step_is_the_same_bits_as_the_modules(rows: int, quantization: str | None, bias: bool,
+                                                  cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    one_call, modules, one_call_caches, module_caches = _both_paths(
+        _model(quantization, bias), rows, cache_dtype, monkeypatch)
+    assert one_call.dtype == torch.bfloat16 and one_call.shape == (rows, 128)
+    assert torch.equal(one_call, modules)
+    for (k1, v1), (k2, v2) in zip(one_call_caches, module_caches, strict=True):
+        assert torch.equal(k1.view(torch.uint8), k2.view(torch.uint8))
+        assert torch.equal(v1.view(torch.uint8), v2.view(torch.uint8))
+
+
+@amx
+def test_the_modules_run_what_it_does_not_cover() -> None:
+    model = _model()
+    caches = _caches(model, torch.bfloat16)
+    _, _, meta = _decode_step(AMX_ROWS_MAX + 1)
+    assert model._one_call_decode(AMX_ROWS_MAX + 1, caches, meta) is None  # rows oneDNN takes
+    meta.is_decode = False
+    assert model._one_call_decode(4, caches, meta) is None  # prefill rows
+    assert model._one_call_decode(4, _caches(model, torch.float32), _decode_step(4)[2]) is None
+    assert CpuDecodeStep.for_model(_model(qk_norm=True)) is None  # Qwen3's per-head norms
+
+
+@amx
+def test_a_slot_outside_the_cache_is_an_error_not_a_write() -> None:
+    model = _model()
+    ids, positions, meta = _decode_step(4)
+    meta.slot_mapping = meta.slot_mapping.clone()
+    meta.slot_mapping[2] = NUM_BLOCKS * BLOCK_SIZE
+    caches = _caches(model, torch.bfloat16)
+    before = [k.clone() for k, _ in caches]
+    with pytest.raises(ValueError, match="outside the"):
+        model.hidden_states(ids, positions, caches, meta, torch.arange(4))
+    assert all(torch.equal(k, b) for (k, _), b in zip(caches, before, strict=True))
