@@ -65,10 +65,10 @@ def git_commit(tree: Path) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def run_side(module: str, side: str, args: list[str]) -> dict[str, Any]:
+def run_side(module: str, side: str, args: list[str], extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run one side of a benchmark in its own process, so its peak memory is its own."""
     cmd = [sys.executable, "-m", module, "--side", side, *args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(extra_env or {})}
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{module} --side {side} failed:\n{out.stderr[-4000:]}")

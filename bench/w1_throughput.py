@@ -176,7 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "kvscale-float32 (kvscale itself in float32, for a --dtype bfloat16 run), "
                              "kvscale-unquantized (kvscale in the same dtype without --quantization, for a "
                              "--quantization run), kvscale-auto-kv (kvscale with --kv-cache-dtype auto, for an "
-                             "FP8 run); empty: none")
+                             "FP8 run), kvscale-modules (kvscale with KVSCALE_CPU_DECODE_STEP=modules: decode "
+                             "steps' layers called one by one); empty: none")
     parser.add_argument("--skip-baseline", action="store_true", help="same as --baselines ''")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     passthrough = _strip(raw, ("--out", "--baselines"), ("--skip-baseline",))
     baselines = [] if args.skip_baseline else [b for b in args.baselines.split(",") if b]
     unknown = set(baselines) - {"vllm", "vllm-fp8", "transformers", "kvscale-float32", "kvscale-unquantized",
-                                "kvscale-auto-kv"}
+                                "kvscale-auto-kv", "kvscale-modules"}
     if unknown:
         raise SystemExit(f"unknown baselines {sorted(unknown)}")
     info = machine()
@@ -239,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
                                _strip(passthrough, ("--kv-cache-dtype",), ()) + ["--kv-cache-dtype", "auto"])
         print(f"kvscale with the KV cache in {args.dtype}: {own_auto_kv['output_tokens_per_s']:.1f} tok/s",
               file=sys.stderr)
+    own_modules = None
+    if "kvscale-modules" in baselines:
+        # The same engine with every decode step's layers called one by one from Python.
+        own_modules = run_side("bench.w1_throughput", "kvscale", passthrough, {"KVSCALE_CPU_DECODE_STEP": "modules"})
+        print(f"kvscale, layers through the modules: {own_modules['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     vllm_auto = side_vllm(args) if "vllm" in baselines else None
     vllm_fp8 = side_vllm(args, args.kv_cache_dtype if args.kv_cache_dtype != "auto" else "fp8") \
         if "vllm-fp8" in baselines else None
@@ -260,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     flops = decoder_flops(load_hf_config(resolve_model_path(None)), [len(p) for p in prompts], outputs)
     for side, dtype in ((kvscale, args.dtype), (vllm_auto, args.dtype), (vllm_fp8, args.dtype),
                         (baseline, args.dtype), (own_fp32, "float32"), (own_unquantized, args.dtype),
-                        (own_auto_kv, args.dtype)):
+                        (own_auto_kv, args.dtype), (own_modules, args.dtype)):
         if side:
             side["useful_gflops"] = flops["total_flop"] / side["elapsed_s"] / 1e9
             side["fraction_of_gemm_peak"] = side["useful_gflops"] / peaks[dtype]["best_gflops"]
@@ -292,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         "kvscale_over_own_unquantized": ratio(own_unquantized),
         "kvscale_auto_kv": own_auto_kv,
         "kvscale_over_own_auto_kv": ratio(own_auto_kv),
+        "kvscale_modules": own_modules,
+        "kvscale_over_own_modules": ratio(own_modules),
         "kvscale_over_vllm_auto_kv": ratio(vllm_auto),
         "kvscale_over_vllm_fp8_kv": ratio(vllm_fp8),
         "speedup": ratio(baseline),  # kept for older readers of this JSON
