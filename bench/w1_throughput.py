@@ -176,7 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "kvscale-float32 (kvscale itself in float32, for a --dtype bfloat16 run), "
                              "kvscale-unquantized (kvscale in the same dtype without --quantization, for a "
                              "--quantization run), kvscale-auto-kv (kvscale with --kv-cache-dtype auto, for an "
-                             "FP8 run), kvscale-modules (kvscale with KVSCALE_CPU_DECODE_STEP=modules: decode "
+                             "FP8 run), kvscale-modules (kvscale with KVSCALE_CPU_STEP_LAYERS=modules: decode "
                              "steps' layers called one by one); empty: none")
     parser.add_argument("--skip-baseline", action="store_true", help="same as --baselines ''")
     parser.add_argument("--out", default=None)
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     own_modules = None
     if "kvscale-modules" in baselines:
         # The same engine with every decode step's layers called one by one from Python.
-        own_modules = run_side("bench.w1_throughput", "kvscale", passthrough, {"KVSCALE_CPU_DECODE_STEP": "modules"})
+        own_modules = run_side("bench.w1_throughput", "kvscale", passthrough, {"KVSCALE_CPU_STEP_LAYERS": "modules"})
         print(f"kvscale, layers through the modules: {own_modules['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     vllm_auto = side_vllm(args) if "vllm" in baselines else None
     vllm_fp8 = side_vllm(args, args.kv_cache_dtype if args.kv_cache_dtype != "auto" else "fp8") \

@@ -47,7 +47,7 @@ from kvscale.kernels.ops import KernelBackend
 logger = logging.getLogger(__name__)
 
 SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_write_kv.c", "cpu_layer_ops.c", "cpu_quantize.c",
-           "cpu_linear_amx.c", "cpu_token_mask.c", "cpu_threads.c", "cpu_decode_layers.c")
+           "cpu_linear_amx.c", "cpu_token_mask.c", "cpu_threads.c", "cpu_step_layers.c")
 HEADERS = ("cpu_amx.h", "cpu_silu.h")  # included by the sources above: copied beside them, and part of the build's key
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are. It is a
@@ -118,14 +118,14 @@ _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     # cpus, num_threads
     "kvscale_bind_threads": (ctypes.c_int, [_PTR, _I32]),
     # layers, num_layers, shape, hidden, residual, rows, positions, cos_table, sin_table, cos_stride,
-    # slots, block_tables, table_stride, context_lens, num_threads
-    "kvscale_decode_layers": (ctypes.c_int, [_PTR, _I32, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
-                                             _PTR, _PTR, _I64, _PTR, _I32]),
+    # slots, attention, num_threads
+    "kvscale_step_layers": (ctypes.c_int, [_PTR, _I32, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                                             _PTR, _PTR, _I32]),
 }
 
 
 class Projection(ctypes.Structure):
-    """cpu_decode_layers.c's ``kvscale_projection``: one projection as the AMX kernel holds it
+    """cpu_step_layers.c's ``kvscale_projection``: one projection as the AMX kernel holds it
     (bfloat16 where ``w_scales`` is NULL, else int8)."""
 
     _fields_ = [("packed", _PTR), ("column_sums", _PTR), ("w_scales", _PTR), ("bias", _PTR),
@@ -133,15 +133,25 @@ class Projection(ctypes.Structure):
 
 
 class DecoderLayer(ctypes.Structure):
-    """cpu_decode_layers.c's ``kvscale_decoder_layer``."""
+    """cpu_step_layers.c's ``kvscale_decoder_layer``."""
 
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("qkv", Projection), ("o", Projection),
                 ("gate_up", Projection), ("down", Projection), ("k_cache", _PTR), ("v_cache", _PTR),
                 ("k_scale", _F32), ("v_scale", _F32)]
 
 
+class StepAttention(ctypes.Structure):
+    """cpu_step_layers.c's ``kvscale_step_attention``: a decode step's tables and lengths (one
+    sequence a row, ``query_start_loc`` NULL), or a step with prompt chunks and its single-token
+    sequences apart."""
+
+    _fields_ = [("block_tables", _PTR), ("table_stride", _I64), ("context_lens", _PTR), ("query_start_loc", _PTR),
+                ("num_seqs", _I64), ("single_rows", _PTR), ("single_tables", _PTR), ("single_lens", _PTR),
+                ("num_single", _I64)]
+
+
 class DecoderShape(ctypes.Structure):
-    """cpu_decode_layers.c's ``kvscale_decoder_shape``."""
+    """cpu_step_layers.c's ``kvscale_decoder_shape``."""
 
     _fields_ = [("hidden", _I64), ("intermediate", _I64), ("num_heads", ctypes.c_int32),
                 ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("eps", _F32), ("scale", _F32),
@@ -593,31 +603,29 @@ def linear_amx_int8(xq: Tensor, x_scales: Tensor, packed: tuple[Tensor, Tensor],
     return out
 
 
-def decode_layers(layers: ctypes.Array, shape: DecoderShape, hidden: Tensor, residual: Tensor, positions: Tensor,
-                  cos_table: Tensor, sin_table: Tensor, slots: Tensor, block_tables: Tensor,
-                  context_lens: Tensor) -> None:
-    """Every decoder layer of a decode step in one call (cpu_decode_layers.c): ``hidden``
-    ``[rows, hidden]`` bfloat16 holds the embeddings and is left holding the last layer's MLP
-    output, ``residual`` (same shape) the residual stream. The caller checked that each kernel
-    applies (server/cpu_decode_step.py); the index tensors are int64 positions and slots, int32
-    tables and lengths, contiguous."""
+def step_layers(layers: ctypes.Array, shape: DecoderShape, hidden: Tensor, residual: Tensor, positions: Tensor,
+                  cos_table: Tensor, sin_table: Tensor, slots: Tensor, attention: StepAttention) -> None:
+    """Every decoder layer of a step in one call (cpu_step_layers.c): ``hidden`` ``[rows,
+    hidden]`` bfloat16 holds the embeddings and is left holding the last layer's MLP output,
+    ``residual`` (same shape) the residual stream. The caller checked that each kernel applies and
+    keeps the tensors ``attention`` points into alive (server/cpu_step_layers.py); positions and
+    slots are int64, contiguous."""
     lib = _library()
     assert lib is not None  # the AMX projections it chains needed it
-    status = lib.kvscale_decode_layers(
+    status = lib.kvscale_step_layers(
         ctypes.byref(layers), len(layers), ctypes.byref(shape), hidden.data_ptr(), residual.data_ptr(),
         hidden.shape[0], positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), cos_table.stride(0),
-        slots.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(),
-        torch.get_num_threads())
+        slots.data_ptr(), ctypes.byref(attention), torch.get_num_threads())
     if status == 1:
-        raise MemoryError("the decode step's layers could not allocate their buffers")
+        raise MemoryError("the step's layers could not allocate their buffers")
     if status == 2:
-        raise RuntimeError("an AMX projection refused the decode step's rows")
+        raise RuntimeError("an AMX projection refused the step's rows")
     if status == 3:
         raise ValueError(f"a slot in slot_mapping is outside the {shape.num_blocks * shape.block_size}-slot cache")
     if status == 4:
         raise ValueError(
-            "a context needs more blocks than its block table row holds, or a used entry is not a "
-            f"block of the {shape.num_blocks}-block cache"
+            "a sequence has more new tokens than context, or needs more blocks than its block table row "
+            f"holds, or a used entry is not a block of the {shape.num_blocks}-block cache"
         )
 
 

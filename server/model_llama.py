@@ -18,8 +18,8 @@ from torch import nn
 
 from kvscale.kernels import layer_ops
 from kvscale.server.attention_metadata import AttentionMetadata
-from kvscale.server.cpu_decode_step import CpuDecodeStep
 from kvscale.server.cpu_linear import lay_out_cpu_linears
+from kvscale.server.cpu_step_layers import CpuStepLayers
 from kvscale.server.quantization import quantize_linears
 
 
@@ -220,8 +220,8 @@ class DecoderForCausalLM(nn.Module):
         self._hf_config = hf_config
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
         # Built at the first decode step (the weights' final layout is known by then).
-        self._cpu_decode_step: CpuDecodeStep | None = None
-        self._cpu_decode_step_checked = False
+        self._cpu_step_layers: CpuStepLayers | None = None
+        self._cpu_step_layers_checked = False
 
     def build_rope_cache(self, max_len: int) -> None:
         """cos/sin for every position once, computed exactly as transformers does per step."""
@@ -271,7 +271,7 @@ class DecoderForCausalLM(nn.Module):
         cos_table, sin_table = self._cos_sin
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        one_call = self._one_call_decode(hidden.shape[0], kv_caches, meta)
+        one_call = self._one_call_layers(hidden.shape[0], kv_caches, meta)
         if one_call is not None:
             hidden, residual = one_call.run(hidden, positions, cos_table, sin_table, kv_caches, meta)
         else:
@@ -284,15 +284,13 @@ class DecoderForCausalLM(nn.Module):
                                            residual.index_select(0, logits_indices))
         return hidden
 
-    def _one_call_decode(self, rows: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                         meta: AttentionMetadata) -> CpuDecodeStep | None:
-        """The one-call path for this step's layers (server/cpu_decode_step.py), where it applies."""
-        if not meta.is_decode:
-            return None
-        if not self._cpu_decode_step_checked:
-            self._cpu_decode_step = CpuDecodeStep.for_model(self)
-            self._cpu_decode_step_checked = True
-        step = self._cpu_decode_step
+    def _one_call_layers(self, rows: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                         meta: AttentionMetadata) -> CpuStepLayers | None:
+        """The one-call path for this step's layers (server/cpu_step_layers.py), where it applies."""
+        if not self._cpu_step_layers_checked:
+            self._cpu_step_layers = CpuStepLayers.for_model(self)
+            self._cpu_step_layers_checked = True
+        step = self._cpu_step_layers
         return step if step is not None and step.applies(rows, kv_caches, meta) else None
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor], quantization: str | None = None) -> None:
@@ -365,4 +363,4 @@ class DecoderForCausalLM(nn.Module):
             quantize_linears(self)
         elif self.lm_head.weight.device.type == "cpu":
             lay_out_cpu_linears(self)
-        self._cpu_decode_step_checked = False  # the layers' weights are laid out anew
+        self._cpu_step_layers_checked = False  # the layers' weights are laid out anew

@@ -1,4 +1,4 @@
-"""A decode step's layers in one C call (server/cpu_decode_step.py) against the modules' path:
+"""A decode step's layers in one C call (server/cpu_step_layers.py) against the modules' path:
 the same bits out, the same KV written, and the modules wherever a kernel would not apply."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import torch
 
 from kvscale.kernels import cpu_native
 from kvscale.server.attention_metadata import AttentionMetadata
-from kvscale.server.cpu_decode_step import CpuDecodeStep
+from kvscale.server import cpu_linear, quantization
 from kvscale.server.cpu_linear import AMX_ROWS_MAX
+from kvscale.server.cpu_step_layers import STEP_ROWS_MAX, CpuStepLayers
 from kvscale.server.model_llama import DecoderForCausalLM, spec_from_hf_config
 
 BLOCK_SIZE = 16
@@ -74,16 +75,47 @@ def _decode_step(rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetada
     return ids, positions, meta
 
 
-def _both_paths(model: DecoderForCausalLM, rows: int, cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
-    ids, positions, meta = _decode_step(rows)
+def _mixed_step(query_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Sequences of random lengths, each with ``query_lens[i]`` new tokens at its end (1: a decode
+    inside the batch), on blocks of their own in shuffled order."""
+    gen = torch.Generator().manual_seed(len(query_lens))
+    lens = [int(torch.randint(n, n + 100, (1,), generator=gen)) for n in query_lens]
+    needed = [(n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in lens]
+    blocks = torch.randperm(NUM_BLOCKS, generator=gen)[: sum(needed)].tolist()
+    tables = torch.zeros(len(lens), max(needed), dtype=torch.int32)
+    positions: list[int] = []
+    for row, count in enumerate(needed):
+        tables[row, :count] = torch.tensor(blocks[:count], dtype=torch.int32)
+        del blocks[:count]
+        positions.extend(range(lens[row] - query_lens[row], lens[row]))
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    seq_of = [row for row, n in enumerate(query_lens) for _ in range(n)]
+    slots = torch.tensor([int(tables[s, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+                          for s, p in zip(seq_of, positions, strict=True)], dtype=torch.int64)
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=torch.tensor(lens, dtype=torch.int32),
+                             query_start_loc=torch.tensor(starts, dtype=torch.int32), is_decode=False,
+                             kernels=cpu_native.CPU, max_query_len=max(query_lens))
+    ids = torch.randint(0, 256, (starts[-1],), generator=gen)
+    return ids, torch.tensor(positions, dtype=torch.int64), meta
+
+
+def _both_paths(model: DecoderForCausalLM, rows: int, cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
+                step: tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None = None):
+    ids, positions, meta = step or _decode_step(rows)
     logits_rows = torch.arange(rows)
     one_call_caches = _caches(model, cache_dtype)
-    assert model._one_call_decode(rows, one_call_caches, meta) is not None  # the path under test ran
+    assert model._one_call_layers(rows, one_call_caches, meta) is not None  # the path under test ran
     one_call = model.hidden_states(ids, positions, one_call_caches, meta, logits_rows)
-    monkeypatch.setenv("KVSCALE_CPU_DECODE_STEP", "modules")
-    model._cpu_decode_step_checked = False
+    monkeypatch.setenv("KVSCALE_CPU_STEP_LAYERS", "modules")
+    # Past the modules' own AMX rows the one call keeps the AMX kernel where the modules would
+    # take oneDNN's GEMM: the same kernel on both sides, for the same bits.
+    monkeypatch.setattr(cpu_linear, "AMX_ROWS_MAX", STEP_ROWS_MAX)
+    monkeypatch.setattr(quantization, "AMX_ROWS_MAX", STEP_ROWS_MAX)
+    model._cpu_step_layers_checked = False
     module_caches = _caches(model, cache_dtype)
-    assert model._one_call_decode(rows, module_caches, meta) is None
+    assert model._one_call_layers(rows, module_caches, meta) is None
     modules = model.hidden_states(ids, positions, module_caches, meta, logits_rows)
     return one_call, modules, one_call_caches, module_caches
 
@@ -92,11 +124,11 @@ amx = pytest.mark.skipif(not cpu_native.amx_linear_available(), reason="this CPU
 
 
 def test_it_is_offered_exactly_where_the_projections_run_on_amx() -> None:
-    assert (CpuDecodeStep.for_model(_model()) is not None) == cpu_native.amx_linear_available()
+    assert (CpuStepLayers.for_model(_model()) is not None) == cpu_native.amx_linear_available()
 
 
 @amx
-@pytest.mark.parametrize("rows", [1, 7, 33, AMX_ROWS_MAX])
+@pytest.mark.parametrize("rows", [1, 7, 33, AMX_ROWS_MAX, AMX_ROWS_MAX + 1])
 @pytest.mark.parametrize(("quantization", "bias", "cache_dtype"), [
     (None, False, torch.bfloat16), (None, True, torch.bfloat16), ("int8", True, torch.bfloat16),
     (None, False, torch.float8_e4m3fn), ("int8", False, torch.float8_e5m2),
@@ -113,15 +145,32 @@ def test_the_step_is_the_same_bits_as_the_modules(rows: int, quantization: str |
 
 
 @amx
+@pytest.mark.parametrize("query_lens", [[7], [1, 9, 1, 1, 20, 1], [33, 1, 30], [100, *[1] * 30, 80, 46]],
+                         ids=["prompt", "mixed", "64-rows", "256-rows"])
+@pytest.mark.parametrize(("quantization", "cache_dtype"), [(None, torch.bfloat16), ("int8", torch.float8_e4m3fn)],
+                         ids=["bf16", "int8-fp8-cache"])
+def test_a_step_with_prompt_chunks_is_the_same_bits_as_the_modules(
+        query_lens: list[int], quantization: str | None, cache_dtype: torch.dtype,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    step = _mixed_step(query_lens)
+    rows = sum(query_lens)
+    one_call, modules, one_call_caches, module_caches = _both_paths(
+        _model(quantization, bias=True), rows, cache_dtype, monkeypatch, step)
+    assert one_call.shape == (rows, 128)
+    assert torch.equal(one_call, modules)
+    for (k1, v1), (k2, v2) in zip(one_call_caches, module_caches, strict=True):
+        assert torch.equal(k1.view(torch.uint8), k2.view(torch.uint8))
+        assert torch.equal(v1.view(torch.uint8), v2.view(torch.uint8))
+
+
+@amx
 def test_the_modules_run_what_it_does_not_cover() -> None:
     model = _model()
     caches = _caches(model, torch.bfloat16)
-    _, _, meta = _decode_step(AMX_ROWS_MAX + 1)
-    assert model._one_call_decode(AMX_ROWS_MAX + 1, caches, meta) is None  # rows oneDNN takes
-    meta.is_decode = False
-    assert model._one_call_decode(4, caches, meta) is None  # prefill rows
-    assert model._one_call_decode(4, _caches(model, torch.float32), _decode_step(4)[2]) is None
-    assert CpuDecodeStep.for_model(_model(qk_norm=True)) is None  # Qwen3's per-head norms
+    meta = _mixed_step([200, 57])[2]
+    assert model._one_call_layers(STEP_ROWS_MAX + 1, caches, meta) is None  # a prompt's rows oneDNN takes
+    assert model._one_call_layers(4, _caches(model, torch.float32), _decode_step(4)[2]) is None
+    assert CpuStepLayers.for_model(_model(qk_norm=True)) is None  # Qwen3's per-head norms
 
 
 @amx

@@ -1,14 +1,15 @@
-"""A decode step's decoder layers in one C call, on CPUs whose projections run on AMX.
+"""A batched step's decoder layers in one C call, on CPUs whose projections run on AMX.
 
 Each layer is about ten kernels; called one by one from Python, each paid a few microseconds of
 module dispatch, argument checks, tensor allocation and ctypes besides its work: over the bundled
-model's 30 layers, a fifth of a 64-sequence decode step on two cores. ``kernels/cpu_decode_layers.c``
+model's 30 layers, a fifth of a 64-sequence decode step on two cores. ``kernels/cpu_step_layers.c``
 runs the same kernels in the same order, so a step's output is bit for bit the modules' (tests/
-server/test_cpu_decode_step.py). This module decides where it applies and hands it the weights
-as the modules hold them; anything it does not cover (prefill rows, float32, oneDNN projections,
-per-head q/k norms, partial rotary) stays on the modules.
+server/test_cpu_step_layers.py). This module decides where it applies and hands it the weights
+as the modules hold them: decode steps, and steps with prompt chunks where the AMX prefill
+attention runs them, up to the rows the AMX projections take. The rest (longer steps, float32,
+oneDNN projections, per-head q/k norms, partial rotary) stays on the modules.
 
-``KVSCALE_CPU_DECODE_STEP=modules`` keeps the modules, for a before/after in one tree.
+``KVSCALE_CPU_STEP_LAYERS=modules`` keeps the modules, for a before/after in one tree.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 
 from kvscale.kernels import cpu_native, fp8
 from kvscale.server.attention_metadata import AttentionMetadata
-from kvscale.server.cpu_linear import AMX_ROWS_MAX, AmxLinear
+from kvscale.server.cpu_linear import AmxLinear
 from kvscale.server.quantization import Int8Linear
 
 if TYPE_CHECKING:
@@ -31,9 +32,16 @@ if TYPE_CHECKING:
 # Cache dtypes the C attention and KV write take with a bfloat16 query.
 _CACHE_DTYPES = (torch.bfloat16, *fp8.FP8_DTYPES)
 
+# The most rows a step runs here, its projections all on the AMX kernel. Past the modules' 64
+# (server/cpu_linear.py's AMX_ROWS_MAX) the kernel is slower than oneDNN's GEMM by about 1.4 ms
+# a forward at 128 rows and 4.8 ms at 256 (bf16, `python -m bench.cpu_linear_stream --threads
+# 2`, 2026-11-27), less than the ~7 ms of calls from Python a step saves here; at 512 rows the
+# two are even, and such steps (prompts) stay on the modules and oneDNN.
+STEP_ROWS_MAX = 256
+
 
 def enabled() -> bool:
-    return os.environ.get("KVSCALE_CPU_DECODE_STEP", "auto") != "modules"
+    return os.environ.get("KVSCALE_CPU_STEP_LAYERS", "auto") != "modules"
 
 
 def _decoder_layers(model: DecoderForCausalLM) -> list[DecoderLayer]:
@@ -56,8 +64,8 @@ def _projection(module: nn.Module, silu_mul: bool = False) -> cpu_native.Project
     return None
 
 
-class CpuDecodeStep:
-    """The decoder layers of one model as ``kvscale_decode_layers`` takes them."""
+class CpuStepLayers:
+    """The decoder layers of one model as ``kvscale_step_layers`` takes them."""
 
     def __init__(self, model: DecoderForCausalLM, layers: ctypes.Array, shape: cpu_native.DecoderShape) -> None:
         self.model = model  # its modules own every buffer the structs point into
@@ -65,7 +73,7 @@ class CpuDecodeStep:
         self.shape = shape
 
     @classmethod
-    def for_model(cls, model: DecoderForCausalLM) -> CpuDecodeStep | None:
+    def for_model(cls, model: DecoderForCausalLM) -> CpuStepLayers | None:
         """The one-call path for ``model``, or None where some layer needs the modules."""
         spec = model.spec
         weight = model.embed_tokens.weight
@@ -89,17 +97,23 @@ class CpuDecodeStep:
         return cls(model, (cpu_native.DecoderLayer * len(structs))(*structs), shape)
 
     def applies(self, rows: int, kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> bool:
-        """Whether this step's batch runs here: decode rows the AMX kernel takes, on the CPU
-        kernels, over caches their attention reads."""
-        if not meta.is_decode or meta.kernels.name != "cpu" or not 0 < rows <= AMX_ROWS_MAX:
-            return False
-        # One attention entry per row (the modules' path raises its own error for anything else).
-        if meta.block_tables.dim() != 2 or {meta.block_tables.shape[0], meta.context_lens.numel(),
-                                            meta.slot_mapping.numel()} != {rows}:
+        """Whether this step's batch runs here: up to ``STEP_ROWS_MAX`` rows, on the CPU kernels,
+        over caches their attention reads, and for prompt chunks, where the AMX prefill kernel
+        runs them."""
+        if meta.kernels.name != "cpu" or not 0 < rows <= STEP_ROWS_MAX or meta.split is not None:
             return False
         dtype, shape = kv_caches[0][0].dtype, kv_caches[0][0].shape
-        return dtype in _CACHE_DTYPES and all(
-            c.dtype == dtype and c.shape == shape and c.is_contiguous() for pair in kv_caches for c in pair)
+        if dtype not in _CACHE_DTYPES or not all(
+                c.dtype == dtype and c.shape == shape and c.is_contiguous() for pair in kv_caches for c in pair):
+            return False
+        num_seqs = meta.context_lens.numel()
+        if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != num_seqs or meta.slot_mapping.numel() != rows:
+            return False  # the modules' path raises its own error for these
+        if meta.is_decode:
+            return num_seqs == rows
+        spec = self.model.spec
+        return (meta.query_start_loc.numel() == num_seqs + 1 and spec.head_dim % 32 == 0
+                and cpu_native.amx_prefill_available())
 
     def run(self, hidden: Tensor, positions: Tensor, cos_table: Tensor, sin_table: Tensor,
             kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -118,6 +132,19 @@ class CpuDecodeStep:
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         tables = meta.block_tables.to(torch.int32).contiguous()
         lens = meta.context_lens.to(torch.int32).contiguous()
-        cpu_native.decode_layers(self.layers, self.shape, hidden, residual, positions, cos_table.contiguous(),
-                                 sin_table.contiguous(), slots, tables, lens)
+        attention = cpu_native.StepAttention(tables.data_ptr(), tables.shape[1], lens.data_ptr(), None, lens.numel())
+        if not meta.is_decode:
+            # Every tensor the struct points into stays named until the call returns.
+            starts = meta.query_start_loc.to(torch.int32).contiguous()
+            if int(starts[0]) != 0 or int(starts[-1]) != hidden.shape[0]:
+                raise ValueError(f"query_start_loc {starts.tolist()} does not describe {hidden.shape[0]} tokens")
+            single = ((starts[1:] - starts[:-1]) == 1).nonzero().flatten()
+            single_rows = starts[:-1].index_select(0, single).to(torch.int64)
+            single_tables = tables.index_select(0, single).contiguous()
+            single_lens = lens.index_select(0, single).contiguous()
+            attention.query_start_loc = starts.data_ptr()
+            attention.single_rows, attention.single_tables = single_rows.data_ptr(), single_tables.data_ptr()
+            attention.single_lens, attention.num_single = single_lens.data_ptr(), single.numel()
+        cpu_native.step_layers(self.layers, self.shape, hidden, residual, positions, cos_table.contiguous(),
+                                 sin_table.contiguous(), slots, attention)
         return hidden, residual
