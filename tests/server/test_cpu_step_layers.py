@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvscale.kernels import cpu_native
-from kvscale.server.attention_metadata import AttentionMetadata
 from kvscale.server import cpu_linear, quantization
+from kvscale.server.attention_metadata import AttentionMetadata
 from kvscale.server.cpu_linear import AMX_ROWS_MAX
 from kvscale.server.cpu_step_layers import STEP_ROWS_MAX, CpuStepLayers
 from kvscale.server.model_llama import DecoderForCausalLM, spec_from_hf_config
