@@ -27,7 +27,7 @@ from kvscale.server.cpu_linear import AmxLinear
 from kvscale.server.quantization import Int8Linear
 
 if TYPE_CHECKING:
-    from kvscale.server.model_llama import DecoderForCausalLM, DecoderLayer
+    from kvscale.server.model_llama import Attention, DecoderForCausalLM, DecoderLayer
 
 # Cache dtypes the C attention and KV write take with a bfloat16 query.
 _CACHE_DTYPES = (torch.bfloat16, *fp8.FP8_DTYPES)
@@ -67,8 +67,10 @@ def _projection(module: nn.Module, silu_mul: bool = False) -> cpu_native.Project
 class CpuStepLayers:
     """The decoder layers of one model as ``kvscale_step_layers`` takes them."""
 
-    def __init__(self, model: DecoderForCausalLM, layers: ctypes.Array, shape: cpu_native.DecoderShape) -> None:
-        self.model = model  # its modules own every buffer the structs point into
+    def __init__(self, attentions: list[Attention], layers: ctypes.Array, shape: cpu_native.DecoderShape) -> None:
+        # The model owns this object and every buffer the structs point into; the attention
+        # modules are kept for their KV scales, which may change after load.
+        self.attentions = attentions
         self.layers = layers
         self.shape = shape
 
@@ -94,7 +96,8 @@ class CpuStepLayers:
         shape = cpu_native.DecoderShape(
             hidden=spec.hidden_size, intermediate=spec.intermediate_size, num_heads=spec.num_heads,
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, eps=spec.rms_norm_eps, scale=spec.head_dim**-0.5)
-        return cls(model, (cpu_native.DecoderLayer * len(structs))(*structs), shape)
+        attentions = [layer.self_attn for layer in _decoder_layers(model)]
+        return cls(attentions, (cpu_native.DecoderLayer * len(structs))(*structs), shape)
 
     def applies(self, rows: int, kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> bool:
         """Whether this step's batch runs here: up to ``STEP_ROWS_MAX`` rows, on the CPU kernels,
@@ -111,17 +114,16 @@ class CpuStepLayers:
             return False  # the modules' path raises its own error for these
         if meta.is_decode:
             return num_seqs == rows
-        spec = self.model.spec
-        return (meta.query_start_loc.numel() == num_seqs + 1 and spec.head_dim % 32 == 0
+        return (meta.query_start_loc.numel() == num_seqs + 1 and self.shape.head_dim % 32 == 0
                 and cpu_native.amx_prefill_available())
 
     def run(self, hidden: Tensor, positions: Tensor, cos_table: Tensor, sin_table: Tensor,
             kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         """The last layer's MLP output and the residual stream (the final norm is the model's),
         from the token embeddings ``hidden``, which it overwrites."""
-        for struct, module, (k_cache, v_cache) in zip(self.layers, _decoder_layers(self.model), kv_caches, strict=True):
+        for struct, attention, (k_cache, v_cache) in zip(self.layers, self.attentions, kv_caches, strict=True):
             struct.k_cache, struct.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-            struct.k_scale, struct.v_scale = module.self_attn.k_scale, module.self_attn.v_scale
+            struct.k_scale, struct.v_scale = attention.k_scale, attention.v_scale
         num_blocks, block_size = kv_caches[0][0].shape[:2]
         cache_format = fp8.cache_format(kv_caches[0][0].dtype)
         assert cache_format is not None  # applies() said so
@@ -132,7 +134,7 @@ class CpuStepLayers:
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         tables = meta.block_tables.to(torch.int32).contiguous()
         lens = meta.context_lens.to(torch.int32).contiguous()
-        attention = cpu_native.StepAttention(tables.data_ptr(), tables.shape[1], lens.data_ptr(), None, lens.numel())
+        step_attention = cpu_native.StepAttention(tables.data_ptr(), tables.shape[1], lens.data_ptr(), None, lens.numel())
         if not meta.is_decode:
             # Every tensor the struct points into stays named until the call returns.
             starts = meta.query_start_loc.to(torch.int32).contiguous()
@@ -142,9 +144,9 @@ class CpuStepLayers:
             single_rows = starts[:-1].index_select(0, single).to(torch.int64)
             single_tables = tables.index_select(0, single).contiguous()
             single_lens = lens.index_select(0, single).contiguous()
-            attention.query_start_loc = starts.data_ptr()
-            attention.single_rows, attention.single_tables = single_rows.data_ptr(), single_tables.data_ptr()
-            attention.single_lens, attention.num_single = single_lens.data_ptr(), single.numel()
+            step_attention.query_start_loc = starts.data_ptr()
+            step_attention.single_rows, step_attention.single_tables = single_rows.data_ptr(), single_tables.data_ptr()
+            step_attention.single_lens, step_attention.num_single = single_lens.data_ptr(), single.numel()
         cpu_native.step_layers(self.layers, self.shape, hidden, residual, positions, cos_table.contiguous(),
-                                 sin_table.contiguous(), slots, attention)
+                               sin_table.contiguous(), slots, step_attention)
         return hidden, residual
