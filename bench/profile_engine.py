@@ -59,7 +59,7 @@ def _wrap_forward_ops(runner: Any, totals: dict[str, float]) -> None:
         paged_prefill_attention=_timed(runner.kernels.paged_prefill_attention, "prefill_attention", totals))
     for name in ("add_rms_norm", "rope", "silu_and_mul"):
         setattr(layer_ops, name, _timed(getattr(layer_ops, name), name, totals))
-    # A batched decode step's layers in one C call (server/cpu_step_layers.py): one bucket, since
+    # A batched step's layers in one C call (server/cpu_step_layers.py): one bucket, since
     # the ops inside it are not separate calls any more (KVSCALE_CPU_STEP_LAYERS=modules splits them).
     cpu_native.step_layers = _timed(cpu_native.step_layers, "step_layers_one_call", totals)
     wrapped: list[str] = []

@@ -176,8 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "kvscale-float32 (kvscale itself in float32, for a --dtype bfloat16 run), "
                              "kvscale-unquantized (kvscale in the same dtype without --quantization, for a "
                              "--quantization run), kvscale-auto-kv (kvscale with --kv-cache-dtype auto, for an "
-                             "FP8 run), kvscale-modules (kvscale with KVSCALE_CPU_STEP_LAYERS=modules: decode "
-                             "steps' layers called one by one); empty: none")
+                             "FP8 run), kvscale-modules (kvscale with KVSCALE_CPU_STEP_LAYERS=modules: every "
+                             "step's layers called one by one); empty: none")
     parser.add_argument("--skip-baseline", action="store_true", help="same as --baselines ''")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     own_modules = None
     if "kvscale-modules" in baselines:
-        # The same engine with every decode step's layers called one by one from Python.
+        # The same engine with every step's layers called one by one from Python.
         own_modules = run_side("bench.w1_throughput", "kvscale", passthrough, {"KVSCALE_CPU_STEP_LAYERS": "modules"})
         print(f"kvscale, layers through the modules: {own_modules['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     vllm_auto = side_vllm(args) if "vllm" in baselines else None

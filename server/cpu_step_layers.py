@@ -49,7 +49,7 @@ def _decoder_layers(model: DecoderForCausalLM) -> list[DecoderLayer]:
 
 
 def _projection(module: nn.Module, silu_mul: bool = False) -> cpu_native.Projection | None:
-    """``module``'s weight as the AMX kernel holds it, or None where decode rows would not run on it."""
+    """``module``'s weight as the AMX kernel holds it, or None where it does not run on that kernel."""
     if silu_mul and not cpu_native.silu_mul_fits(getattr(module, "out_features", 1)):
         return None
     if isinstance(module, AmxLinear):
@@ -82,7 +82,7 @@ class CpuStepLayers:
         if (not enabled() or weight.dtype != torch.bfloat16 or weight.device.type != "cpu"
                 or not cpu_native.available() or spec.qk_norm or spec.head_dim % 16 or spec.head_dim > 128):
             return None
-        structs = []
+        structs, attentions = [], []
         for layer in _decoder_layers(model):
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -93,10 +93,10 @@ class CpuStepLayers:
             if any(p is None for p in projections):
                 return None
             structs.append(cpu_native.DecoderLayer(norms[0].data_ptr(), norms[1].data_ptr(), *projections))
+            attentions.append(attn)
         shape = cpu_native.DecoderShape(
             hidden=spec.hidden_size, intermediate=spec.intermediate_size, num_heads=spec.num_heads,
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, eps=spec.rms_norm_eps, scale=spec.head_dim**-0.5)
-        attentions = [layer.self_attn for layer in _decoder_layers(model)]
         return cls(attentions, (cpu_native.DecoderLayer * len(structs))(*structs), shape)
 
     def applies(self, rows: int, kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> bool:

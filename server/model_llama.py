@@ -219,7 +219,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self._hf_config = hf_config
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Built at the first decode step (the weights' final layout is known by then).
+        # Built at the first step (the weights' final layout is known by then).
         self._cpu_step_layers: CpuStepLayers | None = None
         self._cpu_step_layers_checked = False
 

@@ -1,4 +1,4 @@
-"""A decode step's layers in one C call (server/cpu_step_layers.py) against the modules' path:
+"""A step's layers in one C call (server/cpu_step_layers.py) against the modules' path:
 the same bits out, the same KV written, and the modules wherever a kernel would not apply."""
 
 from __future__ import annotations
@@ -54,30 +54,9 @@ def _caches(model: DecoderForCausalLM, dtype: torch.dtype) -> list[tuple[torch.T
             for _ in range(model.spec.num_layers)]
 
 
-def _decode_step(rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """``rows`` sequences of random lengths, each on blocks of its own in shuffled order, one new
-    token each."""
-    gen = torch.Generator().manual_seed(rows)
-    lens = torch.randint(1, 120, (rows,), generator=gen)
-    needed = [(int(n) + BLOCK_SIZE - 1) // BLOCK_SIZE for n in lens]
-    blocks = torch.randperm(NUM_BLOCKS, generator=gen)[: sum(needed)].tolist()
-    tables = torch.zeros(rows, max(needed), dtype=torch.int32)
-    for row, count in enumerate(needed):
-        tables[row, :count] = torch.tensor(blocks[:count], dtype=torch.int32)
-        del blocks[:count]
-    positions = lens - 1
-    slots = torch.tensor([int(tables[r, p // BLOCK_SIZE]) * BLOCK_SIZE + int(p % BLOCK_SIZE)
-                          for r, p in enumerate(positions)], dtype=torch.int64)
-    meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=lens.to(torch.int32),
-                             query_start_loc=torch.arange(rows + 1, dtype=torch.int32), is_decode=True,
-                             kernels=cpu_native.CPU)
-    ids = torch.randint(0, 256, (rows,), generator=gen)
-    return ids, positions, meta
-
-
-def _mixed_step(query_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Sequences of random lengths, each with ``query_lens[i]`` new tokens at its end (1: a decode
-    inside the batch), on blocks of their own in shuffled order."""
+def _step(query_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Sequences of random lengths, each with ``query_lens[i]`` new tokens at its end (1: a decode),
+    on blocks of their own in shuffled order; a decode step where every sequence has one."""
     gen = torch.Generator().manual_seed(len(query_lens))
     lens = [int(torch.randint(n, n + 100, (1,), generator=gen)) for n in query_lens]
     needed = [(n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in lens]
@@ -95,10 +74,15 @@ def _mixed_step(query_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, Atte
     slots = torch.tensor([int(tables[s, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
                           for s, p in zip(seq_of, positions, strict=True)], dtype=torch.int64)
     meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, context_lens=torch.tensor(lens, dtype=torch.int32),
-                             query_start_loc=torch.tensor(starts, dtype=torch.int32), is_decode=False,
-                             kernels=cpu_native.CPU, max_query_len=max(query_lens))
+                             query_start_loc=torch.tensor(starts, dtype=torch.int32),
+                             is_decode=all(n == 1 for n in query_lens), kernels=cpu_native.CPU,
+                             max_query_len=max(query_lens))
     ids = torch.randint(0, 256, (starts[-1],), generator=gen)
     return ids, torch.tensor(positions, dtype=torch.int64), meta
+
+
+def _decode_step(rows: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    return _step([1] * rows)
 
 
 def _both_paths(model: DecoderForCausalLM, rows: int, cache_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
@@ -120,6 +104,14 @@ def _both_paths(model: DecoderForCausalLM, rows: int, cache_dtype: torch.dtype, 
     return one_call, modules, one_call_caches, module_caches
 
 
+def _assert_same_bits(one_call: torch.Tensor, modules: torch.Tensor, one_call_caches: list, module_caches: list) -> None:
+    """The hidden states and every KV byte written, bit for bit."""
+    assert torch.equal(one_call, modules)
+    for (k1, v1), (k2, v2) in zip(one_call_caches, module_caches, strict=True):
+        assert torch.equal(k1.view(torch.uint8), k2.view(torch.uint8))
+        assert torch.equal(v1.view(torch.uint8), v2.view(torch.uint8))
+
+
 amx = pytest.mark.skipif(not cpu_native.amx_linear_available(), reason="this CPU has no AMX tiles")
 
 
@@ -138,10 +130,7 @@ def test_the_step_is_the_same_bits_as_the_modules(rows: int, quantization: str |
     one_call, modules, one_call_caches, module_caches = _both_paths(
         _model(quantization, bias), rows, cache_dtype, monkeypatch)
     assert one_call.dtype == torch.bfloat16 and one_call.shape == (rows, 128)
-    assert torch.equal(one_call, modules)
-    for (k1, v1), (k2, v2) in zip(one_call_caches, module_caches, strict=True):
-        assert torch.equal(k1.view(torch.uint8), k2.view(torch.uint8))
-        assert torch.equal(v1.view(torch.uint8), v2.view(torch.uint8))
+    _assert_same_bits(one_call, modules, one_call_caches, module_caches)
 
 
 @amx
@@ -152,22 +141,19 @@ def test_the_step_is_the_same_bits_as_the_modules(rows: int, quantization: str |
 def test_a_step_with_prompt_chunks_is_the_same_bits_as_the_modules(
         query_lens: list[int], quantization: str | None, cache_dtype: torch.dtype,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    step = _mixed_step(query_lens)
+    step = _step(query_lens)
     rows = sum(query_lens)
     one_call, modules, one_call_caches, module_caches = _both_paths(
         _model(quantization, bias=True), rows, cache_dtype, monkeypatch, step)
     assert one_call.shape == (rows, 128)
-    assert torch.equal(one_call, modules)
-    for (k1, v1), (k2, v2) in zip(one_call_caches, module_caches, strict=True):
-        assert torch.equal(k1.view(torch.uint8), k2.view(torch.uint8))
-        assert torch.equal(v1.view(torch.uint8), v2.view(torch.uint8))
+    _assert_same_bits(one_call, modules, one_call_caches, module_caches)
 
 
 @amx
 def test_the_modules_run_what_it_does_not_cover() -> None:
     model = _model()
     caches = _caches(model, torch.bfloat16)
-    meta = _mixed_step([200, 57])[2]
+    meta = _step([200, 57])[2]
     assert model._one_call_layers(STEP_ROWS_MAX + 1, caches, meta) is None  # a prompt's rows oneDNN takes
     assert model._one_call_layers(4, _caches(model, torch.float32), _decode_step(4)[2]) is None
     assert CpuStepLayers.for_model(_model(qk_norm=True)) is None  # Qwen3's per-head norms
