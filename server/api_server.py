@@ -28,6 +28,7 @@ from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvscale.server.async_engine import EngineFront
 from kvscale.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvscale.server.metrics import HTTPStatusMiddleware, ServerMetrics
+from kvscale.server.request_json import StrictJSONRoute
 from kvscale.server.serving import ERROR_RESPONSES, APIError, OpenAIServer, bad_request
 from kvscale.server.serving_chat import create_chat_completion
 from kvscale.server.serving_completions import create_completion
@@ -90,6 +91,7 @@ def build_app(
                 on_shutdown()
 
     app = FastAPI(title="kvscale OpenAI-compatible API", version=__version__, lifespan=lifespan)
+    app.router.route_class = StrictJSONRoute
     app.state.server = server
     app.state.metrics = metrics
     drain = drain if drain is not None else Drain()

@@ -12,8 +12,11 @@ class StructuredOutputsParams:
     """One constraint on what a request may generate (vLLM's ``structured_outputs``), as plain
     data: the engine compiles it (kvscale.server.structured_outputs), the HTTP side only builds it.
 
-    Exactly one of the fields is set. ``json`` is the schema serialized canonically (sorted keys,
-    compact), which is also the compile cache's key.
+    Exactly one of the constraint fields is set. ``json`` is the schema as the request sent it,
+    serialized compactly, which with ``disable_additional_properties`` is also the compile cache's
+    key. ``disable_additional_properties`` (vLLM's name) is ``strict: true``: the compile worker
+    closes the objects the schema leaves open (strict_schema.py), so the HTTP side never walks a
+    schema (a large one takes tens of milliseconds of its event loop).
     """
 
     json: str | None = None
@@ -21,6 +24,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # Lark, or GBNF (converted by the library)
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         set_kinds = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
@@ -31,6 +35,8 @@ class StructuredOutputsParams:
             )
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if self.disable_additional_properties and self.json is None:
+            raise ValueError("disable_additional_properties applies to a json schema only")
 
     @property
     def kind(self) -> str:

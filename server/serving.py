@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,11 +17,11 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from kvscale.server import protocol as p
+from kvscale.server import request_json
 from kvscale.server.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST, InvalidRequest, check_prompt
 from kvscale.server.async_engine import EngineDeadError, EngineFront, RequestStream
 from kvscale.server.outputs import PositionLogprobs
 from kvscale.server.sampling_params import SamplingParams, StructuredOutputsParams
-from kvscale.server.structured_outputs.strict_schema import close_objects
 
 logger = logging.getLogger(__name__)
 
@@ -91,21 +90,17 @@ def check_refused_fields(body: p.SamplingFields) -> None:
         raise bad_request("store: true cannot be honoured: this server stores no completions.", "store")
 
 
-def canonical_json(value: Any) -> str:
+def _schema_object(schema: Any, param: str) -> str:
     """A schema's one serialization (compact, key order kept: the order of ``properties`` is the
     order the grammar generates them in), the compile cache's key."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
-def _schema_object(schema: Any, param: str) -> str:
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            schema = request_json.loads(schema)
         except ValueError as exc:
             raise bad_request(f"{param} is not valid JSON: {exc}", param) from exc
     if not isinstance(schema, dict | bool):
         raise bad_request(f"{param} must be a JSON schema (an object)", param)
-    return canonical_json(schema)
+    return request_json.dumps_compact(schema)
 
 
 def structured_outputs_from(server: OpenAIServer, body: p.SamplingFields
@@ -132,11 +127,9 @@ def _structured_outputs_from(body: p.SamplingFields) -> tuple[StructuredOutputsP
         if fmt.json_schema is None or fmt.json_schema.json_schema is None:
             raise bad_request("response_format of type json_schema needs json_schema.schema.",
                               "response_format.json_schema")
-        schema = fmt.json_schema.json_schema
-        if fmt.json_schema.strict:
-            schema = close_objects(schema)
-        return StructuredOutputsParams(json=_schema_object(schema, "response_format.json_schema.schema")), \
-            "response_format"
+        return StructuredOutputsParams(json=_schema_object(fmt.json_schema.json_schema,
+                                                           "response_format.json_schema.schema"),
+                                       disable_additional_properties=bool(fmt.json_schema.strict)), "response_format"
     if so is None:
         return None, None
     try:

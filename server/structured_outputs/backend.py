@@ -20,6 +20,7 @@ import llguidance
 
 from kvscale.server.sampling_params import StructuredOutputsParams
 from kvscale.server.structured_outputs.schema_rewrites import rewrite_schema
+from kvscale.server.structured_outputs.strict_schema import close_objects
 
 # Between JSON tokens: nothing, one space, or a newline and up to 16 spaces of indentation. A
 # bounded pattern means a small model can never loop on whitespace until max_tokens (the
@@ -44,8 +45,8 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     """The library's grammar for a request's constraint (cheap: no tokenizer work yet)."""
     try:
         if spec.json is not None:
-            return llguidance.LLMatcher.grammar_from_json_schema(library_schema(spec.json),
-                                                                 defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                library_schema(spec.json, close=spec.disable_additional_properties), defaults=JSON_OPTIONS)
         if spec.json_object:
             return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
         if spec.regex is not None:
@@ -59,13 +60,16 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         raise GrammarError(str(exc)) from exc
 
 
-def library_schema(schema: str | dict[str, Any]) -> str | dict[str, Any]:
-    """What the library is given for a request's schema: the schema with the keywords it refuses
-    rewritten into exact equivalents where that is proven (schema_rewrites.py), else unchanged,
-    so its refusal still names the keyword. A function of the schema alone, so the compile
-    cache's key (the request's canonical schema text) stands for the rewritten schema too."""
+def library_schema(schema: str | dict[str, Any], close: bool = False) -> str | dict[str, Any]:
+    """What the library is given for a request's schema: with ``close`` (``strict: true``) its
+    open objects closed where that is proven to only remove instances (strict_schema.py), then
+    the keywords the library refuses rewritten into exact equivalents where that is proven
+    (schema_rewrites.py), else unchanged, so its refusal still names the keyword. A function of
+    the schema and ``close`` alone, so the compile cache's key (the request's schema text and
+    the flag) stands for the rewritten schema too."""
     parsed = json.loads(schema) if isinstance(schema, str) else schema
-    rewritten = rewrite_schema(parsed)
+    closed = close_objects(parsed) if close else parsed
+    rewritten = rewrite_schema(closed)
     return schema if rewritten == parsed else rewritten
 
 

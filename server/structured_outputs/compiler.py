@@ -91,6 +91,8 @@ class GrammarFailure:
 
 def cache_key(spec: StructuredOutputsParams) -> tuple[str, str]:
     kind = spec.kind
+    if spec.disable_additional_properties:
+        return "json+closed", str(spec.json)
     if kind == "json_object":
         return kind, ""
     if kind == "choice":

@@ -480,3 +480,13 @@ def test_openapi_fuzz_has_no_server_errors(server) -> None:
             fuzz(operation, GenerationMode.NEGATIVE, server.base_url, calls)
     assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize"} <= set(calls)
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_a_body_with_nan_is_400_malformed_json_even_inside_a_schema(server) -> None:
+    """Python's json reads NaN; JSON has none, and inside a schema it would become a constraint."""
+    body = (b'{"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, '
+            b'"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"const": NaN}}}}')
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", content=body,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("Malformed JSON body")

@@ -14,9 +14,11 @@ import pytest
 
 from bench.jsonschemabench import load_rows
 from kvscale.server import protocol as p
+from kvscale.server.sampling_params import StructuredOutputsParams
 from kvscale.server.serving import _structured_outputs_from
 from kvscale.server.serving_tools import plan_tools
 from kvscale.server.structured_outputs import backend
+from kvscale.server.structured_outputs.compiler import cache_key
 from kvscale.server.structured_outputs.strict_schema import close_objects
 
 OPEN = {"type": "object", "properties": {"a": {"type": "integer"}}}
@@ -156,8 +158,11 @@ def test_on_the_shared_sample_the_closed_schema_only_removes_instances_and_compi
     assert changed >= 100  # most of the sample's schemas leave an object open
 
 
-def test_a_strict_response_format_is_closed_and_one_without_strict_is_not() -> None:
-    def constraint(strict: bool | None) -> dict[str, Any]:
+def test_a_strict_response_format_is_closed_by_the_compile_and_one_without_strict_is_not() -> None:
+    """The HTTP side hands the schema on as sent, with the flag (walking a large schema there
+    stalled every stream the event loop serves); the grammar the compile worker builds from it
+    is the closed schema's, and the compile cache tells the two apart."""
+    def constraint(strict: bool | None) -> StructuredOutputsParams:
         fmt: dict[str, Any] = {"name": "answer", "schema": OPEN}
         if strict is not None:
             fmt["strict"] = strict
@@ -166,11 +171,20 @@ def test_a_strict_response_format_is_closed_and_one_without_strict_is_not() -> N
             "response_format": {"type": "json_schema", "json_schema": fmt}})
         params, field = _structured_outputs_from(body)
         assert params is not None and field == "response_format" and params.json is not None
-        return json.loads(params.json)
+        assert json.loads(params.json) == OPEN
+        return params
 
-    assert constraint(True) == {**OPEN, "additionalProperties": False}
-    assert constraint(False) == OPEN
-    assert constraint(None) == OPEN
+    strict, lax, unset = constraint(True), constraint(False), constraint(None)
+    assert (strict.disable_additional_properties, lax.disable_additional_properties,
+            unset.disable_additional_properties) == (True, False, False)
+    assert backend.library_schema(strict.json, close=True) == {**OPEN, "additionalProperties": False}
+    assert backend.library_schema(lax.json) == lax.json
+    assert backend.grammar_text(strict) == backend.grammar_text(
+        StructuredOutputsParams(json=json.dumps({**OPEN, "additionalProperties": False})))
+    assert backend.grammar_text(lax) != backend.grammar_text(strict)
+    assert cache_key(strict) != cache_key(lax) == cache_key(unset)
+    with pytest.raises(ValueError, match="disable_additional_properties"):
+        StructuredOutputsParams(regex="a+", disable_additional_properties=True)
 
 
 def test_a_strict_tool_has_its_parameters_closed() -> None:
