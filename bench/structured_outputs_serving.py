@@ -176,7 +176,7 @@ async def storm_phase(base_url: str, streams: int, stream_tokens: int, schemas: 
             if window_start <= b <= window_end]
     return {"window_s": window_end - window_start, "gaps": len(gaps), "statuses": statuses,
             "itl_p50_s": quantile(gaps, 0.5) if gaps else None, "itl_p99_s": quantile(gaps, 0.99) if gaps else None,
-            "gaps_s": gaps}
+            "itl_max_s": max(gaps) if gaps else None, "gaps_s": gaps}
 
 
 async def part_storm(base_url: str, rounds: int, streams: int, stream_tokens: int, branches: int,
@@ -191,6 +191,7 @@ async def part_storm(base_url: str, rounds: int, streams: int, stream_tokens: in
     for name, runs in phases.items():
         gaps = [g for run in runs for g in run["gaps_s"]]
         summary[name] = {"gaps": len(gaps), "itl_p50_s": quantile(gaps, 0.5), "itl_p99_s": quantile(gaps, 0.99),
+                         "itl_max_s": max(gaps),
                          "window_s": [run["window_s"] for run in runs],
                          "statuses": [s for run in runs for s in run["statuses"]]}
     storm_p99 = summary["storm"]["itl_p99_s"]
