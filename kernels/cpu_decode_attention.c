@@ -47,6 +47,13 @@
 #endif
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 without AVX-512 (AMD's Zen 1-3, Intel's client cores): gcc lowers the 64-byte vectors of
+ * the float32 loops below into register pairs that do not fit AVX2's sixteen registers, and a
+ * score's lane sum into scalar adds; attend_rows then takes the 8-wide loops of scores_f32x8 and
+ * weighted_values_f32x8 instead. */
+#include <immintrin.h>
+#define KVSCALE_AVX2_F32 1
 #endif
 
 /* The cache formats (`cache_format`; kernels/fp8.py's cache_format() gives them). */
@@ -626,6 +633,77 @@ static int decode_amx_applies(int bf16_dots, int block_size, int group, int head
 }
 #endif
 
+#if defined(KVSCALE_AVX2_F32)
+/* Eight lane sums as one vector (lane j: the sum of v[j]'s lanes): three rounds of pairwise adds
+ * within 128-bit halves, then the halves added, about a third of eight separate reductions. */
+static inline __attribute__((always_inline)) __m256 sum8x8(const __m256 *v) {
+    const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 c = _mm256_hadd_ps(v[4], v[5]), d = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    /* ab: the low halves' sums of v0..v3, then their high halves'; cd the same for v4..v7. */
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+static inline __attribute__((always_inline)) float sum8(__m256 v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+/* Scores of one tile of float32 K rows against every query row of the task, eight keys at a
+ * time: eight accumulators, one per key, over the head's 8-wide chunks, then one transposing sum. */
+static inline __attribute__((always_inline)) void scores_f32x8(
+    const float *q, const char **k_rows, int tile, int rows, int group, int head_dim, float scale,
+    float *scores, int64_t n, int t0) {
+    const __m256 scaled = _mm256_set1_ps(scale);
+    for (int r = 0; r < rows; r++) {
+        const size_t head_offset = (size_t)(r / group) * head_dim * sizeof(float);
+        const float *qr = q + (size_t)r * head_dim;
+        float *row_scores = scores + (int64_t)r * n + t0;
+        int i = 0;
+        for (; i + 8 <= tile; i += 8) {
+            const float *k[8];
+            for (int j = 0; j < 8; j++) k[j] = (const float *)(k_rows[i + j] + head_offset);
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int d = 0; d < head_dim; d += 8) {
+                const __m256 qd = _mm256_loadu_ps(qr + d);
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + d), acc[j]);
+            }
+            _mm256_storeu_ps(row_scores + i, _mm256_mul_ps(sum8x8(acc), scaled));
+        }
+        for (; i < tile; i++) {
+            const float *k = (const float *)(k_rows[i] + head_offset);
+            __m256 acc = _mm256_setzero_ps();
+            for (int d = 0; d < head_dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(k + d), acc);
+            row_scores[i] = sum8(acc) * scale;
+        }
+    }
+}
+
+/* o += p . V over one tile of float32 V rows, 64 output dims at a time (eight accumulators). */
+static inline __attribute__((always_inline)) void weighted_values_f32x8(
+    const float *scores, const char **v_rows, int tile, int rows, int group, int head_dim, int64_t n, int t0,
+    float *o) {
+    for (int r = 0; r < rows; r++) {
+        const size_t head_offset = (size_t)(r / group) * head_dim * sizeof(float);
+        const float *p = scores + (int64_t)r * n + t0;
+        float *orow = o + (size_t)r * head_dim;
+        for (int d0 = 0; d0 < head_dim; d0 += 64) {
+            const int width = head_dim - d0 < 64 ? head_dim - d0 : 64;
+            __m256 acc[8];
+            for (int c = 0; c < width / 8; c++) acc[c] = _mm256_loadu_ps(orow + d0 + 8 * c);
+            for (int i = 0; i < tile; i++) {
+                const __m256 weight = _mm256_set1_ps(p[i]);
+                const float *v = (const float *)(v_rows[i] + head_offset) + d0;
+                for (int c = 0; c < width / 8; c++) acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            }
+            for (int c = 0; c < width / 8; c++) _mm256_storeu_ps(orow + d0 + 8 * c, acc[c]);
+        }
+    }
+}
+#endif
+
 /* `v_factor`: what each output row is multiplied by at the end (an FP8 cache's V scale; 1 for the
  * others); an FP8 cache's K factor is in `scale` already. */
 static inline __attribute__((always_inline)) void attend_rows(
@@ -646,6 +724,10 @@ static inline __attribute__((always_inline)) void attend_rows(
             scores_bf16(q, k_rows, tile, rows, group, head_dim, scale, scores, n, t0);
             continue;
         }
+#endif
+#if defined(KVSCALE_AVX2_F32)
+        scores_f32x8(q, k_rows, tile, rows, group, head_dim, scale, scores, n, t0);
+        continue;
 #endif
         for (int r = 0; r < rows; r++) {
             const size_t head_offset = (size_t)(r / group) * head_dim * sizeof(float);
@@ -669,6 +751,10 @@ static inline __attribute__((always_inline)) void attend_rows(
             weighted_values_bf16(scores, v_rows, tile, rows, group, head_dim, n, t0, o);
             continue;
         }
+#endif
+#if defined(KVSCALE_AVX2_F32)
+        weighted_values_f32x8(scores, v_rows, tile, rows, group, head_dim, n, t0, o);
+        continue;
 #endif
         for (int r = 0; r < rows; r++) {
             const size_t head_offset = (size_t)(r / group) * head_dim * sizeof(float);

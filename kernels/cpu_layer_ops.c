@@ -135,8 +135,16 @@ static inline __attribute__((always_inline)) void silu_and_mul_rows(
         if (is_bf16) silu_and_mul_row16(gate_up, out, in, o, width, 1);
         else silu_and_mul_row16(gate_up, out, in, o, width, 0);
 #else
-        #pragma omp simd
-        for (int64_t i = 0; i < width; i++) silu_and_mul_one(gate_up, out, in, o, width, i, is_bf16);
+        /* The dtype as a literal in each loop: inside the parallel region's outlined body the
+         * argument is a runtime value, and gcc leaves a loop branching on it unvectorised (11 ms
+         * where torch took 2.6 on an AVX2 EPYC's [2048, 2 x 1536] float32, bench.cpu_kernels). */
+        if (is_bf16) {
+            #pragma omp simd
+            for (int64_t i = 0; i < width; i++) silu_and_mul_one(gate_up, out, in, o, width, i, 1);
+        } else {
+            #pragma omp simd
+            for (int64_t i = 0; i < width; i++) silu_and_mul_one(gate_up, out, in, o, width, i, 0);
+        }
 #endif
     }
 }
