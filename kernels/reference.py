@@ -179,18 +179,19 @@ def paged_prefill_attention(
 def _gather_kv(
     k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, max_len: int
 ) -> tuple[Tensor, Tensor]:
-    """Gather the first ``max_len`` tokens of each sequence: ``[num_seqs, max_len, Hkv, D]``."""
+    """Gather the ``max_len`` tokens of each sequence (all of that length): ``[num_seqs, max_len, Hkv, D]``."""
     block_size = k_cache.shape[1]
     num_blocks = -(-max_len // block_size)
     if num_blocks > block_tables.shape[1]:
         raise ValueError(
-            f"context of {max_len} tokens needs {num_blocks} blocks, "
-            f"block table has {block_tables.shape[1]}"
+            f"a context of {max_len} tokens needs {num_blocks} blocks, more blocks than its block table "
+            f"row holds ({block_tables.shape[1]})"
         )
-    # Padding entries (-1 or garbage) past a sequence's length are clamped to a valid block;
-    # the length mask hides what they hold.
+    # Every sequence here has max_len tokens, so every entry read is a used one: one outside the
+    # cache is refused (the C kernels refuse it too), never clamped into another sequence's block.
     table = block_tables[:, :num_blocks].to(device=k_cache.device, dtype=torch.long)
-    table = table.clamp(0, k_cache.shape[0] - 1)
+    if bool(((table < 0) | (table >= k_cache.shape[0])).any()):
+        raise ValueError(f"a used entry of the block table is not a block of the {k_cache.shape[0]}-block cache")
     num_seqs = table.shape[0]
     flat = table.reshape(-1)
     shape = (num_seqs, num_blocks * block_size, k_cache.shape[2], k_cache.shape[3])

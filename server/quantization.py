@@ -17,6 +17,8 @@ own int8 copy. CPU only: on CUDA the engine refuses the flag rather than run som
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -24,6 +26,8 @@ from kvscale.kernels import cpu_native
 from kvscale.server.config import QUANTIZATIONS
 from kvscale.server.cpu_features import cpu_features
 from kvscale.server.cpu_linear import AMX_ROWS_MAX, amx_packs
+
+logger = logging.getLogger(__name__)
 
 # How much of the activations' range smoothing moves into the weights (SmoothQuant's alpha): on the
 # bundled model's fixed text (tests/server/test_precision_accuracy.py) 0.5 gave the lowest
@@ -175,6 +179,11 @@ def smooth_into(norm_weight: torch.Tensor, linear: nn.Linear, alpha: float = SMO
 def quantize_linears(model: nn.Module) -> int:
     """Smooth each projection that reads a norm's output (see :func:`smooth_into`), then replace
     every ``nn.Linear`` of ``model`` by an :class:`Int8Linear`; returns how many."""
+    if not onednn_int8():
+        logger.warning(
+            "--quantization int8 on a CPU without VNNI or AMX: the projections run on torch._int_mm's "
+            "generic int8 path, 9-62x slower than float32 on an AVX2 EPYC (docs/benchmarks.md, "
+            "twelfth session); int8 saves memory here, not time")
     for layer in getattr(model, "layers", ()):
         smooth_into(layer.input_layernorm.weight, layer.self_attn.qkv_proj)
         smooth_into(layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj)
