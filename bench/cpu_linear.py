@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     # oneDNN packs bfloat16 only where it has bf16 kernels (AVX-512 BW/VL/DQ or AVX-NE-CONVERT);
     # elsewhere (an AVX2 EPYC) its reorder refuses, and the engine runs bf16 unpacked.
-    dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+    dtypes = (torch.float32, torch.bfloat16) if onednn_packs(torch.bfloat16) else (torch.float32,)
     for dtype in dtypes:
         rows.extend(measure(dtype, args.repeats, gen))
     for row in rows:

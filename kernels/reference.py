@@ -72,11 +72,7 @@ def paged_decode_attention(
     block_size = k_cache.shape[1]
     num_kv_heads = k_cache.shape[2]
     seq_blocks = [-(-n // block_size) for n in lens]
-    if max(seq_blocks) > block_tables.shape[1]:
-        raise ValueError(
-            f"context of {max(lens)} tokens needs {max(seq_blocks)} blocks, "
-            f"block table has {block_tables.shape[1]}"
-        )
+    check_table_width(max(lens), block_size, block_tables)
     table = block_tables.to(device=k_cache.device, dtype=torch.long)
     k_blocks = k_cache.view(k_cache.shape[0], -1)
     v_blocks = v_cache.view(v_cache.shape[0], -1)
@@ -176,17 +172,23 @@ def paged_prefill_attention(
     return out
 
 
+def check_table_width(context_len: int, block_size: int, block_tables: Tensor) -> int:
+    """The blocks a context of ``context_len`` tokens uses; a ValueError if its table row is shorter."""
+    num_blocks = -(-context_len // block_size)
+    if num_blocks > block_tables.shape[1]:
+        raise ValueError(
+            f"a context of {context_len} tokens needs {num_blocks} blocks, more blocks than its block table "
+            f"row holds ({block_tables.shape[1]})"
+        )
+    return num_blocks
+
+
 def _gather_kv(
     k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, max_len: int
 ) -> tuple[Tensor, Tensor]:
     """Gather the ``max_len`` tokens of each sequence (all of that length): ``[num_seqs, max_len, Hkv, D]``."""
     block_size = k_cache.shape[1]
-    num_blocks = -(-max_len // block_size)
-    if num_blocks > block_tables.shape[1]:
-        raise ValueError(
-            f"a context of {max_len} tokens needs {num_blocks} blocks, more blocks than its block table "
-            f"row holds ({block_tables.shape[1]})"
-        )
+    num_blocks = check_table_width(max_len, block_size, block_tables)
     # Every sequence here has max_len tokens, so every entry read is a used one: one outside the
     # cache is refused (the C kernels refuse it too), never clamped into another sequence's block.
     table = block_tables[:, :num_blocks].to(device=k_cache.device, dtype=torch.long)
