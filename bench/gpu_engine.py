@@ -19,7 +19,8 @@ Every part has its baseline in the same run, on the same device:
    as deltas, no detokenization (the front end's work).
    ``--parts layer_ops``: W1 and the decode step with the Triton layer ops and with their
    PyTorch forms. ``--parts async``: greedy tokens, W1 and the decode step with async
-   scheduling (server/async_scheduling.py) and with synchronous steps.
+   scheduling (server/async_scheduling.py) and with synchronous steps; ``async_steps``: W1 and
+   the decode step only; ``async_decode``: the decode step only.
 4. Decode CUDA graphs (server/decode_graphs.py): greedy tokens with graphs against the same
    engine with ``enforce_eager``, W1 and the decode step both ways.
 5. Host KV tier: promoting and demoting blocks through ``HostKVCache`` (the engine's code path),
@@ -31,6 +32,7 @@ Every part has its baseline in the same run, on the same device:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -155,6 +157,7 @@ def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: in
     import torch
 
     from bench.gpu_kernels import ModelShape
+    from kvscale.processes import freeze_startup_heap
     from kvscale.server.llm import LLM
     from kvscale.server.output_builder import OutputKind
     from kvscale.server.sampling_params import SamplingParams
@@ -171,6 +174,8 @@ def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: in
     engine = llm.llm_engine
     # As the engine core runs under `kvscale serve`: deltas out, the front end detokenizes.
     engine.output_kind, engine.detokenize = OutputKind.DELTA, False
+    # And as the core does once it is ready: what start-up built leaves the collector's full passes.
+    freeze_startup_heap()
     params = SamplingParams(temperature=0.0, max_tokens=headroom, ignore_eos=True)
     for i in range(num_seqs):
         # Distinct prompts: no sequence shares a block with another, as in a decode-heavy fleet.
@@ -184,13 +189,27 @@ def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: in
     # No wait for the device between steps: a synchronous step waits for its own tokens anyway,
     # and with async scheduling a step's wall time is the period at which steps complete.
     decode_times = []
+    # The garbage collector's passes while timed: a full one walks every object of the process
+    # (torch, transformers: hundreds of thousands) and lands on whichever step it falls in.
+    collections: list[list[float]] = []
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append([info["generation"], time.perf_counter()])
+        else:
+            collections[-1][1] = time.perf_counter() - collections[-1][1]
+
     sync(device)
+    gc.callbacks.append(on_collection)
     run_started = time.perf_counter()
-    for _ in range(steps):
-        started = time.perf_counter()
-        engine.step()
-        decode_times.append(time.perf_counter() - started)
-    sync(device)
+    try:
+        for _ in range(steps):
+            started = time.perf_counter()
+            engine.step()
+            decode_times.append(time.perf_counter() - started)
+        sync(device)
+    finally:
+        gc.callbacks.remove(on_collection)
     run_s = time.perf_counter() - run_started
     if len(running) != num_seqs:
         raise RuntimeError("a sequence finished or was preempted while the decode steps were timed")
@@ -207,12 +226,16 @@ def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: in
     logits_bytes = num_seqs * spec.vocab_size * 4
     roofline_s = (weight_bytes + kv_bytes + logits_bytes) / (peak_gbps * 1e9) if peak_gbps else None
     del llm, engine
+    gc.unfreeze()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
         "num_seqs": num_seqs, "context": context, "mean_context_timed": mean_context, "enforce_eager": enforce_eager,
         "async_scheduling": engine_async, "decode_steps": len(decode_times),
-        "step_ms_median": step_s * 1000, "step_ms_mean_of_run": run_s / len(decode_times) * 1000, "weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes,
+        "step_ms_median": step_s * 1000, "step_ms_mean_of_run": run_s / len(decode_times) * 1000,
+        "step_ms_each": [round(t * 1000, 3) for t in decode_times],
+        "gc_collections_timed": [{"generation": g, "ms": round(ms * 1000, 3)} for g, ms in collections],
+        "weight_bytes": weight_bytes, "kv_bytes_read": kv_bytes,
         "roofline_ms": roofline_s * 1000 if roofline_s else None,
         "fraction_of_roofline": roofline_s / step_s if roofline_s else None,
         "output_tokens_per_s": num_seqs / step_s,
@@ -480,18 +503,21 @@ def main(argv: list[str] | None = None) -> int:
             for fused in order:
                 emit("decode_step", lambda n=num_seqs, c=context, f=fused: decode_step(
                     path, device, n, c, 8 if quick else 32, peak, triton_layer_ops=f))
-    if "async" in parts:
+    if "async" in parts or "async_steps" in parts or "async_decode" in parts:
         # Async scheduling against synchronous steps, same engine, decode graphs and Triton layer
-        # ops on; one untimed W1 first takes Triton's compiles.
-        for dtype in ("float32", "bfloat16"):
-            emit("async_vs_sync", lambda dtype=dtype: async_vs_sync(path, dtype, device, 8 if quick else 32))
+        # ops on; one untimed W1 first takes Triton's compiles. "async_steps": the timings alone
+        # (runs of two checkouts alternating in one call, each equal-checked once).
+        if "async" in parts:
+            for dtype in ("float32", "bfloat16"):
+                emit("async_vs_sync", lambda dtype=dtype: async_vs_sync(path, dtype, device, 8 if quick else 32))
         w1(path, device, 8, 64, None)
         order = [flag == "a" for flag in args.async_order]
         shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")]
         for overlapped in order:
-            emit("w1", lambda o=overlapped: w1(path, device, 8 if quick else 64, 64, None, async_scheduling=o))
-            if not quick:
-                emit("w1", lambda o=overlapped: w1(path, device, 256, 256, None, async_scheduling=o))
+            if "async_decode" not in parts:
+                emit("w1", lambda o=overlapped: w1(path, device, 8 if quick else 64, 64, None, async_scheduling=o))
+                if not quick:
+                    emit("w1", lambda o=overlapped: w1(path, device, 256, 256, None, async_scheduling=o))
             for num_seqs, context in ([(4, 64)] if quick else shapes):
                 emit("decode_step", lambda n=num_seqs, c=context, o=overlapped: decode_step(
                     path, device, n, c, 8 if quick else 32, peak, async_scheduling=o))

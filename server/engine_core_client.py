@@ -119,7 +119,8 @@ class EngineCoreClient(EngineFront):
             raise
         if cpus is not None and cpus.front:
             os.sched_setaffinity(0, cpus.front)
-        logger.info("engine core pid %d ready (warm-up %.2f s)", ready.pid, ready.warm_up_s)
+        logger.info("engine core pid %d ready (warm-up %.2f s, %d start-up objects frozen out of the garbage "
+                    "collector)", ready.pid, ready.warm_up_s, ready.frozen_objects)
         return cls(process, context, to_core, from_core, folder, ready, tokenizer)
 
     @staticmethod

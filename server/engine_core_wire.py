@@ -50,6 +50,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     num_blocks: int
     stats: EngineStats
     warm_up_s: float
+    frozen_objects: int = 0  # start-up objects moved out of the garbage collector's reach
 
 
 class Accepted(msgspec.Struct, tag=True, array_like=True):

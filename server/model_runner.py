@@ -21,6 +21,7 @@ from kvscale import kernels
 from kvscale.server.async_scheduling import InFlightStep
 from kvscale.server.attention_metadata import AttentionMetadata, DecodePrefillSplit
 from kvscale.server.block_pool import TierCopies
+from kvscale.server.block_table_rows import BlockTableRows
 from kvscale.server.decode_graphs import Capture, DecodeGraphs, cuda_graph_capture
 from kvscale.server.kv_offload import HostKVCache
 from kvscale.server.memory_profile import MemoryMeter
@@ -121,6 +122,7 @@ class ModelRunner:
         self.max_model_len = 0
         self.host_cache: HostKVCache | None = None  # the second KV tier, when there is one
         self.decode_graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps, unless eager
+        self.block_table_rows = BlockTableRows(block_size)
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.kv_cache, self.kv_caches = self._new_kv_cache(num_blocks)
@@ -278,8 +280,7 @@ class ModelRunner:
         num_seqs = len(scheduled)
         input_ids: list[int] = []
         query_start = [0] * (num_seqs + 1)
-        max_table = max(len(s.seq.block_table) for s in scheduled)
-        tables = np.zeros((num_seqs, max_table), dtype=np.int32)
+        tables = self.block_table_rows.tables(scheduled)
         # Single-token rows (decodes: most rows of most steps) as Python ints, longer chunks as
         # arrays; numpy's per-call cost on a one-element array was most of a decode row's time.
         positions_list: list[int] = []
@@ -301,7 +302,6 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + n
             table = seq.block_table
-            tables[i, : len(table)] = table
             if n == 1:
                 token = seq.token_ids[start]
                 if token == PLACEHOLDER_TOKEN:
@@ -350,11 +350,17 @@ class ModelRunner:
         )
         if not is_decode and not self.kernels.prefill_batches_decodes:
             meta.split = self._split(attn_query_lens, attn_tables, attn_query_start, attn_context_lens)
-        ids = to_device(torch.tensor(input_ids, dtype=torch.long))
-        if fill_at:
+        if not fill_at:
+            ids = to_device(torch.tensor(input_ids, dtype=torch.long))
+        else:
             assert in_flight is not None
-            rows = to_device(torch.tensor(fill_from, dtype=torch.long))
-            ids[to_device(torch.tensor(fill_at, dtype=torch.long))] = in_flight.device_tokens[rows]
+            if len(fill_at) == len(input_ids) == len(in_flight.seqs) and fill_from == list(range(len(fill_from))):
+                # A steady decode batch: every input is the in-flight step's token of the same row.
+                ids = in_flight.device_tokens
+            else:
+                ids = to_device(torch.tensor(input_ids, dtype=torch.long))
+                rows = to_device(torch.tensor(fill_from, dtype=torch.long))
+                ids[to_device(torch.tensor(fill_at, dtype=torch.long))] = in_flight.device_tokens[rows]
         flat_rows = [query_start[i + 1] - 1 for i in sample_rows] + prompt_flat_rows
         logits_indices = to_device(torch.tensor(flat_rows, dtype=torch.long))
         return ids, positions, meta, logits_indices, sample_rows, prompt_rows

@@ -50,42 +50,51 @@ def cumulative_output(request: Request, finished: bool) -> RequestOutput:
 
 
 def delta_output(request: Request, finished: bool) -> RequestOutput:
-    """What the request produced since its previous delta (and marks it sent)."""
+    """What the request produced since its previous delta (and marks it sent); the prompt (text
+    and token ids) only in the first, ``None`` and ``[]`` in the others.
+
+    Built for every running request at every step of a serving engine (256 a step on a busy
+    GPU, where the host's step work sets the pace): positional constructors, no helper calls on
+    the usual path (one sample, no stop strings)."""
     completions = []
     for seq in _by_index(request):
-        text_end = max(visible_text_len(seq), seq.sent_text)
-        num_output = seq.num_output_tokens
+        text = seq.text
+        text_end = len(text) if not seq.params.stop else max(visible_text_len(seq), seq.sent_text)
+        sent_tokens = seq.sent_tokens
+        token_ids = seq.token_ids
+        logprobs = seq.logprobs
         completions.append(CompletionOutput(
-            index=seq.index,
-            text=seq.text[seq.sent_text : text_end],
-            token_ids=seq.token_ids[seq.num_prompt_tokens + seq.sent_tokens :],
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=seq.logprobs[seq.sent_tokens :] if seq.logprobs is not None else None,
+            seq.index, text[seq.sent_text : text_end], token_ids[seq.num_prompt_tokens + sent_tokens :],
+            seq.finish_reason, seq.stop_reason, logprobs[sent_tokens:] if logprobs is not None else None,
         ))
-        seq.sent_text, seq.sent_tokens = text_end, num_output
+        seq.sent_text, seq.sent_tokens = text_end, len(token_ids) - seq.num_prompt_tokens
     # The prompt's logprobs are complete once it has been prefilled: send them once.
     prompt_logprobs = None
     if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
         prompt_logprobs = request.prompt_logprobs
         request.prompt_logprobs_sent = True
+    # The prompt itself goes once too, in the first delta: from a core process every delta
+    # crosses a socket, and 256 running requests' 1,024-token prompts at every step were
+    # ~1.4 ms of encoding in the core and ~11 ms of decoding in the front end per step.
+    if request.prompt_sent:
+        return RequestOutput(request.request_id, None, [], completions, finished, request.num_cached_tokens,
+                             request.metrics.snapshot(), prompt_logprobs)
+    request.prompt_sent = True
     return _request_output(request, completions, finished, prompt_logprobs)
+
+
+def _sample_index(seq: Sequence) -> int:
+    return seq.index
 
 
 def _by_index(request: Request) -> list[Sequence]:
     seqs = request.seqs
-    return seqs if len(seqs) == 1 else sorted(seqs, key=lambda s: s.index)
+    return seqs if len(seqs) == 1 else sorted(seqs, key=_sample_index)
 
 
 def _request_output(request: Request, completions: list[CompletionOutput], finished: bool,
                     prompt_logprobs: list[PositionLogprobs | None] | None) -> RequestOutput:
     return RequestOutput(
-        request_id=request.request_id,
-        prompt=request.prompt,
-        prompt_token_ids=request.prompt_token_ids,
-        outputs=completions,
-        finished=finished,
-        num_cached_tokens=request.num_cached_tokens,
-        metrics=request.metrics.snapshot(),
-        prompt_logprobs=prompt_logprobs,
+        request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
+        request.num_cached_tokens, request.metrics.snapshot(), prompt_logprobs,
     )

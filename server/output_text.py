@@ -53,6 +53,7 @@ class SampleText:
 class RequestText:
     params: SamplingParams
     samples: dict[int, SampleText] = field(default_factory=dict)
+    prompt_token_ids: list[int] | None = None  # from the request's first delta, the only one with them
 
     def all_ended(self) -> bool:
         return len(self.samples) == self.params.n and all(s.is_finished for s in self.samples.values())
@@ -83,11 +84,13 @@ class OutputText:
         request = self._requests.get(output.request_id)
         if request is None:  # ended here already: the core's last steps are nobody's
             return False
+        if request.prompt_token_ids is None:
+            request.prompt_token_ids = output.prompt_token_ids
+        prompt = request.prompt_token_ids
         for completion in output.outputs:
             sample = request.samples.get(completion.index)
             if sample is None:
-                sample = request.samples[completion.index] = SampleText(
-                    request.params, list(output.prompt_token_ids), len(output.prompt_token_ids))
+                sample = request.samples[completion.index] = SampleText(request.params, list(prompt), len(prompt))
                 init_detokenizer(sample)
             if sample.is_finished:
                 # Ended by a stop string in an earlier delta; the core ran on until told.

@@ -95,9 +95,10 @@ def merge_deltas(deltas: list[RequestOutput]) -> RequestOutput:
             into.finish_reason, into.stop_reason = completion.finish_reason, completion.stop_reason
     for index, completion in merged.items():
         completion.text = "".join(texts[index])
-    last = deltas[-1]
+    first, last = deltas[0], deltas[-1]
     return RequestOutput(
-        request_id=last.request_id, prompt=last.prompt, prompt_token_ids=last.prompt_token_ids,
+        # Only a request's first delta carries its prompt (output_builder.delta_output).
+        request_id=last.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
         outputs=[merged[i] for i in sorted(merged)], finished=last.finished,
         num_cached_tokens=last.num_cached_tokens, metrics=last.metrics,
         prompt_logprobs=next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None),

@@ -29,7 +29,7 @@ from kvscale.server.sequence import Sequence, SequenceStatus
 from kvscale.server.step_rates import StepRates
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
@@ -87,14 +87,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = tokens_to_schedule(seq, budget)
-            while not kv.can_allocate(seq, num_new):
+            while not kv.allocate_if_room(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                kv.allocate(seq, num_new)
                 kv.register_full_blocks(seq, seq.num_computed_tokens + num_new)
                 out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new

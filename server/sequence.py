@@ -94,6 +94,7 @@ class Request:
     # predicts it); shared by all n samples, since they share the prompt.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False  # delta outputs carry them once
+    prompt_sent: bool = False  # delta outputs carry the prompt (text, token ids) once
 
     @property
     def is_finished(self) -> bool:

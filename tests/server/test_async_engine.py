@@ -48,9 +48,16 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(make_engine) -> None:
     for delta in deltas[1:]:
         assert all(len(c.token_ids) <= 1 for c in delta.outputs), "a delta carries one step's tokens"
         assert delta.prompt_logprobs is None  # sent once, with the first output
+        # So is the prompt: a core process would otherwise send every request's whole prompt
+        # at every step.
+        assert (delta.prompt, delta.prompt_token_ids) == (None, [])
     assert deltas[0].prompt_logprobs == cumulative.prompt_logprobs
+    assert (deltas[0].prompt, deltas[0].prompt_token_ids) == (cumulative.prompt, cumulative.prompt_token_ids)
+    assert cumulative.prompt_token_ids and cumulative.prompt == prompt
 
     merged = merge_deltas(deltas)
+    assert merged.prompt_token_ids == cumulative.prompt_token_ids
+    assert merge_deltas(deltas[1:]).prompt_token_ids == []
     for got, want in zip(merged.outputs, cumulative.outputs, strict=True):
         assert (got.index, got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
             want.index, want.text, want.token_ids, want.finish_reason, want.stop_reason)

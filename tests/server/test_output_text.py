@@ -32,7 +32,8 @@ def test_token_by_token_text_is_the_decoded_answer(bundled_tokenizer) -> None:
     pieces = []
     for i, token in enumerate(answer_ids):
         last = i == len(answer_ids) - 1
-        out = delta("r", prompt_ids, {0: [token]}, {0: "length"} if last else None, finished=last)
+        # As the core sends them: only the first delta carries the prompt.
+        out = delta("r", prompt_ids if i == 0 else [], {0: [token]}, {0: "length"} if last else None, finished=last)
         assert text.apply(out) is False
         pieces.append(out.outputs[0].text)
     assert "".join(pieces) == bundled_tokenizer.decode(answer_ids)
@@ -96,11 +97,34 @@ def test_with_n_samples_the_request_ends_when_the_last_one_does(bundled_tokenize
     assert text.apply(first) is False and not first.finished
     assert first.outputs[0].finish_reason == "stop" and first.outputs[0].text == " "
     # Sample 0 ended here; the core still sends its tokens until the request ends.
-    second = delta("r", prompt_ids, {0: [42], 1: runs_on[1:]}, {1: "length"})
+    second = delta("r", [], {0: [42], 1: runs_on[1:]}, {1: "length"})
     assert text.apply(second) is True and second.finished
     assert second.outputs[0].token_ids == [] and second.outputs[0].text == ""
     assert second.outputs[0].finish_reason == "stop"
     assert first.outputs[1].text + second.outputs[1].text == " cat and more"
+
+
+def test_a_sample_first_seen_in_a_later_delta_reads_the_prompt_of_the_first(bundled_tokenizer) -> None:
+    # Only a request's first delta carries the prompt. The prompt ends inside a character (the
+    # first byte of an emoji's three tokens), so a sample's text depends on it.
+    fox = bundled_tokenizer.encode("\N{FOX FACE}")
+    assert len(fox) == 3
+    prompt_ids = bundled_tokenizer.encode(PROMPT) + fox[:1]
+    answer_ids = fox[1:] + bundled_tokenizer.encode(ANSWER)
+
+    def sample_text(deltas: list[RequestOutput]) -> str:
+        text = OutputText(bundled_tokenizer)
+        text.add("r", SamplingParams(max_tokens=64, n=2))
+        for out in deltas:
+            assert text.apply(out) is False
+        return "".join(c.text for out in deltas for c in out.outputs if c.index == 1)
+
+    done = {0: "length", 1: "length"}
+    together = sample_text([delta("r", prompt_ids, {0: answer_ids[:3], 1: answer_ids[:3]}),
+                            delta("r", [], {0: answer_ids[3:], 1: answer_ids[3:]}, done, finished=True)])
+    later = sample_text([delta("r", prompt_ids, {0: answer_ids[:3]}),
+                         delta("r", [], {0: answer_ids[3:], 1: answer_ids}, done, finished=True)])
+    assert together.endswith(ANSWER) and later == together
 
 
 def test_forget_drops_an_aborted_request(bundled_tokenizer) -> None:

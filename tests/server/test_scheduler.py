@@ -183,3 +183,31 @@ def test_random_workloads_never_deadlock_or_leak():
         assert sorted(s.seq_id for s in finished) == sorted(s.seq_id for s in seqs)
         assert all(s.num_output_tokens == s.request.max_tokens for s in seqs)
         assert kv.pool.num_active_blocks == 0
+
+
+def test_a_running_sequence_without_room_is_left_as_it_was() -> None:
+    scheduler, kv = make_scheduler(3, budget=64)
+    a = make_seq(2 * BS, name="a")
+    scheduler.add(a)
+    simulate_step(scheduler, kv)  # a's prompt fills its two blocks, then it samples a token
+    b = make_seq(BS, first_token=100, name="b")
+    scheduler.add(b)
+    simulate_step(scheduler, kv)  # a takes the third block, b does not fit
+    assert kv.pool.num_free_blocks == 0 and len(a.block_table) == 3
+    a.num_computed_tokens = 3 * BS  # a's next token needs a fourth block
+    table = list(a.block_table)
+    assert kv.allocate_if_room(a, 1) is False
+    assert a.block_table == table and kv.take_pending_copies() == []
+
+
+def test_a_forked_sequence_copies_the_shared_block_it_writes_once() -> None:
+    scheduler, kv = make_scheduler(8, budget=64)
+    parent = make_seq(BS + 2, name="p")
+    scheduler.add(parent)
+    simulate_step(scheduler, kv)
+    child = Sequence(parent.request, 1, list(parent.token_ids), parent.num_prompt_tokens)
+    kv.fork(parent, child)
+    shared = child.block_table[1]
+    assert kv.allocate_if_room(child, 1) is True
+    assert child.block_table[1] != shared and kv.take_pending_copies() == [(shared, child.block_table[1])]
+    assert kv.allocate_if_room(child, 1) is True and kv.take_pending_copies() == []  # private now
