@@ -20,6 +20,9 @@ kvscale's engine core gets through ``--omp-threads-bind``.
     python -m bench.http_load                               # 32 streams, W1 lengths scaled down
     python -m bench.http_load --requests 64 --prompt-len 32 512 --output-len 16 256   # full W1
     python -m bench.http_load --baselines vllm --threads 2 --rounds 3   # kvscale serve vs vLLM serve
+
+``--before-checkout PATH`` adds one more side: `kvscale serve` from another checkout (a git
+worktree of an earlier commit), so a change is measured against its parent in the same run.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, quantile, write_result
+from bench.common import git_commit, machine, quantile, write_result
 from kvscale.processes import die_with_parent, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -367,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
                         help="`--stream-interval` of both servers (vLLM's flag): tokens per streamed "
                              "event after the first; ITL is then the gap between such events")
+    parser.add_argument("--before-checkout", default=None, metavar="PATH",
+                        help="also serve from this checkout (a worktree of an earlier commit): side 'before'")
     parser.add_argument("--output", default=None,
                         help="JSON path (default bench/results/http_load.json; with vllm, "
                              "http_load_vllm_t<threads>.json)")
@@ -412,13 +417,19 @@ def main(argv: list[str] | None = None) -> int:
         servers["kvscale"] = start_kvscale(engine_flags, args.threads, BUNDLED_NAME, log_dir, interval)
         first_served_s["kvscale"] = asyncio.run(first_served(servers["kvscale"], args.start_timeout))
         print(f"kvscale serve: first request served {first_served_s['kvscale']:.1f} s after spawn", flush=True)
+        if args.before_checkout:
+            servers["before"] = start_kvscale(engine_flags, args.threads, BUNDLED_NAME, log_dir, interval,
+                                              checkout=Path(args.before_checkout).resolve(), name="kvscale-before")
+            first_served_s["before"] = asyncio.run(first_served(servers["before"], args.start_timeout))
+            print(f"kvscale serve (before): first request served {first_served_s['before']:.1f} s after spawn",
+                  flush=True)
         if "vllm" in baselines:
             servers["vllm"] = start_vllm(engine_flags, args.threads, BUNDLED_NAME, log_dir, args.vllm_enforce_eager,
                                          interval)
             first_served_s["vllm"] = asyncio.run(first_served(servers["vllm"], args.start_timeout))
             print(f"vLLM serve: first request served {first_served_s['vllm']:.1f} s after spawn", flush=True)
 
-        sides = ["kvscale", *baselines]
+        sides = ["kvscale", *(["before"] if args.before_checkout else []), *baselines]
         for round_id in range(args.rounds):
             # Fresh prompts each round (the same for every side), so no round reuses another's cache.
             workload = make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len),
@@ -440,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
                 entry[side] = result
             for baseline in baselines:
                 entry[f"kvscale_over_{baseline}"] = compare(entry["kvscale"], entry[baseline])
+            if args.before_checkout:
+                entry["kvscale_over_before"] = compare(entry["kvscale"], entry["before"])
+                if "offline" in baselines:
+                    entry["before_over_offline"] = compare(entry["before"], entry["offline"])
             rounds.append(entry)
     finally:
         for server in servers.values():
@@ -473,6 +488,16 @@ def main(argv: list[str] | None = None) -> int:
             "http_over_offline_throughput_median": _median(rounds, "kvscale_over_offline", "throughput"),
             "target_http_over_offline": TARGET_HTTP_OVER_OFFLINE,
         })
+    if args.before_checkout:
+        result.update({
+            "commits": {"kvscale": git_commit(REPO), "before": git_commit(Path(args.before_checkout))},
+            "before_output_tokens_per_s_median": _median(rounds, "before", "output_tokens_per_s"),
+            **{f"kvscale_over_before_{name}_median": _median(rounds, "kvscale_over_before", name)
+               for name in rounds[0]["kvscale_over_before"]},
+        })
+        if "offline" in baselines:
+            result["before_http_over_offline_throughput_median"] = _median(rounds, "before_over_offline",
+                                                                           "throughput")
     if vllm_server is not None:
         from bench.anchors.vllm_cpu import kernels_from_log
 
