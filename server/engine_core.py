@@ -112,7 +112,7 @@ def run_engine_core(settings: CoreSettings) -> None:
         context.term()
         raise SystemExit(1) from exc
     # torch, transformers, the model and the warm-up's leftovers: every full collection would
-    # walk them between two steps (316 ms on an H200's host at 256 sequences, all of them stalled).
+    # walk them between two steps (310 ms on an H200's host at 256 sequences, all of them stalled).
     frozen = freeze_startup_heap()
     outbox.send(codec.encode(Ready(
         pid=os.getpid(), model_name=engine.model_name, max_model_len=engine.max_model_len,

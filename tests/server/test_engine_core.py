@@ -160,7 +160,7 @@ def test_first_request_is_as_fast_as_the_second(tmp_path) -> None:
         assert first <= 1.5 * second + 1.0, (first, second)
         assert "warmed up in" in server.log()
         # Then what start-up built (torch, transformers: 218,527 objects here) leaves the garbage
-        # collector's full passes, which would walk it between two steps: 316 ms on an H200's
+        # collector's full passes, which would walk it between two steps: 310 ms on an H200's
         # host at 256 sequences, every stream stalled.
         frozen = re.search(r"(\d+) start-up objects frozen out of the garbage collector", server.log())
         assert frozen and int(frozen.group(1)) > 100_000, server.log()
