@@ -109,6 +109,33 @@ def test_the_next_step_is_queued_before_the_tokens_are_read(make_engine):
         engine.step()
 
 
+def test_a_steady_decode_batch_takes_its_ids_from_the_queued_step_as_they_are(make_engine):
+    """No host list, copy or scatter for the step's ids when every row decodes the row the
+    queued step samples (a GPU's usual step); rows that differ take the general path."""
+    engine = make_engine(async_scheduling=True)
+    prepared = []
+    prepare = engine.runner.prepare
+
+    def recording(scheduled, in_flight=None):
+        inputs = prepare(scheduled, in_flight)
+        prepared.append((inputs[0], in_flight))
+        return inputs
+
+    engine.runner.prepare = recording
+    for i in range(2):
+        engine.add_request(str(i), PROMPTS[i], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    ids, in_flight = prepared[-1]
+    assert in_flight is not None and ids is in_flight.device_tokens
+    engine.add_request("late", PROMPTS[2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    engine.step()  # two decodes beside a prompt: not a steady batch
+    ids, in_flight = prepared[-1]
+    assert in_flight is not None and ids is not in_flight.device_tokens and len(ids) > len(in_flight.seqs)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def test_a_request_aborted_in_flight_gets_nothing_more_and_frees_its_blocks(pair, run_to_completion):
     sync, overlapped = pair(num_gpu_blocks_override=64)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
