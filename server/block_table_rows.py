@@ -24,11 +24,10 @@ class BlockTableRows:
         self._array = np.zeros((0, 0), dtype=np.int32)  # one row per sequence kept
         self._free: list[int] = []  # rows nobody keeps
         self._row_of: dict[int, int] = {}  # seq_id -> its row
-        # Per row: the list it mirrors, how many leading entries it holds, the step that last
-        # used it. Plain lists updated in place: a step leaves no new object alive behind it
-        # (each would be promoted by the garbage collector and bring its next full pass closer).
+        # Per row: the list it mirrors and the step that last used it. Plain lists updated in
+        # place: a step leaves no new object alive behind it (each would be promoted by the
+        # garbage collector and bring its next full pass closer).
         self._mirrors: list[list[int] | None] = []
-        self._lengths: list[int] = []
         self._used_at: list[int] = []
         self._step = 0
 
@@ -40,15 +39,16 @@ class BlockTableRows:
         self._reserve(len(row_of) + len(scheduled), width)
         self._step += 1
         array, bs, step = self._array, self.block_size, self._step
-        mirrors, lengths, used_at = self._mirrors, self._lengths, self._used_at
+        mirrors, used_at = self._mirrors, self._used_at
         rows: list[int] = []
         for item in scheduled:
             seq = item.seq
             table = seq.block_table
             row = row_of.get(seq.seq_id)
             if row is not None and mirrors[row] is table:
-                # Usually one entry (the block being written) or none: ints, one by one.
-                for k in range(min(lengths[row], seq.num_computed_tokens // bs), len(table)):
+                # Kept from the step before, when the table covered every token computed since:
+                # from the block being written on, usually one entry. Ints, one by one.
+                for k in range(seq.num_computed_tokens // bs, len(table)):
                     array[row, k] = table[k]
             else:
                 if row is None:
@@ -56,7 +56,6 @@ class BlockTableRows:
                 mirrors[row] = table
                 array[row, : len(table)] = table
                 array[row, len(table) :] = 0
-            lengths[row] = len(table)
             used_at[row] = step
             rows.append(row)
         if len(row_of) > len(rows):
@@ -78,5 +77,4 @@ class BlockTableRows:
         added = grown.shape[0] - rows
         self._free.extend(range(rows, grown.shape[0]))
         self._mirrors.extend([None] * added)
-        self._lengths.extend([0] * added)
         self._used_at.extend([0] * added)

@@ -122,37 +122,28 @@ class KVCacheManager:
             seq.num_computed_tokens = len(cached) * self.block_size
             seq.num_registered_blocks = len(cached)
         if self._needs_copy_on_write(seq):
-            self._copy_on_write(seq)
+            idx = seq.num_computed_tokens // self.block_size
+            shared = seq.block_table[idx]
+            private = pool.allocate()
+            self.pending_copies.append((shared, private))
+            pool.free([shared])
+            seq.block_table[idx] = private
         total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
         while len(seq.block_table) < total:
             seq.block_table.append(pool.allocate())
 
     def allocate_if_room(self, seq: Sequence, num_new_tokens: int) -> bool:
         """``can_allocate`` then ``allocate`` for a sequence that holds its blocks (a running one:
-        no prefix hits), deciding copy-on-write once; False, with nothing changed, when the pool
-        lacks the blocks. The scheduler asks this of every running sequence every step."""
-        table = seq.block_table
-        grow = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
-        copy = self._needs_copy_on_write(seq)
-        if grow <= 0 and not copy:
-            return True  # the slots are in blocks it holds: most decode steps
-        pool = self.pool
-        if max(grow, 0) + copy > pool.num_free_blocks:
+        no prefix hits), counting once; False, with nothing changed, when the pool lacks the
+        blocks. The scheduler asks this of every running sequence every step, and most need
+        nothing (their slots are in blocks they hold)."""
+        needed = self.num_blocks_needed(seq, num_new_tokens)
+        if not needed:
+            return True
+        if needed > self.pool.num_free_blocks:
             return False
-        if copy:
-            self._copy_on_write(seq)
-        for _ in range(grow):
-            table.append(pool.allocate())
+        self.allocate(seq, num_new_tokens)
         return True
-
-    def _copy_on_write(self, seq: Sequence) -> None:
-        """A private copy of the shared partial block ``seq`` writes next (copied before the forward)."""
-        idx = seq.num_computed_tokens // self.block_size
-        shared = seq.block_table[idx]
-        private = self.pool.allocate()
-        self.pending_copies.append((shared, private))
-        self.pool.free([shared])
-        seq.block_table[idx] = private
 
     def record_lookup(self, seq: Sequence, num_hit_tokens: int, hits: Seq[PrefixHit] = ()) -> None:
         if self.enable_prefix_caching:

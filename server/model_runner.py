@@ -350,15 +350,13 @@ class ModelRunner:
         )
         if not is_decode and not self.kernels.prefill_batches_decodes:
             meta.split = self._split(attn_query_lens, attn_tables, attn_query_start, attn_context_lens)
-        if not fill_at:
-            ids = to_device(torch.tensor(input_ids, dtype=torch.long))
+        if in_flight is not None and len(fill_at) == len(input_ids) and fill_from == list(range(len(in_flight.seqs))):
+            # A steady decode batch: every input is the in-flight step's token of the same row.
+            ids = in_flight.device_tokens
         else:
-            assert in_flight is not None
-            if len(fill_at) == len(input_ids) == len(in_flight.seqs) and fill_from == list(range(len(fill_from))):
-                # A steady decode batch: every input is the in-flight step's token of the same row.
-                ids = in_flight.device_tokens
-            else:
-                ids = to_device(torch.tensor(input_ids, dtype=torch.long))
+            ids = to_device(torch.tensor(input_ids, dtype=torch.long))
+            if fill_at:
+                assert in_flight is not None
                 rows = to_device(torch.tensor(fill_from, dtype=torch.long))
                 ids[to_device(torch.tensor(fill_at, dtype=torch.long))] = in_flight.device_tokens[rows]
         flat_rows = [query_start[i + 1] - 1 for i in sample_rows] + prompt_flat_rows
