@@ -6,8 +6,9 @@ cache so K/V come from memory, not cache) through `cpu_native.paged_decode_atten
 `reference.paged_decode_attention`; reported with the K/V bytes read per second. Layer ops: SiLU-
 and-multiply and residual-add + RMSNorm on a 2048-token prefill's activations against the torch
 ops the model ran before, and RoPE on the q|k heads of a 2048-token step's fused qkv rows against
-the model's PyTorch formula. bfloat16 prefill attention of a W1 and a W2 prefill step's layer
-(the C kernel on AMX CPUs; elsewhere both sides are the reference). Medians of repeated calls,
+the model's PyTorch formula. Prefill attention of a W1 and a W2 prefill step's layer (float32:
+the C kernel on AVX2 CPUs; bfloat16: on AMX CPUs; elsewhere both sides are the reference),
+with GFLOP/s of causal work on each side. Medians of repeated calls,
 float32 and bfloat16. The KV write of a decode and a prefill step's tokens. Also the sampler's
 greedy ids (``server.sampler.greedy_tokens``, ``max(dim).indices``) against ``argmax`` on a
 64-row decode step's float32 logits over the bundled model's vocabulary, and on a bfloat16
@@ -107,8 +108,8 @@ def measure(dtype: torch.dtype, gen: torch.Generator, repeats: int) -> list[dict
         ref = median_ms(functools.partial(reference.write_kv, *args), repeats, warmup=1)
         rows.append({"op": f"write_kv {tokens} tokens", "dtype": str(dtype), "c_ms": native, "torch_ms": ref,
                      "speedup": ref / native})
+    rows.extend(prefill_rows(gen, repeats, dtype=dtype, cache_dtype=dtype))
     if dtype == torch.bfloat16:
-        rows.extend(prefill_rows(gen, repeats))
         rows.extend(fp8_rows(case, rows, gen, repeats))
         rows.extend(decode_step_rows(gen, max(3, repeats // 3)))
     return rows
@@ -193,15 +194,17 @@ PREFILL_STEPS = (
 )
 
 
-def prefill_rows(gen: torch.Generator, repeats: int, cache_dtype: torch.dtype = torch.bfloat16) -> list[dict]:
-    """bfloat16 prefill attention of one layer (9 query / 3 KV heads of 64, 16-token blocks
-    scattered over the cache, in ``cache_dtype``): the C kernel (AMX) against what the engine ran
-    before it (the reference: one gather and one SDPA per group of equal sequences)."""
+def prefill_rows(gen: torch.Generator, repeats: int, cache_dtype: torch.dtype = torch.bfloat16,
+                 dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Prefill attention of one layer in ``dtype`` (9 query / 3 KV heads of 64, 16-token blocks
+    scattered over the cache, in ``cache_dtype``: ``dtype`` or, with bfloat16, an FP8 one): the C
+    kernel (AMX for bfloat16, AVX2 for float32) against what the engine ran before it (the
+    reference: one gather and one SDPA per group of equal sequences)."""
     rows = []
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 16, 8192
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
     if fp8.is_fp8(cache_dtype):
         k_cache, v_cache = fp8.quantize(k_cache, cache_dtype, 1.0), fp8.quantize(v_cache, cache_dtype, 1.0)
     for name, context_lens, q_lens, shared in PREFILL_STEPS:
@@ -214,7 +217,7 @@ def prefill_rows(gen: torch.Generator, repeats: int, cache_dtype: torch.dtype = 
         for i, count in enumerate(blocks):
             tables[i, prefix_blocks:count] = order[used : used + count - prefix_blocks]
             used += count - prefix_blocks
-        query = torch.randn(sum(q_lens), num_heads + num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+        query = torch.randn(sum(q_lens), num_heads + num_kv_heads, head_dim, generator=gen).to(dtype)
         args = (query[:, :num_heads], k_cache, v_cache, tables,
                 torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0).to(torch.int32),
                 torch.tensor(context_lens, dtype=torch.int32), head_dim**-0.5)
@@ -223,9 +226,10 @@ def prefill_rows(gen: torch.Generator, repeats: int, cache_dtype: torch.dtype = 
                                           decode=cpu_native.paged_decode_attention), repeats, warmup=1)
         # Causal attention's multiply-adds: each new token against its position + 1 keys.
         flops = sum(4 * num_heads * head_dim * (q * (c - q) + q * (q + 1) / 2) for c, q in zip(context_lens, q_lens, strict=True))
-        rows.append({"op": f"prefill attention, {name}", "dtype": str(torch.bfloat16), "c_ms": native,
+        in_c = cpu_native.amx_prefill_available() if dtype == torch.bfloat16 else cpu_native.f32_prefill_available()
+        rows.append({"op": f"prefill attention, {name}", "dtype": str(dtype), "c_ms": native,
                      "torch_ms": ref, "speedup": ref / native, "c_gflop_per_s": flops / native / 1e6,
-                     "amx": cpu_native.amx_prefill_available()})
+                     "torch_gflop_per_s": flops / ref / 1e6, "in_c": in_c})
     return rows
 
 

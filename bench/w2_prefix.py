@@ -7,6 +7,7 @@ TTFT = first token time - arrival (time.monotonic), per request, averaged.
 
     python -m bench.w2_prefix              # writes bench/results/w2_prefix.json
     python -m bench.w2_prefix --baselines ''   # without vLLM
+    python -m bench.w2_prefix --dtype auto     # each engine's own default precision (recorded per side)
 
 Baseline in the same run (default): vLLM's CPU build with prefix caching on, the same requests
 through its offline ``LLM`` (bench/anchors/vllm_cpu.py), same threads, batch limits and KV budget;
@@ -66,6 +67,7 @@ def side(args: argparse.Namespace, caching: bool) -> dict:
         "prefix_cache_hits_tokens": stats.prefix_cache_hits,
         "cached_tokens_per_request_mean": statistics.fmean(r.num_cached_tokens for r in results),
         "kv_cache_bytes": engine.kv_cache_bytes,
+        "dtype": str(engine.dtype).removeprefix("torch."),
         "peak_rss_bytes": peak_rss_bytes(),
         "torch_threads": torch.get_num_threads(),
     }
@@ -78,7 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--unique-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                        help="both engines' --dtype; auto: each engine's own default")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)

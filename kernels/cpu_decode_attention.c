@@ -38,6 +38,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_softmax.h"
+
 /* bf16 dot products need the instructions (AVX-512 BF16, known from -march=native) and a compiler
  * with __builtin_shufflevector (gcc 12, clang); without either, bf16 tiles are widened instead. */
 #if defined(__AVX512BF16__) && defined(__has_builtin)
@@ -415,29 +418,6 @@ static int bf16_dots_apply(int cache_format, int query_is_bf16, int head_dim) {
     (void)cache_format, (void)query_is_bf16, (void)head_dim;
     return 0;
 #endif
-}
-
-/* Each of `rows` rows of n scores (row r at scores + r * n) to its softmax, in place. */
-static inline __attribute__((always_inline)) void softmax_rows(float *scores, int rows, int n) {
-    for (int r = 0; r < rows; r++) {
-        float *row = scores + (int64_t)r * n;
-        float peak = row[0];
-        for (int t = 1; t < n; t++) peak = row[t] > peak ? row[t] : peak;
-        float total = 0.0f;
-        /* Weights below e^-70 of the peak count as 0 (they are below float32's precision of
-         * the sum anyway). Without the cut a peaked row sends expf inputs below -87 into
-         * libmvec's scalar fallback and leaves subnormal weights, a microcode assist each on
-         * every later multiply: a decode layer with peaked scores took 3x as long. */
-        #pragma omp simd reduction(+ : total)
-        for (int t = 0; t < n; t++) {
-            const float shifted = row[t] - peak;
-            row[t] = shifted < -70.0f ? 0.0f : expf(shifted > -70.0f ? shifted : -70.0f);
-            total += row[t];
-        }
-        const float inv = 1.0f / total;
-        #pragma omp simd
-        for (int t = 0; t < n; t++) row[t] *= inv;
-    }
 }
 
 #if defined(KVSCALE_BF16_DOTS) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)

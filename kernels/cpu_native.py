@@ -1,12 +1,12 @@
 """The engine's C kernels for CPUs (built on first use and cached), their Python entry points,
-and the CPU kernel backend (``CPU``: C decode attention, C prefill attention on AMX CPUs, the
+and the CPU kernel backend (``CPU``: C decode attention, C prefill attention on AMX and AVX2 CPUs, the
 PyTorch references for the rest).
 
 ``cpu_decode_attention.c``: decode attention reading the paged cache in place for every sequence
 of a layer in one call (the PyTorch reference's per-sequence ops were most of a decode step's
 non-GEMM time); a bfloat16 or FP8 cache on AMX tiles where the CPU has them. ``cpu_write_kv.c``: the new tokens' K/V rows into their cache slots.
 ``cpu_prefill_attention.c``: bfloat16 prefill attention on AMX tiles over the paged cache, every
-sequence of a layer in one call. ``cpu_linear_amx.c``: bfloat16 and int8 projections on AMX tiles,
+sequence of a layer in one call; ``cpu_prefill_attention_f32.c`` the same in float32 on AVX2 and FMA. ``cpu_linear_amx.c``: bfloat16 and int8 projections on AMX tiles,
 the weight laid out once in the order the kernel streams it. ``cpu_token_mask.c``: a structured
 output step's token bitmask applied to its logits rows in place. ``cpu_layer_ops.c``: the decoder layer's elementwise steps
 (SiLU-and-multiply, residual add + RMSNorm, RoPE) fused into one pass each. ``cpu_threads.c``: pins the OpenMP
@@ -46,9 +46,10 @@ from kvscale.kernels.ops import KernelBackend
 
 logger = logging.getLogger(__name__)
 
-SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_write_kv.c", "cpu_layer_ops.c", "cpu_quantize.c",
-           "cpu_linear_amx.c", "cpu_token_mask.c", "cpu_threads.c", "cpu_step_layers.c")
-HEADERS = ("cpu_amx.h", "cpu_silu.h")  # included by the sources above: copied beside them, and part of the build's key
+SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_prefill_attention_f32.c", "cpu_write_kv.c",
+           "cpu_layer_ops.c", "cpu_quantize.c", "cpu_linear_amx.c", "cpu_token_mask.c", "cpu_threads.c",
+           "cpu_step_layers.c")
+HEADERS = ("cpu_amx.h", "cpu_silu.h", "cpu_softmax.h")  # included by the sources above: copied beside them, and part of the build's key
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are. It is a
 # compile flag only: linked with it, gcc adds crtfastmath.o, which switches the whole process to
@@ -65,7 +66,9 @@ FILE_CFLAGS = {"cpu_quantize.c": ("-fno-unsafe-math-optimizations",), "cpu_write
 LDFLAGS = ("-shared", "-fopenmp")
 LDLIBS = ("-lmvec", "-lm")
 MODES = ("auto", "native", "reference")
-_BAD_TABLE = 2  # KVSCALE_BAD_TABLE in cpu_decode_attention.c, KVSCALE_PREFILL_BAD_TABLE in cpu_prefill_attention.c
+# KVSCALE_BAD_TABLE in cpu_decode_attention.c, KVSCALE_PREFILL_BAD_TABLE and KVSCALE_PREFILL_F32_BAD_TABLE in
+# the prefill kernels.
+_BAD_TABLE = 2
 
 _PTR, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # The C prototypes as ctypes sees them, (result, arguments): the one place the Python side
@@ -86,6 +89,13 @@ _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
         _I32, _F32, _F32, _F32, _PTR, _I32,  # cache_format, k_scale, v_scale, scale, out, num_threads
     ]),
     "kvscale_prefill_attention_available": (ctypes.c_int, []),
+    "kvscale_paged_prefill_attention_f32": (ctypes.c_int, [
+        _PTR, _I64, _PTR, _PTR, _I64,  # query, query_stride, k_cache, v_cache, num_blocks
+        _PTR, _I64, _PTR, _PTR,  # block_tables, table_stride, query_start_loc, context_lens
+        _I32, _I32, _I32, _I32, _I32,  # num_seqs, num_heads, num_kv_heads, head_dim, block_size
+        _F32, _PTR, _I32,  # scale, out, num_threads
+    ]),
+    "kvscale_prefill_attention_f32_available": (ctypes.c_int, []),
     # key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, num_tokens, row, elem
     "kvscale_write_kv": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64]),
     # key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, num_tokens, row, is_bf16,
@@ -642,9 +652,16 @@ def decode_attention_on_amx(cache_dtype: torch.dtype, query_dtype: torch.dtype, 
 
 @functools.cache
 def amx_prefill_available() -> bool:
-    """Whether prefill attention runs in C here: a build with AMX and the OS's leave to use it."""
+    """Whether bfloat16 prefill attention runs in C here: a build with AMX and the OS's leave to use it."""
     lib = _library()
     return lib is not None and bool(lib.kvscale_prefill_attention_available())
+
+
+@functools.cache
+def f32_prefill_available() -> bool:
+    """Whether float32 prefill attention runs in C here: a build with AVX2 and FMA."""
+    lib = _library()
+    return lib is not None and bool(lib.kvscale_prefill_attention_f32_available())
 
 
 def paged_prefill_attention(
@@ -660,15 +677,19 @@ def paged_prefill_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> Tensor:
-    """:class:`kvscale.kernels.ops.PrefillAttention`: on CPUs with AMX, a bfloat16 query and a
-    bfloat16 or FP8 cache, every multi-token sequence of a layer in one C call
-    (cpu_prefill_attention.c) and the single-token ones through the C decode kernel; elsewhere the
-    PyTorch reference (float32, other head sizes, CPUs without AMX)."""
+    """:class:`kvscale.kernels.ops.PrefillAttention`: every multi-token sequence of a layer in one C
+    call, and the single-token ones through the C decode kernel, where a kernel takes the dtypes:
+    on CPUs with AMX a bfloat16 query with a bfloat16 or FP8 cache (cpu_prefill_attention.c), on
+    CPUs with AVX2 and FMA a float32 query and cache (cpu_prefill_attention_f32.c); elsewhere the
+    PyTorch reference (other dtypes and head sizes)."""
     num_tokens, num_heads, head_dim = query.shape
-    if (query.dtype != torch.bfloat16 or not (k_cache.dtype == torch.bfloat16 or fp8.is_fp8(k_cache.dtype))
-            or query.device.type != "cpu"
-            or head_dim % 32 or head_dim > 256 or query.stride(2) != 1 or query.stride(1) != head_dim
-            or not amx_prefill_available()):
+    layout_ok = query.device.type == "cpu" and query.stride(2) == 1 and query.stride(1) == head_dim
+    f32 = (layout_ok and query.dtype == torch.float32 and k_cache.dtype == torch.float32
+           and head_dim % 8 == 0 and head_dim <= 256 and f32_prefill_available())
+    amx = (layout_ok and query.dtype == torch.bfloat16
+           and (k_cache.dtype == torch.bfloat16 or fp8.is_fp8(k_cache.dtype))
+           and head_dim % 32 == 0 and head_dim <= 256 and amx_prefill_available())
+    if not (f32 or amx):
         return reference.paged_prefill_attention(
             query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, decode=paged_decode_attention,
             k_scale=k_scale, v_scale=v_scale,
@@ -683,13 +704,15 @@ def paged_prefill_attention(
     tables = block_tables.to(torch.int32).contiguous()
     out = query.new_empty((num_tokens, num_heads, head_dim))
     lib = _library()
-    assert lib is not None  # amx_prefill_available() said so
-    status = lib.kvscale_paged_prefill_attention(
-        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
-        tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(),
-        num_seqs, num_heads, num_kv_heads, head_dim, block_size, fp8.cache_format(k_cache.dtype), k_scale, v_scale,
-        scale, out.data_ptr(), torch.get_num_threads(),
-    )
+    assert lib is not None  # f32_prefill_available() or amx_prefill_available() said so
+    paged = (query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+             tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(),
+             num_seqs, num_heads, num_kv_heads, head_dim, block_size)
+    if f32:
+        status = lib.kvscale_paged_prefill_attention_f32(*paged, scale, out.data_ptr(), torch.get_num_threads())
+    else:
+        status = lib.kvscale_paged_prefill_attention(*paged, fp8.cache_format(k_cache.dtype), k_scale, v_scale,
+                                                     scale, out.data_ptr(), torch.get_num_threads())
     if status == _BAD_TABLE:
         raise ValueError(
             "a sequence has more new tokens than context, or needs more blocks than its block table "
@@ -741,8 +764,9 @@ def write_kv(
 
 
 # The engine's CPU path: KV writes and decode attention in C (also for the decode tokens of
-# mixed batches), prefill attention in C on AMX CPUs with a bfloat16 model, the rest of prefill
-# attention in PyTorch (one gather and one SDPA per group of equal sequences).
+# mixed batches), prefill attention in C on AMX CPUs with a bfloat16 model and on AVX2 CPUs with a
+# float32 one, the rest of prefill attention in PyTorch (one gather and one SDPA per group of
+# equal sequences).
 CPU = KernelBackend(
     "cpu",
     write_kv=write_kv,

@@ -276,6 +276,8 @@ def _offline_side(spec_path: str, result_path: str) -> None:
         "threads": spec["threads"],
         "enforce_eager": spec["enforce_eager"],
         "kv_cache_dtype": spec.get("kv_cache_dtype", "auto"),
+        # What --dtype resolved to (``auto``: the checkpoint's, where this CPU supports it).
+        "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
     }
     Path(result_path).write_text(json.dumps(result))
 

@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from bench.http_load import compare, kvscale_argv, make_workload, parse_baselines, round_order
+from bench.http_load import (
+    compare,
+    kvscale_argv,
+    make_workload,
+    parse_baselines,
+    resolved_dtype,
+    round_order,
+)
 from kvscale.server.cli_serve import add_arguments
 
 
@@ -70,3 +77,11 @@ def test_kvscale_argv_is_what_kvscale_serve_parses_back(prefix_caching):
     assert {name: getattr(parsed, name) for name in flags} == flags
     assert parsed.served_model_name == ["SmolLM2-135M-Instruct"]
     assert (parsed.host, parsed.port) == ("127.0.0.1", 8123)
+
+
+def test_resolved_dtype_reads_either_servers_log():
+    kvscale_log = "INFO kvscale.server.model_loader: --dtype auto on AMD EPYC: float32, because no native bf16\n"
+    vllm_log = "INFO [llm_engine.py] Initializing a V1 LLM engine with config: model='m', dtype=torch.bfloat16, x=1\n"
+    assert resolved_dtype(kvscale_log) == "float32"
+    assert resolved_dtype(vllm_log) == "bfloat16"
+    assert resolved_dtype("INFO started\n") is None

@@ -32,6 +32,13 @@ def cpu_has_amx_bf16() -> bool:
     return {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_features().flags
 
 
+def cpu_has_avx2_fma() -> bool:
+    """Whether this CPU has what the float32 prefill kernel needs (AVX2 and FMA), as /proc/cpuinfo says."""
+    from kvscale.server.cpu_features import cpu_features
+
+    return {"avx2", "fma"} <= cpu_features().flags
+
+
 # Max abs error allowed against the float64 dense attention / the reference, by dtype.
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
