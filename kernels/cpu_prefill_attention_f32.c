@@ -4,7 +4,8 @@
  * Why: a float32 model's prefill attention otherwise goes through PyTorch: per group of equal
  * sequences a gather of K/V out of the paged cache, a mask for a chunk after cached tokens, and
  * one SDPA call, every layer; on AVX2 CPUs, where float32 is what `--dtype auto` picks, SDPA ran
- * causal float32 attention at about 55 GFLOP/s on two cores.
+ * causal float32 attention at about 50 GFLOP/s on two cores. This kernel took prefill attention
+ * over W1 from 2.44 to 1.62 s on an AVX2 EPYC (docs/benchmarks.md, fourteenth session).
  *
  * Here one call per layer does every sequence. A task is (sequence, KV head, up to POSITIONS
  * query positions): it packs the keys its last position sees once, for the GQA group's query
