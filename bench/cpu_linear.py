@@ -9,6 +9,8 @@ buffer; bfloat16: the checkpoint's [out, in]). Medians of repeated calls; the ra
 F.linear is what ``server/cpu_linear.py`` decides by (below 1: packing is faster). Each row also
 times ``--quantization int8``'s projection (``server/quantization.py``: int8 weights, the input
 quantized per row on each call) on inputs of that dtype, and its ratio to the faster of the two.
+Where oneDNN has no bf16 kernels (an AVX2 CPU) bfloat16 cannot be packed: its rows time the
+engine's widened projection (``WidenedLinear``) instead, and its ratio to float32's best layout.
 
     python -m bench.cpu_linear --threads 2      # bench/results/cpu_linear_t2.json
 """
@@ -22,11 +24,11 @@ from torch.nn import functional
 
 from bench.common import machine, median_ms, op_bench_args, write_result
 from kvscale.model_files import resolve_model_path
-from kvscale.server.cpu_linear import PackedLinear, onednn_packs
+from kvscale.server.cpu_linear import PackedLinear, WidenedLinear, onednn_packs
 from kvscale.server.model_llama import spec_from_hf_config
 from kvscale.server.quantization import Int8Linear
 
-ROWS = (1, 4, 16, 64, 256, 2048)
+ROWS = (1, 4, 8, 16, 64, 256, 2048)
 DECODE_ROWS_MAX = 64
 
 
@@ -45,7 +47,9 @@ def measure(dtype: torch.dtype, repeats: int, gen: torch.Generator) -> list[dict
     shapes, num_layers = projection_shapes()
     weights = {name: (torch.randn(out, inp, generator=gen) * 0.02).to(dtype) for name, (inp, out) in shapes.items()}
     plain = {name: w.t().contiguous().t() if dtype == torch.float32 else w for name, w in weights.items()}
-    packed = {name: PackedLinear(w, None) for name, w in weights.items()}
+    widens = dtype == torch.bfloat16 and not onednn_packs(dtype)
+    layout = "widened" if widens else "packed"
+    packed = {name: WidenedLinear(w, None) if widens else PackedLinear(w, None) for name, w in weights.items()}
     int8 = {name: Int8Linear(w, None) for name, w in weights.items()}
     rows_out = []
     for rows in ROWS:
@@ -56,11 +60,14 @@ def measure(dtype: torch.dtype, repeats: int, gen: torch.Generator) -> list[dict
             x = torch.randn(rows, inp, generator=gen).to(dtype)
             times = 1 if name == "lm_head" else num_layers
             reps = max(5, repeats // 4) if rows >= 256 else repeats
-            linear_ms += times * median_ms(lambda x=x, w=plain[name]: functional.linear(x, w), reps, warmup=2)
+            # torch's own bf16 GEMM without bf16 kernels takes seconds a call: timed once.
+            linear_reps, linear_warmup = (1, 0) if widens else (reps, 2)
+            linear_ms += times * median_ms(lambda x=x, w=plain[name]: functional.linear(x, w), linear_reps,
+                                           warmup=linear_warmup)
             packed_ms += times * median_ms(lambda x=x, m=packed[name]: m(x), reps, warmup=2)
             int8_ms += times * median_ms(lambda x=x, m=int8[name]: m(x), reps, warmup=2)
         rows_out.append({"dtype": str(dtype).removeprefix("torch."), "rows": rows, "f_linear_ms": linear_ms,
-                         "packed_ms": packed_ms, "packed_over_f_linear": packed_ms / linear_ms,
+                         f"{layout}_ms": packed_ms, f"{layout}_over_f_linear": packed_ms / linear_ms,
                          "int8_ms": int8_ms, "int8_over_best": int8_ms / min(linear_ms, packed_ms)})
     return rows_out
 
@@ -69,15 +76,20 @@ def main(argv: list[str] | None = None) -> int:
     args = op_bench_args(__doc__, argv)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    # oneDNN packs bfloat16 only where it has bf16 kernels (AVX-512 BW/VL/DQ or AVX-NE-CONVERT);
-    # elsewhere (an AVX2 EPYC) its reorder refuses, and the engine runs bf16 unpacked.
-    dtypes = (torch.float32, torch.bfloat16) if onednn_packs(torch.bfloat16) else (torch.float32,)
-    for dtype in dtypes:
+    for dtype in (torch.float32, torch.bfloat16):
         rows.extend(measure(dtype, args.repeats, gen))
+    float32_best = {row["rows"]: min(row["f_linear_ms"], row["packed_ms"]) for row in rows if row["dtype"] == "float32"}
     for row in rows:
-        print(f"{row['dtype']:9s} rows {row['rows']:5d}  F.linear {row['f_linear_ms']:8.2f} ms  "
-              f"packed {row['packed_ms']:8.2f} ms  {row['packed_over_f_linear']:.2f}x  "
-              f"int8 {row['int8_ms']:8.2f} ms  {row['int8_over_best']:.2f}x")
+        if "widened_ms" in row:
+            row["widened_over_float32"] = row["widened_ms"] / float32_best[row["rows"]]
+    for row in rows:
+        layout = "widened" if "widened_ms" in row else "packed"
+        line = (f"{row['dtype']:9s} rows {row['rows']:5d}  F.linear {row['f_linear_ms']:8.2f} ms  "
+                f"{layout} {row[f'{layout}_ms']:8.2f} ms  {row[f'{layout}_over_f_linear']:.2f}x  "
+                f"int8 {row['int8_ms']:8.2f} ms  {row['int8_over_best']:.2f}x")
+        if "widened_over_float32" in row:
+            line += f"  widened / float32 {row['widened_over_float32']:.2f}x"
+        print(line)
     result = {"benchmark": "cpu_linear", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
               "threads": args.threads, "engine_packs": {"float32": onednn_packs(torch.float32),
                                                         "bfloat16": onednn_packs(torch.bfloat16)},

@@ -7,7 +7,9 @@ of a layer in one call (the PyTorch reference's per-sequence ops were most of a 
 non-GEMM time); a bfloat16 or FP8 cache on AMX tiles where the CPU has them. ``cpu_write_kv.c``: the new tokens' K/V rows into their cache slots.
 ``cpu_prefill_attention.c``: bfloat16 prefill attention on AMX tiles over the paged cache, every
 sequence of a layer in one call; ``cpu_prefill_attention_f32.c`` the same in float32 on AVX2 and FMA. ``cpu_linear_amx.c``: bfloat16 and int8 projections on AMX tiles,
-the weight laid out once in the order the kernel streams it. ``cpu_token_mask.c``: a structured
+the weight laid out once in the order the kernel streams it. ``cpu_linear_narrow.c``: bfloat16 or
+int8 weights on a decode step's few float32 rows where the CPU has no bf16 or int8 dot products,
+each weight widened as it is read. ``cpu_token_mask.c``: a structured
 output step's token bitmask applied to its logits rows in place. ``cpu_layer_ops.c``: the decoder layer's elementwise steps
 (SiLU-and-multiply, residual add + RMSNorm, RoPE) fused into one pass each. ``cpu_threads.c``: pins the OpenMP
 pool torch and these kernels share, one thread per CPU (``bind_threads``).
@@ -48,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_prefill_attention_f32.c", "cpu_write_kv.c",
            "cpu_layer_ops.c", "cpu_quantize.c", "cpu_linear_amx.c", "cpu_token_mask.c", "cpu_threads.c",
-           "cpu_step_layers.c")
+           "cpu_step_layers.c", "cpu_linear_narrow.c")
 HEADERS = ("cpu_amx.h", "cpu_silu.h", "cpu_softmax.h")  # included by the sources above: copied beside them, and part of the build's key
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are. It is a
@@ -96,6 +98,9 @@ _C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
         _F32, _PTR, _I32,  # scale, out, num_threads
     ]),
     "kvscale_prefill_attention_f32_available": (ctypes.c_int, []),
+    # x, rows, x_stride, w, int8_codes, n_out, k_in, out, num_threads
+    "kvscale_linear_narrow": (ctypes.c_int, [_PTR, _I64, _I64, _PTR, _I32, _I64, _I64, _PTR, _I32]),
+    "kvscale_linear_narrow_available": (ctypes.c_int, []),
     # key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, num_tokens, row, elem
     "kvscale_write_kv": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64]),
     # key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, num_tokens, row, is_bf16,
@@ -662,6 +667,31 @@ def f32_prefill_available() -> bool:
     """Whether float32 prefill attention runs in C here: a build with AVX2 and FMA."""
     lib = _library()
     return lib is not None and bool(lib.kvscale_prefill_attention_f32_available())
+
+
+@functools.cache
+def narrow_linear_available() -> bool:
+    """Whether projections with a bf16 or int8 weight can run on a few float32 rows in C here
+    (cpu_linear_narrow.c): a build with AVX2 and FMA."""
+    lib = _library()
+    return lib is not None and bool(lib.kvscale_linear_narrow_available())
+
+
+def linear_narrow(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight.T`` in float32 for float32 ``x`` ``[rows, in]`` (a unit stride in a row) and a
+    contiguous bfloat16 or int8 ``weight`` ``[out, in]``, widened as it is read; only where
+    :func:`narrow_linear_available`."""
+    assert weight.dtype in (torch.bfloat16, torch.int8) and weight.is_contiguous() and x.stride(1) == 1
+    rows, in_features = x.shape
+    out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    lib = _library()
+    assert lib is not None  # narrow_linear_available() said so
+    status = lib.kvscale_linear_narrow(x.data_ptr(), rows, x.stride(0), weight.data_ptr(),
+                                       int(weight.dtype == torch.int8), weight.shape[0], in_features,
+                                       out.data_ptr(), torch.get_num_threads())
+    if status:
+        raise ValueError("the narrow projection is not built here (no AVX2 and FMA): check narrow_linear_available()")
+    return out
 
 
 def paged_prefill_attention(

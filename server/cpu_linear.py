@@ -19,6 +19,13 @@
   EPYC with AVX-512 a forward's projections on 16-1024 rows take 0.35-0.4x MKL's time, on one
   row 1.15x (``python -m bench.cpu_linear``; vLLM's CPU build packs float32 through oneDNN too).
 
+- bfloat16 where oneDNN has no bf16 kernels (AVX2, AVX-512 without BF16): the weight stays in
+  bfloat16 and each call widens it to float32 a block of output channels at a time for torch's
+  float32 GEMM (``widened_matmul``). torch's own bf16 GEMM there runs at 0.2-16 GFLOP/s (the
+  bundled model's LM head on 280 rows took 70 s on an AVX2 EPYC); widened, a projection takes
+  1-1.5x float32's time on 1-280 rows. A bf16 x bf16 product is exact in float32 and the sums
+  are float32's, as in oneDNN's bf16 kernels, so the result is a bf16 GEMM's, rounded once.
+
 Packing replaces each ``nn.Linear`` with a ``PackedLinear`` that no longer holds the plain
 matrix (the weights' memory is not doubled), except a projection tied to an embedding, whose
 matrix the embedding still reads.
@@ -41,6 +48,12 @@ _X86_NOT_INTEL = frozenset({"AuthenticAMD", "HygonGenuine"})
 _PACKING_ROWS_HINT = 64
 # The most rows a projection runs on kvscale's AMX kernel rather than oneDNN's (see the docstring).
 AMX_ROWS_MAX = 64
+# The float32 copy of a weight block a widened GEMM makes at a time: big enough that the GEMM on a
+# block runs at full speed, small enough to stay in the last-level cache (on an AVX2 EPYC, 128
+# output channels per block took 1.2-2.5x the time of 2048 on 576 inputs).
+_WIDENED_BLOCK_BYTES = 4 << 20
+# The most rows a widened projection runs in C (see widened_matmul).
+NARROW_ROWS_MAX = 16
 
 
 def packs_with_onednn(dtype: torch.dtype, cpu: CpuFeatures, onednn: bool, onednn_bf16: bool) -> bool:
@@ -79,6 +92,53 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+
+
+def widened_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in float32 for float32 ``x`` [rows, in] and a narrower ``weight`` [out, in]
+    (bfloat16, or int8 codes). Up to ``NARROW_ROWS_MAX`` rows, in C, each weight element widened
+    in registers as it is read (``kernels/cpu_linear_narrow.c``); more rows, a block of output
+    channels widened at a time into memory for float32's GEMM, so the memory held stays the
+    narrow weight's plus one block."""
+    if x.shape[0] <= NARROW_ROWS_MAX and cpu_native.narrow_linear_available():
+        return cpu_native.linear_narrow(x if x.stride(1) == 1 else x.contiguous(), weight)
+    out_features, in_features = weight.shape
+    block = min(out_features, max(64, _WIDENED_BLOCK_BYTES // (4 * in_features)))
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    wide = torch.empty(block, in_features, dtype=torch.float32)
+    for start in range(0, out_features, block):
+        stop = min(out_features, start + block)
+        part = wide[: stop - start]
+        part.copy_(weight[start:stop])
+        if stop - start == out_features:
+            torch.mm(x, part.t(), out=out)
+        else:
+            out[:, start:stop] = x @ part.t()
+    return out
+
+
+class WidenedLinear(nn.Module):
+    """``y = x W^T + b`` for a bfloat16 W where oneDNN has no bf16 kernels: see the module
+    docstring. W is the model's own tensor (a tied embedding's included: nothing is copied)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # A contiguous weight is taken as it is: no copy.
+        self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+        # In float32: the bias joins the float32 sums before their one rounding.
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        out = widened_matmul(rows, self.weight)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, widened to float32"
 
 
 class AmxLinear(PackedLinear):
@@ -124,6 +184,8 @@ def lay_out_cpu_linears(model: nn.Module) -> None:
             setattr(parent, name, AmxLinear(linear.weight, linear.bias, amx_weight))
         elif onednn:
             setattr(parent, name, PackedLinear(linear.weight, linear.bias))
+        elif linear.weight.dtype == torch.bfloat16:
+            setattr(parent, name, WidenedLinear(linear.weight, linear.bias))
         elif id(linear.weight) not in seen:
             seen.add(id(linear.weight))
             # Torch's float32 GEMM runs decode's few rows faster against a contiguous [in, out].

@@ -1,8 +1,10 @@
 """int8 weights (``--quantization int8``): every projection quantized when the model loads.
 
 Weights per output channel (symmetric, scale = max|w| / 127), activations per token at every
-call (the same rule on each row of the input), the product in int8 with int32 sums through
-``torch._int_mm`` (oneDNN's VNNI kernels on x86), rescaled by both scales in float32. A first
+call (the same rule on each row of the input), the products of the codes summed exactly and
+rescaled by both scales in float32: on oneDNN's prepacked int8 GEMM where the CPU has VNNI or AMX,
+elsewhere in float32 over the codes widened a block at a time (``cpu_linear.widened_matmul``),
+at about float32's speed: int8 then saves memory, not time. A first
 look on the 2-vCPU AMD EPYC (AVX-512 VNNI; one thread; one layer's four projections; taken while
 another benchmark ran, so indicative only): 0.37 / 2.1 / 95 ms on 16 / 64 / 512 rows against
 oneDNN-packed float32's 0.63 / 5.6 / 182, 0.18 against 0.21 on one row. The weight-only kernel
@@ -25,7 +27,7 @@ from torch import nn
 from kvscale.kernels import cpu_native
 from kvscale.server.config import QUANTIZATIONS
 from kvscale.server.cpu_features import cpu_features
-from kvscale.server.cpu_linear import AMX_ROWS_MAX, amx_packs
+from kvscale.server.cpu_linear import AMX_ROWS_MAX, amx_packs, widened_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class Int8Linear(nn.Module):
     kernels; reordering on every call, as ``torch._int_mm`` does, cost more than the GEMM) and the
     GEMM runs with an input scale of 1, returning ``sum(q_x * q_w) * w_scale``: the per-row input
     scale it cannot take is applied after, so the result is the same integer sums as the
-    ``_int_mm`` path. On a Xeon with AMX a forward's projections at 64 rows took 0.4x the time of
+    widened path's. On a Xeon with AMX a forward's projections at 64 rows took 0.4x the time of
     ``_int_mm`` (``python -m bench.cpu_linear``).
     """
 
@@ -100,9 +102,9 @@ class Int8Linear(nn.Module):
             self.packed_weight = torch.ops.onednn.qlinear_prepack(q, None)
             self.weight_zero_point = torch.zeros(self.out_features, dtype=torch.int64)
         else:
-            # _int_mm multiplies [M, K] by [K, N]: the transposed weight, laid out once.
-            self.weight_t: torch.Tensor
-            self.register_buffer("weight_t", q.t().contiguous())
+            # The int8 codes, widened to float32 a block at a time on each call (forward).
+            self.weight_q: torch.Tensor
+            self.register_buffer("weight_q", q.contiguous())
 
     def _amx_weight_for(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The AMX kernel's weight where these rows (``[rows, in]``) run on it (decode's few, where
@@ -141,8 +143,11 @@ class Int8Linear(nn.Module):
                 out = self._rescale(sums.float(), x_scale, x.dtype)
             out = out.to(x.dtype)
         else:
+            # Without VNNI, torch._int_mm takes a generic loop 9-62x slower than float32's GEMM;
+            # float32 multiplies the same codes exactly (a product of two codes is below 2^14)
+            # and sums them exactly while a sum stays below 2^24 (any row of up to 1,040 inputs).
             xq8, x_scale = quantize_per_row(rows)
-            sums = torch._int_mm(xq8, self.weight_t).float().mul_(self.weight_scale)
+            sums = widened_matmul(xq8.float(), self.weight_q).mul_(self.weight_scale)
             out = self._rescale(sums, x_scale, x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
@@ -181,9 +186,8 @@ def quantize_linears(model: nn.Module) -> int:
     every ``nn.Linear`` of ``model`` by an :class:`Int8Linear`; returns how many."""
     if not onednn_int8():
         logger.warning(
-            "--quantization int8 on a CPU without VNNI or AMX: the projections run on torch._int_mm's "
-            "generic int8 path, 9-62x slower than float32 on an AVX2 EPYC (docs/benchmarks.md, "
-            "twelfth session); int8 saves memory here, not time")
+            "--quantization int8 on a CPU without VNNI or AMX (no int8 dot products): the projections "
+            "multiply the int8 codes in float32, at about float32's speed; int8 saves memory here, not time")
     for layer in getattr(model, "layers", ()):
         smooth_into(layer.input_layernorm.weight, layer.self_attn.qkv_proj)
         smooth_into(layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj)

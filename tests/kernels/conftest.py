@@ -26,6 +26,7 @@ def fresh_cpu_library(monkeypatch: pytest.MonkeyPatch):
         cpu_native._library.cache_clear()
         cpu_native.amx_prefill_available.cache_clear()
         cpu_native.f32_prefill_available.cache_clear()
+        cpu_native.narrow_linear_available.cache_clear()
         cpu_native.amx_linear_available.cache_clear()
 
     monkeypatch.delenv("KVSCALE_CPU_KERNELS", raising=False)

@@ -33,7 +33,8 @@ def cpu_has_amx_bf16() -> bool:
 
 
 def cpu_has_avx2_fma() -> bool:
-    """Whether this CPU has what the float32 prefill kernel needs (AVX2 and FMA), as /proc/cpuinfo says."""
+    """Whether this CPU has what the float32 prefill and narrow projection kernels need (AVX2 and
+    FMA), as /proc/cpuinfo says."""
     from kvscale.server.cpu_features import cpu_features
 
     return {"avx2", "fma"} <= cpu_features().flags

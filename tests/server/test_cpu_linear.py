@@ -16,9 +16,11 @@ from kvscale.server.cpu_linear import (
     AMX_ROWS_MAX,
     AmxLinear,
     PackedLinear,
+    WidenedLinear,
     lay_out_cpu_linears,
     onednn_packs,
     packs_with_onednn,
+    widened_matmul,
 )
 from kvscale.server.sampling_params import SamplingParams
 
@@ -61,6 +63,10 @@ def test_each_dtype_gets_the_layout_that_is_faster_here(dtype: torch.dtype) -> N
     if onednn_packs(dtype):
         assert all(isinstance(m, PackedLinear) for m in linears)
         assert model.block[0].bias is not None and model.block[1].bias is None
+    elif dtype == torch.bfloat16:
+        # No bf16 GEMM kernels here: widened to float32 per call, the weights kept as they are.
+        assert all(isinstance(m, WidenedLinear) for m in linears)
+        assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
     else:
         assert all(type(m) is nn.Linear for m in linears)
         # torch's GEMM reads the float32 weights as a transposed [in, out] buffer
@@ -69,6 +75,49 @@ def test_each_dtype_gets_the_layout_that_is_faster_here(dtype: torch.dtype) -> N
     assert torch.equal(model.embed.weight.detach(), embedding)
     after = model.head(model.block(x)).float()
     assert (after - before).abs().max() <= TOLERANCE[dtype] * max(1.0, before.abs().max().item())
+
+
+@pytest.mark.parametrize("out_features", [40, 300])
+def test_widened_matmul_sums_int8_codes_exactly_across_blocks(monkeypatch: pytest.MonkeyPatch,
+                                                              out_features: int) -> None:
+    """Blocks of 64 output channels (the smallest), so 300 takes four whole ones and a part: every
+    block lands in its own columns, and the codes' sums are the integers torch._int_mm forms."""
+    from kvscale.server import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_WIDENED_BLOCK_BYTES", 1)
+    gen = torch.Generator().manual_seed(out_features)
+    # 576 inputs: any sum of products of codes stays below 2^24, exact in float32.
+    codes = torch.randint(-127, 128, (out_features, 576), generator=gen, dtype=torch.int8)
+    x = torch.randint(-127, 128, (17, 576), generator=gen, dtype=torch.int8)
+    expected = torch._int_mm(x, codes.t().contiguous())
+    assert torch.equal(widened_matmul(x.float(), codes), expected.float())
+
+
+def test_widened_decode_rows_run_in_c_and_more_rows_on_float32s_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvscale.server import cpu_linear
+
+    calls = []
+    narrow = cpu_native.linear_narrow
+    monkeypatch.setattr(cpu_native, "linear_narrow", lambda x, w: calls.append(x.shape[0]) or narrow(x, w))
+    weight = torch.randn(70, 48).to(torch.bfloat16)
+    for rows in (1, cpu_linear.NARROW_ROWS_MAX, cpu_linear.NARROW_ROWS_MAX + 1):
+        x = torch.randn(rows, 48)
+        assert (widened_matmul(x, weight) - x @ weight.float().t()).abs().max() < 1e-4
+    assert calls == ([1, cpu_linear.NARROW_ROWS_MAX] if cpu_native.narrow_linear_available() else [])
+
+
+@pytest.mark.parametrize("rows", [1, 33, 280])
+def test_widened_bf16_linear_is_a_bf16_gemm_rounded_once(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(130, 96, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(130, generator=gen).to(torch.bfloat16)
+    x = torch.randn(2, rows, 96, generator=gen).to(torch.bfloat16)
+    got = WidenedLinear(weight, bias)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, rows, 130)
+    # The exact products' sum plus the bias, rounded once to bf16: float32's summation order aside.
+    exact = (x.double() @ weight.double().t() + bias.double()).to(torch.bfloat16)
+    assert (got.float() - exact.float()).abs().max() <= 2 ** -7 * exact.float().abs().max()
+    assert WidenedLinear(weight, None)(x).dtype == torch.bfloat16
 
 
 def _decoder_sized(dtype: torch.dtype) -> nn.Module:
