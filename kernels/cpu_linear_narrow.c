@@ -9,6 +9,9 @@
  * Widened as it is loaded, the weight is read once at its own width: half float32's bytes for
  * bf16, a quarter for int8.
  *
+ * Up to 64 rows (a decode batch) it also beats the widened GEMM with the weight in cache: 6.8
+ * against 10.7 ms for a layer's projections on 64 rows (AVX2 EPYC, two threads).
+ *
  * A bf16 value is the upper half of a float32, so widening it is exact, and so is an int8 code's;
  * each product and the float32 sums are those of a bf16 GEMM accumulating in float32 (for int8
  * codes, exact integers while a sum stays below 2^24).

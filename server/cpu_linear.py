@@ -53,7 +53,7 @@ AMX_ROWS_MAX = 64
 # output channels per block took 1.2-2.5x the time of 2048 on 576 inputs).
 _WIDENED_BLOCK_BYTES = 4 << 20
 # The most rows a widened projection runs in C (see widened_matmul).
-NARROW_ROWS_MAX = 16
+NARROW_ROWS_MAX = 64
 
 
 def packs_with_onednn(dtype: torch.dtype, cpu: CpuFeatures, onednn: bool, onednn_bf16: bool) -> bool:

@@ -26,7 +26,7 @@ def _weight(dtype: torch.dtype, out_features: int, in_features: int, gen: torch.
 
 @avx2
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=str)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11, 16, 64])
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (7, 37), (577, 1536)])
 def test_the_narrow_projection_is_the_widened_product(dtype: torch.dtype, rows: int, out_features: int,
                                                       in_features: int) -> None:

@@ -88,7 +88,8 @@ def test_widened_matmul_sums_int8_codes_exactly_across_blocks(monkeypatch: pytes
     gen = torch.Generator().manual_seed(out_features)
     # 576 inputs: any sum of products of codes stays below 2^24, exact in float32.
     codes = torch.randint(-127, 128, (out_features, 576), generator=gen, dtype=torch.int8)
-    x = torch.randint(-127, 128, (17, 576), generator=gen, dtype=torch.int8)
+    # More rows than the C path takes: the blocks widened into memory for float32's GEMM.
+    x = torch.randint(-127, 128, (cpu_linear.NARROW_ROWS_MAX + 1, 576), generator=gen, dtype=torch.int8)
     expected = torch._int_mm(x, codes.t().contiguous())
     assert torch.equal(widened_matmul(x.float(), codes), expected.float())
 
