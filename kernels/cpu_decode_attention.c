@@ -84,8 +84,19 @@ static inline __attribute__((always_inline)) void fp8_row_to_float(const uint8_t
                                                         _mm256_slli_epi16(_mm256_and_si256(half, rest), 7));
         _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(half));
     }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    /* The same through 8-wide halves: the field-by-field loop below took 40 ms where a bfloat16
+     * cache took 1.6 (decode attention, 64 sequences, an AVX2 EPYC). */
+    const __m128i sign = _mm_set1_epi16(0x80), rest = _mm_set1_epi16(0x7f);
+    for (int d = 0; d < width; d += 8) {
+        __m128i half = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + d)));
+        half = format == KVSCALE_E5M2 ? _mm_slli_epi16(half, 8)
+                                      : _mm_or_si128(_mm_slli_epi16(_mm_and_si128(half, sign), 8),
+                                                     _mm_slli_epi16(_mm_and_si128(half, rest), 7));
+        _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(half));
+    }
 #else
-    /* Without AVX-512: the same values from the fields (sign, exponent, mantissa). */
+    /* Without AVX-512 or F16C: the same values from the fields (sign, exponent, mantissa). */
     const int mantissa_bits = format == KVSCALE_E5M2 ? 2 : 3, bias = format == KVSCALE_E5M2 ? 15 : 7;
     const float unit = 1.0f / fp8_unit(format);
     for (int d = 0; d < width; d++) {
