@@ -60,8 +60,8 @@ def measure(dtype: torch.dtype, repeats: int, gen: torch.Generator) -> list[dict
             x = torch.randn(rows, inp, generator=gen).to(dtype)
             times = 1 if name == "lm_head" else num_layers
             reps = max(5, repeats // 4) if rows >= 256 else repeats
-            # torch's own bf16 GEMM without bf16 kernels takes seconds a call: timed once.
-            linear_reps, linear_warmup = (1, 0) if widens else (reps, 2)
+            # torch's own bf16 GEMM without bf16 kernels takes seconds a call past a few rows: timed once.
+            linear_reps, linear_warmup = (reps, 2) if not widens else (3, 1) if rows <= 16 else (1, 0)
             linear_ms += times * median_ms(lambda x=x, w=plain[name]: functional.linear(x, w), linear_reps,
                                            warmup=linear_warmup)
             packed_ms += times * median_ms(lambda x=x, m=packed[name]: m(x), reps, warmup=2)
