@@ -224,3 +224,35 @@ def test_at_equal_attainment_reads_the_baselines_settings_at_kvscales_attainment
     # below it: the baseline is given the cheaper (0.80 -> 1.0: 500 + 3/4 * 1100 = 1325).
     exact = at_equal_attainment({**policies, "kvscale": f(0.95, 700.0)}, "hpa-concurrency")
     assert abs(exact["replica_seconds"] - 1325.0) < 1e-9
+
+
+def test_each_kvscale_setting_is_read_against_the_baselines_at_its_own_attainment() -> None:
+    from bench.autoscale_replay import at_equal_attainment
+
+    def f(attained: float, seconds: float) -> dict:
+        return {"slo_attainment": attained, "replica_seconds": seconds}
+
+    policies = {"kvscale": f(0.5, 100.0), "kvscale-kv0.25": f(0.90, 800.0),
+                "hpa-concurrency": f(0.80, 500.0), "hpa-concurrency2": f(1.0, 1600.0)}
+    tuned = at_equal_attainment(policies, "hpa-concurrency", "kvscale-kv0.25")
+    assert abs(tuned["replica_seconds"] - 1050.0) < 1e-9 and abs(tuned["ratio"] - 800 / 1050) < 1e-12
+    assert at_equal_attainment(policies, "hpa-concurrency")["ratio"] is None
+
+
+def test_the_attainable_share_counts_only_what_an_idle_replica_with_every_earlier_block_meets() -> None:
+    from bench.autoscale_replay import BLOCK, attainable_ttft_share
+    from bench.w3_policy_sim import SimRequest
+
+    calibration = Calibration(prefill_tokens_per_s=100.0, decode_step_s=0.05, kv_blocks=100, block_size=BLOCK,
+                              max_num_seqs=16, step_tokens=512, cold_start_s=5.0)
+    long_prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # 10 blocks: 160 tokens, 1.6 s alone
+    requests = [
+        SimRequest(0, 0.0, long_prompt, 10 * BLOCK, 4),  # nothing cached before it: over 1 s
+        SimRequest(1, 1.0, long_prompt[:9] + [11], 10 * BLOCK, 4),  # 9 blocks seen: 0.16 s
+        SimRequest(2, 2.0, [12], BLOCK, 4),  # short: 0.16 s
+        SimRequest(3, 3.0, [13, *long_prompt], 11 * BLOCK, 4, answer_hashes=[14]),  # its first block is new
+        SimRequest(4, 4.0, [13, 14, 15], 3 * BLOCK, 4),  # the first two were written by request 3
+    ]
+    # Requests 0 and 3 miss a 1 s target on any fleet; the rest can meet it.
+    assert attainable_ttft_share(requests, calibration, 1.0) == 3 / 5
+    assert attainable_ttft_share(requests, calibration, 2.0) == 1.0
