@@ -19,12 +19,14 @@
   EPYC with AVX-512 a forward's projections on 16-1024 rows take 0.35-0.4x MKL's time, on one
   row 1.15x (``python -m bench.cpu_linear``; vLLM's CPU build packs float32 through oneDNN too).
 
-- bfloat16 where oneDNN has no bf16 kernels (AVX2, AVX-512 without BF16): the weight stays in
-  bfloat16 and each call widens it to float32 a block of output channels at a time for torch's
-  float32 GEMM (``widened_matmul``). torch's own bf16 GEMM there runs at 0.2-16 GFLOP/s (the
-  bundled model's LM head on 280 rows took 70 s on an AVX2 EPYC); widened, a projection takes
-  1-1.5x float32's time on 1-280 rows. A bf16 x bf16 product is exact in float32 and the sums
-  are float32's, as in oneDNN's bf16 kernels, so the result is a bf16 GEMM's, rounded once.
+- bfloat16 where oneDNN has no bf16 kernels (an AVX2 CPU: they need AVX-512 BW/VL/DQ or
+  AVX-NE-CONVERT): the weight stays in bfloat16 and is widened to float32 as it is used
+  (``widened_matmul``): up to ``NARROW_ROWS_MAX`` rows in C as each element is loaded, on more a
+  block of output channels at a time into memory for torch's float32 GEMM. torch's own bf16 GEMM
+  there took 1.2-8x float32's time on a forward's projections; widened, 0.92-1.44x on 1-2048 rows
+  (AVX2 EPYC, ``python -m bench.cpu_linear``; docs/benchmarks.md, fifteenth session). A bf16 x
+  bf16 product is exact in float32 and the sums are float32's, as in oneDNN's bf16 kernels, so
+  the result is a bf16 GEMM's, rounded once.
 
 Packing replaces each ``nn.Linear`` with a ``PackedLinear`` that no longer holds the plain
 matrix (the weights' memory is not doubled), except a projection tied to an embedding, whose
