@@ -49,11 +49,11 @@ def measure(dtype: torch.dtype, repeats: int, gen: torch.Generator) -> list[dict
     plain = {name: w.t().contiguous().t() if dtype == torch.float32 else w for name, w in weights.items()}
     widens = dtype == torch.bfloat16 and not onednn_packs(dtype)
     layout = "widened" if widens else "packed"
-    packed = {name: WidenedLinear(w, None) if widens else PackedLinear(w, None) for name, w in weights.items()}
+    laid_out = {name: WidenedLinear(w, None) if widens else PackedLinear(w, None) for name, w in weights.items()}
     int8 = {name: Int8Linear(w, None) for name, w in weights.items()}
     rows_out = []
     for rows in ROWS:
-        linear_ms = packed_ms = int8_ms = 0.0
+        linear_ms = laid_out_ms = int8_ms = 0.0
         for name, (inp, _) in shapes.items():
             if name == "lm_head" and rows > DECODE_ROWS_MAX:
                 continue
@@ -64,11 +64,11 @@ def measure(dtype: torch.dtype, repeats: int, gen: torch.Generator) -> list[dict
             linear_reps, linear_warmup = (reps, 2) if not widens else (3, 1) if rows <= 16 else (1, 0)
             linear_ms += times * median_ms(lambda x=x, w=plain[name]: functional.linear(x, w), linear_reps,
                                            warmup=linear_warmup)
-            packed_ms += times * median_ms(lambda x=x, m=packed[name]: m(x), reps, warmup=2)
+            laid_out_ms += times * median_ms(lambda x=x, m=laid_out[name]: m(x), reps, warmup=2)
             int8_ms += times * median_ms(lambda x=x, m=int8[name]: m(x), reps, warmup=2)
         rows_out.append({"dtype": str(dtype).removeprefix("torch."), "rows": rows, "f_linear_ms": linear_ms,
-                         f"{layout}_ms": packed_ms, f"{layout}_over_f_linear": packed_ms / linear_ms,
-                         "int8_ms": int8_ms, "int8_over_best": int8_ms / min(linear_ms, packed_ms)})
+                         f"{layout}_ms": laid_out_ms, f"{layout}_over_f_linear": laid_out_ms / linear_ms,
+                         "int8_ms": int8_ms, "int8_over_best": int8_ms / min(linear_ms, laid_out_ms)})
     return rows_out
 
 

@@ -50,9 +50,12 @@ def gemm_peak(threads: int, dtype: str = "float32", size: int = 2048, seconds: f
     well under 1 GFLOP/s on this size, a peak no engine uses, and takes minutes to measure."""
     import torch
 
+    from kvscale.server.cpu_linear import onednn_packs
+
     torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
-    widened = torch_dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    # The engine's own rule for when its bf16 projections are widened (WidenedLinear).
+    widened = torch_dtype == torch.bfloat16 and not onednn_packs(torch_dtype)
     a = torch.randn(size, size).to(torch_dtype)
     b = torch.randn(size, size).to(torch_dtype)
 

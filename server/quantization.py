@@ -3,7 +3,7 @@
 Weights per output channel (symmetric, scale = max|w| / 127), activations per token at every
 call (the same rule on each row of the input), the products of the codes summed exactly and
 rescaled by both scales in float32: on oneDNN's prepacked int8 GEMM where the CPU has VNNI or AMX,
-elsewhere in float32 over the codes widened a block at a time (``cpu_linear.widened_matmul``),
+elsewhere in float32 over the codes widened as they are used (``cpu_linear.widened_matmul``),
 at about float32's speed: int8 then saves memory, not time. A first
 look on the 2-vCPU AMD EPYC (AVX-512 VNNI; one thread; one layer's four projections; taken while
 another benchmark ran, so indicative only): 0.37 / 2.1 / 95 ms on 16 / 64 / 512 rows against
@@ -102,7 +102,7 @@ class Int8Linear(nn.Module):
             self.packed_weight = torch.ops.onednn.qlinear_prepack(q, None)
             self.weight_zero_point = torch.zeros(self.out_features, dtype=torch.int64)
         else:
-            # The int8 codes, widened to float32 a block at a time on each call (forward).
+            # The int8 codes, widened to float32 on each call (cpu_linear.widened_matmul).
             self.weight_q: torch.Tensor
             self.register_buffer("weight_q", q.contiguous())
 
