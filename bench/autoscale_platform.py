@@ -24,9 +24,13 @@ holds its GPU too), reversals count direction changes of spec.replicas. SLO as l
 TTFT <= max(1 s, 4 x the median prompt's prefill on one idle replica), TPOT <= 3 x one decode step.
 
 All replicas share this machine's cores: a second replica adds capacity only as far as the cores
-are free, unlike on GPU nodes. Say so next to any figure. Before each policy's trace the host's
-CPU in use (the platform with one idle replica) is measured over 10 s: the level-(b) replay of
-the same arrivals (bench.autoscale_replay) takes it as the shared host's background. With
+are free, unlike on GPU nodes. Say so next to any figure. Before each policy's trace, with the
+service at one replica and no policy yet (the InferenceService's autoscaling off, no HPA), the
+platform is measured for the level-(b) replay of the same arrivals (bench.autoscale_replay): the
+host's CPU in use over 10 s (the shared host's background), a decode probe, a probe of spaced
+requests beside decoding streams, and a trace probe (`bench.autoscale_replay.probe_trace`: the
+trace's own arrival process from another seed, on prefixes of its own), whose first tokens show
+what the platform adds under the trace's load; then the policy takes over and the trace runs. With
 `dashboard`, Prometheus also scrapes the operator and the routers (the chart's other PodMonitors)
 and the kvscale policy's run draws the chart's autoscaling dashboard from it.
 """
@@ -78,6 +82,8 @@ class Run:
     probe_gaps: list[float] | None = None  # a probe's decode steps there, alone (s)
     probe_ttfts: list[tuple[float, float | None]] | None = None  # (sent at, TTFT) of probe requests
     probe_batch: dict[str, float] | None = None  # the TTFT probe's decode: its batch and TPOT
+    # (arrival, TTFT, TPOT) of the trace probe's requests
+    probe_trace: list[tuple[float, float | None, float | None]] | None = None
     dashboard_empty_panels: list[str] | None = None
 
 
@@ -100,7 +106,9 @@ def host_busy_cores(seconds: float) -> float:
 
 def prompt_text(request: SimRequest) -> str:
     """About ``prompt_tokens`` tokens: its shared 128-token prefix group, then its own words."""
-    group = (request.hashes[0] - 10_000_000) // 100 if request.hashes else 0  # synthetic()'s groups
+    from bench.autoscale_replay import prefix_group
+
+    group = prefix_group(request)
     rng = random.Random(group)
     shared = " ".join(rng.choice(WORDS) for _ in range(120))
     own_rng = random.Random(10_000 + request.rid)
@@ -109,6 +117,7 @@ def prompt_text(request: SimRequest) -> str:
 
 
 def inference_service(namespace: str, policy: str) -> dict[str, Any]:
+    """The replayed service as ``policy`` runs it (anything but kvscale: autoscaling off)."""
     autoscaling: dict[str, Any] = ({"enabled": True, "minReplicas": 1, "maxReplicas": MAX_REPLICAS}
                                    if policy == "kvscale" else {"enabled": False})
     from testenv import kwok_toleration
@@ -202,6 +211,20 @@ def probe_ttfts(url: str) -> tuple[list[tuple[float, float | None]], dict[str, f
             {"batch": round(batch, 2), "tpot_s": round(statistics.median(tpots), 5)})
 
 
+def send_all(url: str, requests: list[SimRequest], outcomes: list[Outcome]) -> None:
+    """Each of ``requests`` at its arrival (seconds from now), concurrently, into ``outcomes``."""
+    import httpx
+
+    start = time.monotonic()
+    with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=len(requests))) as client:
+        threads = [threading.Thread(target=send, args=(client, url, r, start, o), daemon=True)
+                   for r, o in zip(requests, outcomes, strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(900)
+
+
 def send(client: Any, url: str, request: SimRequest, start: float, outcome: Outcome) -> None:
     delay = start + request.arrival - time.monotonic()
     if delay > 0:
@@ -261,13 +284,9 @@ def render_autoscaling_dashboard(prometheus_url: str, namespace: str, start: flo
     return render_from_prometheus(board, prometheus_url, values, start, end, path)
 
 
-def replay(env: Any, policy: str, requests: list[SimRequest], tail_s: float,
-           prometheus_url: str | None = None, dashboard: Path | None = None) -> Run:
-    import httpx
-    from testenv import ready_pods
-
-    namespace = f"replay-{policy}"
-    env.kubectl("create", "namespace", namespace)
+def apply_policy(env: Any, namespace: str, policy: str) -> None:
+    """Hand the InferenceService's replicas to ``policy``: the operator's autoscaler, or the real
+    HPA (until then it stays at one replica, which the probes need)."""
     env.kubectl("apply", "-f", "-", input=json.dumps(inference_service(namespace, policy)))
     if policy == "hpa-real":
         from kvscale.operator.hpa import horizontal_pod_autoscaler
@@ -275,6 +294,17 @@ def replay(env: Any, policy: str, requests: list[SimRequest], tail_s: float,
         env.kubectl("apply", "-f", "-", input=json.dumps(horizontal_pod_autoscaler(
             NAME, namespace, min_replicas=1, max_replicas=MAX_REPLICAS,
             target_concurrency=HPA_TARGET_CONCURRENCY)))
+
+
+def replay(env: Any, policy: str, requests: list[SimRequest], tail_s: float,
+           probe_trace: list[SimRequest] | None = None,
+           prometheus_url: str | None = None, dashboard: Path | None = None) -> Run:
+    from testenv import ready_pods
+
+    namespace = f"replay-{policy}"
+    env.kubectl("create", "namespace", namespace)
+    # One replica, scaled by nobody, while the probes run; the policy takes over before the trace.
+    env.kubectl("apply", "-f", "-", input=json.dumps(inference_service(namespace, "none")))
     deadline = time.monotonic() + 600
     while not (ready_pods(env, namespace, f"{NAME_LABEL}={NAME}")
                and ready_pods(env, namespace, f"serving.kvscale.io/router={NAME}")):
@@ -295,18 +325,22 @@ def replay(env: Any, policy: str, requests: list[SimRequest], tail_s: float,
           f"{quantile(run.probe_gaps, 0.9):.4f}/{quantile(run.probe_gaps, 0.99):.4f} s, "
           f"TTFT p50/p90 {quantile(ttfts, 0.5):.3f}/{quantile(ttfts, 0.9):.3f} s, decode beside them "
           f"{run.probe_batch}", flush=True)
+    if probe_trace:
+        outcomes = [Outcome(r.arrival) for r in probe_trace]
+        send_all(url, probe_trace, outcomes)
+        run.probe_trace = [(round(o.arrival, 3), _rounded(o.ttft), _rounded(o.tpot)) for o in outcomes]
+        ttfts = [o.ttft for o in outcomes if o.ttft is not None]
+        print(f"level-a {policy}: trace probe ({len(probe_trace)} requests) TTFT p50/p90 "
+              f"{quantile(ttfts, 0.5):.3f}/{quantile(ttfts, 0.9):.3f} s, "
+              f"{len(outcomes) - len(ttfts)} failed", flush=True)
+        time.sleep(2.0)  # its last streams closed
+    apply_policy(env, namespace, policy)
     stop = threading.Event()
     start = time.monotonic()
     wall_start = time.time()
     sampler = threading.Thread(target=sample, args=(env, namespace, run, start, stop), daemon=True)
     sampler.start()
-    with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=len(requests))) as client:
-        threads = [threading.Thread(target=send, args=(client, url, r, start, o), daemon=True)
-                   for r, o in zip(requests, run.outcomes, strict=True)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(900)
+    send_all(url, requests, run.outcomes)
     time.sleep(tail_s)
     stop.set()
     sampler.join(10)
@@ -349,7 +383,8 @@ def figures(run: Run, span_s: float, ttft_slo: float, tpot_slo: float) -> dict[s
         "reversals_per_hour": reversals * 3600 / span_s,
         "first_scale_up_s": ups[0] if ups else None,
         "background_cores": run.background_cores,
-        "probe": {"decode_gaps_s": run.probe_gaps, "ttft": run.probe_ttfts, "decode_at_batch": run.probe_batch},
+        "probe": {"decode_gaps_s": run.probe_gaps, "ttft": run.probe_ttfts, "decode_at_batch": run.probe_batch,
+                  "trace": run.probe_trace},
         "dashboard_empty_panels": run.dashboard_empty_panels,
         "timeline": run.timeline,
         # Each request as the client saw it, in arrival order: (arrival s, TTFT s, TPOT s), None
@@ -364,9 +399,10 @@ def _rounded(value: float | None) -> float | None:
 
 def run_level_a(policies: list[str], requests: list[SimRequest], calibration: Calibration,
                 ttft_slo: float, tpot_slo: float, workdir: Path, tail_s: float = 20.0,
-                dashboard: Path | None = None) -> dict[str, Any]:
+                dashboard: Path | None = None, probe_trace: list[SimRequest] | None = None) -> dict[str, Any]:
     """Each policy in turn on ``requests``; ``dashboard``: the kvscale run's autoscaling dashboard
-    drawn there from the run's Prometheus (which then also scrapes the operator and routers)."""
+    drawn there from the run's Prometheus (which then also scrapes the operator and routers);
+    ``probe_trace``: arrivals sent before each trace on one replica (`replay`)."""
     from custom_metrics import start_custom_metrics
     from kubelet import start_runtime
     from testenv import (
@@ -393,7 +429,7 @@ def run_level_a(policies: list[str], requests: list[SimRequest], calibration: Ca
                                            platform=dashboard is not None)
         for policy in policies:
             began = time.monotonic()
-            run = replay(env, policy, requests, tail_s,
+            run = replay(env, policy, requests, tail_s, probe_trace=probe_trace,
                          prometheus_url=metrics.prometheus_url if metrics else None,
                          dashboard=dashboard if policy == "kvscale" else None)
             results[policy] = figures(run, span, ttft_slo, tpot_slo)

@@ -47,8 +47,10 @@ scale-down stabilization, target 8), on replicas that share the host's cores as 
 (`SharedHost`, from the calibration, with what level (a) measured on the platform just before
 each trace: the background CPU, a probe's decode steps alone through the router (the simulated
 steps vary as they did: `SharedHost.step_factors`), the decode step at the TTFT probe's batch
-(the platform's cost per decoding sequence), and what the path from client to engine added to
-the TTFT probe's first tokens beside three decoding streams (drawn for each simulated request)),
+(the platform's cost per decoding sequence), and what the platform added to the first tokens of
+the trace probe, the trace's own arrival process from another seed (`probe_trace`; drawn for
+each simulated request; results from before it have the spaced probe's, beside three decoding
+streams)),
 and prints (a) against (b): TTFT p90 and replica-seconds over the span, their ratios and
 whether each is within +-15 %. `--step-load` sets the x4 step's rate in units of one calibrated
 replica's capacity (its base is a quarter of that); `--compare-only LEVEL_A_JSON` redoes only the
@@ -330,6 +332,11 @@ def shaped_request(rid: int, group: int, arrival: float, prompt: int = 256, outp
     own = [20_000_000 + rid * 100 + i for i in range((prompt - 128) // BLOCK)]
     return SimRequest(rid, arrival, shared + own, prompt, output,
                       answer_hashes=[-(rid * 1000 + i) - 1 for i in range(output // BLOCK)])
+
+
+def prefix_group(request: SimRequest) -> int:
+    """The shared-prefix group a `shaped_request` was made for."""
+    return (request.hashes[0] - 10_000_000) // 100 if request.hashes else 0
 
 
 def synthetic(rate_at, span_s: float, seed: int, prompt: int = 256, output: int = 32) -> list[SimRequest]:
@@ -649,6 +656,21 @@ def compressed_bursty(calibration: Calibration, span: float, seed: int = 1,
 
 
 VALIDATION_TOLERANCE = 0.15  # issue 23: (a) validates (b) within +-15 %
+PROBE_TRACE_SPAN_S = 120.0
+PROBE_TRACE_SEED = 2  # the trace's is 1
+PROBE_TRACE_GROUP = 60  # its prefix groups are 60-67: the trace's are 0-7, the other probes' 49-53
+PROBE_TRACE_RID = 200_000
+
+
+def probe_trace(calibration: Calibration, base_fraction: float) -> list[SimRequest]:
+    """Level (a)'s trace probe: the trace's own arrival process (`compressed_bursty`, the same
+    rates) for PROBE_TRACE_SPAN_S, from another seed, with prefix groups and ids of its own. Sent
+    to one replica before the policy takes over, it shows what the platform adds to a first token
+    under the trace's load (`path_residuals`), which a probe of spaced requests does not."""
+    requests = compressed_bursty(calibration, PROBE_TRACE_SPAN_S, seed=PROBE_TRACE_SEED,
+                                 base_fraction=base_fraction)
+    return [shaped_request(PROBE_TRACE_RID + r.rid, PROBE_TRACE_GROUP + prefix_group(r), r.arrival,
+                           r.prompt_tokens, r.output_tokens) for r in requests]
 
 
 def level_b_policy(name: str):
@@ -679,21 +701,60 @@ def with_step_factors(host: SharedHost, calibration: Calibration, gaps: list[flo
     return replace(host, step_factors=tuple(gap / expected for gap in gaps))
 
 
-def path_residuals(probe: list, calibration: Calibration, host: SharedHost) -> list[float]:
-    """What the path from client to engine and back added to each of level (a)'s probe
-    requests' TTFT: the measured TTFT less the simulator's for the same requests, beside the same
-    background streams, on the same host (`bench.autoscale_platform.probe_requests`)."""
-    from bench.autoscale_platform import probe_requests
-
-    background, requests = probe_requests()
-    if not probe or len(probe) != len(requests):
+def path_residuals(measured: list, requests: list[SimRequest], background: list[SimRequest],
+                   calibration: Calibration, host: SharedHost) -> list[float]:
+    """What the platform added to each of level (a)'s probe requests' TTFT that the simulator's
+    engine does not model: ``measured`` ((arrival, TTFT, ...) of ``requests``, in order) less the
+    simulator's TTFT for the same requests on one replica, beside the same ``background``
+    streams, on the same host."""
+    if not measured or len(measured) != len(requests):
         return []
-    alone = HpaPolicy("probe", "concurrency", 1e9, 1, 1)  # one replica, never scaled
-    outcome = simulate(background + requests, alone, calibration, start_replicas=1,
-                       hold_timeout_s=300.0, host=host)
-    simulated = {r.rid: r.first_token - r.arrival for r in outcome.requests if r.first_token is not None}
-    return [round(ttft - simulated[r.rid], 4) for r, (_, ttft) in zip(requests, probe, strict=True)
-            if ttft is not None and r.rid in simulated]
+    simulated = {r.rid: r.first_token - r.arrival for r in on_one_replica(requests + background, calibration, host)
+                 if r.first_token is not None}
+    return [round(m[1] - simulated[r.rid], 4) for r, m in zip(requests, measured, strict=True)
+            if m[1] is not None and r.rid in simulated]
+
+
+def on_one_replica(requests: list[SimRequest], calibration: Calibration, host: SharedHost) -> list[SimRequest]:
+    """``requests`` served by one simulated replica on ``host``, never scaled."""
+    alone = HpaPolicy("probe", "concurrency", 1e9, 1, 1)
+    return simulate(sorted(requests, key=lambda r: r.arrival), alone, calibration, start_replicas=1,
+                    hold_timeout_s=300.0, host=host).requests
+
+
+def tpot(request: SimRequest) -> float | None:
+    if request.first_token is None or request.finished is None or request.output_tokens < 2:
+        return None
+    return (request.finished - request.first_token) / (request.output_tokens - 1)
+
+
+def fitted_per_sequence_cost(measured: list, requests: list[SimRequest], calibration: Calibration,
+                             host: SharedHost) -> float | None:
+    """The `Calibration.decode_step_per_seq_s` at which the simulator gives level (a)'s trace
+    probe (``measured``: (arrival, TTFT, TPOT) of ``requests``) its measured median TPOT, on one
+    replica on ``host``: what each decoding stream costs a step on the platform under the trace's
+    load (the front end's and router's work per streamed token shares the engine's cores).
+    Bisection: a step's cost grows with it. None without TPOTs (results from before the probe)."""
+    tpots = [m[2] for m in measured if len(m) > 2 and m[2] is not None]
+    if len(tpots) < 5 or len(measured) != len(requests):
+        return None
+    target = statistics.median(tpots)
+
+    def simulated(per_sequence: float) -> float:
+        served = on_one_replica(requests, replace(calibration, decode_step_per_seq_s=per_sequence), host)
+        return statistics.median(t for t in map(tpot, served) if t is not None)
+
+    low, high = 0.0, calibration.decode_step_s
+    if simulated(low) >= target:
+        return 0.0
+    while simulated(high) < target:
+        if high > 100 * calibration.decode_step_s:
+            return high
+        low, high = high, 2 * high
+    for _ in range(16):
+        middle = (low + high) / 2
+        low, high = (middle, high) if simulated(middle) < target else (low, middle)
+    return round((low + high) / 2, 6)
 
 
 def add_path_latency(requests: list[SimRequest], residuals: list[float], seed: int = 1) -> None:
@@ -724,28 +785,47 @@ def with_platform_batch_cost(calibration: Calibration, probe: dict) -> Calibrati
 
 
 def replay_level_b(level_a: dict, requests: list[SimRequest], base_calibration: Calibration,
-                   calibration_path: Path, ttft_slo: float, tpot_slo: float) -> dict:
+                   calibration_path: Path, ttft_slo: float, tpot_slo: float,
+                   trace_probe: list[SimRequest] | None = None) -> dict:
     """Level (a)'s arrivals through the simulator, per policy of (a): replicas sharing the host's
     cores (the host's background CPU as (a) measured it before its trace), and, for reference,
-    independent replicas; TTFT p90 and replica-seconds over the span set against (a)'s."""
+    independent replicas; TTFT p90 and replica-seconds over the span set against (a)'s.
+    ``trace_probe``: the requests of (a)'s trace probe (`probe_trace`); where (a) measured them,
+    the shared host's first tokens take their residuals, and the spaced probe's are replayed
+    beside them (`shared_host_spaced_probe`) for comparison; otherwise the spaced probe's."""
+    from bench.autoscale_platform import probe_requests
+
     span = level_a["span_s"]
     out: dict = {}
     for name, measured in level_a["policies"].items():
         probe = measured.get("probe") or {}
-        calibration = with_platform_batch_cost(base_calibration, probe)
+        spaced_calibration = with_platform_batch_cost(base_calibration, probe)
         host = with_step_factors(load_shared_host(calibration_path, measured.get("background_cores", 0.0)),
-                                 calibration, probe.get("decode_gaps_s") or [])
-        residuals = path_residuals(probe.get("ttft") or [], calibration, host)
+                                 spaced_calibration, probe.get("decode_gaps_s") or [])
+        background, spaced = probe_requests()
+        spaced_residuals = path_residuals(probe.get("ttft") or [], spaced, background, spaced_calibration, host)
+        trace = probe.get("trace") or []
+        per_sequence = fitted_per_sequence_cost(trace, trace_probe or [], spaced_calibration, host)
+        calibration = (spaced_calibration if per_sequence is None
+                       else replace(spaced_calibration, decode_step_per_seq_s=per_sequence))
+        trace_residuals = path_residuals(trace, trace_probe or [], [], calibration, host)
+        residuals = trace_residuals or spaced_residuals
         entry: dict = {"host": {**asdict(host), "step_factors": len(host.step_factors)},
                        "path_residuals_s": residuals,
-                       "decode_step_per_seq_s": calibration.decode_step_per_seq_s}
+                       "path_residuals_from": "trace probe" if trace_residuals else "spaced probe",
+                       "decode_step_per_seq_s": calibration.decode_step_per_seq_s,
+                       "decode_step_per_seq_s_from": ("trace probe's TPOT" if per_sequence is not None
+                                                      else "spaced probe's batch")}
         # The shared host with what the platform measured; independent replicas as the
-        # level-(b) replays run them (the calibration alone), for reference.
-        for variant, on, costs in (("shared_host", host, calibration), ("independent", None, base_calibration)):
+        # level-(b) replays run them (the calibration alone), for reference; the way (b) took
+        # the platform's measures before the trace probe, for comparison.
+        variants = [("shared_host", host, calibration, residuals), ("independent", None, base_calibration, [])]
+        if trace_residuals and spaced_residuals:
+            variants.append(("shared_host_spaced_probe", host, spaced_calibration, spaced_residuals))
+        for variant, on, costs, drawn in variants:
             outcome = simulate(requests, level_b_policy(name), costs, start_replicas=1,
                                hold_timeout_s=300.0, host=on, count_until=span)
-            if on is not None:
-                add_path_latency(outcome.requests, residuals)
+            add_path_latency(outcome.requests, drawn)
             figures = report(outcome, ttft_slo, tpot_slo, span)
             ups = [t for t, frm, to in outcome.decisions if to > frm]
             # Quantiles as level (a) computes them (interpolated), over the served requests.
@@ -760,12 +840,19 @@ def replay_level_b(level_a: dict, requests: list[SimRequest], base_calibration: 
                 "per_request": [(round(r.arrival, 3),
                                  None if r.first_token is None else round(r.first_token - r.arrival, 4))
                                 for r in sorted(outcome.requests, key=lambda r: r.arrival)]}
+        if "shared_host_spaced_probe" in entry:
+            entry["ttft_p90_b_over_a_spaced_probe"] = within(
+                measured.get("ttft_p90_s"), entry["shared_host_spaced_probe"]["ttft_p90_s"])[0]
         b = entry["shared_host"]
         ttft_ratio, ttft_ok = within(measured.get("ttft_p90_s"), b["ttft_p90_s"])
         rs_ratio, rs_ok = within(measured.get("replica_seconds"), b["replica_seconds"])
         entry["validation"] = {"ttft_p90_b_over_a": ttft_ratio, "ttft_p90_within": ttft_ok,
                                "replica_seconds_b_over_a": rs_ratio, "replica_seconds_within": rs_ok,
-                               "tolerance": VALIDATION_TOLERANCE}
+                               "tolerance": VALIDATION_TOLERANCE,
+                               # Not among issue 23's two, shown beside them.
+                               "tpot_p50_b_over_a": within(measured.get("tpot_p50_s"), b["tpot_p50_s"])[0],
+                               "slo_attainment_b_minus_a": (None if measured.get("slo_attainment") is None
+                                                            else b["slo_attainment"] - measured["slo_attainment"])}
         out[name] = entry
     return out
 
@@ -776,8 +863,9 @@ def comparison_table(level_a: dict, level_b: dict) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     lines = ["| policy | TTFT p90 (a) | TTFT p90 (b, shared host) | b/a | replica-s (a) | "
-             "replica-s (b, shared host) | b/a | within +-15 % | (b) independent replicas: TTFT p90 / replica-s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "replica-s (b, shared host) | b/a | within +-15 % | (b) independent replicas: TTFT p90 / replica-s | "
+             "TPOT p50 (a) / (b) | SLO attained (a) / (b) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, b in level_b.items():
         a, v, ind = level_a["policies"][name], b["validation"], b["independent"]
         ok = ("both" if v["ttft_p90_within"] and v["replica_seconds_within"] else
@@ -786,7 +874,9 @@ def comparison_table(level_a: dict, level_b: dict) -> str:
         lines.append(f"| {name} | {f(a.get('ttft_p90_s'), 2)} s | {f(b['shared_host']['ttft_p90_s'], 2)} s | "
                      f"{f(v['ttft_p90_b_over_a'], 2)} | {f(a.get('replica_seconds'))} | "
                      f"{f(b['shared_host']['replica_seconds'])} | {f(v['replica_seconds_b_over_a'], 2)} | "
-                     f"{ok} | {f(ind['ttft_p90_s'], 2)} s / {f(ind['replica_seconds'])} |")
+                     f"{ok} | {f(ind['ttft_p90_s'], 2)} s / {f(ind['replica_seconds'])} | "
+                     f"{f(a.get('tpot_p50_s'), 3)} / {f(b['shared_host']['tpot_p50_s'], 3)} s | "
+                     f"{f(a.get('slo_attainment'), 3)} / {f(b['shared_host']['slo_attainment'], 3)} |")
     return "\n".join(lines)
 
 
@@ -799,6 +889,7 @@ def level_a(args: argparse.Namespace) -> int:
     calibration = load_calibration(calibration_path)
     base_fraction = args.step_load / 4
     requests = compressed_bursty(calibration, args.span, base_fraction=base_fraction)
+    probe = probe_trace(calibration, base_fraction)
     ttft_slo, tpot_slo = slo(requests, calibration)
     if args.compare_only:  # (b) against a level-(a) result already measured
         out = json.loads(Path(args.compare_only).read_text())
@@ -810,7 +901,7 @@ def level_a(args: argparse.Namespace) -> int:
         load_before = [round(x, 2) for x in os.getloadavg()]
         with tempfile.TemporaryDirectory(prefix="kvscale-level-a-") as tmp:
             out = run_level_a(args.policies.split(","), requests, calibration, ttft_slo, tpot_slo,
-                              Path(tmp), dashboard=dashboard)
+                              Path(tmp), dashboard=dashboard, probe_trace=probe)
         out["scaling"] = (f"synthetic bursty compressed to {args.span:.0f} s: base rate "
                           f"{base_fraction:g} x one calibrated replica's capacity (256-token prompts "
                           "over 8 shared 128-token prefixes, 32-token answers), x4 from 25 % to 75 % "
@@ -822,7 +913,7 @@ def level_a(args: argparse.Namespace) -> int:
         out["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
         print(f"wrote {write(out, args.out)} (level a; level b next)", flush=True)
     out["level_b_replay"] = replay_level_b(out, requests, calibration, calibration_path,
-                                           ttft_slo, tpot_slo)
+                                           ttft_slo, tpot_slo, trace_probe=probe)
     table = comparison_table(out, out["level_b_replay"])
     out["comparison_table"] = table
     print(table)

@@ -23,6 +23,25 @@ def test_the_compressed_trace_steps_x4_in_its_middle_half() -> None:
     assert a.split("\n")[0] == b.split("\n")[0] and a != b
 
 
+def test_the_trace_probe_has_the_traces_arrivals_but_shares_nothing_with_it() -> None:
+    from bench.autoscale_replay import PROBE_TRACE_SPAN_S, prefix_group, probe_trace
+
+    trace = compressed_bursty(CAL, 400.0, base_fraction=0.25)
+    probe = probe_trace(CAL, base_fraction=0.25)
+    assert probe == sorted(probe, key=lambda r: r.arrival) and probe[-1].arrival < PROBE_TRACE_SPAN_S
+    # The same process: the trace's rate in each phase (base, then x4 in the middle half).
+    def rate(rs: list, span: float, lo: float, hi: float) -> float:
+        return sum(lo * span <= r.arrival < hi * span for r in rs) / ((hi - lo) * span)
+
+    for lo, hi in ((0.25, 0.75), (0.0, 0.25)):
+        assert 0.4 < rate(probe, PROBE_TRACE_SPAN_S, lo, hi) / rate(trace, 400.0, lo, hi) < 2.5
+    # No prefix block, request id or prompt text in common: the trace's cache starts as it would.
+    assert not {h for r in probe for h in r.hashes} & {h for r in trace for h in r.hashes}
+    assert not {r.rid for r in probe} & {r.rid for r in trace}
+    assert {prefix_group(r) for r in probe} <= set(range(60, 68))
+    assert not {prompt_text(r) for r in probe} & {prompt_text(r) for r in trace}
+
+
 def test_figures_count_replica_seconds_in_the_span_and_reversals() -> None:
     run = Run("p", [Outcome(0.0, ttft=0.5, tpot=0.05), Outcome(1.0, ttft=5.0, tpot=0.05),
                     Outcome(2.0, error="HTTP 503")])
@@ -75,6 +94,7 @@ def test_a_is_set_against_b_on_the_same_arrivals(tmp_path) -> None:
     out = replay_level_b(level_a, requests, CAL, calibration, *slo(requests, CAL))
     kvscale = out["kvscale"]
     assert kvscale["host"]["step_factors"] == 50 and len(kvscale["path_residuals_s"]) == len(probe["ttft"])
+    assert kvscale["path_residuals_from"] == "spaced probe" and "shared_host_spaced_probe" not in kvscale
     assert abs(kvscale["decode_step_per_seq_s"] - CAL.decode_step_s * (1.5 / 1.2 - 1) / 3) < 1e-12
     assert out["hpa-real"]["host"]["step_factors"] == 0 and out["hpa-real"]["path_residuals_s"] == []
     assert out["hpa-real"]["decode_step_per_seq_s"] == CAL.decode_step_per_seq_s
@@ -108,3 +128,68 @@ def test_the_replays_prometheus_scrapes_what_the_autoscaling_dashboard_needs(tmp
     assert check.returncode == 0, check.stdout + check.stderr
     assert [j["job_name"] for j in prometheus_config(tmp_path / "s.json")["scrape_configs"]] == \
         ["kvscale-servers"]
+
+
+def test_level_b_takes_the_trace_probes_residuals_where_a_measured_them(tmp_path) -> None:
+    import json
+
+    from bench.autoscale_platform import probe_requests
+    from bench.autoscale_replay import path_residuals, probe_trace, replay_level_b, slo
+
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"calibration": {"shared_host": {
+        "cores": 2.0, "busy_cores": 1.0, "start_cores": 1.0, "exponent": 1.0}}}))
+    requests = compressed_bursty(CAL, 80.0, base_fraction=0.25)
+    span = requests[-1].arrival
+    trace_probe = probe_trace(CAL, base_fraction=0.25)
+    from bench.autoscale_replay import load_shared_host
+
+    host = load_shared_host(calibration)
+    # A platform that adds exactly 0.4 s to every first token the simulator gives.
+    simulated = path_residuals([(r.arrival, 0.0) for r in trace_probe], trace_probe, [], CAL, host)
+    measured = [(r.arrival, round(0.4 - lag, 4)) for r, lag in zip(trace_probe, simulated, strict=True)]
+    spaced = [(r.arrival, 0.2) for r in probe_requests()[1]]
+    level_a = {"span_s": span, "policies": {"kvscale": {
+        "ttft_p90_s": 2.0, "replica_seconds": span, "probe": {"ttft": spaced, "trace": measured}}}}
+    out = replay_level_b(level_a, requests, CAL, calibration, *slo(requests, CAL), trace_probe=trace_probe)
+    kvscale = out["kvscale"]
+    assert kvscale["path_residuals_from"] == "trace probe"
+    assert all(abs(r - 0.4) < 1e-3 for r in kvscale["path_residuals_s"])
+    # The trace probe's 0.4 s is added to the simulated first tokens, not the spaced probe's
+    # (about 0.2 s), whose replay is kept beside it for comparison.
+    assert kvscale["shared_host"]["ttft_p50_s"] > kvscale["shared_host_spaced_probe"]["ttft_p50_s"]
+    assert kvscale["ttft_p90_b_over_a_spaced_probe"] == kvscale["shared_host_spaced_probe"]["ttft_p90_s"] / 2.0
+    # Without the trace probe's requests (an older result), the spaced probe's residuals stand.
+    older = replay_level_b(level_a, requests, CAL, calibration, *slo(requests, CAL))
+    assert older["kvscale"]["path_residuals_from"] == "spaced probe"
+
+
+def test_the_per_sequence_cost_is_fitted_to_the_trace_probes_tpot(tmp_path) -> None:
+    import json
+    from dataclasses import replace
+
+    from bench.autoscale_replay import (
+        fitted_per_sequence_cost,
+        load_shared_host,
+        on_one_replica,
+        probe_trace,
+        tpot,
+    )
+
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"calibration": {"shared_host": {
+        "cores": 2.0, "busy_cores": 1.0, "start_cores": 1.0, "exponent": 1.0}}}))
+    host = load_shared_host(calibration)
+    probe = probe_trace(CAL, base_fraction=0.3)
+    # A platform on which each decoding stream costs a step 12 ms: the probe as it measured it.
+    served = {r.rid: r for r in on_one_replica(probe, replace(CAL, decode_step_per_seq_s=0.012), host)}
+    measured = [(r.arrival, 0.5, tpot(served[r.rid])) for r in probe]
+    fitted = fitted_per_sequence_cost(measured, probe, CAL, host)
+    assert fitted is not None and abs(fitted - 0.012) < 0.003, fitted
+    # The simulator with the fitted cost gives the probe its measured median TPOT.
+    again = on_one_replica(probe, replace(CAL, decode_step_per_seq_s=fitted), host)
+    median = sorted(t for t in map(tpot, again) if t is not None)
+    target = sorted(m[2] for m in measured if m[2] is not None)
+    assert abs(median[len(median) // 2] - target[len(target) // 2]) < 0.05 * target[len(target) // 2]
+    # Results from before the probe recorded TPOTs: nothing to fit.
+    assert fitted_per_sequence_cost([(r.arrival, 0.5) for r in probe], probe, CAL, host) is None
