@@ -25,12 +25,12 @@ TTFT <= max(1 s, 4 x the median prompt's prefill on one idle replica), TPOT <= 3
 
 All replicas share this machine's cores: a second replica adds capacity only as far as the cores
 are free, unlike on GPU nodes. Say so next to any figure. Before each policy's trace, with the
-service at one replica and no policy yet (the InferenceService's autoscaling off, no HPA), the
-platform is measured for the level-(b) replay of the same arrivals (bench.autoscale_replay): the
+policy running but held at one replica (maxReplicas 1: the HPA controller already querying the
+adapter, the operator already scraping), the platform is measured for the level-(b) replay of the same arrivals (bench.autoscale_replay): the
 host's CPU in use over 10 s (the shared host's background), a decode probe, a probe of spaced
 requests beside decoding streams, and a trace probe (`bench.autoscale_replay.probe_trace`: the
 trace's own arrival process from another seed, on prefixes of its own), whose first tokens show
-what the platform adds under the trace's load; then the policy takes over and the trace runs. With
+what the platform adds under the trace's load; then the policy may scale up to 3 and the trace runs. With
 `dashboard`, Prometheus also scrapes the operator and the routers (the chart's other PodMonitors)
 and the kvscale policy's run draws the chart's autoscaling dashboard from it.
 """
@@ -116,9 +116,9 @@ def prompt_text(request: SimRequest) -> str:
     return f"Notes {group}: {shared}\nTicket {request.rid}: {own}\nSummary:"
 
 
-def inference_service(namespace: str, policy: str) -> dict[str, Any]:
+def inference_service(namespace: str, policy: str, max_replicas: int = MAX_REPLICAS) -> dict[str, Any]:
     """The replayed service as ``policy`` runs it (anything but kvscale: autoscaling off)."""
-    autoscaling: dict[str, Any] = ({"enabled": True, "minReplicas": 1, "maxReplicas": MAX_REPLICAS}
+    autoscaling: dict[str, Any] = ({"enabled": True, "minReplicas": 1, "maxReplicas": max_replicas}
                                    if policy == "kvscale" else {"enabled": False})
     from testenv import kwok_toleration
 
@@ -284,15 +284,15 @@ def render_autoscaling_dashboard(prometheus_url: str, namespace: str, start: flo
     return render_from_prometheus(board, prometheus_url, values, start, end, path)
 
 
-def apply_policy(env: Any, namespace: str, policy: str) -> None:
-    """Hand the InferenceService's replicas to ``policy``: the operator's autoscaler, or the real
-    HPA (until then it stays at one replica, which the probes need)."""
-    env.kubectl("apply", "-f", "-", input=json.dumps(inference_service(namespace, policy)))
+def apply_policy(env: Any, namespace: str, policy: str, max_replicas: int = MAX_REPLICAS) -> None:
+    """Hand the InferenceService's replicas to ``policy`` (the operator's autoscaler, or the real
+    HPA through prometheus-adapter), up to ``max_replicas``."""
+    env.kubectl("apply", "-f", "-", input=json.dumps(inference_service(namespace, policy, max_replicas)))
     if policy == "hpa-real":
         from kvscale.operator.hpa import horizontal_pod_autoscaler
 
         env.kubectl("apply", "-f", "-", input=json.dumps(horizontal_pod_autoscaler(
-            NAME, namespace, min_replicas=1, max_replicas=MAX_REPLICAS,
+            NAME, namespace, min_replicas=1, max_replicas=max_replicas,
             target_concurrency=HPA_TARGET_CONCURRENCY)))
 
 
@@ -303,8 +303,10 @@ def replay(env: Any, policy: str, requests: list[SimRequest], tail_s: float,
 
     namespace = f"replay-{policy}"
     env.kubectl("create", "namespace", namespace)
-    # One replica, scaled by nobody, while the probes run; the policy takes over before the trace.
-    env.kubectl("apply", "-f", "-", input=json.dumps(inference_service(namespace, "none")))
+    # The policy runs during the probes, held at one replica (the probes measure one), so that
+    # they see the platform as the trace will: the HPA controller querying prometheus-adapter and
+    # Prometheus every sync, or the operator scraping the replica. It may scale for the trace.
+    apply_policy(env, namespace, policy, max_replicas=1)
     deadline = time.monotonic() + 600
     while not (ready_pods(env, namespace, f"{NAME_LABEL}={NAME}")
                and ready_pods(env, namespace, f"serving.kvscale.io/router={NAME}")):
@@ -334,7 +336,7 @@ def replay(env: Any, policy: str, requests: list[SimRequest], tail_s: float,
               f"{quantile(ttfts, 0.5):.3f}/{quantile(ttfts, 0.9):.3f} s, "
               f"{len(outcomes) - len(ttfts)} failed", flush=True)
         time.sleep(2.0)  # its last streams closed
-    apply_policy(env, namespace, policy)
+    apply_policy(env, namespace, policy, max_replicas=MAX_REPLICAS)
     stop = threading.Event()
     start = time.monotonic()
     wall_start = time.time()

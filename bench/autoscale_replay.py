@@ -665,7 +665,7 @@ PROBE_TRACE_RID = 200_000
 def probe_trace(calibration: Calibration, base_fraction: float) -> list[SimRequest]:
     """Level (a)'s trace probe: the trace's own arrival process (`compressed_bursty`, the same
     rates) for PROBE_TRACE_SPAN_S, from another seed, with prefix groups and ids of its own. Sent
-    to one replica before the policy takes over, it shows what the platform adds to a first token
+    to one replica before the trace (the policy held at one replica), it shows what the platform adds to a first token
     under the trace's load (`path_residuals`), which a probe of spaced requests does not."""
     requests = compressed_bursty(calibration, PROBE_TRACE_SPAN_S, seed=PROBE_TRACE_SEED,
                                  base_fraction=base_fraction)
