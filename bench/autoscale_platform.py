@@ -26,12 +26,12 @@ TTFT <= max(1 s, 4 x the median prompt's prefill on one idle replica), TPOT <= 3
 All replicas share this machine's cores: a second replica adds capacity only as far as the cores
 are free, unlike on GPU nodes. Say so next to any figure. Before each policy's trace, with the
 policy running but held at one replica (maxReplicas 1: the HPA controller already querying the
-adapter, the operator already scraping), the platform is measured for the level-(b) replay of the same arrivals (bench.autoscale_replay): the
-host's CPU in use over 10 s (the shared host's background), a decode probe, a probe of spaced
-requests beside decoding streams, and a trace probe (`bench.autoscale_replay.probe_trace`: the
-trace's own arrival process from another seed, on prefixes of its own), whose first tokens show
-what the platform adds under the trace's load; then the policy may scale up to 3 and the trace runs. With
-`dashboard`, Prometheus also scrapes the operator and the routers (the chart's other PodMonitors)
+adapter, the operator already scraping), the platform is measured for the level-(b) replay of
+the same arrivals (bench.autoscale_replay): the host's CPU in use over 10 s (the shared host's
+background), a decode probe, a probe of spaced requests beside decoding streams, and a trace
+probe (`bench.autoscale_replay.probe_trace`: the trace's own arrival process from another seed,
+on prefixes of its own), whose first tokens and TPOT show what the platform adds under the
+trace's load; then the policy may scale up to 3 and the trace runs. With `dashboard`, Prometheus also scrapes the operator and the routers (the chart's other PodMonitors)
 and the kvscale policy's run draws the chart's autoscaling dashboard from it.
 """
 

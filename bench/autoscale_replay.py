@@ -46,13 +46,13 @@ then replays the same arrivals in the simulator (level (b)) with the same polici
 scale-down stabilization, target 8), on replicas that share the host's cores as level (a)'s do
 (`SharedHost`, from the calibration, with what level (a) measured on the platform just before
 each trace: the background CPU, a probe's decode steps alone through the router (the simulated
-steps vary as they did: `SharedHost.step_factors`), the decode step at the TTFT probe's batch
-(the platform's cost per decoding sequence), and what the platform added to the first tokens of
-the trace probe, the trace's own arrival process from another seed (`probe_trace`; drawn for
-each simulated request; results from before it have the spaced probe's, beside three decoding
-streams)),
-and prints (a) against (b): TTFT p90 and replica-seconds over the span, their ratios and
-whether each is within +-15 %. `--step-load` sets the x4 step's rate in units of one calibrated
+steps vary as they did: `SharedHost.step_factors`), and the trace probe, the trace's own
+arrival process from another seed (`probe_trace`): the platform's cost per decoding stream,
+fitted to its TPOT, and what the platform added to its first tokens, drawn for each simulated
+request. Results from before the trace probe take both from the spaced TTFT probe beside three
+decoding streams, which is also replayed beside it for comparison), and prints (a) against (b):
+TTFT p90 and replica-seconds over the span, their ratios and whether each is within +-15 %
+(TPOT p50 and SLO attainment beside them). `--step-load` sets the x4 step's rate in units of one calibrated
 replica's capacity (its base is a quarter of that); `--compare-only LEVEL_A_JSON` redoes only the
 (b) side against an earlier level-(a) result.
 """
@@ -665,8 +665,9 @@ PROBE_TRACE_RID = 200_000
 def probe_trace(calibration: Calibration, base_fraction: float) -> list[SimRequest]:
     """Level (a)'s trace probe: the trace's own arrival process (`compressed_bursty`, the same
     rates) for PROBE_TRACE_SPAN_S, from another seed, with prefix groups and ids of its own. Sent
-    to one replica before the trace (the policy held at one replica), it shows what the platform adds to a first token
-    under the trace's load (`path_residuals`), which a probe of spaced requests does not."""
+    to one replica before the trace (the policy held at one replica), it shows what the platform
+    adds to a first token (`path_residuals`) and to a decode step (`fitted_per_sequence_cost`)
+    under the trace's load, which a probe of spaced requests does not."""
     requests = compressed_bursty(calibration, PROBE_TRACE_SPAN_S, seed=PROBE_TRACE_SEED,
                                  base_fraction=base_fraction)
     return [shaped_request(PROBE_TRACE_RID + r.rid, PROBE_TRACE_GROUP + prefix_group(r), r.arrival,
