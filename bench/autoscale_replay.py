@@ -52,9 +52,9 @@ fitted to its TPOT, and what the platform added to its first tokens, drawn for e
 request. Results from before the trace probe take both from the spaced TTFT probe beside three
 decoding streams, which is also replayed beside it for comparison), and prints (a) against (b):
 TTFT p90 and replica-seconds over the span, their ratios and whether each is within +-15 %
-(TPOT p50 and SLO attainment beside them). `--step-load` sets the x4 step's rate in units of one calibrated
-replica's capacity (its base is a quarter of that); `--compare-only LEVEL_A_JSON` redoes only the
-(b) side against an earlier level-(a) result.
+(TPOT p50 and SLO attainment beside them). `--step-load` sets the x4 step's rate in units of
+one calibrated replica's capacity (its base is a quarter of that); `--compare-only
+LEVEL_A_JSON` redoes only the (b) side against an earlier level-(a) result.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ from bench.autoscale_sim import (
     report,
     simulate,
     start_pressure,
+    tpot,
 )
 from bench.common import (
     MOONCAKE_TRACE,
@@ -721,12 +722,6 @@ def on_one_replica(requests: list[SimRequest], calibration: Calibration, host: S
     alone = HpaPolicy("probe", "concurrency", 1e9, 1, 1)
     return simulate(sorted(requests, key=lambda r: r.arrival), alone, calibration, start_replicas=1,
                     hold_timeout_s=300.0, host=host).requests
-
-
-def tpot(request: SimRequest) -> float | None:
-    if request.first_token is None or request.finished is None or request.output_tokens < 2:
-        return None
-    return (request.finished - request.first_token) / (request.output_tokens - 1)
 
 
 def fitted_per_sequence_cost(measured: list, requests: list[SimRequest], calibration: Calibration,

@@ -460,11 +460,17 @@ def reversals(decisions: list[tuple[float, int, int]]) -> int:
     return sum(1 for a, b in zip(directions, directions[1:], strict=False) if a != b)
 
 
+def tpot(request: SimRequest) -> float | None:
+    """Time per output token after the first; None for a request unserved or of one token."""
+    if request.first_token is None or request.finished is None or request.output_tokens < 2:
+        return None
+    return (request.finished - request.first_token) / (request.output_tokens - 1)
+
+
 def report(outcome: Outcome, ttft_slo_s: float, tpot_slo_s: float, span_s: float) -> dict:
     served = [r for r in outcome.requests if r.finished is not None and r.first_token is not None]
     ttfts = sorted(r.first_token - r.arrival for r in served)  # type: ignore[operator]
-    tpots = [((r.finished - r.first_token) / (r.output_tokens - 1)) if r.output_tokens > 1 else 0.0
-             for r in served]  # type: ignore[operator]
+    tpots = [tpot(r) or 0.0 for r in served]
     within = sum(1 for r, tpot in zip(served, tpots, strict=True)
                  if r.first_token - r.arrival <= ttft_slo_s and tpot <= tpot_slo_s)  # type: ignore[operator]
     # Which half of the SLO the served misses broke: TTFT is the scaler's and the router's to

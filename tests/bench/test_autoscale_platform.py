@@ -134,7 +134,13 @@ def test_level_b_takes_the_trace_probes_residuals_where_a_measured_them(tmp_path
     import json
 
     from bench.autoscale_platform import probe_requests
-    from bench.autoscale_replay import path_residuals, probe_trace, replay_level_b, slo
+    from bench.autoscale_replay import (
+        load_shared_host,
+        path_residuals,
+        probe_trace,
+        replay_level_b,
+        slo,
+    )
 
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"calibration": {"shared_host": {
@@ -142,8 +148,6 @@ def test_level_b_takes_the_trace_probes_residuals_where_a_measured_them(tmp_path
     requests = compressed_bursty(CAL, 80.0, base_fraction=0.25)
     span = requests[-1].arrival
     trace_probe = probe_trace(CAL, base_fraction=0.25)
-    from bench.autoscale_replay import load_shared_host
-
     host = load_shared_host(calibration)
     # A platform that adds exactly 0.4 s to every first token the simulator gives.
     simulated = path_residuals([(r.arrival, 0.0) for r in trace_probe], trace_probe, [], CAL, host)
@@ -173,8 +177,8 @@ def test_the_per_sequence_cost_is_fitted_to_the_trace_probes_tpot(tmp_path) -> N
         load_shared_host,
         on_one_replica,
         probe_trace,
-        tpot,
     )
+    from bench.autoscale_sim import tpot
 
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"calibration": {"shared_host": {
