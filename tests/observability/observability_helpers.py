@@ -1,5 +1,6 @@
-"""Shared by the observability tests: the dashboards generator (tools/gen_observability.py,
-loaded by path since tools/ is no package) and the queries its outputs hold."""
+"""Shared by the observability tests: the dashboards generator (tools/gen_observability.py and the
+observability_*.py modules beside it, loaded by path since tools/ is no package) and the queries
+its outputs hold."""
 
 from __future__ import annotations
 
@@ -18,7 +19,21 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART = REPO_ROOT / "charts" / "kvscale"
 
 
+def _tools_on_path() -> None:
+    """The generator's modules import one another by name, as when it runs as a script."""
+    if str(REPO_ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+
+def tools_module(name: str):
+    """One of the modules beside the generator in tools/ (``observability_rules``, ...)."""
+    _tools_on_path()
+    return importlib.import_module(name)
+
+
 def load_generator():
+    """A fresh copy of the generator's command-line module (tests patch its paths)."""
+    _tools_on_path()
     spec = importlib.util.spec_from_file_location(
         "gen_observability", REPO_ROOT / "tools" / "gen_observability.py")
     module = importlib.util.module_from_spec(spec)

@@ -37,8 +37,8 @@ from observability_helpers import (  # noqa: E402
     REPO_ROOT,
     committed_dashboards,
     committed_rules,
-    load_generator,
     panel_queries,
+    tools_module,
 )
 from testenv import kwok_toleration  # noqa: E402
 
@@ -491,14 +491,14 @@ def test_every_panel_query_returns_data(platform, tmp_path):
 
 
 def test_every_recording_rule_and_alert_returns_data(platform):
-    generator = load_generator()
+    alerts = tools_module("observability_rules").ALERTS
     rules = {r.get("record") or r["alert"]: r for g in committed_rules()["groups"] for r in g["rules"]}
     empty = []
     for name, rule in rules.items():
         if "record" in rule:
             exprs = [rule["expr"], name]  # the expression, and the series Prometheus recorded
         else:
-            alert = next(a for a in generator.ALERTS if a.name == name)
+            alert = next(a for a in alerts if a.name == name)
             # The alert's comparison as 0/1, so a quiet alert still proves its signal exists.
             exprs = [f"{alert.signal} {alert.op} bool {alert.threshold}"]
         for expr in exprs:

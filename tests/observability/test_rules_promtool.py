@@ -3,7 +3,7 @@ rules` (Debian's prometheus package): what each records, when each alert fires, 
 where an alert used to lie (issue 20, item 9): a service scaled by hand past four replicas is not
 "at its max", and a pod loading its model for the first time is not a scrape failure.
 
-The test file is written here from the rules' own definitions (tools/gen_observability.py), so
+The test file is written here from the rules' own definitions (tools/observability_rules.py), so
 the expected summaries are the shipped ones; a rule without a case fails the test.
 """
 
@@ -19,7 +19,8 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from gen_observability import ALERTS, RECORDING, RULES_FILE  # noqa: E402
+from gen_observability import RULES_FILE  # noqa: E402
+from observability_rules import ALERTS, RECORDING  # noqa: E402
 
 SERVICE = {"namespace": "team", "inferenceservice": "chat", "model_name": "m"}
 SERVICE_SERIES = 'namespace="team", inferenceservice="chat", model_name="m"'
