@@ -1,4 +1,5 @@
-"""A fleet of simulated replicas under an autoscaling policy: the level-(b) model of issue 23.
+"""A fleet of simulated replicas under an autoscaling policy: the level-(b) model of
+the autoscaling benchmark (docs/performance.md, "Autoscaling").
 
 Each replica is `bench.w3_policy_sim.SimReplica` (continuous batching, a token budget per step,
 an LRU prefix cache of the real pool's size), costed by a `Calibration` measured once on a real
@@ -66,7 +67,7 @@ class Calibration:
     step_tokens: int
     cold_start_s: float  # process start to /health 200 (model load and warm-up)
     # What each decoding sequence beyond the first adds to a step, fitted from steps measured at
-    # several batch sizes (calibrations before 2026-11-27 have none: 0)
+    # several batch sizes (older calibrations have none: 0)
     decode_step_per_seq_s: float = 0.0
 
 
@@ -89,7 +90,7 @@ class SharedHost:
     start_pressure_cores: float | None = None
     # How much one step's time varies on that host beside the rest of the platform (scrapes,
     # controllers, the router's hops): decode steps measured there, each over the step this model
-    # expects there (`bench.autoscale_replay.with_step_factors`). Each simulated step's time is
+    # expects there (`bench.autoscale_level_b.with_step_factors`). Each simulated step's time is
     # multiplied by one drawn from them (seeded); () for none.
     step_factors: tuple[float, ...] = ()
 
@@ -163,7 +164,7 @@ class Outcome:
 # -- policies -----------------------------------------------------------------------------------
 
 def prefill_tokens_waiting(replica: SimReplica) -> int:
-    """As the engine reports it (server/engine_stats.py): a waiting prompt less the prefix its
+    """As the engine reports it (server/engine/engine_stats.py): a waiting prompt less the prefix its
     cache holds now, plus what running requests have still to prefill."""
     waiting = sum(max(r.prompt_tokens - replica._cached_prefix(r) * replica.block_size, 1)
                   for r in replica.waiting)

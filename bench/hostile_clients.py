@@ -1,4 +1,4 @@
-"""Hostile clients for `bench/soak.py --hostile` (issue 20): what a careless or malicious tenant
+"""Hostile clients for `bench/soak.py --hostile`: what a careless or malicious tenant
 sends a router, each kind in its own loop until told to stop.
 
 - ``oversized``: a body declared at 64 MiB, sent in 1 MiB pieces (refused 413 before it is read);

@@ -1,5 +1,5 @@
 """The front end's work on one structured request before it reaches the engine core: what the
-compile storm's stall was made of (docs/benchmarks.md, twelfth session), old way and new way in
+compile storm's stall was made of (docs/server.md, "Measured and not kept"), old way and new way in
 the same process, on the storm's own request body (``structured_outputs_serving.hard_schema``,
 ~190 KB, ``strict: true``).
 
@@ -20,9 +20,9 @@ import time
 
 from bench.common import machine, median_ms, write_result
 from bench.structured_outputs_serving import hard_schema, json_schema_format
-from kvscale.server import protocol as p
-from kvscale.server import request_json
-from kvscale.server.serving import _structured_outputs_from
+from kvscale.server.entrypoints import protocol as p
+from kvscale.server.entrypoints import request_json
+from kvscale.server.entrypoints.serving import _structured_outputs_from
 from kvscale.server.structured_outputs.strict_schema import close_objects
 
 

@@ -1,4 +1,4 @@
-"""Chaos soak (issue 13): the whole local platform under load while a schedule breaks it.
+"""Chaos soak: the whole local platform under load while a schedule breaks it.
 
 Starts what `kvscale up` starts (Redis, N replicas publishing to it) plus two routers, and sends
 ``--requests`` streamed completions of mixed lengths through the routers from ``--concurrency``

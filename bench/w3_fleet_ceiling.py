@@ -1,5 +1,5 @@
 """Routing near the ceiling, real run: kvscale's router and vLLM's own router in front of the same
-kvscale replicas, the same text prompts, the replicas' own counters (issue 21).
+kvscale replicas, the same text prompts, the replicas' own counters.
 
 The workload is the issue's "fits in the fleet" shape by default: G groups of requests, each group
 sharing a P-token prefix, R requests in random group order, C in flight (closed loop), N replicas

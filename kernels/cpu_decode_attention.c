@@ -255,7 +255,8 @@ static inline __attribute__((always_inline)) void widen_tile_bf16(const char **r
 /* Asks for every cache line of context positions t0 .. t0 + tile - 1 ahead of their use: blocks
  * lie scattered over the cache and the hardware prefetcher loses the stream at each block edge.
  * One line per 1 KiB, leaving the rest to the hardware, read 9.4 GB/s from memory on a Xeon; every
- * line, 11 GB/s (docs/benchmarks.md, `python -m bench.cpu_kernels`, separate builds alternated). */
+ * line, 11 GB/s (`python -m bench.cpu_kernels`, separate builds alternated; docs/engine.md,
+ * "Measured and not kept"). */
 static inline __attribute__((always_inline)) void prefetch_tile(
     const void *cache, int format, const int32_t *table, int t0, int tile, int block_size,
     int num_kv_heads, int head_dim) {

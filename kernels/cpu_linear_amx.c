@@ -3,8 +3,8 @@
  *
  * Why: a batched decode step's projections read the whole model's weights (270 MB for the
  * bundled model in bfloat16) for a few dozen rows of activations. oneDNN's packed GEMM ran them
- * from memory at about half of what this VM's memory delivers (docs/benchmarks.md, "Projections
- * on AMX"). Here the weight is laid out once, at load, in the exact order the kernel reads it:
+ * from memory at about half of what this VM's memory delivers (docs/engine.md, "A
+ * step", step 3). Here the weight is laid out once, at load, in the exact order the kernel reads it:
  * for every 32 output columns, their K/32 pairs of B tiles back to back, so each thread walks
  * one contiguous stretch of memory with software prefetch ahead of it, and the activations (a
  * few hundred KB at most) stay in L2.
@@ -156,7 +156,7 @@ static void block_product(const uint8_t *xs, int64_t row_bytes, int rows, const 
 
 /* 33 to 64 rows times one column block, into acc [64][32]. Two whole passes would leave memory
  * idle during the second (it multiplies what the first fetched: a third of the projection's time
- * at 64 rows, docs/benchmarks.md). So both passes take turns over each chunk of K_CHUNK blocks,
+ * at 64 rows; docs/engine.md, "Measured and not kept"). So both passes take turns over each chunk of K_CHUNK blocks,
  * their sums parked in acc between turns, while each turn prefetches its half of the next chunk:
  * the weight keeps streaming in while the tiles multiply what is already in L1. Parking sums in
  * float32 or int32 loses nothing, so the result is the same bits as two whole passes. */

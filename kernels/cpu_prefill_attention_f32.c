@@ -5,7 +5,8 @@
  * sequences a gather of K/V out of the paged cache, a mask for a chunk after cached tokens, and
  * one SDPA call, every layer; on AVX2 CPUs, where float32 is what `--dtype auto` picks, SDPA ran
  * causal float32 attention at about 50 GFLOP/s on two cores. This kernel took prefill attention
- * over W1 from 2.44 to 1.62 s on an AVX2 EPYC (docs/benchmarks.md, fourteenth session).
+ * over W1 from 2.44 to 1.62 s on an AVX2 EPYC (`python -m bench.profile_engine --dtype float32`,
+ * bench/results/profile_engine_fp32_t2_epyc_avx2_f32_prefill_{c,sdpa}_1128.json).
  *
  * Here one call per layer does every sequence. A task is (sequence, KV head, up to POSITIONS
  * query positions): it packs the keys its last position sees once, for the GQA group's query

@@ -106,7 +106,7 @@ def tools_system_block(tools: list[dict], tool_format: str = "hermes") -> str:
     """The tools described for a model whose chat template cannot render them (docs/server.md).
 
     The call syntax is shown with the first tool (its name, a skeleton of its arguments): a small
-    model copies a placeholder such as ``<name>`` verbatim (docs/benchmarks.md, BFCL in auto)."""
+    model copies a placeholder such as ``<name>`` verbatim (docs/server.md, "Tool calling")."""
     listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
     first = tools[0]["function"]
     arguments = example_arguments(first.get("parameters"))

@@ -70,7 +70,7 @@ PREFIX_POLICIES = frozenset({"predicted-ttft", "prefix-affinity", "weighted"})
 # purpose: requests that hit a cached prefix are cheap, so a replica holding hot prefixes carries
 # more of them without being overloaded (the spill rule judges overload, in seconds); at 1.0 this
 # cap, not the rule, spread the prefixes of a workload the fleet could hold (simulated hit rate
-# 0.73 against a ceiling of 0.89, docs/benchmarks.md).
+# 0.73 against a ceiling of 0.89; docs/router.md, "predicted-ttft").
 TTFT_EPSILON = 2.0
 # Until a replica has measured itself (no heartbeat yet, or no prefill since it started).
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
@@ -225,7 +225,7 @@ def prefix_affinity(
 
 
 # How many times faster restoring a block from a replica's host tier is than prefilling it:
-# bench/kv_tier.py measures it (docs/benchmarks.md: well above this on CPU); kept conservative,
+# bench/kv_tier.py measures it (docs/performance.md, "Host KV tier": well above this on CPU); kept conservative,
 # so a tier-1 holder is preferred to a tier-2 one and both to a replica that holds nothing.
 HOST_RESTORE_SPEEDUP = 10.0
 
