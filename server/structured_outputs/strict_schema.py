@@ -33,11 +33,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvscale.server.structured_outputs.schema_rewrites import (
-    DATA_KEYWORDS,
-    has_nested_id,
-    resolve_local_ref,
-)
+from kvscale.server.structured_outputs.schema_keywords import DATA_KEYWORDS
+from kvscale.server.structured_outputs.schema_refs import has_nested_id, resolve_local_ref
 
 # Subschemas applied to a new instance (a property's value, an item): a fresh start.
 FRESH = frozenset({"properties", "patternProperties", "additionalProperties", "unevaluatedProperties", "items",
