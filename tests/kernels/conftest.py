@@ -20,10 +20,10 @@ collect_ignore = [] if torch.cuda.is_available() else ["test_kernels_gpu.py"]
 @pytest.fixture
 def fresh_cpu_library(monkeypatch: pytest.MonkeyPatch):
     """Each test picks the C kernels up again from its own environment."""
-    from kvscale.kernels import cpu_native
+    from kvscale.kernels import cpu_build, cpu_native
 
     def clear() -> None:
-        cpu_native._library.cache_clear()
+        cpu_build.library.cache_clear()
         cpu_native.amx_prefill_available.cache_clear()
         cpu_native.f32_prefill_available.cache_clear()
         cpu_native.narrow_linear_available.cache_clear()

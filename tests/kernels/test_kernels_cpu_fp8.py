@@ -12,7 +12,7 @@ import pytest
 import torch
 from kernel_checks import TOLERANCE, PagedCase, dense_attention, make_case, max_error, random_case
 
-from kvscale.kernels import cpu_native, fp8, reference
+from kvscale.kernels import cpu_build, cpu_native, fp8, reference
 
 pytestmark = pytest.mark.usefixtures("fresh_cpu_library")
 
@@ -171,7 +171,7 @@ def test_prefill_matches_the_reference_and_dense_attention(dtype, k_scale, v_sca
 def test_the_fp8_prefill_runs_in_c_where_the_bfloat16_one_does(monkeypatch: pytest.MonkeyPatch) -> None:
     # The FP8 cache must not quietly send prefill back to the PyTorch reference where a bfloat16
     # cache's prefill runs in C (an AMX CPU); elsewhere both take the reference.
-    lib = cpu_native._library()
+    lib = cpu_build.library()
     assert lib is not None
     calls: list[int] = []
     real = lib.kvscale_paged_prefill_attention

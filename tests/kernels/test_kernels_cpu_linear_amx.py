@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_checks import cpu_has_amx_bf16
 
-from kvscale.kernels import cpu_native
+from kvscale.kernels import cpu_build, cpu_native
 
 pytestmark = pytest.mark.usefixtures("fresh_cpu_library")
 
@@ -64,7 +64,7 @@ def test_what_the_kernel_cannot_run_is_left_to_onednn(shape: tuple[int, int], dt
 
 def test_without_the_c_kernels_nothing_is_packed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSCALE_CPU_KERNELS", "reference")
-    cpu_native._library.cache_clear()
+    cpu_build.library.cache_clear()
     cpu_native.amx_linear_available.cache_clear()
     assert cpu_native.pack_linear_amx(torch.zeros(64, 64, dtype=torch.bfloat16)) is None
 

@@ -21,7 +21,7 @@ from kernel_checks import (
 )
 
 import kvscale.kernels as kernels
-from kvscale.kernels import cpu_native, reference
+from kvscale.kernels import cpu_build, cpu_native, cpu_prototypes, cpu_row_ops, reference
 
 pytestmark = pytest.mark.usefixtures("fresh_cpu_library")
 
@@ -81,7 +81,7 @@ def test_a_bad_block_table_raises_instead_of_reading_out_of_bounds() -> None:
 
 def test_the_cpu_backend_runs_it_for_every_decode_token(monkeypatch: pytest.MonkeyPatch) -> None:
     # Decode batches, and the single-token sequences of mixed batches, reach the C kernel.
-    lib = cpu_native._library()
+    lib = cpu_build.library()
     assert lib is not None
     calls: list[int] = []
     real = lib.kvscale_paged_decode_attention
@@ -102,21 +102,21 @@ def test_the_cpu_backend_runs_it_for_every_decode_token(monkeypatch: pytest.Monk
 
 
 def test_build_is_cached_by_source_flags_and_compiler(tmp_path: Path) -> None:
-    first = cpu_native.build(tmp_path)
+    first = cpu_build.build(tmp_path)
     stamp = first.stat().st_mtime_ns
-    assert cpu_native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert cpu_build.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no build directory left behind
-    other = cpu_native.library_path(b"another source", "gcc 12", "-march=znver4", tmp_path)
-    assert other != cpu_native.library_path(b"another source", "gcc 13", "-march=znver4", tmp_path) != first
+    other = cpu_build.library_path(b"another source", "gcc 12", "-march=znver4", tmp_path)
+    assert other != cpu_build.library_path(b"another source", "gcc 13", "-march=znver4", tmp_path) != first
     # -march=native means another instruction set on another CPU: a cache shared between
     # machines must never hand an AVX-512 build to an older CPU.
-    assert other != cpu_native.library_path(b"another source", "gcc 12", "-march=haswell", tmp_path)
+    assert other != cpu_build.library_path(b"another source", "gcc 12", "-march=haswell", tmp_path)
 
 
 def test_the_key_names_the_cpu_the_compiler_targets() -> None:
-    compiler = cpu_native.shutil.which("cc")
+    compiler = cpu_build.shutil.which("cc")
     assert compiler is not None
-    target = cpu_native.target_of(compiler)
+    target = cpu_build.target_of(compiler)
     assert "-march=" in target  # what -march=native resolved to on this machine
     flags = Path("/proc/cpuinfo").read_text()
     if " avx2" in flags:
@@ -126,10 +126,10 @@ def test_the_key_names_the_cpu_the_compiler_targets() -> None:
 def _plant(directory: Path, owner: int, mode: int) -> Path:
     """A library under the name the build would look for, in ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
-    compiler = cpu_native.shutil.which("cc")
+    compiler = cpu_build.shutil.which("cc")
     assert compiler is not None
-    planted = cpu_native.library_path(
-        cpu_native.source_bytes(), cpu_native.compiler_id(compiler), cpu_native.target_of(compiler),
+    planted = cpu_build.library_path(
+        cpu_build.source_bytes(), cpu_build.compiler_id(compiler), cpu_build.target_of(compiler),
         directory)
     planted.write_bytes(b"not a library")
     os.chown(directory, owner, owner)
@@ -145,12 +145,12 @@ def test_a_library_in_a_directory_others_control_is_never_loaded(
 ) -> None:
     pod_tmp = tmp_path / "tmp"
     pod_tmp.mkdir()
-    monkeypatch.setattr(cpu_native.tempfile, "tempdir", str(pod_tmp))
+    monkeypatch.setattr(cpu_build.tempfile, "tempdir", str(pod_tmp))
     # Both places a build is looked for, prepared by someone else.
     planted = [_plant(tmp_path / "cache", owner, mode),
                _plant(pod_tmp / f"kvscale-native-{os.geteuid()}", owner, mode)]
-    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
-        built = cpu_native.build(tmp_path / "cache")
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
+        built = cpu_build.build(tmp_path / "cache")
     assert built not in planted and built.read_bytes() != b"not a library"
     assert built.parent.stat().st_uid == os.geteuid() and built.parent.stat().st_mode & 0o077 == 0
     assert "refusing" in caplog.text and str(tmp_path / "cache") in caplog.text
@@ -161,22 +161,22 @@ def test_no_compiler_falls_back_with_a_warning_or_fails_when_forced(
 ) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("KVSCALE_CACHE", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
         assert not cpu_native.available()
     assert "no C compiler" in caplog.text
     case = random_case(torch.Generator().manual_seed(5), decode=True)
     assert max_error(_run(case), dense_attention(case)) <= TOLERANCE[torch.float32]
 
-    cpu_native._library.cache_clear()
+    cpu_build.library.cache_clear()
     monkeypatch.setenv("KVSCALE_CPU_KERNELS", "native")
-    with pytest.raises(cpu_native.NativeKernelError, match="no C compiler"):
+    with pytest.raises(cpu_build.NativeKernelError, match="no C compiler"):
         cpu_native.available()
 
 
 def test_reference_mode_and_a_bad_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSCALE_CPU_KERNELS", "reference")
     assert not cpu_native.available()
-    cpu_native._library.cache_clear()
+    cpu_build.library.cache_clear()
     monkeypatch.setenv("KVSCALE_CPU_KERNELS", "fast")
     with pytest.raises(ValueError, match="expected one of auto, native, reference"):
         cpu_native.available()
@@ -261,13 +261,13 @@ def portable_layer_ops(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     source = directory / "cpu_layer_ops.c"
     source.write_bytes(resources.files("kvscale.kernels").joinpath("cpu_layer_ops.c").read_bytes())
     built = directory / "layer_ops.so"
-    cpu_native._run_compiler([compiler, *cpu_native.CFLAGS, "-DKVSCALE_PORTABLE", "-c", "-o",
-                              str(directory / "layer_ops.o"), str(source)])
-    cpu_native._run_compiler([compiler, *cpu_native.LDFLAGS, "-o", str(built), str(directory / "layer_ops.o"),
-                              *cpu_native.LDLIBS])
+    cpu_build._run_compiler([compiler, *cpu_build.CFLAGS, "-DKVSCALE_PORTABLE", "-c", "-o",
+                             str(directory / "layer_ops.o"), str(source)])
+    cpu_build._run_compiler([compiler, *cpu_build.LDFLAGS, "-o", str(built), str(directory / "layer_ops.o"),
+                             *cpu_build.LDLIBS])
     lib = ctypes.CDLL(str(built))
     for name in ("kvscale_silu_and_mul", "kvscale_add_rms_norm"):
-        restype, argtypes = cpu_native._C_PROTOTYPES[name]
+        restype, argtypes = cpu_prototypes.C_PROTOTYPES[name]
         getattr(lib, name).restype = restype
         getattr(lib, name).argtypes = argtypes
     return lib
@@ -300,7 +300,7 @@ def test_layer_ops_give_the_portable_loops_bits(
 ) -> None:
     """The explicit AVX-512 loops (on CPUs with them) change speed, not numerics: every output
     and the updated residual are bit-identical to the portable C loops' (NaN where they give NaN)."""
-    native = cpu_native._library()
+    native = cpu_build.library()
     assert native is not None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -314,7 +314,7 @@ def test_layer_ops_give_the_portable_loops_bits(
                 results = []
                 for lib in (native, portable_layer_ops):
                     with monkeypatch.context() as patch:
-                        patch.setattr(cpu_native, "_library", lambda lib=lib: lib)
+                        patch.setattr(cpu_row_ops, "library", lambda lib=lib: lib)
                         stream = residual.clone()
                         results.append([cpu_native.silu_and_mul(gate_up), cpu_native.add_rms_norm(x, None, weight, 1e-5),
                                         cpu_native.add_rms_norm(x, stream, weight, 1e-5), stream])
@@ -346,13 +346,13 @@ def test_a_read_only_cache_builds_once_in_the_temporary_directory(
     unwritable = blocker / "native"
     pod_tmp = tmp_path / "pod-tmp"
     pod_tmp.mkdir()
-    monkeypatch.setattr(cpu_native.tempfile, "tempdir", str(pod_tmp))
-    first = cpu_native.build(unwritable)
+    monkeypatch.setattr(cpu_build.tempfile, "tempdir", str(pod_tmp))
+    first = cpu_build.build(unwritable)
     # One folder per user, private: nobody else can put a library where this user loads one.
     assert first.parent == pod_tmp / f"kvscale-native-{os.geteuid()}"
     assert first.parent.stat().st_mode & 0o777 == 0o700
     stamp = first.stat().st_mtime_ns
-    assert cpu_native.build(unwritable) == first and first.stat().st_mtime_ns == stamp
+    assert cpu_build.build(unwritable) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]
 
 

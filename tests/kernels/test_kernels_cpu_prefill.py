@@ -15,7 +15,7 @@ from kernel_checks import (
 )
 
 import kvscale.kernels as kernels
-from kvscale.kernels import cpu_native, reference
+from kvscale.kernels import cpu_build, cpu_native, reference
 
 pytestmark = pytest.mark.usefixtures("fresh_cpu_library")
 
@@ -107,7 +107,7 @@ def test_a_bad_block_table_raises_instead_of_reading_out_of_bounds(dtype: torch.
 
 
 def test_the_cpu_backend_runs_each_where_its_cpu_has_the_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
-    lib = cpu_native._library()
+    lib = cpu_build.library()
     assert lib is not None
     calls: list[str] = []
     for name in ("kvscale_paged_prefill_attention", "kvscale_paged_prefill_attention_f32"):
