@@ -90,7 +90,7 @@ class SharedHost:
     start_pressure_cores: float | None = None
     # How much one step's time varies on that host beside the rest of the platform (scrapes,
     # controllers, the router's hops): decode steps measured there, each over the step this model
-    # expects there (`bench.autoscale_level_b.with_step_factors`). Each simulated step's time is
+    # expects there (`bench.autoscale_replay.with_step_factors`). Each simulated step's time is
     # multiplied by one drawn from them (seeded); () for none.
     step_factors: tuple[float, ...] = ()
 
@@ -164,7 +164,7 @@ class Outcome:
 # -- policies -----------------------------------------------------------------------------------
 
 def prefill_tokens_waiting(replica: SimReplica) -> int:
-    """As the engine reports it (server/engine/engine_stats.py): a waiting prompt less the prefix its
+    """As the engine reports it (server/engine_stats.py): a waiting prompt less the prefix its
     cache holds now, plus what running requests have still to prefill."""
     waiting = sum(max(r.prompt_tokens - replica._cached_prefix(r) * replica.block_size, 1)
                   for r in replica.waiting)

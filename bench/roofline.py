@@ -46,11 +46,11 @@ def cpu_isa() -> dict[str, Any]:
 def gemm_peak(threads: int, dtype: str = "float32", size: int = 2048, seconds: float = 3.0) -> dict[str, Any]:
     """Best-of-several GFLOP/s of a square ``torch.matmul`` at this thread count. A bfloat16 peak
     where oneDNN has no bf16 kernels (an AVX2 CPU) is that of the GEMM the engine runs there, the
-    inputs widened to float32 first (server/worker/cpu_linear.py): torch's own bf16 GEMM there runs at
+    inputs widened to float32 first (server/cpu_linear.py): torch's own bf16 GEMM there runs at
     well under 1 GFLOP/s on this size, a peak no engine uses, and takes minutes to measure."""
     import torch
 
-    from kvscale.server.worker.cpu_linear import onednn_packs
+    from kvscale.server.cpu_linear import onednn_packs
 
     torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
