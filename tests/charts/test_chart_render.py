@@ -157,7 +157,7 @@ def test_namespace_router_runs_namespace_wide_with_least_privilege(helm):
         ("namespaceRouter.policy=fastest", "namespaceRouter/policy"),
         ("operator.metricsPort=80", "operator/metricsPort"),
         ("crds.instal=false", "additional properties 'instal' not allowed"),
-        # Credentials in a plain value would sit in the router's pod spec (issue 20, item 2).
+        # Credentials in a plain value would sit in the router's pod spec.
         ("namespaceRouter.redis.url=redis://:hunter2@r:6379/0", "namespaceRouter/redis/url"),
     ],
 )

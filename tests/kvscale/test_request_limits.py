@@ -1,4 +1,4 @@
-"""What one request may cost `kvscale serve` and `kvscale router` (issue 20, item 5), on the real
+"""What one request may cost `kvscale serve` and `kvscale router`, on the real
 processes: a body over the limit gets 413 before it is read (declared, or chunked as it arrives),
 a body that trickles in gets 408, an oversized head is refused, and each process serves the
 next request as before.

@@ -1,6 +1,6 @@
 """Every shipped recording rule and alert against series written by hand, with `promtool test
 rules` (Debian's prometheus package): what each records, when each alert fires, and the cases
-where an alert used to lie (issue 20, item 9): a service scaled by hand past four replicas is not
+where an alert used to lie: a service scaled by hand past four replicas is not
 "at its max", and a pod loading its model for the first time is not a scrape failure.
 
 The test file is written here from the rules' own definitions (tools/observability_rules.py), so

@@ -365,7 +365,7 @@ def user_service(name: str, namespace: str) -> dict:
 
 
 def test_a_name_someone_else_holds_is_never_taken_over(cluster):
-    """Issue 20, items 6 and 7: a user's Service first, then the InferenceService whose headless
+    """A user's Service first, then the InferenceService whose headless
     Service would carry its name: the operator leaves it untouched, says so (Synced=False,
     NameConflict, a Warning Event) and does not claim the generation observed; once the name is
     free it applies and observes it. The other order: the InferenceService first, and the

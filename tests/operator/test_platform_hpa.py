@@ -1,4 +1,4 @@
-"""The real HPA scales an InferenceService on the whole platform, every part real (issue 23).
+"""The real HPA scales an InferenceService on the whole platform, every part real.
 
 The chain: requests on the servers -> their vLLM gauges -> a real Prometheus (kubernetes_sd, the
 chart's PodMonitor relabelling) -> prometheus-adapter built from Go modules, served as a pod

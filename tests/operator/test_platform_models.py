@@ -1,4 +1,4 @@
-"""Prefix routing for every model source, on the whole platform (issue 19, item 1).
+"""Prefix routing for every model source, on the whole platform.
 
 Three InferenceServices at once, each with one server, its router and its Redis, all real
 processes on the process runtime: an `hf://` model fetched from a local stand-in for the Hub

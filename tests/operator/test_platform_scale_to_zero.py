@@ -1,4 +1,4 @@
-"""Scale to and from zero on the whole platform, every pod a real process (issue 23).
+"""Scale to and from zero on the whole platform, every pod a real process.
 
 One InferenceService with `autoscaling.minReplicas: 0` and a short idle window, created at zero
 replicas: its router is up, no server runs. The official openai client then sends, in turn:

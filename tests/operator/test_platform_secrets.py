@@ -1,5 +1,5 @@
 """No password, API key or token on a command line, in a pod's plain values, a log, an Event or a
-status, on the whole platform (issue 20, item 2); and a missing API-key Secret reported from the
+status, on the whole platform; and a missing API-key Secret reported from the
 pods' status, the operator reading no Secret.
 
 As in test_platform.py: `kubectl apply` of the CRD and deploy/*.yaml, every pod a real process

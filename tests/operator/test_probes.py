@@ -1,4 +1,4 @@
-"""The operator's liveness sees a stuck loop (issue 20, item 10): /healthz is answered from the
+"""The operator's liveness sees a stuck loop: /healthz is answered from the
 HTTP thread but reports the heartbeat the working loop beats, so a wedged event loop turns it
 503 while /metrics (the old probe) keeps answering 200."""
 

@@ -1,4 +1,4 @@
-"""The PrefixRouting condition from what router pods report of their tokenizers (issue 19)."""
+"""The PrefixRouting condition from what router pods report of their tokenizers."""
 
 from __future__ import annotations
 

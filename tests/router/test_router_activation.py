@@ -1,4 +1,4 @@
-"""Holding requests while no replica is ready (router/activation.py, issue 23).
+"""Holding requests while no replica is ready (router/activation.py).
 
 The decisions are pure functions; `Activation` runs on a real event loop; the end-to-end cases
 start a real `kvscale router --hold-timeout` whose replica does not exist yet, then a real

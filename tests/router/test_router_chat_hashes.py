@@ -1,4 +1,4 @@
-"""Defect 4 of issue 13: the router must hash a chat request's blocks exactly as the server caches
+"""The router must hash a chat request's blocks exactly as the server caches
 them, for every message shape the API accepts (else such requests silently lose affinity).
 
 Server side: the request body parsed by the API's own schema and turned into token ids by the

@@ -1,4 +1,4 @@
-"""Defect 7 of issue 13 (server and router side): SIGTERM under streaming load loses nothing.
+"""Server and router side: SIGTERM under streaming load loses nothing.
 
 Real processes: two `kvscale serve` replicas of the bundled model behind a real `kvscale router`,
 the official `openai` client streaming through the router from several threads. A replica gets

@@ -336,7 +336,7 @@ def test_tokenize_detokenize_and_version_answer_alike_with_or_without_the_router
 
 def test_a_huge_prompt_does_not_stall_the_streams_the_router_is_proxying(router, tokenizer):
     """Tokenizing and hashing a ~100k-token prompt takes the router most of a second; on its event
-    loop that stalled every stream it proxied (issue 21). A stream in flight through the router
+    loop that stalled every stream it proxied. A stream in flight through the router
     keeps its inter-chunk gaps while such a prompt arrives. (The replica refuses the huge request
     at validation, max_tokens -1, so only the router works on it.)"""
     from kvscale.router.prefix_hashes import PrefixHasher

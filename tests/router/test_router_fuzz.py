@@ -1,4 +1,4 @@
-"""The OpenAPI fuzz through the router (issue 20): schemathesis generates valid and invalid
+"""The OpenAPI fuzz through the router: schemathesis generates valid and invalid
 requests from the server's own /openapi.json (the router serves the same API) and sends them to a
 router in front of a real replica, without and with an API key. No answer may be a 5xx, no
 process may die, and the router's memory stays bounded.

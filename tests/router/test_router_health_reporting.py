@@ -1,4 +1,4 @@
-"""Defect 9 of issue 13: a router whose replicas reject it says so, in its log and in /health.
+"""A router whose replicas reject it says so, in its log and in /health.
 
 As a new user would try it: `--api-key` on the router and on the replica, no `--replica-api-key`.
 The replica's /health is open (probes carry no key) but its API answers 401 to the router.

@@ -1,4 +1,4 @@
-"""Probes that see a hang, and health that does not flip on one blip (issue 20, item 10).
+"""Probes that see a hang, and health that does not flip on one blip.
 
 - Every replica paused for 3 s (SIGSTOP, as a long GC or a throttled node does): no request
   fails and the router's /health, its readiness, never leaves 200, so no endpoint leaves its

@@ -250,7 +250,7 @@ def _membership(client: redis.Redis) -> set[str]:
 
 
 def test_a_sigkilled_replica_leaves_membership_and_the_index_within_the_ttl(redis_server):
-    """Issue 13, defect 5: a crashed replica (no clean goodbye) must not stay in Redis forever."""
+    """A crashed replica (no clean goodbye) must not stay in Redis forever."""
     client = redis.Redis.from_url(redis_server.url)
     dead_hashes = hash_prompt_blocks(list(range(48)), 16)
     child = subprocess.Popen(

@@ -1,8 +1,8 @@
-"""The chaos soak's short version (issue 13): bench/soak.py, small, with its targets asserted.
+"""The chaos soak's short version: bench/soak.py, small, with its targets asserted.
 
 Real processes throughout: Redis, three `kvscale serve` replicas, two routers; a replica is
 SIGKILLed, another SIGTERMed, Redis and a router are restarted while clients stream. The
-replicas' small KV caches spill to a host KV tier (issue 22), whose slots must not leak either.
+replicas' small KV caches spill to a host KV tier, whose slots must not leak either.
 """
 
 from __future__ import annotations

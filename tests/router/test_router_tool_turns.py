@@ -1,4 +1,4 @@
-"""An agent's two-turn tool conversation through the router (issue 26): the second turn's prompt
+"""An agent's two-turn tool conversation through the router: the second turn's prompt
 holds the assistant's call and the tool's result, rendered by the contract the router and the
 server share (kvscale.tokenization), so the router's predicted prefix hits for it are the hits the
 replica counts, within one block.

@@ -45,7 +45,7 @@ def test_a_follow_up_turn_routes_to_the_replica_holding_the_answer(replicas, ses
     second = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=history, max_tokens=8, temperature=0)
     assert second.headers["x-kvscale-replica"] == holder
-    # The estimate it routed by, reported so that its error can be measured (issue 21).
+    # The estimate it routed by, reported so that its error can be measured.
     assert float(second.headers["x-kvscale-predicted-ttft-ms"]) > 0
     assert float(second.headers["x-kvscale-predicted-ttft-uncalibrated-ms"]) > 0  # and before calibration
     predicted = int(second.headers["x-kvscale-predicted-hit-tokens"])

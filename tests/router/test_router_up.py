@@ -86,7 +86,7 @@ def test_up_serves_through_the_router_and_stops_cleanly():
         assert "redis-server at redis://127.0.0.1:" in output
         descendants = children_of(proc.pid)
         assert len(descendants) >= 4  # redis, 2 replicas, router
-        # The key never sits on a command line, where any local user reads it (issue 20, item 2).
+        # The key never sits on a command line, where any local user reads it.
         for pid in descendants:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             assert API_KEY not in cmdline, cmdline

@@ -1,4 +1,4 @@
-"""The router's tokenizers for any model the servers serve (issue 19, item 1).
+"""The router's tokenizers for any model the servers serve.
 
 A router must hash prompts exactly as the servers do, under the names the servers answer to: the
 bundled model under a `servedName`, a model directory (what `pvc://` and `hf://` become in a pod),
