@@ -4,7 +4,7 @@
  *   out[r][n] = sum_k x[r][k] * w[n][k]      x float32, w widened to float32 in registers
  *
  * Why: there, oneDNN has no bf16 or VNNI kernels. Larger row counts widen the weight a block at a
- * time into memory for float32's GEMM (server/cpu_linear.py, `widened_matmul`), but on a few rows
+ * time into memory for float32's GEMM (server/worker/cpu_linear.py, `widened_matmul`), but on a few rows
  * that copy costs more than the GEMM it feeds, since the step is bound by reading the weight.
  * Widened as it is loaded, the weight is read once at its own width: half float32's bytes for
  * bf16, a quarter for int8.

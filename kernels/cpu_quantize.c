@@ -1,4 +1,4 @@
-/* The two passes around an int8 projection (`--quantization int8`, server/quantization.py).
+/* The two passes around an int8 projection (`--quantization int8`, server/worker/quantization.py).
  *
  * Why: in PyTorch, quantizing a row of activations is seven ops (cast, abs, max, divide, round,
  * clamp, cast), each a pass with its own buffer, and rescaling the int32 sums is three more. At a
@@ -9,10 +9,10 @@
  * stored with +128 as uint8 because oneDNN's int8 GEMM takes unsigned activations with a zero
  * point (its VNNI and AMX instructions multiply u8 by s8). Rounding is to nearest even, as
  * torch.round's. The divisions are real divisions (this file is built with
- * -fno-unsafe-math-optimizations, cpu_native.FILE_CFLAGS; -fno-reciprocal-math alone still left
+ * -fno-unsafe-math-optimizations, cpu_build.FILE_CFLAGS; -fno-reciprocal-math alone still left
  * the loop's division a product): as products with the reciprocal, which -ffast-math allows, values on a
  * rounding boundary moved one code from torch's quantize_per_row, and that alone moved the bundled
- * model's int8 perplexity ratio (tests/server/test_precision_accuracy.py) from 1.022 to 1.034.
+ * model's int8 perplexity ratio (tests/server/worker/test_precision_accuracy.py) from 1.022 to 1.034.
  * Rows are contiguous, float32 or bfloat16 (as uint16). gcc still vectorises both loops.
  */
 #include <math.h>

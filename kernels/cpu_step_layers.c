@@ -7,7 +7,7 @@
  * Python between the C kernels). Here the same kernels run in the same order on the same
  * buffers' contents, so the step's output is bit for bit the module path's (a test checks it).
  *
- * The caller (server/cpu_step_layers.py) takes this path only where every kernel below applies:
+ * The caller (server/worker/cpu_step_layers.py) takes this path only where every kernel below applies:
  * bfloat16 activations, projections on the AMX kernel (bfloat16 or int8 weights), the fused
  * gate|up with SiLU in its store, rotate-half RoPE over whole heads, a bfloat16 or FP8 cache,
  * and for a step with prompt chunks, the AMX prefill attention kernel.
@@ -52,7 +52,7 @@ void kvscale_quantize_rows_u8(const void *x, int64_t rows, int64_t width, int is
 
 enum { BF16_CACHE = 1 };  /* cpu_decode_attention.c's cache formats; above it, FP8 */
 
-/* Returned: 0, or which step failed (server/cpu_step_layers.py turns each into its error). */
+/* Returned: 0, or which step failed (server/worker/cpu_step_layers.py turns each into its error). */
 enum {
     STEP_LAYERS_OK = 0,
     STEP_LAYERS_NO_MEMORY = 1,

@@ -29,7 +29,7 @@ int kvscale_write_kv(const void *key, int64_t key_stride, const void *value, int
 /* The FP8 KV cache (kernels/fp8.py has the semantics): each K/V element divided by its scale,
  * rounded to the nearest even FP8 value and saturated, bit for bit as torch's
  * `(x.float() / scale).clamp(-max, max).to(torch.float8_*)`. Built without -ffast-math
- * (cpu_native.FILE_CFLAGS): the division must be a true one, not a product with 1/scale (torch
+ * (cpu_build.FILE_CFLAGS): the division must be a true one, not a product with 1/scale (torch
  * divides), and the NaN test and the rounding additions must be kept as written.
  *
  * Both formats round on the float32 bits: a normal value's mantissa is cut to 3 (e4m3) or 2

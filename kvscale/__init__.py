@@ -12,13 +12,13 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
-    from kvscale.server.llm import LLM
+    from kvscale.server.entrypoints.llm import LLM
     from kvscale.server.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from kvscale.server.llm import LLM
+        from kvscale.server.entrypoints.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 # subcommand -> (module that owns it, one-line help). Each module defines
 # `add_arguments(parser)` and `run(args) -> int` and must import nothing heavy at import time.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("kvscale.server.cli_generate", "generate text from a prompt (a quick look)"),
-    "serve": ("kvscale.server.cli_serve", "serve an OpenAI-compatible API"),
+    "generate": ("kvscale.server.entrypoints.cli_generate", "generate text from a prompt (a quick look)"),
+    "serve": ("kvscale.server.entrypoints.cli_serve", "serve an OpenAI-compatible API"),
     "router": ("kvscale.router.cli_router", "route requests to replicas by KV-cache prefix"),
     "up": ("kvscale.router.cli_up", "run Redis, N replicas and the router on this machine"),
     "operator": ("kvscale.operator.cli_operator", "run the Kubernetes operator"),

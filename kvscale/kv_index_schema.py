@@ -1,6 +1,6 @@
 """The KV index's Redis schema: what replicas write and routers read, defined once.
 
-Replicas write it (kvscale.server.kv_publisher), routers read it (kvscale.router.redis_feed);
+Replicas write it (kvscale.server.engine.kv_publisher), routers read it (kvscale.router.redis_feed);
 docs/router.md describes it:
 
   kvscale:replicas                    ZSET  live replica ids, scored by the Redis server's clock

@@ -4,16 +4,67 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvscale.server.structured_outputs.compiler import StructuredOutputsConfig
-
 # On CPU the KV cache lives in ordinary memory; without an explicit budget the engine takes this.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
-# What --quantization takes (vLLM's spelling); server/quantization.py runs it.
+# What --quantization takes (vLLM's spelling); server/worker/quantization.py runs it.
 QUANTIZATIONS = ("int8",)
 
-# What --kv-cache-dtype takes (vLLM's spelling; fp8 is fp8_e4m3); server/kv_cache_dtype.py resolves it.
+# What --kv-cache-dtype takes (vLLM's spelling; fp8 is fp8_e4m3); server/worker/kv_cache_dtype.py resolves it.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+# What ``compile_priority`` takes (structured_outputs/thread_priority.py applies it): "idle" is
+# SCHED_IDLE, "nice" nice 19, "normal" the process's own.
+PRIORITIES = ("idle", "nice", "normal")
+
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+# Generous: a compile within its CPU-time limit is only this late when the engine has kept every
+# core busy for this long; it bounds the client's wait, it is not meant to refuse schemas.
+DEFAULT_COMPILE_WAIT_TIMEOUT_S = 60.0
+# Compile workers starved while the engine is idle (by other processes: compile_pool.py) are
+# rescued after this long: it costs their requests this much, then they compile as if not lowered.
+DEFAULT_COMPILE_STARVED_AFTER_S = 1.0
+DEFAULT_CACHE_SIZE = 512
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """``--structured-outputs-config`` (vLLM's flag; JSON)."""
+
+    backend: str = "guidance"
+    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # the compile's own CPU time
+    compile_wait_timeout_s: float = DEFAULT_COMPILE_WAIT_TIMEOUT_S  # wall clock, queue included
+    compile_workers: int = 1
+    compile_priority: str = "idle"  # thread_priority.PRIORITIES
+    compile_starved_after_s: float = DEFAULT_COMPILE_STARVED_AFTER_S
+    mask_threads: int = 1  # >1: the batch bitmask is filled by the library's threads
+    cache_size: int = DEFAULT_CACHE_SIZE
+    # Append the tokens the grammar forces (keys, punctuation) without a sampling step each; the
+    # next step computes their KV as one chunk (manager.py, docs/server.md). On by default: it
+    # gained on the shared sample's schemas (docs/benchmarks.md, bench/structured_fast_forward.py).
+    fast_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("guidance", "llguidance", "auto"):
+            raise ValueError(
+                f"structured outputs backend {self.backend!r} is not available: kvscale enforces "
+                "grammars with llguidance ('guidance'); see docs/server.md for why not xgrammar")
+        if not self.compile_timeout_s > 0:
+            raise ValueError("compile_timeout_s must be positive")
+        # Below the CPU-time limit the wait bound would decide alone, even on an idle machine.
+        if not self.compile_wait_timeout_s >= self.compile_timeout_s:
+            raise ValueError(f"compile_wait_timeout_s ({self.compile_wait_timeout_s:g}) must be at least "
+                             f"compile_timeout_s ({self.compile_timeout_s:g})")
+        if self.compile_priority not in PRIORITIES:
+            raise ValueError(f"compile_priority must be one of {', '.join(PRIORITIES)}")
+        if not self.compile_starved_after_s > 0:
+            raise ValueError("compile_starved_after_s must be positive")
+        if self.compile_workers < 1 or self.mask_threads < 1 or self.cache_size < 0:
+            raise ValueError("compile_workers and mask_threads must be at least 1, cache_size non-negative")
+        if not isinstance(self.fast_forward, bool):
+            raise ValueError("fast_forward must be true or false")
+
 
 
 @dataclass
@@ -34,13 +85,13 @@ class EngineConfig:
     # GiB of host memory for a second KV tier (vLLM's --kv-offloading-size); 0: no second tier.
     kv_offloading_size: float = 0.0
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    quantization: str | None = None  # None | "int8" (weights quantized at load: server/quantization.py)
+    quantization: str | None = None  # None | "int8" (weights quantized at load: server/worker/quantization.py)
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "auto" (the model's dtype) or an FP8 format
     seed: int = 0
-    # On a GPU, decode steps replay CUDA graphs (server/decode_graphs.py) unless this is set
+    # On a GPU, decode steps replay CUDA graphs (server/worker/decode_graphs.py) unless this is set
     # (vLLM's --enforce-eager); CPU steps are always eager.
     enforce_eager: bool = False
-    # Queue the next step before this one's tokens are read (server/async_scheduling.py; vLLM's
+    # Queue the next step before this one's tokens are read (server/core/async_scheduling.py; vLLM's
     # --async-scheduling). None: on where it overlaps anything, i.e. on a GPU.
     async_scheduling: bool | None = None
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

@@ -113,7 +113,7 @@ class BlockStored:
     block_hashes: list[int]
     parent_block_hash: int | None
     block_size: int
-    tier: int = 1  # 1: the device's KV pool; 2: the host tier (kvscale.server.host_tier)
+    tier: int = 1  # 1: the device's KV pool; 2: the host tier (kvscale.server.core.host_tier)
 
 
 @dataclass

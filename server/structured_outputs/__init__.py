@@ -7,6 +7,7 @@ the compile pool and cache (compiler.py), the per-step batch bitmask (bitmask.py
 engine-facing bookkeeping of a matcher per sequence (manager.py). A request's constraint arrives as plain data
 (``SamplingParams.structured_outputs``), so it crosses a process boundary unchanged.
 
-The package imports nothing itself: the HTTP front end needs ``compiler.StructuredOutputsConfig``
-(through EngineConfig) and must not pull in manager.py, whose bitmask work needs torch.
+The package imports nothing itself: the HTTP front end reads its settings from
+``kvscale.server.config.StructuredOutputsConfig`` and must not pull in manager.py, whose bitmask
+work needs torch.
 """

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from kvscale.server.thread_priority import lower_this_thread
+from kvscale.server.structured_outputs.thread_priority import lower_this_thread
 
 logger = logging.getLogger(__name__)
 

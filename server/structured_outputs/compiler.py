@@ -24,60 +24,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from kvscale.server.config import StructuredOutputsConfig
 from kvscale.server.sampling_params import StructuredOutputsParams
 from kvscale.server.structured_outputs import backend
 from kvscale.server.structured_outputs.compile_pool import Compiled, CompileJob, CompilePool
-from kvscale.server.thread_priority import PRIORITIES
 
 __all__ = ["Compiled", "GrammarCompiler", "GrammarFailure", "PendingGrammar", "StructuredOutputsConfig"]
-
-DEFAULT_COMPILE_TIMEOUT_S = 10.0
-# Generous: a compile within its CPU-time limit is only this late when the engine has kept every
-# core busy for this long; it bounds the client's wait, it is not meant to refuse schemas.
-DEFAULT_COMPILE_WAIT_TIMEOUT_S = 60.0
-# Compile workers starved while the engine is idle (by other processes: compile_pool.py) are
-# rescued after this long: it costs their requests this much, then they compile as if not lowered.
-DEFAULT_COMPILE_STARVED_AFTER_S = 1.0
-DEFAULT_CACHE_SIZE = 512
-
-
-@dataclass(frozen=True)
-class StructuredOutputsConfig:
-    """``--structured-outputs-config`` (vLLM's flag; JSON)."""
-
-    backend: str = "guidance"
-    compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # the compile's own CPU time
-    compile_wait_timeout_s: float = DEFAULT_COMPILE_WAIT_TIMEOUT_S  # wall clock, queue included
-    compile_workers: int = 1
-    compile_priority: str = "idle"  # thread_priority.PRIORITIES
-    compile_starved_after_s: float = DEFAULT_COMPILE_STARVED_AFTER_S
-    mask_threads: int = 1  # >1: the batch bitmask is filled by the library's threads
-    cache_size: int = DEFAULT_CACHE_SIZE
-    # Append the tokens the grammar forces (keys, punctuation) without a sampling step each; the
-    # next step computes their KV as one chunk (manager.py, docs/server.md). On by default: it
-    # gained on the shared sample's schemas (docs/benchmarks.md, bench/structured_fast_forward.py).
-    fast_forward: bool = True
-
-    def __post_init__(self) -> None:
-        if self.backend not in ("guidance", "llguidance", "auto"):
-            raise ValueError(
-                f"structured outputs backend {self.backend!r} is not available: kvscale enforces "
-                "grammars with llguidance ('guidance'); see docs/server.md for why not xgrammar")
-        if not self.compile_timeout_s > 0:
-            raise ValueError("compile_timeout_s must be positive")
-        # Below the CPU-time limit the wait bound would decide alone, even on an idle machine.
-        if not self.compile_wait_timeout_s >= self.compile_timeout_s:
-            raise ValueError(f"compile_wait_timeout_s ({self.compile_wait_timeout_s:g}) must be at least "
-                             f"compile_timeout_s ({self.compile_timeout_s:g})")
-        if self.compile_priority not in PRIORITIES:
-            raise ValueError(f"compile_priority must be one of {', '.join(PRIORITIES)}")
-        if not self.compile_starved_after_s > 0:
-            raise ValueError("compile_starved_after_s must be positive")
-        if self.compile_workers < 1 or self.mask_threads < 1 or self.cache_size < 0:
-            raise ValueError("compile_workers and mask_threads must be at least 1, cache_size non-negative")
-        if not isinstance(self.fast_forward, bool):
-            raise ValueError("fast_forward must be true or false")
-
 
 @dataclass(frozen=True)
 class GrammarFailure:

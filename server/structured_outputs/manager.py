@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from kvscale.kernels import cpu_native
+from kvscale.server.core.sequence import Request, Sequence
 from kvscale.server.sampling_params import SamplingParams
-from kvscale.server.sequence import Request, Sequence
 from kvscale.server.structured_outputs import backend
 from kvscale.server.structured_outputs.compiler import (
     GrammarCompiler,

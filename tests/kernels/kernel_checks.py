@@ -27,7 +27,7 @@ from kvscale.kernels import reference
 def cpu_has_amx_bf16() -> bool:
     """Whether this CPU has the instructions the C kernels' AMX paths need (bf16 tiles and
     AVX-512 BF16), as /proc/cpuinfo says: what their availability checks must agree with."""
-    from kvscale.server.cpu_features import cpu_features
+    from kvscale.server.worker.cpu_features import cpu_features
 
     return {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_features().flags
 
@@ -35,7 +35,7 @@ def cpu_has_amx_bf16() -> bool:
 def cpu_has_avx2_fma() -> bool:
     """Whether this CPU has what the float32 prefill and narrow projection kernels need (AVX2 and
     FMA), as /proc/cpuinfo says."""
-    from kvscale.server.cpu_features import cpu_features
+    from kvscale.server.worker.cpu_features import cpu_features
 
     return {"avx2", "fma"} <= cpu_features().flags
 

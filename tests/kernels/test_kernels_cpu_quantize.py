@@ -1,5 +1,5 @@
 """The passes around an int8 projection (cpu_quantize.c) against the PyTorch reference of
-server/quantization.py."""
+server/worker/quantization.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvscale.kernels import cpu_native
-from kvscale.server.quantization import quantize_per_row
+from kvscale.server.worker.quantization import quantize_per_row
 
 pytestmark = pytest.mark.usefixtures("fresh_cpu_library")
 

@@ -70,3 +70,18 @@ def test_the_architecture_page_names_every_shipped_module():
     missing = sorted(str(p.relative_to(REPO_ROOT)) for p in files
                      if f"`{p.relative_to(REPO_ROOT)}`" not in page and p.name != "__main__.py")
     assert missing == []
+
+
+def test_every_engine_module_sits_in_a_layer_or_is_shared():
+    """server/'s top level holds only what every layer shares (the shared modules' contract lists
+    them); everything else lives in a subpackage the layers contract names."""
+    contracts = _linter_config()["contracts"]
+    layers = next(c for c in contracts if c.get("containers") == ["kvscale.server"])
+    named = {name.strip() for layer in layers["layers"] for name in layer.split("|")}
+    shared = next(c for c in contracts if c["name"] == "The engine's shared modules import no layer")
+    server = REPO_ROOT / "server"
+    top_level = {f"kvscale.server.{p.stem}" for p in server.glob("*.py") if p.stem != "__init__"}
+    subpackages = {p.parent.name for p in server.glob("*/__init__.py")}
+    assert top_level == set(shared["source_modules"])
+    assert subpackages == named
+    assert set(shared["forbidden_modules"]) == {f"kvscale.server.{name}" for name in named}

@@ -14,8 +14,8 @@ from kvscale.operator.metrics import OperatorMetrics, ReplicaCounts, scale_direc
 from kvscale.operator.scaling import LoadEstimate, ScaleDecision
 from kvscale.operator.spec import AutoscalingPolicy
 from kvscale.router.metrics import RouterMetrics, is_spill
-from kvscale.server.block_pool import BlockPool
-from kvscale.server.metrics import HTTPStatusMiddleware, ServerMetrics
+from kvscale.server.core.block_pool import BlockPool
+from kvscale.server.entrypoints.metrics import HTTPStatusMiddleware, ServerMetrics
 from kvscale.server.outputs import EngineStats
 
 

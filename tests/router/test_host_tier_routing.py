@@ -13,7 +13,7 @@ from kvscale.router.in_flight import InFlight
 from kvscale.router.index import PrefixIndex
 from kvscale.router.metrics import RouterMetrics
 from kvscale.router.replicas import Replica
-from kvscale.server.kv_publisher import encode_events
+from kvscale.server.engine.kv_publisher import encode_events
 from kvscale.server.outputs import BlockRemoved, BlockStored
 
 

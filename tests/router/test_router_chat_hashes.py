@@ -12,9 +12,9 @@ import pytest
 
 from kvscale.block_hash import hash_prompt_blocks
 from kvscale.router.prefix_hashes import PrefixHasher
-from kvscale.server import protocol as p
-from kvscale.server.serving import OpenAIServer
-from kvscale.server.serving_chat import chat_ids
+from kvscale.server.entrypoints import protocol as p
+from kvscale.server.entrypoints.serving import OpenAIServer
+from kvscale.server.entrypoints.serving_chat import chat_ids
 
 BLOCK_SIZE = 4  # small blocks: every shape below spans several
 LONG = "Summarise the plot of a novel about a lighthouse keeper who counts ships at night."

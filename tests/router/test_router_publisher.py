@@ -27,7 +27,7 @@ from kvscale.kv_index_schema import (
 from kvscale.processes import wait_until
 from kvscale.router.index import PrefixIndex
 from kvscale.router.redis_feed import RedisFeed
-from kvscale.server.kv_publisher import KVEventPublisher
+from kvscale.server.engine.kv_publisher import KVEventPublisher
 from kvscale.server.outputs import AllBlocksCleared, BlockRemoved, BlockStored, EngineStats
 
 
@@ -226,7 +226,7 @@ def test_feed_reloads_on_a_sequence_gap(redis_server):
 # A publisher in a process of its own, so the test can SIGKILL it as a crash would: no goodbye.
 _CRASHING_PUBLISHER = """
 import sys, time
-from kvscale.server.kv_publisher import KVEventPublisher
+from kvscale.server.engine.kv_publisher import KVEventPublisher
 from kvscale.server.outputs import EngineStats
 url, replica_id, hashes = sys.argv[1], sys.argv[2], [int(h) for h in sys.argv[3].split(",")]
 publisher = KVEventPublisher(url, replica_id, "m", "http://127.0.0.1:9", 16)

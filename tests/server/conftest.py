@@ -85,7 +85,7 @@ def assert_no_leak(engine) -> None:
 def make_engine(bundled_model_path) -> Iterator[Callable[..., object]]:
     """Build LLMEngines on the bundled model (float32, CPU); each is leak-checked at teardown."""
     from kvscale.server.config import EngineConfig
-    from kvscale.server.engine import LLMEngine
+    from kvscale.server.engine.llm_engine import LLMEngine
 
     engines = []
 

@@ -1,0 +1,159 @@
+"""Iteration-level scheduling: which sequences run this step, and how many tokens each.
+
+Policy (one step):
+  1. Running sequences first, oldest first: a decode takes one token (after a grammar
+     fast-forward, also the forced run appended behind it), an unfinished prefill takes what is
+     left of it (chunked to the remaining token budget).
+     When blocks run out, the newest running sequence is preempted (its blocks are freed and it
+     goes back to the front of the queue), repeatedly, until the current one fits or is itself
+     the newest. With a host tier a victim whose swap is cheaper than its recompute (measured
+     copy and prefill rates, kv_tier_policy.swap_is_cheaper) has its full blocks demoted at
+     once, and resumes by promoting them; otherwise it is recomputed.
+  2. Then, unless something was preempted this step, waiting sequences in arrival order while
+     the token budget and ``max_num_seqs`` allow; the last one admitted may be a partial chunk.
+     A waiting sequence that does not fit stops admission (first come, first served).
+Blocks become findable by hash when they are scheduled, not when they are computed, so requests
+arriving together with a common prefix compute it once (see KVCacheManager.register_full_blocks).
+Admission control guarantees any single sequence fits the whole pool, so the oldest running
+sequence can always progress: no deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvscale.server.core.kv_cache_manager import KVCacheManager
+from kvscale.server.core.kv_tier_policy import (
+    blocks_to_demote_ahead,
+    swap_is_cheaper,
+    watermark_blocks,
+)
+from kvscale.server.core.sequence import Sequence, SequenceStatus
+from kvscale.server.core.step_rates import StepRates
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def tokens_to_schedule(seq: Sequence, budget: int, num_computed: int | None = None) -> int:
+    """Tokens of ``seq`` to run now: all that are not computed yet, cut to the token budget."""
+    computed = seq.num_computed_tokens if num_computed is None else num_computed
+    return max(min(seq.num_tokens - computed, budget), 0)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.num_swapped_out = 0  # preemptions whose blocks went down to the host tier
+        # What the swap-or-recompute choice reads; the engine keeps them up to date.
+        self.block_bytes = 0
+        self.copy_bytes_per_s = 0.0
+        self.step_rates = StepRates()
+        self.watermark = watermark_blocks(kv.pool.num_blocks) if kv.pool.host is not None else 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one joins the batch directly."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        kv = self.kv
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = tokens_to_schedule(seq, budget)
+            while not kv.allocate_if_room(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                kv.register_full_blocks(seq, seq.num_computed_tokens + num_new)
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the current sequence preempted itself: it was the newest
+
+        if out.preempted:
+            self._demote_ahead()
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = kv.find_cached_prefix(seq) if not seq.block_table else []
+            num_computed = len(cached) * kv.block_size if cached else seq.num_computed_tokens
+            num_new = tokens_to_schedule(seq, budget, num_computed)
+            if not kv.can_allocate(seq, num_new, cached):
+                break
+            kv.record_lookup(seq, num_computed, cached)
+            kv.allocate(seq, num_new, cached)
+            kv.register_full_blocks(seq, seq.num_computed_tokens + num_new)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        self._demote_ahead()
+        return out
+
+    def _demote_ahead(self) -> None:
+        """Write-back at the watermark: keep some fresh tier-1 blocks by demoting LRU cached ones."""
+        pool = self.kv.pool
+        if self.watermark:
+            pool.demote_ahead(
+                blocks_to_demote_ahead(pool.num_fresh_blocks, pool.num_cached_free_blocks, self.watermark)
+            )
+
+    def _preempt(self, seq: Sequence) -> None:
+        swap = self.kv.pool.host is not None and swap_is_cheaper(
+            seq.num_registered_blocks, self.block_bytes, seq.num_computed_tokens,
+            self.copy_bytes_per_s, self.step_rates.prefill_tokens_per_s,
+        )
+        self.num_swapped_out += swap
+        self.kv.free(seq, swap_out=swap)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        seq.status = SequenceStatus.FINISHED
+        self.kv.free(seq)

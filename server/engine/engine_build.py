@@ -1,0 +1,154 @@
+"""An engine's parts built from its config: the model loaded, the KV pool sized from measured
+memory and allocated, the scheduler over it, the sampler, the decode graphs captured.
+
+Construction is its own step so the step loop (llm_engine.py) holds only what runs per step. The
+order matters: a KV cache dtype the backend cannot read is refused before the weights load; the
+pool is sized after the weights (and on a GPU the RoPE tables) hold their memory and, where a
+forward pass decides the pool, after the largest step has been profiled (kv_sizing.py); the host
+tier is checked against the machine before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvscale.model_files import load_tokenizer, resolve_model_path, served_model_name
+from kvscale.server.config import EngineConfig
+from kvscale.server.core.block_pool import BlockPool
+from kvscale.server.core.host_tier import HostTier
+from kvscale.server.core.kv_cache_manager import KVCacheManager
+from kvscale.server.core.scheduler import Scheduler
+from kvscale.server.structured_outputs.manager import StructuredOutputManager
+from kvscale.server.worker.kv_cache_dtype import kv_cache_dtype_name, resolve_kv_cache_dtype
+from kvscale.server.worker.kv_sizing import (
+    host_memory_room,
+    host_tier_blocks,
+    largest_step_profile,
+    pass_decides_pool,
+    pool_blocks,
+)
+from kvscale.server.worker.memory_profile import device_memory
+from kvscale.server.worker.model_loader import (
+    eos_token_ids,
+    load_hf_config,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
+from kvscale.server.worker.model_runner import ModelRunner, StepProfile, kv_block_bytes
+from kvscale.server.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """What an LLMEngine steps: each part built once, in the order the module docstring gives."""
+
+    model_path: Path
+    model_name: str
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    model: Any
+    eos_token_ids: set[int]
+    sampler: Sampler
+    runner: ModelRunner
+    step_profile: StepProfile | None
+    num_blocks: int
+    kv_cache_bytes: int
+    # A sequence may never need more than the whole pool (so preemption always makes progress).
+    max_model_len: int
+    num_host_blocks: int
+    pool: BlockPool
+    kv: KVCacheManager
+    scheduler: Scheduler
+    structured: StructuredOutputManager
+
+
+def supported_max_len(config: EngineConfig, spec: Any) -> int:
+    """The longest sequence asked for: ``--max-model-len``, or the model's own limit."""
+    model_max_len = spec.max_position_embeddings
+    if spec.sliding_window:
+        # Attention here is always full; beyond the window the model would differ.
+        model_max_len = min(model_max_len, spec.sliding_window)
+    if config.max_model_len is not None and config.max_model_len > model_max_len:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds what the model supports ({model_max_len})"
+        )
+    return config.max_model_len or model_max_len
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    torch.manual_seed(config.seed)
+    path = resolve_model_path(config.model)
+    tokenizer = load_tokenizer(path)
+    hf_config = load_hf_config(path)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, hf_config, device)
+    # Before the weights load: a cache dtype this backend cannot read is refused at once.
+    kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
+    model = load_model(path, hf_config, dtype, device, config.quantization)
+    spec = model.spec
+    wanted_len = supported_max_len(config, spec)
+
+    block_bytes = kv_block_bytes(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim,
+                                 kv_cache_dtype)
+    eos_ids = eos_token_ids(tokenizer, path)
+    sampler = Sampler(eos_ids, lambda token_id: tokenizer.decode([token_id]), seed=config.seed)
+    runner = ModelRunner(model, config.block_size, dtype, device, kv_cache_dtype=kv_cache_dtype)
+    used = total = 0
+    if device.type == "cuda":
+        # RoPE tables for the longest possible sequence first: they stay for the engine's
+        # life, so they count as used, like the weights (and whatever else holds the card).
+        model.build_rope_cache(wanted_len)
+        used, total = device_memory(device)
+    step_profile: StepProfile | None = None
+    if pass_decides_pool(device.type, config.kv_cache_memory_bytes, config.num_gpu_blocks_override):
+        step_profile = largest_step_profile(runner, sampler, config, wanted_len)
+    num_blocks = pool_blocks(config, block_bytes, used, total, step_profile)
+    kv_cache_bytes = num_blocks * block_bytes
+    max_model_len = min(wanted_len, num_blocks * config.block_size)
+
+    # The host tier (--kv-offloading-size): checked against the machine before anything is
+    # allocated; on CPU the KV cache itself is host memory too.
+    room, room_what = host_memory_room()
+    num_host_blocks = host_tier_blocks(
+        config.kv_offloading_size, block_bytes, host_room_bytes=room, host_room_what=room_what,
+        other_host_bytes=kv_cache_bytes if device.type == "cpu" else 0,
+    ) if config.enable_prefix_caching else 0
+    host = HostTier(num_host_blocks) if num_host_blocks else None
+    pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, host)
+    kv = KVCacheManager(pool, config.enable_prefix_caching)
+    scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens)
+    scheduler.block_bytes = block_bytes
+    runner.allocate_kv_cache(num_blocks, max_model_len)
+    if device.type == "cuda" and not config.enforce_eager:
+        started = time.perf_counter()
+        runner.capture_decode_graphs(config.max_num_seqs)
+        logger.info("kvscale engine: captured decode CUDA graphs for batch sizes up to %d in %.1f s "
+                    "(--enforce-eager turns them off)", config.max_num_seqs, time.perf_counter() - started)
+    if num_host_blocks:
+        runner.allocate_host_cache(num_host_blocks)
+    structured = StructuredOutputManager(tokenizer, spec.vocab_size, eos_ids,
+                                         config.structured_outputs_config)
+    model_name = served_model_name(config.model, config.served_model_name)
+    logger.info(
+        "kvscale engine: %s on %s/%s, %d KV blocks of %d tokens (%.1f MiB, KV cache dtype %s), max_model_len %d",
+        model_name, device, dtype, num_blocks, config.block_size, kv_cache_bytes / 2**20,
+        kv_cache_dtype_name(kv_cache_dtype), max_model_len,
+    )
+    return EngineParts(
+        model_path=path, model_name=model_name,
+        tokenizer=tokenizer, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, model=model,
+        eos_token_ids=eos_ids, sampler=sampler, runner=runner, step_profile=step_profile,
+        num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len,
+        num_host_blocks=num_host_blocks, pool=pool, kv=kv, scheduler=scheduler, structured=structured,
+    )

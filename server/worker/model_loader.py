@@ -1,0 +1,154 @@
+"""Building a model for the engine: its config, device, dtype, weights and architecture, and
+the token ids that end its sequences (finding the files: kvscale.model_files)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def load_hf_config(path: str | Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+# model_type in config.json -> how to build its DecoderSpec (module, function).
+_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("kvscale.server.worker.model_llama", "spec_from_hf_config"),
+    "mistral": ("kvscale.server.worker.model_llama", "spec_from_hf_config"),
+    "qwen2": ("kvscale.server.worker.model_qwen", "qwen2_spec"),
+    "qwen3": ("kvscale.server.worker.model_qwen", "qwen3_spec"),
+}
+
+
+def resolve_device(name: str) -> Any:
+    """``auto``: CUDA where there is one, else the CPU."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def eos_token_ids(tokenizer: Any, path: Path) -> set[int]:
+    """The tokenizer's EOS id and those of the model's generation_config.json."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_config = path / "generation_config.json"
+    if gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def auto_cpu_dtype(native_bf16: bool, onednn_bf16: bool) -> tuple[str, str]:
+    """``--dtype auto`` on a CPU: the dtype and why.
+
+    bfloat16 only where the CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX) and oneDNN has
+    kernels for it: there W1 runs faster in bf16 than in fp32 (docs/benchmarks.md) and the
+    perplexity stays within 1 % of transformers' fp32 (tests/server/worker/test_precision_accuracy.py).
+    Elsewhere bf16 is emulated through fp32 and only loses precision.
+    """
+    if native_bf16 and onednn_bf16:
+        return "bfloat16", "the CPU has native bf16 (avx512_bf16/amx_bf16) and oneDNN bf16 kernels"
+    if native_bf16:
+        return "float32", "the CPU has native bf16 but this torch's oneDNN has no bf16 kernels for it"
+    return "float32", "the CPU has no native bf16 (no avx512_bf16 or amx_bf16 flag)"
+
+
+def resolve_dtype(dtype: str, hf_config: Any, device: Any) -> Any:
+    import torch
+
+    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if dtype != "auto":
+        return names[dtype]
+    if device.type == "cpu":
+        from kvscale.server.worker.cpu_features import cpu_features
+
+        onednn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        chosen, why = auto_cpu_dtype(cpu_features().native_bf16, onednn_bf16)
+        logger.info("--dtype auto on %s: %s, because %s", cpu_features().model_name or "this CPU", chosen, why)
+        return names[chosen]
+    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(checkpoint, str):
+        checkpoint = names.get(checkpoint)
+    return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _read_weights(path: Path) -> dict[str, Any]:
+    files = sorted(path.glob("*.safetensors"))
+    weights: dict[str, Any] = {}
+    if files:
+        from safetensors.torch import load_file
+
+        for file in files:
+            weights.update(load_file(str(file)))
+        return weights
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+    import torch
+
+    for file in bins:
+        weights.update(torch.load(str(file), map_location="cpu", weights_only=True))
+    return weights
+
+
+# Weights already loaded in this process, keyed by (directory, its config's mtime, dtype, device,
+# quantization): engines in one process (tests, benchmarks) share them instead of reading them again.
+_LOADED_MODELS: dict[tuple[str, float, str, str, str | None], Any] = {}
+
+
+def load_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantization: str | None = None) -> Any:
+    """Build kvscale's own model for ``hf_config`` and fill it from the checkpoint at ``path``."""
+    key = (str(Path(path).resolve()), (Path(path) / "config.json").stat().st_mtime, str(dtype), str(device),
+           quantization)
+    model = _LOADED_MODELS.get(key)
+    if model is None:
+        model = _build_model(path, hf_config, dtype, device, quantization)
+        _LOADED_MODELS[key] = model
+    return model
+
+
+def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantization: str | None) -> Any:
+    import torch
+
+    from kvscale.server.worker.quantization import check_quantization
+
+    check_quantization(quantization, device.type)
+
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(
+            f"model type {model_type!r} is not supported (supported: {', '.join(sorted(_ARCHITECTURES))})"
+        )
+    module_name, spec_fn = _ARCHITECTURES[model_type]
+    spec = getattr(importlib.import_module(module_name), spec_fn)(hf_config)
+    from kvscale.server.worker.model_llama import DecoderForCausalLM
+
+    with torch.device("meta"):
+        model = DecoderForCausalLM(spec, hf_config)
+    model = model.to_empty(device=device).to(dtype)
+    weights = {name: tensor.to(dtype) for name, tensor in _read_weights(path).items()}
+    model.load_hf_weights(weights, quantization)
+    del weights
+    from kvscale.server.worker.memory_profile import malloc_trim
+
+    # The checkpoint's tensors and the copies the load made are freed, but glibc keeps most of
+    # them resident; under a pod's memory limit the KV cache allocated next needs that room.
+    malloc_trim()
+    return model.eval()

@@ -1,0 +1,430 @@
+"""One forward pass per step over a flattened, unpadded batch of tokens from many sequences.
+
+The runner owns the KV cache tensors and turns the scheduler's decisions into the tensors the
+model needs: token ids, positions, the KV slot of every new token, block tables, context
+lengths and where each sequence's tokens start. Attention runs on the ``kvscale.kernels``
+backend for its device (C and PyTorch on CPU, Triton on GPU), picked once here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvscale import kernels
+from kvscale.server.core.async_scheduling import InFlightStep
+from kvscale.server.core.block_pool import TierCopies
+from kvscale.server.core.block_table_rows import BlockTableRows
+from kvscale.server.core.kv_offload import HostKVCache
+from kvscale.server.core.scheduler import ScheduledSeq
+from kvscale.server.core.sequence import PLACEHOLDER_TOKEN, Request, Sequence
+from kvscale.server.outputs import RequestMetrics
+from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.worker.attention_metadata import AttentionMetadata, DecodePrefillSplit
+from kvscale.server.worker.decode_graphs import Capture, DecodeGraphs, cuda_graph_capture
+from kvscale.server.worker.memory_profile import MemoryMeter
+from kvscale.server.worker.model_llama import DecoderForCausalLM
+from kvscale.server.worker.sampler import Sampler, SamplingRow, make_generator
+
+
+@dataclass
+class PromptRows:
+    """Logits rows predicting prompt tokens ``first_token .. first_token + count - 1`` of one sequence."""
+
+    sched_index: int
+    first_token: int
+    count: int
+
+
+@dataclass
+class StepLogits:
+    sample: torch.Tensor  # one row per entry of sample_rows
+    sample_rows: list[int]  # scheduled indices whose chunk ended their tokens
+    prompt: torch.Tensor  # the rows of prompt_rows, in order
+    prompt_rows: list[PromptRows]
+
+
+@dataclass
+class StepProfile:
+    """What the profiling pass ran and what it added to memory at its peak."""
+
+    num_tokens: int
+    num_seqs: int
+    peak_bytes: int | None  # None: this platform offers no way to measure it
+    seconds: float  # how long the pass took (start-up time it costs)
+
+
+# The longest chunk of output tokens attended as one-token rows: a grammar's forced run is a few
+# tokens, and the decode kernel reads the paged cache in place, where a prefill chunk's attention
+# gathers the whole context first (on CPU that gather cost more than the step it saved).
+MAX_DECODE_ROWS_CHUNK = 32
+
+
+def attends_as_decodes(start: int, num_new: int, num_prompt_tokens: int) -> bool:
+    """Whether a chunk of ``num_new`` tokens from position ``start`` attends as that many decodes:
+    only output tokens (a forced run after a sampled token), and only a short chunk; a prompt, or
+    a preempted sequence recomputing from position 0, stays one prefill chunk."""
+    return start >= num_prompt_tokens and 1 < num_new <= MAX_DECODE_ROWS_CHUNK
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+
+@functools.cache
+def keep_freed_memory_for_reuse() -> bool:
+    """Stop glibc from handing big freed blocks back to the kernel (once per process).
+
+    Every step allocates the same multi-megabyte activations and gathered K/V again; above
+    glibc's mmap threshold each one is a fresh mapping whose pages fault in on first touch,
+    which on CPU made a decode step's K/V gather ~3x slower than the copy itself.
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl, macOS): nothing to tune
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    # The mmap threshold is capped at 32 MiB on 64-bit glibc; larger buffers stay mmapped.
+    return bool(mallopt(m_mmap_threshold, 32 * 1024 * 1024)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
+class ModelRunner:
+    """Built without a KV cache: ``profile_run`` measures the largest step first, then the engine
+    sizes the cache from it and calls ``allocate_kv_cache``."""
+
+    def __init__(
+        self, model: DecoderForCausalLM, block_size: int, dtype: torch.dtype, device: torch.device,
+        *, kv_cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.dtype = dtype
+        # What the KV cache stores (--kv-cache-dtype); the model's dtype unless told otherwise.
+        self.kv_cache_dtype = kv_cache_dtype or dtype
+        self.device = device
+        if device.type == "cpu":
+            keep_freed_memory_for_reuse()
+        self.kernels = kernels.backend_for(device)
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self.max_model_len = 0
+        self.host_cache: HostKVCache | None = None  # the second KV tier, when there is one
+        self.decode_graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps, unless eager
+        self.block_table_rows = BlockTableRows(block_size)
+
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.kv_cache, self.kv_caches = self._new_kv_cache(num_blocks)
+        self.model.build_rope_cache(max_model_len)
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        if self.device.type == "cuda":
+            # Compile every Triton kernel now, so the first request (and /health) does not wait.
+            self.warm_up()
+
+    def _new_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        spec = self.model.spec
+        # One allocation for the whole cache: [layer, k|v, block, offset, kv_head, head_dim].
+        cache = torch.zeros(
+            spec.num_layers, 2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+            dtype=self.kv_cache_dtype, device=self.device,
+        )
+        return cache, [(cache[i, 0], cache[i, 1]) for i in range(spec.num_layers)]
+
+    @torch.inference_mode()
+    def profile_run(self, lengths: list[int], sampler: Sampler) -> StepProfile:
+        """Run the largest step once on a throwaway KV cache and measure the memory it adds.
+
+        One prompt of ``lengths[i]`` tokens per sequence, every row's logits computed (each
+        request asks for prompt logprobs: the worst case), the engine's log-softmax over them,
+        then the sampler's full host path (temperature, top-k/p, min-p, penalties, min_tokens,
+        logprobs) on the sampling rows. The scratch cache is allocated before the meter starts,
+        since the real cache is accounted for block by block. Nothing outlives the call: the
+        runner's own cache (if any) is put back untouched and every tensor of the pass is freed.
+        """
+        bs = self.block_size
+        vocab = self.model.spec.vocab_size
+        params = SamplingParams(
+            temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+            presence_penalty=0.5, frequency_penalty=0.5, min_tokens=1, max_tokens=1,
+            logprobs=20, prompt_logprobs=20,
+        )
+        scheduled: list[ScheduledSeq] = []
+        num_blocks = 0
+        for i, n in enumerate(lengths):
+            request = Request(f"profile-{i}", None, [], params, None, RequestMetrics(0.0), 1)
+            seq = Sequence(request, 0, [(num_blocks * bs + k) % vocab for k in range(n)], n)
+            seq.block_table = list(range(num_blocks, num_blocks + -(-n // bs)))
+            num_blocks += len(seq.block_table)
+            scheduled.append(ScheduledSeq(seq, n))
+        self.model.build_rope_cache(max(lengths))
+        own = self.kv_cache, self.kv_caches
+        self.kv_cache, self.kv_caches = self._new_kv_cache(num_blocks)
+        started = time.perf_counter()
+        try:
+            with MemoryMeter(self.device) as meter:
+                step = self.execute(scheduled, [])
+                if step.prompt_rows:
+                    torch.log_softmax(step.prompt, dim=1)  # as the engine records prompt logprobs
+                rows = [
+                    SamplingRow(params, scheduled[i].seq.token_ids, lengths[i], make_generator(0, i))
+                    for i in step.sample_rows
+                ]
+                sampler(step.sample, rows)
+                del step
+        finally:
+            self.kv_cache, self.kv_caches = own
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return StepProfile(sum(lengths), len(lengths), meter.peak_bytes, time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int = 40) -> None:
+        """Run a prefill, a mixed and a decode forward pass on scratch KV blocks.
+
+        No block belongs to any sequence yet and nothing is registered by hash, so the garbage
+        written into the first blocks is overwritten before anyone reads them.
+        """
+        bs = self.block_size
+        num_tokens = max(2, min(num_tokens, self.max_model_len - 1, self.num_blocks * bs - 1))
+        table = list(range(-(-(num_tokens + 1) // bs)))
+        device = self.device
+
+        def forward(chunks: list[tuple[int, int]]) -> None:
+            # Every chunk is (first position, count) of one sequence that owns `table`.
+            ids, pos, lens, starts = [], [], [], [0]
+            for first, count in chunks:
+                ids += [0] * count
+                pos += list(range(first, first + count))
+                lens.append(first + count)
+                starts.append(starts[-1] + count)
+            positions = torch.tensor(pos, dtype=torch.long, device=device)
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in pos], device=device),
+                block_tables=torch.tensor([table] * len(chunks), dtype=torch.int32, device=device),
+                context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+                query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+                is_decode=all(count == 1 for _, count in chunks),
+                kernels=self.kernels,
+                max_query_len=max(count for _, count in chunks),
+            )
+            last = torch.tensor([s - 1 for s in starts[1:]], dtype=torch.long, device=device)
+            logits = self.model(torch.tensor(ids, device=device), positions, self.kv_caches, meta, last)
+            logits.argmax(dim=1).tolist()
+
+        forward([(0, num_tokens)])  # prefill
+        forward([(num_tokens - 1, 1), (0, num_tokens // 2)])  # a decode inside a prefill batch
+        forward([(num_tokens, 1), (num_tokens - 1, 1)])  # pure decode
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, max_num_seqs: int, capture: Capture | None = None) -> None:
+        """Capture pure-decode steps of up to ``max_num_seqs`` sequences (server/worker/decode_graphs.py);
+        ``capture`` defaults to CUDA graphs on the runner's GPU."""
+        assert self.kv_cache is not None, "allocate_kv_cache first"
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.kernels, max_num_seqs, -(-self.max_model_len // self.block_size),
+            self.device, capture or cuda_graph_capture(self.device),
+        )
+
+    def allocate_host_cache(self, num_slots: int) -> None:
+        """The second KV tier: ``num_slots`` blocks in host memory (pinned on a GPU), once."""
+        assert self.kv_cache is not None, "allocate_kv_cache first"
+        self.host_cache = HostKVCache(num_slots, self.kv_cache)
+
+    @torch.inference_mode()
+    def move_between_tiers(self, copies: TierCopies) -> None:
+        """Demote and promote whole blocks (every layer, K and V) before the next forward."""
+        if not copies:
+            return
+        assert self.host_cache is not None and self.kv_cache is not None, "no host tier"
+        self.host_cache.run(self.kv_cache, copies)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks (every layer, K and V) before they diverge."""
+        if not copies:
+            return
+        cache = self.kv_cache
+        assert cache is not None, "allocate_kv_cache first"
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        cache[:, :, dst] = cache[:, :, src]
+
+    def prepare(
+        self, scheduled: list[ScheduledSeq], in_flight: InFlightStep | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int], list[PromptRows]]:
+        """Inputs for this step, the flattened rows whose logits are needed, and their sequences.
+
+        A decode row whose token is still a placeholder takes it from ``in_flight``'s sampled
+        tokens on the device (server/core/async_scheduling.py).
+
+        A sequence gets logits to sample from when this step's chunk reaches its last token. A
+        request that asked for prompt logprobs also gets the logits of every chunk position that
+        predicts a prompt token; those rows follow the sampling rows. Attention sees a short chunk
+        of output tokens (a grammar's forced run: attends_as_decodes) as that many one-token
+        sequences over the same block table, each seeing the cache up to its own position.
+        """
+        bs = self.block_size
+        num_seqs = len(scheduled)
+        input_ids: list[int] = []
+        query_start = [0] * (num_seqs + 1)
+        tables = self.block_table_rows.tables(scheduled)
+        # Single-token rows (decodes: most rows of most steps) as Python ints, longer chunks as
+        # arrays; numpy's per-call cost on a one-element array was most of a decode row's time.
+        positions_list: list[int] = []
+        slots_list: list[int] = []
+        pos_parts: list[np.ndarray] = []
+        slot_parts: list[np.ndarray] = []
+        chunk_at: list[int] = []  # where each chunk's positions go among the single tokens
+        fill_at: list[int] = []  # rows whose input is a placeholder
+        fill_from: list[int] = []  # ... and the in-flight step's row that samples it
+        sample_rows: list[int] = []
+        prompt_rows: list[PromptRows] = []
+        prompt_flat_rows: list[int] = []
+        # Attention's view: one entry per sequence, or per token of a chunk that attends as decodes.
+        attn_table: list[int] = []  # row of `tables` each entry reads
+        attn_query_lens: list[int] = []
+        attn_context_lens: list[int] = []
+        for i, item in enumerate(scheduled):
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            if n == 1:
+                token = seq.token_ids[start]
+                if token == PLACEHOLDER_TOKEN:
+                    assert in_flight is not None, "a placeholder with no step in flight"
+                    fill_at.append(len(input_ids))
+                    fill_from.append(in_flight.row_of[seq.seq_id])
+                input_ids.append(token)
+                positions_list.append(start)
+                slots_list.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                pos = np.arange(start, end, dtype=np.int64)
+                chunk_at.append(len(positions_list))
+                pos_parts.append(pos)
+                slot_parts.append(tables[i, pos // bs].astype(np.int64) * bs + pos % bs)
+            if n > 1 and attends_as_decodes(start, n, seq.num_prompt_tokens):
+                attn_table.extend([i] * n)
+                attn_query_lens.extend([1] * n)
+                attn_context_lens.extend(range(start + 1, end + 1))
+            else:
+                attn_table.append(i)
+                attn_query_lens.append(n)
+                attn_context_lens.append(end)
+            query_start[i + 1] = query_start[i] + n
+            if end == seq.num_tokens:
+                sample_rows.append(i)
+            if seq.request.params.prompt_logprobs is not None:
+                # Position q's logits predict token q + 1; the last prompt position's are sampled.
+                last = min(end, seq.num_prompt_tokens - 1)
+                if last > start:
+                    prompt_rows.append(PromptRows(i, start + 1, last - start))
+                    prompt_flat_rows.extend(range(query_start[i], query_start[i] + last - start))
+        is_decode = all(q_len == 1 for q_len in attn_query_lens)
+        attn_tables = tables if attn_table == list(range(num_seqs)) else tables[attn_table]
+        attn_query_start = np.concatenate([[0], np.cumsum(attn_query_lens)]).astype(np.int32)
+        to_device = self._to_device
+        positions = to_device(torch.from_numpy(_merge_rows(positions_list, chunk_at, pos_parts)))
+        meta = AttentionMetadata(
+            slot_mapping=to_device(torch.from_numpy(_merge_rows(slots_list, chunk_at, slot_parts))),
+            block_tables=to_device(torch.from_numpy(attn_tables)),
+            context_lens=to_device(torch.tensor(attn_context_lens, dtype=torch.int32)),
+            query_start_loc=to_device(torch.from_numpy(attn_query_start)),
+            is_decode=is_decode,
+            kernels=self.kernels,
+            max_query_len=max(attn_query_lens),
+        )
+        if not is_decode and not self.kernels.prefill_batches_decodes:
+            meta.split = self._split(attn_query_lens, attn_tables, attn_query_start, attn_context_lens)
+        if in_flight is not None and len(fill_at) == len(input_ids) and fill_from == list(range(len(in_flight.seqs))):
+            # A steady decode batch: every input is the in-flight step's token of the same row.
+            ids = in_flight.device_tokens
+        else:
+            ids = to_device(torch.tensor(input_ids, dtype=torch.long))
+            if fill_at:
+                assert in_flight is not None
+                rows = to_device(torch.tensor(fill_from, dtype=torch.long))
+                ids[to_device(torch.tensor(fill_at, dtype=torch.long))] = in_flight.device_tokens[rows]
+        flat_rows = [query_start[i + 1] - 1 for i in sample_rows] + prompt_flat_rows
+        logits_indices = to_device(torch.tensor(flat_rows, dtype=torch.long))
+        return ids, positions, meta, logits_indices, sample_rows, prompt_rows
+
+    def _split(
+        self, query_lens: list[int], tables: np.ndarray, query_start: np.ndarray, context_lens: list[int]
+    ) -> DecodePrefillSplit | None:
+        """Cut a mixed batch (attention's entries) into its single-token entries and the rest
+        (None if not mixed)."""
+        single = [i for i, q_len in enumerate(query_lens) if q_len == 1]
+        if not single or len(single) == len(query_lens):
+            return None
+        multi = [i for i, q_len in enumerate(query_lens) if q_len > 1]
+        prefill_rows = np.concatenate([np.arange(query_start[i], query_start[i + 1]) for i in multi])
+        prefill_starts = np.cumsum([0] + [query_lens[i] for i in multi])
+        lens = np.asarray(context_lens, dtype=np.int32)
+        to_device = self._to_device
+        return DecodePrefillSplit(
+            decode_rows=to_device(torch.tensor([int(query_start[i]) for i in single], dtype=torch.long)),
+            decode_block_tables=to_device(torch.from_numpy(tables[single])),
+            decode_context_lens=to_device(torch.from_numpy(lens[single])),
+            prefill_rows=to_device(torch.from_numpy(prefill_rows.astype(np.int64))),
+            prefill_block_tables=to_device(torch.from_numpy(tables[multi])),
+            prefill_context_lens=to_device(torch.from_numpy(lens[multi])),
+            prefill_query_start_loc=to_device(torch.from_numpy(prefill_starts.astype(np.int32))),
+        )
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A step input on the model's device; to a GPU from pinned memory without blocking, so
+        the copies queue behind the previous step's work instead of waiting for it."""
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]], in_flight: InFlightStep | None = None,
+    ) -> StepLogits:
+        """Run one step; logits to sample from in the model's dtype (left on its device: the
+        sampler argmaxes plain greedy rows where they are and converts only rows that need a
+        distribution to float32), and float32 ones for prompt logprobs (host).
+        Placeholder inputs come from ``in_flight``'s tokens."""
+        self.copy_blocks(copies)
+        ids, positions, meta, logits_indices, sample_rows, prompt_rows = self.prepare(scheduled, in_flight)
+        hidden = None
+        if self.decode_graphs is not None and meta.is_decode and not prompt_rows and len(ids) == len(sample_rows):
+            hidden = self.decode_graphs.run(ids, positions, meta)
+        if hidden is None:
+            hidden = self.model.hidden_states(ids, positions, self.kv_caches, meta, logits_indices)
+        # Not converted to float32 here: that copy of [rows, vocab] was most of a greedy bf16
+        # step's sampling time on CPU, and an argmax over exactly converted values is the same.
+        logits = self.model.compute_logits(hidden)
+        num_sample = len(sample_rows)
+        return StepLogits(logits[:num_sample], sample_rows, logits[num_sample:].float().cpu(), prompt_rows)
+
+
+def _merge_rows(singles: list[int], chunk_at: list[int], chunks: list[np.ndarray]) -> np.ndarray:
+    """The step's rows in batch order: ``singles`` with each chunk inserted before the single
+    row it preceded (``chunk_at``: how many single rows came before it)."""
+    if not chunks:
+        return np.array(singles, dtype=np.int64)
+    parts: list[np.ndarray] = []
+    done = 0
+    for at, chunk in zip(chunk_at, chunks, strict=True):
+        parts.append(np.array(singles[done:at], dtype=np.int64))
+        parts.append(chunk)
+        done = at
+    parts.append(np.array(singles[done:], dtype=np.int64))
+    return np.concatenate(parts)

@@ -1,0 +1,191 @@
+"""API keys, the queue limit and a dead engine loop: the server's refusals, each with its status
+and OpenAI error body."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from api_helpers import ServeProcess, free_port, scrape, wait_for_idle_pool  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "sk-kvscale-test-key"
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """One sequence at a time and at most one waiting: the third concurrent request is refused."""
+    proc = ServeProcess(
+        "--max-model-len", "128", "--num-gpu-blocks-override", "32", "--max-num-seqs", "1",
+        "--max-queue-len", "1", env={"KVSCALE_API_KEY": API_KEY}, log_name="guarded",
+    )
+    yield proc
+    proc.stop()
+
+
+def test_api_key_from_env_is_required(guarded) -> None:
+    url = f"{guarded.base_url}/v1/models"
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                    {"Authorization": f"Basic {API_KEY}"}):
+        response = httpx.get(url, headers=headers)
+        assert response.status_code == 401, headers
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+    wrong = openai.OpenAI(base_url=f"{guarded.base_url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model="smollm2-135m-instruct", prompt="x", max_tokens=1)
+    for path in ("/tokenize",):
+        assert httpx.post(f"{guarded.base_url}{path}", json={"prompt": "x"}).status_code == 401
+    right = openai.OpenAI(base_url=f"{guarded.base_url}/v1", api_key=API_KEY, max_retries=0)
+    assert right.completions.create(model="smollm2-135m-instruct", prompt="Hi", max_tokens=1).choices
+    # Probes and scrapers need no key.
+    for path in ("/health", "/metrics", "/version", "/openapi.json"):
+        assert httpx.get(f"{guarded.base_url}{path}").status_code == 200, path
+
+
+def test_full_queue_is_503_with_retry_after(guarded) -> None:
+    base = guarded.base_url
+    body = {"model": "smollm2-135m-instruct", "prompt": "Count: one, two,", "max_tokens": 100,
+            "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as http:
+            running = await http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+            waiting = await http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+            try:
+                deadline = time.monotonic() + 60
+                while scrape(base).get("vllm:num_requests_waiting") != 1:
+                    assert time.monotonic() < deadline, "second request never queued"
+                    await asyncio.sleep(0.2)
+                refused = await http.post("/v1/completions", json={**body, "stream": False})
+            finally:
+                await running.aclose()
+                await waiting.aclose()
+            return refused
+
+    refused = asyncio.run(scenario())
+    assert refused.status_code == 503
+    assert int(refused.headers["retry-after"]) >= 1
+    error = refused.json()["error"]
+    assert error["code"] == "queue_full" and error["type"] == "server_error"
+    # Closing both streams aborted them: nothing left running, no block held.
+    idle = wait_for_idle_pool(base, timeout_s=20)
+    assert idle["kvscale:kv_blocks_active"] == 0 and idle["vllm:num_requests_running"] == 0
+
+
+def test_dead_engine_loop_makes_health_503() -> None:
+    """The engine thread dies (a fault injected into a real engine's step): /health says 503 and
+    requests get an OpenAI error body instead of hanging."""
+    import uvicorn
+    from thread_engine import ThreadEngine
+
+    from kvscale.model_files import load_tokenizer
+    from kvscale.server.config import EngineConfig
+    from kvscale.server.engine.llm_engine import LLMEngine
+    from kvscale.server.entrypoints.api_server import build_app
+
+    engine = LLMEngine(EngineConfig(max_model_len=64, num_gpu_blocks_override=8, device="cpu"))
+    thread_engine = ThreadEngine(engine)
+    app = build_app(thread_engine, tokenizer=load_tokenizer(engine.model_path),
+                    served_model_names=[engine.model_name], max_model_len=engine.max_model_len)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert httpx.get(f"{base}/health").status_code == 200
+        ok = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200
+
+        def broken_step():
+            raise RuntimeError("injected fault")
+
+        engine.step = broken_step
+        response = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "engine_dead"
+        assert "injected fault" in response.json()["error"]["message"]
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and health.json()["error"]["message"]
+        again = httpx.post(f"{base}/v1/chat/completions", timeout=10,
+                           json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_dead"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_a_request_is_counted_by_its_sequences_not_as_one(guarded) -> None:
+    """--max-queue-len 1: a request of two prompts, or of one prompt with n=2, would queue two
+    sequences by itself; it can never fit, so it is a 400 that names the limit, not a 503."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    base = {"model": "smollm2-135m-instruct", "max_tokens": 1}
+    for body in ({**base, "prompt": ["one", "two"]}, {**base, "prompt": "one", "n": 2}):
+        response = httpx.post(f"{guarded.base_url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and "--max-queue-len 1" in error["message"]
+    one = httpx.post(f"{guarded.base_url}/v1/completions", json={**base, "prompt": "one"},
+                     headers=headers, timeout=60)
+    assert one.status_code == 200, one.text
+
+
+def test_prompts_per_request_are_capped_before_tokenizing(tmp_path) -> None:
+    proc = ServeProcess("--max-model-len", "128", "--num-gpu-blocks-override", "32",
+                        "--max-prompts-per-request", "3", log_name="prompt-cap")
+    try:
+        url = f"{proc.base_url}/v1/completions"
+        body = {"model": "smollm2-135m-instruct", "max_tokens": 1}
+        refused = httpx.post(url, json={**body, "prompt": ["x"] * 4}, timeout=30)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "prompt" and "--max-prompts-per-request" in error["message"]
+        assert "4 prompts" in error["message"]
+        fine = httpx.post(url, json={**body, "prompt": ["x"] * 3}, timeout=60)
+        assert fine.status_code == 200 and len(fine.json()["choices"]) == 3
+    finally:
+        proc.stop()
+
+
+def test_the_server_stream_interval_is_a_floor_for_requests() -> None:
+    proc = ServeProcess("--max-model-len", "128", "--num-gpu-blocks-override", "32",
+                        "--stream-interval", "4", log_name="stream-interval")
+    try:
+        def counts(**extra) -> list[int]:
+            body = {"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 13,
+                    "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 1, **extra}
+            events = []
+            with httpx.stream("POST", f"{proc.base_url}/v1/completions", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        logprobs = json.loads(line[6:])["choices"][0]["logprobs"]
+                        events.append(len(logprobs["tokens"]))
+            assert sum(events) == 13
+            return events
+
+        def grouped_by(events: list[int], interval: int) -> bool:
+            # After the first token at least ``interval`` per event (more when the reader lags).
+            return all(n >= interval for n in events[1:-1]) and len(events) <= 1 + -(-12 // interval)
+
+        assert grouped_by(counts(), 4)
+        assert grouped_by(counts(stream_interval=1), 4)  # a request may not ask for less
+        assert grouped_by(counts(stream_interval=6), 6)
+    finally:
+        proc.stop()

@@ -1,0 +1,88 @@
+"""kvscale's own model code for each supported architecture against transformers, on tiny
+random-weight checkpoints written to disk and loaded back through the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvscale.server.config import EngineConfig
+from kvscale.server.engine.llm_engine import LLMEngine
+from kvscale.server.sampling_params import SamplingParams
+
+VOCAB = 512
+NEW_TOKENS = 10
+
+
+def tiny_config(arch: str):
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=False)
+    if arch == "llama-mha-bias":  # TinyLlama-style shapes plus attention bias
+        return transformers.LlamaConfig(**{**common, "num_key_value_heads": 4}, attention_bias=True, mlp_bias=True)
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None, head_dim=16)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    raise ValueError(arch)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(bundled_tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    bundled_tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-mha-bias", "mistral", "qwen2", "qwen3"])
+def test_tiny_model_matches_transformers(arch, tmp_path, tokenizer_files, run_to_completion):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config(arch)
+    hf_model = AutoModelForCausalLM.from_config(config).eval()
+    if config.model_type == "qwen2" or getattr(config, "attention_bias", False):
+        with torch.no_grad():  # random biases: freshly initialised ones are zero
+            for layer in hf_model.model.layers:
+                attn = layer.self_attn
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                    if proj.bias is not None:
+                        proj.bias.normal_(0, 0.5)
+                if getattr(layer.mlp.down_proj, "bias", None) is not None:
+                    layer.mlp.down_proj.bias.normal_(0, 0.5)
+    hf_model.save_pretrained(str(tmp_path))
+    for file in tokenizer_files.iterdir():
+        shutil.copy(file, tmp_path / file.name)
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 40)]
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu",
+                                    num_gpu_blocks_override=64, block_size=8, max_num_batched_tokens=24))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                          ignore_eos=True, logprobs=1))
+    outputs = run_to_completion(engine)
+    assert engine.pool.num_active_blocks == 0
+
+    with torch.inference_mode():
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt])
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                    min_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True, pad_token_id=0)
+            ref_tokens = ref.sequences[0, len(prompt):].tolist()
+            got = outputs[str(i)].outputs[0]
+            assert got.token_ids == ref_tokens, f"{arch} prompt {i}"
+            for step, (token, position) in enumerate(zip(got.token_ids, got.logprobs, strict=True)):
+                expected = torch.log_softmax(ref.logits[step][0].float(), dim=-1)[token]
+                assert abs(position[token].logprob - float(expected)) < 1e-4, (arch, i, step)
