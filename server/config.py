@@ -42,7 +42,7 @@ class StructuredOutputsConfig:
     cache_size: int = DEFAULT_CACHE_SIZE
     # Append the tokens the grammar forces (keys, punctuation) without a sampling step each; the
     # next step computes their KV as one chunk (manager.py, docs/server.md). On by default: it
-    # gained on the shared sample's schemas (docs/benchmarks.md, bench/structured_fast_forward.py).
+    # gained on the shared sample's schemas (docs/performance.md "Structured outputs", bench/structured_fast_forward.py).
     fast_forward: bool = True
 
     def __post_init__(self) -> None:

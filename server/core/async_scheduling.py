@@ -2,7 +2,7 @@
 
 On a GPU the forward is queued, not run, by the host: a synchronous step waits for its sampled
 tokens, then spends milliseconds on outputs, scheduling and the next step's inputs while the GPU
-idles (docs/benchmarks.md, "GPU kernels and the engine on a GPU": ~4 ms of host per step at 256
+idles (docs/performance.md, "GPU: the decode step and the kernels": ~4 ms of host per step at 256
 sequences beside ~2.5 ms of GPU work). With this on, step N+1 is scheduled and queued right behind
 step N; its decode rows take their input token from step N's sampled tokens *on the device*, and
 only then does the host wait for step N's tokens (a copy to pinned memory behind an event, so not

@@ -3,7 +3,7 @@ the entries that may have changed.
 
 Turning every scheduled sequence's table (a Python list) into a numpy row was most of building a
 256-sequence decode step's inputs (~3.6 us a row on an EPYC: ~0.9 ms a step), the host work
-that paces a GPU's step (docs/benchmarks.md, "The host's step work"). A sequence
+that paces a GPU's step (docs/performance.md, "GPU: the decode step and the kernels"). A sequence
 keeps a row here while it is scheduled step after step; a step rewrites that row only from the
 block its new tokens start in, which is where a table changes in place (a new block appended,
 or the copy-on-write of the partial block it writes next: kv_cache_manager). Every other change

@@ -158,7 +158,7 @@ def warm_up(engine: Any) -> None:
     the runner's prefill, mixed and decode passes on scratch blocks, then the sampler, greedy
     and random, with logprobs; and the grammar library's view of the tokenizer (~0.5 s), which
     the first constrained request would otherwise build while the batch decodes, holding the GIL
-    (a 0.28 s gap in the streams of a compile storm's first round, docs/benchmarks.md)."""
+    (a 0.28 s gap in the streams of a compile storm's first round, docs/server.md "Measured and not kept")."""
     import torch
 
     from kvscale.server.sampling_params import SamplingParams

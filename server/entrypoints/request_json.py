@@ -6,7 +6,7 @@ JSON value meets, or as ``null`` wherever the schema is written out again. msgsp
 and reads a body about twice as fast: a request with a ~190 KB schema took the event loop
 2.1 ms to parse with ``json.loads`` and 0.96 ms with msgspec (``python -m bench.request_intake``),
 time in which the front end streams nothing and takes a core from the engine's threads
-(docs/benchmarks.md, "The compile storm's intake").
+(docs/performance.md, "Structured outputs").
 """
 
 from __future__ import annotations

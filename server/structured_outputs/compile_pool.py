@@ -2,7 +2,7 @@
 
 Workers run at ``compile_priority`` (SCHED_IDLE by default, thread_priority.py), so a compile
 takes only CPU time the engine's OpenMP threads leave: at their priority it stalls every barrier
-of every op for whole time slices (docs/benchmarks.md, "compile storm"). While the engine decodes
+of every op for whole time slices (docs/server.md, "Measured and not kept"). While the engine decodes
 that is next to nothing (~1.5 % of a CPU on a 2-vCPU Xeon with four streams): compiles wait for
 the engine, by design, and compiler.py's wall-clock bound ends a wait that grows too long.
 

@@ -4,8 +4,8 @@ OpenAI's strict mode asks for ``additionalProperties: false`` on every object, a
 then carry no key the schema does not name; vLLM's default grammar backend (xgrammar's
 ``strict_mode``) closes objects that way on every request. Plain JSON Schema leaves an object
 open where ``additionalProperties`` is absent, and a grammar that lets any further key in lets a
-small model invent keys until ``max_tokens`` (docs/benchmarks.md, issue 26: most answers kvscale
-cut where vLLM's ended). So where a request sets ``strict: true`` (``response_format.json_schema``
+small model invent keys until ``max_tokens`` (docs/performance.md, "Structured outputs": most answers
+kvscale cut where vLLM's ended). So where a request sets ``strict: true`` (``response_format.json_schema``
 or a tool's ``function``), each object the schema leaves open gets ``additionalProperties: false``
 if that provably only removes instances, and only those the request's own ``strict`` excludes:
 

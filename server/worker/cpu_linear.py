@@ -3,7 +3,7 @@
 - bfloat16 on CPUs with AMX, up to ``AMX_ROWS_MAX`` rows (batched decode): kvscale's own kernel
   (``kernels/cpu_linear_amx.c``), the weight laid out in the order it streams it; more rows
   (prefill) stay on oneDNN's packed GEMM, which is faster there, so such a projection holds its
-  weight twice (docs/benchmarks.md, "Projections on AMX", measures both). Layers whose sizes are
+  weight twice (docs/engine.md, "Measured and not kept", measures both). Layers whose sizes are
   not multiples of 32 keep oneDNN alone.
 - bfloat16 where oneDNN has bf16 kernels (AVX-512 BF16, AMX): oneDNN's packed layout, made once.
   ``F.linear`` in bf16 also reaches oneDNN but hands it a plain matrix, which it re-lays out on
@@ -24,7 +24,7 @@
   (``widened_matmul``): up to ``NARROW_ROWS_MAX`` rows in C as each element is loaded, on more a
   block of output channels at a time into memory for torch's float32 GEMM. torch's own bf16 GEMM
   there took 1.2-8x float32's time on a forward's projections; widened, 0.92-1.44x on 1-2048 rows
-  (AVX2 EPYC, ``python -m bench.cpu_linear``; docs/benchmarks.md, fifteenth session). A bf16 x
+  (AVX2 EPYC, ``python -m bench.cpu_linear``; docs/performance.md, "Engine throughput on CPU"). A bf16 x
   bf16 product is exact in float32 and the sums are float32's, as in oneDNN's bf16 kernels, so
   the result is a bf16 GEMM's, rounded once.
 

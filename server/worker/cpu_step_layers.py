@@ -32,7 +32,7 @@ _CACHE_DTYPES = (torch.bfloat16, *fp8.FP8_DTYPES)
 # The most rows a step runs here, its projections all on the AMX kernel. Past the modules' 64
 # (server/worker/cpu_linear.py's AMX_ROWS_MAX) the kernel is slower than oneDNN's GEMM by about 1.4 ms
 # a forward at 128 rows and 4.8 ms at 256 (bf16, `python -m bench.cpu_linear_stream --threads
-# 2`, 2026-11-27), less than the ~7 ms of calls from Python a step saves here; at 512 rows the
+# 2`), less than the ~7 ms of calls from Python a step saves here; at 512 rows the
 # two are even, and such steps (prompts) stay on the modules and oneDNN.
 STEP_ROWS_MAX = 256
 

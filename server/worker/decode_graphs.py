@@ -1,7 +1,7 @@
 """Pure-decode steps replayed as CUDA graphs: one graph per batch size of a ladder, captured at start.
 
 Eager, a decode step of a small model is bound by the host launching ~15 kernels per layer from
-Python (docs/benchmarks.md, "GPU kernels and the engine on a GPU": the bundled model's step
+Python (docs/performance.md, "GPU: the decode step and the kernels": the bundled model's step
 shapes take ~13 ms eager and ~2 ms replayed on an H200). A graph replays every launch of the
 forward at once. Only pure-decode steps are replayed (every sequence one new token, no prompt
 logprobs); the batch is padded up to the next captured size, and the padded rows write no KV

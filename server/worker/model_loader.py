@@ -58,7 +58,7 @@ def auto_cpu_dtype(native_bf16: bool, onednn_bf16: bool) -> tuple[str, str]:
     """``--dtype auto`` on a CPU: the dtype and why.
 
     bfloat16 only where the CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX) and oneDNN has
-    kernels for it: there W1 runs faster in bf16 than in fp32 (docs/benchmarks.md) and the
+    kernels for it: there W1 runs faster in bf16 than in fp32 (docs/performance.md, "Engine throughput on CPU") and the
     perplexity stays within 1 % of transformers' fp32 (tests/server/worker/test_precision_accuracy.py).
     Elsewhere bf16 is emulated through fp32 and only loses precision.
     """

@@ -71,7 +71,7 @@ def test_greedy_with_promotion_equals_greedy_without_the_tier(make_engine, dtype
     # the projections' GEMM, which differs with the row count: the tier's prefix was computed in
     # a 64-row step, on the AMX kernel where the CPU has one, the recompute in a 152-row step on
     # oneDNN's). float32 is the exact check. In bfloat16 the two paths part by 0.09 nats here with
-    # the AMX prefill attention of 2026-11-26 and by 0.21 with that of 2026-11-27, whose error
+    # the AMX prefill attention's first version and by 0.21 with its second, whose error
     # against exact attention is the same (a one-ulp difference in 3 % of its outputs, amplified
     # through 30 layers of bfloat16): the bound is for such roundings, not a wrong block's nats.
     tolerance = 1e-4 if dtype == "float32" else 0.3

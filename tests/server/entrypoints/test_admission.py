@@ -1,4 +1,4 @@
-"""Defect 10 of issue 13: a request is validated once, at the edge, with one message per failure.
+"""A request is validated once, at the edge, with one message per failure.
 
 The edges are the HTTP API and the offline `LLM`; both must say the same thing about the same bad
 request, and the engine behind them only asserts what they already checked.

@@ -90,7 +90,7 @@ def test_forced_calls_on_bfcl_rows_validate_and_stream_the_same(client, mode):
                       temperature=0, **extra)
         # Each request computes its prompt afresh (a salt of its own): had the streamed one read
         # the first one's cached prefix, its attention would run in other chunks, and in bfloat16
-        # greedy answers may part on such roundings (issue 24's prefill kernel change made one
+        # greedy answers may part on such roundings (a prefill kernel change made one
         # BFCL row do so); this test is about streaming the same tokens as the same calls.
         response = client.chat.completions.create(**kwargs, extra_body={"cache_salt": f"{mode}-{case}-json"})
         choice_ = response.choices[0]

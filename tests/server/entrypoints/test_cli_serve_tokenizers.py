@@ -1,4 +1,4 @@
-"""Defect 3 of issue 13: the event loop and the engine thread must not share one tokenizer.
+"""The event loop and the engine thread must not share one tokenizer.
 
 A fast (Rust) tokenizer guards itself with PyO3's runtime borrow flags: a call that reconfigures
 it (truncation, padding, special-token splitting) while another thread is inside an encode raises
