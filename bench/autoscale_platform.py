@@ -1,4 +1,4 @@
-"""Autoscaling replay, level (a): real kvscale replicas on the whole-platform runtime (issue 23).
+"""Autoscaling replay, level (a): real kvscale replicas on the whole-platform runtime.
 
     flock /tmp/kvscale-bench.lock python -m bench.autoscale_replay --level a \
         [--policies kvscale,hpa-real] [--span 240]
@@ -7,7 +7,7 @@ One control plane (tests/cluster/testenv.py, with the HPA controller at a cluste
 15 s sync period) and the process runtime (tests/cluster/kubelet.py) run every pod as a real
 process: the operator from deploy/ (two pods, leader-elected), each InferenceService's router and
 Redis, and its `kvscale serve` replicas of the bundled model. For each policy, in turn, on the
-same arrivals (a compressed bursty trace from bench.autoscale_replay: base rate 0.6 x one
+same arrivals (a compressed bursty trace from bench.autoscale_workloads: base rate 0.6 x one
 calibrated replica's capacity, x4 from 25 % to 75 % of the span; 256-token prompts over 8 shared
 128-token prefixes, 32-token answers), a fresh InferenceService starts at one replica and:
 
@@ -27,9 +27,9 @@ All replicas share this machine's cores: a second replica adds capacity only as 
 are free, unlike on GPU nodes. Say so next to any figure. Before each policy's trace, with the
 policy running but held at one replica (maxReplicas 1: the HPA controller already querying the
 adapter, the operator already scraping), the platform is measured for the level-(b) replay of
-the same arrivals (bench.autoscale_replay): the host's CPU in use over 10 s (the shared host's
+the same arrivals (bench.autoscale_level_b): the host's CPU in use over 10 s (the shared host's
 background), a decode probe, a probe of spaced requests beside decoding streams, and a trace
-probe (`bench.autoscale_replay.probe_trace`: the trace's own arrival process from another seed,
+probe (`bench.autoscale_workloads.probe_trace`: the trace's own arrival process from another seed,
 on prefixes of its own), whose first tokens and TPOT show what the platform adds under the
 trace's load; then the policy may scale up to 3 and the trace runs. With `dashboard`, Prometheus also scrapes the operator and the routers (the chart's other PodMonitors)
 and the kvscale policy's run draws the chart's autoscaling dashboard from it.
@@ -48,8 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.autoscale_sim import Calibration
+from bench.autoscale_workloads import prefix_group, shaped_request
 from bench.common import REPO, machine, quantile, write_result
-from bench.w3_policy_sim import SimRequest
+from bench.w3_sim import SimRequest
 
 sys.path.insert(0, str(REPO / "tests" / "cluster"))
 
@@ -106,8 +107,6 @@ def host_busy_cores(seconds: float) -> float:
 
 def prompt_text(request: SimRequest) -> str:
     """About ``prompt_tokens`` tokens: its shared 128-token prefix group, then its own words."""
-    from bench.autoscale_replay import prefix_group
-
     group = prefix_group(request)
     rng = random.Random(group)
     shared = " ".join(rng.choice(WORDS) for _ in range(120))
@@ -128,7 +127,7 @@ def inference_service(namespace: str, policy: str, max_replicas: int = MAX_REPLI
         "spec": {
             "model": {"uri": f"bundled://{MODEL}"}, "replicas": 1,
             "resources": {"gpus": 1, "cpu": "1", "memory": "2Gi"},
-            # bench.autoscale_replay's calibration flags.
+            # bench.autoscale_calibrate's ENGINE_FLAGS.
             "engine": {"maxModelLen": 1024, "maxNumSeqs": 16, "maxNumBatchedTokens": 512},
             "tolerations": [kwok_toleration()],
             "autoscaling": autoscaling,
@@ -153,8 +152,6 @@ def probe_decode_gaps(url: str) -> list[float]:
     tokens (one step each at a batch of one). Its prompt shares no block with the trace's."""
     import httpx
 
-    from bench.autoscale_replay import shaped_request
-
     outcome = Outcome(0.0, chunk_times=[])
     with httpx.Client(timeout=120) as client:  # group 49: the trace's groups are 0-7
         send(client, url, shaped_request(100_200, 49, 0.0, output=PROBE_TOKENS), time.monotonic(), outcome)
@@ -170,8 +167,6 @@ def probe_requests() -> tuple[list[SimRequest], list[SimRequest]]:
     """The TTFT probe: (its background streams, its requests). The requests have the trace's
     shape (a 128-token prefix shared among them, 256-token prompts, 32-token answers) in a prefix
     group of their own and come one at a time while the streams decode."""
-    from bench.autoscale_replay import shaped_request
-
     # Groups 50 and up: the trace's are 0-7.
     background = [shaped_request(100_100 + i, 51 + i, 0.0, output=PROBE_BACKGROUND_TOKENS)
                   for i in range(PROBE_BACKGROUND_STREAMS)]

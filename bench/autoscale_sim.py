@@ -1,14 +1,14 @@
 """A fleet of simulated replicas under an autoscaling policy: the level-(b) model of
 the autoscaling benchmark (docs/performance.md, "Autoscaling").
 
-Each replica is `bench.w3_policy_sim.SimReplica` (continuous batching, a token budget per step,
+Each replica is `bench.w3_sim.SimReplica` (continuous batching, a token budget per step,
 an LRU prefix cache of the real pool's size), costed by a `Calibration` measured once on a real
 `kvscale serve` of the bundled model (`bench.autoscale_replay --calibrate`). The fleet adds:
 replicas that are ready a measured cold start after they are asked for; a router over the ready
 replicas that holds requests while none is ready (503 past the hold limit: a failed request);
 scale-in that drains a removed replica (its open requests finish; they are counted as "on removed
 pods"). The router is kvscale's own by default, the same for every policy (all of them would run
-behind it): `bench.w3_policy_sim.SimRouter`, the real decision functions of `kvscale.router.policy`
+behind it): `bench.w3_sim.SimRouter`, the real decision functions of `kvscale.router.policy`
 with the router's default policy, fed each replica's queued prefill, decodes, prefix matches from
 an index that predicts a sent prompt's blocks for 10 s. `router="fewest-open"` is the earlier
 stand-in: the ready replica with the fewest open requests.
@@ -46,7 +46,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from bench.w3_policy_sim import Costs, SimReplica, SimRequest, SimRouter
+from bench.w3_sim import Costs, SimReplica, SimRequest, SimRouter
 from kvscale.operator import scaling
 from kvscale.operator.deletion_cost import pod_cost
 from kvscale.operator.spec import AutoscalingPolicy
@@ -90,7 +90,7 @@ class SharedHost:
     start_pressure_cores: float | None = None
     # How much one step's time varies on that host beside the rest of the platform (scrapes,
     # controllers, the router's hops): decode steps measured there, each over the step this model
-    # expects there (`bench.autoscale_replay.with_step_factors`). Each simulated step's time is
+    # expects there (`bench.autoscale_level_b.with_step_factors`). Each simulated step's time is
     # multiplied by one drawn from them (seeded); () for none.
     step_factors: tuple[float, ...] = ()
 
@@ -164,7 +164,7 @@ class Outcome:
 # -- policies -----------------------------------------------------------------------------------
 
 def prefill_tokens_waiting(replica: SimReplica) -> int:
-    """As the engine reports it (server/engine_stats.py): a waiting prompt less the prefix its
+    """As the engine reports it (server/engine/engine_stats.py): a waiting prompt less the prefix its
     cache holds now, plus what running requests have still to prefill."""
     waiting = sum(max(r.prompt_tokens - replica._cached_prefix(r) * replica.block_size, 1)
                   for r in replica.waiting)

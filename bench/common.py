@@ -65,11 +65,21 @@ def git_commit(tree: Path) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def run_side(module: str, side: str, args: list[str], extra_env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run one side of a benchmark in its own process, so its peak memory is its own."""
+def checkout_env(checkout: Path, **extra: str) -> dict[str, str]:
+    """This process's environment plus ``extra``, importing kvscale and bench from ``checkout``
+    when it is another tree (not an installed or inherited copy)."""
+    env = {**os.environ, **extra}
+    if Path(checkout).resolve() != REPO:
+        env["PYTHONPATH"] = str(Path(checkout).resolve())
+    return env
+
+
+def run_side(module: str, side: str, args: list[str], checkout: Path = REPO) -> dict[str, Any]:
+    """Run one side of a benchmark in its own process, so its peak memory is its own; ``checkout``:
+    the tree whose code it runs (another commit's worktree: bench.before_after)."""
     cmd = [sys.executable, "-m", module, "--side", side, *args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(extra_env or {})}
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    env = checkout_env(checkout, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    out = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{module} --side {side} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

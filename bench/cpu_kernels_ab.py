@@ -19,20 +19,23 @@ medians and the before ÷ after ratio of the C kernel's time (above 1: this tree
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bench.common import git_commit, machine, write_result
+from bench.before_after import (
+    add_before_checkout,
+    checkout_of,
+    commits,
+    median_ratio,
+    order,
+    run_json,
+)
+from bench.common import checkout_env, machine, write_result
 from bench.roofline import cpu_isa
-
-REPO = Path(__file__).resolve().parents[1]
 
 # What each side runs, with names both trees have (the other tree may predate this module).
 MEASURE = {
@@ -52,27 +55,24 @@ MEASURE = {
 
 def measure(kernel: str, checkout: Path, threads: int, repeats: int) -> list[dict]:
     """``kernel``'s rows as ``checkout``'s code measures them (its kernel, built from its sources)."""
-    env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": str(threads)}
-    done = subprocess.run([sys.executable, "-c", MEASURE[kernel].format(threads=threads, repeats=repeats)],
-                          cwd=checkout, env=env, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    code = MEASURE[kernel].format(threads=threads, repeats=repeats)
+    return run_json([sys.executable, "-c", code], checkout, checkout_env(checkout, OMP_NUM_THREADS=str(threads)))
 
 
 def summarize(rounds: list[dict[str, list[dict]]]) -> dict[str, dict]:
     """Per op: each side's median C time over the rounds, and before ÷ after."""
     result: dict[str, dict] = {}
     for op in [row["op"] for row in rounds[0]["after"]]:
-        medians = {side: statistics.median(row["c_ms"] for entry in rounds for row in entry[side] if row["op"] == op)
-                   for side in ("before", "after")}
+        medians = median_ratio(rounds, lambda rows, op=op: next(row["c_ms"] for row in rows if row["op"] == op))
         result[op] = {"before_c_ms": medians["before"], "after_c_ms": medians["after"],
-                      "before_over_after": medians["before"] / medians["after"]}
+                      "before_over_after": medians["before_over_after"]}
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernel", choices=sorted(MEASURE), required=True)
-    parser.add_argument("--before-checkout", type=Path, required=True, help="the other tree (a git worktree)")
+    add_before_checkout(parser, required=True)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=31, help="timed calls per row and round (median)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -80,22 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rounds = []
     for round_id in range(args.rounds):
-        order = ["before", "after"] if round_id % 2 == 0 else ["after", "before"]
-        entry: dict = {"order": order}
-        for side in order:
-            entry[side] = measure(args.kernel, args.before_checkout if side == "before" else REPO, args.threads,
-                                  args.repeats)
+        entry: dict = {"order": order(round_id)}
+        for side in entry["order"]:
+            entry[side] = measure(args.kernel, checkout_of(side, args.before_checkout), args.threads, args.repeats)
         rounds.append(entry)
         print(f"round {round_id}: " + ", ".join(
             f"{side} {row['op']} {row['c_ms']:.3f} ms"
-            for side in order for row in entry[side]), flush=True)
+            for side in entry["order"] for row in entry[side]), flush=True)
     summary = summarize(rounds)
     for op, figures in summary.items():
         print(f"{op}: before {figures['before_c_ms']:.3f} ms, after {figures['after_c_ms']:.3f} ms, "
               f"{figures['before_over_after']:.2f}x")
     result = {"benchmark": f"cpu_{args.kernel}_ab", "kernel": args.kernel, "date": time.strftime("%Y-%m-%d %H:%M"),
               "machine": {**machine(), "isa": cpu_isa()},
-              "threads": args.threads, "commits": {"after": git_commit(REPO), "before": git_commit(args.before_checkout)},
+              "threads": args.threads, "commits": commits(args.before_checkout),
               "rounds": rounds, "summary": summary}
     if args.kernel == "decode":
         # Whether this tree's decode rows ran on AMX tiles (the bundled model's bfloat16 shape).

@@ -1,6 +1,6 @@
 """The bundled model's bfloat16 projections with their weights read from memory, as a decode step
 reads them: oneDNN's packed GEMM against kvscale's AMX kernel (``kernels/cpu_linear_amx.c``);
-and the same for ``--quantization int8``'s projections (``server/quantization.py``'s
+and the same for ``--quantization int8``'s projections (``server/worker/quantization.py``'s
 ``Int8Linear`` on bfloat16 activations: oneDNN's int8 GEMM, or the kernel's int8 path).
 
 ``bench.cpu_linear`` times one layer's weights over and over, which the caches then hold; in a
@@ -8,7 +8,7 @@ step every layer has its own weights and the KV reads in between push them out. 
 30 layers gets its own weights, a forward's projections run in the engine's order (qkv, o,
 gate_up, down per layer, then the LM head where every row samples), and a 768 MB buffer is
 written between timed forwards so that neither side starts from warm caches. The two sides
-alternate within every repeat; figures are medians. ``server/cpu_linear.py`` takes its
+alternate within every repeat; figures are medians. ``server/worker/cpu_linear.py`` takes its
 ``AMX_ROWS_MAX`` from where the ratio crosses 1.
 
     python -m bench.cpu_linear_stream --threads 2     # bench/results/cpu_linear_stream_t2.json
@@ -26,8 +26,8 @@ import torch
 from bench.common import machine, op_bench_args, write_result
 from bench.cpu_linear import DECODE_ROWS_MAX, projection_shapes
 from kvscale.kernels import cpu_native
-from kvscale.server.cpu_linear import AMX_ROWS_MAX, PackedLinear
-from kvscale.server.quantization import Int8Linear
+from kvscale.server.worker.cpu_linear import AMX_ROWS_MAX, PackedLinear
+from kvscale.server.worker.quantization import Int8Linear
 
 ROWS = (1, 8, 16, 32, 64, 128, 256, 512)
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             assert amx_weight is not None, f"{name} {tuple(weight.shape)} is not made of 32-wide blocks"
             int8_amx = Int8Linear(weight, None)
             int8_onednn = Int8Linear(weight, None)
-            int8_onednn.amx_weight = None  # what KVSCALE_CPU_LINEAR=onednn builds
+            int8_onednn.amx_weight = None  # Int8Linear's oneDNN path, as on a CPU without AMX tiles
             assert int8_amx.amx_weight is not None
             layer.append(Projection(inp, out, PackedLinear(weight, None), amx_weight, int8_onednn, int8_amx))
         layers.append(layer)

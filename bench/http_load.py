@@ -42,11 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import git_commit, machine, quantile, write_result
+from bench.before_after import add_before_checkout
+from bench.common import REPO, RESULTS, checkout_env, git_commit, machine, quantile, write_result
 from kvscale.processes import die_with_parent, free_port
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
 BASELINES = ("offline", "vllm")
 # kvscale serve against vLLM's server, streaming, 32 concurrent (docs/performance.md, "HTTP serving").
 TARGET_OVER_VLLM_THROUGHPUT = 1.2
@@ -105,7 +104,7 @@ def compare(kvscale: dict[str, Any], baseline: dict[str, Any]) -> dict[str, floa
 # ----------------------------------------------------------------------------- offline
 
 
-# What a server logs when it resolves ``--dtype auto``: kvscale's engine (server/model_loader.py)
+# What a server logs when it resolves ``--dtype auto``: kvscale's engine (server/worker/model_loader.py)
 # and vLLM's engine configuration line.
 _RESOLVED_DTYPE = (re.compile(r"--dtype auto on .*?: (\w+), because"), re.compile(r"\bdtype=torch\.(\w+)"))
 
@@ -120,7 +119,7 @@ def resolved_dtype(log: str) -> str | None:
 
 def load_offline_engine(engine_flags: dict):
     from kvscale.server.config import EngineConfig
-    from kvscale.server.engine import LLMEngine
+    from kvscale.server.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(**engine_flags))
 
@@ -217,9 +216,7 @@ def start_kvscale(engine_flags: dict, threads: int, model: str, log_dir: Path,
     from bench.anchors import vllm_cpu
 
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
-    if checkout != REPO:  # that tree's kvscale, not an installed or inherited one
-        env["PYTHONPATH"] = str(checkout)
+    env = checkout_env(checkout, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads))
     # The engine core's OpenMP threads on the very CPUs vLLM's get; both front ends take the rest
     # (none when the run uses every CPU: then they share, on both sides).
     bind = vllm_cpu.omp_threads_bind(threads)
@@ -386,8 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
                         help="`--stream-interval` of both servers (vLLM's flag): tokens per streamed "
                              "event after the first; ITL is then the gap between such events")
-    parser.add_argument("--before-checkout", default=None, metavar="PATH",
-                        help="also serve from this checkout (a worktree of an earlier commit): side 'before'")
+    add_before_checkout(parser, help="also serve from this checkout (a worktree of an earlier commit): side 'before'")
     parser.add_argument("--output", default=None,
                         help="JSON path (default bench/results/http_load.json; with vllm, "
                              "http_load_vllm_t<threads>.json)")

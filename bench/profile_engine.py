@@ -49,8 +49,8 @@ def _wrap_forward_ops(runner: Any, totals: dict[str, float]) -> None:
     from torch import nn
 
     from kvscale.kernels import cpu_native, layer_ops
-    from kvscale.server.cpu_linear import PackedLinear
-    from kvscale.server.quantization import Int8Linear
+    from kvscale.server.worker.cpu_linear import PackedLinear
+    from kvscale.server.worker.quantization import Int8Linear
 
     runner.kernels = dataclasses.replace(
         runner.kernels,
@@ -59,8 +59,8 @@ def _wrap_forward_ops(runner: Any, totals: dict[str, float]) -> None:
         paged_prefill_attention=_timed(runner.kernels.paged_prefill_attention, "prefill_attention", totals))
     for name in ("add_rms_norm", "rope", "silu_and_mul"):
         setattr(layer_ops, name, _timed(getattr(layer_ops, name), name, totals))
-    # A batched step's layers in one C call (server/cpu_step_layers.py): one bucket, since
-    # the ops inside it are not separate calls any more (KVSCALE_CPU_STEP_LAYERS=modules splits them).
+    # A batched step's layers in one C call (server/worker/cpu_step_layers.py): one bucket, since
+    # the ops inside it are not separate calls any more.
     cpu_native.step_layers = _timed(cpu_native.step_layers, "step_layers_one_call", totals)
     wrapped: list[str] = []
     for name, module in runner.model.named_modules():
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from kvscale.server.llm import LLM
+    from kvscale.server.entrypoints.llm import LLM
     from kvscale.server.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)

@@ -12,8 +12,8 @@ import time
 from typing import Any
 
 # lscpu flags that decide which GEMM and attention kernels a CPU build can use.
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16",
-             "amx_int8")
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+             "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def cpu_isa() -> dict[str, Any]:
@@ -43,14 +43,22 @@ def cpu_isa() -> dict[str, Any]:
     return info
 
 
+def cpu_info() -> dict[str, Any]:
+    """`common.machine` with the CPU's model and ISA flags, as the router benchmarks record it."""
+    from bench.common import machine
+
+    isa = cpu_isa()
+    return {"cpu_model": isa["model_name"] or "", "isa_flags": isa["flags"], **machine()}
+
+
 def gemm_peak(threads: int, dtype: str = "float32", size: int = 2048, seconds: float = 3.0) -> dict[str, Any]:
     """Best-of-several GFLOP/s of a square ``torch.matmul`` at this thread count. A bfloat16 peak
     where oneDNN has no bf16 kernels (an AVX2 CPU) is that of the GEMM the engine runs there, the
-    inputs widened to float32 first (server/cpu_linear.py): torch's own bf16 GEMM there runs at
+    inputs widened to float32 first (server/worker/cpu_linear.py): torch's own bf16 GEMM there runs at
     well under 1 GFLOP/s on this size, a peak no engine uses, and takes minutes to measure."""
     import torch
 
-    from kvscale.server.cpu_linear import onednn_packs
+    from kvscale.server.worker.cpu_linear import onednn_packs
 
     torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)

@@ -21,26 +21,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import git_commit, machine, write_result
+from bench.before_after import (
+    add_before_checkout,
+    checkout_of,
+    commits,
+    median_ratio,
+    order,
+    run_json,
+)
+from bench.common import checkout_env, machine, write_result
 from bench.roofline import cpu_isa
-
-REPO = Path(__file__).resolve().parents[1]
 
 # Run by each side against its own tree (names both trees have).
 MEASURE = """
 import json, statistics, time, torch
 torch.set_num_threads(1)
-from kvscale.server.engine_core_wire import StepDone, core_codec, front_codec
-from kvscale.server.llm import LLM
-from kvscale.server.output_builder import OutputKind
+from kvscale.server.engine.engine_core_wire import StepDone, core_codec, front_codec
+from kvscale.server.entrypoints.llm import LLM
+from kvscale.server.engine.output_builder import OutputKind
 from kvscale.server.sampling_params import SamplingParams
 num_seqs, context, steps, budget = {num_seqs}, {context}, {steps}, 4096
 # The first prompts decode while later ones prefill: room for those tokens too.
@@ -114,18 +117,14 @@ def tiny_model(directory: Path) -> Path:
 
 
 def measure(checkout: Path, model: Path, num_seqs: int, context: int, steps: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = checkout_env(checkout, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     code = MEASURE.format(model=str(model), num_seqs=num_seqs, context=context, steps=steps)
-    done = subprocess.run([sys.executable, "-c", code], cwd=checkout, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the measuring side in {checkout} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json([sys.executable, "-c", code], checkout, env)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before-checkout", type=Path, required=True, help="the other tree (a git worktree)")
+    add_before_checkout(parser, required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--context", type=int, default=1024)
@@ -136,23 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvscale-tiny-model-") as scratch:
         model = tiny_model(Path(scratch))
         for round_id in range(args.rounds):
-            order = ["before", "after"] if round_id % 2 == 0 else ["after", "before"]
-            entry: dict = {"order": order}
-            for side in order:
-                checkout = args.before_checkout if side == "before" else REPO
-                entry[side] = measure(checkout, model, args.num_seqs, args.context, args.steps)
+            entry: dict = {"order": order(round_id)}
+            for side in entry["order"]:
+                entry[side] = measure(checkout_of(side, args.before_checkout), model, args.num_seqs, args.context,
+                                      args.steps)
                 print(f"round {round_id} {side}: " + ", ".join(f"{k} {v:.3f}" for k, v in entry[side].items()),
                       flush=True)
             rounds.append(entry)
     summary = {}
     for key in rounds[0]["after"]:
-        medians = {side: statistics.median(entry[side][key] for entry in rounds) for side in ("before", "after")}
-        summary[key] = {**medians, "before_over_after": medians["before"] / medians["after"]}
-        print(f"{key}: before {medians['before']:.3f}, after {medians['after']:.3f}, "
-              f"{medians['before'] / medians['after']:.2f}x")
+        summary[key] = median_ratio(rounds, lambda side, key=key: side[key])
+        print(f"{key}: before {summary[key]['before']:.3f}, after {summary[key]['after']:.3f}, "
+              f"{summary[key]['before_over_after']:.2f}x")
     result = {"benchmark": "step_host_work", "date": time.strftime("%Y-%m-%d %H:%M"),
               "machine": {**machine(), "isa": cpu_isa()}, "num_seqs": args.num_seqs, "context": args.context,
-              "steps": args.steps, "commits": {"after": git_commit(REPO), "before": git_commit(args.before_checkout)},
+              "steps": args.steps, "commits": commits(args.before_checkout),
               "rounds": rounds, "summary": summary}
     print(write_result("step_host_work", result, args.out))
     return 0

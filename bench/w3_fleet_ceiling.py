@@ -12,7 +12,7 @@ run starts on pools full of the previous run's blocks, as a fleet in service wou
 
 Per run: the replicas' own prefix-cache hit rate (``vllm:prefix_cache_hits`` over ``queries``, summed
 over the replicas), that rate as a share of the workload's ceiling (Belady's MIN over the fleet's
-combined KV: ``bench.w3_policy_sim.capacity_ceiling``), TTFT p50/p90 as the client sees it,
+combined KV: ``bench.w3_ceilings.capacity_ceiling``), TTFT p50/p90 as the client sees it,
 requests per replica from the replicas' own ``vllm:request_success`` counters (max/mean), wall
 time, and the machine's load average before and after.
 
@@ -43,9 +43,10 @@ from pathlib import Path
 import httpx
 
 from bench.common import quantile
-from bench.w3_policy_sim import Workload, capacity_ceiling, cpu_info
+from bench.roofline import cpu_info
+from bench.w3_ceilings import capacity_ceiling
 from bench.w3_router import MODEL, Processes, wait_healthy
-from bench.w3_workloads import WORDS
+from bench.w3_workloads import WORDS, Workload
 from kvscale.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -296,10 +296,11 @@ def summarize(args, workload: str, policy: str, results: list[dict], wall: float
 
 def run_ceiling(args, results: list[dict], tokenizer) -> float:
     """The workload's ceiling on the token ids this run sent, in the order it sent them (the best
-    hit rate any routing could reach with the fleet's KV: ``bench.w3_policy_sim.capacity_ceiling``).
+    hit rate any routing could reach with the fleet's KV: ``bench.w3_ceilings.capacity_ceiling``).
     W4's prompts hold the answers the replicas gave, so each policy's run has its own; an answer
     counts as the token ids its text encodes to."""
-    from bench.w3_policy_sim import Workload, capacity_ceiling
+    from bench.w3_ceilings import capacity_ceiling
+    from bench.w3_workloads import Workload
     from kvscale.tokenization import chat_prompt_token_ids
 
     requests = []
@@ -439,7 +440,7 @@ def main() -> int:
     if not redis_binary:
         print("w3_router: needs redis-server on the PATH (make system-deps)", file=sys.stderr)
         return 2
-    from bench.w3_policy_sim import cpu_info
+    from bench.roofline import cpu_info
     from kvscale.model_files import load_tokenizer, resolve_tokenizer_path
 
     tokenizer = load_tokenizer(resolve_tokenizer_path(None))

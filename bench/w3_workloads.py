@@ -73,3 +73,41 @@ def conversation_messages(conv: Conversation, turn: int, answers: list[str]) -> 
         if t < turn:
             messages.append({"role": "assistant", "content": answers[t]})
     return messages
+
+
+@dataclass
+class Workload:
+    """Closed-loop clients: each client runs its list of requests in order, pausing think_s before each."""
+
+    clients: list[list[tuple[float, list[int], list[int], int]]]  # (think_s, prompt ids, answer ids, out tokens)
+
+
+def build_workload(kind: str, p: dict, seed: int, tokenizer=None, answer_tokens: int | None = None) -> Workload:
+    """A stream of these as simulated clients (``p``: the real run's parameters)."""
+    if kind in ("w3", "w3-zipf"):
+        prompts = [q for _, q in shared_prefix_prompts(seed, p["groups"], p["prefix_tokens"], p["requests"],
+                                                         p["suffix_tokens"], zipf=kind == "w3-zipf")]
+        clients: list[list] = [[] for _ in range(p["concurrency"])]
+        # A closed loop of C clients taking the next prompt when free behaves like C fixed clients
+        # taking every C-th prompt when service times are alike; good enough for a queueing model.
+        for i, prompt in enumerate(prompts):
+            clients[i % p["concurrency"]].append((0.0, prompt, [], p["output_tokens"]))
+        return Workload(clients)
+    from kvscale.tokenization import chat_prompt_token_ids
+
+    n_answer = answer_tokens or p["answer_tokens"]
+    rng = random.Random(seed + 7)
+    convs = conversations(seed, p["conversations"], p["document_words"], p["question_words"],
+                             (p["think_min_s"], p["think_max_s"]))
+    clients = [[] for _ in range(p["concurrency"])]
+    for i, conv in enumerate(convs):
+        answers: list[str] = []
+        turns = []
+        for turn in range(len(conv.questions)):
+            prompt = chat_prompt_token_ids(tokenizer, conversation_messages(conv, turn, answers))
+            answer_text = " ".join(rng.choice(WORDS) for _ in range(n_answer))
+            answer_ids = tokenizer.encode(answer_text, add_special_tokens=False)[:n_answer]
+            turns.append((conv.think_s[turn], prompt, answer_ids, n_answer))
+            answers.append(tokenizer.decode(answer_ids))
+        clients[i % p["concurrency"]].extend(turns)
+    return Workload(clients)

@@ -4,8 +4,8 @@ it derives from a run, on inputs whose answer is known (the replay itself needs 
 from __future__ import annotations
 
 from bench.autoscale_platform import Outcome, Run, figures, prompt_text
-from bench.autoscale_replay import compressed_bursty
 from bench.autoscale_sim import Calibration
+from bench.autoscale_workloads import compressed_bursty
 
 CAL = Calibration(prefill_tokens_per_s=270.0, decode_step_s=0.047, kv_blocks=2912, block_size=16,
                   max_num_seqs=16, step_tokens=512, cold_start_s=15.0)
@@ -24,7 +24,7 @@ def test_the_compressed_trace_steps_x4_in_its_middle_half() -> None:
 
 
 def test_the_trace_probe_has_the_traces_arrivals_but_shares_nothing_with_it() -> None:
-    from bench.autoscale_replay import PROBE_TRACE_SPAN_S, prefix_group, probe_trace
+    from bench.autoscale_workloads import PROBE_TRACE_SPAN_S, prefix_group, probe_trace
 
     trace = compressed_bursty(CAL, 400.0, base_fraction=0.25)
     probe = probe_trace(CAL, base_fraction=0.25)
@@ -56,7 +56,7 @@ def test_figures_count_replica_seconds_in_the_span_and_reversals() -> None:
 
 
 def test_level_b_replays_level_as_policies_with_their_settings() -> None:
-    from bench.autoscale_replay import level_b_policy
+    from bench.autoscale_level_b import level_b_policy
     from bench.autoscale_sim import HpaPolicy, KvscalePolicy
 
     kvscale = level_b_policy("kvscale")
@@ -72,7 +72,8 @@ def test_level_b_replays_level_as_policies_with_their_settings() -> None:
 def test_a_is_set_against_b_on_the_same_arrivals(tmp_path) -> None:
     import json
 
-    from bench.autoscale_replay import comparison_table, replay_level_b, slo, within
+    from bench.autoscale_level_b import comparison_table, replay_level_b, within
+    from bench.autoscale_workloads import slo
 
     assert within(10.0, 11.4) == (11.4 / 10.0, True) and within(10.0, 8.4)[1] is False
     assert within(None, 1.0) == (None, False)
@@ -133,14 +134,10 @@ def test_the_replays_prometheus_scrapes_what_the_autoscaling_dashboard_needs(tmp
 def test_level_b_takes_the_trace_probes_residuals_where_a_measured_them(tmp_path) -> None:
     import json
 
+    from bench.autoscale_calibrate import load_shared_host
+    from bench.autoscale_level_b import path_residuals, replay_level_b
     from bench.autoscale_platform import probe_requests
-    from bench.autoscale_replay import (
-        load_shared_host,
-        path_residuals,
-        probe_trace,
-        replay_level_b,
-        slo,
-    )
+    from bench.autoscale_workloads import probe_trace, slo
 
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"calibration": {"shared_host": {
@@ -172,13 +169,10 @@ def test_the_per_sequence_cost_is_fitted_to_the_trace_probes_tpot(tmp_path) -> N
     import json
     from dataclasses import replace
 
-    from bench.autoscale_replay import (
-        fitted_per_sequence_cost,
-        load_shared_host,
-        on_one_replica,
-        probe_trace,
-    )
+    from bench.autoscale_calibrate import load_shared_host
+    from bench.autoscale_level_b import fitted_per_sequence_cost, on_one_replica
     from bench.autoscale_sim import tpot
+    from bench.autoscale_workloads import probe_trace
 
     calibration = tmp_path / "calibration.json"
     calibration.write_text(json.dumps({"calibration": {"shared_host": {

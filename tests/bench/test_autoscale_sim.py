@@ -3,8 +3,8 @@ known, so a broken policy or fleet shows here and not as a silently odd benchmar
 
 from __future__ import annotations
 
-from bench.autoscale_replay import bursty_rate, idle_heavy, synthetic
 from bench.autoscale_sim import Calibration, HpaPolicy, KvscalePolicy, reversals, simulate
+from bench.autoscale_workloads import bursty_rate, idle_heavy, synthetic
 from kvscale.operator.spec import AutoscalingPolicy
 
 CAL = Calibration(prefill_tokens_per_s=2000.0, decode_step_s=0.03, kv_blocks=512, block_size=16,
@@ -39,7 +39,7 @@ def test_a_burst_scales_up_and_reversals_count_direction_changes() -> None:
 
 def test_the_fleet_routes_through_kvscales_router_and_kvscale_sees_prefill_work() -> None:
     from bench.autoscale_sim import FEWEST_OPEN, Fleet, prefill_tokens_waiting
-    from bench.w3_policy_sim import SimRequest
+    from bench.w3_sim import SimRequest
 
     def request(rid: int, output: int) -> SimRequest:
         hashes = [700 + i for i in range(8)] + [10_000 + rid]  # 128 shared tokens + 16 of its own
@@ -104,7 +104,7 @@ def test_a_cold_start_can_cost_a_stepping_replica_more_than_its_cpu_share() -> N
 
 def test_on_a_shared_host_a_cold_start_slows_the_serving_replica_and_itself() -> None:
     from bench.autoscale_sim import FEWEST_OPEN, Fleet, SharedHost
-    from bench.w3_policy_sim import SimRequest
+    from bench.w3_sim import SimRequest
 
     def start_second(host: SharedHost | None) -> tuple[float, float]:
         """(when the second replica is ready, the first one's decode steps done by then)."""
@@ -151,8 +151,8 @@ def test_an_idle_host_changes_nothing_and_replica_seconds_count_in_a_window() ->
 
 
 def test_a_decode_step_grows_with_its_batch_by_the_calibrated_slope() -> None:
-    from bench.autoscale_replay import per_sequence_slope
-    from bench.w3_policy_sim import Costs, SimReplica, SimRequest
+    from bench.autoscale_calibrate import per_sequence_slope
+    from bench.w3_sim import Costs, SimReplica, SimRequest
 
     # Steps measured at 1, 4, 8, 16 on a line 0.02 + 0.001 per sequence beyond the first.
     assert abs(per_sequence_slope({1: 0.02, 4: 0.023, 8: 0.027, 16: 0.035}) - 0.001) < 1e-12
@@ -176,7 +176,7 @@ def test_a_decode_step_grows_with_its_batch_by_the_calibrated_slope() -> None:
 
 def test_step_factors_vary_steps_around_the_calibrated_mean_reproducibly() -> None:
     from bench.autoscale_sim import FEWEST_OPEN, Fleet, SharedHost
-    from bench.w3_policy_sim import SimRequest
+    from bench.w3_sim import SimRequest
 
     def decode_steps(host: SharedHost) -> tuple[int, list[float]]:
         """(tokens one replica alone on ``host`` decodes in 30 s, when each tick's steps ended)."""
@@ -240,8 +240,8 @@ def test_each_kvscale_setting_is_read_against_the_baselines_at_its_own_attainmen
 
 
 def test_the_attainable_share_counts_only_what_an_idle_replica_with_every_earlier_block_meets() -> None:
-    from bench.autoscale_replay import BLOCK, attainable_ttft_share
-    from bench.w3_policy_sim import SimRequest
+    from bench.autoscale_workloads import BLOCK, attainable_ttft_share
+    from bench.w3_sim import SimRequest
 
     calibration = Calibration(prefill_tokens_per_s=100.0, decode_step_s=0.05, kv_blocks=100, block_size=BLOCK,
                               max_num_seqs=16, step_tokens=512, cold_start_s=5.0)

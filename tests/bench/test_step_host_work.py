@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.step_host_work import REPO, measure, tiny_model
+from bench.common import REPO
+from bench.step_host_work import measure, tiny_model
 
 
 def test_a_small_run_times_every_phase(tmp_path: Path) -> None:

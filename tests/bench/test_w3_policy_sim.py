@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench.w3_policy_sim import (
-    ORACLE,
-    TARGETS,
-    Costs,
-    Workload,
-    against_round_robin,
-    build_workload,
-    hit_ceiling,
-    simulate_run,
-)
+from bench.w3_ceilings import hit_ceiling
+from bench.w3_hit_bound import TARGETS, against_round_robin
+from bench.w3_sim import ORACLE, Costs
+from bench.w3_sim_run import simulate_run
+from bench.w3_workloads import Workload, build_workload
 
 W3 = dict(groups=8, prefix_tokens=128, suffix_tokens=16, requests=64, output_tokens=4, concurrency=8, seed=0)
 SIM = dict(replicas=4, num_blocks=48, block_size=16, costs=Costs(46.0, 0.55, 2048, 8))
@@ -65,7 +60,7 @@ def test_the_simulated_index_forgets_a_block_the_replica_stored_then_evicted():
     block stored; evicted after that, the block no longer matches. (The simulator kept predictions
     for their whole 10 s, so on pools too small for the prefixes it anchored requests on replicas
     that had evicted them.)"""
-    from bench.w3_policy_sim import SimReplica, SimRequest, SimRouter
+    from bench.w3_sim import SimReplica, SimRequest, SimRouter
 
     replica = SimReplica(0, num_blocks=4, block_size=16, costs=Costs(1000.0, 0.01, 2048, 8))
     router = SimRouter("predicted-ttft", [replica], 16, seed=0)
