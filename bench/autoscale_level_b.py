@@ -23,16 +23,8 @@ from bench.autoscale_platform import (
     run_level_a,
     write,
 )
-from bench.autoscale_sim import (
-    Calibration,
-    HpaPolicy,
-    KvscalePolicy,
-    SharedHost,
-    host_slowdown,
-    report,
-    simulate,
-    tpot,
-)
+from bench.autoscale_policies import HpaPolicy, KvscalePolicy
+from bench.autoscale_sim import Calibration, SharedHost, host_slowdown, report, simulate, tpot
 from bench.autoscale_workloads import compressed_bursty, probe_trace, slo
 from bench.common import quantile
 from bench.roofline import cpu_isa

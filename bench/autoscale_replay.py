@@ -68,15 +68,8 @@ from pathlib import Path
 
 from bench.autoscale_calibrate import CALIBRATION, calibrate, load_calibration
 from bench.autoscale_level_b import level_a
-from bench.autoscale_sim import (
-    FEWEST_OPEN,
-    Calibration,
-    HpaPolicy,
-    KpaPolicy,
-    KvscalePolicy,
-    report,
-    simulate,
-)
+from bench.autoscale_policies import HpaPolicy, KpaPolicy, KvscalePolicy
+from bench.autoscale_sim import FEWEST_OPEN, Calibration, report, simulate
 from bench.autoscale_workloads import WORKLOADS, attainable_ttft_share, slo
 from bench.common import RESULTS, exit_on_sigterm, machine, write_result
 from bench.roofline import cpu_isa

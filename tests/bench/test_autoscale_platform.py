@@ -57,7 +57,7 @@ def test_figures_count_replica_seconds_in_the_span_and_reversals() -> None:
 
 def test_level_b_replays_level_as_policies_with_their_settings() -> None:
     from bench.autoscale_level_b import level_b_policy
-    from bench.autoscale_sim import HpaPolicy, KvscalePolicy
+    from bench.autoscale_policies import HpaPolicy, KvscalePolicy
 
     kvscale = level_b_policy("kvscale")
     assert isinstance(kvscale, KvscalePolicy)

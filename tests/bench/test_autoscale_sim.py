@@ -3,7 +3,8 @@ known, so a broken policy or fleet shows here and not as a silently odd benchmar
 
 from __future__ import annotations
 
-from bench.autoscale_sim import Calibration, HpaPolicy, KvscalePolicy, reversals, simulate
+from bench.autoscale_policies import HpaPolicy, KvscalePolicy
+from bench.autoscale_sim import Calibration, reversals, simulate
 from bench.autoscale_workloads import bursty_rate, idle_heavy, synthetic
 from kvscale.operator.spec import AutoscalingPolicy
 
@@ -38,7 +39,8 @@ def test_a_burst_scales_up_and_reversals_count_direction_changes() -> None:
 
 
 def test_the_fleet_routes_through_kvscales_router_and_kvscale_sees_prefill_work() -> None:
-    from bench.autoscale_sim import FEWEST_OPEN, Fleet, prefill_tokens_waiting
+    from bench.autoscale_policies import prefill_tokens_waiting
+    from bench.autoscale_sim import FEWEST_OPEN, Fleet
     from bench.w3_sim import SimRequest
 
     def request(rid: int, output: int) -> SimRequest:
