@@ -15,11 +15,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.autoscale_calibrate import load_calibration, load_shared_host
+from bench.autoscale_client import probe_requests
 from bench.autoscale_platform import (
     HPA_TARGET_CONCURRENCY,
     MAX_REPLICAS,
     inference_service,
-    probe_requests,
     run_level_a,
     write,
 )

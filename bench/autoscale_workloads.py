@@ -33,7 +33,7 @@ def mooncake(compress: float = 1.0, token_div: int = 32, out_div: int = 16) -> l
 
 def shaped_request(rid: int, group: int, arrival: float, prompt: int = 256, output: int = 32) -> SimRequest:
     """A request of the synthetic workloads' shape: a 128-token prefix shared by its ``group``,
-    then blocks of its own (`bench.autoscale_platform.prompt_text` writes its text)."""
+    then blocks of its own (`bench.autoscale_client.prompt_text` writes its text)."""
     shared = [10_000_000 + group * 100 + i for i in range(128 // BLOCK)]
     own = [20_000_000 + rid * 100 + i for i in range((prompt - 128) // BLOCK)]
     return SimRequest(rid, arrival, shared + own, prompt, output,

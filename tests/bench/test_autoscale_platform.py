@@ -3,7 +3,8 @@ it derives from a run, on inputs whose answer is known (the replay itself needs 
 
 from __future__ import annotations
 
-from bench.autoscale_platform import Outcome, Run, figures, prompt_text
+from bench.autoscale_client import Outcome, prompt_text
+from bench.autoscale_platform import Run, figures
 from bench.autoscale_sim import Calibration
 from bench.autoscale_workloads import compressed_bursty
 
@@ -82,7 +83,7 @@ def test_a_is_set_against_b_on_the_same_arrivals(tmp_path) -> None:
         "cores": 2.0, "busy_cores": 2.0, "start_cores": 1.0, "exponent": 1.2}}}))
     requests = compressed_bursty(CAL, 80.0, base_fraction=0.25)
     span = requests[-1].arrival
-    from bench.autoscale_platform import probe_requests
+    from bench.autoscale_client import probe_requests
 
     # What (a) measured on the platform before the kvscale trace (the hpa-real side has none, as
     # results from before the probe): steps alone, the step at a batch, the TTFT probe.
@@ -135,8 +136,8 @@ def test_level_b_takes_the_trace_probes_residuals_where_a_measured_them(tmp_path
     import json
 
     from bench.autoscale_calibrate import load_shared_host
+    from bench.autoscale_client import probe_requests
     from bench.autoscale_level_b import path_residuals, replay_level_b
-    from bench.autoscale_platform import probe_requests
     from bench.autoscale_workloads import probe_trace, slo
 
     calibration = tmp_path / "calibration.json"
