@@ -33,7 +33,7 @@ import torch
 from bench.common import machine, median_ms, op_bench_args, write_result
 from kvscale.kernels import cpu_native, fp8, reference
 from kvscale.kernels.layer_ops import torch_rope
-from kvscale.server.sampler import greedy_tokens
+from kvscale.server.worker.sampler import greedy_tokens
 
 
 def decode_case(dtype: torch.dtype, gen: torch.Generator) -> dict:

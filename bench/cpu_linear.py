@@ -6,8 +6,8 @@ projections: qkv, o, gate_up and down of every layer, plus the LM head on decode
 (every row samples; prefill computes logits only for the rows that end a prompt). ``F.linear``
 gets the layout the engine gave it before packing (float32: a transposed view of an [in, out]
 buffer; bfloat16: the checkpoint's [out, in]). Medians of repeated calls; the ratio packed ÷
-F.linear is what ``server/cpu_linear.py`` decides by (below 1: packing is faster). Each row also
-times ``--quantization int8``'s projection (``server/quantization.py``: int8 weights, the input
+F.linear is what ``server/worker/cpu_linear.py`` decides by (below 1: packing is faster). Each row also
+times ``--quantization int8``'s projection (``server/worker/quantization.py``: int8 weights, the input
 quantized per row on each call) on inputs of that dtype, and its ratio to the faster of the two.
 Where oneDNN has no bf16 kernels (an AVX2 CPU) bfloat16 cannot be packed: its rows time the
 engine's widened projection (``WidenedLinear``) instead, and its ratio to float32's best layout.
@@ -24,9 +24,9 @@ from torch.nn import functional
 
 from bench.common import machine, median_ms, op_bench_args, write_result
 from kvscale.model_files import resolve_model_path
-from kvscale.server.cpu_linear import PackedLinear, WidenedLinear, onednn_packs
-from kvscale.server.model_llama import spec_from_hf_config
-from kvscale.server.quantization import Int8Linear
+from kvscale.server.worker.cpu_linear import PackedLinear, WidenedLinear, onednn_packs
+from kvscale.server.worker.model_llama import spec_from_hf_config
+from kvscale.server.worker.quantization import Int8Linear
 
 ROWS = (1, 4, 8, 16, 64, 256, 2048)
 DECODE_ROWS_MAX = 64

@@ -19,9 +19,9 @@ Every part has its baseline in the same run, on the same device:
    as deltas, no detokenization (the front end's work).
    ``--parts layer_ops``: W1 and the decode step with the Triton layer ops and with their
    PyTorch forms. ``--parts async``: greedy tokens, W1 and the decode step with async
-   scheduling (server/async_scheduling.py) and with synchronous steps; ``async_steps``: W1 and
+   scheduling (server/core/async_scheduling.py) and with synchronous steps; ``async_steps``: W1 and
    the decode step only; ``async_decode``: the decode step only.
-4. Decode CUDA graphs (server/decode_graphs.py): greedy tokens with graphs against the same
+4. Decode CUDA graphs (server/worker/decode_graphs.py): greedy tokens with graphs against the same
    engine with ``enforce_eager``, W1 and the decode step both ways.
 5. Host KV tier: promoting and demoting blocks through ``HostKVCache`` (the engine's code path),
    with the tier's slots in order and shuffled, every byte checked, against one contiguous
@@ -57,7 +57,7 @@ def greedy_equality(path: Path, dtype: str, device: Any, new_tokens: int) -> dic
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvscale.server.llm import LLM
+    from kvscale.server.entrypoints.llm import LLM
     from kvscale.server.sampling_params import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -107,7 +107,7 @@ def _w1(path: Path, device: Any, num_requests: int, max_num_seqs: int, baseline_
     from transformers import AutoModelForCausalLM
 
     from bench.w1_throughput import static_batches, workload
-    from kvscale.server.llm import LLM
+    from kvscale.server.entrypoints.llm import LLM
     from kvscale.server.sampling_params import SamplingParams
 
     spec = SimpleNamespace(seed=0, num_requests=num_requests, min_prompt=32, max_prompt=512,
@@ -158,8 +158,8 @@ def _decode_step(path: Path, device: Any, num_seqs: int, context: int, steps: in
 
     from bench.gpu_kernels import ModelShape
     from kvscale.processes import freeze_startup_heap
-    from kvscale.server.llm import LLM
-    from kvscale.server.output_builder import OutputKind
+    from kvscale.server.engine.output_builder import OutputKind
+    from kvscale.server.entrypoints.llm import LLM
     from kvscale.server.sampling_params import SamplingParams
 
     budget = max(2048, context)
@@ -247,7 +247,7 @@ def graphs_vs_eager(path: Path, dtype: str, device: Any, new_tokens: int) -> dic
     batches that pad (5 prompts: the graph of 8) and that do not."""
     from transformers import AutoTokenizer
 
-    from kvscale.server.llm import LLM
+    from kvscale.server.entrypoints.llm import LLM
     from kvscale.server.sampling_params import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -273,7 +273,7 @@ def async_vs_sync(path: Path, dtype: str, device: Any, new_tokens: int) -> dict:
     graphs on, with every way a sequence ends (end token, stop string, max_tokens)."""
     from transformers import AutoTokenizer
 
-    from kvscale.server.llm import LLM
+    from kvscale.server.entrypoints.llm import LLM
     from kvscale.server.sampling_params import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -296,8 +296,8 @@ def async_vs_sync(path: Path, dtype: str, device: Any, new_tokens: int) -> dict:
 def host_tier(device: Any, num_blocks: int, repeats: int) -> dict:
     import torch
 
-    from kvscale.server.block_pool import TierCopies
-    from kvscale.server.kv_offload import HostKVCache
+    from kvscale.server.core.block_pool import TierCopies
+    from kvscale.server.core.kv_offload import HostKVCache
 
     # The bundled model's cache: [layer, k|v, block, offset, kv_head, head_dim], bfloat16.
     cache = torch.zeros((30, 2, num_blocks + 8, 16, 3, 64), dtype=torch.bfloat16, device=device)
@@ -354,14 +354,14 @@ def host_tier(device: Any, num_blocks: int, repeats: int) -> dict:
 
 def tier_in_engine(path: Path, device: Any) -> dict:
     """One step that promotes a prefix, demotes other blocks and writes new K/V into blocks it
-    just demoted (tests/server/test_kv_tier_engine.py's case, here on the GPU's copy stream):
+    just demoted (tests/server/engine/test_kv_tier_engine.py's case, here on the GPU's copy stream):
     every block that went down or came up holds exactly the bytes it held before."""
     import torch
 
     from kvscale.block_hash import hash_block_tokens
-    from kvscale.server.block_pool import TierCopies
     from kvscale.server.config import EngineConfig
-    from kvscale.server.engine import LLMEngine
+    from kvscale.server.core.block_pool import TierCopies
+    from kvscale.server.engine.llm_engine import LLMEngine
     from kvscale.server.sampling_params import SamplingParams
 
     def tokens(start: int, n: int) -> list[int]:

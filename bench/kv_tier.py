@@ -86,13 +86,13 @@ def w4_turns(seed: int, conversations: int) -> list[tuple[int, int, list[int]]]:
 
 def replay(num_blocks: int, host_blocks: int, source, answers: int = 32, concurrency: int = 16) -> dict:
     """Drive the real pool, tier and scheduler through ``source`` (a list of requests or W4 turns)."""
-    from kvscale.server.block_pool import BlockPool
-    from kvscale.server.host_tier import HostTier
-    from kvscale.server.kv_cache_manager import KVCacheManager
+    from kvscale.server.core.block_pool import BlockPool
+    from kvscale.server.core.host_tier import HostTier
+    from kvscale.server.core.kv_cache_manager import KVCacheManager
+    from kvscale.server.core.scheduler import Scheduler
+    from kvscale.server.core.sequence import Request, Sequence
     from kvscale.server.outputs import RequestMetrics
     from kvscale.server.sampling_params import SamplingParams
-    from kvscale.server.scheduler import Scheduler
-    from kvscale.server.sequence import Request, Sequence
 
     pool = BlockPool(num_blocks, BS, True, HostTier(host_blocks) if host_blocks else None)
     kv = KVCacheManager(pool)
@@ -186,7 +186,7 @@ def hit_rates(name: str, n: int, source) -> dict:
 # --- 2-4. the real model ------------------------------------------------------------------------
 def _engine(blocks: int, tier_gib: float):
     from kvscale.server.config import EngineConfig
-    from kvscale.server.engine import LLMEngine
+    from kvscale.server.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(dtype="float32", device="cpu", num_gpu_blocks_override=blocks,
                                   kv_offloading_size=tier_gib, max_num_batched_tokens=4096))

@@ -20,9 +20,9 @@ import time
 
 from bench.common import machine, median_ms, write_result
 from bench.structured_outputs_serving import hard_schema, json_schema_format
-from kvscale.server import protocol as p
-from kvscale.server import request_json
-from kvscale.server.serving import _structured_outputs_from
+from kvscale.server.entrypoints import protocol as p
+from kvscale.server.entrypoints import request_json
+from kvscale.server.entrypoints.serving import _structured_outputs_from
 from kvscale.server.structured_outputs.strict_schema import close_objects
 
 

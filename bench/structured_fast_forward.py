@@ -28,11 +28,10 @@ import torch
 from bench.common import machine, write_result
 from bench.jsonschemabench import load_rows, rows_per_set
 from bench.roofline import cpu_isa
-from kvscale.server.config import EngineConfig
-from kvscale.server.engine import LLMEngine
+from kvscale.server.config import EngineConfig, StructuredOutputsConfig
+from kvscale.server.engine.llm_engine import LLMEngine
 from kvscale.server.sampling_params import SamplingParams, StructuredOutputsParams
 from kvscale.server.structured_outputs.backend import GrammarError, compile_grammar, grammar_text
-from kvscale.server.structured_outputs.compiler import StructuredOutputsConfig
 
 # The same engine shape as bench/structured_outputs.py's servers (fp32, prefix caching), in-process.
 ENGINE: dict[str, Any] = {"device": "cpu", "dtype": "float32", "max_model_len": 4096, "max_num_seqs": 32,

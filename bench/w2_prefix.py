@@ -37,7 +37,7 @@ def workload(args: argparse.Namespace, vocab_size: int = 49152) -> list[list[int
 def side(args: argparse.Namespace, caching: bool) -> dict:
     import torch
 
-    from kvscale.server.llm import LLM
+    from kvscale.server.entrypoints.llm import LLM
     from kvscale.server.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)

@@ -15,7 +15,7 @@ from bench.http_load import (
     resolved_dtype,
     round_order,
 )
-from kvscale.server.cli_serve import add_arguments
+from kvscale.server.entrypoints.cli_serve import add_arguments
 
 
 def test_parse_baselines_keeps_order_and_rejects_unknown_or_repeated():
@@ -80,7 +80,7 @@ def test_kvscale_argv_is_what_kvscale_serve_parses_back(prefix_caching):
 
 
 def test_resolved_dtype_reads_either_servers_log():
-    kvscale_log = "INFO kvscale.server.model_loader: --dtype auto on AMD EPYC: float32, because no native bf16\n"
+    kvscale_log = "INFO kvscale.server.worker.model_loader: --dtype auto on AMD EPYC: float32, because no native bf16\n"
     vllm_log = "INFO [llm_engine.py] Initializing a V1 LLM engine with config: model='m', dtype=torch.bfloat16, x=1\n"
     assert resolved_dtype(kvscale_log) == "float32"
     assert resolved_dtype(vllm_log) == "bfloat16"
