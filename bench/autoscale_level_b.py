@@ -26,8 +26,8 @@ from bench.autoscale_platform import (
 from bench.autoscale_policies import HpaPolicy, KvscalePolicy
 from bench.autoscale_sim import Calibration, SharedHost, host_slowdown, report, simulate, tpot
 from bench.autoscale_workloads import compressed_bursty, probe_trace, slo
-from bench.common import quantile
 from bench.roofline import cpu_isa
+from bench.stats import quantile
 from bench.w3_sim import SimRequest
 
 VALIDATION_TOLERANCE = 0.15  # (a) validates (b) within +-15 % (docs/benchmarks.md, level (a))

@@ -55,7 +55,8 @@ from bench.autoscale_client import (
     send_all,
 )
 from bench.autoscale_sim import Calibration
-from bench.common import REPO, machine, quantile, write_result
+from bench.common import REPO, machine, write_result
+from bench.stats import quantile
 from bench.w3_sim import SimRequest
 
 sys.path.insert(0, str(REPO / "tests" / "cluster"))

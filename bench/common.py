@@ -107,17 +107,6 @@ def write_result(name: str, result: dict[str, Any], out: str | None = None) -> P
     return path
 
 
-def quantile(values: list[float], q: float) -> float:
-    """Linear-interpolated quantile (q in [0, 1]); NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def median_ms(action: Callable[[], object], repeats: int, warmup: int = 0) -> float:
     """Median wall time of ``action`` in milliseconds over ``repeats`` calls, after ``warmup``
     untimed ones."""

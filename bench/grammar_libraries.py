@@ -27,6 +27,7 @@ import torch
 
 from bench.json_key_order import judged_valid
 from bench.jsonschemabench import load_rows, sample_path
+from bench.stats import nearest_rank
 from kvscale.model_files import load_tokenizer, resolve_model_path
 
 
@@ -40,9 +41,7 @@ def backend_schema(schema: Any) -> Any:
 def quantiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p99": None, "max": None}
-    ordered = sorted(values)
-    return {"p50": statistics.median(ordered), "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
-            "max": ordered[-1]}
+    return {"p50": statistics.median(values), "p99": nearest_rank(values, 0.99), "max": max(values)}
 
 
 class LLGuidance:

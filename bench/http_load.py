@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.before_after import add_before_checkout
-from bench.common import REPO, RESULTS, checkout_env, git_commit, machine, quantile, write_result
+from bench.common import REPO, RESULTS, checkout_env, git_commit, machine, write_result
+from bench.stats import summary
 from kvscale.processes import die_with_parent, free_port
 
 BASELINES = ("offline", "vllm")
@@ -65,11 +66,6 @@ def make_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tu
     prompts = [[rng.randrange(100, vocab_size) for _ in range(rng.randint(*prompt_len))]
                for _ in range(num_requests)]
     return Workload(prompts, [rng.randint(*output_len) for _ in range(num_requests)])
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {"p50": quantile(values, 0.5), "p99": quantile(values, 0.99),
-            "mean": statistics.fmean(values) if values else float("nan")}
 
 
 def parse_baselines(text: str) -> list[str]:

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from bench.common import machine, write_result
-from bench.w1_throughput import workload
+from bench.w1_throughput import add_workload_args, workload
 
 
 def _wrap(obj: Any, name: str, bucket: str, totals: dict[str, float]) -> None:
@@ -84,12 +84,7 @@ def _op_table(prof, top: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--min-prompt", type=int, default=32)
-    parser.add_argument("--max-prompt", type=int, default=512)
-    parser.add_argument("--min-output", type=int, default=16)
-    parser.add_argument("--max-output", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quantization", default=None, choices=["int8"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])

@@ -33,7 +33,8 @@ import random
 import statistics
 import time
 
-from bench.common import machine, median_ms, quantile, write_result
+from bench import stats
+from bench.common import machine, median_ms, write_result
 from bench.w3_workloads import WORDS, conversation_messages, conversations, shared_prefix_prompts
 from kvscale.block_hash import hash_prompt_blocks
 from kvscale.processes import freeze_startup_heap
@@ -137,8 +138,8 @@ def chat_steps(args, router: Router, document_words: int, answer_words: int) -> 
 
 
 def summary(values: list[float]) -> dict:
-    return {"p50_ms": quantile(values, 0.5), "p99_ms": quantile(values, 0.99),
-            "mean_ms": statistics.fmean(values), "max_ms": max(values)}
+    """bench.stats' summary of milliseconds, keys ending in _ms, and the slowest."""
+    return {f"{key}_ms": value for key, value in stats.summary(values).items()} | {"max_ms": max(values)}
 
 
 def side_by_side(stream: list[tuple[str, bytes, int]], routers: dict[str, Router]) -> dict:

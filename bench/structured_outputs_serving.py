@@ -41,10 +41,11 @@ import httpx
 import jsonschema
 
 from bench.before_after import add_before_checkout
-from bench.common import REPO, RESULTS, git_commit, machine, quantile
+from bench.common import REPO, RESULTS, git_commit, machine
 from bench.http_load import first_served, start_kvscale, start_vllm, stop
 from bench.jsonschemabench import load_rows
 from bench.roofline import cpu_isa
+from bench.stats import quantile
 from bench.structured_outputs import ENGINE_FLAGS, MODEL
 
 TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")

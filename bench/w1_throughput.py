@@ -43,6 +43,16 @@ from bench.common import machine, peak_rss_bytes, run_side, write_result
 from bench.roofline import cpu_isa, decoder_flops, gemm_peak, memory_stream
 
 
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """W1's flags, which ``workload`` reads: request count, prompt and output length ranges, seed."""
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=32)
+    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--min-output", type=int, default=16)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def workload(args: argparse.Namespace, vocab_size: int = 49152) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(args.seed)
     prompts, outputs = [], []
@@ -164,12 +174,7 @@ def side_baseline(args: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--min-prompt", type=int, default=32)
-    parser.add_argument("--max-prompt", type=int, default=512)
-    parser.add_argument("--min-output", type=int, default=16)
-    parser.add_argument("--max-output", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    add_workload_args(parser)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                         help="both sides' precision; auto: each side's own default (the module docstring)")
     parser.add_argument("--quantization", default=None, choices=["int8"],

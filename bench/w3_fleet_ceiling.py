@@ -42,8 +42,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import quantile
 from bench.roofline import cpu_info
+from bench.stats import quantile
 from bench.w3_ceilings import capacity_ceiling
 from bench.w3_router import MODEL, Processes, wait_healthy
 from bench.w3_workloads import WORDS, Workload

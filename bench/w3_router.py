@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import quantile
+from bench.stats import quantile
 from bench.w3_workloads import (
     WORKLOADS,
     conversation_messages,

@@ -8,7 +8,7 @@ import heapq
 import json
 import statistics
 
-from bench.common import quantile
+from bench.stats import quantile
 from bench.w3_sim import Costs, SimReplica, SimRequest, SimRouter
 from bench.w3_workloads import Workload, build_workload
 
