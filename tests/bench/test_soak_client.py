@@ -1,4 +1,4 @@
-"""The soak's client (bench/soak.py): what it retries on the other router and what it counts lost.
+"""The soak's client (bench.soak_client): what it retries on the other router and what it counts lost.
 
 Two small real HTTP servers on loopback stand for the two routers: one resets each connection at
 a chosen moment, the other streams an answer.
@@ -13,7 +13,7 @@ import struct
 
 import httpx
 
-from bench.soak import Outcome, one_request
+from bench.soak_client import Outcome, one_request
 
 STREAM = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
           b"x-kvscale-replica: r9\r\n\r\n")
