@@ -33,7 +33,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import shutil
 import statistics
 import sys
@@ -45,7 +44,14 @@ import httpx
 from bench.roofline import cpu_info
 from bench.stats import quantile
 from bench.w3_ceilings import capacity_ceiling
-from bench.w3_router import MODEL, Processes, wait_healthy
+from bench.w3_fleet import (
+    MODEL,
+    Processes,
+    replica_counters,
+    router_argv,
+    start_fleet,
+    wait_healthy,
+)
 from bench.w3_workloads import WORDS, Workload
 from kvscale.processes import free_port
 
@@ -75,23 +81,6 @@ def text_prompts(tokenizer, seed: int, groups: int, prefix_tokens: int, requests
     order = [i % groups for i in range(requests)]
     rng.shuffle(order)
     return [prefixes[g] + " " + " ".join(rng.choice(WORDS) for _ in range(suffix_words)) + "." for g in order]
-
-
-def replica_counters(urls: list[str]) -> list[dict[str, float]]:
-    """Each replica's prefix-cache queries and hits (tokens) and finished requests."""
-    out = []
-    for url in urls:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        counts = {"queries": 0.0, "hits": 0.0, "requests": 0.0}
-        for line in text.splitlines():
-            match = re.match(r"^vllm:(prefix_cache_queries|prefix_cache_hits|request_success)_total(\{[^}]*\})?\s+(\S+)$",
-                             line)
-            if match:
-                key = {"prefix_cache_queries": "queries", "prefix_cache_hits": "hits",
-                       "request_success": "requests"}[match.group(1)]
-                counts[key] += float(match.group(3))
-        out.append(counts)
-    return out
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
@@ -272,32 +261,16 @@ def main() -> int:
     procs = Processes()
     results = []
     try:
-        redis_port = free_port()
-        procs.start("redis", [redis_binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", procs.logdir])
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        replica_urls, replica_procs = [], []
-        for i in range(args.replicas):
-            port = free_port()
-            replica_urls.append(f"http://127.0.0.1:{port}")
-            replica_procs.append(procs.start(
-                f"replica-{i}",
-                [sys.executable, "-m", "kvscale", "serve", "--host", "127.0.0.1", "--port", str(port),
-                 "--block-size", str(args.block_size), "--num-gpu-blocks-override", str(args.num_gpu_blocks_override),
-                 "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.concurrency),
-                 "--redis", redis_url, "--replica-id", f"replica-{i}", "--disable-uvicorn-access-log"],
-                nice=args.replica_nice, env={"OMP_NUM_THREADS": str(args.threads)},
-            ))
+        fleet = start_fleet(procs, redis_binary, args)
+        replica_urls, replica_procs = fleet.replica_urls, fleet.replica_procs
         routers: list[tuple[str, str, object]] = []
         for policy in [p for p in args.policies.split(",") if p]:
             port = free_port()
             name = policy.removesuffix(CALIBRATED)
-            proc = procs.start(f"router-{policy.replace('/', '-')}", [
-                sys.executable, "-m", "kvscale", "router", "--host", "127.0.0.1", "--port", str(port),
-                "--replicas", ",".join(replica_urls), "--redis", redis_url, "--policy", name,
-                "--block-size", str(args.block_size), "--seed", str(args.seed), "--log-level", "warning",
-                "--redis-timeout-ms", "250"] + (["--ttft-calibration"] if name != policy else []),
-                nice=-5 if os.geteuid() == 0 else 0)
+            proc = procs.start(f"router-{policy.replace('/', '-')}",
+                               router_argv(port, fleet, name, args.block_size, args.seed, 250)
+                               + (["--ttft-calibration"] if name != policy else []),
+                               nice=-5 if os.geteuid() == 0 else 0)
             routers.append((f"kvscale {policy}", f"http://127.0.0.1:{port}", proc))
         if args.vllm_router:
             for policy in [p for p in args.vllm_policies.split(",") if p]:

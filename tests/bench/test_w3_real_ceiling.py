@@ -9,7 +9,7 @@ import pytest
 
 from bench.w3_ceilings import capacity_ceiling
 from bench.w3_fleet_ceiling import prediction_error
-from bench.w3_router import run_ceiling
+from bench.w3_router_report import run_ceiling
 from bench.w3_workloads import Workload, build_workload
 
 W3 = dict(groups=8, prefix_tokens=128, suffix_tokens=16, requests=64, output_tokens=4, concurrency=8, seed=0)
