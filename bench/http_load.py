@@ -23,49 +23,38 @@ kvscale's engine core gets through ``--omp-threads-bind``.
 
 ``--before-checkout PATH`` adds one more side: `kvscale serve` from another checkout (a git
 worktree of an earlier commit), so a change is measured against its parent in the same run.
+
+Its parts: the servers (bench.http_servers) and what each side runs (bench.http_load_sides).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import random
-import re
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.before_after import add_before_checkout
-from bench.common import REPO, RESULTS, checkout_env, git_commit, machine, write_result
-from bench.stats import summary
-from kvscale.processes import die_with_parent, free_port
+from bench.common import REPO, RESULTS, git_commit, machine, write_result
+from bench.http_load_sides import load_offline_engine, make_workload, run_http, run_offline
+from bench.http_servers import (
+    Server,
+    first_served,
+    log_tail,
+    resolved_dtype,
+    start_kvscale,
+    start_vllm,
+    stop,
+)
 
 BASELINES = ("offline", "vllm")
 # kvscale serve against vLLM's server, streaming, 32 concurrent (docs/performance.md, "HTTP serving").
 TARGET_OVER_VLLM_THROUGHPUT = 1.2
 TARGET_OVER_VLLM_TTFT_P50 = 1.0  # at most: "TTFT p50 no worse"
 TARGET_HTTP_OVER_OFFLINE = 0.95  # with the engine core process
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-
-def make_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
-                  seed: int, vocab_size: int) -> Workload:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(100, vocab_size) for _ in range(rng.randint(*prompt_len))]
-               for _ in range(num_requests)]
-    return Workload(prompts, [rng.randint(*output_len) for _ in range(num_requests)])
 
 
 def parse_baselines(text: str) -> list[str]:
@@ -95,252 +84,6 @@ def compare(kvscale: dict[str, Any], baseline: dict[str, Any]) -> dict[str, floa
             for q in ("p50", "p99"):
                 ratios[f"{metric[:-2]}_{q}"] = kvscale[metric][q] / baseline[metric][q]
     return ratios
-
-
-# ----------------------------------------------------------------------------- offline
-
-
-# What a server logs when it resolves ``--dtype auto``: kvscale's engine (server/worker/model_loader.py)
-# and vLLM's engine configuration line.
-_RESOLVED_DTYPE = (re.compile(r"--dtype auto on .*?: (\w+), because"), re.compile(r"\bdtype=torch\.(\w+)"))
-
-
-def resolved_dtype(log: str) -> str | None:
-    """The dtype a server's log says its engine runs in; None where it does not say."""
-    for pattern in _RESOLVED_DTYPE:
-        if match := pattern.search(log):
-            return match.group(1)
-    return None
-
-
-def load_offline_engine(engine_flags: dict):
-    from kvscale.server.config import EngineConfig
-    from kvscale.server.engine.llm_engine import LLMEngine
-
-    return LLMEngine(EngineConfig(**engine_flags))
-
-
-def run_offline(engine, workload: Workload, concurrency: int, round_id: int, temperature: float) -> dict:
-    from kvscale.server.sampling_params import SamplingParams
-
-    # Warm-up (first-call allocations), as the servers get one before their measured run.
-    engine.add_request("warmup", workload.prompts[0][:16], SamplingParams(max_tokens=2, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-
-    next_index = 0
-    starts: dict[str, float] = {}
-    ttfts: list[float] = []
-    seen_first: set[str] = set()
-    total_tokens = 0
-
-    def submit() -> None:
-        nonlocal next_index
-        i = next_index
-        next_index += 1
-        params = SamplingParams(max_tokens=workload.output_lens[i], ignore_eos=True, temperature=temperature,
-                                seed=i if temperature > 0 else None)
-        engine.add_request(f"r{i}-{round_id}", workload.prompts[i], params)
-        starts[f"r{i}-{round_id}"] = time.perf_counter()
-
-    start = time.perf_counter()
-    while next_index < min(concurrency, len(workload.prompts)):
-        submit()
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            now = time.perf_counter()
-            if output.request_id not in seen_first and output.outputs[0].token_ids:
-                seen_first.add(output.request_id)
-                ttfts.append(now - starts[output.request_id])
-            if output.finished:
-                total_tokens += len(output.outputs[0].token_ids)
-                if next_index < len(workload.prompts):
-                    submit()
-    elapsed = time.perf_counter() - start
-    return {"output_tokens": total_tokens, "seconds": elapsed, "output_tokens_per_s": total_tokens / elapsed,
-            "ttft_s": summary(ttfts)}
-
-
-# ----------------------------------------------------------------------------- servers
-
-
-@dataclass
-class Server:
-    name: str
-    proc: subprocess.Popen
-    base_url: str
-    model: str
-    log_path: Path
-    argv: list[str]
-    spawned_at: float  # perf_counter() just before the spawn
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-def kvscale_argv(engine_flags: dict, port: int, served_model_name: str) -> list[str]:
-    """`kvscale serve` with the benchmark's engine limits (the flags vLLM spells the same way)."""
-    argv = [sys.executable, "-m", "kvscale", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", served_model_name, "--device", engine_flags["device"],
-            "--dtype", engine_flags["dtype"],
-            "--max-model-len", str(engine_flags["max_model_len"]),
-            "--max-num-seqs", str(engine_flags["max_num_seqs"]),
-            "--max-num-batched-tokens", str(engine_flags["max_num_batched_tokens"]),
-            "--block-size", str(engine_flags["block_size"]),
-            "--enable-prefix-caching" if engine_flags["enable_prefix_caching"] else "--no-enable-prefix-caching",
-            "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
-    if engine_flags.get("kv_cache_memory_bytes"):
-        argv += ["--kv-cache-memory-bytes", str(engine_flags["kv_cache_memory_bytes"])]
-    return argv
-
-
-def spawn(name: str, argv: list[str], env: dict[str, str], port: int, model: str, log_dir: Path,
-          cwd: Path) -> Server:
-    log_path = log_dir / f"{name}.log"
-    spawned_at = time.perf_counter()
-    with log_path.open("wb") as log:
-        # Own process group: vLLM's server runs its engine in a child process, stopped with it.
-        # die_with_parent: a benchmark stopped from outside (its finally skipped) leaves no server.
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=die_with_parent)
-    return Server(name, proc, f"http://127.0.0.1:{port}", model, log_path, argv, spawned_at)
-
-
-def start_kvscale(engine_flags: dict, threads: int, model: str, log_dir: Path,
-                  extra_args: tuple[str, ...] = (), checkout: Path = REPO, name: str = "kvscale") -> Server:
-    """``extra_args``: more `kvscale serve` flags (vLLM's spelling, so the same go to both).
-    ``checkout``: the kvscale source tree to serve from (another commit's worktree, for a
-    before/after in one run); ``name``: its log's name."""
-    from bench.anchors import vllm_cpu
-
-    port = free_port()
-    env = checkout_env(checkout, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads))
-    # The engine core's OpenMP threads on the very CPUs vLLM's get; both front ends take the rest
-    # (none when the run uses every CPU: then they share, on both sides).
-    bind = vllm_cpu.omp_threads_bind(threads)
-    argv = [*kvscale_argv(engine_flags, port, model), "--omp-threads-bind", bind, *extra_args]
-    server = spawn(name, argv, env, port, model, log_dir, checkout)
-    server.info.update(omp_threads_bind=bind, checkout=str(checkout))
-    return server
-
-
-def start_vllm(engine_flags: dict, threads: int, model: str, log_dir: Path, enforce_eager: bool,
-               extra_args: tuple[str, ...] = (), name: str = "vllm") -> Server:
-    """``name``: its log's name (one per vLLM configuration of a run)."""
-    from bench.anchors import vllm_cpu
-
-    port = free_port()
-    kv_gib = max(1, engine_flags["kv_cache_memory_bytes"] // 1024**3)
-    argv = vllm_cpu.server_argv(
-        vllm_cpu.ensure_venv(), model=vllm_cpu.model_dir(), served_model_name=model, port=port,
-        dtype=engine_flags["dtype"], max_num_seqs=engine_flags["max_num_seqs"],
-        max_num_batched_tokens=engine_flags["max_num_batched_tokens"],
-        max_model_len=engine_flags["max_model_len"], enable_prefix_caching=engine_flags["enable_prefix_caching"],
-        enforce_eager=enforce_eager) + list(extra_args)
-    env = vllm_cpu.vllm_env(threads, kv_gib)
-    server = spawn(name, argv, env, port, model, log_dir, log_dir)
-    server.info.update(omp_threads_bind=env["VLLM_CPU_OMP_THREADS_BIND"], kv_cache_gib=kv_gib,
-                       enforce_eager=enforce_eager)
-    return server
-
-
-def log_tail(server: Server, chars: int = 4000) -> str:
-    try:
-        return server.log_path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
-def stop(server: Server) -> None:
-    """SIGINT to the server's process group (graceful), then SIGKILL whatever is left of it."""
-    try:
-        os.killpg(server.proc.pid, signal.SIGINT)
-    except ProcessLookupError:
-        pass
-    try:
-        server.proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(server.proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    server.proc.wait()
-
-
-async def first_served(server: Server, timeout_s: float) -> float:
-    """Seconds from spawning the server to the end of its first completion (a 2-token request)."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=60) as http:
-        while True:
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"{server.name} server exited ({server.proc.returncode}):\n{log_tail(server)}")
-            try:
-                if (await http.get(f"{server.base_url}/health")).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{server.name} server not healthy after {timeout_s:.0f} s:\n{log_tail(server)}")
-            await asyncio.sleep(0.25)
-        response = await http.post(f"{server.base_url}/v1/completions",
-                                   json={"model": server.model, "prompt": [100, 200, 300], "max_tokens": 2,
-                                         "ignore_eos": True})
-        response.raise_for_status()
-        served_s = time.perf_counter() - server.spawned_at
-        version = await http.get(f"{server.base_url}/version")
-        if version.status_code == 200:
-            server.info["version"] = version.json().get("version")
-    return served_s
-
-
-async def run_http(server: Server, workload: Workload, concurrency: int, temperature: float) -> dict:
-    import httpx
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=3600,
-                                http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency * 2)))
-    # Warm-up request, then the measured run.
-    await client.completions.create(model=server.model, prompt=workload.prompts[0][:16], max_tokens=2,
-                                    extra_body={"ignore_eos": True})
-
-    ttfts: list[float] = []
-    itls: list[float] = []
-    counts: list[int] = []
-    semaphore = asyncio.Semaphore(concurrency)
-
-    async def one(i: int) -> None:
-        async with semaphore:
-            sent = time.perf_counter()
-            last = None
-            stream = await client.completions.create(
-                model=server.model, prompt=workload.prompts[i], max_tokens=workload.output_lens[i],
-                temperature=temperature, seed=i if temperature > 0 else None, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-            )
-            async for chunk in stream:
-                now = time.perf_counter()
-                if chunk.usage is not None:
-                    counts.append(chunk.usage.completion_tokens)
-                if chunk.choices and chunk.choices[0].text:
-                    if last is None:
-                        ttfts.append(now - sent)
-                    else:
-                        itls.append(now - last)
-                    last = now
-
-    start = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(len(workload.prompts))))
-    elapsed = time.perf_counter() - start
-    await client.close()
-    if len(counts) != len(workload.prompts):
-        raise RuntimeError(f"{server.name}: {len(counts)} of {len(workload.prompts)} streams reported usage")
-    total = sum(counts)
-    return {"output_tokens": total, "seconds": elapsed, "output_tokens_per_s": total / elapsed,
-            "ttft_s": summary(ttfts), "itl_s": summary(itls)}
-
-
-# ----------------------------------------------------------------------------- main
 
 
 def _median(rounds: list[dict], *path: str) -> float:

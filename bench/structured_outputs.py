@@ -28,7 +28,7 @@ import httpx
 import jsonschema
 
 from bench.common import machine
-from bench.http_load import Server, first_served, start_kvscale, start_vllm, stop
+from bench.http_servers import Server, first_served, start_kvscale, start_vllm, stop
 from bench.jsonschemabench import load_rows, rows_per_set
 from bench.roofline import cpu_isa
 

@@ -42,7 +42,7 @@ import jsonschema
 
 from bench.before_after import add_before_checkout
 from bench.common import REPO, RESULTS, git_commit, machine
-from bench.http_load import first_served, start_kvscale, start_vllm, stop
+from bench.http_servers import first_served, start_kvscale, start_vllm, stop
 from bench.jsonschemabench import load_rows
 from bench.roofline import cpu_isa
 from bench.stats import quantile

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 SPAWNER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from bench.http_load import spawn
+    from bench.http_servers import spawn
     server = spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"], dict(os.environ),
                    0, "none", Path(sys.argv[1]), Path.cwd())
     print(server.proc.pid, flush=True)

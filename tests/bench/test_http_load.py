@@ -1,4 +1,5 @@
-"""The pure parts of bench/http_load.py: baselines, side order, ratios, the `kvscale serve` command."""
+"""The pure parts of bench.http_load, its sides and its servers: baselines, side order, ratios,
+the `kvscale serve` command."""
 
 from __future__ import annotations
 
@@ -7,14 +8,9 @@ import math
 
 import pytest
 
-from bench.http_load import (
-    compare,
-    kvscale_argv,
-    make_workload,
-    parse_baselines,
-    resolved_dtype,
-    round_order,
-)
+from bench.http_load import compare, parse_baselines, round_order
+from bench.http_load_sides import make_workload
+from bench.http_servers import kvscale_argv, resolved_dtype
 from kvscale.server.entrypoints.cli_serve import add_arguments
 
 
