@@ -85,6 +85,15 @@ def run_side(module: str, side: str, args: list[str], checkout: Path = REPO) -> 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def sync(device: Any) -> None:
+    """Wait for ``device``'s queued work (a CUDA device's kernels run asynchronously), so that a
+    wall time counts it."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def exit_on_sigterm() -> None:
     """SIGTERM (`kill`, `timeout`, a cancelled job) ends the benchmark as Ctrl-C does: an exception
     in the main thread, so every ``finally`` and ``with`` stops what the run started. Python's

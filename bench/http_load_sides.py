@@ -118,4 +118,3 @@ async def run_http(server: Server, workload: Workload, concurrency: int, tempera
     total = sum(counts)
     return {"output_tokens": total, "seconds": elapsed, "output_tokens_per_s": total / elapsed,
             "ttft_s": summary(ttfts), "itl_s": summary(itls)}
-

@@ -36,7 +36,6 @@ class Outcome:
     first_chunk_s: float | None = None  # time to the first streamed chunk (TTFT as a client sees it)
 
 
-
 # Transport failures that leave a request unanswered and may be retried on another router.
 RETRIED_BEFORE_HEAD = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 

@@ -22,7 +22,6 @@ class Fault:
     notes: list[str] = field(default_factory=list)
 
 
-
 def _wait_exit(child: Child, timeout: float) -> int | None:
     try:
         return child.proc.wait(timeout)

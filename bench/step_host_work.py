@@ -41,9 +41,14 @@ from bench.roofline import cpu_isa
 MEASURE = """
 import json, statistics, time, torch
 torch.set_num_threads(1)
-from kvscale.server.engine.engine_core_wire import StepDone, core_codec, front_codec
-from kvscale.server.entrypoints.llm import LLM
-from kvscale.server.engine.output_builder import OutputKind
+try:
+    from kvscale.server.engine.engine_core_wire import StepDone, core_codec, front_codec
+    from kvscale.server.engine.output_builder import OutputKind
+    from kvscale.server.entrypoints.llm import LLM
+except ImportError:  # a checkout from before server/ had its layers (docs/architecture.md, "The engine's layers")
+    from kvscale.server.engine_core_wire import StepDone, core_codec, front_codec
+    from kvscale.server.llm import LLM
+    from kvscale.server.output_builder import OutputKind
 from kvscale.server.sampling_params import SamplingParams
 num_seqs, context, steps, budget = {num_seqs}, {context}, {steps}, 4096
 # The first prompts decode while later ones prefill: room for those tokens too.

@@ -186,4 +186,3 @@ class HeartbeatSampler:
             values = [s[key] for s in window if s[key] > 0]
             out[f"{key}_median"] = statistics.median(values) if values else 0.0
         return out
-

@@ -129,4 +129,3 @@ def run_block(args, workload: str, policy: str, router_url: str, replica_urls: l
     q1, h1 = cache_counters(replica_urls)
     return {"results": results, "wall": wall, "queries": q1 - q0, "hits": h1 - h0, "window": (since, time.time()),
             "loadavg": (load, os.getloadavg()[0])}
-

@@ -116,4 +116,3 @@ def ratios(results: list[dict], policy: str = "predicted-ttft") -> dict:
             }
         out[workload] = entry
     return out
-
