@@ -192,8 +192,7 @@ async def part_storm(base_url: str, rounds: int, streams: int, stream_tokens: in
     for name, runs in phases.items():
         gaps = [g for run in runs for g in run["gaps_s"]]
         summary[name] = {"gaps": len(gaps), "itl_p50_s": quantile(gaps, 0.5), "itl_p99_s": quantile(gaps, 0.99),
-                         "itl_max_s": max(gaps),
-                         "window_s": [run["window_s"] for run in runs],
+                         "itl_max_s": max(gaps), "window_s": [run["window_s"] for run in runs],
                          "statuses": [s for run in runs for s in run["statuses"]]}
     storm_p99 = summary["storm"]["itl_p99_s"]
     return {"rounds": rounds, "streams": streams, "stream_tokens": stream_tokens, "branches": branches,
