@@ -106,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     if args.prefill_attention == "sdpa":
-        from kvscale.kernels import cpu_native
+        from kvscale.kernels import cpu_attention
 
-        cpu_native.amx_prefill_available = lambda: False  # type: ignore[method-assign]
-        cpu_native.f32_prefill_available = lambda: False  # type: ignore[method-assign]
+        # paged_prefill_attention asks cpu_attention's own names, so those are the ones to replace.
+        cpu_attention.amx_prefill_available = lambda: False  # type: ignore[method-assign]
+        cpu_attention.f32_prefill_available = lambda: False  # type: ignore[method-assign]
     prompts, outputs = workload(args)
     llm = LLM(dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.quantization,
