@@ -1,0 +1,178 @@
+"""The predicted-TTFT policy, the router's default: an estimate of each replica's time to first
+token, and a rule that keeps a prefix where it is.
+
+The estimate: for each replica, this request's time to first token
+from what costs time there, in tokens and seconds rather than in requests:
+  ttft(r) = (queued_prefill_tokens(r) + uncached_tokens(r)) / prefill_tokens_per_s(r)
+            + decode_step_s(r) * steps(r)        (only while r has sequences decoding)
+  steps(r) = ceil((queued_prefill_tokens(r) + uncached_tokens(r)) / step_token_budget(r))
+step_token_budget is the engine's max_num_batched_tokens: the queue ahead and our prompt share steps.
+uncached_tokens is the prompt minus the leading blocks r holds, where a block r holds in its host
+tier (demoted, --kv-offloading-size) counts as 1/HOST_RESTORE_SPEEDUP of a token to compute per
+token: its restore is a copy, cheaper than its prefill, dearer than a tier-1 hit; the queued work is the
+replica's heartbeat corrected by this router's own sends (kvscale.router.prefill_ledger); the rates are
+the replica's own moving averages, each held within a factor RATE_SPREAD of the pool's median: a
+replica serving cache hits runs short prefill steps whose fixed cost makes its tokens/s look low,
+and believing that would make every holder of a hot prefix look slow (prediction error turned
+into spreading). Every engine step that carries part of our prefill also runs every decode, so
+each such step costs one decode step on top.
+
+The rule (why not simply the minimum): a prefix held on a replica stays there while the fleet can
+hold its hot prefixes; spreading it buys nothing and costs a second copy in the KV pools and a
+second prefill. The anchor is the session's replica (the session header) or else the holder of
+the longest prefix (the lowest estimate among equal holders). It keeps the request unless it is
+truly overloaded:
+  ttft(anchor) > (1 + slack) * (ttft(other) + saved(other))
+for the best other replica, where saved(other) is the prefill of the blocks the anchor holds and
+the other does not, at the other's rate. The other's estimate already pays that prefill once; the
+rule asks the anchor's queue to cost it again, since the copy delays every request behind it on
+the other replica too. ``slack`` (--balance-epsilon, spec.router.balanceEpsilon) is the tolerated
+prediction error, relative. A prompt nobody holds is placed on the replica with the lowest
+estimate among those with room for it (``free_blocks``: the replica's KV blocks less those this
+router sent there twice or more in the last 30 s, its hot prefixes; kvscale.router.decision), so
+new prefixes fill empty room before they evict hot ones; when no replica has
+room, the lowest estimate takes it and its LRU makes room there. Ties (within 1 ms) go to the longer
+cached prefix, then to the rendezvous hash. The bounded-load cap on in-flight requests
+(``ttft_epsilon``) stays a safety valve: a replica over it goes last whatever it holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from kvscale.router.candidates import Candidate, Decision, bounded_split, rendezvous_weight
+
+# Safety valve for predicted-ttft: nobody above (1 + eps) x the mean in-flight requests. Loose on
+# purpose: requests that hit a cached prefix are cheap, so a replica holding hot prefixes carries
+# more of them without being overloaded (the spill rule judges overload, in seconds); at 1.0 this
+# cap, not the rule, spread the prefixes of a workload the fleet could hold (simulated hit rate
+# 0.73 against a ceiling of 0.89; docs/router.md, "predicted-ttft").
+TTFT_EPSILON = 2.0
+# Until a replica has measured itself (no heartbeat yet, or no prefill since it started).
+DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
+# predicted-ttft trusts a replica's measured prefill rate within this factor of the pool's median.
+RATE_SPREAD = 2.0
+# predicted-ttft's default slack (the tolerated relative prediction error) before a holder spills.
+TTFT_SLACK = 0.25
+
+
+# How many times faster restoring a block from a replica's host tier is than prefilling it:
+# bench/kv_tier.py measures it (docs/performance.md, "Host KV tier": well above this on CPU); kept conservative,
+# so a tier-1 holder is preferred to a tier-2 one and both to a replica that holds nothing.
+HOST_RESTORE_SPEEDUP = 10.0
+
+
+def predicted_ttft(
+    candidate: Candidate,
+    prompt_tokens: int,
+    block_size: int,
+    default_rate: float = DEFAULT_PREFILL_TOKENS_PER_S,
+) -> float:
+    """Seconds until this request's first token if sent to ``candidate`` (see the module doc)."""
+    # At least one token is always computed (the engine needs its logits).
+    uncached = max(prompt_tokens - candidate.matched_blocks * block_size, 1)
+    restore = min(candidate.host_blocks, candidate.matched_blocks) * block_size / HOST_RESTORE_SPEEDUP
+    work = candidate.queued_prefill_tokens + uncached + restore
+    rate = candidate.prefill_tokens_per_s if candidate.prefill_tokens_per_s > 0 else default_rate
+    seconds = work / rate
+    if candidate.num_decoding > 0 and candidate.decode_step_s > 0:
+        per_step = candidate.step_token_budget if candidate.step_token_budget > 0 else work
+        seconds += candidate.decode_step_s * math.ceil(work / max(per_step, 1.0))
+    return seconds
+
+
+def pool_rates(candidates: Sequence[Candidate]) -> dict[str, float]:
+    """Each replica's prefill rate for the estimate: its own, held within RATE_SPREAD of the pool's
+    median measured rate; unmeasured replicas take the median (neither shunned nor flooded)."""
+    measured = sorted(c.prefill_tokens_per_s for c in candidates if c.prefill_tokens_per_s > 0)
+    if not measured:
+        return {c.replica_id: DEFAULT_PREFILL_TOKENS_PER_S for c in candidates}
+    median = measured[len(measured) // 2] if len(measured) % 2 else (
+        measured[len(measured) // 2 - 1] + measured[len(measured) // 2]) / 2
+    low, high = median / RATE_SPREAD, median * RATE_SPREAD
+    return {c.replica_id: min(max(c.prefill_tokens_per_s, low), high) if c.prefill_tokens_per_s > 0 else median
+            for c in candidates}
+
+
+def should_spill(anchor_ttft: float, other_ttft: float, saved_s: float, slack: float) -> bool:
+    """The anchor is truly overloaded: its estimate beyond the other's by more than the prefill the
+    hit saves, with ``slack`` (relative) for the estimates' error."""
+    return anchor_ttft > (1.0 + slack) * (other_ttft + saved_s)
+
+
+def predicted_ttft_policy(
+    candidates: Sequence[Candidate],
+    prompt_tokens: int,
+    block_size: int,
+    hash_key: int | str,
+    *,
+    epsilon: float | None = TTFT_EPSILON,
+    slack: float = TTFT_SLACK,
+    sticky_replica: str | None = None,
+    ttft_overhead_s: float = 0.0,
+) -> Decision:
+    """Rank replicas: the anchor (session, else longest holder) first unless it is truly overloaded,
+    cold prompts where there is room, the rest by estimate; over the load cap last.
+
+    The estimates are calibrated (kvscale.router.ttft_calibration): each candidate's ``ttft_scale``
+    times its estimate, and the prefill a hit saves on another replica times that replica's. The
+    overhead every request pays wherever it goes (``ttft_overhead_s``) is added to the estimate the
+    decision reports, not to the ones it compares: a time common to every replica must not change
+    a decision (added to both sides of the spill rule it would make the holder keep more)."""
+    if not candidates:
+        return Decision([], 0, "none")
+    eligible: list[Candidate]
+    over: list[Candidate]
+    if epsilon is None:
+        eligible, over = list(candidates), []
+    else:
+        eligible, over, _ = bounded_split(candidates, epsilon)
+    rates = pool_rates(candidates)
+    raw = {c.replica_id: predicted_ttft(
+        replace(c, prefill_tokens_per_s=rates[c.replica_id]), prompt_tokens, block_size) for c in candidates}
+    ttft = {c.replica_id: c.ttft_scale * raw[c.replica_id] for c in candidates}
+
+    def key(c: Candidate) -> tuple[float, int, int, int]:
+        return (round(ttft[c.replica_id], 3), -c.matched_blocks, c.load,
+                -rendezvous_weight(hash_key, c.replica_id))
+
+    by_estimate = sorted(eligible, key=key)
+    best_match = max((c.matched_blocks for c in candidates), default=0)
+    reason = "load"
+    anchor: Candidate | None = None
+    sticky = [c for c in eligible if c.replica_id == sticky_replica]
+    if sticky:
+        anchor, reason = sticky[0], "sticky"
+    elif best_match > 0:
+        anchor = next((c for c in by_estimate if c.matched_blocks == best_match), None)
+        reason = "affinity" if anchor is not None else "load"
+    if anchor is not None:
+        others = [c for c in by_estimate if c.replica_id != anchor.replica_id]
+        # A session's replica is presumed to hold its history (the client says so), even where the
+        # index has not seen it (no Redis, or its events still on their way).
+        held = (anchor.matched_blocks if reason != "sticky"
+                else max(anchor.matched_blocks, prompt_tokens // max(block_size, 1)))
+        other = others[0] if others else None
+        if other is not None and should_spill(
+            ttft[anchor.replica_id], ttft[other.replica_id],
+            max(held - other.matched_blocks, 0) * block_size / rates[other.replica_id] * other.ttft_scale,
+            slack,
+        ):
+            anchor, reason = None, "load"
+    if anchor is None and best_match == 0:
+        # A cold prompt: the soonest replica with room for it, so it does not evict a hot prefix.
+        need = -(-prompt_tokens // max(block_size, 1))
+        roomy = [c for c in by_estimate if c.free_blocks is None or c.free_blocks >= need]
+        anchor = roomy[0] if roomy else None
+    ranked = by_estimate
+    if anchor is not None:
+        ranked = [anchor] + [c for c in by_estimate if c.replica_id != anchor.replica_id]
+    ranked += sorted(over, key=key)
+    if reason == "load" and best_match > 0 and ranked[0].matched_blocks == best_match:
+        reason = "affinity"
+    return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks, reason,
+                    predicted_ttft_s=ttft_overhead_s + ttft[ranked[0].replica_id],
+                    uncalibrated_ttft_s=raw[ranked[0].replica_id],
+                    rate_measured=ranked[0].prefill_tokens_per_s > 0)
