@@ -31,6 +31,7 @@ from kvscale.router.config import RouterConfig
 from kvscale.router.decision import Decider
 from kvscale.router.errors import openai_error
 from kvscale.router.heartbeats import HeartbeatTable
+from kvscale.router.hold_gate import activation_report, hold_until_ready, refusal, worth_holding
 from kvscale.router.in_flight import InFlight
 from kvscale.router.index import PrefixIndex
 from kvscale.router.metrics import RouterMetrics
@@ -161,60 +162,21 @@ class Router:
                    and (r.healthy or self.heartbeats.routable(r))
                    for r in self.replicas.replicas.values())
 
-    def _holds(self, model: str | None) -> bool:
-        """Whether a request for ``model`` is worth holding: one of the names the servers will
-        serve (unknown names are answered 404 at once, as with replicas up)."""
-        names = self.config.served_model_names
-        return model is None or not names or model in names
-
     async def _hold(self, request: Request, model: str | None) -> Response | None:
-        """None when the request may go on to routing (a replica is ready, or came up while it
-        was held); else the answer: 503 with Retry-After, or nothing for a client that left."""
-        activation = self.activation
-        if activation is None:
+        if self.activation is None:
             return None
-        activation.touch()
-        if self._any_available(model) or not self._holds(model):
-            return None
-        if holding.admission(False, activation.held, activation.limits) == holding.FULL:
-            activation.refused()
-            return self._hold_refused(f"{activation.held} requests are already held for a replica "
-                                      "to come up (the hold queue is full)")
-        deadline = time.monotonic() + activation.limits.timeout_s
-        # Released when the replica table says one is up; held again if that one is already
-        # gone (or its models not known yet) when the request looks.
-        while not self._any_available(model):
-            outcome = await activation.hold(request.is_disconnected,
-                                            max(0.0, deadline - time.monotonic()))
-            if outcome == holding.DISCONNECTED:
-                return Response(status_code=499)  # nobody reads it: the client has gone
-            if outcome == holding.TIMEOUT:
-                return self._hold_refused(
-                    f"no replica became ready within {activation.limits.timeout_s:g} s "
-                    "(the service is scaling up from zero)")
-            await asyncio.sleep(0)  # let the sync loop see what this request saw
-        return None
+        return await hold_until_ready(self.activation, request, model, self._any_available,
+                                      worth_holding=worth_holding(model, self.config.served_model_names),
+                                      refuse=self._hold_refused)
 
     def _hold_refused(self, message: str) -> Response:
         assert self.activation is not None
         self.metrics.requests.labels("none", self.config.policy, "503").inc()
-        response = openai_error(503, message, "service_unavailable")
-        response.headers["Retry-After"] = str(
-            holding.retry_after_s(self.activation.last_cold_start_s, self.activation.limits))
-        return response
+        return refusal(self.activation, message)
 
     def activation_report(self) -> dict[str, Any]:
-        """What the operator reads from /health: held requests and how long this router has
-        seen no request open or held (the idle window before scaling to zero)."""
-        open_requests = sum(r.in_flight for r in self.replicas.replicas.values())
-        activation = self.activation
-        held = activation.held if activation is not None else 0
-        last = activation.last_activity if activation is not None else self._started
-        last = max([last, *(r.last_finished for r in self.replicas.replicas.values())])
-        return {"enabled": activation is not None, "held": held,
-                "idle_seconds": round(holding.idle_seconds(time.monotonic(), last, open_requests, held), 3),
-                "last_cold_start_seconds": (None if activation is None
-                                            else activation.last_cold_start_s)}
+        """What the operator reads from /health (kvscale.router.hold_gate.activation_report)."""
+        return activation_report(self.activation, list(self.replicas.replicas.values()), self._started)
 
     # -- HTTP ------------------------------------------------------------------------------------
     async def _read(self, request: Request) -> tuple[bytes, dict[str, Any], float] | Response:
