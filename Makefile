@@ -72,18 +72,14 @@ serve: venv
 	@echo "         -d '{\"model\": \"smollm2-135m-instruct\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}'"
 	$(VENV)/bin/kvscale serve --host $(HOST) --port $(PORT)
 
-# The three installs overlap: pip waits on the network, the Go build on the CPU. The suite runs
-# in TEST_WORKERS processes (pytest-xdist), a test file to one worker so its module fixtures
-# start once: most of the suite's wall time is waiting on servers, clusters and child
-# processes, which overlap on two cores (docs/k8s-test-env.md "Running the suite"). The slowest
+# The three installs overlap: pip waits on the network, the Go build on the CPU. The slowest
 # tests are named at the end, so every CI log says where its time went.
-TEST_WORKERS ?= 3
 test:
 	@$(MAKE) --no-print-directory -j3 venv system-deps k8s-bins
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --durations=30 $(PYTEST_ARGS)
+	$(VENV)/bin/pytest --durations=30 $(PYTEST_ARGS)
 
 # The real-node lane (tests/node, docs/k8s-test-env.md "Real-node lane"): the chart and an
 # InferenceService as containers under a real kubelet, containerd and CNI plugins from Debian,

@@ -70,7 +70,7 @@ def test_fp8_is_refused_where_the_triton_kernels_would_run(value: str, make_engi
 def test_the_same_memory_holds_more_fp8_blocks(make_engine, caplog, dtype: str, ratio: int) -> None:
     budget = 16 * 2**20
     plain = make_engine(dtype=dtype, kv_cache_memory_bytes=budget, num_gpu_blocks_override=None)
-    with caplog.at_level(logging.INFO, logger="kvscale.server.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="kvscale.server.engine.engine_build"):
         fp8 = make_engine(dtype=dtype, kv_cache_memory_bytes=budget, num_gpu_blocks_override=None,
                           kv_cache_dtype="fp8")
     plain_block, fp8_block = plain.kv_cache_bytes // plain.num_blocks, fp8.kv_cache_bytes // fp8.num_blocks

@@ -90,7 +90,7 @@ def test_the_pass_runs_only_where_it_sizes_the_pool():
 
 def test_a_cpu_engine_starts_without_the_pass(make_engine, caplog):
     # Every CPU start (and every test server) would pay for a pass whose result nothing reads.
-    with caplog.at_level(logging.INFO, logger="kvscale.server.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="kvscale.server.worker.kv_sizing"):
         engine = make_engine(max_num_batched_tokens=48, max_num_seqs=6)
     assert engine.step_profile is None
     assert "profiling pass" not in caplog.text
