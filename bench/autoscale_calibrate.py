@@ -210,7 +210,7 @@ def calibrate() -> dict:
 
 
 def load_shared_host(path: Path, background_cores: float = 0.0) -> SharedHost:
-    """The calibration's shared-host figures (files from before 2026-11-26 have none)."""
+    """The calibration's shared-host figures (older calibration files have none)."""
     data = json.loads(path.read_text())["calibration"].get("shared_host")
     if data is None:
         raise SystemExit(f"{path} has no shared_host figures: recalibrate (--calibrate --calibration NEW)")
