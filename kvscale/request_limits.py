@@ -1,10 +1,14 @@
 """What one HTTP request may cost `kvscale serve` and `kvscale router` before any handler runs:
-its body's size and the time its client takes to send it, and the size of its head.
+its body's size and the time its client takes to send it, and the size of its head; and, for
+`kvscale serve`, what its fields may ask of the engine (``FieldLimits``, docs/server.md "Request
+limits").
 
 Both read every body whole to parse its JSON, so the body is read here first, into memory only
 up to ``max_body_bytes``: a larger one (by its Content-Length, or as it arrives when chunked) is
 answered 413, one that trickles in longer than ``body_timeout_s`` 408, both with the OpenAI error
 JSON and the connection closed. The handler then reads the same bytes as if from the client.
+An app that sets ``state.before_body`` (the API key check) has it run on the request's head
+before a byte of the body is read: a client without the key cannot make the process hold a body.
 """
 
 from __future__ import annotations
@@ -60,6 +64,112 @@ def error_response_parts(status: int, message: str, code: str) -> tuple[list[tup
             (b"connection", b"close")], body
 
 
+# ------------------------------------------------------------------ what a request's fields may ask
+
+# Defaults: OpenAI's own caps where it has one (128 tools, 1024 logit_bias entries), else bounds
+# no real client meets that keep one request's cost on the wire, in the core and per token small
+# (docs/server.md "Request limits").
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 2048  # prompts x n
+DEFAULT_MAX_STOP_STRINGS = 64
+DEFAULT_MAX_STOP_STRING_LENGTH = 512  # characters
+DEFAULT_MAX_STOP_TOKEN_IDS = 256
+DEFAULT_MAX_LOGIT_BIAS = 1024
+DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES = 512 * 1024  # a schema, regex, grammar or all choices
+DEFAULT_MAX_TOOLS = 128
+# Waiting sequences: room for two of the largest requests; a deeper queue only adds waiting a
+# client would rather spend on another replica (the router retries a 503 elsewhere).
+DEFAULT_MAX_QUEUE_LEN = 2 * DEFAULT_MAX_SEQUENCES_PER_REQUEST
+
+
+@dataclass(frozen=True)
+class FieldLimits:
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
+    max_stop_string_length: int = DEFAULT_MAX_STOP_STRING_LENGTH
+    max_stop_token_ids: int = DEFAULT_MAX_STOP_TOKEN_IDS
+    max_logit_bias: int = DEFAULT_MAX_LOGIT_BIAS
+    max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES
+    max_tools: int = DEFAULT_MAX_TOOLS
+
+
+_FIELD_FLAGS = (
+    ("max_sequences_per_request", "prompts times n one request may start"),
+    ("max_stop_strings", "stop strings one request may give"),
+    ("max_stop_string_length", "characters of one stop string"),
+    ("max_stop_token_ids", "stop_token_ids one request may give"),
+    ("max_logit_bias", "logit_bias entries one request may give"),
+    ("max_structured_output_bytes", "bytes of one request's JSON schema, regex, grammar or choices "
+                                    "(tools: of the grammar they make)"),
+    ("max_tools", "tools one chat request may declare"),
+)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_field_arguments(parser: argparse.ArgumentParser | Any) -> None:
+    defaults = FieldLimits()
+    for name, what in _FIELD_FLAGS:
+        parser.add_argument(flag(name), type=int, default=getattr(defaults, name),
+                            help=f"{what}; more get 400 (default {getattr(defaults, name)})")
+
+
+def field_limits_from_args(args: argparse.Namespace) -> FieldLimits:
+    """SystemExit naming the flag for a value below 1."""
+    values = {name: getattr(args, name) for name, _ in _FIELD_FLAGS}
+    for name, value in values.items():
+        if value < 1:
+            raise SystemExit(f"{flag(name)} must be at least 1, got {value}")
+    return FieldLimits(**values)
+
+
+class LimitExceeded(ValueError):
+    """A request over one of ``FieldLimits``: its message names the limit and its flag."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def _over(limit_name: str, limits: FieldLimits, count: int, what: str, param: str) -> LimitExceeded:
+    limit = getattr(limits, limit_name)
+    return LimitExceeded(f"This request has {count} {what}; this server takes at most {limit} "
+                         f"({flag(limit_name)}).", param)
+
+
+def check_sequences(limits: FieldLimits, prompts: int, n: int) -> None:
+    if prompts * n > limits.max_sequences_per_request:
+        raise _over("max_sequences_per_request", limits, prompts * n,
+                    f"sequences ({prompts} prompts times n={n})", "n" if prompts == 1 else "prompt")
+
+
+def check_sampling_fields(limits: FieldLimits, *, stop: list[str], stop_token_ids: int,
+                          logit_bias: int, tools: int) -> None:
+    """Counts of the request-wide fields, checked before any is parsed or copied."""
+    if len(stop) > limits.max_stop_strings:
+        raise _over("max_stop_strings", limits, len(stop), "stop strings", "stop")
+    longest = max(map(len, stop), default=0)
+    if longest > limits.max_stop_string_length:
+        raise _over("max_stop_string_length", limits, longest, "characters in a stop string", "stop")
+    if stop_token_ids > limits.max_stop_token_ids:
+        raise _over("max_stop_token_ids", limits, stop_token_ids, "stop_token_ids", "stop_token_ids")
+    if logit_bias > limits.max_logit_bias:
+        raise _over("max_logit_bias", limits, logit_bias, "logit_bias entries", "logit_bias")
+    if tools > limits.max_tools:
+        raise _over("max_tools", limits, tools, "tools", "tools")
+
+
+def check_structured_bytes(limits: FieldLimits, size: int, param: str) -> None:
+    if size > limits.max_structured_output_bytes:
+        raise _over("max_structured_output_bytes", limits, size, "bytes of structured-output "
+                    "constraint", param)
+
+
+# ------------------------------------------------------------------ the body, before any handler
+
+
 class BodyTooLarge(Exception):
     pass
 
@@ -74,6 +184,11 @@ class RequestLimitMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        before_body = getattr(getattr(self.app, "state", None), "before_body", None)
+        refusal = before_body(scope) if before_body is not None else None
+        if refusal is not None:  # an ASGI response, sent before a byte of the body is read
+            await refusal(scope, receive, send)
             return
         limit = self.limits.max_body_bytes
         declared = dict(scope.get("headers") or []).get(b"content-length")

@@ -132,6 +132,8 @@ def build_app(
     # turns new work away, then the key is checked.
     if api_key:
         app.add_middleware(_APIKeyMiddleware, server=server)
+        # Run by the body limit (kvscale.request_limits) on the head, before the body is read.
+        app.state.before_body = lambda scope: _key_refusal(server, scope)
     app.add_middleware(DrainMiddleware, drain=drain, guarded=_is_generate)
     app.add_middleware(HTTPStatusMiddleware, metrics=metrics)  # outermost: counts 401s too
 
@@ -182,20 +184,29 @@ def build_app(
     return app
 
 
+def _key_refusal(server: OpenAIServer, scope: dict) -> JSONResponse | None:
+    """The 401 for a request without the key, None for one that may pass."""
+    if scope["type"] != "http":
+        return None
+    authorization = dict(scope.get("headers") or []).get(b"authorization", b"")
+    if server.is_authorized(scope["path"], scope["method"], authorization):
+        return None
+    # Its body is never read: the connection cannot carry another request.
+    return APIError(401, "Incorrect API key provided.", "invalid_request_error",
+                    code="invalid_api_key", headers={"Connection": "close"}).response()
+
+
 class _APIKeyMiddleware:
-    """Plain ASGI (not BaseHTTPMiddleware), so streamed responses pass through untouched."""
+    """Plain ASGI (not BaseHTTPMiddleware), so streamed responses pass through untouched. The
+    same check as ``state.before_body``, for an app served without the body limit around it."""
 
     def __init__(self, app: Any, server: OpenAIServer) -> None:
         self.app = app
         self.server = server
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            headers = dict(scope.get("headers") or [])
-            authorization = headers.get(b"authorization", b"").decode("latin-1")
-            if not self.server.is_authorized(scope["path"], scope["method"], authorization):
-                response = APIError(401, "Incorrect API key provided.", "invalid_request_error",
-                                    code="invalid_api_key").response()
-                await response(scope, receive, send)
-                return
+        refusal = _key_refusal(self.server, scope)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
         await self.app(scope, receive, send)

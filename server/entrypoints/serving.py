@@ -29,9 +29,9 @@ from kvscale.server.sampling_params import SamplingParams, StructuredOutputsPara
 
 logger = logging.getLogger(__name__)
 
-# Probes and scrapers never carry the API key.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc",
-                        "/docs/oauth2-redirect"})
+# Probes and scrapers never carry the API key. The API's description (/docs, /openapi.json)
+# is behind it like the API itself (docs/server.md "API key").
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 RETRY_AFTER_S = 1
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -332,13 +332,15 @@ class OpenAIServer:
         except InvalidRequest as exc:
             raise bad_request(exc.message, exc.param) from exc
 
-    def is_authorized(self, path: str, method: str, authorization: str) -> bool:
+    def is_authorized(self, path: str, method: str, authorization: bytes) -> bool:
         if self.api_key_digest is None or path in OPEN_PATHS or method == "OPTIONS":
             return True
-        scheme, _, token = authorization.partition(" ")
-        # Compare digests: equal length, constant time, no length leak.
-        given = hashlib.sha256(token.strip().encode()).digest()
-        return scheme.lower() == "bearer" and hmac.compare_digest(given, self.api_key_digest)
+        scheme, _, token = authorization.partition(b" ")
+        # Compare digests of the bytes: equal length whatever was sent, constant time, so the
+        # timing tells neither the key's length nor its prefix.
+        given = hashlib.sha256(token.strip()).digest()
+        matches = hmac.compare_digest(given, self.api_key_digest)
+        return matches and scheme.lower() == b"bearer"
 
     # -- running requests
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sys
 import threading
 import time
@@ -48,9 +49,25 @@ def test_api_key_from_env_is_required(guarded) -> None:
         assert httpx.post(f"{guarded.base_url}{path}", json={"prompt": "x"}).status_code == 401
     right = openai.OpenAI(base_url=f"{guarded.base_url}/v1", api_key=API_KEY, max_retries=0)
     assert right.completions.create(model="smollm2-135m-instruct", prompt="Hi", max_tokens=1).choices
-    # Probes and scrapers need no key.
-    for path in ("/health", "/metrics", "/version", "/openapi.json"):
+    # Probes and scrapers need no key; the API's description is behind it like the API.
+    for path in ("/health", "/metrics", "/version"):
         assert httpx.get(f"{guarded.base_url}{path}").status_code == 200, path
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert httpx.get(f"{guarded.base_url}{path}").status_code == 401, path
+        assert httpx.get(f"{guarded.base_url}{path}", headers={"Authorization": f"Bearer {API_KEY}"}
+                         ).status_code == 200, path
+
+
+def test_the_key_is_checked_before_the_body_is_read(guarded) -> None:
+    """A client without the key announces a 30 MiB body and sends none of it: the 401 comes at
+    once, so no body is held for it (else it waits for the body, up to --request-body-timeout)."""
+    port = int(guarded.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 31457280\r\n\r\n{")
+        sock.settimeout(3)
+        head = sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 401"), head
 
 
 def test_full_queue_is_503_with_retry_after(guarded) -> None:
