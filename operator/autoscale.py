@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
@@ -56,7 +57,8 @@ def router_reports(runtime: Runtime, name: str, namespace: str,
         return None
     pods = runtime.kube.list(path_for("v1", "pods", namespace), as_selector_string(router_selector(name)))
     return read_router_reports(pods, runtime.config.scrape_timeout,
-                               runtime.config.allow_metrics_url_override)
+                               runtime.config.allow_metrics_url_override,
+                               runtime.config.scrape_max_bytes)
 
 
 def competing_hpas(runtime: Runtime, name: str, namespace: str) -> list[str]:
@@ -115,17 +117,41 @@ def scaling_condition(decision: scaling.ScaleDecision) -> Condition:
                      decision.message)
 
 
-def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
+@dataclass(frozen=True)
+class Observation:
+    pods: list[dict[str, Any]]
+    loads: list[scaling.PodLoad]
+    reports: list[RouterReport] | None
+
+
+def observe(runtime: Runtime, key: ObjectKey) -> Observation | None:
+    """The pods and what they and the routers say (None: the object is gone). Read without the
+    InferenceService's lock: a scrape may take its whole deadline, and reconcile must not wait
+    for it (docs/operator.md, "Scraping")."""
     kube, config = runtime.kube, runtime.config
+    current = kube.get(inference_service_path(key.namespace, key.name))
+    if current is None or current["metadata"]["uid"] != key.uid or being_deleted(current):
+        return None
+    pods = kube.list(path_for("v1", "pods", key.namespace), selector_string(key.name))
+    loads = scraping.scrape_pods(pods, config.scrape_timeout, config.allow_metrics_url_override,
+                                 config.scrape_max_bytes)
+    reports = router_reports(runtime, key.name, key.namespace, typed_spec(current))
+    return Observation(pods, loads, reports)
+
+
+def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
+    seen = observe(runtime, key)
+    if seen is None:
+        return
+    kube, config = runtime.kube, runtime.config
+    pods, loads, reports = seen.pods, seen.loads, seen.reports
     with runtime.lock(key.uid):
+        # Read again under the lock: a reconcile may have run while the pods were scraped.
         current = kube.get(inference_service_path(key.namespace, key.name))
         if current is None or current["metadata"]["uid"] != key.uid or being_deleted(current):
             return
         spec = typed_spec(current)
         name, namespace = key.name, key.namespace
-        pods = kube.list(path_for("v1", "pods", namespace), selector_string(name))
-        loads = scraping.scrape_pods(pods, config.scrape_timeout, config.allow_metrics_url_override)
-        reports = router_reports(runtime, name, namespace, spec)
         set_deletion_costs(kube, pods, loads, indexed_blocks(reports) if reports else None)
         policy = spec.autoscaling
         estimate = scaling.estimate_load(loads, policy)

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import uuid
 
 from kvscale.operator import render_router
@@ -35,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scrape-interval", type=float, default=5.0, metavar="S",
                         help="seconds between metric scrapes and autoscaling decisions")
     parser.add_argument("--scrape-timeout", type=float, default=2.0, metavar="S",
-                        help="per-pod /metrics timeout")
+                        help="deadline of one pod's whole /metrics or router /health answer")
+    parser.add_argument("--scrape-max-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
+                        help="largest /metrics or router /health body read; a larger one is refused")
     parser.add_argument("--allow-metrics-url-override", action="store_true",
                         default=_env_flag("KVSCALE_ALLOW_METRICS_URL_OVERRIDE"),
                         help="honour the pod annotation serving.kvscale.io/metrics-url "
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvscale.base_urls import base_url
     from kvscale.listen import all_addresses_host
-    from kvscale.operator import probes, registration
+    from kvscale.operator import periodic, probes, registration
     from kvscale.operator.config import config_from_args
     from kvscale.operator.kube import Kube, load_connection
     from kvscale.operator.leader import LeaderElector
@@ -150,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     lost = threading.Event()
     memo = kopf.Memo()
     memo.runtime = Runtime(kube=kube, config=config, metrics=operator_metrics)
+    heartbeat.add_check(lambda: periodic.stalled(memo.runtime, time.monotonic()))
 
     async def operate() -> None:
         # An asyncio stop flag: kopf waits for a threading one in an executor thread, which

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from kvscale.operator.bounded_get import DEFAULT_MAX_BYTES
 from kvscale.operator.children.owned import Images
 
 # The server-side-apply field manager: the fields the operator owns in every child.
@@ -16,6 +17,7 @@ class OperatorConfig:
     resync_interval: float = 10.0
     scrape_interval: float = 5.0
     scrape_timeout: float = 2.0
+    scrape_max_bytes: int = DEFAULT_MAX_BYTES
     allow_metrics_url_override: bool = False
     cluster_domain: str = "cluster.local"
     images: Images = field(default_factory=Images)
@@ -27,6 +29,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         resync_interval=args.resync_interval,
         scrape_interval=args.scrape_interval,
         scrape_timeout=args.scrape_timeout,
+        scrape_max_bytes=args.scrape_max_bytes,
         allow_metrics_url_override=args.allow_metrics_url_override,
         cluster_domain=args.cluster_domain,
         images=Images(router=args.router_image, redis=args.redis_image, engine=args.engine_image),

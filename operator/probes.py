@@ -3,7 +3,9 @@
 /metrics alone made a poor liveness probe: it is served from a thread of its own, which answers
 while the kopf event loop is wedged. /healthz answers from the same thread but reports the age
 of a `Heartbeat` that the working loop beats: the leader election while this process waits to
-lead, the kopf event loop once it leads. A heartbeat older than `max_age_s` is 503.
+lead, the kopf event loop once it leads. A heartbeat older than `max_age_s` is 503, and so is
+any added check that names a stall: the periodic loops' (periodic.stalled), which run on threads
+of their own and could stop while the event loop turns.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -30,6 +33,11 @@ class Heartbeat:
         self.last = time.monotonic()
         self.source = "start-up"
         self._lock = threading.Lock()
+        self._checks: list[Callable[[], str | None]] = []
+
+    def add_check(self, check: Callable[[], str | None]) -> None:
+        """`check()` names a stall (503 with its words) or returns None."""
+        self._checks.append(check)
 
     def beat(self, source: str) -> None:
         with self._lock:
@@ -40,6 +48,10 @@ class Heartbeat:
             age, source = time.monotonic() - self.last, self.source
         if age > self.max_age_s:
             return False, f"{source}: no progress for {age:.0f} s (limit {self.max_age_s:.0f} s)\n"
+        for check in list(self._checks):
+            stall = check()
+            if stall:
+                return False, stall + "\n"
         return True, f"ok ({source}, {age:.1f} s ago)\n"
 
 

@@ -9,6 +9,7 @@ reading (`read_router_reports`) asks each ready router pod, in parallel, with a 
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import httpx
 
 from kvscale.base_urls import base_url
+from kvscale.operator.bounded_get import DEFAULT_MAX_BYTES, BoundExceeded, bounded_get
 from kvscale.operator.conditions import Condition
 from kvscale.operator.scaling import Demand
 from kvscale.operator.scraping import annotated_metrics_url, is_ready
@@ -82,27 +84,30 @@ def health_url(pod: dict[str, Any], allow_override: bool) -> str | None:
     return base_url(ip, ROUTER_PORT) + "/health" if ip else None
 
 
-def read_router_report(client: httpx.Client, pod: dict[str, Any], allow_override: bool) -> RouterReport:
+def read_router_report(client: httpx.Client, pod: dict[str, Any], allow_override: bool,
+                       timeout: float = 2.0, max_bytes: int = DEFAULT_MAX_BYTES) -> RouterReport:
     name = pod["metadata"]["name"]
     url = health_url(pod, allow_override)
     if url is None:
         return RouterReport(name, {}, "no pod IP")
     try:
         # 503 (no ready server yet) still carries the body.
-        response = client.get(url)
-        return report_from_health(name, response.json())
-    except (httpx.HTTPError, ValueError) as exc:
+        _status, body = bounded_get(client, url, max_bytes, timeout)
+        return report_from_health(name, json.loads(body))
+    except (httpx.HTTPError, BoundExceeded, ValueError) as exc:
         return RouterReport(name, {}, f"/health: {exc}")
 
 
 def read_router_reports(pods: list[dict[str, Any]], timeout: float,
-                        allow_override: bool = False) -> list[RouterReport]:
+                        allow_override: bool = False,
+                        max_bytes: int = DEFAULT_MAX_BYTES) -> list[RouterReport]:
     ready = [p for p in pods if is_ready(p)]
     if not ready:
         return []
     with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client, \
             ThreadPoolExecutor(max_workers=min(8, len(ready))) as pool:
-        return list(pool.map(lambda pod: read_router_report(client, pod, allow_override), ready))
+        return list(pool.map(
+            lambda pod: read_router_report(client, pod, allow_override, timeout, max_bytes), ready))
 
 
 def prefix_routing_condition(reports: list[RouterReport]) -> Condition:

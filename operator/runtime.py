@@ -21,6 +21,8 @@ class Runtime:
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     watched: dict[str, ObjectKey] = field(default_factory=dict)  # by uid
     last_runs: dict[str, dict[str, float]] = field(default_factory=dict)  # work -> uid -> when
+    in_flight: dict[str, dict[str, float]] = field(default_factory=dict)  # work -> uid -> since
+    rounds: dict[str, float] = field(default_factory=dict)  # work -> its loop's last round
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
 
@@ -34,6 +36,7 @@ class Runtime:
         self.watched.pop(uid, None)
         for runs in self.last_runs.values():
             runs.pop(uid, None)
+        # in_flight is not touched: a run still going removes itself when it ends.
         with self._locks_guard:
             self._locks.pop(uid, None)
         self.autoscalers.pop(uid, None)

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvscale import metric_names as names
 from kvscale.base_urls import base_url
+from kvscale.operator.bounded_get import DEFAULT_MAX_BYTES, BoundExceeded, bounded_get
 from kvscale.operator.scaling import PodLoad
 from kvscale.operator.spec import SERVER_PORT
 
@@ -67,17 +68,19 @@ def parse_metrics(text: str) -> dict[str, float]:
     return sums
 
 
-def scrape_pod(client: httpx.Client, pod_name: str, url: str | None) -> PodLoad:
+def scrape_pod(client: httpx.Client, pod_name: str, url: str | None, timeout: float = 2.0,
+               max_bytes: int = DEFAULT_MAX_BYTES) -> PodLoad:
     if url is None:
         return PodLoad(pod=pod_name, error="no pod IP")
     try:
-        response = client.get(url)
-        response.raise_for_status()
-        values = parse_metrics(response.text)
+        status, body = bounded_get(client, url, max_bytes, timeout)
+        if status >= 400:
+            return PodLoad(pod=pod_name, error=f"HTTP {status}")
+        values = parse_metrics(body.decode("utf-8", errors="replace"))
     except httpx.TimeoutException:
         return PodLoad(pod=pod_name, error="scrape timed out")
-    except httpx.HTTPStatusError as exc:
-        return PodLoad(pod=pod_name, error=f"HTTP {exc.response.status_code}")
+    except BoundExceeded as exc:
+        return PodLoad(pod=pod_name, error=f"scrape refused: {exc}")
     except (httpx.HTTPError, ValueError) as exc:
         return PodLoad(pod=pod_name, error=f"scrape failed: {exc}")
     missing = [name for name in (KV_BLOCKS_ACTIVE, KV_BLOCKS_TOTAL) if name not in values]
@@ -95,13 +98,16 @@ def scrape_pod(client: httpx.Client, pod_name: str, url: str | None) -> PodLoad:
     )
 
 
-def scrape_pods(pods: list[dict[str, Any]], timeout: float, allow_override: bool) -> list[PodLoad]:
-    """Every ready pod's load, scraped in parallel so one slow pod costs one timeout, not N."""
+def scrape_pods(pods: list[dict[str, Any]], timeout: float, allow_override: bool,
+                max_bytes: int = DEFAULT_MAX_BYTES) -> list[PodLoad]:
+    """Every ready pod's load, scraped in parallel so one slow pod costs one timeout, not N;
+    each scrape bounded in bytes and in time as a whole (bounded_get.py)."""
     ready = [p for p in pods if is_ready(p)]
     if not ready:
         return []
     with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client, \
             ThreadPoolExecutor(max_workers=min(16, len(ready))) as pool:
         return list(pool.map(
-            lambda pod: scrape_pod(client, pod["metadata"]["name"], metrics_url(pod, allow_override)),
+            lambda pod: scrape_pod(client, pod["metadata"]["name"], metrics_url(pod, allow_override),
+                                   timeout, max_bytes),
             ready))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
 import pytest
@@ -88,3 +90,60 @@ def test_scrape_ready_pods_in_parallel_with_timeouts_and_errors(endpoints):
     assert loads["broken"].error == "HTTP 500"
     assert "kvscale:kv_blocks_active" in loads["silent"].error
     assert elapsed < 2.5  # one timeout, not one per pod in sequence
+
+
+class HostilePod:
+    """A raw HTTP server answering every connection in one of two hostile ways: `drip` sends
+    Prometheus text one byte per 0.1 s (each read well inside a per-read timeout), `flood`
+    sends a chunked body without end."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.getsockname()[1]}/metrics"
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n")
+                piece = b"# x\n" if self.mode == "drip" else b"#" * 65535 + b"\n"
+                chunk = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+                while not self._stop.is_set():
+                    conn.sendall(chunk)
+                    if self.mode == "drip":
+                        time.sleep(0.1)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+
+
+@pytest.mark.parametrize("mode,error", [("drip", "within"), ("flood", "byte cap")])
+def test_a_hostile_pod_is_cut_off_by_a_whole_scrape_deadline_and_a_byte_cap(mode, error):
+    pod = HostilePod(mode)
+    try:
+        started = time.monotonic()
+        [load] = scrape_pods([ready_pod("hostile", pod.url)], timeout=0.5, allow_override=True,
+                             max_bytes=1 << 20)
+        elapsed = time.monotonic() - started
+    finally:
+        pod.close()
+    assert error in load.error and not load.has_metrics
+    assert elapsed < 1.5  # the deadline plus one read timeout at most, not forever
