@@ -129,13 +129,22 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def asgi_app(app: Any, limits: RequestLimits, gate: Callable[[Any], Any] | None = None) -> Any:
+    """What uvicorn runs: ``app`` behind the body limits, behind ``gate`` (an ASGI middleware
+    factory) when given: what the gate refuses is refused from the head, before any body byte
+    is read."""
+    limited = RequestLimitMiddleware(app, limits)
+    return gate(limited) if gate is not None else limited
+
+
 def serve(app: Any, drain: Drain, *, host: str | None, port: int, shutdown_timeout_s: float,
           name: str, log_level: str = "info", access_log: bool = True,
-          limits: RequestLimits | None = None) -> None:
+          limits: RequestLimits | None = None, gate: Callable[[Any], Any] | None = None) -> None:
     """``uvicorn.run`` with draining on SIGTERM; returns once the server has stopped.
 
     `host` None: every address of the pod, IPv4 and IPv6 (kvscale.listen); else only `host`.
-    `limits` bound each request's head, body and upload time (kvscale.request_limits).
+    `limits` bound each request's head, body and upload time (kvscale.request_limits); `gate`
+    wraps them (``asgi_app``).
     """
     limits = limits or RequestLimits()
     sockets = None
@@ -145,7 +154,7 @@ def serve(app: Any, drain: Drain, *, host: str | None, port: int, shutdown_timeo
         host = sockets[0].getsockname()[0]
         logger.info("%s: listening on every address (%s), port %d", name,
                     "IPv4 and IPv6" if host == ALL_IPV6 else "IPv4 only", port)
-    config = uvicorn.Config(RequestLimitMiddleware(app, limits), host=host, port=port,
+    config = uvicorn.Config(asgi_app(app, limits, gate), host=host, port=port,
                             log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=max(1, int(shutdown_timeout_s)),
                             h11_max_incomplete_event_size=limits.max_head_bytes,

@@ -26,7 +26,9 @@ from kvscale.drain import Drain, DrainMiddleware
 from kvscale.processes import freeze_startup_heap
 from kvscale.router import activation as holding
 from kvscale.router import policy as routing
+from kvscale.router.admission import is_api_request
 from kvscale.router.auth import check_api_key
+from kvscale.router.client_watch import disconnect_of
 from kvscale.router.config import RouterConfig
 from kvscale.router.decision import Decider
 from kvscale.router.errors import openai_error
@@ -272,6 +274,7 @@ class Router:
             predicted_ttft_s=decision.predicted_ttft_s,
             uncalibrated_ttft_s=decision.uncalibrated_ttft_s,
             calibrates=body.get("stream") is True and decision.rate_measured,
+            client_left=disconnect_of(request.receive),
         ))
 
     async def pass_through(self, request: Request, endpoint: str) -> Response:
@@ -298,6 +301,7 @@ class Router:
             predicted_hit_tokens=0,
             session=None,
             router_ms=(time.perf_counter() - started) * 1000,
+            client_left=disconnect_of(request.receive),
         ))
 
     async def models(self, request: Request) -> Response:
@@ -349,10 +353,6 @@ async def ping(request: Request) -> Response:
     return Response(status_code=200)
 
 
-def _is_api_request(method: str, path: str) -> bool:
-    return method == "POST" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize"))
-
-
 def build_app(config: RouterConfig) -> Starlette:
     router = Router(config)
 
@@ -393,7 +393,7 @@ def build_app(config: RouterConfig) -> Starlette:
         ],
         lifespan=lifespan,
         # A draining router turns new requests away (503) while the streams it proxies finish.
-        middleware=[Middleware(DrainMiddleware, drain=router.drain, guarded=_is_api_request)],
+        middleware=[Middleware(DrainMiddleware, drain=router.drain, guarded=is_api_request)],
     )
     app.state.router = router
     app.state.drain = router.drain

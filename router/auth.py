@@ -1,7 +1,12 @@
-"""The client's API key: a Bearer token compared in constant time."""
+"""The client's API key: a Bearer token compared in constant time, its length included.
+
+Both sides are hashed first (SHA-256), so ``hmac.compare_digest`` always compares 32 bytes:
+comparing the raw strings would end early on a length mismatch and tell the key's length.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from starlette.requests import Request
@@ -10,13 +15,19 @@ from starlette.responses import JSONResponse
 from kvscale.router.errors import openai_error
 
 
+def key_digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def bearer_matches(authorization: str, digest: bytes) -> bool:
+    """Whether an Authorization header's value is ``Bearer <the key>``."""
+    token = authorization[7:] if authorization.lower().startswith("bearer ") else ""
+    return hmac.compare_digest(key_digest(token), digest)
+
+
 def check_api_key(request: Request, api_key: str | None) -> JSONResponse | None:
     """None when the request may pass (or no key is set), else the 401 to answer with."""
-    if not api_key:
-        return None
-    header = request.headers.get("authorization", "")
-    token = header[7:] if header.lower().startswith("bearer ") else ""
-    if hmac.compare_digest(token.encode(), api_key.encode()):
+    if not api_key or bearer_matches(request.headers.get("authorization", ""), key_digest(api_key)):
         return None
     return openai_error(
         401, "invalid or missing API key", "authentication_error", "invalid_api_key")

@@ -9,6 +9,7 @@ import os
 from kvscale import request_limits
 from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvscale.router.activation import DEFAULT_HOLD_QUEUE
+from kvscale.router.admission import DEFAULT_BODY_BUDGET_BYTES, DEFAULT_MAX_OPEN_REQUESTS
 from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS
 from kvscale.router.config import RouterConfig
 from kvscale.router.policy import DEFAULT_POLICY, POLICIES, TTFT_EPSILON
@@ -43,6 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to bind, and only it (default: every address, IPv4 and IPv6)")
     parser.add_argument("--port", type=int, default=8080)
     request_limits.add_arguments(parser)
+    parser.add_argument(
+        "--max-open-requests", type=int, default=DEFAULT_MAX_OPEN_REQUESTS,
+        help="requests open at once (reading, routed or streaming); one more gets 503 with Retry-After "
+             f"(default {DEFAULT_MAX_OPEN_REQUESTS})")
+    parser.add_argument(
+        "--max-body-bytes-in-flight", type=int, default=DEFAULT_BODY_BUDGET_BYTES,
+        help="request-body bytes held at once over every open request; a request whose body would pass "
+             f"it gets 503 with Retry-After (default {DEFAULT_BODY_BUDGET_BYTES // 2**20} MiB, at least "
+             "--max-request-body-bytes)")
     parser.add_argument(
         "--block-size", type=int, default=16, help="replicas' KV block size (heartbeats override it per model)"
     )
@@ -118,6 +128,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise SystemExit("kvscale router: --hold-queue must be at least 1")
     if args.scale_from_zero and args.hold_timeout is None:
         raise SystemExit("kvscale router: --scale-from-zero needs --hold-timeout")
+    if args.max_open_requests < 1:
+        raise SystemExit("kvscale router: --max-open-requests must be at least 1")
+    if args.max_body_bytes_in_flight < args.max_request_body_bytes:
+        raise SystemExit("kvscale router: --max-body-bytes-in-flight must be at least --max-request-body-bytes")
     if args.served_model_name and len(args.model or [None]) != 1:
         raise SystemExit("kvscale router: --served-model-name names one model: give at most one --model with it")
     return RouterConfig(
@@ -130,6 +144,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         redis_url=args.redis,
         redis_timeout_ms=args.redis_timeout_ms,
         api_key=args.api_key,
+        max_open_requests=args.max_open_requests,
+        body_budget_bytes=args.max_body_bytes_in_flight,
         replica_api_key=args.replica_api_key,
         block_size=args.block_size,
         models=args.model or [None],
@@ -152,6 +168,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def run(args: argparse.Namespace) -> int:
     from kvscale.drain import serve
+    from kvscale.router.admission import gate
     from kvscale.router.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -160,5 +177,6 @@ def run(args: argparse.Namespace) -> int:
     limits = request_limits.limits_from_args(args)
     app = build_app(config)
     serve(app, app.state.drain, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
-          name="kvscale router", log_level=args.log_level, access_log=False, limits=limits)
+          name="kvscale router", log_level=args.log_level, access_log=False, limits=limits,
+          gate=gate(config, limits))
     return 0

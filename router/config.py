@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvscale.router.activation import DEFAULT_HOLD_QUEUE
+from kvscale.router.admission import DEFAULT_BODY_BUDGET_BYTES, DEFAULT_MAX_OPEN_REQUESTS
 from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS
 from kvscale.router.policy import DEFAULT_POLICY, TTFT_EPSILON
 
@@ -20,6 +21,9 @@ class RouterConfig:
     redis_url: str | None = None
     redis_timeout_ms: float = 50.0
     api_key: str | None = None
+    # Bounds checked from a request's head, before its body is read (router/admission.py).
+    max_open_requests: int = DEFAULT_MAX_OPEN_REQUESTS
+    body_budget_bytes: int = DEFAULT_BODY_BUDGET_BYTES
     replica_api_key: str | None = None
     block_size: int = 16
     models: list[str | None] = field(default_factory=lambda: [None])  # tokenizers to load

@@ -2,25 +2,30 @@
 
 Connection errors, timeouts, a draining replica's 503 and other 5xx before the first body byte
 move on to the next replica in the ranking (the last one's answer is the client's); once a byte
-went to the client the response is committed and streamed through chunk by chunk, never retried.
+went to the client the response is committed and streamed through chunk by chunk, never retried:
+a replica that breaks off then reaches the client as an error event or an aborted connection
+(relay.py). Until the first byte the client is watched: one that leaves cancels the request on
+its replica (client_watch.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import httpx
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from kvscale.drain import DRAINING_HEADER
+from kvscale.router.client_watch import CLIENT_GONE, unless_client_leaves
 from kvscale.router.decision import SessionMemory
 from kvscale.router.errors import openai_error
 from kvscale.router.in_flight import InFlight, OpenRequest
 from kvscale.router.index import PrefixIndex
 from kvscale.router.metrics import RouterMetrics
+from kvscale.router.relay import RelayResponse, UpstreamBroke, at_event_boundary, error_event
 from kvscale.router.replicas import Replica, ReplicaSet
 from kvscale.router.ttft_calibration import TtftCalibration
 
@@ -58,6 +63,8 @@ class Routed:
     # here) and its estimate rests on the replica's own measured rate (a borrowed or default rate's
     # error says nothing of the replica: a fresh pool's first requests ran 6x their estimate).
     calibrates: bool = False
+    # Returns once the client has gone (client_watch.disconnect_of); None: not watched.
+    client_left: Callable[[], Awaitable[None]] | None = None
 
 
 def replica_headers(
@@ -110,6 +117,14 @@ class Forwarder:
             await self._client.aclose()
 
     async def forward(self, routed: Routed) -> Response:
+        """The client's response: the first replica's down the ranking that answers, a 502 when
+        none does, or a 499 when the client left before the first byte."""
+        response = await unless_client_leaves(self._forward(routed), routed.client_left)
+        if response.status_code == CLIENT_GONE:
+            self.metrics.requests.labels("none", self.policy, str(CLIENT_GONE)).inc()
+        return response
+
+    async def _forward(self, routed: Routed) -> Response:
         client = self._client
         assert client is not None, "forward before open"
         method, path = ENDPOINTS[routed.endpoint]
@@ -175,8 +190,9 @@ class Forwarder:
                 if routed.uncalibrated_ttft_s is not None:
                     out_headers["x-kvscale-predicted-ttft-uncalibrated-ms"] = (
                         f"{routed.uncalibrated_ttft_s * 1000:.1f}")
-            return StreamingResponse(
-                self._passthrough(first, chunks, upstream, request),
+            events = upstream.headers.get("content-type", "").startswith("text/event-stream")
+            return RelayResponse(
+                self._passthrough(first, chunks, upstream, request, events),
                 status_code=upstream.status_code,
                 headers=out_headers,
             )
@@ -199,16 +215,25 @@ class Forwarder:
         chunks: AsyncIterator[bytes],
         upstream: httpx.Response,
         request: OpenRequest,
+        events: bool,
     ) -> AsyncIterator[bytes]:
+        tail = first[-4:]
         try:
             if first:
                 yield first
             async for chunk in chunks:
                 request.first_byte()
+                tail = (tail + chunk)[-4:]
                 yield chunk
         except (httpx.TransportError, httpx.StreamError) as exc:
-            # Already streaming: never retried; the client sees the stream end.
-            log.warning("replica %s broke a stream mid-way: %s", request.replica.replica_id, exc)
+            # Already committed: never retried, and never a clean end (relay.py).
+            replica = request.replica.replica_id
+            log.warning("replica %s broke off a response mid-way (%s: %s): the client gets %s",
+                        replica, type(exc).__name__, exc,
+                        "an error event" if events and at_event_boundary(tail) else "an aborted connection")
+            if not (events and at_event_boundary(tail)):
+                raise UpstreamBroke(replica) from exc
+            yield error_event(f"replica {replica} failed while answering: {type(exc).__name__}")
         finally:
             self.in_flight.close(request)
             await upstream.aclose()

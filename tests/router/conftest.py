@@ -203,3 +203,47 @@ def router_launcher():
     launch = Launcher()
     yield launch
     launch.stop_all()
+
+
+class InProcessRouters:
+    """`kvscale router`'s app, with the gate and body limits its CLI puts around it, served by
+    uvicorn on a thread of the test process: no tokenizer (models=[]) and no subprocess."""
+
+    def __init__(self) -> None:
+        self.servers: list[tuple[object, object]] = []
+
+    def start(self, config, limits=None) -> str:
+        import threading
+
+        import uvicorn
+
+        from kvscale.drain import asgi_app
+        from kvscale.request_limits import RequestLimits
+        from kvscale.router.admission import gate
+        from kvscale.router.app import build_app
+
+        limits = limits or RequestLimits()
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(
+            asgi_app(build_app(config), limits, gate(config, limits)), host="127.0.0.1", port=port,
+            log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        self.servers.append((server, thread))
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the router did not start"
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{port}"
+
+    def stop_all(self) -> None:
+        for server, thread in self.servers:
+            server.should_exit = True  # type: ignore[attr-defined]
+            thread.join(10)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def in_process_routers():
+    routers = InProcessRouters()
+    yield routers
+    routers.stop_all()
