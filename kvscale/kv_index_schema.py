@@ -35,16 +35,19 @@ from typing import Any
 
 
 def redacted_url(url: str) -> str:
-    """The Redis URL with its password replaced, for logs (the URL comes from a Secret)."""
+    """The Redis URL with its password replaced, for logs and errors (the URL comes from a
+    Secret): the one in its user part, and redis-py's ``?password=`` query parameter."""
+    import re
     from urllib.parse import urlsplit, urlunsplit
 
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query)
+    netloc = parts.netloc
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.hostname or ""
+        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 KEY_PREFIX = "kvscale"

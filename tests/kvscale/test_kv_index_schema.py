@@ -22,3 +22,6 @@ def test_logged_redis_urls_hide_the_password():
     assert redacted_url("redis://:s3cret@chat-redis.team.svc:6379/0") == "redis://:***@chat-redis.team.svc:6379/0"
     assert redacted_url("rediss://user:pw@host/1") == "rediss://user:***@host/1"
     assert redacted_url("redis://127.0.0.1:6379") == "redis://127.0.0.1:6379"
+    # redis-py also takes the password as a query parameter
+    assert redacted_url("redis://host:6379/0?password=s3cret&db=1") == "redis://host:6379/0?password=***&db=1"
+    assert redacted_url("redis://u:pw@host/0?PASSWORD=s3cret") == "redis://u:***@host/0?PASSWORD=***"
