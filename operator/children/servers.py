@@ -4,6 +4,7 @@ InferenceService (its OpenAI URL) and the headless Service the routers discover 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvscale.k8s_labels import SERVERS_ENDPOINTS_LABEL, SERVERS_ENDPOINTS_VALUE
@@ -90,6 +91,23 @@ def container_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
+def cpu_threads(cpu: str) -> int:
+    """The engine core's threads for a CPU quantity ("2", "1500m", "0.5"): its ceiling, at least 1."""
+    text = cpu.strip()
+    cores = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    return max(1, math.ceil(cores - 1e-9))
+
+
+def cpu_thread_env(spec: InferenceServiceSpec) -> list[EnvVar]:
+    """OMP_NUM_THREADS on a CPU server, from its CPU request: the pod has no CPU limit (above)
+    and its affinity mask is the whole node's, so neither tells the engine how many threads to
+    run; this caps them and leaves them unpinned (server/engine/cpu_binding.py, docs/deploy.md
+    "CPU threads"). A GPU server's threads only feed the GPU: torch's own count stays."""
+    if spec.resources.gpus > 0:
+        return []
+    return [{"name": "OMP_NUM_THREADS", "value": str(cpu_threads(spec.resources.cpu))}]
+
+
 def server_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[EnvVar]:
     # KVSCALE_CACHE is left to the image, which ships the bundled model converted (Dockerfile).
     env: list[EnvVar] = [
@@ -97,6 +115,7 @@ def server_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[En
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "HOME", "value": "/tmp"},
         *field_env("POD_IP", "POD_NAME", "POD_NAMESPACE"),
+        *cpu_thread_env(spec),
     ]
     if spec.router.enabled:
         env += service_redis_env(name, namespace, spec)

@@ -173,3 +173,13 @@ def test_a_cpu_server_limit_too_small_for_its_processes_is_refused():
                 "resources": {"gpus": 0, "memory": "1536Mi"}})
     # A GPU server's KV cache lives on the card: its memory limit is not split.
     parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"}, "resources": {"gpus": 1, "memory": "1Gi"}})
+
+
+@pytest.mark.parametrize("cpu,threads", [("2", "2"), ("1500m", "2"), ("0.5", "1"), ("16", "16")])
+def test_a_cpu_server_runs_as_many_threads_as_its_cpu_request(cpu: str, threads: str):
+    spec = parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"},
+                       "resources": {"gpus": 0, "cpu": cpu, "memory": "8Gi"}})
+    env = {e["name"]: e.get("value") for e in container(build_deployment("m", "ns", spec))["env"]}
+    assert env["OMP_NUM_THREADS"] == threads
+    gpu = parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"}})
+    assert "OMP_NUM_THREADS" not in {e["name"] for e in container(build_deployment("m", "ns", gpu))["env"]}
