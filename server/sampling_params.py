@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -42,6 +43,11 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
 
+    def text_bytes(self) -> int:
+        """The constraint's size as sent (docs/server.md "Request limits")."""
+        texts = self.choice if self.choice is not None else [self.json or self.regex or self.grammar or ""]
+        return sum(len(text.encode()) for text in texts)
+
 
 @dataclass
 class SamplingParams:
@@ -74,9 +80,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
-        self._validate()
+        self.validate()
 
-    def _validate(self) -> None:
+    def validate(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
@@ -112,6 +118,16 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+
+    def with_max_tokens(self, max_tokens: int) -> SamplingParams:
+        """These parameters for another prompt of the same request: the request-wide fields
+        (stop, stop_token_ids, logit_bias, structured_outputs) shared, not copied, and nothing
+        validated again but what changed (docs/server.md "Request limits")."""
+        if self.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens})")
+        params = copy.copy(self)
+        params.max_tokens = max_tokens
+        return params
 
     @property
     def greedy(self) -> bool:

@@ -5,6 +5,12 @@ Front end -> core: ``AddRequests`` (a batch that starts in the same step), ``Abo
 refused), ``StepDone`` (a step's delta outputs and a stats snapshot), ``CoreFailed`` (the core's
 last words before it exits).
 
+A batch's request-wide fields (``stop``, ``stop_token_ids``, ``logit_bias``, a grammar) travel
+once per request, not once per prompt: the HTTP side gives a request's prompts SamplingParams
+that share these objects (SamplingParams.with_max_tokens), the encoder sends each distinct set
+once in ``AddRequests.shared`` with the prompts pointing at it, and the decoder hands every
+prompt the same objects again (docs/server.md "Request limits").
+
 msgspec encodes them as MessagePack. The engine's own dataclasses (SamplingParams, RequestOutput,
 EngineStats) travel as they are: msgspec reads their fields from their type hints, so a field
 someone adds to one of them crosses the wire with no change here. KV events never cross: the
@@ -13,10 +19,12 @@ core publishes them to Redis itself (engine_core.py).
 
 from __future__ import annotations
 
+import copy
+
 import msgspec
 
 from kvscale.server.outputs import EngineStats, RequestOutput
-from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class NewRequestMsg(msgspec.Struct, array_like=True):
@@ -24,11 +32,73 @@ class NewRequestMsg(msgspec.Struct, array_like=True):
     prompt: str | list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    shared: int = -1  # on the wire: its request-wide fields are AddRequests.shared[shared]
+
+
+class RequestWide(msgspec.Struct, array_like=True):
+    """The fields of SamplingParams that every prompt of one request has in common and that may
+    be large."""
+
+    stop: list[str]
+    stop_token_ids: list[int]
+    logit_bias: dict[int, float] | None
+    structured_outputs: StructuredOutputsParams | None
 
 
 class AddRequests(msgspec.Struct, tag=True, array_like=True):
     batch_id: int
     requests: list[NewRequestMsg]
+    shared: list[RequestWide] = []  # filled by the encoder, emptied by the decoder
+
+
+def _wide_key(params: SamplingParams) -> tuple[int, int, int, int] | None:
+    """Prompts whose params hold the very same objects share one entry (found by identity, not
+    by value: hashing a large logit_bias per prompt is the cost this avoids)."""
+    if not (params.stop or params.stop_token_ids or params.logit_bias or params.structured_outputs):
+        return None
+    return (id(params.stop), id(params.stop_token_ids), id(params.logit_bias), id(params.structured_outputs))
+
+
+def pack(message: AddRequests) -> AddRequests:
+    """``message`` as sent: each distinct set of request-wide fields once (the caller's
+    SamplingParams are left as they are)."""
+    shared: list[RequestWide] = []
+    index: dict[tuple[int, int, int, int], int] = {}
+    requests = []
+    for request in message.requests:
+        params = request.params
+        key = _wide_key(params)
+        if key is None:
+            requests.append(request)
+            continue
+        if key not in index:
+            index[key] = len(shared)
+            shared.append(RequestWide(params.stop, params.stop_token_ids, params.logit_bias,
+                                      params.structured_outputs))
+        bare = copy.copy(params)
+        bare.stop, bare.stop_token_ids, bare.logit_bias, bare.structured_outputs = [], [], None, None
+        requests.append(NewRequestMsg(request.request_id, request.prompt, bare, request.cache_salt,
+                                      index[key]))
+    return AddRequests(message.batch_id, requests, shared) if shared else message
+
+
+def unpack(message: AddRequests) -> AddRequests:
+    """The batch as the front end built it: every prompt of a request holding the same objects."""
+    if not message.shared:
+        return message
+    checked: set[int] = set()
+    for request in message.requests:
+        if request.shared >= 0:
+            wide = message.shared[request.shared]
+            params = request.params
+            params.stop, params.stop_token_ids = wide.stop, wide.stop_token_ids
+            params.logit_bias, params.structured_outputs = wide.logit_bias, wide.structured_outputs
+            if request.shared not in checked:  # the rest were checked as they were decoded
+                checked.add(request.shared)
+                params.validate()
+            request.shared = -1
+    message.shared = []
+    return message
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -84,10 +154,11 @@ class Codec:
         self._decoder: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(reads)
 
     def encode(self, message: msgspec.Struct) -> bytes:
-        return self._encoder.encode(message)
+        return self._encoder.encode(pack(message) if isinstance(message, AddRequests) else message)
 
     def decode(self, data: bytes) -> ToCore | FromCore:
-        return self._decoder.decode(data)
+        message = self._decoder.decode(data)
+        return unpack(message) if isinstance(message, AddRequests) else message
 
 
 def core_codec() -> Codec:

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvscale.drain import Drain, DrainMiddleware
+from kvscale.request_limits import DEFAULT_MAX_QUEUE_LEN, FieldLimits
 from kvscale.server.engine.engine_front import EngineFront
 from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
@@ -52,8 +53,9 @@ def build_app(
     served_model_names: Sequence[str],
     max_model_len: int,
     api_key: str | None = None,
-    max_queue_len: int | None = None,
+    max_queue_len: int | None = DEFAULT_MAX_QUEUE_LEN,
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    field_limits: FieldLimits | None = None,
     model_root: str | None = None,
     on_shutdown: Callable[[], None] | None = None,
     drain: Drain | None = None,
@@ -72,7 +74,7 @@ def build_app(
     server = OpenAIServer(engine, tokenizer=tokenizer, served_model_names=served_model_names,
                           max_model_len=max_model_len, api_key=api_key,
                           max_queue_len=max_queue_len, max_prompts_per_request=max_prompts_per_request,
-                          model_root=model_root, version=__version__,
+                          field_limits=field_limits, model_root=model_root, version=__version__,
                           vocab_size=vocab_size, tool_call_parser=tool_call_parser,
                           enable_auto_tool_choice=enable_auto_tool_choice,
                           stream_interval=stream_interval)
@@ -144,9 +146,10 @@ def build_app(
         if drain.draining:
             return JSONResponse(p.error_body("The server is draining for shutdown.", "server_error",
                                              code="draining"), status_code=503)
-        if engine.is_alive:
+        # Dead, or stuck in a step (EngineFront.health_problem): either fails the probe.
+        reason = engine.health_problem()
+        if reason is None:
             return Response(status_code=200)
-        reason = engine.death_reason()
         return JSONResponse(p.error_body(reason[:1].upper() + reason[1:] + ".", "server_error",
                                          code="engine_dead"), status_code=503)
 

@@ -80,9 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--port", type=int, default=8000)
     http.add_argument("--api-key", default=os.environ.get("KVSCALE_API_KEY"),
                       help="require `Authorization: Bearer KEY` on the API (default: env KVSCALE_API_KEY)")
-    http.add_argument("--max-queue-len", type=int, default=None,
+    http.add_argument("--max-queue-len", type=int, default=request_limits.DEFAULT_MAX_QUEUE_LEN,
                       help="waiting sequences (prompts times n) beyond which a request gets 503 + "
-                           "Retry-After, or 400 when it alone holds more (default: no limit)")
+                           "Retry-After, or 400 when it alone holds more; 0: no limit "
+                           f"(default {request_limits.DEFAULT_MAX_QUEUE_LEN})")
     http.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
                       help="prompts one /v1/completions request may carry; more get 400 "
                            f"(default {DEFAULT_MAX_PROMPTS_PER_REQUEST})")
@@ -96,6 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            f"requests answer 503 (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g}: fits a 60 s pod "
                            "grace period with a short preStop)")
     request_limits.add_arguments(http)
+    request_limits.add_field_arguments(http)
     http.add_argument("--uvicorn-log-level", default="info",
                       choices=["critical", "error", "warning", "info", "debug", "trace"])
     http.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -201,7 +203,9 @@ def build(args: argparse.Namespace) -> Served:
     ready = core.ready
     app = build_app(core, tokenizer=tokenizer, served_model_names=served_names,
                     max_model_len=ready.max_model_len, api_key=args.api_key,
-                    max_queue_len=args.max_queue_len, max_prompts_per_request=args.max_prompts_per_request,
+                    max_queue_len=args.max_queue_len or None,
+                    max_prompts_per_request=args.max_prompts_per_request,
+                    field_limits=request_limits.field_limits_from_args(args),
                     model_root=str(model_path),
                     vocab_size=min(len(tokenizer), ready.vocab_size),
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -215,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         limits = request_limits.limits_from_args(args)
+        request_limits.field_limits_from_args(args)
     except SystemExit as exc:
         print(f"kvscale serve: {exc}", file=sys.stderr)
         return 2

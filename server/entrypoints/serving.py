@@ -10,12 +10,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from kvscale import request_limits
 from kvscale.server.engine.engine_front import EngineDeadError, EngineFront, RequestStream
 from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints import request_json
@@ -30,9 +33,14 @@ from kvscale.server.sampling_params import SamplingParams, StructuredOutputsPara
 logger = logging.getLogger(__name__)
 
 # Probes and scrapers never carry the API key. The API's description (/docs, /openapi.json)
-# is behind it like the API itself (docs/server.md "API key").
+# is behind it like the API itself (docs/server.md "Errors", 401).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 RETRY_AFTER_S = 1
+# Unknown request field names remembered, so each is logged once: a fixed number, oldest
+# forgotten first, since a client may send a new name with every request.
+UNKNOWN_FIELDS_KEPT = 256
+# At most one "ignoring the field" line per this many seconds, however many names arrive.
+UNKNOWN_FIELDS_LOG_EVERY_S = 10.0
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": p.ErrorResponse, "description": description}
@@ -244,8 +252,9 @@ class OpenAIServer:
         served_model_names: Sequence[str],
         max_model_len: int,
         api_key: str | None = None,
-        max_queue_len: int | None = None,
+        max_queue_len: int | None = request_limits.DEFAULT_MAX_QUEUE_LEN,
         max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        field_limits: request_limits.FieldLimits | None = None,
         model_root: str | None = None,
         version: str = "0",
         vocab_size: int | None = None,
@@ -261,6 +270,7 @@ class OpenAIServer:
         self.api_key_digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
         self.max_queue_len = max_queue_len
         self.max_prompts_per_request = max_prompts_per_request
+        self.field_limits = field_limits or request_limits.FieldLimits()
         self.model_root = model_root
         self.version = version
         # Ids the model embeds and the tokenizer decodes (the engine asserts the model's bound).
@@ -268,16 +278,26 @@ class OpenAIServer:
         self.tool_call_parser = tool_call_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.stream_interval = stream_interval  # --stream-interval: a request may ask for more, not less
-        # Request fields neither API defines: logged once each, counted per request (metrics).
-        self.unknown_fields_seen: set[str] = set()
+        # Request fields neither API defines: logged once each (of the last UNKNOWN_FIELDS_KEPT
+        # names, at most once per UNKNOWN_FIELDS_LOG_EVERY_S), counted per request (metrics).
+        self.unknown_fields_seen: OrderedDict[str, None] = OrderedDict()
+        self._unknown_logged_at = float("-inf")
         self.metrics: Any = None  # ServerMetrics, set by the app (counts refusals, kinds, fields)
 
     def note_unknown_fields(self, body: p.RequestBody, endpoint: str) -> None:
         for name in body.model_extra or {}:
-            if name not in self.unknown_fields_seen:
-                self.unknown_fields_seen.add(name)
-                logger.warning("%s: ignoring the request field %r, which neither OpenAI's API nor "
-                               "vLLM's extras define (logged once)", endpoint, name)
+            if name in self.unknown_fields_seen:
+                self.unknown_fields_seen.move_to_end(name)
+            else:
+                self.unknown_fields_seen[name] = None
+                if len(self.unknown_fields_seen) > UNKNOWN_FIELDS_KEPT:
+                    self.unknown_fields_seen.popitem(last=False)
+                now = time.monotonic()
+                if now - self._unknown_logged_at >= UNKNOWN_FIELDS_LOG_EVERY_S:
+                    self._unknown_logged_at = now
+                    logger.warning("%s: ignoring the request field %r, which neither OpenAI's API nor "
+                                   "vLLM's extras define (logged once per name, at most every %g s)",
+                                   endpoint, name[:100], UNKNOWN_FIELDS_LOG_EVERY_S)
             if self.metrics is not None:
                 self.metrics.count_unknown_field(endpoint)
 
@@ -319,6 +339,28 @@ class OpenAIServer:
                 f"(--max-queue-len {limit}). Retry later.", "server_error",
                 code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+
+    def check_field_limits(self, body: p.SamplingFields, prompts: int, tools: int = 0) -> None:
+        """The request-wide fields' counts (docs/server.md "Request limits"), before any of them
+        is parsed or copied."""
+        stop = body.stop
+        try:
+            request_limits.check_sequences(self.field_limits, prompts, body.n)
+            request_limits.check_sampling_fields(
+                self.field_limits, stop=[stop] if isinstance(stop, str) else list(stop or []),
+                stop_token_ids=len(body.stop_token_ids or ()), logit_bias=len(body.logit_bias or {}),
+                tools=tools)
+        except request_limits.LimitExceeded as exc:
+            raise bad_request(exc.message, exc.param) from exc
+
+    def check_constraint_size(self, spec: StructuredOutputsParams | None, param: str | None) -> None:
+        if spec is None:
+            return
+        try:
+            request_limits.check_structured_bytes(self.field_limits, spec.text_bytes(), param or "")
+        except request_limits.LimitExceeded as exc:
+            self.count_refusal("invalid")
+            raise bad_request(exc.message, param) from exc
 
     def check_prompt_count(self, count: int) -> None:
         if count > self.max_prompts_per_request:

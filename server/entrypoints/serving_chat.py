@@ -84,6 +84,7 @@ def prepare_chat(server: OpenAIServer, body: p.ChatCompletionRequest) -> Prepare
     server.note_unknown_fields(body, "/v1/chat/completions")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+    server.check_field_limits(body, 1, tools=len(body.tools or ()))  # before parsing any field
     try:
         plan = plan_tools(body, parser=server.tool_call_parser, auto_enabled=server.enable_auto_tool_choice)
     except ToolError as exc:
@@ -94,6 +95,7 @@ def prepare_chat(server: OpenAIServer, body: p.ChatCompletionRequest) -> Prepare
         server.count_structured("tool")
     elif structured is not None:
         server.count_structured(structured.kind)
+    server.check_constraint_size(structured, constraint_param)
     logit_bias = logit_bias_from(body, server.vocab_size)
     ids = chat_ids(server, body.messages, body.tools)
     server.check_prompt(ids, "messages")

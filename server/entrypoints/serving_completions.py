@@ -35,6 +35,7 @@ from kvscale.server.entrypoints.serving_streams import (
     until_disconnect,
 )
 from kvscale.server.outputs import CompletionOutput, PositionLogprobs
+from kvscale.server.sampling_params import SamplingParams
 from kvscale.tokenization import completion_prompt_token_ids
 
 
@@ -80,23 +81,28 @@ def prepare_completion(server: OpenAIServer, body: p.CompletionRequest) -> Prepa
     check_stream_options(body)
     check_refused_fields(body)
     server.note_unknown_fields(body, "/v1/completions")
+    requested = completion_prompts(body.prompt)
+    server.check_prompt_count(len(requested))  # before tokenizing any of them
+    server.check_field_limits(body, len(requested))  # before parsing or copying any field
     structured, constraint_param = structured_outputs_from(server, body)
+    server.check_constraint_size(structured, constraint_param)
     if structured is not None:
         server.count_structured(structured.kind)
     logit_bias = logit_bias_from(body, server.vocab_size)
-    prompts, echo_texts, params = [], [], []
+    prompts, echo_texts = [], []
+    params: list[SamplingParams] = []
     # echo with logprobs returns the prompt tokens' logprobs too (what scoring harnesses use).
     prompt_logprobs = body.logprobs if body.echo else None
-    requested = completion_prompts(body.prompt)
-    server.check_prompt_count(len(requested))  # before tokenizing any of them
     for prompt in requested:
         ids = completion_prompt_token_ids(server.tokenizer, prompt)
         server.check_prompt(ids)
         try:
             max_tokens = resolve_max_tokens(body.max_tokens, len(ids), server.max_model_len)
-            params.append(sampling_params_from(body, max_tokens=max_tokens, logprobs=body.logprobs,
-                                               prompt_logprobs=prompt_logprobs, structured_outputs=structured,
-                                               logit_bias=logit_bias))
+            # One SamplingParams built and checked; the other prompts share its request-wide
+            # fields (engine_core_wire.py sends them to the core once).
+            params.append(params[0].with_max_tokens(max_tokens) if params else sampling_params_from(
+                body, max_tokens=max_tokens, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured, logit_bias=logit_bias))
         except ValueError as exc:
             raise bad_request(str(exc), getattr(exc, "param", None)) from exc
         prompts.append(ids)

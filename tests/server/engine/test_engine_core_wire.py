@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import msgspec
+import pytest
 
 from kvscale.server.engine.engine_core_wire import (
     Accepted,
@@ -75,3 +76,28 @@ def test_a_new_nested_field_crosses_without_wire_changes() -> None:
 
     decoded = msgspec.msgpack.decode(data, type=Message)
     assert decoded.params == params and decoded.params.structured == Grammar("json", "{}")
+
+
+def test_request_wide_fields_cross_once_per_request() -> None:
+    """A request of many prompts with a large logit_bias: the bias is on the wire once, and the
+    core's prompts hold one dict between them (docs/server.md "Request limits")."""
+    bias = {token: 1.0 for token in range(5000)}
+    first = SamplingParams(max_tokens=4, stop=["\n"], stop_token_ids=[7], logit_bias=bias)
+    prompts = [first] + [first.with_max_tokens(3 + i) for i in range(63)]
+    message = AddRequests(1, [NewRequestMsg(f"r-{i}", [1, 2], params) for i, params in enumerate(prompts)])
+    one = len(front_codec().encode(AddRequests(1, message.requests[:1])))
+    data = front_codec().encode(message)
+    assert len(data) < one + 64 * 500  # the params of one prompt, not 64 copies of the bias (~60 KB)
+    decoded = core_codec().decode(data)
+    assert decoded == message
+    assert all(r.params.logit_bias is decoded.requests[0].params.logit_bias for r in decoded.requests)
+    assert [r.params.max_tokens for r in decoded.requests] == [4, *range(3, 66)]
+    assert first.logit_bias is bias and first.stop == ["\n"]  # the caller's params untouched
+
+
+def test_shared_fields_are_validated_on_arrival() -> None:
+    params = SamplingParams(logit_bias={1: 1.0})
+    params.logit_bias = {1: 500.0}  # what a front end that skipped its checks might send
+    data = front_codec().encode(AddRequests(1, [NewRequestMsg("a", [1], params)]))
+    with pytest.raises(ValueError, match="logit_bias"):
+        core_codec().decode(data)

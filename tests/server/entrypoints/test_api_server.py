@@ -250,6 +250,15 @@ def test_list_of_string_prompts(client) -> None:
     assert result.choices[0].text == greedy(client, "The capital of France is", max_tokens=3).choices[0].text
 
 
+def test_a_requests_prompts_share_its_logit_bias_and_stop_in_the_core(client, server) -> None:
+    """The request-wide fields reach the core once per request (engine_core_wire.py) and hold
+    for every prompt."""
+    token = httpx.post(f"{server.base_url}/tokenize", json={"prompt": " hello"}).json()["tokens"][-1]
+    result = greedy(client, ["The capital of France is", "Two plus two is", "x"], max_tokens=6,
+                    logit_bias={str(token): 100}, stop=["lo h"])
+    assert [(c.text, c.finish_reason) for c in result.choices] == [(" hel", "stop")] * 3
+
+
 def test_echo(client) -> None:
     result = greedy(client, "The capital of France is", max_tokens=4, echo=True)
     plain = greedy(client, "The capital of France is", max_tokens=4)
