@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import copy
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -47,6 +52,13 @@ class StructuredOutputsParams:
         """The constraint's size as sent (docs/server.md "Request limits")."""
         texts = self.choice if self.choice is not None else [self.json or self.regex or self.grammar or ""]
         return sum(len(text.encode()) for text in texts)
+
+
+def stop_matcher(stop: list[str]) -> tuple[re.Pattern[str], int]:
+    """One alternation of the stop strings, in their order: a search finds the leftmost match and,
+    of those starting there, the first listed, in one pass in C however many strings there are
+    (their number and length are bounded, docs/server.md "Request limits")."""
+    return re.compile("|".join(map(re.escape, stop))), max(map(len, stop), default=0)
 
 
 @dataclass
@@ -128,6 +140,24 @@ class SamplingParams:
         params = copy.copy(self)
         params.max_tokens = max_tokens
         return params
+
+    def derived(self, name: str, source: Any, build: Callable[[Any], T]) -> T:
+        """``build(source)`` for a field's value ``source``, built once and kept on these params
+        while the field holds that very object: what the step loop reads every step (a set of
+        the stop ids, logit_bias as tensors) is made once per request, not per step."""
+        cached = self.__dict__.get(name)
+        if cached is None or cached[0] is not source:
+            cached = self.__dict__[name] = (source, build(source))
+        return cached[1]
+
+    @property
+    def stop_matcher(self) -> tuple[re.Pattern[str], int]:
+        """The stop strings as one pattern, and the longest one's length (server/engine/detokenizer.py)."""
+        return self.derived("_stop_matcher", self.stop, stop_matcher)
+
+    @property
+    def stop_token_set(self) -> frozenset[int]:
+        return self.derived("_stop_token_set", self.stop_token_ids, frozenset)
 
     @property
     def greedy(self) -> bool:

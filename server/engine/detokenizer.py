@@ -57,19 +57,15 @@ def detokenize_incrementally(tokenizer: Any, seq: DetokenizedSample) -> str:
 
 def find_stop_string(seq: DetokenizedSample, piece_len: int) -> bool:
     """End ``seq`` at the first stop string that the latest piece completed; trims the text."""
-    stops = seq.params.stop
-    if not stops or not piece_len:
+    if not seq.params.stop or not piece_len:
         return False
-    longest = max(len(s) for s in stops)
-    search_from = max(len(seq.text) - piece_len - longest + 1, 0)
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        pos = seq.text.find(stop, search_from)
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, stop)
-    if best is None:
+    # Only the text the latest piece can have completed a stop string in: bounded work per
+    # token, one search for all the strings (SamplingParams.stop_matcher).
+    pattern, longest = seq.params.stop_matcher
+    match = pattern.search(seq.text, max(len(seq.text) - piece_len - longest + 1, 0))
+    if match is None:
         return False
-    pos, stop = best
+    pos, stop = match.start(), match.group()
     seq.text = seq.text[: pos + len(stop)] if seq.params.include_stop_str_in_output else seq.text[:pos]
     seq.finish_reason = "stop"
     seq.stop_reason = stop
@@ -87,4 +83,4 @@ def visible_text_len(seq: DetokenizedSample) -> int:
     """How much of ``seq.text`` is safe to show now (see visible_text), without copying it."""
     if seq.is_finished or not seq.params.stop:
         return len(seq.text)
-    return max(len(seq.text) - (max(len(s) for s in seq.params.stop) - 1), 0)
+    return max(len(seq.text) - (seq.params.stop_matcher[1] - 1), 0)

@@ -22,7 +22,7 @@ def check_stop(seq: Sequence, token: int, *, piece_len: int, grammar_done: bool,
         if not params.ignore_eos and token in eos_token_ids:
             seq.finish_reason = "stop"
             return
-        if token in params.stop_token_ids:
+        if token in params.stop_token_set:
             seq.finish_reason = "stop"
             seq.stop_reason = token
             return

@@ -69,7 +69,7 @@ def fast_forward_allowed(params: SamplingParams) -> bool:
     return params.logprobs is None and not params.logit_bias
 
 
-def forced_run(forced: list[int], stop_token_ids: list[int], eos_token_ids: set[int]) -> list[int]:
+def forced_run(forced: list[int], stop_token_ids: frozenset[int] | list[int], eos_token_ids: set[int]) -> list[int]:
     """The part of a forced run to append: up to, not including, the first stop or end-of-sequence
     id, which is left to a sampling step (min_tokens masks those; a sampled one ends the answer)."""
     for i, token in enumerate(forced):
@@ -267,7 +267,7 @@ class StructuredOutputManager:
         matcher = self.matchers.get(seq.seq_id)
         if matcher is None or not fast_forward_allowed(seq.params):
             return []
-        return forced_run(matcher.forced_tokens(), seq.params.stop_token_ids, self.eos_token_ids)
+        return forced_run(matcher.forced_tokens(), seq.params.stop_token_set, self.eos_token_ids)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         self._settle()

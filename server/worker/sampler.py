@@ -125,6 +125,26 @@ def needs_host_logits(row: SamplingRow) -> bool:
     )
 
 
+def bias_tensors(bias: dict[int, float], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's logit_bias as (token ids, values) within the logits' width."""
+    ids = torch.tensor([t for t in bias if t < width], dtype=torch.long)
+    return ids, torch.tensor([bias[t] for t in ids.tolist()], dtype=torch.float32)
+
+
+def add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[int]) -> None:
+    """Each row's logit_bias added in one scatter for the whole batch; the tensors of a request's
+    bias are built once (SamplingParams.derived), not per entry per step (docs/server.md
+    "Request limits")."""
+    width = logits.shape[1]
+    parts = [p.derived("_logit_bias_tensors", p.logit_bias, lambda bias: bias_tensors(bias, width))
+             for p in params]
+    counts = torch.tensor([len(ids) for ids, _ in parts])
+    row_index = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.long), counts)
+    columns = torch.cat([ids for ids, _ in parts])
+    values = torch.cat([values for _, values in parts]).to(logits.dtype)
+    logits.index_put_((row_index, columns), values, accumulate=True)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int], decode_token: Callable[[int], str], seed: int = 0) -> None:
         self.eos_token_ids = eos_token_ids
@@ -164,14 +184,11 @@ class Sampler:
             sub = logits[needs_penalty]
             apply_penalties(sub, [rows[i] for i in needs_penalty])
             logits[needs_penalty] = sub
-        for i in needs_bias:
-            bias = rows[i].params.logit_bias
-            assert bias is not None
-            ids = [t for t in bias if t < logits.shape[1]]
-            logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype)
+        if needs_bias:
+            add_logit_bias(logits, [rows[i].params for i in needs_bias], needs_bias)
         for i in needs_mask:
             # Not allowed to end before min_tokens: hide every token that would end it.
-            banned = set(rows[i].params.stop_token_ids)
+            banned = set(rows[i].params.stop_token_set)
             if not rows[i].params.ignore_eos:
                 banned |= self.eos_token_ids
             banned_ids = [t for t in banned if t < logits.shape[1]]

@@ -134,3 +134,42 @@ def test_forget_drops_an_aborted_request(bundled_tokenizer) -> None:
     out = delta("r", bundled_tokenizer.encode(PROMPT), {0: [42]})
     assert text.apply(out) is False and out.outputs[0].text == ""
     assert len(text) == 0
+
+
+def test_stop_strings_are_found_as_one_search_over_the_latest_text() -> None:
+    """The stop string a piece completes: the leftmost, of those starting there the first listed
+    (what a scan of each string in turn finds), searched for all strings at once in the last
+    ``piece + longest - 1`` characters only (docs/server.md "Request limits")."""
+    import random
+    from dataclasses import dataclass
+
+    from kvscale.server.engine.detokenizer import find_stop_string
+
+    @dataclass
+    class Sample:
+        params: SamplingParams
+        text: str = ""
+        finish_reason: str | None = None
+        stop_reason: str | int | None = None
+
+    def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+        found = [(text.find(s), i, s) for i, s in enumerate(stops) if s in text]
+        return min(found)[::2] if found else None
+
+    rng = random.Random(5)
+    for _ in range(300):
+        stops = ["".join(rng.choices("ab.", k=rng.randint(1, 4))) for _ in range(rng.randint(1, 5))]
+        params = SamplingParams(stop=stops)
+        sample = Sample(params)
+        full = ""
+        while sample.finish_reason is None and len(full) < 40:
+            piece = "".join(rng.choices("abc.", k=rng.randint(1, 3)))
+            full += piece
+            sample.text += piece
+            ended = find_stop_string(sample, len(piece))
+            expected = first_stop(full, stops)
+            assert ended == (expected is not None), (stops, full)
+            if ended:
+                assert expected is not None
+                assert (sample.text, sample.stop_reason) == (full[:expected[0]], expected[1]), (stops, full)
+        assert params.stop_matcher is params.stop_matcher  # built once per request

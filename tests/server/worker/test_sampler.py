@@ -167,3 +167,30 @@ def test_greedy_tokens_is_argmax_ties_included() -> None:
     assert greedy_tokens(logits).tolist() == [2, 7, 0]
     rows = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0))
     assert torch.equal(greedy_tokens(rows), rows.argmax(dim=1))
+
+
+def test_logit_bias_is_one_scatter_built_once_per_request(monkeypatch):
+    """Each row's bias lands on its own row; the tensors of a request's bias are made once, not
+    per entry per step (docs/server.md "Request limits")."""
+    from kvscale.server.worker import sampler as sampler_module
+
+    built = []
+    real = sampler_module.bias_tensors
+    monkeypatch.setattr(sampler_module, "bias_tensors", lambda bias, width: built.append(1) or real(bias, width))
+    shared = SamplingParams(temperature=0, logit_bias={3: 100.0, 5: -100.0})
+    other = shared.with_max_tokens(4)  # another prompt of the same request
+    alone = SamplingParams(temperature=0, logit_bias={6: 100.0})
+    s = sampler()
+    for _ in range(5):
+        tokens, _ = s(logits_rows([0.0] * VOCAB, [0.0] * VOCAB, [0.0] * VOCAB, [9.0] + [0.0] * 7),
+                      [row(shared), row(other), row(alone), row(SamplingParams(temperature=0))])
+        assert tokens == [3, 3, 6, 0]
+    assert len(built) == 3  # once per params object, whatever the number of steps
+
+
+def test_stop_token_ids_are_a_set_following_the_field():
+    params = SamplingParams(stop_token_ids=[4, 5, 4])
+    assert params.stop_token_set == frozenset({4, 5})
+    assert params.stop_token_set is params.stop_token_set  # built once
+    params.stop_token_ids = [6]  # replaced (as the core's wire decoder does): the set follows
+    assert params.stop_token_set == frozenset({6})
