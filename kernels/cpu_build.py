@@ -23,6 +23,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from importlib import resources
@@ -119,11 +120,14 @@ def _private_tmp() -> Path:
 def untrusted(directory: Path) -> str | None:
     """Why a library in ``directory`` could be someone else's (None: only this user can have put
     it there). A folder others may write to, or that another user owns, could hold a planted
-    library under the very name this build looks for, and loading it runs its code."""
+    library under the very name this build looks for, and loading it runs its code. A symbolic
+    link is refused too: whoever made it chose where this build writes."""
     try:
-        info = directory.stat()
+        info = directory.lstat()
     except (FileNotFoundError, NotADirectoryError):
-        return None  # made below with mode 0700, or unusable (and then passed over)
+        return None  # could not be made (a read-only cache): nothing to read, nowhere to write
+    if stat.S_ISLNK(info.st_mode):
+        return "a symbolic link"
     if info.st_uid != os.geteuid():
         return f"owned by uid {info.st_uid}, not {os.geteuid()}"
     if info.st_mode & 0o022:
@@ -150,6 +154,12 @@ def build(cache: Path | None = None) -> Path:
     # the temporary directory (a pod's /tmp emptyDir), where later processes find them too.
     directories = []
     for directory in (cache or _native_cache(), _private_tmp()):
+        # Made first (0700 when absent), checked after: checking an absent folder and making it
+        # later would let another user make it in between, in the shared /tmp.
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            pass  # a read-only cache is still read
         if (why := untrusted(directory)) is not None:
             logger.warning("refusing the C kernel cache %s (%s): building in a private folder instead",
                            directory, why)
@@ -161,7 +171,6 @@ def build(cache: Path | None = None) -> Path:
             return built
     for directory in directories:
         try:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             workdir = Path(tempfile.mkdtemp(prefix=".build-", dir=directory))
             break
         except OSError:
