@@ -109,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
 
     @kopf.on.login(registry=registry)
     def login(**_: object) -> kopf.ConnectionInfo:
+        # kopf logs in again after a 401: the service-account token file is read afresh then.
         scheme, _space, token = (connection.token or "").partition(" ")
+        if connection.token_file:
+            scheme, token = "Bearer", connection.current_token() or ""
         return kopf.ConnectionInfo(
             server=connection.server, ca_path=connection.ca_path, insecure=connection.insecure,
             certificate_path=connection.cert_path, private_key_path=connection.key_path,

@@ -2,12 +2,18 @@
 
 Credentials come from the `kubernetes` package's loaders (kubeconfig with certificates, tokens or
 exec plugins; or the in-cluster service account), so kopf's connection and ours are the same one.
+In a pod the service-account token is a file the kubelet rotates (a bound token lives an hour or
+so): it is read again each minute, as client-go does, and at once after a 401 (docs/operator.md,
+"Running the operator").
 """
 
 from __future__ import annotations
 
 import json
 import ssl
+import threading
+import time
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +40,50 @@ class Connection:
     key_path: str | None
     token: str | None  # "Bearer xyz" style header value, already prefixed
     default_namespace: str = "default"
+    token_file: str | None = None  # in a pod: the rotated service-account token, read again
+
+    def current_token(self) -> str | None:
+        """The bearer token now, unprefixed: the file's contents when there is one (read
+        afresh), else `token`'s."""
+        if self.token_file:
+            try:
+                with open(self.token_file) as f:
+                    if text := f.read().strip():
+                        return text
+            except OSError:
+                pass
+        return self.token.split(" ", 1)[-1] if self.token else None
+
+
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+TOKEN_REREAD_S = 60.0  # client-go's cached token file source re-reads every minute
+
+
+class TokenFileAuth(httpx.Auth):
+    """A bearer token read from `connection.token_file` each `reread_s`, and again (with one
+    retry) when the API server answers 401: the kubelet rotated it."""
+
+    def __init__(self, connection: Connection, reread_s: float = TOKEN_REREAD_S):
+        self.connection = connection
+        self.reread_s = reread_s
+        self._token = connection.current_token() or ""
+        self._read_at = time.monotonic()
+        self._lock = threading.Lock()
+
+    def token(self, force: bool = False) -> str:
+        with self._lock:
+            if force or time.monotonic() - self._read_at >= self.reread_s:
+                self._token = self.connection.current_token() or self._token
+                self._read_at = time.monotonic()
+            return self._token
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        sent = self.token()
+        request.headers["Authorization"] = f"Bearer {sent}"
+        response = yield request
+        if response.status_code == 401 and self.token(force=True) != sent:
+            request.headers["Authorization"] = f"Bearer {self._token}"
+            yield request
 
 
 def load_connection(kubeconfig: str | None = None, context: str | None = None) -> Connection:
@@ -43,9 +93,11 @@ def load_connection(kubeconfig: str | None = None, context: str | None = None) -
 
     config = kubernetes.client.Configuration()
     namespace = "default"
+    in_cluster = False
     if kubeconfig is None:
         try:
             kubernetes.config.load_incluster_config(client_configuration=config)
+            in_cluster = True
             try:
                 with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
                     namespace = f.read().strip() or namespace
@@ -66,6 +118,7 @@ def load_connection(kubeconfig: str | None = None, context: str | None = None) -
         key_path=config.key_file or None,
         token=header or None,
         default_namespace=namespace,
+        token_file=SERVICE_ACCOUNT_TOKEN if in_cluster else None,
     )
 
 
@@ -79,10 +132,13 @@ class Kube:
         if connection.cert_path:
             tls.load_cert_chain(connection.cert_path, connection.key_path)
         headers = {"Accept": "application/json", "User-Agent": "kvscale-operator"}
-        if connection.token:
+        auth: httpx.Auth | None = None
+        if connection.token_file:
+            auth = TokenFileAuth(connection)
+        elif connection.token:
             token = connection.token
             headers["Authorization"] = token if " " in token else f"Bearer {token}"
-        self._http = httpx.Client(base_url=connection.server, verify=tls,
+        self._http = httpx.Client(base_url=connection.server, verify=tls, auth=auth,
                                   headers=headers, timeout=timeout, trust_env=False)
 
     def close(self) -> None:
