@@ -26,6 +26,7 @@ DEFAULT_COMPILE_WAIT_TIMEOUT_S = 60.0
 # rescued after this long: it costs their requests this much, then they compile as if not lowered.
 DEFAULT_COMPILE_STARVED_AFTER_S = 1.0
 DEFAULT_CACHE_SIZE = 512
+DEFAULT_CACHE_BYTES = 256 * 2**20  # compiled grammars, as estimated (structured_outputs/compiler.py)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class StructuredOutputsConfig:
     compile_starved_after_s: float = DEFAULT_COMPILE_STARVED_AFTER_S
     mask_threads: int = 1  # >1: the batch bitmask is filled by the library's threads
     cache_size: int = DEFAULT_CACHE_SIZE
+    cache_bytes: int = DEFAULT_CACHE_BYTES
     # Append the tokens the grammar forces (keys, punctuation) without a sampling step each; the
     # next step computes their KV as one chunk (manager.py, docs/server.md). On by default: it
     # gained on the shared sample's schemas (docs/performance.md "Structured outputs", bench/structured_fast_forward.py).
@@ -60,8 +62,9 @@ class StructuredOutputsConfig:
             raise ValueError(f"compile_priority must be one of {', '.join(PRIORITIES)}")
         if not self.compile_starved_after_s > 0:
             raise ValueError("compile_starved_after_s must be positive")
-        if self.compile_workers < 1 or self.mask_threads < 1 or self.cache_size < 0:
-            raise ValueError("compile_workers and mask_threads must be at least 1, cache_size non-negative")
+        if self.compile_workers < 1 or self.mask_threads < 1 or self.cache_size < 0 or self.cache_bytes < 0:
+            raise ValueError("compile_workers and mask_threads must be at least 1, cache_size and "
+                             "cache_bytes non-negative")
         if not isinstance(self.fast_forward, bool):
             raise ValueError("fast_forward must be true or false")
 

@@ -16,6 +16,12 @@ first serves), and the next, for as long as the engine stays idle.
 
 Each job records the CPU clock of every thread compiling it; its CPU time is the most any of them
 has had (compiler.py's time limit counts that, not wall-clock time the scheduler never gave it).
+
+A compile cannot be stopped from outside its thread, so one that runs past that limit is
+abandoned instead (``abandon``): its thread finishes it (the grammar still lands in the cache)
+and then ends, while a new worker takes the queue at once. Up to ``MAX_ABANDONED`` such threads
+at a time, at the workers' low priority: a client's slow schemas cost idle CPU and fail their own
+requests, and no other client's compile waits behind them.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ logger = logging.getLogger(__name__)
 STARVED_SHARE = 0.05
 # How often the rescuer reads the workers' clocks.
 RESCUE_POLL_S = 0.05
+# Threads finishing abandoned compiles beside the workers; past it an over-limit compile keeps its
+# worker (its requests fail all the same).
+MAX_ABANDONED = 4
 
 
 @dataclass
@@ -74,6 +83,7 @@ class CompileJob:
         # (CPU clock, its reading at the start) per thread compiling it; the clock None: the
         # OS has none, and the reading is the monotonic start (wall time stands in).
         self.runs: list[tuple[int | None, float]] = []
+        self.abandoned = False  # over the time limit: its thread ends once it is done
 
     def cpu_seconds(self, now: float) -> float | None:
         """The most CPU time any thread has spent on this job so far; None before it starts.
@@ -103,6 +113,7 @@ class CompilePool:
         self._running: list[CompileJob] = []  # taken by a worker, not yet settled
         self._clocks: list[int] = []  # the workers' CPU clocks
         self._closed = False
+        self._abandoned = 0  # threads still finishing an abandoned job
         self._engine_busy_at = float("-inf")  # monotonic, the last forward pass
         self.rescues = 0
         self.threads = [threading.Thread(target=self._work_loop, name=f"grammar-compile-{i}", daemon=True)
@@ -124,6 +135,23 @@ class CompilePool:
         """The engine runs a forward pass now (called by its step): starved workers are then
         waiting for the engine, as they should, and the rescuer leaves them be."""
         self._engine_busy_at = time.monotonic()
+
+    def abandon(self, job: CompileJob) -> bool:
+        """Give up on a running ``job`` (over the time limit): a new worker takes the queue; the
+        job's thread finishes it, then ends. False when it is not running on a worker, is done,
+        or ``MAX_ABANDONED`` threads are already finishing such jobs."""
+        with self._work:
+            if (self._closed or job.abandoned or job.future.done() or job not in self._running
+                    or self._abandoned >= MAX_ABANDONED):
+                return False
+            job.abandoned = True
+            self._abandoned += 1
+            worker = threading.Thread(target=self._work_loop, name="grammar-compile-replacement", daemon=True)
+            self.threads = [thread for thread in self.threads if thread.is_alive()] + [worker]
+        logger.warning("a grammar compile ran past its CPU-time limit: a new worker takes the queue "
+                       "while it finishes (%d such)", self._abandoned)
+        worker.start()
+        return True
 
     def shutdown(self) -> None:
         with self._work:
@@ -151,6 +179,11 @@ class CompilePool:
             with self._work:
                 self._running.remove(job)
                 self._work.notify_all()
+                if job.abandoned:  # a replacement took this thread's place
+                    self._abandoned -= 1
+                    if clock is not None:
+                        self._clocks.remove(clock)
+                    return
 
     def _rescue_loop(self) -> None:
         mark: tuple[float, float] | None = None  # (when, the workers' CPU time then) while busy
@@ -188,7 +221,8 @@ class CompilePool:
         """Compile the oldest unfinished job at this thread's (the process's) priority; False
         when there is none (or the pool was shut down)."""
         with self._work:
-            unfinished = [job for job in (*self._running, *self._queue) if not job.future.done()]
+            unfinished = [job for job in (*self._running, *self._queue)
+                          if not job.future.done() and not job.abandoned]
             if self._closed or not unfinished:
                 return False
             job = min(unfinished, key=lambda j: j.submitted)

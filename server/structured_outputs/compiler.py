@@ -13,14 +13,24 @@ compile's own CPU time, read from its thread's CPU clock: a compile is not faile
 scheduler never gave it. A second bound, in wall-clock time (``compile_wait_timeout_s``), caps
 how long a request waits for its grammar, queue included; that request gets a 503 (the server is
 busy, the schema is not at fault). A compile that outlives either limit fails its requests; it still finishes in the
-background and lands in the cache, so a retry is served at once.
+background and lands in the cache, so a retry is served at once. One found running past the CPU-time
+limit gives its worker up (compile_pool.py, ``abandon``): a new worker takes the queue, so a client's
+slow schema fails its own requests and delays no one else's.
+
+The cache's key is a SHA-256 digest of a canonical JSON encoding of the constraint (its kind, the
+``strict`` flag, and its text or list of choices), so two constraints share an entry only when
+they are the same. The cache is bounded in bytes (``cache_bytes``, an estimate of each compiled
+grammar's memory from its constraint's size) as well as in entries (``cache_size``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,23 +51,33 @@ class GrammarFailure:
     message: str
 
 
-def cache_key(spec: StructuredOutputsParams) -> tuple[str, str]:
+# A compiled grammar's memory per byte of its constraint, and at the least (llguidance 1.9 on
+# the bundled tokenizer: ~30 KB for a tiny schema, ~2.6 MB for a 43 KB one).
+COMPILED_BYTES_PER_BYTE = 64
+COMPILED_BYTES_MIN = 32 * 1024
+
+
+def cache_key(spec: StructuredOutputsParams) -> bytes:
+    """Equal only for the same constraint: a digest of one unambiguous encoding of it."""
     kind = spec.kind
-    if spec.disable_additional_properties:
-        return "json+closed", str(spec.json)
-    if kind == "json_object":
-        return kind, ""
-    if kind == "choice":
-        assert spec.choice is not None
-        return kind, "\x00".join(spec.choice)
-    return kind, str(getattr(spec, kind))
+    value = spec.choice if kind == "choice" else getattr(spec, kind)
+    canonical = json.dumps([kind, spec.disable_additional_properties, value], ensure_ascii=False,
+                           separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).digest()
+
+
+def compiled_bytes(spec: StructuredOutputsParams) -> int:
+    """What a compiled grammar is counted as in the cache's byte bound."""
+    return max(COMPILED_BYTES_MIN, COMPILED_BYTES_PER_BYTE * spec.text_bytes())
 
 
 class PendingGrammar:
     """One request's wait for its grammar."""
 
-    def __init__(self, job: CompileJob, cache_hit: bool) -> None:
+    def __init__(self, job: CompileJob, cache_hit: bool,
+                 on_over_limit: Callable[[CompileJob], object] | None = None) -> None:
         self.job = job
+        self._on_over_limit = on_over_limit  # the pool's abandon: the worker goes back to the queue
         self.future = job.future
         self.cache_hit = cache_hit
         self.submitted = time.monotonic()  # the wait bound counts from here, queue included
@@ -82,6 +102,8 @@ class PendingGrammar:
                 return GrammarFailure("unsupported", f"This request's grammar cannot be enforced: {exc}")
             return GrammarFailure("unsupported", f"Compiling this request's grammar failed: {type(exc).__name__}: {exc}")
         if running_cpu_s is not None and running_cpu_s >= config.compile_timeout_s:
+            if self._on_over_limit is not None:
+                self._on_over_limit(self.job)
             return self._over_limit(config.compile_timeout_s)
         if now - self.submitted >= config.compile_wait_timeout_s:
             return GrammarFailure("wait_timeout", (
@@ -109,7 +131,8 @@ class GrammarCompiler:
         self.pool = CompilePool(self.tokenizer, _compile, config.compile_workers, config.compile_priority,
                                 config.compile_starved_after_s)
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], CompileJob] = OrderedDict()
+        self._cache: OrderedDict[bytes, tuple[CompileJob, int]] = OrderedDict()  # key -> (job, bytes)
+        self.cache_bytes = 0
         self.cache_hits = 0
         self.cache_misses = 0
 
@@ -124,19 +147,30 @@ class GrammarCompiler:
     def submit(self, spec: StructuredOutputsParams) -> PendingGrammar:
         key = cache_key(spec)
         with self._lock:
-            job = self._cache.get(key)
+            entry = self._cache.get(key)
+            job = entry[0] if entry is not None else None
             # A failed compile is not cached: the error may have been the time limit's.
             if job is not None and not (job.future.done() and job.future.exception() is not None):
                 self._cache.move_to_end(key)
                 self.cache_hits += 1
-                return PendingGrammar(job, cache_hit=job.future.done())
+                return PendingGrammar(job, job.future.done(), self.pool.abandon)
             self.cache_misses += 1
             job = self.pool.submit(spec)
-            if self.config.cache_size:
-                self._cache[key] = job
-                while len(self._cache) > self.config.cache_size:
-                    self._cache.popitem(last=False)
-        return PendingGrammar(job, cache_hit=False)
+            self._remember(key, job, compiled_bytes(spec))
+        return PendingGrammar(job, False, self.pool.abandon)
+
+    def _remember(self, key: bytes, job: CompileJob, size: int) -> None:
+        """Cache ``job`` within both bounds, the least recently used dropped first (under _lock)."""
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self.cache_bytes -= old[1]
+        if not self.config.cache_size or size > self.config.cache_bytes:
+            return
+        self._cache[key] = (job, size)
+        self.cache_bytes += size
+        while len(self._cache) > self.config.cache_size or self.cache_bytes > self.config.cache_bytes:
+            _, (_, dropped) = self._cache.popitem(last=False)
+            self.cache_bytes -= dropped
 
     def shutdown(self) -> None:
         self.pool.shutdown()
