@@ -3,7 +3,8 @@ generated Redis Secret created once, and deletion of the optional children it no
 
 A child's name that another object already holds (one a user made, or another controller's) is
 never taken over: server-side apply by the operator's field manager would rewrite its owner and
-fields, and two owners would fight over it every resync. It is left alone and reported.
+fields, and two owners would fight over it every resync. It is left alone and reported. So is
+a `NAME-redis` Secret the operator did not make (`ensure_redis_secret`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ from typing import Any
 
 import kopf
 
+from kvscale.operator.children.labels import redis_name
 from kvscale.operator.children.owned import Images, build_children, unwanted_children
 from kvscale.operator.children.redis import build_redis_secret
 from kvscale.operator.config import FIELD_MANAGER
+from kvscale.operator.inference_service import inference_service_path
 from kvscale.operator.kube import Kube, object_path, path_for
 from kvscale.operator.spec import InferenceServiceSpec
+
+REDIS_SECRET_STATUS = "redisSecret"  # status field: the Redis Secret the operator made
 
 
 def owned(child: dict[str, Any], owner: kopf.Body) -> dict[str, Any]:
@@ -40,18 +45,52 @@ def describe_holder(child: dict[str, Any], existing: dict[str, Any]) -> str:
     return f"{child['kind']} {child['metadata']['name']} already exists, held by {holder}"
 
 
+def ensure_redis_secret(kube: Kube, owner: kopf.Body) -> str | None:
+    """Create the Redis password Secret once; why an existing one is refused (None: it is ours).
+
+    The operator may not read Secrets (docs/operator.md, "RBAC"), so it cannot ask who owns one
+    that exists: it records the one it made in `status.redisSecret`, and a same-named Secret
+    it did not record (made by a user, another controller, or planted with a known password) is
+    refused. One made by an older operator is recognised by the Redis Deployment this
+    InferenceService already controls."""
+    meta = owner["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    secret = redis_name(name)
+    if ((owner.get("status") or {}).get(REDIS_SECRET_STATUS)) == secret:
+        return None  # ours, made earlier: never made again (a reconcile keeps the live password)
+    if kube.create_if_absent(path_for("v1", "secrets", namespace),
+                             owned(build_redis_secret(name, namespace), owner)):
+        record_redis_secret(kube, name, namespace, secret)
+        return None
+    redis = kube.get(path_for("apps/v1", "deployments", namespace, secret))
+    if redis is not None and not held_by_another(redis, meta["uid"]):
+        record_redis_secret(kube, name, namespace, secret)  # made by an operator before this record
+        return None
+    return (f"Secret {secret} already exists and was not made by the operator for this "
+            "InferenceService (the internal Redis is not run with a password someone else chose)")
+
+
+def record_redis_secret(kube: Kube, name: str, namespace: str, secret: str) -> None:
+    kube.merge_patch(inference_service_path(namespace, name, "status"),
+                     {"status": {REDIS_SECRET_STATUS: secret}})
+
+
 def apply_children(kube: Kube, owner: kopf.Body, spec: InferenceServiceSpec, images: Images) -> list[str]:
     """Apply every wanted child; the children left alone because another object holds their
     name, described (empty: everything applied)."""
     meta = owner["metadata"]
     name, namespace = meta["name"], meta["namespace"]
-    if spec.router.enabled and not spec.router.redis.external:
-        # Created, never read (the operator may not read Secrets): 409 means it exists, and the
-        # live password stays.
-        kube.create_if_absent(path_for("v1", "secrets", namespace),
-                              owned(build_redis_secret(name, namespace), owner))
     conflicts = []
-    for child in build_children(name, namespace, spec, images):
+    children = build_children(name, namespace, spec, images)
+    if spec.router.enabled and not spec.router.redis.external:
+        refused = ensure_redis_secret(kube, owner)
+        if refused:
+            # No Redis under a password someone else chose (and may know).
+            conflicts.append(refused)
+            children = [c for c in children
+                        if not (c["kind"] in ("Deployment", "Service")
+                                and c["metadata"]["name"] == redis_name(name))]
+    for child in children:
         existing = kube.get(object_path(child))
         if held_by_another(existing, meta["uid"]):
             assert existing is not None
