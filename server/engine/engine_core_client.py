@@ -6,7 +6,10 @@ an asyncio task reads. ``launch`` starts the core and blocks until it is warmed 
 with its reason); ``start`` (on the event loop) begins reading. The process's sentinel is watched
 by the event loop: when the core dies (a crash, the OOM killer, SIGKILL) the log says how, every
 open stream and waiting add gets EngineDeadError and the front end's ``is_alive`` is false, so
-/health and new requests answer 503.
+/health and new requests answer 503. The reading task is watched the same way: if it ends (a
+message it cannot decode, a bug in what it calls) nothing more would be heard from the core, so
+the engine counts as dead too. A core that lives but is stuck in a step is EngineFront's
+``health_problem``.
 """
 
 from __future__ import annotations
@@ -145,6 +148,7 @@ class EngineCoreClient(EngineFront):
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._reader = asyncio.ensure_future(self._read(zmq.asyncio.Socket.from_socket(self._from_core)))
+        self._reader.add_done_callback(self._on_reader_done)
         self._loop.add_reader(self._process.sentinel, self._on_exit)
 
     async def stop(self) -> None:
@@ -159,7 +163,8 @@ class EngineCoreClient(EngineFront):
             self._loop.remove_reader(self._process.sentinel)
         if self._reader is not None:
             self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # A reader that failed was reported when it ended (_on_reader_done).
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
         self._exited = True
         self._to_core.close()
@@ -206,6 +211,15 @@ class EngineCoreClient(EngineFront):
             elif isinstance(message, CoreFailed):
                 logger.error("the engine core process (pid %d) failed: %s", self.pid, message.reason)
                 self._fail(EngineCoreDied(message.reason))
+
+    def _on_reader_done(self, reader: asyncio.Task) -> None:
+        if self._stopping or self._exited:
+            return
+        why = "was cancelled" if reader.cancelled() else f"failed: {reader.exception()!r}"
+        logger.error("reading from the engine core process (pid %d) %s; %d open request(s) fail, "
+                     "/health and new requests answer 503", self.pid, why, len(self._streams),
+                     exc_info=None if reader.cancelled() else reader.exception())
+        self._fail(EngineCoreDied(f"the front end stopped hearing from the engine core: reading {why}"))
 
     def _on_batch(self, message: Accepted) -> None:
         batch = self._batches.pop(message.batch_id, None)

@@ -9,12 +9,20 @@ The event loop hears back once per engine step: one callback carrying every outp
 plus a stats snapshot, so the loop wakes once per step however many requests are running.
 Outputs are deltas (each step's new text, tokens and logprobs), so nothing grows with the length
 of an answer.
+
+That callback is also how a stuck engine shows: an engine loop answers after every step and at
+least every ``IDLE_TICK_S`` when idle (core_loop.py), so silence longer than
+``step_timeout_s`` while requests are open means a step has run that long, and ``health_problem``
+says so (/health answers 503: docs/server.md, "Health"). The bound is vLLM's
+``VLLM_ENGINE_ITERATION_TIMEOUT_S``, here ``KVSCALE_ENGINE_STEP_TIMEOUT_S`` (60 s by default).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +37,22 @@ logger = logging.getLogger(__name__)
 class EngineDeadError(RuntimeError):
     """The engine has stopped; no request can make progress."""
 
+
+DEFAULT_STEP_TIMEOUT_S = 60.0
+
+
+def step_timeout_from_env() -> float | None:
+    """``KVSCALE_ENGINE_STEP_TIMEOUT_S``: seconds a step may run before /health fails (0: never)."""
+    value = float(os.environ.get("KVSCALE_ENGINE_STEP_TIMEOUT_S", DEFAULT_STEP_TIMEOUT_S))
+    return value if value > 0 else None
+
+
+def stalled_for(now: float, last_heard: float, busy: bool, step_timeout_s: float | None) -> float | None:
+    """How long the engine has been silent while it has work, if past ``step_timeout_s``."""
+    silent = now - last_heard
+    if step_timeout_s is None or not busy or silent <= step_timeout_s:
+        return None
+    return silent
 
 
 _NOTHING = object()
@@ -125,6 +149,8 @@ class EngineFront:
         # Adds submitted but not yet taken by the engine count as waiting, so a burst arriving
         # within one step cannot overrun --max-queue-len.
         self.num_pending_adds = 0
+        self.step_timeout_s = step_timeout_from_env()
+        self._last_heard = time.monotonic()  # the engine's last step (or idle tick) answered
 
     def observe(
         self,
@@ -188,6 +214,9 @@ class EngineFront:
         ids = [request_id for request_id, *_ in requests]
         if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
             raise ValueError("request ids must be unique and not in use")
+        if not self._streams and not self.num_pending_adds:
+            # Work starts now: an engine that does not tick while idle was silent for nothing.
+            self._last_heard = time.monotonic()
         streams = []
         for request_id, prompt, _, _ in requests:
             stream = RequestStream(request_id=request_id,
@@ -229,6 +258,18 @@ class EngineFront:
         if not stream.finished:
             self.abort(stream.request_id)
 
+    def health_problem(self) -> str | None:
+        """Why /health must fail (the engine died, or a step has run past ``step_timeout_s``), or
+        None."""
+        if not self.is_alive:
+            return self.death_reason()
+        busy = bool(self._streams) or self.num_pending_adds > 0
+        silent = stalled_for(time.monotonic(), self._last_heard, busy, self.step_timeout_s)
+        if silent is None:
+            return None
+        return (f"the engine has not finished a step in {silent:.0f} s, longer than "
+                f"{self.step_timeout_s:g} s (KVSCALE_ENGINE_STEP_TIMEOUT_S): it is stuck")
+
     def death_reason(self) -> str:
         if self.error is None:
             return "the engine is not running"
@@ -244,6 +285,7 @@ class EngineFront:
         accepted.set_result(error)
 
     def _on_step_done(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        self._last_heard = time.monotonic()
         self.stats = stats
         if self._on_step is not None:
             self._on_step(outputs, self._streams, stats)
