@@ -13,7 +13,7 @@ of an answer.
 That callback is also how a stuck engine shows: an engine loop answers after every step and at
 least every ``IDLE_TICK_S`` when idle (core_loop.py), so silence longer than
 ``step_timeout_s`` while requests are open means a step has run that long, and ``health_problem``
-says so (/health answers 503: docs/server.md, "Health"). The bound is vLLM's
+says so (/health answers 503: docs/server.md, "Engine failure"). The bound is vLLM's
 ``VLLM_ENGINE_ITERATION_TIMEOUT_S``, here ``KVSCALE_ENGINE_STEP_TIMEOUT_S`` (60 s by default).
 """
 
