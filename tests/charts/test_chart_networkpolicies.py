@@ -169,3 +169,15 @@ def test_policies_follow_what_each_inference_service_exposes(helm: Helm, router,
         for source in (client, neighbour, prometheus, operator_pod):
             assert can(source, namespace_router_pod, ROUTER_PORT), source.name
         assert can(namespace_router_pod, servers, SERVER_PORT)
+
+
+def test_policies_cover_the_namespaces_the_operator_serves(helm: Helm):
+    """Without networkPolicies.namespaces, the namespaces the operator watches; a cluster-wide
+    operator's cannot be known, and NOTES.txt says to list them."""
+    docs = helm.template("networkPolicies.enabled=true", "operator.watchNamespaces={team,lab}",
+                         release=RELEASE, namespace=RELEASE_NS)
+    covered = {d["metadata"]["namespace"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert covered == {"team", "lab"}
+    listed = helm.template("networkPolicies.enabled=true", "networkPolicies.namespaces={a}",
+                           "operator.watchNamespaces={team}", release=RELEASE, namespace=RELEASE_NS)
+    assert {d["metadata"]["namespace"] for d in listed if d["kind"] == "NetworkPolicy"} == {"a"}
