@@ -34,6 +34,19 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Spill:
+    """Why a holder was passed over (predicted-ttft): the decision record the router logs and the
+    benchmarks collect, in the estimate's seconds."""
+
+    holder: str
+    holder_ttft_s: float
+    other: str  # the best other replica, where the request went
+    other_ttft_s: float
+    saved_s: float  # the prefill the holder's cached blocks would have saved there
+    held_blocks: int
+
+
+@dataclass(frozen=True)
 class Decision:
     ranked: list[str]  # best first; the proxy walks it on failover
     matched_blocks: int  # of the first choice
@@ -43,6 +56,9 @@ class Decision:
     # The first choice's estimate rests on its own measured prefill rate (not the pool's or the
     # default, which a replica that has not measured itself yet borrows).
     rate_measured: bool = False
+    spill: Spill | None = None  # set when the policy passed a holder over for its load
+    # The holder the spill rule judged, and whether it found it overloaded (the caller's hysteresis).
+    judged: tuple[str, bool] | None = None
 
 
 def effective_load(

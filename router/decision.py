@@ -9,6 +9,8 @@ prefill ledger), and the replica a session was last sent to.
 
 from __future__ import annotations
 
+import json
+import logging
 import random
 import time
 from collections import OrderedDict
@@ -24,9 +26,15 @@ from kvscale.router.prefill_ledger import ttft_inputs
 from kvscale.router.replicas import Replica
 from kvscale.router.ttft_calibration import NONE, TtftCalibration
 
+log = logging.getLogger("kvscale.router.decision")
+
 SESSIONS_KEPT = 100_000
-# A block routed to a replica within this long is hot there: a new prefix should not evict it.
+# A block routed to a replica twice within this long is hot there: a new prefix should not evict
+# it. The floor; on a slow fleet the window stretches with the prefill wait (HOT_LATENCY_FACTOR).
 HOT_WINDOW_S = 30.0
+# A slow fleet reuses a prefix less often per second, not less: the window spans this many prefill
+# waits (docs/router.md, "Room for new prefixes").
+HOT_LATENCY_FACTOR = 4.0
 # At most this many block hashes remembered per replica (a busy router's 30 s can hold millions).
 HOT_BLOCKS_KEPT = 262_144
 
@@ -56,11 +64,17 @@ class HotBlocks:
     (A block sent once is a unique suffix, or a prefix not yet reused: LRU may take it.)"""
 
     def __init__(self, window_s: float = HOT_WINDOW_S, capacity: int = HOT_BLOCKS_KEPT) -> None:
+        self.window_floor_s = window_s
         self.window_s = window_s
         self.capacity = capacity
         # replica -> block hash -> (last sent, times sent), oldest first
         self._sent: dict[str, OrderedDict[int, tuple[float, int]]] = {}
         self._hot: dict[str, int] = {}  # replica -> how many of its entries were sent twice or more
+
+    def stretch(self, latency_s: float) -> None:
+        """The slowest prefill in sight (as ``PrefixIndex.stretch``): the window spans
+        HOT_LATENCY_FACTOR of them, at least its floor."""
+        self.window_s = max(self.window_floor_s, HOT_LATENCY_FACTOR * max(latency_s, 0.0))
 
     def sent(self, replica_id: str, hashes: list[int], now: float) -> None:
         blocks = self._sent.setdefault(replica_id, OrderedDict())
@@ -125,6 +139,32 @@ def candidate_view(
                              free_blocks=room, ttft_scale=ttft_scale, **extra)
 
 
+def note_overload(since: dict[str, float], judged: tuple[str, bool] | None, now: float) -> None:
+    """Keep the spill rule's verdicts for the hysteresis: when each holder's overload began; a
+    verdict of not overloaded ends it."""
+    if judged is None:
+        return
+    replica_id, overloaded = judged
+    if overloaded:
+        since.setdefault(replica_id, now)
+    else:
+        since.pop(replica_id, None)
+
+
+def decision_record(views: list[routing.Candidate], decision: routing.Decision, now: float,
+                    hash_key: int | str = "") -> dict:
+    """One decision as the debug log records it (docs/router.md, "Decision records"): what each
+    replica looked like, where the request went and why, and a spill's estimates."""
+    return {
+        "t": round(now, 3), "key": str(hash_key), "chosen": decision.ranked[0] if decision.ranked else None, "reason": decision.reason,
+        "replicas": {c.replica_id: {"matched": c.matched_blocks, "load": c.load, "queued": c.queued_prefill_tokens,
+                                    "decoding": c.num_decoding, "rate": round(c.prefill_tokens_per_s, 1),
+                                    "free": c.free_blocks} for c in views},
+        "spill": None if decision.spill is None else {
+            k: round(v, 3) if isinstance(v, float) else v for k, v in decision.spill.__dict__.items()},
+    }
+
+
 class Decider:
     def __init__(
         self,
@@ -141,6 +181,7 @@ class Decider:
         self.metrics = metrics
         self.sessions = SessionMemory()
         self.hot = HotBlocks()
+        self.overloaded_since: dict[str, float] = {}  # holder -> since when the spill rule held
         # predicted-ttft's estimate against the TTFTs the forwarder measures, per replica.
         self.calibration = TtftCalibration()
         self._counter = 0  # requests decided, for round-robin
@@ -153,6 +194,7 @@ class Decider:
         self.in_flight.forget(replica_id)
         self.heartbeats.forget(replica_id)
         self.hot.forget(replica_id)
+        self.overloaded_since.pop(replica_id, None)
         self.calibration.forget(replica_id)
         self.metrics.forget_replica(replica_id)
 
@@ -183,6 +225,14 @@ class Decider:
         """
         by_id = {r.replica_id: r for r in candidates}
         now = time.monotonic()
+        # Predictions live until the slowest prefill in sight is done (docs/router.md, "Predictions"),
+        # and a prefix stays hot as long on a slow fleet as on a fast one.
+        wait = max((ledger.prefill_wait(now) for rid in by_id
+                    if (ledger := self.in_flight.ledger(rid)) is not None), default=0.0)
+        self.index.stretch(wait)
+        self.hot.stretch(wait)
+        # An overload must outlast one prefill wait before a holder is passed over (hysteresis).
+        hold = routing.OverloadHold(now, wait, self.overloaded_since)
         matched = (
             self.index.match(hashes, by_id, now)
             if routing.uses_prefix(self.config.policy) else dict.fromkeys(by_id, 0)
@@ -216,9 +266,13 @@ class Decider:
             ttft_overhead_s=applied.overhead_s,
             sticky_replica=self.sessions.get(session),
             index_stale=index_stale,
+            hold=hold,
         )
+        note_overload(self.overloaded_since, decision.judged, now)
         if decision.ranked and is_spill(matched, decision.ranked[0], decision.reason):
             self.metrics.spills.inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("decision %s", json.dumps(decision_record(views, decision, now, hash_key)))
         if decision.ranked:
             self.hot.sent(decision.ranked[0], hashes, now)
         if decision.ranked and decision.uncalibrated_ttft_s is not None:

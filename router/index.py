@@ -5,10 +5,14 @@ Two kinds of entries per replica:
 - of the confirmed, ``host``: those the replica keeps in its second KV tier (host memory): a hit
   there costs a copy back up, less than a prefill but more than a tier-1 hit;
 - predicted: hashes of prompts the router just sent there, kept until the replica confirms
-  them or they expire. Prefill takes a while; without these, a burst of requests sharing a
-  new prefix would scatter before the first one's blocks are reported. Without Redis
-  (``kvscale up`` with no redis-server) predictions are all the router has, so they then live
-  until evicted by a per-replica capacity.
+  them (stored) or refutes them (removed), or they expire. Prefill takes a while; without these,
+  a burst of requests sharing a new prefix would scatter before the first one's blocks are
+  reported. A replica reports a prompt's blocks once its prefill is done, which on a slow or
+  queued fleet takes longer than any fixed time: so a prediction lives ``prediction_ttl_s``, at
+  least the floor it was built with and stretched (``stretch``) to a multiple of the slowest
+  confirmation the router is waiting for or has recently seen (docs/router.md, "Predictions").
+  Without Redis (``kvscale up`` with no redis-server) predictions are all the router has, so
+  they then live until evicted by a per-replica capacity.
 
 Only the router's event loop touches an index, so it has no locks.
 """
@@ -26,12 +30,24 @@ from kvscale.kv_index_schema import TIER_HOST
 class _ReplicaBlocks:
     confirmed: set[int] = field(default_factory=set)
     host: set[int] = field(default_factory=set)  # the confirmed ones held in tier 2
-    predicted: OrderedDict[int, float] = field(default_factory=OrderedDict)  # hash -> expiry
+    predicted: OrderedDict[int, float] = field(default_factory=OrderedDict)  # hash -> when predicted
     seq: int = 0  # last event sequence number applied (from the replica's publisher)
+
+
+# A prediction outlives the slowest confirmation in sight by this factor: a request still queued
+# when its prediction was made keeps it until its prefill is done and its blocks reported.
+PREDICTION_LATENCY_FACTOR = 2.0
+
+
+def prediction_ttl(floor_s: float, latency_s: float, factor: float = PREDICTION_LATENCY_FACTOR) -> float:
+    """How long a prediction lives: the floor, or ``factor`` times ``latency_s`` (how long the
+    router has waited, or recently waited, for a prefill to be done) when that is longer."""
+    return max(floor_s, factor * max(latency_s, 0.0))
 
 
 class PrefixIndex:
     def __init__(self, prediction_ttl_s: float = 10.0, prediction_capacity: int = 65536) -> None:
+        self.prediction_floor_s = prediction_ttl_s
         self.prediction_ttl_s = prediction_ttl_s
         self.prediction_capacity = prediction_capacity
         self._replicas: dict[str, _ReplicaBlocks] = {}
@@ -86,13 +102,17 @@ class PrefixIndex:
         self._blocks(replica_id).seq = seq
 
     # -- predictions from the router's own decisions ------------------------------------------
+    def stretch(self, latency_s: float) -> None:
+        """The slowest prefill the router waits for, or recently waited for: every prediction,
+        made earlier or later, lives ``prediction_ttl(floor, latency_s)`` from when it was made."""
+        self.prediction_ttl_s = prediction_ttl(self.prediction_floor_s, latency_s)
+
     def predict(self, replica_id: str, block_hashes: Sequence[int], now: float) -> None:
         blocks = self._blocks(replica_id)
-        expiry = now + self.prediction_ttl_s
         for block_hash in block_hashes:
             if block_hash in blocks.confirmed:
                 continue
-            blocks.predicted[block_hash] = expiry
+            blocks.predicted[block_hash] = now
             blocks.predicted.move_to_end(block_hash)
         while len(blocks.predicted) > self.prediction_capacity:
             blocks.predicted.popitem(last=False)
@@ -100,10 +120,10 @@ class PrefixIndex:
     def _holds(self, blocks: _ReplicaBlocks, block_hash: int, now: float) -> bool:
         if block_hash in blocks.confirmed:
             return True
-        expiry = blocks.predicted.get(block_hash)
-        if expiry is None:
+        predicted_at = blocks.predicted.get(block_hash)
+        if predicted_at is None:
             return False
-        if expiry < now:
+        if now - predicted_at > self.prediction_ttl_s:
             del blocks.predicted[block_hash]
             return False
         return True

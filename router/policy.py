@@ -42,6 +42,8 @@ from kvscale.router.predicted_ttft import (
     RATE_SPREAD,
     TTFT_EPSILON,
     TTFT_SLACK,
+    OverloadHold,
+    evicted_blocks,
     pool_rates,
     predicted_ttft,
     predicted_ttft_policy,
@@ -51,7 +53,8 @@ from kvscale.router.predicted_ttft import (
 # Callers read every policy's parts through this module (kvscale.router.decision, the benchmarks).
 __all__ = [
     "DEFAULT_PREFILL_TOKENS_PER_S", "HOST_RESTORE_SPEEDUP", "RATE_SPREAD", "TTFT_EPSILON", "TTFT_SLACK",
-    "Candidate", "Decision", "bounded_capacity", "consistent_hash_order", "decide", "effective_load",
+    "Candidate", "Decision", "OverloadHold", "bounded_capacity", "consistent_hash_order", "decide", "effective_load",
+    "evicted_blocks",
     "pool_rates", "predicted_ttft", "predicted_ttft_policy", "prefix_affinity", "random_choice",
     "round_robin", "should_spill", "uses_prefix", "weighted", "weighted_scores", "within_bound",
 ]
@@ -185,11 +188,12 @@ def decide(
     block_size: int = 16,
     ttft_epsilon: float | None = TTFT_EPSILON,
     ttft_overhead_s: float = 0.0,
+    hold: OverloadHold | None = None,
 ) -> Decision:
     if policy == "predicted-ttft":
         return predicted_ttft_policy(
             candidates, prompt_tokens, block_size, hash_key, epsilon=ttft_epsilon, slack=epsilon,
-            sticky_replica=sticky_replica, ttft_overhead_s=ttft_overhead_s,
+            sticky_replica=sticky_replica, ttft_overhead_s=ttft_overhead_s, hold=hold,
         )
     if policy == "weighted":
         return weighted(candidates, prompt_blocks, hash_key)

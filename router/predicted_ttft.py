@@ -39,10 +39,10 @@ cached prefix, then to the rendezvous hash. The bounded-load cap on in-flight re
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
-from kvscale.router.candidates import Candidate, Decision, bounded_split, rendezvous_weight
+from kvscale.router.candidates import Candidate, Decision, Spill, bounded_split, rendezvous_weight
 
 # Safety valve for predicted-ttft: nobody above (1 + eps) x the mean in-flight requests. Loose on
 # purpose: requests that hit a cached prefix are cheap, so a replica holding hot prefixes carries
@@ -96,6 +96,33 @@ def pool_rates(candidates: Sequence[Candidate]) -> dict[str, float]:
             for c in candidates}
 
 
+@dataclass(frozen=True)
+class OverloadHold:
+    """Hysteresis for the spill rule: a holder is passed over only once the rule has judged it
+    overloaded for ``hold_s`` without a break (``since``: replica -> when that began; the caller
+    keeps it from each decision's ``judged``). A burst of one group that drains within it does not
+    move the group; an overload that outlasts it does (docs/router.md, "Hysteresis")."""
+
+    now: float
+    hold_s: float
+    since: Mapping[str, float]
+
+    def outlasted(self, replica_id: str) -> bool:
+        if self.hold_s <= 0:  # no prefill wait in sight: nothing to smooth over
+            return True
+        began = self.since.get(replica_id)
+        return began is not None and self.now - began >= self.hold_s
+
+
+def evicted_blocks(candidate: Candidate, prompt_tokens: int, block_size: int) -> int:
+    """Hot blocks a request evicts on ``candidate``: what it must compute beyond the room left
+    there by the prefixes recently routed to it (0 when the room is unknown)."""
+    if candidate.free_blocks is None:
+        return 0
+    need = -(-prompt_tokens // max(block_size, 1)) - candidate.matched_blocks
+    return max(need - candidate.free_blocks, 0)
+
+
 def should_spill(anchor_ttft: float, other_ttft: float, saved_s: float, slack: float) -> bool:
     """The anchor is truly overloaded: its estimate beyond the other's by more than the prefill the
     hit saves, with ``slack`` (relative) for the estimates' error."""
@@ -112,6 +139,7 @@ def predicted_ttft_policy(
     slack: float = TTFT_SLACK,
     sticky_replica: str | None = None,
     ttft_overhead_s: float = 0.0,
+    hold: OverloadHold | None = None,
 ) -> Decision:
     """Rank replicas: the anchor (session, else longest holder) first unless it is truly overloaded,
     cold prompts where there is room, the rest by estimate; over the load cap last.
@@ -142,6 +170,8 @@ def predicted_ttft_policy(
     best_match = max((c.matched_blocks for c in candidates), default=0)
     reason = "load"
     anchor: Candidate | None = None
+    spill: Spill | None = None
+    judged: tuple[str, bool] | None = None
     sticky = [c for c in eligible if c.replica_id == sticky_replica]
     if sticky:
         anchor, reason = sticky[0], "sticky"
@@ -155,11 +185,18 @@ def predicted_ttft_policy(
         held = (anchor.matched_blocks if reason != "sticky"
                 else max(anchor.matched_blocks, prompt_tokens // max(block_size, 1)))
         other = others[0] if others else None
-        if other is not None and should_spill(
-            ttft[anchor.replica_id], ttft[other.replica_id],
-            max(held - other.matched_blocks, 0) * block_size / rates[other.replica_id] * other.ttft_scale,
-            slack,
-        ):
+        saved = 0.0
+        if other is not None:
+            # The prefill the hit saves, and the hot blocks the copy would evict there (computed
+            # again by the requests that wanted them): both at the other's rate.
+            lost = max(held - other.matched_blocks, 0) + evicted_blocks(other, prompt_tokens, block_size)
+            saved = lost * block_size / rates[other.replica_id] * other.ttft_scale
+        overloaded = other is not None and should_spill(
+            ttft[anchor.replica_id], ttft[other.replica_id], saved, slack)
+        judged = (anchor.replica_id, overloaded)
+        if other is not None and overloaded and (hold is None or hold.outlasted(anchor.replica_id)):
+            spill = Spill(anchor.replica_id, ttft[anchor.replica_id], other.replica_id, ttft[other.replica_id],
+                          saved, held)
             anchor, reason = None, "load"
     if anchor is None and best_match == 0:
         # A cold prompt: the soonest replica with room for it, so it does not evict a hot prefix.
@@ -175,4 +212,6 @@ def predicted_ttft_policy(
     return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks, reason,
                     predicted_ttft_s=ttft_overhead_s + ttft[ranked[0].replica_id],
                     uncalibrated_ttft_s=raw[ranked[0].replica_id],
-                    rate_measured=ranked[0].prefill_tokens_per_s > 0)
+                    rate_measured=ranked[0].prefill_tokens_per_s > 0,
+                    spill=spill if spill is not None and ranked[0].replica_id != spill.holder else None,
+                    judged=judged)

@@ -10,11 +10,15 @@ Only the router's event loop touches a ledger, so it has no locks.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from kvscale.kv_index_schema import Heartbeat
+
+# Prefill waits remembered per replica: a minute of a slow replica's requests.
+RECENT_WAITS = 16
 
 
 @dataclass
@@ -79,6 +83,8 @@ class PrefillLedger:
         self.open: dict[int, Sent] = {}
         self.keep_s = keep_s
         self._finished: dict[int, Sent] = {}
+        # The last few prefill waits (sent to first byte): how long a prediction must live here.
+        self._waits: deque[float] = deque(maxlen=RECENT_WAITS)
 
     def sent(self, key: int, tokens: int, now: float) -> None:
         self.open[key] = Sent(tokens, now)
@@ -87,6 +93,13 @@ class PrefillLedger:
         entry = self.open.get(key)
         if entry is not None and entry.started_at is None:
             entry.started_at = now
+            self._waits.append(now - entry.sent_at)
+
+    def prefill_wait(self, now: float) -> float:
+        """The longest of: the oldest open request's wait for its first byte so far, and the
+        last RECENT_WAITS requests' waits (the index stretches its predictions to it)."""
+        waiting = max((now - s.sent_at for s in self.open.values() if s.started_at is None), default=0.0)
+        return max(waiting, max(self._waits, default=0.0))
 
     def done(self, key: int, now: float) -> None:
         entry = self.open.pop(key, None)

@@ -10,7 +10,14 @@ import pytest
 
 from kvscale.kv_index_schema import Heartbeat
 from kvscale.router.config import RouterConfig
-from kvscale.router.decision import Decider, HotBlocks, SessionMemory, candidate_view, free_blocks
+from kvscale.router.decision import (
+    Decider,
+    HotBlocks,
+    SessionMemory,
+    candidate_view,
+    free_blocks,
+    note_overload,
+)
 from kvscale.router.heartbeats import HeartbeatTable
 from kvscale.router.in_flight import InFlight
 from kvscale.router.index import PrefixIndex
@@ -243,3 +250,37 @@ def test_a_replica_renamed_by_its_first_heartbeat_leaves_no_series_under_its_old
         assert in_flight.ledger(name) is None
         assert decider.calibration.pairs(name) == []
     assert decider.hot.footprint(address, time.monotonic()) == 0
+
+
+def test_the_decider_stretches_predictions_and_the_hot_window_to_the_slowest_prefill_wait() -> None:
+    """A request sent 40 s ago has no first byte yet: predictions live 80 s and a prefix sent
+    twice within 160 s is hot (the floors, 10 s and 30 s, are for fast fleets)."""
+    decider, _, in_flight, _ = parts("predicted-ttft")
+    replicas = [Replica(f"http://r{i}", f"r{i}", healthy=True) for i in range(2)]
+    request = in_flight.open(replicas[0], 528)
+    request.ledger.open[request.key].sent_at -= 40.0
+    decider.decide(replicas, [1, 2, 3], 1, None, 48, 16)
+    assert decider.index.prediction_ttl_s == pytest.approx(80.0, abs=0.5)
+    assert decider.hot.window_s == pytest.approx(160.0, abs=1.0)
+
+
+def test_overload_verdicts_begin_and_end_the_hysteresis() -> None:
+    since: dict[str, float] = {}
+    note_overload(since, ("r0", True), 10.0)
+    note_overload(since, ("r0", True), 12.0)  # still overloaded: it began at 10
+    note_overload(since, None, 13.0)  # nobody judged (a cold prompt)
+    assert since == {"r0": 10.0}
+    note_overload(since, ("r0", False), 14.0)
+    assert since == {}
+
+
+def test_a_ledger_knows_its_slowest_prefill_wait() -> None:
+    from kvscale.router.prefill_ledger import PrefillLedger
+
+    ledger = PrefillLedger()
+    ledger.sent(1, 500, now=0.0)
+    ledger.sent(2, 500, now=5.0)
+    ledger.started(2, now=8.0)  # waited 3 s
+    assert ledger.prefill_wait(now=20.0) == 20.0  # the first still waits
+    ledger.started(1, now=21.0)
+    assert ledger.prefill_wait(now=30.0) == 21.0  # the recent waits remember it

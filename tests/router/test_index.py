@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvscale.block_hash import hash_prompt_blocks
-from kvscale.router.index import PrefixIndex
+from kvscale.router.index import PrefixIndex, prediction_ttl
 
 
 def test_match_counts_leading_blocks_only():
@@ -68,3 +68,19 @@ def test_replace_is_a_snapshot_with_its_seq():
     assert index.sizes() == {"a": 2}
     index.forget("a")
     assert index.replica_ids() == [] and index.seq("a") == 0
+
+
+def test_predictions_live_as_long_as_the_slowest_prefill_in_sight():
+    """A replica reports a prompt's blocks once its prefill is done: on a fleet where that takes
+    30 s, a prediction outlives the 10 s floor (2 x the wait), earlier ones included; a wait
+    shorter than half the floor leaves the floor."""
+    index = PrefixIndex(prediction_ttl_s=10.0)
+    prompt = hash_prompt_blocks(list(range(32)), 16)
+    index.predict("a", prompt, now=100.0)
+    index.stretch(30.0)
+    assert index.prediction_ttl_s == 60.0
+    assert index.match(prompt, ["a"], now=150.0) == {"a": 2}  # still unconfirmed at 50 s: held
+    assert index.match(prompt, ["a"], now=161.0) == {"a": 0}
+    index.stretch(2.0)
+    assert index.prediction_ttl_s == 10.0
+    assert prediction_ttl(10.0, 30.0) == 60.0 and prediction_ttl(10.0, -1.0) == 10.0

@@ -328,3 +328,58 @@ def test_cheap_hits_in_flight_do_not_trip_the_safety_valve():
     holder = ttft_cand("holder", matched=32, queued=96, load=6)
     others = [ttft_cand("a", queued=528, load=1), ttft_cand("b")]
     assert policy.predicted_ttft_policy([*others, holder], 528, 16, hash_key=6).ranked[0] == "holder"
+
+
+def test_the_spill_rule_is_scale_free_every_replica_equally_slow_decides_alike():
+    """Every time the estimate compares is tokens over a rate or steps times a step: the same fleet
+    ten times slower (rates / 10, decode steps x 10) decides the same, kept or spilled."""
+    def fleet(slow: float, queued: int) -> list[Candidate]:
+        holder = ttft_cand("holder", matched=32, queued=queued, rate=1000.0 / slow, decoding=2, step=0.05 * slow,
+                           per_step=2048)
+        return [holder, ttft_cand("idle", rate=1000.0 / slow, decoding=1, step=0.05 * slow, per_step=2048)]
+    for queued, first in ((1000, "holder"), (3000, "idle")):
+        fast = policy.predicted_ttft_policy(fleet(1.0, queued), 528, 16, hash_key=4)
+        slow = policy.predicted_ttft_policy(fleet(10.0, queued), 528, 16, hash_key=4)
+        assert fast.ranked[0] == slow.ranked[0] == first
+        assert (fast.spill is None) == (slow.spill is None) == (first == "holder")
+
+
+def test_a_spill_is_recorded_with_the_estimates_that_decided_it():
+    holder = ttft_cand("holder", matched=32, queued=3000, load=2)
+    decision = policy.predicted_ttft_policy([holder, ttft_cand("idle")], 528, 16, hash_key=5)
+    assert decision.spill is not None
+    assert (decision.spill.holder, decision.spill.other, decision.spill.held_blocks) == ("holder", "idle", 32)
+    assert decision.spill.holder_ttft_s == pytest.approx(3.016)  # 3000 queued + 16 uncached at 1000/s
+    assert decision.spill.other_ttft_s == pytest.approx(0.528)
+    assert decision.spill.saved_s == pytest.approx(0.512)  # 32 blocks of 16 at the other's rate
+    assert decision.judged == ("holder", True)
+
+
+def test_a_spill_that_would_evict_hot_prefixes_counts_their_prefill():
+    """The holder's 1.5 s queue beats 0.528 s + 0.512 s saved by 1.44x: spilled where the other has
+    room. Where the other's pool is full of hot prefixes, the copy evicts 33 blocks that their own
+    requests will compute again: 0.528 s more on the other side, and the holder keeps the prompt."""
+    holder = ttft_cand("holder", matched=32, queued=1500)
+    roomy = replace(ttft_cand("other"), free_blocks=100)
+    full = replace(ttft_cand("other"), free_blocks=0)
+    assert policy.predicted_ttft_policy([holder, roomy], 528, 16, hash_key=6).ranked[0] == "other"
+    kept = policy.predicted_ttft_policy([holder, full], 528, 16, hash_key=6)
+    assert kept.ranked[0] == "holder" and kept.spill is None and kept.judged == ("holder", False)
+    assert policy.evicted_blocks(full, 528, 16) == 33 and policy.evicted_blocks(roomy, 528, 16) == 0
+
+
+def test_hysteresis_keeps_the_group_through_a_short_overload_and_moves_it_after_a_long_one():
+    """The rule finds the holder overloaded; it is passed over only once that verdict has held for
+    hold_s (one prefill wait) without a break. No wait in sight (hold_s 0): no hysteresis."""
+    cands = [ttft_cand("holder", matched=32, queued=3000, load=2), ttft_cand("idle")]
+
+    def first(hold: policy.OverloadHold | None) -> str:
+        return policy.predicted_ttft_policy(cands, 528, 16, hash_key=5, hold=hold).ranked[0]
+
+    assert first(policy.OverloadHold(now=100.0, hold_s=20.0, since={})) == "holder"  # it just began
+    assert first(policy.OverloadHold(now=100.0, hold_s=20.0, since={"holder": 90.0})) == "holder"
+    assert first(policy.OverloadHold(now=100.0, hold_s=20.0, since={"holder": 75.0})) == "idle"
+    assert first(policy.OverloadHold(now=100.0, hold_s=0.0, since={})) == "idle"
+    assert first(None) == "idle"
+    kept = policy.predicted_ttft_policy(cands, 528, 16, hash_key=5, hold=policy.OverloadHold(100.0, 20.0, {}))
+    assert kept.spill is None and kept.judged == ("holder", True) and kept.reason == "affinity"
