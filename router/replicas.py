@@ -208,9 +208,17 @@ class ReplicaSet:
         replica.last_check = time.monotonic()
 
 
+# Every call to the API server is bounded (connect, read seconds): the client's default waits
+# forever on an API server that accepted and went silent. A watch's read bound leaves room past
+# its own server-side timeout.
+K8S_TIMEOUT_S = (5.0, 30.0)
+WATCH_TIMEOUT_S = 60
+
+
 def kube_api_client(kubeconfig: str | None = None):
     """A kubernetes ApiClient: in-cluster (the pod's ServiceAccount) unless ``kubeconfig`` names
-    a file; outside a pod, $KUBECONFIG or ~/.kube/config."""
+    a file; outside a pod, $KUBECONFIG or ~/.kube/config. In a pod the token file is read again
+    once a minute (the client's refresh hook): the kubelet rotates the projected token."""
     from kubernetes import client, config
 
     if kubeconfig is None:
@@ -301,7 +309,8 @@ class EndpointSliceWatch:
         selector = self.label_selector
         while not self._stop.is_set():
             try:
-                listing = api.list_namespaced_endpoint_slice(self.namespace, label_selector=selector)
+                listing = api.list_namespaced_endpoint_slice(
+                    self.namespace, label_selector=selector, _request_timeout=K8S_TIMEOUT_S)
                 self._slices = {_slice_name(s): self.slice_urls(s) for s in listing.items}
                 self._publish()
                 self._watch = watch.Watch()
@@ -310,7 +319,8 @@ class EndpointSliceWatch:
                     self.namespace,
                     label_selector=selector,
                     resource_version=listing.metadata.resource_version if listing.metadata else None,
-                    timeout_seconds=60,
+                    timeout_seconds=WATCH_TIMEOUT_S,
+                    _request_timeout=(K8S_TIMEOUT_S[0], WATCH_TIMEOUT_S + K8S_TIMEOUT_S[1]),
                 )
                 for event in stream:
                     if self._stop.is_set():

@@ -51,19 +51,20 @@ class ScaleFromZero:
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
-        from kvscale.router.replicas import kube_api_client
+        from kvscale.router import replicas
 
         if self._api is None:
-            self._api = client.CustomObjectsApi(kube_api_client(self.kubeconfig))
+            self._api = client.CustomObjectsApi(replicas.kube_api_client(self.kubeconfig))
         where = (INFERENCE_SERVICE_GROUP, INFERENCE_SERVICE_VERSION, self.namespace,
                  INFERENCE_SERVICE_PLURAL, self.name)
-        scale = self._api.get_namespaced_custom_object_scale(*where)
+        timeout = replicas.K8S_TIMEOUT_S  # an API server that went silent fails the call
+        scale = self._api.get_namespaced_custom_object_scale(*where, _request_timeout=timeout)
         patch = scale_patch(scale)
         if patch is None:
             return ALREADY
         try:
             self._api.patch_namespaced_custom_object_scale(
-                *where, patch, _content_type="application/merge-patch+json")
+                *where, patch, _content_type="application/merge-patch+json", _request_timeout=timeout)
         except ApiException as exc:
             if exc.status == 409:  # raised meanwhile by someone else
                 return ALREADY
