@@ -4,10 +4,12 @@ requests open at once, and a budget of request-body bytes held over all of them.
 Plain ASGI, outside the body limits (kvscale.request_limits, which read each body whole): a
 request without the key is answered 401 from its head, its body never read; one over the bound
 on open requests, or whose body would take the bytes held past the budget, gets 503 with
-``Retry-After``. Its declared Content-Length is counted when it arrives, a chunked body as it
-comes in; its bytes count until its response ends (the router holds the body that long). So the
-router's memory for bodies is bounded whatever the number of connections (docs/router.md,
-"Limits"). Probes and scrapers (``OPEN_PATHS``) pass untouched: a router under load stays ready.
+``Retry-After``: from its head when its declared Content-Length does not fit beside the bytes
+held now, else as its bytes arrive. Only bytes that arrived count (a client that announces a
+large body and sends nothing reserves nothing), until the response ends (the router holds the
+body that long). So the router's memory for bodies is bounded whatever the number of connections
+(docs/router.md, "Limits"). Probes and scrapers (``OPEN_PATHS``) pass untouched: a router under
+load stays ready.
 """
 
 from __future__ import annotations
@@ -118,23 +120,19 @@ class Admission:
         if refused is not None:
             await _answer(send, refused)
             return
-        held = declared if declared <= self.limits.max_body_bytes else 0
         self.open_requests += 1
-        self.held_bytes += held
+        held = 0
         started = False
-        arrived = 0
 
         async def counted_receive() -> dict:
-            nonlocal held, arrived
+            nonlocal held
             message = await receive()
-            if message["type"] == "http.request":
-                arrived += len(message.get("body", b""))
-                # What goes past the declared length (a chunked body's bytes) counts as it comes.
-                if (extra := arrived - held) > 0:
-                    if self.held_bytes + extra > self.limits.body_budget_bytes:
-                        raise OverBudget
-                    self.held_bytes += extra
-                    held += extra
+            arrived = len(message.get("body", b"")) if message["type"] == "http.request" else 0
+            if arrived:
+                if self.held_bytes + arrived > self.limits.body_budget_bytes:
+                    raise OverBudget
+                self.held_bytes += arrived
+                held += arrived
             return message
 
         async def watched_send(message: dict) -> None:

@@ -86,27 +86,31 @@ def test_with_a_key_nothing_but_the_probes_is_open(keyed: str) -> None:
 
 
 def test_bodies_held_past_the_budget_are_503_with_retry_after(bounded: str) -> None:
-    with connect(bounded) as holder:
-        holder.sendall(head(60_000) + b"{" * 100)  # 60 kB counted from its head, barely sent
+    with connect(bounded) as announcer:
+        announcer.sendall(head(60_000))  # announced, never sent: reserves nothing
+        with connect(bounded) as holder:
+            holder.sendall(head(61_000) + b"{" * 60_000)  # 60 kB arrived, the rest never comes
+            time.sleep(0.2)
+            with connect(bounded) as refused:
+                refused.sendall(head(60_000))
+                status, headers, body = answer(refused)
+            assert status == 503 and headers["retry-after"] == "1"
+            error = body["error"]
+            assert error["code"] == "overloaded" and "--max-body-bytes-in-flight" in error["message"]
+            # A chunked body is counted as it arrives: 30 kB fit beside the 60, 60 kB do not.
+            with connect(bounded) as chunked:
+                chunked.sendall(head(None))
+                part = b"x" * 30_000
+                for _ in range(2):
+                    chunked.sendall(b"%x\r\n%s\r\n" % (len(part), part))
+                status, _, body = answer(chunked)
+            assert status == 503 and body["error"]["code"] == "overloaded"
+        # The holder gone, its bytes are free again: the same body is let in (and routed: no
+        # replica), beside the announcer, still open.
         time.sleep(0.2)
-        with connect(bounded) as refused:
-            refused.sendall(head(60_000))
-            status, headers, body = answer(refused)
-        assert status == 503 and headers["retry-after"] == "1"
-        assert body["error"]["code"] == "overloaded" and "--max-body-bytes-in-flight" in body["error"]["message"]
-        # A chunked body is counted as it arrives: 30 kB fit beside the 60, 60 kB do not.
-        with connect(bounded) as chunked:
-            chunked.sendall(head(None))
-            part = b"x" * 30_000
-            for _ in range(2):
-                chunked.sendall(b"%x\r\n%s\r\n" % (len(part), part))
-            status, _, body = answer(chunked)
-        assert status == 503 and body["error"]["code"] == "overloaded"
-    # The holder gone, its bytes are free again: the same body is let in (and routed: no replica).
-    time.sleep(0.2)
-    response = httpx.post(f"{bounded}/v1/completions", content=b'{"prompt": "' + b"x" * 59_000 + b'"}')
-    assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
-    assert response.json()["error"]["code"] != "overloaded"
+        response = httpx.post(f"{bounded}/v1/completions", content=b'{"prompt": "' + b"x" * 59_000 + b'"}')
+        assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
+        assert response.json()["error"]["code"] != "overloaded"
 
 
 def test_open_requests_past_the_bound_are_503(bounded: str) -> None:
