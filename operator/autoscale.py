@@ -197,10 +197,11 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
         if decision.replicas != previous:
             kube.merge_patch(inference_service_path(namespace, name, "scale"),
                              {"spec": {"replicas": decision.replicas}})
-            # The children at once, not a resync later.
-            apply_children(kube, as_body(current),
-                           parse_spec({**current["spec"], "replicas": decision.replicas}),
-                           config.images)
+            # The children at once, not a resync later (never a spec the allow-list refuses).
+            if config.allow.refusal(spec) is None:
+                apply_children(kube, as_body(current),
+                               parse_spec({**current["spec"], "replicas": decision.replicas}),
+                               config.images)
             extra["lastScaleTime"] = conditions.now_rfc3339()
             message = scaled_message(previous, decision)
             log.info("%s/%s: %s", namespace, name, message)

@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="image of `kvscale router` pods (the control-plane image)")
     images.add_argument("--redis-image", default=DEFAULT_REDIS_IMAGE,
                         help="image of the Redis the operator runs for an InferenceService's KV index")
+    images.add_argument("--allowed-image", action="append", default=[], metavar="REPO",
+                        help="a repository an InferenceService's spec.image may name, at any tag or "
+                             "digest (repeatable; none: any image; the three above always)")
+    images.add_argument("--allowed-api-key-secret", action="append", default=[], metavar="PATTERN",
+                        help="a name (shell pattern) an InferenceService's apiKeySecretRef may name "
+                             "(repeatable; none: any Secret)")
     election = parser.add_argument_group("leader election (one active operator per cluster)")
     election.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True,
                           help="hold a Lease before reconciling, so replicas never fight")

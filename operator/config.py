@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from kvscale.operator.allow_list import AllowList
 from kvscale.operator.bounded_get import DEFAULT_MAX_BYTES
 from kvscale.operator.children.owned import Images
 
@@ -21,6 +22,7 @@ class OperatorConfig:
     allow_metrics_url_override: bool = False
     cluster_domain: str = "cluster.local"
     images: Images = field(default_factory=Images)
+    allow: AllowList = field(default_factory=AllowList)
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
@@ -33,4 +35,6 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         allow_metrics_url_override=args.allow_metrics_url_override,
         cluster_domain=args.cluster_domain,
         images=Images(router=args.router_image, redis=args.redis_image, engine=args.engine_image),
+        allow=AllowList(tuple(args.allowed_image), tuple(args.allowed_api_key_secret)).with_own_images(
+            args.engine_image, args.router_image, args.redis_image),
     )

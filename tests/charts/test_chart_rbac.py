@@ -204,17 +204,19 @@ def test_it_can_grant_a_router_its_role_and_nothing_more(chart_rbac, k8s_env, mo
     target = ANYWHERE if mode == "cluster-wide" else WATCHED[0]
 
     def create_role(name: str, rules: list[dict]) -> subprocess.CompletedProcess[str]:
+        # Labelled and owned as the operator's children are: the chart's children policy
+        # (test_it_creates_only_what_an_inference_service_is_made_of) is not what is tried here.
         role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-                "metadata": {"name": name, "namespace": target}, "rules": rules}
+                "metadata": kvscale_meta(name, target), "rules": rules}
         return k8s_env.kubectl("create", "-f", "-", f"--as={user}", input=json.dumps(role), check=False)
 
-    router_role = create_role(f"{release}-router-like", [dict(ENDPOINTSLICES_RULE)])
+    router_role = create_role(f"{release}-like-router", [dict(ENDPOINTSLICES_RULE)])
     assert router_role.returncode == 0, router_role.stderr
-    reader = create_role(f"{release}-secret-reader", [
+    reader = create_role(f"{release}-reader-router", [
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}])
     assert reader.returncode != 0
     assert "attempting to grant RBAC permissions not currently held" in reader.stderr
-    k8s_env.kubectl("delete", "role", f"{release}-router-like", "-n", target, check=False)
+    k8s_env.kubectl("delete", "role", f"{release}-like-router", "-n", target, check=False)
 
 
 @pytest.mark.parametrize("mode", ["cluster-wide", "namespaced"])
@@ -319,3 +321,109 @@ def test_the_operator_serves_its_namespaces_under_the_namespaced_rbac(chart_rbac
                 proc.wait(10)
         for ns in (WATCHED[0], UNWATCHED):
             env.kubectl("delete", "inferenceservice", "chat", "-n", ns, "--wait=false", check=False)
+
+
+# What RBAC would allow it (it holds create deployments, services, roles, rolebindings) and the
+# chart's children policy refuses: what an InferenceService's children are not.
+CAN_I_REFUSED = [
+    ("impersonate", "serviceaccounts"), ("impersonate", "users"), ("create", "serviceaccounts", "token"),
+    ("update", "pods", "ephemeralcontainers"), ("get", "nodes", "proxy"),
+    ("escalate", "clusterroles.rbac.authorization.k8s.io"), ("update", "deployments.apps", "scale"),
+]
+
+
+@pytest.mark.parametrize("mode", ["cluster-wide", "namespaced"])
+def test_what_it_may_never_do_however_it_asks(chart_rbac, k8s_env, mode):
+    release, namespace = CLUSTER_WIDE if mode == "cluster-wide" else NAMESPACED
+    user = operator_user(release, namespace)
+    target = ANYWHERE if mode == "cluster-wide" else WATCHED[0]
+    for verb, resource, *sub in CAN_I_REFUSED:
+        assert not can(k8s_env, user, verb, resource, *sub, namespace=target), (verb, resource, sub)
+
+
+def kvscale_meta(name: str, namespace: str, component: str = "router") -> dict:
+    """Labels and owner of a child the operator makes (operator/children/labels.py, apply.owned)."""
+    return {"name": name, "namespace": namespace,
+            "labels": {"app.kubernetes.io/managed-by": "kvscale-operator",
+                       "app.kubernetes.io/component": component, "serving.kvscale.io/router": "probe"},
+            "ownerReferences": [{"apiVersion": "serving.kvscale.io/v1alpha1", "kind": "InferenceService",
+                                 "name": "probe", "uid": "00000000-0000-0000-0000-000000000001",
+                                 "controller": True}]}
+
+
+def deployment(name: str, namespace: str, image: str = "ghcr.io/kvscale/kvscale-control-plane:0.1.0",
+               **pod: object) -> dict:
+    meta = kvscale_meta(name, namespace)
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+            "spec": {"replicas": 0, "selector": {"matchLabels": {"serving.kvscale.io/router": "probe"}},
+                     "template": {"metadata": {"labels": dict(meta["labels"])},
+                                  "spec": {"containers": [{"name": "c", "image": image}], **pod}}}}
+
+
+@pytest.mark.parametrize("mode", ["cluster-wide", "namespaced"])
+def test_it_creates_only_what_an_inference_service_is_made_of(chart_rbac, k8s_env, mode):
+    """The children policy, for real, under the operator's identity: a router's account, Role and
+    binding pass; another account's pods, a foreign image, a binding of a ClusterRole, a Role
+    reading more, an unlabelled Service repointed: all refused though RBAC allows each."""
+    release, namespace = CLUSTER_WIDE if mode == "cluster-wide" else NAMESPACED
+    user = operator_user(release, namespace)
+    target = ANYWHERE if mode == "cluster-wide" else WATCHED[0]
+    kube = Kube(load_connection(str(k8s_env.kubeconfig_for_service_account(namespace, user.rsplit(":", 1)[1]))))
+    made: list[str] = []
+
+    def create(obj: dict) -> None:
+        kube.create(path_for(obj["apiVersion"], {"Deployment": "deployments", "Role": "roles",
+                                                 "RoleBinding": "rolebindings", "Service": "services",
+                                                 "ServiceAccount": "serviceaccounts"}[obj["kind"]], target), obj)
+        made.append(f"{obj['kind'].lower()}/{obj['metadata']['name']}")
+
+    def refused(obj: dict, words: str) -> None:
+        with pytest.raises(ApiError) as error:
+            create(obj)
+        assert error.value.status in (403, 422) and words in error.value.message, error.value.message
+
+    rbac_group = "rbac.authorization.k8s.io/v1"
+    try:
+        # What a router is made of passes.
+        create({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": kvscale_meta("probe-router", target)})
+        create({"apiVersion": rbac_group, "kind": "Role", "metadata": kvscale_meta("probe-router", target),
+                "rules": [dict(ENDPOINTSLICES_RULE)]})
+        create({"apiVersion": rbac_group, "kind": "RoleBinding", "metadata": kvscale_meta("probe-router", target),
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "probe-router"},
+                "subjects": [{"kind": "ServiceAccount", "name": "probe-router", "namespace": target}]})
+        create(deployment("probe-router", target, serviceAccountName="probe-router"))
+        # Its own rules (ClusterRole, or Role in the namespaced mode) bound to anyone: RBAC allows
+        # it, the operator holding those rules.
+        refused({"apiVersion": rbac_group, "kind": "RoleBinding", "metadata": kvscale_meta("x-router", target),
+                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io",
+                             "kind": "ClusterRole" if mode == "cluster-wide" else "Role",
+                             "name": f"{release}-kvscale-operator"},
+                 "subjects": [{"kind": "User", "name": "mallory"}]}, "binds its own Role")
+        refused({"apiVersion": rbac_group, "kind": "Role", "metadata": kvscale_meta("y-router", target),
+                 "rules": [{"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["create"]}]},
+                "reads EndpointSlices")
+        refused({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": kvscale_meta("admin", target)},
+                "NAME-router")
+        # Pods as another account, from a foreign image, on the host.
+        refused(deployment("a-router", target, serviceAccountName="default"), "own ServiceAccount")
+        refused(deployment("b-router", target, image="docker.io/attacker/miner:1"), "allowed images")
+        refused(deployment("c-router", target, hostNetwork=True), "no host namespace")
+        unlabelled = deployment("d-router", target)
+        del unlabelled["metadata"]["labels"]["app.kubernetes.io/managed-by"]
+        refused(unlabelled, "managed-by=kvscale-operator")
+        # A user's Service: the operator may not repoint it (traffic theft) nor delete it.
+        web = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": target},
+               "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}}
+        k8s_env.kubectl("apply", "-f", "-", input=json.dumps(web))
+        with pytest.raises(ApiError) as stolen:
+            kube.merge_patch(path_for("v1", "services", target, "web"),
+                             {"spec": {"selector": {"serving.kvscale.io/router": "probe"}}})
+        assert stolen.value.status == 403, stolen.value.message
+        with pytest.raises(ApiError) as deleted:
+            kube.delete(path_for("v1", "services", target, "web"))
+        assert deleted.value.status == 403, deleted.value.message
+        assert k8s_env.kubectl_json("get", "service", "web", "-n", target)["spec"]["selector"] == {"app": "web"}
+    finally:
+        kube.close()
+        for what in [*made, "service/web"]:
+            k8s_env.kubectl("delete", what, "-n", target, "--wait=false", check=False)
