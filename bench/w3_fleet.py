@@ -37,11 +37,12 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
         self.logdir = tempfile.mkdtemp(prefix="kvscale-w3-")
 
-    def start(self, name: str, argv: list[str], nice: int = 0, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], nice: int = 0, env: dict[str, str] | None = None,
+              cwd: str | None = None) -> subprocess.Popen:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
         log = open(os.path.join(self.logdir, f"{name}.log"), "ab")  # noqa: SIM115
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd or str(REPO),
             preexec_fn=lambda: _child_setup(nice),
         )
         log.close()
@@ -135,12 +136,25 @@ def start_fleet(procs: Processes, redis_binary: str, args: argparse.Namespace,
     return Fleet(redis_url, replica_urls, replica_procs)
 
 
-def router_argv(port: int, fleet: Fleet, policy: str, block_size: int, seed: int, redis_timeout_ms: float) -> list[str]:
-    """`kvscale router` with ``policy`` in front of the fleet's replicas, reading its Redis."""
+def router_argv(port: int, fleet: Fleet, policy: str, block_size: int, seed: int, redis_timeout_ms: float,
+                log_level: str = "warning") -> list[str]:
+    """`kvscale router` with ``policy`` in front of the fleet's replicas, reading its Redis (at
+    ``log_level`` "debug" it logs a record of every decision: bench.w3_router --decision-log)."""
     return [sys.executable, "-m", "kvscale", "router", "--host", "127.0.0.1", "--port", str(port),
             "--replicas", ",".join(fleet.replica_urls), "--redis", fleet.redis_url, "--policy", policy,
-            "--block-size", str(block_size), "--seed", str(seed), "--log-level", "warning",
+            "--block-size", str(block_size), "--seed", str(seed), "--log-level", log_level,
             "--redis-timeout-ms", str(redis_timeout_ms)]
+
+
+def decision_records(log_path: str) -> list[dict]:
+    """The decision records of a router run at log level debug (kvscale.router.decision)."""
+    out = []
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            marker = line.find("kvscale.router.decision: decision ")
+            if marker >= 0:
+                out.append(json.loads(line[marker + len("kvscale.router.decision: decision "):]))
+    return out
 
 
 class HeartbeatSampler:

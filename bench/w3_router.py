@@ -30,7 +30,15 @@ import sys
 import time
 from pathlib import Path
 
-from bench.w3_fleet import REPO, HeartbeatSampler, Processes, router_argv, start_fleet, wait_healthy
+from bench.w3_fleet import (
+    REPO,
+    HeartbeatSampler,
+    Processes,
+    decision_records,
+    router_argv,
+    start_fleet,
+    wait_healthy,
+)
 from bench.w3_router_client import run_block, workload_items
 from bench.w3_router_report import plot, ratios, run_ceiling, summarize
 from bench.w3_workloads import WORKLOADS
@@ -84,6 +92,8 @@ def main() -> int:
                         help="the routers' --redis-timeout-ms (50 by default) on this overloaded machine")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decision-log", action="store_true",
+                        help="routers log every decision (debug); the JSON keeps each policy's records")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "w3_router_ttft.json"))
     args = parser.parse_args()
 
@@ -113,7 +123,8 @@ def main() -> int:
             routers[policy] = f"http://127.0.0.1:{port}"
             router_procs.append(procs.start(
                 f"router-{policy}",
-                router_argv(port, fleet, name, args.block_size, args.seed, args.router_redis_timeout_ms)
+                router_argv(port, fleet, name, args.block_size, args.seed, args.router_redis_timeout_ms,
+                            "debug" if args.decision_log else "warning")
                 + (["--balance-epsilon", epsilon] if epsilon else []),
                 nice=args.router_nice,
             ))
@@ -149,6 +160,8 @@ def main() -> int:
                 record["replica_rates"] = sampler.summary([part["window"] for part in parts])
                 record["loadavg_1m_before"] = round(parts[0]["loadavg"][0], 2)
                 record["loadavg_1m_after"] = round(parts[-1]["loadavg"][1], 2)
+                if args.decision_log:
+                    record["decisions"] = decision_records(f"{procs.logdir}/router-{policy}.log")
                 print(json.dumps({k: v for k, v in record.items() if k != "per_request"}), flush=True)
                 results.append(record)
     finally:

@@ -6,13 +6,17 @@ measured (`Costs`), and a router that decides with the real router's functions
 
 from __future__ import annotations
 
+import math
 import random
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from bench.w3_cache_aware import CacheAware
 from kvscale.router import policy as routing
-from kvscale.router.decision import HotBlocks, free_blocks
+from kvscale.router.decision import HotBlocks, free_blocks, note_overload
+from kvscale.router.index import prediction_ttl
+from kvscale.router.prefill_ledger import RECENT_WAITS
 from kvscale.router.ttft_calibration import NONE as NO_CALIBRATION
 from kvscale.router.ttft_calibration import TtftCalibration
 
@@ -50,6 +54,9 @@ class SimRequest:
     expected_hit_blocks: int = 0  # what the router's index matched on the chosen replica
     predicted_ttft_s: float | None = None  # predicted-ttft's raw estimate for the chosen replica
     pinned: list[int] = field(default_factory=list)
+    # The decision record (bench.w3_spill_log): why affinity was lost, what the placement evicted.
+    record: dict = field(default_factory=dict)
+    evicted: list[int] = field(default_factory=list)  # block hashes its admission pushed out
 
 
 class SimReplica:
@@ -62,6 +69,10 @@ class SimReplica:
         # What its heartbeat says of its speed (a replica slowed by a neighbour reports stale rates).
         self.reported = reported or costs
         self.cache: OrderedDict[int, None] = OrderedDict()  # block hash -> (LRU order)
+        # What its KV events have told the router: a block is reported stored once computed (its
+        # prompt's prefill done, as the engine registers full blocks), removed when evicted.
+        self.announced: set[int] = set()
+        self.heartbeat_queue = False
         self.refs: dict[int, int] = {}  # pinned by running requests
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -72,8 +83,11 @@ class SimReplica:
 
     # what the router sees
     def queued_prefill_tokens(self) -> int:
-        # As this router's ledger counts its own sends: the prompt less what the index matched there.
-        waiting = sum(r.prompt_tokens - max(self._cached_prefix(r), r.expected_hit_blocks) * self.block_size
+        # As this router's ledger counts its own sends: the prompt less what the index matched there;
+        # or (``heartbeat_queue``) as the replica's heartbeat counts a waiting prompt: less only what
+        # is cached now, so a prefix still being computed counts in full for every sibling behind it.
+        waiting = sum(r.prompt_tokens - max(self._cached_prefix(r),
+                                            0 if self.heartbeat_queue else r.expected_hit_blocks) * self.block_size
                       for r in self.waiting)
         return waiting + sum(r.to_prefill for r in self.running)
 
@@ -121,6 +135,8 @@ class SimReplica:
             if victim is None:
                 break
             del self.cache[victim]
+            self.announced.discard(victim)
+            req.evicted.append(victim)
         return True
 
     def _unpin(self, req: SimRequest) -> None:
@@ -150,7 +166,6 @@ class SimReplica:
             hit = self._cached_prefix(r)
             if not self._pin(r, r.hashes):
                 break
-            self.on_stored(self.index, r.hashes)
             self.waiting.popleft()
             r.hit_tokens = hit * self.block_size
             r.to_prefill = max(r.prompt_tokens - r.hit_tokens, 1)
@@ -170,6 +185,9 @@ class SimReplica:
                 r.first_token = end
                 r.generated = 1
                 firsts.append(r)
+                stored = [h for h in r.hashes if h in self.cache]
+                self.announced.update(stored)
+                self.on_stored(self.index, stored)
         for r in decoding:
             r.generated += 1
         for r in list(self.running):
@@ -185,20 +203,28 @@ class SimReplica:
 
 
 class SimRouter:
-    """The real decision functions over the simulated replicas, with the router's 10 s predictions
-    (``predicted-ttft/cal``: deciding on the calibrated estimate, the router's --ttft-calibration)."""
+    """The real decision functions over the simulated replicas, with the router's predictions
+    (their lifetime stretched as the real index's is: ``kvscale.router.index.prediction_ttl`` of the
+    slowest prefill in sight) (``predicted-ttft/cal``: deciding on the calibrated estimate, the
+    router's --ttft-calibration)."""
 
     def __init__(self, policy: str, replicas: list[SimReplica], block_size: int, seed: int) -> None:
         name = policy.partition("@")[0]
         self.calibration = TtftCalibration() if name.endswith(CAL) else None
-        self.policy = policy.replace(CAL, "")
+        # "/ttl10": predictions live a fixed 10 s (the router before they were stretched), for A/B.
+        self.fixed_ttl = FIXED_TTL in policy
+        self.policy = policy.replace(CAL, "").replace(FIXED_TTL, "")
         self.replicas = replicas
         self.block_size = block_size
         self.rng = random.Random(seed)
         self.counter = 0
-        # By replica index (a fleet that scales adds replicas with new indices): hash -> until when.
+        # By replica index (a fleet that scales adds replicas with new indices): hash -> when predicted.
         self.predicted: defaultdict[int, dict[int, float]] = defaultdict(dict)
+        self.prediction_ttl_s = PREDICTION_FLOOR_S
+        self.waits: deque[float] = deque(maxlen=RECENT_WAITS)  # recent sends' waits for a first token
         self.hot = HotBlocks()  # as the real Decider keeps it: the room a cold prompt may take
+        self.cache_aware = CacheAware(block_size)
+        self.overloaded_since: dict[str, float] = {}  # the Decider's hysteresis state
 
     def stored(self, replica: int, hashes: list[int]) -> None:
         """The replica reported these blocks stored: as in the real index, a confirmed block is no
@@ -209,6 +235,8 @@ class SimRouter:
 
     def first_token(self, req: SimRequest) -> None:
         """The router saw ``req``'s first token: a (predicted, measured) pair for its calibration."""
+        if req.first_token is not None:
+            self.waits.append(req.first_token - req.arrival)
         if self.calibration is not None and req.predicted_ttft_s and req.first_token is not None:
             self.calibration.observe(f"r{req.replica}", req.predicted_ttft_s, req.first_token - req.arrival)
 
@@ -216,7 +244,7 @@ class SimRouter:
         predicted = self.predicted[replica.index]
         n = 0
         for h in hashes:
-            if h not in replica.cache and predicted.get(h, -1.0) < now:
+            if h not in replica.announced and now - predicted.get(h, -math.inf) > self.prediction_ttl_s:
                 break
             n += 1
         return n
@@ -225,6 +253,14 @@ class SimRouter:
         name, _, eps = self.policy.partition("@")
         if name == ORACLE:
             return self.route_oracle(req)
+        if name == CACHE_AWARE:
+            return self.route_cache_aware(req)
+        unstarted = [now - r.arrival for rep in self.replicas for r in (*rep.waiting, *rep.running)
+                     if r.first_token is None]
+        wait = max([*unstarted, *self.waits], default=0.0)
+        self.prediction_ttl_s = PREDICTION_FLOOR_S if self.fixed_ttl else prediction_ttl(PREDICTION_FLOOR_S, wait)
+        if not self.fixed_ttl:
+            self.hot.stretch(wait)
         cands = []
         ids = [f"r{rep.index}" for rep in self.replicas]
         calibration = self.calibration.current(ids) if self.calibration is not None else NO_CALIBRATION
@@ -244,18 +280,39 @@ class SimRouter:
             counter=self.counter, rng=self.rng, epsilon=float(eps) if eps else 0.25,
             prompt_tokens=req.prompt_tokens, block_size=self.block_size,
             ttft_overhead_s=calibration.overhead_s,
+            hold=None if self.fixed_ttl else routing.OverloadHold(now, wait, self.overloaded_since),
         )
+        note_overload(self.overloaded_since, decision.judged, now)
         chosen = int(decision.ranked[0][1:])
         req.expected_hit_blocks = decision.matched_blocks
+        req.record = self.record(req, cands, decision)
         req.predicted_ttft_s = decision.uncalibrated_ttft_s
         self.hot.sent(decision.ranked[0], req.hashes, now)
         if routing.uses_prefix(name):
-            cache = next(rep.cache for rep in self.replicas if rep.index == chosen)
+            announced = next(rep.announced for rep in self.replicas if rep.index == chosen)
             for h in req.hashes:
-                if h not in cache:  # the real index predicts only what it has not confirmed
-                    self.predicted[chosen][h] = now + 10.0
+                if h not in announced:  # the real index predicts only what it has not confirmed
+                    self.predicted[chosen][h] = now
         return chosen
 
+
+    def record(self, req: SimRequest, cands: list[routing.Candidate], decision: routing.Decision) -> dict:
+        """What this decision knew against what was true: the index's best match, the replicas'
+        true holdings (cached or queued to compute), and the spill's estimates."""
+        true = {f"r{rep.index}": rep.true_match(req.hashes) for rep in self.replicas}
+        seen = max((c.matched_blocks for c in cands), default=0)
+        out: dict = {"chosen": decision.ranked[0], "reason": decision.reason, "index_best": seen,
+                     "true_best": max(true.values(), default=0), "true_chosen": true[decision.ranked[0]]}
+        if decision.spill is not None:
+            out["spill"] = decision.spill.__dict__
+        return out
+
+    def route_cache_aware(self, req: SimRequest) -> int:
+        """`vllm-router`'s cache_aware on its own history and in-flight counts (bench.w3_cache_aware)."""
+        chosen, matched = self.cache_aware.choose(req.hashes, req.prompt_tokens,
+                                                  {rep.index: rep.load() for rep in self.replicas})
+        req.expected_hit_blocks = matched
+        return chosen
 
     def route_oracle(self, req: SimRequest) -> int:
         """The longest prefix actually held, load ignored; a cold prompt by consistent hashing of its
@@ -268,7 +325,10 @@ class SimRouter:
         return chosen
 
 
+PREDICTION_FLOOR_S = 10.0  # the real router's (kvscale.router.app builds its index with it)
+CACHE_AWARE = "vllm-router-cache-aware"  # the baseline's model (bench.w3_cache_aware)
 ORACLE = "oracle"  # simulator only: it reads the replicas' true caches and queues
 
 
+FIXED_TTL = "/ttl10"
 CAL = "/cal"  # predicted-ttft/cal: decides on the calibrated estimate (the router's --ttft-calibration)

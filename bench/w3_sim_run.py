@@ -15,7 +15,7 @@ from bench.w3_workloads import Workload, build_workload
 
 def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: int, block_size: int,
                  costs: Costs | list[Costs], seed: int = 0, details: bool = False,
-                 reported: list[Costs] | None = None) -> dict:
+                 reported: list[Costs] | None = None, heartbeat_queue: bool = False) -> dict:
     """``costs``: one for every replica, or a list (a pool of unequal replicas); ``reported``: what
     each replica's heartbeat says of its speed, when not its true ``costs``."""
     from kvscale.block_hash import hash_prompt_blocks
@@ -26,6 +26,7 @@ def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: 
     router = SimRouter(policy, pool, block_size, seed)
     for rep in pool:
         rep.on_stored = router.stored
+        rep.heartbeat_queue = heartbeat_queue
     events: list[tuple[float, int, str, int]] = []  # (time, tiebreak, kind, client or replica)
     tie = 0
     position = [0] * len(workload.clients)

@@ -24,7 +24,16 @@ def _token(rng: random.Random) -> int:
     return rng.randrange(1000, 40000)
 
 
-def group_order(rng: random.Random, groups: int, requests: int, zipf: bool) -> list[int]:
+BURST = 6  # bursty arrivals: a group's requests come in runs of this many
+
+
+def group_order(rng: random.Random, groups: int, requests: int, zipf: bool, bursty: bool = False) -> list[int]:
+    if bursty:
+        # Every group gets requests // groups, in runs of BURST back to back, the runs shuffled.
+        runs = [[g] * BURST for g in range(groups) for _ in range(max(requests // groups // BURST, 1))]
+        rng.shuffle(runs)
+        order = [g for run in runs for g in run][:requests]
+        return order + [i % groups for i in range(requests - len(order))]
     if not zipf:
         order = [i % groups for i in range(requests)]
         rng.shuffle(order)

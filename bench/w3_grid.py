@@ -1,0 +1,100 @@
+"""The routing grid: kvscale's default policy against round-robin and `vllm-router` cache_aware
+in every cell of what the earlier router runs held fixed (bench.w3_grid_cells: concurrency,
+prefix length, groups against fleet capacity, replica speed, arrival order), hit rate, TTFT
+p50/p90 and wall time, each cell's routers in the same run.
+
+    python -m bench.w3_grid                            # simulated fleet, every cell (minutes)
+    python -m bench.w3_grid --mode real --cells w3-lite   # real fleet, the held-out W3-lite cell
+
+``--mode sim`` runs the calibrated fleet simulator (bench.w3_sim) with the real router's decision
+functions and a model of cache_aware (bench.w3_cache_aware); ``--mode real`` starts replicas,
+Redis and the real routers (bench.w3_grid_real; `vllm-router` comes from the bench extra:
+``pip install -e '.[bench-routing]'``). ``--cells`` picks cells by name (comma-separated; ``w3-lite``,
+or names as the JSON writes them, e.g. ``c8-p512-fits-throttled-random``), else every cell.
+Writes bench/results/w3_grid_<mode>.json: the command, the machine (CPU model, ISA flags), each
+cell's figures and, per cell, the default policy against the best of the other two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from bench.common import write_result
+from bench.w3_grid_cells import POLICIES, W3_LITE, Cell, grid, simulate_cell, verdict
+
+OURS = {"sim": "predicted-ttft", "real": "kvscale:predicted-ttft"}
+BASELINES = {"sim": ("round-robin", "vllm-router-cache-aware"),
+             "real": ("kvscale:round-robin", "vllm-router:cache_aware")}
+
+
+def pick(names: str | None) -> list[Cell]:
+    cells = grid()
+    if not names:
+        return cells
+    wanted = set(names.split(","))
+    chosen = [c for c in cells if c.name in wanted or (c is W3_LITE and "w3-lite" in wanted)]
+    missing = wanted - {c.name for c in chosen} - ({"w3-lite"} if W3_LITE in chosen else set())
+    if missing:
+        raise SystemExit(f"w3_grid: no cell named {', '.join(sorted(missing))}")
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("sim", "real"), default="sim")
+    parser.add_argument("--cells", default=None)
+    parser.add_argument("--seeds", type=int, default=3, help="sim: request streams per cell (medians)")
+    parser.add_argument("--seed", type=int, default=0, help="real: the request stream")
+    parser.add_argument("--routers", default="vllm-router:cache_aware,kvscale:predicted-ttft,kvscale:round-robin",
+                        help="real: routers in the order run ('kvscale@DIR:policy' runs another checkout's)")
+    parser.add_argument("--threads", type=int, default=1, help="real: torch threads a replica ('fast' cells: 2)")
+    parser.add_argument("--replica-nice", type=int, default=10)
+    parser.add_argument("--router-nice", type=int, default=-5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    from bench.roofline import cpu_info
+
+    started = time.time()
+    rows = []
+    tokenizer = None
+    if args.mode == "real":
+        from bench.w3_grid_real import vllm_router_binary
+        from kvscale.model_files import load_tokenizer, resolve_tokenizer_path
+
+        if "vllm-router:" in args.routers and vllm_router_binary() is None:
+            print("w3_grid: vllm-router not installed: pip install -e '.[bench-routing]'", file=sys.stderr)
+            return 2
+
+        tokenizer = load_tokenizer(resolve_tokenizer_path(None))
+    for cell in pick(args.cells):
+        if args.mode == "sim":
+            row = simulate_cell(cell, POLICIES, args.seeds)
+        else:
+            from bench.w3_grid_real import run_cell
+
+            row = run_cell(cell, args, tokenizer)
+        if all(p in row["policies"] for p in (OURS[args.mode], *BASELINES[args.mode])):
+            row["verdict"] = verdict(row, OURS[args.mode], BASELINES[args.mode])
+        rows.append(row)
+        if args.mode == "sim":
+            figures = "  ".join(f"{p} hit {x['hit_rate']:.3f} p90 {x['ttft_p90_s']:.1f}"
+                                for p, x in row["policies"].items())
+            print(f"sim {cell.name:36} {figures}  {row.get('verdict', '')}", flush=True)
+    verdicts = [r["verdict"] for r in rows if "verdict" in r]
+    path = write_result(f"w3_grid_{args.mode}", {
+        "benchmark": "w3_grid", "mode": args.mode,
+        "command": " ".join([os.path.basename(sys.executable), "-m", "bench.w3_grid", *(argv or sys.argv[1:])]),
+        "machine": cpu_info(), "loadavg_1m_at_start": os.getloadavg()[0],
+        "elapsed_s": round(time.time() - started, 1), "cells": rows,
+        "summary": {"cells": len(rows), "hit_within_5pct": sum(v["hit_ok"] for v in verdicts),
+                    "p90_within_5pct": sum(v["p90_ok"] for v in verdicts)},
+    }, args.out)
+    print(f"w3_grid: wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""The routing grid's cells (bench.w3_grid): what the earlier router runs held fixed, varied one
+cell at a time, and a cell run on the simulated fleet (bench.w3_sim).
+
+A cell is a shared-prefix workload (12 groups, 144 requests, 32-token unique suffixes, 8 output
+tokens) on three replicas, with:
+- ``concurrency``: requests in flight (4, 8, 32);
+- ``prefix_tokens``: each group's prefix (256 to 4096);
+- ``capacity``: "fits" (the groups' prefixes take 80 % of the fleet's KV blocks) or "over" (twice
+  the fleet's KV blocks);
+- ``speed``: "uniform" (the calibrated replica), "fast" (every replica twice as fast: a thread
+  per replica that does not fight for cores), "throttled" (one replica at half speed);
+- ``order``: "random" (groups interleaved) or "bursty" (a group's requests in runs of six).
+The held-out W3-lite cell is the shape a new user tried: 512-token prefixes, 160 blocks a replica.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import asdict, dataclass
+
+from bench.w3_sim import Costs
+from bench.w3_sim_run import simulate_run
+from bench.w3_workloads import Workload, group_order
+
+GROUPS, REQUESTS, SUFFIX_TOKENS, OUTPUT_TOKENS, REPLICAS, BLOCK_SIZE = 12, 144, 32, 8, 3, 16
+FITS_SHARE = 0.8  # "fits": the prefixes take this share of the fleet's blocks
+OVER_FACTOR = 2.0  # "over": the prefixes take this many times the fleet's blocks
+THROTTLE = 0.5  # the throttled replica's speed
+# The three routers every cell compares (simulated names; bench.w3_grid_real runs the real ones).
+POLICIES = ("predicted-ttft", "round-robin", "vllm-router-cache-aware")
+# Calibrated on this machine's fleet: its heartbeats' median rates during a W3-lite run with one
+# thread per replica (bench/results/w3_grid_real.json records the run's own).
+BASE_COSTS = Costs(prefill_tokens_per_s=42.0, decode_step_s=0.77, step_tokens=2048)
+
+
+@dataclass(frozen=True)
+class Cell:
+    concurrency: int = 8
+    prefix_tokens: int = 512
+    capacity: str = "fits"
+    speed: str = "uniform"
+    order: str = "random"
+    num_blocks: int | None = None  # fixed KV blocks a replica (None: from ``capacity``)
+
+    @property
+    def name(self) -> str:
+        blocks = f"-b{self.num_blocks}" if self.num_blocks else ""
+        return f"c{self.concurrency}-p{self.prefix_tokens}-{self.capacity}-{self.speed}-{self.order}{blocks}"
+
+    def blocks_per_replica(self) -> int:
+        if self.num_blocks:
+            return self.num_blocks
+        prefix_blocks = GROUPS * (self.prefix_tokens // BLOCK_SIZE)
+        share = 1 / FITS_SHARE if self.capacity == "fits" else 1 / OVER_FACTOR
+        return -(-int(prefix_blocks * share) // REPLICAS)
+
+    def describe(self) -> dict:
+        return {**asdict(self), "name": self.name, "blocks_per_replica": self.blocks_per_replica(),
+                "groups": GROUPS, "requests": REQUESTS, "suffix_tokens": SUFFIX_TOKENS,
+                "output_tokens": OUTPUT_TOKENS, "replicas": REPLICAS}
+
+
+W3_LITE = Cell(num_blocks=160)  # the held-out shape: 12 x 512-token prefixes, 3 x 160 blocks
+
+
+def grid(concurrency: tuple[int, ...] = (4, 8, 32), prefix_tokens: tuple[int, ...] = (256, 1024, 4096),
+         capacity: tuple[str, ...] = ("fits", "over"), speed: tuple[str, ...] = ("uniform", "fast", "throttled"),
+         order: tuple[str, ...] = ("random", "bursty")) -> list[Cell]:
+    """W3-lite, then every combination of the axes."""
+    return [W3_LITE] + [Cell(*combo) for combo in itertools.product(concurrency, prefix_tokens, capacity, speed, order)]
+
+
+def prompts(cell: Cell, seed: int) -> list[tuple[int, list[int]]]:
+    """(group, token ids) per request in arrival order (random token ids; the real mode sends text)."""
+    import random
+
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000, 40000) for _ in range(cell.prefix_tokens)] for _ in range(GROUPS)]
+    order = group_order(rng, GROUPS, REQUESTS, zipf=False, bursty=cell.order == "bursty")
+    return [(g, prefixes[g] + [rng.randrange(1000, 40000) for _ in range(SUFFIX_TOKENS)]) for g in order]
+
+
+def workload(cell: Cell, seed: int) -> Workload:
+    clients: list[list] = [[] for _ in range(cell.concurrency)]
+    for i, (_, prompt) in enumerate(prompts(cell, seed)):
+        clients[i % cell.concurrency].append((0.0, prompt, [], OUTPUT_TOKENS))
+    return Workload(clients)
+
+
+def replica_costs(cell: Cell, base: Costs = BASE_COSTS) -> list[Costs]:
+    factor = 2.0 if cell.speed == "fast" else 1.0
+    out = []
+    for i in range(REPLICAS):
+        f = factor * (THROTTLE if cell.speed == "throttled" and i == 0 else 1.0)
+        out.append(Costs(base.prefill_tokens_per_s * f, base.decode_step_s / f, base.step_tokens, cell.concurrency))
+    return out
+
+
+def simulate_cell(cell: Cell, policies: tuple[str, ...] = POLICIES, seeds: int = 3, base: Costs = BASE_COSTS) -> dict:
+    """Each policy's hit rate, TTFT p50/p90 and wall time on the simulated fleet: medians over
+    ``seeds`` request streams."""
+    out: dict = {"cell": cell.describe(), "policies": {}}
+    streams = [workload(cell, s) for s in range(seeds)]
+    for policy in policies:
+        runs = [simulate_run(w, policy, replicas=REPLICAS, num_blocks=cell.blocks_per_replica(),
+                             block_size=BLOCK_SIZE, costs=replica_costs(cell, base), seed=s, heartbeat_queue=True)
+                for s, w in enumerate(streams)]
+        out["policies"][policy] = {
+            "hit_rate": statistics.median(r["hit_rate"] for r in runs),
+            "ttft_p50_s": statistics.median(r["ttft_p50_s"] for r in runs),
+            "ttft_p90_s": statistics.median(r["ttft_p90_s"] for r in runs),
+            "wall_s": statistics.median(REQUESTS * OUTPUT_TOKENS / r["output_tokens_per_s"] for r in runs),
+        }
+    return out
+
+
+def verdict(row: dict, ours: str, baselines: tuple[str, ...], tolerance: float = 0.05) -> dict:
+    """Ours against the best baseline on hit rate (higher is better) and TTFT p90 (lower): the
+    ratios, and whether each is within ``tolerance`` of the best."""
+    policies = row["policies"]
+    best_hit = max(policies[b]["hit_rate"] for b in baselines)
+    best_p90 = min(policies[b]["ttft_p90_s"] for b in baselines)
+    hit = policies[ours]["hit_rate"] / best_hit if best_hit else float("inf")
+    p90 = policies[ours]["ttft_p90_s"] / best_p90 if best_p90 else float("inf")
+    return {"hit_vs_best": round(hit, 3), "p90_vs_best": round(p90, 3),
+            "hit_ok": hit >= 1 - tolerance, "p90_ok": p90 <= 1 + tolerance}

@@ -1,0 +1,160 @@
+"""The routing grid on a real fleet (bench.w3_grid --mode real): per cell, three `kvscale serve`
+replicas sharing one Redis, and in front of them, one after the other on the same replicas,
+kvscale's router (default policy), kvscale's round-robin and `vllm-router` cache_aware.
+
+Prompts are text (`vllm-router`'s cache_aware matches text): each group's prefix is words drawn
+to about the cell's prefix length in the model's tokens, each request adds its own words. Every
+router's run opens its prompts with a word of its own, so no router finds another's blocks
+cached: each starts from its own cold caches, on pools the previous run filled (evictable).
+Hit rate is the replicas' own prefix-cache counters over the run; TTFT is the client's (first
+streamed token); wall time is the run's. kvscale's routers log their decisions (debug), kept per
+run in the JSON with the spill records (kvscale.router.candidates.Spill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.stats import quantile
+from bench.w3_fleet import (
+    MODEL,
+    Fleet,
+    Processes,
+    cache_counters,
+    decision_records,
+    router_argv,
+    start_fleet,
+    wait_healthy,
+)
+from bench.w3_grid_cells import GROUPS, OUTPUT_TOKENS, REPLICAS, REQUESTS, SUFFIX_TOKENS, Cell
+from bench.w3_workloads import WORDS, group_order
+from kvscale.processes import free_port
+
+# Real routers: name -> how to start it ("kvscale:<policy>" or "vllm-router:<policy>").
+ROUTERS = ("vllm-router:cache_aware", "kvscale:predicted-ttft", "kvscale:round-robin")
+THROTTLED_NICE = 19  # the throttled replica's niceness (the others keep --replica-nice)
+
+
+def text_of(rng: random.Random, tokenizer: Any, tokens: int) -> str:
+    """Random words, about ``tokens`` of the model's tokens."""
+    words: list[str] = []
+    while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) < tokens:
+        words.extend(rng.choice(WORDS) for _ in range(max((tokens - len(words)) // 3, 1)))
+    return " ".join(words)
+
+
+def text_prompts(cell: Cell, seed: int, tokenizer: Any, opening: str) -> list[str]:
+    rng = random.Random(seed)
+    prefixes = [text_of(rng, tokenizer, cell.prefix_tokens) for _ in range(GROUPS)]
+    order = group_order(rng, GROUPS, REQUESTS, zipf=False, bursty=cell.order == "bursty")
+    return [f"{opening}. {prefixes[g]} {text_of(rng, tokenizer, SUFFIX_TOKENS)}" for g in order]
+
+
+async def _one(client: httpx.AsyncClient, url: str, prompt: str) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    started = time.perf_counter()
+    first = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            return {"ok": False, "status": response.status_code}
+        async for line in response.aiter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return {"ok": True, "ttft_s": (first or end) - started, "latency_s": end - started,
+            "replica": response.headers.get("x-kvscale-replica")}
+
+
+async def drive(url: str, prompts: list[str], concurrency: int) -> tuple[list[dict], float]:
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1200), limits=limits) as client:
+        queue: asyncio.Queue = asyncio.Queue()
+        for p in prompts:
+            queue.put_nowait(p)
+        results: list[dict] = []
+
+        async def worker() -> None:
+            while not queue.empty():
+                results.append(await _one(client, url, queue.get_nowait()))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - started
+
+
+def vllm_router_binary() -> str | None:
+    """`vllm-router` on the PATH or beside this interpreter (the bench-routing extra)."""
+    beside = Path(sys.executable).with_name("vllm-router")
+    return shutil.which("vllm-router") or (str(beside) if beside.exists() else None)
+
+
+def start_router(procs: Processes, spec: str, fleet: Fleet, args: argparse.Namespace) -> tuple[str, subprocess.Popen, str]:
+    kind, _, policy = spec.partition(":")
+    kind, _, source = kind.partition("@")  # "kvscale@DIR:policy": the router of another checkout
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    name = spec.replace(":", "-").replace("@", "-").replace("/", "_")
+    if kind == "vllm-router":
+        argv = [vllm_router_binary() or "vllm-router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+                "--worker-urls", *fleet.replica_urls, "--log-level", "warning",
+                "--prometheus-port", str(free_port())]  # its default port may be taken
+    else:
+        argv = router_argv(port, fleet, policy, 16, args.seed, 250.0, "debug")
+    return url, procs.start(name, argv, nice=args.router_nice, cwd=source or None), f"{procs.logdir}/{name}.log"
+
+
+def run_cell(cell: Cell, args: argparse.Namespace, tokenizer: Any) -> dict:
+    """Every router of ``args.routers`` on one fleet for ``cell``."""
+    redis_binary = shutil.which("redis-server")
+    if not redis_binary:
+        raise RuntimeError("needs redis-server on the PATH (make system-deps)")
+    fleet_args = argparse.Namespace(
+        replicas=REPLICAS, block_size=16, num_gpu_blocks_override=cell.blocks_per_replica(),
+        max_model_len=max(1024, cell.prefix_tokens + 256), concurrency=cell.concurrency,
+        threads=2 if cell.speed == "fast" else args.threads, replica_nice=args.replica_nice)
+    procs = Processes()
+    out: dict[str, Any] = {"cell": cell.describe(), "policies": {}, "logdir": procs.logdir}
+    try:
+        fleet = start_fleet(procs, redis_binary, fleet_args)
+        if cell.speed == "throttled":
+            os.setpriority(os.PRIO_PROCESS, fleet.replica_procs[0].pid, THROTTLED_NICE)
+        wait_healthy(fleet.replica_urls, fleet.replica_procs)
+        for spec in args.routers.split(","):
+            url, proc, log = start_router(procs, spec, fleet, args)
+            wait_healthy([url], [proc], timeout=300)
+            time.sleep(2.0)  # heartbeats bind replica ids to URLs
+            prompts = text_prompts(cell, args.seed, tokenizer, opening=f"run {spec}")
+            q0, h0 = cache_counters(fleet.replica_urls)
+            load = os.getloadavg()[0]
+            results, wall = asyncio.run(drive(url, prompts, cell.concurrency))
+            q1, h1 = cache_counters(fleet.replica_urls)
+            ok = [r for r in results if r["ok"]]
+            ttfts = [r["ttft_s"] for r in ok]
+            row: dict[str, Any] = {"hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
+                   "ttft_p50_s": quantile(ttfts, 0.5), "ttft_p90_s": quantile(ttfts, 0.9),
+                   "wall_s": wall, "requests": len(results), "failed": len(results) - len(ok),
+                   "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)]}
+            if spec.startswith("kvscale"):
+                decisions = decision_records(log)
+                row["spills"] = [d["spill"] for d in decisions if d.get("spill")]
+                row["decisions"] = len(decisions)
+            out["policies"][spec] = row
+            print(f"real {cell.name} {spec:24} hit {row['hit_rate']:.3f} p50 {row['ttft_p50_s']:.2f} "
+                  f"p90 {row['ttft_p90_s']:.2f} wall {wall:.0f}s spills {len(row.get('spills', []))}", flush=True)
+            procs.stop(proc)
+    finally:
+        procs.stop_all()
+    return out

@@ -1,0 +1,55 @@
+"""The routing grid (bench/w3_grid.py): its cells, the cache_aware baseline's model, and the
+simulated mode on one cell."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.w3_cache_aware import CacheAware
+from bench.w3_grid import pick
+from bench.w3_grid_cells import W3_LITE, Cell, grid, replica_costs, simulate_cell, verdict
+from bench.w3_workloads import BURST, group_order
+
+
+def test_cells_size_the_pools_from_the_groups_and_w3_lite_keeps_its_own():
+    assert W3_LITE.blocks_per_replica() == 160
+    assert Cell(prefix_tokens=512, capacity="fits").blocks_per_replica() == 160  # 12 x 32 blocks / 0.8 / 3
+    assert Cell(prefix_tokens=512, capacity="over").blocks_per_replica() == 64  # half of 12 x 32 / 3
+    assert len(grid()) == 1 + 3 * 3 * 2 * 3 * 2
+    assert [c.name for c in pick("w3-lite")] == [W3_LITE.name]
+    with pytest.raises(SystemExit):
+        pick("no-such-cell")
+
+
+def test_bursty_order_sends_each_group_in_runs():
+    import random
+
+    order = group_order(random.Random(0), 12, 144, zipf=False, bursty=True)
+    assert sorted(order) == sorted(g for g in range(12) for _ in range(12))
+    assert all(len(set(order[i:i + BURST])) == 1 for i in range(0, 144, BURST))
+
+
+def test_a_throttled_cell_slows_one_replica():
+    costs = replica_costs(Cell(speed="throttled"))
+    assert costs[0].prefill_tokens_per_s == pytest.approx(costs[1].prefill_tokens_per_s / 2)
+
+
+def test_cache_aware_follows_its_history_until_the_load_is_imbalanced():
+    router = CacheAware(block_size=16, cache_threshold=0.3, balance_abs=2, balance_rel=1.5)
+    prompt = list(range(10))
+    first, _ = router.choose(prompt, 160, {0: 0, 1: 0})  # nothing matches: the smallest tree
+    assert first == 0
+    assert router.choose(prompt, 160, {0: 2, 1: 0}) == (0, 10)  # matched, balanced enough
+    assert router.choose(prompt, 160, {0: 5, 1: 0})[0] == 1  # 5 - 0 > 2 and 5 > 1.5 x 0: least loaded
+    assert router.choose([99, 98], 160, {0: 0, 1: 0})[0] == 0  # trees of 10 blocks each: ties by id
+
+
+def test_the_simulated_grid_compares_the_three_routers_on_a_cell():
+    row = simulate_cell(Cell(concurrency=4, prefix_tokens=256), seeds=1)
+    assert set(row["policies"]) == {"predicted-ttft", "round-robin", "vllm-router-cache-aware"}
+    figures = row["policies"]["predicted-ttft"]
+    assert 0.0 < figures["hit_rate"] <= 1.0 and figures["ttft_p50_s"] <= figures["ttft_p90_s"]
+    # Prefixes that fit: the default policy keeps them, round-robin scatters them.
+    assert figures["hit_rate"] > 1.5 * row["policies"]["round-robin"]["hit_rate"]
+    v = verdict(row, "predicted-ttft", ("round-robin", "vllm-router-cache-aware"))
+    assert set(v) == {"hit_vs_best", "p90_vs_best", "hit_ok", "p90_ok"}
