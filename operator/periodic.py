@@ -15,6 +15,7 @@ wait for a running operator; the watch (registration.py) keeps the index these l
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -71,7 +72,9 @@ def periodic_round(runtime: Runtime, work: str, now: float, pool: Executor) -> N
         if uid in in_flight or not due(now, last_runs.get(uid), interval):
             continue
         last_runs[uid] = in_flight[uid] = now
-        pool.submit(run_one, runtime, work, handler, uid, key)
+        # In the caller's context: kopf.event reads kopf's settings from context variables, which
+        # a pool's thread does not inherit (asyncio.to_thread copies them the same way).
+        pool.submit(contextvars.copy_context().run, run_one, runtime, work, handler, uid, key)
     runtime.rounds[work] = now
 
 

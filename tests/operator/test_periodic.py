@@ -3,6 +3,7 @@ scrapes run outside the per-object lock, and a stalled loop shows in /healthz.""
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +55,26 @@ def test_a_stuck_inference_service_holds_back_no_other(monkeypatch: pytest.Monke
         release.set()
     assert sorted(runs) == ["fine", "fine", "stuck"]
     assert runtime.in_flight["autoscale"] == {}
+
+
+KOPF_LIKE = contextvars.ContextVar[str]("kopf_like")
+
+
+def test_handlers_run_in_the_loops_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kopf.event reads kopf's settings from context variables: a handler on the pool's thread
+    must see the context of the loop that started it, as asyncio.to_thread gives."""
+    seen: list[str | None] = []
+    monkeypatch.setattr(periodic, "autoscale",
+                        lambda runtime, key, logger: seen.append(KOPF_LIKE.get(None)))
+    runtime = Runtime(kube=None, config=OperatorConfig())  # type: ignore[arg-type]
+    runtime.watched = {"u1": ObjectKey(uid="u1", namespace="ns", name="svc")}
+    token = KOPF_LIKE.set("kopf settings")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            periodic.periodic_round(runtime, "autoscale", 1.0, pool)
+    finally:
+        KOPF_LIKE.reset(token)
+    assert seen == ["kopf settings"]
 
 
 def test_scrapes_run_without_the_lock_reconcile_waits_on(monkeypatch: pytest.MonkeyPatch) -> None:
