@@ -51,3 +51,21 @@ def test_default_images_are_the_ones_make_image_builds(helm):
     config = operator_config(container)
     assert container["image"] == built["control-plane"]
     assert (config.images.engine, config.images.router) == (built["engine"], built["control-plane"])
+
+
+def test_the_allow_lists_reach_the_operator(helm):
+    """operator.allowedImages (besides images.*) and operator.allowedApiKeySecrets become the
+    operator's allow-lists; "*" lifts a list (docs/operator.md, "What an InferenceService may
+    choose")."""
+    config = operator_config(operator_container(helm))
+    assert set(config.allow.images) == {"ghcr.io/kvscale/kvscale", "ghcr.io/kvscale/kvscale-control-plane",
+                                        "docker.io/library/redis"}
+    assert config.allow.api_key_secrets == ()  # ["*"]: any Secret
+    spec = parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"}, "image": "quay.io/team/engine:1"})
+    refused = config.allow.refusal(spec)
+    assert refused is not None and refused.reason == "ImageNotAllowed"
+    listed = operator_config(operator_container(helm, "operator.allowedImages={quay.io/team/engine}",
+                                                "operator.allowedApiKeySecrets={*-api-key}"))
+    assert listed.allow.refusal(spec) is None and listed.allow.api_key_secrets == ("*-api-key",)
+    anything = operator_config(operator_container(helm, "operator.allowedImages={*}"))
+    assert anything.allow.images == ()
