@@ -30,7 +30,7 @@ from kvscale.server.entrypoints.serving_streams import (
     ChoiceState,
     StreamFormatter,
     collect,
-    first_outputs,
+    first_outputs_while_connected,
     stream_events,
     until_disconnect,
 )
@@ -183,7 +183,8 @@ async def create_completion(server: OpenAIServer, body: p.CompletionRequest, req
     if body.stream:
         formatter = CompletionFormatter(server, body, prepared)
         # A constrained request may be refused before any token: wait for that before the 200.
-        first = await first_outputs(server, streams, prepared) if prepared.constraint_param else None
+        first = (await first_outputs_while_connected(request, server, streams, prepared)
+                 if prepared.constraint_param else None)
         return StreamingResponse(stream_events(server, streams, request, formatter, first),
                                  media_type="text/event-stream")
     return await until_disconnect(request, server, streams, _respond(server, body, prepared, streams))

@@ -118,17 +118,33 @@ async def watch_disconnect(request: Request, on_disconnect: Callable[[], None]) 
             return
 
 
-async def until_disconnect(request: Request, server: OpenAIServer, streams: list[RequestStream],
-                           work: Awaitable[Any]) -> Any:
-    """Run a non-streaming handler's work; a client that leaves aborts its requests at once."""
+async def while_connected(request: Request, server: OpenAIServer, streams: list[RequestStream],
+                          work: Awaitable[Any]) -> Any:
+    """``work``'s result; a client that leaves meanwhile aborts its requests at once (their
+    streams then end, so ``work`` does too), which frees their KV blocks."""
     watcher = asyncio.ensure_future(watch_disconnect(request, lambda: server.release(streams)))
     try:
         return await work
+    finally:
+        watcher.cancel()
+
+
+async def until_disconnect(request: Request, server: OpenAIServer, streams: list[RequestStream],
+                           work: Awaitable[Any]) -> Any:
+    """Run a non-streaming handler's work; a client that leaves aborts its requests at once."""
+    try:
+        return await while_connected(request, server, streams, work)
     except EngineDeadError as exc:
         raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
     finally:
-        watcher.cancel()
         server.release(streams)
+
+
+async def first_outputs_while_connected(request: Request, server: OpenAIServer, streams: list[RequestStream],
+                                        prepared: Prepared) -> list[RequestOutput | None]:
+    """``first_outputs`` for a streamed request, which may wait for its grammar to compile
+    before the response starts: a client that leaves meanwhile aborts it at once."""
+    return await while_connected(request, server, streams, first_outputs(server, streams, prepared))
 
 
 # ----------------------------------------------------------------------------- the streaming loop

@@ -201,3 +201,45 @@ def test_shutdown_timeout_flags_fit_the_pod_grace_period() -> None:
     assert build_parser("serve").parse_args(["serve", "--shutdown-timeout", "20"]).shutdown_timeout == 20
     router = build_parser("router").parse_args(["router", "--replicas", "http://x:1"])
     assert router.shutdown_timeout == DEFAULT_SHUTDOWN_TIMEOUT_S
+
+
+def test_a_client_that_leaves_while_its_grammar_compiles_aborts_its_request() -> None:
+    """A streamed constrained request waits for its first output (the grammar) before the 200;
+    a client that leaves meanwhile frees its request at once, not after the compile."""
+    import asyncio
+
+    from kvscale.server.entrypoints.serving import Prepared
+    from kvscale.server.entrypoints.serving_streams import first_outputs_while_connected
+    from kvscale.server.sampling_params import SamplingParams
+
+    class Stream:
+        def __init__(self) -> None:
+            self.aborted = asyncio.Event()
+
+        async def next(self):
+            await self.aborted.wait()  # no output until the grammar compiles, or an abort
+            return None
+
+    class Server:
+        def release(self, streams) -> None:
+            for stream in streams:
+                stream.aborted.set()
+
+    class Request:
+        def __init__(self) -> None:
+            self.gone = asyncio.Event()
+
+        async def receive(self) -> dict:
+            await self.gone.wait()
+            return {"type": "http.disconnect"}
+
+    async def scenario() -> list:
+        request, streams = Request(), [Stream()]
+        prepared = Prepared("r", [[1]], [""], [SamplingParams()], None, "structured_outputs")
+        waiting = asyncio.ensure_future(first_outputs_while_connected(request, Server(), streams, prepared))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        request.gone.set()
+        return await asyncio.wait_for(waiting, 2)
+
+    assert asyncio.run(scenario()) == [None]
