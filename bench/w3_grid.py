@@ -18,16 +18,38 @@ cell's figures and, per cell, the default policy against the best of the other t
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
-from bench.common import write_result
+from bench.common import RESULTS
 from bench.w3_grid_cells import POLICIES, W3_LITE, Cell, grid, simulate_cell, verdict
 
 OURS = {"sim": "predicted-ttft", "real": "kvscale:predicted-ttft"}
 BASELINES = {"sim": ("round-robin", "vllm-router-cache-aware"),
              "real": ("kvscale:round-robin", "vllm-router:cache_aware")}
+
+
+def rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v) for v in value]
+    return value
+
+
+def write_compact(name: str, record: dict[str, Any], out: str | None) -> Path:
+    """The JSON with one line per cell (a hundred cells stay small in bench/results)."""
+    path = Path(out) if out else RESULTS / f"{name}.json"
+    head = {k: v for k, v in record.items() if k != "cells"}
+    cells = ",\n".join("  " + json.dumps(rounded(cell), separators=(",", ":")) for cell in record["cells"])
+    path.write_text(json.dumps(head, indent=1)[:-2] + ',\n "cells": [\n' + cells + "\n ]\n}\n")
+    return path
 
 
 def pick(names: str | None) -> list[Cell]:
@@ -84,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                                 for p, x in row["policies"].items())
             print(f"sim {cell.name:36} {figures}  {row.get('verdict', '')}", flush=True)
     verdicts = [r["verdict"] for r in rows if "verdict" in r]
-    path = write_result(f"w3_grid_{args.mode}", {
+    path = write_compact(f"w3_grid_{args.mode}", {
         "benchmark": "w3_grid", "mode": args.mode,
         "command": " ".join([os.path.basename(sys.executable), "-m", "bench.w3_grid", *(argv or sys.argv[1:])]),
         "machine": cpu_info(), "loadavg_1m_at_start": os.getloadavg()[0],

@@ -9,7 +9,7 @@ blocks cached as they are decoded. A step costs ``decode_step_s`` if anything de
 prompt tokens over ``prefill_tokens_per_s``: the two figures are taken from a real run's own
 heartbeats (``bench.w3_router`` samples them; ``--calibration`` names its JSON). The simulated
 router is the real one's decision functions (``kvscale.router.policy``) fed what the real router
-sees (prefix matches from the index incl. its 10 s predictions, in-flight requests, queued prefill
+sees (prefix matches from the index incl. its predictions, in-flight requests, queued prefill
 tokens, decodes, KV usage), except that it sees queues exactly where the real router reads
 heartbeats up to a second old and corrects them with its own sends. The request streams are
 ``bench.w3_workloads``' (same seeds as the real run; W4 prompts are built with the real chat

@@ -211,7 +211,8 @@ class SimRouter:
     def __init__(self, policy: str, replicas: list[SimReplica], block_size: int, seed: int) -> None:
         name = policy.partition("@")[0]
         self.calibration = TtftCalibration() if name.endswith(CAL) else None
-        # "/ttl10": predictions live a fixed 10 s (the router before they were stretched), for A/B.
+        # "/ttl10": the router before its windows followed the fleet's latency, for A/B: predictions
+        # live a fixed 10 s, the hot window a fixed 30 s, and no hysteresis.
         self.fixed_ttl = FIXED_TTL in policy
         self.policy = policy.replace(CAL, "").replace(FIXED_TTL, "")
         self.replicas = replicas
