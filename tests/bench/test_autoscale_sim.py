@@ -31,7 +31,9 @@ def test_kvscale_at_zero_wakes_for_each_burst_and_loses_nothing() -> None:
 
 
 def test_a_burst_scales_up_and_reversals_count_direction_changes() -> None:
-    requests = sorted(synthetic(bursty_rate(20.0), 300.0, seed=2), key=lambda r: r.arrival)
+    # Two minutes at 5 and 20 requests/s (the first x4 step): ~1.5k requests, enough to scale
+    # out to the maximum; the whole five-minute shape at 20/s simulated ~17k for the same answer.
+    requests = sorted(synthetic(bursty_rate(5.0), 120.0, seed=2), key=lambda r: r.arrival)
     outcome = simulate(requests, HpaPolicy("hpa", "concurrency", 4, 1, 8), CAL, start_replicas=1,
                        hold_timeout_s=120.0)
     assert max(to for _, _, to in outcome.decisions) > 1 and outcome.failed == 0
@@ -132,8 +134,9 @@ def test_on_a_shared_host_a_cold_start_slows_the_serving_replica_and_itself() ->
 def test_an_idle_host_changes_nothing_and_replica_seconds_count_in_a_window() -> None:
     from bench.autoscale_sim import SharedHost
 
-    # About one replica's capacity in the steps (x4 of 2 requests/s): the fleet scales to 2-3.
-    requests = sorted(synthetic(bursty_rate(2.0), 300.0, seed=2), key=lambda r: r.arrival)
+    # About one replica's capacity in the first step (x4 of 2 requests/s, from 60 s): the fleet
+    # scales to 2-3.
+    requests = sorted(synthetic(bursty_rate(2.0), 150.0, seed=2), key=lambda r: r.arrival)
     policy = lambda: HpaPolicy("hpa", "concurrency", 4, 1, 8)  # noqa: E731
     independent = simulate(requests, policy(), CAL, start_replicas=1, hold_timeout_s=120.0)
     roomy = simulate(requests, policy(), CAL, start_replicas=1, hold_timeout_s=120.0,
