@@ -47,10 +47,13 @@ THROTTLED_NICE = 19  # the throttled replica's niceness (the others keep --repli
 
 
 def text_of(rng: random.Random, tokenizer: Any, tokens: int) -> str:
-    """Random words, about ``tokens`` of the model's tokens."""
+    """Random words, ``tokens`` of the model's tokens or one word more."""
     words: list[str] = []
-    while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) < tokens:
-        words.extend(rng.choice(WORDS) for _ in range(max((tokens - len(words)) // 3, 1)))
+    count = 0
+    while count < tokens:
+        # Half the tokens still missing in words (a word is one token or more), then one at a time.
+        words.extend(rng.choice(WORDS) for _ in range(max((tokens - count) // 2, 1)))
+        count = len(tokenizer.encode(" ".join(words), add_special_tokens=False))
     return " ".join(words)
 
 
