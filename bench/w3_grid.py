@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.roofline import cpu_info
 
     started = time.time()
+    machine = cpu_info()  # before the run: its load average is the start's
     rows = []
     tokenizer = None
     if args.mode == "real":
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_compact(f"w3_grid_{args.mode}", {
         "benchmark": "w3_grid", "mode": args.mode,
         "command": " ".join([os.path.basename(sys.executable), "-m", "bench.w3_grid", *(argv or sys.argv[1:])]),
-        "machine": cpu_info(), "loadavg_1m_at_start": os.getloadavg()[0],
+        "machine": machine,
         "elapsed_s": round(time.time() - started, 1), "cells": rows,
         "summary": {"cells": len(rows), "hit_within_5pct": sum(v["hit_ok"] for v in verdicts),
                     "p90_within_5pct": sum(v["p90_ok"] for v in verdicts)},
