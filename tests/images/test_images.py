@@ -176,9 +176,8 @@ def test_engine_image_serves_as_a_restricted_pod_behind_the_control_plane_router
             podman("rm", "-f", "-t", "5", name, check=False)
 
 
-def test_a_source_change_rebuilds_only_the_source_layer(images, tmp_path):
-    """The build context with one source file changed: every dependency layer comes from the
-    cache (no torch download), only the sources are installed again."""
+def _context_copy(tmp_path: Path) -> Path:
+    """What the engine image's build reads from the checkout, copied, to change a file in."""
     context = tmp_path / "context"
     for path in ("pyproject.toml", "README.md", "Dockerfile", ".dockerignore", "kvscale", "server",
                  "kernels", "router", "operator", "tools/images/requirements.py"):
@@ -188,8 +187,18 @@ def test_a_source_change_rebuilds_only_the_source_layer(images, tmp_path):
             shutil.copytree(source, target, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(source, target)
+    return context
+
+
+def test_a_source_change_rebuilds_only_the_source_layer(images, tmp_path):
+    """The build context with one source file changed, and pyproject.toml outside the engine's
+    group (a new dev pin): every dependency layer comes from the cache (no torch download), only
+    the sources are installed again."""
+    context = _context_copy(tmp_path)
     with open(context / "router" / "cli_router.py", "a") as changed:
         changed.write("\n# a source change\n")
+    pyproject = context / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('dev = ["', 'dev = ["six==1.17.0", "', 1))
     registry = f"localhost/kvscale-layer-test-{time.monotonic_ns()}"
     build = subprocess.run(["bash", str(IMAGES), "build", "engine"], capture_output=True, text=True,
                            timeout=900, env={**os.environ, "KVSCALE_BUILD_CONTEXT": str(context),
@@ -197,8 +206,9 @@ def test_a_source_change_rebuilds_only_the_source_layer(images, tmp_path):
     try:
         assert build.returncode == 0, build.stderr[-6000:]
         log = build.stdout + build.stderr
-        steps = [line for line in log.splitlines() if line.startswith("STEP ")]
-        pip_step = next(line for line in steps if "requirements.txt" in line)
+        # A multi-stage build prefixes each step with its stage ("[2/2] STEP 6/21: ...").
+        steps = [line for line in log.splitlines() if line.split("] ", 1)[-1].startswith("STEP ")]
+        pip_step = next(line for line in steps if "install -r /tmp/build/requirements.txt" in line)
         after_pip = log.split(pip_step, 1)[1].split("STEP ", 1)[0]
         assert "Using cache" in after_pip, after_pip
         assert "Downloading torch" not in log
