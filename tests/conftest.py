@@ -43,6 +43,9 @@ CLUSTER_FIXTURES = frozenset({"k8s_env", "process_cluster"})
 CLUSTER_FOLDERS = ("tests/images/", "tests/cluster/")
 
 
+# tryfirst: pytest-xdist's worker reads the groups in its own hook of this name, which would
+# otherwise run before this one and find none.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         path = item.nodeid.split("::", 1)[0]
