@@ -34,25 +34,6 @@ from testenv import (  # noqa: E402
     stop_env,
 )
 
-# Tests that use one of the session's control planes, and the folders whose tests drive podman or
-# start control planes of their own, run in one pytest-xdist worker, in collection order: the
-# session starts each control plane once and two image builds never race. Every other test file
-# is a group of its own (its module fixtures start once). `make test` runs two workers, so the
-# cluster tests, which mostly wait on controllers and pods, overlap the engine tests, which compute.
-CLUSTER_FIXTURES = frozenset({"k8s_env", "process_cluster"})
-CLUSTER_FOLDERS = ("tests/images/", "tests/cluster/")
-
-
-# tryfirst: pytest-xdist's worker reads the groups in its own hook of this name, which would
-# otherwise run before this one and find none.
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        uses_cluster = CLUSTER_FIXTURES.intersection(getattr(item, "fixturenames", ()))
-        group = "cluster" if uses_cluster or path.startswith(CLUSTER_FOLDERS) else path
-        item.add_marker(pytest.mark.xdist_group(group))
-
 
 @pytest.fixture(scope="session")
 def k8s_bins() -> Path:
