@@ -27,7 +27,6 @@ from kvscale.server.entrypoints.admission import (
     InvalidRequest,
     check_prompt,
 )
-from kvscale.server.outputs import PositionLogprobs
 from kvscale.server.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -204,20 +203,6 @@ def sampling_params_from(
         logit_bias=logit_bias,
         structured_outputs=structured_outputs,
     )
-
-
-def top_entries(position: PositionLogprobs, num_top: int) -> list[tuple[int, Any]]:
-    ranked = sorted(position.items(), key=lambda item: item[1].rank)
-    return [(token_id, lp) for token_id, lp in ranked if lp.rank <= num_top][:num_top]
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
 
 
 def check_stream_options(body: p.SamplingFields) -> None:

@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.admission import resolve_max_tokens
+from kvscale.server.entrypoints.response_parts import top_entries, usage
 from kvscale.server.entrypoints.serving import (
     OpenAIServer,
     Prepared,
@@ -23,8 +24,6 @@ from kvscale.server.entrypoints.serving import (
     logit_bias_from,
     sampling_params_from,
     structured_outputs_from,
-    top_entries,
-    usage,
 )
 from kvscale.server.entrypoints.serving_streams import (
     ChoiceState,

@@ -20,7 +20,8 @@ from fastapi import Request
 
 from kvscale.server.engine.engine_front import EngineDeadError, RequestStream
 from kvscale.server.entrypoints import protocol as p
-from kvscale.server.entrypoints.serving import APIError, OpenAIServer, Prepared, usage
+from kvscale.server.entrypoints.response_parts import usage
+from kvscale.server.entrypoints.serving import APIError, OpenAIServer, Prepared
 from kvscale.server.outputs import CompletionOutput, PositionLogprobs, RequestOutput, merge_deltas
 
 
