@@ -68,6 +68,19 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+def bind_core_sockets(folder: str) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """The front end's two sockets to the core, bound in ``folder``: requests out on
+    ``ipc://FOLDER/input``, the core's answers in on ``ipc://FOLDER/output``."""
+    context = zmq.Context()
+    to_core = context.socket(zmq.PUSH)
+    to_core.setsockopt(zmq.LINGER, 0)
+    to_core.bind(f"ipc://{folder}/input")
+    from_core = context.socket(zmq.PULL)
+    from_core.setsockopt(zmq.LINGER, 0)
+    from_core.bind(f"ipc://{folder}/output")
+    return context, to_core, from_core
+
+
 class EngineCoreClient(EngineFront):
     def __init__(self, process: Any, context: zmq.Context, inbox: zmq.Socket, outbox: zmq.Socket,
                  folder: str, ready: Ready, tokenizer: Any) -> None:
@@ -96,13 +109,7 @@ class EngineCoreClient(EngineFront):
         """Start the core and wait until it is ready; raises ValueError (a bad flag, a missing
         model) or RuntimeError (anything else) with the core's reason if it fails to start."""
         folder = tempfile.mkdtemp(prefix="kvscale-core-")
-        context = zmq.Context()
-        to_core = context.socket(zmq.PUSH)
-        to_core.setsockopt(zmq.LINGER, 0)
-        to_core.bind(f"ipc://{folder}/input")
-        from_core = context.socket(zmq.PULL)
-        from_core.setsockopt(zmq.LINGER, 0)
-        from_core.bind(f"ipc://{folder}/output")
+        context, to_core, from_core = bind_core_sockets(folder)
         settings = CoreSettings(config=config, input_address=f"ipc://{folder}/input",
                                 output_address=f"ipc://{folder}/output",
                                 cpus=cpus.core if cpus else None,

@@ -16,7 +16,7 @@ import time
 import pytest
 import zmq
 
-from kvscale.server.engine.engine_core_client import EngineCoreClient
+from kvscale.server.engine.engine_core_client import EngineCoreClient, bind_core_sockets
 from kvscale.server.engine.engine_core_wire import (
     Accepted,
     AddRequests,
@@ -64,13 +64,7 @@ class FakeCore:
 @pytest.fixture
 def client_and_core():
     folder = tempfile.mkdtemp(prefix="kvscale-core-test-")
-    context = zmq.Context()
-    to_core = context.socket(zmq.PUSH)
-    to_core.setsockopt(zmq.LINGER, 0)
-    to_core.bind(f"ipc://{folder}/input")
-    from_core = context.socket(zmq.PULL)
-    from_core.setsockopt(zmq.LINGER, 0)
-    from_core.bind(f"ipc://{folder}/output")
+    context, to_core, from_core = bind_core_sockets(folder)
     process = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,), daemon=True)
     process.start()
     ready = Ready(pid=process.pid, model_name="m", max_model_len=64, block_size=16, vocab_size=32,
