@@ -207,7 +207,7 @@ def test_it_can_grant_a_router_its_role_and_nothing_more(chart_rbac, k8s_env, mo
         # Labelled and owned as the operator's children are: the chart's children policy
         # (test_it_creates_only_what_an_inference_service_is_made_of) is not what is tried here.
         role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-                "metadata": kvscale_meta(name, target), "rules": rules}
+                "metadata": kvscale_meta(name, target, NO_OWNER_UID), "rules": rules}
         return k8s_env.kubectl("create", "-f", "-", f"--as={user}", input=json.dumps(role), check=False)
 
     router_role = create_role(f"{release}-like-router", [dict(ENDPOINTSLICES_RULE)])
@@ -341,19 +341,23 @@ def test_what_it_may_never_do_however_it_asks(chart_rbac, k8s_env, mode):
         assert not can(k8s_env, user, verb, resource, *sub, namespace=target), (verb, resource, sub)
 
 
-def kvscale_meta(name: str, namespace: str, component: str = "router") -> dict:
+# For objects only created to see whether a create passes: the garbage collector may remove them.
+NO_OWNER_UID = "00000000-0000-0000-0000-000000000001"
+
+
+def kvscale_meta(name: str, namespace: str, owner_uid: str, component: str = "router") -> dict:
     """Labels and owner of a child the operator makes (operator/children/labels.py, apply.owned)."""
     return {"name": name, "namespace": namespace,
             "labels": {"app.kubernetes.io/managed-by": "kvscale-operator",
                        "app.kubernetes.io/component": component, "serving.kvscale.io/router": "probe"},
             "ownerReferences": [{"apiVersion": "serving.kvscale.io/v1alpha1", "kind": "InferenceService",
-                                 "name": "probe", "uid": "00000000-0000-0000-0000-000000000001",
+                                 "name": "probe", "uid": owner_uid,
                                  "controller": True}]}
 
 
-def deployment(name: str, namespace: str, image: str = "ghcr.io/kvscale/kvscale-control-plane:0.1.0",
-               **pod: object) -> dict:
-    meta = kvscale_meta(name, namespace)
+def deployment(name: str, namespace: str, owner_uid: str,
+               image: str = "ghcr.io/kvscale/kvscale-control-plane:0.1.0", **pod: object) -> dict:
+    meta = kvscale_meta(name, namespace, owner_uid)
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
             "spec": {"replicas": 0, "selector": {"matchLabels": {"serving.kvscale.io/router": "probe"}},
                      "template": {"metadata": {"labels": dict(meta["labels"])},
@@ -369,7 +373,17 @@ def test_it_creates_only_what_an_inference_service_is_made_of(chart_rbac, k8s_en
     user = operator_user(release, namespace)
     target = ANYWHERE if mode == "cluster-wide" else WATCHED[0]
     kube = Kube(load_connection(str(k8s_env.kubeconfig_for_service_account(namespace, user.rsplit(":", 1)[1]))))
-    made: list[str] = []
+    made: list[str] = ["inferenceservice/probe"]
+    # A real owner: children of an owner that does not exist are the garbage collector's to delete,
+    # and a Role gone before its RoleBinding is created fails that create with a 404.
+    k8s_env.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "serving.kvscale.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "probe", "namespace": target},
+        "spec": {"model": {"uri": "bundled://smollm2-135m-instruct"}, "replicas": 0}}))
+    uid = k8s_env.kubectl_json("get", "inferenceservice", "probe", "-n", target)["metadata"]["uid"]
+
+    def meta(name: str) -> dict:
+        return kvscale_meta(name, target, uid)
 
     def create(obj: dict) -> None:
         kube.create(path_for(obj["apiVersion"], {"Deployment": "deployments", "Role": "roles",
@@ -385,30 +399,30 @@ def test_it_creates_only_what_an_inference_service_is_made_of(chart_rbac, k8s_en
     rbac_group = "rbac.authorization.k8s.io/v1"
     try:
         # What a router is made of passes.
-        create({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": kvscale_meta("probe-router", target)})
-        create({"apiVersion": rbac_group, "kind": "Role", "metadata": kvscale_meta("probe-router", target),
+        create({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta("probe-router")})
+        create({"apiVersion": rbac_group, "kind": "Role", "metadata": meta("probe-router"),
                 "rules": [dict(ENDPOINTSLICES_RULE)]})
-        create({"apiVersion": rbac_group, "kind": "RoleBinding", "metadata": kvscale_meta("probe-router", target),
+        create({"apiVersion": rbac_group, "kind": "RoleBinding", "metadata": meta("probe-router"),
                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "probe-router"},
                 "subjects": [{"kind": "ServiceAccount", "name": "probe-router", "namespace": target}]})
-        create(deployment("probe-router", target, serviceAccountName="probe-router"))
+        create(deployment("probe-router", target, uid, serviceAccountName="probe-router"))
         # Its own rules (ClusterRole, or Role in the namespaced mode) bound to anyone: RBAC allows
         # it, the operator holding those rules.
-        refused({"apiVersion": rbac_group, "kind": "RoleBinding", "metadata": kvscale_meta("x-router", target),
+        refused({"apiVersion": rbac_group, "kind": "RoleBinding", "metadata": meta("x-router"),
                  "roleRef": {"apiGroup": "rbac.authorization.k8s.io",
                              "kind": "ClusterRole" if mode == "cluster-wide" else "Role",
                              "name": f"{release}-kvscale-operator"},
                  "subjects": [{"kind": "User", "name": "mallory"}]}, "binds its own Role")
-        refused({"apiVersion": rbac_group, "kind": "Role", "metadata": kvscale_meta("y-router", target),
+        refused({"apiVersion": rbac_group, "kind": "Role", "metadata": meta("y-router"),
                  "rules": [{"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["create"]}]},
                 "reads EndpointSlices")
-        refused({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": kvscale_meta("admin", target)},
+        refused({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta("admin")},
                 "NAME-router")
         # Pods as another account, from a foreign image, on the host.
-        refused(deployment("a-router", target, serviceAccountName="default"), "own ServiceAccount")
-        refused(deployment("b-router", target, image="docker.io/attacker/miner:1"), "allowed images")
-        refused(deployment("c-router", target, hostNetwork=True), "no host namespace")
-        unlabelled = deployment("d-router", target)
+        refused(deployment("a-router", target, uid, serviceAccountName="default"), "own ServiceAccount")
+        refused(deployment("b-router", target, uid, image="docker.io/attacker/miner:1"), "allowed images")
+        refused(deployment("c-router", target, uid, hostNetwork=True), "no host namespace")
+        unlabelled = deployment("d-router", target, uid)
         del unlabelled["metadata"]["labels"]["app.kubernetes.io/managed-by"]
         refused(unlabelled, "managed-by=kvscale-operator")
         # A user's Service: the operator may not repoint it (traffic theft) nor delete it.

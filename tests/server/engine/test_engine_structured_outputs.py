@@ -5,6 +5,7 @@ error output of a grammar that cannot be compiled. Every engine is leak-checked.
 from __future__ import annotations
 
 import json
+import threading
 
 import jsonschema
 
@@ -56,37 +57,67 @@ def test_a_grammar_that_fails_ends_the_request_with_an_error_and_nothing_else(ma
     assert done["ok"].error is None and len(done["ok"].outputs[0].token_ids) == 8
 
 
-def test_grammar_limits_end_requests_with_their_reason_and_the_batch_runs_on(make_engine, run_to_completion):
-    """Over the CPU-time limit: "timeout" (a 400 at the API); queued behind two long compiles past
-    the wall-clock bound: "wait_timeout" (a 503); an unconstrained request beside them decodes to
-    the end."""
+def slow_spec(offset: int) -> StructuredOutputsParams:
+    """A schema that takes ~0.5 s of CPU time to compile (Xeon); ``offset`` keeps each one uncached."""
+    return StructuredOutputsParams(json=json.dumps({"anyOf": [{"type": "object", "properties": {
+        f"k{j}": {"type": "integer", "minimum": j + offset, "maximum": j * 1000 + offset + 7}
+        for j in range(i, i + 30)},
+        "required": [f"k{i}"]} for i in range(250)]}))
+
+
+def test_compiles_over_the_cpu_limit_fail_their_own_requests_and_nobody_waits_behind_them(
+        make_engine, run_to_completion):
+    """Over the CPU-time limit: "timeout" (a 400 at the API), and the worker is handed over, so a
+    small schema queued behind two slow ones compiles and a plain request decodes to the end."""
     from kvscale.server.config import StructuredOutputsConfig
 
-    # At the engine's priority: the first compile must reach 0.05 s of CPU time within the 0.6 s
-    # bound on a machine that other work may be keeping busy.
+    # A wait bound no step of a loaded machine reaches: only the CPU limit may end these.
     engine = make_engine(structured_outputs_config=StructuredOutputsConfig(
-        compile_timeout_s=0.05, compile_wait_timeout_s=0.6, compile_priority="normal"))
-
-    def slow(offset: int) -> StructuredOutputsParams:  # ~0.5 s of CPU time each (Xeon)
-        return StructuredOutputsParams(json=json.dumps({"anyOf": [{"type": "object", "properties": {
-            f"k{j}": {"type": "integer", "minimum": j + offset, "maximum": j * 1000 + offset + 7}
-            for j in range(i, i + 30)},
-            "required": [f"k{i}"]} for i in range(250)]}))
-
-    engine.structured.compiler.tokenizer()  # else the first compile builds it (~0.5 s, which the wait counts)
-    engine.add_request("slow", "Hello", SamplingParams(max_tokens=8, structured_outputs=slow(0)))
-    engine.add_request("slow2", "Hello", SamplingParams(max_tokens=8, structured_outputs=slow(1)))
-    # Behind both on the one compile worker, which they keep busy for ~1 s of CPU time, so
-    # longer than the 0.6 s bound whatever the load (a thread's wall time is at least its CPU time).
+        compile_timeout_s=0.05, compile_wait_timeout_s=60.0, compile_priority="normal"))
+    engine.structured.compiler.tokenizer()  # else the first compile builds it
+    engine.add_request("slow", "Hello", SamplingParams(max_tokens=8, structured_outputs=slow_spec(0)))
+    engine.add_request("slow2", "Hello", SamplingParams(max_tokens=8, structured_outputs=slow_spec(1)))
     engine.add_request("queued", "Hello", SamplingParams(max_tokens=8, structured_outputs=person_spec()))
     engine.add_request("plain", "Hello", SamplingParams(temperature=0, max_tokens=8))
     done = run_to_completion(engine)
-    assert done["slow"].error_reason == "timeout" and "compile_timeout_s" in done["slow"].error
-    assert done["queued"].error_reason == "wait_timeout" and "compile_wait_timeout_s" in done["queued"].error
-    assert done["queued"].outputs[0].token_ids == []
+    for slow in ("slow", "slow2"):
+        assert done[slow].error_reason == "timeout" and "compile_timeout_s" in done[slow].error
+        assert done[slow].outputs[0].token_ids == []
+    assert done["queued"].error is None and done["queued"].outputs[0].token_ids
     assert done["plain"].error is None and len(done["plain"].outputs[0].token_ids) == 8
-    stats = engine.structured.stats
-    assert stats.timeouts >= 1 and stats.wait_timeouts >= 1 and stats.timeouts + stats.wait_timeouts == 3
+    assert engine.structured.stats.timeouts == 2 and engine.structured.stats.wait_timeouts == 0
+
+
+def test_a_compile_waited_for_past_the_wall_clock_bound_ends_with_wait_timeout(make_engine, run_to_completion):
+    """A compile that gets no CPU (as a starved worker's) holds the one worker past the wall-clock
+    bound: it and the request queued behind it end with "wait_timeout" (a 503); a plain request
+    beside them decodes to the end."""
+    from kvscale.server.config import StructuredOutputsConfig
+
+    engine = make_engine(structured_outputs_config=StructuredOutputsConfig(
+        compile_timeout_s=0.5, compile_wait_timeout_s=0.6, compile_workers=1, compile_priority="normal"))
+    pool = engine.structured.compiler.pool
+    compile_fn, released = pool._compile_fn, threading.Event()
+    held = slow_spec(0)
+
+    def held_then_compiled(tokenizer, spec):
+        if spec == held:
+            released.wait(30)  # off the CPU: its CPU clock stays below the limit
+        return compile_fn(tokenizer, spec)
+
+    pool._compile_fn = held_then_compiled
+    try:
+        engine.add_request("held", "Hello", SamplingParams(max_tokens=8, structured_outputs=held))
+        engine.add_request("queued", "Hello", SamplingParams(max_tokens=8, structured_outputs=person_spec()))
+        engine.add_request("plain", "Hello", SamplingParams(temperature=0, max_tokens=8))
+        done = run_to_completion(engine)
+    finally:
+        released.set()
+    for waited in ("held", "queued"):
+        assert done[waited].error_reason == "wait_timeout" and "compile_wait_timeout_s" in done[waited].error
+        assert done[waited].outputs[0].token_ids == []
+    assert done["plain"].error is None and len(done["plain"].outputs[0].token_ids) == 8
+    assert engine.structured.stats.timeouts == 0 and engine.structured.stats.wait_timeouts == 2
 
 
 def test_abort_while_compiling_and_while_decoding_leaks_nothing(make_engine, run_to_completion, bundled_tokenizer):
