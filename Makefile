@@ -80,17 +80,19 @@ serve: venv
 	@echo "         -d '{\"model\": \"smollm2-135m-instruct\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}'"
 	$(VENV)/bin/kvscale serve --host $(HOST) --port $(PORT)
 
-# The three installs overlap: uv waits on the network, the Go build on the CPU. The suite runs in
-# one process: pytest-xdist's groups (--dist loadgroup) do not group under pytest 9.2 (every test
-# is spread on its own, so both workers start both control planes), and files spread whole
-# (loadfile) overloaded two cores (docs/k8s-test-env.md "Running the suite"). The slowest tests
-# are named at the end, so every CI log says where its time went.
+# The three installs overlap: uv waits on the network, the Go build on the CPU. PYTEST_WORKERS > 0
+# runs the suite on that many pytest-xdist workers, each file on one worker and every file using a
+# costly session service (a control plane, the router tests' replicas) on the same one, so each
+# starts once (tests/conftest.py). One process by default: on a 2-core machine two workers did not
+# finish sooner (docs/k8s-test-env.md "Running the suite"). The slowest tests are named at the
+# end, so every CI log says where its time went.
+PYTEST_WORKERS ?= 0
 test:
 	@$(MAKE) --no-print-directory -j3 venv system-deps k8s-bins
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(MYPY)
-	$(VENV)/bin/pytest --durations=30 $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) --durations=30 $(PYTEST_ARGS)
 
 # The real-node lane (tests/node, docs/k8s-test-env.md "Real-node lane"): the chart and an
 # InferenceService as containers under a real kubelet, containerd and CNI plugins from Debian,

@@ -8,10 +8,14 @@ missing is an error, never a skip.
 
 from __future__ import annotations
 
+import ast
+import functools
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +37,56 @@ from testenv import (  # noqa: E402
     start_env,
     stop_env,
 )
+
+# The session-scoped services that are costly to start, in the order a file using several is
+# grouped by. Under pytest-xdist every file using one runs on the same worker, so each starts once.
+SHARED_SESSION_FIXTURES = ("process_cluster", "k8s_env", "replicas")
+
+
+@functools.cache
+def scope_of_file(path: str) -> str:
+    """The unit pytest-xdist hands one worker: the first shared session fixture the file's tests
+    or fixtures take as an argument, else the file itself (its module fixtures start once)."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError):
+        return path
+    taken = {arg.arg for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+             and (node.name.startswith("test") or "fixture" in ast.dump(ast.Module(node.decorator_list, [])))
+             for arg in node.args.args}
+    return next((f"shared:{name}" for name in SHARED_SESSION_FIXTURES if name in taken), path)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Under pytest-xdist the workers share the machine's cores: one OpenMP thread per engine
+    # process (the workers' and the servers they start), else their spinning threads fight.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    # xdist's own groups (--dist loadgroup) do not group under pytest 9.2: its worker renames
+    # each test's node id, which no longer reaches the controller.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class BySharedFixture(LoadScopeScheduling):
+        started = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of_file(str(config.rootpath / nodeid.split("::", 1)[0]))
+
+        def _assign_work_unit(self, node: Any) -> None:
+            # The groups on a shared service are the longest units: handed out first, one to each
+            # worker, so no worker is left running one alone at the end.
+            if not self.started:
+                self.started = True
+                for name in reversed(SHARED_SESSION_FIXTURES):
+                    if f"shared:{name}" in self.workqueue:
+                        self.workqueue.move_to_end(f"shared:{name}", last=False)
+            super()._assign_work_unit(node)
+
+    return BySharedFixture(config, log)
 
 
 @pytest.fixture(scope="session")
