@@ -1,10 +1,18 @@
 """Hostile clients for `bench/soak.py --hostile`: what a careless or malicious tenant
-sends a router, each kind in its own loop until told to stop.
+sends a router, each kind in its own loop until told to stop. All but one hold the routers' API
+key (a tenant misbehaving, not a stranger).
 
 - ``oversized``: a body declared at 64 MiB, sent in 1 MiB pieces (refused 413 before it is read);
 - ``slow_loris``: a 4 KiB body sent a byte a second (refused 408 after --request-body-timeout);
 - ``many_prompts``: one completion request holding 5,000 prompts (refused 400 by the replica);
-- ``disconnect``: a long stream left after its first chunk (the replica must free its blocks).
+- ``disconnect``: a long stream left after its first chunk (the replica must free its blocks);
+- ``bomb``: up to --max-sequences-per-request prompts sharing a full logit_bias and a full list of
+  stop strings (answered, or refused 400; the replica stays up);
+- ``over_*``: one request over one field limit each (bench/hostile_payloads.py), in turn: a 400
+  whose message names the limit's flag;
+- ``unauthenticated``: no key, a body announced at 30 MiB (refused 401 from the head: no byte of
+  the body is sent before the answer);
+- ``slow_schema``: distinct slow-to-compile JSON schemas (each fails alone, 400 or 503).
 
 Each answer's status is counted per kind; 0 means the connection closed without one.
 """
@@ -15,93 +23,154 @@ import asyncio
 import json
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
 
-MODEL = "smollm2-135m-instruct"
-CONCURRENCY = {"oversized": 2, "slow_loris": 8, "many_prompts": 1, "disconnect": 4}
+from bench.hostile_payloads import (
+    MODEL,
+    bomb_body,
+    names_limit,
+    over_limit_requests,
+    slow_schema_body,
+)
+
+OVER_LIMIT_KINDS = tuple(over_limit_requests())
+# Clients per kind. The newer kinds stay at one or two: the host has 2 cores, and each of their
+# requests costs a replica far more than an honest one.
+CONCURRENCY = {"oversized": 2, "slow_loris": 8, "many_prompts": 1, "disconnect": 4, "bomb": 1,
+               "over_limit": 1, "unauthenticated": 2, "slow_schema": 1}
+# Kinds as counted: the over-limit loop counts each limit on its own.
+KINDS = (*(k for k in CONCURRENCY if k != "over_limit"), *OVER_LIMIT_KINDS)
+UNAUTHENTICATED_BYTES = 30 * 2**20
+# Between two requests of a kind refused at once: without it each client would send hundreds a
+# second, a flood of connections (which no limit under test bounds) taking the 2 cores the
+# honest load and the soak's own clients share.
+PAUSE_S = 0.25
 
 
 @dataclass
 class HostileStats:
-    statuses: dict[str, Counter] = field(default_factory=lambda: {k: Counter() for k in CONCURRENCY})
+    statuses: dict[str, Counter] = field(default_factory=lambda: {k: Counter() for k in KINDS})
     held_s: list[float] = field(default_factory=list)  # how long each slow-loris upload was kept
+    named_limit: Counter = field(default_factory=Counter)  # over-limit 400s whose message names the flag
+    unauthenticated_bytes_sent: list[int] = field(default_factory=list)  # before each answer
+    bomb_s: list[float] = field(default_factory=list)
+    cancelled_at_end: bool = False  # requests still open after the grace were given up
+    loop_errors: list[str] = field(default_factory=list)  # a client that crashed stopped counting
 
     def as_dict(self) -> dict:
+        over = {kind: {"refused_400": self.statuses[kind][400], "named_the_limit": self.named_limit[kind]}
+                for kind in OVER_LIMIT_KINDS}
         return {"statuses": {kind: dict(counts) for kind, counts in self.statuses.items()},
                 "sent": {kind: sum(counts.values()) for kind, counts in self.statuses.items()},
-                "slow_loris_held_s_max": round(max(self.held_s), 1) if self.held_s else None}
+                "slow_loris_held_s_max": round(max(self.held_s), 1) if self.held_s else None,
+                "over_limit": over,
+                "unauthenticated_body_bytes_sent_max": max(self.unauthenticated_bytes_sent, default=None),
+                "bomb_s_max": round(max(self.bomb_s), 1) if self.bomb_s else None,
+                "cancelled_at_end": self.cancelled_at_end, "loop_errors": self.loop_errors}
+
+
+def _status_line(line: bytes) -> int:
+    return int(line.split(b" ", 2)[1]) if line.startswith(b"HTTP/") else 0
 
 
 async def _status_of(reader: asyncio.StreamReader) -> int:
     try:
-        line = await asyncio.wait_for(reader.readline(), 5)
-        return int(line.split(b" ", 2)[1]) if line.startswith(b"HTTP/") else 0
+        return _status_line(await asyncio.wait_for(reader.readline(), 5))
     except (TimeoutError, ConnectionError, ValueError, IndexError):
         return 0
 
 
-async def _raw_upload(url: str, declared: int, piece: bytes, pause_s: float, limit_s: float) -> tuple[int, float]:
-    """POST /v1/completions declaring ``declared`` bytes, sending ``piece`` every ``pause_s`` until
-    the server answers or closes; its status and how long the connection was held."""
+async def _raw_upload(url: str, declared: int, piece: bytes, pause_s: float, limit_s: float,
+                      api_key: str | None) -> tuple[int, float, int]:
+    """POST /v1/completions declaring ``declared`` bytes, sending ``piece`` every ``pause_s`` (the
+    first after ``pause_s`` too) until the server answers or closes; its status, how long the
+    connection was held, and the body bytes sent before the answer."""
     parts = urlsplit(url)
     started = time.monotonic()
-    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     try:
-        writer.write((f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    except OSError:
+        return 0, time.monotonic() - started, 0
+    sent = 0
+    try:
+        auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+        writer.write((f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n{auth}"
                       f"Content-Type: application/json\r\nContent-Length: {declared}\r\n\r\n").encode())
-        sent = 0
         while sent < declared and time.monotonic() - started < limit_s:
             answer = asyncio.ensure_future(reader.readline())
             done, _ = await asyncio.wait({answer}, timeout=pause_s)
             if done:
-                line = answer.result()
-                status = int(line.split(b" ", 2)[1]) if line.startswith(b"HTTP/") else 0
-                return status, time.monotonic() - started
+                try:
+                    return _status_line(answer.result()), time.monotonic() - started, sent
+                except (ConnectionError, ValueError, IndexError):
+                    return 0, time.monotonic() - started, sent
             answer.cancel()
             try:
                 writer.write(piece[: declared - sent])
                 await writer.drain()
             except ConnectionError:
                 break
-            sent += len(piece)
-        return await _status_of(reader), time.monotonic() - started
+            sent += min(len(piece), declared - sent)
+        return await _status_of(reader), time.monotonic() - started, sent
     finally:
         writer.close()
 
 
-async def oversized(url: str, stats: HostileStats, stop: asyncio.Event) -> None:
+Loop = Callable[[str, HostileStats, asyncio.Event, str | None], Awaitable[None]]
+
+
+async def oversized(url: str, stats: HostileStats, stop: asyncio.Event, api_key: str | None) -> None:
     while not stop.is_set():
-        status, _ = await _raw_upload(url, 64 * 2**20, b"x" * 2**20, 0.01, 30)
+        status, _, _ = await _raw_upload(url, 64 * 2**20, b"x" * 2**20, 0.01, 30, api_key)
         stats.statuses["oversized"][status] += 1
 
 
-async def slow_loris(url: str, stats: HostileStats, stop: asyncio.Event) -> None:
+async def slow_loris(url: str, stats: HostileStats, stop: asyncio.Event, api_key: str | None) -> None:
     while not stop.is_set():
-        status, held = await _raw_upload(url, 4096, b"x", 1.0, 300)
+        status, held, _ = await _raw_upload(url, 4096, b"x", 1.0, 300, api_key)
         stats.statuses["slow_loris"][status] += 1
         stats.held_s.append(held)
 
 
-async def many_prompts(url: str, stats: HostileStats, stop: asyncio.Event) -> None:
+async def unauthenticated(url: str, stats: HostileStats, stop: asyncio.Event, api_key: str | None) -> None:
+    # Two seconds before the first piece: a router that answers from the head has long answered.
+    while not stop.is_set():
+        status, _, sent = await _raw_upload(url, UNAUTHENTICATED_BYTES, b"x" * 2**20, 2.0, 60, None)
+        stats.statuses["unauthenticated"][status] += 1
+        stats.unauthenticated_bytes_sent.append(sent)
+        await asyncio.sleep(PAUSE_S)
+
+
+async def _post(client: httpx.AsyncClient, url: str, body: dict | str) -> tuple[int, bytes]:
+    content = body if isinstance(body, str) else json.dumps(body)
+    try:
+        response = await client.post(url, content=content, headers={"Content-Type": "application/json"})
+        return response.status_code, response.content
+    except httpx.HTTPError:
+        return 0, b""
+
+
+def _client(api_key: str | None) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+
+
+async def many_prompts(url: str, stats: HostileStats, stop: asyncio.Event, api_key: str | None) -> None:
     body = json.dumps({"model": MODEL, "prompt": [f"prompt {i}" for i in range(5000)], "max_tokens": 1})
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with _client(api_key) as client:
         while not stop.is_set():
-            try:
-                response = await client.post(f"{url}/v1/completions", content=body,
-                                             headers={"Content-Type": "application/json"})
-                stats.statuses["many_prompts"][response.status_code] += 1
-            except httpx.HTTPError:
-                stats.statuses["many_prompts"][0] += 1
+            status, _ = await _post(client, f"{url}/v1/completions", body)
+            stats.statuses["many_prompts"][status] += 1
             await asyncio.sleep(0.5)
 
 
-async def disconnect(url: str, stats: HostileStats, stop: asyncio.Event) -> None:
+async def disconnect(url: str, stats: HostileStats, stop: asyncio.Event, api_key: str | None) -> None:
     body = {"model": MODEL, "prompt": "Tell a very long story:", "max_tokens": 256, "stream": True,
             "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with _client(api_key) as client:
         while not stop.is_set():
             try:
                 async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -112,8 +181,59 @@ async def disconnect(url: str, stats: HostileStats, stop: asyncio.Event) -> None
                 stats.statuses["disconnect"][0] += 1
 
 
-async def run_hostile(routers: list[str], stats: HostileStats, stop: asyncio.Event) -> None:
-    kinds = {"oversized": oversized, "slow_loris": slow_loris, "many_prompts": many_prompts,
-             "disconnect": disconnect}
-    await asyncio.gather(*(kinds[kind](routers[i % len(routers)], stats, stop)
-                           for kind, count in CONCURRENCY.items() for i in range(count)))
+def bomb(sequences: int, pause_s: float) -> Loop:
+    async def loop(url: str, stats: HostileStats, stop: asyncio.Event, api_key: str | None) -> None:
+        body = json.dumps(bomb_body(sequences))
+        async with _client(api_key) as client:
+            while not stop.is_set():
+                started = time.monotonic()
+                status, _ = await _post(client, f"{url}/v1/completions", body)
+                stats.statuses["bomb"][status] += 1
+                stats.bomb_s.append(time.monotonic() - started)
+                await asyncio.sleep(pause_s)  # the bomb recurs; it does not occupy a replica for good
+    return loop
+
+
+async def over_limit(url: str, stats: HostileStats, stop: asyncio.Event, api_key: str | None) -> None:
+    requests = {kind: (path, json.dumps(body), expected)
+                for kind, (path, body, expected) in over_limit_requests().items()}
+    async with _client(api_key) as client:
+        while not stop.is_set():
+            for kind, (path, body, expected) in requests.items():
+                status, answer = await _post(client, f"{url}{path}", body)
+                stats.statuses[kind][status] += 1
+                stats.named_limit[kind] += status == 400 and names_limit(answer, expected)
+                await asyncio.sleep(PAUSE_S)
+
+
+def slow_schema(first_index: int) -> Loop:
+    async def loop(url: str, stats: HostileStats, stop: asyncio.Event, api_key: str | None) -> None:
+        index = first_index
+        async with _client(api_key) as client:
+            while not stop.is_set():
+                status, _ = await _post(client, f"{url}/v1/chat/completions", slow_schema_body(index))
+                stats.statuses["slow_schema"][status] += 1
+                index += 1
+    return loop
+
+
+async def run_hostile(routers: list[str], stats: HostileStats, stop: asyncio.Event, api_key: str | None,
+                      bomb_sequences: int, bomb_pause_s: float = 5.0) -> None:
+    """Every kind's clients against the routers in turn, until ``stop``."""
+    loops: dict[str, Loop] = {
+        "oversized": oversized, "slow_loris": slow_loris, "many_prompts": many_prompts,
+        "disconnect": disconnect, "bomb": bomb(bomb_sequences, bomb_pause_s), "over_limit": over_limit,
+        "unauthenticated": unauthenticated, "slow_schema": slow_schema(0)}
+
+    async def guarded(kind: str, loop: Loop, url: str) -> None:
+        try:
+            await loop(url, stats, stop, api_key)
+        except Exception as exc:  # noqa: BLE001 - reported, and the other clients go on
+            stats.loop_errors.append(f"{kind}: {type(exc).__name__}: {exc}")
+
+    clients = []
+    for kind, count in CONCURRENCY.items():
+        for i in range(count):
+            loop = slow_schema(i * 10_000) if kind == "slow_schema" else loops[kind]
+            clients.append(guarded(kind, loop, routers[i % len(routers)]))
+    await asyncio.gather(*clients)

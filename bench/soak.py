@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import secrets
 import sys
 import threading
 import time
@@ -44,14 +46,30 @@ if __package__ in (None, ""):
 from bench.soak_client import Outcome, load  # noqa: E402
 from bench.soak_faults import Fault, chaos  # noqa: E402
 from bench.soak_platform import ROUTERS, Platform  # noqa: E402
-from bench.soak_report import honest, idle_metrics, leaked_blocks, machine_info, summarize  # noqa: E402
+from bench.soak_report import (  # noqa: E402
+    honest,
+    hostile_targets_met,
+    idle_metrics,
+    leaked_blocks,
+    machine_info,
+    summarize,
+)
+from kvscale.request_limits import DEFAULT_MAX_SEQUENCES_PER_REQUEST  # noqa: E402
+
+HOSTILE_GRACE_S = 10
 
 
 def hostile_main(args: argparse.Namespace) -> int:
     """The honest load alone, then the same load beside hostile clients, on one platform."""
     from bench.hostile_clients import HostileStats, run_hostile
 
-    platform_ = Platform(args.replicas, args.blocks, args.kv_offloading_size)
+    # The routers check a key, so that the unauthenticated clients meet the check; honest and
+    # hostile tenants alike send it. The replicas' compile limit sits under what the slow schemas
+    # take (bench/hostile_payloads.py), so each of them is refused, not served late.
+    api_key = "sk-soak-" + secrets.token_urlsafe(12)
+    compile_limits = json.dumps({"compile_timeout_s": args.compile_timeout_s})
+    platform_ = Platform(args.replicas, args.blocks, args.kv_offloading_size, api_key=api_key,
+                         replica_args=("--structured-outputs-config", compile_limits))
     try:
         platform_.start(args.startup_timeout)
         routers = platform_.router_urls()
@@ -65,13 +83,34 @@ def hostile_main(args: argparse.Namespace) -> int:
         stats = HostileStats()
         beside: list[Outcome] = []
 
+        print(f"honest load alone: {len(alone)} requests in {alone_s:.0f} s", file=sys.stderr, flush=True)
+
+        async def progress(stop: asyncio.Event) -> None:
+            # A long run shows where it is: honest requests ended, hostile requests answered.
+            while not stop.is_set():
+                await asyncio.sleep(15)
+                sent = {kind: n for kind, n in stats.as_dict()["sent"].items() if n}
+                print(f"beside hostile: {sum(1 for o in beside if o.ended)}/{args.requests} honest ended; "
+                      f"hostile answered {sent}", file=sys.stderr, flush=True)
+
         async def both() -> None:
             stop = asyncio.Event()
-            hostile = asyncio.create_task(run_hostile(routers, stats, stop))
+            hostile = asyncio.create_task(run_hostile(routers, stats, stop, api_key, args.bomb_sequences))
+            reporter = asyncio.create_task(progress(stop))
             await asyncio.sleep(5)  # the hostile clients under way before the honest load starts
             await load(platform_, args.requests, args.concurrency, args.seed, beside)
             stop.set()
-            await asyncio.wait_for(hostile, 360)
+            # What the hostile clients still have open after a short grace (a slow-loris upload
+            # before its 408, a bomb) is given up, as a client leaving would, and not counted:
+            # waiting for each would add a minute to every run. The replicas must free it before
+            # the leak check.
+            done, _ = await asyncio.wait({hostile}, timeout=HOSTILE_GRACE_S)
+            if not done:
+                stats.cancelled_at_end = True
+                hostile.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await hostile
+            reporter.cancel()
 
         started = time.monotonic()
         asyncio.run(both())
@@ -83,7 +122,9 @@ def hostile_main(args: argparse.Namespace) -> int:
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": {**machine_info(), "load_avg_1m_at_end": os.getloadavg()[0]},
             "config": {"requests": args.requests, "concurrency": args.concurrency,
-                       "replicas": args.replicas, "routers": 2, "seed": args.seed},
+                       "replicas": args.replicas, "routers": 2, "seed": args.seed,
+                       "routers_api_key": True, "bomb_sequences": args.bomb_sequences,
+                       "compile_timeout_s": args.compile_timeout_s},
             "honest_alone": {**honest_alone, "wall_s": round(alone_s, 1)},
             "honest_beside_hostile": {**honest_beside, "wall_s": round(beside_s, 1)},
             "ttft_p90_ratio": round(p90_beside / p90_alone, 2) if p90_alone and p90_beside else None,
@@ -94,6 +135,7 @@ def hostile_main(args: argparse.Namespace) -> int:
             "processes_alive": {n: bool((platform_.replicas.get(n) or platform_.routers.get(n)).alive())
                                 for n in names},
         }
+        result["targets_met"] = hostile_targets_met(result)
     finally:
         platform_.stack.stop(grace_s=20)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -116,6 +158,12 @@ def main() -> int:
     parser.add_argument("--hostile", action="store_true",
                         help="no fault schedule: the honest load alone, then beside hostile clients "
                              "(bench/hostile_clients.py), in the same run")
+    parser.add_argument("--bomb-sequences", type=int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                        help="--hostile: prompts in each request-wide bomb (default: the replicas' "
+                             "--max-sequences-per-request)")
+    parser.add_argument("--compile-timeout-s", type=float, default=0.5,
+                        help="--hostile: the replicas' grammar compile limit (CPU seconds), under "
+                             "the ~1.5 s the slow schemas take")
     args = parser.parse_args()
     if args.hostile:
         return hostile_main(args)

@@ -106,7 +106,8 @@ async def load(platform_: Platform, requests: int, concurrency: int, seed: int, 
     """``requests`` requests, and more (up to 3x) while the fault schedule is still running."""
     routers = platform_.router_urls()
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=2.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=2.0), limits=limits,
+                                 headers=platform_.client_headers()) as client:
         issued = 0
 
         async def worker(w: int) -> None:

@@ -1,5 +1,7 @@
 """The chaos soak's platform: what `kvscale up` starts (Redis, N replicas publishing to it) plus
-two routers, each a child that the soak can kill and start again."""
+two routers, each a child that the soak can kill and start again. With ``api_key`` the routers
+require it (the hostile soak's unauthenticated clients need a router that checks a key); the
+replicas behind them stay open, as on a private network."""
 
 from __future__ import annotations
 
@@ -18,8 +20,11 @@ ROUTERS = ("router-a", "router-b")
 
 
 class Platform:
-    def __init__(self, replicas: int, blocks: int, kv_offloading_size: float = 0.0) -> None:
+    def __init__(self, replicas: int, blocks: int, kv_offloading_size: float = 0.0,
+                 api_key: str | None = None, replica_args: tuple[str, ...] = ()) -> None:
         self.stack = Stack()
+        self.api_key = api_key
+        self.replica_args = replica_args
         self.blocks = blocks
         self.kv_offloading_size = kv_offloading_size
         self.redis_port = free_port()
@@ -60,7 +65,8 @@ class Platform:
             "serve", "--host", "127.0.0.1", "--port", str(port), "--redis", self.redis_url, "--replica-id", name,
             "--num-gpu-blocks-override", str(self.blocks), "--max-model-len", "512", "--max-num-seqs", "16",
             "--kv-offloading-size", str(self.kv_offloading_size),
-            "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"], url, f"{url}/health",
+            "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log", *self.replica_args],
+            url, f"{url}/health",
             env_extra={"OMP_NUM_THREADS": str(self.threads_per_replica)})
         self.replicas[name] = child
         return child
@@ -71,7 +77,9 @@ class Platform:
         urls = ",".join(f"http://127.0.0.1:{self.replica_ports[n]}" for n in self.names)
         child = self.stack.spawn(name, KVSCALE + [
             "router", "--host", "127.0.0.1", "--port", str(port), "--replicas", urls, "--redis", self.redis_url,
-            "--health-interval", "0.5", "--log-level", "warning"], url, f"{url}/metrics")
+            "--health-interval", "0.5", "--log-level", "warning"], url, f"{url}/metrics",
+            # The key by environment, not argv: Stack.spawn's rule for secrets.
+            env_extra={"KVSCALE_API_KEY": self.api_key} if self.api_key else None)
         self.routers[name] = child
         return child
 
@@ -83,6 +91,10 @@ class Platform:
         for name in ROUTERS:
             self.start_router(name)
         self.stack.wait_healthy(list(self.routers.values()), timeout)
+
+    def client_headers(self) -> dict[str, str]:
+        """What an honest client sends the routers."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def router_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{self.router_ports[n]}" for n in ROUTERS]

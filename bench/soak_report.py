@@ -141,3 +141,34 @@ def honest(outcomes: list[Outcome]) -> dict:
     return {"requests": len(outcomes), "failed": sum(1 for o in outcomes if o.error),
             "failed_examples": [o.error for o in outcomes if o.error][:5],
             "ttft_p50_s": nearest_rank(ttfts, 0.5), "ttft_p90_s": nearest_rank(ttfts, 0.9)}
+
+
+# What each hostile kind may be answered (status 0: closed without an answer).
+HOSTILE_EXPECTED = {"bomb": {200, 400}, "unauthenticated": {401}, "slow_schema": {400, 503}}
+TTFT_P90_RATIO_TARGET = 1.5
+
+
+def hostile_targets_met(result: dict) -> dict[str, bool | None]:
+    """`bench/soak.py --hostile`'s targets, from its report; None where the run measured nothing."""
+    hostile = result["hostile"]
+    statuses: dict[str, dict] = hostile["statuses"]
+    ratio = result["ttft_p90_ratio"]
+
+    def only(kind: str, allowed: set[int]) -> bool | None:
+        answered = {int(status) for status in statuses.get(kind, {})}
+        return answered <= allowed if answered else None
+
+    over = hostile["over_limit"]
+    unauth_bytes = hostile["unauthenticated_body_bytes_sent_max"]
+    return {
+        "honest_failed_0": result["honest_alone"]["failed"] == 0 and result["honest_beside_hostile"]["failed"] == 0,
+        "ttft_p90_ratio_at_most_1_5": None if ratio is None else ratio <= TTFT_P90_RATIO_TARGET,
+        "leaked_blocks_0": all(v == 0 for v in result["leaked_blocks"].values()),
+        "processes_alive": all(result["processes_alive"].values()),
+        "hostile_clients_ran_throughout": not hostile["loop_errors"],
+        **{f"{kind}_answers": only(kind, allowed) for kind, allowed in HOSTILE_EXPECTED.items()},
+        "unauthenticated_refused_before_body": None if unauth_bytes is None else unauth_bytes == 0,
+        "over_limit_400_naming_the_limit": (all(
+            figures["refused_400"] == figures["named_the_limit"] == hostile["sent"][kind]
+            for kind, figures in over.items()) if all(hostile["sent"][kind] for kind in over) else None),
+    }
