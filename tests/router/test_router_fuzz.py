@@ -37,8 +37,8 @@ def test_router_fuzz_has_no_server_errors(launcher, keyed: bool) -> None:
     router = launcher.router([replica.url], None, policy="predicted-ttft", health_path="/health",
                              extra=[*key_args, *(["--replica-api-key", API_KEY] if keyed else [])])
     # The schema is behind the key like every route but /health and /metrics.
-    schema = schemathesis.openapi.from_url(f"{replica.url}/openapi.json",
-                                           headers={"Authorization": f"Bearer {API_KEY}"} if keyed else None)
+    key_header = {"Authorization": f"Bearer {API_KEY}"} if keyed else {}
+    schema = schemathesis.openapi.from_url(f"{replica.url}/openapi.json", headers=key_header)
     rss_before = rss_mib(router.proc.pid)
     calls: dict[str, int] = {}
     # With a key: requests that carry it, and requests that do not (each must be a clean 401).
