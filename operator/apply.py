@@ -75,13 +75,14 @@ def record_redis_secret(kube: Kube, name: str, namespace: str, secret: str) -> N
                      {"status": {REDIS_SECRET_STATUS: secret}})
 
 
-def apply_children(kube: Kube, owner: kopf.Body, spec: InferenceServiceSpec, images: Images) -> list[str]:
+def apply_children(kube: Kube, owner: kopf.Body, spec: InferenceServiceSpec, images: Images,
+                   server_defaults: tuple[str, ...] = ()) -> list[str]:
     """Apply every wanted child; the children left alone because another object holds their
     name, described (empty: everything applied)."""
     meta = owner["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     conflicts = []
-    children = build_children(name, namespace, spec, images)
+    children = build_children(name, namespace, spec, images, server_defaults)
     if spec.router.enabled and not spec.router.redis.external:
         refused = ensure_redis_secret(kube, owner)
         if refused:

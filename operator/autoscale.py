@@ -201,7 +201,7 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
             if config.allow.refusal(spec) is None:
                 apply_children(kube, as_body(current),
                                parse_spec({**current["spec"], "replicas": decision.replicas}),
-                               config.images)
+                               config.images, config.server_defaults)
             extra["lastScaleTime"] = conditions.now_rfc3339()
             message = scaled_message(previous, decision)
             log.info("%s/%s: %s", namespace, name, message)

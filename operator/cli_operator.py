@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     images.add_argument("--allowed-api-key-secret", action="append", default=[], metavar="PATTERN",
                         help="a name (shell pattern) an InferenceService's apiKeySecretRef may name "
                              "(repeatable; none: any Secret)")
+    parser.add_argument("--server-default-arg", action="append", default=[], metavar="ARG",
+                        help="a `kvscale serve` argument every server gets, as a container's args "
+                             "(--name=value, or --name then its value; repeatable, in order); an "
+                             "InferenceService's engine.extraArgs setting the same flag wins")
     election = parser.add_argument_group("leader election (one active operator per cluster)")
     election.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=True,
                           help="hold a Lease before reconciling, so replicas never fight")

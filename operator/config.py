@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvscale.operator.allow_list import AllowList
 from kvscale.operator.bounded_get import DEFAULT_MAX_BYTES
 from kvscale.operator.children.owned import Images
+from kvscale.operator.children.servers import server_default_flags
 
 # The server-side-apply field manager: the fields the operator owns in every child.
 FIELD_MANAGER = "kvscale-operator"
@@ -23,10 +24,20 @@ class OperatorConfig:
     cluster_domain: str = "cluster.local"
     images: Images = field(default_factory=Images)
     allow: AllowList = field(default_factory=AllowList)
+    # `kvscale serve` flags every server gets unless its engine.extraArgs sets the same flag.
+    server_defaults: tuple[str, ...] = ()
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
-    """The configuration `kvscale operator`'s parsed flags (cli_operator.add_arguments) give."""
+    """The configuration `kvscale operator`'s parsed flags (cli_operator.add_arguments) give;
+    SystemExit for server defaults that are no `kvscale serve` flags or set the operator's own:
+    the operator then stops before serving anything, rather than building servers that fail."""
+    # argparse reads `--server-default-arg=--` as an empty list: put the "--" back, to refuse.
+    server_defaults = tuple(a if isinstance(a, str) else "--" for a in args.server_default_arg)
+    try:
+        server_default_flags(server_defaults)
+    except ValueError as exc:
+        raise SystemExit(f"--server-default-arg (the chart's operator.serverDefaultArgs): {exc}") from None
     return OperatorConfig(
         resync_interval=args.resync_interval,
         scrape_interval=args.scrape_interval,
@@ -37,4 +48,5 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         images=Images(router=args.router_image, redis=args.redis_image, engine=args.engine_image),
         allow=AllowList(tuple(args.allowed_image), tuple(args.allowed_api_key_secret)).with_own_images(
             args.engine_image, args.router_image, args.redis_image),
+        server_defaults=server_defaults,
     )

@@ -40,7 +40,8 @@ def reconcile(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
                 not_applied(runtime, key, refused.message, refused.reason, autoscaling)
                 return
             try:
-                conflicts = apply_children(runtime.kube, as_body(current), spec, runtime.config.images)
+                conflicts = apply_children(runtime.kube, as_body(current), spec, runtime.config.images,
+                                           runtime.config.server_defaults)
             except ApiError as exc:
                 not_applied(runtime, key, f"applying generation {generation} failed: {exc}",
                             "ApplyFailed", autoscaling)

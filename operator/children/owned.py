@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,6 +19,7 @@ from kvscale.operator.children.servers import (
     build_headless_service,
     build_server_pdb,
     build_service,
+    with_server_defaults,
 )
 from kvscale.operator.spec import (
     DEFAULT_IMAGE,
@@ -37,11 +39,14 @@ class Images:
 
 
 def build_children(name: str, namespace: str, spec: InferenceServiceSpec,
-                   images: Images | None = None) -> list[dict[str, Any]]:
-    """Everything applied on every reconcile (the generated Redis Secret is created once, apart)."""
+                   images: Images | None = None,
+                   server_defaults: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Everything applied on every reconcile (the generated Redis Secret is created once, apart);
+    ``server_defaults``: `kvscale serve` flags for every server (servers.with_server_defaults)."""
     images = images or Images()
     if not spec.image:
         spec = replace(spec, image=images.engine)
+    spec = with_server_defaults(spec, server_defaults)
     children = [
         build_deployment(name, namespace, spec),
         build_server_pdb(name, namespace),

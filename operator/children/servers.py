@@ -5,6 +5,9 @@ InferenceService (its OpenAI URL) and the headless Service the routers discover 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvscale.k8s_labels import SERVERS_ENDPOINTS_LABEL, SERVERS_ENDPOINTS_VALUE
@@ -40,6 +43,57 @@ STARTUP_PROBE_PERIOD_SECONDS = 10
 STARTUP_PROBE_FAILURES = 180
 # Time for in-flight streams to finish after SIGTERM before the kubelet kills the server.
 TERMINATION_GRACE_PERIOD_SECONDS = 60
+# Flags a platform-wide server default may not set: those server_args sets from the spec or the
+# pod (a default would lose to them, or fight them), those the CRD keeps out of engine.extraArgs
+# (--host: the probes and Services need every address), and the Redis URL and the API key,
+# which come from the spec through the environment and must not sit in the args.
+RESERVED_FLAGS = frozenset({
+    "--model", "--served-model-name", "--port", "--host", "--api-key", "--redis", "--replica-id",
+    "--dtype", "--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+    "--gpu-memory-utilization", "--enable-prefix-caching", "--no-enable-prefix-caching",
+    "--kv-cache-memory-bytes", "--shutdown-timeout",
+})
+# The operator cannot import the server's parser (the parts stay independent, and the operator's
+# image has no engine), so a default is checked for its shape: a lowercase long flag.
+_FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*")
+_SHORT_FLAG = re.compile(r"-[A-Za-z]")
+
+
+def flag_name(arg: str) -> str:
+    """``--no-x=1`` -> ``--x``: a switch and its negation are one flag."""
+    name = arg.split("=", 1)[0]
+    return "--" + name[len("--no-"):] if name.startswith("--no-") else name
+
+
+def server_default_flags(args: Sequence[str]) -> list[list[str]]:
+    """``args`` (as a container's args: ``--name=value``, ``--name value`` or a bare switch)
+    grouped one flag each; ValueError for a value with no flag before it, something that is no
+    long flag, or a flag the operator sets itself."""
+    flags: list[list[str]] = []
+    for arg in args:
+        if arg.startswith("--") or _SHORT_FLAG.match(arg):  # not "-1": a negative value
+            if not _FLAG.fullmatch(arg.split("=", 1)[0]):
+                raise ValueError(f"{arg!r} is not a `kvscale serve` flag (--name, --name=value)")
+            if arg.split("=", 1)[0] in RESERVED_FLAGS or flag_name(arg) in RESERVED_FLAGS:
+                raise ValueError(f"{arg.split('=', 1)[0]} is set by the operator itself, from "
+                                 "each InferenceService's spec and pod (docs/operator.md)")
+            flags.append([arg])
+        elif flags and len(flags[-1]) == 1 and "=" not in flags[-1][0]:
+            flags[-1].append(arg)
+        else:
+            raise ValueError(f"{arg!r} follows no flag that takes it as its value")
+    return flags
+
+
+def with_server_defaults(spec: InferenceServiceSpec, server_defaults: Sequence[str]) -> InferenceServiceSpec:
+    """``spec`` with the platform's defaults before its engine.extraArgs, less those of a flag
+    extraArgs sets: dropped rather than passed twice, so the InferenceService's own value is the
+    only one its server sees. Folded into the spec, so the router reads the flags the servers
+    run with (--tool-call-parser) as it reads extraArgs."""
+    own = {flag_name(arg) for arg in spec.engine.extra_args if arg.startswith("--")}
+    kept = [arg for group in server_default_flags(server_defaults)
+            if flag_name(group[0]) not in own for arg in group]
+    return replace(spec, engine=replace(spec.engine, extra_args=(*kept, *spec.engine.extra_args)))
 
 
 def cpu_kv_cache_args(spec: InferenceServiceSpec) -> list[str]:
