@@ -275,10 +275,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{info['memory_stream_after']['median_gbps']:.1f} after", file=sys.stderr)
 
     from kvscale.model_files import resolve_model_path
-    from kvscale.server.worker.model_loader import load_hf_config
+    from kvscale.server.worker.model_config import load_model_config
 
     prompts, outputs = workload(args)
-    flops = decoder_flops(load_hf_config(resolve_model_path(None)), [len(p) for p in prompts], outputs)
+    flops = decoder_flops(load_model_config(resolve_model_path(None)), [len(p) for p in prompts], outputs)
     for side, dtype in ((kvscale, args.dtype), (vllm_auto, args.dtype), (vllm_fp8, args.dtype),
                         (baseline, args.dtype), (own_fp32, "float32"), (own_unquantized, args.dtype),
                         (own_auto_kv, args.dtype), (before, args.dtype)):

@@ -34,9 +34,9 @@ from kvscale.server.worker.kv_sizing import (
     pool_blocks,
 )
 from kvscale.server.worker.memory_profile import device_memory
+from kvscale.server.worker.model_config import load_model_config
 from kvscale.server.worker.model_loader import (
     eos_token_ids,
-    load_hf_config,
     load_model,
     resolve_device,
     resolve_dtype,
@@ -90,12 +90,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
     torch.manual_seed(config.seed)
     path = resolve_model_path(config.model)
     tokenizer = load_tokenizer(path)
-    hf_config = load_hf_config(path)
+    model_config = load_model_config(path)
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, hf_config, device)
+    dtype = resolve_dtype(config.dtype, model_config, device)
     # Before the weights load: a cache dtype this backend cannot read is refused at once.
     kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
-    model = load_model(path, hf_config, dtype, device, config.quantization)
+    model = load_model(path, model_config, dtype, device, config.quantization)
     spec = model.spec
     wanted_len = supported_max_len(config, spec)
 

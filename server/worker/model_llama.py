@@ -20,6 +20,7 @@ from kvscale.kernels import layer_ops
 from kvscale.server.worker.attention_metadata import AttentionMetadata
 from kvscale.server.worker.cpu_linear import lay_out_cpu_linears
 from kvscale.server.worker.cpu_step_layers import CpuStepLayers
+from kvscale.server.worker.model_config import ModelConfig
 from kvscale.server.worker.quantization import quantize_linears
 
 
@@ -79,6 +80,8 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    if isinstance(config, ModelConfig):  # transformers' function reads transformers' own config
+        config = config.transformers_config()
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     return inv_freq.float(), float(scaling)
 
@@ -213,7 +216,11 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, spec: DecoderSpec, hf_config: Any) -> None:
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # Given its (empty) weight, the embedding skips its random init, which on the meta device
+        # runs through torch._refs and imports torch._dynamo (2-4 s of an engine's start); the
+        # checkpoint's weights replace it anyway.
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                         _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)

@@ -1,5 +1,5 @@
-"""Building a model for the engine: its config, device, dtype, weights and architecture, and
-the token ids that end its sequences (finding the files: kvscale.model_files)."""
+"""Building a model for the engine: its device, dtype, weights and architecture, and the token ids
+that end its sequences (finding the files: kvscale.model_files; reading the config: model_config.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def load_hf_config(path: str | Path) -> Any:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(path))
-
-
-# model_type in config.json -> how to build its DecoderSpec (module, function).
+# model_type in config.json -> how to build its DecoderSpec (module, function); each also has its
+# defaults in model_config.FAMILY_DEFAULTS.
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("kvscale.server.worker.model_llama", "spec_from_hf_config"),
     "mistral": ("kvscale.server.worker.model_llama", "spec_from_hf_config"),
@@ -142,7 +137,7 @@ def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantizati
 
     with torch.device("meta"):
         model = DecoderForCausalLM(spec, hf_config)
-    model = model.to_empty(device=device).to(dtype)
+    _materialize(model, dtype, device)
     weights = {name: tensor.to(dtype) for name, tensor in _read_weights(path).items()}
     model.load_hf_weights(weights, quantization)
     del weights
@@ -152,3 +147,18 @@ def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantizati
     # them resident; under a pod's memory limit the KV cache allocated next needs that room.
     malloc_trim()
     return model.eval()
+
+
+def _materialize(model: Any, dtype: Any, device: Any) -> None:
+    """Give a model built on the meta device empty storage of ``dtype`` on ``device``, for the
+    checkpoint to fill. Not ``Module.to_empty``: ``empty_like`` of a meta tensor runs through
+    torch's Python references, which import sympy (~1 s of every engine start)."""
+    import torch
+    from torch import nn
+
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
+                                                         requires_grad=False))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            module.register_buffer(name, torch.empty(buffer.shape, dtype=dtype, device=device))
