@@ -76,7 +76,7 @@ def record_redis_secret(kube: Kube, name: str, namespace: str, secret: str) -> N
 
 
 def apply_children(kube: Kube, owner: kopf.Body, spec: InferenceServiceSpec, images: Images,
-                   server_defaults: tuple[str, ...] = ()) -> list[str]:
+                   server_defaults: tuple[tuple[str, ...], ...] = ()) -> list[str]:
     """Apply every wanted child; the children left alone because another object holds their
     name, described (empty: everything applied)."""
     meta = owner["metadata"]

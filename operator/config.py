@@ -24,8 +24,9 @@ class OperatorConfig:
     cluster_domain: str = "cluster.local"
     images: Images = field(default_factory=Images)
     allow: AllowList = field(default_factory=AllowList)
-    # `kvscale serve` flags every server gets unless its engine.extraArgs sets the same flag.
-    server_defaults: tuple[str, ...] = ()
+    # `kvscale serve` flags every server gets unless its engine.extraArgs sets the same flag, one
+    # group per flag (servers.server_default_flags), checked and grouped once, at start.
+    server_defaults: tuple[tuple[str, ...], ...] = ()
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:
@@ -33,9 +34,9 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     SystemExit for server defaults that are no `kvscale serve` flags or set the operator's own:
     the operator then stops before serving anything, rather than building servers that fail."""
     # argparse reads `--server-default-arg=--` as an empty list: put the "--" back, to refuse.
-    server_defaults = tuple(a if isinstance(a, str) else "--" for a in args.server_default_arg)
+    given = tuple(a if isinstance(a, str) else "--" for a in args.server_default_arg)
     try:
-        server_default_flags(server_defaults)
+        server_defaults = server_default_flags(given)
     except ValueError as exc:
         raise SystemExit(f"--server-default-arg (the chart's operator.serverDefaultArgs): {exc}") from None
     return OperatorConfig(

@@ -50,6 +50,12 @@ class ModelSource:
         return self.uri.split("://", 1)[1]
 
 
+def flag_name(arg: str) -> str:
+    """``--no-x=1`` -> ``--x``: a switch and its negation are one flag."""
+    name = arg.split("=", 1)[0]
+    return "--" + name[len("--no-"):] if name.startswith("--no-") else name
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
@@ -73,7 +79,8 @@ class EngineConfig:
         return value
 
     def sets(self, flag: str) -> bool:
-        return any(arg.split("=", 1)[0] == flag for arg in self.extra_args)
+        """Whether extraArgs set ``flag``, as itself or negated (``--no-x`` sets ``--x``)."""
+        return any(flag_name(arg) == flag_name(flag) for arg in self.extra_args if arg.startswith("--"))
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,10 @@ class Images:
 
 def build_children(name: str, namespace: str, spec: InferenceServiceSpec,
                    images: Images | None = None,
-                   server_defaults: Sequence[str] = ()) -> list[dict[str, Any]]:
+                   server_defaults: Sequence[Sequence[str]] = ()) -> list[dict[str, Any]]:
     """Everything applied on every reconcile (the generated Redis Secret is created once, apart);
-    ``server_defaults``: `kvscale serve` flags for every server (servers.with_server_defaults)."""
+    ``server_defaults``: `kvscale serve` flags for every server, one group per flag
+    (servers.server_default_flags, servers.with_server_defaults)."""
     images = images or Images()
     if not spec.image:
         spec = replace(spec, image=images.engine)

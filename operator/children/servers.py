@@ -35,7 +35,7 @@ from kvscale.operator.children.pod_parts import (
 )
 from kvscale.operator.children.redis import service_redis_env
 from kvscale.operator.server_memory import cpu_kv_cache_bytes
-from kvscale.operator.spec import SERVER_PORT, InferenceServiceSpec
+from kvscale.operator.spec import SERVER_PORT, InferenceServiceSpec, flag_name
 
 # Model load (and the bundled model's one-time conversion) can take minutes: the startup probe
 # allows 30 minutes before liveness takes over.
@@ -59,13 +59,7 @@ _FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*")
 _SHORT_FLAG = re.compile(r"-[A-Za-z]")
 
 
-def flag_name(arg: str) -> str:
-    """``--no-x=1`` -> ``--x``: a switch and its negation are one flag."""
-    name = arg.split("=", 1)[0]
-    return "--" + name[len("--no-"):] if name.startswith("--no-") else name
-
-
-def server_default_flags(args: Sequence[str]) -> list[list[str]]:
+def server_default_flags(args: Sequence[str]) -> tuple[tuple[str, ...], ...]:
     """``args`` (as a container's args: ``--name=value``, ``--name value`` or a bare switch)
     grouped one flag each; ValueError for a value with no flag before it, something that is no
     long flag, or a flag the operator sets itself."""
@@ -82,17 +76,16 @@ def server_default_flags(args: Sequence[str]) -> list[list[str]]:
             flags[-1].append(arg)
         else:
             raise ValueError(f"{arg!r} follows no flag that takes it as its value")
-    return flags
+    return tuple(tuple(flag) for flag in flags)
 
 
-def with_server_defaults(spec: InferenceServiceSpec, server_defaults: Sequence[str]) -> InferenceServiceSpec:
-    """``spec`` with the platform's defaults before its engine.extraArgs, less those of a flag
-    extraArgs sets: dropped rather than passed twice, so the InferenceService's own value is the
-    only one its server sees. Folded into the spec, so the router reads the flags the servers
-    run with (--tool-call-parser) as it reads extraArgs."""
-    own = {flag_name(arg) for arg in spec.engine.extra_args if arg.startswith("--")}
-    kept = [arg for group in server_default_flags(server_defaults)
-            if flag_name(group[0]) not in own for arg in group]
+def with_server_defaults(spec: InferenceServiceSpec,
+                         server_defaults: Sequence[Sequence[str]]) -> InferenceServiceSpec:
+    """``spec`` with the platform's defaults (``server_default_flags``' groups) before its
+    engine.extraArgs, less those of a flag extraArgs sets: dropped rather than passed twice, so
+    the InferenceService's own value is the only one its server sees. Folded into the spec, so
+    the router reads the flags the servers run with (--tool-call-parser) as it reads extraArgs."""
+    kept = [arg for group in server_defaults if not spec.engine.sets(group[0]) for arg in group]
     return replace(spec, engine=replace(spec.engine, extra_args=(*kept, *spec.engine.extra_args)))
 
 

@@ -32,7 +32,7 @@ def test_server_default_args_reach_every_server(helm):
     rendered = [a for a in container["args"] if a.startswith("--server-default-arg")]
     assert rendered == ["--server-default-arg=--max-tools=64", "--server-default-arg=--max-queue-len=8192"]
     config = operator_config(container)
-    assert config.server_defaults == ("--max-tools=64", "--max-queue-len=8192")
+    assert config.server_defaults == (("--max-tools=64",), ("--max-queue-len=8192",))
     model = {"uri": "bundled://smollm2-135m-instruct"}
     assert server_args(config, {"model": model})[-2:] == ["--max-tools=64", "--max-queue-len=8192"]
     own = server_args(config, {"model": model, "engine": {"extraArgs": ["--max-queue-len", "100"]}})

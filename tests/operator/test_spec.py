@@ -90,3 +90,17 @@ def test_min_replicas_zero_needs_the_router():
     with pytest.raises(ValueError, match="needs the router"):
         parse_spec({**BUNDLED, "autoscaling": {"enabled": True, "minReplicas": 0},
                     "router": {"enabled": False}})
+
+
+@pytest.mark.parametrize(("extra_args", "flag", "sets"), [
+    (["--max-tools", "8"], "--max-tools", True),
+    (["--max-tools=8"], "--max-tools", True),
+    (["--no-async-scheduling"], "--async-scheduling", True),
+    (["--async-scheduling"], "--no-async-scheduling", True),
+    (["--max-tools-x=8"], "--max-tools", False),
+    (["--tool-call-parser", "--max-tools"], "--max-tools", True),
+    (["--tool-call-parser", "hermes"], "--hermes", False),
+])
+def test_extra_args_set_a_flag_as_itself_or_negated(extra_args, flag, sets):
+    spec = parse_spec({"model": {"uri": "bundled://smollm2-135m-instruct"}, "engine": {"extraArgs": extra_args}})
+    assert spec.engine.sets(flag) is sets

@@ -25,7 +25,8 @@ FLEET = ("--max-tools=64", "--max-queue-len", "8192", "--max-stop-strings=16")
 
 
 def server_args(spec: dict, defaults: tuple[str, ...]) -> list[str]:
-    (deployment,) = [c for c in build_children("chat", "team", parse_spec(spec), None, defaults)
+    (deployment,) = [c for c in build_children("chat", "team", parse_spec(spec), None,
+                                               servers.server_default_flags(defaults))
                      if c["kind"] == "Deployment" and c["metadata"]["name"] == "chat"]
     return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
 
@@ -64,7 +65,8 @@ def flag(args: list[str], name: str) -> str:
 
 
 def router_args(spec: dict, defaults: tuple[str, ...]) -> list[str]:
-    (router,) = [c for c in build_children("chat", "team", parse_spec(spec), None, defaults)
+    (router,) = [c for c in build_children("chat", "team", parse_spec(spec), None,
+                                           servers.server_default_flags(defaults))
                  if c["kind"] == "Deployment" and c["metadata"]["name"] == "chat-router"]
     return router["spec"]["template"]["spec"]["containers"][0]["args"]
 
@@ -87,7 +89,7 @@ def parse_operator(*argv: str) -> OperatorConfig:
 
 def test_the_operator_flag_is_repeatable_and_keeps_the_order():
     config = parse_operator(*(f"--server-default-arg={arg}" for arg in FLEET))
-    assert config.server_defaults == FLEET
+    assert config.server_defaults == (("--max-tools=64",), ("--max-queue-len", "8192"), ("--max-stop-strings=16",))
     assert parse_operator().server_defaults == ()
 
 
@@ -134,4 +136,5 @@ def test_the_request_limits_are_serve_flags_a_default_may_set():
               "--max-tools", "--max-queue-len", "--max-prompts-per-request"}
     assert limits <= accepted and not limits & servers.RESERVED_FLAGS
     defaults = tuple(f"{name}=7" for name in sorted(limits))
-    assert parse_operator(*(f"--server-default-arg={arg}" for arg in defaults)).server_defaults == defaults
+    assert parse_operator(*(f"--server-default-arg={arg}" for arg in defaults)).server_defaults == tuple(
+        (arg,) for arg in defaults)
