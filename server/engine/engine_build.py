@@ -132,9 +132,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     runner.allocate_kv_cache(num_blocks, max_model_len)
     if device.type == "cuda" and not config.enforce_eager:
         started = time.perf_counter()
-        runner.capture_decode_graphs(config.max_num_seqs)
-        logger.info("kvscale engine: captured decode CUDA graphs for batch sizes up to %d in %.1f s "
-                    "(--enforce-eager turns them off)", config.max_num_seqs, time.perf_counter() - started)
+        if runner.capture_decode_graphs(config.max_num_seqs):
+            logger.info("kvscale engine: captured decode CUDA graphs for batch sizes up to %d in %.1f s "
+                        "(--enforce-eager turns them off)", config.max_num_seqs, time.perf_counter() - started)
     if num_host_blocks:
         runner.allocate_host_cache(num_host_blocks)
     structured = StructuredOutputManager(tokenizer, spec.vocab_size, eos_ids,

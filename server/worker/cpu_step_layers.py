@@ -7,12 +7,14 @@ runs the same kernels in the same order, so a step's output is bit for bit the m
 worker/test_cpu_step_layers.py). This module decides where it applies and hands it the weights
 as the modules hold them: decode steps, and steps with prompt chunks where the AMX prefill
 attention runs them, up to the rows the AMX projections take. The rest (longer steps, float32,
-oneDNN projections, per-head q/k norms, partial rotary) stays on the modules.
+oneDNN projections, per-head q/k norms, partial rotary, mixture-of-experts layers) stays on the
+modules.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -24,7 +26,9 @@ from kvscale.server.worker.cpu_linear import AmxLinear
 from kvscale.server.worker.quantization import Int8Linear
 
 if TYPE_CHECKING:
-    from kvscale.server.worker.model_llama import Attention, DecoderForCausalLM, DecoderLayer
+    from kvscale.server.worker.model_llama import MLP, Attention, DecoderForCausalLM, DecoderLayer
+
+logger = logging.getLogger(__name__)
 
 # Cache dtypes the C attention and KV write take with a bfloat16 query.
 _CACHE_DTYPES = (torch.bfloat16, *fp8.FP8_DTYPES)
@@ -75,9 +79,13 @@ class CpuStepLayers:
         if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu"
                 or not cpu_native.available() or spec.qk_norm or spec.head_dim % 16 or spec.head_dim > 128):
             return None
+        if spec.moe is not None:
+            logger.info("kvscale engine: a step's layers run one module at a time: the one-call C path "
+                        "(kernels/cpu_step_layers.c) has no mixture-of-experts block")
+            return None
         structs, attentions = [], []
         for layer in _decoder_layers(model):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp = layer.self_attn, cast("MLP", layer.mlp)  # dense: a model with experts returned above
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if not attn.rope_halves_repeat or any(n.dtype != torch.bfloat16 or not n.is_contiguous() for n in norms):
                 return None

@@ -32,6 +32,14 @@ Replay = Callable[[], torch.Tensor]
 Capture = Callable[[Callable[[], torch.Tensor]], Replay]
 
 
+def why_not_captured(model: DecoderForCausalLM) -> str | None:
+    """Why ``model``'s decode steps cannot be captured as graphs, or None where they can."""
+    if model.spec.moe is not None:
+        return ("its mixture-of-experts layers read each expert's row count back to the host to size "
+                "the expert's work (server/worker/moe.py), which a CUDA graph cannot hold")
+    return None
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """vLLM's ladder: 1, 2, 4, then every multiple of 8, up to ``max_num_seqs`` (included)."""
     sizes = [size for size in (1, 2, 4) if size < max_num_seqs] + list(range(8, max_num_seqs, 8))

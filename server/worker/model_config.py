@@ -33,6 +33,21 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768,
               "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
               "use_sliding_window": False, "sliding_window": 4096},
+    "mixtral": {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 4096 * 32,
+                "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": None,
+                "rope_theta": 1e6, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                  "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+                  "sliding_window": 4096, "num_local_experts": 128, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                  "mlp_only_layers": None},
+}
+
+# model_type -> transformers' attribute_map for the family: a field config.json may spell either
+# way, read under the second name.
+FIELD_ALIASES: dict[str, dict[str, str]] = {
+    "mixtral": {"num_experts": "num_local_experts"},
+    "qwen3_moe": {"num_experts": "num_local_experts"},
 }
 
 
@@ -63,6 +78,12 @@ def load_model_config(path: str | Path) -> ModelConfig:
         raise ValueError(
             f"model type {model_type!r} is not supported (supported: {', '.join(sorted(FAMILY_DEFAULTS))})"
         )
+    for alias, name in FIELD_ALIASES.get(model_type, {}).items():
+        if alias in fields:
+            value = fields.pop(alias)
+            if fields.setdefault(name, value) != value:
+                # transformers keeps one or the other depending on the family: neither is safe to guess.
+                raise ValueError(f"{file} names both {alias} ({value}) and {name} ({fields[name]})")
     missing = [name for name in REQUIRED_FIELDS if not isinstance(fields.get(name), int)]
     if missing:
         raise ValueError(f"{file} names no integer {', '.join(missing)}")

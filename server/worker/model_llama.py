@@ -1,7 +1,8 @@
 """Llama-family decoder (Llama, SmolLM, TinyLlama, Mistral) over a paged KV cache.
 
 The same block also serves Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm); see
-model_qwen.py for how those configs map onto :class:`DecoderSpec`.
+model_qwen.py for how those configs map onto :class:`DecoderSpec`. Mixtral and Qwen3-MoE replace
+the MLP of some or all layers with a sparse mixture of experts (moe.py, model_moe.py).
 
 Projections are fused at load time (q|k|v into one matrix, gate|up into another) so a layer
 is four matmuls. Numerics follow transformers (RMSNorm in float32, rotate-half RoPE), so
@@ -10,6 +11,7 @@ greedy decoding matches it token for token in float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,7 @@ from kvscale.server.worker.attention_metadata import AttentionMetadata
 from kvscale.server.worker.cpu_linear import lay_out_cpu_linears
 from kvscale.server.worker.cpu_step_layers import CpuStepLayers
 from kvscale.server.worker.model_config import ModelConfig
+from kvscale.server.worker.moe import MoeSpec, SparseMoeBlock, moe_weights
 from kvscale.server.worker.quantization import quantize_linears
 
 
@@ -41,6 +44,7 @@ class DecoderSpec:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    moe: MoeSpec | None = None  # the sparse layers' experts; None: every layer dense
 
 
 def spec_from_hf_config(config: Any) -> DecoderSpec:
@@ -71,7 +75,8 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     params = dict(getattr(config, "rope_parameters", None) or {})
     if not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    # transformers' order: the dict's own theta, then the config's (a family's default among them).
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = str(params.get("rope_type", params.get("type", "default")))
     if rope_type == "default":
         base = float(params.get("rope_theta", 10000.0))
@@ -192,12 +197,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp: MLP | SparseMoeBlock = (SparseMoeBlock(spec.moe, spec.hidden_size)
+                                          if spec.moe is not None and index in spec.moe.layers else MLP(spec))
 
     def forward(self, hidden, residual, cos, sin, k_cache, v_cache, meta):
         """This layer's output before its closing residual add, and the residual stream: each
@@ -221,7 +227,7 @@ class DecoderForCausalLM(nn.Module):
         # checkpoint's weights replace it anyway.
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
                                          _weight=torch.empty(spec.vocab_size, spec.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self._hf_config = hf_config
@@ -300,6 +306,14 @@ class DecoderForCausalLM(nn.Module):
         step = self._cpu_step_layers
         return step if step is not None and step.applies(rows, kv_caches, meta) else None
 
+    def _dense_mlp_weights(self, take: Callable[[str], torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        """Checkpoint layer ``prefix``'s dense MLP, gate and up fused, named as the layer names it."""
+        names = ["weight", "bias"] if self.spec.mlp_bias else ["weight"]
+        loaded = {f"mlp.gate_up_proj.{n}": torch.cat([take(f"{prefix}mlp.gate_proj.{n}"),
+                                                      take(f"{prefix}mlp.up_proj.{n}")]) for n in names}
+        loaded.update({f"mlp.down_proj.{n}": take(f"{prefix}mlp.down_proj.{n}") for n in names})
+        return loaded
+
     def load_hf_weights(self, weights: dict[str, torch.Tensor], quantization: str | None = None) -> None:
         """Fill this module from a transformers-named state dict (fusing q/k/v and gate/up), then
         quantize its projections (``quantization``) or lay them out for the CPU's GEMM."""
@@ -327,18 +341,12 @@ class DecoderForCausalLM(nn.Module):
             loaded[f"layers.{i}.self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
             if self.spec.o_proj_bias:
                 loaded[f"layers.{i}.self_attn.o_proj.bias"] = take(attn + "o_proj.bias")
-            if self.spec.mlp_bias:
-                loaded[f"layers.{i}.mlp.gate_up_proj.bias"] = torch.cat(
-                    [take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")]
-                )
-                loaded[f"layers.{i}.mlp.down_proj.bias"] = take(p + "mlp.down_proj.bias")
             if self.spec.qk_norm:
                 loaded[f"layers.{i}.self_attn.q_norm.weight"] = take(attn + "q_norm.weight")
                 loaded[f"layers.{i}.self_attn.k_norm.weight"] = take(attn + "k_norm.weight")
-            loaded[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-            )
-            loaded[f"layers.{i}.mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
+            moe = self.spec.moe
+            mlp = moe_weights(take, weights, p, moe) if moe and i in moe.layers else self._dense_mlp_weights(take, p)
+            loaded.update({f"layers.{i}.{name}": tensor for name, tensor in mlp.items()})
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 loaded[f"layers.{i}.{norm}.weight"] = take(p + f"{norm}.weight")
         loaded["embed_tokens.weight"] = take(strip + "embed_tokens.weight")

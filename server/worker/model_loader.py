@@ -17,8 +17,10 @@ logger = logging.getLogger(__name__)
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("kvscale.server.worker.model_llama", "spec_from_hf_config"),
     "mistral": ("kvscale.server.worker.model_llama", "spec_from_hf_config"),
+    "mixtral": ("kvscale.server.worker.model_moe", "mixtral_spec"),
     "qwen2": ("kvscale.server.worker.model_qwen", "qwen2_spec"),
     "qwen3": ("kvscale.server.worker.model_qwen", "qwen3_spec"),
+    "qwen3_moe": ("kvscale.server.worker.model_moe", "qwen3_moe_spec"),
 }
 
 
@@ -124,8 +126,6 @@ def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantizati
 
     from kvscale.server.worker.quantization import check_quantization
 
-    check_quantization(quantization, device.type)
-
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in _ARCHITECTURES:
         raise ValueError(
@@ -133,6 +133,7 @@ def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantizati
         )
     module_name, spec_fn = _ARCHITECTURES[model_type]
     spec = getattr(importlib.import_module(module_name), spec_fn)(hf_config)
+    check_quantization(quantization, device.type, mixture_of_experts=spec.moe is not None)
     from kvscale.server.worker.model_llama import DecoderForCausalLM
 
     with torch.device("meta"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,10 +25,17 @@ from kvscale.server.core.kv_offload import HostKVCache
 from kvscale.server.core.scheduler import ScheduledSeq
 from kvscale.server.core.sequence import PLACEHOLDER_TOKEN
 from kvscale.server.worker.attention_metadata import AttentionMetadata, DecodePrefillSplit
-from kvscale.server.worker.decode_graphs import Capture, DecodeGraphs, cuda_graph_capture
+from kvscale.server.worker.decode_graphs import (
+    Capture,
+    DecodeGraphs,
+    cuda_graph_capture,
+    why_not_captured,
+)
 from kvscale.server.worker.model_llama import DecoderForCausalLM
 from kvscale.server.worker.sampler import Sampler
 from kvscale.server.worker.start_up_passes import StepProfile, profile_step, warm_up_passes
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,14 +144,20 @@ class ModelRunner:
         warm_up_passes(self, num_tokens)
 
     @torch.inference_mode()
-    def capture_decode_graphs(self, max_num_seqs: int, capture: Capture | None = None) -> None:
+    def capture_decode_graphs(self, max_num_seqs: int, capture: Capture | None = None) -> bool:
         """Capture pure-decode steps of up to ``max_num_seqs`` sequences (server/worker/decode_graphs.py);
-        ``capture`` defaults to CUDA graphs on the runner's GPU."""
+        ``capture`` defaults to CUDA graphs on the runner's GPU. False, logged, where the model's
+        steps cannot be captured: they run eagerly."""
         assert self.kv_cache is not None, "allocate_kv_cache first"
+        why = why_not_captured(self.model)
+        if why is not None:
+            logger.info("kvscale engine: decode steps run eagerly, not as CUDA graphs: %s", why)
+            return False
         self.decode_graphs = DecodeGraphs(
             self.model, self.kv_caches, self.kernels, max_num_seqs, -(-self.max_model_len // self.block_size),
             self.device, capture or cuda_graph_capture(self.device),
         )
+        return True
 
     def allocate_host_cache(self, num_slots: int) -> None:
         """The second KV tier: ``num_slots`` blocks in host memory (pinned on a GPU), once."""

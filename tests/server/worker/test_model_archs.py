@@ -1,5 +1,7 @@
 """kvscale's own model code for each supported architecture against transformers, on tiny
-random-weight checkpoints written to disk and loaded back through the engine."""
+random-weight checkpoints written to disk and loaded back through the engine. The prompts'
+chunks and decodes share steps (``max_num_batched_tokens`` 24), so a mixture-of-experts layer
+routes prefill and decode rows in one batch."""
 
 from __future__ import annotations
 
@@ -32,6 +34,13 @@ def tiny_config(arch: str):
         return transformers.Qwen2Config(**common, tie_word_embeddings=True)
     if arch == "qwen3":
         return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    if arch in ("mixtral", "mixtral-stacked"):
+        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == "qwen3_moe-dense-layer":  # layer 1 a dense MLP; the top-2 weights renormalized
+        return transformers.Qwen3MoeConfig(**common, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True)
     raise ValueError(arch)
 
 
@@ -42,7 +51,8 @@ def tokenizer_files(bundled_tokenizer, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-mha-bias", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama-mha-bias", "mistral", "qwen2", "qwen3", "mixtral",
+                                  "mixtral-stacked", "qwen3_moe", "qwen3_moe-dense-layer"])
 def test_tiny_model_matches_transformers(arch, tmp_path, tokenizer_files, run_to_completion):
     import shutil
 
@@ -60,7 +70,8 @@ def test_tiny_model_matches_transformers(arch, tmp_path, tokenizer_files, run_to
                         proj.bias.normal_(0, 0.5)
                 if getattr(layer.mlp.down_proj, "bias", None) is not None:
                     layer.mlp.down_proj.bias.normal_(0, 0.5)
-    hf_model.save_pretrained(str(tmp_path))
+    # "-stacked": the experts as transformers holds them ([experts, ...] tensors), not the hub's names.
+    hf_model.save_pretrained(str(tmp_path), save_original_format=not arch.endswith("-stacked"))
     for file in tokenizer_files.iterdir():
         shutil.copy(file, tmp_path / file.name)
 

@@ -1,0 +1,123 @@
+"""The sparse mixture-of-experts block (Mixtral, Qwen3-MoE): a router picks each row's experts,
+each expert a gated MLP, their outputs summed with the router's weights.
+
+Computed in torch, one expert at a time over the rows routed to it: the batch's (row, expert)
+pairs sorted by expert, each expert's rows gathered, run through its gate|up and down
+projections, scaled and added back into their rows. A row's result depends on its own router
+output alone, so prefill and decode rows mix freely in a batch. Each expert's projections are
+``nn.Linear`` modules like the dense MLP's (gate|up fused at load), so the CPU's weight layouts
+(server/worker/cpu_linear.py) apply to them unchanged. The expert counts are read back to the
+host once per layer to size those gathers, which is why a CUDA graph cannot hold this block
+(server/worker/decode_graphs.py).
+
+Numerics follow transformers: the router's logits in the model's dtype, softmax in float32, the
+top-k, renormalized where the family does; the experts added in ascending order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvscale.kernels import layer_ops
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each expert's
+    # Whether the top-k probabilities are rescaled to sum to one (always in Mixtral).
+    norm_topk_prob: bool
+    # Whether the routing weights are rounded to the model's dtype before they scale an expert's
+    # output (Qwen3-MoE); Mixtral scales in float32 and rounds the product.
+    round_weights: bool
+    # The layers whose MLP is this block; the others keep the dense MLP.
+    layers: tuple[int, ...]
+    # How the family's checkpoints name the block and each expert's gate, up and down projections.
+    checkpoint_block: str = "mlp"
+    checkpoint_experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+def check_moe_spec(moe: MoeSpec) -> None:
+    """Refuse a routing no forward could run, before anything is allocated."""
+    if moe.num_experts < 1 or not 1 <= moe.top_k <= moe.num_experts:
+        raise ValueError(f"a mixture of {moe.num_experts} experts cannot route each token to {moe.top_k}")
+
+
+class Expert(nn.Module):
+    """One expert: SiLU-gated MLP without biases, its gate and up projections fused."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(layer_ops.projected_silu_and_mul(self.gate_up_proj, x))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, moe: MoeSpec, hidden_size: int) -> None:
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(Expert(hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's routing weights and experts, ``[rows, top_k]`` each."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.moe.top_k, dim=-1)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.moe.round_weights:
+            weights = weights.to(x.dtype)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        rows_of = order // self.moe.top_k  # the row of each (row, expert) pair, grouped by expert
+        weight_of = weights.flatten().index_select(0, order)
+        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                rows = rows_of[start:start + count]
+                scaled = expert(x.index_select(0, rows)) * weight_of[start:start + count, None]
+                out.index_add_(0, rows, scaled.to(x.dtype))
+            start += count
+        return out
+
+
+def moe_weights(take: Callable[[str], torch.Tensor], names: Mapping[str, object], prefix: str,
+                moe: MoeSpec) -> dict[str, torch.Tensor]:
+    """Layer ``prefix``'s block (``model.layers.{i}.``) from a checkpoint, named as
+    :class:`SparseMoeBlock` names it under ``mlp.``: the family's per-expert projections, or the
+    stacked ``[experts, ...]`` tensors transformers writes without its original format (gate|up
+    already fused in that order). ``take`` fetches a checkpoint tensor and marks it used."""
+    block = f"{prefix}{moe.checkpoint_block}."
+    stacked = f"{prefix}mlp.experts."
+    if stacked + "gate_up_proj" in names:  # transformers renames the block to mlp. in this form
+        gate_up, down = take(stacked + "gate_up_proj"), take(stacked + "down_proj")
+        if gate_up.shape[0] != moe.num_experts or down.shape[0] != moe.num_experts:
+            raise ValueError(f"checkpoint layer {prefix!r} stacks {gate_up.shape[0]} experts, the config "
+                             f"names {moe.num_experts}")
+        loaded = {"mlp.gate.weight": take(f"{prefix}mlp.gate.weight")}
+        for e in range(moe.num_experts):
+            loaded[f"mlp.experts.{e}.gate_up_proj.weight"] = gate_up[e]
+            loaded[f"mlp.experts.{e}.down_proj.weight"] = down[e]
+        return loaded
+    loaded = {"mlp.gate.weight": take(block + "gate.weight")}
+    gate, up, down_name = moe.checkpoint_experts
+    for e in range(moe.num_experts):
+        expert = f"{block}experts.{e}."
+        loaded[f"mlp.experts.{e}.gate_up_proj.weight"] = torch.cat(
+            [take(f"{expert}{gate}.weight"), take(f"{expert}{up}.weight")])
+        loaded[f"mlp.experts.{e}.down_proj.weight"] = take(f"{expert}{down_name}.weight")
+    return loaded

@@ -1,0 +1,170 @@
+"""The sparse mixture-of-experts block (server/worker/moe.py) against transformers' blocks and a
+row-by-row reference, and the paths that step aside for it: int8 quantization (refused), the
+one-call CPU layers and CUDA graphs of decode steps (the modules and eager steps instead)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from kvscale.server.config import EngineConfig
+from kvscale.server.engine.llm_engine import LLMEngine
+from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.worker.model_config import load_model_config
+from kvscale.server.worker.model_loader import load_model
+from kvscale.server.worker.model_moe import mixtral_spec, qwen3_moe_spec
+from kvscale.server.worker.moe import MoeSpec, SparseMoeBlock
+
+HIDDEN = 64
+SHAPES = dict(vocab_size=512, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
+
+
+def mixtral_config(**fields):
+    import transformers
+
+    return transformers.MixtralConfig(**{**SHAPES, "num_local_experts": 6, "num_experts_per_tok": 2, **fields})
+
+
+def qwen3_moe_config(**fields):
+    import transformers
+
+    return transformers.Qwen3MoeConfig(**{**SHAPES, "num_experts": 6, "num_experts_per_tok": 3,
+                                          "moe_intermediate_size": 40, **fields})
+
+
+def their_block(config):
+    """transformers' sparse block for ``config``, random weights, and ours with the same ones."""
+    if config.model_type == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+
+        spec = mixtral_spec(config)
+    else:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+
+        spec = qwen3_moe_spec(config)
+    assert spec.moe is not None
+    gen = torch.Generator().manual_seed(0)
+    theirs = Block(config).eval()
+    with torch.no_grad():
+        for param in theirs.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    ours = SparseMoeBlock(spec.moe, HIDDEN).eval()
+    with torch.no_grad():
+        ours.gate.weight.copy_(theirs.gate.weight)
+        for e, expert in enumerate(ours.experts):
+            expert.gate_up_proj.weight.copy_(theirs.experts.gate_up_proj[e])
+            expert.down_proj.weight.copy_(theirs.experts.down_proj[e])
+    return theirs, ours
+
+
+def rows(count: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(count, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("config", [mixtral_config(), qwen3_moe_config(), qwen3_moe_config(norm_topk_prob=True)],
+                         ids=["mixtral", "qwen3_moe", "qwen3_moe-renormalized"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_block_computes_what_transformers_block_does(config, dtype):
+    theirs, ours = their_block(config)
+    theirs, ours = theirs.to(dtype), ours.to(dtype)
+    x = rows(37).to(dtype)
+    with torch.inference_mode():
+        expected = theirs(x[None])[0]
+        got = ours(x)
+    assert got.dtype == dtype
+    tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got, expected, **tolerance)
+
+
+def test_each_row_of_a_batch_gets_its_own_experts_alone():
+    """A batch mixing rows (a prompt chunk's and decodes') gives each row what it gives alone, and
+    what a row-by-row reference over that row's own top-k experts gives."""
+    _, block = their_block(qwen3_moe_config(norm_topk_prob=True))
+    x = rows(29)
+    with torch.inference_mode():
+        batched = block(x)
+        weights, experts = block.route(x)
+        for i in range(x.shape[0]):
+            alone = block(x[i:i + 1])[0]
+            reference = sum(float(weights[i, j]) * block.experts[int(experts[i, j])](x[i:i + 1])[0]
+                            for j in range(experts.shape[1]))
+            torch.testing.assert_close(batched[i], alone)
+            torch.testing.assert_close(batched[i], reference)
+        # Every expert ran for some row: the batch exercised the gathers, not one expert alone.
+        assert set(experts.flatten().tolist()) == set(range(block.moe.num_experts))
+        order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(3))
+        torch.testing.assert_close(block(x[order]), batched[order])
+
+
+def test_a_routing_no_forward_could_run_is_refused():
+    with pytest.raises(ValueError, match="cannot route each token to 7"):
+        mixtral_spec(mixtral_config(num_experts_per_tok=7))
+    with pytest.raises(ValueError, match="decoder_sparse_step 0"):
+        qwen3_moe_spec(qwen3_moe_config(decoder_sparse_step=0))
+    # Every layer dense: no experts to route, whatever the expert fields say.
+    assert qwen3_moe_spec(qwen3_moe_config(mlp_only_layers=[0, 1], num_experts_per_tok=9)).moe is None
+
+
+def test_the_family_specs_pick_the_sparse_layers():
+    assert mixtral_spec(mixtral_config()).moe == MoeSpec(
+        num_experts=6, top_k=2, intermediate_size=96, norm_topk_prob=True, round_weights=False, layers=(0, 1),
+        checkpoint_block="block_sparse_moe", checkpoint_experts=("w1", "w3", "w2"))
+    moe = qwen3_moe_spec(qwen3_moe_config(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])).moe
+    assert moe is not None and moe.layers == (1, 5) and moe.intermediate_size == 40
+
+
+@pytest.fixture(scope="module")
+def mixtral_checkpoint(tmp_path_factory, bundled_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("mixtral")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(mixtral_config(bos_token_id=1, eos_token_id=2)).save_pretrained(str(path))
+    tokenizer = tmp_path_factory.mktemp("tokenizer")
+    bundled_tokenizer.save_pretrained(str(tokenizer))
+    for file in tokenizer.iterdir():
+        shutil.copy(file, path / file.name)
+    return path
+
+
+def test_int8_is_refused_for_experts_not_applied_to_part_of_the_model(mixtral_checkpoint):
+    with pytest.raises(ValueError, match="quantization 'int8' does not cover mixture-of-experts models"):
+        load_model(mixtral_checkpoint, load_model_config(mixtral_checkpoint), torch.float32, torch.device("cpu"),
+                   "int8")
+
+
+def test_the_one_call_cpu_layers_step_aside_for_experts(mixtral_checkpoint, caplog):
+    from kvscale.kernels import cpu_native
+    from kvscale.server.worker.cpu_step_layers import CpuStepLayers
+
+    if not cpu_native.available():
+        pytest.skip("the C kernels do not build here")
+    model = load_model(mixtral_checkpoint, load_model_config(mixtral_checkpoint), torch.bfloat16,
+                       torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="kvscale.server.worker.cpu_step_layers"):
+        assert CpuStepLayers.for_model(model) is None
+    assert "no mixture-of-experts block" in caplog.text
+
+
+def test_an_engine_runs_experts_in_bfloat16_and_decodes_eagerly(mixtral_checkpoint, run_to_completion, caplog):
+    """bfloat16 runs the experts on the CPU's bf16 weight layouts; its log-probabilities stay near
+    float32's. Decode steps are never captured as graphs (the block reads counts back)."""
+    prompt = torch.randint(3, 512, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    logprobs = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = LLMEngine(EngineConfig(model=str(mixtral_checkpoint), dtype=dtype, device="cpu",
+                                        num_gpu_blocks_override=32, block_size=8, max_num_batched_tokens=16))
+        engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=1, logprobs=5))
+        output = run_to_completion(engine)["r"].outputs[0]
+        logprobs[dtype] = {token: entry.logprob for token, entry in output.logprobs[0].items()}
+    with caplog.at_level(logging.INFO, logger="kvscale.server.worker.model_runner"):
+        assert engine.runner.capture_decode_graphs(4, capture=lambda forward: forward) is False
+    assert engine.runner.decode_graphs is None and "decode steps run eagerly" in caplog.text
+    for token, logprob in logprobs["float32"].items():
+        if token in logprobs["bfloat16"]:
+            assert abs(logprobs["bfloat16"][token] - logprob) < 0.1, token
+    assert set(logprobs["float32"]) & set(logprobs["bfloat16"])
