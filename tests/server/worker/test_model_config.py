@@ -26,6 +26,7 @@ VARIANTS: list[dict] = [
      "tie_word_embeddings": True},
     {"attention_bias": True, "mlp_bias": True},
     {"sliding_window": 96, "use_sliding_window": True},
+    {"use_sliding_window": True},  # the window: the family's default
     {"sliding_window": None},
     {"rope_theta": 500000.0},
     {"rope_parameters": {"rope_type": "default", "rope_theta": 1234.0}},
