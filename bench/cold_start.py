@@ -29,7 +29,7 @@ from bench.before_after import add_before_checkout, checkout_of, commits, median
 from bench.common import REPO, checkout_env, machine, write_result
 from bench.http_servers import Server, spawn, stop
 from bench.roofline import cpu_isa
-from kvscale.processes import free_port
+from kvscale.processes import free_port, wait_until
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -50,24 +50,23 @@ def session_cpu_seconds(session: int) -> float:
     return total / CLOCK_TICKS
 
 
+def healthy(server: Server) -> bool:
+    """Whether the server answers /health with 200; RuntimeError once its process has exited."""
+    if server.proc.poll() is not None:
+        raise RuntimeError(f"{server.name} exited with {server.proc.returncode}: see {server.log_path}")
+    try:
+        return httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def start_once(checkout: Path, log_dir: Path, name: str, timeout_s: float) -> dict[str, float]:
     port = free_port()
     argv = [sys.executable, "-m", "kvscale", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
     server: Server = spawn(name, argv, checkout_env(checkout, HF_HUB_OFFLINE="1"), port, "", log_dir, checkout)
     try:
-        deadline = server.spawned_at + timeout_s
-        while True:
-            if server.proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {server.proc.returncode}: see {server.log_path}")
-            try:
-                if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.perf_counter() > deadline:
-                raise RuntimeError(f"{name} not ready in {timeout_s} s: see {server.log_path}")
-            time.sleep(0.05)
+        wait_until(lambda: healthy(server), timeout_s, interval=0.05, what=f"{name} ready (log: {server.log_path})")
         wall = time.perf_counter() - server.spawned_at
         return {"ready_s": round(wall, 3), "cpu_s": round(session_cpu_seconds(server.proc.pid), 3)}
     finally:
