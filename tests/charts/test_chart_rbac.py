@@ -36,6 +36,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_WIDE = ("rbac-cw", "rbac-cw-system")  # release, its namespace
 NAMESPACED = ("rbac-ns", "rbac-ns-system")
 WATCHED = ("rbac-ns-a", "rbac-ns-b")
+# The namespaced release's operator.allowedApiKeySecrets (the cluster-wide one keeps ["*"]).
+KEY_SECRET_PATTERNS = ("*-api-key", "team.key?")
 UNWATCHED = "rbac-ns-other"
 ANYWHERE = "rbac-cw-any"  # a namespace the cluster-wide operator was never told about
 
@@ -137,7 +139,8 @@ def chart_rbac(helm, k8s_env) -> Iterator[dict[str, list[dict]]]:
     ensure_namespaces(env, CLUSTER_WIDE[1], NAMESPACED[1], *WATCHED, UNWATCHED, ANYWHERE)
     modes = {
         "cluster-wide": rendered(helm, *CLUSTER_WIDE),
-        "namespaced": rendered(helm, *NAMESPACED, f"operator.watchNamespaces={{{','.join(WATCHED)}}}"),
+        "namespaced": rendered(helm, *NAMESPACED, f"operator.watchNamespaces={{{','.join(WATCHED)}}}",
+                               f"operator.allowedApiKeySecrets={{{','.join(KEY_SECRET_PATTERNS)}}}"),
     }
     for docs in modes.values():
         env.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
@@ -425,6 +428,23 @@ def test_it_creates_only_what_an_inference_service_is_made_of(chart_rbac, k8s_en
         unlabelled = deployment("d-router", target, uid)
         del unlabelled["metadata"]["labels"]["app.kubernetes.io/managed-by"]
         refused(unlabelled, "managed-by=kvscale-operator")
+        # An API key fed from a Secret: only from the allowed ones where a list is in force.
+        def keyed(name: str, secret: str, env: str = "KVSCALE_API_KEY") -> dict:
+            keyed = deployment(name, target, uid)
+            keyed["spec"]["template"]["spec"]["containers"][0]["env"] = [
+                {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": "api-key"}}}]
+            return keyed
+
+        create(keyed("e-router", "team-api-key"))
+        create(keyed("f-router", "team.key1", env="KVSCALE_REPLICA_API_KEY"))
+        if mode == "namespaced":  # "." is no wildcard, "?" one character, the whole name matched
+            for n, secret in enumerate(("db-password", "teamxkey1", "team.key12", "team-api-key-old")):
+                refused(keyed(f"g{n}-router", secret), "allowed Secrets")
+            from_all = deployment("h-router", target, uid)
+            from_all["spec"]["template"]["spec"]["containers"][0]["envFrom"] = [{"secretRef": {"name": "db-password"}}]
+            refused(from_all, "allowed Secrets")
+        else:
+            create(keyed("g-router", "db-password"))
         # A user's Service: the operator may not repoint it (traffic theft) nor delete it.
         web = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": target},
                "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]}}

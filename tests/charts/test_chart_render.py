@@ -159,6 +159,8 @@ def test_namespace_router_runs_namespace_wide_with_least_privilege(helm):
         ("crds.instal=false", "additional properties 'instal' not allowed"),
         # Credentials in a plain value would sit in the router's pod spec.
         ("namespaceRouter.redis.url=redis://:hunter2@r:6379/0", "namespaceRouter/redis/url"),
+        # Only * and ? as wildcards: the admission policy matches them as RE2, the operator as fnmatch.
+        ("operator.allowedApiKeySecrets={team-[ab]-key}", "operator/allowedApiKeySecrets/0"),
     ],
 )
 def test_schema_refuses_typos_and_wrong_types(helm, values, message):
