@@ -151,9 +151,10 @@ def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantizati
 
 
 def _materialize(model: Any, dtype: Any, device: Any) -> None:
-    """Give a model built on the meta device empty storage of ``dtype`` on ``device``, for the
-    checkpoint to fill. Not ``Module.to_empty``: ``empty_like`` of a meta tensor runs through
-    torch's Python references, which import sympy (~1 s of every engine start)."""
+    """Give a model built on the meta device empty storage on ``device``, for the checkpoint to
+    fill: ``dtype`` for its parameters and floating-point buffers, as ``Module.to(dtype)`` casts.
+    Not ``Module.to_empty``: ``empty_like`` of a meta tensor runs through torch's Python
+    references, which import sympy (~1 s of every engine start)."""
     import torch
     from torch import nn
 
@@ -162,4 +163,5 @@ def _materialize(model: Any, dtype: Any, device: Any) -> None:
             module.register_parameter(name, nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
                                                          requires_grad=False))
         for name, buffer in list(module.named_buffers(recurse=False)):
-            module.register_buffer(name, torch.empty(buffer.shape, dtype=dtype, device=device))
+            kept = dtype if buffer.is_floating_point() else buffer.dtype
+            module.register_buffer(name, torch.empty(buffer.shape, dtype=kept, device=device))
