@@ -51,12 +51,14 @@ def cheap(case: Any) -> None:
     body = case.body
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens"):
         if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > 4:
             body[key] = 4
     if ("prompt" in body or "messages" in body) and body.get("max_tokens") is None and body.get(
             "max_completion_tokens") is None:
         body["max_tokens"] = 4  # unset means "up to the context length": far too slow here
+    if "input" in body and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = 4  # /v1/responses: the same
     if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) and body["n"] > 2:
         body["n"] = 2
     if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 3:

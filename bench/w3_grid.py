@@ -5,6 +5,7 @@ p50/p90 and wall time, each cell's routers in the same run.
 
     python -m bench.w3_grid                            # simulated fleet, every cell (minutes)
     python -m bench.w3_grid --mode real --cells w3-lite   # real fleet, the held-out W3-lite cell
+    python -m bench.w3_grid --previous predicted-ttft/rawqueue   # and the default before its last change
 
 ``--mode sim`` runs the calibrated fleet simulator (bench.w3_sim) with the real router's decision
 functions and a model of cache_aware (bench.w3_cache_aware); ``--mode real`` starts replicas,
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="real: torch threads a replica ('fast' cells: 2)")
     parser.add_argument("--replica-nice", type=int, default=10)
     parser.add_argument("--router-nice", type=int, default=-5)
+    parser.add_argument("--previous", default=None,
+                        help="sim: also run this policy in every cell (e.g. predicted-ttft/rawqueue, the default "
+                             "before its last change) and summarise its verdicts beside the default's")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     from bench.roofline import cpu_info
@@ -94,26 +98,34 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(resolve_tokenizer_path(None))
     for cell in pick(args.cells):
         if args.mode == "sim":
-            row = simulate_cell(cell, POLICIES, args.seeds)
+            row = simulate_cell(cell, POLICIES + ((args.previous,) if args.previous else ()), args.seeds)
         else:
             from bench.w3_grid_real import run_cell
 
             row = run_cell(cell, args, tokenizer)
         if all(p in row["policies"] for p in (OURS[args.mode], *BASELINES[args.mode])):
             row["verdict"] = verdict(row, OURS[args.mode], BASELINES[args.mode])
+            if args.previous and args.previous in row["policies"]:
+                row["previous_verdict"] = verdict(row, args.previous, BASELINES[args.mode])
         rows.append(row)
         if args.mode == "sim":
             figures = "  ".join(f"{p} hit {x['hit_rate']:.3f} p90 {x['ttft_p90_s']:.1f}"
                                 for p, x in row["policies"].items())
             print(f"sim {cell.name:36} {figures}  {row.get('verdict', '')}", flush=True)
     verdicts = [r["verdict"] for r in rows if "verdict" in r]
+    previous = [r["previous_verdict"] for r in rows if "previous_verdict" in r]
     path = write_compact(f"w3_grid_{args.mode}", {
         "benchmark": "w3_grid", "mode": args.mode,
         "command": " ".join([os.path.basename(sys.executable), "-m", "bench.w3_grid", *(argv or sys.argv[1:])]),
         "machine": machine,
         "elapsed_s": round(time.time() - started, 1), "cells": rows,
         "summary": {"cells": len(rows), "hit_within_5pct": sum(v["hit_ok"] for v in verdicts),
-                    "p90_within_5pct": sum(v["p90_ok"] for v in verdicts)},
+                    "p90_within_5pct": sum(v["p90_ok"] for v in verdicts),
+                    "both_within_5pct": sum(v["hit_ok"] and v["p90_ok"] for v in verdicts),
+                    **({"previous_default": {
+                        "policy": args.previous, "hit_within_5pct": sum(v["hit_ok"] for v in previous),
+                        "p90_within_5pct": sum(v["p90_ok"] for v in previous),
+                        "both_within_5pct": sum(v["hit_ok"] and v["p90_ok"] for v in previous)}} if previous else {})},
     }, args.out)
     print(f"w3_grid: wrote {path}")
     return 0

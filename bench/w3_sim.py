@@ -16,7 +16,7 @@ from bench.w3_cache_aware import CacheAware
 from kvscale.router import policy as routing
 from kvscale.router.decision import HotBlocks, free_blocks, note_overload
 from kvscale.router.index import prediction_ttl
-from kvscale.router.prefill_ledger import RECENT_WAITS
+from kvscale.router.prefill_ledger import RECENT_WAITS, Sent, waiting_prefill
 from kvscale.router.ttft_calibration import NONE as NO_CALIBRATION
 from kvscale.router.ttft_calibration import TtftCalibration
 
@@ -103,6 +103,17 @@ class SimReplica:
                 break
             n += 1
         return n
+
+    def heartbeat_waiting(self) -> int:
+        return len(self.waiting)
+
+    def unstarted_sends(self, now: float) -> list[Sent]:
+        """The router's ledger of this replica, as far as the correction reads it: its requests here
+        whose first token it has not seen by ``now``, in the order sent, with their blocks."""
+        pending = sorted((r for r in (*self.running, *self.waiting) if r.first_token is None or r.first_token > now),
+                         key=lambda r: r.rid)
+        return [Sent(max(r.prompt_tokens - r.expected_hit_blocks * self.block_size, 1), r.arrival,
+                     hashes=r.hashes, prompt_tokens=r.prompt_tokens) for r in pending]
 
     def num_decoding(self) -> int:
         return sum(1 for r in self.running if r.to_prefill == 0)
@@ -214,7 +225,10 @@ class SimRouter:
         # "/ttl10": the router before its windows followed the fleet's latency, for A/B: predictions
         # live a fixed 10 s, the hot window a fixed 30 s, and no hysteresis.
         self.fixed_ttl = FIXED_TTL in policy
-        self.policy = policy.replace(CAL, "").replace(FIXED_TTL, "")
+        # "/rawqueue": the router before it took a shared prefix's repeats off the heartbeat's
+        # queue (kvscale.router.prefill_ledger.shared_prefix_tokens), for A/B in the same run.
+        self.raw_queue = RAW_QUEUE in policy
+        self.policy = policy.replace(CAL, "").replace(FIXED_TTL, "").replace(RAW_QUEUE, "")
         self.replicas = replicas
         self.block_size = block_size
         self.rng = random.Random(seed)
@@ -269,10 +283,11 @@ class SimRouter:
             cands.append(routing.Candidate(
                 f"r{rep.index}", rep.load(), rep.kv_usage(),
                 self.matched(rep, req.hashes, now) if routing.uses_prefix(name) else 0,
-                queued_prefill_tokens=rep.queued_prefill_tokens(), num_decoding=rep.num_decoding(),
+                queued_prefill_tokens=self.queued(rep, now), num_decoding=rep.num_decoding(),
                 prefill_tokens_per_s=rep.reported.prefill_tokens_per_s, decode_step_s=rep.reported.decode_step_s,
                 step_token_budget=rep.costs.step_tokens,
                 free_blocks=free_blocks(rep.num_blocks, self.hot.footprint(f"r{rep.index}", now)),
+                recent_blocks=self.hot.recent(f"r{rep.index}", now),
                 ttft_scale=calibration.scale(f"r{rep.index}"),
             ))
         self.counter += 1
@@ -296,6 +311,16 @@ class SimRouter:
                     self.predicted[chosen][h] = now
         return chosen
 
+
+    def queued(self, rep: SimReplica, now: float) -> int:
+        """The replica's waiting prefill as the router reads it: a heartbeat taken now (``heartbeat_queue``)
+        corrected by the router's own sends as the real router corrects it
+        (``kvscale.router.prefill_ledger.waiting_prefill``), or the router's own ledger alone."""
+        figure = rep.queued_prefill_tokens()
+        if not rep.heartbeat_queue or self.raw_queue:
+            return figure
+        return waiting_prefill(figure, rep.heartbeat_waiting(), now, rep.unstarted_sends(now), self.block_size,
+                               rep.announced)
 
     def record(self, req: SimRequest, cands: list[routing.Candidate], decision: routing.Decision) -> dict:
         """What this decision knew against what was true: the index's best match, the replicas'
@@ -332,4 +357,5 @@ ORACLE = "oracle"  # simulator only: it reads the replicas' true caches and queu
 
 
 FIXED_TTL = "/ttl10"
+RAW_QUEUE = "/rawqueue"
 CAL = "/cal"  # predicted-ttft/cal: decides on the calibrated estimate (the router's --ttft-calibration)

@@ -38,4 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     args = build_parser(command if command in SUBCOMMANDS else None).parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        # Ctrl-C: uvicorn shuts down cleanly, then raises the signal again for its caller. The
+        # shell's code for an interrupt, not a traceback a user would read as a crash.
+        return 130

@@ -234,6 +234,23 @@ ROUTER_METRICS = (
     ROUTER_HELD_REQUESTS, ROUTER_HOLDS, ROUTER_HOLD_SECONDS, ROUTER_COLD_START_SECONDS,
     ROUTER_ACTIVATIONS,
 )
+# Tenants (docs/router.md, "Tenants"): labelled by the names of --tenants FILE only, so they
+# have series only in a router given one; kept apart from ROUTER_METRICS, which every router
+# exports.
+ROUTER_TENANT_REQUESTS = Metric(
+    "kvscale_router_tenant_requests", COUNTER,
+    "Generation requests by tenant (authenticated by the tenant's key), let in or not.",
+    ("tenant",))
+ROUTER_TENANT_RATE_LIMITED = Metric(
+    "kvscale_router_tenant_rate_limited", COUNTER,
+    "Requests answered 429 by tenant and the limit they reached (requests or tokens per minute).",
+    ("tenant", "limit"))
+ROUTER_TENANT_LIMITS_UNCHECKED = Metric(
+    "kvscale_router_tenant_limits_unchecked", COUNTER,
+    "Requests let in without their tenant's limits checked: Redis failed or did not answer in "
+    "time (the limits fail open).")
+ROUTER_TENANT_METRICS = (
+    ROUTER_TENANT_REQUESTS, ROUTER_TENANT_RATE_LIMITED, ROUTER_TENANT_LIMITS_UNCHECKED)
 ROUTER_HOLD_OUTCOMES = ("released", "timeout", "full", "disconnected")
 ROUTER_ACTIVATION_RESULTS = ("scaled", "already", "error")
 # Label values created at zero on start, so rate() is defined before the first event of each.
@@ -306,7 +323,7 @@ OPERATOR_METRICS = (
     OPERATOR_HELD_REQUESTS, OPERATOR_COLD_START_SECONDS,
 )
 
-ALL_METRICS = SERVER_METRICS + ROUTER_METRICS + OPERATOR_METRICS
+ALL_METRICS = SERVER_METRICS + ROUTER_METRICS + ROUTER_TENANT_METRICS + OPERATOR_METRICS
 
 
 def exposed_sample_names(metric: Metric) -> tuple[str, ...]:

@@ -206,7 +206,14 @@ def load_tokenizer(path: str | Path) -> Any:
     stamp = path / "tokenizer_config.json"
     key = (str(path), (stamp if stamp.is_file() else path / "config.json").stat().st_mtime)
     if key not in _LOADED_TOKENIZERS:
-        if _is_bundled_copy(path):
+        # Most directories need no transformers (~2 CPU-seconds to import): kvscale.fast_tokenizer
+        # loads those it provably tokenizes and renders exactly as transformers would.
+        from kvscale.fast_tokenizer import FastTokenizer
+
+        fast = FastTokenizer.from_directory(path)
+        if fast is not None:
+            _LOADED_TOKENIZERS[key] = fast
+        elif _is_bundled_copy(path):
             # What AutoTokenizer resolves these to (their tokenizer_class), imported directly:
             # transformers' auto classes import torch wherever it is installed, and the router
             # must not pay for torch just to tokenize.

@@ -125,6 +125,19 @@ class SecretKeyRef:
 
 
 @dataclass(frozen=True)
+class TenantSpec:
+    """One of `spec.router.tenants` (docs/operator.md, "Tenants"): the router's tenants file entry,
+    its key named by a Secret the operator never reads."""
+
+    name: str
+    api_key_secret: SecretKeyRef
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    weight: float = 1.0
+    priority: int = 0
+
+
+@dataclass(frozen=True)
 class RedisSource:
     """Where the router and the servers keep the KV index: the operator's own Redis unless
     `url` or `secret_ref` (a Secret key holding the whole URL) names an external one."""
@@ -153,6 +166,7 @@ class RouterSpec:
     balance_epsilon: float | None = None
     resources: RouterResources = field(default_factory=RouterResources)
     redis: RedisSource = field(default_factory=RedisSource)
+    tenants: tuple[TenantSpec, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -234,6 +248,10 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
     if parsed.autoscaling.min_replicas == 0 and not parsed.router.enabled:
         # At zero replicas only the router is there to hold a request and wake the servers.
         raise ValueError("autoscaling.minReplicas 0 needs the router (router.enabled: true)")
+    if parsed.router.tenants and (parsed.api_key_secret is None or not parsed.router.enabled):
+        # The servers trust the router's tenant header only behind their own key (docs/server.md,
+        # "Tenants"), and only the router reads the tenants.
+        raise ValueError("router.tenants needs the router and apiKeySecretRef (the servers' key)")
     return parsed
 
 
@@ -260,6 +278,19 @@ def parse_router(router: dict[str, Any]) -> RouterSpec:
             secret_ref=(SecretKeyRef(name=secret["name"], key=secret.get("key") or "url")
                         if secret else None),
         ),
+        tenants=tuple(parse_tenant(t) for t in router.get("tenants") or ()),
+    )
+
+
+def parse_tenant(tenant: dict[str, Any]) -> TenantSpec:
+    ref = tenant["apiKeySecretRef"]
+    return TenantSpec(
+        name=str(tenant["name"]),
+        api_key_secret=SecretKeyRef(name=ref["name"], key=ref.get("key") or "api-key"),
+        requests_per_minute=_optional_int(tenant.get("requestsPerMinute")),
+        tokens_per_minute=_optional_int(tenant.get("tokensPerMinute")),
+        weight=float(tenant.get("weight", 1.0)),
+        priority=int(tenant.get("priority", 0)),
     )
 
 

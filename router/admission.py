@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvscale.request_limits import DEFAULT_MAX_BODY_BYTES, RequestLimits
-from kvscale.router.auth import bearer_matches, key_digest
+from kvscale.router.auth import bearer_digest, bearer_matches, key_digest
+from kvscale.router.tenants import SCOPE_KEY
 
 if TYPE_CHECKING:
     from kvscale.router.config import RouterConfig
+    from kvscale.router.tenants import TenantFile
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 DEFAULT_MAX_OPEN_REQUESTS = 2048
@@ -40,6 +42,7 @@ class AdmissionLimits:
     max_open_requests: int = DEFAULT_MAX_OPEN_REQUESTS
     body_budget_bytes: int = DEFAULT_BODY_BUDGET_BYTES
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # one body's (larger: 413 from the body limits)
+    tenants: TenantFile | None = None  # a key per tenant instead of api_key
 
 
 @dataclass(frozen=True)
@@ -113,8 +116,13 @@ class Admission:
             declared = max(0, int(headers.get(b"content-length", b"0")))
         except ValueError:
             declared = 0  # the body limits answer it 400
-        key_ok = self._digest is None or bearer_matches(
-            headers.get(b"authorization", b"").decode("latin-1"), self._digest)
+        authorization = headers.get(b"authorization", b"").decode("latin-1")
+        if self.limits.tenants is not None:
+            # The tenant goes to the app in the scope (router/tenancy.py), None: no tenant's key.
+            scope[SCOPE_KEY] = self.limits.tenants.current().match(bearer_digest(authorization))
+            key_ok = scope[SCOPE_KEY] is not None
+        else:
+            key_ok = self._digest is None or bearer_matches(authorization, self._digest)
         refused = refusal(self.limits, key_ok=key_ok, open_requests=self.open_requests,
                           held_bytes=self.held_bytes, declared_bytes=declared)
         if refused is not None:
@@ -160,5 +168,5 @@ async def _answer(send: Any, refused: Refusal) -> None:
 def gate(config: RouterConfig, limits: RequestLimits) -> Callable[[Any], Admission]:
     """The router's gate around the body limits (kvscale.drain.asgi_app)."""
     admission = AdmissionLimits(config.api_key, config.max_open_requests, config.body_budget_bytes,
-                                limits.max_body_bytes)
+                                limits.max_body_bytes, config.tenants)
     return lambda inner: Admission(inner, admission)

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -26,12 +24,13 @@ from kvscale.drain import Drain, DrainMiddleware
 from kvscale.processes import freeze_startup_heap
 from kvscale.router import activation as holding
 from kvscale.router import policy as routing
+from kvscale.router import responses
+from kvscale.router import status_endpoints as status
 from kvscale.router.admission import is_api_request
-from kvscale.router.auth import check_api_key
 from kvscale.router.client_watch import disconnect_of
 from kvscale.router.config import RouterConfig
 from kvscale.router.decision import Decider
-from kvscale.router.errors import openai_error
+from kvscale.router.errors import not_found, openai_error, request_json
 from kvscale.router.heartbeats import HeartbeatTable
 from kvscale.router.hold_gate import activation_report, hold_until_ready, refusal, worth_holding
 from kvscale.router.in_flight import InFlight
@@ -40,6 +39,7 @@ from kvscale.router.metrics import RouterMetrics
 from kvscale.router.prefix_hashes import PrefixHasher, PromptBlocks
 from kvscale.router.proxy import Forwarder, Routed, replica_headers
 from kvscale.router.replicas import EndpointSliceWatch, Replica, ReplicaSet
+from kvscale.router.tenancy import Tenancy
 
 log = logging.getLogger("kvscale.router")
 
@@ -51,6 +51,8 @@ class Router:
             raise ValueError(f"unknown routing policy {config.policy!r}; choose one of {choices}")
         self.config = config
         self.metrics = RouterMetrics(config.policy)
+        self.tenancy = Tenancy(config.api_key, config.tenants, config.redis_url,
+                               config.redis_timeout_ms / 1000.0, self.metrics)
         in_process = config.redis_url is None
         # Without Redis the index is only the router's own decisions; keep them until capacity.
         self.index = PrefixIndex(prediction_ttl_s=(1e9 if in_process else 10.0))
@@ -59,8 +61,7 @@ class Router:
         self.replicas = ReplicaSet(
             api_key=config.replica_api_key, health_interval_s=config.health_interval_s,
             on_removed=lambda replica: self.decider.forget(replica.replica_id),
-            on_renamed=lambda old, new: self.decider.renamed(old, new),
-        )
+            on_renamed=lambda old, new: self.decider.renamed(old, new))
         self.replicas.set_urls(config.replicas)
         self.heartbeats = HeartbeatTable()
         self.hasher = PrefixHasher(
@@ -91,6 +92,10 @@ class Router:
         self._sync_task: asyncio.Task[None] | None = None
         self.drain = Drain()  # flipped by SIGTERM (kvscale.drain.serve)
         self._started = time.monotonic()
+        # Stored /v1/responses, read to route a conversation's next turn by its whole prompt.
+        self.conversations = responses.StoredConversations(
+            config.redis_url, config.redis_timeout_ms / 1000.0, self.metrics.redis_errors.inc,
+        ) if config.redis_url else None
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -139,6 +144,9 @@ class Router:
         if self.heartbeats.feed is not None:
             await self.heartbeats.feed.stop()
         await self.forwarder.close()
+        await self.tenancy.close()
+        if self.conversations is not None:
+            await self.conversations.close()
 
     async def _sync_loop(self) -> None:
         while True:
@@ -184,23 +192,15 @@ class Router:
     async def _read(self, request: Request) -> tuple[bytes, dict[str, Any], float] | Response:
         """The request's body, its parsed JSON object and when the router's own time started,
         or the error answering it."""
-        if (denied := check_api_key(request, self.config.api_key)) is not None:
+        if (denied := self.tenancy.authenticate(request)) is not None:
             return denied
         raw = await request.body()
         # The router's own time starts with the body's last byte: until then it waits on the client.
         started = time.perf_counter()
-        if request.method == "GET":
+        if request.method in ("GET", "DELETE"):
             return raw, {}, started
-        try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("the request body must be a JSON object")
-        except ValueError as exc:
-            return openai_error(400, f"invalid JSON body: {exc}", "invalid_request_error")
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            return openai_error(400, "model must be a string", "invalid_request_error")
-        return raw, body, started
+        body = request_json(raw)
+        return body if isinstance(body, Response) else (raw, body, started)
 
     def _candidates(self, model: str | None) -> list[Replica] | Response:
         """The replicas that may take a request for ``model`` (None: any), or the error."""
@@ -219,7 +219,7 @@ class Router:
         return candidates
 
     async def route(self, request: Request, endpoint: str) -> Response:
-        """POST /v1/completions ("completions") and /v1/chat/completions ("chat")."""
+        """POST /v1/completions, /v1/chat/completions and /v1/responses (``endpoint``'s)."""
         read = await self._read(request)
         if isinstance(read, Response):
             return read
@@ -244,13 +244,14 @@ class Router:
 
         prompt = PromptBlocks([], 0, self.config.block_size)
         if routing.uses_prefix(self.config.policy):
-            prompt = await self.hasher.prompt_block_hashes_off_loop(endpoint, body, model, len(raw))
+            prompt = await self._prompt_blocks(endpoint, body, model, len(raw))
+        grant = await self.tenancy.admit(request, endpoint, body, prompt.prompt_tokens, len(raw))
+        if isinstance(grant, Response):  # over the tenant's limits: 429
+            return grant
         header = self.config.session_header
         session = request.headers.get(header) if header else None
-        hash_key: int | str = (
-            prompt.hashes[0] if prompt.hashes
-            else f"{model}|{str(body.get('prompt', body.get('messages')))[:256]}"
-        )
+        hash_key: int | str = prompt.hashes[0] if prompt.hashes else (
+            f"{model}|{str(body.get('prompt', body.get('messages', body.get('input'))))[:256]}")
         decision = self.decider.decide(
             candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens, prompt.block_size)
         predicted_tokens = decision.matched_blocks * prompt.block_size
@@ -262,9 +263,8 @@ class Router:
 
         by_id = {r.replica_id: r for r in candidates}
         return await self.forwarder.forward(Routed(
-            endpoint=endpoint,
-            body=raw,
-            headers=replica_headers(request.headers, self.config.replica_api_key),
+            endpoint=endpoint, body=raw,
+            headers=replica_headers(request.headers, self.config.replica_api_key, grant.tenant),
             ranked=[by_id[rid] for rid in decision.ranked][: max(1, self.config.max_attempts)],
             hashes=prompt.hashes,
             prompt_tokens=prompt.prompt_tokens,
@@ -275,82 +275,59 @@ class Router:
             uncalibrated_ttft_s=decision.uncalibrated_ttft_s,
             calibrates=body.get("stream") is True and decision.rate_measured,
             client_left=disconnect_of(request.receive),
+            reply_headers=grant.headers,
+            on_done=grant.on_done,
         ))
 
-    async def pass_through(self, request: Request, endpoint: str) -> Response:
-        """/tokenize, /detokenize and /version: a replica's own answer, so that a client keeps
-        one URL with or without a router. No cache is involved: the least busy replica of the
-        model answers, the others stand by for failover."""
+    async def _prompt_blocks(self, endpoint: str, body: dict[str, Any], model: str | None,
+                             body_bytes: int) -> PromptBlocks:
+        if endpoint != "responses":
+            return await self.hasher.prompt_block_hashes_off_loop(endpoint, body, model, body_bytes)
+        # The chat prompt the replica will build: the stored conversation, then this turn.
+        store = responses.store_model(model, [self.hasher.names_of(m) for m in self.config.models])
+        chat = await responses.chat_prompt(self.conversations, body, store, body_bytes)
+        if chat is None:
+            self.metrics.fallbacks.labels("untokenizable").inc()
+            return PromptBlocks([], 0, self.hasher.block_size(model or ""))
+        return await self.hasher.prompt_block_hashes_off_loop("chat", chat.body, model, chat.source_bytes)
+
+    async def stored_response(self, request: Request) -> Response:
+        """GET and DELETE /v1/responses/{id}: forwarded to a ready replica of the model whose
+        store holds the id (the store is shared), not answered from Redis here: the replica's
+        answer is the one implementation of the stored response's JSON, its errors (404, the 503
+        of a store that does not answer) and the query fields it refuses."""
+        model = None
+        if self.conversations is not None and len(self.config.models) > 1:
+            model = await self.conversations.holder(
+                [self.hasher.names_of(m)[0] for m in self.config.models], request.path_params["response_id"])
+        endpoint = "responses_delete" if request.method == "DELETE" else "responses_get"
+        return await self.pass_through(request, endpoint, responses.replica_path(request.scope), model)
+
+    async def pass_through(self, request: Request, endpoint: str, path: str | None = None,
+                           model: str | None = None) -> Response:
+        """/tokenize, /detokenize, /version and stored responses: a replica's own answer, so that a
+        client keeps one URL with or without a router: the least busy replica of the model
+        (failover down the rest); ``path`` on the replica, when not ``endpoint``'s."""
         read = await self._read(request)
         if isinstance(read, Response):
             return read
         raw, body, started = read
-        if (held := await self._hold(request, body.get("model"))) is not None:
+        model = model or body.get("model")
+        if (held := await self._hold(request, model)) is not None:
             return held
-        candidates = self._candidates(body.get("model"))
+        candidates = self._candidates(model)
         if isinstance(candidates, Response):
             return candidates
         ranked = sorted(candidates, key=lambda r: r.in_flight)
         return await self.forwarder.forward(Routed(
-            endpoint=endpoint,
-            body=raw,
-            headers=replica_headers(request.headers, self.config.replica_api_key),
+            endpoint=endpoint, body=raw, path=path,
+            headers=replica_headers(request.headers, self.config.replica_api_key,
+                                    tenant.name if (tenant := self.tenancy.tenant_of(request)) else None),
             ranked=ranked[: max(1, self.config.max_attempts)],
-            hashes=[],
-            prompt_tokens=0,
-            predicted_hit_tokens=0,
-            session=None,
+            hashes=[], prompt_tokens=0, predicted_hit_tokens=0, session=None,
             router_ms=(time.perf_counter() - started) * 1000,
             client_left=disconnect_of(request.receive),
         ))
-
-    async def models(self, request: Request) -> Response:
-        if (denied := check_api_key(request, self.config.api_key)) is not None:
-            return denied
-        names = sorted({m for r in self.replicas.replicas.values() if self.heartbeats.routable(r)
-                        for m in r.models})
-        if not names and self.activation is not None:
-            # At zero replicas the model is still served: a request for it wakes a replica.
-            names = sorted(self.config.served_model_names)
-        return JSONResponse({"object": "list", "data": [
-            {"id": n, "object": "model", "created": 0, "owned_by": "kvscale"} for n in names]})
-
-    async def health(self, request: Request) -> Response:
-        if self.drain.draining:
-            return JSONResponse(
-                {"status": "draining", "policy": self.config.policy}, status_code=503)
-        indexed = self.index.sizes()
-        # index_blocks: what the operator's pod-deletion-cost weighs (the warm cache routed to).
-        replicas = [
-            {"url": r.url, "id": r.replica_id, "healthy": self.heartbeats.routable(r),
-             "in_flight": r.in_flight, "models": sorted(r.models),
-             "status": self.heartbeats.replica_status(r),
-             "index_blocks": indexed.get(r.replica_id, 0)}
-            for r in self.replicas.replicas.values()
-        ]
-        # Holding requests at zero replicas is serving: the router stays ready (its Service
-        # keeps it) so that requests reach it and wake the servers.
-        ok = any(r["healthy"] for r in replicas) or self.activation is not None
-        feed = self.heartbeats.feed
-        redis_state = None if feed is None else ("up" if feed.healthy else "down")
-        tokenizers = [{"model": name, "loaded": error is None, **({"error": error} if error else {})}
-                      for name, error in self.hasher.tokenizer_status().items()]
-        return JSONResponse(
-            {"status": "ok" if ok else "no healthy replica", "policy": self.config.policy,
-             "redis": redis_state, "tokenizers": tokenizers, "replicas": replicas,
-             "activation": self.activation_report()},
-            status_code=200 if ok else 503,
-        )
-
-    async def metrics_endpoint(self, request: Request) -> Response:
-        self.sync_heartbeats()
-        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-async def ping(request: Request) -> Response:
-    """Liveness: answered by the event loop itself, so a wedged loop fails it (a TCP probe is
-    answered by the kernel, and /health is rightly 503 while no server is ready)."""
-    return Response(status_code=200)
 
 
 def build_app(config: RouterConfig) -> Starlette:
@@ -362,6 +339,9 @@ def build_app(config: RouterConfig) -> Starlette:
     async def chat(request: Request) -> Response:
         return await router.route(request, "chat")
 
+    async def create_response(request: Request) -> Response:
+        return await router.route(request, "responses")
+
     async def tokenize(request: Request) -> Response:
         return await router.pass_through(request, "tokenize")
 
@@ -370,6 +350,15 @@ def build_app(config: RouterConfig) -> Starlette:
 
     async def version(request: Request) -> Response:
         return await router.pass_through(request, "version")
+
+    async def models(request: Request) -> Response:
+        return await status.models(router, request)
+
+    async def health(request: Request) -> Response:
+        return await status.health(router, request)
+
+    async def metrics(request: Request) -> Response:
+        return await status.metrics(router, request)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -383,15 +372,17 @@ def build_app(config: RouterConfig) -> Starlette:
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/v1/models", router.models, methods=["GET"]),
+            Route("/v1/responses", create_response, methods=["POST"]),
+            Route("/v1/responses/{response_id}", router.stored_response, methods=["GET", "DELETE"]),
+            Route("/v1/models", models, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/version", version, methods=["GET"]),
-            Route("/health", router.health, methods=["GET"]),
-            Route("/ping", ping, methods=["GET"]),
-            Route("/metrics", router.metrics_endpoint, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/ping", status.ping, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ],
-        lifespan=lifespan,
+        lifespan=lifespan, exception_handlers={404: not_found},
         # A draining router turns new requests away (503) while the streams it proxies finish.
         middleware=[Middleware(DrainMiddleware, drain=router.drain, guarded=is_api_request)],
     )

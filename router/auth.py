@@ -19,10 +19,15 @@ def key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+def bearer_digest(authorization: str) -> bytes:
+    """The digest of the key an Authorization header's value carries (``Bearer <key>``); a
+    header of another form gives the empty key's, which no key matches."""
+    return key_digest(authorization[7:] if authorization.lower().startswith("bearer ") else "")
+
+
 def bearer_matches(authorization: str, digest: bytes) -> bool:
     """Whether an Authorization header's value is ``Bearer <the key>``."""
-    token = authorization[7:] if authorization.lower().startswith("bearer ") else ""
-    return hmac.compare_digest(key_digest(token), digest)
+    return hmac.compare_digest(bearer_digest(authorization), digest)
 
 
 def check_api_key(request: Request, api_key: str | None) -> JSONResponse | None:

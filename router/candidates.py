@@ -28,6 +28,9 @@ class Candidate:
     step_token_budget: int = 0  # the engine's max_num_batched_tokens; 0: unknown (one step)
     # KV blocks not held by the prefixes recently routed there (None: unknown, room assumed).
     free_blocks: int | None = None
+    # Distinct blocks this router sent there within the hot window: the room its recent traffic
+    # claims, as cache_aware's tree size (docs/router.md, "Where a new prefix goes").
+    recent_blocks: int = 0
     # How much longer than predicted this replica's requests have taken, relative to the pool
     # (kvscale.router.ttft_calibration): its estimate is multiplied by it.
     ttft_scale: float = 1.0

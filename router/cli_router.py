@@ -13,6 +13,7 @@ from kvscale.router.admission import DEFAULT_BODY_BUDGET_BYTES, DEFAULT_MAX_OPEN
 from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS
 from kvscale.router.config import RouterConfig
 from kvscale.router.policy import DEFAULT_POLICY, POLICIES, TTFT_EPSILON
+from kvscale.router.tenants import TenantFile, TenantFileError
 from kvscale.tokenization import TOOL_FORMATS
 
 
@@ -36,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-timeout-ms", type=float, default=50.0)
     parser.add_argument("--api-key", default=os.environ.get("KVSCALE_API_KEY"), help="key clients must send (Bearer)")
     parser.add_argument(
+        "--tenants", default=None, metavar="FILE",
+        help="YAML list of tenants (name, api_key or api_key_sha256, requests_per_minute, "
+             "tokens_per_minute, weight, priority): a key per tenant instead of --api-key, limits "
+             "counted in --redis; re-read when the file changes")
+    parser.add_argument(
         "--replica-api-key",
         default=os.environ.get("KVSCALE_REPLICA_API_KEY"),
         help="key the router sends to the replicas (default: none)",
@@ -43,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None,
                         help="address to bind, and only it (default: every address, IPv4 and IPv6)")
     parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument(
+        "--ext-proc-port", type=int, default=None,
+        help="also serve Envoy's ext_proc gRPC service on this port: the router as a Gateway API "
+             "Inference Extension endpoint picker (docs/gateway.md)")
     request_limits.add_arguments(parser)
     parser.add_argument(
         "--max-open-requests", type=int, default=DEFAULT_MAX_OPEN_REQUESTS,
@@ -132,6 +142,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise SystemExit("kvscale router: --max-open-requests must be at least 1")
     if args.max_body_bytes_in_flight < args.max_request_body_bytes:
         raise SystemExit("kvscale router: --max-body-bytes-in-flight must be at least --max-request-body-bytes")
+    if args.ext_proc_port is not None and (args.api_key or args.tenants):
+        # The picker sees requests the gateway authenticates: a key the router checks on its own
+        # port would be walked around through the gateway.
+        raise SystemExit("kvscale router: --ext-proc-port does not check --api-key or --tenants: "
+                         "authenticate at the gateway and give neither")
+    tenants = _tenants(args)
     if args.served_model_name and len(args.model or [None]) != 1:
         raise SystemExit("kvscale router: --served-model-name names one model: give at most one --model with it")
     return RouterConfig(
@@ -144,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         redis_url=args.redis,
         redis_timeout_ms=args.redis_timeout_ms,
         api_key=args.api_key,
+        tenants=tenants,
         max_open_requests=args.max_open_requests,
         body_budget_bytes=args.max_body_bytes_in_flight,
         replica_api_key=args.replica_api_key,
@@ -166,6 +183,23 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
+def _tenants(args: argparse.Namespace) -> TenantFile | None:
+    """--tenants FILE loaded and checked at start: any error stops the router, saying why."""
+    if not args.tenants:
+        return None
+    if args.api_key:
+        raise SystemExit("kvscale router: give --tenants or --api-key (or $KVSCALE_API_KEY), "
+                         "not both: with --tenants each tenant has its own key")
+    try:
+        tenants = TenantFile(args.tenants)
+    except TenantFileError as exc:
+        raise SystemExit(f"kvscale router: --tenants: {exc}") from None
+    if tenants.table.limited and not args.redis:
+        raise SystemExit("kvscale router: --tenants: requests_per_minute and tokens_per_minute "
+                         "are counted in Redis, shared by every router: give --redis")
+    return tenants
+
+
 def run(args: argparse.Namespace) -> int:
     from kvscale.drain import serve
     from kvscale.router.admission import gate
@@ -176,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     limits = request_limits.limits_from_args(args)
     app = build_app(config)
+    if args.ext_proc_port is not None:
+        from kvscale.router.ext_proc import serve_beside
+
+        serve_beside(app, args.host, args.ext_proc_port, limits.max_body_bytes)
     serve(app, app.state.drain, host=args.host, port=args.port, shutdown_timeout_s=args.shutdown_timeout,
           name="kvscale router", log_level=args.log_level, access_log=False, limits=limits,
           gate=gate(config, limits))

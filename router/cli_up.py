@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
                 if value is not None:
                     argv += [flag, str(value)]
             if redis_url:
-                argv += ["--redis", redis_url, "--replica-id", f"replica-{i}"]
+                # Stored /v1/responses shared too, so a conversation continues on any replica.
+                argv += ["--redis", redis_url, "--replica-id", f"replica-{i}", "--responses-store", "redis"]
             replica_children.append(stack.spawn(f"replica-{i}", argv, url, f"{url}/health", env_extra=(
                 {"KVSCALE_API_KEY": args.api_key} if args.api_key else None)))
         print(f"kvscale up: starting {args.replicas} replica(s) (logs in {stack.logdir})", flush=True)

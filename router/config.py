@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvscale.router.activation import DEFAULT_HOLD_QUEUE
 from kvscale.router.admission import DEFAULT_BODY_BUDGET_BYTES, DEFAULT_MAX_OPEN_REQUESTS
 from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS
 from kvscale.router.policy import DEFAULT_POLICY, TTFT_EPSILON
+
+if TYPE_CHECKING:
+    from kvscale.router.tenants import TenantFile
 
 
 @dataclass
@@ -21,6 +25,8 @@ class RouterConfig:
     redis_url: str | None = None
     redis_timeout_ms: float = 50.0
     api_key: str | None = None
+    # --tenants FILE, loaded (docs/router.md, "Tenants"): a key per tenant instead of api_key.
+    tenants: TenantFile | None = None
     # Bounds checked from a request's head, before its body is read (router/admission.py).
     max_open_requests: int = DEFAULT_MAX_OPEN_REQUESTS
     body_budget_bytes: int = DEFAULT_BODY_BUDGET_BYTES

@@ -14,6 +14,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import replace
 
 from kvscale.router import policy as routing
@@ -102,6 +103,12 @@ class HotBlocks:
         self._expire(replica_id, now)
         return self._hot.get(replica_id, 0)
 
+    def recent(self, replica_id: str, now: float) -> int:
+        """Distinct blocks sent to the replica within the window, once or more: the room its
+        recent traffic claims (a new prefix goes where that is least per unit of speed)."""
+        self._expire(replica_id, now)
+        return len(self._sent.get(replica_id, ()))
+
     def forget(self, replica_id: str) -> None:
         self._sent.pop(replica_id, None)
         self._hot.pop(replica_id, None)
@@ -121,9 +128,13 @@ def candidate_view(
     hot_blocks: int = 0,
     host_blocks: int = 0,
     ttft_scale: float = 1.0,
+    recent_blocks: int = 0,
+    confirmed: Container[int] = frozenset(),
 ) -> routing.Candidate:
     """One replica as the policy sees it; ``now`` is this router's monotonic clock, onto which
-    the heartbeat's time is brought before any comparison (the replica's clock may be off)."""
+    the heartbeat's time is brought before any comparison (the replica's clock may be off);
+    ``confirmed``: the blocks the replica reported holding (its waiting prefill counts a prefix
+    shared by requests queued there once)."""
     hb = heartbeats.get(replica.replica_id)
     room: int | None = None
     hb_time = 0.0
@@ -134,9 +145,9 @@ def candidate_view(
         load = routing.effective_load(replica.in_flight, hb.load, hb_time, replica.last_finished)
         kv_usage = hb.kv_usage
         room = free_blocks(hb.kv_blocks_total, hot_blocks)
-    extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), now, hb_time)
+    extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), now, hb_time, confirmed)
     return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, host_blocks=host_blocks,
-                             free_blocks=room, ttft_scale=ttft_scale, **extra)
+                             free_blocks=room, ttft_scale=ttft_scale, recent_blocks=recent_blocks, **extra)
 
 
 def note_overload(since: dict[str, float], judged: tuple[str, bool] | None, now: float) -> None:
@@ -245,7 +256,8 @@ class Decider:
         views = [
             candidate_view(r, matched[r.replica_id], self.heartbeats, self.in_flight, now,
                            self.hot.footprint(r.replica_id, now), in_host.get(r.replica_id, 0),
-                           applied.scale(r.replica_id))
+                           applied.scale(r.replica_id), self.hot.recent(r.replica_id, now),
+                           self.index.confirmed_view(r.replica_id))
             for r in candidates
         ]
         index_stale = self.heartbeats.index_stale

@@ -11,7 +11,7 @@ Times are this router's monotonic clock; heartbeats are brought onto it before t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Gauge
@@ -50,14 +50,17 @@ class InFlight:
         return self._ledgers.get(replica_id)
 
     def open(self, replica: Replica, prefill_tokens: int,
-             on_started: Callable[[float], None] | None = None) -> OpenRequest:
+             on_started: Callable[[float], None] | None = None,
+             hashes: Sequence[int] = (), prompt_tokens: int = 0) -> OpenRequest:
         """``prefill_tokens``: what the replica must compute for it (prompt less predicted hit);
-        ``on_started`` is told the seconds from now to its first token."""
+        ``on_started`` is told the seconds from now to its first token; ``hashes`` (the prompt's
+        full blocks) and ``prompt_tokens`` let the ledger tell a prefix the heartbeat counts once
+        per waiting request sharing it (prefill_ledger.shared_prefix_tokens)."""
         replica.in_flight += 1
         self._keys += 1
         ledger = self._ledgers.setdefault(replica.replica_id, PrefillLedger())
         now = time.monotonic()
-        ledger.sent(self._keys, prefill_tokens, now)
+        ledger.sent(self._keys, prefill_tokens, now, hashes, prompt_tokens)
         self._gauge.labels(replica.replica_id).set(replica.in_flight)
         return OpenRequest(replica, ledger, self._keys, now, on_started)
 

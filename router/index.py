@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from kvscale.kv_index_schema import TIER_HOST
@@ -151,6 +152,11 @@ class PrefixIndex:
             host = blocks.host if blocks is not None else set()
             out[replica_id] = sum(1 for h in block_hashes[:count] if h in host) if host else 0
         return out
+
+    def confirmed_view(self, replica_id: str) -> AbstractSet[int]:
+        """The blocks the replica reported holding: the index's own set, not a copy (read it only)."""
+        blocks = self._replicas.get(replica_id)
+        return blocks.confirmed if blocks else frozenset()
 
     def confirmed_blocks(self, replica_id: str) -> set[int]:
         blocks = self._replicas.get(replica_id)

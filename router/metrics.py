@@ -41,6 +41,9 @@ class RouterMetrics:
         self.hold_seconds: Histogram = register(names.ROUTER_HOLD_SECONDS, r, HOLD_BUCKETS)
         self.cold_start_seconds: Histogram = register(names.ROUTER_COLD_START_SECONDS, r, HOLD_BUCKETS)
         self.activations: Counter = register(names.ROUTER_ACTIVATIONS, r)
+        self.tenant_requests: Counter = register(names.ROUTER_TENANT_REQUESTS, r)
+        self.tenant_rate_limited: Counter = register(names.ROUTER_TENANT_RATE_LIMITED, r)
+        self.tenant_limits_unchecked: Counter = register(names.ROUTER_TENANT_LIMITS_UNCHECKED, r)
         for outcome in names.ROUTER_HOLD_OUTCOMES:
             self.holds.labels(outcome)
         for result in names.ROUTER_ACTIVATION_RESULTS:

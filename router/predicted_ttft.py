@@ -27,19 +27,19 @@ for the best other replica, where saved(other) is the prefill of the blocks the 
 the other does not, at the other's rate. The other's estimate already pays that prefill once; the
 rule asks the anchor's queue to cost it again, since the copy delays every request behind it on
 the other replica too. ``slack`` (--balance-epsilon, spec.router.balanceEpsilon) is the tolerated
-prediction error, relative. A prompt nobody holds is placed on the replica with the lowest
-estimate among those with room for it (``free_blocks``: the replica's KV blocks less those this
-router sent there twice or more in the last 30 s, its hot prefixes; kvscale.router.decision), so
-new prefixes fill empty room before they evict hot ones; when no replica has
-room, the lowest estimate takes it and its LRU makes room there. Ties (within 1 ms) go to the longer
-cached prefix, then to the rendezvous hash. The bounded-load cap on in-flight requests
+prediction error, relative. A prompt nobody holds goes to a replica with room for it
+(``free_blocks``: the replica's KV blocks less those this router sent there twice or more within
+the hot window, its hot prefixes; kvscale.router.decision), so new prefixes fill empty room before
+they evict hot ones: the one whose recent traffic claims least room per unit of speed
+(``new_prefix_home``); when no replica has room, the lowest estimate takes it and its LRU makes
+room there. Ties (within 1 ms) go to the longer cached prefix, then to the rendezvous hash. The bounded-load cap on in-flight requests
 (``ttft_epsilon``) stays a safety valve: a replica over it goes last whatever it holds.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvscale.router.candidates import Candidate, Decision, Spill, bounded_split, rendezvous_weight
@@ -107,11 +107,16 @@ class OverloadHold:
     hold_s: float
     since: Mapping[str, float]
 
-    def outlasted(self, replica_id: str) -> bool:
-        if self.hold_s <= 0:  # no prefill wait in sight: nothing to smooth over
+    def outlasted(self, replica_id: str, predicted_wait_s: float = 0.0) -> bool:
+        """``predicted_wait_s``: the wait the estimate predicts, the hold while none was measured
+        yet. A fleet's first burst arrives in one instant, before any first token: its overload
+        has lasted no time at all, and the heartbeat counts every sibling queued behind a prefix
+        still being computed in full, so the holder of the busiest groups looks overloaded then."""
+        hold_s = self.hold_s if self.hold_s > 0 else predicted_wait_s
+        if hold_s <= 0:  # no prefill wait in sight, measured or predicted: nothing to smooth over
             return True
         began = self.since.get(replica_id)
-        return began is not None and self.now - began >= self.hold_s
+        return began is not None and self.now - began >= hold_s
 
 
 def evicted_blocks(candidate: Candidate, prompt_tokens: int, block_size: int) -> int:
@@ -127,6 +132,26 @@ def should_spill(anchor_ttft: float, other_ttft: float, saved_s: float, slack: f
     """The anchor is truly overloaded: its estimate beyond the other's by more than the prefill the
     hit saves, with ``slack`` (relative) for the estimates' error."""
     return anchor_ttft > (1.0 + slack) * (other_ttft + saved_s)
+
+
+def new_prefix_home(
+    roomy: Sequence[Candidate],
+    rates: Mapping[str, float],
+    need: int,
+    key: Callable[[Candidate], tuple[float, int, int, int]],
+) -> Candidate | None:
+    """Where a prefix nobody holds goes, among the replicas with room for it: the one whose recent
+    traffic claims least room per unit of speed, (recent_blocks + need) / rate (ties by ``key``,
+    the estimate first). The queue now is one instant; the prefixes recently sent are the work the
+    replica will be asked for again, so new prefixes spread over the fleet in proportion to its
+    speed. Not filtered by the estimate: the heartbeat counts every request queued behind a prefix
+    still being computed in full, so in a burst the replica holding the busiest groups looks the
+    latest and new groups piled onto the others past their room (docs/router.md, "Where a new
+    prefix goes"). A ratio of blocks over rates: equally slow replicas decide as fast ones. None
+    when no replica has room: the caller's lowest estimate takes it."""
+    if not roomy:
+        return None
+    return min(roomy, key=lambda c: ((c.recent_blocks + need) / rates[c.replica_id], key(c)))
 
 
 def predicted_ttft_policy(
@@ -194,15 +219,17 @@ def predicted_ttft_policy(
         overloaded = other is not None and should_spill(
             ttft[anchor.replica_id], ttft[other.replica_id], saved, slack)
         judged = (anchor.replica_id, overloaded)
-        if other is not None and overloaded and (hold is None or hold.outlasted(anchor.replica_id)):
+        # Before any wait is measured, the other's estimate is the wait the overload must outlast.
+        lasted = hold is None or (other is not None and hold.outlasted(anchor.replica_id, ttft[other.replica_id]))
+        if other is not None and overloaded and lasted:
             spill = Spill(anchor.replica_id, ttft[anchor.replica_id], other.replica_id, ttft[other.replica_id],
                           saved, held)
             anchor, reason = None, "load"
     if anchor is None and best_match == 0:
-        # A cold prompt: the soonest replica with room for it, so it does not evict a hot prefix.
+        # A cold prompt: a replica with room for it, so it does not evict a hot prefix.
         need = -(-prompt_tokens // max(block_size, 1))
         roomy = [c for c in by_estimate if c.free_blocks is None or c.free_blocks >= need]
-        anchor = roomy[0] if roomy else None
+        anchor = new_prefix_home(roomy, rates, need, key)
     ranked = by_estimate
     if anchor is not None:
         ranked = [anchor] + [c for c in by_estimate if c.replica_id != anchor.replica_id]

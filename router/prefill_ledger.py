@@ -5,13 +5,23 @@ old. Between heartbeats this router knows what it sent since (not in the heartbe
 of the requests the heartbeat counted have started streaming since (their prefill is done, so the
 heartbeat over-counts them). ``queued_prefill_tokens`` combines the two; a pure function.
 
+The heartbeat also counts a shared prefix once per waiting request: the engine takes off a waiting
+prompt only the blocks cached now, so while a group's first request waits to be admitted, every
+sibling queued behind it counts the group's prefix again, although the engine computes it once
+(the siblings find its blocks once it is scheduled). The holder of a group whose requests arrive
+together then looks overloaded exactly when they do. This router knows each request it sent
+there (its prompt's block hashes) and which blocks the replica confirmed (its KV events);
+``shared_prefix_tokens`` is what the heartbeat counted more than once, and is taken off it (a
+pure function too): a later request of a group adds only what it does not share.
+
 Only the router's event loop touches a ledger, so it has no locks.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,17 +37,115 @@ class Sent:
     sent_at: float  # this router's monotonic clock, as is the heartbeat's time it is compared with
     started_at: float | None = None  # its first response byte: prefill done
     finished_at: float | None = None  # its end (it no longer decodes)
+    hashes: Sequence[int] = ()  # its prompt's full block hashes, in order (prefix policies; else none)
+    prompt_tokens: int = 0  # its prompt's length (0: not told)
+
+
+def leading_run(limit: int, shared_at: Callable[[int], bool]) -> int:
+    """The longest run of leading blocks, at most ``limit``, for which ``shared_at(position)``
+    holds. Block hashes are chained (a block's hash covers every token before it), so a block
+    shared at one position means every block before it is shared too: a binary search, where a
+    prompt of a few thousand tokens is hundreds of blocks."""
+    low, high = 0, limit
+    while low < high:
+        mid = (low + high + 1) // 2
+        if shared_at(mid - 1):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def common_prefix(hashes: Sequence[int], other: Sequence[int], limit: int) -> int:
+    """Leading blocks, at most ``limit``, that two prompts share."""
+    return leading_run(min(len(hashes), len(other), limit), lambda i: hashes[i] == other[i])
+
+
+def shared_with_any(hashes: Sequence[int], blocks: AbstractSet[int], limit: int) -> int:
+    """Leading blocks, at most ``limit``, of ``hashes`` among ``blocks`` (the union of other
+    prompts' blocks): the longest prefix shared with any of them."""
+    return leading_run(min(len(hashes), limit), lambda i: hashes[i] in blocks)
+
+
+def cached_run(hashes: Sequence[int], confirmed: Container[int]) -> int:
+    """Leading blocks of ``hashes`` in ``confirmed`` (a replica's own report: walked block by block,
+    as the engine looks its cache up)."""
+    n = 0
+    for block in hashes:
+        if block not in confirmed:
+            break
+        n += 1
+    return n
+
+
+def shared_prefix_tokens(
+    heartbeat_waiting: int, heartbeat_time: float, sent: Iterable[Sent], block_size: int,
+    confirmed: Container[int] = frozenset(),
+) -> int:
+    """Prompt tokens a heartbeat counted more than once: the blocks each waiting request of ours
+    shares with an earlier one of ours waiting there too, beyond those cached then.
+
+    The engine counts a waiting prompt less its leading blocks cached now, and a block becomes
+    findable once a step that computes it is scheduled: while a group's first request waits, every
+    sibling behind it counts the prefix again, although only the first computes it. Which of ours
+    were waiting: the heartbeat's ``heartbeat_waiting`` latest of those it counted (sent before it,
+    not started by then; FCFS admits in order). Cached then, as far as this router can tell: the
+    leading blocks the replica confirmed (``confirmed``: its KV events, in the prefix index), and
+    those of our requests there that were admitted or had started by then.
+    """
+    sent = list(sent)
+    counted = [s for s in sent if s.sent_at <= heartbeat_time
+               and (s.started_at is None or s.started_at > heartbeat_time)]
+    counted.sort(key=lambda s: s.sent_at)  # stable: sends of one instant keep their order
+    k = min(max(heartbeat_waiting, 0), len(counted))
+    if k < 2:
+        return 0
+    waiting = counted[len(counted) - k:]
+    # Only prompts that begin alike share a block: groups by first block, of two or more.
+    groups: dict[int, list[Sent]] = {}
+    for s in waiting:
+        if s.hashes:
+            groups.setdefault(s.hashes[0], []).append(s)
+    groups = {first: members for first, members in groups.items() if len(members) > 1}
+    if not groups:
+        return 0
+    waiting_ids = {id(s) for s in waiting}
+    held: dict[int, list[Sequence[int]]] = {}  # our prompts the engine held then: admitted or started
+    for s in sent:
+        if s.hashes and s.hashes[0] in groups and s.sent_at <= heartbeat_time and id(s) not in waiting_ids:
+            held.setdefault(s.hashes[0], []).append(s.hashes)
+    size = max(block_size, 1)
+    twice = 0
+    for first, members in groups.items():
+        ahead = set(members[0].hashes)  # the blocks of the group's waiting requests so far
+        cached_runs: dict[int, int] = {}  # a shared prefix (by its last block) -> its leading blocks cached
+        for s in members[1:]:
+            # The engine never takes a prompt's last token from the cache.
+            limit = max(s.prompt_tokens - 1, 0) // size if s.prompt_tokens else len(s.hashes)
+            shared = shared_with_any(s.hashes, ahead, limit)
+            ahead.update(s.hashes[shared:])
+            if shared == 0:
+                continue
+            last = s.hashes[shared - 1]
+            cached = cached_runs.get(last)
+            if cached is None:
+                by_ours = max((common_prefix(s.hashes, h, shared) for h in held.get(first, ())), default=0)
+                cached = cached_runs[last] = by_ours + cached_run(s.hashes[by_ours:shared], confirmed)
+            twice += (shared - cached) * size
+    return twice
 
 
 def queued_prefill_tokens(
-    heartbeat_tokens: int | None, heartbeat_time: float, sent: Iterable[Sent]
+    heartbeat_tokens: int | None, heartbeat_time: float, sent: Iterable[Sent], shared: int = 0
 ) -> int:
     """Prompt tokens waiting for prefill on one replica, as best this router can tell.
 
     heartbeat's figure
+      - tokens it counted more than once (``shared``: ``shared_prefix_tokens``)
       - tokens of our requests it counted (sent before it) that have started since
       + tokens of our requests sent after it that have not started.
-    Without a heartbeat, our own unstarted requests are all we know.
+    Without a heartbeat, our own unstarted requests are all we know (each counted less its
+    predicted hit: a sibling sent behind its group's first counts its suffix only).
     """
     unstarted_after = started_since = unstarted = 0
     for s in sent:
@@ -49,7 +157,20 @@ def queued_prefill_tokens(
             started_since += s.tokens
     if heartbeat_tokens is None:
         return unstarted
-    return max(0, heartbeat_tokens - started_since) + unstarted_after
+    return max(0, heartbeat_tokens - shared - started_since) + unstarted_after
+
+
+def waiting_prefill(
+    heartbeat_tokens: int | None, heartbeat_waiting: int, heartbeat_time: float, sent: Iterable[Sent],
+    block_size: int, confirmed: Container[int] = frozenset(),
+) -> int:
+    """``queued_prefill_tokens`` with the heartbeat's repeats of shared prefixes taken off
+    (``shared_prefix_tokens``): the uncached tokens of a prefix count once per replica."""
+    sent = list(sent)
+    if heartbeat_tokens is None:
+        return queued_prefill_tokens(None, heartbeat_time, sent)
+    shared = shared_prefix_tokens(heartbeat_waiting, heartbeat_time, sent, block_size, confirmed)
+    return queued_prefill_tokens(heartbeat_tokens, heartbeat_time, sent, shared)
 
 
 def decoding_count(
@@ -86,8 +207,9 @@ class PrefillLedger:
         # The last few prefill waits (sent to first byte): how long a prediction must live here.
         self._waits: deque[float] = deque(maxlen=RECENT_WAITS)
 
-    def sent(self, key: int, tokens: int, now: float) -> None:
-        self.open[key] = Sent(tokens, now)
+    def sent(self, key: int, tokens: int, now: float, hashes: Sequence[int] = (), prompt_tokens: int = 0) -> None:
+        """``tokens``: what the replica must compute for it; ``hashes``: its prompt's full blocks."""
+        self.open[key] = Sent(tokens, now, hashes=hashes, prompt_tokens=prompt_tokens)
 
     def started(self, key: int, now: float) -> None:
         entry = self.open.get(key)
@@ -118,18 +240,21 @@ class PrefillLedger:
 
 
 def ttft_inputs(
-    heartbeat: Heartbeat | None, ledger: PrefillLedger | None, now: float, heartbeat_time: float
+    heartbeat: Heartbeat | None, ledger: PrefillLedger | None, now: float, heartbeat_time: float,
+    confirmed: Container[int] = frozenset(),
 ) -> dict[str, Any]:
     """The predicted-ttft fields of a policy Candidate, from a replica's heartbeat (or None) and
     this router's ledger for it (or None). ``now`` and ``heartbeat_time`` (when the heartbeat was
-    taken) are on the ledger's clock, this router's monotonic one."""
+    taken) are on the ledger's clock, this router's monotonic one; ``confirmed``: the blocks the
+    replica reported holding (the prefix index's)."""
     sent = ledger.entries(now) if ledger is not None else []
     if heartbeat is None:
         return {"queued_prefill_tokens": queued_prefill_tokens(None, 0.0, sent),
                 "num_decoding": decoding_count(None, 0.0, sent)}
     return {
-        "queued_prefill_tokens": queued_prefill_tokens(
-            heartbeat.prefill_tokens_waiting, heartbeat_time, sent),
+        "queued_prefill_tokens": waiting_prefill(
+            heartbeat.prefill_tokens_waiting, heartbeat.num_waiting, heartbeat_time, sent, heartbeat.block_size,
+            confirmed),
         "num_decoding": decoding_count(heartbeat.num_decoding, heartbeat_time, sent),
         "prefill_tokens_per_s": heartbeat.prefill_tokens_per_s,
         "decode_step_s": heartbeat.decode_step_s,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from starlette.responses import Response
@@ -25,9 +25,11 @@ from kvscale.router.errors import openai_error
 from kvscale.router.in_flight import InFlight, OpenRequest
 from kvscale.router.index import PrefixIndex
 from kvscale.router.metrics import RouterMetrics
+from kvscale.router.rate_limits import USAGE_TAIL_BYTES
 from kvscale.router.relay import RelayResponse, UpstreamBroke, at_event_boundary, error_event
 from kvscale.router.replicas import Replica, ReplicaSet
 from kvscale.router.ttft_calibration import TtftCalibration
+from kvscale.tenant_limits_schema import TENANT_HEADER
 
 log = logging.getLogger("kvscale.router")
 
@@ -38,6 +40,9 @@ _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length
 ENDPOINTS = {
     "chat": ("POST", "/v1/chat/completions"),
     "completions": ("POST", "/v1/completions"),
+    "responses": ("POST", "/v1/responses"),
+    "responses_get": ("GET", "/v1/responses/{id}"),  # Routed.path names the id
+    "responses_delete": ("DELETE", "/v1/responses/{id}"),
     "tokenize": ("POST", "/tokenize"),
     "detokenize": ("POST", "/detokenize"),
     "version": ("GET", "/version"),
@@ -65,19 +70,28 @@ class Routed:
     calibrates: bool = False
     # Returns once the client has gone (client_watch.disconnect_of); None: not watched.
     client_left: Callable[[], Awaitable[None]] | None = None
+    # For the client's response whoever answers (a tenant's rate-limit headers).
+    reply_headers: dict[str, str] = field(default_factory=dict)
+    # Told a replica's answer's status and its last USAGE_TAIL_BYTES once it ended (a tenant's
+    # reservation settled with the usage reported).
+    on_done: Callable[[int, bytes], None] | None = None
+    path: str | None = None  # on the replica, when not ENDPOINTS' (a stored response's id)
 
 
 def replica_headers(
-    client_headers: Mapping[str, str], replica_api_key: str | None
+    client_headers: Mapping[str, str], replica_api_key: str | None, tenant: str | None = None
 ) -> dict[str, str]:
-    """What goes to the replica: the body's type, what the client asked to pass through, and the
-    router's own key for the replicas (never the client's)."""
+    """What goes to the replica: the body's type, what the client asked to pass through, the
+    router's own key for the replicas (never the client's) and the tenant the router
+    authenticated (never one the client named)."""
     headers = {"content-type": "application/json"}
     for name in ("accept", "x-request-id"):
         if name in client_headers:
             headers[name] = client_headers[name]
     if replica_api_key:
         headers["authorization"] = f"Bearer {replica_api_key}"
+    if tenant:
+        headers[TENANT_HEADER] = tenant
     return headers
 
 
@@ -122,12 +136,15 @@ class Forwarder:
         response = await unless_client_leaves(self._forward(routed), routed.client_left)
         if response.status_code == CLIENT_GONE:
             self.metrics.requests.labels("none", self.policy, str(CLIENT_GONE)).inc()
+        if not isinstance(response, RelayResponse):  # no replica's answer (on_done is not told)
+            response.headers.update(routed.reply_headers)
         return response
 
     async def _forward(self, routed: Routed) -> Response:
         client = self._client
         assert client is not None, "forward before open"
         method, path = ENDPOINTS[routed.endpoint]
+        path = routed.path or path
         last_error = "no replica answered"
         for attempt, replica in enumerate(routed.ranked):
             is_last = attempt == len(routed.ranked) - 1
@@ -135,7 +152,8 @@ class Forwarder:
                 self.index.predict(replica.replica_id, routed.hashes, time.monotonic())
             hit = routed.predicted_hit_tokens if attempt == 0 else 0
             request = self.in_flight.open(replica, max(routed.prompt_tokens - hit, 1),
-                                          self._measure(routed, replica) if attempt == 0 else None)
+                                          self._measure(routed, replica) if attempt == 0 else None,
+                                          routed.hashes, routed.prompt_tokens)
             committed = False
             upstream: httpx.Response | None = None
             try:
@@ -160,8 +178,9 @@ class Forwarder:
                     first = await chunks.__anext__()
                 except StopAsyncIteration:
                     first = b""
-                # A chat stream's first chunk is the role, sent before prefill.
-                if routed.endpoint != "chat":
+                # A chat stream's first chunk is the role, and a Responses stream's first events
+                # say it was created: both sent before prefill.
+                if routed.endpoint not in ("chat", "responses"):
                     request.first_byte()
                 committed = True
             except (httpx.TransportError, httpx.StreamError) as exc:
@@ -184,6 +203,7 @@ class Forwarder:
             out_headers["x-kvscale-replica"] = replica.replica_id
             out_headers["x-kvscale-router-ms"] = f"{routed.router_ms:.3f}"
             out_headers["x-kvscale-predicted-hit-tokens"] = str(routed.predicted_hit_tokens)
+            out_headers.update(routed.reply_headers)
             if routed.predicted_ttft_s is not None and attempt == 0:
                 # What the estimate said of the replica that answers: its error is measurable.
                 out_headers["x-kvscale-predicted-ttft-ms"] = f"{routed.predicted_ttft_s * 1000:.1f}"
@@ -192,7 +212,7 @@ class Forwarder:
                         f"{routed.uncalibrated_ttft_s * 1000:.1f}")
             events = upstream.headers.get("content-type", "").startswith("text/event-stream")
             return RelayResponse(
-                self._passthrough(first, chunks, upstream, request, events),
+                self._passthrough(first, chunks, upstream, request, events, routed.on_done),
                 status_code=upstream.status_code,
                 headers=out_headers,
             )
@@ -216,14 +236,18 @@ class Forwarder:
         upstream: httpx.Response,
         request: OpenRequest,
         events: bool,
+        on_done: Callable[[int, bytes], None] | None = None,
     ) -> AsyncIterator[bytes]:
-        tail = first[-4:]
+        # The last bytes: 4 say whether a broken stream ended between two events; the usage
+        # needs more.
+        keep = USAGE_TAIL_BYTES if on_done is not None else 4
+        tail = first[-keep:]
         try:
             if first:
                 yield first
             async for chunk in chunks:
                 request.first_byte()
-                tail = (tail + chunk)[-4:]
+                tail = (tail + chunk)[-keep:]
                 yield chunk
         except (httpx.TransportError, httpx.StreamError) as exc:
             # Already committed: never retried, and never a clean end (relay.py).
@@ -236,4 +260,6 @@ class Forwarder:
             yield error_event(f"replica {replica} failed while answering: {type(exc).__name__}")
         finally:
             self.in_flight.close(request)
+            if on_done is not None:
+                on_done(upstream.status_code, tail)
             await upstream.aclose()

@@ -98,8 +98,13 @@ class EngineConfig:
     # --async-scheduling). None: on where it overlaps anything, i.e. on a GPU.
     async_scheduling: bool | None = None
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # Ranks the model's heads, MLP and vocabulary are split over (vLLM's --tensor-parallel-size):
+    # 1 runs in the engine core alone; N > 1 adds N - 1 rank processes (server/worker/tp_group.py).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -3,13 +3,21 @@
 # registry and kept in kvscale's podman store (tools/images.sh podman):
 #   pause  the pod sandbox: Debian's static catatonit in pause mode (`catatonit -P`), alone
 #   redis  Debian's redis-server on a debootstrap minbase (the KV index the operator runs)
-# and how all four get into a containerd: `podman save` through a named pipe into
-# `ctr -n k8s.io images import -`.
+# and how all four get into a containerd.
 #
 #   tools/node-images.sh make                     make pause and redis if missing
 #   tools/node-images.sh name pause|redis         the image's full name
-#   tools/node-images.sh import SOCKET [NAME...]  stream images into the containerd at SOCKET
-#                                                 (default: pause, redis, engine, control-plane)
+#   tools/node-images.sh save-oci DIR NAME        save NAME into the OCI layout DIR, reusing the
+#                                                 blobs DIR already has (the lane's image cache)
+#   tools/node-images.sh import SOCKET [NAME...]  stream images whole into the containerd at
+#                                                 SOCKET (default: pause, redis, engine,
+#                                                 control-plane): `podman save` through a named
+#                                                 pipe into `ctr -n k8s.io images import -`
+#
+# The lane (tests/node/nodeenv.py) uses save-oci: an OCI layout per image that persists between
+# runs, so a rebuilt image costs podman only its changed layers, and containerd is sent only the
+# layers it has no snapshot of (docs/k8s-test-env.md, "Real-node lane"). `import` sends every
+# layer every time; it stays for a containerd of one's own.
 #
 # Names live under localhost/kvscale-node/, so they never shadow an official image.
 set -euo pipefail
@@ -101,6 +109,19 @@ stream_into() {
     [[ $saved -eq 0 && $imported -eq 0 ]]
 }
 
+# Uncompressed, so a layer's digest is its diff ID and containerd's snapshot of it can be found
+# from the config alone (its chain ID). Into an existing layout podman writes only the blobs that
+# are missing (the control-plane image unchanged: 0.5 s); blobs no longer referenced stay, and
+# the caller prunes them.
+save_oci() {
+    local dir="$1" name="$2" t0=$SECONDS
+    pm image exists "$name" || die "$name is not in kvscale's podman store (make image / $0 make)"
+    mkdir -p "$dir"
+    pm save --quiet --uncompressed --format oci-dir -o "$dir" "$name" >/dev/null \
+        || die "saving $name into $dir failed"
+    log "saved $name into $dir in $((SECONDS - t0))s"
+}
+
 cmd="${1:-}"
 shift || true
 case "$cmd" in
@@ -112,6 +133,7 @@ case "$cmd" in
             *) die "name of what? pause or redis" ;;
         esac
         ;;
+    save-oci) [[ $# -eq 2 ]] || die "save-oci DIR NAME"; save_oci "$@" ;;
     import) [[ $# -ge 1 ]] || die "import SOCKET [NAME...]"; import_into "$@" ;;
-    *) sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
+    *) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -21,6 +21,7 @@ from kvscale.operator.children.servers import (
     build_service,
     with_server_defaults,
 )
+from kvscale.operator.children.tenants import build_tenants_config_map, tenants_config_map_name
 from kvscale.operator.spec import (
     DEFAULT_IMAGE,
     DEFAULT_REDIS_IMAGE,
@@ -58,6 +59,8 @@ def build_children(name: str, namespace: str, spec: InferenceServiceSpec,
         router = service_router(name, namespace, spec, images.router)
         children += [*build_router_rbac(router), build_router_deployment(router),
                      build_router_pdb(router)]
+        if spec.router.tenants:
+            children.append(build_tenants_config_map(name, namespace, spec.router.tenants))
         if not spec.router.redis.external:
             children += [build_redis_deployment(name, namespace, images.redis),
                          build_redis_service(name, namespace)]
@@ -72,6 +75,8 @@ def unwanted_children(name: str, namespace: str, spec: InferenceServiceSpec) -> 
         unwanted += [("apps/v1", "deployments", router), ("policy/v1", "poddisruptionbudgets", router),
                      ("rbac.authorization.k8s.io/v1", "rolebindings", router),
                      ("rbac.authorization.k8s.io/v1", "roles", router), ("v1", "serviceaccounts", router)]
+    if not spec.router.enabled or not spec.router.tenants:
+        unwanted.append(("v1", "configmaps", tenants_config_map_name(name)))
     if not spec.router.enabled or spec.router.redis.external:
         redis = redis_name(name)
         # Not its Secret: the operator may not read Secrets (to check who owns a same-named one)

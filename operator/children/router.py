@@ -36,6 +36,12 @@ from kvscale.operator.children.pod_parts import (
     topology_spread,
 )
 from kvscale.operator.children.redis import service_redis_env
+from kvscale.operator.children.tenants import (
+    tenants_args,
+    tenants_env,
+    tenants_mount,
+    tenants_volume,
+)
 from kvscale.operator.spec import GROUP, PLURAL, ROUTER_PORT, InferenceServiceSpec, SecretKeyRef
 
 # Routers hold open streams: time for them to finish after SIGTERM.
@@ -74,6 +80,8 @@ class RouterPod:
     # --hold-timeout --scale-from-zero`); its Role then may get and patch that scale alone.
     hold_timeout_s: int | None = None
     scale_from_zero: str | None = None
+    # The InferenceService whose tenants ConfigMap the router reads (`--tenants`); None: none.
+    tenants_of: str | None = None
     container_extras: Mapping[str, Any] = field(default_factory=dict)
     pod_extras: Mapping[str, Any] = field(default_factory=dict)
 
@@ -102,6 +110,11 @@ def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image:
     if tool_format is not None:
         tokenizer_args = (*tokenizer_args, "--tool-call-parser", tool_format)
     to_zero = spec.autoscaling.scales_to_zero
+    tenants = router.tenants
+    # With tenants, clients send their tenant's key (--tenants and --api-key are exclusive): the
+    # service's key goes to the servers only, as the replicas' key.
+    keys = ([*api_key_env(spec.api_key_secret, REPLICA_API_KEY_ENV), *tenants_env(tenants)]
+            if tenants else router_api_key_env(spec.api_key_secret))
     return RouterPod(
         name=router_name(name),
         namespace=namespace,
@@ -114,13 +127,14 @@ def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image:
         rules=(ENDPOINTSLICES_RULE, *([scale_rule(name)] if to_zero else [])),
         resources={"requests": {"cpu": router.resources.cpu, "memory": router.resources.memory},
                    "limits": {"memory": router.resources.memory}},
-        env=(*service_redis_env(name, namespace, spec), *router_api_key_env(spec.api_key_secret)),
+        env=(*service_redis_env(name, namespace, spec), *keys),
         policy=router.policy,
         balance_epsilon=router.balance_epsilon,
         tokenizer_args=tokenizer_args,
         model_files=files,
         hold_timeout_s=spec.autoscaling.activation_timeout_seconds if to_zero else None,
         scale_from_zero=name if to_zero else None,
+        tenants_of=name if tenants else None,
     )
 
 
@@ -141,6 +155,8 @@ def router_args(pod: RouterPod) -> list[str]:
         args += ["--hold-timeout", str(pod.hold_timeout_s)]
     if pod.scale_from_zero is not None:
         args += ["--scale-from-zero", pod.scale_from_zero]
+    if pod.tenants_of is not None:
+        args += tenants_args()
     return args
 
 
@@ -171,7 +187,8 @@ def router_container(pod: RouterPod) -> dict[str, Any]:
         "livenessProbe": http_probe(10, 3, timeout=5, path="/ping"),
         "lifecycle": pre_stop(),
         "securityContext": container_security_context(),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *pod.model_files.mounts],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *pod.model_files.mounts,
+                         *([tenants_mount()] if pod.tenants_of is not None else [])],
     }
 
 
@@ -197,7 +214,8 @@ def build_router_deployment(pod: RouterPod) -> dict[str, Any]:
                     **({"initContainers": pod.model_files.init_containers}
                        if pod.model_files.init_containers else {}),
                     "containers": [router_container(pod)],
-                    "volumes": [{"name": "tmp", "emptyDir": {}}, *pod.model_files.volumes],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}, *pod.model_files.volumes,
+                                *([tenants_volume(pod.tenants_of)] if pod.tenants_of else [])],
                 },
             },
         },

@@ -38,9 +38,11 @@ from kvscale.operator.server_memory import cpu_kv_cache_bytes
 from kvscale.operator.spec import SERVER_PORT, InferenceServiceSpec, flag_name
 
 # Model load (and the bundled model's one-time conversion) can take minutes: the startup probe
-# allows 30 minutes before liveness takes over.
-STARTUP_PROBE_PERIOD_SECONDS = 10
-STARTUP_PROBE_FAILURES = 180
+# allows 30 minutes before liveness takes over. Probed every second: a replica coming up from
+# zero (docs/operator.md "Scale to and from zero") is held-for by waiting requests, and a longer
+# period would add up to a period to every cold start; a refused connect costs nothing.
+STARTUP_PROBE_PERIOD_SECONDS = 1
+STARTUP_PROBE_FAILURES = 1800
 # Time for in-flight streams to finish after SIGTERM before the kubelet kills the server.
 TERMINATION_GRACE_PERIOD_SECONDS = 60
 # Flags a platform-wide server default may not set: those server_args sets from the spec or the

@@ -29,6 +29,7 @@ import torch
 from kvscale.kernels import fp8
 from kvscale.server.core.block_pool import TierCopies
 from kvscale.server.core.kv_tier_policy import RESTORE_BUCKETS
+from kvscale.server.core.zeroed_memory import lazily_zeroed
 
 
 @dataclass
@@ -82,9 +83,10 @@ class HostKVCache:
         shape = [num_slots, *cache.shape[:2], *cache.shape[3:]]
         self.device = cache.device
         self.on_gpu = cache.device.type == "cuda"
-        # Allocated once, for the engine's life; zeros so the pages are the process's from now
-        # on the GPU path (pinning faults them in) and lazily on CPU.
-        self.host = torch.zeros(shape, dtype=cache.dtype, pin_memory=self.on_gpu)
+        # Allocated once, for the engine's life: pinned (every page faulted in) for the GPU's
+        # copies; on a CPU its pages arrive as the tier first writes them.
+        self.host = (torch.zeros(shape, dtype=cache.dtype, pin_memory=True) if self.on_gpu
+                     else lazily_zeroed(shape, cache.dtype))
         self.block_bytes = self.host[0].numel() * self.host.element_size()
         self.counters = OffloadCounters()
         if self.on_gpu:

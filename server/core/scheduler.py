@@ -9,9 +9,13 @@ Policy (one step):
      the newest. With a host tier a victim whose swap is cheaper than its recompute (measured
      copy and prefill rates, kv_tier_policy.swap_is_cheaper) has its full blocks demoted at
      once, and resumes by promoting them; otherwise it is recomputed.
-  2. Then, unless something was preempted this step, waiting sequences in arrival order while
-     the token budget and ``max_num_seqs`` allow; the last one admitted may be a partial chunk.
-     A waiting sequence that does not fit stops admission (first come, first served).
+  2. Then, unless something was preempted this step, waiting sequences while the token budget
+     and ``max_num_seqs`` allow; the last one admitted may be a partial chunk. They are tried
+     preempted first, then the tenant holding the fewest running first, and round-robin
+     across the HTTP requests they came from (admission_order.py), so neither one tenant's
+     burst nor one many-prompt request can fill the batch ahead of requests that arrived after
+     it. A waiting sequence that does not fit stops admission (no later one
+     overtakes it).
 Blocks become findable by hash when they are scheduled, not when they are computed, so requests
 arriving together with a common prefix compute it once (see KVCacheManager.register_full_blocks).
 Admission control guarantees any single sequence fits the whole pool, so the oldest running
@@ -20,9 +24,10 @@ sequence can always progress: no deadlock.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from kvscale.server.core.admission_order import admission_order
 from kvscale.server.core.kv_cache_manager import KVCacheManager
 from kvscale.server.core.kv_tier_policy import (
     blocks_to_demote_ahead,
@@ -108,8 +113,27 @@ class Scheduler:
         if out.preempted:
             self._demote_ahead()
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            self._admit(out, budget)
+        self._demote_ahead()
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Waiting sequences into the batch, in admission_order, while budget and slots last."""
+        kv = self.kv
+        waiting = list(self.waiting)
+        if not waiting:
+            return
+        num_resuming = 0
+        while num_resuming < len(waiting) and waiting[num_resuming].preempted:
+            num_resuming += 1
+        admitted = 0
+        running = Counter(seq.request.tenant for seq in self.running)
+        for index in admission_order([seq.request.group for seq in waiting], num_resuming,
+                                     [seq.request.tenant for seq in waiting], running):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            seq = waiting[index]
             cached = kv.find_cached_prefix(seq) if not seq.block_table else []
             num_computed = len(cached) * kv.block_size if cached else seq.num_computed_tokens
             num_new = tokens_to_schedule(seq, budget, num_computed)
@@ -118,13 +142,15 @@ class Scheduler:
             kv.record_lookup(seq, num_computed, cached)
             kv.allocate(seq, num_new, cached)
             kv.register_full_blocks(seq, seq.num_computed_tokens + num_new)
-            self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.preempted = False
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
-        self._demote_ahead()
-        return out
+            admitted += 1
+        if admitted:  # the rest keep their order
+            self.waiting.clear()
+            self.waiting.extend(seq for seq in waiting if seq.status == SequenceStatus.WAITING)
 
     def _demote_ahead(self) -> None:
         """Write-back at the watermark: keep some fresh tier-1 blocks by demoting LRU cached ones."""
@@ -143,6 +169,7 @@ class Scheduler:
         self.kv.free(seq, swap_out=swap)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
+        seq.preempted = True  # resumes before any group's turn (admission_order.py)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

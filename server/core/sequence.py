@@ -39,6 +39,7 @@ class Sequence:
     num_registered_blocks: int = 0  # leading table blocks already findable by hash
     # >1 while the prompt is prefilled once for n samples; the first sample forks the rest.
     fork_into: int = 1
+    preempted: bool = False  # waiting again after a preemption (admission_order.py)
     generator: Any = None  # torch.Generator for seeded sampling
     # Detokenization state (see detokenizer.py).
     text: str = ""
@@ -95,6 +96,16 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False  # delta outputs carry them once
     prompt_sent: bool = False  # delta outputs carry the prompt (text, token ids) once
+    # The HTTP request this one came from: admission is fair across groups (admission_order.py).
+    # Empty: a group of its own.
+    group: str = ""
+    # The tenant the router named (docs/server.md, "Tenants"): admission is fair across tenants
+    # first. Empty: no tenant, one share for all such requests.
+    tenant: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            self.group = self.request_id
 
     @property
     def is_finished(self) -> bool:

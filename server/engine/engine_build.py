@@ -86,6 +86,22 @@ def supported_max_len(config: EngineConfig, spec: Any) -> int:
     return config.max_model_len or model_max_len
 
 
+def _start_ranks(config: EngineConfig, path: Path, model_config: Any, dtype: torch.dtype, device: torch.device,
+                 kv_cache_dtype: torch.dtype) -> tuple[Any, ModelRunner]:
+    """Tensor parallel: refuse what it does not support yet, then start the ranks."""
+    from kvscale.server.worker.model_loader import model_spec
+    from kvscale.server.worker.tp_group import start_tensor_parallel
+    from kvscale.server.worker.tp_shard import tensor_parallel_refusal
+
+    why = tensor_parallel_refusal(config.tensor_parallel_size, getattr(model_config, "model_type", None),
+                                  model_spec(model_config), quantization=config.quantization,
+                                  kv_offloading_size=config.kv_offloading_size)
+    if why is not None:
+        raise ValueError(why)
+    return start_tensor_parallel(path, model_config, config.tensor_parallel_size, dtype, device,
+                                 config.block_size, kv_cache_dtype)
+
+
 def build_engine(config: EngineConfig) -> EngineParts:
     torch.manual_seed(config.seed)
     path = resolve_model_path(config.model)
@@ -95,7 +111,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
     dtype = resolve_dtype(config.dtype, model_config, device)
     # Before the weights load: a cache dtype this backend cannot read is refused at once.
     kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
-    model = load_model(path, model_config, dtype, device, config.quantization)
+    runner: ModelRunner | None = None
+    if config.tensor_parallel_size > 1:
+        model, runner = _start_ranks(config, path, model_config, dtype, device, kv_cache_dtype)
+    else:
+        model = load_model(path, model_config, dtype, device, config.quantization)
     spec = model.spec
     wanted_len = supported_max_len(config, spec)
 
@@ -103,7 +123,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
                                  kv_cache_dtype)
     eos_ids = eos_token_ids(tokenizer, path)
     sampler = Sampler(eos_ids, lambda token_id: tokenizer.decode([token_id]), seed=config.seed)
-    runner = ModelRunner(model, config.block_size, dtype, device, kv_cache_dtype=kv_cache_dtype)
+    if runner is None:
+        runner = ModelRunner(model, config.block_size, dtype, device, kv_cache_dtype=kv_cache_dtype)
     used = total = 0
     if device.type == "cuda":
         # RoPE tables for the longest possible sequence first: they stay for the engine's

@@ -173,8 +173,9 @@ class EngineFront:
     def is_alive(self) -> bool:
         raise NotImplementedError
 
-    def _submit(self, requests: list[NewRequest], accepted: asyncio.Future) -> None:
-        """Carry a batch of adds to the engine; ``_on_accepted`` answers it later."""
+    def _submit(self, requests: list[NewRequest], accepted: asyncio.Future, tenant: str = "") -> None:
+        """Carry a batch of adds (one tenant's: core_loop.add_all) to the engine;
+        ``_on_accepted`` answers it later."""
         raise NotImplementedError
 
     def _send_abort(self, request_id: str) -> None:
@@ -200,10 +201,11 @@ class EngineFront:
         (stream,) = await self.add_requests([(request_id, prompt, params, cache_salt)])
         return stream
 
-    async def add_requests(self, requests: Sequence[NewRequest], *,
-                           stream_interval: int = 1) -> list[RequestStream]:
+    async def add_requests(self, requests: Sequence[NewRequest], *, stream_interval: int = 1,
+                           tenant: str = "") -> list[RequestStream]:
         """Hand requests to the engine in one go (they start in the same step); returns their
         streams (``RequestStream.stream_interval``) once the engine accepted all of them.
+        ``tenant``: the router's, for fair admission (server/core/admission_order.py).
 
         Raises what ``LLMEngine.add_request`` raised for the first it refused (none is kept
         then), or EngineDeadError.
@@ -227,7 +229,7 @@ class EngineFront:
         accepted: asyncio.Future = self._loop.create_future()
         # Every sequence: a prompt with n > 1 forks into n once prefilled.
         self.num_pending_adds += sum(params.n for _, _, params, _ in requests)
-        self._submit(list(requests), accepted)
+        self._submit(list(requests), accepted, tenant)
         try:
             error = await accepted
         except BaseException:

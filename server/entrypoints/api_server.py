@@ -29,17 +29,25 @@ from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvscale.server.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvscale.server.entrypoints.metrics import HTTPStatusMiddleware, ServerMetrics
+from kvscale.server.entrypoints.protocol_responses import ResponsesRequest
 from kvscale.server.entrypoints.request_json import StrictJSONRoute
+from kvscale.server.entrypoints.responses_store import MemoryResponseStore, ResponseStore
 from kvscale.server.entrypoints.serving import ERROR_RESPONSES, APIError, OpenAIServer, bad_request
 from kvscale.server.entrypoints.serving_chat import create_chat_completion
 from kvscale.server.entrypoints.serving_completions import create_completion
+from kvscale.server.entrypoints.serving_responses import (
+    create_response,
+    delete_response,
+    retrieve_response,
+)
 from kvscale.server.entrypoints.serving_tokenize import detokenize, tokenize
+from kvscale.server.entrypoints.tenant_header import TenantMiddleware
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["build_app"]
 
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
 
 def _is_generate(method: str, path: str) -> bool:
@@ -63,11 +71,13 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     stream_interval: int = 1,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The FastAPI app; starts reading the engine on startup and stops the engine on shutdown.
 
     ``drain`` (kvscale.drain) is what a SIGTERM flips: /health and new generate requests
-    then answer 503 while the open ones finish.
+    then answer 503 while the open ones finish. ``response_store`` keeps /v1/responses'
+    stored responses (default: this process's bounded memory, docs/server.md "The Responses API").
     """
     from kvscale import __version__
 
@@ -81,6 +91,7 @@ def build_app(
     metrics = ServerMetrics(server.model_name, lambda: engine.stats)
     engine.observe(metrics.on_step, metrics.on_request_end)
     server.metrics = metrics
+    store: ResponseStore = response_store if response_store is not None else MemoryResponseStore()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -131,8 +142,10 @@ def build_app(
         return JSONResponse(p.error_body("Internal server error.", "server_error"), status_code=500)
 
     # The last added runs first: statuses are counted for everything, then a draining server
-    # turns new work away, then the key is checked.
+    # turns new work away, then the key is checked, then the router's tenant header is read
+    # (trusted only behind the key: tenant_header.py).
     if api_key:
+        app.add_middleware(TenantMiddleware)
         app.add_middleware(_APIKeyMiddleware, server=server)
         # Run by the body limit (kvscale.request_limits) on the head, before the body is read.
         app.state.before_body = lambda scope: _key_refusal(server, scope)
@@ -183,6 +196,18 @@ def build_app(
     @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=ERROR_RESPONSES)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         return await create_chat_completion(server, body, request)
+
+    @app.post("/v1/responses", responses=ERROR_RESPONSES)
+    async def responses_create(body: ResponsesRequest, request: Request):
+        return await create_response(server, store, body, request)
+
+    @app.get("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def responses_retrieve(response_id: str, request: Request):
+        return await retrieve_response(store, response_id, request)
+
+    @app.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+    async def responses_delete(response_id: str):
+        return await delete_response(store, response_id)
 
     return app
 

@@ -16,7 +16,9 @@ from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvscale.server.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from kvscale.server.engine.cpu_binding import ENV as ENV_OMP_BIND
 from kvscale.server.engine.cpu_binding import RESERVE_FROM
+from kvscale.server.entrypoints import responses_store
 from kvscale.server.entrypoints.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from kvscale.server.worker.model_config import FAMILY_DEFAULTS
 from kvscale.tokenization import TOOL_FORMATS
 
 logger = logging.getLogger("kvscale.serve")
@@ -26,14 +28,17 @@ _ENGINE_FIELDS = (
     "model", "dtype", "block_size", "enable_prefix_caching", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "num_gpu_blocks_override",
     "kv_cache_memory_bytes", "device", "seed", "quantization",
-    "kv_offloading_size", "enforce_eager", "kv_cache_dtype", "async_scheduling",
+    "kv_offloading_size", "enforce_eager", "kv_cache_dtype", "async_scheduling", "tensor_parallel_size",
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None,
-                       help="model directory on disk (default: the bundled SmolLM2-135M-Instruct)")
+                       help="model directory on disk: a Hugging Face checkpoint (config.json and "
+                            "safetensors) of one of the families "
+                            f"{', '.join(sorted(FAMILY_DEFAULTS))} "
+                            "(default: the bundled SmolLM2-135M-Instruct)")
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="name(s) clients use in the `model` field; the first labels metrics "
                             "(default: derived from --model)")
@@ -46,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="context length (prompt + output) in tokens (default: the model's)")
     model.add_argument("--seed", type=int, default=None)
     model.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: auto)")
+    model.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                       help="split the model's heads, MLP and vocabulary over N ranks (processes; "
+                            "torch.distributed, gloo on CPU, NCCL on GPUs): N must divide the query "
+                            "heads; not gemma3_text or gpt_oss, --quantization or the host KV tier yet "
+                            "(default 1; docs/engine.md)")
     model.add_argument("--enforce-eager", action="store_true", default=None,
                        help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
     model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -98,6 +108,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "grace period with a short preStop)")
     request_limits.add_arguments(http)
     request_limits.add_field_arguments(http)
+    http.add_argument("--responses-store", choices=("memory", "redis"), default="memory",
+                      help="where stored /v1/responses live: this process's memory, or the --redis every "
+                           "replica of the model shares (default memory)")
+    http.add_argument("--responses-store-max-entries", type=int, default=responses_store.DEFAULT_MAX_ENTRIES,
+                      help="stored /v1/responses kept in this process, the least recently used "
+                           f"forgotten first (default {responses_store.DEFAULT_MAX_ENTRIES})")
+    http.add_argument("--responses-store-max-bytes", type=int, default=responses_store.DEFAULT_MAX_BYTES,
+                      help="bytes of stored /v1/responses in all (default "
+                           f"{responses_store.DEFAULT_MAX_BYTES // 2**20} MiB)")
+    http.add_argument("--responses-store-ttl", type=float, default=responses_store.DEFAULT_TTL_S,
+                      metavar="SECONDS", help="a stored response is forgotten this long after it was "
+                                              f"stored (default {responses_store.DEFAULT_TTL_S:g})")
     http.add_argument("--uvicorn-log-level", default="info",
                       choices=["critical", "error", "warning", "info", "debug", "trace"])
     http.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -197,6 +219,13 @@ def build(args: argparse.Namespace) -> Served:
         replica_id = args.replica_id or os.environ.get("POD_NAME") or authority(advertised)
         publisher = PublisherSettings(redis_url=args.redis, replica_id=replica_id,
                                       model_name=served_names[0], base_url=advertised)
+    store: Any = responses_store.MemoryResponseStore(args.responses_store_max_entries,
+                                                     args.responses_store_max_bytes, args.responses_store_ttl)
+    if args.responses_store == "redis":
+        from kvscale.server.entrypoints.responses_store_redis import RedisResponseStore
+
+        store = RedisResponseStore(args.redis, served_names[0], args.responses_store_max_entries,
+                                   args.responses_store_max_bytes, args.responses_store_ttl)
     # The tokenizer loads while the core builds and warms up its engine.
     tokenizer = load_tokenizer(model_path)
     core = EngineCoreClient.launch(config, tokenizer=tokenizer, cpus=cpus, publisher=publisher)
@@ -209,7 +238,7 @@ def build(args: argparse.Namespace) -> Served:
                     model_root=str(model_path),
                     vocab_size=min(len(tokenizer), ready.vocab_size),
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    stream_interval=args.stream_interval)
+                    stream_interval=args.stream_interval, response_store=store)
     return Served(app, core, ready.model_name, ready.max_model_len, ready.block_size)
 
 
@@ -228,6 +257,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.stream_interval < 1:
         print("kvscale serve: --stream-interval must be at least 1", file=sys.stderr)
+        return 2
+    if min(args.responses_store_max_entries, args.responses_store_max_bytes) < 1 or args.responses_store_ttl <= 0:
+        print("kvscale serve: --responses-store-max-entries and --responses-store-max-bytes must be at "
+              "least 1, --responses-store-ttl positive", file=sys.stderr)
+        return 2
+    if args.responses_store == "redis" and not args.redis:
+        print("kvscale serve: --responses-store redis needs --redis URL", file=sys.stderr)
         return 2
     if args.shutdown_timeout < 0:
         print("kvscale serve: --shutdown-timeout must be non-negative", file=sys.stderr)

@@ -33,8 +33,8 @@ from kvscale.server.outputs import EngineStats, RequestOutput
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Routes counted by name in kvscale:http_requests; anything else is "other" (bounded labels).
-COUNTED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
-                  "/detokenize")
+COUNTED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+                  "/tokenize", "/detokenize")
 
 # vLLM's buckets, so histogram_quantile over mixed fleets lines up.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -27,6 +27,7 @@ from kvscale.server.entrypoints.admission import (
     InvalidRequest,
     check_prompt,
 )
+from kvscale.server.entrypoints.tenant_header import REQUEST_TENANT
 from kvscale.server.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -381,7 +382,8 @@ class OpenAIServer:
         ]
         try:
             return await self.engine.add_requests(
-                requests, stream_interval=max(self.stream_interval, prepared.stream_interval or 1))
+                requests, stream_interval=max(self.stream_interval, prepared.stream_interval or 1),
+                tenant=REQUEST_TENANT.get())
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
         except (ValueError, TypeError, OverflowError) as exc:

@@ -37,7 +37,7 @@ def why_not_captured(model: DecoderForCausalLM) -> str | None:
     if model.spec.moe is not None:
         return ("its mixture-of-experts layers read each expert's row count back to the host to size "
                 "the expert's work (server/worker/moe.py), which a CUDA graph cannot hold")
-    return None
+    return model.graph_capture_blocker
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

@@ -41,6 +41,26 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                   "sliding_window": 4096, "num_local_experts": 128, "num_experts_per_tok": 8,
                   "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
                   "mlp_only_layers": None},
+    "phi3": {"num_key_value_heads": None, "max_position_embeddings": 4096,
+             "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+             "sliding_window": None, "hidden_act": "silu"},
+    "gemma3_text": {"num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+                    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "layer_types": None,
+                    "sliding_window_pattern": 6, "final_logit_softcapping": None,
+                    "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+                    "hidden_activation": "gelu_pytorch_tanh", "rope_theta": 1_000_000.0,
+                    "rope_local_base_freq": 10_000.0},
+    # transformers' GptOssConfig defaults rope_parameters to this YaRN when a config names none;
+    # kept under rope_scaling, which rope.py reads only where rope_parameters is absent, so a
+    # config's own rope_parameters or rope_scaling replaces it as in transformers.
+    "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": True,
+                "sliding_window": 128, "layer_types": None, "num_local_experts": 128,
+                "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                "rope_theta": 150000.0, "quantization_config": None,
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 4096}},
 }
 
 # model_type -> transformers' attribute_map for the family: a field config.json may spell either
@@ -48,6 +68,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 FIELD_ALIASES: dict[str, dict[str, str]] = {
     "mixtral": {"num_experts": "num_local_experts"},
     "qwen3_moe": {"num_experts": "num_local_experts"},
+    "gpt_oss": {"num_experts": "num_local_experts"},
 }
 
 

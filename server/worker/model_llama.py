@@ -2,7 +2,9 @@
 
 The same block also serves Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm); see
 model_qwen.py for how those configs map onto :class:`DecoderSpec`. Mixtral and Qwen3-MoE replace
-the MLP of some or all layers with a sparse mixture of experts (moe.py, model_moe.py).
+the MLP of some or all layers with a sparse mixture of experts (moe.py, model_moe.py). Phi-3 is
+this decoder as it is (model_phi3.py); Gemma 3 keeps its attention and projections around layers
+of its own (model_gemma3.py).
 
 Projections are fused at load time (q|k|v into one matrix, gate|up into another) so a layer
 is four matmuls. Numerics follow transformers (RMSNorm in float32, rotate-half RoPE), so
@@ -22,9 +24,9 @@ from kvscale.kernels import layer_ops
 from kvscale.server.worker.attention_metadata import AttentionMetadata
 from kvscale.server.worker.cpu_linear import lay_out_cpu_linears
 from kvscale.server.worker.cpu_step_layers import CpuStepLayers
-from kvscale.server.worker.model_config import ModelConfig
 from kvscale.server.worker.moe import MoeSpec, SparseMoeBlock, moe_weights
 from kvscale.server.worker.quantization import quantize_linears
+from kvscale.server.worker.rope import apply_rope, cos_sin_table, rope_inv_freq
 
 
 @dataclass
@@ -70,27 +72,6 @@ def spec_from_hf_config(config: Any) -> DecoderSpec:
     )
 
 
-def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the cos/sin scale, for any RoPE type transformers knows."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-    # transformers' order: the dict's own theta, then the config's (a family's default among them).
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    rope_type = str(params.get("rope_type", params.get("type", "default")))
-    if rope_type == "default":
-        base = float(params.get("rope_theta", 10000.0))
-        dims = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
-        inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))
-        return inv_freq, 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if isinstance(config, ModelConfig):  # transformers' function reads transformers' own config
-        config = config.transformers_config()
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-    return inv_freq.float(), float(scaling)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -104,11 +85,6 @@ class RMSNorm(nn.Module):
         """``residual += x`` in place (the sum that closes a sublayer) and its norm (which opens
         the next), in one pass where a kernel does both."""
         return layer_ops.add_rms_norm(x, residual, self.weight, self.eps), residual
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -127,8 +103,10 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-        # Whether cos/sin repeat their first half in their second (not with partial rotary).
+        # Whether cos/sin repeat their first half in their second (not with partial rotary,
+        # which rotates the first rotary_dim dimensions of a head only).
         self.rope_halves_repeat = True
+        self.rotary_dim = spec.head_dim
         # An FP8 KV cache's per-tensor scales (vLLM's k_scale/v_scale; kernels/fp8.py): 1.0, as
         # vLLM has them for a checkpoint that brings none (no loader reads them yet).
         self.k_scale = 1.0
@@ -152,8 +130,8 @@ class Attention(nn.Module):
             k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q = apply_rope(q, cos, sin, self.rotary_dim)
+            k = apply_rope(k, cos, sin, self.rotary_dim)
         else:
             # q and k rotated together, one set of ops for all heads.
             heads = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
@@ -162,6 +140,14 @@ class Attention(nn.Module):
         ops = meta.kernels
         k_scale, v_scale = self.k_scale, self.v_scale
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        out = self.attend(q, k_cache, v_cache, meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Causal attention of this step's queries over the paged cache, their own keys written."""
+        ops = meta.kernels
+        k_scale, v_scale = self.k_scale, self.v_scale
         if meta.is_decode:
             out = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
                                              k_scale=k_scale, v_scale=v_scale)
@@ -182,7 +168,7 @@ class Attention(nn.Module):
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, self.scale,
                 max_query_len=meta.max_query_len, k_scale=k_scale, v_scale=v_scale,
             )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out
 
 
 class MLP(nn.Module):
@@ -219,6 +205,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
+    # Each layer's norms, checkpoint and module named alike (Gemma 3 has four).
+    layer_norm_names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    # Why a GPU cannot capture this model's decode steps as CUDA graphs; None where it can.
+    graph_capture_blocker: str | None = None
+
     def __init__(self, spec: DecoderSpec, hf_config: Any) -> None:
         super().__init__()
         self.spec = spec
@@ -241,20 +232,11 @@ class DecoderForCausalLM(nn.Module):
         if self._cos_sin is not None and self._cos_sin[0].shape[0] >= max_len:
             return  # engines sharing these weights may ask for different lengths
         inv_freq, scaling = rope_inv_freq(self._hf_config, self.spec.head_dim)
-        positions = torch.arange(max_len, dtype=torch.float32, device="cpu")
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        weight = self.embed_tokens.weight
-        cos = (emb.cos() * scaling).to(device=weight.device, dtype=weight.dtype)
-        sin = (emb.sin() * scaling).to(device=weight.device, dtype=weight.dtype)
-        rot = self.spec.head_dim - emb.shape[-1]
-        if rot:  # partial rotary: the tail of each head passes through unchanged
-            cos = torch.cat((cos, cos.new_ones(max_len, rot)), dim=-1)
-            sin = torch.cat((sin, sin.new_zeros(max_len, rot)), dim=-1)
-        self._cos_sin = (cos, sin)
+        self._cos_sin = cos_sin_table(inv_freq, scaling, self.spec.head_dim, max_len, self.embed_tokens.weight)
         for module in self.modules():
             if isinstance(module, Attention):
-                module.rope_halves_repeat = rot == 0
+                module.rotary_dim = 2 * inv_freq.shape[0]
+                module.rope_halves_repeat = module.rotary_dim == self.spec.head_dim
 
     def forward(
         self,
@@ -306,13 +288,26 @@ class DecoderForCausalLM(nn.Module):
         step = self._cpu_step_layers
         return step if step is not None and step.applies(rows, kv_caches, meta) else None
 
-    def _dense_mlp_weights(self, take: Callable[[str], torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    def _dense_mlp_weights(self, take: Callable[[str], torch.Tensor], prefix: str,
+                           weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Checkpoint layer ``prefix``'s dense MLP, gate and up fused, named as the layer names it."""
         names = ["weight", "bias"] if self.spec.mlp_bias else ["weight"]
+        if f"{prefix}mlp.gate_up_proj.weight" in weights:
+            return {f"mlp.{proj}.{n}": take(f"{prefix}mlp.{proj}.{n}") for proj in ("gate_up_proj", "down_proj")
+                    for n in names}
         loaded = {f"mlp.gate_up_proj.{n}": torch.cat([take(f"{prefix}mlp.gate_proj.{n}"),
                                                       take(f"{prefix}mlp.up_proj.{n}")]) for n in names}
         loaded.update({f"mlp.down_proj.{n}": take(f"{prefix}mlp.down_proj.{n}") for n in names})
         return loaded
+
+    def _mlp_weights(self, take: Callable[[str], torch.Tensor], weights: dict[str, torch.Tensor], prefix: str,
+                     index: int) -> dict[str, torch.Tensor]:
+        """Checkpoint layer ``prefix``'s MLP or experts (and whatever else a family's layer adds),
+        named under the layer as it names them."""
+        moe = self.spec.moe
+        if moe and index in moe.layers:
+            return moe_weights(take, weights, prefix, moe)
+        return self._dense_mlp_weights(take, prefix, weights)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor], quantization: str | None = None) -> None:
         """Fill this module from a transformers-named state dict (fusing q/k/v and gate/up), then
@@ -331,7 +326,9 @@ class DecoderForCausalLM(nn.Module):
         for i in range(self.spec.num_layers):
             p = f"{strip}layers.{i}."
             attn = p + "self_attn."
-            loaded[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+            # Phi-3's checkpoints hold q|k|v (and gate|up) fused already, in this module's order.
+            fused = attn + "qkv_proj.weight"
+            loaded[f"layers.{i}.self_attn.qkv_proj.weight"] = take(fused) if fused in weights else torch.cat(
                 [take(attn + f"{n}_proj.weight") for n in ("q", "k", "v")]
             )
             if self.spec.attention_bias:
@@ -344,10 +341,8 @@ class DecoderForCausalLM(nn.Module):
             if self.spec.qk_norm:
                 loaded[f"layers.{i}.self_attn.q_norm.weight"] = take(attn + "q_norm.weight")
                 loaded[f"layers.{i}.self_attn.k_norm.weight"] = take(attn + "k_norm.weight")
-            moe = self.spec.moe
-            mlp = moe_weights(take, weights, p, moe) if moe and i in moe.layers else self._dense_mlp_weights(take, p)
-            loaded.update({f"layers.{i}.{name}": tensor for name, tensor in mlp.items()})
-            for norm in ("input_layernorm", "post_attention_layernorm"):
+            loaded.update({f"layers.{i}.{name}": tensor for name, tensor in self._mlp_weights(take, weights, p, i).items()})
+            for norm in self.layer_norm_names:
                 loaded[f"layers.{i}.{norm}.weight"] = take(p + f"{norm}.weight")
         loaded["embed_tokens.weight"] = take(strip + "embed_tokens.weight")
         loaded["norm.weight"] = take(strip + "norm.weight")

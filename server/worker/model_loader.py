@@ -18,9 +18,18 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("kvscale.server.worker.model_llama", "spec_from_hf_config"),
     "mistral": ("kvscale.server.worker.model_llama", "spec_from_hf_config"),
     "mixtral": ("kvscale.server.worker.model_moe", "mixtral_spec"),
+    "phi3": ("kvscale.server.worker.model_phi3", "phi3_spec"),
     "qwen2": ("kvscale.server.worker.model_qwen", "qwen2_spec"),
     "qwen3": ("kvscale.server.worker.model_qwen", "qwen3_spec"),
     "qwen3_moe": ("kvscale.server.worker.model_moe", "qwen3_moe_spec"),
+    "gemma3_text": ("kvscale.server.worker.model_gemma3", "gemma3_spec"),
+    "gpt_oss": ("kvscale.server.worker.model_gpt_oss", "gpt_oss_spec"),
+}
+# model_type -> the model class where the family's layers differ from model_llama's
+# DecoderForCausalLM (module, class).
+_MODEL_CLASSES: dict[str, tuple[str, str]] = {
+    "gemma3_text": ("kvscale.server.worker.model_gemma3", "Gemma3ForCausalLM"),
+    "gpt_oss": ("kvscale.server.worker.model_gpt_oss", "GptOssForCausalLM"),
 }
 
 
@@ -121,23 +130,30 @@ def load_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantization
     return model
 
 
-def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantization: str | None) -> Any:
-    import torch
-
-    from kvscale.server.worker.quantization import check_quantization
-
+def model_spec(hf_config: Any) -> Any:
+    """The DecoderSpec of ``hf_config``'s family; a family kvscale lacks is refused."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in _ARCHITECTURES:
         raise ValueError(
             f"model type {model_type!r} is not supported (supported: {', '.join(sorted(_ARCHITECTURES))})"
         )
     module_name, spec_fn = _ARCHITECTURES[model_type]
-    spec = getattr(importlib.import_module(module_name), spec_fn)(hf_config)
-    check_quantization(quantization, device.type, mixture_of_experts=spec.moe is not None)
-    from kvscale.server.worker.model_llama import DecoderForCausalLM
+    return getattr(importlib.import_module(module_name), spec_fn)(hf_config)
 
+
+def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantization: str | None) -> Any:
+    import torch
+
+    from kvscale.server.worker.quantization import check_quantization
+
+    spec = model_spec(hf_config)
+    model_type: str = hf_config.model_type  # model_spec has refused a config without one
+    check_quantization(quantization, device.type, mixture_of_experts=spec.moe is not None)
+    module_name, class_name = _MODEL_CLASSES.get(model_type, ("kvscale.server.worker.model_llama",
+                                                              "DecoderForCausalLM"))
+    model_class = getattr(importlib.import_module(module_name), class_name)
     with torch.device("meta"):
-        model = DecoderForCausalLM(spec, hf_config)
+        model = model_class(spec, hf_config)
     _materialize(model, dtype, device)
     weights = {name: tensor.to(dtype) for name, tensor in _read_weights(path).items()}
     model.load_hf_weights(weights, quantization)

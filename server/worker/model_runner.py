@@ -24,6 +24,7 @@ from kvscale.server.core.block_table_rows import BlockTableRows
 from kvscale.server.core.kv_offload import HostKVCache
 from kvscale.server.core.scheduler import ScheduledSeq
 from kvscale.server.core.sequence import PLACEHOLDER_TOKEN
+from kvscale.server.core.zeroed_memory import lazily_zeroed
 from kvscale.server.worker.attention_metadata import AttentionMetadata, DecodePrefillSplit
 from kvscale.server.worker.decode_graphs import (
     Capture,
@@ -131,10 +132,11 @@ class ModelRunner:
     def _new_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         spec = self.model.spec
         # One allocation for the whole cache: [layer, k|v, block, offset, kv_head, head_dim].
-        cache = torch.zeros(
-            spec.num_layers, 2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
-            dtype=self.kv_cache_dtype, device=self.device,
-        )
+        shape = (spec.num_layers, 2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        if self.device.type == "cpu":
+            cache = lazily_zeroed(shape, self.kv_cache_dtype)
+        else:
+            cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         return cache, [(cache[i, 0], cache[i, 1]) for i in range(spec.num_layers)]
 
     def profile_run(self, lengths: list[int], sampler: Sampler) -> StepProfile:

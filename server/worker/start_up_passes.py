@@ -65,6 +65,9 @@ def profile_step(runner: ModelRunner, lengths: list[int], sampler: Sampler) -> S
     runner.model.build_rope_cache(max(lengths))
     own = runner.kv_cache, runner.kv_caches
     runner.kv_cache, runner.kv_caches = runner._new_kv_cache(num_blocks)
+    # Written now, so its pages are resident before the meter starts: a CPU cache's pages
+    # otherwise arrive as the pass first writes them, and would count in its peak.
+    runner.kv_cache.zero_()
     started = time.perf_counter()
     try:
         with MemoryMeter(runner.device) as meter:

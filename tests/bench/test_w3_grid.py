@@ -53,3 +53,15 @@ def test_the_simulated_grid_compares_the_three_routers_on_a_cell():
     assert figures["hit_rate"] > 1.5 * row["policies"]["round-robin"]["hit_rate"]
     v = verdict(row, "predicted-ttft", ("round-robin", "vllm-router-cache-aware"))
     assert set(v) == {"hit_vs_best", "p90_vs_best", "hit_ok", "p90_ok"}
+
+
+def test_a_bursty_cell_keeps_its_groups_once_the_heartbeat_counts_a_shared_prefix_once():
+    """32 in flight, 256-token prefixes twice the fleet's room, a group's requests in runs of six:
+    read as the heartbeat counts them (``/rawqueue``: each sibling queued behind its group's first
+    request counted in full), the holders looked overloaded when their groups arrived and spilled;
+    with the prefix counted once (kvscale.router.prefill_ledger.shared_prefix_tokens) they keep them."""
+    row = simulate_cell(Cell(32, 256, "over", "uniform", "bursty"), ("predicted-ttft", "predicted-ttft/rawqueue"),
+                        seeds=1)
+    now, before = row["policies"]["predicted-ttft"], row["policies"]["predicted-ttft/rawqueue"]
+    assert now["hit_rate"] > before["hit_rate"]
+    assert now["ttft_p90_s"] < 0.9 * before["ttft_p90_s"]

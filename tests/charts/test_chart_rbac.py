@@ -58,6 +58,7 @@ OPERATOR_RULES = {
     ("", "pods", "list"), ("", "pods", "patch"),
     ("", "secrets", "create"),
     ("", "events", "create"),
+    *{("", "configmaps", v) for v in ("get", "create", "patch", "delete")},
 }
 # What the operator does in each namespace it serves (kubectl's resource spelling).
 GRANTED = [
@@ -69,13 +70,15 @@ GRANTED = [
     ("list", "pods"), ("patch", "pods"), ("create", "secrets"), ("create", "events"),
     ("list", "horizontalpodautoscalers.autoscaling"),
     *[(verb, "endpointslices.discovery.k8s.io") for verb in ENDPOINTSLICES_RULE["verbs"]],
+    ("create", "configmaps"), ("patch", "configmaps"), ("delete", "configmaps"),
 ]
 # What it never may, wherever it serves.
 REFUSED_IN_SERVED = [
     ("get", "secrets"), ("list", "secrets"), ("watch", "secrets"), ("delete", "secrets"),
     ("update", "secrets"), ("patch", "secrets"),
     ("create", "pods"), ("delete", "pods"), ("update", "pods"), ("create", "pods", "exec"),
-    ("get", "configmaps"), ("deletecollection", "deployments.apps"),
+    # Its children by name only: it never lists other ConfigMaps.
+    ("list", "configmaps"), ("watch", "configmaps"), ("deletecollection", "deployments.apps"),
     ("patch", "horizontalpodautoscalers.autoscaling"),
     ("escalate", "roles.rbac.authorization.k8s.io"), ("bind", "roles.rbac.authorization.k8s.io"),
     ("bind", "clusterroles.rbac.authorization.k8s.io"),

@@ -250,6 +250,8 @@ def children() -> list[dict[str, Any]]:
         "model": {"uri": "bundled://smollm2-135m-instruct"},
         "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4},
         "apiKeySecretRef": {"name": "chat-key", "key": "token"},
+        "router": {"tenants": [{"name": "team-a", "apiKeySecretRef": {"name": "team-a-key"},
+                                "requestsPerMinute": 60}]},
     })
     hub = parse_spec({"model": {"uri": "hf://org/tiny", "servedName": "tiny"}, "replicas": 2})
     objects = [*build_children("chat", SERVICES_NAMESPACE, bundled),
@@ -278,6 +280,36 @@ def test_crds_chart_and_operator_children_apply_intact_on_the_oldest_minor(oldes
                for o in built if o["kind"] == "Deployment"
                for c in o["spec"]["template"]["spec"]["containers"])
     applies_intact(oldest_apiserver, built)
+
+
+def test_tenants_are_accepted_with_defaults_and_bounded_on_the_oldest_minor(oldest_apiserver, helm):
+    """spec.router.tenants through the CRD's schema and rules (docs/operator.md, "Tenants")."""
+    prepare(oldest_apiserver, crds())
+
+    def service(spec: dict[str, Any]) -> dict[str, Any]:
+        return {"apiVersion": "serving.kvscale.io/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": "chat", "namespace": SERVICES_NAMESPACE},
+                "spec": {"model": {"uri": "bundled://smollm2-135m-instruct"}, **spec}}
+
+    def refusal(spec: dict[str, Any]) -> str:
+        result = oldest_apiserver.kubectl("apply", "--dry-run=server", "-f", "-",
+                                          input=json.dumps(service(spec)))
+        assert result.returncode != 0, spec
+        return result.stderr
+
+    key = {"apiKeySecretRef": {"name": "servers-key"}}
+    tenant = {"name": "team-a", "apiKeySecretRef": {"name": "team-a-key"}}
+    (returned,) = dry_run(oldest_apiserver, [service({**key, "router": {"tenants": [tenant]}})])
+    assert returned["spec"]["router"]["tenants"] == [
+        {**tenant, "apiKeySecretRef": {"name": "team-a-key", "key": "api-key"}, "weight": 1, "priority": 0}]
+    assert "router.tenants needs apiKeySecretRef" in refusal({"router": {"tenants": [tenant]}})
+    assert "router.tenants needs the router" in refusal(
+        {**key, "router": {"enabled": False, "tenants": [tenant]}})
+    assert "Duplicate value" in refusal({**key, "router": {"tenants": [tenant, tenant]}})
+    assert "should match" in refusal({**key, "router": {"tenants": [{**tenant, "name": "Team_A"}]}})
+    assert "must have at most 100 items" in refusal({**key, "router": {"tenants": [
+        {**tenant, "name": f"t{i}"} for i in range(101)]}})
+    assert "weight" in refusal({**key, "router": {"tenants": [{**tenant, "weight": 0}]}})
 
 
 def test_a_dropped_field_is_caught():

@@ -40,7 +40,9 @@ pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 IMAGES = REPO_ROOT / "tools" / "images.sh"
-CONTROL_PLANE_LIMIT_BYTES = 400 * 1000 * 1000
+# 386 MB measured before the router's endpoint picker brought grpcio and Envoy's API messages
+# (xds-protos), about 27 MB installed: the limit still catches torch or a CUDA wheel slipping in.
+CONTROL_PLANE_LIMIT_BYTES = 430 * 1000 * 1000
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 

@@ -3,8 +3,14 @@
 Beside a control plane of its own (etcd, kube-apiserver, controller-manager, scheduler from
 tools/k8s-bins.sh) it runs containerd and runc from Debian, the Debian CNI plugins (a bridge,
 host-local addresses), kubelet, kube-proxy (iptables) and CoreDNS (tools/node-bins.sh, the same
-Kubernetes release as the apiserver), and imports kvscale's images into containerd with
-`podman save` through a named pipe into `ctr import` (tools/node-images.sh): no registry.
+Kubernetes release as the apiserver), and imports kvscale's images into containerd without a registry.
+
+Images are the one thing kept between runs (IMAGE_CACHE, outside BASE): an OCI layout per image
+(`podman save` into it writes only changed layers) and containerd's root (content metadata and
+the unpacked snapshots), so a rebuilt engine image costs an import of its changed top layers,
+not of its 7 GB. Everything else a run makes is in BASE and goes at stop; containerd's root is
+handed over only after a clean stop removed every container, task, lease and working snapshot
+(IMAGE_CACHE_CLEAN), and is wiped for a full import otherwise.
 
 The pod network is dual-stack with IPv6 first, as on a single-stack IPv6 cluster's nodes: a
 pod's `status.podIP`, the address a server advertises and the one the router discovers in an
@@ -23,6 +29,7 @@ mounts, network namespaces, the bridge, kube-proxy's rules, the cgroups, the nod
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -87,6 +94,21 @@ KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "k
 # is routed through the node); the machine gets its own values back too.
 SAVED_SYSCTLS = (*KUBELET_SYSCTLS, "net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding")
 STARTUP_TIMEOUT_S = 180.0
+# The image cache (see the module docstring; `rm -rf` it to drop it, with no node running):
+#   oci/<repository>/  an OCI layout per image repository, for incremental `podman save`
+#   containerd/        containerd's root: content store, overlayfs snapshots, meta.db
+#   containerd.clean   written by a stop that left containerd's root holding images only;
+#                      taken away when containerd starts on it, so a killed run's is wiped
+IMAGE_CACHE = Path(os.environ.get("KVSCALE_NODE_IMAGE_CACHE")
+                   or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                   / "kvscale" / "node-images")
+IMAGE_CACHE_OCI = IMAGE_CACHE / "oci"
+CONTAINERD_ROOT = IMAGE_CACHE / "containerd"
+IMAGE_CACHE_CLEAN = IMAGE_CACHE / "containerd.clean"
+# Under containerd's root, what belongs to containers rather than images (the CRI's per-sandbox
+# hosts/resolv.conf/shm, the shims' work folders): removed before every start.
+CONTAINERD_ROOT_PER_CONTAINER = ("io.containerd.grpc.v1.cri", "io.containerd.runtime.v2.task",
+                                 "io.containerd.runtime.v1.linux")
 
 
 class NodeEnvError(RuntimeError):
@@ -134,6 +156,8 @@ class NodeEnv:
     sysctls: dict[str, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     lock: IO[str] | None = None
+    # Set by a stop that found containerd's root holding images only (see stop_node_env).
+    cache_clean: bool = False
 
     @property
     def kubeconfig(self) -> Path:
@@ -275,7 +299,7 @@ def _mounts_under(root: Path) -> list[str]:
 def leftovers() -> list[str]:
     """What a node leaves on the machine; empty after a clean stop (the tests assert it)."""
     found = [f"process {pid}" for pid in _our_pids()]
-    found += [f"mount {m}" for m in _mounts_under(BASE)]
+    found += [f"mount {m}" for m in _mounts_under(BASE) + _mounts_under(CONTAINERD_ROOT)]
     if run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
         found.append(f"bridge {BRIDGE}")
     veths = run("ip", "-o", "link", "show", "master", BRIDGE, check=False).stdout.strip()
@@ -333,8 +357,10 @@ def sweep(node_bins: Path | None) -> None:
             break
         except TimeoutError:
             continue
-    # Deepest first (a pod's volumes sit inside the kubelet's root, netns files in containerd's).
-    for target in sorted(_mounts_under(BASE), key=len, reverse=True):
+    # Deepest first (a pod's volumes sit inside the kubelet's root, netns files in containerd's
+    # state, a sandbox's /dev/shm in containerd's root, which is in the image cache).
+    for target in sorted(_mounts_under(BASE) + _mounts_under(CONTAINERD_ROOT), key=len,
+                         reverse=True):
         if run("umount", target, check=False).returncode != 0:
             run("umount", "-l", target, check=False)
     run("ip", "link", "delete", BRIDGE, check=False)
@@ -423,7 +449,7 @@ def containerd_config() -> str:
     c = BASE / "containerd"
     return f"""\
 version = 2
-root = "{c / 'root'}"
+root = "{CONTAINERD_ROOT}"
 state = "{c / 'state'}"
 disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
                     "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]
@@ -667,18 +693,22 @@ def _start(env: NodeEnv, images: tuple[str, ...]) -> None:
     t1 = time.monotonic()
     _write(BASE / "containerd" / "config.toml", containerd_config(), 0o644)
     _write(BASE / "cni" / "net.d" / "10-kvscale-node.conflist", json.dumps(cni_config()), 0o644)
-    env.spawn("containerd", ["containerd", "--config", str(BASE / "containerd" / "config.toml")])
-    env.wait_for("containerd", lambda: env.ctr("version", check=False).returncode == 0, "containerd")
     names = images or (node_image("pause"), node_image("redis"), kvscale_image("engine"),
                        kvscale_image("control-plane"))
-    imported = subprocess.run(["bash", str(NODE_IMAGES_SCRIPT), "import",
-                               str(env.containerd_socket), *names],
-                              capture_output=True, text=True, check=False, timeout=1800)
-    (env.logs / "images.log").write_text(imported.stderr)
-    if imported.returncode != 0:
-        raise NodeEnvError(f"importing images failed:\n{imported.stderr[-3000:]}")
-    for name in names:
-        _discard_layer_blobs(env, name)
+    with open(env.logs / "images.log", "a") as log:
+        _start_containerd(env, log)
+        configs = []
+        for name in names:
+            try:
+                configs.append(_import_image(env, name, log))
+            except NodeEnvError as error:
+                # A cached layout that does not import (a blob cut short, say): once more
+                # from a fresh save.
+                _log(log, f"{name}: {error}: saving it whole again")
+                shutil.rmtree(_layout(name), ignore_errors=True)
+                configs.append(_import_image(env, name, log))
+        if not images:
+            _prune_image_cache(env, names, configs, log)
     env.timings["images"] = time.monotonic() - t1
 
     t2 = time.monotonic()
@@ -706,26 +736,239 @@ def _start(env: NodeEnv, images: tuple[str, ...]) -> None:
     env.timings["node"] = time.monotonic() - t2
 
 
-LAYER_TYPES = ("application/vnd.docker.image.rootfs.diff.tar", "application/vnd.oci.image.layer.")
+# ------------------------------------------------------------------------ image cache
 
 
-def _discard_layer_blobs(env: NodeEnv, name: str) -> None:
-    """Delete an imported image's layer tarballs once they are unpacked, as containerd's
-    discard_unpacked_layers does after a pull: the engine image would otherwise sit on the
-    disk twice (7 GB of tarballs beside 7 GB of snapshots). Containers run from the snapshots;
-    the manifest and config stay, so the CRI still lists the image."""
+def _log(log: IO[str], message: str) -> None:
+    log.write(f"{time.strftime('%H:%M:%S')} {message}\n")
+    log.flush()
+
+
+def _start_containerd(env: NodeEnv, log: IO[str]) -> None:
+    """Start containerd on the image cache's root: as a clean stop left it (images only), or
+    wiped when that is not known (no IMAGE_CACHE_CLEAN: first run, killed run, failed clean-up)
+    or not what containerd itself reports."""
+    clean = IMAGE_CACHE_CLEAN.exists()
+    # Taken before containerd may change anything: only the next clean stop writes it again.
+    IMAGE_CACHE_CLEAN.unlink(missing_ok=True)
+    if not clean and CONTAINERD_ROOT.exists():
+        _log(log, f"image cache: {CONTAINERD_ROOT} not left clean by a stop: wiped, full import")
+        _wipe_containerd_root()
+    for sub in CONTAINERD_ROOT_PER_CONTAINER:
+        shutil.rmtree(CONTAINERD_ROOT / sub, ignore_errors=True)
+    _spawn_containerd(env)
+    found = _containerd_leftovers(env)
+    if found:
+        _log(log, f"image cache: containerd holds {found[:5]}: wiped, full import")
+        proc = env.processes.pop("containerd")
+        proc.terminate()
+        proc.wait(30)
+        _wipe_containerd_root()
+        _spawn_containerd(env)
+
+
+def _spawn_containerd(env: NodeEnv) -> None:
+    env.spawn("containerd", ["containerd", "--config", str(BASE / "containerd" / "config.toml")])
+    env.wait_for("containerd", lambda: env.ctr("version", check=False).returncode == 0, "containerd")
+
+
+def _wipe_containerd_root() -> None:
+    for target in sorted(_mounts_under(CONTAINERD_ROOT), key=len, reverse=True):
+        run("umount", "-l", target, check=False)
+    shutil.rmtree(CONTAINERD_ROOT, ignore_errors=True)
+    if CONTAINERD_ROOT.exists():
+        raise NodeEnvError(f"cannot remove {CONTAINERD_ROOT}")
+
+
+def _containerd_leftovers(env: NodeEnv) -> list[str]:
+    """Whatever in containerd is not an image: containers (a CRI sandbox is one too), tasks,
+    leases, snapshots that are not committed layers (a container's writable layer, an unpack
+    cut short)."""
+    found = [f"container {c}" for c in env.ctr("containers", "ls", "-q").stdout.split()]
+    found += [f"task {t}" for t in env.ctr("tasks", "ls", "-q").stdout.split()]
+    found += [f"lease {lease}" for lease in env.ctr("leases", "ls", "-q").stdout.split()]
+    found += [f"snapshot {key} ({kind})" for key, kind in _snapshots(env).items()
+              if kind != "Committed"]
+    return found
+
+
+def _snapshots(env: NodeEnv) -> dict[str, str]:
+    rows = env.ctr("snapshots", "ls").stdout.splitlines()[1:]
+    return {row.split()[0]: row.split()[-1] for row in rows if row.split()}
+
+
+def _release_containers(env: NodeEnv) -> bool:
+    """Remove, through containerd, everything but images (what the kubelet had no time to
+    collect), so that its root can serve the next run; True when nothing else is left."""
+    try:
+        for task in env.ctr("tasks", "ls", "-q").stdout.split():
+            env.ctr("tasks", "kill", "-s", "SIGKILL", task, check=False)
+            env.ctr("tasks", "rm", "-f", task, check=False)
+        containers = env.ctr("containers", "ls", "-q").stdout.split()
+        if containers:
+            # With their writable snapshots (ctr's default).
+            env.ctr("containers", "rm", *containers, check=False)
+        leases = env.ctr("leases", "ls", "-q").stdout.split()
+        if leases:
+            env.ctr("leases", "rm", *leases, check=False)
+        for key, kind in _snapshots(env).items():
+            if kind != "Committed":
+                env.ctr("snapshots", "rm", key, check=False)
+        return not _containerd_leftovers(env)
+    except (NodeEnvError, subprocess.SubprocessError, OSError):
+        return False
+
+
+def _repository(name: str) -> str:
+    return name.rsplit(":", 1)[0] if ":" in name.rsplit("/", 1)[-1] else name
+
+
+def _layout(name: str) -> Path:
+    """The cached OCI layout of `name`: one per repository, so a new tag reuses the blobs of
+    the one before."""
+    return IMAGE_CACHE_OCI / _repository(name).replace("/", "_")
+
+
+def _prune_image_cache(env: NodeEnv, names: tuple[str, ...], configs: list[str],
+                       log: IO[str]) -> None:
+    """With the lane's own set of images: drop every other image from containerd (an older
+    tag, an older build's `sha256:<image ID>` name that the CRI adds to each image it sees;
+    its layers no other image shares go with containerd's garbage collection) and every other
+    repository's layout, so the cache holds each image once."""
+    listed = env.ctr("images", "ls", "-q").stdout.split()
+    stale = [name for name in listed if name not in names and name not in configs]
+    if stale:
+        env.ctr("images", "rm", *stale)
+        _log(log, f"image cache: removed {' '.join(stale)} from containerd")
+    keep = {_layout(name).name for name in names}
+    for layout in IMAGE_CACHE_OCI.glob("*"):
+        if layout.name not in keep:
+            shutil.rmtree(layout, ignore_errors=True)
+            _log(log, f"image cache: removed {layout}")
+
+
+def _chain_ids(diff_ids: list[str]) -> list[str]:
+    """The OCI chain ID of each layer: the key of its committed snapshot in containerd."""
+    chain: list[str] = []
+    for diff_id in diff_ids:
+        chain.append(diff_id if not chain else
+                     "sha256:" + hashlib.sha256(f"{chain[-1]} {diff_id}".encode()).hexdigest())
+    return chain
+
+
+def _blob(layout: Path, digest: str) -> Path:
+    algorithm, hexdigest = digest.split(":", 1)
+    return layout / "blobs" / algorithm / hexdigest
+
+
+def _saved_manifest(layout: Path, name: str) -> dict:
+    """Keep the layout to `name`'s manifest (a new tag of the same repository is saved beside
+    the old one) and delete every blob it does not reference; the manifest's descriptor."""
+    index = json.loads((layout / "index.json").read_text())
+    ours = [m for m in index["manifests"]
+            if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == name]
+    if len(ours) != 1:
+        raise NodeEnvError(f"{layout}/index.json has {len(ours)} manifests named {name}")
+    descriptor = ours[0]
+    if len(index["manifests"]) > 1:
+        index["manifests"] = ours
+        (layout / "index.json").write_text(json.dumps(index))
+    manifest = json.loads(_blob(layout, descriptor["digest"]).read_text())
+    keep = {descriptor["digest"], manifest["config"]["digest"],
+            *(layer["digest"] for layer in manifest["layers"])}
+    for path in (layout / "blobs").glob("*/*"):
+        if f"{path.parent.name}:{path.name}" not in keep:
+            path.unlink()
+    for path in layout.glob("oci-put-blob*"):
+        path.unlink()  # a save cut short (podman writes a blob there, then renames it)
+    return descriptor
+
+
+def _import_image(env: NodeEnv, name: str, log: IO[str]) -> str:
+    """Bring `name` from kvscale's podman store into containerd, sending only what containerd
+    has no snapshot of: save into the image's cached OCI layout (podman writes the changed
+    blobs only), then `ctr images import` of a tar of that layout holding the manifest, the
+    config and the layers from the first one without a snapshot upwards. containerd unpacks
+    only layers whose chain ID has no snapshot, so the others need no tarball. Returns the
+    image's config digest (its ID)."""
+    t0 = time.monotonic()
+    layout = _layout(name)
+    saved = run("bash", str(NODE_IMAGES_SCRIPT), "save-oci", str(layout), name, timeout=1800)
+    _log(log, saved.stderr.strip())
+    descriptor = _saved_manifest(layout, name)
+    manifest = json.loads(_blob(layout, descriptor["digest"]).read_text())
+    config = json.loads(_blob(layout, manifest["config"]["digest"]).read_text())
+    layers = manifest["layers"]
+    chain = _chain_ids(config["rootfs"]["diff_ids"])
+    if len(chain) != len(layers):
+        raise NodeEnvError(f"{name}: {len(layers)} layers but {len(chain)} diff IDs")
+    snapshots = _snapshots(env)
+    have = 0
+    while have < len(chain) and snapshots.get(chain[have]) == "Committed":
+        have += 1
+    missing = layers[have:]
     listed = env.ctr("images", "ls", f"name=={name}").stdout.splitlines()[1:]
-    if not listed:
-        raise NodeEnvError(f"{name} is not in containerd after the import")
-    digests = [listed[0].split()[2]]
-    layers = []
-    while digests:
-        blob = json.loads(env.ctr("content", "get", digests.pop()).stdout)
-        digests += [m["digest"] for m in blob.get("manifests", [])]
-        layers += [layer["digest"] for layer in blob.get("layers", [])
-                   if layer.get("mediaType", "").startswith(LAYER_TYPES)]
-    if layers:
-        env.ctr("content", "rm", *layers)
+    current = listed[0].split()[2] if listed else None
+    if current == descriptor["digest"] and not missing:
+        _log(log, f"{name}: in containerd already ({len(layers)} layers)")
+        return str(manifest["config"]["digest"])
+    # containerd's content store is plain files named by digest, on the same disk as the
+    # cache: hard links let the import find a layer there (it then records it without writing
+    # a copy) and the unpack read it, while the disk holds the tarball once. Discarding it
+    # afterwards removes containerd's link only.
+    store = CONTAINERD_ROOT / "io.containerd.content.v1.content"  # blobs/<algorithm>/<hex>
+    for layer in missing:
+        target = _blob(store, layer["digest"])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.exists():
+            os.link(_blob(layout, layer["digest"]), target)
+    # Named through containerd's own annotation, which `ctr import` takes as the image's name.
+    staging = BASE / "images" / layout.name
+    _write(staging / "index.json", json.dumps({
+        "schemaVersion": 2,
+        "manifests": [{**descriptor, "annotations": {"io.containerd.image.name": name}}]}), 0o644)
+    members = [str(_blob(Path("."), d).as_posix()) for d in
+               (descriptor["digest"], manifest["config"]["digest"],
+                *(layer["digest"] for layer in missing))]
+    # containerd's garbage collection may delete a link made above before the import records
+    # it (it deletes store files no namespace knows): the import then writes that layer, and
+    # tar, seeing the link count (ctime) change, warns "file changed as we read it" and exits
+    # 1, though what it sent is whole. containerd checks every digest it writes and each
+    # layer's diff ID as it unpacks; only tar's fatal status 2 is an error here.
+    tar = subprocess.Popen(["tar", "--warning=no-file-changed", "-C", str(staging), "-c",
+                            "index.json", "-C", str(layout), "oci-layout", *members],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        imported = subprocess.run(["ctr", "-a", str(env.containerd_socket), "-n", "k8s.io",
+                                   "images", "import", "-"], stdin=tar.stdout,
+                                  capture_output=True, text=True, timeout=1800, check=False)
+    finally:
+        assert tar.stdout is not None
+        tar.stdout.close()
+        tar_err = tar.communicate(timeout=60)[1].decode(errors="replace")
+    if imported.returncode != 0 or tar.returncode not in (0, 1):
+        raise NodeEnvError(f"importing {name} failed: {imported.stderr.strip()} {tar_err.strip()}")
+    listed = env.ctr("images", "ls", f"name=={name}").stdout.splitlines()[1:]
+    if not listed or listed[0].split()[2] != descriptor["digest"]:
+        raise NodeEnvError(f"{name} is not {descriptor['digest']} in containerd after the import")
+    if _snapshots(env).get(chain[-1]) != "Committed":
+        raise NodeEnvError(f"{name}: no snapshot {chain[-1]} after the import")
+    _discard_layer_blobs(env, [layer["digest"] for layer in layers])
+    size = sum(layer["size"] for layer in missing)
+    _log(log, f"{name}: imported {len(missing)} of {len(layers)} layers "
+              f"({size / 1e6:.1f} MB) in {time.monotonic() - t0:.1f}s")
+    return str(manifest["config"]["digest"])
+
+
+def _discard_layer_blobs(env: NodeEnv, layers: list[str]) -> None:
+    """Delete an imported image's layer tarballs once they are unpacked, as containerd's
+    discard_unpacked_layers does after a pull: containers run from the snapshots, and the
+    manifest and config stay, so the CRI still lists the image. Here that removes containerd's
+    hard links only (the cached OCI layout keeps the tarballs for the next `podman save`)."""
+    present = set(env.ctr("content", "ls", "-q").stdout.split())
+    discard = [digest for digest in layers if digest in present]
+    if discard:
+        env.ctr("content", "rm", *discard)
 
 
 def _node_ready(env: NodeEnv) -> bool:
@@ -756,6 +999,10 @@ def stop_node_env(env: NodeEnv, *, grace: float = 60.0) -> None:
         t0 = time.monotonic()
         for name in reversed(list(env.processes)):
             proc = env.processes[name]
+            if name == "containerd" and proc.poll() is None:
+                # The kubelet is gone: what it left goes through containerd, whose root is
+                # the image cache's (see the module docstring).
+                env.cache_clean = _release_containers(env)
             if proc.poll() is None:
                 proc.terminate()
                 try:
@@ -763,10 +1010,14 @@ def stop_node_env(env: NodeEnv, *, grace: float = 60.0) -> None:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+            if name == "containerd" and proc.returncode != 0:
+                env.cache_clean = False  # killed: its root is not known to be whole
         env.processes.clear()
         env.timings["stop: processes"] = time.monotonic() - t0
         t0 = time.monotonic()
         sweep(env.node_bins)
+        if env.cache_clean and not _mounts_under(CONTAINERD_ROOT):
+            IMAGE_CACHE_CLEAN.touch()
         env.timings["stop: sweep"] = time.monotonic() - t0
     finally:
         if env.sysctls:

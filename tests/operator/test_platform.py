@@ -76,6 +76,12 @@ class Platform:
         return openai.OpenAI(base_url=self.router_url(name) + "/v1", api_key="unused", max_retries=0,
                              timeout=120)
 
+    def wait_whole(self, name: str, replicas: int) -> None:
+        """Every replica's pod Ready, as well as the status saying so (which may lag a crash)."""
+        wait_until(lambda: len(self.server_pods(name)) == replicas, READY_TIMEOUT_S, interval=1.0,
+                   what=f"{replicas} Ready {name} pods")
+        self.wait_ready(name, replicas)
+
     def wait_ready(self, name: str, replicas: int, timeout: float = READY_TIMEOUT_S) -> dict[str, Any]:
         def ready() -> bool:
             status = self.get("inferenceservice", name, "-n", NAMESPACE).get("status") or {}
@@ -191,7 +197,9 @@ def test_one_inference_service_serves_through_its_router(platform: Platform) -> 
                         ("poddisruptionbudget", "chat-router"), ("serviceaccount", "chat-router")):
         owners = platform.get(kind, child, "-n", NAMESPACE)["metadata"]["ownerReferences"]
         assert owners[0]["kind"] == "InferenceService" and owners[0]["name"] == "chat"
-    assert len(platform.ready_pods("serving.kvscale.io/router=chat")) == 2
+    # Ready needs one serving router; the second of the Deployment's two may still be starting.
+    wait_until(lambda: len(platform.ready_pods("serving.kvscale.io/router=chat")) == 2,
+               READY_TIMEOUT_S, interval=1.0, what="2 Ready router pods")
 
     client = platform.client("chat")
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -257,9 +265,14 @@ def test_prefix_affinity_through_the_cluster(platform: Platform) -> None:
 LOAD_PROMPTS = [f"{prefix} Summarise document {n % 3} in one line." for n, prefix in enumerate(PREFIXES * 2)]
 
 
-def router_views(platform: Platform, name: str) -> list[dict[str, Any]]:
-    return [httpx.get(f"http://{p['status']['podIP']}:8080/health", timeout=5).json()
-            for p in platform.ready_pods(f"serving.kvscale.io/router={name}")]
+def router_urls(platform: Platform, name: str) -> list[str]:
+    return [f"http://{p['status']['podIP']}:8080" for p in platform.ready_pods(f"serving.kvscale.io/router={name}")]
+
+
+def router_views(platform: Platform, name: str, urls: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every router's /health. Pass ``urls`` when timing the routers: listing the pods runs
+    kubectl, whose start-up would count against them."""
+    return [httpx.get(f"{url}/health", timeout=5).json() for url in urls or router_urls(platform, name)]
 
 
 def router_metrics(platform: Platform, name: str) -> list[str]:
@@ -269,6 +282,7 @@ def router_metrics(platform: Platform, name: str) -> list[str]:
 
 def test_a_crashed_server_is_dropped_at_once_and_used_again_once_ready(platform: Platform) -> None:
     servers = {p["metadata"]["name"] for p in platform.server_pods("chat")}
+    routers = router_urls(platform, "chat")
     load = Load(platform.client("chat"), LOAD_PROMPTS).start()
     try:
         # The victim is a replica the load is using (prefix affinity may send it all to one).
@@ -282,7 +296,7 @@ def test_a_crashed_server_is_dropped_at_once_and_used_again_once_ready(platform:
 
         def dropped() -> bool:
             return all(all(r["id"] != victim or not r["healthy"] for r in view["replicas"])
-                       for view in router_views(platform, "chat"))
+                       for view in router_views(platform, "chat", routers))
 
         wait_until(dropped, 5, interval=0.05, what=f"routers to stop using {victim}")
         assert time.monotonic() - not_ready_at <= 1.0
@@ -323,6 +337,9 @@ def redis_client(platform: Platform, name: str):
 def test_redis_killed_and_restarted_under_load_fails_nothing(platform: Platform) -> None:
     from kvscale.kv_index_schema import REPLICAS_KEY, blocks_key
 
+    # Whole again after the crash test, or a replica still restarting would join the index
+    # later and never be among ``servers``.
+    platform.wait_whole("chat", 2)
     redis_pod = platform.ready_pods("serving.kvscale.io/redis=chat")[0]["metadata"]["name"]
     servers = {p["metadata"]["name"] for p in platform.server_pods("chat")}
     load = Load(platform.client("chat"), LOAD_PROMPTS).start()
@@ -354,6 +371,7 @@ def test_redis_killed_and_restarted_under_load_fails_nothing(platform: Platform)
 
 def test_scale_out_and_in_through_the_scale_subresource(platform: Platform) -> None:
     env = platform.env
+    platform.wait_whole("chat", 2)
     before = {p["metadata"]["name"] for p in platform.server_pods("chat")}
     env.kubectl("scale", "inferenceservice/chat", "-n", NAMESPACE, "--replicas=3")
     platform.wait_ready("chat", 3)

@@ -128,6 +128,10 @@ def test_hot_blocks_are_the_room_reused_prefixes_take_and_expire() -> None:
     assert (free_blocks(10, 3), free_blocks(10, 12), free_blocks(0, 3)) == (7, 0, None)
     hot.sent("r0", [5], now=152.0)
     assert hot.footprint("r0", 152.0) == 1
+    # Every distinct block sent within the window, once or more: the room recent traffic claims.
+    assert hot.recent("r0", 152.0) == 1 and hot.recent("r1", 152.0) == 0  # 5 (4 expired at 150)
+    hot.sent("r0", [6, 7, 6], now=153.0)
+    assert hot.recent("r0", 153.0) == 3 and hot.recent("r0", 190.0) == 0
     hot.forget("r0")
     assert hot.footprint("r0", 152.0) == 0
     small = HotBlocks(window_s=30.0, capacity=2)  # the oldest hashes go first past the capacity
@@ -212,6 +216,8 @@ def test_a_replica_measured_slower_than_predicted_loses_a_close_call_when_calibr
             decider.calibration.observe("r0", 0.5, 1.0)
             decider.calibration.observe("r1", 0.5, 0.5)
             decider.calibration.observe("r2", 0.5, 0.5)
+        # No wait measured yet: an overload must outlast the predicted one; this one has.
+        decider.overloaded_since["r0"] = time.monotonic() - 60.0
         decision = decider.decide(replicas, hashes, hashes[0], None, 528, 16)
         assert decision.ranked[0] == expected
         # Either way the estimate reported is the calibrated one: r0's raw estimate doubled, r1's as is.

@@ -370,7 +370,8 @@ def test_a_spill_that_would_evict_hot_prefixes_counts_their_prefill():
 
 def test_hysteresis_keeps_the_group_through_a_short_overload_and_moves_it_after_a_long_one():
     """The rule finds the holder overloaded; it is passed over only once that verdict has held for
-    hold_s (one prefill wait) without a break. No wait in sight (hold_s 0): no hysteresis."""
+    hold_s (one prefill wait) without a break. No wait measured (hold_s 0): the predicted one holds
+    (tests/router/test_predicted_ttft_burst.py)."""
     cands = [ttft_cand("holder", matched=32, queued=3000, load=2), ttft_cand("idle")]
 
     def first(hold: policy.OverloadHold | None) -> str:
@@ -379,7 +380,38 @@ def test_hysteresis_keeps_the_group_through_a_short_overload_and_moves_it_after_
     assert first(policy.OverloadHold(now=100.0, hold_s=20.0, since={})) == "holder"  # it just began
     assert first(policy.OverloadHold(now=100.0, hold_s=20.0, since={"holder": 90.0})) == "holder"
     assert first(policy.OverloadHold(now=100.0, hold_s=20.0, since={"holder": 75.0})) == "idle"
-    assert first(policy.OverloadHold(now=100.0, hold_s=0.0, since={})) == "idle"
+    assert first(policy.OverloadHold(now=100.0, hold_s=0.0, since={})) == "holder"
     assert first(None) == "idle"
     kept = policy.predicted_ttft_policy(cands, 528, 16, hash_key=5, hold=policy.OverloadHold(100.0, 20.0, {}))
     assert kept.spill is None and kept.judged == ("holder", True) and kept.reason == "affinity"
+
+
+def test_a_new_prefix_goes_where_recent_traffic_claims_least_room():
+    """Nobody holds the prompt and every replica has room. r0 is idle but its recent traffic claims
+    200 blocks (the prefixes it will be asked for again); r1 (100 tokens queued) and r2 (400) claim
+    none: the sooner of them takes the prefix, the estimate breaking the tie."""
+    room = dict(free_blocks=500)
+    r0 = replace(ttft_cand("r0"), recent_blocks=200, **room)
+    r1 = replace(ttft_cand("r1", queued=100, load=1), **room)
+    r2 = replace(ttft_cand("r2", queued=400, load=1), **room)
+    decision = policy.predicted_ttft_policy([r0, r1, r2], 528, 16, hash_key=7)
+    assert decision.ranked[0] == "r1" and decision.reason == "load" and decision.spill is None
+    assert policy.predicted_ttft_policy([r0, r2], 528, 16, hash_key=7).ranked[0] == "r2"
+    # The claim is per unit of speed: a replica at half the rate takes its share at half the room.
+    slow = replace(ttft_cand("slow", rate=500.0), recent_blocks=40, **room)
+    fast = replace(ttft_cand("fast", rate=1000.0), recent_blocks=60, **room)
+    mid = replace(ttft_cand("mid", rate=1000.0), recent_blocks=200, **room)
+    # (40 + 33) / 500 > (60 + 33) / 1000: the slow replica has claimed its share already.
+    assert policy.predicted_ttft_policy([slow, fast, mid], 528, 16, hash_key=7).ranked[0] == "fast"
+    lighter = replace(slow, recent_blocks=10)  # (10 + 33) / 500 < (60 + 33) / 1000
+    assert policy.predicted_ttft_policy([lighter, fast, mid], 528, 16, hash_key=7).ranked[0] == "slow"
+
+
+def test_a_new_prefix_is_placed_alike_on_a_fleet_ten_times_slower():
+    """Estimates compared as ratios, room as blocks over rates: the scale cancels."""
+    def fleet(slow: float) -> list[Candidate]:
+        return [replace(ttft_cand(rid, queued=queued, rate=1000.0 / slow, decoding=1, step=0.05 * slow,
+                                  per_step=2048), recent_blocks=recent, free_blocks=500)
+                for rid, queued, recent in (("a", 0, 150), ("b", 80, 20), ("c", 60, 90))]
+    fast, slow = (policy.predicted_ttft_policy(fleet(s), 528, 16, hash_key=3) for s in (1.0, 10.0))
+    assert fast.ranked == slow.ranked and fast.ranked[0] == "b"

@@ -122,3 +122,15 @@ def run_to_completion():
 @pytest.fixture(scope="session")
 def greedy_prompts() -> list[str]:
     return list(GREEDY_PROMPTS)
+
+
+@pytest.fixture
+def one_thread_per_rank():
+    """Tensor-parallel ranks take their thread count from this process: one each, so several
+    ranks share the machine's 2 cores calmly."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

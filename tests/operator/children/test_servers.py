@@ -76,6 +76,8 @@ def test_pod_is_locked_down_and_probed():
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model load
+    # A cold start is not rounded up to the probe period (seconds, for the bundled model).
+    assert startup["periodSeconds"] == 1
     # A writable /tmp and a model cache volume, since the root filesystem is read-only.
     mounts = {m["mountPath"] for m in c["volumeMounts"]}
     assert {"/tmp", "/models"} <= mounts

@@ -14,10 +14,11 @@ from kvscale.server.sampling_params import SamplingParams
 BS = 4
 
 
-def make_seq(prompt_len: int, max_tokens: int = 4, first_token: int = 0, name: str = "r") -> Sequence:
+def make_seq(prompt_len: int, max_tokens: int = 4, first_token: int = 0, name: str = "r",
+             group: str = "") -> Sequence:
     tokens = [first_token + i for i in range(prompt_len)]
     request = Request(name, None, tokens, SamplingParams(max_tokens=max_tokens), None,
-                      RequestMetrics(0.0), max_tokens)
+                      RequestMetrics(0.0), max_tokens, group=group)
     seq = Sequence(request, 0, list(tokens), prompt_len)
     request.seqs.append(seq)
     return seq
@@ -88,6 +89,45 @@ def test_preempts_newest_and_requeues_at_front():
     assert scheduler.waiting[0] is new and new.status == SequenceStatus.WAITING
     assert new.block_table == [] and new.num_computed_tokens == 0
     assert scheduler.num_preemptions == 1
+
+
+def test_a_single_request_is_admitted_beside_a_many_prompt_one():
+    # One HTTP request's 50 prompts (one group) fill the 4 slots; a single request arrives after
+    # them. When slots free, the groups take turns: it is in the next admission, not after the 50.
+    scheduler, kv = make_scheduler(256, max_num_seqs=4)
+    bomb = [make_seq(3, max_tokens=1, first_token=10 * i, name=f"bomb-{i}", group="bomb")
+            for i in range(50)]
+    for seq in bomb:
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert [s.seq for s in out.scheduled] == bomb[:4]
+    single = make_seq(3, max_tokens=1, first_token=999, name="single")
+    scheduler.add(single)
+    for seq in bomb[:4]:  # their prefill samples their one token: all four slots free
+        seq.num_computed_tokens = seq.num_tokens
+        scheduler.finish(seq)
+    out = scheduler.schedule()
+    assert [s.seq for s in out.scheduled] == [bomb[4], single, bomb[5], bomb[6]]
+    assert list(scheduler.waiting) == bomb[7:]
+
+
+def test_a_preempted_sequence_resumes_before_any_group_takes_its_turn():
+    # 4 blocks, 2 slots. "new" and "g2" are one HTTP request's prompts; "new" is preempted.
+    scheduler, kv = make_scheduler(4, max_num_seqs=2, caching=False)
+    old = make_seq(8, max_tokens=8, name="old")
+    new = make_seq(8, max_tokens=8, name="new", group="g")
+    g2 = make_seq(2, name="g2", group="g")
+    for seq in (old, new, g2):
+        scheduler.add(seq)
+    simulate_step(scheduler, kv)  # old and new prefilled: pool full
+    assert scheduler.schedule().preempted == [new] and new.preempted
+    later = make_seq(2, name="later")
+    scheduler.add(later)
+    scheduler.finish(old)  # room again
+    out = scheduler.schedule()
+    # Resuming "new" does not use up its group's turn: "g2" (older than "later") comes next.
+    assert [s.seq for s in out.scheduled] == [new, g2]
+    assert not new.preempted and list(scheduler.waiting) == [later]
 
 
 def test_prefix_hit_skips_cached_blocks_and_counts_tokens():

@@ -120,6 +120,9 @@ def test_the_core_stops_with_the_front_end() -> None:
     server = ServeProcess(*SMALL, log_name="core-stop")
     pid = core_pid(server)
     server.stop()
+    # A clean stop, as a shell sees Ctrl-C: no traceback a user would take for a crash.
+    assert server.proc.returncode == 130, server.proc.returncode
+    assert "Traceback" not in server.log_path.read_text()
     deadline = time.monotonic() + 30
     while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
         assert time.monotonic() < deadline, "the engine core outlived its front end"

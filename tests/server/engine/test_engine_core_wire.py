@@ -44,7 +44,8 @@ def test_outputs_and_stats_round_trip() -> None:
 
 def test_requests_round_trip_with_params_validated_again() -> None:
     params = SamplingParams(n=2, temperature=0.5, stop=["\n"], logprobs=3, max_tokens=9, seed=4)
-    message = AddRequests(5, [NewRequestMsg("a", [1, 2], params, "salt"), NewRequestMsg("b", "text", params)])
+    message = AddRequests(5, [NewRequestMsg("a", [1, 2], params, "salt"), NewRequestMsg("b", "text", params)],
+                          tenant="team-a")
     assert core_codec().decode(front_codec().encode(message)) == message
     refusal = Accepted(5, "invalid", "max_tokens must be at least 1")
     assert front_codec().decode(core_codec().encode(refusal)) == refusal
@@ -84,12 +85,13 @@ def test_request_wide_fields_cross_once_per_request() -> None:
     bias = {token: 1.0 for token in range(5000)}
     first = SamplingParams(max_tokens=4, stop=["\n"], stop_token_ids=[7], logit_bias=bias)
     prompts = [first] + [first.with_max_tokens(3 + i) for i in range(63)]
-    message = AddRequests(1, [NewRequestMsg(f"r-{i}", [1, 2], params) for i, params in enumerate(prompts)])
+    message = AddRequests(1, [NewRequestMsg(f"r-{i}", [1, 2], params) for i, params in enumerate(prompts)],
+                          tenant="team-a")
     one = len(front_codec().encode(AddRequests(1, message.requests[:1])))
     data = front_codec().encode(message)
     assert len(data) < one + 64 * 500  # the params of one prompt, not 64 copies of the bias (~60 KB)
     decoded = core_codec().decode(data)
-    assert decoded == message
+    assert decoded == message and decoded.tenant == "team-a"
     assert all(r.params.logit_bias is decoded.requests[0].params.logit_bias for r in decoded.requests)
     assert [r.params.max_tokens for r in decoded.requests] == [4, *range(3, 66)]
     assert first.logit_bias is bias and first.stop == ["\n"]  # the caller's params untouched

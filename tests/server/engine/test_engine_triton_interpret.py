@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 
 NEW_TOKENS = 16
+# The bundled model's 30 layers make each interpreted step slow: 6 tokens take its 14-token
+# prompt's decode across a 16-token block boundary, which is what the real shapes add here.
+BUNDLED_NEW_TOKENS = 6
 
 
 def run_engine_interpreted(spec: dict) -> dict:
@@ -85,13 +88,13 @@ def test_bundled_model_triton_interpreted_matches_transformers(
     prompts = [greedy_prompts[0], greedy_prompts[3]]
     result = run_engine_interpreted({
         "model": str(bundled_model_path), "prompts": [bundled_tokenizer.encode(p) for p in prompts],
-        "new_tokens": NEW_TOKENS, "eos": True,
+        "new_tokens": BUNDLED_NEW_TOKENS, "eos": True,
         "engine": {"block_size": 16, "num_gpu_blocks_override": 32, "max_num_batched_tokens": 12},
         "stagger": True,
     })
     assert_went_through_triton(result)
     for i, prompt in enumerate(prompts):
-        assert result["tokens"][str(i)] == hf_greedy_tokens[prompt], f"prompt {i}"
+        assert result["tokens"][str(i)] == hf_greedy_tokens[prompt][:BUNDLED_NEW_TOKENS], f"prompt {i}"
 
 
 def test_runner_passes_max_query_len_from_the_host(make_engine):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -107,10 +108,18 @@ def test_forced_calls_on_bfcl_rows_validate_and_stream_the_same(client, mode):
 
 def test_auto_answers_text_or_calls_of_the_declared_tool_that_validate(client):
     """Once the model opens a call in auto, the grammar holds it to a declared tool and its
-    schema: no `<name>` copied from the prompt, no string for an integer."""
-    for tool, messages in bfcl_cases():
-        response = client.chat.completions.create(model="smollm2", messages=messages, tools=[tool],
-                                                  tool_choice="auto", max_tokens=160, temperature=0)
+    schema: no `<name>` copied from the prompt, no string for an integer. The cases go at once,
+    as clients would: the engine decodes them in one batch."""
+    cases = bfcl_cases()
+
+    def ask(case: tuple[dict, list[dict]]):
+        tool, messages = case
+        return client.chat.completions.create(model="smollm2", messages=messages, tools=[tool],
+                                              tool_choice="auto", max_tokens=160, temperature=0)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        responses = list(pool.map(ask, cases))
+    for (tool, _), response in zip(cases, responses, strict=True):
         choice = response.choices[0]
         if choice.finish_reason == "tool_calls":
             check_calls(tool, choice.message, "tool_calls")

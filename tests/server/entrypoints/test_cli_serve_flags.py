@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvscale.cli import build_parser
 from kvscale.server.entrypoints.cli_serve import run
 
@@ -10,3 +12,20 @@ def test_a_stream_interval_below_one_is_refused_before_anything_starts(capsys):
     assert run(build_parser("serve").parse_args(["serve", "--stream-interval", "0"])) == 2
     assert "--stream-interval must be at least 1" in capsys.readouterr().err
     assert build_parser("serve").parse_args(["serve"]).stream_interval == 1
+
+
+def test_the_help_names_every_model_family_the_engine_loads(capsys):
+    from kvscale.server.worker.model_config import FAMILY_DEFAULTS
+
+    with pytest.raises(SystemExit):
+        build_parser("serve").parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for family in FAMILY_DEFAULTS:
+        assert family in help_text, family
+
+
+def test_tensor_parallel_size_reaches_the_engine_config_and_zero_is_refused(capsys):
+    args = build_parser("serve").parse_args(["serve", "--tensor-parallel-size", "3"])
+    assert args.tensor_parallel_size == 3
+    assert run(build_parser("serve").parse_args(["serve", "--tensor-parallel-size", "0"])) == 2
+    assert "tensor_parallel_size must be at least 1" in capsys.readouterr().err

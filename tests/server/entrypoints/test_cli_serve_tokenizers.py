@@ -42,7 +42,7 @@ def test_http_side_and_engine_have_their_own_tokenizer(served) -> None:
 
 def test_tokenizing_on_both_sides_at_once(served) -> None:
     """The engine thread generates (encoding and detokenizing every step) while the event loop
-    tokenizes prompts and chats and reconfigures its tokenizer, as a truncating call does. Every
+    tokenizes prompts and chats and reconfigures its Rust tokenizer, as a truncating call does. Every
     request must succeed and the engine thread must live."""
     http_tokenizer = served.app.state.server.tokenizer
 
@@ -61,7 +61,10 @@ def test_tokenizing_on_both_sides_at_once(served) -> None:
                     body = ({"prompt": LONG_TEXT} if i % 2 else
                             {"messages": [{"role": "user", "content": [{"type": "text", "text": LONG_TEXT}]}]})
                     response = await client.post("/tokenize", json=body)
-                    http_tokenizer(LONG_TEXT, truncation=True, max_length=16)  # reconfigures it
+                    # What a truncating call does underneath (transformers sets it on its Rust
+                    # tokenizer per call): reconfigure the HTTP side's tokenizer and put it back.
+                    http_tokenizer.backend_tokenizer.enable_truncation(16)
+                    http_tokenizer.backend_tokenizer.no_truncation()
                     return response.status_code
 
                 generations = [asyncio.ensure_future(generate(i)) for i in range(6)]

@@ -41,6 +41,33 @@ def tiny_config(arch: str):
     if arch == "qwen3_moe-dense-layer":  # layer 1 a dense MLP; the top-2 weights renormalized
         return transformers.Qwen3MoeConfig(**common, head_dim=32, num_experts=4, num_experts_per_tok=2,
                                            moe_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True)
+    if arch == "phi3":
+        return transformers.Phi3Config(**common)
+    if arch == "phi3-partial-longrope":  # Phi-4-mini's shape of RoPE: a quarter of each head passes through
+        factors = [1.0 + 0.25 * i for i in range(6)]  # 16 * 0.75 / 2 per list
+        return transformers.Phi3Config(**{**common, "max_position_embeddings": 512}, partial_rotary_factor=0.75,
+                                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.75, "short_factor": factors,
+                                                        "long_factor": [f * 3 for f in factors]},
+                                       original_max_position_embeddings=128)
+    if arch == "gemma3":
+        # A window of 8 tokens over blocks of 8 (the test's block_size): every window crosses a
+        # block boundary, and the longer prompts run far past it.
+        return transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                             rope_local_base_freq=100.0, final_logit_softcapping=3.0)
+    if arch == "gemma3-pattern":  # an older config: every second layer global, no soft-capping
+        return transformers.Gemma3TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=16, sliding_window=6,
+                                             sliding_window_pattern=2)
+    if arch == "gpt_oss":
+        # Local, full, local layers (the default pattern); a window of 8 over blocks of 8 as Gemma 3's;
+        # YaRN as the hub's checkpoints have it, scaled to this length; a SwiGLU limit the
+        # random projections reach, so both clamps bite.
+        return transformers.GptOssConfig(
+            **{**common, "num_hidden_layers": 3, "intermediate_size": 48}, head_dim=16, num_local_experts=8,
+            num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
     raise ValueError(arch)
 
 
@@ -52,7 +79,8 @@ def tokenizer_files(bundled_tokenizer, tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama-mha-bias", "mistral", "qwen2", "qwen3", "mixtral",
-                                  "mixtral-stacked", "qwen3_moe", "qwen3_moe-dense-layer"])
+                                  "mixtral-stacked", "qwen3_moe", "qwen3_moe-dense-layer", "phi3",
+                                  "phi3-partial-longrope", "gemma3", "gemma3-pattern", "gpt_oss"])
 def test_tiny_model_matches_transformers(arch, tmp_path, tokenizer_files, run_to_completion):
     import shutil
 
@@ -68,8 +96,19 @@ def test_tiny_model_matches_transformers(arch, tmp_path, tokenizer_files, run_to
                 for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
                     if proj.bias is not None:
                         proj.bias.normal_(0, 0.5)
-                if getattr(layer.mlp.down_proj, "bias", None) is not None:
+                if getattr(getattr(layer.mlp, "down_proj", None), "bias", None) is not None:
                     layer.mlp.down_proj.bias.normal_(0, 0.5)
+    if config.model_type == "gpt_oss":
+        with torch.no_grad():  # random sinks and expert biases: fresh expert biases are zero
+            for layer in hf_model.model.layers:
+                layer.self_attn.sinks.normal_(0, 1.0)
+                layer.mlp.experts.gate_up_proj_bias.normal_(0, 0.5)
+                layer.mlp.experts.down_proj_bias.normal_(0, 0.5)
+    if config.model_type == "gemma3_text":
+        with torch.no_grad():  # random norms: each scales by 1 + weight, and fresh weights are zero
+            for name, param in hf_model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0, 0.3)
     # "-stacked": the experts as transformers holds them ([experts, ...] tensors), not the hub's names.
     hf_model.save_pretrained(str(tmp_path), save_original_format=not arch.endswith("-stacked"))
     for file in tokenizer_files.iterdir():
@@ -97,3 +136,18 @@ def test_tiny_model_matches_transformers(arch, tmp_path, tokenizer_files, run_to
             for step, (token, position) in enumerate(zip(got.token_ids, got.logprobs, strict=True)):
                 expected = torch.log_softmax(ref.logits[step][0].float(), dim=-1)[token]
                 assert abs(position[token].logprob - float(expected)) < 1e-4, (arch, i, step)
+
+
+def test_gpt_oss_mxfp4_experts_are_refused_at_load():
+    """The hub's gpt-oss checkpoints hold their experts in MXFP4 (``_blocks`` and ``_scales``
+    tensors); read as unquantized weights they would be garbage, so loading them stops."""
+    from kvscale.server.worker.model_gpt_oss import GptOssForCausalLM, gpt_oss_spec
+
+    config = tiny_config("gpt_oss")
+    with torch.device("meta"):
+        model = GptOssForCausalLM(gpt_oss_spec(config), config)
+    prefix = "model.layers.0."
+    weights = {f"{prefix}mlp.experts.{name}": torch.zeros(1) for name in
+               ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales")}
+    with pytest.raises(ValueError, match="holds MXFP4 experts"):
+        model._mlp_weights(weights.__getitem__, weights, prefix, 0)

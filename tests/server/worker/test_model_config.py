@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from kvscale.server.worker.model_config import FAMILY_DEFAULTS, FIELD_ALIASES, load_model_config
-from kvscale.server.worker.model_llama import DecoderSpec, rope_inv_freq, spec_from_hf_config
+from kvscale.server.worker.model_gemma3 import Gemma3Spec
+from kvscale.server.worker.model_llama import DecoderSpec, spec_from_hf_config
 from kvscale.server.worker.model_loader import _ARCHITECTURES
+from kvscale.server.worker.rope import rope_inv_freq
 
 SHAPES = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
           "num_attention_heads": 4}
@@ -43,6 +45,53 @@ VARIANTS: list[dict] = [
     {"mlp_only_layers": None, "router_jitter_noise": 0.1},
 ]
 
+# Fields of one family, set away from their defaults, one variant each, on top of SHAPES.
+FAMILY_VARIANTS: dict[str, list[dict]] = {
+    # Partial rotary; longrope (its factors: 16 * 0.5 / 2 per list, for head_dim 16).
+    "phi3": [
+        {"partial_rotary_factor": 0.5},
+        {"rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5],
+                          "long_factor": [3.0, 3.5, 4.0, 4.5]},
+         "partial_rotary_factor": 0.5, "max_position_embeddings": 512, "original_max_position_embeddings": 128},
+        {"hidden_act": "silu", "resid_pdrop": 0.1},
+    ],
+    # The layer pattern two ways, the local RoPE base, the attention scale, soft-capping, RoPE per layer type.
+    "gemma3_text": [
+        {"sliding_window_pattern": 2, "rope_local_base_freq": 500.0, "query_pre_attn_scalar": 32},
+        {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 16,
+         "final_logit_softcapping": 30.0},
+        {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 2e5},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 3e3}}},
+        {"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    ],
+    # The layer pattern, the SwiGLU, the hub's older spelling of its YaRN, YaRN of its own.
+    "gpt_oss": [
+        {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 16, "swiglu_alpha": 1.5,
+         "swiglu_limit": 3.0, "num_local_experts": 6, "num_experts_per_tok": 3},
+        {"rope_theta": 150000.0, "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16.0,
+                                                  "beta_slow": 2.0, "truncate": False,
+                                                  "original_max_position_embeddings": 256}},
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                             "original_max_position_embeddings": 512}},
+    ],
+}
+# RoPE types that are not a config of the family: transformers' config class refuses them
+# (Phi3Config validates longrope alone), so there is nothing to compare against.
+NOT_A_CONFIG_OF = {"phi3": {"linear", "llama3"}}
+
+
+def rope_type(fields: dict) -> str | None:
+    rope = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+    return rope.get("rope_type") or rope.get("type")
+
+
+REFUSED = [(model_type, i, fields) for model_type, types in NOT_A_CONFIG_OF.items()
+           for i, fields in enumerate(VARIANTS) if rope_type(fields) in types]
+CASES = [(model_type, i, fields) for model_type in sorted(FAMILY_DEFAULTS) for i, fields in enumerate(VARIANTS)
+         if (model_type, i, fields) not in REFUSED] + [
+    (model_type, f"own{i}", fields) for model_type, variants in FAMILY_VARIANTS.items()
+    for i, fields in enumerate(variants)]
+
 
 def write_config(folder: Path, fields: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -67,20 +116,32 @@ def test_a_field_spelled_two_ways_is_read_as_transformers_reads_it(model_type):
     assert FIELD_ALIASES.get(model_type, {}) == CONFIG_MAPPING[model_type].attribute_map
 
 
-@pytest.mark.parametrize("variant", range(len(VARIANTS)))
-@pytest.mark.parametrize("model_type", sorted(FAMILY_DEFAULTS))
-def test_the_engine_reads_a_config_as_transformers_does(model_type, variant, tmp_path):
+@pytest.mark.parametrize(("model_type", "variant", "fields"), CASES, ids=[f"{t}-{v}" for t, v, _ in CASES])
+def test_the_engine_reads_a_config_as_transformers_does(model_type, variant, fields, tmp_path):
     from transformers import AutoConfig
 
-    folder = write_config(tmp_path, {"model_type": model_type, **SHAPES, **VARIANTS[variant]})
+    folder = write_config(tmp_path, {"model_type": model_type, **SHAPES, **fields})
     ours = load_model_config(folder)
     theirs = AutoConfig.from_pretrained(str(folder))
-    assert family_spec(ours) == family_spec(theirs)
-    head_dim = spec_from_hf_config(theirs).head_dim
-    our_freq, our_scale = rope_inv_freq(ours, head_dim)
-    their_freq, their_scale = rope_inv_freq(theirs, head_dim)
-    assert our_scale == pytest.approx(their_scale)
-    torch.testing.assert_close(our_freq, their_freq)
+    our_spec, their_spec = family_spec(ours), family_spec(theirs)
+    assert our_spec == their_spec
+    head_dim = their_spec.head_dim
+    # Gemma 3: one RoPE per layer type, each from the spec's parameters; the others: the config's.
+    kinds = our_spec.rope if isinstance(our_spec, Gemma3Spec) else {None: None}
+    for kind, params in kinds.items():
+        their_params = their_spec.rope[kind] if isinstance(their_spec, Gemma3Spec) and kind else None
+        our_freq, our_scale = rope_inv_freq(ours, head_dim, params, layer_type=kind)
+        their_freq, their_scale = rope_inv_freq(theirs, head_dim, their_params, layer_type=kind)
+        assert our_scale == pytest.approx(their_scale)
+        torch.testing.assert_close(our_freq, their_freq)
+
+
+@pytest.mark.parametrize(("model_type", "variant", "fields"), REFUSED, ids=[f"{t}-{v}" for t, v, _ in REFUSED])
+def test_the_variants_left_out_are_refused_by_transformers(model_type, variant, fields, tmp_path):
+    from transformers import AutoConfig
+
+    with pytest.raises(Exception, match="rope"):
+        AutoConfig.from_pretrained(str(write_config(tmp_path, {"model_type": model_type, **SHAPES, **fields})))
 
 
 def test_the_bundled_model_reads_as_transformers_reads_it():
@@ -95,7 +156,8 @@ def test_the_bundled_model_reads_as_transformers_reads_it():
 
 @pytest.mark.parametrize(("fields", "message"), [
     ({"model_type": "gpt2", **SHAPES},
-     "model type 'gpt2' is not supported (supported: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)"),
+     "model type 'gpt2' is not supported (supported: gemma3_text, gpt_oss, llama, mistral, mixtral, phi3, qwen2, "
+     "qwen3, qwen3_moe)"),
     ({"model_type": "mixtral", **SHAPES, "num_experts": 4, "num_local_experts": 6},
      "names both num_experts (4) and num_local_experts (6)"),
     (SHAPES, "model type None is not supported"),
@@ -116,3 +178,18 @@ def test_a_folder_without_a_readable_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="holds no JSON object"):
         load_model_config(tmp_path)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"model_type": "phi3", "hidden_act": "gelu"}, "Phi-3 with hidden_act 'gelu'"),
+    ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}, "Gemma 3 with attn_logit_softcapping=50.0"),
+    ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "Gemma 3 with use_bidirectional_attention"),
+    ({"model_type": "gemma3_text", "hidden_activation": "gelu"}, "Gemma 3 with hidden_activation 'gelu'"),
+    ({"model_type": "gemma3_text", "layer_types": ["sliding_attention"]}, "layer_types"),
+    ({"model_type": "gpt_oss", "layer_types": ["sliding_attention"]}, "layer_types"),
+    ({"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}},
+     "gpt-oss checkpoint quantized with 'mxfp4'"),
+])
+def test_a_field_the_engine_cannot_honour_is_refused_at_load(fields, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        family_spec(load_model_config(write_config(tmp_path, {**SHAPES, **fields})))

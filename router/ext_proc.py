@@ -1,0 +1,235 @@
+"""The router as a Gateway API Inference Extension endpoint picker: `kvscale router --ext-proc-port`.
+
+A gRPC server for Envoy's ``envoy.service.ext_proc.v3.ExternalProcessor/Process`` beside the
+router's HTTP port, in the same process and on the same event loop, so that it reads the same
+state without locks: the replicas (discovery, health checks, Redis heartbeats), the prefix index,
+the load. Each request is ranked by the same steps the HTTP path takes (the router's candidates,
+its prefix hasher, its ``Decider``); the gateway then sends the request where the answer says
+(kvscale.router.ext_proc_messages has the protocol). What a routed request adds to the router's
+bookkeeping is what the HTTP path adds when it sends one: a predicted prefix on the first choice,
+an open request on it until the gateway closes the request's stream, the session's replica.
+
+The gRPC runtime is grpcio (with grpcio-health-checking for the health services gateways probe:
+``liveness``, ``readiness`` and the ext_proc service's own name); the Envoy API messages come from
+``xds-protos`` (see kvscale.router.ext_proc_messages for why that package).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from starlette.responses import Response
+
+from kvscale.drain import Drain
+from kvscale.router import ext_proc_messages as msg
+from kvscale.router import policy as routing
+from kvscale.router.errors import openai_error, request_json
+from kvscale.router.in_flight import OpenRequest
+from kvscale.router.prefix_hashes import PromptBlocks
+from kvscale.router.replicas import Replica
+
+log = logging.getLogger("kvscale.router.ext_proc")
+
+# The generation paths the router ranks by prompt; any other path goes to the least busy replica.
+ENDPOINT_OF_PATH = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+                    "/v1/responses": "responses"}
+# gRPC's own cap on one message, above the body cap: the headers and framing around a body.
+MESSAGE_HEADROOM_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Picked:
+    endpoints: list[str]  # ip:port, in retry order
+    opened: OpenRequest  # on the first choice, closed when the request's stream ends
+
+
+def endpoint_of(url: str) -> str:
+    """A replica's ``host:port`` from its base URL (http://10.0.0.7:8000 -> 10.0.0.7:8000): what
+    an ORIGINAL_DST cluster connects to, so replicas must be known by address, as discovery gives."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+def refusal_of(response: Response) -> msg.Refusal:
+    return msg.Refusal(response.status_code, bytes(response.body))
+
+
+def parse_body(raw: bytes) -> dict[str, Any] | msg.Refusal:
+    """The request's JSON object, checked as the HTTP path checks it; an empty body is ``{}``."""
+    if not raw:
+        return {}
+    body = request_json(raw)
+    return refusal_of(body) if isinstance(body, Response) else body
+
+
+class EndpointPicker(pb_grpc.ExternalProcessorServicer):
+    """``Process``: one stream per HTTP request, answered from ``router``'s state (a
+    kvscale.router.app.Router, started)."""
+
+    def __init__(self, router: Any, max_body_bytes: int) -> None:
+        self.router = router
+        self.max_body_bytes = max_body_bytes
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802 (gRPC's name)
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        exchange = msg.Exchange(self.max_body_bytes)
+        picked: Picked | None = None
+        try:
+            async for request in request_iterator:
+                answers, now_picked = await self._answer(exchange, request)
+                picked = picked or now_picked
+                for answer in answers:
+                    yield answer
+                if answers and answers[-1].HasField("immediate_response"):
+                    return
+        finally:
+            if picked is not None:
+                self.router.in_flight.close(picked.opened)
+
+    async def _answer(self, exchange: msg.Exchange, request: pb.ProcessingRequest
+                      ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
+        kind = request.WhichOneof("request")
+        if kind == "request_headers":
+            exchange.take_headers(request)
+            if request.request_headers.end_of_stream:  # no body: decided on the headers alone
+                return await self._decide(exchange, lambda endpoints: [msg.headers_routed(endpoints)])
+            return ([] if exchange.full_duplex else [msg.headers_unchanged()]), None
+        if kind == "request_body":
+            chunk = request.request_body
+            if not exchange.add_chunk(chunk.body):
+                message = f"the request body is over {self.max_body_bytes} bytes"
+                return [msg.immediate(refusal_of(openai_error(413, message, "invalid_request_error")))], None
+            if exchange.decided:
+                return [msg.body_unchanged()], None
+            if chunk.end_of_stream:
+                return await self._decide(exchange, lambda endpoints: msg.routed_answers(exchange, endpoints))
+            # FULL_DUPLEX_STREAMED: gathered until the last chunk. Another mode's partial chunk
+            # (STREAMED) goes on as it is; its request is decided at its end.
+            return ([] if exchange.full_duplex else [msg.body_unchanged()]), None
+        if kind == "request_trailers":
+            if exchange.full_duplex and not exchange.decided:  # the body ended with trailers
+                return await self._decide(
+                    exchange, lambda endpoints: msg.routed_answers(exchange, endpoints, trailers=True))
+            return [msg.trailers_unchanged()], None
+        answer = msg.passthrough_answer(request)
+        return ([answer] if answer is not None else []), None
+
+    async def _decide(self, exchange: msg.Exchange,
+                      answers: Callable[[list[str]], list[pb.ProcessingResponse]]
+                      ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
+        exchange.decided = True
+        result = await pick(self.router, exchange.path, exchange.headers, exchange.body())
+        if isinstance(result, msg.Refusal):
+            return [msg.immediate(result)], None
+        return answers(result.endpoints), result
+
+
+async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes) -> Picked | msg.Refusal:
+    """Where a request goes: the HTTP path's candidates, prompt hashes and decision, then what
+    sending it there records (kvscale.router.app.Router.route and the Forwarder do the same)."""
+    started = time.perf_counter()
+    body = parse_body(raw)
+    if isinstance(body, msg.Refusal):
+        return body
+    model = body.get("model")
+    candidates = router._candidates(model)
+    if isinstance(candidates, Response):
+        return refusal_of(candidates)
+    config = router.config
+    endpoint = ENDPOINT_OF_PATH.get(path)
+    session = headers.get(config.session_header) if config.session_header else None
+    prompt = PromptBlocks([], 0, config.block_size)
+    hit_tokens = 0
+    if endpoint is None:  # /tokenize and the like: the least busy, as the HTTP path's pass-through
+        ranked: list[Replica] = sorted(candidates, key=lambda r: r.in_flight)
+        session = None
+    else:
+        if routing.uses_prefix(config.policy):
+            prompt = await router._prompt_blocks(endpoint, body, model, len(raw))
+        hash_key: int | str = prompt.hashes[0] if prompt.hashes else (
+            f"{model}|{str(body.get('prompt', body.get('messages', body.get('input'))))[:256]}")
+        decision = router.decider.decide(
+            candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens, prompt.block_size)
+        hit_tokens = decision.matched_blocks * prompt.block_size
+        metrics = router.metrics
+        metrics.predicted_hit_tokens.inc(hit_tokens)
+        metrics.predicted_hit_tokens_per_request.observe(hit_tokens)
+        metrics.prompt_tokens.inc(prompt.prompt_tokens)
+        metrics.decision_seconds.observe(time.perf_counter() - started)
+        by_id = {r.replica_id: r for r in candidates}
+        ranked = [by_id[rid] for rid in decision.ranked]
+    ranked = ranked[: max(1, config.max_attempts)]
+    first = ranked[0]
+    if prompt.hashes:
+        router.index.predict(first.replica_id, prompt.hashes, time.monotonic())
+    opened = router.in_flight.open(first, max(prompt.prompt_tokens - hit_tokens, 1))
+    router.decider.sessions.remember(session, first.replica_id)
+    return Picked([endpoint_of(r.url) for r in ranked], opened)
+
+
+def bind_address(host: str | None, port: int) -> str:
+    if host is None:
+        return f"[::]:{port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def follow_drain(health: health_aio.HealthServicer, drain: Drain, every_s: float = 0.25) -> None:
+    """Once the router drains (SIGTERM), every health name but ``liveness`` answers NOT_SERVING,
+    so that gateways probing them turn to another picker; ``Process`` still answers meanwhile."""
+    while not drain.draining:
+        await asyncio.sleep(every_s)
+    for name in ("", *msg.HEALTH_SERVICES):
+        if name != "liveness":
+            await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+async def start_server(router: Any, host: str | None, port: int, max_body_bytes: int
+                       ) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+    limit = max_body_bytes + MESSAGE_HEADROOM_BYTES
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                      ("grpc.max_send_message_length", limit)])
+    pb_grpc.add_ExternalProcessorServicer_to_server(EndpointPicker(router, max_body_bytes), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    for name in ("", *msg.HEALTH_SERVICES):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    address = bind_address(host, port)
+    if server.add_insecure_port(address) == 0:
+        raise SystemExit(f"kvscale router: --ext-proc-port: cannot listen on {address}")
+    await server.start()
+    log.info("endpoint picker (Envoy ext_proc, gRPC) listening on %s", address)
+    return server, health
+
+
+def serve_beside(app: Any, host: str | None, port: int, max_body_bytes: int) -> None:
+    """Run the picker for the life of ``app`` (the router's Starlette app): started once the
+    router is (tokenizers loaded, Redis feed open), stopped before it stops."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(started_app: Any) -> AsyncIterator[None]:
+        async with inner(started_app):
+            server, health = await start_server(started_app.state.router, host, port, max_body_bytes)
+            draining = asyncio.create_task(follow_drain(health, started_app.state.drain), name="picker-drain")
+            try:
+                yield
+            finally:
+                draining.cancel()
+                await server.stop(grace=1.0)
+
+    app.router.lifespan_context = lifespan

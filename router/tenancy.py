@@ -1,0 +1,135 @@
+"""Who a request comes from and whether its tenant's limits let it in: what the router's
+endpoints ask before routing (docs/router.md, "Tenants").
+
+Without ``--tenants`` it is the single ``--api-key`` check and every request is let in. With it,
+the admission gate (router/admission.py) has matched the key from the request's head and left the
+tenant in the ASGI scope; a generation request is then charged to the tenant's window in Redis
+(router/tenant_limiter.py) and answered 429 over a limit, and the tokens it reserved are settled
+with the usage its answer reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvscale.router import rate_limits as rules
+from kvscale.router.auth import bearer_digest, check_api_key
+from kvscale.router.errors import openai_error
+from kvscale.router.metrics import RouterMetrics
+from kvscale.router.tenant_limiter import TenantLimiter
+from kvscale.router.tenants import SCOPE_KEY, Tenant, TenantFile, TenantTable
+
+# A request routed twice (a held request whose replica went away: router/app.py) is admitted once.
+GRANT_KEY = "kvscale.tenant_grant"
+UNAUTHORIZED = ("invalid or missing API key", "authentication_error", "invalid_api_key")
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A request let in: its tenant (None without --tenants), the rate-limit headers for the
+    client, and what to do with its answer's status and tail once it ends."""
+
+    tenant: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    on_done: Callable[[int, bytes], None] | None = None
+
+
+class Tenancy:
+    def __init__(self, api_key: str | None, tenants: TenantFile | None, redis_url: str | None,
+                 redis_timeout_s: float, metrics: RouterMetrics) -> None:
+        self.api_key = api_key
+        self.tenants = tenants
+        self.redis_url = redis_url
+        self.redis_timeout_s = redis_timeout_s
+        self.metrics = metrics
+        self._limiter: TenantLimiter | None = None
+        self._series: set[str] = set()
+        if tenants is not None:
+            self._label(tenants.table)
+            tenants.on_reload.append(self._label)
+
+    def _label(self, table: TenantTable) -> None:
+        """Series for the tenants of the file only (bounded), zero from the start; a tenant the
+        file no longer lists leaves them."""
+        names = set(table.names)
+        for gone in self._series - names:
+            self.metrics.tenant_requests.remove(gone)
+            for kind in rules.LIMIT_KINDS:
+                self.metrics.tenant_rate_limited.remove(gone, kind)
+        for name in names:
+            self.metrics.tenant_requests.labels(name)
+            for kind in rules.LIMIT_KINDS:
+                self.metrics.tenant_rate_limited.labels(name, kind)
+        self._series = names
+
+    def authenticate(self, request: Request) -> JSONResponse | None:
+        """None when the request may pass, else the 401 to answer with."""
+        if self.tenants is None:
+            return check_api_key(request, self.api_key)
+        if SCOPE_KEY not in request.scope:  # the app served without the gate (tests, embedding)
+            request.scope[SCOPE_KEY] = self.tenants.current().match(
+                bearer_digest(request.headers.get("authorization", "")))
+        return None if request.scope[SCOPE_KEY] is not None else openai_error(401, *UNAUTHORIZED)
+
+    @staticmethod
+    def tenant_of(request: Request) -> Tenant | None:
+        tenant = request.scope.get(SCOPE_KEY)
+        return tenant if isinstance(tenant, Tenant) else None
+
+    async def admit(self, request: Request, endpoint: str, body: dict[str, Any],
+                    prompt_tokens: int, body_bytes: int) -> Grant | Response:
+        """Charge a generation request to its tenant's window: the grant, or the 429."""
+        tenant = self.tenant_of(request)
+        if tenant is None:
+            return Grant()
+        if isinstance(granted := request.scope.get(GRANT_KEY), Grant):
+            return granted
+        grant = await self._admit(tenant, endpoint, body, prompt_tokens, body_bytes)
+        if isinstance(grant, Grant):
+            request.scope[GRANT_KEY] = grant
+        return grant
+
+    async def _admit(self, tenant: Tenant, endpoint: str, body: dict[str, Any],
+                     prompt_tokens: int, body_bytes: int) -> Grant | Response:
+        self.metrics.tenant_requests.labels(tenant.name).inc()
+        if not tenant.limited:
+            return Grant(tenant.name)
+        cost = rules.request_tokens(endpoint, body, prompt_tokens, body_bytes)
+        counts = await self._limiter_now().admit(tenant, cost) if self.redis_url else None
+        if counts is None:
+            if not self.redis_url:
+                self.metrics.tenant_limits_unchecked.inc()  # a reload added limits without Redis
+            return Grant(tenant.name)
+        headers = rules.headers(tenant, counts)
+        if counts.over:
+            self.metrics.tenant_rate_limited.labels(tenant.name, counts.over).inc()
+            refused = openai_error(429, rules.refusal_message(tenant, counts, cost), counts.over,
+                                   "rate_limit_exceeded")
+            if not rules.too_large(tenant, cost):
+                headers["retry-after"] = str(rules.retry_after_s(counts.reset_ms))
+            refused.headers.update(headers)
+            return refused
+        limiter = self._limiter_now()
+
+        def settle(status: int, tail: bytes) -> None:
+            delta = rules.settlement(cost, rules.usage_tokens(tail), status)
+            limiter.correct(tenant.name, counts.window, delta)
+
+        return Grant(tenant.name, headers, settle if tenant.tokens_per_minute else None)
+
+    def _limiter_now(self) -> TenantLimiter:
+        """Made on first use, on the event loop that serves (its client belongs to that loop)."""
+        if self._limiter is None:
+            assert self.redis_url is not None
+            self._limiter = TenantLimiter(self.redis_url, self.redis_timeout_s,
+                                          self.metrics.tenant_limits_unchecked.inc)
+        return self._limiter
+
+    async def close(self) -> None:
+        if self._limiter is not None:
+            await self._limiter.close()

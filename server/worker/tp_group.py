@@ -1,0 +1,369 @@
+"""Tensor parallel over torch.distributed: rank 0 is the engine's own model runner, ranks
+1..N-1 are processes it spawns, each running the same model code on its shard (tp_shard.py,
+tp_layers.py). gloo on CPU, NCCL on GPUs (one device a rank), the same code path.
+
+The scheduler runs once, in rank 0. Each forward pass rank 0 prepares (the flattened ids,
+positions, attention metadata) goes to every other rank over a pipe before rank 0 runs it: a
+pickled message of a few small tensors, cheaper than a collective and, unlike one, free to wait
+without a timeout while the engine is idle. Then every rank runs the pass, meeting at the
+collectives inside it; only rank 0 samples. Block copies and the KV cache's allocation go the
+same way, so every rank's cache holds the same blocks, each of its own heads.
+
+A dead rank never hangs the engine: before each message rank 0 checks the processes are alive,
+a collective whose peer died fails (gloo sees the closed connection; the process group's timeout
+bounds the rest), and the error names the dead rank. The engine core turns any step's error into
+a failed core, so /health fails and every request in flight ends with an error. A rank whose
+parent (the fork server, which exits with the engine) dies gets SIGTERM, and its pipe's end of
+file, so none outlives the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import pickle
+import socket
+import traceback
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvscale.server.worker.attention_metadata import AttentionMetadata
+from kvscale.server.worker.model_runner import ModelRunner
+from kvscale.server.worker.sampler import Sampler
+from kvscale.server.worker.start_up_passes import StepProfile
+
+logger = logging.getLogger(__name__)
+
+# How long a collective may wait for its peers before it fails: a backstop for a rank that
+# stops without closing its connections; a dead process fails the collective at once.
+COLLECTIVE_TIMEOUT_S = 120.0
+# How long a rank may take to start: import torch, join the group, read its slices.
+START_TIMEOUT_S = 300.0
+
+
+class RankFailed(RuntimeError):
+    """A tensor-parallel rank died or failed: the engine cannot step any more."""
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    """What a rank process is started with (pickled by multiprocessing)."""
+
+    path: str
+    rank: int
+    size: int
+    init_method: str
+    dtype: torch.dtype
+    device_type: str
+    block_size: int
+    kv_cache_dtype: torch.dtype
+    num_threads: int
+
+
+def rank_device(device_type: str, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def load_shard(path: Path, hf_config: Any, dtype: torch.dtype, device: torch.device, rank: int,
+               size: int) -> Any:
+    """Rank ``rank``'s model: the family's decoder over its shard, joined to the other ranks."""
+    from kvscale.server.worker import model_llama
+    from kvscale.server.worker.model_loader import _materialize, model_spec
+    from kvscale.server.worker.tp_layers import join_ranks
+    from kvscale.server.worker.tp_shard import ShardPlan, read_shard, vocab_shard
+
+    spec = model_spec(hf_config)
+    plan = ShardPlan.for_spec(spec, rank, size)
+    shard_spec = plan.shard_spec(spec)
+    with torch.device("meta"):
+        model = model_llama.DecoderForCausalLM(shard_spec, hf_config)
+    _materialize(model, dtype, device)
+    model.load_hf_weights(read_shard(path, plan, dtype))
+    # Sampling, grammars and prompt checks see the whole vocabulary: the head gathers it.
+    model.spec = dataclasses.replace(shard_spec, vocab_size=spec.vocab_size)
+    join_ranks(model, spec.vocab_size, vocab_shard(spec.vocab_size, size, rank)[0], size)
+    return model.eval()
+
+
+def _portable(meta: AttentionMetadata) -> AttentionMetadata:
+    """The metadata without its kernel backend (each rank has its own), on the host."""
+    def host(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.cpu()
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return dataclasses.replace(value, **{f.name: host(getattr(value, f.name))
+                                                 for f in dataclasses.fields(value)})
+        return value
+
+    portable: AttentionMetadata = host(dataclasses.replace(meta, kernels=None))  # type: ignore[arg-type]
+    return portable
+
+
+def _on_device(meta: AttentionMetadata, device: torch.device, kernels: Any) -> AttentionMetadata:
+    def move(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return dataclasses.replace(value, **{f.name: move(getattr(value, f.name))
+                                                 for f in dataclasses.fields(value)})
+        return value
+
+    return dataclasses.replace(move(meta), kernels=kernels)
+
+
+def run_rank(settings: RankSettings, conn: Any) -> None:
+    """A rank process's main: join the group, load the shard, then mirror rank 0's messages."""
+    from kvscale.processes import die_with_parent
+
+    die_with_parent()
+    torch.set_num_threads(settings.num_threads)
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("nccl" if settings.device_type == "cuda" else "gloo",
+                                init_method=settings.init_method, rank=settings.rank,
+                                world_size=settings.size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        from kvscale.server.worker.model_config import load_model_config
+
+        device = rank_device(settings.device_type, settings.rank)
+        model = load_shard(Path(settings.path), load_model_config(settings.path), settings.dtype, device,
+                           settings.rank, settings.size)
+        runner = ModelRunner(model, settings.block_size, settings.dtype, device,
+                             kv_cache_dtype=settings.kv_cache_dtype)
+    except BaseException as exc:  # noqa: BLE001 - rank 0 must hear why
+        conn.send_bytes(pickle.dumps(("failed", f"{type(exc).__name__}: {exc}")))
+        raise
+    conn.send_bytes(pickle.dumps(("ready",)))
+    try:
+        _serve(runner, conn)
+    except BaseException:  # noqa: BLE001 - say why before the process dies
+        logger.error("tensor-parallel rank %d failed:\n%s", settings.rank, traceback.format_exc())
+        raise
+    dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def _serve(runner: ModelRunner, conn: Any) -> None:
+    model = runner.model
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:  # rank 0 is gone
+            return
+        kind = message[0]
+        if kind == "stop":
+            return
+        if kind == "alloc":
+            # Not allocate_kv_cache: its GPU warm-up is rank 0's, mirrored pass by pass.
+            num_blocks, max_model_len = message[1], message[2]
+            runner.kv_cache, runner.kv_caches = runner._new_kv_cache(num_blocks)
+            model.build_rope_cache(max_model_len)
+            runner.num_blocks, runner.max_model_len = num_blocks, max_model_len
+        elif kind == "copy":
+            runner.copy_blocks(message[1])
+        elif kind == "forward":
+            ids, positions, meta, logits_indices = message[1:]
+            device = runner.device
+            hidden = model.hidden_states(ids.to(device), positions.to(device), runner.kv_caches,
+                                         _on_device(meta, device, runner.kernels), logits_indices.to(device))
+            model.compute_logits(hidden)  # joins the head's all-gather; rank 0 samples
+        else:
+            raise ValueError(f"unknown tensor-parallel message {kind!r}")
+
+
+class RankProcesses:
+    """Ranks 1..N-1: their processes and the pipes rank 0 sends each step down."""
+
+    def __init__(self, processes: list[Any], conns: list[Any]) -> None:
+        self.processes = processes
+        self.conns = conns
+        self.closed = False
+
+    def dead(self) -> str | None:
+        """Which ranks have died, and how; None while all live."""
+        gone = [f"rank {i + 1} (pid {p.pid}, exit code {p.exitcode})"
+                for i, p in enumerate(self.processes) if not p.is_alive()]
+        return ", ".join(gone) if gone else None
+
+    def check(self) -> None:
+        dead = self.dead()
+        if self.closed or dead:
+            raise RankFailed(f"tensor-parallel {dead or 'ranks closed'}: the engine cannot run steps")
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        self.check()
+        data = pickle.dumps(message)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except OSError as exc:
+            raise RankFailed(f"tensor-parallel rank unreachable ({self.dead() or exc})") from exc
+
+    def wait_ready(self) -> None:
+        for i, conn in enumerate(self.conns):
+            if not conn.poll(START_TIMEOUT_S):
+                raise RankFailed(f"tensor-parallel rank {i + 1} did not start in {START_TIMEOUT_S:.0f} s")
+            try:
+                reply = pickle.loads(conn.recv_bytes())
+            except EOFError as exc:
+                raise RankFailed(f"tensor-parallel rank {i + 1} died while starting ({self.dead()})") from exc
+            if reply[0] != "ready":
+                raise RankFailed(f"tensor-parallel rank {i + 1} failed to start: {reply[1]}")
+
+    def close(self) -> None:
+        """Stop the ranks (they exit on the message or on their pipe's end of file)."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.conns:
+            try:
+                conn.send_bytes(pickle.dumps(("stop",)))
+            except OSError:
+                pass
+            conn.close()
+        for process in self.processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+class _MirroredModel:
+    """Rank 0's model: each forward pass's inputs go to the other ranks before it runs here."""
+
+    def __init__(self, model: Any, ranks: RankProcesses) -> None:
+        self._model = model
+        self._ranks = ranks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def hidden_states(self, ids: torch.Tensor, positions: torch.Tensor,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                      logits_indices: torch.Tensor) -> torch.Tensor:
+        self._ranks.send(("forward", ids.cpu(), positions.cpu(), _portable(meta), logits_indices.cpu()))
+        return self._guarded(self._model.hidden_states, ids, positions, kv_caches, meta, logits_indices)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._guarded(self._model.compute_logits, hidden)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(self.hidden_states(ids, positions, kv_caches, meta, logits_indices))
+
+    def _guarded(self, run: Any, *args: Any) -> Any:
+        try:
+            return run(*args)
+        except RuntimeError as exc:  # a collective failed: name the rank that took it down
+            raise RankFailed(f"tensor-parallel collective failed ({self._ranks.dead() or 'ranks alive'}): "
+                             f"{exc}") from exc
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: the plain one, whose passes, block copies and cache also run on the others."""
+
+    def __init__(self, model: Any, ranks: RankProcesses, block_size: int, dtype: torch.dtype,
+                 device: torch.device, *, kv_cache_dtype: torch.dtype) -> None:
+        super().__init__(_MirroredModel(model, ranks), block_size, dtype, device,  # type: ignore[arg-type]
+                         kv_cache_dtype=kv_cache_dtype)
+        self.ranks = ranks
+        self._finalizer = weakref.finalize(self, _close_group, ranks)
+
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        self.ranks.send(("alloc", num_blocks, max_model_len))
+        super().allocate_kv_cache(num_blocks, max_model_len)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            self.ranks.send(("copy", copies))
+        super().copy_blocks(copies)
+
+    def profile_run(self, lengths: list[int], sampler: Sampler) -> StepProfile:
+        # A refusal of the settings (ValueError: the core reports it as invalid), not a failure.
+        raise ValueError("tensor parallel cannot size the KV cache by a profiling pass yet (it swaps "
+                         "rank 0's cache only): give --num-gpu-blocks-override or --kv-cache-memory-bytes")
+
+    def capture_decode_graphs(self, max_num_seqs: int, capture: Any = None) -> bool:
+        logger.info("kvscale engine: decode steps run eagerly with tensor parallel (no CUDA graphs)")
+        return False
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _close_group(ranks: RankProcesses) -> None:
+    import torch.distributed as dist
+
+    ranks.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _start_under_a_daemon(process: Any) -> None:
+    """Start ``process`` even from a daemonic process (the engine core is one, so that it dies
+    with the front end). multiprocessing refuses that because a daemon's exit does not join its
+    children; the ranks need no joining: each exits on its pipe's end of file or when the fork
+    server, which exits with the engine, goes."""
+    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    was_daemon = config.get("daemon", False)
+    config["daemon"] = False
+    try:
+        process.start()
+    finally:
+        config["daemon"] = was_daemon
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start_tensor_parallel(path: Path, hf_config: Any, size: int, dtype: torch.dtype, device: torch.device,
+                          block_size: int, kv_cache_dtype: torch.dtype) -> tuple[Any, TensorParallelRunner]:
+    """Spawn ranks 1..size-1, join them as rank 0, load rank 0's shard: its model and runner."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group: one tensor-parallel "
+                           "engine per process")
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    # A fork server, this module preloaded: it imports torch once per engine process, and every
+    # rank forks from it (seconds each under spawn); unlike forking the engine itself, it has
+    # no threads (OpenMP's, the engine's) to break in the child.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    processes, conns = [], []
+    for rank in range(1, size):
+        parent_end, child_end = ctx.Pipe()
+        settings = RankSettings(str(path), rank, size, init_method, dtype, device.type, block_size,
+                                kv_cache_dtype, torch.get_num_threads())
+        process = ctx.Process(target=run_rank, args=(settings, child_end), name=f"kvscale-tp-rank-{rank}",
+                              daemon=True)
+        _start_under_a_daemon(process)
+        child_end.close()
+        processes.append(process)
+        conns.append(parent_end)
+    ranks = RankProcesses(processes, conns)
+    try:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=0,
+                                world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        model = load_shard(path, hf_config, dtype, rank_device(device.type, 0), 0, size)
+        ranks.wait_ready()
+    except BaseException:
+        _close_group(ranks)
+        raise
+    logger.info("kvscale engine: tensor parallel over %d ranks (pids %s, %s)", size,
+                ",".join(str(os.getpid()) if i == 0 else str(processes[i - 1].pid) for i in range(size)),
+                dist.get_backend())
+    return model, TensorParallelRunner(model, ranks, block_size, dtype, rank_device(device.type, 0),
+                                       kv_cache_dtype=kv_cache_dtype)

@@ -1,0 +1,74 @@
+"""Tiny random-weight checkpoints in the hub's tensor names, written directly with safetensors (no
+transformers import: most of a small test's time on a busy machine otherwise)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def copy_tokenizer(bundled: Path, path: Path, names: tuple[str, ...] = TOKENIZER_FILES) -> None:
+    for name in names:
+        shutil.copy(bundled / name, path / name)
+
+
+def decoder_layer_shapes(prefix: str, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                         inter: int | None) -> dict[str, tuple[int, ...]]:
+    """One Llama-style layer's attention, its dense MLP (none where ``inter`` is None: a MoE
+    layer's experts come from the caller) and its two norms, in the hub's order."""
+    shapes: dict[str, tuple[int, ...]] = {
+        prefix + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+        prefix + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        prefix + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+        prefix + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+    }
+    if inter is not None:
+        shapes.update({prefix + "mlp.gate_proj.weight": (inter, hidden),
+                       prefix + "mlp.up_proj.weight": (inter, hidden),
+                       prefix + "mlp.down_proj.weight": (hidden, inter)})
+    shapes.update({prefix + "input_layernorm.weight": (hidden,),
+                   prefix + "post_attention_layernorm.weight": (hidden,)})
+    return shapes
+
+
+def save_random_weights(path: Path, shapes: dict[str, tuple[int, ...]], std: float,
+                        norm_jitter: float | None) -> None:
+    """Matrices of N(0, std); norm weights 1 + N(0, norm_jitter), or exactly 1 where None."""
+    gen = torch.Generator().manual_seed(0)
+
+    def tensor(shape: tuple[int, ...]) -> torch.Tensor:
+        if len(shape) > 1:
+            return std * torch.randn(shape, generator=gen)
+        if norm_jitter is None:
+            return torch.ones(shape)
+        return 1.0 + norm_jitter * torch.randn(shape, generator=gen)
+
+    from safetensors.torch import save_file
+
+    save_file({name: tensor(shape) for name, shape in shapes.items()}, str(path / "model.safetensors"))
+
+
+def write_tiny_llama(path: Path, *, vocab: int, tie_word_embeddings: bool, rms_norm_eps: float,
+                     max_position_embeddings: int, norm_jitter: float | None) -> None:
+    """A 2-layer Llama with 6 query heads and 2 KV heads (3 ranks must replicate KV heads)."""
+    hidden, inter, heads, kv_heads, head_dim = 96, 192, 6, 2, 16
+    config: dict[str, Any] = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 2,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "max_position_embeddings": max_position_embeddings, "rms_norm_eps": rms_norm_eps,
+        "tie_word_embeddings": tie_word_embeddings, "bos_token_id": 1, "eos_token_id": 2}
+    (path / "config.json").write_text(json.dumps(config))
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    if not tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    shapes["model.norm.weight"] = (hidden,)
+    for i in range(2):
+        shapes.update(decoder_layer_shapes(f"model.layers.{i}.", hidden, heads, kv_heads, head_dim, inter))
+    save_random_weights(path, shapes, 0.08, norm_jitter)
