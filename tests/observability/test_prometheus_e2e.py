@@ -256,10 +256,10 @@ def ask_once(platform: Platform) -> list[str]:
         return [repr(exc)]
 
 
-def load(platform: Platform, seconds: float, workers: int = 3) -> list[str]:
-    """Chat requests through the router, a few streamed; returns the failures."""
-    client = openai.OpenAI(base_url=f"{platform.router_url}/v1", api_key="unused", max_retries=0,
-                           timeout=120)
+def load(platform: Platform, seconds: float, workers: int = 3, url: str = "") -> list[str]:
+    """Chat requests through the router (or to ``url``), a few streamed; returns the failures."""
+    client = openai.OpenAI(base_url=f"{url or platform.router_url}/v1", api_key="unused",
+                           max_retries=0, timeout=120)
     deadline = time.monotonic() + seconds
     failures: list[str] = []
 
@@ -381,7 +381,12 @@ def platform(k8s_env, tmp_path_factory):
         wait_until(lambda: p.query("query", query=decisions)["result"], timeout=60, interval=1,
                    what="the operator's series in Prometheus")
         time.sleep(2)
-        p.failures = load(p, 25)
+        # On a cluster the router would know only the service's one pod, so all of this load
+        # would reach it; `kvscale up`'s router knows both replicas from the start and may send
+        # everything to the one the operator does not scrape yet (it holds the system prompt after
+        # the first request), and the autoscaler would see an idle pod. So this load goes straight
+        # to the replica the pod is bound to; the router serves the load after the scale-up.
+        p.failures = load(p, 25, url=p.pods[next(iter(p.pods))])
 
         def scaled() -> bool:
             kvis = k8s_env.kubectl_json("get", "kvis", NAME, "-n", NS)
