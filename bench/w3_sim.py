@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from bench.w3_cache_aware import CacheAware
 from kvscale.router import policy as routing
 from kvscale.router.decision import HotBlocks, free_blocks, note_overload
 from kvscale.router.index import prediction_ttl
-from kvscale.router.prefill_ledger import RECENT_WAITS, Sent, waiting_prefill
+from kvscale.router.prefill_ledger import RECENT_WAITS, Sent, decode_left, waiting_prefill
 from kvscale.router.ttft_calibration import NONE as NO_CALIBRATION
 from kvscale.router.ttft_calibration import TtftCalibration
 
@@ -228,7 +229,10 @@ class SimRouter:
         # "/rawqueue": the router before it took a shared prefix's repeats off the heartbeat's
         # queue (kvscale.router.prefill_ledger.shared_prefix_tokens), for A/B in the same run.
         self.raw_queue = RAW_QUEUE in policy
-        self.policy = policy.replace(CAL, "").replace(FIXED_TTL, "").replace(RAW_QUEUE, "")
+        # "/noslot": the router before its estimate counted the wait for a batch slot
+        # (kvscale.router.predicted_ttft.slot_wait_s), for A/B in the same run.
+        self.no_slot = NO_SLOT in policy
+        self.policy = policy.replace(CAL, "").replace(FIXED_TTL, "").replace(RAW_QUEUE, "").replace(NO_SLOT, "")
         self.replicas = replicas
         self.block_size = block_size
         self.rng = random.Random(seed)
@@ -240,6 +244,9 @@ class SimRouter:
         self.hot = HotBlocks()  # as the real Decider keeps it: the room a cold prompt may take
         self.cache_aware = CacheAware(block_size)
         self.overloaded_since: dict[str, float] = {}  # the Decider's hysteresis state
+        # The router's ledger of its sends, by replica index, as far as the slot wait reads it.
+        self.sent: defaultdict[int, list[SimRequest]] = defaultdict(list)
+        self.decodes: defaultdict[int, deque[float]] = defaultdict(lambda: deque(maxlen=RECENT_WAITS))
 
     def stored(self, replica: int, hashes: list[int]) -> None:
         """The replica reported these blocks stored: as in the real index, a confirmed block is no
@@ -279,7 +286,11 @@ class SimRouter:
         cands = []
         ids = [f"r{rep.index}" for rep in self.replicas]
         calibration = self.calibration.current(ids) if self.calibration is not None else NO_CALIBRATION
+        slots = {rep.index: self.slot_inputs(rep, now) for rep in self.replicas}
+        typical = [statistics.median(d) for d in self.decodes.values() if d]
+        fleet_decode_s = statistics.median(typical) if typical else 0.0
         for rep in self.replicas:
+            mine, decodes = slots[rep.index]
             cands.append(routing.Candidate(
                 f"r{rep.index}", rep.load(), rep.kv_usage(),
                 self.matched(rep, req.hashes, now) if routing.uses_prefix(name) else 0,
@@ -289,6 +300,8 @@ class SimRouter:
                 free_blocks=free_blocks(rep.num_blocks, self.hot.footprint(f"r{rep.index}", now)),
                 recent_blocks=self.hot.recent(f"r{rep.index}", now),
                 ttft_scale=calibration.scale(f"r{rep.index}"),
+                batch_slots=0 if self.no_slot else rep.costs.max_num_seqs, sequences_ahead=rep.load(),
+                decode_left_s=decode_left(mine, statistics.median(decodes) if decodes else fleet_decode_s, now),
             ))
         self.counter += 1
         decision = routing.decide(
@@ -304,6 +317,7 @@ class SimRouter:
         req.record = self.record(req, cands, decision)
         req.predicted_ttft_s = decision.uncalibrated_ttft_s
         self.hot.sent(decision.ranked[0], req.hashes, now)
+        self.sent[chosen].append(req)
         if routing.uses_prefix(name):
             announced = next(rep.announced for rep in self.replicas if rep.index == chosen)
             for h in req.hashes:
@@ -311,6 +325,22 @@ class SimRouter:
                     self.predicted[chosen][h] = now
         return chosen
 
+
+    def slot_inputs(self, rep: SimReplica, now: float) -> tuple[list[Sent], deque[float]]:
+        """The router's open sends to ``rep`` as its ledger holds them at ``now`` (first byte seen
+        or not), and its recent decodes there (first byte to end), the ended sends moved to them."""
+        open_now, kept = [], []
+        decodes = self.decodes[rep.index]
+        for r in self.sent[rep.index]:
+            if r.finished is not None and r.finished <= now:
+                if r.first_token is not None:
+                    decodes.append(r.finished - r.first_token)
+                continue
+            kept.append(r)
+            started = r.first_token if r.first_token is not None and r.first_token <= now else None
+            open_now.append(Sent(r.prompt_tokens, r.arrival, started_at=started))
+        self.sent[rep.index] = kept
+        return open_now, decodes
 
     def queued(self, rep: SimReplica, now: float) -> int:
         """The replica's waiting prefill as the router reads it: a heartbeat taken now (``heartbeat_queue``)
@@ -358,4 +388,5 @@ ORACLE = "oracle"  # simulator only: it reads the replicas' true caches and queu
 
 FIXED_TTL = "/ttl10"
 RAW_QUEUE = "/rawqueue"
+NO_SLOT = "/noslot"
 CAL = "/cal"  # predicted-ttft/cal: decides on the calibrated estimate (the router's --ttft-calibration)

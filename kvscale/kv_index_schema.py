@@ -135,6 +135,9 @@ class Heartbeat:
     prefill_tokens_per_s: float = 0.0  # moving average over steps that prefilled (0: not measured)
     decode_step_s: float = 0.0  # moving average of a decode-only step
     step_token_budget: int = 0  # most tokens one engine step computes (max_num_batched_tokens)
+    # Most sequences one batch holds (max_num_seqs); 0 in a heartbeat from a replica before it
+    # published it: the router then counts no wait for a batch slot there.
+    max_num_seqs: int = 0
 
     @property
     def load(self) -> int:
@@ -152,7 +155,8 @@ class Heartbeat:
     def from_json(cls, replica_id: str, payload: str | bytes, received: float) -> Heartbeat:
         data = json.loads(payload)
         ints = ("block_size", "num_running", "num_waiting", "kv_blocks_active", "kv_blocks_total",
-                "kv_blocks_cached", "events_dropped", "prefill_tokens_waiting", "num_decoding", "step_token_budget")
+                "kv_blocks_cached", "events_dropped", "prefill_tokens_waiting", "num_decoding", "step_token_budget",
+                "max_num_seqs")
         floats = ("timestamp", "prefill_tokens_per_s", "decode_step_s")
         numbers: dict[str, Any] = {k: int(data.get(k, 0)) for k in ints}
         numbers.update({k: float(data.get(k, 0.0)) for k in floats})

@@ -26,6 +26,13 @@ class Candidate:
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     step_token_budget: int = 0  # the engine's max_num_batched_tokens; 0: unknown (one step)
+    # The batch's slots (the engine's max_num_seqs; 0: unknown, no slot wait), the sequences ahead
+    # of a request sent now (running + waiting + this router's sends the heartbeat has not counted),
+    # and the seconds of decoding left of the running ones this router can tell, soonest first
+    # (kvscale.router.predicted_ttft.slot_wait_s; docs/router.md, "predicted-ttft").
+    batch_slots: int = 0
+    sequences_ahead: int = 0
+    decode_left_s: tuple[float, ...] = ()
     # KV blocks not held by the prefixes recently routed there (None: unknown, room assumed).
     free_blocks: int | None = None
     # Distinct blocks this router sent there within the hot window: the room its recent traffic

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Container
@@ -130,11 +131,13 @@ def candidate_view(
     ttft_scale: float = 1.0,
     recent_blocks: int = 0,
     confirmed: Container[int] = frozenset(),
+    fleet_decode_s: float = 0.0,
 ) -> routing.Candidate:
     """One replica as the policy sees it; ``now`` is this router's monotonic clock, onto which
     the heartbeat's time is brought before any comparison (the replica's clock may be off);
     ``confirmed``: the blocks the replica reported holding (its waiting prefill counts a prefix
-    shared by requests queued there once)."""
+    shared by requests queued there once); ``fleet_decode_s``: the typical decode over the fleet
+    (a replica where none of ours has finished yet borrows it for its slot wait)."""
     hb = heartbeats.get(replica.replica_id)
     room: int | None = None
     hb_time = 0.0
@@ -145,7 +148,7 @@ def candidate_view(
         load = routing.effective_load(replica.in_flight, hb.load, hb_time, replica.last_finished)
         kv_usage = hb.kv_usage
         room = free_blocks(hb.kv_blocks_total, hot_blocks)
-    extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), now, hb_time, confirmed)
+    extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), now, hb_time, confirmed, fleet_decode_s)
     return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, host_blocks=host_blocks,
                              free_blocks=room, ttft_scale=ttft_scale, recent_blocks=recent_blocks, **extra)
 
@@ -170,7 +173,8 @@ def decision_record(views: list[routing.Candidate], decision: routing.Decision, 
         "t": round(now, 3), "key": str(hash_key), "chosen": decision.ranked[0] if decision.ranked else None, "reason": decision.reason,
         "replicas": {c.replica_id: {"matched": c.matched_blocks, "load": c.load, "queued": c.queued_prefill_tokens,
                                     "decoding": c.num_decoding, "rate": round(c.prefill_tokens_per_s, 1),
-                                    "free": c.free_blocks} for c in views},
+                                    "free": c.free_blocks, "ahead": c.sequences_ahead,
+                                    "slots": c.batch_slots} for c in views},
         "spill": None if decision.spill is None else {
             k: round(v, 3) if isinstance(v, float) else v for k, v in decision.spill.__dict__.items()},
     }
@@ -253,11 +257,15 @@ class Decider:
         calibration = self.calibration.current(list(by_id)) if ttft_policy else NONE
         # Decisions read the correction only when told to; the estimate reported is corrected anyway.
         applied = calibration if self.config.ttft_calibration else NONE
+        # How long a sequence holds a batch slot, for a replica where none of ours has ended yet.
+        decodes = [t for rid in by_id if (ledger := self.in_flight.ledger(rid)) is not None
+                   and (t := ledger.typical_decode_s()) > 0]
+        fleet_decode_s = statistics.median(decodes) if decodes else 0.0
         views = [
             candidate_view(r, matched[r.replica_id], self.heartbeats, self.in_flight, now,
                            self.hot.footprint(r.replica_id, now), in_host.get(r.replica_id, 0),
                            applied.scale(r.replica_id), self.hot.recent(r.replica_id, now),
-                           self.index.confirmed_view(r.replica_id))
+                           self.index.confirmed_view(r.replica_id), fleet_decode_s)
             for r in candidates
         ]
         index_stale = self.heartbeats.index_stale

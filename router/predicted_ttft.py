@@ -5,6 +5,7 @@ The estimate: for each replica, this request's time to first token
 from what costs time there, in tokens and seconds rather than in requests:
   ttft(r) = (queued_prefill_tokens(r) + uncached_tokens(r)) / prefill_tokens_per_s(r)
             + decode_step_s(r) * steps(r)        (only while r has sequences decoding)
+            + slot_wait(r)                       (only while the sequences ahead fill r's batch)
   steps(r) = ceil((queued_prefill_tokens(r) + uncached_tokens(r)) / step_token_budget(r))
 step_token_budget is the engine's max_num_batched_tokens: the queue ahead and our prompt share steps.
 uncached_tokens is the prompt minus the leading blocks r holds, where a block r holds in its host
@@ -15,7 +16,11 @@ the replica's own moving averages, each held within a factor RATE_SPREAD of the 
 replica serving cache hits runs short prefill steps whose fixed cost makes its tokens/s look low,
 and believing that would make every holder of a hot prefix look slow (prediction error turned
 into spreading). Every engine step that carries part of our prefill also runs every decode, so
-each such step costs one decode step on top.
+each such step costs one decode step on top. slot_wait: when the sequences ahead (the heartbeat's
+running + waiting, corrected by this router's sends) fill the batch (its max_num_seqs), the request
+waits for one to end: the k-th soonest end of the decoding left there, from this router's own
+record of its sends (its typical decode there, first byte to end, less what each has decoded);
+``slot_wait_s``. A replica that does not publish its batch size has none.
 
 The rule (why not simply the minimum): a prefix held on a replica stays there while the fleet can
 hold its hot prefixes; spreading it buys nothing and costs a second copy in the KV pools and a
@@ -80,7 +85,25 @@ def predicted_ttft(
     if candidate.num_decoding > 0 and candidate.decode_step_s > 0:
         per_step = candidate.step_token_budget if candidate.step_token_budget > 0 else work
         seconds += candidate.decode_step_s * math.ceil(work / max(per_step, 1.0))
-    return seconds
+    return seconds + slot_wait_s(candidate)
+
+
+def slot_wait_s(candidate: Candidate) -> float:
+    """Seconds a request sent now waits for a batch slot (docs/router.md, "predicted-ttft"): 0 while
+    the sequences ahead leave one free, or where the replica does not say its batch size. Else the
+    k-th slot to free, k = sequences_ahead + 1 - batch_slots: the running sequences' decoding left,
+    soonest first, the ones this router cannot tell (another router's) taken to end at the next
+    step (a lower bound); past one round, each further round a mean decode of the batch."""
+    slots = candidate.batch_slots
+    k = candidate.sequences_ahead + 1 - slots
+    if slots <= 0 or k <= 0:
+        return 0.0
+    step = candidate.decode_step_s
+    known = sorted(max(x, step) for x in candidate.decode_left_s)[:slots]
+    running = known + [step] * (slots - len(known))
+    running.sort()
+    rounds, j = divmod(k - 1, slots)
+    return running[j] + rounds * sum(running) / slots
 
 
 def pool_rates(candidates: Sequence[Candidate]) -> dict[str, float]:
@@ -220,7 +243,11 @@ def predicted_ttft_policy(
             ttft[anchor.replica_id], ttft[other.replica_id], saved, slack)
         judged = (anchor.replica_id, overloaded)
         # Before any wait is measured, the other's estimate is the wait the overload must outlast.
-        lasted = hold is None or (other is not None and hold.outlasted(anchor.replica_id, ttft[other.replica_id]))
+        # A full batch is no prediction error to smooth over: its slot wait alone overloading the
+        # anchor moves the request at once (docs/router.md, "Hysteresis").
+        lasted = hold is None or (other is not None and (
+            hold.outlasted(anchor.replica_id, ttft[other.replica_id])
+            or should_spill(anchor.ttft_scale * slot_wait_s(anchor), ttft[other.replica_id], saved, slack)))
         if other is not None and overloaded and lasted:
             spill = Spill(anchor.replica_id, ttft[anchor.replica_id], other.replica_id, ttft[other.replica_id],
                           saved, held)

@@ -19,6 +19,7 @@ Only the router's event loop touches a ledger, so it has no locks.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Callable, Container, Iterable, Sequence
 from collections.abc import Set as AbstractSet
@@ -193,6 +194,37 @@ def decoding_count(
     return max(0, heartbeat_decoding - finished_since) + started_since
 
 
+def sequences_ahead(
+    heartbeat_seqs: int | None, heartbeat_time: float, sent: Iterable[Sent]
+) -> int:
+    """Sequences a request sent now finds ahead of it on one replica (running and waiting): the
+    heartbeat's count, less our requests that finished since it, plus ours sent after it still
+    open. Without a heartbeat, our own open requests."""
+    after = finished_since = open_now = 0
+    for s in sent:
+        if s.finished_at is None:
+            open_now += 1
+            if s.sent_at > heartbeat_time:
+                after += 1
+        elif s.sent_at <= heartbeat_time < s.finished_at:
+            finished_since += 1
+    if heartbeat_seqs is None:
+        return open_now
+    return max(0, heartbeat_seqs - finished_since) + after
+
+
+def decode_left(sent: Iterable[Sent], typical_decode_s: float, now: float) -> tuple[float, ...]:
+    """Seconds of decoding left of our open requests on one replica, soonest first: each expected
+    to decode ``typical_decode_s`` (this router's recent first byte to end there) from its first
+    byte, less what it has decoded so far (0 once past it: it may end any step). A request not
+    started yet has it all ahead. Empty when nothing has finished yet (no typical length known)."""
+    if typical_decode_s <= 0:
+        return ()
+    left = [typical_decode_s - (now - s.started_at if s.started_at is not None else 0.0)
+            for s in sent if s.finished_at is None]
+    return tuple(sorted(max(x, 0.0) for x in left))
+
+
 class PrefillLedger:
     """Requests this router sent to one replica, by a key of the caller's choosing.
 
@@ -206,6 +238,8 @@ class PrefillLedger:
         self._finished: dict[int, Sent] = {}
         # The last few prefill waits (sent to first byte): how long a prediction must live here.
         self._waits: deque[float] = deque(maxlen=RECENT_WAITS)
+        # The last few decodes (first byte to end): how long a sequence holds a batch slot here.
+        self._decodes: deque[float] = deque(maxlen=RECENT_WAITS)
 
     def sent(self, key: int, tokens: int, now: float, hashes: Sequence[int] = (), prompt_tokens: int = 0) -> None:
         """``tokens``: what the replica must compute for it; ``hashes``: its prompt's full blocks."""
@@ -228,6 +262,13 @@ class PrefillLedger:
         if entry is not None and entry.started_at is not None:
             entry.finished_at = now
             self._finished[key] = entry
+            self._decodes.append(now - entry.started_at)
+
+    def typical_decode_s(self) -> float:
+        """The median of the last RECENT_WAITS decodes here (first byte to end); 0: none yet."""
+        if not self._decodes:
+            return 0.0
+        return statistics.median(self._decodes)
 
     def entries(self, now: float) -> list[Sent]:
         """Open requests, and finished ones recent enough that a heartbeat may still count them."""
@@ -241,17 +282,22 @@ class PrefillLedger:
 
 def ttft_inputs(
     heartbeat: Heartbeat | None, ledger: PrefillLedger | None, now: float, heartbeat_time: float,
-    confirmed: Container[int] = frozenset(),
+    confirmed: Container[int] = frozenset(), fleet_decode_s: float = 0.0,
 ) -> dict[str, Any]:
     """The predicted-ttft fields of a policy Candidate, from a replica's heartbeat (or None) and
     this router's ledger for it (or None). ``now`` and ``heartbeat_time`` (when the heartbeat was
     taken) are on the ledger's clock, this router's monotonic one; ``confirmed``: the blocks the
-    replica reported holding (the prefix index's)."""
+    replica reported holding (the prefix index's); ``fleet_decode_s``: the typical decode over the
+    fleet, for a replica where none of ours has finished yet."""
     sent = ledger.entries(now) if ledger is not None else []
     if heartbeat is None:
         return {"queued_prefill_tokens": queued_prefill_tokens(None, 0.0, sent),
                 "num_decoding": decoding_count(None, 0.0, sent)}
+    typical = (ledger.typical_decode_s() if ledger is not None else 0.0) or fleet_decode_s
     return {
+        "batch_slots": heartbeat.max_num_seqs,
+        "sequences_ahead": sequences_ahead(heartbeat.load, heartbeat_time, sent),
+        "decode_left_s": decode_left(sent, typical, now),
         "queued_prefill_tokens": waiting_prefill(
             heartbeat.prefill_tokens_waiting, heartbeat.num_waiting, heartbeat_time, sent, heartbeat.block_size,
             confirmed),

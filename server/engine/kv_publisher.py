@@ -340,6 +340,7 @@ class KVEventPublisher:
             prefill_tokens_per_s=round(self.rates.prefill_tokens_per_s, 3),
             decode_step_s=round(self.rates.decode_step_s, 6),
             step_token_budget=int(extra.get("max_num_batched_tokens", 0)),
+            max_num_seqs=int(extra.get("max_num_seqs", 0)),
         )
 
     def _heartbeat(self, client) -> None:

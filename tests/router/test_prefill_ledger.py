@@ -53,8 +53,10 @@ def test_ledger_tracks_open_requests_and_feeds_the_candidate_fields():
                      decode_step_s=0.02, step_token_budget=400)
     fields = ttft_inputs(beat, ledger, now=101.0, heartbeat_time=beat.timestamp)
     # 528 seen by the heartbeat, less request 1 (started after it); request 2 was sent before it.
+    # Two sequences ahead (the heartbeat's), no batch size published, nothing ended yet.
     assert fields == {"queued_prefill_tokens": 16, "num_decoding": 1, "prefill_tokens_per_s": 900.0,
-                      "decode_step_s": 0.02, "step_token_budget": 400}
+                      "decode_step_s": 0.02, "step_token_budget": 400, "batch_slots": 0,
+                      "sequences_ahead": 2, "decode_left_s": ()}
     ledger.done(1, now=101.2)
     ledger.done(2, now=101.2)  # never started (failed over): forgotten at once
     # Request 1 finished, but the 100.6 heartbeat still counts its prompt: it is still taken off.
