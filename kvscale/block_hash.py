@@ -38,15 +38,25 @@ def hash_block_tokens(
     return int.from_bytes(digest.digest()[:8], "little")
 
 
+def first_block_keys(cache_salt: str | None, lora_name: str | None = None) -> tuple[str, ...]:
+    """The extra keys of a sequence's first block: its cache salt and its LoRA adapter's name,
+    each where there is one (the chain carries them to every later block). A prompt under two
+    adapters, or under one and the base model, never shares a block."""
+    keys: tuple[str, ...] = (cache_salt,) if cache_salt else ()
+    return keys + ("lora:" + lora_name,) if lora_name else keys
+
+
 def hash_prompt_blocks(
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None = None,
     known: Sequence[int] = (),
+    lora_name: str | None = None,
 ) -> list[int]:
     """Chained hashes of every *full* block of ``token_ids`` (a trailing partial block has none).
 
-    The cache salt is an extra key of the first block only: the chain carries it onward.
+    The cache salt and the LoRA adapter's name are extra keys of the first block only
+    (``first_block_keys``): the chain carries them onward.
     ``known`` holds the hashes of the leading full blocks when the caller already computed them
     for these same tokens, block size and salt (the router's previous turn of a conversation);
     the chain continues after them.
@@ -54,7 +64,7 @@ def hash_prompt_blocks(
     hashes: list[int] = list(known)
     parent: int | None = hashes[-1] if hashes else None
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        extra = (cache_salt,) if (start == 0 and cache_salt) else ()
+        extra = first_block_keys(cache_salt, lora_name) if start == 0 else ()
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
         hashes.append(parent)
     return hashes

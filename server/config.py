@@ -70,6 +70,19 @@ class StructuredOutputsConfig:
 
 
 
+def lora_refusal(config: EngineConfig) -> str | None:
+    """Why these LoRA settings cannot run (docs/server.md, "LoRA adapters"); None where they can."""
+    if not config.enable_lora:
+        return "--lora-modules needs --enable-lora" if config.lora_modules else None
+    if config.max_loras < 1 or config.max_lora_rank < 1:
+        return "--max-loras and --max-lora-rank must be at least 1"
+    if config.tensor_parallel_size > 1:
+        return "--enable-lora cannot be combined with --tensor-parallel-size > 1 yet"
+    if config.quantization is not None:
+        return "--enable-lora cannot be combined with --quantization yet"
+    return None
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
@@ -101,8 +114,18 @@ class EngineConfig:
     # Ranks the model's heads, MLP and vocabulary are split over (vLLM's --tensor-parallel-size):
     # 1 runs in the engine core alone; N > 1 adds N - 1 rank processes (server/worker/tp_group.py).
     tensor_parallel_size: int = 1
+    # LoRA adapters (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank;
+    # server/worker/lora_manager.py): name -> PEFT directory, the adapters resident at once, their
+    # largest rank.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
+        why = lora_refusal(self)
+        if why is not None:
+            raise ValueError(why)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.block_size < 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
-from kvscale.block_hash import hash_block_tokens
+from kvscale.block_hash import first_block_keys, hash_block_tokens
 from kvscale.server.core.block_pool import TIER_DEVICE, TIER_HOST, BlockPool, TierCopies
 from kvscale.server.core.sequence import Sequence
 
@@ -38,11 +38,11 @@ class KVCacheManager:
     def _ensure_hashes(self, seq: Sequence, num_blocks: int) -> None:
         hashes = seq.block_hashes
         bs = self.block_size
-        salt = seq.request.cache_salt
+        first = first_block_keys(seq.request.cache_salt, seq.request.lora_name)
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            extra = (salt,) if (i == 0 and salt) else ()
+            extra = first if i == 0 else ()
             hashes.append(hash_block_tokens(parent, seq.token_ids[i * bs : (i + 1) * bs], extra))
 
     def find_cached_prefix(self, seq: Sequence) -> list[PrefixHit]:

@@ -102,6 +102,9 @@ class Request:
     # The tenant the router named (docs/server.md, "Tenants"): admission is fair across tenants
     # first. Empty: no tenant, one share for all such requests.
     tenant: str = ""
+    # The LoRA adapter serving this request (docs/server.md, "LoRA adapters"); None: the base
+    # model. Its name keys the prefix cache's first block (kvscale/block_hash.py).
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if not self.group:

@@ -115,7 +115,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if config.tensor_parallel_size > 1:
         model, runner = _start_ranks(config, path, model_config, dtype, device, kv_cache_dtype)
     else:
-        model = load_model(path, model_config, dtype, device, config.quantization)
+        model = load_model(path, model_config, dtype, device, config.quantization, shared=not config.enable_lora)
+    lora = None
+    if config.enable_lora:
+        from kvscale.server.worker.lora_manager import LoRAManager
+
+        lora = LoRAManager(model, config.lora_modules, config.max_loras, config.max_lora_rank, dtype, device)
     spec = model.spec
     wanted_len = supported_max_len(config, spec)
 
@@ -125,6 +130,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     sampler = Sampler(eos_ids, lambda token_id: tokenizer.decode([token_id]), seed=config.seed)
     if runner is None:
         runner = ModelRunner(model, config.block_size, dtype, device, kv_cache_dtype=kv_cache_dtype)
+    runner.lora = lora
     used = total = 0
     if device.type == "cuda":
         # RoPE tables for the longest possible sequence first: they stay for the engine's

@@ -235,7 +235,7 @@ class EngineCore:
                     return
                 if isinstance(message, AddRequests):
                     error = add_all(engine, [(r.request_id, r.prompt, r.params, r.cache_salt)
-                                             for r in message.requests], message.tenant)
+                                             for r in message.requests], message.tenant, message.lora_name)
                     if error is None:
                         self._outputs.put(Accepted(message.batch_id))
                     else:

@@ -185,13 +185,14 @@ class EngineCoreClient(EngineFront):
 
     # ------------------------------------------------------------------ to the core
 
-    def _submit(self, requests: list[NewRequest], accepted: asyncio.Future, tenant: str = "") -> None:
+    def _submit(self, requests: list[NewRequest], accepted: asyncio.Future, tenant: str = "",
+                lora_name: str = "") -> None:
         self._next_batch += 1
         self._batches[self._next_batch] = (requests, accepted)
         for request_id, _, params, _ in requests:
             self._text.add(request_id, params)
         self._send(AddRequests(self._next_batch, [NewRequestMsg(*request) for request in requests],
-                               tenant=tenant))
+                               tenant=tenant, lora_name=lora_name))
 
     def _send_abort(self, request_id: str) -> None:
         self._text.forget(request_id)

@@ -27,6 +27,7 @@ from kvscale.request_limits import DEFAULT_MAX_QUEUE_LEN, FieldLimits
 from kvscale.server.engine.engine_front import EngineFront
 from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from kvscale.server.entrypoints.lora_modules import LoRAModulePath, lora_model_card
 from kvscale.server.entrypoints.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvscale.server.entrypoints.metrics import HTTPStatusMiddleware, ServerMetrics
 from kvscale.server.entrypoints.protocol_responses import ResponsesRequest
@@ -72,6 +73,7 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     stream_interval: int = 1,
     response_store: ResponseStore | None = None,
+    lora_modules: Sequence[LoRAModulePath] = (),
 ) -> FastAPI:
     """The FastAPI app; starts reading the engine on startup and stops the engine on shutdown.
 
@@ -87,7 +89,7 @@ def build_app(
                           field_limits=field_limits, model_root=model_root, version=__version__,
                           vocab_size=vocab_size, tool_call_parser=tool_call_parser,
                           enable_auto_tool_choice=enable_auto_tool_choice,
-                          stream_interval=stream_interval)
+                          stream_interval=stream_interval, lora_modules=lora_modules)
     metrics = ServerMetrics(server.model_name, lambda: engine.stats)
     engine.observe(metrics.on_step, metrics.on_request_end)
     server.metrics = metrics
@@ -179,7 +181,7 @@ def build_app(
         return p.ModelList(data=[
             p.ModelCard(id=name, root=model_root or name, max_model_len=max_model_len)
             for name in server.served_model_names
-        ])
+        ] + [lora_model_card(m, server.model_name) for m in server.lora_modules.values()])
 
     @app.post("/tokenize", response_model=p.TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize_endpoint(body: p.TokenizeRequest) -> p.TokenizeResponse:

@@ -18,6 +18,7 @@ from kvscale.server.engine.cpu_binding import ENV as ENV_OMP_BIND
 from kvscale.server.engine.cpu_binding import RESERVE_FROM
 from kvscale.server.entrypoints import responses_store
 from kvscale.server.entrypoints.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from kvscale.server.entrypoints.lora_modules import check_lora_modules, parse_lora_module
 from kvscale.server.worker.model_config import FAMILY_DEFAULTS
 from kvscale.tokenization import TOOL_FORMATS
 
@@ -29,6 +30,7 @@ _ENGINE_FIELDS = (
     "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "num_gpu_blocks_override",
     "kv_cache_memory_bytes", "device", "seed", "quantization",
     "kv_offloading_size", "enforce_eager", "kv_cache_dtype", "async_scheduling", "tensor_parallel_size",
+    "enable_lora", "max_loras", "max_lora_rank",
 )
 
 
@@ -63,6 +65,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "overlaps the GPU's; steps of requests that need the host between tokens "
                             "(sampling, logprobs, penalties, grammars) stay synchronous "
                             "(default: on with a GPU, off on CPU)")
+
+    lora = parser.add_argument_group("LoRA adapters (docs/server.md)")
+    lora.add_argument("--enable-lora", action="store_true", default=None,
+                      help="serve LoRA adapters: a request's `model` names one (not with "
+                           "--tensor-parallel-size > 1 or --quantization yet)")
+    lora.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None, metavar="SPEC",
+                      help='adapters as name=path (a PEFT directory) or JSON {"name": ..., "path": ..., '
+                           '"base_model_name": ...}')
+    lora.add_argument("--max-loras", type=int, default=None,
+                      help="adapters resident at once, least recently used out first (default 1)")
+    lora.add_argument("--max-lora-rank", type=int, default=None,
+                      help="the largest adapter rank accepted (default 16)")
 
     cache = parser.add_argument_group("KV cache and batching")
     cache.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
@@ -204,9 +218,12 @@ def build(args: argparse.Namespace) -> Served:
         fields["structured_outputs_config"] = args.structured_outputs_config
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    lora_modules = list(args.lora_modules or [])
+    fields["lora_modules"] = {m.name: os.path.abspath(m.path) for m in lora_modules}
     config = EngineConfig(**fields)
     model_path = resolve_model_path(args.model)
     served_names = list(args.served_model_name or [served_model_name(config.model, None)])
+    check_lora_modules(lora_modules, served_names)
     cpus = split_cpus(os.sched_getaffinity(0), args.omp_threads_bind)
     logger.info("CPUs: engine core %s, HTTP front end %s (%s)",
                 ",".join(map(str, cpus.core)) if cpus.core else "unpinned",
@@ -238,7 +255,7 @@ def build(args: argparse.Namespace) -> Served:
                     model_root=str(model_path),
                     vocab_size=min(len(tokenizer), ready.vocab_size),
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    stream_interval=args.stream_interval, response_store=store)
+                    stream_interval=args.stream_interval, response_store=store, lora_modules=lora_modules)
     return Served(app, core, ready.model_name, ready.max_model_len, ready.block_size)
 
 

@@ -27,6 +27,7 @@ from kvscale.server.entrypoints.admission import (
     InvalidRequest,
     check_prompt,
 )
+from kvscale.server.entrypoints.lora_modules import LoRAModulePath
 from kvscale.server.entrypoints.tenant_header import REQUEST_TENANT
 from kvscale.server.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -225,6 +226,7 @@ class Prepared:
     constraint_param: str | None = None
     tools: Any = None  # chat's serving_tools.ToolPlan
     stream_interval: int | None = None  # the request's own (vLLM's extra field); None: the server's
+    lora_name: str = ""  # the LoRA adapter the request's `model` named; "": the base model
 
 
 class OpenAIServer:
@@ -247,8 +249,11 @@ class OpenAIServer:
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
         stream_interval: int = 1,
+        lora_modules: Sequence[LoRAModulePath] = (),
     ) -> None:
         self.engine = engine
+        # --lora-modules: a request's `model` may name one (docs/server.md, "LoRA adapters").
+        self.lora_modules = {m.name: m for m in lora_modules}
         self.tokenizer = tokenizer
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
@@ -302,9 +307,13 @@ class OpenAIServer:
     # -- checks shared by every generate endpoint
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        if model is not None and model not in self.served_model_names and model not in self.lora_modules:
             raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error",
                            param="model", code="model_not_found")
+
+    def lora_name_of(self, model: str | None) -> str:
+        """The adapter ``model`` names ("" for the base model), once check_model passed it."""
+        return model if model is not None and model in self.lora_modules else ""
 
     def check_capacity(self, sequences: int = 1) -> None:
         """Room in the queue for ``sequences`` more (a request's prompts times its ``n``)."""
@@ -383,7 +392,7 @@ class OpenAIServer:
         try:
             return await self.engine.add_requests(
                 requests, stream_interval=max(self.stream_interval, prepared.stream_interval or 1),
-                tenant=REQUEST_TENANT.get())
+                tenant=REQUEST_TENANT.get(), lora_name=prepared.lora_name)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
         except (ValueError, TypeError, OverflowError) as exc:

@@ -107,7 +107,7 @@ def prepare_chat(server: OpenAIServer, body: p.ChatCompletionRequest) -> Prepare
     except ValueError as exc:
         raise bad_request(str(exc), getattr(exc, "param", None)) from exc
     return Prepared(p.random_id("chatcmpl"), [ids], [""], [params], body.cache_salt, constraint_param, plan,
-                    stream_interval=body.stream_interval)
+                    stream_interval=body.stream_interval, lora_name=server.lora_name_of(body.model))
 
 
 class ChatFormatter(StreamFormatter):

@@ -110,7 +110,7 @@ def prepare_completion(server: OpenAIServer, body: p.CompletionRequest) -> Prepa
         else:
             echo_texts.append("")
     return Prepared(p.random_id("cmpl"), prompts, echo_texts, params, body.cache_salt, constraint_param,
-                    stream_interval=body.stream_interval)
+                    stream_interval=body.stream_interval, lora_name=server.lora_name_of(body.model))
 
 
 def _with_echo(server: OpenAIServer, num_top: int, prompt_ids: list[int],

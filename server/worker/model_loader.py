@@ -119,8 +119,13 @@ def _read_weights(path: Path) -> dict[str, Any]:
 _LOADED_MODELS: dict[tuple[str, float, str, str, str | None], Any] = {}
 
 
-def load_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantization: str | None = None) -> Any:
-    """Build kvscale's own model for ``hf_config`` and fill it from the checkpoint at ``path``."""
+def load_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantization: str | None = None,
+               *, shared: bool = True) -> Any:
+    """Build kvscale's own model for ``hf_config`` and fill it from the checkpoint at ``path``;
+    ``shared=False``: a model of its own, never shared (LoRA wraps its projections for one engine:
+    server/worker/lora_manager.py)."""
+    if not shared:
+        return _build_model(path, hf_config, dtype, device, quantization)
     key = (str(Path(path).resolve()), (Path(path) / "config.json").stat().st_mtime, str(dtype), str(device),
            quantization)
     model = _LOADED_MODELS.get(key)

@@ -13,6 +13,7 @@ import ctypes.util
 import functools
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +36,9 @@ from kvscale.server.worker.decode_graphs import (
 from kvscale.server.worker.model_llama import DecoderForCausalLM
 from kvscale.server.worker.sampler import Sampler
 from kvscale.server.worker.start_up_passes import StepProfile, profile_step, warm_up_passes
+
+if TYPE_CHECKING:
+    from kvscale.server.worker.lora_manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +123,7 @@ class ModelRunner:
         self.host_cache: HostKVCache | None = None  # the second KV tier, when there is one
         self.decode_graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps, unless eager
         self.block_table_rows = BlockTableRows(block_size)
+        self.lora: LoRAManager | None = None  # --enable-lora's adapters (server/worker/lora_manager.py)
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.kv_cache, self.kv_caches = self._new_kv_cache(num_blocks)
@@ -325,6 +330,9 @@ class ModelRunner:
         Placeholder inputs come from ``in_flight``'s tokens."""
         self.copy_blocks(copies)
         ids, positions, meta, logits_indices, sample_rows, prompt_rows = self.prepare(scheduled, in_flight)
+        if self.lora is not None:
+            self.lora.set_step([item.seq.request.lora_name for item in scheduled],
+                               [item.num_new_tokens for item in scheduled])
         hidden = None
         if self.decode_graphs is not None and meta.is_decode and not prompt_rows and len(ids) == len(sample_rows):
             hidden = self.decode_graphs.run(ids, positions, meta)

@@ -1,0 +1,130 @@
+"""The engine's LoRA adapters: the ones registered (``--lora-modules``), the few resident on the
+model's device (``--max-loras`` slots, least recently used first out), and each step's rows
+grouped by adapter for the wrapped projections (docs/server.md, "LoRA adapters").
+
+An adapter is read from its directory on first use and kept in host memory; a step needing one
+that is not resident evicts the least recently used one not in that step. A step that needs more
+adapters than slots holds them all for that step (the scheduler does not yet bound the adapters
+per step), and the pool shrinks back to its slots at the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvscale.server.worker.lora_adapter import LoRAAdapter, load_lora_adapter
+from kvscale.server.worker.lora_layers import (
+    LoRABatch,
+    LoRADeviceAdapter,
+    LoRALinear,
+    Slice,
+    fuse_adapter,
+)
+from kvscale.server.worker.model_llama import MLP, Attention, DecoderForCausalLM, DecoderLayer
+
+logger = logging.getLogger(__name__)
+
+
+def lora_model_refusal(model: DecoderForCausalLM) -> str | None:
+    """Why LoRA cannot wrap ``model``'s projections; None where it can."""
+    if model.spec.moe is not None:
+        return "LoRA on mixture-of-experts models is not supported"
+    for layer in model.layers:
+        if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
+            return f"LoRA supports the Llama-family decoder's layers only, not {type(model).__name__}'s"
+    return None
+
+
+def wrap_projections(model: DecoderForCausalLM, batch: LoRABatch) -> list[LoRALinear]:
+    """Replace every layer's four projections by LoRA wrappers around them."""
+    spec = model.spec
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    inter, hidden = spec.intermediate_size, spec.hidden_size
+    wrapped: list[LoRALinear] = []
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = [
+            (attn, "qkv_proj", (Slice("q_proj", 0, q), Slice("k_proj", q, kv), Slice("v_proj", q + kv, kv)), hidden),
+            (attn, "o_proj", (Slice("o_proj", 0, hidden),), q),
+            (mlp, "gate_up_proj", (Slice("gate_proj", 0, inter), Slice("up_proj", inter, inter)), hidden),
+            (mlp, "down_proj", (Slice("down_proj", 0, hidden),), inter),
+        ]
+        for parent, name, slices, in_features in parts:
+            proj = LoRALinear(getattr(parent, name), (i, name), slices, in_features, batch)
+            setattr(parent, name, proj)
+            wrapped.append(proj)
+    return wrapped
+
+
+class LoRAManager:
+    def __init__(self, model: DecoderForCausalLM, modules: dict[str, str], max_loras: int, max_lora_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        why = lora_model_refusal(model)
+        if why is not None:
+            raise ValueError(why)
+        self.paths = dict(modules)  # name -> PEFT directory
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.dtype, self.device = dtype, device
+        self.batch = LoRABatch()
+        self.wrapped = wrap_projections(model, self.batch)
+        # A CUDA graph would replay the rows' adapters of its capture (server/worker/decode_graphs.py).
+        model.graph_capture_blocker = "LoRA adapters (--enable-lora) group each step's rows by adapter"
+        # The one-call C path (server/worker/cpu_step_layers.py) would skip the wrappers: it is
+        # looked for anew and finds projections it does not run.
+        model._cpu_step_layers_checked = False
+        self._host: dict[str, LoRAAdapter] = {}
+        self.resident: OrderedDict[str, LoRADeviceAdapter] = OrderedDict()  # least recently used first
+        for name in self.paths:  # every adapter checked at start: a bad one fails the start, not a request
+            self._fused(name)
+        self.resident.clear()
+
+    def _fused(self, name: str) -> LoRADeviceAdapter:
+        """``name`` on the device, loaded (and made most recently used) where it is not."""
+        found = self.resident.get(name)
+        if found is not None:
+            self.resident.move_to_end(name)
+            return found
+        adapter = self._host.get(name)
+        if adapter is None:
+            adapter = self._host[name] = load_lora_adapter(name, self.paths[name], self.max_lora_rank)
+        found = self.resident[name] = fuse_adapter(adapter, self.wrapped, self.dtype, self.device)
+        return found
+
+    def _make_room(self, needed: set[str]) -> None:
+        """Evict least recently used adapters not in ``needed`` down to ``max_loras`` slots."""
+        for name in list(self.resident):
+            if len(self.resident) <= self.max_loras:
+                return
+            if name not in needed:
+                del self.resident[name]
+
+    def set_step(self, names: Sequence[str | None], num_tokens: Sequence[int]) -> None:
+        """Group this step's flattened rows by adapter: sequence i (adapter ``names[i]``, None for
+        the base model) holds the next ``num_tokens[i]`` rows."""
+        present = {n for n in names if n is not None}
+        if not present:
+            self.batch.groups = []
+            return
+        missing = present - set(self.resident)
+        if missing:
+            for name in missing:
+                self._fused(name)
+            self._make_room(present)
+        if len(present) == 1 and None not in names:
+            (name,) = present
+            self.batch.groups = [(self._fused(name), None)]
+            return
+        order = {name: i for i, name in enumerate(present)}
+        per_row = np.repeat(np.array([-1 if n is None else order[n] for n in names], dtype=np.int64),
+                            np.asarray(num_tokens, dtype=np.int64))
+        groups: list[tuple[LoRADeviceAdapter, torch.Tensor | None]] = []
+        for name, i in order.items():
+            rows = torch.from_numpy(np.flatnonzero(per_row == i)).to(self.device)
+            groups.append((self._fused(name), rows))
+        self.batch.groups = groups

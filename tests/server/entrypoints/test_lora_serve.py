@@ -1,0 +1,147 @@
+"""`kvscale serve --enable-lora --lora-modules ...` end to end: a real server on a tiny random-weight
+Llama, the official `openai` client. /v1/models lists each adapter with its parent and root, a
+request's `model` naming an adapter is served by it (the same text as the engine in process with
+that adapter), an unknown model keeps its 404, and what LoRA cannot run with is refused at start.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from api_helpers import ServeProcess  # noqa: E402
+from tiny_checkpoints import TOKENIZER_FILES, copy_tokenizer, write_tiny_llama  # noqa: E402
+
+from kvscale.server.config import EngineConfig
+from kvscale.server.engine.llm_engine import LLMEngine
+from kvscale.server.entrypoints.lora_modules import parse_lora_module
+from kvscale.server.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+HIDDEN, INTER, Q, KV = 96, 192, 96, 32  # tiny_checkpoints.write_tiny_llama's shapes
+
+
+def write_peft_adapter(path: Path, seed: int, rank: int, targets: dict[str, tuple[int, int]]) -> None:
+    """A LoRA adapter in PEFT's save_pretrained layout; ``targets``: module -> (in, out)."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(2):
+        for module, (fan_in, fan_out) in targets.items():
+            where = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{where}.{module}"
+            weights[f"{prefix}.lora_A.weight"] = 0.3 * torch.randn(rank, fan_in, generator=gen)
+            weights[f"{prefix}.lora_B.weight"] = 0.3 * torch.randn(fan_out, rank, generator=gen)
+    path.mkdir()
+    save_file(weights, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(targets),
+         "bias": "none", "task_type": "CAUSAL_LM"}))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from kvscale.model_files import resolve_model_path
+
+    root = tmp_path_factory.mktemp("lora-serve")
+    base = root / "base"
+    base.mkdir()
+    copy_tokenizer(resolve_model_path(None), base, (*TOKENIZER_FILES, "chat_template.jinja"))
+    write_tiny_llama(base, vocab=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                     max_position_embeddings=256, norm_jitter=None)
+    write_peft_adapter(root / "sql", 1, 4, {"q_proj": (HIDDEN, Q), "v_proj": (HIDDEN, KV),
+                                            "down_proj": (INTER, HIDDEN)})
+    write_peft_adapter(root / "chat", 2, 8, {"o_proj": (Q, HIDDEN), "gate_proj": (HIDDEN, INTER),
+                                             "up_proj": (HIDDEN, INTER)})
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    chat = json.dumps({"name": "chat", "path": str(checkpoint / "chat"), "base_model_name": "tiny-alias"})
+    proc = ServeProcess("--model", str(checkpoint / "base"), "--served-model-name", "tiny", "--dtype", "float32",
+                        "--device", "cpu", "--num-gpu-blocks-override", "64", "--max-model-len", "256",
+                        "--enable-lora", "--max-loras", "1", "--lora-modules", f"sql={checkpoint / 'sql'}", chat,
+                        env={"OMP_NUM_THREADS": "1"}, log_name="lora")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _complete(client: openai.OpenAI, model: str) -> str:
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.model == model
+    return out.choices[0].text
+
+
+def test_models_lists_each_adapter_with_its_parent_and_root(client, checkpoint) -> None:
+    cards = {m.id: m.model_dump() for m in client.models.list().data}
+    assert set(cards) == {"tiny", "sql", "chat"}
+    assert cards["sql"]["parent"] == "tiny" and cards["sql"]["root"] == str(checkpoint / "sql")
+    assert cards["chat"]["parent"] == "tiny-alias" and cards["chat"]["root"] == str(checkpoint / "chat")
+    assert cards["tiny"]["parent"] is None
+
+
+def test_a_request_naming_an_adapter_is_served_by_it(client, checkpoint) -> None:
+    engine = LLMEngine(EngineConfig(model=str(checkpoint / "base"), dtype="float32", device="cpu",
+                                    num_gpu_blocks_override=64, max_model_len=256, enable_lora=True,
+                                    lora_modules={"sql": str(checkpoint / "sql"), "chat": str(checkpoint / "chat")}))
+    expected = {}
+    for name in ("tiny", "sql", "chat"):
+        engine.add_request(name, PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           lora_name=None if name == "tiny" else name)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                expected[output.request_id] = output.outputs[0].text
+    assert len(set(expected.values())) == 3, "the adapters should change the tiny model's text"
+    for name in ("sql", "tiny", "chat", "sql"):  # one slot: adapters swap between requests
+        assert _complete(client, name) == expected[name], name
+    chat = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0)
+    assert chat.model == "sql" and chat.choices[0].message.content is not None
+
+
+def test_an_unknown_model_is_still_404(client) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    assert caught.value.body["code"] == "model_not_found"
+
+
+def test_lora_module_spellings() -> None:
+    assert parse_lora_module("a=/x/y") == parse_lora_module('{"name": "a", "path": "/x/y"}')
+    assert parse_lora_module('{"name": "a", "path": "/p", "base_model_name": "m"}').base_model_name == "m"
+    for bad in ("a", "=/p", '{"name": "a"}', '{"name": "a", "path": "/p", "extra": 1}'):
+        with pytest.raises(Exception, match="--lora-modules"):
+            parse_lora_module(bad)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+    (["--quantization", "int8"], "--quantization"),
+])
+def test_what_lora_cannot_run_with_is_refused_at_start(flags, message, capsys, checkpoint) -> None:
+    import argparse
+
+    from kvscale.server.entrypoints import cli_serve
+
+    parser = argparse.ArgumentParser()
+    cli_serve.add_arguments(parser)
+    args = parser.parse_args(["--model", str(checkpoint / "base"), "--enable-lora",
+                              "--lora-modules", f"sql={checkpoint / 'sql'}", *flags])
+    assert cli_serve.run(args) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,170 @@
+"""LoRA adapters in the engine (server/worker/lora_adapter.py, lora_layers.py, lora_manager.py):
+adapters made with PEFT on a tiny random-weight Llama; the engine's greedy tokens (float32) per
+adapter equal transformers + PEFT's generate, base and two adapters in one batch each get their own
+reference, a pool of one slot swaps adapters between steps, the prefix cache never shares a block
+across adapters, and what the engine does not apply is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from tiny_checkpoints import copy_tokenizer, write_tiny_llama  # noqa: E402
+
+from kvscale.server.config import EngineConfig
+from kvscale.server.engine.llm_engine import LLMEngine
+from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.worker.lora_adapter import load_lora_adapter
+
+VOCAB = 500
+NEW_TOKENS = 6
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# a1: every projection; a2: a few, another rank and rsLoRA's scaling.
+ADAPTERS = {"a1": dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
+            "a2": dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True)}
+
+
+def make_checkpoint_and_adapters(root: Path, bundled_model_path: Path, prompts: list[list[int]]):
+    """The tiny checkpoint, a PEFT directory per ``ADAPTERS`` entry, and HF + PEFT's greedy
+    tokens for each prompt: {None (base) or adapter name: [tokens per prompt]}."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    base_path = root / "base"
+    base_path.mkdir()
+    copy_tokenizer(bundled_model_path, base_path)
+    write_tiny_llama(base_path, vocab=VOCAB, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                     max_position_embeddings=256, norm_jitter=0.1)
+
+    def greedy(model) -> list[list[int]]:
+        out = []
+        with torch.inference_mode():
+            for prompt in prompts:
+                ids = torch.tensor([prompt])
+                seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                     min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+                out.append(seq[0, len(prompt):].tolist())
+        return out
+
+    refs: dict[str | None, list[list[int]]] = {}
+    paths: dict[str, str] = {}
+    for seed, (name, settings) in enumerate(ADAPTERS.items()):
+        base = LlamaForCausalLM.from_pretrained(str(base_path), dtype=torch.float32).eval()
+        if None not in refs:
+            refs[None] = greedy(base)
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(base, LoraConfig(init_lora_weights=False, **settings))
+        with torch.no_grad():  # B of a visible size: PEFT's random B is small next to the base weights
+            for param_name, param in peft_model.named_parameters():
+                if "lora_B" in param_name:
+                    param.normal_(0, 0.3)
+        path = root / name
+        peft_model.save_pretrained(str(path))
+        refs[name] = greedy(peft_model)
+        paths[name] = str(path)
+    return base_path, paths, refs
+
+
+@pytest.fixture(scope="module")
+def lora_setup(bundled_model_path, tmp_path_factory):
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 19)]
+    base, paths, refs = make_checkpoint_and_adapters(tmp_path_factory.mktemp("lora"), bundled_model_path, prompts)
+    assert refs["a1"] != refs[None] and refs["a2"] != refs[None], "adapters too weak to test anything"
+    return base, paths, refs, prompts
+
+
+def _engine(base: Path, paths: dict[str, str], **overrides) -> LLMEngine:
+    settings = dict(model=str(base), dtype="float32", device="cpu", num_gpu_blocks_override=64, block_size=8,
+                    max_num_batched_tokens=64, enable_lora=True, lora_modules=paths)
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def test_base_and_two_adapters_in_one_batch_each_match_peft(lora_setup, run_to_completion) -> None:
+    base, paths, refs, prompts = lora_setup
+    engine = _engine(base, paths, max_loras=2)
+    for name in (None, "a1", "a2"):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{name}-{i}", prompt, _greedy(), lora_name=name)
+    first = engine.step()  # every request prefilled in the same forward
+    assert not first or all(not out.finished for out in first)
+    outputs = run_to_completion(engine)
+    for name in (None, "a1", "a2"):
+        for i in range(len(prompts)):
+            assert outputs[f"{name}-{i}"].outputs[0].token_ids == refs[name][i], (name, i)
+
+
+def test_one_slot_swaps_adapters_between_requests(lora_setup, run_to_completion) -> None:
+    base, paths, refs, prompts = lora_setup
+    engine = _engine(base, paths, max_loras=1)
+    for turn, name in enumerate(("a1", "a2", None, "a1")):
+        engine.add_request(f"t{turn}", prompts[1], _greedy(), lora_name=name)
+        outputs = run_to_completion(engine)
+        assert outputs[f"t{turn}"].outputs[0].token_ids == refs[name][1], name
+        assert len(engine.runner.lora.resident) <= 1
+
+
+def test_prefix_cache_is_keyed_by_adapter(lora_setup, run_to_completion) -> None:
+    base, paths, _, prompts = lora_setup
+    engine = _engine(base, paths)
+    prompt = prompts[1]  # 19 tokens: two full blocks of 8 cacheable
+    cached = {}
+    for turn, name in enumerate((None, "a1", "a1", "a2", None)):
+        engine.add_request(f"t{turn}", prompt, _greedy(), lora_name=name)
+        cached[turn] = run_to_completion(engine)[f"t{turn}"].num_cached_tokens
+    assert cached == {0: 0, 1: 0, 2: 16, 3: 0, 4: 16}
+
+
+def test_an_unregistered_adapter_is_refused(lora_setup) -> None:
+    base, paths, _, prompts = lora_setup
+    engine = _engine(base, paths)
+    with pytest.raises(ValueError, match="LoRA adapter 'nope' is not registered"):
+        engine.add_request("x", prompts[0], _greedy(), lora_name="nope")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"use_dora": True}, "use_dora is not supported"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"r": 32}, "rank 32 is above --max-lora-rank 16"),
+    ({"target_modules": ["q_proj", "lm_head"]}, r"target_modules \['lm_head'\] are not supported"),
+])
+def test_what_the_engine_does_not_apply_is_refused(lora_setup, tmp_path, change, message) -> None:
+    _, paths, _, _ = lora_setup
+    shutil.copytree(paths["a1"], tmp_path / "a")
+    config_file = tmp_path / "a" / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **change}))
+    with pytest.raises(ValueError, match=message):
+        load_lora_adapter("a", str(tmp_path / "a"), max_rank=16)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"tensor_parallel_size": 2}, "--tensor-parallel-size"),
+    ({"quantization": "int8"}, "--quantization"),
+    ({"enable_lora": False}, "--lora-modules needs --enable-lora"),
+])
+def test_settings_lora_cannot_run_with_are_refused(settings, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{"enable_lora": True, "lora_modules": {"a": "/x"}, **settings})
+
+
+def test_the_adapter_keys_the_first_block_and_the_chain_carries_it() -> None:
+    from kvscale.block_hash import hash_prompt_blocks
+
+    tokens = list(range(32))
+    base = hash_prompt_blocks(tokens, 8)
+    assert hash_prompt_blocks(tokens, 8, lora_name=None) == base
+    a1 = hash_prompt_blocks(tokens, 8, lora_name="a1")
+    assert all(x != y for x, y in zip(a1, base, strict=True))
+    assert hash_prompt_blocks(tokens, 8, "salt", lora_name="a1") != a1 != hash_prompt_blocks(tokens, 8, lora_name="a2")
