@@ -101,16 +101,12 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
-        group: str = "", tenant: str = "",  # Request.group (the HTTP request; "": its own), .tenant
-        lora_name: str | None = None,  # a registered LoRA adapter (--lora-modules); None: the base model
+        group: str = "", tenant: str = "", lora_name: str | None = None,  # Request.group, .tenant, .lora_name
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        lora = self.runner.lora
-        if lora_name is not None and (lora is None or lora_name not in lora.paths):
-            raise ValueError(f"LoRA adapter {lora_name!r} is not registered (--enable-lora --lora-modules)")
         # The edges (the HTTP API, the offline LLM) validate requests with kvscale.server.entrypoints.admission,
         # one message per failure; here the same conditions are only asserted.
         if isinstance(prompt, str):
@@ -126,8 +122,8 @@ class LLMEngine:
         # max_model_len is capped by the pool, so a request within it always fits the pool.
         assert blocks_for(num_prompt + max_tokens, self.block_size) <= self.num_blocks
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
-        request = Request(request_id, prompt_text, token_ids, params, cache_salt, metrics, max_tokens, group=group,
-                          tenant=tenant, lora_name=lora_name)
+        request = Request(request_id, prompt_text, token_ids, params, cache_salt, metrics, max_tokens, group=group, tenant=tenant,
+                          lora_name=self.runner.registered_lora(lora_name))
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * num_prompt
         seq = Sequence(request, 0, list(token_ids), num_prompt, fork_into=params.n)

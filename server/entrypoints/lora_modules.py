@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,11 @@ def check_lora_modules(modules: list[LoRAModulePath], served_model_names: list[s
     taken = sorted(set(names) & set(served_model_names))
     if taken:
         raise ValueError(f"--lora-modules {taken} is already a served model name (--served-model-name)")
+
+
+def lora_name_of(modules: Mapping[str, LoRAModulePath], model: str | None) -> str:
+    """The adapter a request's ``model`` names ("" for the base model), once it passed check_model."""
+    return model if model is not None and model in modules else ""
 
 
 def lora_model_card(module: LoRAModulePath, base_model_name: str) -> p.ModelCard:

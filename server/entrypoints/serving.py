@@ -248,12 +248,10 @@ class OpenAIServer:
         vocab_size: int | None = None,
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
-        stream_interval: int = 1,
-        lora_modules: Sequence[LoRAModulePath] = (),
+        stream_interval: int = 1, lora_modules: Sequence[LoRAModulePath] = (),
     ) -> None:
         self.engine = engine
-        # --lora-modules: a request's `model` may name one (docs/server.md, "LoRA adapters").
-        self.lora_modules = {m.name: m for m in lora_modules}
+        self.lora_modules = {m.name: m for m in lora_modules}  # docs/server.md, "LoRA adapters"
         self.tokenizer = tokenizer
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
@@ -310,10 +308,6 @@ class OpenAIServer:
         if model is not None and model not in self.served_model_names and model not in self.lora_modules:
             raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error",
                            param="model", code="model_not_found")
-
-    def lora_name_of(self, model: str | None) -> str:
-        """The adapter ``model`` names ("" for the base model), once check_model passed it."""
-        return model if model is not None and model in self.lora_modules else ""
 
     def check_capacity(self, sequences: int = 1) -> None:
         """Room in the queue for ``sequences`` more (a request's prompts times its ``n``)."""

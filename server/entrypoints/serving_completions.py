@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.admission import resolve_max_tokens
+from kvscale.server.entrypoints.lora_modules import lora_name_of
 from kvscale.server.entrypoints.response_parts import top_entries, usage
 from kvscale.server.entrypoints.serving import (
     OpenAIServer,
@@ -110,7 +111,7 @@ def prepare_completion(server: OpenAIServer, body: p.CompletionRequest) -> Prepa
         else:
             echo_texts.append("")
     return Prepared(p.random_id("cmpl"), prompts, echo_texts, params, body.cache_salt, constraint_param,
-                    stream_interval=body.stream_interval, lora_name=server.lora_name_of(body.model))
+                    stream_interval=body.stream_interval, lora_name=lora_name_of(server.lora_modules, body.model))
 
 
 def _with_echo(server: OpenAIServer, num_top: int, prompt_ids: list[int],

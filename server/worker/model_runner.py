@@ -125,6 +125,12 @@ class ModelRunner:
         self.block_table_rows = BlockTableRows(block_size)
         self.lora: LoRAManager | None = None  # --enable-lora's adapters (server/worker/lora_manager.py)
 
+    def registered_lora(self, name: str | None) -> str | None:
+        """``name``, a LoRA adapter --lora-modules registered, or None (the base model); else ValueError."""
+        if name is not None and (self.lora is None or name not in self.lora.paths):
+            raise ValueError(f"LoRA adapter {name!r} is not registered (--enable-lora --lora-modules)")
+        return name
+
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.kv_cache, self.kv_caches = self._new_kv_cache(num_blocks)
         self.model.build_rope_cache(max_model_len)
