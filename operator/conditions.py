@@ -7,6 +7,7 @@ the generation it was computed for, and lastTransitionTime, which moves only whe
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ READY = "Ready"
 PROGRESSING = "Progressing"
 SCALING_ACTIVE = "ScalingActive"
 SYNCED = "Synced"  # every child of the current generation applied
+INFERENCE_POOL_READY = "InferencePoolReady"  # with spec.router.inferencePool (docs/gateway.md)
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,12 @@ def merge_conditions(
     updates: list[Condition],
     generation: int | None,
     now: dt.datetime | None = None,
+    dropped: Collection[str] = (),
 ) -> list[dict[str, Any]]:
-    """`existing` with `updates` applied; conditions not mentioned are kept as they are."""
+    """`existing` with `updates` applied; conditions not mentioned are kept as they are, but for
+    the ``dropped`` types: the aspect they reported no longer exists (a feature turned off)."""
     stamp = now_rfc3339(now)
-    merged = {c["type"]: dict(c) for c in existing or [] if "type" in c}
+    merged = {c["type"]: dict(c) for c in existing or [] if "type" in c and c["type"] not in dropped}
     for update in updates:
         previous = merged.get(update.type)
         unchanged = previous is not None and previous.get("status") == update.status_text

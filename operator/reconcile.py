@@ -10,7 +10,8 @@ from __future__ import annotations
 import kopf
 
 from kvscale.operator.apply import apply_children
-from kvscale.operator.conditions import SYNCED, Condition
+from kvscale.operator.conditions import INFERENCE_POOL_READY, SYNCED, Condition
+from kvscale.operator.gateway_pool import sync_inference_pool
 from kvscale.operator.inference_service import (
     ObjectKey,
     as_body,
@@ -46,13 +47,19 @@ def reconcile(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
                 not_applied(runtime, key, f"applying generation {generation} failed: {exc}",
                             "ApplyFailed", autoscaling)
                 raise
+            # Never fails the reconcile: without GIE's CRD the service serves as before.
+            pool = sync_inference_pool(runtime.kube, as_body(current), spec)
+            pool_conditions = [pool] if pool is not None else []
+            dropped = () if pool is not None else (INFERENCE_POOL_READY,)
             if conflicts:  # the periodic resync tries again: nothing to raise
                 not_applied(runtime, key, "; ".join(conflicts) + ": rename this InferenceService "
-                            "or remove those objects", "NameConflict", autoscaling)
+                            "or remove those objects", "NameConflict", [*autoscaling, *pool_conditions],
+                            dropped)
                 return
             refresh_status(runtime, key.name, key.namespace, applied_generation=generation,
-                           extra_conditions=[*autoscaling, Condition(
-                               SYNCED, True, "Applied", f"generation {generation} applied")])
+                           extra_conditions=[*autoscaling, *pool_conditions, Condition(
+                               SYNCED, True, "Applied", f"generation {generation} applied")],
+                           dropped_conditions=dropped)
         except ApiError as exc:
             runtime.metrics.error(key.uid, key.namespace, key.name, "reconcile")
             if exc.status in (401, 403):
@@ -61,10 +68,11 @@ def reconcile(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
 
 
 def not_applied(runtime: Runtime, key: ObjectKey, message: str, reason: str,
-                autoscaling: list[Condition]) -> None:
-    """Synced=False with why; status.observedGeneration stays where it was."""
+                others: list[Condition], dropped: tuple[str, ...] = ()) -> None:
+    """Synced=False with why, beside ``others``; status.observedGeneration stays where it was."""
     try:
         refresh_status(runtime, key.name, key.namespace,
-                       extra_conditions=[*autoscaling, Condition(SYNCED, False, reason, message)])
+                       extra_conditions=[*others, Condition(SYNCED, False, reason, message)],
+                       dropped_conditions=dropped)
     except ApiError:
         pass  # the API that refused the children may refuse the status too: the error stands

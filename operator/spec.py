@@ -32,6 +32,9 @@ DEFAULT_REDIS_IMAGE = "docker.io/library/redis:7.4.2"
 SERVER_PORT = 8000
 ROUTER_PORT = 8080
 REDIS_PORT = 6379
+# The endpoint picker's gRPC port (`kvscale router --ext-proc-port`): 9002, as GIE's pickers use.
+EXT_PROC_PORT = 9002
+FAIL_CLOSE = "FailClose"
 MODEL_SCHEMES = ("bundled://", "hf://", "pvc://")
 
 
@@ -157,6 +160,17 @@ class RouterResources:
 
 
 @dataclass(frozen=True)
+class InferencePoolSpec:
+    """`spec.router.inferencePool` (docs/gateway.md, "From an InferenceService"): the routers
+    also serve as a Gateway API Inference Extension endpoint picker, and an InferencePool names
+    the servers and that picker to a gateway."""
+
+    enabled: bool = False
+    ext_proc_port: int = EXT_PROC_PORT
+    failure_mode: str = FAIL_CLOSE  # or FailOpen: what the gateway does while no picker answers
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     enabled: bool = True
     replicas: int = 2
@@ -167,6 +181,7 @@ class RouterSpec:
     resources: RouterResources = field(default_factory=RouterResources)
     redis: RedisSource = field(default_factory=RedisSource)
     tenants: tuple[TenantSpec, ...] = ()
+    inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
 
 
 @dataclass(frozen=True)
@@ -252,6 +267,12 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         # The servers trust the router's tenant header only behind their own key (docs/server.md,
         # "Tenants"), and only the router reads the tenants.
         raise ValueError("router.tenants needs the router and apiKeySecretRef (the servers' key)")
+    if parsed.router.inference_pool.enabled and (
+            not parsed.router.enabled or parsed.api_key_secret is not None or parsed.router.tenants):
+        # The picker checks no key (docs/gateway.md, "What the picker does"): the router refuses
+        # --ext-proc-port beside an API key or tenants.
+        raise ValueError("router.inferencePool needs the router, and neither apiKeySecretRef nor "
+                         "router.tenants: the gateway authenticates")
     return parsed
 
 
@@ -279,7 +300,22 @@ def parse_router(router: dict[str, Any]) -> RouterSpec:
                         if secret else None),
         ),
         tenants=tuple(parse_tenant(t) for t in router.get("tenants") or ()),
+        inference_pool=parse_inference_pool(router.get("inferencePool") or {}),
     )
+
+
+def parse_inference_pool(pool: dict[str, Any]) -> InferencePoolSpec:
+    defaults = InferencePoolSpec()
+    parsed = InferencePoolSpec(
+        enabled=bool(pool.get("enabled", defaults.enabled)),
+        ext_proc_port=int(pool.get("extProcPort", defaults.ext_proc_port)),
+        failure_mode=str(pool.get("failureMode", defaults.failure_mode)),
+    )
+    if parsed.ext_proc_port == ROUTER_PORT or not 1 <= parsed.ext_proc_port <= 65535:
+        raise ValueError(f"router.inferencePool.extProcPort must be a port other than {ROUTER_PORT}")
+    if parsed.failure_mode not in ("FailOpen", FAIL_CLOSE):
+        raise ValueError("router.inferencePool.failureMode must be FailOpen or FailClose")
+    return parsed
 
 
 def parse_tenant(tenant: dict[str, Any]) -> TenantSpec:

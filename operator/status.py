@@ -9,7 +9,7 @@ import kopf
 
 from kvscale.operator import conditions, pod_status
 from kvscale.operator.children.labels import router_name, selector_string, service_url
-from kvscale.operator.conditions import SCALING_ACTIVE, SYNCED, Condition
+from kvscale.operator.conditions import INFERENCE_POOL_READY, SCALING_ACTIVE, SYNCED, Condition
 from kvscale.operator.hpa import EXTERNAL_AUTOSCALER
 from kvscale.operator.inference_service import (
     as_body,
@@ -48,7 +48,8 @@ def post_transitions(current: dict[str, Any], assessed: pod_status.Health,
                 and not external):
             continue  # its reason moves with every decision; scaling has its own Events
         is_problem = ((assessed.problem is not None and changed.reason == assessed.problem.reason)
-                      or (changed.type == SYNCED and changed.status is False) or external)
+                      or (changed.type in (SYNCED, INFERENCE_POOL_READY) and changed.status is False)
+                      or external)
         kopf.event(as_body(current), type="Warning" if is_problem else "Normal",
                    reason=changed.reason,
                    message=f"{changed.type}={changed.status_text}: {changed.message}")
@@ -57,7 +58,8 @@ def post_transitions(current: dict[str, Any], assessed: pod_status.Health,
 def refresh_status(runtime: Runtime, name: str, namespace: str,
                    extra: dict[str, Any] | None = None,
                    extra_conditions: list[Condition] | None = None,
-                   applied_generation: int | None = None) -> None:
+                   applied_generation: int | None = None,
+                   dropped_conditions: tuple[str, ...] = ()) -> None:
     """Status from the Deployment and pods; written only when something changed.
 
     ``status.observedGeneration`` moves only to an ``applied_generation``: a generation whose
@@ -89,7 +91,8 @@ def refresh_status(runtime: Runtime, name: str, namespace: str,
         "url": service_url(name, namespace, runtime.config.cluster_domain),
         "observedGeneration": (applied_generation if applied_generation is not None
                                else old_status.get("observedGeneration")),
-        "conditions": conditions.merge_conditions(old_status.get("conditions"), updates, generation),
+        "conditions": conditions.merge_conditions(old_status.get("conditions"), updates, generation,
+                                                  dropped=dropped_conditions),
         "router": router,
         **(extra or {}),
     }

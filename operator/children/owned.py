@@ -6,6 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvscale.operator.children.inference_pool import (
+    build_picker_service,
+    picker_service_name,
+    pool_wanted,
+)
 from kvscale.operator.children.labels import redis_name, router_name
 from kvscale.operator.children.redis import build_redis_deployment, build_redis_service
 from kvscale.operator.children.router import (
@@ -59,6 +64,9 @@ def build_children(name: str, namespace: str, spec: InferenceServiceSpec,
         router = service_router(name, namespace, spec, images.router)
         children += [*build_router_rbac(router), build_router_deployment(router),
                      build_router_pdb(router)]
+        if pool_wanted(spec):
+            # The InferencePool itself is applied apart, once its CRD is served (gateway_pool.py).
+            children.append(build_picker_service(name, namespace, spec))
         if spec.router.tenants:
             children.append(build_tenants_config_map(name, namespace, spec.router.tenants))
         if not spec.router.redis.external:
@@ -75,6 +83,8 @@ def unwanted_children(name: str, namespace: str, spec: InferenceServiceSpec) -> 
         unwanted += [("apps/v1", "deployments", router), ("policy/v1", "poddisruptionbudgets", router),
                      ("rbac.authorization.k8s.io/v1", "rolebindings", router),
                      ("rbac.authorization.k8s.io/v1", "roles", router), ("v1", "serviceaccounts", router)]
+    if not pool_wanted(spec):
+        unwanted.append(("v1", "services", picker_service_name(name)))
     if not spec.router.enabled or not spec.router.tenants:
         unwanted.append(("v1", "configmaps", tenants_config_map_name(name)))
     if not spec.router.enabled or spec.router.redis.external:

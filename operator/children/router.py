@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvscale.operator.children.inference_pool import ext_proc_container_port, ext_proc_port
 from kvscale.operator.children.labels import (
     headless_service_name,
     router_labels,
@@ -82,6 +83,9 @@ class RouterPod:
     scale_from_zero: str | None = None
     # The InferenceService whose tenants ConfigMap the router reads (`--tenants`); None: none.
     tenants_of: str | None = None
+    # `--ext-proc-port`: the routers also serve as the InferencePool's endpoint picker
+    # (docs/gateway.md, "From an InferenceService"); None: no picker.
+    ext_proc_port: int | None = None
     container_extras: Mapping[str, Any] = field(default_factory=dict)
     pod_extras: Mapping[str, Any] = field(default_factory=dict)
 
@@ -135,6 +139,7 @@ def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image:
         hold_timeout_s=spec.autoscaling.activation_timeout_seconds if to_zero else None,
         scale_from_zero=name if to_zero else None,
         tenants_of=name if tenants else None,
+        ext_proc_port=ext_proc_port(spec),
     )
 
 
@@ -157,6 +162,8 @@ def router_args(pod: RouterPod) -> list[str]:
         args += ["--scale-from-zero", pod.scale_from_zero]
     if pod.tenants_of is not None:
         args += tenants_args()
+    if pod.ext_proc_port is not None:
+        args += ["--ext-proc-port", str(pod.ext_proc_port)]
     return args
 
 
@@ -177,7 +184,8 @@ def router_container(pod: RouterPod) -> dict[str, Any]:
         **pod.container_extras,
         "command": ["kvscale"],
         "args": router_args(pod),
-        "ports": [http_port(ROUTER_PORT)],
+        "ports": [http_port(ROUTER_PORT),
+                  *([ext_proc_container_port(pod.ext_proc_port)] if pod.ext_proc_port else [])],
         "env": router_env(pod),
         "resources": dict(pod.resources),
         # /health is 503 while no server is ready: right for readiness, wrong for liveness, which
