@@ -91,19 +91,19 @@ def predicted_ttft(
 def slot_wait_s(candidate: Candidate) -> float:
     """Seconds a request sent now waits for a batch slot (docs/router.md, "predicted-ttft"): 0 while
     the sequences ahead leave one free, or where the replica does not say its batch size. Else the
-    k-th slot to free, k = sequences_ahead + 1 - batch_slots: the running sequences' decoding left,
-    soonest first, the ones this router cannot tell (another router's) taken to end at the next
-    step (a lower bound); past one round, each further round a mean decode of the batch."""
+    k-th slot to free, k = sequences_ahead + 1 - batch_slots, at most the whole batch: the running
+    sequences' decoding left, soonest first, the ones this router cannot tell (another router's)
+    taken to end at the next step (a lower bound). A queue deeper than one batch adds nothing here:
+    its prompts are in the queued prefill already, and counting their rounds of the batch as well
+    made the simulated grid's deep-queue cells worse (docs/performance.md, "Routing")."""
     slots = candidate.batch_slots
     k = candidate.sequences_ahead + 1 - slots
     if slots <= 0 or k <= 0:
         return 0.0
     step = candidate.decode_step_s
     known = sorted(max(x, step) for x in candidate.decode_left_s)[:slots]
-    running = known + [step] * (slots - len(known))
-    running.sort()
-    rounds, j = divmod(k - 1, slots)
-    return running[j] + rounds * sum(running) / slots
+    running = sorted(known + [step] * (slots - len(known)))
+    return running[min(k, slots) - 1]
 
 
 def pool_rates(candidates: Sequence[Candidate]) -> dict[str, float]:

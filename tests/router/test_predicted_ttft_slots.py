@@ -62,8 +62,9 @@ def test_the_slot_wait_is_the_kth_slot_to_free():
     two = holder(slots=2, ahead=2, left=(3.0, 1.0))
     assert slot_wait_s(two) == 1.0  # one must end: the sooner
     assert slot_wait_s(holder(slots=2, ahead=3, left=(3.0, 1.0))) == 3.0  # two must end
-    # Four ahead of two slots: the sooner slot frees at 1 s, then its next sequence decodes a mean of 2 s.
+    # Four ahead of two slots: the whole batch must end; the queue beyond it is in the queued prefill.
     assert slot_wait_s(holder(slots=2, ahead=4, left=(3.0, 1.0))) == 3.0
+    assert slot_wait_s(holder(slots=2, ahead=9, left=(3.0, 1.0))) == 3.0
     assert slot_wait_s(holder(slots=3, ahead=2)) == 0.0
     # Sequences this router cannot tell (another router's) may end at the next step: a lower bound.
     assert slot_wait_s(holder(slots=4, ahead=4, left=(5.0,))) == STEP
