@@ -83,6 +83,9 @@ class LoRAManager:
         for name in self.paths:  # every adapter checked at start: a bad one fails the start, not a request
             self._fused(name)
         self.resident.clear()
+        logger.info("kvscale engine: LoRA adapters %s (%d resident at once, rank up to %d); each layer runs "
+                    "module by module (no CUDA graphs, no one-call CPU layers)", ", ".join(self.paths) or "none",
+                    max_loras, max_lora_rank)
 
     def _fused(self, name: str) -> LoRADeviceAdapter:
         """``name`` on the device, loaded (and made most recently used) where it is not."""
