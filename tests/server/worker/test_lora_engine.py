@@ -98,8 +98,11 @@ def test_base_and_two_adapters_in_one_batch_each_match_peft(lora_setup, run_to_c
     for name in (None, "a1", "a2"):
         for i, prompt in enumerate(prompts):
             engine.add_request(f"{name}-{i}", prompt, _greedy(), lora_name=name)
-    first = engine.step()  # every request prefilled in the same forward
-    assert not first or all(not out.finished for out in first)
+    engine.step()
+    # The first forward held base rows and both adapters' rows (a segment each, base rows in neither).
+    groups = engine.runner.lora.batch.groups
+    assert sorted(adapter.name for adapter, _ in groups) == ["a1", "a2"]
+    assert all(rows is not None for _, rows in groups)
     outputs = run_to_completion(engine)
     for name in (None, "a1", "a2"):
         for i in range(len(prompts)):
