@@ -2,8 +2,8 @@
 model's device (``--max-loras`` slots, least recently used first out), and each step's rows
 grouped by adapter for the wrapped projections (docs/server.md, "LoRA adapters").
 
-An adapter is read from its directory on first use and kept in host memory; a step needing one
-that is not resident evicts the least recently used one not in that step. A step that needs more
+Every adapter is read (and checked) at start and kept in host memory; a step needing one that
+is not resident lays it out on the device and evicts the least recently used one not in that step. A step that needs more
 adapters than slots holds them all for that step (the scheduler does not yet bound the adapters
 per step), and the pool shrinks back to its slots at the next step.
 """
