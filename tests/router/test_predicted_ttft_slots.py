@@ -120,3 +120,12 @@ def test_the_replicas_publisher_writes_its_engines_batch_size():
     publisher.on_step([], stats, lambda: [])
     beat = publisher.heartbeat()
     assert (beat.max_num_seqs, beat.step_token_budget) == (4, 512)
+
+
+def test_where_every_batch_is_full_the_slot_wait_does_not_decide():
+    """Both replicas full: the prefix stays with its holder, however long its decodes (the queues
+    are compared by their prefill, as without the slot wait)."""
+    busy = Candidate("busy", 2, num_decoding=2, prefill_tokens_per_s=RATE, decode_step_s=STEP, step_token_budget=2048,
+                     batch_slots=2, sequences_ahead=2, decode_left_s=(0.5, 0.6))
+    decision = policy.predicted_ttft_policy([holder(slots=2), busy], PROMPT, BLOCK, hash_key=1)
+    assert decision.ranked[0] == "holder" and decision.spill is None
