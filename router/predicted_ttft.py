@@ -20,7 +20,8 @@ each such step costs one decode step on top. slot_wait: when the sequences ahead
 running + waiting, corrected by this router's sends) fill the batch (its max_num_seqs), the request
 waits for one to end: the k-th soonest end of the decoding left there, from this router's own
 record of its sends (its typical decode there, first byte to end, less what each has decoded);
-``slot_wait_s``. A replica that does not publish its batch size has none.
+``slot_wait_s``; counted only while some replica has a free slot. A replica that does not publish
+its batch size has none.
 
 The rule (why not simply the minimum): a prefix held on a replica stays there while the fleet can
 hold its hot prefixes; spreading it buys nothing and costs a second copy in the KV pools and a
