@@ -61,10 +61,13 @@ def tokens_to_schedule(seq: Sequence, budget: int, num_computed: int | None = No
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int = 0) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # LoRA adapters one step may carry, the device's slots (--max-loras; 0: LoRA off).
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -129,11 +132,18 @@ class Scheduler:
             num_resuming += 1
         admitted = 0
         running = Counter(seq.request.tenant for seq in self.running)
+        adapters = {seq.request.lora_name for seq in self.running} - {None}
         for index in admission_order([seq.request.group for seq in waiting], num_resuming,
                                      [seq.request.tenant for seq in waiting], running):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             seq = waiting[index]
+            adapter = seq.request.lora_name
+            if adapter is not None and adapter not in adapters and len(adapters) >= self.max_loras:
+                # Every device slot serves an adapter of this batch: this one waits for a slot,
+                # while requests of those adapters and base ones go ahead (docs/server.md,
+                # "LoRA adapters").
+                continue
             cached = kv.find_cached_prefix(seq) if not seq.block_table else []
             num_computed = len(cached) * kv.block_size if cached else seq.num_computed_tokens
             num_new = tokens_to_schedule(seq, budget, num_computed)
@@ -145,6 +155,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.preempted = False
             self.running.append(seq)
+            if adapter is not None:
+                adapters.add(adapter)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
             admitted += 1

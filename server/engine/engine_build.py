@@ -154,7 +154,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     host = HostTier(num_host_blocks) if num_host_blocks else None
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, host)
     kv = KVCacheManager(pool, config.enable_prefix_caching)
-    scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens)
+    scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
+                          config.max_loras if config.enable_lora else 0)
     scheduler.block_bytes = block_bytes
     runner.allocate_kv_cache(num_blocks, max_model_len)
     if device.type == "cuda" and not config.enforce_eager:

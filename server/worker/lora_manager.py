@@ -3,9 +3,10 @@ model's device (``--max-loras`` slots, least recently used first out), and each 
 grouped by adapter for the wrapped projections (docs/server.md, "LoRA adapters").
 
 Every adapter is read (and checked) at start and kept in host memory; a step needing one that
-is not resident lays it out on the device and evicts the least recently used one not in that step. A step that needs more
-adapters than slots holds them all for that step (the scheduler does not yet bound the adapters
-per step), and the pool shrinks back to its slots at the next step.
+is not resident lays it out on the device and evicts the least recently used one not in that step.
+The scheduler admits at most ``--max-loras`` adapters into a step (server/core/scheduler.py), so
+the slots are enough; should a step need more, it holds them all and the pool shrinks back to its
+slots at the next step.
 """
 
 from __future__ import annotations

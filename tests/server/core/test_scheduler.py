@@ -251,3 +251,27 @@ def test_a_forked_sequence_copies_the_shared_block_it_writes_once() -> None:
     assert kv.allocate_if_room(child, 1) is True
     assert child.block_table[1] != shared and kv.take_pending_copies() == [(shared, child.block_table[1])]
     assert kv.allocate_if_room(child, 1) is True and kv.take_pending_copies() == []  # private now
+
+
+def test_a_step_holds_at_most_max_loras_adapters():
+    """The device holds --max-loras adapters (docs/server.md, "LoRA adapters"): a waiting request
+    of another adapter waits until one of the batch's adapters has left it, while base requests
+    and requests of adapters already in the batch go ahead of it."""
+    kv = KVCacheManager(BlockPool(64, BS, True), True)
+    scheduler = Scheduler(kv, 8, 64, max_loras=2)
+    seqs = {}
+    for i, adapter in enumerate(["a1", "a2", "a3", None, "a1"]):
+        seq = make_seq(4, max_tokens=2 if adapter == "a1" else 8, first_token=100 * i, name=f"r{i}")
+        seq.request.lora_name = adapter
+        seqs[i] = seq
+        scheduler.add(seq)
+    simulate_step(scheduler, kv)
+    running = {seq.request.request_id for seq in scheduler.running}
+    assert running == {"r0", "r1", "r3", "r4"}, running
+    assert [seq.request.request_id for seq in scheduler.waiting] == ["r2"]
+    # a1's requests end after two tokens: a slot for a3 frees.
+    for _ in range(3):
+        simulate_step(scheduler, kv)
+    assert "r2" in {seq.request.request_id for seq in scheduler.running}
+    adapters = {seq.request.lora_name for seq in scheduler.running} - {None}
+    assert adapters == {"a2", "a3"}, adapters
