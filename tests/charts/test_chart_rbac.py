@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from chart_helpers import Helm
+from gie_crd import inference_pool_crd
 from testenv import kwok_toleration
 
 from kvscale.operator.children.router import ENDPOINTSLICES_RULE
@@ -59,7 +60,9 @@ OPERATOR_RULES = {
     ("", "secrets", "create"),
     ("", "events", "create"),
     *{("", "configmaps", v) for v in ("get", "create", "patch", "delete")},
+    *{("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch", "delete")},
 }
+POOL_RULES = {rule for rule in OPERATOR_RULES if rule[1] == "inferencepools"}
 # What the operator does in each namespace it serves (kubectl's resource spelling).
 GRANTED = [
     ("list", "inferenceservices.serving.kvscale.io"), ("watch", "inferenceservices.serving.kvscale.io"),
@@ -71,6 +74,7 @@ GRANTED = [
     ("list", "horizontalpodautoscalers.autoscaling"),
     *[(verb, "endpointslices.discovery.k8s.io") for verb in ENDPOINTSLICES_RULE["verbs"]],
     ("create", "configmaps"), ("patch", "configmaps"), ("delete", "configmaps"),
+    *[(verb, "inferencepools.inference.networking.k8s.io") for verb in ("get", "create", "patch", "delete")],
 ]
 # What it never may, wherever it serves.
 REFUSED_IN_SERVED = [
@@ -79,6 +83,8 @@ REFUSED_IN_SERVED = [
     ("create", "pods"), ("delete", "pods"), ("update", "pods"), ("create", "pods", "exec"),
     # Its children by name only: it never lists other ConfigMaps.
     ("list", "configmaps"), ("watch", "configmaps"), ("deletecollection", "deployments.apps"),
+    ("list", "inferencepools.inference.networking.k8s.io"),
+    ("watch", "inferencepools.inference.networking.k8s.io"),
     ("patch", "horizontalpodautoscalers.autoscaling"),
     ("escalate", "roles.rbac.authorization.k8s.io"), ("bind", "roles.rbac.authorization.k8s.io"),
     ("bind", "clusterroles.rbac.authorization.k8s.io"),
@@ -138,7 +144,10 @@ def ensure_namespaces(env, *names: str) -> None:
 def chart_rbac(helm, k8s_env) -> Iterator[dict[str, list[dict]]]:
     """Both modes applied side by side (different releases and ServiceAccounts)."""
     env = k8s_env
-    env.kubectl("apply", "-f", str(REPO_ROOT / "crds"))
+    # GIE's InferencePool CRD too: `kubectl auth can-i` names a resource the API serves.
+    pool_crd = inference_pool_crd()
+    env.kubectl("apply", "-f", str(REPO_ROOT / "crds"), "-f", str(pool_crd))
+    env.wait_established("inferencepools.inference.networking.k8s.io")
     ensure_namespaces(env, CLUSTER_WIDE[1], NAMESPACED[1], *WATCHED, UNWATCHED, ANYWHERE)
     modes = {
         "cluster-wide": rendered(helm, *CLUSTER_WIDE),
@@ -155,11 +164,21 @@ def chart_rbac(helm, k8s_env) -> Iterator[dict[str, list[dict]]]:
                         input=yaml.safe_dump_all(docs), check=False)
         for name in (CLUSTER_WIDE[1], NAMESPACED[1], *WATCHED, UNWATCHED, ANYWHERE):
             env.kubectl("delete", "namespace", name, "--wait=false", check=False)
+        env.kubectl("delete", "-f", str(pool_crd), "--ignore-not-found", "--wait=false", check=False)
 
 
 def test_the_rules_held_are_the_rules_used(chart_rbac):
     assert held_rules(chart_rbac["cluster-wide"], "ClusterRole") == OPERATOR_RULES
     assert held_rules(chart_rbac["namespaced"], "Role") == OPERATOR_RULES
+
+
+def test_inference_pool_disabled_drops_the_pool_rules(helm):
+    """The chart's inferencePool.enabled false: the operator may not touch InferencePools."""
+    for mode in ((), (f"operator.watchNamespaces={{{','.join(WATCHED)}}}",)):
+        kind = "Role" if mode else "ClusterRole"
+        release = NAMESPACED if mode else CLUSTER_WIDE
+        assert held_rules(rendered(helm, *release, *mode, "inferencePool.enabled=false"), kind) \
+            == OPERATOR_RULES - POOL_RULES
 
 
 def test_cluster_wide_mode(chart_rbac, k8s_env):
