@@ -124,7 +124,7 @@ class SamplingFields(RequestBody):
     store: bool | None = None
     service_tier: str | None = None
     # Fields OpenAI defines that this server cannot honour: refused with a 400 naming them when set
-    # (serving.REFUSED_FIELDS says why).
+    # (refused_fields.REFUSED_FIELDS says why).
     best_of: int | None = None
     suffix: str | None = None
     modalities: list[str] | None = None
@@ -138,6 +138,19 @@ class SamplingFields(RequestBody):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # vLLM's sampling extras this engine does not implement (refused_fields.py says why).
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
+    return_tokens_as_token_ids: Any = None
+    priority: Any = None
+    spaces_between_special_tokens: Any = None
 
 
 class CompletionRequest(SamplingFields):
@@ -210,6 +223,14 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat extras this server does not implement (refused_fields.py says why).
+    echo: Any = None
+    continue_final_message: Any = None
+    add_generation_prompt: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
 
 
 class TokenizeRequest(OpenAIModel):

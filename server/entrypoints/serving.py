@@ -74,35 +74,6 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param=param)
 
 
-# Fields OpenAI (or vLLM) defines that this server cannot carry out: a 400 naming the field and
-# why, never a silent 200 (docs/server.md has the whole field table).
-REFUSED_FIELDS: dict[str, str] = {
-    "best_of": "server-side best-of sampling is not implemented; use n and pick on the client",
-    "suffix": "insertion (text after the completion) is not supported by the served model",
-    "modalities": "only text output is supported",
-    "audio": "audio output is not supported",
-    "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not available",
-    "reasoning_effort": "the served model has no reasoning mode",
-    "functions": "the deprecated functions field is not supported; use tools",
-    "function_call": "the deprecated function_call field is not supported; use tool_choice",
-    "guided_json": "vLLM's removed guided_* fields are not supported; use structured_outputs.json",
-    "guided_regex": "vLLM's removed guided_* fields are not supported; use structured_outputs.regex",
-    "guided_choice": "vLLM's removed guided_* fields are not supported; use structured_outputs.choice",
-    "guided_grammar": "vLLM's removed guided_* fields are not supported; use structured_outputs.grammar",
-}
-
-
-def check_refused_fields(body: p.SamplingFields) -> None:
-    for name, why in REFUSED_FIELDS.items():
-        value = getattr(body, name, None)
-        if value is None or (name == "best_of" and value == body.n) or (name == "modalities" and value == ["text"]):
-            continue
-        raise bad_request(f"{name} cannot be honoured by this server: {why}.", name)
-    if body.store:
-        raise bad_request("store: true cannot be honoured: this server stores no completions.", "store")
-
-
 def _schema_object(schema: Any, param: str) -> str:
     """A schema's one serialization (compact, key order kept: the order of ``properties`` is the
     order the grammar generates them in), the compile cache's key."""

@@ -15,12 +15,12 @@ from fastapi.responses import StreamingResponse
 from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.admission import resolve_max_tokens
 from kvscale.server.entrypoints.lora_modules import lora_name_of
+from kvscale.server.entrypoints.refused_fields import check_refused_fields
 from kvscale.server.entrypoints.response_parts import top_entries, usage
 from kvscale.server.entrypoints.serving import (
     OpenAIServer,
     Prepared,
     bad_request,
-    check_refused_fields,
     check_stream_options,
     logit_bias_from,
     sampling_params_from,

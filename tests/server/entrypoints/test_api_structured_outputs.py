@@ -154,9 +154,22 @@ def test_request_fields_are_honoured_refused_or_counted(client, server):
     plain = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=4, temperature=0, response_format={"type": "text"})
     assert plain.choices[0].message.content
-    for field, value in (("best_of", 3), ("suffix", "end"), ("store", True)):
+    for field, value in (("best_of", 3), ("suffix", "end"), ("store", True), ("use_beam_search", True),
+                         ("length_penalty", 0.5), ("prompt_logprobs", 1), ("allowed_token_ids", [1]),
+                         ("bad_words", ["x"]), ("priority", 1), ("truncate_prompt_tokens", 4)):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, extra_body={field: value})
+        assert info.value.response.json()["error"]["param"] == field
+    # vLLM's extras at their defaults ask for nothing; completions' echo is honoured.
+    neutral = client.completions.create(
+        model="smollm2", prompt="Hi", max_tokens=2, echo=True,
+        extra_body={"use_beam_search": False, "length_penalty": 1.0, "priority": 0})
+    assert neutral.choices[0].text.startswith("Hi")
+    for field, value in (("echo", True), ("continue_final_message", True), ("chat_template", "{{ x }}"),
+                         ("add_generation_prompt", False)):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=2, extra_body={field: value})
         assert info.value.response.json()["error"]["param"] == field
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
