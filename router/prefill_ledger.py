@@ -179,19 +179,7 @@ def decoding_count(
 ) -> int:
     """Sequences decoding on one replica: the heartbeat's count, less our requests that finished
     since it, plus ours that started since it. Without a heartbeat, ours that are decoding."""
-    decoding_now = started_since = finished_since = 0
-    for s in sent:
-        if s.started_at is None:
-            continue
-        if s.finished_at is None:
-            decoding_now += 1
-            if s.started_at > heartbeat_time:
-                started_since += 1
-        elif s.started_at <= heartbeat_time < s.finished_at:
-            finished_since += 1
-    if heartbeat_decoding is None:
-        return decoding_now
-    return max(0, heartbeat_decoding - finished_since) + started_since
+    return corrected_count(heartbeat_decoding, heartbeat_time, sent, lambda s: s.started_at)
 
 
 def sequences_ahead(
@@ -200,17 +188,30 @@ def sequences_ahead(
     """Sequences a request sent now finds ahead of it on one replica (running and waiting): the
     heartbeat's count, less our requests that finished since it, plus ours sent after it still
     open. Without a heartbeat, our own open requests."""
-    after = finished_since = open_now = 0
+    return corrected_count(heartbeat_seqs, heartbeat_time, sent, lambda s: s.sent_at)
+
+
+def corrected_count(
+    heartbeat_count: int | None, heartbeat_time: float, sent: Iterable[Sent],
+    began: Callable[[Sent], float | None],
+) -> int:
+    """A heartbeat's count of our requests' kind (``began``: when one joined it, None: not yet),
+    less those that left it since the heartbeat, plus those that joined since; without a
+    heartbeat, ours in it now."""
+    joined_since = left_since = in_now = 0
     for s in sent:
+        joined = began(s)
+        if joined is None:
+            continue
         if s.finished_at is None:
-            open_now += 1
-            if s.sent_at > heartbeat_time:
-                after += 1
-        elif s.sent_at <= heartbeat_time < s.finished_at:
-            finished_since += 1
-    if heartbeat_seqs is None:
-        return open_now
-    return max(0, heartbeat_seqs - finished_since) + after
+            in_now += 1
+            if joined > heartbeat_time:
+                joined_since += 1
+        elif joined <= heartbeat_time < s.finished_at:
+            left_since += 1
+    if heartbeat_count is None:
+        return in_now
+    return max(0, heartbeat_count - left_since) + joined_since
 
 
 def decode_left(sent: Iterable[Sent], typical_decode_s: float, now: float) -> tuple[float, ...]:
