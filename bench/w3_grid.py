@@ -22,29 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS
 from bench.w3_grid_cells import (
-    BLOCK_SIZE,
-    OUTPUT_TOKENS,
     POLICIES,
-    REPLICAS,
-    REQUESTS,
     W3_LITE,
     Cell,
     grid,
-    replica_costs,
     simulate_cell,
     verdict,
-    workload,
 )
-from bench.w3_sim_run import simulate_run
 
 OURS = {"sim": "predicted-ttft", "real": "kvscale:predicted-ttft"}
 BASELINES = {"sim": ("round-robin", "vllm-router-cache-aware"),
@@ -68,25 +59,6 @@ def write_compact(name: str, record: dict[str, Any], out: str | None) -> Path:
     cells = ",\n".join("  " + json.dumps(rounded(cell), separators=(",", ":")) for cell in record["cells"])
     path.write_text(json.dumps(head, indent=1)[:-2] + ',\n "cells": [\n' + cells + "\n ]\n}\n")
     return path
-
-
-def simulate_cell_slots(cell: Cell, policies: tuple[str, ...], seeds: int, max_num_seqs: int) -> dict:
-    """``simulate_cell`` with every replica's batch ``max_num_seqs`` slots: the grid's cells where a
-    batch fills before the fleet's clients are all on one replica (docs/router.md, "predicted-ttft")."""
-    out: dict = {"cell": {**cell.describe(), "max_num_seqs": max_num_seqs}, "policies": {}}
-    costs = [replace(c, max_num_seqs=max_num_seqs) for c in replica_costs(cell)]
-    streams = [workload(cell, s) for s in range(seeds)]
-    for policy in policies:
-        runs = [simulate_run(w, policy, replicas=REPLICAS, num_blocks=cell.blocks_per_replica(),
-                             block_size=BLOCK_SIZE, costs=costs, seed=s, heartbeat_queue=True)
-                for s, w in enumerate(streams)]
-        out["policies"][policy] = {
-            "hit_rate": statistics.median(r["hit_rate"] for r in runs),
-            "ttft_p50_s": statistics.median(r["ttft_p50_s"] for r in runs),
-            "ttft_p90_s": statistics.median(r["ttft_p90_s"] for r in runs),
-            "wall_s": statistics.median(REQUESTS * OUTPUT_TOKENS / r["output_tokens_per_s"] for r in runs),
-        }
-    return out
 
 
 def pick(names: str | None) -> list[Cell]:
@@ -138,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     for cell in pick(args.cells):
         if args.mode == "sim":
             policies = POLICIES + ((args.previous,) if args.previous else ())
-            row = (simulate_cell_slots(cell, policies, args.seeds, args.max_num_seqs) if args.max_num_seqs
-                   else simulate_cell(cell, policies, args.seeds))
+            row = simulate_cell(cell, policies, args.seeds, max_num_seqs=args.max_num_seqs or None)
         else:
             from bench.w3_grid_real import run_cell
 

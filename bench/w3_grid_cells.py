@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from bench.w3_sim import Costs
 from bench.w3_sim_run import simulate_run
@@ -97,14 +97,22 @@ def replica_costs(cell: Cell, base: Costs = BASE_COSTS) -> list[Costs]:
     return out
 
 
-def simulate_cell(cell: Cell, policies: tuple[str, ...] = POLICIES, seeds: int = 3, base: Costs = BASE_COSTS) -> dict:
+def simulate_cell(cell: Cell, policies: tuple[str, ...] = POLICIES, seeds: int = 3, base: Costs = BASE_COSTS,
+                  max_num_seqs: int | None = None) -> dict:
     """Each policy's hit rate, TTFT p50/p90 and wall time on the simulated fleet: medians over
-    ``seeds`` request streams."""
-    out: dict = {"cell": cell.describe(), "policies": {}}
+    ``seeds`` request streams. ``max_num_seqs``: every replica's batch slots (default: the cell's
+    concurrency, so no batch fills; fewer, for the cells where one does: docs/router.md,
+    "predicted-ttft")."""
+    described = cell.describe()
+    costs = replica_costs(cell, base)
+    if max_num_seqs is not None:
+        described["max_num_seqs"] = max_num_seqs
+        costs = [replace(c, max_num_seqs=max_num_seqs) for c in costs]
+    out: dict = {"cell": described, "policies": {}}
     streams = [workload(cell, s) for s in range(seeds)]
     for policy in policies:
         runs = [simulate_run(w, policy, replicas=REPLICAS, num_blocks=cell.blocks_per_replica(),
-                             block_size=BLOCK_SIZE, costs=replica_costs(cell, base), seed=s, heartbeat_queue=True)
+                             block_size=BLOCK_SIZE, costs=costs, seed=s, heartbeat_queue=True)
                 for s, w in enumerate(streams)]
         out["policies"][policy] = {
             "hit_rate": statistics.median(r["hit_rate"] for r in runs),
