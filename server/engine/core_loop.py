@@ -66,11 +66,10 @@ def add_all(engine: Any, requests: Sequence[NewRequest], tenant: str = "", lora_
     (server/core/admission_order.py). They share the request's LoRA adapter too ("": the base model)."""
     added: list[str] = []
     group = requests[0][0] if len(requests) > 1 else ""
-    lora = {"lora_name": lora_name} if lora_name else {}  # the base model: the call as without adapters
     try:
         for request_id, prompt, params, cache_salt in requests:
             engine.add_request(request_id, prompt, params, cache_salt=cache_salt, group=group,
-                               tenant=tenant, **lora)
+                               tenant=tenant, lora_name=lora_name or None)
             added.append(request_id)
     except (ValueError, TypeError, OverflowError) as exc:
         error: BaseException = exc

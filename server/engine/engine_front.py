@@ -231,10 +231,7 @@ class EngineFront:
         accepted: asyncio.Future = self._loop.create_future()
         # Every sequence: a prompt with n > 1 forks into n once prefilled.
         self.num_pending_adds += sum(params.n for _, _, params, _ in requests)
-        if lora_name:
-            self._submit(list(requests), accepted, tenant, lora_name)
-        else:  # the base model: the call every front takes (one without adapters too)
-            self._submit(list(requests), accepted, tenant)
+        self._submit(list(requests), accepted, tenant, lora_name)
         try:
             error = await accepted
         except BaseException:

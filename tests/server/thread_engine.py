@@ -32,6 +32,7 @@ class _Add:
     requests: list[NewRequest]
     accepted: asyncio.Future  # resolves to None, or to the exception add_request raised
     tenant: str = ""
+    lora_name: str = ""  # "": the base model
 
 
 @dataclass
@@ -84,8 +85,9 @@ class ThreadEngine(EngineFront):
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def _submit(self, requests: list[NewRequest], accepted: asyncio.Future, tenant: str = "") -> None:
-        self._commands.put(_Add(requests, accepted, tenant))
+    def _submit(self, requests: list[NewRequest], accepted: asyncio.Future, tenant: str = "",
+                lora_name: str = "") -> None:
+        self._commands.put(_Add(requests, accepted, tenant, lora_name))
 
     def _send_abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -119,7 +121,7 @@ class ThreadEngine(EngineFront):
                 if isinstance(command, _Stop):
                     return
                 if isinstance(command, _Add):
-                    error = add_all(engine, command.requests, command.tenant)
+                    error = add_all(engine, command.requests, command.tenant, command.lora_name)
                     loop.call_soon_threadsafe(self._on_accepted, command.requests, command.accepted, error)
                 elif isinstance(command, _Abort):
                     engine.abort_request(command.request_id)

@@ -11,7 +11,7 @@ class RecordingEngine:
     def __init__(self) -> None:
         self.groups: dict[str, tuple[str, str]] = {}
 
-    def add_request(self, request_id, prompt, params, *, cache_salt=None, group="", tenant=""):
+    def add_request(self, request_id, prompt, params, *, cache_salt=None, group="", tenant="", lora_name=None):
         self.groups[request_id] = (group, tenant)
 
     def abort_request(self, request_id):
