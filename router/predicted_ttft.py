@@ -75,10 +75,11 @@ def predicted_ttft(
     prompt_tokens: int,
     block_size: int,
     default_rate: float = DEFAULT_PREFILL_TOKENS_PER_S,
-    slot_wait: bool = True,
+    slot_wait: float | None = None,
 ) -> float:
     """Seconds until this request's first token if sent to ``candidate`` (see the module doc);
-    ``slot_wait``: count the wait for a batch slot (the policy does while some replica has one free)."""
+    ``slot_wait``: the wait for a batch slot to add (None: ``slot_wait_s(candidate)``; the policy
+    passes 0 where every replica's batch is full)."""
     # At least one token is always computed (the engine needs its logits).
     uncached = max(prompt_tokens - candidate.matched_blocks * block_size, 1)
     restore = min(candidate.host_blocks, candidate.matched_blocks) * block_size / HOST_RESTORE_SPEEDUP
@@ -88,7 +89,7 @@ def predicted_ttft(
     if candidate.num_decoding > 0 and candidate.decode_step_s > 0:
         per_step = candidate.step_token_budget if candidate.step_token_budget > 0 else work
         seconds += candidate.decode_step_s * math.ceil(work / max(per_step, 1.0))
-    return seconds + (slot_wait_s(candidate) if slot_wait else 0.0)
+    return seconds + (slot_wait_s(candidate) if slot_wait is None else slot_wait)
 
 
 def slot_wait_s(candidate: Candidate) -> float:
@@ -213,9 +214,11 @@ def predicted_ttft_policy(
     # (our own sends' typical decode) only adds noise to a comparison of queues the prefill term
     # already makes: at 4 slots a replica it cost the simulated grid's deep-queue cells hit rate
     # (docs/performance.md, "Routing").
-    slots = any(slot_wait_s(c) == 0.0 for c in candidates)
+    waits = {c.replica_id: slot_wait_s(c) for c in candidates}
+    slots = any(wait == 0.0 for wait in waits.values())
     raw = {c.replica_id: predicted_ttft(
-        replace(c, prefill_tokens_per_s=rates[c.replica_id]), prompt_tokens, block_size, slot_wait=slots)
+        replace(c, prefill_tokens_per_s=rates[c.replica_id]), prompt_tokens, block_size,
+        slot_wait=waits[c.replica_id] if slots else 0.0)
         for c in candidates}
     ttft = {c.replica_id: c.ttft_scale * raw[c.replica_id] for c in candidates}
 
@@ -256,7 +259,7 @@ def predicted_ttft_policy(
         # anchor moves the request at once (docs/router.md, "Hysteresis").
         lasted = hold is None or (other is not None and (
             hold.outlasted(anchor.replica_id, ttft[other.replica_id])
-            or (slots and should_spill(anchor.ttft_scale * slot_wait_s(anchor), ttft[other.replica_id], saved, slack))))
+            or (slots and should_spill(anchor.ttft_scale * waits[anchor.replica_id], ttft[other.replica_id], saved, slack))))
         if other is not None and overloaded and lasted:
             spill = Spill(anchor.replica_id, ttft[anchor.replica_id], other.replica_id, ttft[other.replica_id],
                           saved, held)
