@@ -197,8 +197,8 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
         if decision.replicas != previous:
             kube.merge_patch(inference_service_path(namespace, name, "scale"),
                              {"spec": {"replicas": decision.replicas}})
-            # The children at once, not a resync later (never a spec the allow-list refuses).
-            if config.allow.refusal(spec) is None:
+            # The children at once, not a resync later (never a spec reconcile refuses).
+            if config.refusal(spec) is None:
                 apply_children(kube, as_body(current),
                                parse_spec({**current["spec"], "replicas": decision.replicas}),
                                config.images, config.server_defaults)

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from kvscale.operator.allow_list import AllowList
 from kvscale.operator.bounded_get import DEFAULT_MAX_BYTES
 from kvscale.operator.children.owned import Images
-from kvscale.operator.children.servers import server_default_flags
+from kvscale.operator.children.servers import server_default_flags, with_server_defaults
+from kvscale.operator.conditions import Condition
+from kvscale.operator.spec import InferenceServiceSpec
+from kvscale.operator.tensor_parallel import refusal as tensor_parallel_refusal
 
 # The server-side-apply field manager: the fields the operator owns in every child.
 FIELD_MANAGER = "kvscale-operator"
@@ -27,6 +30,13 @@ class OperatorConfig:
     # `kvscale serve` flags every server gets unless its engine.extraArgs sets the same flag, one
     # group per flag (servers.server_default_flags), checked and grouped once, at start.
     server_defaults: tuple[tuple[str, ...], ...] = ()
+
+    def refusal(self, spec: InferenceServiceSpec) -> Condition | None:
+        """Synced=False with why, for a spec that gets nothing applied: a choice outside the
+        allow-lists, or tensor parallel settings its servers could not start with (judged with
+        the platform's defaults, as the servers run); None: apply it."""
+        return self.allow.refusal(spec) or tensor_parallel_refusal(
+            with_server_defaults(spec, self.server_defaults))
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:

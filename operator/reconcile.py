@@ -36,7 +36,7 @@ def reconcile(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
             runtime.metrics.register(key.uid, key.namespace, key.name)
             generation = current["metadata"].get("generation")
             autoscaling = [] if spec.autoscaling.enabled else [AUTOSCALING_DISABLED]
-            refused = runtime.config.allow.refusal(spec)
+            refused = runtime.config.refusal(spec)
             if refused is not None:  # docs/operator.md, "What an InferenceService may choose"
                 not_applied(runtime, key, refused.message, refused.reason, autoscaling)
                 return

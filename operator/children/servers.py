@@ -36,6 +36,7 @@ from kvscale.operator.children.pod_parts import (
 from kvscale.operator.children.redis import service_redis_env
 from kvscale.operator.server_memory import cpu_kv_cache_bytes
 from kvscale.operator.spec import SERVER_PORT, InferenceServiceSpec, flag_name
+from kvscale.operator.tensor_parallel import shm_size_limit, tensor_parallel_args
 
 # Model load (and the bundled model's one-time conversion) can take minutes: the startup probe
 # allows 30 minutes before liveness takes over. Probed every second: a replica coming up from
@@ -53,7 +54,7 @@ RESERVED_FLAGS = frozenset({
     "--model", "--served-model-name", "--port", "--host", "--api-key", "--redis", "--replica-id",
     "--dtype", "--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--gpu-memory-utilization", "--enable-prefix-caching", "--no-enable-prefix-caching",
-    "--kv-cache-memory-bytes", "--shutdown-timeout",
+    "--kv-cache-memory-bytes", "--shutdown-timeout", "--tensor-parallel-size",
 })
 # The operator cannot import the server's parser (the parts stay independent, and the operator's
 # image has no engine), so a default is checked for its shape: a lowercase long flag.
@@ -121,6 +122,7 @@ def server_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
     args += cpu_kv_cache_args(spec)
+    args += tensor_parallel_args(spec)
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching
                 else "--no-enable-prefix-caching")
     if spec.router.enabled:
@@ -171,12 +173,14 @@ def server_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[En
     return env + api_key_env(spec.api_key_secret)
 
 
-def volumes_and_mounts(files: ModelFiles) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def volumes_and_mounts(files: ModelFiles, spec: InferenceServiceSpec
+                       ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         *files.volumes,
         {"name": "tmp", "emptyDir": {}},
-        # Shared memory for the engine's worker processes; the default 64 MiB is too small.
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+        # Shared memory for the engine's processes (its tensor-parallel ranks too, one share
+        # each); the container runtime's default 64 MiB is too small.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size_limit(spec)}},
     ]
     mounts: list[dict[str, Any]] = [
         *files.mounts,
@@ -208,7 +212,7 @@ def server_container(name: str, namespace: str, spec: InferenceServiceSpec,
 def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> dict[str, Any]:
     files = model_files(spec, spec.image)
     model_path, init_containers = files.path, files.init_containers
-    volumes, mounts = volumes_and_mounts(files)
+    volumes, mounts = volumes_and_mounts(files, spec)
     labels = child_labels(name)
     # Without a router the servers are the InferenceService's OpenAI endpoint: say so where
     # NetworkPolicies can see it (on the pods, not the Deployment's immutable selector).
