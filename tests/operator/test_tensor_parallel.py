@@ -3,10 +3,19 @@ the model itself: the sizes the operator refuses are those the engine would refu
 
 from __future__ import annotations
 
+import logging
+from typing import Any, cast
+
 import pytest
 
 from kvscale import model_files
 from kvscale.operator import tensor_parallel
+from kvscale.operator.config import OperatorConfig
+from kvscale.operator.inference_service import ObjectKey
+from kvscale.operator.kube import Kube
+from kvscale.operator.reconcile import reconcile
+from kvscale.operator.runtime import Runtime
+from kvscale.operator.spec import parse_spec
 
 
 def test_the_bundled_models_shape_and_refusals_agree_with_the_engine():
@@ -28,10 +37,46 @@ def test_the_bundled_models_shape_and_refusals_agree_with_the_engine():
 
 def test_the_platforms_defaults_count_as_the_servers_run_them():
     """A KV pool size the chart's serverDefaultArgs give every server is one the ranks get."""
-    from kvscale.operator.config import OperatorConfig
-    from kvscale.operator.spec import parse_spec
-
     spec = parse_spec({"model": {"uri": "hf://org/llama"}, "resources": {"gpus": 2}})
     refused = OperatorConfig().refusal(spec)
     assert refused is not None and refused.reason == "TensorParallelUnsupported"
     assert OperatorConfig(server_defaults=(("--num-gpu-blocks-override", "4096"),)).refusal(spec) is None
+
+
+class StatusOnlyKube:
+    """The bundled model asked to run on two GPUs; what the operator writes, recorded."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, Any]] = []
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        if "inferenceservices" not in path:
+            return None
+        return {"metadata": {"name": "chat", "namespace": "ns", "uid": "u1", "generation": 3},
+                "spec": {"model": {"uri": "bundled://smollm2-135m-instruct"},
+                         "resources": {"gpus": 2},
+                         "engine": {"extraArgs": ["--num-gpu-blocks-override", "4096"]}},
+                "status": {}}
+
+    def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+        return []
+
+    def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.writes.append((path, body))
+        return body
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the refused spec must not reach kube.{name}")
+
+
+def test_a_refused_spec_gets_a_condition_naming_the_heads_and_no_children(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvscale.operator.status.kopf.event", lambda *a, **k: None)
+    kube = StatusOnlyKube()
+    runtime = Runtime(kube=cast(Kube, kube), config=OperatorConfig())
+    reconcile(runtime, ObjectKey(uid="u1", namespace="ns", name="chat"), logging.getLogger("test"))
+    [(path, body)] = kube.writes
+    assert path.endswith("/status")
+    [synced] = [c for c in body["status"]["conditions"] if c["type"] == "Synced"]
+    assert (synced["status"], synced["reason"]) == ("False", "TensorParallelUnsupported")
+    assert "2 does not divide its 9 attention heads" in synced["message"]
