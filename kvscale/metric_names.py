@@ -76,6 +76,12 @@ QUEUE_TIME = Metric(
 CACHE_CONFIG_INFO = Metric(
     "vllm:cache_config_info", GAUGE, "KV cache configuration (value 1; the labels carry it).",
     ("model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype"))
+# vLLM's LoRA info gauge: the adapters of the running and the waiting requests (comma-separated,
+# sorted) and --max-loras in its labels, the time of the snapshot (Unix seconds) as its value.
+# One series at a time (the current one). --max-loras 0: LoRA is off.
+LORA_REQUESTS_INFO = Metric(
+    "vllm:lora_requests_info", GAUGE, "Running stats on LoRA requests (value: the snapshot's Unix time).",
+    ("running_lora_adapters", "waiting_lora_adapters", "max_lora"))
 KV_BLOCKS_TOTAL = Metric("kvscale:kv_blocks_total", GAUGE, "KV cache blocks in the pool.", _M)
 KV_BLOCKS_ACTIVE = Metric(
     "kvscale:kv_blocks_active", GAUGE,
@@ -161,7 +167,7 @@ UNKNOWN_REQUEST_FIELDS = Metric(
 SERVER_METRICS = (
     NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS, NUM_PREEMPTIONS, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, TTFT,
-    ITL, E2E_LATENCY, QUEUE_TIME, CACHE_CONFIG_INFO, KV_BLOCKS_TOTAL, KV_BLOCKS_ACTIVE,
+    ITL, E2E_LATENCY, QUEUE_TIME, CACHE_CONFIG_INFO, LORA_REQUESTS_INFO, KV_BLOCKS_TOTAL, KV_BLOCKS_ACTIVE,
     KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, MAX_NUM_SEQS, PREFILL_TOKENS_WAITING, PREFILL_TOKENS_PER_S,
     HTTP_REQUESTS,
     STRUCTURED_REQUESTS, STRUCTURED_COMPILE_SECONDS, STRUCTURED_COMPILE_CACHE_HITS, STRUCTURED_REFUSALS,

@@ -76,6 +76,8 @@ def lora_refusal(config: EngineConfig) -> str | None:
         return "--lora-modules needs --enable-lora" if config.lora_modules else None
     if config.max_loras < 1 or config.max_lora_rank < 1:
         return "--max-loras and --max-lora-rank must be at least 1"
+    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+        return f"--max-cpu-loras ({config.max_cpu_loras}) must be at least --max-loras ({config.max_loras})"
     if config.tensor_parallel_size > 1:
         return "--enable-lora cannot be combined with --tensor-parallel-size > 1 yet"
     if config.quantization is not None:
@@ -114,13 +116,14 @@ class EngineConfig:
     # Ranks the model's heads, MLP and vocabulary are split over (vLLM's --tensor-parallel-size):
     # 1 runs in the engine core alone; N > 1 adds N - 1 rank processes (server/worker/tp_group.py).
     tensor_parallel_size: int = 1
-    # LoRA adapters (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank;
-    # server/worker/lora_manager.py): name -> PEFT directory, the adapters resident at once, their
-    # largest rank.
+    # LoRA adapters (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank,
+    # --max-cpu-loras; server/worker/lora_manager.py): name -> PEFT directory, the adapters resident
+    # at once, their largest rank, the adapters kept in host memory (None: --max-loras).
     enable_lora: bool = False
     lora_modules: dict[str, str] = field(default_factory=dict)
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         why = lora_refusal(self)

@@ -145,6 +145,9 @@ class EngineStats:
     num_preemptions: int  # cumulative
     extra: dict[str, float] = field(default_factory=dict)
     kv_cache_dtype: str = "auto"  # what the cache stores (vLLM's cache_dtype label): the engine fills it in
+    # LoRA adapters of the running and the waiting requests, sorted (vLLM's lora_requests_info labels)
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -120,7 +120,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if config.enable_lora:
         from kvscale.server.worker.lora_manager import LoRAManager
 
-        lora = LoRAManager(model, config.lora_modules, config.max_loras, config.max_lora_rank, dtype, device)
+        lora = LoRAManager(model, config.lora_modules, config.max_loras, config.max_lora_rank, dtype, device,
+                           config.max_cpu_loras)
     spec = model.spec
     wanted_len = supported_max_len(config, spec)
 

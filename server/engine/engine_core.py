@@ -36,9 +36,11 @@ from kvscale.server.engine.engine_core_wire import (
     Accepted,
     AddRequests,
     CoreFailed,
+    LoRAUpdated,
     Ready,
     Shutdown,
     StepDone,
+    UpdateLoRA,
     core_codec,
 )
 
@@ -225,6 +227,7 @@ class EngineCore:
 
     def _loop(self) -> None:
         from kvscale.server.engine.core_loop import add_all, step_and_publish, take_all
+        from kvscale.server.engine.lora_updates import update_lora
 
         engine = self.engine
         last_publish = 0.0
@@ -243,6 +246,9 @@ class EngineCore:
                 elif isinstance(message, AbortRequests):
                     for request_id in message.request_ids:
                         engine.abort_request(request_id)
+                elif isinstance(message, UpdateLoRA):
+                    refused = update_lora(engine, message.name, message.path)
+                    self._outputs.put(LoRAUpdated(message.op_id, *refused) if refused else LoRAUpdated(message.op_id))
             turn = step_and_publish(engine, self.publisher, had_input=bool(messages),
                                     last_publish=last_publish)
             if turn is None:

@@ -37,10 +37,12 @@ from kvscale.server.engine.engine_core_wire import (
     Accepted,
     AddRequests,
     CoreFailed,
+    LoRAUpdated,
     NewRequestMsg,
     Ready,
     Shutdown,
     StepDone,
+    UpdateLoRA,
     front_codec,
 )
 from kvscale.server.engine.engine_front import EngineFront
@@ -96,6 +98,7 @@ class EngineCoreClient(EngineFront):
         self.stats = ready.stats
         self._codec = front_codec()
         self._batches: dict[int, tuple[list[NewRequest], asyncio.Future]] = {}
+        self._lora_updates: dict[int, asyncio.Future] = {}  # UpdateLoRA's op_id -> its answer
         self._next_batch = 0
         self._reader: asyncio.Task | None = None
         self._exited = False
@@ -198,6 +201,16 @@ class EngineCoreClient(EngineFront):
         self._text.forget(request_id)
         self._send(AbortRequests([request_id]))
 
+    async def update_lora(self, name: str, path: str | None) -> tuple[str, str] | None:
+        if not self.is_alive:
+            return "internal", "the engine is not running"
+        assert self._loop is not None
+        self._next_batch += 1
+        answer: asyncio.Future = self._loop.create_future()
+        self._lora_updates[self._next_batch] = answer
+        self._send(UpdateLoRA(self._next_batch, name, path))
+        return await answer
+
     def _send(self, message: Any) -> None:
         try:
             # Never blocks the event loop: the core reads all the time, so the queue stays short.
@@ -217,6 +230,10 @@ class EngineCoreClient(EngineFront):
                     self._send(AbortRequests(ended))
             elif isinstance(message, Accepted):
                 self._on_batch(message)
+            elif isinstance(message, LoRAUpdated):
+                answer = self._lora_updates.pop(message.op_id, None)
+                if answer is not None and not answer.done():
+                    answer.set_result((message.error_kind, message.error or "") if message.error_kind else None)
             elif isinstance(message, CoreFailed):
                 logger.error("the engine core process (pid %d) failed: %s", self.pid, message.reason)
                 self._fail(EngineCoreDied(message.reason))
@@ -261,6 +278,10 @@ class EngineCoreClient(EngineFront):
         for _, accepted in batches.values():
             if not accepted.done():
                 accepted.set_result(error)
+        updates, self._lora_updates = self._lora_updates, {}
+        for answer in updates.values():
+            if not answer.done():
+                answer.set_result(("internal", str(error)))
 
 
 def _end_process(process: Any, timeout_s: float) -> None:

@@ -1,9 +1,10 @@
 """The messages between the HTTP front end and the engine core process, and their encoding.
 
 Front end -> core: ``AddRequests`` (a batch that starts in the same step), ``AbortRequests``,
-``Shutdown``. Core -> front end: ``Ready`` (once, when warmed up), ``Accepted`` (a batch taken or
-refused), ``StepDone`` (a step's delta outputs and a stats snapshot), ``CoreFailed`` (the core's
-last words before it exits).
+``UpdateLoRA`` (an adapter loaded or unloaded at run time), ``Shutdown``. Core -> front end:
+``Ready`` (once, when warmed up), ``Accepted`` (a batch taken or refused), ``LoRAUpdated`` (an
+update done or refused), ``StepDone`` (a step's delta outputs and a stats snapshot),
+``CoreFailed`` (the core's last words before it exits).
 
 A batch's request-wide fields (``stop``, ``stop_token_ids``, ``logit_bias``, a grammar) travel
 once per request, not once per prompt: the HTTP side gives a request's prompts SamplingParams
@@ -111,6 +112,21 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
+class UpdateLoRA(msgspec.Struct, tag=True, array_like=True):
+    """Register the LoRA adapter ``name`` at ``path``, or forget it (``path`` None): engine/lora_updates.py."""
+
+    op_id: int
+    name: str
+    path: str | None = None
+
+
+class LoRAUpdated(msgspec.Struct, tag=True, array_like=True):
+    op_id: int
+    # None: done. Else engine/lora_updates.py's kind of refusal and why.
+    error_kind: str | None = None
+    error: str | None = None
+
+
 class Ready(msgspec.Struct, tag=True, array_like=True):
     """What the front end needs to know of the engine before it serves."""
 
@@ -144,8 +160,8 @@ class CoreFailed(msgspec.Struct, tag=True, array_like=True):
     kind: str = "internal"
 
 
-ToCore = AddRequests | AbortRequests | Shutdown
-FromCore = Ready | Accepted | StepDone | CoreFailed
+ToCore = AddRequests | AbortRequests | UpdateLoRA | Shutdown
+FromCore = Ready | Accepted | LoRAUpdated | StepDone | CoreFailed
 
 
 class Codec:

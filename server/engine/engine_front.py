@@ -182,6 +182,11 @@ class EngineFront:
     def _send_abort(self, request_id: str) -> None:
         raise NotImplementedError
 
+    async def update_lora(self, name: str, path: str | None) -> tuple[str, str] | None:
+        """Register the LoRA adapter ``name`` at ``path`` in the engine, or forget it (``path``
+        None): None, or engine/lora_updates.py's (kind, why) of a refusal."""
+        return "invalid", "this engine does not load LoRA adapters at run time"
+
     # ------------------------------------------------------------------ requests (event loop)
 
     @property

@@ -56,6 +56,12 @@ def engine_stats(
         "enable_prefix_caching": float(kv.enable_prefix_caching),
     }
     extra.update(host_tier_stats(scheduler, kv, offload))
+    running_loras: set[str] = set()
+    waiting_loras: set[str] = set()
+    if scheduler.max_loras:  # LoRA on: its adapters by state (vLLM's lora_requests_info)
+        extra["max_loras"] = float(scheduler.max_loras)
+        running_loras = {seq.request.lora_name for seq in scheduler.running if seq.request.lora_name}
+        waiting_loras = {seq.request.lora_name for seq in scheduler.waiting if seq.request.lora_name}
     return EngineStats(
         num_running=len(running_requests),
         num_waiting=len(waiting_requests),
@@ -67,6 +73,8 @@ def engine_stats(
         prefix_cache_hits=kv.prefix_cache_hits,
         num_preemptions=scheduler.num_preemptions,
         extra=extra,
+        running_lora_adapters=sorted(running_loras),
+        waiting_lora_adapters=sorted(waiting_loras),
     )
 
 

@@ -36,6 +36,7 @@ from kvscale.server.entrypoints.responses_store import MemoryResponseStore, Resp
 from kvscale.server.entrypoints.serving import ERROR_RESPONSES, APIError, OpenAIServer, bad_request
 from kvscale.server.entrypoints.serving_chat import create_chat_completion
 from kvscale.server.entrypoints.serving_completions import create_completion
+from kvscale.server.entrypoints.serving_lora import add_lora_update_routes
 from kvscale.server.entrypoints.serving_responses import (
     create_response,
     delete_response,
@@ -74,12 +75,14 @@ def build_app(
     stream_interval: int = 1,
     response_store: ResponseStore | None = None,
     lora_modules: Sequence[LoRAModulePath] = (),
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The FastAPI app; starts reading the engine on startup and stops the engine on shutdown.
 
     ``drain`` (kvscale.drain) is what a SIGTERM flips: /health and new generate requests
     then answer 503 while the open ones finish. ``response_store`` keeps /v1/responses'
     stored responses (default: this process's bounded memory, docs/server.md "The Responses API").
+    ``allow_runtime_lora_updating`` adds /v1/load_lora_adapter and /v1/unload_lora_adapter.
     """
     from kvscale import __version__
 
@@ -182,6 +185,9 @@ def build_app(
             p.ModelCard(id=name, root=model_root or name, max_model_len=max_model_len)
             for name in server.served_model_names
         ] + [lora_model_card(m, server.model_name) for m in server.lora_modules.values()])
+
+    if allow_runtime_lora_updating:  # docs/server.md, "Loading adapters at run time"
+        add_lora_update_routes(app, server)
 
     @app.post("/tokenize", response_model=p.TokenizeResponse, responses=ERROR_RESPONSES)
     async def tokenize_endpoint(body: p.TokenizeRequest) -> p.TokenizeResponse:

@@ -30,7 +30,7 @@ _ENGINE_FIELDS = (
     "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "num_gpu_blocks_override",
     "kv_cache_memory_bytes", "device", "seed", "quantization",
     "kv_offloading_size", "enforce_eager", "kv_cache_dtype", "async_scheduling", "tensor_parallel_size",
-    "enable_lora", "max_loras", "max_lora_rank",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
 )
 
 
@@ -77,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="adapters resident at once, least recently used out first (default 1)")
     lora.add_argument("--max-lora-rank", type=int, default=None,
                       help="the largest adapter rank accepted (default 16)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept in host memory, least recently used out first (read again "
+                           "from their path when used; default: --max-loras)")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (any path "
+                           "this server can read; put it behind --api-key)")
 
     cache = parser.add_argument_group("KV cache and batching")
     cache.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
@@ -218,6 +224,8 @@ def build(args: argparse.Namespace) -> Served:
         fields["structured_outputs_config"] = args.structured_outputs_config
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    if args.allow_runtime_lora_updating and not args.enable_lora:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
     lora_modules = list(args.lora_modules or [])
     fields["lora_modules"] = {m.name: os.path.abspath(m.path) for m in lora_modules}
     config = EngineConfig(**fields)
@@ -255,7 +263,8 @@ def build(args: argparse.Namespace) -> Served:
                     model_root=str(model_path),
                     vocab_size=min(len(tokenizer), ready.vocab_size),
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    stream_interval=args.stream_interval, response_store=store, lora_modules=lora_modules)
+                    stream_interval=args.stream_interval, response_store=store, lora_modules=lora_modules,
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     return Served(app, core, ready.model_name, ready.max_model_len, ready.block_size)
 
 

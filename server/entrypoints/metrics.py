@@ -9,6 +9,7 @@ process never share series. Names, types and help texts come from kvscale/metric
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import (
@@ -87,6 +88,11 @@ class _EngineStatsCollector(Collector):
         config.add_metric([self._model_name, str(stats.block_size), str(stats.kv_blocks_total),
                            "True" if prefix_caching else "False", stats.kv_cache_dtype], 1.0)
         yield config
+        lora = names.LORA_REQUESTS_INFO
+        lora_info = GaugeMetricFamily(lora.name, lora.help, labels=list(lora.labels))
+        lora_info.add_metric([",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters),
+                              str(int(stats.extra.get("max_loras", 0.0)))], time.time())
+        yield lora_info
         yield from self._host_tier(stats, label, family)
 
     @staticmethod

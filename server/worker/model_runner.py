@@ -129,6 +129,8 @@ class ModelRunner:
         """``name``, a LoRA adapter --lora-modules registered, or None (the base model); else ValueError."""
         if name is not None and (self.lora is None or name not in self.lora.paths):
             raise ValueError(f"LoRA adapter {name!r} is not registered (--enable-lora --lora-modules)")
+        if name is not None and self.lora is not None:
+            self.lora.on_host(name)  # one evicted from host memory is read again now, or refused here
         return name
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:

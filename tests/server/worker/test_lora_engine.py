@@ -171,3 +171,54 @@ def test_the_adapter_keys_the_first_block_and_the_chain_carries_it() -> None:
     a1 = hash_prompt_blocks(tokens, 8, lora_name="a1")
     assert all(x != y for x, y in zip(a1, base, strict=True))
     assert hash_prompt_blocks(tokens, 8, "salt", lora_name="a1") != a1 != hash_prompt_blocks(tokens, 8, lora_name="a2")
+
+
+def test_adapters_loaded_at_run_time_match_peft_through_a_host_pool_of_one(lora_setup, run_to_completion) -> None:
+    from kvscale.server.engine.lora_updates import update_lora
+
+    base, paths, refs, prompts = lora_setup
+    engine = _engine(base, {}, max_loras=1, max_cpu_loras=1)
+    lora = engine.runner.lora
+    assert update_lora(engine, "a1", paths["a1"]) is None and update_lora(engine, "a2", paths["a2"]) is None
+    assert list(lora._host) == ["a2"]  # one adapter in host memory: a1 was evicted
+    reads = lora.reads
+    for turn, name in enumerate(("a1", "a2", "a1")):
+        engine.add_request(f"t{turn}", prompts[1], _greedy(), lora_name=name)
+        assert run_to_completion(engine)[f"t{turn}"].outputs[0].token_ids == refs[name][1], name
+    assert lora.reads == reads + 3  # each turn read its adapter again from its path
+    assert update_lora(engine, "a1", paths["a2"]) == ("invalid", "LoRA adapter 'a1' is already loaded")
+
+
+def test_an_unload_is_refused_while_the_adapter_serves(lora_setup, run_to_completion) -> None:
+    from kvscale.server.engine.lora_updates import update_lora
+
+    base, paths, _, prompts = lora_setup
+    engine = _engine(base, {"a1": paths["a1"]}, max_loras=1)
+    engine.add_request("r", prompts[0], _greedy(), lora_name="a1")
+    assert engine.get_stats().waiting_lora_adapters == ["a1"]
+    engine.step()
+    assert engine.get_stats().running_lora_adapters == ["a1"]
+    kind, why = update_lora(engine, "a1", None) or ("", "")
+    assert kind == "busy" and "1 unfinished sequence" in why
+    run_to_completion(engine)
+    assert update_lora(engine, "a1", None) is None
+    assert update_lora(engine, "a1", None) == ("not_found", "LoRA adapter 'a1' is not loaded")
+    with pytest.raises(ValueError, match="not registered"):
+        engine.add_request("again", prompts[0], _greedy(), lora_name="a1")
+
+
+def test_the_registry_is_bounded_and_bad_adapters_leave_it_as_it_was(lora_setup, tmp_path, monkeypatch) -> None:
+    from kvscale.server.engine.lora_updates import update_lora
+    from kvscale.server.worker import lora_manager
+
+    base, paths, _, _ = lora_setup
+    engine = _engine(base, {"a1": paths["a1"]})
+    kind, why = update_lora(engine, "bad", str(tmp_path)) or ("", "")
+    assert kind == "invalid" and "must hold adapter_config.json" in why
+    monkeypatch.setattr(lora_manager, "MAX_LORA_NAMES", 2)
+    assert update_lora(engine, "a2", paths["a2"]) is None
+    kind, why = update_lora(engine, "a3", paths["a2"]) or ("", "")
+    assert kind == "invalid" and "(2)" in why
+    assert set(engine.runner.lora.paths) == {"a1", "a2"}
+    with pytest.raises(ValueError, match="--max-cpu-loras"):
+        EngineConfig(enable_lora=True, max_loras=2, max_cpu_loras=1)
