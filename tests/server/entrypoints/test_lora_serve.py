@@ -2,14 +2,22 @@
 Llama, the official `openai` client. /v1/models lists each adapter with its parent and root, a
 request's `model` naming an adapter is served by it (the same text as the engine in process with
 that adapter), an unknown model keeps its 404, and what LoRA cannot run with is refused at start.
+
+The server runs with --allow-runtime-lora-updating, behind an API key, one host-pool slot: an
+adapter loaded at run time serves what the same adapter loaded at start does, a malformed one is a
+400 naming why while a stream goes on untouched, an unload while a stream on the adapter is open
+is a 409, after an unload the name is a 404, and vllm:lora_requests_info shows the running adapter.
+Without the flag the routes are 404.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -65,20 +73,24 @@ def checkpoint(tmp_path_factory):
     return root
 
 
+KEY = "lora-key"
+
+
 @pytest.fixture(scope="module")
 def server(checkpoint):
     chat = json.dumps({"name": "chat", "path": str(checkpoint / "chat"), "base_model_name": "tiny-alias"})
     proc = ServeProcess("--model", str(checkpoint / "base"), "--served-model-name", "tiny", "--dtype", "float32",
                         "--device", "cpu", "--num-gpu-blocks-override", "64", "--max-model-len", "256",
-                        "--enable-lora", "--max-loras", "1", "--lora-modules", f"sql={checkpoint / 'sql'}", chat,
-                        env={"OMP_NUM_THREADS": "1"}, log_name="lora")
+                        "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1",
+                        "--lora-modules", f"sql={checkpoint / 'sql'}", chat, "--allow-runtime-lora-updating",
+                        "--api-key", KEY, env={"OMP_NUM_THREADS": "1"}, log_name="lora")
     yield proc
     proc.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 def _complete(client: openai.OpenAI, model: str) -> str:
@@ -145,3 +157,91 @@ def test_what_lora_cannot_run_with_is_refused_at_start(flags, message, capsys, c
                               "--lora-modules", f"sql={checkpoint / 'sql'}", *flags])
     assert cli_serve.run(args) == 2
     assert message in capsys.readouterr().err
+
+
+def _update(server: ServeProcess, route: str, key: str | None = KEY, **body: str) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server.base_url}/v1/{route}", json=body, headers=headers, timeout=60)
+
+
+def _tokens(client: openai.OpenAI, model: str) -> list[str]:
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1,
+                                    extra_body={"ignore_eos": True})
+    return out.choices[0].logprobs.tokens
+
+
+def test_without_the_flag_the_update_routes_are_404() -> None:
+    from starlette.testclient import TestClient
+
+    from kvscale.server.engine.engine_front import EngineFront
+    from kvscale.server.entrypoints.api_server import build_app
+
+    for allow, status in ((False, 404), (True, 400)):  # with it: an engine that cannot load adapters says so
+        app = build_app(EngineFront(), tokenizer=None, served_model_names=["m"], max_model_len=16, vocab_size=8,
+                        allow_runtime_lora_updating=allow)
+        answer = TestClient(app).post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/a"})
+        assert answer.status_code == status, answer.text
+        assert TestClient(app).post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 404
+
+
+def test_an_adapter_loaded_at_run_time_serves_as_one_loaded_at_start(server, client, checkpoint) -> None:
+    assert _update(server, "load_lora_adapter", key=None, lora_name="sql2", lora_path="/x").status_code == 401
+    loaded = _update(server, "load_lora_adapter", lora_name="sql2", lora_path=str(checkpoint / "sql"))
+    assert loaded.status_code == 200, loaded.text
+    assert _update(server, "load_lora_adapter", lora_name="chat2", lora_path=str(checkpoint / "chat")).status_code == 200
+    cards = {m.id: m.model_dump() for m in client.models.list().data}
+    assert cards["sql2"]["parent"] == "tiny" and cards["sql2"]["root"] == str(checkpoint / "sql")
+    # One host-pool slot: every turn reads its adapter again from its path.
+    results = {(turn, name): _tokens(client, name) for turn, name in enumerate(("sql", "sql2", "chat2", "sql2"))}
+    assert results[(0, "sql")] == results[(1, "sql2")] == results[(3, "sql2")] != results[(2, "chat2")]
+    assert results[(0, "sql")] != _tokens(client, "tiny")
+    chat = client.chat.completions.create(model="sql2", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4, temperature=0)
+    assert chat.model == "sql2"
+    again = _update(server, "load_lora_adapter", lora_name="sql2", lora_path=str(checkpoint / "chat"))
+    assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+
+
+def test_a_malformed_adapter_is_400_naming_why_and_a_stream_goes_on(server, client, checkpoint,
+                                                                     tmp_path) -> None:
+    write_peft_adapter(tmp_path / "rank", 3, 32, {"q_proj": (HIDDEN, Q)})
+    write_peft_adapter(tmp_path / "target", 4, 4, {"q_proj": (HIDDEN, Q), "lm_head": (HIDDEN, 8)})
+    write_peft_adapter(tmp_path / "shape", 5, 4, {"q_proj": (HIDDEN, KV)})
+    shutil.copytree(checkpoint / "sql", tmp_path / "torn")
+    (tmp_path / "torn" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    expected = "".join(_tokens(client, "sql"))
+    stream = client.completions.create(model="sql", prompt=PROMPT, max_tokens=8, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+    text = next(iter(stream)).choices[0].text
+    for name, why in (("rank", "rank 32 is above --max-lora-rank 16"), ("target", "target_modules ['lm_head']"),
+                      ("shape", "the model's projection is 96 -> 96"), ("torn", "could not be read"),
+                      ("missing", "must hold adapter_config.json")):
+        answer = _update(server, "load_lora_adapter", lora_name=name, lora_path=str(tmp_path / name))
+        assert answer.status_code == 400, (name, answer.text)
+        assert why in answer.json()["error"]["message"], (name, answer.json())
+    text += "".join(chunk.choices[0].text for chunk in stream)
+    assert text == expected
+    assert _update(server, "load_lora_adapter", lora_name="tiny", lora_path=str(checkpoint / "sql")).status_code == 400
+    assert _update(server, "load_lora_adapter", lora_name="", lora_path="/x").status_code == 400
+    assert {m.id for m in client.models.list().data}.isdisjoint({"rank", "target", "shape", "torn", "missing"})
+
+
+def test_an_unload_while_a_stream_is_open_is_409_then_the_name_is_404(server, client, checkpoint) -> None:
+    assert _update(server, "load_lora_adapter", lora_name="gone", lora_path=str(checkpoint / "chat")).status_code == 200
+    stream = client.completions.create(model="gone", prompt=PROMPT, max_tokens=240, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    refused = _update(server, "unload_lora_adapter", lora_name="gone")
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"]["code"] == "lora_adapter_in_use"
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    assert 'vllm:lora_requests_info{max_lora="1",running_lora_adapters="gone",waiting_lora_adapters=""}' in metrics
+    assert sum(1 for _ in chunks) > 0  # the stream runs to its end, untouched
+    assert _update(server, "unload_lora_adapter", lora_name="gone").status_code == 200
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="gone", prompt=PROMPT, max_tokens=2)
+    assert caught.value.body["code"] == "model_not_found"
+    assert "gone" not in {m.id for m in client.models.list().data}
+    again = _update(server, "unload_lora_adapter", lora_name="gone")
+    assert again.status_code == 404 and again.json()["error"]["code"] == "model_not_found"
