@@ -9,7 +9,9 @@ What the operator can check without the weights is checked here, and a spec that
 nothing applied (Synced=False, as for the allow-lists): the flag against the GPUs; for the
 bundled model, whose shape the operator knows, that the size divides what the engine splits
 (server/worker/tp_shard.py refuses the same at start for hub and pvc models, naming the heads);
-and on GPUs the KV pool's size given, which the engine cannot measure across ranks yet.
+and on GPUs the KV pool's size given, which the engine cannot measure across ranks yet. The CRD
+refuses the bundled model on too many GPUs at apply already (a CEL rule with the same numbers);
+checked here too for what the rule cannot see (a CPU server's flag) and CRDs older than it.
 """
 
 from __future__ import annotations

@@ -186,6 +186,10 @@ INVALID = {
     "scale to zero without the router": (
         {"autoscaling": {"enabled": True, "minReplicas": 0}, "router": {"enabled": False}},
         "autoscaling.minReplicas 0 needs the router"),
+    "the bundled model on ranks its heads do not split into": (
+        {"resources": {"gpus": 2}},
+        "the bundled model runs on 0, 1 or 3 GPUs (resources.gpus): more than one is that many "
+        "tensor-parallel ranks, which must divide its 9 attention heads"),
     "a password in the Redis URL": (
         {"router": {"redis": {"url": "redis://:hunter2@redis.example:6379/0"}}},
         "router.redis.url must not hold credentials"),

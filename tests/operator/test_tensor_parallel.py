@@ -4,9 +4,11 @@ the model itself: the sizes the operator refuses are those the engine would refu
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
+import yaml
 
 from kvscale import model_files
 from kvscale.operator import tensor_parallel
@@ -16,6 +18,8 @@ from kvscale.operator.kube import Kube
 from kvscale.operator.reconcile import reconcile
 from kvscale.operator.runtime import Runtime
 from kvscale.operator.spec import parse_spec
+
+CRD = Path(__file__).resolve().parents[2] / "crds" / "inferenceservice.yaml"
 
 
 def test_the_bundled_models_shape_and_refusals_agree_with_the_engine():
@@ -80,3 +84,15 @@ def test_a_refused_spec_gets_a_condition_naming_the_heads_and_no_children(
     [synced] = [c for c in body["status"]["conditions"] if c["type"] == "Synced"]
     assert (synced["status"], synced["reason"]) == ("False", "TensorParallelUnsupported")
     assert "2 does not divide its 9 attention heads" in synced["message"]
+
+
+def test_the_crds_rule_for_the_bundled_model_holds_the_same_shape():
+    """The apiserver refuses at apply what the operator would refuse later: the CEL rule's
+    numbers are the operator's."""
+    schema = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    [rule] = [r for r in schema["x-kubernetes-validations"] if "bundled://" in r["rule"]]
+    gpus = "self.spec.resources.gpus"
+    assert f"{tensor_parallel.BUNDLED_NUM_HEADS} % {gpus} == 0" in rule["rule"]
+    assert f"{tensor_parallel.BUNDLED_INTERMEDIATE_SIZE} % {gpus} == 0" in rule["rule"]
+    assert f"{gpus} <= 1" in rule["rule"]
+    assert f"its {tensor_parallel.BUNDLED_NUM_HEADS} attention heads" in rule["message"]
