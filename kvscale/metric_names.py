@@ -159,6 +159,11 @@ STRUCTURED_FORCED_TOKENS = Metric(
 TOOL_CALL_PARSE_FAILURES = Metric(
     "kvscale:tool_call_parse_failures", COUNTER,
     "Answers under tool_choice auto whose tool-call markup did not parse (sent as text).", _M)
+# Bounded labels: the adapters registered at once are bounded (server/worker/lora_manager.py), and
+# an unloaded adapter's series is removed.
+LORA_REQUESTS = Metric(
+    "kvscale:lora_requests", COUNTER,
+    "Requests by the LoRA adapter their `model` named (\"\": the base model).", ("model_name", "lora_name"))
 UNKNOWN_REQUEST_FIELDS = Metric(
     "kvscale:unknown_request_fields", COUNTER,
     "Requests carrying a field neither OpenAI's API nor vLLM's extras define (logged once per name).",
@@ -171,7 +176,7 @@ SERVER_METRICS = (
     KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, MAX_NUM_SEQS, PREFILL_TOKENS_WAITING, PREFILL_TOKENS_PER_S,
     HTTP_REQUESTS,
     STRUCTURED_REQUESTS, STRUCTURED_COMPILE_SECONDS, STRUCTURED_COMPILE_CACHE_HITS, STRUCTURED_REFUSALS,
-    STRUCTURED_MASK_SECONDS, STRUCTURED_MASK_STEPS, STRUCTURED_FORCED_TOKENS, TOOL_CALL_PARSE_FAILURES, UNKNOWN_REQUEST_FIELDS,
+    STRUCTURED_MASK_SECONDS, STRUCTURED_MASK_STEPS, STRUCTURED_FORCED_TOKENS, TOOL_CALL_PARSE_FAILURES, UNKNOWN_REQUEST_FIELDS, LORA_REQUESTS,
     KV_OFFLOAD_BYTES, KV_OFFLOAD_TIME, EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS,
     CPU_CACHE_USAGE, KV_HOST_BLOCKS_TOTAL, KV_HOST_BLOCKS_CACHED, KV_BLOCKS_DEMOTED,
     KV_BLOCKS_PROMOTED, KV_PREEMPTIONS_SWAPPED, KV_RESTORE_SECONDS,

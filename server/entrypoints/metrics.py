@@ -9,6 +9,7 @@ process never share series. Names, types and help texts come from kvscale/metric
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 
@@ -144,6 +145,8 @@ class ServerMetrics:
         self.structured_refusals = register(names.STRUCTURED_REFUSALS, reg)
         self.tool_parse_failures = register(names.TOOL_CALL_PARSE_FAILURES, reg).labels(model_name)
         self.unknown_fields = register(names.UNKNOWN_REQUEST_FIELDS, reg)
+        self.lora_requests = register(names.LORA_REQUESTS, reg)
+        self.lora_requests.labels(model_name, "")
         for reason in ("unsupported", "timeout", "invalid"):
             self.structured_refusals.labels(model_name, reason)
         for kind in ("json", "json_object", "regex", "choice", "grammar", "tool"):
@@ -159,6 +162,14 @@ class ServerMetrics:
 
     def count_unknown_field(self, endpoint: str) -> None:
         self.unknown_fields.labels(self.model_name, endpoint).inc()
+
+    def count_lora_request(self, lora_name: str) -> None:
+        self.lora_requests.labels(self.model_name, lora_name).inc()
+
+    def forget_lora(self, lora_name: str) -> None:
+        """An unloaded adapter's series goes (the registry of names is bounded; its history is not)."""
+        with contextlib.suppress(KeyError):
+            self.lora_requests.remove(self.model_name, lora_name)
 
     def count_structured(self, kind: str) -> None:
         self.structured_requests.labels(self.model_name, kind).inc()

@@ -349,15 +349,20 @@ class OpenAIServer:
     async def open_streams(self, prepared: Prepared) -> list[RequestStream]:
         """Hand every prompt to the engine in one go (they start in the same step)."""
         self.check_capacity(sum(params.n for params in prepared.params))
+        if prepared.lora_name and prepared.lora_name not in self.lora_modules:
+            self.check_model(prepared.lora_name)  # unloaded while the request was read: its 404
         many = len(prepared.prompts) > 1
         requests = [
             (f"{prepared.request_id}-{index}" if many else prepared.request_id, ids, params, prepared.cache_salt)
             for index, (ids, params) in enumerate(zip(prepared.prompts, prepared.params, strict=True))
         ]
         try:
-            return await self.engine.add_requests(
+            streams = await self.engine.add_requests(
                 requests, stream_interval=max(self.stream_interval, prepared.stream_interval or 1),
                 tenant=REQUEST_TENANT.get(), lora_name=prepared.lora_name)
+            if self.metrics is not None:
+                self.metrics.count_lora_request(prepared.lora_name)
+            return streams
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
         except (ValueError, TypeError, OverflowError) as exc:

@@ -68,6 +68,8 @@ async def unload_lora_adapter(server: OpenAIServer, body: UnloadLoRAAdapterReque
     if refused is not None:
         server.lora_modules[name] = module
         raise refusal_error(*refused)
+    if server.metrics is not None:
+        server.metrics.forget_lora(name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 

@@ -145,6 +145,7 @@ def test_lora_module_spellings() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
     (["--quantization", "int8"], "--quantization"),
+    (["--max-loras", "2", "--max-cpu-loras", "1"], "--max-cpu-loras (1) must be at least --max-loras (2)"),
 ])
 def test_what_lora_cannot_run_with_is_refused_at_start(flags, message, capsys, checkpoint) -> None:
     import argparse
@@ -237,11 +238,24 @@ def test_an_unload_while_a_stream_is_open_is_409_then_the_name_is_404(server, cl
     assert refused.json()["error"]["code"] == "lora_adapter_in_use"
     metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     assert 'vllm:lora_requests_info{max_lora="1",running_lora_adapters="gone",waiting_lora_adapters=""}' in metrics
+    assert 'kvscale:lora_requests_total{lora_name="gone",model_name="tiny"} 1.0' in metrics
     assert sum(1 for _ in chunks) > 0  # the stream runs to its end, untouched
     assert _update(server, "unload_lora_adapter", lora_name="gone").status_code == 200
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="gone", prompt=PROMPT, max_tokens=2)
     assert caught.value.body["code"] == "model_not_found"
     assert "gone" not in {m.id for m in client.models.list().data}
+    assert 'lora_name="gone"' not in httpx.get(f"{server.base_url}/metrics", timeout=10).text
     again = _update(server, "unload_lora_adapter", lora_name="gone")
     assert again.status_code == 404 and again.json()["error"]["code"] == "model_not_found"
+
+
+def test_runtime_updating_needs_enable_lora(capsys, checkpoint) -> None:
+    import argparse
+
+    from kvscale.server.entrypoints import cli_serve
+
+    parser = argparse.ArgumentParser()
+    cli_serve.add_arguments(parser)
+    assert cli_serve.run(parser.parse_args(["--model", str(checkpoint / "base"), "--allow-runtime-lora-updating"])) == 2
+    assert "--allow-runtime-lora-updating needs --enable-lora" in capsys.readouterr().err
