@@ -64,6 +64,52 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def shared_fixture_of(item: pytest.Item) -> str | None:
+    """The first costly session service the test takes, directly or through its fixtures."""
+    return next((name for name in SHARED_SESSION_FIXTURES if name in getattr(item, "fixturenames", ())), None)
+
+
+LAST_USERS = pytest.StashKey[dict[str, str]]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Every file on one shared service runs next to the others on it, where the first of them
+    # stood, so the service stops after the last of them (pytest_runtest_teardown below) instead
+    # of idling to the end of the session: an idle control plane still takes a tenth of a core.
+    group_of_file: dict[str, str] = {}
+    for item in items:
+        name = shared_fixture_of(item)
+        if name is not None:
+            group_of_file.setdefault(item.nodeid.split("::", 1)[0], name)
+    first_position: dict[str, int] = {}
+    for position, item in enumerate(items):
+        path = item.nodeid.split("::", 1)[0]
+        first_position.setdefault(group_of_file.get(path, path), position)
+    place = {id(item): first_position[group_of_file.get(path, path)]
+             for item in items for path in [item.nodeid.split("::", 1)[0]]}
+    items.sort(key=lambda item: place[id(item)])  # stable: each file's own order is kept
+    # Later items overwrite earlier ones: each service maps to the last test that takes it.
+    config.stash[LAST_USERS] = {name: item.nodeid for item in items for name in SHARED_SESSION_FIXTURES
+                                if name in getattr(item, "fixturenames", ())}
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield
+    # After the last test on a shared service, stop it (and what was built on it). A later test
+    # that takes it again gets a new one, so an order other than the one above costs time only.
+    last_users = item.config.stash.get(LAST_USERS, {})
+    if nextitem is None or item.nodeid not in last_users.values():
+        return  # not the last user; or the last test of all, which the session's teardown ends
+    definitions = getattr(item, "_fixtureinfo", None)
+    for name, last in last_users.items():
+        if last == item.nodeid and definitions is not None:
+            for fixturedef in definitions.name2fixturedefs.get(name, ()):
+                if fixturedef.scope == "session":
+                    fixturedef.finish(item._request)  # type: ignore[attr-defined]
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     # xdist's own groups (--dist loadgroup) do not group under pytest 9.2: its worker renames
