@@ -134,3 +134,60 @@ def _can_stop(state: BeamSearchState, length: int) -> bool:
 def top_candidates(position: dict[int, float], count: int) -> list[tuple[int, float]]:
     """A position's ``count`` most likely (token, logprob), most likely first."""
     return sorted(position.items(), key=lambda item: -item[1])[:count]
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams`` for the offline ``LLM.beam_search``; ``early_stopping`` is
+    kvscale's (transformers' meaning, above)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: EarlyStopping = False
+
+    def __post_init__(self) -> None:
+        # Scores are the model's own logprobs: a temperature would change nothing it could honour.
+        if self.temperature != 0.0:
+            raise ValueError(f"beam search scores the model's logprobs: temperature must be 0, "
+                             f"got {self.temperature}")
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One answer, as vLLM's: ``tokens`` the prompt's then the generated ones (the stop token
+    only with ``include_stop_str_in_output``), ``text`` all of them decoded."""
+
+    tokens: list[int]
+    logprobs: list[float]  # each generated token's
+    cum_logprob: float
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    score: float = 0.0
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
+
+
+def stop_on(eos_token_ids: set[int] | frozenset[int], stop_token_ids: Sequence[int] = (),
+            stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None) -> StopCheck:
+    """The ``StopCheck`` for EOS, stop token ids and stop strings (found in the decoded text)."""
+    ends = frozenset(eos_token_ids) | frozenset(stop_token_ids)
+
+    def check(tokens: tuple[int, ...]) -> int | str | None:
+        if tokens[-1] in ends:
+            return tokens[-1]
+        if stop and decode is not None:
+            text = decode(list(tokens))
+            return next((s for s in stop if s in text), None)
+        return None
+
+    return check

@@ -7,6 +7,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvscale.server.config import EngineConfig
+from kvscale.server.engine.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+    BeamSearchState,
+    beam_step,
+    stop_on,
+    top_candidates,
+)
 from kvscale.server.engine.llm_engine import LLMEngine
 from kvscale.server.engine.output_builder import OutputKind
 from kvscale.server.entrypoints.admission import check_prompt, resolve_max_tokens
@@ -118,6 +127,60 @@ class LLM:
             for request_id in request_ids:
                 engine.abort_request(request_id)
             raise
+
+    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: each prompt's ``params.beam_width`` best beams, best first.
+        Each step every live beam is one greedy 1-token request asking for its top
+        ``2 * beam_width`` logprobs; server/engine/beam_search.py keeps the books."""
+        engine = self.llm_engine
+        prompt_ids, states = [], []
+        for prompt in prompts:
+            ids = completion_prompt_token_ids(engine.tokenizer, self._engine_prompt(prompt))
+            check_prompt(ids, engine.vocab_size)
+            max_tokens = resolve_max_tokens(params.max_tokens, len(ids), engine.max_model_len)
+            prompt_ids.append(ids)
+            states.append(BeamSearchState(params.beam_width, max_tokens, params.length_penalty,
+                                          params.early_stopping))
+        stop = stop_on(set() if params.ignore_eos else engine.eos_token_ids)
+        step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
+        while not all(state.done for state in states):
+            live = [(state, ids) for state, ids in zip(states, prompt_ids, strict=True) if not state.done]
+            request_ids: list[list[str]] = []
+            try:
+                for state, ids in live:
+                    request_ids.append([])
+                    for beam in state.live:
+                        request_id = f"llm-{next(self._ids)}"
+                        engine.add_request(request_id, ids + list(beam.tokens), step)
+                        request_ids[-1].append(request_id)
+                outputs = self._run([r for group in request_ids for r in group], use_tqdm)
+            except BaseException:
+                for request_id in (r for group in request_ids for r in group):
+                    engine.abort_request(request_id)
+                raise
+            done = iter(outputs)
+            for (state, _), group in zip(live, request_ids, strict=True):
+                candidates = []
+                for _ in group:
+                    position = (next(done).outputs[0].logprobs or [{}])[0]
+                    candidates.append(top_candidates({t: lp.logprob for t, lp in position.items()},
+                                                     state.num_logprobs))
+                beam_step(state, candidates, stop)
+        return [self._beam_output(state, ids, params) for state, ids in zip(states, prompt_ids, strict=True)]
+
+    def _beam_output(self, state: BeamSearchState, prompt_ids: list[int],
+                     params: BeamSearchParams) -> BeamSearchOutput:
+        sequences = []
+        for beam in state.best():
+            tokens = list(beam.tokens)
+            if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+                tokens = tokens[:-1]
+            sequences.append(BeamSearchSequence(
+                tokens=prompt_ids + tokens, logprobs=list(beam.logprobs), cum_logprob=beam.cum_logprob,
+                text=self.llm_engine.tokenizer.decode(prompt_ids + tokens), finish_reason=beam.finish_reason,
+                stop_reason=beam.stop_reason, score=state.score(beam)))
+        return BeamSearchOutput(sequences)
 
     def chat(
         self,

@@ -1,0 +1,109 @@
+"""The offline ``LLM.beam_search`` against transformers' ``generate(num_beams=...)`` on a tiny
+random-weight Llama in float32 (server/engine/beam_search.py follows transformers' rule).
+
+The EOS row of the LM head is scaled up so that EOS ranks high in some contexts and hypotheses
+end at different lengths, which is where ``length_penalty`` and early stopping matter. Beams
+and scores are compared whole: every returned beam's tokens and its normalized score. Equality
+holds as long as no two candidates tie in cumulative logprob (transformers' ``topk`` breaks
+ties its own way); random float32 weights make a tie vanishingly unlikely.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from tiny_checkpoints import copy_tokenizer, write_tiny_llama  # noqa: E402
+
+from kvscale.server.engine.beam_search import BeamSearchParams
+from kvscale.server.entrypoints.llm import LLM
+
+VOCAB, EOS = 500, 2
+PROMPTS = [[5, 17, 42, 99, 7, 300, 11], [250, 3, 3, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
+
+
+def make_tiny_llama(path: Path, bundled_model_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    copy_tokenizer(bundled_model_path, path)
+    write_tiny_llama(path, vocab=VOCAB, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                     max_position_embeddings=256, norm_jitter=0.1)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["lm_head.weight"][EOS] *= 6.0
+    save_file(weights, str(path / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def tiny(bundled_model_path, tmp_path_factory):
+    from transformers import LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny_beam")
+    make_tiny_llama(path, bundled_model_path)
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, num_gpu_blocks_override=256)
+    hf = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return llm, hf
+
+
+def hf_beams(hf: Any, prompt: list[int], width: int, max_tokens: int, length_penalty: float,
+             early_stopping: bool | str) -> list[tuple[list[int], float]]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, num_beams=width,
+                          num_return_sequences=width, do_sample=False, length_penalty=length_penalty,
+                          early_stopping=early_stopping, eos_token_id=EOS, pad_token_id=EOS,
+                          output_scores=True, return_dict_in_generate=True)
+    beams = []
+    for row, score in zip(out.sequences.tolist(), out.sequences_scores.tolist(), strict=True):
+        generated = row[len(prompt):]
+        if EOS in generated:  # padded with EOS after the first
+            generated = generated[:generated.index(EOS) + 1]
+        beams.append((generated, score))
+    return beams
+
+
+@pytest.mark.parametrize(("width", "max_tokens", "length_penalty", "early_stopping"), [
+    (4, 8, 1.0, False), (3, 10, 0.5, False), (2, 6, 2.0, True), (4, 7, 1.5, "never"),
+])
+def test_beams_equal_transformers(tiny, width, max_tokens, length_penalty, early_stopping):
+    llm, hf = tiny
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty,
+                              include_stop_str_in_output=True, early_stopping=early_stopping)
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        expected = hf_beams(hf, prompt, width, max_tokens, length_penalty, early_stopping)
+        got = [(seq.tokens[len(prompt):], seq.score) for seq in output.sequences]
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+        assert [score for _, score in got] == pytest.approx([score for _, score in expected], abs=1e-4)
+        for seq in output.sequences:
+            assert seq.cum_logprob == pytest.approx(sum(seq.logprobs))
+
+
+def test_some_beams_end_on_eos_and_beams_share_blocks(tiny):
+    llm, _ = tiny
+    params = BeamSearchParams(beam_width=4, max_tokens=8)
+    before = llm.llm_engine.get_stats()
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    after = llm.llm_engine.get_stats()
+    # Each step's requests read the prompt's and their parent beam's full blocks from the cache.
+    queried = after.prefix_cache_queries - before.prefix_cache_queries
+    assert after.prefix_cache_hits - before.prefix_cache_hits > queried // 2
+    reasons = {seq.finish_reason for output in outputs for seq in output.sequences}
+    assert reasons == {"stop", "length"}, "the checkpoint should end some beams on EOS"
+    for output in outputs:
+        for seq in output.sequences:
+            assert seq.tokens[-1] != EOS  # the EOS left out without include_stop_str_in_output
+
+
+def test_beam_search_refusals(tiny):
+    llm, _ = tiny
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=11, max_tokens=4)
+    with pytest.raises(ValueError, match="temperature"):
+        BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)
+    with pytest.raises(ValueError):
+        llm.beam_search([[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=10_000))
