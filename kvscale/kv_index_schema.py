@@ -30,7 +30,7 @@ double-applies a change; a gap in seq tells it to reload.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -113,6 +113,18 @@ def heartbeat_key(replica_id: str) -> str:
     return f"{KEY_PREFIX}:replica:{replica_id}:heartbeat"
 
 
+# Adapter names one heartbeat list carries at most: a replica registers at most 256 (the engine's
+# MAX_LORA_NAMES), and a reader keeps no more whatever a heartbeat says.
+MAX_PUBLISHED_LORAS = 256
+
+
+def lora_names(value: Any) -> list[str]:
+    """A heartbeat's list of adapter names, bounded and of strings only (absent: none)."""
+    if not isinstance(value, list):
+        return []
+    return [name for name in value if isinstance(name, str)][:MAX_PUBLISHED_LORAS]
+
+
 @dataclass
 class Heartbeat:
     """One replica's load report, as written to :heartbeat (JSON) and read by routers."""
@@ -138,6 +150,13 @@ class Heartbeat:
     # Most sequences one batch holds (max_num_seqs); 0 in a heartbeat from a replica before it
     # published it: the router then counts no wait for a batch slot there.
     max_num_seqs: int = 0
+    # LoRA adapters (docs/router.md, "LoRA adapters"): those registered here, those resident in its
+    # device slots now, those of running requests, and the slots (max_loras; 0: LoRA off). Each
+    # list at most MAX_PUBLISHED_LORAS names, so a replica's heartbeat stays small.
+    lora_adapters: list[str] = field(default_factory=list)
+    lora_resident: list[str] = field(default_factory=list)
+    lora_running: list[str] = field(default_factory=list)
+    max_loras: int = 0
 
     @property
     def load(self) -> int:
@@ -156,13 +175,14 @@ class Heartbeat:
         data = json.loads(payload)
         ints = ("block_size", "num_running", "num_waiting", "kv_blocks_active", "kv_blocks_total",
                 "kv_blocks_cached", "events_dropped", "prefill_tokens_waiting", "num_decoding", "step_token_budget",
-                "max_num_seqs")
+                "max_num_seqs", "max_loras")
         floats = ("timestamp", "prefill_tokens_per_s", "decode_step_s")
         numbers: dict[str, Any] = {k: int(data.get(k, 0)) for k in ints}
         numbers.update({k: float(data.get(k, 0.0)) for k in floats})
         return cls(
             replica_id=replica_id, model=str(data.get("model", "")), base_url=str(data.get("base_url", "")),
-            received=received, **numbers,
+            received=received, **numbers, lora_adapters=lora_names(data.get("lora_adapters")),
+            lora_resident=lora_names(data.get("lora_resident")), lora_running=lora_names(data.get("lora_running")),
         )
 
 

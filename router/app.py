@@ -35,6 +35,7 @@ from kvscale.router.heartbeats import HeartbeatTable
 from kvscale.router.hold_gate import activation_report, hold_until_ready, refusal, worth_holding
 from kvscale.router.in_flight import InFlight
 from kvscale.router.index import PrefixIndex
+from kvscale.router.lora_routing import Adapter, request_adapter, serves
 from kvscale.router.metrics import RouterMetrics
 from kvscale.router.prefix_hashes import PrefixHasher, PromptBlocks
 from kvscale.router.proxy import Forwarder, Routed, replica_headers
@@ -204,7 +205,8 @@ class Router:
 
     def _candidates(self, model: str | None) -> list[Replica] | Response:
         """The replicas that may take a request for ``model`` (None: any), or the error."""
-        serving = [r for r in self.replicas.replicas.values() if model is None or model in r.models]
+        serving = [r for r in self.replicas.replicas.values()
+                   if model is None or serves(r, self.heartbeats.get(r.replica_id), model)]
         if model is not None and not serving:
             return openai_error(
                 404, f"The model `{model}` does not exist.", "NotFoundError", "model_not_found")
@@ -243,8 +245,9 @@ class Router:
             return candidates
 
         prompt = PromptBlocks([], 0, self.config.block_size)
+        adapter = request_adapter(model, candidates, self.heartbeats.get, self.hasher.tokenizers)
         if routing.uses_prefix(self.config.policy):
-            prompt = await self._prompt_blocks(endpoint, body, model, len(raw))
+            prompt = await self._prompt_blocks(endpoint, body, model, len(raw), adapter)
         grant = await self.tenancy.admit(request, endpoint, body, prompt.prompt_tokens, len(raw))
         if isinstance(grant, Response):  # over the tenant's limits: 429
             return grant
@@ -252,8 +255,8 @@ class Router:
         session = request.headers.get(header) if header else None
         hash_key: int | str = prompt.hashes[0] if prompt.hashes else (
             f"{model}|{str(body.get('prompt', body.get('messages', body.get('input'))))[:256]}")
-        decision = self.decider.decide(
-            candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens, prompt.block_size)
+        decision = self.decider.decide(candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens,
+                                       prompt.block_size, adapter.name if adapter else None)
         predicted_tokens = decision.matched_blocks * prompt.block_size
         self.metrics.predicted_hit_tokens.inc(predicted_tokens)
         self.metrics.predicted_hit_tokens_per_request.observe(predicted_tokens)
@@ -280,16 +283,19 @@ class Router:
         ))
 
     async def _prompt_blocks(self, endpoint: str, body: dict[str, Any], model: str | None,
-                             body_bytes: int) -> PromptBlocks:
+                             body_bytes: int, adapter: Adapter | None = None) -> PromptBlocks:
+        """The prompt's blocks; an adapter's tokenized with its base's tokenizer, hashed with its name."""
+        lora = adapter.name if adapter is not None else None
+        model = adapter.base if adapter is not None else model
         if endpoint != "responses":
-            return await self.hasher.prompt_block_hashes_off_loop(endpoint, body, model, body_bytes)
+            return await self.hasher.prompt_block_hashes_off_loop(endpoint, body, model, body_bytes, lora)
         # The chat prompt the replica will build: the stored conversation, then this turn.
         store = responses.store_model(model, [self.hasher.names_of(m) for m in self.config.models])
         chat = await responses.chat_prompt(self.conversations, body, store, body_bytes)
         if chat is None:
             self.metrics.fallbacks.labels("untokenizable").inc()
             return PromptBlocks([], 0, self.hasher.block_size(model or ""))
-        return await self.hasher.prompt_block_hashes_off_loop("chat", chat.body, model, chat.source_bytes)
+        return await self.hasher.prompt_block_hashes_off_loop("chat", chat.body, model, chat.source_bytes, lora)
 
     async def stored_response(self, request: Request) -> Response:
         """GET and DELETE /v1/responses/{id}: forwarded to a ready replica of the model whose

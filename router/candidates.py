@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 
@@ -41,6 +41,29 @@ class Candidate:
     # How much longer than predicted this replica's requests have taken, relative to the pool
     # (kvscale.router.ttft_calibration): its estimate is multiplied by it.
     ttft_scale: float = 1.0
+    # How ready the replica is to run the request's LoRA adapter (``lora_affinity``): LORA_RESIDENT
+    # for a base-model request.
+    lora_affinity: int = 0
+
+
+# A request's LoRA adapter on a replica that registered it, best first (docs/router.md, "LoRA
+# adapters"): in a device slot now; a slot free for it (loading it evicts an idle adapter); every
+# slot held by other adapters' running requests (it waits for one of them to leave the batch).
+LORA_RESIDENT = 0
+LORA_FREE_SLOT = 1
+LORA_NO_SLOT = 2
+
+
+def lora_affinity(adapter: str | None, resident: Collection[str], running: Collection[str], max_loras: int) -> int:
+    """How ready a replica is for ``adapter`` (None: the base model, ready everywhere), from its
+    heartbeat: the adapters resident in its slots, those of its running requests, its slots (0:
+    not published, a slot assumed free). The engine puts at most ``max_loras`` adapters in one step,
+    so a slot is free while fewer adapters run."""
+    if adapter is None or adapter in resident or adapter in running:
+        return LORA_RESIDENT
+    if max_loras <= 0 or len(running) < max_loras:
+        return LORA_FREE_SLOT
+    return LORA_NO_SLOT
 
 
 @dataclass(frozen=True)
@@ -60,7 +83,7 @@ class Spill:
 class Decision:
     ranked: list[str]  # best first; the proxy walks it on failover
     matched_blocks: int  # of the first choice
-    reason: str  # "affinity" | "load" | "hash" | "sticky" | "round-robin" | "random"
+    reason: str  # "affinity" | "lora" | "load" | "hash" | "sticky" | "round-robin" | "random"
     predicted_ttft_s: float | None = None  # predicted-ttft's estimate for the first choice (calibrated)
     uncalibrated_ttft_s: float | None = None  # the same before calibration
     # The first choice's estimate rests on its own measured prefill rate (not the pool's or the

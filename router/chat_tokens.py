@@ -52,7 +52,7 @@ TAIL_MEMO_CHARS = 64  # what follows the last special token, memoised when this 
 class _Entry:
     ids: array  # token ids of the cached text ('i': untracked by the garbage collector)
     hashes: array  # full-block hashes of those ids ('Q'), for `hashed_for` only
-    hashed_for: tuple[int, str | None]  # (block size, cache salt)
+    hashed_for: tuple[int, str | None, str | None]  # (block size, cache salt, LoRA adapter)
 
 
 def special_token_pattern(tokenizer: Any) -> re.Pattern | None:
@@ -132,16 +132,17 @@ class ChatTokenCache:
         return len(self._entries)
 
     def prompt(self, messages: Any, block_size: int, cache_salt: str | None,
-               tools: Any = None) -> tuple[list[int], list[int]]:
+               tools: Any = None, lora_name: str | None = None) -> tuple[list[int], list[int]]:
         """(token ids, full-block hashes) of the chat prompt for ``messages`` and ``tools`` (the
-        request's JSON); exactly what ``chat_prompt_token_ids`` and ``hash_prompt_blocks`` give.
+        request's JSON) under the LoRA adapter ``lora_name`` (None: the base model); exactly what
+        ``chat_prompt_token_ids`` and ``hash_prompt_blocks`` give.
         Raises ValueError for messages the template cannot take, as they do."""
         text = render_chat_prompt(self.tokenizer, messages, tools, self.tool_format)
         pattern = self._cuts if self.enabled else None
         cuts = [match.end() for match in pattern.finditer(text)] if pattern is not None else []
         if not cuts:
             ids = chat_text_token_ids(self.tokenizer, text)
-            return ids, hash_prompt_blocks(ids, block_size, cache_salt=cache_salt)
+            return ids, hash_prompt_blocks(ids, block_size, cache_salt=cache_salt, lora_name=lora_name)
 
         # One pass over the text gives the digest of every prefix ending at a cut.
         digests = []
@@ -168,12 +169,12 @@ class ChatTokenCache:
         ids += self._tail_ids(text[last:])
 
         known: array | tuple = ()
-        if entry is not None and entry.hashed_for == (block_size, cache_salt):
+        hashed_for = (block_size, cache_salt, lora_name)
+        if entry is not None and entry.hashed_for == hashed_for:
             known = entry.hashes
-        hashes = hash_prompt_blocks(ids, block_size, cache_salt=cache_salt, known=known)
-        if start < last or (entry is not None and entry.hashed_for != (block_size, cache_salt)):
-            self._store(digests[-1], ids[:through_last], hashes[: through_last // block_size],
-                        (block_size, cache_salt))
+        hashes = hash_prompt_blocks(ids, block_size, cache_salt=cache_salt, known=known, lora_name=lora_name)
+        if start < last or (entry is not None and entry.hashed_for != hashed_for):
+            self._store(digests[-1], ids[:through_last], hashes[: through_last // block_size], hashed_for)
         return ids, hashes
 
     def _tail_ids(self, tail: str) -> list[int]:
@@ -184,7 +185,8 @@ class ChatTokenCache:
                 self._tails[tail] = ids
         return ids
 
-    def _store(self, digest: bytes, ids: list[int], hashes: list[int], hashed_for: tuple[int, str | None]) -> None:
+    def _store(self, digest: bytes, ids: list[int], hashes: list[int],
+               hashed_for: tuple[int, str | None, str | None]) -> None:
         old = self._entries.pop(digest, None)
         if old is not None:
             self._held -= len(old.ids)

@@ -23,6 +23,7 @@ from kvscale.router.config import RouterConfig
 from kvscale.router.heartbeats import HeartbeatTable
 from kvscale.router.in_flight import InFlight
 from kvscale.router.index import PrefixIndex
+from kvscale.router.lora_routing import replica_affinity
 from kvscale.router.metrics import RouterMetrics, is_spill
 from kvscale.router.prefill_ledger import ttft_inputs
 from kvscale.router.replicas import Replica
@@ -132,12 +133,14 @@ def candidate_view(
     recent_blocks: int = 0,
     confirmed: Container[int] = frozenset(),
     fleet_decode_s: float = 0.0,
+    adapter: str | None = None,
 ) -> routing.Candidate:
     """One replica as the policy sees it; ``now`` is this router's monotonic clock, onto which
     the heartbeat's time is brought before any comparison (the replica's clock may be off);
     ``confirmed``: the blocks the replica reported holding (its waiting prefill counts a prefix
     shared by requests queued there once); ``fleet_decode_s``: the typical decode over the fleet
-    (a replica where none of ours has finished yet borrows it for its slot wait)."""
+    (a replica where none of ours has finished yet borrows it for its slot wait); ``adapter``: the
+    request's LoRA adapter (None: the base model), how ready the replica is for it."""
     hb = heartbeats.get(replica.replica_id)
     room: int | None = None
     hb_time = 0.0
@@ -150,7 +153,8 @@ def candidate_view(
         room = free_blocks(hb.kv_blocks_total, hot_blocks)
     extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), now, hb_time, confirmed, fleet_decode_s)
     return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, host_blocks=host_blocks,
-                             free_blocks=room, ttft_scale=ttft_scale, recent_blocks=recent_blocks, **extra)
+                             free_blocks=room, ttft_scale=ttft_scale, recent_blocks=recent_blocks,
+                             lora_affinity=replica_affinity(adapter, hb), **extra)
 
 
 def note_overload(since: dict[str, float], judged: tuple[str, bool] | None, now: float) -> None:
@@ -232,8 +236,10 @@ class Decider:
         session: str | None,
         prompt_tokens: int = 0,
         block_size: int = 16,
+        adapter: str | None = None,
     ) -> routing.Decision:
-        """Rank ``candidates`` for a prompt of ``hashes`` (its full blocks) and ``prompt_tokens``.
+        """Rank ``candidates`` for a prompt of ``hashes`` (its full blocks) and ``prompt_tokens``
+        under the LoRA adapter ``adapter`` (None: the base model).
 
         ``hash_key`` is any stable key of the prompt (its leading block hash when it has one):
         ties and a stale index go by rendezvous hashing on it.
@@ -265,7 +271,7 @@ class Decider:
             candidate_view(r, matched[r.replica_id], self.heartbeats, self.in_flight, now,
                            self.hot.footprint(r.replica_id, now), in_host.get(r.replica_id, 0),
                            applied.scale(r.replica_id), self.hot.recent(r.replica_id, now),
-                           self.index.confirmed_view(r.replica_id), fleet_decode_s)
+                           self.index.confirmed_view(r.replica_id), fleet_decode_s, adapter)
             for r in candidates
         ]
         index_stale = self.heartbeats.index_stale

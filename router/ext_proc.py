@@ -37,6 +37,7 @@ from kvscale.router import ext_proc_messages as msg
 from kvscale.router import policy as routing
 from kvscale.router.errors import openai_error, request_json
 from kvscale.router.in_flight import OpenRequest
+from kvscale.router.lora_routing import request_adapter
 from kvscale.router.prefix_hashes import PromptBlocks
 from kvscale.router.replicas import Replica
 
@@ -159,12 +160,13 @@ async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes) -> P
         ranked: list[Replica] = sorted(candidates, key=lambda r: r.in_flight)
         session = None
     else:
+        adapter = request_adapter(model, candidates, router.heartbeats.get, router.hasher.tokenizers)
         if routing.uses_prefix(config.policy):
-            prompt = await router._prompt_blocks(endpoint, body, model, len(raw))
+            prompt = await router._prompt_blocks(endpoint, body, model, len(raw), adapter)
         hash_key: int | str = prompt.hashes[0] if prompt.hashes else (
             f"{model}|{str(body.get('prompt', body.get('messages', body.get('input'))))[:256]}")
-        decision = router.decider.decide(
-            candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens, prompt.block_size)
+        decision = router.decider.decide(candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens,
+                                         prompt.block_size, adapter.name if adapter else None)
         hit_tokens = decision.matched_blocks * prompt.block_size
         metrics = router.metrics
         metrics.predicted_hit_tokens.inc(hit_tokens)

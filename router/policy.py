@@ -10,6 +10,9 @@ Weighted scorer (a baseline after llm-d's inference scheduler): a weighted sum o
 score (matched fraction), a queue score (min-max normalised queue depth, fewer is better) and a
 KV-cache score (1 - usage), weights 3 / 2 / 2.
 
+Every policy that ranks breaks its ties by a LoRA adapter's readiness on each replica
+(``lora_affinity``: resident, a slot free, none free), as llm-d's lora-affinity scorer prefers.
+
 Prefix affinity (``--policy prefix-affinity``):
   score(r) = matched_blocks(r) / prompt_blocks
              - load_weight * load(r) / capacity
@@ -104,9 +107,9 @@ def prefix_affinity(
     eligible, over, capacity = bounded_split(candidates, epsilon)
     tie = {c.replica_id: rendezvous_weight(hash_key, c.replica_id) for c in candidates}
 
-    def key(c: Candidate) -> tuple[float, int, int]:
+    def key(c: Candidate) -> tuple[float, int, int, int]:
         score = affinity_score(c, prompt_blocks, capacity, load_weight, kv_weight)
-        return (-round(score, 9), c.load, -tie[c.replica_id])
+        return (-round(score, 9), c.lora_affinity, c.load, -tie[c.replica_id])
 
     ranked = sorted(eligible, key=key)
     best_match = max((c.matched_blocks for c in eligible), default=0)
@@ -143,7 +146,7 @@ def weighted(candidates: Sequence[Candidate], prompt_blocks: int, hash_key: int 
     scores = weighted_scores(candidates, prompt_blocks)
     ranked = sorted(
         candidates,
-        key=lambda c: (-round(scores[c.replica_id], 9), -rendezvous_weight(hash_key, c.replica_id)),
+        key=lambda c: (-round(scores[c.replica_id], 9), c.lora_affinity, -rendezvous_weight(hash_key, c.replica_id)),
     )
     best_match = max(c.matched_blocks for c in candidates)
     reason = "affinity" if best_match > 0 and ranked[0].matched_blocks == best_match else "load"
@@ -153,7 +156,7 @@ def weighted(candidates: Sequence[Candidate], prompt_blocks: int, hash_key: int 
 def least_load(candidates: Sequence[Candidate], hash_key: int | str = 0) -> Decision:
     ranked = sorted(
         candidates,
-        key=lambda c: (c.load, c.kv_usage, -rendezvous_weight(hash_key, c.replica_id)),
+        key=lambda c: (c.load, c.lora_affinity, c.kv_usage, -rendezvous_weight(hash_key, c.replica_id)),
     )
     return Decision([c.replica_id for c in ranked], ranked[0].matched_blocks if ranked else 0, "load")
 

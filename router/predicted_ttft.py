@@ -6,6 +6,7 @@ from what costs time there, in tokens and seconds rather than in requests:
   ttft(r) = (queued_prefill_tokens(r) + uncached_tokens(r)) / prefill_tokens_per_s(r)
             + decode_step_s(r) * steps(r)        (only while r has sequences decoding)
             + slot_wait(r)                       (only while the sequences ahead fill r's batch)
+            + lora_wait(r)                       (only while other adapters hold r's LoRA slots)
   steps(r) = ceil((queued_prefill_tokens(r) + uncached_tokens(r)) / step_token_budget(r))
 step_token_budget is the engine's max_num_batched_tokens: the queue ahead and our prompt share steps.
 uncached_tokens is the prompt minus the leading blocks r holds, where a block r holds in its host
@@ -40,6 +41,11 @@ they evict hot ones: the one whose recent traffic claims least room per unit of 
 (``new_prefix_home``); when no replica has room, the lowest estimate takes it and its LRU makes
 room there. Ties (within 1 ms) go to the longer cached prefix, then to the rendezvous hash. The bounded-load cap on in-flight requests
 (``ttft_epsilon``) stays a safety valve: a replica over it goes last whatever it holds.
+
+A LoRA adapter's request sees only the replicas that registered it. Its blocks are keyed by the
+adapter, so the holder of its prefix is found as any other; a prompt of it nobody holds goes where
+the adapter is readiest (resident in a device slot, else a slot free for it: ``adapter_home``)
+unless that replica is truly overloaded, and estimates within 1 ms go to the readier replica.
 """
 
 from __future__ import annotations
@@ -48,7 +54,14 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from kvscale.router.candidates import Candidate, Decision, Spill, bounded_split, rendezvous_weight
+from kvscale.router.candidates import (
+    LORA_NO_SLOT,
+    Candidate,
+    Decision,
+    Spill,
+    bounded_split,
+    rendezvous_weight,
+)
 
 # Safety valve for predicted-ttft: nobody above (1 + eps) x the mean in-flight requests. Loose on
 # purpose: requests that hit a cached prefix are cheap, so a replica holding hot prefixes carries
@@ -89,7 +102,18 @@ def predicted_ttft(
     if candidate.num_decoding > 0 and candidate.decode_step_s > 0:
         per_step = candidate.step_token_budget if candidate.step_token_budget > 0 else work
         seconds += candidate.decode_step_s * math.ceil(work / max(per_step, 1.0))
-    return seconds + (slot_wait_s(candidate) if slot_wait is None else slot_wait)
+    return seconds + (slot_wait_s(candidate) if slot_wait is None else slot_wait) + lora_wait_s(candidate)
+
+
+def lora_wait_s(candidate: Candidate) -> float:
+    """Seconds a request waits there for a slot for its LoRA adapter: 0 unless every slot is held
+    by other adapters' running requests, then the soonest end of a running sequence this router can
+    tell, at least one decode step (a lower bound: a slot frees when all of one adapter's requests
+    have left the batch; docs/router.md, "LoRA adapters")."""
+    if candidate.lora_affinity != LORA_NO_SLOT:
+        return 0.0
+    step = candidate.decode_step_s
+    return max(min(candidate.decode_left_s, default=step), step)
 
 
 def slot_wait_s(candidate: Candidate) -> float:
@@ -165,7 +189,7 @@ def new_prefix_home(
     roomy: Sequence[Candidate],
     rates: Mapping[str, float],
     need: int,
-    key: Callable[[Candidate], tuple[float, int, int, int]],
+    key: Callable[[Candidate], tuple[float, int, int, int, int]],
 ) -> Candidate | None:
     """Where a prefix nobody holds goes, among the replicas with room for it: the one whose recent
     traffic claims least room per unit of speed, (recent_blocks + need) / rate (ties by ``key``,
@@ -179,6 +203,19 @@ def new_prefix_home(
     if not roomy:
         return None
     return min(roomy, key=lambda c: ((c.recent_blocks + need) / rates[c.replica_id], key(c)))
+
+
+def adapter_home(by_estimate: Sequence[Candidate], ttft: Mapping[str, float], slack: float) -> Candidate | None:
+    """Where a prompt nobody holds goes when its LoRA adapter is readier on some replicas than on
+    others (``lora_affinity``): the readiest with the lowest estimate, unless the spill rule (nothing
+    saved) finds it truly overloaded against the best less ready one, so a hot adapter spreads once
+    the replicas holding it are busy. None where every replica is as ready (a base-model request)."""
+    best = min((c.lora_affinity for c in by_estimate), default=0)
+    home = next((c for c in by_estimate if c.lora_affinity == best), None)
+    other = next((c for c in by_estimate if c.lora_affinity != best), None)
+    if home is None or other is None:
+        return None
+    return None if should_spill(ttft[home.replica_id], ttft[other.replica_id], 0.0, slack) else home
 
 
 def predicted_ttft_policy(
@@ -222,8 +259,8 @@ def predicted_ttft_policy(
         for c in candidates}
     ttft = {c.replica_id: c.ttft_scale * raw[c.replica_id] for c in candidates}
 
-    def key(c: Candidate) -> tuple[float, int, int, int]:
-        return (round(ttft[c.replica_id], 3), -c.matched_blocks, c.load,
+    def key(c: Candidate) -> tuple[float, int, int, int, int]:
+        return (round(ttft[c.replica_id], 3), c.lora_affinity, -c.matched_blocks, c.load,
                 -rendezvous_weight(hash_key, c.replica_id))
 
     by_estimate = sorted(eligible, key=key)
@@ -264,7 +301,9 @@ def predicted_ttft_policy(
             spill = Spill(anchor.replica_id, ttft[anchor.replica_id], other.replica_id, ttft[other.replica_id],
                           saved, held)
             anchor, reason = None, "load"
-    if anchor is None and best_match == 0:
+    if anchor is None and best_match == 0 and (home := adapter_home(by_estimate, ttft, slack)) is not None:
+        anchor, reason = home, "lora"  # a cold prompt of an adapter readier on some replicas
+    elif anchor is None and best_match == 0:
         # A cold prompt: a replica with room for it, so it does not evict a hot prefix.
         need = -(-prompt_tokens // max(block_size, 1))
         roomy = [c for c in by_estimate if c.free_blocks is None or c.free_blocks >= need]

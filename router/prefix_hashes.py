@@ -113,7 +113,7 @@ class PrefixHasher:
         return status
 
     async def prompt_block_hashes_off_loop(
-        self, endpoint: str, body: dict[str, Any], model: str | None, body_bytes: int
+        self, endpoint: str, body: dict[str, Any], model: str | None, body_bytes: int, lora_name: str | None = None
     ) -> PromptBlocks:
         """``prompt_block_hashes``, off the event loop for a long prompt: tokenizing, rendering a
         chat template and hashing 100k tokens takes about 0.7 s here, and on the loop it would stall
@@ -122,17 +122,20 @@ class PrefixHasher:
         changes hands every 5 ms on a busy loop) than hashing it. The thread hashes chat prompts
         without the chat token cache, which only the loop touches."""
         if body_bytes < OFF_LOOP_BYTES:
-            return self.prompt_block_hashes(endpoint, body, model)
+            return self.prompt_block_hashes(endpoint, body, model, lora_name=lora_name)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscale-router-hash")
         return await asyncio.get_running_loop().run_in_executor(
-            self._executor, partial(self.prompt_block_hashes, endpoint, body, model, chat_cache=False))
+            self._executor, partial(self.prompt_block_hashes, endpoint, body, model, chat_cache=False, lora_name=lora_name))
 
     def prompt_block_hashes(
-        self, endpoint: str, body: dict[str, Any], model: str | None, chat_cache: bool = True
+        self, endpoint: str, body: dict[str, Any], model: str | None, chat_cache: bool = True,
+        lora_name: str | None = None,
     ) -> PromptBlocks:
         """The prompt of a "chat" or "completions" request ``body`` (its parsed JSON); ``chat_cache``
-        False hashes a chat prompt whole, leaving the model's chat token cache untouched."""
+        False hashes a chat prompt whole, leaving the model's chat token cache untouched.
+        ``lora_name``: the LoRA adapter the request names, ``model`` then its base: the engine keys
+        an adapter's blocks by its name (``kvscale.block_hash.first_block_keys``), so they are too."""
         name = model if model else next(iter(self.tokenizers), "")
         tokenizer = self.tokenizers.get(name)
         # By the name whose tokenizer is used: a request without "model" goes to that model.
@@ -149,7 +152,7 @@ class PrefixHasher:
                 if cache is None:  # a tokenizer set without load_tokenizers
                     cache = ChatTokenCache(tokenizer, self.chat_cache_tokens, self.tool_format)
                     self.chat_caches[name] = cache
-                token_ids, hashes = cache.prompt(body["messages"], block_size, salt, body.get("tools"))
+                token_ids, hashes = cache.prompt(body["messages"], block_size, salt, body.get("tools"), lora_name)
                 return PromptBlocks(hashes, len(token_ids), block_size)
             prompt = body["prompt"]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -159,5 +162,5 @@ class PrefixHasher:
             # A malformed prompt: the replica will answer with the proper error.
             self._on_fallback("untokenizable")
             return PromptBlocks([], 0, block_size)
-        hashes = hash_prompt_blocks(token_ids, block_size, cache_salt=salt)
+        hashes = hash_prompt_blocks(token_ids, block_size, cache_salt=salt, lora_name=lora_name)
         return PromptBlocks(hashes, len(token_ids), block_size)

@@ -37,6 +37,8 @@ class Replica:
     url: str
     replica_id: str  # the id its KV events and heartbeats carry
     models: set[str] = field(default_factory=set)
+    # The LoRA adapters among ``models`` (/v1/models' cards with a ``parent``), each with its parent.
+    adapters: dict[str, str] = field(default_factory=dict)
     healthy: bool = False
     in_flight: int = 0  # requests this router has open on it
     last_finished: float = 0.0  # this router's monotonic clock when one of those last ended
@@ -182,7 +184,9 @@ class ReplicaSet:
                 models = await self._client.get(f"{replica.url}/v1/models")
                 status = describe_check("/v1/models", models.status_code, self.api_key, _error_code(models))
                 if status == "ok":
-                    replica.models = {m["id"] for m in models.json().get("data", [])}
+                    cards = models.json().get("data", [])
+                    replica.models = {m["id"] for m in cards}
+                    replica.adapters = {m["id"]: str(m["parent"]) for m in cards if m.get("parent")}
         except httpx.HTTPError as exc:
             status = f"cannot connect: {type(exc).__name__}: {exc}"
             at_once = isinstance(exc, httpx.ConnectError)  # refused: nothing listens there

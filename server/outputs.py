@@ -148,6 +148,10 @@ class EngineStats:
     # LoRA adapters of the running and the waiting requests, sorted (vLLM's lora_requests_info labels)
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
+    # The LoRA adapters registered, and those resident in the device's slots now, sorted: the
+    # heartbeat tells routers which replicas serve an adapter and where it is loaded (docs/router.md).
+    lora_adapters: list[str] = field(default_factory=list)
+    resident_lora_adapters: list[str] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:

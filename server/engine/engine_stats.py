@@ -15,6 +15,7 @@ from kvscale.server.outputs import EngineStats
 
 if TYPE_CHECKING:
     from kvscale.server.core.kv_offload import OffloadCounters
+    from kvscale.server.worker.lora_manager import LoRAManager
 
 
 def engine_stats(
@@ -25,6 +26,7 @@ def engine_stats(
     num_prompt_tokens_computed: int,
     last_step_s: float,
     offload: OffloadCounters | None = None,
+    lora: LoRAManager | None = None,
 ) -> EngineStats:
     pool = kv.pool
     running_requests = {seq.request.request_id for seq in scheduler.running}
@@ -75,6 +77,8 @@ def engine_stats(
         extra=extra,
         running_lora_adapters=sorted(running_loras),
         waiting_lora_adapters=sorted(waiting_loras),
+        lora_adapters=sorted(lora.paths) if lora is not None else [],
+        resident_lora_adapters=sorted(lora.resident) if lora is not None else [],
     )
 
 

@@ -34,6 +34,7 @@ from kvscale.kv_index_schema import (
     heartbeat_key,
     heartbeat_keys,
     heartbeat_script,
+    lora_names,
     redacted_url,
     seq_key,
     snapshot_message,
@@ -341,6 +342,12 @@ class KVEventPublisher:
             decode_step_s=round(self.rates.decode_step_s, 6),
             step_token_budget=int(extra.get("max_num_batched_tokens", 0)),
             max_num_seqs=int(extra.get("max_num_seqs", 0)),
+            # Which adapters this replica serves and holds on its device (docs/router.md, "LoRA
+            # adapters"), each list bounded by the schema.
+            lora_adapters=lora_names(stats.lora_adapters if stats else []),
+            lora_resident=lora_names(stats.resident_lora_adapters if stats else []),
+            lora_running=lora_names(stats.running_lora_adapters if stats else []),
+            max_loras=int(extra.get("max_loras", 0)),
         )
 
     def _heartbeat(self, client) -> None:

@@ -385,7 +385,7 @@ class LLMEngine:
             self.scheduler, self.kv, num_generated_tokens=self.num_generated_tokens,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed, last_step_s=self.last_step_s,
             offload=self.runner.host_cache.counters if self.runner.host_cache is not None else None,
-        )
+            lora=self.runner.lora)
         stats.extra.update(self.structured.extra_stats())
         stats.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)
         return stats
