@@ -9,8 +9,20 @@ import pytest
 
 from kvscale.block_hash import hash_prompt_blocks
 from kvscale.kv_index_schema import MAX_PUBLISHED_LORAS, Heartbeat
-from kvscale.router.candidates import LORA_FREE_SLOT, LORA_NO_SLOT, LORA_RESIDENT, Candidate, lora_affinity
-from kvscale.router.lora_routing import Adapter, adapters_of, replica_affinity, request_adapter, serves
+from kvscale.router.candidates import (
+    LORA_FREE_SLOT,
+    LORA_NO_SLOT,
+    LORA_RESIDENT,
+    Candidate,
+    lora_affinity,
+)
+from kvscale.router.lora_routing import (
+    Adapter,
+    adapters_of,
+    replica_affinity,
+    request_adapter,
+    serves,
+)
 from kvscale.router.predicted_ttft import lora_wait_s, predicted_ttft, predicted_ttft_policy
 from kvscale.router.prefix_hashes import PrefixHasher
 from kvscale.router.replicas import Replica
@@ -182,3 +194,31 @@ def test_a_held_adapter_prefix_keeps_its_holder_and_base_requests_are_unaffected
     for key in range(10):
         decision = predicted_ttft_policy(base, 64, 16, key)
         assert decision.reason != "lora" and decision.ranked[0] == "c"
+
+
+def test_the_router_offers_an_adapters_requests_to_the_replicas_serving_it_else_404() -> None:
+    import json
+    import types
+
+    from kvscale.router.app import Router
+    from kvscale.router.config import RouterConfig
+
+    router = Router(RouterConfig(replicas=["http://127.0.0.1:1", "http://127.0.0.1:2"]))
+    r0, r1 = router.replicas.replicas.values()
+    for r in (r0, r1):
+        r.healthy, r.models, r.adapters = True, {"base", "sql"}, {"sql": "base"}
+    beats = {r0.replica_id: heartbeat(r0.replica_id, adapters=("sql",)),
+             r1.replica_id: heartbeat(r1.replica_id, adapters=("sql", "chat"), resident=("chat",))}
+    router.heartbeats.feed = types.SimpleNamespace(healthy=True, heartbeats=beats, healthy_since=None)
+    assert router._candidates("chat") == [r1]  # loaded at run time on r1 only (its heartbeat)
+    assert router._candidates("base") == [r0, r1]
+    missing = router._candidates("sql-v2")
+    assert not isinstance(missing, list) and missing.status_code == 404
+    assert json.loads(bytes(missing.body))["error"]["code"] == "model_not_found"
+    # Registered on both, resident on neither: as ready; resident on r1 once r1 reports it.
+    beats[r1.replica_id] = heartbeat(r1.replica_id, adapters=("sql",), resident=("sql",))
+    adapter = request_adapter("sql", [r0, r1], router.heartbeats.get, {"base"})
+    assert adapter == Adapter("sql", "base")
+    decision = router.decider.decide([r0, r1], [], "k", None, 40, 16, adapter.name)
+    assert decision.ranked[0] == r1.replica_id and decision.reason == "lora"
+    assert router.decider.decide([r0, r1], [], "k", None, 40, 16).reason != "lora"  # the base model
