@@ -114,6 +114,10 @@ class BlockStored:
     parent_block_hash: int | None
     block_size: int
     tier: int = 1  # 1: the device's KV pool; 2: the host tier (kvscale.server.core.host_tier)
+    # The block's tokens and LoRA adapter: vLLM-format consumers (llm-d, Dynamo) hash the tokens
+    # themselves (docs/engine.md "KV events for llm-d and Dynamo"); the Redis sink ignores them.
+    token_ids: tuple[int, ...] = ()
+    lora_name: str | None = None
 
 
 @dataclass

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvscale.kv_index_schema import TIER_DEVICE, TIER_HOST
-from kvscale.server.core.host_tier import HostTier
+from kvscale.server.core.host_tier import HostEntry, HostTier
 from kvscale.server.outputs import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["TIER_DEVICE", "TIER_HOST", "BlockPool", "KVBlock", "NoFreeBlocksError", "TierCopies"]
@@ -32,6 +32,8 @@ class KVBlock:
     ref_count: int = 0
     block_hash: int | None = None  # set once the block is full and registered in the cache
     parent_hash: int | None = None  # the previous block's hash (a demotion's event needs it)
+    token_ids: tuple[int, ...] = ()  # its tokens and adapter, for its KV events (outputs.BlockStored)
+    lora_name: str | None = None
 
 
 @dataclass
@@ -107,7 +109,8 @@ class BlockPool:
     def cached_hashes_by_tier(self) -> dict[int, list[int]]:
         return {TIER_DEVICE: list(self._hash_to_block), TIER_HOST: self.host.hashes() if self.host else []}
 
-    def register_full_block(self, block_id: int, block_hash: int, parent_hash: int | None) -> None:
+    def register_full_block(self, block_id: int, block_hash: int, parent_hash: int | None,
+                            token_ids: tuple[int, ...] = (), lora_name: str | None = None) -> None:
         """Make a just-filled block findable by its hash (a no-op if that content is cached already)."""
         if not self.enable_caching:
             return
@@ -116,11 +119,14 @@ class BlockPool:
             return  # the same content computed twice concurrently: keep the first copy
         block.block_hash = block_hash
         block.parent_hash = parent_hash
+        block.token_ids = token_ids
+        block.lora_name = lora_name
         self._hash_to_block[block_hash] = block_id
         if self.host is not None and self.host.discard(block_hash):
             # Computed again above (a request that skips the cache): one copy per block.
             self._events.append(BlockRemoved([block_hash], tier=TIER_HOST))
-        self._events.append(BlockStored([block_hash], parent_hash, self.block_size))
+        self._events.append(BlockStored([block_hash], parent_hash, self.block_size,
+                                        token_ids=token_ids, lora_name=lora_name))
 
     # --- allocation ---------------------------------------------------------------------
     def allocate(self) -> int:
@@ -166,6 +172,7 @@ class BlockPool:
                 self.num_evicted += 1
             else:
                 self._demote(block_id, block_hash, block.parent_hash)
+            block.token_ids, block.lora_name = (), None
 
     # --- the second tier ----------------------------------------------------------------
     def _demote(self, block_id: int, block_hash: int, parent_hash: int | None) -> None:
@@ -174,11 +181,13 @@ class BlockPool:
             # Every host slot waits for this step's promotions to be copied: drop, never wait.
             self.num_evicted += 1
             return
-        slot, dropped = self.host.put(block_hash, parent_hash)
+        block = self.blocks[block_id]
+        slot, dropped = self.host.put(block_hash, parent_hash, block.token_ids, block.lora_name)
         if dropped is not None:
             self._events.append(BlockRemoved([dropped], tier=TIER_HOST))
             self.num_evicted += 1
-        self._events.append(BlockStored([block_hash], parent_hash, self.block_size, tier=TIER_HOST))
+        self._events.append(BlockStored([block_hash], parent_hash, self.block_size, tier=TIER_HOST,
+                                        token_ids=block.token_ids, lora_name=block.lora_name))
         self._copies.demote.append((block_id, slot))
         self.num_demoted += 1
 
@@ -201,26 +210,24 @@ class BlockPool:
                 self._evict(block_id)
                 self._fresh.append(block_id)
 
-    def reserve_host(self, block_hashes: list[int]) -> list[tuple[int, int | None]]:
+    def reserve_host(self, block_hashes: list[int]) -> list[HostEntry]:
         """Take tier-2 hits out of tier 2 before allocating their tier-1 blocks, so no
-        demotion those allocations cause can drop them. Returns (slot, parent) per hash."""
+        demotion those allocations cause can drop them. Returns each hash's entry (slot, parent)."""
         assert self.host is not None
-        out = []
-        for block_hash in block_hashes:
-            entry = self.host.take(block_hash)
-            out.append((entry.slot, entry.parent_hash))
-        return out
+        return [self.host.take(block_hash) for block_hash in block_hashes]
 
-    def promote(self, block_hash: int, slot: int, parent_hash: int | None) -> int:
+    def promote(self, block_hash: int, entry: HostEntry) -> int:
         """A fresh tier-1 block (one reference) that will hold a reserved tier-2 block's copy."""
         block_id = self.allocate()
         block = self.blocks[block_id]
         block.block_hash = block_hash
-        block.parent_hash = parent_hash
+        block.parent_hash = entry.parent_hash
+        block.token_ids, block.lora_name = entry.token_ids, entry.lora_name
         self._hash_to_block[block_hash] = block_id
         self._events.append(BlockRemoved([block_hash], tier=TIER_HOST))
-        self._events.append(BlockStored([block_hash], parent_hash, self.block_size))
-        self._copies.promote.append((slot, block_id))
+        self._events.append(BlockStored([block_hash], entry.parent_hash, self.block_size,
+                                        token_ids=entry.token_ids, lora_name=entry.lora_name))
+        self._copies.promote.append((entry.slot, block_id))
         self.num_promoted += 1
         return block_id
 

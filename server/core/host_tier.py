@@ -21,6 +21,8 @@ from dataclasses import dataclass
 class HostEntry:
     slot: int
     parent_hash: int | None
+    token_ids: tuple[int, ...] = ()  # what its KV event carries (server/outputs.py BlockStored)
+    lora_name: str | None = None
 
 
 class HostTier:
@@ -57,7 +59,8 @@ class HostTier:
         return list(self._entries)
 
     # --- moves --------------------------------------------------------------------------
-    def put(self, block_hash: int, parent_hash: int | None) -> tuple[int, int | None]:
+    def put(self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...] = (),
+            lora_name: str | None = None) -> tuple[int, int | None]:
         """A slot for a block coming down, and the hash dropped to make room (None if none).
 
         Call only when ``has_room`` (every slot may be waiting for its promotion's copy).
@@ -68,7 +71,7 @@ class HostTier:
             dropped, entry = self._entries.popitem(last=False)
             self._free.append(entry.slot)
         slot = self._free.pop()
-        self._entries[block_hash] = HostEntry(slot, parent_hash)
+        self._entries[block_hash] = HostEntry(slot, parent_hash, token_ids, lora_name)
         return slot, dropped
 
     def take(self, block_hash: int) -> HostEntry:

@@ -116,8 +116,7 @@ class KVCacheManager:
                 if hit.tier == TIER_DEVICE:
                     table.append(hit.block_id)
                 else:
-                    slot, parent = next(reserved)
-                    table.append(pool.promote(hit.block_hash, slot, parent))
+                    table.append(pool.promote(hit.block_hash, next(reserved)))
             seq.block_table = table
             seq.num_computed_tokens = len(cached) * self.block_size
             seq.num_registered_blocks = len(cached)
@@ -190,9 +189,11 @@ class KVCacheManager:
         if num_full <= seq.num_registered_blocks:
             return
         self._ensure_hashes(seq, num_full)
+        tokens, size, lora_name = seq.token_ids, self.block_size, seq.request.lora_name
         for i in range(seq.num_registered_blocks, num_full):
             parent = seq.block_hashes[i - 1] if i else None
-            self.pool.register_full_block(seq.block_table[i], seq.block_hashes[i], parent)
+            self.pool.register_full_block(seq.block_table[i], seq.block_hashes[i], parent,
+                                          tuple(tokens[i * size:(i + 1) * size]), lora_name)
         seq.num_registered_blocks = num_full
 
     def take_tier_copies(self) -> TierCopies:

@@ -43,6 +43,7 @@ from kvscale.server.engine.engine_core_wire import (
     UpdateLoRA,
     core_codec,
 )
+from kvscale.server.engine.kv_events_config import KVEventsConfig
 
 logger = logging.getLogger("kvscale.engine_core")
 
@@ -68,6 +69,7 @@ class CoreSettings:
     cpus: tuple[int, ...] | None  # None: no affinity
     num_threads: int | None = None  # None: torch's own thread count
     publisher: PublisherSettings | None = None
+    kv_events: KVEventsConfig | None = None  # --kv-events-config (vLLM's format on ZMQ)
 
 
 def failure_kind(exc: BaseException) -> str:
@@ -143,7 +145,7 @@ def _start(settings: CoreSettings) -> tuple[Any, Any, float]:
     warm_up(engine)
     warm_up_s = time.perf_counter() - started
     logger.info("warmed up in %.2f s", warm_up_s)
-    publisher = None
+    publisher: Any = None  # the Redis publisher, the vLLM-format one, or both (KVEventSinks)
     if settings.publisher is not None:
         from kvscale.server.engine.kv_publisher import KVEventPublisher
 
@@ -152,6 +154,18 @@ def _start(settings: CoreSettings) -> tuple[Any, Any, float]:
                                      model_name=p.model_name, base_url=p.base_url,
                                      block_size=engine.block_size)
         publisher.start()
+    if settings.kv_events is not None and settings.kv_events.publishes:
+        # One event source, two sinks: the loop hands the pool's events to both (kv_events_vllm.py).
+        from kvscale.server.engine.kv_events_vllm import KVEventSinks, VllmKVEventPublisher
+
+        vllm_publisher = VllmKVEventPublisher(settings.kv_events)
+        try:
+            vllm_publisher.start()
+        except BaseException:
+            if publisher is not None:
+                publisher.stop()
+            raise
+        publisher = KVEventSinks([publisher, vllm_publisher] if publisher is not None else [vllm_publisher])
     return engine, publisher, warm_up_s
 
 

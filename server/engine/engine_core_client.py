@@ -46,6 +46,7 @@ from kvscale.server.engine.engine_core_wire import (
     front_codec,
 )
 from kvscale.server.engine.engine_front import EngineFront
+from kvscale.server.engine.kv_events_config import KVEventsConfig
 from kvscale.server.engine.output_text import OutputText
 
 logger = logging.getLogger("kvscale.engine_core_client")
@@ -108,7 +109,8 @@ class EngineCoreClient(EngineFront):
 
     @classmethod
     def launch(cls, config: EngineConfig, *, tokenizer: Any, cpus: CpuSplit | None = None,
-               publisher: PublisherSettings | None = None) -> EngineCoreClient:
+               publisher: PublisherSettings | None = None,
+               kv_events: KVEventsConfig | None = None) -> EngineCoreClient:
         """Start the core and wait until it is ready; raises ValueError (a bad flag, a missing
         model) or RuntimeError (anything else) with the core's reason if it fails to start."""
         folder = tempfile.mkdtemp(prefix="kvscale-core-")
@@ -117,7 +119,7 @@ class EngineCoreClient(EngineFront):
                                 output_address=f"ipc://{folder}/output",
                                 cpus=cpus.core if cpus else None,
                                 num_threads=core_threads(cpus, os.environ.get("OMP_NUM_THREADS")) if cpus else None,
-                                publisher=publisher)
+                                publisher=publisher, kv_events=kv_events)
         # spawn: a fresh interpreter; a fork would inherit this process's threads and locks.
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(settings,), name="kvscale-engine-core", daemon=True)

@@ -16,6 +16,7 @@ from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
 from kvscale.server.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from kvscale.server.engine.cpu_binding import ENV as ENV_OMP_BIND
 from kvscale.server.engine.cpu_binding import RESERVE_FROM
+from kvscale.server.engine.kv_events_config import kv_events_config_argument
 from kvscale.server.entrypoints import responses_store
 from kvscale.server.entrypoints.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvscale.server.entrypoints.lora_modules import check_lora_modules, parse_lora_module
@@ -169,6 +170,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(redis://...; default: $KVSCALE_REDIS_URL)")
     router.add_argument("--replica-id", default=None,
                         help="this replica's id in Redis (default: $POD_NAME, else HOST:PORT)")
+    router.add_argument("--kv-events-config", type=kv_events_config_argument, default=None, metavar="JSON",
+                        help="also publish KV events in vLLM's format on ZMQ, for llm-d and Dynamo: vLLM's "
+                             'KVEventsConfig, e.g. {"enable_kv_cache_events": true, "publisher": "zmq", '
+                             '"endpoint": "tcp://*:5557"} (docs/engine.md)')
 
 
 def _structured_outputs_config(text: str) -> Any:
@@ -253,7 +258,8 @@ def build(args: argparse.Namespace) -> Served:
                                    args.responses_store_max_bytes, args.responses_store_ttl)
     # The tokenizer loads while the core builds and warms up its engine.
     tokenizer = load_tokenizer(model_path)
-    core = EngineCoreClient.launch(config, tokenizer=tokenizer, cpus=cpus, publisher=publisher)
+    core = EngineCoreClient.launch(config, tokenizer=tokenizer, cpus=cpus, publisher=publisher,
+                                   kv_events=args.kv_events_config)
     ready = core.ready
     app = build_app(core, tokenizer=tokenizer, served_model_names=served_names,
                     max_model_len=ready.max_model_len, api_key=args.api_key,
