@@ -5,6 +5,8 @@ an adapter's new prompts, spreading them once the replica holding it is busy."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvscale.block_hash import hash_prompt_blocks
@@ -209,7 +211,8 @@ def test_the_router_offers_an_adapters_requests_to_the_replicas_serving_it_else_
         r.healthy, r.models, r.adapters = True, {"base", "sql"}, {"sql": "base"}
     beats = {r0.replica_id: heartbeat(r0.replica_id, adapters=("sql",)),
              r1.replica_id: heartbeat(r1.replica_id, adapters=("sql", "chat"), resident=("chat",))}
-    router.heartbeats.feed = types.SimpleNamespace(healthy=True, heartbeats=beats, healthy_since=None)
+    feed: Any = types.SimpleNamespace(healthy=True, heartbeats=beats, healthy_since=None)  # a read feed
+    router.heartbeats.feed = feed
     assert router._candidates("chat") == [r1]  # loaded at run time on r1 only (its heartbeat)
     assert router._candidates("base") == [r0, r1]
     missing = router._candidates("sql-v2")
