@@ -18,9 +18,17 @@ import zmq
 
 from kvscale.block_hash import hash_prompt_blocks
 from kvscale.processes import free_port
+from kvscale.server.core.block_pool import BlockPool
+from kvscale.server.core.host_tier import HostTier
 from kvscale.server.engine.core_loop import step_and_publish
 from kvscale.server.engine.kv_events_config import KVEventsConfig, parse_kv_events_config
-from kvscale.server.engine.kv_events_vllm import VllmKVEventPublisher
+from kvscale.server.engine.kv_events_vllm import (
+    KVEventSinks,
+    VllmBlockRemoved,
+    VllmBlockStored,
+    VllmKVEventPublisher,
+    to_vllm_events,
+)
 from kvscale.server.outputs import BlockStored
 from kvscale.server.sampling_params import SamplingParams
 
@@ -186,3 +194,46 @@ def test_serve_refuses_a_bad_config_with_exit_code_2() -> None:
         capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 2, result.stderr[-2000:]
     assert "--kv-events-config: publisher must be one of null, zmq, got 'kafka'" in result.stderr
+
+
+def test_the_host_tier_is_medium_cpu_and_its_blocks_keep_their_tokens() -> None:
+    pool = BlockPool(4, BS, host=HostTier(4))
+    prompt = tokens(3, 2 * BS)
+    h0, h1 = hash_prompt_blocks(prompt, BS, lora_name="ad")
+    b0, b1 = pool.allocate(), pool.allocate()
+    pool.register_full_block(b0, h0, None, tuple(prompt[:BS]), "ad")
+    pool.register_full_block(b1, h1, h0, tuple(prompt[BS:]), "ad")
+    stored = to_vllm_events(pool.drain_events())
+    assert stored == [VllmBlockStored([h0, h1], None, prompt, BS, None, "GPU", "ad")]  # one chain, one event
+    pool.free([b0, b1])
+    pool.demote_blocks([b0, b1])  # down to the host tier
+    assert to_vllm_events(pool.drain_events()) == [
+        VllmBlockRemoved([h0], "GPU"), VllmBlockStored([h0], None, prompt[:BS], BS, None, "CPU", "ad"),
+        VllmBlockRemoved([h1], "GPU"), VllmBlockStored([h1], h0, prompt[BS:], BS, None, "CPU", "ad")]
+    pool.take_tier_copies()
+    [entry] = pool.reserve_host([h0])
+    block = pool.promote(h0, entry)  # and back up, its tokens with it
+    assert to_vllm_events(pool.drain_events()) == [
+        VllmBlockRemoved([h0], "CPU"), VllmBlockStored([h0], None, prompt[:BS], BS, None, "GPU", "ad")]
+    pool.free([block])
+    pool.take_tier_copies()
+
+
+def test_every_sink_gets_each_steps_events() -> None:
+    class Sink:
+        def __init__(self) -> None:
+            self.seen: list[list] = []
+            self.stopped = False
+
+        def on_step(self, events: list, stats: Any, snapshot: Any) -> None:
+            self.seen.append(events)
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    redis_side, vllm_side = Sink(), Sink()
+    sinks = KVEventSinks([redis_side, vllm_side])
+    event = BlockStored([1], None, BS)
+    sinks.on_step([event], stats=None, snapshot=list)  # type: ignore[arg-type]
+    sinks.stop()
+    assert redis_side.seen == vllm_side.seen == [[event]] and redis_side.stopped and vllm_side.stopped
