@@ -2,7 +2,8 @@
 naming the field and why, never a silent 200 (docs/server.md, "Every request field").
 
 A field at its neutral value (vLLM's default, or what the server does anyway) asks for nothing
-and passes: `use_beam_search: false`, `length_penalty: 1.0`, `best_of` equal to `n`.
+and passes: `best_of` equal to `n`, `priority: 0`. Beam search's fields (`use_beam_search`,
+`length_penalty`) and what beam search cannot be combined with are serving_beam.py's checks.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.serving import bad_request
+from kvscale.server.entrypoints.serving_beam import check_beam_search
 
 REFUSED_FIELDS: dict[str, str] = {
     "best_of": "server-side best-of sampling is not implemented; use n and pick on the client",
@@ -27,8 +29,6 @@ REFUSED_FIELDS: dict[str, str] = {
     "guided_choice": "vLLM's removed guided_* fields are not supported; use structured_outputs.choice",
     "guided_grammar": "vLLM's removed guided_* fields are not supported; use structured_outputs.grammar",
     # vLLM's sampling extras this engine does not implement.
-    "use_beam_search": "beam search is not implemented; use n with temperature",
-    "length_penalty": "it scores beams, and beam search is not implemented",
     "prompt_logprobs": "prompt log-probabilities are returned only by completions' echo with logprobs",
     "allowed_token_ids": "not implemented; use logit_bias",
     "bad_words": "not implemented; use logit_bias on the words' tokens",
@@ -51,7 +51,7 @@ REFUSED_FIELDS: dict[str, str] = {
 
 # What a field asks for nothing at (absent from here: only null does).
 NEUTRAL_VALUES: dict[str, Any] = {
-    "modalities": ["text"], "use_beam_search": False, "length_penalty": 1.0, "priority": 0,
+    "modalities": ["text"], "priority": 0,
     "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
     "continue_final_message": False, "add_generation_prompt": True,
 }
@@ -65,6 +65,7 @@ CHAT_ONLY = frozenset({"echo", "continue_final_message", "add_generation_prompt"
 def check_refused_fields(body: p.SamplingFields) -> None:
     """Raise a 400 for the first field of ``body`` this server cannot honour."""
     chat = isinstance(body, p.ChatCompletionRequest)
+    check_beam_search(body)
     for name, why in REFUSED_FIELDS.items():
         if name in CHAT_ONLY and not chat:
             continue

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from kvscale.server.engine.engine_front import RequestStream
 from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.admission import resolve_max_tokens
 from kvscale.server.entrypoints.lora_modules import lora_name_of
@@ -26,6 +27,7 @@ from kvscale.server.entrypoints.serving import (
     sampling_params_from,
     structured_outputs_from,
 )
+from kvscale.server.entrypoints.serving_beam import beam_completion
 from kvscale.server.entrypoints.serving_streams import (
     ChoiceState,
     StreamFormatter,
@@ -152,7 +154,7 @@ class CompletionFormatter(StreamFormatter):
 
 
 async def _respond(server: OpenAIServer, body: p.CompletionRequest, prepared: Prepared,
-                   streams) -> p.CompletionResponse:
+                   streams: list[RequestStream]) -> p.CompletionResponse:
     outputs = await collect(server, streams, prepared)
     choices = []
     prompt_tokens = completion_tokens = cached = 0
@@ -177,8 +179,10 @@ async def _respond(server: OpenAIServer, body: p.CompletionRequest, prepared: Pr
                                 usage=p.Usage(**usage(prompt_tokens, completion_tokens, cached)))
 
 
-async def create_completion(server: OpenAIServer, body: p.CompletionRequest, request: Request):
+async def create_completion(server: OpenAIServer, body: p.CompletionRequest, request: Request) -> p.CompletionResponse | StreamingResponse:
     prepared = prepare_completion(server, body)
+    if body.use_beam_search:  # docs/server.md, "Beam search"
+        return await beam_completion(server, body, prepared, request)
     streams = await server.open_streams(prepared)
     if body.stream:
         formatter = CompletionFormatter(server, body, prepared)

@@ -154,7 +154,8 @@ def test_request_fields_are_honoured_refused_or_counted(client, server):
     plain = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=4, temperature=0, response_format={"type": "text"})
     assert plain.choices[0].message.content
-    for field, value in (("best_of", 3), ("suffix", "end"), ("store", True), ("use_beam_search", True),
+    # length_penalty without use_beam_search: it scores beams (docs/server.md, "Beam search").
+    for field, value in (("best_of", 3), ("suffix", "end"), ("store", True),
                          ("length_penalty", 0.5), ("prompt_logprobs", 1), ("allowed_token_ids", [1]),
                          ("bad_words", ["x"]), ("priority", 1), ("truncate_prompt_tokens", 4)):
         with pytest.raises(openai.BadRequestError) as info:

@@ -1,5 +1,6 @@
-"""The offline ``LLM.beam_search`` against transformers' ``generate(num_beams=...)`` on a tiny
-random-weight Llama in float32 (server/engine/beam_search.py follows transformers' rule).
+"""Beam search, offline (``LLM.beam_search``) and over HTTP (``use_beam_search`` on
+/v1/completions), against transformers' ``generate(num_beams=...)`` on a tiny random-weight Llama
+in float32 (server/engine/beam_search.py follows transformers' rule), and what the API refuses.
 
 The EOS row of the LM head is scaled up so that EOS ranks high in some contexts and hypotheses
 end at different lengths, which is where ``length_penalty`` and early stopping matter. Beams
@@ -11,16 +12,27 @@ ties its own way); random float32 weights make a tie vanishingly unlikely.
 from __future__ import annotations
 
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
+import uvicorn
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+from thread_engine import ThreadEngine  # noqa: E402
 from tiny_checkpoints import copy_tokenizer, write_tiny_llama  # noqa: E402
 
+from kvscale.model_files import load_tokenizer
+from kvscale.processes import free_port
+from kvscale.server.config import EngineConfig
 from kvscale.server.engine.beam_search import BeamSearchParams
+from kvscale.server.engine.llm_engine import LLMEngine
+from kvscale.server.entrypoints.api_server import build_app
 from kvscale.server.entrypoints.llm import LLM
 
 VOCAB, EOS = 500, 2
@@ -46,7 +58,28 @@ def tiny(bundled_model_path, tmp_path_factory):
     make_tiny_llama(path, bundled_model_path)
     llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, num_gpu_blocks_override=256)
     hf = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return llm, hf
+    return llm, hf, path
+
+
+@pytest.fixture(scope="module")
+def api(tiny: tuple[LLM, Any, Path]) -> Iterator[str]:
+    """``kvscale serve``'s app over an engine on a thread of this process (the tiny checkpoint)."""
+    path = tiny[2]
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=4,
+                                    num_gpu_blocks_override=256))
+    app = build_app(ThreadEngine(engine), tokenizer=load_tokenizer(engine.model_path), served_model_names=["tiny"],
+                    max_model_len=engine.max_model_len, vocab_size=VOCAB, model_root=str(path))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(30)
 
 
 def hf_beams(hf: Any, prompt: list[int], width: int, max_tokens: int, length_penalty: float,
@@ -70,7 +103,7 @@ def hf_beams(hf: Any, prompt: list[int], width: int, max_tokens: int, length_pen
     (4, 8, 1.0, False), (3, 10, 0.5, False), (2, 6, 2.0, True), (4, 7, 1.5, "never"),
 ])
 def test_beams_equal_transformers(tiny, width, max_tokens, length_penalty, early_stopping):
-    llm, hf = tiny
+    llm, hf, _ = tiny
     params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty,
                               include_stop_str_in_output=True, early_stopping=early_stopping)
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
@@ -84,7 +117,7 @@ def test_beams_equal_transformers(tiny, width, max_tokens, length_penalty, early
 
 
 def test_some_beams_end_on_eos_and_beams_share_blocks(tiny):
-    llm, _ = tiny
+    llm, _, _ = tiny
     params = BeamSearchParams(beam_width=4, max_tokens=8)
     before = llm.llm_engine.get_stats()
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
@@ -100,10 +133,72 @@ def test_some_beams_end_on_eos_and_beams_share_blocks(tiny):
 
 
 def test_beam_search_refusals(tiny):
-    llm, _ = tiny
+    llm, _, _ = tiny
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=11, max_tokens=4)
     with pytest.raises(ValueError, match="temperature"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)
     with pytest.raises(ValueError):
         llm.beam_search([[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=10_000))
+
+
+def test_completions_return_the_n_best_beams(tiny, api):
+    _, hf, path = tiny
+    tokenizer = load_tokenizer(path)
+    body = {"model": "tiny", "prompt": PROMPTS[:2], "n": 3, "max_tokens": 8, "use_beam_search": True,
+            "length_penalty": 0.5}
+    response = httpx.post(f"{api}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(6))
+    for index, prompt in enumerate(PROMPTS[:2]):
+        expected = hf_beams(hf, prompt, 3, 8, 0.5, False)
+        got = choices[index * 3:index * 3 + 3]
+        assert [c["text"] for c in got] == [tokenizer.decode([t for t in tokens if t != EOS], skip_special_tokens=True)
+                                            for tokens, _ in expected]
+        assert [c["finish_reason"] for c in got] == ["stop" if tokens[-1] == EOS else "length"
+                                                     for tokens, _ in expected]
+        assert all(c["stop_reason"] is None for c in got)  # EOS is no stop token
+    usage = response.json()["usage"]
+    assert usage["prompt_tokens"] == len(PROMPTS[0]) + len(PROMPTS[1])
+
+
+def test_stop_strings_end_beams(api):
+    def beams(n: int, stop: list[str] | None = None) -> list[dict]:
+        return httpx.post(f"{api}/v1/completions", json={
+            "prompt": PROMPTS[0], "n": n, "max_tokens": 6, "use_beam_search": True, "ignore_eos": True,
+            "stop": stop}, timeout=60).json()["choices"]
+
+    plain = beams(1)[0]
+    assert plain["finish_reason"] == "length"
+    stop = plain["text"][2:4]
+    # One beam follows the greedy path, which now ends at the stop string (left out of the text).
+    (stopped,) = beams(1, [stop])
+    assert (stopped["finish_reason"], stopped["stop_reason"]) == ("stop", stop)
+    assert stopped["text"] == plain["text"][:2]
+    for choice in beams(3, [stop]):
+        assert stop not in choice["text"]
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"stream": True}, "stream"), ({"n": 11}, "n"), ({"temperature": 0.7}, "temperature"),
+    ({"top_p": 0.5}, "top_p"), ({"top_k": 5}, "top_k"), ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"), ({"use_beam_search": "yes"}, "use_beam_search"),
+    ({"use_beam_search": False, "length_penalty": 0.5}, "length_penalty"),
+    ({"length_penalty": "long"}, "length_penalty"),
+])
+def test_refused_with_beam_search(api, extra, param):
+    body = {"prompt": PROMPTS[0], "n": 2, "max_tokens": 4, "use_beam_search": True, **extra}
+    response = httpx.post(f"{api}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_chat_refuses_beam_search_and_neutral_values_pass(api):
+    response = httpx.post(f"{api}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "use_beam_search": True}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "use_beam_search"
+    response = httpx.post(f"{api}/v1/completions", json={
+        "prompt": PROMPTS[0], "max_tokens": 2, "use_beam_search": False, "length_penalty": 1.0,
+        "temperature": 0}, timeout=60)
+    assert response.status_code == 200, response.text
