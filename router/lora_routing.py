@@ -34,6 +34,11 @@ def adapters_of(replica: Replica, heartbeat: Heartbeat | None) -> Collection[str
     return replica.adapters
 
 
+def served_names(replica: Replica, heartbeat: Heartbeat | None) -> set[str]:
+    """Every name ``replica`` answers to now: its base model's and its adapters' (``adapters_of``)."""
+    return (replica.models - replica.adapters.keys()) | set(adapters_of(replica, heartbeat))
+
+
 def serves(replica: Replica, heartbeat: Heartbeat | None, model: str) -> bool:
     """``replica`` answers requests for ``model``: one of its base model's names, or an adapter it
     has registered now."""

@@ -9,6 +9,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvscale.router.lora_routing import served_names
+
 if TYPE_CHECKING:
     from kvscale.router.app import Router
 
@@ -16,8 +18,9 @@ if TYPE_CHECKING:
 async def models(router: Router, request: Request) -> Response:
     if (denied := router.tenancy.authenticate(request)) is not None:
         return denied
+    # An adapter loaded or unloaded at run time shows as the replica's heartbeat says (docs/router.md).
     names = sorted({m for r in router.replicas.replicas.values() if router.heartbeats.routable(r)
-                    for m in r.models})
+                    for m in served_names(r, router.heartbeats.get(r.replica_id))})
     if not names and router.activation is not None:
         # At zero replicas the model is still served: a request for it wakes a replica.
         names = sorted(router.config.served_model_names)

@@ -202,6 +202,7 @@ def test_the_router_offers_an_adapters_requests_to_the_replicas_serving_it_else_
     import json
     import types
 
+    from kvscale.router import lora_routing
     from kvscale.router.app import Router
     from kvscale.router.config import RouterConfig
 
@@ -215,6 +216,8 @@ def test_the_router_offers_an_adapters_requests_to_the_replicas_serving_it_else_
     router.heartbeats.feed = feed
     assert router._candidates("chat") == [r1]  # loaded at run time on r1 only (its heartbeat)
     assert router._candidates("base") == [r0, r1]
+    assert lora_routing.served_names(r1, beats[r1.replica_id]) == {"base", "sql", "chat"}  # its /v1/models
+    assert lora_routing.served_names(r0, heartbeat(r0.replica_id)) == {"base"}  # sql unloaded at run time
     missing = router._candidates("sql-v2")
     assert not isinstance(missing, list) and missing.status_code == 404
     assert json.loads(bytes(missing.body))["error"]["code"] == "model_not_found"
