@@ -228,3 +228,21 @@ def test_the_router_offers_an_adapters_requests_to_the_replicas_serving_it_else_
     decision = router.decider.decide([r0, r1], [], "k", None, 40, 16, adapter.name)
     assert decision.ranked[0] == r1.replica_id and decision.reason == "lora"
     assert router.decider.decide([r0, r1], [], "k", None, 40, 16).reason != "lora"  # the base model
+
+
+def test_engine_stats_name_the_registered_and_the_resident_adapters() -> None:
+    import types
+
+    from kvscale.server.core.block_pool import BlockPool
+    from kvscale.server.core.kv_cache_manager import KVCacheManager
+    from kvscale.server.core.scheduler import Scheduler
+    from kvscale.server.engine.engine_stats import engine_stats
+
+    kv = KVCacheManager(BlockPool(16, 4, True), True)
+    scheduler = Scheduler(kv, 4, 64)
+    manager: Any = types.SimpleNamespace(paths={"sql": "/a/sql", "chat": "/a/chat"}, resident={"sql": object()})
+    stats = engine_stats(scheduler, kv, num_generated_tokens=0, num_prompt_tokens_computed=0, last_step_s=0.0,
+                         lora=manager)
+    assert (stats.lora_adapters, stats.resident_lora_adapters) == (["chat", "sql"], ["sql"])
+    plain = engine_stats(scheduler, kv, num_generated_tokens=0, num_prompt_tokens_computed=0, last_step_s=0.0)
+    assert (plain.lora_adapters, plain.resident_lora_adapters) == ([], [])
