@@ -1,4 +1,4 @@
-"""Beam search behind /v1/completions (vLLM's ``use_beam_search``): the request's checks, the
+"""Beam search behind /v1/completions and /v1/chat/completions (vLLM's ``use_beam_search``): the request's checks, the
 search driven over the engine, the answer (docs/server.md, "Beam search").
 
 The search lives here, above the engine, as vLLM v1's does: each step every live beam of every
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -65,8 +66,6 @@ def check_beam_search(body: p.SamplingFields) -> bool:
         if penalty is not None and penalty != 1.0:
             raise bad_request("length_penalty scores beams: it needs use_beam_search: true.", "length_penalty")
         return False
-    if isinstance(body, p.ChatCompletionRequest):
-        raise bad_request("use_beam_search is served on /v1/completions only.", "use_beam_search")
     if body.n > MAX_BEAM_WIDTH:
         raise bad_request(f"With beam search n is the beam width, at most {MAX_BEAM_WIDTH} (each step asks "
                           f"for 2 * n logprobs of every beam); got {body.n}.", "n")
@@ -75,7 +74,11 @@ def check_beam_search(body: p.SamplingFields) -> bool:
         if value is not None and value not in neutral:
             why = _WHY.get(name, "beam search ranks the model's own logprobs")
             raise bad_request(f"{name}: {value!r} cannot be honoured with use_beam_search: {why}.", name)
-    refused = {"logprobs": getattr(body, "logprobs", None), "logit_bias": body.logit_bias,
+    chat = isinstance(body, p.ChatCompletionRequest)
+    logprobs = getattr(body, "logprobs", None)
+    refused = {"logprobs": (logprobs or None) if chat else logprobs,
+               "top_logprobs": getattr(body, "top_logprobs", None), "tools": getattr(body, "tools", None),
+               "logit_bias": body.logit_bias,
                "structured_outputs": body.structured_outputs,
                "response_format": body.response_format if body.response_format is not None
                and body.response_format.type != "text" else None}
@@ -137,7 +140,7 @@ async def _search(server: OpenAIServer, prepared: Prepared, states: list[BeamSea
             beam_step(state, candidates, stop)
 
 
-def _choice_text(server: OpenAIServer, body: p.CompletionRequest, beam: Beam) -> tuple[str, int]:
+def _choice_text(server: OpenAIServer, body: p.SamplingFields, beam: Beam) -> tuple[str, int]:
     """The beam's text (a stop token or string left out unless include_stop_str_in_output), and its
     token count."""
     tokens = list(beam.tokens)
@@ -150,9 +153,19 @@ def _choice_text(server: OpenAIServer, body: p.CompletionRequest, beam: Beam) ->
     return text, len(beam.tokens)
 
 
-async def beam_completion(server: OpenAIServer, body: p.CompletionRequest, prepared: Prepared,
-                          request: Request) -> p.CompletionResponse:
-    """The n best beams of each prompt as choices, best first (choice index: prompt x n + rank)."""
+@dataclass
+class BeamChoice:
+    """One beam as a choice: its text (what ended it left out, as in sampling) and outcome."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+async def search(server: OpenAIServer, body: p.SamplingFields, prepared: Prepared,
+                 request: Request) -> list[list[BeamChoice]]:
+    """Each prompt's n best beams, best first."""
     server.check_capacity(body.n * len(prepared.prompts))
     if prepared.lora_name and prepared.lora_name not in server.lora_modules:
         server.check_model(prepared.lora_name)
@@ -172,15 +185,38 @@ async def beam_completion(server: OpenAIServer, body: p.CompletionRequest, prepa
         raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
     finally:
         server.release(live_streams)
-    choices, completion_tokens = [], 0
-    for index, state in enumerate(states):
-        for rank, beam in enumerate(state.best()):
+    answers: list[list[BeamChoice]] = []
+    for state in states:
+        answers.append([])
+        for beam in state.best():
             text, count = _choice_text(server, body, beam)
-            completion_tokens += count
+            # EOS is no stop token: null, as sampling reports it.
             stop_reason = None if beam.stop_reason in eos and beam.stop_reason not in (
                 body.stop_token_ids or ()) else beam.stop_reason
-            choices.append(p.CompletionChoice(index=index * body.n + rank, text=text, logprobs=None,
-                                              finish_reason=beam.finish_reason, stop_reason=stop_reason))
+            answers[-1].append(BeamChoice(text, count, beam.finish_reason, stop_reason))
+    return answers
+
+
+async def beam_completion(server: OpenAIServer, body: p.CompletionRequest, prepared: Prepared,
+                          request: Request) -> p.CompletionResponse:
+    """The n best beams of each prompt as choices, best first (choice index: prompt x n + rank)."""
+    answers = await search(server, body, prepared, request)
+    choices = [p.CompletionChoice(index=index * body.n + rank, text=beam.text, logprobs=None,
+                                  finish_reason=beam.finish_reason, stop_reason=beam.stop_reason)
+               for index, beams in enumerate(answers) for rank, beam in enumerate(beams)]
+    completion_tokens = sum(beam.num_tokens for beams in answers for beam in beams)
     prompt_tokens = sum(len(ids) for ids in prepared.prompts)
     return p.CompletionResponse(id=prepared.request_id, model=body.model or server.model_name, choices=choices,
                                 usage=p.Usage(**usage(prompt_tokens, completion_tokens, 0)))
+
+
+async def beam_chat_completion(server: OpenAIServer, body: p.ChatCompletionRequest, prepared: Prepared,
+                               request: Request) -> p.ChatCompletionResponse:
+    """The conversation's n best beams as the choices' messages, best first."""
+    (beams,) = await search(server, body, prepared, request)
+    choices = [p.ChatChoice(index=rank, message=p.ChatResponseMessage(content=beam.text, tool_calls=[]),
+                            logprobs=None, finish_reason=beam.finish_reason, stop_reason=beam.stop_reason)
+               for rank, beam in enumerate(beams)]
+    completion_tokens = sum(beam.num_tokens for beam in beams)
+    return p.ChatCompletionResponse(id=prepared.request_id, model=body.model or server.model_name, choices=choices,
+                                    usage=p.Usage(**usage(len(prepared.prompts[0]), completion_tokens, 0)))

@@ -6,10 +6,12 @@ Streams open with a chunk carrying ``delta.role = "assistant"`` per choice, as O
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from kvscale.server.engine.engine_front import RequestStream
 from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.admission import resolve_max_tokens
 from kvscale.server.entrypoints.lora_modules import lora_name_of
@@ -24,6 +26,7 @@ from kvscale.server.entrypoints.serving import (
     sampling_params_from,
     structured_outputs_from,
 )
+from kvscale.server.entrypoints.serving_beam import beam_chat_completion
 from kvscale.server.entrypoints.serving_streams import (
     ChoiceState,
     StreamFormatter,
@@ -115,7 +118,7 @@ class ChatFormatter(StreamFormatter):
     object_name = "chat.completion.chunk"
     body: p.ChatCompletionRequest
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.plan: ToolPlan | None = self.prepared.tools
         self.tool_streams: dict[int, ToolStream] = {}
@@ -163,7 +166,7 @@ class ChatFormatter(StreamFormatter):
 
 
 async def _respond(server: OpenAIServer, body: p.ChatCompletionRequest, prepared: Prepared,
-                   streams) -> p.ChatCompletionResponse:
+                   streams: list[RequestStream]) -> p.ChatCompletionResponse:
     (output,) = await collect(server, streams, prepared)
     choices = []
     completion_tokens = 0
@@ -190,6 +193,8 @@ async def _respond(server: OpenAIServer, body: p.ChatCompletionRequest, prepared
 
 async def create_chat_completion(server: OpenAIServer, body: p.ChatCompletionRequest, request: Request):
     prepared = prepare_chat(server, body)
+    if body.use_beam_search:  # docs/server.md, "Beam search"
+        return await beam_chat_completion(server, body, prepared, request)
     streams = await server.open_streams(prepared)
     if body.stream:
         formatter = ChatFormatter(server, body, prepared)
