@@ -144,6 +144,11 @@ class LLM:
                                           params.early_stopping))
         stop = stop_on(set() if params.ignore_eos else engine.eos_token_ids)
         step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(states), desc="kvscale: beam search")
         while not all(state.done for state in states):
             live = [(state, ids) for state, ids in zip(states, prompt_ids, strict=True) if not state.done]
             request_ids: list[list[str]] = []
@@ -154,7 +159,7 @@ class LLM:
                         request_id = f"llm-{next(self._ids)}"
                         engine.add_request(request_id, ids + list(beam.tokens), step)
                         request_ids[-1].append(request_id)
-                outputs = self._run([r for group in request_ids for r in group], use_tqdm)
+                outputs = self._run([r for group in request_ids for r in group], False)
             except BaseException:
                 for request_id in (r for group in request_ids for r in group):
                     engine.abort_request(request_id)
@@ -167,6 +172,10 @@ class LLM:
                     candidates.append(top_candidates({t: lp.logprob for t, lp in position.items()},
                                                      state.num_logprobs))
                 beam_step(state, candidates, stop)
+                if bar is not None and state.done:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
         return [self._beam_output(state, ids, params) for state, ids in zip(states, prompt_ids, strict=True)]
 
     def _beam_output(self, state: BeamSearchState, prompt_ids: list[int],
