@@ -138,9 +138,10 @@ class SamplingFields(RequestBody):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    # vLLM's sampling extras this engine does not implement (refused_fields.py says why).
+    # vLLM's beam search: types and combinations checked by serving_beam.py (a 400 naming the field).
     use_beam_search: Any = None
     length_penalty: Any = None
+    # vLLM's sampling extras this engine does not implement (refused_fields.py says why).
     prompt_logprobs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
