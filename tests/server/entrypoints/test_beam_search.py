@@ -61,6 +61,9 @@ def tiny(bundled_model_path, tmp_path_factory):
     return llm, hf, path
 
 
+API_ENGINE: list[LLMEngine] = []  # the api fixture's engine, for the disconnect test
+
+
 @pytest.fixture(scope="module")
 def api(tiny: tuple[LLM, Any, Path]) -> Iterator[str]:
     """``kvscale serve``'s app over an engine on a thread of this process (the tiny checkpoint)."""
@@ -77,7 +80,9 @@ def api(tiny: tuple[LLM, Any, Path]) -> Iterator[str]:
     while not server.started:
         assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
+    API_ENGINE.append(engine)
     yield f"http://127.0.0.1:{port}"
+    API_ENGINE.clear()
     server.should_exit = True
     thread.join(30)
 
@@ -216,3 +221,21 @@ def test_neutral_values_pass(api):
         "prompt": PROMPTS[0], "max_tokens": 2, "use_beam_search": False, "length_penalty": 1.0,
         "temperature": 0}, timeout=60)
     assert response.status_code == 200, response.text
+
+
+def test_a_client_that_leaves_ends_the_search(api):
+    body = {"prompt": PROMPTS[2], "n": 4, "max_tokens": 200, "use_beam_search": True, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{api}/v1/completions", json=body, timeout=0.5)
+    engine = API_ENGINE[0]
+    deadline = time.monotonic() + 10
+    # The step's requests are aborted and no further step is added.
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the search went on after the client left"
+        time.sleep(0.05)
+    # A search still going would hold requests nearly all the time (steps follow back to back).
+    busy = 0
+    for _ in range(20):
+        time.sleep(0.02)
+        busy += engine.has_unfinished_requests()
+    assert busy == 0
