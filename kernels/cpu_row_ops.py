@@ -11,6 +11,17 @@ from torch import Tensor
 
 from kvscale.kernels.cpu_build import library
 
+# Elements per thread below which a row op runs on one thread: PyTorch's own elementwise grain
+# (at::internal::GRAIN_SIZE). A decode step's rows are a few thousand elements, microseconds of
+# work, where waking a second thread costs as much, and a parallel region waits for its slowest
+# thread: one descheduled by another process on a busy host stalls the whole op for its time slice.
+ROW_OP_GRAIN = 32768
+
+
+def threads_for(elements: int) -> int:
+    """The threads a row op of ``elements`` gets: one per ``ROW_OP_GRAIN``, at most torch's."""
+    return max(1, min(torch.get_num_threads(), elements // ROW_OP_GRAIN))
+
 
 def _fits(*tensors: Tensor) -> bool:
     """Whether the C kernels take these tensors: on the CPU, contiguous, one of their dtypes."""
@@ -29,7 +40,7 @@ def silu_and_mul(gate_up: Tensor) -> Tensor | None:
     width = gate_up.shape[-1] // 2
     out = gate_up.new_empty((*gate_up.shape[:-1], width))
     lib.kvscale_silu_and_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width), width,
-                             int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())
+                             int(gate_up.dtype == torch.bfloat16), threads_for(gate_up.numel()))
     return out
 
 
@@ -44,7 +55,7 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
     out = torch.empty_like(x)
     lib.kvscale_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
                              out.data_ptr(), x.numel() // width, width, eps, int(x.dtype == torch.bfloat16),
-                             torch.get_num_threads())
+                             threads_for(x.numel()))
     return out
 
 
@@ -62,7 +73,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
     out = x.new_empty((tokens, heads, head_dim))
     lib.kvscale_rope(x.data_ptr(), x.stride(0), None, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
                      out.data_ptr(), tokens, heads, head_dim, int(x.dtype == torch.bfloat16),
-                     torch.get_num_threads())
+                     threads_for(tokens * heads * head_dim))
     return out
 
 
@@ -77,7 +88,7 @@ def quantize_rows_u8(x: Tensor) -> tuple[Tensor, Tensor] | None:
     q = torch.empty((rows, width), dtype=torch.uint8)
     scales = torch.empty(rows, dtype=torch.float32)
     lib.kvscale_quantize_rows_u8(x.data_ptr(), rows, width, int(x.dtype == torch.bfloat16), q.data_ptr(),
-                                 scales.data_ptr(), torch.get_num_threads())
+                                 scales.data_ptr(), threads_for(x.numel()))
     return q, scales
 
 
@@ -91,7 +102,7 @@ def rescale_rows(y: Tensor, scales: Tensor, bias: Tensor | None) -> Tensor | Non
     rows, width = y.shape
     is_bf16 = int(y.dtype == torch.bfloat16)
     lib.kvscale_rescale_rows(y.data_ptr(), is_bf16, scales.data_ptr(), None if bias is None else bias.data_ptr(), rows,
-                             width, y.data_ptr(), is_bf16, torch.get_num_threads())
+                             width, y.data_ptr(), is_bf16, threads_for(y.numel()))
     return y
 
 

@@ -233,7 +233,7 @@ def test_silu_and_mul_below_the_exp_overflow_is_tiny_not_nan(dtype: torch.dtype)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize(("rows", "width"), [(33, 576), (1, 576), (19, 577), (3, 13)])
+@pytest.mark.parametrize(("rows", "width"), [(33, 576), (1, 576), (19, 577), (3, 13), (200, 576)])
 def test_add_rms_norm_matches_torch(rows: int, width: int, with_residual: bool, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(int(with_residual))
     x = torch.randn(rows, width, generator=gen).to(dtype)
@@ -248,6 +248,38 @@ def test_add_rms_norm_matches_torch(rows: int, width: int, with_residual: bool, 
     assert float(error.max()) <= LAYER_TOLERANCE[dtype]
     # The residual stream is updated in place with the sum (and left alone without one).
     assert torch.equal(stream, summed if with_residual else residual)
+
+
+def test_row_ops_take_a_second_thread_only_past_the_grain(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    grain = cpu_row_ops.ROW_OP_GRAIN
+    assert [cpu_row_ops.threads_for(n) for n in (0, 8 * 576, grain - 1, grain, 3 * grain, 100 * grain)] == [
+        1, 1, 1, 1, 3, 4]
+
+
+@pytest.mark.parametrize("rows", [4, 200])
+def test_row_ops_give_the_same_bits_on_one_thread_as_on_several(rows: int) -> None:
+    """The rows are split between threads, never a row's sum: the thread count changes no bit."""
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(rows, 576, generator=gen), torch.randn(rows, 576, generator=gen)
+    weight, gate_up = torch.rand(576, generator=gen), torch.randn(rows, 3072, generator=gen)
+    before = torch.get_num_threads()
+
+    def run() -> list[torch.Tensor]:
+        stream = residual.clone()
+        normed = cpu_native.add_rms_norm(x, stream, weight, 1e-5)
+        activated = cpu_native.silu_and_mul(gate_up)
+        assert normed is not None and activated is not None
+        return [normed, stream, activated]
+
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(max(2, before))
+        several = run()
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, several, strict=True))
 
 
 @pytest.fixture(scope="module")
