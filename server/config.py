@@ -13,6 +13,11 @@ QUANTIZATIONS = ("int8",)
 # What --kv-cache-dtype takes (vLLM's spelling; fp8 is fp8_e4m3); server/worker/kv_cache_dtype.py resolves it.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
+# What --scheduling-policy takes (vLLM's spelling); server/core/priority_order.py runs "priority".
+SCHEDULING_POLICIES = ("fcfs", "priority")
+# A request's priority is bounded (vLLM takes any int): |priority| <= 2**31 keeps the wire and the
+# scheduler's sort keys plain machine ints (docs/server.md, "Priority scheduling").
+MAX_PRIORITY = 2**31
 
 # What ``compile_priority`` takes (structured_outputs/thread_priority.py applies it): "idle" is
 # SCHED_IDLE, "nice" nice 19, "normal" the process's own.
@@ -124,6 +129,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's --scheduling-policy: "fcfs", or "priority" (each request's ``priority``, lower first;
+    # server/core/priority_order.py).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         why = lora_refusal(self)
@@ -131,6 +139,9 @@ class EngineConfig:
             raise ValueError(why)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.max_num_seqs < 1:

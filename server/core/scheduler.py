@@ -16,6 +16,9 @@ Policy (one step):
      burst nor one many-prompt request can fill the batch ahead of requests that arrived after
      it. A waiting sequence that does not fit stops admission (no later one
      overtakes it).
+Under ``--scheduling-policy priority`` (priority_order.py) the running sequences are kept in
+(priority, arrival) order, the preemption victim is the one with the largest key rather than the
+newest, and waiting sequences are tried by priority level first, the fcfs order within a level.
 Blocks become findable by hash when they are scheduled, not when they are computed, so requests
 arriving together with a common prefix compute it once (see KVCacheManager.register_full_blocks).
 Admission control guarantees any single sequence fits the whole pool, so the oldest running
@@ -27,6 +30,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from kvscale.server.config import SCHEDULING_POLICIES
 from kvscale.server.core.admission_order import admission_order
 from kvscale.server.core.kv_cache_manager import KVCacheManager
 from kvscale.server.core.kv_tier_policy import (
@@ -34,6 +38,7 @@ from kvscale.server.core.kv_tier_policy import (
     swap_is_cheaper,
     watermark_blocks,
 )
+from kvscale.server.core.priority_order import preemption_victim, priority_admission_order
 from kvscale.server.core.sequence import Sequence, SequenceStatus
 from kvscale.server.core.step_rates import StepRates
 
@@ -54,6 +59,11 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+def _priority_key(seq: Sequence) -> tuple[int, int]:
+    """(priority, arrival): a sequence's ids are handed out as sequences reach the engine."""
+    return seq.request.priority, seq.seq_id
+
+
 def tokens_to_schedule(seq: Sequence, budget: int, num_computed: int | None = None) -> int:
     """Tokens of ``seq`` to run now: all that are not computed yet, cut to the token budget."""
     computed = seq.num_computed_tokens if num_computed is None else num_computed
@@ -62,8 +72,11 @@ def tokens_to_schedule(seq: Sequence, budget: int, num_computed: int | None = No
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_loras: int = 0) -> None:
+                 max_loras: int = 0, policy: str = "fcfs") -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, not {policy!r}")
         self.kv = kv
+        self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # LoRA adapters one step may carry, the device's slots (--max-loras; 0: LoRA off).
@@ -94,13 +107,20 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         kv = self.kv
+        priority = self.policy == "priority"
+        if priority:
+            # Most urgent first: the victim, the largest key, is then always at the end, never a
+            # sequence this step already scheduled (whose blocks were registered by hash before
+            # their KV is computed: freeing them now would publish empty blocks).
+            self.running.sort(key=_priority_key)
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = tokens_to_schedule(seq, budget)
             while not kv.allocate_if_room(seq, num_new):
-                victim = self.running.pop()
+                victim = self.running.pop(
+                    preemption_victim([_priority_key(s) for s in self.running]) if priority else -1)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -133,8 +153,12 @@ class Scheduler:
         admitted = 0
         running = Counter(seq.request.tenant for seq in self.running)
         adapters = {seq.request.lora_name for seq in self.running} - {None}
-        for index in admission_order([seq.request.group for seq in waiting], num_resuming,
-                                     [seq.request.tenant for seq in waiting], running):
+        groups = [seq.request.group for seq in waiting]
+        tenants = [seq.request.tenant for seq in waiting]
+        order = (priority_admission_order([seq.request.priority for seq in waiting], groups,
+                                          num_resuming, tenants, running)
+                 if self.policy == "priority" else admission_order(groups, num_resuming, tenants, running))
+        for index in order:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             seq = waiting[index]

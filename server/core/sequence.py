@@ -105,6 +105,8 @@ class Request:
     # The LoRA adapter serving this request (docs/server.md, "LoRA adapters"); None: the base
     # model. Its name keys the prefix cache's first block (kvscale/block_hash.py).
     lora_name: str | None = None
+    # Under --scheduling-policy priority, lower first (server/core/priority_order.py); 0 by default.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not self.group:

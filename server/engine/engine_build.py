@@ -156,7 +156,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, host)
     kv = KVCacheManager(pool, config.enable_prefix_caching)
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
-                          config.max_loras if config.enable_lora else 0)
+                          config.max_loras if config.enable_lora else 0, config.scheduling_policy)
     scheduler.block_bytes = block_bytes
     runner.allocate_kv_cache(num_blocks, max_model_len)
     if device.type == "cuda" and not config.enforce_eager:

@@ -13,7 +13,7 @@ from typing import Any
 from kvscale import request_limits
 from kvscale.base_urls import authority, base_url
 from kvscale.drain import DEFAULT_SHUTDOWN_TIMEOUT_S
-from kvscale.server.config import KV_CACHE_DTYPES, QUANTIZATIONS
+from kvscale.server.config import KV_CACHE_DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES
 from kvscale.server.engine.cpu_binding import ENV as ENV_OMP_BIND
 from kvscale.server.engine.cpu_binding import RESERVE_FROM
 from kvscale.server.engine.kv_events_config import kv_events_config_argument
@@ -31,7 +31,7 @@ _ENGINE_FIELDS = (
     "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "num_gpu_blocks_override",
     "kv_cache_memory_bytes", "device", "seed", "quantization",
     "kv_offloading_size", "enforce_eager", "kv_cache_dtype", "async_scheduling", "tensor_parallel_size",
-    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "scheduling_policy",
 )
 
 
@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="reuse KV blocks of shared prompt prefixes (default: on)")
     cache.add_argument("--max-num-seqs", type=int, default=None, help="most sequences per step")
     cache.add_argument("--max-num-batched-tokens", type=int, default=None, help="most tokens per step")
+    cache.add_argument("--scheduling-policy", default=None, choices=list(SCHEDULING_POLICIES),
+                       help="fcfs: first come, first served; priority: by each request's `priority` "
+                            "(lower first, then arrival), the least urgent preempted first (default fcfs)")
     cache.add_argument("--gpu-memory-utilization", type=float, default=None,
                        help="fraction of GPU memory for weights + KV cache (default 0.9)")
     cache.add_argument("--num-gpu-blocks-override", type=int, default=None,

@@ -1,0 +1,113 @@
+"""``--scheduling-policy priority``: the admission order and the preemption victim (pure), and the
+scheduler on a real block pool without a model (the steps simulated as test_scheduler.py does)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvscale.server.core.block_pool import BlockPool
+from kvscale.server.core.kv_cache_manager import KVCacheManager
+from kvscale.server.core.priority_order import preemption_victim, priority_admission_order
+from kvscale.server.core.scheduler import Scheduler
+from kvscale.server.core.sequence import Request, Sequence
+from kvscale.server.outputs import RequestMetrics
+from kvscale.server.sampling_params import SamplingParams
+
+BS = 4
+
+
+def test_levels_go_lowest_value_first_in_arrival_order_within_one():
+    assert list(priority_admission_order([5, 0, 5, -1, 0], list("abcde"))) == [3, 1, 4, 0, 2]
+
+
+def test_one_level_is_the_fcfs_order():
+    # Groups round-robin and the preempted first, exactly as admission_order.
+    assert list(priority_admission_order([2, 2, 2, 2], ["x", "x", "y", "z"], num_resuming=1)) == [0, 1, 2, 3]
+    assert list(priority_admission_order([0, 0, 0], ["g", "g", "h"])) == [0, 2, 1]
+
+
+def test_a_preempted_sequence_waits_behind_a_more_urgent_newcomer():
+    # Index 0 was preempted (front of the queue) at priority 1; index 1 arrived later at 0.
+    assert list(priority_admission_order([1, 0], ["a", "b"], num_resuming=1)) == [1, 0]
+    # At the same level the preempted one goes first.
+    assert list(priority_admission_order([0, 0, 1], ["a", "b", "c"], num_resuming=1)) == [0, 1, 2]
+
+
+def test_within_a_level_tenants_share_and_groups_round_robin():
+    order = priority_admission_order([0, 0, 0, 1], ["g1", "g1", "g2", "g3"],
+                                     tenants=["t1", "t1", "t2", "t1"], running={"t1": 1})
+    assert list(order) == [2, 0, 1, 3]
+
+
+def test_the_victim_is_the_largest_priority_then_the_latest_arrival():
+    assert preemption_victim([(0, 1), (3, 2), (1, 3)]) == 1
+    assert preemption_victim([(1, 1), (1, 5), (0, 9)]) == 1
+    assert preemption_victim([(0, 4)]) == 0
+    with pytest.raises(ValueError):
+        preemption_victim([])
+
+
+def make_seq(name: str, prompt_len: int, priority: int, max_tokens: int = 6) -> Sequence:
+    tokens = [hash(name) % 50 + 100 * i for i in range(prompt_len)]
+    request = Request(name, None, tokens, SamplingParams(max_tokens=max_tokens), None,
+                      RequestMetrics(0.0), max_tokens, priority=priority)
+    seq = Sequence(request, 0, list(tokens), prompt_len)
+    request.seqs.append(seq)
+    return seq
+
+
+def run(scheduler: Scheduler, kv: KVCacheManager, late: Sequence | None = None,
+        steps: int = 100) -> tuple[list[str], list[str]]:
+    """Simulated steps until all finish (``late`` added after the first); returns the names in
+    the order they were first scheduled (again, after a preemption) and the preempted ones."""
+    admitted: list[str] = []
+    preempted: list[str] = []
+    for step in range(steps):
+        if step == 1 and late is not None:
+            scheduler.add(late)
+        if not scheduler.has_unfinished():
+            break
+        out = scheduler.schedule()
+        kv.take_pending_copies()
+        preempted += [seq.request.request_id for seq in out.preempted]
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.num_computed_tokens == 0:
+                admitted.append(seq.request.request_id)
+            seq.num_computed_tokens += item.num_new_tokens
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(7)
+                if seq.num_output_tokens >= seq.request.max_tokens:
+                    seq.finish_reason = "length"
+                    scheduler.finish(seq)
+    assert not scheduler.has_unfinished()
+    return admitted, preempted
+
+
+def scarce(policy: str) -> tuple[list[str], list[str]]:
+    """6 blocks of 4: two 8-token prompts (priorities 5 and 1) take two each and grow into a
+    fourth each; an urgent one (0) arrives a step later and finds no room."""
+    kv = KVCacheManager(BlockPool(6, BS, False), False)
+    scheduler = Scheduler(kv, 8, 64, policy=policy)
+    scheduler.add(make_seq("low", 8, 5, max_tokens=8))
+    scheduler.add(make_seq("mid", 8, 1, max_tokens=12))
+    return run(scheduler, kv, late=make_seq("urgent", 8, 0, max_tokens=8))
+
+
+def test_priority_preempts_the_least_urgent_and_admits_the_most_urgent_first():
+    admitted, preempted = scarce("priority")
+    # The more urgent first; the low one gives its blocks back, and the urgent newcomer takes
+    # them before the low one comes back.
+    assert admitted == ["mid", "low", "urgent", "mid", "low"]
+    assert preempted == ["low", "mid"]  # then mid, for the urgent one's growth
+
+
+def test_fcfs_preempts_the_newest_whatever_the_priority():
+    admitted, preempted = scarce("fcfs")
+    assert admitted[:2] == ["low", "mid"]
+    assert preempted[0] == "mid"
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="fcfs, priority"):
+        Scheduler(KVCacheManager(BlockPool(4, BS, False), False), 8, 64, policy="lifo")
