@@ -12,6 +12,7 @@ engine round trip per token, and each beam's partial last block recomputed.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from kvscale.server.engine.engine_front import EngineDeadError, RequestStream
 from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.response_parts import usage
 from kvscale.server.entrypoints.serving import APIError, OpenAIServer, Prepared, bad_request
-from kvscale.server.entrypoints.serving_streams import while_connected
+from kvscale.server.entrypoints.serving_streams import watch_disconnect
 from kvscale.server.entrypoints.tenant_header import REQUEST_TENANT
 from kvscale.server.outputs import RequestOutput, merge_deltas
 from kvscale.server.sampling_params import SamplingParams
@@ -111,11 +112,11 @@ async def _final(stream: RequestStream) -> RequestOutput:
 
 
 async def _search(server: OpenAIServer, prepared: Prepared, states: list[BeamSearchState],
-                  live_streams: list[RequestStream], stop: StopCheck) -> None:
+                  live_streams: list[RequestStream], stop: StopCheck, gone: list[bool]) -> None:
     width = states[0].beam_width
     step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
     turn = 0
-    while not all(state.done for state in states):
+    while not all(state.done for state in states) and not gone:
         live = [(index, state) for index, state in enumerate(states) if not state.done]
         requests = [(f"{prepared.request_id}-beam{turn}-{index}-{k}", prepared.prompts[index] + list(beam.tokens),
                      step, prepared.cache_salt)
@@ -127,6 +128,8 @@ async def _search(server: OpenAIServer, prepared: Prepared, states: list[BeamSea
         except (ValueError, TypeError, OverflowError) as exc:
             raise bad_request(str(exc)) from exc
         live_streams[:] = streams  # what a disconnect aborts
+        if gone:
+            raise APIError(499, "Client disconnected.", "invalid_request_error")
         try:
             outputs = iter([await _final(stream) for stream in streams])
         finally:
@@ -138,6 +141,8 @@ async def _search(server: OpenAIServer, prepared: Prepared, states: list[BeamSea
                 candidates.append(top_candidates({t: lp.logprob for t, lp in positions[0].items()},
                                                  state.num_logprobs))
             beam_step(state, candidates, stop)
+    if gone:
+        raise APIError(499, "Client disconnected.", "invalid_request_error")
 
 
 def _choice_text(server: OpenAIServer, body: p.SamplingFields, beam: Beam) -> tuple[str, int]:
@@ -179,11 +184,19 @@ async def search(server: OpenAIServer, body: p.SamplingFields, prepared: Prepare
 
     stop = stop_on(eos, prepared.params[0].stop_token_ids, stop_strings, decode)
     live_streams: list[RequestStream] = []
+    gone: list[bool] = []
+
+    def on_disconnect() -> None:
+        gone.append(True)  # a step being added now is released as soon as its streams exist
+        server.release(live_streams)
+
+    watcher = asyncio.ensure_future(watch_disconnect(request, on_disconnect))
     try:
-        await while_connected(request, server, live_streams, _search(server, prepared, states, live_streams, stop))
+        await _search(server, prepared, states, live_streams, stop, gone)
     except EngineDeadError as exc:
         raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
     finally:
+        watcher.cancel()
         server.release(live_streams)
     answers: list[list[BeamChoice]] = []
     for state in states:
