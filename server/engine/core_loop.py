@@ -57,19 +57,21 @@ def step_and_publish(engine: Any, publisher: Any, *, had_input: bool,
     return outputs, stats
 
 
-def add_all(engine: Any, requests: Sequence[NewRequest], tenant: str = "", lora_name: str = "") -> BaseException | None:
+def add_all(engine: Any, requests: Sequence[NewRequest], tenant: str = "", lora_name: str = "",
+            priority: int = 0) -> BaseException | None:
     """Add every request to ``engine`` or none of them: None, or what refused the first.
 
     A batch is one HTTP request's prompts, so they share one admission group, named after the
     first (request ids are unique while they run), and its ``tenant`` (the router's, "" for
     none): the scheduler is fair across tenants, then groups, not across prompts
-    (server/core/admission_order.py). They share the request's LoRA adapter too ("": the base model)."""
+    (server/core/admission_order.py). They share the request's LoRA adapter too ("": the base model),
+    and its priority (server/core/priority_order.py)."""
     added: list[str] = []
     group = requests[0][0] if len(requests) > 1 else ""
     try:
         for request_id, prompt, params, cache_salt in requests:
             engine.add_request(request_id, prompt, params, cache_salt=cache_salt, group=group,
-                               tenant=tenant, lora_name=lora_name or None)
+                               tenant=tenant, lora_name=lora_name or None, priority=priority)
             added.append(request_id)
     except (ValueError, TypeError, OverflowError) as exc:
         error: BaseException = exc

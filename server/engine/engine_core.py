@@ -252,7 +252,8 @@ class EngineCore:
                     return
                 if isinstance(message, AddRequests):
                     error = add_all(engine, [(r.request_id, r.prompt, r.params, r.cache_salt)
-                                             for r in message.requests], message.tenant, message.lora_name)
+                                             for r in message.requests], message.tenant, message.lora_name,
+                                    message.priority)
                     if error is None:
                         self._outputs.put(Accepted(message.batch_id))
                     else:

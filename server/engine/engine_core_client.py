@@ -191,13 +191,13 @@ class EngineCoreClient(EngineFront):
     # ------------------------------------------------------------------ to the core
 
     def _submit(self, requests: list[NewRequest], accepted: asyncio.Future, tenant: str = "",
-                lora_name: str = "") -> None:
+                lora_name: str = "", priority: int = 0) -> None:
         self._next_batch += 1
         self._batches[self._next_batch] = (requests, accepted)
         for request_id, _, params, _ in requests:
             self._text.add(request_id, params)
         self._send(AddRequests(self._next_batch, [NewRequestMsg(*request) for request in requests],
-                               tenant=tenant, lora_name=lora_name))
+                               tenant=tenant, lora_name=lora_name, priority=priority))
 
     def _send_abort(self, request_id: str) -> None:
         self._text.forget(request_id)

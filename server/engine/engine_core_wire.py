@@ -52,6 +52,7 @@ class AddRequests(msgspec.Struct, tag=True, array_like=True):
     shared: list[RequestWide] = []  # filled by the encoder, emptied by the decoder
     tenant: str = ""  # the batch's tenant (core_loop.add_all), "" for none
     lora_name: str = ""  # the batch's LoRA adapter (core_loop.add_all), "" for the base model
+    priority: int = 0  # the batch's priority (--scheduling-policy priority), lower first
 
 
 def _wide_key(params: SamplingParams) -> tuple[int, int, int, int] | None:
@@ -82,7 +83,8 @@ def pack(message: AddRequests) -> AddRequests:
         bare.stop, bare.stop_token_ids, bare.logit_bias, bare.structured_outputs = [], [], None, None
         requests.append(NewRequestMsg(request.request_id, request.prompt, bare, request.cache_salt,
                                       index[key]))
-    return AddRequests(message.batch_id, requests, shared, message.tenant, message.lora_name) if shared else message
+    return AddRequests(message.batch_id, requests, shared, message.tenant, message.lora_name,
+                       message.priority) if shared else message
 
 
 def unpack(message: AddRequests) -> AddRequests:

@@ -174,7 +174,7 @@ class EngineFront:
         raise NotImplementedError
 
     def _submit(self, requests: list[NewRequest], accepted: asyncio.Future, tenant: str = "",
-                lora_name: str = "") -> None:
+                lora_name: str = "", priority: int = 0) -> None:
         """Carry a batch of adds (one tenant's: core_loop.add_all) to the engine;
         ``_on_accepted`` answers it later."""
         raise NotImplementedError
@@ -208,11 +208,12 @@ class EngineFront:
         return stream
 
     async def add_requests(self, requests: Sequence[NewRequest], *, stream_interval: int = 1,
-                           tenant: str = "", lora_name: str = "") -> list[RequestStream]:
+                           tenant: str = "", lora_name: str = "", priority: int = 0) -> list[RequestStream]:
         """Hand requests to the engine in one go (they start in the same step); returns their
         streams (``RequestStream.stream_interval``) once the engine accepted all of them.
         ``tenant``: the router's, for fair admission (server/core/admission_order.py);
-        ``lora_name``: the LoRA adapter serving them all ("": the base model).
+        ``lora_name``: the LoRA adapter serving them all ("": the base model); ``priority``:
+        theirs under --scheduling-policy priority (server/core/priority_order.py).
 
         Raises what ``LLMEngine.add_request`` raised for the first it refused (none is kept
         then), or EngineDeadError.
@@ -236,7 +237,7 @@ class EngineFront:
         accepted: asyncio.Future = self._loop.create_future()
         # Every sequence: a prompt with n > 1 forks into n once prefilled.
         self.num_pending_adds += sum(params.n for _, _, params, _ in requests)
-        self._submit(list(requests), accepted, tenant, lora_name)
+        self._submit(list(requests), accepted, tenant, lora_name, priority)
         try:
             error = await accepted
         except BaseException:

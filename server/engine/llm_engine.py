@@ -101,7 +101,7 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
-        group: str = "", tenant: str = "", lora_name: str | None = None,  # Request.group, .tenant, .lora_name
+        group: str = "", tenant: str = "", lora_name: str | None = None, priority: int = 0,  # Request's fields
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -123,7 +123,7 @@ class LLMEngine:
         assert blocks_for(num_prompt + max_tokens, self.block_size) <= self.num_blocks
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         request = Request(request_id, prompt_text, token_ids, params, cache_salt, metrics, max_tokens, group=group, tenant=tenant,
-                          lora_name=self.runner.registered_lora(lora_name))
+                          lora_name=self.runner.registered_lora(lora_name), priority=priority)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * num_prompt
         seq = Sequence(request, 0, list(token_ids), num_prompt, fork_into=params.n)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvscale.server.config import MAX_PRIORITY
+
 # Prompts one /v1/completions request may carry (--max-prompts-per-request): each becomes an
 # engine request of its own, so a request of thousands would flood the queue by itself.
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 2048
@@ -22,6 +24,19 @@ class InvalidRequest(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+def priority_refusal(priority: int, policy: str, flag: str = "--scheduling-policy priority") -> str | None:
+    """Why a request's ``priority`` cannot be honoured under the scheduling ``policy``; None where
+    it can. Under fcfs a non-zero one asks for what the server does not do, as vLLM refuses it;
+    0 asks for nothing (docs/server.md, "Priority scheduling")."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        return f"priority must be an integer, got {priority!r}"
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        return f"priority must be between -2**31 and 2**31, got {priority}"
+    if priority and policy != "priority":
+        return f"priority cannot be honoured: this engine schedules first come, first served; start it with {flag}"
+    return None
 
 
 def check_prompt(token_ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:

@@ -76,6 +76,7 @@ def build_app(
     response_store: ResponseStore | None = None,
     lora_modules: Sequence[LoRAModulePath] = (),
     allow_runtime_lora_updating: bool = False,
+    scheduling_policy: str = "fcfs",
 ) -> FastAPI:
     """The FastAPI app; starts reading the engine on startup and stops the engine on shutdown.
 
@@ -92,7 +93,8 @@ def build_app(
                           field_limits=field_limits, model_root=model_root, version=__version__,
                           vocab_size=vocab_size, tool_call_parser=tool_call_parser,
                           enable_auto_tool_choice=enable_auto_tool_choice,
-                          stream_interval=stream_interval, lora_modules=lora_modules)
+                          stream_interval=stream_interval, lora_modules=lora_modules,
+                          scheduling_policy=scheduling_policy)
     metrics = ServerMetrics(server.model_name, lambda: engine.stats)
     engine.observe(metrics.on_step, metrics.on_request_end)
     server.metrics = metrics

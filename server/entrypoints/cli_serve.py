@@ -273,7 +273,8 @@ def build(args: argparse.Namespace) -> Served:
                     vocab_size=min(len(tokenizer), ready.vocab_size),
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                     stream_interval=args.stream_interval, response_store=store, lora_modules=lora_modules,
-                    allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                    scheduling_policy=config.scheduling_policy)
     return Served(app, core, ready.model_name, ready.max_model_len, ready.block_size)
 
 

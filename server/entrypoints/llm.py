@@ -18,7 +18,7 @@ from kvscale.server.engine.beam_search import (
 )
 from kvscale.server.engine.llm_engine import LLMEngine
 from kvscale.server.engine.output_builder import OutputKind
-from kvscale.server.entrypoints.admission import check_prompt, resolve_max_tokens
+from kvscale.server.entrypoints.admission import check_prompt, priority_refusal, resolve_max_tokens
 from kvscale.server.outputs import RequestOutput
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.tokenization import completion_prompt_token_ids
@@ -93,8 +93,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of ``prompts``."""
+        """Generate for every prompt; outputs come back in the order of ``prompts``. ``priority``:
+        one per prompt, lower first (vLLM's; non-zero needs ``scheduling_policy="priority"``)."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -111,16 +113,23 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
                 )
         engine = self.llm_engine
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        for value in priorities:
+            why = priority_refusal(value, engine.config.scheduling_policy, 'LLM(scheduling_policy="priority")')
+            if why is not None:
+                raise ValueError(why)
         request_ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for prompt, params, rank in zip(prompts, params_list, priorities, strict=True):
                 request_id = f"llm-{next(self._ids)}"
                 engine_prompt = self._engine_prompt(prompt)
                 # The offline edge: the same checks and messages as the HTTP API's.
                 ids = completion_prompt_token_ids(engine.tokenizer, engine_prompt)
                 check_prompt(ids, engine.vocab_size)
                 resolve_max_tokens(params.max_tokens, len(ids), engine.max_model_len)
-                engine.add_request(request_id, engine_prompt, params)
+                engine.add_request(request_id, engine_prompt, params, priority=rank)
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         except BaseException:

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from kvscale.tokenization import message_text
 
@@ -150,7 +150,8 @@ class SamplingFields(RequestBody):
     vllm_xargs: Any = None
     kv_transfer_params: Any = None
     return_tokens_as_token_ids: Any = None
-    priority: Any = None
+    # vLLM's: lower first under --scheduling-policy priority (request_priority.py checks it).
+    priority: StrictInt | None = None
     spaces_between_special_tokens: Any = None
 
 

@@ -2,7 +2,7 @@
 naming the field and why, never a silent 200 (docs/server.md, "Every request field").
 
 A field at its neutral value (vLLM's default, or what the server does anyway) asks for nothing
-and passes: `best_of` equal to `n`, `priority: 0`. Beam search's fields (`use_beam_search`,
+and passes: `best_of` equal to `n`. Beam search's fields (`use_beam_search`,
 `length_penalty`) and what beam search cannot be combined with are serving_beam.py's checks.
 """
 
@@ -37,7 +37,6 @@ REFUSED_FIELDS: dict[str, str] = {
     "vllm_xargs": "this server takes no extension arguments",
     "kv_transfer_params": "disaggregated prefill (KV transfer) is not available",
     "return_tokens_as_token_ids": "not implemented",
-    "priority": "priority scheduling is not enabled on this server",
     "spaces_between_special_tokens": "special tokens are always decoded with the tokenizer's spacing",
     # Chat only.
     "echo": "chat's echo (the last message before the answer) is not implemented",
@@ -51,7 +50,7 @@ REFUSED_FIELDS: dict[str, str] = {
 
 # What a field asks for nothing at (absent from here: only null does).
 NEUTRAL_VALUES: dict[str, Any] = {
-    "modalities": ["text"], "priority": 0,
+    "modalities": ["text"],
     "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
     "continue_final_message": False, "add_generation_prompt": True,
 }

@@ -198,6 +198,7 @@ class Prepared:
     tools: Any = None  # chat's serving_tools.ToolPlan
     stream_interval: int | None = None  # the request's own (vLLM's extra field); None: the server's
     lora_name: str = ""  # the LoRA adapter the request's `model` named; "": the base model
+    priority: int = 0  # under --scheduling-policy priority, lower first (request_priority.py)
 
 
 class OpenAIServer:
@@ -220,6 +221,7 @@ class OpenAIServer:
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
         stream_interval: int = 1, lora_modules: Sequence[LoRAModulePath] = (),
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.engine = engine
         self.lora_modules = {m.name: m for m in lora_modules}  # docs/server.md, "LoRA adapters"
@@ -238,6 +240,7 @@ class OpenAIServer:
         self.tool_call_parser = tool_call_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.stream_interval = stream_interval  # --stream-interval: a request may ask for more, not less
+        self.scheduling_policy = scheduling_policy  # --scheduling-policy: whether `priority` is honoured
         # Request fields neither API defines: logged once each (of the last UNKNOWN_FIELDS_KEPT
         # names, at most once per UNKNOWN_FIELDS_LOG_EVERY_S), counted per request (metrics).
         self.unknown_fields_seen: OrderedDict[str, None] = OrderedDict()
@@ -359,7 +362,7 @@ class OpenAIServer:
         try:
             streams = await self.engine.add_requests(
                 requests, stream_interval=max(self.stream_interval, prepared.stream_interval or 1),
-                tenant=REQUEST_TENANT.get(), lora_name=prepared.lora_name)
+                tenant=REQUEST_TENANT.get(), lora_name=prepared.lora_name, priority=prepared.priority)
             if self.metrics is not None:
                 self.metrics.count_lora_request(prepared.lora_name)
             return streams

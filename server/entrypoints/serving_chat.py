@@ -16,6 +16,7 @@ from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.admission import resolve_max_tokens
 from kvscale.server.entrypoints.lora_modules import lora_name_of
 from kvscale.server.entrypoints.refused_fields import check_refused_fields
+from kvscale.server.entrypoints.request_priority import request_priority
 from kvscale.server.entrypoints.response_parts import top_entries, usage
 from kvscale.server.entrypoints.serving import (
     OpenAIServer,
@@ -111,7 +112,8 @@ def prepare_chat(server: OpenAIServer, body: p.ChatCompletionRequest) -> Prepare
     except ValueError as exc:
         raise bad_request(str(exc), getattr(exc, "param", None)) from exc
     return Prepared(p.random_id("chatcmpl"), [ids], [""], [params], body.cache_salt, constraint_param, plan,
-                    stream_interval=body.stream_interval, lora_name=lora_name_of(server.lora_modules, body.model))
+                    stream_interval=body.stream_interval, lora_name=lora_name_of(server.lora_modules, body.model),
+                    priority=request_priority(server, body))
 
 
 class ChatFormatter(StreamFormatter):

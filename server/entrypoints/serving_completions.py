@@ -17,6 +17,7 @@ from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.admission import resolve_max_tokens
 from kvscale.server.entrypoints.lora_modules import lora_name_of
 from kvscale.server.entrypoints.refused_fields import check_refused_fields
+from kvscale.server.entrypoints.request_priority import request_priority
 from kvscale.server.entrypoints.response_parts import top_entries, usage
 from kvscale.server.entrypoints.serving import (
     OpenAIServer,
@@ -113,7 +114,8 @@ def prepare_completion(server: OpenAIServer, body: p.CompletionRequest) -> Prepa
         else:
             echo_texts.append("")
     return Prepared(p.random_id("cmpl"), prompts, echo_texts, params, body.cache_salt, constraint_param,
-                    stream_interval=body.stream_interval, lora_name=lora_name_of(server.lora_modules, body.model))
+                    stream_interval=body.stream_interval, lora_name=lora_name_of(server.lora_modules, body.model),
+                    priority=request_priority(server, body))
 
 
 def _with_echo(server: OpenAIServer, num_top: int, prompt_ids: list[int],

@@ -33,6 +33,7 @@ class _Add:
     accepted: asyncio.Future  # resolves to None, or to the exception add_request raised
     tenant: str = ""
     lora_name: str = ""  # "": the base model
+    priority: int = 0
 
 
 @dataclass
@@ -86,8 +87,8 @@ class ThreadEngine(EngineFront):
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def _submit(self, requests: list[NewRequest], accepted: asyncio.Future, tenant: str = "",
-                lora_name: str = "") -> None:
-        self._commands.put(_Add(requests, accepted, tenant, lora_name))
+                lora_name: str = "", priority: int = 0) -> None:
+        self._commands.put(_Add(requests, accepted, tenant, lora_name, priority))
 
     def _send_abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -121,7 +122,8 @@ class ThreadEngine(EngineFront):
                 if isinstance(command, _Stop):
                     return
                 if isinstance(command, _Add):
-                    error = add_all(engine, command.requests, command.tenant, command.lora_name)
+                    error = add_all(engine, command.requests, command.tenant, command.lora_name,
+                                    command.priority)
                     loop.call_soon_threadsafe(self._on_accepted, command.requests, command.accepted, error)
                 elif isinstance(command, _Abort):
                     engine.abort_request(command.request_id)

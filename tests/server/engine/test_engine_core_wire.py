@@ -45,7 +45,7 @@ def test_outputs_and_stats_round_trip() -> None:
 def test_requests_round_trip_with_params_validated_again() -> None:
     params = SamplingParams(n=2, temperature=0.5, stop=["\n"], logprobs=3, max_tokens=9, seed=4)
     message = AddRequests(5, [NewRequestMsg("a", [1, 2], params, "salt"), NewRequestMsg("b", "text", params)],
-                          tenant="team-a")
+                          tenant="team-a", priority=-3)
     assert core_codec().decode(front_codec().encode(message)) == message
     refusal = Accepted(5, "invalid", "max_tokens must be at least 1")
     assert front_codec().decode(core_codec().encode(refusal)) == refusal
