@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, StrictInt, field_validator
 
 from kvscale.responses_messages import (
     MAX_CONTENT_PARTS,
@@ -71,6 +71,8 @@ class ResponsesRequest(RequestBody):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: str | None = None
+    # vLLM's: carried to the chat request, checked there (request_priority.py).
+    priority: StrictInt | None = None
     # Refused when set (responses_input.REFUSED says why).
     background: bool | None = None
     include: list[str] | None = None

@@ -173,6 +173,7 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]],
         "top_p": body.top_p, "max_completion_tokens": body.max_output_tokens, "stream": body.stream,
         "tools": chat_tools(body, limits), "tool_choice": chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": chat_response_format(body),
+        "priority": body.priority,
     }
     try:
         chat = p.ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

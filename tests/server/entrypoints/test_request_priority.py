@@ -15,7 +15,10 @@ from tiny_checkpoints import copy_tokenizer, write_tiny_llama  # noqa: E402
 
 from kvscale import LLM, SamplingParams
 from kvscale.model_files import load_tokenizer, resolve_model_path
+from kvscale.request_limits import FieldLimits
 from kvscale.server.entrypoints import protocol as p
+from kvscale.server.entrypoints.protocol_responses import ResponsesRequest
+from kvscale.server.entrypoints.responses_input import chat_request
 from kvscale.server.entrypoints.serving import APIError, OpenAIServer
 from kvscale.server.entrypoints.serving_chat import prepare_chat
 from kvscale.server.entrypoints.serving_completions import prepare_completion
@@ -50,6 +53,11 @@ def test_fcfs_refuses_a_nonzero_priority_naming_the_flag(tokenizer: Any) -> None
             prepare(server, body)
         assert error.value.status == 400 and error.value.param == "priority"
         assert "--scheduling-policy priority" in error.value.message
+    # /v1/responses runs as chat: its priority is checked there.
+    responses = ResponsesRequest.model_validate({"input": "hi", "priority": 4})
+    with pytest.raises(APIError) as error:
+        prepare_chat(server, chat_request(responses, [], FieldLimits())[0])
+    assert error.value.param == "priority"
     # 0 and absent ask for nothing.
     assert prepare_completion(server, completion(priority=0)).priority == 0
     assert prepare_chat(server, chat()).priority == 0
@@ -59,6 +67,8 @@ def test_priority_policy_carries_the_field_within_its_bounds(tokenizer: Any) -> 
     server = server_of(tokenizer, "priority")
     assert prepare_completion(server, completion(priority=-7)).priority == -7
     assert prepare_chat(server, chat(priority=2**31)).priority == 2**31
+    responses = ResponsesRequest.model_validate({"input": "hi", "priority": 4})
+    assert prepare_chat(server, chat_request(responses, [], FieldLimits())[0]).priority == 4
     with pytest.raises(APIError) as error:
         prepare_completion(server, completion(priority=2**31 + 1))
     assert error.value.param == "priority" and "2**31" in error.value.message
