@@ -124,7 +124,7 @@ async def _search(server: OpenAIServer, prepared: Prepared, states: list[BeamSea
         turn += 1
         try:
             streams = await server.engine.add_requests(requests, tenant=REQUEST_TENANT.get(),
-                                                       lora_name=prepared.lora_name)
+                                                       lora_name=prepared.lora_name, priority=prepared.priority)
         except (ValueError, TypeError, OverflowError) as exc:
             raise bad_request(str(exc)) from exc
         live_streams[:] = streams  # what a disconnect aborts
