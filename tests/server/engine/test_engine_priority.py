@@ -33,12 +33,13 @@ def tiny_llama(bundled_model_path: Path, tmp_path_factory: pytest.TempPathFactor
     return path
 
 
-def engine_of(path: Path, policy: str, num_blocks: int = 10) -> LLMEngine:
+def engine_of(path: Path, policy: str, num_blocks: int = 10, async_scheduling: bool = False) -> LLMEngine:
     # Blocks of 4: two running requests of 8 + 16 tokens need 6 blocks each, and 10 are there;
     # two slots, so the third waits for one.
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=4,
                                   num_gpu_blocks_override=num_blocks, max_num_seqs=2,
-                                  enable_prefix_caching=False, scheduling_policy=policy))
+                                  enable_prefix_caching=False, scheduling_policy=policy,
+                                  async_scheduling=async_scheduling))
 
 
 def params() -> SamplingParams:
@@ -97,3 +98,8 @@ def test_the_least_urgent_is_preempted_and_the_urgent_one_goes_first(tiny_llama:
     tokens, admitted, preempted = scenario(engine_of(tiny_llama, "fcfs"))
     assert tokens == alone
     assert preempted[0] == "busy"
+
+    # Async scheduling (the next step queued before this one's tokens are read) keeps it all.
+    tokens, admitted, preempted = scenario(engine_of(tiny_llama, "priority", async_scheduling=True))
+    assert tokens == alone
+    assert preempted[0] == "lazy" and "urgent" not in preempted
