@@ -405,7 +405,12 @@ def test_problems_show_as_conditions_and_events(cluster):
     # A missing API-key Secret is learnt from the pods' CreateContainerConfigError, which kwok's
     # pods never report: tests/operator/test_platform_secrets.py checks it with real pods.
     ns = "kvis-problems"
-    apply(cluster, inference_service("huge", ns, resources={"gpus": 16}))
+    # More GPUs than any node has. Not the bundled model: its 9 heads split over 1 or 3 ranks
+    # only, which the API server refuses before any pod exists (docs/operator.md, "Several GPUs per
+    # replica"). A hub model's heads the operator cannot know, and kwok never runs its pods; ranks
+    # on GPUs need their KV pool's size given.
+    apply(cluster, inference_service("huge", ns, model={"uri": "hf://kvscale-tests/huge"}, resources={"gpus": 16},
+                                     engine={"extraArgs": ["--num-gpu-blocks-override", "64"]}))
     try:
         huge = wait_for("Unschedulable", lambda: (o := cluster.get("kvis", "huge", ns))
                         and condition(o, "Ready").get("reason") == "Unschedulable" and o)
