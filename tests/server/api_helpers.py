@@ -6,10 +6,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvscale.processes import free_port
@@ -62,6 +64,20 @@ class ServeProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def serve_app_in_thread(app: object) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """``app`` (build_app's, over an engine in this process) on 127.0.0.1 and a free port, served
+    from a thread; returns once uvicorn is listening. Stop it with ``server.should_exit = True``."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{port}"
 
 
 def scrape(base_url: str) -> dict[str, float]:

@@ -12,7 +12,6 @@ ties its own way); random float32 weights make a tie vanishingly unlikely.
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,14 +20,13 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+from api_helpers import serve_app_in_thread  # noqa: E402
 from thread_engine import ThreadEngine  # noqa: E402
 from tiny_checkpoints import TOKENIZER_FILES, copy_tokenizer, write_tiny_llama  # noqa: E402
 
 from kvscale.model_files import load_tokenizer
-from kvscale.processes import free_port
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.beam_search import BeamSearchParams
 from kvscale.server.engine.llm_engine import LLMEngine
@@ -72,16 +70,9 @@ def api(tiny: tuple[LLM, Any, Path]) -> Iterator[str]:
                                     num_gpu_blocks_override=256))
     app = build_app(ThreadEngine(engine), tokenizer=load_tokenizer(engine.model_path), served_model_names=["tiny"],
                     max_model_len=engine.max_model_len, vocab_size=VOCAB, model_root=str(path))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
+    server, thread, url = serve_app_in_thread(app)
     API_ENGINE.append(engine)
-    yield f"http://127.0.0.1:{port}"
+    yield url
     API_ENGINE.clear()
     server.should_exit = True
     thread.join(30)

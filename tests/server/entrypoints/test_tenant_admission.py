@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,10 +15,10 @@ import pytest
 import uvicorn
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+from api_helpers import serve_app_in_thread  # noqa: E402
 from thread_engine import ThreadEngine  # noqa: E402
 
 from kvscale.model_files import load_tokenizer
-from kvscale.processes import free_port
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.llm_engine import LLMEngine
 from kvscale.server.entrypoints.api_server import build_app
@@ -53,15 +52,7 @@ def serve(engine: LLMEngine, api_key: str | None) -> tuple[uvicorn.Server, threa
     app = build_app(ThreadEngine(engine), tokenizer=load_tokenizer(engine.model_path),
                     served_model_names=[engine.model_name], max_model_len=engine.max_model_len,
                     api_key=api_key)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}"
+    return serve_app_in_thread(app)
 
 
 def finish_order(engine: LLMEngine, api_key: str | None) -> list[str]:
