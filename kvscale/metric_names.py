@@ -168,6 +168,15 @@ UNKNOWN_REQUEST_FIELDS = Metric(
     "kvscale:unknown_request_fields", COUNTER,
     "Requests carrying a field neither OpenAI's API nor vLLM's extras define (logged once per name).",
     ("model_name", "endpoint"))
+# The vLLM-format KV event publisher (--kv-events-config, server/engine/kv_events_vllm.py): its
+# queue never blocks the engine, so a slow send drops whole batches; zeros without the flag.
+KV_EVENTS_BATCHES_DROPPED = Metric(
+    "kvscale:kv_events_batches_dropped", COUNTER,
+    "vLLM-format KV event batches (--kv-events-config) dropped on a full queue; subscribers see "
+    "the gap in sequence numbers.", _M)
+KV_EVENTS_DROPPED = Metric(
+    "kvscale:kv_events_dropped", COUNTER,
+    "KV events in the vLLM-format batches dropped on a full queue (--kv-events-config).", _M)
 
 SERVER_METRICS = (
     NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES,
@@ -180,6 +189,7 @@ SERVER_METRICS = (
     KV_OFFLOAD_BYTES, KV_OFFLOAD_TIME, EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS,
     CPU_CACHE_USAGE, KV_HOST_BLOCKS_TOTAL, KV_HOST_BLOCKS_CACHED, KV_BLOCKS_DEMOTED,
     KV_BLOCKS_PROMOTED, KV_PREEMPTIONS_SWAPPED, KV_RESTORE_SECONDS,
+    KV_EVENTS_BATCHES_DROPPED, KV_EVENTS_DROPPED,
 )
 
 # --- kvscale router ---------------------------------------------------------------------------

@@ -31,6 +31,10 @@ log = logging.getLogger("kvscale.kv_events_vllm")
 MEDIUM_DEVICE = "GPU"
 MEDIUM_HOST = "CPU"
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+# The keys of EngineStats.extra the drop counters travel under to the front end's /metrics
+# (server/entrypoints/metrics.py); absent (no --kv-events-config) reads as 0.
+STAT_BATCHES_DROPPED = "kv_events_batches_dropped_total"
+STAT_EVENTS_DROPPED = "kv_events_events_dropped_total"
 
 
 # vLLM's structs (vllm/distributed/kv_events.py), field for field in its order: array-like, so a
@@ -121,7 +125,8 @@ class VllmKVEventPublisher:
         self._context: Any = None
         self._pub: Any = None
         self._replay: Any = None
-        # Counters (tests, logs): batches sent and dropped on a full queue, and their events.
+        # Counters: batches sent and dropped on a full queue, and their events (the drops reach
+        # /metrics through each step's stats, ``on_step``).
         self.batches_published = 0
         self.batches_dropped = 0
         self.events_dropped = 0
@@ -176,9 +181,16 @@ class VllmKVEventPublisher:
     # -- engine thread ----------------------------------------------------------------------------
     def on_step(self, events: list[KVEvent], stats: EngineStats | None = None,
                 snapshot: Callable[[], list[int]] | None = None) -> None:
-        """Never blocks: one batch per step that has events, or a dropped one, counted."""
-        if not events:
-            return
+        """Never blocks: one batch per step that has events, or a dropped one, counted. The step's
+        ``stats`` carry the drop counts on every step, with events or not: /metrics reads the
+        newest stats, and a counter missing from them would read as a reset to 0."""
+        if events:
+            self._enqueue(events)
+        if stats is not None:
+            stats.extra[STAT_BATCHES_DROPPED] = float(self.batches_dropped)
+            stats.extra[STAT_EVENTS_DROPPED] = float(self.events_dropped)
+
+    def _enqueue(self, events: list[KVEvent]) -> None:
         seq = self._next_seq
         self._next_seq += 1
         batch = EventBatch(ts=time.time(), events=list(events), data_parallel_rank=self.data_parallel_rank)

@@ -25,11 +25,13 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvscale import metric_names as names
 from kvscale.metric_registry import register
 from kvscale.server.core.kv_tier_policy import RESTORE_BUCKETS
 from kvscale.server.engine.engine_front import RequestStream
+from kvscale.server.engine.kv_events_vllm import STAT_BATCHES_DROPPED, STAT_EVENTS_DROPPED
 from kvscale.server.outputs import EngineStats, RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -83,6 +85,8 @@ class _EngineStatsCollector(Collector):
         yield family(names.STRUCTURED_MASK_SECONDS, stats.extra.get("structured_mask_seconds_total", 0.0))
         yield family(names.STRUCTURED_MASK_STEPS, stats.extra.get("structured_mask_steps_total", 0.0))
         yield family(names.STRUCTURED_FORCED_TOKENS, stats.extra.get("structured_forced_tokens_total", 0.0))
+        yield family(names.KV_EVENTS_BATCHES_DROPPED, stats.extra.get(STAT_BATCHES_DROPPED, 0.0))
+        yield family(names.KV_EVENTS_DROPPED, stats.extra.get(STAT_EVENTS_DROPPED, 0.0))
         info = names.CACHE_CONFIG_INFO
         config = GaugeMetricFamily(info.name, info.help, labels=list(info.labels))
         prefix_caching = stats.extra.get("enable_prefix_caching", 1.0)
@@ -225,17 +229,17 @@ class ServerMetrics:
 class HTTPStatusMiddleware:
     """Pure ASGI middleware counting every answered request by route and status code."""
 
-    def __init__(self, app, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
         self.metrics = metrics
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         status = 500  # an exception before the response started
 
-        async def send_wrapper(message) -> None:
+        async def send_wrapper(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]

@@ -29,7 +29,8 @@ from kvscale.server.engine.kv_events_vllm import (
     VllmKVEventPublisher,
     to_vllm_events,
 )
-from kvscale.server.outputs import BlockStored
+from kvscale.server.entrypoints.metrics import ServerMetrics
+from kvscale.server.outputs import BlockStored, EngineStats
 from kvscale.server.sampling_params import SamplingParams
 
 BS = 16
@@ -158,12 +159,18 @@ def test_a_full_queue_drops_batches_without_blocking_and_leaves_a_gap() -> None:
     publisher = VllmKVEventPublisher(KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", max_queue_size=1))
     event = BlockStored([1], None, BS, token_ids=tuple(range(BS)))
     started = time.perf_counter()
-    for _ in range(3):
+    for _ in range(2):
         publisher.on_step([event])  # not started: nothing drains the queue
-    publisher.on_step([])  # a step without events sends nothing
+    publisher.on_step([event, event])
+    stats = EngineStats(0, 0, 8, 0, 0, BS, 0, 0, 0)
+    publisher.on_step([], stats=stats)  # a step without events sends nothing, but its stats carry the counts
     assert time.perf_counter() - started < 0.5
-    assert (publisher.batches_dropped, publisher.events_dropped) == (2, 2)
+    assert (publisher.batches_dropped, publisher.events_dropped) == (2, 3)
     assert publisher._next_seq == 3  # the dropped batches' numbers are spent: subscribers see a gap
+    # The counts reach the front end's /metrics from the step's stats.
+    text = ServerMetrics("m", lambda: stats).render().decode()
+    assert 'kvscale:kv_events_batches_dropped_total{model_name="m"} 2.0' in text
+    assert 'kvscale:kv_events_dropped_total{model_name="m"} 3.0' in text
 
 
 def test_configs_spelled_as_vllms() -> None:
