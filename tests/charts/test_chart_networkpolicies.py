@@ -1,6 +1,7 @@
 """The chart's NetworkPolicies against the labels of the pods they are about, for every
 combination of what an InferenceService exposes (router on or off, the operator's Redis or an
-external one) and of the namespace-wide router (on or off).
+external one) and of the namespace-wide router (on or off); and the routers' endpoint-picker port,
+open to the configured gateway only.
 
 The pods are those the operator's builders make (operator/children) and those the chart renders
 (the operator, the namespace-wide router, the `helm test` pod); the policies are
@@ -20,13 +21,14 @@ import pytest
 from chart_helpers import Helm
 
 from kvscale.operator.children.owned import build_children
-from kvscale.operator.spec import REDIS_PORT, ROUTER_PORT, SERVER_PORT, parse_spec
+from kvscale.operator.spec import EXT_PROC_PORT, REDIS_PORT, ROUTER_PORT, SERVER_PORT, parse_spec
 
 RELEASE = "kvscale"
 RELEASE_NS = "kvscale-system"
 SERVICES_NS = "team"  # where the InferenceServices run (networkPolicies.namespaces)
 CLIENTS_NS = "clients"
 MONITORING_NS = "monitoring"
+GATEWAYS_NS = "gateways"
 BUNDLED = {"model": {"uri": "bundled://smollm2-135m-instruct"}}
 
 
@@ -35,6 +37,7 @@ class Pod:
     name: str
     namespace: str
     labels: dict[str, str]
+    ports: tuple[tuple[str, int], ...] = ()  # named container ports, which a policy may name
 
 
 def namespace_labels(name: str) -> dict[str, str]:
@@ -76,7 +79,8 @@ def admitted(policies: list[dict[str, Any]], source: Pod, target: Pod, port: int
     for policy in applying:
         for rule in policy["spec"].get("ingress") or []:
             ports = rule.get("ports")
-            if ports and not any(p.get("port") == port for p in ports):
+            if ports and not any(p.get("port") in (port, *(n for n, number in target.ports if number == port))
+                                 for p in ports):
                 continue
             peers = rule.get("from")
             if not peers or any(peer_admits(peer, source, target.namespace) for peer in peers):
@@ -88,14 +92,20 @@ def template_labels(doc: dict[str, Any]) -> dict[str, str]:
     return dict(doc["spec"]["template"]["metadata"]["labels"])
 
 
+def template_ports(doc: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    return tuple((p["name"], p["containerPort"]) for c in doc["spec"]["template"]["spec"]["containers"]
+                 for p in c.get("ports") or [] if "name" in p)
+
+
 def built_pods(name: str, spec: dict[str, Any]) -> dict[str, Pod]:
-    """The pods of one InferenceService, by part, with the labels the operator gives them."""
+    """The pods of one InferenceService, by part, with the labels and ports the operator gives them."""
     parts = {"": "servers", "-router": "router", "-redis": "redis"}
     pods = {}
     for child in build_children(name, SERVICES_NS, parse_spec({**BUNDLED, **spec})):
         if child["kind"] == "Deployment":
             part = parts[child["metadata"]["name"][len(name):]]
-            pods[part] = Pod(f"{child['metadata']['name']}-pod", SERVICES_NS, template_labels(child))
+            pods[part] = Pod(f"{child['metadata']['name']}-pod", SERVICES_NS, template_labels(child),
+                             template_ports(child))
     return pods
 
 
@@ -181,3 +191,57 @@ def test_policies_cover_the_namespaces_the_operator_serves(helm: Helm):
     listed = helm.template("networkPolicies.enabled=true", "networkPolicies.namespaces={a}",
                            "operator.watchNamespaces={team}", release=RELEASE, namespace=RELEASE_NS)
     assert {d["metadata"]["namespace"] for d in listed if d["kind"] == "NetworkPolicy"} == {"a"}
+
+
+def test_only_the_gateway_reaches_the_endpoint_picker(helm: Helm):
+    """spec.router.inferencePool's picker port (a named container port, whatever its number) admits
+    networkPolicies.gateway and nothing else, and the gateway nothing else; no router admits
+    anything on it while the chart's inferencePool.enabled is false or it serves no picker."""
+    base = ["networkPolicies.enabled=true", f"networkPolicies.namespaces={{{SERVICES_NS}}}"]
+    custom_port = EXT_PROC_PORT + 98
+    picker = built_pods("chat", {"router": {"inferencePool": {"enabled": True}}})
+    moved = built_pods("code", {"router": {"inferencePool": {"enabled": True, "extProcPort": custom_port}}})
+    plain = built_pods("docs", {})
+    pickers = ((picker["router"], EXT_PROC_PORT), (moved["router"], custom_port))
+    gateway_label = {"gateway.networking.k8s.io/gateway-name": "inference-gateway"}
+    local_gateway = Pod("gateway", SERVICES_NS, gateway_label)
+    other_gateway = Pod("envoy", GATEWAYS_NS, {"app": "envoy", **gateway_label})
+    others = [Pod("client", CLIENTS_NS, {"app": "chat-ui"}), Pod("neighbour", SERVICES_NS, {"app": "x"}),
+              Pod("prometheus", MONITORING_NS, {"app.kubernetes.io/name": "prometheus"}),
+              picker["servers"], plain["router"]]
+    deny = [{"metadata": {"name": "deny", "namespace": SERVICES_NS},
+             "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}]
+
+    def policies(*values: str) -> list[dict[str, Any]]:
+        docs = helm.template(*base, *values, release=RELEASE, namespace=RELEASE_NS,
+                             show_only=["templates/networkpolicies.yaml"])
+        return [d for d in docs if d["kind"] == "NetworkPolicy"] + deny
+
+    def reaches_a_picker(rendered: list[dict[str, Any]], source: Pod) -> bool:
+        return any(admitted(rendered, source, router, port) for router, port in pickers)
+
+    # Defaults: the Gateway API implementation's pods of the InferenceService's own namespace.
+    rendered = policies()
+    for router, port in pickers:
+        assert admitted(rendered, local_gateway, router, port), router.name
+        assert admitted(rendered, local_gateway, router, ROUTER_PORT)  # the OpenAI port, as for anyone
+    assert not admitted(rendered, local_gateway, plain["router"], EXT_PROC_PORT)  # no picker, no port
+    for target, port in ((picker["servers"], SERVER_PORT), (picker["redis"], REDIS_PORT)):
+        assert not admitted(rendered, local_gateway, target, port), target.name  # nothing else
+    assert not reaches_a_picker(rendered, other_gateway)
+    for source in others:
+        assert not reaches_a_picker(rendered, source), source.name
+
+    # A gateway of another namespace, as the values name it; the local look-alike is then out.
+    rendered = policies(f"networkPolicies.gateway.namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name={GATEWAYS_NS}",
+                        "networkPolicies.gateway.podSelector.matchLabels.app=envoy")
+    for router, port in pickers:
+        assert admitted(rendered, other_gateway, router, port), router.name
+    assert not reaches_a_picker(rendered, local_gateway)
+    for source in others:
+        assert not reaches_a_picker(rendered, source), source.name
+
+    # The chart's picker off: the port is closed to all.
+    rendered = policies("inferencePool.enabled=false")
+    for source in (local_gateway, other_gateway, *others):
+        assert not reaches_a_picker(rendered, source), source.name
