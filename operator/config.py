@@ -10,6 +10,7 @@ from kvscale.operator.bounded_get import DEFAULT_MAX_BYTES
 from kvscale.operator.children.owned import Images
 from kvscale.operator.children.servers import server_default_flags, with_server_defaults
 from kvscale.operator.conditions import Condition
+from kvscale.operator.lora_adapters import refusal as lora_refusal
 from kvscale.operator.spec import InferenceServiceSpec
 from kvscale.operator.tensor_parallel import refusal as tensor_parallel_refusal
 
@@ -33,10 +34,11 @@ class OperatorConfig:
 
     def refusal(self, spec: InferenceServiceSpec) -> Condition | None:
         """Synced=False with why, for a spec that gets nothing applied: a choice outside the
-        allow-lists, or tensor parallel settings its servers could not start with (judged with
-        the platform's defaults, as the servers run); None: apply it."""
-        return self.allow.refusal(spec) or tensor_parallel_refusal(
-            with_server_defaults(spec, self.server_defaults))
+        allow-lists, or tensor parallel or LoRA settings its servers could not start with or
+        would not honour (judged with the platform's defaults, as the servers run); None: apply
+        it."""
+        served = with_server_defaults(spec, self.server_defaults)
+        return self.allow.refusal(spec) or tensor_parallel_refusal(served) or lora_refusal(served)
 
 
 def config_from_args(args: argparse.Namespace) -> OperatorConfig:

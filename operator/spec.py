@@ -36,6 +36,8 @@ REDIS_PORT = 6379
 EXT_PROC_PORT = 9002
 FAIL_CLOSE = "FailClose"
 MODEL_SCHEMES = ("bundled://", "hf://", "pvc://")
+# Where a LoRA adapter may come from: the model's sources but the image (which ships none).
+ADAPTER_SCHEMES = ("hf://", "pvc://")
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,23 @@ class ModelSource:
     @property
     def location(self) -> str:
         """The part after the scheme: NAME, ORG/NAME or CLAIM/PATH."""
+        return self.uri.split("://", 1)[1]
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One of `spec.adapters` (docs/operator.md, "LoRA adapters"): the name clients send as
+    `model`, and where its PEFT directory comes from (hf://ORG/NAME or pvc://CLAIM/PATH)."""
+
+    name: str
+    uri: str
+
+    @property
+    def scheme(self) -> str:
+        return self.uri.split("://", 1)[0]
+
+    @property
+    def location(self) -> str:
         return self.uri.split("://", 1)[1]
 
 
@@ -68,6 +87,11 @@ class EngineConfig:
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # LoRA (with spec.adapters): adapters resident at once, their largest rank, those kept in
+    # host memory; None: the engine's default.
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
     extra_args: tuple[str, ...] = ()
 
     def extra_flag(self, flag: str) -> str | None:
@@ -196,6 +220,7 @@ class InferenceServiceSpec:
     autoscaling: AutoscalingPolicy = field(default_factory=AutoscalingPolicy)
     api_key_secret: SecretKeyRef | None = None
     router: RouterSpec = field(default_factory=RouterSpec)
+    adapters: tuple[LoraAdapter, ...] = ()
 
 
 def default_served_name(uri: str) -> str:
@@ -224,6 +249,9 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
             dtype=str(engine.get("dtype", e.dtype)),
             gpu_memory_utilization=float(engine.get("gpuMemoryUtilization", e.gpu_memory_utilization)),
             enable_prefix_caching=bool(engine.get("enablePrefixCaching", e.enable_prefix_caching)),
+            max_loras=_optional_int(engine.get("maxLoras")),
+            max_lora_rank=_optional_int(engine.get("maxLoraRank")),
+            max_cpu_loras=_optional_int(engine.get("maxCpuLoras")),
             extra_args=tuple(str(arg) for arg in engine.get("extraArgs") or ()),
         ),
         resources=Resources(
@@ -257,7 +285,11 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         api_key_secret=(SecretKeyRef(name=secret["name"], key=secret.get("key") or "api-key")
                         if secret else None),
         router=parse_router(spec.get("router") or {}),
+        adapters=parse_adapters(spec.get("adapters") or ()),
     )
+    lora = (parsed.engine.max_loras, parsed.engine.max_lora_rank, parsed.engine.max_cpu_loras)
+    if not parsed.adapters and any(value is not None for value in lora):
+        raise ValueError("engine.maxLoras, engine.maxLoraRank and engine.maxCpuLoras need spec.adapters")
     if parsed.resources.gpus == 0:
         cpu_kv_cache_bytes(parsed.resources.memory)  # a limit the server cannot start in is refused
     if parsed.autoscaling.min_replicas == 0 and not parsed.router.enabled:
@@ -273,6 +305,21 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         # --ext-proc-port beside an API key or tenants.
         raise ValueError("router.inferencePool needs the router, and neither apiKeySecretRef nor "
                          "router.tenants: the gateway authenticates")
+    return parsed
+
+
+def parse_adapters(adapters: Any) -> tuple[LoraAdapter, ...]:
+    """spec.adapters; ValueError for a source no pod can read them from or a repeated name."""
+    parsed = tuple(LoraAdapter(name=str(a["name"]), uri=str(a["uri"])) for a in adapters)
+    for adapter in parsed:
+        if (not adapter.uri.startswith(ADAPTER_SCHEMES) or "/" not in adapter.location.strip("/")
+                or {".", ".."} & set(adapter.location.split("/"))):
+            raise ValueError(f"adapters[{adapter.name}].uri must be hf://ORG/NAME or "
+                             f"pvc://CLAIM/PATH without . or .. segments, got {adapter.uri!r}")
+    names = [a.name for a in parsed]
+    if len(set(names)) != len(names):
+        raise ValueError(f"adapters name {sorted({n for n in names if names.count(n) > 1})} "
+                         "more than once")
     return parsed
 
 

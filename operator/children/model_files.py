@@ -51,12 +51,23 @@ def model_files(spec: InferenceServiceSpec, image: str, for_router: bool = False
         return files
     # hf://ORG/NAME: the server never downloads, so an init container fetches into the volume.
     target = f"{MODEL_VOLUME_PATH}/hf/{model.location}"
-    command = ["hf", "download", model.location, "--local-dir", target]
+    command = hf_download(model.location, target)
     if for_router:
         for pattern in TOKENIZER_FILES:
             command += ["--include", pattern]
-    files.init_containers.append({
-        "name": "fetch-tokenizer" if for_router else "fetch-model",
+    files.init_containers.append(
+        hf_fetch_container("fetch-tokenizer" if for_router else "fetch-model", image, command))
+    return replace(files, path=target)
+
+
+def hf_download(repo: str, target: str) -> list[str]:
+    return ["hf", "download", repo, "--local-dir", target]
+
+
+def hf_fetch_container(name: str, image: str, command: list[str]) -> dict[str, Any]:
+    """An init container running ``command`` (`hf download`) into the model volume."""
+    return {
+        "name": name,
         "image": image,
         "command": command,
         # The images keep servers and routers offline (HF_HUB_OFFLINE=1); this container is the
@@ -66,5 +77,4 @@ def model_files(spec: InferenceServiceSpec, image: str, for_router: bool = False
         "volumeMounts": [{"name": "model-cache", "mountPath": MODEL_VOLUME_PATH},
                          {"name": "tmp", "mountPath": "/tmp"}],
         "securityContext": container_security_context(),
-    })
-    return replace(files, path=target)
+    }

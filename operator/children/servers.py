@@ -34,6 +34,7 @@ from kvscale.operator.children.pod_parts import (
     topology_spread,
 )
 from kvscale.operator.children.redis import service_redis_env
+from kvscale.operator.lora_adapters import adapter_files, lora_args, spec_flags
 from kvscale.operator.server_memory import cpu_kv_cache_bytes
 from kvscale.operator.spec import SERVER_PORT, InferenceServiceSpec, flag_name
 from kvscale.operator.tensor_parallel import shm_size_limit, tensor_parallel_args
@@ -87,8 +88,11 @@ def with_server_defaults(spec: InferenceServiceSpec,
     """``spec`` with the platform's defaults (``server_default_flags``' groups) before its
     engine.extraArgs, less those of a flag extraArgs sets: dropped rather than passed twice, so
     the InferenceService's own value is the only one its server sees. Folded into the spec, so
-    the router reads the flags the servers run with (--tool-call-parser) as it reads extraArgs."""
-    kept = [arg for group in server_defaults if not spec.engine.sets(group[0]) for arg in group]
+    the router reads the flags the servers run with (--tool-call-parser) as it reads extraArgs.
+    A default for a LoRA flag spec.adapters sets is dropped too: the spec's value stands."""
+    own = spec_flags(spec)
+    kept = [arg for group in server_defaults
+            if not spec.engine.sets(group[0]) and flag_name(group[0]) not in own for arg in group]
     return replace(spec, engine=replace(spec.engine, extra_args=(*kept, *spec.engine.extra_args)))
 
 
@@ -123,6 +127,7 @@ def server_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]
         args += ["--max-model-len", str(engine.max_model_len)]
     args += cpu_kv_cache_args(spec)
     args += tensor_parallel_args(spec)
+    args += lora_args(spec)  # before a flag of ours: --lora-modules takes values up to the next
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching
                 else "--no-enable-prefix-caching")
     if spec.router.enabled:
@@ -210,7 +215,7 @@ def server_container(name: str, namespace: str, spec: InferenceServiceSpec,
 
 
 def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> dict[str, Any]:
-    files = model_files(spec, spec.image)
+    files = adapter_files(spec, model_files(spec, spec.image))
     model_path, init_containers = files.path, files.init_containers
     volumes, mounts = volumes_and_mounts(files, spec)
     labels = child_labels(name)

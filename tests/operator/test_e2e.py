@@ -229,9 +229,11 @@ def test_names_its_children_cannot_carry_are_rejected(cluster, case):
 
 
 def test_valid_resource_passes_validation_with_defaults(cluster):
+    adapters = [{"name": "sql", "uri": "hf://org/sql-lora"}]  # the schema takes LoRA adapters
     proc = cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-",
-                           input=yaml.safe_dump(inference_service("ok", "kvis-basic")))
+                           input=yaml.safe_dump(inference_service("ok", "kvis-basic", adapters=adapters)))
     spec = json.loads(proc.stdout)["spec"]
+    assert spec["adapters"] == adapters
     assert spec["replicas"] == 1
     assert spec["engine"]["blockSize"] == 16 and spec["engine"]["enablePrefixCaching"] is True
     assert spec["autoscaling"] == {
