@@ -108,6 +108,8 @@ AUTOSCALING = Board(
 )
 
 # ------------------------------------------------------------------------------------ Serving
+BASE_MODEL = "(base model)"  # the lora_name of requests naming no adapter
+
 SERVING = Board(
     uid="kvscale-serving",
     title="kvscale / Serving",
@@ -191,6 +193,13 @@ SERVING = Board(
         ), unit="percentunit", description="Tokens appended because the grammar allowed nothing else "
                                            "(keys, punctuation), each saving a decode step, over all "
                                            "output tokens."),
+        Panel("Requests per LoRA adapter", (
+            # The base model's series has an empty lora_name: named, so its legend is not blank.
+            q(f'label_replace(sum by (lora_name) ({rate(m.LORA_REQUESTS.series, SEL_SERVER)}), '
+              f'"lora_name", "{BASE_MODEL}", "lora_name", "")', "{{lora_name}}"),
+        ), unit="reqps", description="Requests by the LoRA adapter their `model` named "
+                                     "(--lora-modules, spec.adapters), the base model's as "
+                                     f"{BASE_MODEL}; an unloaded adapter's series ends."),
     ),
 )
 

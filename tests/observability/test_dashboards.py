@@ -117,7 +117,8 @@ def test_all_contract_metrics_are_used_or_documented() -> None:
     # The dashboards show the new metrics the issue asks for.
     for metric in (names.KV_BLOCKS_EVICTED, names.ROUTER_SPILLS, names.OPERATOR_PANIC,
                    names.OPERATOR_SCALE_DECISIONS, names.ROUTER_REDIS_ERRORS,
-                   names.OPERATOR_PREFILL_SECONDS, names.OPERATOR_TARGET_PREFILL_SECONDS):
+                   names.OPERATOR_PREFILL_SECONDS, names.OPERATOR_TARGET_PREFILL_SECONDS,
+                   names.LORA_REQUESTS):
         assert metric.series in used, metric.name
 
 
