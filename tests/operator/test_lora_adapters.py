@@ -219,3 +219,13 @@ def test_the_crd_bounds_adapters_as_the_operator_reads_them():
 def test_an_adapters_path_is_inside_the_pod_volumes():
     assert lora_adapters.adapter_path(LoraAdapter("x", "pvc://c/a/b/")) == "/models/pvc/c/a/b"
     assert lora_adapters.adapter_path(LoraAdapter("x", "hf://o/n")) == "/models/adapters/x"
+
+
+def test_the_documented_example_renders_the_documented_args():
+    """docs/operator.md, "LoRA adapters": its InferenceService and the server args it shows."""
+    doc = (CRD.parents[1] / "docs" / "operator.md").read_text()
+    section = doc[doc.index("### LoRA adapters"):doc.index("## What the operator creates")]
+    example, shown = re.findall(r"```yaml\n(.*?)```", section, re.S)[:2]
+    args = pod(yaml.safe_load(example)["spec"])["containers"][0]["args"]
+    lora = args[args.index("--enable-lora"):args.index("--enable-prefix-caching") + 1]
+    assert " ".join(lora) in " ".join(shown.replace('"', "").replace(",", " ").split())
