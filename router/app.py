@@ -31,6 +31,7 @@ from kvscale.router.client_watch import disconnect_of
 from kvscale.router.config import RouterConfig
 from kvscale.router.decision import Decider
 from kvscale.router.errors import not_found, openai_error, request_json
+from kvscale.router.fair_queue import FairQueue, queued_turn, room_on
 from kvscale.router.heartbeats import HeartbeatTable
 from kvscale.router.hold_gate import activation_report, hold_until_ready, refusal, worth_holding
 from kvscale.router.in_flight import InFlight
@@ -89,6 +90,7 @@ class Router:
             self.activation = holding.Activation(
                 holding.HoldLimits(config.hold_timeout_s, config.hold_queue), self.metrics, wake)
             self.forwarder.draining_is_failure = True
+        self.queue = FairQueue(config.max_queue_wait_s) if config.max_queue_wait_s else None
         self._watch: EndpointSliceWatch | None = None
         self._sync_task: asyncio.Task[None] | None = None
         self.drain = Drain()  # flipped by SIGTERM (kvscale.drain.serve)
@@ -166,9 +168,8 @@ class Router:
             self.activation.update(self._any_available())
 
     def _any_available(self, model: str | None = None) -> bool:
-        """A replica can take a request for ``model`` (None: any) now: what `_candidates` accepts."""
-        # A replica's models are known once its first health check passed: before that
-        # `_candidates` would answer 404 for it.
+        """A replica can take a request for ``model`` (None: any) now: what `_candidates` accepts
+        (its models are known once its first health check passed; before, `_candidates` 404s)."""
         return any(r.models and (model is None or model in r.models)
                    and (r.healthy or self.heartbeats.routable(r))
                    for r in self.replicas.replicas.values())
@@ -251,6 +252,10 @@ class Router:
         grant = await self.tenancy.admit(request, endpoint, body, prompt.prompt_tokens, len(raw))
         if isinstance(grant, Response):  # over the tenant's limits: 429
             return grant
+        turn = await queued_turn(self.queue, request, endpoint, body, prompt.prompt_tokens, len(raw),
+                                 lambda: room_on(candidates, self.heartbeats, self.in_flight))
+        if isinstance(turn, Response):  # waited --max-queue-wait (503), or its client left (499)
+            return turn
         header = self.config.session_header
         session = request.headers.get(header) if header else None
         hash_key: int | str = prompt.hashes[0] if prompt.hashes else (
@@ -265,7 +270,7 @@ class Router:
         self.metrics.decision_seconds.observe(decided - started)
 
         by_id = {r.replica_id: r for r in candidates}
-        return await self.forwarder.forward(Routed(
+        return turn.ended(await self.forwarder.forward(Routed(
             endpoint=endpoint, body=raw,
             headers=replica_headers(request.headers, self.config.replica_api_key, grant.tenant),
             ranked=[by_id[rid] for rid in decision.ranked][: max(1, self.config.max_attempts)],
@@ -279,8 +284,8 @@ class Router:
             calibrates=body.get("stream") is True and decision.rate_measured,
             client_left=disconnect_of(request.receive),
             reply_headers=grant.headers,
-            on_done=grant.on_done,
-        ))
+            on_done=turn.forwarding(grant.on_done),
+        )))
 
     async def _prompt_blocks(self, endpoint: str, body: dict[str, Any], model: str | None,
                              body_bytes: int, adapter: Adapter | None = None) -> PromptBlocks:
@@ -299,9 +304,8 @@ class Router:
 
     async def stored_response(self, request: Request) -> Response:
         """GET and DELETE /v1/responses/{id}: forwarded to a ready replica of the model whose
-        store holds the id (the store is shared), not answered from Redis here: the replica's
-        answer is the one implementation of the stored response's JSON, its errors (404, the 503
-        of a store that does not answer) and the query fields it refuses."""
+        store holds the id (shared), not answered from Redis here: the replica's answer is the one
+        implementation of the stored response's JSON, its errors and the query fields it refuses."""
         model = None
         if self.conversations is not None and len(self.config.models) > 1:
             model = await self.conversations.holder(
@@ -311,9 +315,8 @@ class Router:
 
     async def pass_through(self, request: Request, endpoint: str, path: str | None = None,
                            model: str | None = None) -> Response:
-        """/tokenize, /detokenize, /version and stored responses: a replica's own answer, so that a
-        client keeps one URL with or without a router: the least busy replica of the model
-        (failover down the rest); ``path`` on the replica, when not ``endpoint``'s."""
+        """/tokenize, /detokenize, /version, stored responses: a replica's own answer (one URL with
+        or without a router), the model's least busy replica first; ``path``: when not the endpoint's."""
         read = await self._read(request)
         if isinstance(read, Response):
             return read

@@ -113,6 +113,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scale-from-zero", default=None, metavar="INFERENCESERVICE",
         help="with --hold-timeout: the InferenceService (in --namespace) whose scale the router "
              "raises from 0 to 1 when it holds a request")
+    parser.add_argument(
+        "--max-queue-wait", type=float, default=None, metavar="SECONDS",
+        help="while the replicas that could take a generation request have no room (their heartbeats' "
+             "running and waiting sequences fill max_num_seqs, or their KV blocks are held), it waits "
+             "in the router up to this long, leaving by the tenants' priority, then weighted fair "
+             "share; then 503 with Retry-After (default: off, every request is sent at once). Needs --redis")
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between replica health checks")
     parser.add_argument("--seed", type=int, default=None, help="seed for --policy random")
     parser.add_argument("--log-level", default="info")
@@ -138,6 +144,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise SystemExit("kvscale router: --hold-queue must be at least 1")
     if args.scale_from_zero and args.hold_timeout is None:
         raise SystemExit("kvscale router: --scale-from-zero needs --hold-timeout")
+    if args.max_queue_wait is not None and not args.max_queue_wait > 0:
+        raise SystemExit("kvscale router: --max-queue-wait must be positive")
+    if args.max_queue_wait is not None and not args.redis:
+        raise SystemExit("kvscale router: --max-queue-wait needs --redis: the replicas' load comes from "
+                         "their heartbeats")
     if args.max_open_requests < 1:
         raise SystemExit("kvscale router: --max-open-requests must be at least 1")
     if args.max_body_bytes_in_flight < args.max_request_body_bytes:
@@ -179,6 +190,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         hold_timeout_s=args.hold_timeout,
         hold_queue=args.hold_queue,
         scale_from_zero=args.scale_from_zero,
+        max_queue_wait_s=args.max_queue_wait,
         freeze_heap_after_start=True,
     )
 

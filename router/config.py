@@ -53,3 +53,6 @@ class RouterConfig:
     hold_timeout_s: float | None = None
     hold_queue: int = DEFAULT_HOLD_QUEUE
     scale_from_zero: str | None = None
+    # Generation requests wait in the router while their replicas have no room, at most this
+    # long, leaving by priority band, then weighted fair share (router/fair_queue.py; None: off).
+    max_queue_wait_s: float | None = None

@@ -1,0 +1,260 @@
+"""`--max-queue-wait`: generation requests wait in the router while the replicas that could take
+them have no room, and leave by priority band, then weighted fair share between tenants
+(docs/router.md, "Fair share when the fleet is saturated").
+
+The decisions are pure (fair_share.py: the order and the counters; saturation.py: the room);
+this is their state and the waiting itself. Every request let through, whether it waited or
+not, is charged to its tenant's counter: its reservation (prompt plus the completion asked for,
+as the rate limits count it) when it leaves, corrected by the usage its answer reports. Only
+the router's event loop touches this, so it has no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from kvscale.router import fair_share
+from kvscale.router import rate_limits as rules
+from kvscale.router.client_watch import CLIENT_GONE, disconnect_of
+from kvscale.router.errors import openai_error
+from kvscale.router.heartbeats import HeartbeatTable
+from kvscale.router.in_flight import InFlight
+from kvscale.router.prefill_ledger import sequences_ahead
+from kvscale.router.relay import RelayResponse
+from kvscale.router.replicas import Replica
+from kvscale.router.saturation import ReplicaLoad, free_slots
+from kvscale.router.tenants import SCOPE_KEY, Tenant
+
+# Requests waiting at once, over all tenants; one more is answered 503 at once. The admission
+# gate's --max-open-requests bounds them too; this holds where the app is served without it.
+MAX_WAITING = 4096
+RETRY_AFTER_S = 1
+# A request let through is forwarded within a loop turn or two; one that never was stops
+# holding a slot after this.
+UNSENT_TTL_S = 5.0
+# Heartbeats come about every 0.25 s.
+TICK_S = 0.25
+
+
+@dataclass
+class _Waiter:
+    tenant: str
+    band: int
+    arrival: int
+    weight: float
+    cost: int
+    room: Callable[[], int | None]
+    released: asyncio.Future[int] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+def room_on(candidates: Iterable[Replica], heartbeats: HeartbeatTable,
+            in_flight: InFlight) -> int | None:
+    """The sequences the candidates can take now (saturation.free_slots), each one's heartbeat
+    corrected by this router's sends and finishes since it was taken."""
+    now = time.monotonic()
+    loads: list[ReplicaLoad | None] = []
+    for replica in candidates:
+        hb = heartbeats.get(replica.replica_id)
+        if hb is None:
+            loads.append(None)
+            continue
+        ledger = in_flight.ledger(replica.replica_id)
+        sent = ledger.entries(now) if ledger is not None else []
+        ahead = sequences_ahead(hb.load, heartbeats.local_time(hb), sent)
+        loads.append(ReplicaLoad(hb.max_num_seqs, ahead, hb.kv_usage))
+    return free_slots(loads)
+
+
+class Turn:
+    """A request let through: charged when it left the queue, settled when its answer ends.
+    Without a queue (``queue`` None) it changes nothing."""
+
+    def __init__(self, queue: FairQueue | None, key: int = 0, tenant: str = "",
+                 weight: float = 1.0, cost: int = 0) -> None:
+        self._queue = queue
+        self._key = key
+        self.tenant = tenant
+        self.weight = weight
+        self.cost = cost
+        self._done = False
+
+    def sent(self) -> None:
+        """It is being forwarded: the replicas' counts take it from here."""
+        if self._queue is not None:
+            self._queue.unsent.pop(self._key, None)
+
+    def done(self, status: int, tail: bytes) -> None:
+        """Its answer ended (or none came): the counter corrected by the usage reported, and the
+        freed slot offered to whoever waits."""
+        self.sent()
+        if self._queue is None or self._done:
+            return
+        self._done = True
+        delta = rules.settlement(self.cost, rules.usage_tokens(tail), status)
+        self._queue.charge(self.tenant, delta, self.weight)
+        self._queue.dispatch()
+
+    def forwarding(self, on_done: Callable[[int, bytes], None] | None
+                   ) -> Callable[[int, bytes], None] | None:
+        """What the forwarding tells when a replica's answer ends (``on_done`` first); from now
+        the request is sent."""
+        if self._queue is None:
+            return on_done
+        self.sent()
+
+        def both(status: int, tail: bytes) -> None:
+            if on_done is not None:
+                on_done(status, tail)
+            self.done(status, tail)
+
+        return both
+
+    def ended(self, response: Response) -> Response:
+        """The forwarding's response; one that is no replica's answer (a 502, a 499) ends here,
+        a relayed one when its last byte is sent (``forwarding``)."""
+        if not isinstance(response, RelayResponse):
+            self.done(response.status_code, b"")
+        return response
+
+
+async def queued_turn(queue: FairQueue | None, request: Request, endpoint: str,
+                      body: dict[str, Any], prompt_tokens: int, body_bytes: int,
+                      room: Callable[[], int | None]) -> Turn | Response:
+    """A generation request's turn through ``queue`` (None: at once): charged its tokens as the
+    rate limits reserve them, to its tenant (without tenants every request is one tenant's), in
+    the band of its tenant's priority and its own ``priority`` field (fair_share.band)."""
+    if queue is None:
+        return Turn(None)
+    tenant = request.scope.get(SCOPE_KEY)
+    name, weight, default = ((tenant.name, tenant.weight, tenant.priority)
+                             if isinstance(tenant, Tenant) else ("", 1.0, 0))
+    cost = rules.request_tokens(endpoint, body, prompt_tokens, body_bytes)
+    return await queue.enter(name, fair_share.band(default, body.get("priority")), weight, cost,
+                             room, disconnect_of(request.receive))
+
+
+class FairQueue:
+    def __init__(self, max_wait_s: float, max_waiting: int = MAX_WAITING) -> None:
+        self.max_wait_s = max_wait_s
+        self.max_waiting = max_waiting
+        self.counters: dict[str, float] = {}
+        self.last_served = 0.0  # the counter of the last tenant let through
+        self._last_tenant: str | None = None
+        self.queues: dict[str, deque[_Waiter]] = {}
+        self.waiting = 0
+        # Let through and not forwarded yet (no replica's count has them): key -> when let
+        # through. One never forwarded (its handler failed) stops counting after UNSENT_TTL_S.
+        self.unsent: dict[int, float] = {}
+        self._keys = 0
+        # While requests wait, dispatch runs every TICK_S too: the heartbeats may show room that
+        # another router's requests, or the replicas' own steps, left.
+        self._tick: asyncio.TimerHandle | None = None
+
+    def charge(self, tenant: str, tokens: int, weight: float) -> None:
+        self.counters[tenant] = fair_share.charged(self.counters.get(tenant, 0.0), tokens, weight)
+        if tenant == self._last_tenant:  # a correction of the last served moves the floor too
+            self.last_served = self.counters[tenant]
+
+    def _let_through(self, tenant: str, weight: float, cost: int) -> int:
+        """Charge it and count it unsent; its key."""
+        self._last_tenant = tenant
+        self.charge(tenant, cost, weight)
+        self._keys += 1
+        self.unsent[self._keys] = time.monotonic()
+        return self._keys
+
+    def _has_room(self, room: Callable[[], int | None]) -> bool:
+        free = room()
+        if free is None:
+            return True
+        cutoff = time.monotonic() - UNSENT_TTL_S
+        for key in [k for k, at in self.unsent.items() if at < cutoff]:
+            del self.unsent[key]
+        return free - len(self.unsent) > 0
+
+    async def enter(self, tenant: str, band: int, weight: float, cost: int,
+                    room: Callable[[], int | None],
+                    client_left: Callable[[], Awaitable[None]] | None = None) -> Turn | Response:
+        """The request's turn, at once when nobody waits and there is room, else when
+        ``dispatch`` releases it; or the 503 (it waited --max-queue-wait, or the queue is full),
+        or the 499 (its client left while it waited). ``room``: the free slots on the replicas
+        that could take it (saturation.free_slots); ``cost``: its tokens as reserved."""
+        if tenant not in self.queues:
+            waiting = [self.counters.get(t, 0.0) for t in self.queues]
+            self.counters[tenant] = fair_share.lifted(self.counters.get(tenant, 0.0), waiting,
+                                                      self.last_served)
+        if not self.queues and self._has_room(room):
+            return Turn(self, self._let_through(tenant, weight, cost), tenant, weight, cost)
+        if self.waiting >= self.max_waiting:
+            return self._refusal(f"{self.waiting} requests wait in the router's queue, its limit")
+        self._keys += 1
+        waiter = _Waiter(tenant, band, self._keys, weight, cost, room)
+        self.queues.setdefault(tenant, deque()).append(waiter)
+        self.waiting += 1
+        self.dispatch()  # its own model's replicas may have room though others' have none
+        watch = asyncio.ensure_future(client_left()) if client_left is not None else None
+        try:
+            waits: set[asyncio.Future[Any]] = {waiter.released}
+            if watch is not None:
+                waits.add(watch)
+            await asyncio.wait(waits, timeout=self.max_wait_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+            if not waiter.released.done():
+                self._remove(waiter)
+        if waiter.released.done():
+            return Turn(self, waiter.released.result(), tenant, weight, cost)
+        if watch is not None and watch.done() and not watch.cancelled():
+            return Response(status_code=CLIENT_GONE)
+        return self._refusal(f"the replicas had no room for {self.max_wait_s:g} s "
+                             "(--max-queue-wait)")
+
+    def _remove(self, waiter: _Waiter) -> None:
+        queue = self.queues[waiter.tenant]
+        queue.remove(waiter)
+        self.waiting -= 1
+        if not queue:
+            del self.queues[waiter.tenant]
+
+    def dispatch(self) -> None:
+        """Release waiting requests while their replicas have room: the most urgent band first,
+        then the smallest counter (fair_share.dispatch_order); a tenant whose oldest request's
+        replicas are full is passed over for the next. Each is charged as it is released, so
+        the next choice of the same pass sees it."""
+        while self.queues:
+            heads = {t: (q[0].band, q[0].arrival) for t, q in self.queues.items()}
+            for tenant in fair_share.dispatch_order(heads, self.counters):
+                waiter = self.queues[tenant][0]
+                if self._has_room(waiter.room):
+                    self._remove(waiter)
+                    waiter.released.set_result(self._let_through(tenant, waiter.weight, waiter.cost))
+                    break
+            else:
+                break
+        if self.queues and self._tick is None:
+            self._tick = asyncio.get_running_loop().call_later(TICK_S, self._ticked)
+        floor = min([self.counters.get(t, 0.0) for t in self.queues] + [self.last_served])
+        self.counters = fair_share.pruned(self.counters, self.queues, floor)
+
+    def _ticked(self) -> None:
+        self._tick = None
+        self.dispatch()
+
+    @staticmethod
+    def _refusal(why: str) -> Response:
+        refused = openai_error(503, f"{why}; retry shortly", "service_unavailable", "overloaded")
+        refused.headers["retry-after"] = str(RETRY_AFTER_S)
+        return refused

@@ -1,0 +1,293 @@
+"""Fair share between tenants waiting in the router (docs/router.md, "Fair share when the fleet is
+saturated"): the pure decisions (router/fair_share.py, router/saturation.py) and the queue that
+holds their state (router/fair_queue.py), driven on an event loop without a server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from starlette.responses import Response
+
+from kvscale.kv_index_schema import Heartbeat
+from kvscale.processes import free_port
+from kvscale.router import fair_share
+from kvscale.router.app import build_app
+from kvscale.router.cli_router import add_arguments, config_from_args
+from kvscale.router.config import RouterConfig
+from kvscale.router.fair_queue import FairQueue, Turn
+from kvscale.router.saturation import KV_FULL, ReplicaLoad, free_slots, room
+
+MODEL = "fake"
+
+
+def test_a_request_may_lower_its_urgency_never_raise_it_above_its_tenants() -> None:
+    assert fair_share.band(0, None) == 0
+    assert fair_share.band(0, 5) == 5  # less urgent: taken
+    assert fair_share.band(5, 0) == 5  # more urgent than its tenant's: not taken
+    assert fair_share.band(-3, -1) == -1
+    for bad in (True, "1", 1.5, 2**31 + 1, -(2**31) - 1):
+        assert fair_share.band(2, bad) == 2
+
+
+def test_the_most_urgent_band_goes_first_then_the_smallest_counter_then_the_oldest() -> None:
+    heads = {"a": (0, 5), "b": (0, 3), "c": (1, 1), "d": (0, 9)}
+    counters = {"a": 10.0, "b": 10.0, "c": 0.0, "d": 2.0}
+    assert fair_share.dispatch_order(heads, counters) == ["d", "b", "a", "c"]
+    assert fair_share.dispatch_order({"x": (0, 2), "y": (0, 1)}, {}) == ["y", "x"]
+
+
+def test_a_tenant_that_starts_waiting_is_lifted_to_the_others_and_banks_no_credit() -> None:
+    assert fair_share.lifted(0.0, [500.0, 300.0], last_served=900.0) == 300.0
+    assert fair_share.lifted(400.0, [500.0, 300.0], last_served=900.0) == 400.0
+    assert fair_share.lifted(0.0, [], last_served=900.0) == 900.0
+    assert fair_share.charged(100.0, 50, weight=2.0) == 125.0
+    assert fair_share.pruned({"a": 1.0, "b": 5.0, "c": 9.0}, ["a"], floor=5.0) == {"a": 1.0, "c": 9.0}
+
+
+def serve(weights: dict[str, float], costs: dict[str, list[int]], rounds: int,
+          start: dict[str, float] | None = None) -> tuple[dict[str, int], list[int]]:
+    """Always backlogged tenants served one request at a time by dispatch_order: the tokens each
+    was served, and the gap between the first two (in tokens / weight) after every request."""
+    counters = dict(start or {})
+    served = {t: 0 for t in weights}
+    turns = {t: 0 for t in weights}
+    gaps: list[int] = []
+    names = list(weights)
+    for _ in range(rounds):
+        heads = {t: (0, turns[t]) for t in weights}
+        tenant = fair_share.dispatch_order(heads, counters)[0]
+        cost = costs[tenant][turns[tenant] % len(costs[tenant])]
+        counters[tenant] = fair_share.charged(counters.get(tenant, 0.0), cost, weights[tenant])
+        served[tenant] += cost
+        turns[tenant] += 1
+        a, b = names[0], names[1]
+        gaps.append(abs(served[a] / weights[a] - served[b] / weights[b]))
+    return served, gaps
+
+
+def test_two_backlogged_tenants_of_equal_weight_stay_within_one_request_of_each_other() -> None:
+    rng = random.Random(7)
+    big, small = [rng.randint(1, 4096) for _ in range(50)], [rng.randint(1, 64) for _ in range(50)]
+    served, gaps = serve({"heavy": 1.0, "light": 1.0}, {"heavy": big, "light": small}, 3000)
+    # VTC's bound: the service gap never passes the largest single request's tokens.
+    assert max(gaps) <= max(big + small)
+    assert abs(served["heavy"] - served["light"]) <= max(big)
+
+
+def test_weights_share_the_tokens_in_their_ratio() -> None:
+    served, _ = serve({"gold": 3.0, "bronze": 1.0}, {"gold": [100], "bronze": [100]}, 4000)
+    assert served["gold"] / served["bronze"] == pytest.approx(3.0, rel=0.01)
+
+
+def test_free_slots_come_from_the_replicas_own_load_and_unknown_load_never_holds() -> None:
+    assert room(ReplicaLoad(8, 3)) == 5
+    assert room(ReplicaLoad(8, 12)) == 0
+    assert room(ReplicaLoad(8, 3, kv_usage=KV_FULL)) == 0  # blocks held: it would wait for them
+    assert room(ReplicaLoad(8, 0, kv_usage=1.0)) == 8  # an idle replica's cached blocks free up
+    assert free_slots([ReplicaLoad(8, 3), ReplicaLoad(4, 4)]) == 5
+    assert free_slots([ReplicaLoad(8, 3), None]) is None
+    assert free_slots([ReplicaLoad(0, 3)]) is None  # a heartbeat without max_num_seqs
+
+
+def test_kvscale_router_takes_max_queue_wait_with_redis_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSCALE_REDIS_URL", raising=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def config(*argv: str) -> RouterConfig:
+        return config_from_args(parser.parse_args(["--replicas", "http://127.0.0.1:1", *argv]))
+
+    assert config().max_queue_wait_s is None  # off by default: every request sent at once
+    assert config("--max-queue-wait", "30", "--redis", "redis://127.0.0.1:1").max_queue_wait_s == 30
+    with pytest.raises(SystemExit, match="needs --redis"):
+        config("--max-queue-wait", "30")
+    with pytest.raises(SystemExit, match="must be positive"):
+        config("--max-queue-wait", "0", "--redis", "redis://127.0.0.1:1")
+
+
+def status_of(result: Turn | Response) -> int:
+    return result.status_code if isinstance(result, Response) else 200
+
+
+def test_the_queue_lets_requests_through_while_there_is_room_and_counts_the_unsent() -> None:
+    async def run() -> None:
+        queue = FairQueue(max_wait_s=5)
+        free = [2]
+        first = await queue.enter("a", 0, 1.0, 10, lambda: free[0])
+        second = await queue.enter("a", 0, 1.0, 10, lambda: free[0])
+        assert isinstance(first, Turn) and isinstance(second, Turn)
+        # Two let through, neither in a replica's count yet: a third waits.
+        third = asyncio.ensure_future(queue.enter("a", 0, 1.0, 10, lambda: free[0]))
+        await asyncio.sleep(0)
+        assert queue.waiting == 1
+        # Sent: the replicas' counts have them from now, and they fill the room.
+        first.forwarding(None)
+        second.forwarding(None)
+        free[0] = 0
+        queue.dispatch()
+        assert queue.waiting == 1
+        free[0] = 1  # the first one's answer ends: its slot goes to the one waiting
+        first.done(200, b"")
+        assert status_of(await third) == 200
+        assert queue.last_served == 30.0  # three requests of 10 tokens, the reservation kept
+
+    asyncio.run(run())
+
+
+def test_a_light_tenant_overtakes_a_heavy_ones_backlog_and_a_band_overtakes_both() -> None:
+    async def run() -> list[str]:
+        queue = FairQueue(max_wait_s=5)
+        free = [0]
+        order: list[str] = []
+
+        async def ask(tenant: str, band: int, cost: int) -> None:
+            turn = await queue.enter(tenant, band, 1.0, cost, lambda: free[0])
+            assert isinstance(turn, Turn)
+            order.append(tenant)
+            turn.forwarding(None)
+
+        waiting = [asyncio.ensure_future(ask("heavy", 0, 1000)) for _ in range(5)]
+        await asyncio.sleep(0)
+        waiting += [asyncio.ensure_future(ask("light", 0, 10)) for _ in range(2)]
+        waiting.append(asyncio.ensure_future(ask("urgent", -1, 10_000)))
+        await asyncio.sleep(0)
+        for served in range(1, len(waiting) + 1):  # one slot frees once the last one was sent
+            free[0] = 1
+            queue.dispatch()
+            free[0] = 0
+            while len(order) < served:
+                await asyncio.sleep(0)
+        await asyncio.gather(*waiting)
+        return order
+
+    order = asyncio.run(run())
+    assert order[0] == "urgent"
+    # heavy is charged 1000 a request, light 10: light's two go as soon as heavy leads.
+    assert order[1:] == ["heavy", "light", "light", "heavy", "heavy", "heavy", "heavy"]
+
+
+def test_a_request_waits_at_most_max_queue_wait_and_the_queue_is_bounded() -> None:
+    async def run() -> tuple[Response, Response, FairQueue]:
+        queue = FairQueue(max_wait_s=0.05, max_waiting=1)
+        waited = asyncio.ensure_future(queue.enter("a", 0, 1.0, 1, lambda: 0))
+        await asyncio.sleep(0)
+        full = await queue.enter("b", 0, 1.0, 1, lambda: 0)
+        timed_out = await waited
+        assert isinstance(full, Response) and isinstance(timed_out, Response)
+        return full, timed_out, queue
+
+    full, timed_out, queue = asyncio.run(run())
+    for refused in (full, timed_out):
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert json.loads(bytes(refused.body))["error"]["code"] == "overloaded"
+    assert queue.waiting == 0 and not queue.queues
+
+
+def test_a_client_that_leaves_while_waiting_is_499_and_leaves_the_queue() -> None:
+    async def run() -> tuple[Turn | Response, FairQueue]:
+        queue = FairQueue(max_wait_s=5)
+        left = asyncio.Event()
+        waited = asyncio.ensure_future(queue.enter("a", 0, 1.0, 1, lambda: 0, left.wait))
+        await asyncio.sleep(0)
+        left.set()
+        return await waited, queue
+
+    result, queue = asyncio.run(run())
+    assert status_of(result) == 499 and queue.waiting == 0
+
+
+def test_the_counter_is_corrected_by_the_usage_the_answer_reports() -> None:
+    async def run() -> FairQueue:
+        queue = FairQueue(max_wait_s=5)
+        turn = await queue.enter("a", 0, 2.0, 100, lambda: None)
+        assert isinstance(turn, Turn)
+        turn.forwarding(None)
+        tail = b'"usage": {"prompt_tokens": 30, "completion_tokens": 10, "total_tokens": 40}}'
+        turn.done(200, tail)
+        turn.done(200, tail)  # told once only
+        return queue
+
+    queue = asyncio.run(run())
+    # 40 tokens served at weight 2: what a tenant arriving next is lifted to.
+    assert queue.last_served == 20.0 and not queue.unsent
+
+
+class Replica(BaseHTTPRequestHandler):
+    """A replica on loopback: /v1/models names MODEL, every generation is answered at once."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self._answer({"object": "list", "data": [{"id": MODEL}]})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["content-length"]))
+        self._answer({"id": "c", "object": "text_completion", "model": MODEL,
+                      "choices": [{"index": 0, "text": "x"}],
+                      "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    def _answer(self, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_the_router_holds_a_request_while_its_replica_is_full_and_sends_it_when_room_frees() -> None:
+    """The wiring: the router's app with --max-queue-wait, its replica's heartbeat (as the Redis
+    feed would hold it) saying the batch is full, then that a slot is free."""
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Replica)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def run() -> tuple[int, int, float, int]:
+        app = build_app(RouterConfig(replicas=[url], policy="round-robin", models=[],
+                                     health_interval_s=0.05, max_queue_wait_s=0.6))
+        router = app.state.router
+        await router.start()
+        try:
+            while not any(r.healthy for r in router.replicas.replicas.values()):
+                await asyncio.sleep(0.02)
+            rid = next(iter(router.replicas.replicas.values())).replica_id
+
+            def beat(running: int) -> Heartbeat:
+                return Heartbeat(rid, MODEL, url, 16, running, 0, 1, 100, time.time(),
+                                 max_num_seqs=1)
+
+            feed = SimpleNamespace(heartbeats={rid: beat(1)}, healthy=True,
+                                   healthy_since=time.monotonic())
+            router.heartbeats.feed = feed
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r")
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+            async with client:
+                refused = await client.post("/v1/completions", json=body)  # full all along
+                waiting = asyncio.ensure_future(client.post("/v1/completions", json=body))
+                await asyncio.sleep(0.2)
+                assert not waiting.done() and router.queue.waiting == 1
+                feed.heartbeats[rid] = beat(0)  # a slot freed: the next tick sends it
+                started = time.monotonic()
+                answered = await waiting
+            return (refused.status_code, answered.status_code, time.monotonic() - started,
+                    int(refused.headers["retry-after"]))
+        finally:
+            router.heartbeats.feed = None  # not a RedisFeed: nothing to stop
+            await router.stop()
+            server.shutdown()
+
+    refused, answered, released_after_s, retry_after = asyncio.run(run())
+    assert (refused, retry_after) == (503, 1)
+    assert answered == 200 and released_after_s < 0.5
