@@ -48,7 +48,7 @@ class Tenant:
     key_sha256: bytes = b""
     requests_per_minute: int | None = None  # None: no limit
     tokens_per_minute: int | None = None
-    # Validated and kept; nothing routes or schedules by them (docs/router.md, "Tenants").
+    # The order of requests waiting in the router under --max-queue-wait (router/fair_share.py).
     weight: float = 1.0
     priority: int = 0
 
