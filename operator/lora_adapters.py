@@ -82,7 +82,8 @@ def adapter_files(spec: InferenceServiceSpec, files: ModelFiles) -> ModelFiles:
             mounts.append({"name": name, "mountPath": f"{MODEL_VOLUME_PATH}/pvc/{claim}",
                            "readOnly": True})
         else:
-            inits.append(hf_fetch_container(f"fetch-adapter-{len(inits)}", spec.image,
+            fetch = f"fetch-adapter-{len(inits) - len(files.init_containers)}"
+            inits.append(hf_fetch_container(fetch, spec.image,
                                             hf_download(adapter.location, adapter_path(adapter))))
     return ModelFiles(files.path, volumes, mounts, inits)
 

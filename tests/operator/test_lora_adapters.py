@@ -77,9 +77,9 @@ def test_the_adapters_files_come_as_the_models_do():
     assert fetch["name"] == "fetch-adapter-0"
     assert fetch["command"] == ["hf", "download", "org/chat-lora", "--local-dir", "/models/adapters/chat.v2"]
     assert {"name": "HF_HUB_OFFLINE", "value": "0"} in fetch["env"]
-    # With an hf:// model too, its fetch comes first and the adapter's is numbered after it.
+    # With an hf:// model too, its fetch comes first.
     names = [c["name"] for c in pod({**SPEC, "model": {"uri": "hf://org/llama"}})["initContainers"]]
-    assert names == ["fetch-model", "fetch-adapter-1"]
+    assert names == ["fetch-model", "fetch-adapter-0"]
 
 
 @pytest.mark.parametrize("adapters, match", [
