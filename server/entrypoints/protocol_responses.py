@@ -24,6 +24,9 @@ from kvscale.server.entrypoints.protocol import MAX_LOGPROBS, OpenAIModel, Reque
 MAX_METADATA_KEYS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+# The one ``include`` value this server honours: the output text's logprobs.
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+MAX_INCLUDE = 32  # OpenAI defines eight values; more is not a request any client sends
 
 
 class TextFormat(OpenAIModel):
@@ -73,14 +76,15 @@ class ResponsesRequest(RequestBody):
     service_tier: str | None = None
     # vLLM's: carried to the chat request, checked there (request_priority.py).
     priority: StrictInt | None = None
+    # OUTPUT_LOGPROBS or nothing (responses_input.check_refused); top_logprobs needs it.
+    include: Annotated[list[Annotated[str, Field(max_length=128)]], Field(max_length=MAX_INCLUDE)] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Refused when set (responses_input.REFUSED says why).
     background: bool | None = None
-    include: list[str] | None = None
     reasoning: dict[str, Any] | None = None
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: int | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     context_management: Any = None
     background_options: Any = None
     moderation: Any = None

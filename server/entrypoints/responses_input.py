@@ -19,6 +19,7 @@ from kvscale import request_limits
 from kvscale import responses_messages as conversion
 from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.protocol_responses import (
+    OUTPUT_LOGPROBS,
     ContentPart,
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -43,14 +44,11 @@ def _reasoning_set(value: Any) -> bool:
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "background": (lambda v: v is True, "background responses are not supported: each response "
                    "is answered on its own request"),
-    "include": (lambda v: bool(v), "the server produces none of the extra output data include asks for"),
     "reasoning": (_reasoning_set, "the served model has no reasoning mode"),
     "conversation": (_set, "conversation objects are not supported; use previous_response_id"),
     "prompt": (_set, "stored prompt templates are not supported"),
     "max_tool_calls": (_set, "a cap on tool calls is not supported; use parallel_tool_calls: false "
                        "for one call"),
-    "top_logprobs": (lambda v: bool(v), "/v1/responses returns no output logprobs yet; use "
-                     "/v1/chat/completions"),
     "truncation": (lambda v: v == "auto", "the server never drops conversation items: a "
                    "conversation longer than the context is a 400"),
     "context_management": (_set, "context management (compaction) is not supported"),
@@ -63,10 +61,32 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    return OUTPUT_LOGPROBS in (body.include or ())
+
+
+def _check_include(body: ResponsesRequest) -> None:
+    """``include`` asks for extra output data: the output text's logprobs are the only data this
+    server has (no built-in tools, images or reasoning items to add)."""
+    unknown = sorted({value for value in body.include or () if value != OUTPUT_LOGPROBS})
+    if unknown:
+        names = ", ".join(repr(value[:64]) for value in unknown[:8])
+        raise bad_request(f"include cannot be honoured for {names}: the only extra output data this server "
+                          f"has is {OUTPUT_LOGPROBS!r}.", "include")
+    if body.top_logprobs and not wants_logprobs(body):
+        raise bad_request(f"top_logprobs needs include [{OUTPUT_LOGPROBS!r}]: without it no logprobs are "
+                          "returned.", "top_logprobs")
+    if wants_logprobs(body) and body.tools and body.tool_choice != "none":
+        # Calls are cut out of the generated tokens, so the text's tokens are not the answer's.
+        raise bad_request(f"include {OUTPUT_LOGPROBS!r} cannot be honoured with function tools that may be "
+                          'called; set tool_choice to "none" or leave the tools out.', "include")
+
+
 def check_refused(body: ResponsesRequest) -> None:
     for name, (is_set, why) in REFUSED.items():
         if is_set(getattr(body, name)):
             raise bad_request(f"{name} cannot be honoured by this server: {why}.", name)
+    _check_include(body)
     if body.stream_options is not None and body.stream_options.include_obfuscation:
         raise bad_request("stream_options.include_obfuscation cannot be honoured: this server does "
                           "not pad stream events.", "stream_options.include_obfuscation")
@@ -175,6 +195,8 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]],
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": chat_response_format(body),
         "priority": body.priority,
     }
+    if wants_logprobs(body):  # chat's logprobs, returned as the output_text part's
+        fields.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     try:
         chat = p.ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:

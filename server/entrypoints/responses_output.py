@@ -15,12 +15,27 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [text_part(text)] if text is not None else []
+def part_logprobs(chat_logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Chat's logprobs (a ``ChatLogprobs`` as JSON) as an ``output_text`` part carries them: the
+    same entries (``token``, ``logprob``, ``bytes``, ``top_logprobs``), listed flat."""
+    return list((chat_logprobs or {}).get("content") or [])
+
+
+def event_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A part's logprob entries as the text events carry them: OpenAI's delta and done events
+    have no ``bytes``."""
+    return [{"token": entry["token"], "logprob": entry["logprob"],
+             "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]} for top in entry["top_logprobs"]]}
+            for entry in entries]
+
+
+def message_item(item_id: str, text: str | None, status: str,
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    content = [text_part(text, logprobs)] if text is not None else []
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
@@ -29,11 +44,13 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
             "arguments": arguments, "status": status}
 
 
-def output_items(content: str | None, tool_calls: list[dict[str, Any]], incomplete: bool) -> list[dict[str, Any]]:
+def output_items(content: str | None, tool_calls: list[dict[str, Any]], incomplete: bool,
+                 logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """A whole answer's items: its text (also when empty and there is no call), then its calls."""
     items = []
     if content or not tool_calls:
-        items.append(message_item(new_id("msg"), content or "", "incomplete" if incomplete else "completed"))
+        items.append(message_item(new_id("msg"), content or "", "incomplete" if incomplete else "completed",
+                                  logprobs))
     for call in tool_calls:
         function = call["function"]
         items.append(function_call_item(new_id("fc"), call["id"], function["name"], function["arguments"],
@@ -58,7 +75,9 @@ def responses_usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
     details = chat_usage.get("prompt_tokens_details") or {}
     return {
         "input_tokens": chat_usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0)},
+        # The openai client's types require cache_write_tokens (input written to OpenAI's prompt cache
+        # with a retention); the prefix cache here keeps computed blocks on its own, written by no request.
+        "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0), "cache_write_tokens": 0},
         "output_tokens": chat_usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": chat_usage["total_tokens"],

@@ -24,9 +24,11 @@ from fastapi import Request
 from kvscale.server.engine.engine_front import EngineDeadError, RequestStream
 from kvscale.server.entrypoints.responses_output import (
     ResponseHead,
+    event_logprobs,
     function_call_item,
     message_item,
     new_id,
+    part_logprobs,
     responses_usage,
     text_part,
 )
@@ -60,8 +62,11 @@ class ResponseEvents:
     def on_choice(self, choice: dict[str, Any]) -> list[str]:
         out: list[str] = []
         delta = choice.get("delta") or {}
-        if delta.get("content"):
-            out += self._text(delta["content"])
+        # Logprobs of tokens that add no text (an end-of-sequence token) go in a delta with no text,
+        # so that the deltas' logprobs are the whole part's, as the non-streamed answer has them.
+        logprobs = part_logprobs(choice.get("logprobs"))
+        if delta.get("content") or logprobs:
+            out += self._text(delta.get("content") or "", logprobs)
         for call in delta.get("tool_calls") or ():
             out += self._call(call)
         if choice.get("finish_reason") is not None:
@@ -77,13 +82,14 @@ class ResponseEvents:
         return [added, self.event("response.content_part.added", item_id=item["id"],
                                   output_index=self.message_index, content_index=0, part=text_part(""))]
 
-    def _text(self, text: str) -> list[str]:
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[str]:
         out = self._open_message() if self.message_index is None else []
         assert self.message_index is not None
         item = self.items[self.message_index]
         item["content"][0]["text"] += text
+        item["content"][0]["logprobs"] += logprobs
         out.append(self.event("response.output_text.delta", item_id=item["id"], output_index=self.message_index,
-                              content_index=0, delta=text, logprobs=[]))
+                              content_index=0, delta=text, logprobs=event_logprobs(logprobs)))
         return out
 
     def _close_message(self, status: str) -> list[str]:
@@ -94,7 +100,7 @@ class ResponseEvents:
         part = item["content"][0]
         item["status"] = status
         return [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                           text=part["text"], logprobs=[]),
+                           text=part["text"], logprobs=event_logprobs(part["logprobs"])),
                 self.event("response.content_part.done", item_id=item["id"], output_index=index,
                            content_index=0, part=part),
                 self.event("response.output_item.done", output_index=index, item=item)]

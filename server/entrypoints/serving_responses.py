@@ -23,6 +23,7 @@ from kvscale.server.entrypoints.responses_output import (
     ResponseHead,
     assistant_turn,
     output_items,
+    part_logprobs,
     responses_usage,
 )
 from kvscale.server.entrypoints.responses_store import (
@@ -110,8 +111,9 @@ async def _create_response(server: OpenAIServer, store: ResponseStore, body: Res
     answer = await create_chat_completion(server, chat, request)
     choice = answer.choices[0]
     incomplete = choice.finish_reason == "length"
+    logprobs = part_logprobs(choice.logprobs.model_dump() if choice.logprobs is not None else None)
     items = output_items(choice.message.content, [call.model_dump() for call in choice.message.tool_calls],
-                         incomplete)
+                         incomplete, logprobs)
     usage = responses_usage(answer.usage.model_dump() if answer.usage is not None else {})
     response = head.body_of("incomplete" if incomplete else "completed", items, usage,
                             "max_output_tokens" if incomplete else None)

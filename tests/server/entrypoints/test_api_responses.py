@@ -10,6 +10,12 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types.responses import Response, ResponseTextDeltaEvent, ResponseTextDoneEvent
+from openai.types.responses.response_output_text import Logprob, LogprobTopLogprob
+
+from kvscale.server.entrypoints.protocol_responses import ResponsesRequest
+from kvscale.server.entrypoints.responses_output import ResponseHead
+from kvscale.server.entrypoints.responses_stream import ResponseEvents
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from api_helpers import ServeProcess, scrape  # noqa: E402
@@ -19,6 +25,7 @@ pytestmark = pytest.mark.slow
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
                           "required": ["city"], "additionalProperties": False}}
+LOGPROBS = "message.output_text.logprobs"
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +101,7 @@ def test_stream_events_in_openai_order(client) -> None:
     assert events[-4].text == text
     final = events[-1].response
     assert final.output_text == text and final.usage.output_tokens <= 4
+    assert final.output[0].content[0].logprobs == [] and events[-4].logprobs == []  # none asked for
     if last == "response.incomplete":
         assert final.status == "incomplete" and final.usage.output_tokens == 4
     else:
@@ -141,6 +149,54 @@ def test_a_streamed_function_call_and_its_output(client) -> None:
     assert client.responses.retrieve(call_turn.id).output[0].arguments == call.arguments
 
 
+def test_output_text_logprobs_streamed_and_not(client) -> None:
+    # Parsed with the official client's own types, validated (its stream parser only constructs).
+    fields = {"model": "smollm2", "input": "Say hello.", "max_output_tokens": 2, "temperature": 0,
+              "include": [LOGPROBS], "top_logprobs": 2}
+    answer = Response.model_validate(client.post("/responses", body=fields, cast_to=dict))
+    part = answer.output[0].content[0]
+    assert len(part.logprobs) == answer.usage.output_tokens
+    for entry in part.logprobs:
+        assert bytes(entry.bytes) == entry.token.encode() and entry.logprob <= 0
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token ranks first
+    assert "".join(entry.token for entry in part.logprobs).startswith(part.text)
+    assert client.responses.retrieve(answer.id).output[0].content[0].logprobs == part.logprobs
+
+    events = [event.to_dict() for event in client.responses.create(**fields, stream=True)]
+    deltas = [ResponseTextDeltaEvent.model_validate(e) for e in events if e["type"] == "response.output_text.delta"]
+    (done,) = [ResponseTextDoneEvent.model_validate(e) for e in events if e["type"] == "response.output_text.done"]
+    streamed = [(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top_logprobs])
+                for delta in deltas for lp in delta.logprobs]
+    expected = [(lp.token, pytest.approx(lp.logprob, abs=1e-4),
+                 [(t.token, pytest.approx(t.logprob, abs=1e-4)) for t in lp.top_logprobs]) for lp in part.logprobs]
+    assert streamed == expected and "".join(d.delta for d in deltas) == done.text == part.text
+    assert [(lp.token, lp.logprob) for lp in done.logprobs] == [(t, lp) for t, lp, _ in streamed]
+    final = Response.model_validate(events[-1]["response"])
+    assert final.output[0].content[0].logprobs == [
+        Logprob(token=t, logprob=lp, bytes=list(t.encode()), top_logprobs=[
+            LogprobTopLogprob(token=tt, logprob=tlp, bytes=list(tt.encode())) for tt, tlp in top])
+        for t, lp, top in streamed]
+
+
+def test_logprobs_of_tokens_adding_no_text_come_in_a_delta_without_text() -> None:
+    def entry(token: str) -> dict:
+        top = {"token": token, "logprob": -0.5, "bytes": list(token.encode())}
+        return {**top, "top_logprobs": [top]}
+
+    body = ResponsesRequest.model_validate({"input": "Hi", "include": [LOGPROBS]})
+    events = ResponseEvents(ResponseHead(body, "smollm2"))
+    lines = [*events.opening(),
+             *events.on_choice({"delta": {"content": "Hi"}, "logprobs": {"content": [entry("Hi")]}}),
+             *events.on_choice({"delta": {}, "logprobs": {"content": [entry("")]}, "finish_reason": "stop"})]
+    closing, response = events.closing({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
+    sent = [json.loads(line.split("data: ", 1)[1]) for line in [*lines, *closing]]
+    deltas = [ResponseTextDeltaEvent.model_validate(e) for e in sent if e["type"] == "response.output_text.delta"]
+    assert [(d.delta, [lp.token for lp in d.logprobs]) for d in deltas] == [("Hi", ["Hi"]), ("", [""])]
+    part = Response.model_validate(response).output[0].content[0]
+    assert part.text == "Hi" and [lp.token for lp in part.logprobs] == ["Hi", ""]
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
@@ -150,7 +206,10 @@ def test_a_streamed_function_call_and_its_output(client) -> None:
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without include, no logprobs would come back
+    ({"include": [LOGPROBS], "top_logprobs": 21}, "top_logprobs"),
+    ({"include": [LOGPROBS, "file_search_call.results"]}, "include"),
+    ({"include": [LOGPROBS], "tools": [WEATHER]}, "include"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input[0].content[0]"),
