@@ -54,7 +54,7 @@ class Router:
         self.config = config
         self.metrics = RouterMetrics(config.policy)
         self.tenancy = Tenancy(config.api_key, config.tenants, config.redis_url,
-                               config.redis_timeout_ms / 1000.0, self.metrics)
+                               config.redis_timeout_ms / 1000.0, self.metrics, config.scheduling_policy)
         in_process = config.redis_url is None
         # Without Redis the index is only the router's own decisions; keep them until capacity.
         self.index = PrefixIndex(prediction_ttl_s=(1e9 if in_process else 10.0))
@@ -271,7 +271,7 @@ class Router:
 
         by_id = {r.replica_id: r for r in candidates}
         return turn.ended(await self.forwarder.forward(Routed(
-            endpoint=endpoint, body=raw,
+            endpoint=endpoint, body=grant.body or raw,
             headers=replica_headers(request.headers, self.config.replica_api_key, grant.tenant),
             ranked=[by_id[rid] for rid in decision.ranked][: max(1, self.config.max_attempts)],
             hashes=prompt.hashes,

@@ -12,6 +12,7 @@ from kvscale.router.activation import DEFAULT_HOLD_QUEUE
 from kvscale.router.admission import DEFAULT_BODY_BUDGET_BYTES, DEFAULT_MAX_OPEN_REQUESTS
 from kvscale.router.chat_tokens import DEFAULT_MAX_TOKENS
 from kvscale.router.config import RouterConfig
+from kvscale.router.engine_priority import SCHEDULING_POLICIES
 from kvscale.router.policy import DEFAULT_POLICY, POLICIES, TTFT_EPSILON
 from kvscale.router.tenants import TenantFile, TenantFileError
 from kvscale.tokenization import TOOL_FORMATS
@@ -119,6 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "running and waiting sequences fill max_num_seqs, or their KV blocks are held), it waits "
              "in the router up to this long, leaving by the tenants' priority, then weighted fair "
              "share; then 503 with Retry-After (default: off, every request is sent at once). Needs --redis")
+    parser.add_argument(
+        "--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+        help="the replicas' --scheduling-policy: with priority, a tenant's priority goes to them as its "
+             "requests' priority field (a request's own may be less urgent, never more)")
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between replica health checks")
     parser.add_argument("--seed", type=int, default=None, help="seed for --policy random")
     parser.add_argument("--log-level", default="info")
@@ -191,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         hold_queue=args.hold_queue,
         scale_from_zero=args.scale_from_zero,
         max_queue_wait_s=args.max_queue_wait,
+        scheduling_policy=args.scheduling_policy,
         freeze_heap_after_start=True,
     )
 

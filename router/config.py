@@ -56,3 +56,6 @@ class RouterConfig:
     # Generation requests wait in the router while their replicas have no room, at most this
     # long, leaving by priority band, then weighted fair share (router/fair_queue.py; None: off).
     max_queue_wait_s: float | None = None
+    # The replicas' --scheduling-policy: under "priority" a tenant's priority is sent as each of
+    # its requests' priority field (router/engine_priority.py).
+    scheduling_policy: str = "fcfs"

@@ -11,7 +11,7 @@ with the usage its answer reports.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.requests import Request
@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvscale.router import rate_limits as rules
 from kvscale.router.auth import bearer_digest, check_api_key
+from kvscale.router.engine_priority import forwarded_priority, with_priority
 from kvscale.router.errors import openai_error
 from kvscale.router.metrics import RouterMetrics
 from kvscale.router.tenant_limiter import TenantLimiter
@@ -32,17 +33,23 @@ UNAUTHORIZED = ("invalid or missing API key", "authentication_error", "invalid_a
 @dataclass(frozen=True)
 class Grant:
     """A request let in: its tenant (None without --tenants), the rate-limit headers for the
-    client, and what to do with its answer's status and tail once it ends."""
+    client, what to do with its answer's status and tail once it ends, and the body to send
+    when not the client's (its tenant's priority set: router/engine_priority.py)."""
 
     tenant: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     on_done: Callable[[int, bytes], None] | None = None
+    body: bytes | None = None
 
 
 class Tenancy:
     def __init__(self, api_key: str | None, tenants: TenantFile | None, redis_url: str | None,
-                 redis_timeout_s: float, metrics: RouterMetrics) -> None:
+                 redis_timeout_s: float, metrics: RouterMetrics,
+                 scheduling_policy: str = "fcfs") -> None:
         self.api_key = api_key
+        # The replicas' --scheduling-policy: under priority, a tenant's priority goes with its
+        # requests (docs/router.md, "Priority on the replicas").
+        self.engine_priority = scheduling_policy == "priority"
         self.tenants = tenants
         self.redis_url = redis_url
         self.redis_timeout_s = redis_timeout_s
@@ -91,6 +98,9 @@ class Tenancy:
             return granted
         grant = await self._admit(tenant, endpoint, body, prompt_tokens, body_bytes)
         if isinstance(grant, Grant):
+            sent = forwarded_priority(tenant.priority, body) if self.engine_priority else None
+            if sent is not None:
+                grant = replace(grant, body=with_priority(body, sent))
             request.scope[GRANT_KEY] = grant
         return grant
 

@@ -113,6 +113,10 @@ def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image:
     tool_format = spec.engine.extra_flag("--tool-call-parser")
     if tool_format is not None:
         tokenizer_args = (*tokenizer_args, "--tool-call-parser", tool_format)
+    # Under the servers' priority policy the router sends each tenant's priority with its requests.
+    scheduling = spec.engine.extra_flag("--scheduling-policy")
+    if scheduling is not None:
+        tokenizer_args = (*tokenizer_args, "--scheduling-policy", scheduling)
     to_zero = spec.autoscaling.scales_to_zero
     tenants = router.tenants
     # With tenants, clients send their tenant's key (--tenants and --api-key are exclusive): the

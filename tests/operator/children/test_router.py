@@ -149,6 +149,20 @@ def test_the_router_renders_tools_in_the_servers_tool_call_format():
         assert (serve.tool_call_parser or "hermes") == config_from_args(routed).tool_call_parser == expected
 
 
+def test_the_router_is_told_the_servers_scheduling_policy():
+    """Under --scheduling-policy priority the router sends each tenant's priority to the servers;
+    under fcfs they would refuse it, so the router must know which they run."""
+    pod_values = {"POD_IP": "10.1.2.3", "POD_NAME": "chat-abc", "POD_NAMESPACE": "team"}
+    for extra, expected in (([], "fcfs"), (["--scheduling-policy", "priority"], "priority"),
+                            (["--scheduling-policy=fcfs"], "fcfs")):
+        spec = parse_spec({**BUNDLED, "engine": {"extraArgs": extra}})
+        server_pod = servers.build_deployment("chat", "team", spec)["spec"]["template"]["spec"]
+        router_pod = build_router_deployment(service_router("chat", "team", spec, "img"))["spec"]["template"]["spec"]
+        serve = build_parser("serve").parse_args(expand(server_pod["containers"][0]["args"], pod_values))
+        routed = build_parser("router").parse_args(expand(router_pod["containers"][0]["args"], pod_values))
+        assert (serve.scheduling_policy or "fcfs") == config_from_args(routed).scheduling_policy == expected
+
+
 def test_scale_to_zero_gives_the_router_a_hold_and_the_scale_of_its_own_service_alone():
     spec = parse_spec({**BUNDLED, "autoscaling": {"enabled": True, "minReplicas": 0,
                                                   "activationTimeoutSeconds": 90}})
