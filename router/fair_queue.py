@@ -244,10 +244,14 @@ class FairQueue:
                     break
             else:
                 break
-        if self.queues and self._tick is None:
-            self._tick = asyncio.get_running_loop().call_later(TICK_S, self._ticked)
         floor = min([self.counters.get(t, 0.0) for t in self.queues] + [self.last_served])
         self.counters = fair_share.pruned(self.counters, self.queues, floor)
+        if self.queues and self._tick is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # told by a response finalized off the loop: the next arrival
+                return  # or answer dispatches again
+            self._tick = loop.call_later(TICK_S, self._ticked)
 
     def _ticked(self) -> None:
         self._tick = None
