@@ -136,8 +136,11 @@ def test_a_conversation_stays_on_the_replica_holding_its_prefix(fleet) -> None:
                "that passed, their flags and the weather. Tonight three ships passed in fog. Name one.")
     holder, _, previous = _turn(client, False, input=opening)
     for turn, question in enumerate(["Name another.", "What flag did it fly?", "And the weather?"]):
-        replica, predicted, answer = _turn(client, turn % 2 == 0, input=question, previous_response_id=previous.id)
+        replica, predicted, answer = _turn(client, turn % 2 == 0, input=question, previous_response_id=previous.id,
+                                           include=["message.output_text.logprobs"], top_logprobs=1)
         assert answer.status in ("completed", "incomplete") and answer.output_text
+        logprobs = answer.output[0].content[0].logprobs  # passed through, streamed or not
+        assert len(logprobs) == answer.usage.output_tokens and len(logprobs[0].top_logprobs) == 1
         assert replica == holder
         # The previous turn's whole prompt, in full blocks, was predicted and found in the cache.
         held = previous.usage.input_tokens // BLOCK_SIZE * BLOCK_SIZE
