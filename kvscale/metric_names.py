@@ -247,13 +247,27 @@ ROUTER_ACTIVATIONS = Metric(
     "Requests to raise the service's replicas from zero, by result (scaled, already: the scale "
     "was above zero, error).", ("result",))
 
+# --max-queue-wait: generation requests waiting in the router for room on their replicas
+# (router/fair_queue.py); zero in a router without it.
+ROUTER_QUEUED_REQUESTS = Metric(
+    "kvscale_router_queued_requests", GAUGE,
+    "Generation requests waiting in the router for room on their replicas (--max-queue-wait).")
+ROUTER_QUEUE_WAITS = Metric(
+    "kvscale_router_queue_waits", COUNTER,
+    "Requests that waited in the router's queue, by how the wait ended: released to a replica, "
+    "timeout (503 after --max-queue-wait), full (503, the queue was full) or disconnected (the "
+    "client left).", ("outcome",))
+ROUTER_QUEUE_WAIT_SECONDS = Metric(
+    "kvscale_router_queue_wait_seconds", HISTOGRAM,
+    "Time a request waited in the router's queue before its wait ended.")
+
 ROUTER_METRICS = (
     ROUTER_REQUESTS, ROUTER_DECISION_SECONDS, ROUTER_PREDICTED_HIT_TOKENS,
     ROUTER_PREDICTED_HIT_TOKENS_PER_REQUEST, ROUTER_PROMPT_TOKENS, ROUTER_SPILLS, ROUTER_RETRIES,
     ROUTER_FALLBACKS, ROUTER_TOKENIZER_LOADED, ROUTER_REDIS_ERRORS, ROUTER_REDIS_UP, ROUTER_REPLICAS_HEALTHY,
     ROUTER_IN_FLIGHT, ROUTER_INDEX_BLOCKS,
     ROUTER_HELD_REQUESTS, ROUTER_HOLDS, ROUTER_HOLD_SECONDS, ROUTER_COLD_START_SECONDS,
-    ROUTER_ACTIVATIONS,
+    ROUTER_ACTIVATIONS, ROUTER_QUEUED_REQUESTS, ROUTER_QUEUE_WAITS, ROUTER_QUEUE_WAIT_SECONDS,
 )
 # Tenants (docs/router.md, "Tenants"): labelled by the names of --tenants FILE only, so they
 # have series only in a router given one; kept apart from ROUTER_METRICS, which every router
@@ -273,6 +287,7 @@ ROUTER_TENANT_LIMITS_UNCHECKED = Metric(
 ROUTER_TENANT_METRICS = (
     ROUTER_TENANT_REQUESTS, ROUTER_TENANT_RATE_LIMITED, ROUTER_TENANT_LIMITS_UNCHECKED)
 ROUTER_HOLD_OUTCOMES = ("released", "timeout", "full", "disconnected")
+ROUTER_QUEUE_OUTCOMES = ROUTER_HOLD_OUTCOMES
 ROUTER_ACTIVATION_RESULTS = ("scaled", "already", "error")
 # Label values created at zero on start, so rate() is defined before the first event of each.
 ROUTER_RETRY_REASONS = ("status_5xx", "timeout", "connection")

@@ -28,6 +28,7 @@ from kvscale.router.client_watch import CLIENT_GONE, disconnect_of
 from kvscale.router.errors import openai_error
 from kvscale.router.heartbeats import HeartbeatTable
 from kvscale.router.in_flight import InFlight
+from kvscale.router.metrics import RouterMetrics
 from kvscale.router.prefill_ledger import sequences_ahead
 from kvscale.router.relay import RelayResponse
 from kvscale.router.replicas import Replica
@@ -144,8 +145,10 @@ async def queued_turn(queue: FairQueue | None, request: Request, endpoint: str,
 
 
 class FairQueue:
-    def __init__(self, max_wait_s: float, max_waiting: int = MAX_WAITING) -> None:
+    def __init__(self, max_wait_s: float, metrics: RouterMetrics | None = None,
+                 max_waiting: int = MAX_WAITING) -> None:
         self.max_wait_s = max_wait_s
+        self.metrics = metrics
         self.max_waiting = max_waiting
         self.counters: dict[str, float] = {}
         self.last_served = 0.0  # the counter of the last tenant let through
@@ -196,11 +199,13 @@ class FairQueue:
         if not self.queues and self._has_room(room):
             return Turn(self, self._let_through(tenant, weight, cost), tenant, weight, cost)
         if self.waiting >= self.max_waiting:
+            self._waited("full", 0.0)
             return self._refusal(f"{self.waiting} requests wait in the router's queue, its limit")
         self._keys += 1
         waiter = _Waiter(tenant, band, self._keys, weight, cost, room)
         self.queues.setdefault(tenant, deque()).append(waiter)
-        self.waiting += 1
+        self._count(+1)
+        since = time.monotonic()
         self.dispatch()  # its own model's replicas may have room though others' have none
         watch = asyncio.ensure_future(client_left()) if client_left is not None else None
         try:
@@ -215,17 +220,21 @@ class FairQueue:
                     await watch
             if not waiter.released.done():
                 self._remove(waiter)
+        waited_s = time.monotonic() - since
         if waiter.released.done():
+            self._waited("released", waited_s)
             return Turn(self, waiter.released.result(), tenant, weight, cost)
         if watch is not None and watch.done() and not watch.cancelled():
+            self._waited("disconnected", waited_s)
             return Response(status_code=CLIENT_GONE)
+        self._waited("timeout", waited_s)
         return self._refusal(f"the replicas had no room for {self.max_wait_s:g} s "
                              "(--max-queue-wait)")
 
     def _remove(self, waiter: _Waiter) -> None:
         queue = self.queues[waiter.tenant]
         queue.remove(waiter)
-        self.waiting -= 1
+        self._count(-1)
         if not queue:
             del self.queues[waiter.tenant]
 
@@ -252,6 +261,17 @@ class FairQueue:
             except RuntimeError:  # told by a response finalized off the loop: the next arrival
                 return  # or answer dispatches again
             self._tick = loop.call_later(TICK_S, self._ticked)
+
+    def _count(self, change: int) -> None:
+        self.waiting += change
+        if self.metrics is not None:
+            self.metrics.queued.set(self.waiting)
+
+    def _waited(self, outcome: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_waits.labels(outcome).inc()
+            if outcome != "full":
+                self.metrics.queue_wait_seconds.observe(seconds)
 
     def _ticked(self) -> None:
         self._tick = None

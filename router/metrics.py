@@ -12,6 +12,8 @@ DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0
 HIT_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # Holds and cold starts: from a replica already coming up (sub-second) to a large model's load.
 HOLD_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+# Waits in the router's queue: a slot freeing within a batch's step up to --max-queue-wait.
+QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
 
 class RouterMetrics:
@@ -41,11 +43,16 @@ class RouterMetrics:
         self.hold_seconds: Histogram = register(names.ROUTER_HOLD_SECONDS, r, HOLD_BUCKETS)
         self.cold_start_seconds: Histogram = register(names.ROUTER_COLD_START_SECONDS, r, HOLD_BUCKETS)
         self.activations: Counter = register(names.ROUTER_ACTIVATIONS, r)
+        self.queued: Gauge = register(names.ROUTER_QUEUED_REQUESTS, r)
+        self.queue_waits: Counter = register(names.ROUTER_QUEUE_WAITS, r)
+        self.queue_wait_seconds: Histogram = register(names.ROUTER_QUEUE_WAIT_SECONDS, r, QUEUE_BUCKETS)
         self.tenant_requests: Counter = register(names.ROUTER_TENANT_REQUESTS, r)
         self.tenant_rate_limited: Counter = register(names.ROUTER_TENANT_RATE_LIMITED, r)
         self.tenant_limits_unchecked: Counter = register(names.ROUTER_TENANT_LIMITS_UNCHECKED, r)
         for outcome in names.ROUTER_HOLD_OUTCOMES:
             self.holds.labels(outcome)
+        for outcome in names.ROUTER_QUEUE_OUTCOMES:
+            self.queue_waits.labels(outcome)
         for result in names.ROUTER_ACTIVATION_RESULTS:
             self.activations.labels(result)
         # Zero-valued series from the start: rate() needs two samples, and a dashboard panel or an

@@ -24,6 +24,7 @@ from kvscale.router.app import build_app
 from kvscale.router.cli_router import add_arguments, config_from_args
 from kvscale.router.config import RouterConfig
 from kvscale.router.fair_queue import FairQueue, Turn
+from kvscale.router.metrics import RouterMetrics
 from kvscale.router.saturation import KV_FULL, ReplicaLoad, free_slots, room
 
 MODEL = "fake"
@@ -177,7 +178,7 @@ def test_a_light_tenant_overtakes_a_heavy_ones_backlog_and_a_band_overtakes_both
 
 def test_a_request_waits_at_most_max_queue_wait_and_the_queue_is_bounded() -> None:
     async def run() -> tuple[Response, Response, FairQueue]:
-        queue = FairQueue(max_wait_s=0.05, max_waiting=1)
+        queue = FairQueue(max_wait_s=0.05, metrics=RouterMetrics(), max_waiting=1)
         waited = asyncio.ensure_future(queue.enter("a", 0, 1.0, 1, lambda: 0))
         await asyncio.sleep(0)
         full = await queue.enter("b", 0, 1.0, 1, lambda: 0)
@@ -190,6 +191,12 @@ def test_a_request_waits_at_most_max_queue_wait_and_the_queue_is_bounded() -> No
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert json.loads(bytes(refused.body))["error"]["code"] == "overloaded"
     assert queue.waiting == 0 and not queue.queues
+    assert queue.metrics is not None
+    sample = queue.metrics.registry.get_sample_value
+    assert sample("kvscale_router_queue_waits_total", {"outcome": "full"}) == 1
+    assert sample("kvscale_router_queue_waits_total", {"outcome": "timeout"}) == 1
+    assert sample("kvscale_router_queue_wait_seconds_count") == 1  # the full one never waited
+    assert sample("kvscale_router_queued_requests") == 0
 
 
 def test_a_client_that_leaves_while_waiting_is_499_and_leaves_the_queue() -> None:
@@ -254,7 +261,7 @@ def test_the_router_holds_a_request_while_its_replica_is_full_and_sends_it_when_
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
 
-    async def run() -> tuple[int, int, float, int]:
+    async def run() -> tuple[int, int, float, int, dict[str, float | None]]:
         app = build_app(RouterConfig(replicas=[url], policy="round-robin", models=[],
                                      health_interval_s=0.05, max_queue_wait_s=0.6))
         router = app.state.router
@@ -281,13 +288,17 @@ def test_the_router_holds_a_request_while_its_replica_is_full_and_sends_it_when_
                 feed.heartbeats[rid] = beat(0)  # a slot freed: the next tick sends it
                 started = time.monotonic()
                 answered = await waiting
+            waits = {outcome: router.metrics.registry.get_sample_value(
+                "kvscale_router_queue_waits_total", {"outcome": outcome})
+                for outcome in ("timeout", "released")}
             return (refused.status_code, answered.status_code, time.monotonic() - started,
-                    int(refused.headers["retry-after"]))
+                    int(refused.headers["retry-after"]), waits)
         finally:
             router.heartbeats.feed = None  # not a RedisFeed: nothing to stop
             await router.stop()
             server.shutdown()
 
-    refused, answered, released_after_s, retry_after = asyncio.run(run())
+    refused, answered, released_after_s, retry_after, waits = asyncio.run(run())
     assert (refused, retry_after) == (503, 1)
+    assert waits == {"timeout": 1, "released": 1}
     assert answered == 200 and released_after_s < 0.5
