@@ -202,6 +202,8 @@ class RouterSpec:
     # --balance-epsilon, None: the router's own default. predicted-ttft: the relative prediction error a
     # prefix's holder may show before a request spills; prefix-affinity: the bounded-load slack.
     balance_epsilon: float | None = None
+    # --max-queue-wait: requests wait in the router while the servers have no room; None: off.
+    max_queue_wait_s: float | None = None
     resources: RouterResources = field(default_factory=RouterResources)
     redis: RedisSource = field(default_factory=RedisSource)
     tenants: tuple[TenantSpec, ...] = ()
@@ -334,11 +336,15 @@ def parse_router(router: dict[str, Any]) -> RouterSpec:
         raise ValueError(f"router.redis.url must start with redis:// or rediss://, got {url!r}")
     resources = router.get("resources") or {}
     epsilon = router.get("balanceEpsilon")
+    wait = router.get("maxQueueWaitSeconds")
+    if wait is not None and not 0 < float(wait) <= 3600:
+        raise ValueError(f"router.maxQueueWaitSeconds must be in (0, 3600], got {wait!r}")
     return RouterSpec(
         enabled=bool(router.get("enabled", defaults.enabled)),
         replicas=int(router.get("replicas", defaults.replicas)),
         policy=router.get("policy"),
         balance_epsilon=None if epsilon is None else float(epsilon),
+        max_queue_wait_s=None if wait is None else float(wait),
         resources=RouterResources(cpu=str(resources.get("cpu", resource_defaults.cpu)),
                                   memory=str(resources.get("memory", resource_defaults.memory))),
         redis=RedisSource(

@@ -71,6 +71,7 @@ class RouterPod:
     env: tuple[EnvVar, ...] = ()  # the index's URL and the API keys, after the pod's own
     policy: str | None = None  # None: the router's default
     balance_epsilon: float | None = None
+    max_queue_wait_s: float | None = None  # --max-queue-wait; None: off
     annotations: Mapping[str, str] = field(default_factory=dict)  # besides the scrape ones
     # The servers' model names and the tokenizer they use (where the pod finds it), so that
     # the router hashes prompts as they do; empty: the bundled model under its own name.
@@ -138,6 +139,7 @@ def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image:
         env=(*service_redis_env(name, namespace, spec), *keys),
         policy=router.policy,
         balance_epsilon=router.balance_epsilon,
+        max_queue_wait_s=router.max_queue_wait_s,
         tokenizer_args=tokenizer_args,
         model_files=files,
         hold_timeout_s=spec.autoscaling.activation_timeout_seconds if to_zero else None,
@@ -160,6 +162,8 @@ def router_args(pod: RouterPod) -> list[str]:
         args += ["--policy", pod.policy]
     if pod.balance_epsilon is not None:
         args += ["--balance-epsilon", str(pod.balance_epsilon)]
+    if pod.max_queue_wait_s is not None:
+        args += ["--max-queue-wait", str(pod.max_queue_wait_s)]
     if pod.hold_timeout_s is not None:
         args += ["--hold-timeout", str(pod.hold_timeout_s)]
     if pod.scale_from_zero is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from kvscale.cli import build_parser
 from kvscale.operator.children import owned, servers
 from kvscale.operator.children.router import build_router_deployment, service_router
@@ -161,6 +163,17 @@ def test_the_router_is_told_the_servers_scheduling_policy():
         serve = build_parser("serve").parse_args(expand(server_pod["containers"][0]["args"], pod_values))
         routed = build_parser("router").parse_args(expand(router_pod["containers"][0]["args"], pod_values))
         assert (serve.scheduling_policy or "fcfs") == config_from_args(routed).scheduling_policy == expected
+
+
+def test_max_queue_wait_reaches_the_router(monkeypatch):
+    monkeypatch.setenv("KVSCALE_REDIS_URL", "redis://chat-redis:6379/0")  # the pod's, from its env
+    for router, expected in (({}, None), ({"maxQueueWaitSeconds": 30}, 30.0)):
+        spec = parse_spec({**BUNDLED, "router": router})
+        args = build_router_deployment(service_router("chat", "team", spec, "img"))["spec"]["template"]["spec"]["containers"][0]["args"]
+        parsed = build_parser("router").parse_args(expand(args, {"POD_NAMESPACE": "team"}))
+        assert config_from_args(parsed).max_queue_wait_s == expected
+    with pytest.raises(ValueError, match="maxQueueWaitSeconds"):
+        parse_spec({**BUNDLED, "router": {"maxQueueWaitSeconds": 0}})
 
 
 def test_scale_to_zero_gives_the_router_a_hold_and_the_scale_of_its_own_service_alone():
