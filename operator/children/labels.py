@@ -19,6 +19,10 @@ REDIS_COMPONENT = "kv-index"
 # On the pods clients reach directly: the servers of an InferenceService without a router (its
 # Service selects them). The chart's NetworkPolicies admit every client to these alone.
 CLIENT_FACING_LABEL = "serving.kvscale.io/client-facing"
+# On the servers of an InferenceService with an InferencePool (spec.router.inferencePool): a
+# gateway connects to them directly, to the pod the endpoint picker names, and the chart's
+# NetworkPolicies admit the gateway to these servers alone (docs/gateway.md, "NetworkPolicies").
+INFERENCE_POOL_LABEL = "serving.kvscale.io/inference-pool"
 
 
 def part_labels(selector: dict[str, str], instance: str, component: str) -> dict[str, str]:

@@ -11,8 +11,10 @@ from dataclasses import replace
 from typing import Any
 
 from kvscale.k8s_labels import SERVERS_ENDPOINTS_LABEL, SERVERS_ENDPOINTS_VALUE
+from kvscale.operator.children.inference_pool import pool_wanted
 from kvscale.operator.children.labels import (
     CLIENT_FACING_LABEL,
+    INFERENCE_POOL_LABEL,
     child_labels,
     headless_service_name,
     router_selector,
@@ -222,6 +224,10 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> d
     # Without a router the servers are the InferenceService's OpenAI endpoint: say so where
     # NetworkPolicies can see it (on the pods, not the Deployment's immutable selector).
     pod_labels = labels if spec.router.enabled else {**labels, CLIENT_FACING_LABEL: "true"}
+    if pool_wanted(spec):
+        # A gateway reaches these servers directly; the label lets NetworkPolicies admit it here
+        # and not to every server of the namespace.
+        pod_labels = {**pod_labels, INFERENCE_POOL_LABEL: "true"}
     pod_spec: dict[str, Any] = {
         "securityContext": pod_security_context(),
         # The server needs no API access; the operator and the router have their own accounts.

@@ -1,7 +1,7 @@
 """The chart's NetworkPolicies against the labels of the pods they are about, for every
 combination of what an InferenceService exposes (router on or off, the operator's Redis or an
-external one) and of the namespace-wide router (on or off); and the routers' endpoint-picker port,
-open to the configured gateway only.
+external one) and of the namespace-wide router (on or off); and the routers' endpoint-picker port and
+the InferencePool's servers, open to the configured gateway only.
 
 The pods are those the operator's builders make (operator/children) and those the chart renders
 (the operator, the namespace-wide router, the `helm test` pod); the policies are
@@ -193,16 +193,19 @@ def test_policies_cover_the_namespaces_the_operator_serves(helm: Helm):
     assert {d["metadata"]["namespace"] for d in listed if d["kind"] == "NetworkPolicy"} == {"a"}
 
 
-def test_only_the_gateway_reaches_the_endpoint_picker(helm: Helm):
-    """spec.router.inferencePool's picker port (a named container port, whatever its number) admits
-    networkPolicies.gateway and nothing else, and the gateway nothing else; no router admits
-    anything on it while the chart's inferencePool.enabled is false or it serves no picker."""
+def test_only_the_gateway_reaches_the_endpoint_picker_and_the_pool_servers(helm: Helm):
+    """spec.router.inferencePool's picker port (a named container port, whatever its number) and
+    its servers' HTTP port (the gateway sends each request to the server the picker names) admit
+    networkPolicies.gateway, and the gateway nothing else: not other servers, not Redis. While the
+    chart's inferencePool.enabled is false neither admits it, and nothing else differs."""
     base = ["networkPolicies.enabled=true", f"networkPolicies.namespaces={{{SERVICES_NS}}}"]
     custom_port = EXT_PROC_PORT + 98
     picker = built_pods("chat", {"router": {"inferencePool": {"enabled": True}}})
     moved = built_pods("code", {"router": {"inferencePool": {"enabled": True, "extProcPort": custom_port}}})
     plain = built_pods("docs", {})
+    direct = built_pods("bare", {"router": {"enabled": False}})  # client-facing servers
     pickers = ((picker["router"], EXT_PROC_PORT), (moved["router"], custom_port))
+    pool_servers = (picker["servers"], moved["servers"])
     gateway_label = {"gateway.networking.k8s.io/gateway-name": "inference-gateway"}
     local_gateway = Pod("gateway", SERVICES_NS, gateway_label)
     other_gateway = Pod("envoy", GATEWAYS_NS, {"app": "envoy", **gateway_label})
@@ -211,6 +214,8 @@ def test_only_the_gateway_reaches_the_endpoint_picker(helm: Helm):
               picker["servers"], plain["router"]]
     deny = [{"metadata": {"name": "deny", "namespace": SERVICES_NS},
              "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}]
+    kvscale_pods = [*picker.values(), *moved.values(), *plain.values(), *direct.values()]
+    ports = (SERVER_PORT, ROUTER_PORT, REDIS_PORT, EXT_PROC_PORT, custom_port)
 
     def policies(*values: str) -> list[dict[str, Any]]:
         docs = helm.template(*base, *values, release=RELEASE, namespace=RELEASE_NS,
@@ -220,28 +225,53 @@ def test_only_the_gateway_reaches_the_endpoint_picker(helm: Helm):
     def reaches_a_picker(rendered: list[dict[str, Any]], source: Pod) -> bool:
         return any(admitted(rendered, source, router, port) for router, port in pickers)
 
+    def reaches_a_pool_server(rendered: list[dict[str, Any]], source: Pod) -> bool:
+        return any(admitted(rendered, source, servers, SERVER_PORT) for servers in pool_servers)
+
+    assert all(s.labels.get("serving.kvscale.io/inference-pool") == "true" for s in pool_servers)
+    for servers in (plain["servers"], direct["servers"]):
+        assert "serving.kvscale.io/inference-pool" not in servers.labels
+
     # Defaults: the Gateway API implementation's pods of the InferenceService's own namespace.
     rendered = policies()
     for router, port in pickers:
         assert admitted(rendered, local_gateway, router, port), router.name
         assert admitted(rendered, local_gateway, router, ROUTER_PORT)  # the OpenAI port, as for anyone
+    for servers in pool_servers:
+        assert admitted(rendered, local_gateway, servers, SERVER_PORT), servers.name
+        assert not admitted(rendered, local_gateway, servers, ROUTER_PORT)  # their HTTP port only
     assert not admitted(rendered, local_gateway, plain["router"], EXT_PROC_PORT)  # no picker, no port
-    for target, port in ((picker["servers"], SERVER_PORT), (picker["redis"], REDIS_PORT)):
-        assert not admitted(rendered, local_gateway, target, port), target.name  # nothing else
+    assert not admitted(rendered, local_gateway, plain["servers"], SERVER_PORT)  # no pool, no entry
+    for redis in (picker["redis"], moved["redis"], plain["redis"]):
+        assert not admitted(rendered, local_gateway, redis, REDIS_PORT), redis.name
     assert not reaches_a_picker(rendered, other_gateway)
+    assert not reaches_a_pool_server(rendered, other_gateway)
     for source in others:
         assert not reaches_a_picker(rendered, source), source.name
+
+    # The chart's pool off: closed to the gateway, and every other path as with it on.
+    closed = policies("inferencePool.enabled=false")
+    for source in (local_gateway, other_gateway, *others):
+        assert not reaches_a_picker(closed, source), source.name
+    assert not reaches_a_pool_server(closed, local_gateway)
+    opened = {(servers.name, SERVER_PORT) for servers in pool_servers} | {(r.name, p) for r, p in pickers}
+    for source in (local_gateway, other_gateway, *others, *kvscale_pods):
+        for target in kvscale_pods:
+            for port in ports:
+                if source is local_gateway and (target.name, port) in opened:
+                    continue
+                assert admitted(rendered, source, target, port) == admitted(closed, source, target, port), (
+                    source.name, target.name, port)
 
     # A gateway of another namespace, as the values name it; the local look-alike is then out.
     rendered = policies(f"networkPolicies.gateway.namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name={GATEWAYS_NS}",
                         "networkPolicies.gateway.podSelector.matchLabels.app=envoy")
     for router, port in pickers:
         assert admitted(rendered, other_gateway, router, port), router.name
+    for servers in pool_servers:
+        assert admitted(rendered, other_gateway, servers, SERVER_PORT), servers.name
+    assert not admitted(rendered, other_gateway, plain["servers"], SERVER_PORT)
     assert not reaches_a_picker(rendered, local_gateway)
+    assert not reaches_a_pool_server(rendered, local_gateway)
     for source in others:
-        assert not reaches_a_picker(rendered, source), source.name
-
-    # The chart's picker off: the port is closed to all.
-    rendered = policies("inferencePool.enabled=false")
-    for source in (local_gateway, other_gateway, *others):
         assert not reaches_a_picker(rendered, source), source.name

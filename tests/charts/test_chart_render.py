@@ -102,7 +102,8 @@ def test_network_policies_select_what_the_operator_creates(helm):
                 for d in docs if d["kind"] == "NetworkPolicy"}
     # Every kvscale pod's ingress said outright (test_chart_networkpolicies.py: who reaches whom).
     assert set(policies) == {(ns, f"kvscale-{part}") for ns in ("default", "kvscale-system")
-                             for part in ("redis", "servers", "client-facing-servers", "routers")
+                             for part in ("redis", "servers", "client-facing-servers", "pool-servers",
+                                          "routers")
                              } | {("kvscale-system", "kvscale-router")}
 
     def selects(selector: dict, labels: dict) -> bool:
