@@ -154,11 +154,11 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
         name, namespace = key.name, key.namespace
         set_deletion_costs(kube, pods, loads, indexed_blocks(reports) if reports else None)
         policy = spec.autoscaling
-        estimate = scaling.estimate_load(loads, policy)
+        demand = demand_from_reports(reports or [])
+        estimate = scaling.estimate_load(loads, policy, demand.queued)
         extra = load_status(estimate)
         live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         ready = sum(1 for p in live if scraping.is_ready(p))
-        demand = demand_from_reports(reports or [])
         if policy.scales_to_zero:
             fields, activated = activation_status(
                 current.get("status") or {}, ready, demand.held, conditions.now_rfc3339(),

@@ -24,6 +24,7 @@ from kvscale.operator.scraping import annotated_metrics_url, is_ready
 from kvscale.operator.spec import ROUTER_PORT
 
 PREFIX_ROUTING = "PrefixRouting"
+MAX_QUEUED = 100_000
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class RouterReport:
     missing: dict[str, str]  # served model name -> why its tokenizer did not load
     error: str = ""  # the pod could not be asked: its /health unreachable or not as expected
     held: int = 0  # requests it holds for a replica
+    queued: int = 0  # requests waiting in its queue for room on a server (--max-queue-wait)
     idle_seconds: float | None = None  # since a request was last open or held there; None: unsaid
     last_cold_start_s: float | None = None  # its last wait from a held request to a ready replica
     indexed: dict[str, float] = field(default_factory=dict)  # replica id -> blocks its index holds
@@ -44,12 +46,15 @@ def report_from_health(pod: str, body: Any) -> RouterReport:
                for t in body["tokenizers"] if isinstance(t, dict) and not t.get("loaded")}
     indexed = {str(r["id"]): float(r["index_blocks"]) for r in body.get("replicas") or []
                if isinstance(r, dict) and isinstance(r.get("index_blocks"), (int, float))}
+    said = body.get("queued")
+    # A router's queue holds at most a few thousand; a larger figure is no router's.
+    queued = min(said, MAX_QUEUED) if isinstance(said, int) and not isinstance(said, bool) and said > 0 else 0
     activation = body.get("activation")
     if not isinstance(activation, dict):
-        return RouterReport(pod, missing, indexed=indexed)
+        return RouterReport(pod, missing, queued=queued, indexed=indexed)
     idle = activation.get("idle_seconds")
     cold = activation.get("last_cold_start_seconds")
-    return RouterReport(pod, missing, held=int(activation.get("held") or 0),
+    return RouterReport(pod, missing, held=int(activation.get("held") or 0), queued=queued,
                         idle_seconds=float(idle) if isinstance(idle, (int, float)) else None,
                         last_cold_start_s=float(cold) if isinstance(cold, (int, float)) else None,
                         indexed=indexed)
@@ -71,7 +76,8 @@ def demand_from_reports(reports: list[RouterReport]) -> Demand:
     idle = [r.idle_seconds for r in reports]
     known = bool(reports) and all(i is not None and not r.error for i, r in zip(idle, reports, strict=True))
     return Demand(held=sum(r.held for r in reports),
-                  idle_seconds=min(i for i in idle if i is not None) if known else None)
+                  idle_seconds=min(i for i in idle if i is not None) if known else None,
+                  queued=sum(r.queued for r in reports))
 
 
 def health_url(pod: dict[str, Any], allow_override: bool) -> str | None:

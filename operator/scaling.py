@@ -10,7 +10,9 @@ Load is measured in replicas' worth of demand:
 
 where kv_usage is a pod's share of KV blocks held by live requests (`kvscale:kv_blocks_active /
 kvscale:kv_blocks_total`), running / max_num_seqs its share of batch slots in use
-(`vllm:num_requests_running / kvscale:max_num_seqs`) and waiting its `vllm:num_requests_waiting`.
+(`vllm:num_requests_running / kvscale:max_num_seqs`) and waiting its `vllm:num_requests_waiting`,
+plus the requests waiting in the routers' queues (`--max-queue-wait`), which the servers never
+see while they have no room.
 A replica is full when either runs out: on a GPU with a long context the KV pool usually goes
 first, on a CPU replica (a pool of thousands of blocks, a batch of 16) the batch slots do, and a
 KV-only signal then stays low while requests queue behind a full batch. Waiting requests hold no
@@ -104,6 +106,7 @@ class Demand:
 
     held: int = 0
     idle_seconds: float | None = None  # None: some router did not say (unknown: never idle)
+    queued: int = 0  # requests waiting in the routers' queues for room on a server
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,9 @@ def prefill_seconds(pods: list[PodLoad]) -> list[float]:
     return out
 
 
-def estimate_load(pods: list[PodLoad], policy: AutoscalingPolicy) -> LoadEstimate | None:
+def estimate_load(pods: list[PodLoad], policy: AutoscalingPolicy,
+                  queued: float = 0.0) -> LoadEstimate | None:
+    """``queued``: requests waiting in the routers, counted with the servers' waiting ones."""
     reported = [p for p in pods if p.has_metrics]
     if not reported:
         return None
@@ -174,7 +179,7 @@ def estimate_load(pods: list[PodLoad], policy: AutoscalingPolicy) -> LoadEstimat
     waiting_sum = sum(p.num_requests_waiting or 0.0 for p in reported)
     prefill_sum = sum(prefill_seconds(reported))
     scale = len(pods) / len(reported)  # missing pods carry the mean
-    occupancy_total, waiting_total = occupancy_sum * scale, waiting_sum * scale
+    occupancy_total, waiting_total = occupancy_sum * scale, waiting_sum * scale + queued
     prefill_total = prefill_sum * scale
     # Two measures of the replicas needed (module docstring); either suffices, so the larger.
     occupancy_load = (occupancy_total / policy.target_kv_usage
@@ -225,9 +230,9 @@ def decide(
 ) -> tuple[ScaleDecision, AutoscalerState]:
     """Replicas to run now; `current` is the replicas wanted so far (spec.replicas); `demand`
     what the routers say (it matters only with minReplicas 0)."""
-    if policy.min_replicas != 0:
-        return decide_by_load(now, pods, current, policy, state)
     demand = demand or Demand()
+    if policy.min_replicas != 0:
+        return decide_by_load(now, pods, current, policy, state, demand.queued)
     since = state.watching_since if state.watching_since is not None else now
     if current == 0:
         if demand.held > 0:
@@ -239,7 +244,7 @@ def decide(
                 AutoscalerState(watching_since=since))
     # The load rule keeps at least one replica; only idleness takes the last one away.
     decision, next_state = decide_by_load(
-        now, pods, current, replace(policy, min_replicas=1), state)
+        now, pods, current, replace(policy, min_replicas=1), state, demand.queued)
     if decision.replicas <= current and idle_for_zero(pods, policy, demand):
         return (ScaleDecision(0, "ScaleToZero",
                               f"no request open or held for {demand.idle_seconds:.0f} s "
@@ -266,10 +271,11 @@ def decide_by_load(
     current: int,
     policy: AutoscalingPolicy,
     state: AutoscalerState,
+    queued: float = 0.0,
 ) -> tuple[ScaleDecision, AutoscalerState]:
-    """The KV-occupancy rule alone (the module's docstring)."""
+    """The KV-occupancy rule alone (the module's docstring); ``queued``: the routers' waiting."""
     since = state.watching_since if state.watching_since is not None else now
-    estimate = estimate_load(pods, policy)
+    estimate = estimate_load(pods, policy, queued)
     if estimate is None:
         held = clamp(current, policy)
         why = "; ".join(f"{p.pod}: {p.error or 'no KV metrics'}" for p in pods) or "no ready pods"

@@ -51,7 +51,10 @@ async def health(router: Router, request: Request) -> Response:
     return JSONResponse(
         {"status": "ok" if ok else "no healthy replica", "policy": router.config.policy,
          "redis": redis_state, "tokenizers": tokenizers, "replicas": replicas,
-         "activation": router.activation_report()},
+         "activation": router.activation_report(),
+         # Requests waiting here for room (--max-queue-wait): the operator's autoscaler counts
+         # them with the servers' waiting ones.
+         "queued": router.queue.waiting if router.queue is not None else 0},
         status_code=200 if ok else 503,
     )
 

@@ -53,6 +53,18 @@ def test_demand_sums_held_and_is_as_idle_as_the_busiest_router() -> None:
     assert demand_from_reports([]) == Demand(held=0, idle_seconds=None)
 
 
+def test_demand_sums_the_requests_waiting_in_the_routers_queues() -> None:
+    from kvscale.operator.router_reports import MAX_QUEUED, demand_from_reports
+
+    a = report_from_health("r-1", {"tokenizers": [], "queued": 7})
+    b = report_from_health("r-2", {"tokenizers": [], "queued": 5,
+                                   "activation": {"enabled": False, "held": 0, "idle_seconds": 0.0}})
+    assert (a.queued, b.queued) == (7, 5) and demand_from_reports([a, b]).queued == 12
+    for bad in (-3, "7", True, 2.5, None):
+        assert report_from_health("r-3", {"tokenizers": [], "queued": bad}).queued == 0
+    assert report_from_health("r-4", {"tokenizers": [], "queued": 10**12}).queued == MAX_QUEUED
+
+
 def test_a_router_pods_health_is_read_at_its_ip_or_beside_an_honoured_metrics_url() -> None:
     pod = {"metadata": {"name": "r-1", "annotations": {
         "serving.kvscale.io/metrics-url": "http://127.0.0.1:9000/metrics"}},

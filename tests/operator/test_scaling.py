@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvscale.operator.scaling import AutoscalerState, PodLoad, decide, estimate_load
+from kvscale.operator.scaling import AutoscalerState, Demand, PodLoad, decide, estimate_load
 from kvscale.operator.spec import AutoscalingPolicy
 
 POLICY = AutoscalingPolicy(
@@ -55,6 +55,17 @@ def test_load_is_sum_of_usage_over_target_plus_queue():
     assert estimate is not None
     assert abs(estimate.load - ((0.7 + 0.35) / 0.7 + 8 / 8)) < 1e-9
     assert abs(estimate.kv_usage - 0.525) < 1e-9 and estimate.waiting == 8
+
+
+def test_requests_waiting_in_the_routers_count_as_waiting():
+    estimate = estimate_load(pods([0.7, 0.35], waiting=4), POLICY, queued=16)
+    assert estimate is not None and estimate.waiting == 24
+    assert abs(estimate.load - ((0.7 + 0.35) / 0.7 + 24 / 8)) < 1e-9
+    # The servers' batches full and nothing waiting there: the routers' queue alone asks for more.
+    full = pods([0.7, 0.7])
+    alone, _ = decide(0.0, full, 2, POLICY, AutoscalerState())
+    queued, _ = decide(0.0, full, 2, POLICY, AutoscalerState(), Demand(queued=16))
+    assert queued.replicas > alone.replicas
 
 
 def batch_pod(name: str, running: float, kv_usage: float = 0.1, max_num_seqs: float | None = 16.0,

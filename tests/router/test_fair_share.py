@@ -285,6 +285,8 @@ def test_the_router_holds_a_request_while_its_replica_is_full_and_sends_it_when_
                 waiting = asyncio.ensure_future(client.post("/v1/completions", json=body))
                 await asyncio.sleep(0.2)
                 assert not waiting.done() and router.queue.waiting == 1
+                # What the operator's autoscaler reads (counted with the servers' waiting).
+                assert (await client.get("/health")).json()["queued"] == 1
                 feed.heartbeats[rid] = beat(0)  # a slot freed: the next tick sends it
                 started = time.monotonic()
                 answered = await waiting
