@@ -177,6 +177,12 @@ KV_EVENTS_BATCHES_DROPPED = Metric(
 KV_EVENTS_DROPPED = Metric(
     "kvscale:kv_events_dropped", COUNTER,
     "KV events in the vLLM-format batches dropped on a full queue (--kv-events-config).", _M)
+# The Redis publisher of the routers' KV index (--redis, server/engine/kv_publisher.py): its queue
+# never blocks the engine, so a slow Redis drops events and a full snapshot follows; 0 without it.
+KV_INDEX_EVENTS_DROPPED = Metric(
+    "kvscale:kv_index_events_dropped", COUNTER,
+    "KV events (and blocks of snapshots) for the routers' Redis index (--redis) dropped on a full "
+    "queue; each drop is followed by a full resync.", _M)
 
 SERVER_METRICS = (
     NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE, PREFIX_CACHE_QUERIES,
@@ -189,7 +195,7 @@ SERVER_METRICS = (
     KV_OFFLOAD_BYTES, KV_OFFLOAD_TIME, EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS,
     CPU_CACHE_USAGE, KV_HOST_BLOCKS_TOTAL, KV_HOST_BLOCKS_CACHED, KV_BLOCKS_DEMOTED,
     KV_BLOCKS_PROMOTED, KV_PREEMPTIONS_SWAPPED, KV_RESTORE_SECONDS,
-    KV_EVENTS_BATCHES_DROPPED, KV_EVENTS_DROPPED,
+    KV_EVENTS_BATCHES_DROPPED, KV_EVENTS_DROPPED, KV_INDEX_EVENTS_DROPPED,
 )
 
 # --- kvscale router ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvscale.kv_index_schema import (
     BLOCKS_TTL_S,
@@ -42,7 +42,13 @@ from kvscale.kv_index_schema import (
 from kvscale.server.core.step_rates import StepRates
 from kvscale.server.outputs import AllBlocksCleared, BlockRemoved, BlockStored, EngineStats, KVEvent
 
+if TYPE_CHECKING:
+    import redis  # at run time, imported where it is used: on the background thread (``_run``)
+
 log = logging.getLogger("kvscale.kv_publisher")
+# The key of EngineStats.extra the drop counter travels under to the front end's /metrics
+# (server/entrypoints/metrics.py); absent (no --redis) reads as 0.
+STAT_EVENTS_DROPPED = "kv_index_events_dropped_total"
 
 
 @dataclass
@@ -107,7 +113,7 @@ class KVEventPublisher:
         self.rates = StepRates()
         self._connected = False
         self._heartbeat_script: Callable[..., Any] | None = None  # registered on first use
-        # Counters, read by /metrics and tests.
+        # Counters, read by tests; events_dropped also by heartbeats and /metrics (``on_step``).
         self.events_dropped = 0
         self.events_published = 0
         self.snapshots_published = 0
@@ -121,7 +127,13 @@ class KVEventPublisher:
         stats: EngineStats,
         snapshot: Callable[[], list[int]],
     ) -> None:
-        """Never blocks: O(len(events)) work and a non-blocking queue put."""
+        """Never blocks: O(len(events)) work and a non-blocking queue put. The step's ``stats``
+        carry the drop count on every step: /metrics reads the newest stats, and a counter
+        missing from them would read as a reset to 0."""
+        self._publish(events, stats, snapshot)
+        stats.extra[STAT_EVENTS_DROPPED] = float(self.events_dropped)
+
+    def _publish(self, events: list[KVEvent], stats: EngineStats, snapshot: Callable[[], list[int]]) -> None:
         self._observe_step(stats)
         self._latest_stats = stats
         self._latest_stats_time = time.time()
@@ -264,7 +276,7 @@ class KVEventPublisher:
                 self._stopping.set()
                 return
 
-    def _write(self, client, item: object) -> None:
+    def _write(self, client: redis.Redis, item: object) -> None:
         if isinstance(item, _Snapshot):
             self._write_snapshot(client, item)
             return
@@ -288,7 +300,7 @@ class KVEventPublisher:
             batches.append(nxt)
         self._flush_batches(client, batches)
 
-    def _flush_batches(self, client, batches: list[_Batch]) -> None:
+    def _flush_batches(self, client: redis.Redis, batches: list[_Batch]) -> None:
         events = [event for batch in batches for event in batch.events]
         pipe = client.pipeline(transaction=True)
         key = blocks_key(self.replica_id)
@@ -306,7 +318,7 @@ class KVEventPublisher:
         client.publish(EVENTS_CHANNEL, events_message(self.replica_id, seq, events))
         self.events_published += len(events)
 
-    def _write_snapshot(self, client, snapshot: _Snapshot) -> None:
+    def _write_snapshot(self, client: redis.Redis, snapshot: _Snapshot) -> None:
         key = blocks_key(self.replica_id)
         pipe = client.pipeline(transaction=True)
         pipe.delete(key)
@@ -350,7 +362,7 @@ class KVEventPublisher:
             max_loras=int(extra.get("max_loras", 0)),
         )
 
-    def _heartbeat(self, client) -> None:
+    def _heartbeat(self, client: redis.Redis) -> None:
         script = self._heartbeat_script
         if script is None:
             script = self._heartbeat_script = heartbeat_script(client)
@@ -364,7 +376,7 @@ class KVEventPublisher:
             self._resync_pending.set()
         self.heartbeats_published += 1
 
-    def _goodbye(self, client) -> None:
+    def _goodbye(self, client: redis.Redis) -> None:
         """Clean shutdown: routers drop this replica now instead of waiting for the TTL."""
         if not self._connected:
             return

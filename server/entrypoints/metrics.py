@@ -32,6 +32,7 @@ from kvscale.metric_registry import register
 from kvscale.server.core.kv_tier_policy import RESTORE_BUCKETS
 from kvscale.server.engine.engine_front import RequestStream
 from kvscale.server.engine.kv_events_vllm import STAT_BATCHES_DROPPED, STAT_EVENTS_DROPPED
+from kvscale.server.engine.kv_publisher import STAT_EVENTS_DROPPED as STAT_INDEX_EVENTS_DROPPED
 from kvscale.server.outputs import EngineStats, RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -87,6 +88,7 @@ class _EngineStatsCollector(Collector):
         yield family(names.STRUCTURED_FORCED_TOKENS, stats.extra.get("structured_forced_tokens_total", 0.0))
         yield family(names.KV_EVENTS_BATCHES_DROPPED, stats.extra.get(STAT_BATCHES_DROPPED, 0.0))
         yield family(names.KV_EVENTS_DROPPED, stats.extra.get(STAT_EVENTS_DROPPED, 0.0))
+        yield family(names.KV_INDEX_EVENTS_DROPPED, stats.extra.get(STAT_INDEX_EVENTS_DROPPED, 0.0))
         info = names.CACHE_CONFIG_INFO
         config = GaugeMetricFamily(info.name, info.help, labels=list(info.labels))
         prefix_caching = stats.extra.get("enable_prefix_caching", 1.0)
