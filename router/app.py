@@ -253,7 +253,7 @@ class Router:
         if isinstance(grant, Response):  # over the tenant's limits: 429
             return grant
         turn = await queued_turn(self.queue, request, endpoint, body, prompt.prompt_tokens, len(raw),
-                                 lambda: room_on(candidates, self.heartbeats, self.in_flight))
+                                 lambda: room_on(candidates, self.heartbeats, self.in_flight), grant)
         if isinstance(turn, Response):  # waited --max-queue-wait (503), or its client left (499)
             return turn
         header = self.config.session_header

@@ -33,6 +33,7 @@ from kvscale.router.prefill_ledger import sequences_ahead
 from kvscale.router.relay import RelayResponse
 from kvscale.router.replicas import Replica
 from kvscale.router.saturation import ReplicaLoad, free_slots
+from kvscale.router.tenancy import Grant
 from kvscale.router.tenants import SCOPE_KEY, Tenant
 
 # Requests waiting at once, over all tenants; one more is answered 503 at once. The admission
@@ -130,18 +131,25 @@ class Turn:
 
 async def queued_turn(queue: FairQueue | None, request: Request, endpoint: str,
                       body: dict[str, Any], prompt_tokens: int, body_bytes: int,
-                      room: Callable[[], int | None]) -> Turn | Response:
+                      room: Callable[[], int | None], grant: Grant) -> Turn | Response:
     """A generation request's turn through ``queue`` (None: at once): charged its tokens as the
     rate limits reserve them, to its tenant (without tenants every request is one tenant's), in
-    the band of its tenant's priority and its own ``priority`` field (fair_share.band)."""
+    the band of its tenant's priority and its own ``priority`` field (fair_share.band). A
+    refusal carries the tenant's rate-limit headers and settles its reservation as any answer
+    that is no replica's does (rate_limits.settlement: a 503 gives it back)."""
     if queue is None:
         return Turn(None)
     tenant = request.scope.get(SCOPE_KEY)
     name, weight, default = ((tenant.name, tenant.weight, tenant.priority)
                              if isinstance(tenant, Tenant) else ("", 1.0, 0))
     cost = rules.request_tokens(endpoint, body, prompt_tokens, body_bytes)
-    return await queue.enter(name, fair_share.band(default, body.get("priority")), weight, cost,
+    turn = await queue.enter(name, fair_share.band(default, body.get("priority")), weight, cost,
                              room, disconnect_of(request.receive))
+    if isinstance(turn, Response):
+        turn.headers.update(grant.headers)
+        if grant.on_done is not None:
+            grant.on_done(turn.status_code, b"")
+    return turn
 
 
 class FairQueue:

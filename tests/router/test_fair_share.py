@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from starlette.requests import Request
 from starlette.responses import Response
 
 from kvscale.kv_index_schema import Heartbeat
@@ -23,9 +24,10 @@ from kvscale.router import fair_share
 from kvscale.router.app import build_app
 from kvscale.router.cli_router import add_arguments, config_from_args
 from kvscale.router.config import RouterConfig
-from kvscale.router.fair_queue import FairQueue, Turn
+from kvscale.router.fair_queue import FairQueue, Turn, queued_turn
 from kvscale.router.metrics import RouterMetrics
 from kvscale.router.saturation import KV_FULL, ReplicaLoad, free_slots, room
+from kvscale.router.tenancy import Grant
 
 MODEL = "fake"
 
@@ -210,6 +212,27 @@ def test_a_client_that_leaves_while_waiting_is_499_and_leaves_the_queue() -> Non
 
     result, queue = asyncio.run(run())
     assert status_of(result) == 499 and queue.waiting == 0
+
+
+def test_a_refused_wait_carries_the_rate_limit_headers_and_gives_the_reservation_back() -> None:
+    settled: list[tuple[int, bytes]] = []
+    grant = Grant("team-a", {"x-ratelimit-remaining-tokens": "90"},
+                  lambda status, tail: settled.append((status, tail)))
+
+    async def run() -> Turn | Response:
+        async def receive() -> dict:
+            await asyncio.sleep(3600)  # the client stays
+            return {"type": "http.disconnect"}
+
+        request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
+                           "headers": []}, receive)
+        return await queued_turn(FairQueue(max_wait_s=0.02), request, "completions",
+                                 {"prompt": "hi"}, 2, 20, lambda: 0, grant)
+
+    refused = asyncio.run(run())
+    assert isinstance(refused, Response) and refused.status_code == 503
+    assert refused.headers["x-ratelimit-remaining-tokens"] == "90"
+    assert settled == [(503, b"")]  # rate_limits.settlement: an error status gives it all back
 
 
 def test_the_counter_is_corrected_by_the_usage_the_answer_reports() -> None:
