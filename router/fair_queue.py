@@ -185,13 +185,11 @@ class FairQueue:
         return self._keys
 
     def _has_room(self, room: Callable[[], int | None]) -> bool:
-        free = room()
-        if free is None:
-            return True
         cutoff = time.monotonic() - UNSENT_TTL_S
         for key in [k for k, at in self.unsent.items() if at < cutoff]:
             del self.unsent[key]
-        return free - len(self.unsent) > 0
+        free = room()
+        return free is None or free - len(self.unsent) > 0
 
     async def enter(self, tenant: str, band: int, weight: float, cost: int,
                     room: Callable[[], int | None],
