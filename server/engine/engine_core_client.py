@@ -2,8 +2,8 @@
 
 Two ZMQ sockets on IPC paths in a private folder, both bound here: the front end PUSHes adds,
 aborts and the shutdown to the core's PULL; the core PUSHes back to the front end's PULL, which
-an asyncio task reads. ``launch`` starts the core and blocks until it is warmed up (or failed,
-with its reason); ``start`` (on the event loop) begins reading. The process's sentinel is watched
+an asyncio task reads. ``launch`` starts the core, loads the front end's tokenizer meanwhile, and blocks until the core is
+warmed up (or failed, with its reason); ``start`` (on the event loop) begins reading. The process's sentinel is watched
 by the event loop: when the core dies (a crash, the OOM killer, SIGKILL) the log says how, every
 open stream and waiting add gets EngineDeadError and the front end's ``is_alive`` is false, so
 /health and new requests answer 503. The reading task is watched the same way: if it ends (a
@@ -23,6 +23,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -88,6 +89,7 @@ class EngineCoreClient(EngineFront):
     def __init__(self, process: Any, context: zmq.Context, inbox: zmq.Socket, outbox: zmq.Socket,
                  folder: str, ready: Ready, tokenizer: Any) -> None:
         super().__init__()
+        self.tokenizer = tokenizer
         self._text = OutputText(tokenizer)  # the core sends token ids; their text is made here
         self._process = process
         self._context = context
@@ -108,11 +110,13 @@ class EngineCoreClient(EngineFront):
     # ------------------------------------------------------------------ start-up (blocking)
 
     @classmethod
-    def launch(cls, config: EngineConfig, *, tokenizer: Any, cpus: CpuSplit | None = None,
+    def launch(cls, config: EngineConfig, *, load_tokenizer: Callable[[], Any], cpus: CpuSplit | None = None,
                publisher: PublisherSettings | None = None,
                kv_events: KVEventsConfig | None = None) -> EngineCoreClient:
         """Start the core and wait until it is ready; raises ValueError (a bad flag, a missing
-        model) or RuntimeError (anything else) with the core's reason if it fails to start."""
+        model) or RuntimeError (anything else) with the core's reason if it fails to start.
+        ``load_tokenizer`` runs while the core imports torch and loads the model: the front end's
+        own loading then costs no wall time where a second CPU is free (a cold start from zero)."""
         folder = tempfile.mkdtemp(prefix="kvscale-core-")
         context, to_core, from_core = bind_core_sockets(folder)
         settings = CoreSettings(config=config, input_address=f"ipc://{folder}/input",
@@ -124,10 +128,15 @@ class EngineCoreClient(EngineFront):
         process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(settings,), name="kvscale-engine-core", daemon=True)
         process.start()
+        awaited = False
         try:
+            tokenizer = load_tokenizer()
+            awaited = True
             ready = cls._wait_ready(process, from_core)
         except BaseException:
-            _end_process(process, 5.0)
+            # A core that failed exits by itself; one still starting (the front end's own load
+            # failed) has nothing to finish: it is ended at once.
+            _end_process(process, 5.0 if awaited else 0.0)
             to_core.close()
             from_core.close()
             context.term()

@@ -223,7 +223,6 @@ def build(args: argparse.Namespace) -> Served:
     from kvscale.server.engine.cpu_binding import split_cpus
     from kvscale.server.engine.engine_core import PublisherSettings
     from kvscale.server.engine.engine_core_client import EngineCoreClient
-    from kvscale.server.entrypoints.api_server import build_app
 
     fields = {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name) is not None}
     if args.served_model_name:
@@ -259,11 +258,18 @@ def build(args: argparse.Namespace) -> Served:
 
         store = RedisResponseStore(args.redis, served_names[0], args.responses_store_max_entries,
                                    args.responses_store_max_bytes, args.responses_store_ttl)
-    # The tokenizer loads while the core builds and warms up its engine.
-    tokenizer = load_tokenizer(model_path)
-    core = EngineCoreClient.launch(config, tokenizer=tokenizer, cpus=cpus, publisher=publisher,
+    def load_front_end() -> Any:
+        # Called while the core imports torch and builds its engine: the app's imports and the
+        # tokenizer then take no wall time where a second CPU is free (a cold start from zero).
+        import kvscale.server.entrypoints.api_server  # noqa: F401 - imported now, used below
+
+        return load_tokenizer(model_path)
+
+    core = EngineCoreClient.launch(config, load_tokenizer=load_front_end, cpus=cpus, publisher=publisher,
                                    kv_events=args.kv_events_config)
-    ready = core.ready
+    from kvscale.server.entrypoints.api_server import build_app
+
+    tokenizer, ready = core.tokenizer, core.ready
     app = build_app(core, tokenizer=tokenizer, served_model_names=served_names,
                     max_model_len=ready.max_model_len, api_key=args.api_key,
                     max_queue_len=args.max_queue_len or None,
