@@ -163,46 +163,45 @@ def test_a_request_is_counted_by_its_sequences_not_as_one(guarded) -> None:
     assert one.status_code == 200, one.text
 
 
-def test_prompts_per_request_are_capped_before_tokenizing(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def capped():
+    """A server with a low cap on prompts per request and a server-wide stream interval."""
     proc = ServeProcess("--max-model-len", "128", "--num-gpu-blocks-override", "32",
-                        "--max-prompts-per-request", "3", log_name="prompt-cap")
-    try:
-        url = f"{proc.base_url}/v1/completions"
-        body = {"model": "smollm2-135m-instruct", "max_tokens": 1}
-        refused = httpx.post(url, json={**body, "prompt": ["x"] * 4}, timeout=30)
-        assert refused.status_code == 400
-        error = refused.json()["error"]
-        assert error["param"] == "prompt" and "--max-prompts-per-request" in error["message"]
-        assert "4 prompts" in error["message"]
-        fine = httpx.post(url, json={**body, "prompt": ["x"] * 3}, timeout=60)
-        assert fine.status_code == 200 and len(fine.json()["choices"]) == 3
-    finally:
-        proc.stop()
+                        "--max-prompts-per-request", "3", "--stream-interval", "4", log_name="capped")
+    yield proc
+    proc.stop()
 
 
-def test_the_server_stream_interval_is_a_floor_for_requests() -> None:
-    proc = ServeProcess("--max-model-len", "128", "--num-gpu-blocks-override", "32",
-                        "--stream-interval", "4", log_name="stream-interval")
-    try:
-        def counts(**extra) -> list[int]:
-            body = {"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 13,
-                    "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 1, **extra}
-            events = []
-            with httpx.stream("POST", f"{proc.base_url}/v1/completions", json=body, timeout=60) as response:
-                assert response.status_code == 200
-                for line in response.iter_lines():
-                    if line.startswith("data: {"):
-                        logprobs = json.loads(line[6:])["choices"][0]["logprobs"]
-                        events.append(len(logprobs["tokens"]))
-            assert sum(events) == 13
-            return events
+def test_prompts_per_request_are_capped_before_tokenizing(capped) -> None:
+    url = f"{capped.base_url}/v1/completions"
+    body = {"model": "smollm2-135m-instruct", "max_tokens": 1}
+    refused = httpx.post(url, json={**body, "prompt": ["x"] * 4}, timeout=30)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "prompt" and "--max-prompts-per-request" in error["message"]
+    assert "4 prompts" in error["message"]
+    fine = httpx.post(url, json={**body, "prompt": ["x"] * 3}, timeout=60)
+    assert fine.status_code == 200 and len(fine.json()["choices"]) == 3
 
-        def grouped_by(events: list[int], interval: int) -> bool:
-            # After the first token at least ``interval`` per event (more when the reader lags).
-            return all(n >= interval for n in events[1:-1]) and len(events) <= 1 + -(-12 // interval)
 
-        assert grouped_by(counts(), 4)
-        assert grouped_by(counts(stream_interval=1), 4)  # a request may not ask for less
-        assert grouped_by(counts(stream_interval=6), 6)
-    finally:
-        proc.stop()
+def test_the_server_stream_interval_is_a_floor_for_requests(capped) -> None:
+    def counts(**extra) -> list[int]:
+        body = {"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 13,
+                "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 1, **extra}
+        events = []
+        with httpx.stream("POST", f"{capped.base_url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    logprobs = json.loads(line[6:])["choices"][0]["logprobs"]
+                    events.append(len(logprobs["tokens"]))
+        assert sum(events) == 13
+        return events
+
+    def grouped_by(events: list[int], interval: int) -> bool:
+        # After the first token at least ``interval`` per event (more when the reader lags).
+        return all(n >= interval for n in events[1:-1]) and len(events) <= 1 + -(-12 // interval)
+
+    assert grouped_by(counts(), 4)
+    assert grouped_by(counts(stream_interval=1), 4)  # a request may not ask for less
+    assert grouped_by(counts(stream_interval=6), 6)
