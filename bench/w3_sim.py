@@ -244,6 +244,7 @@ class SimRouter:
         self.hot = HotBlocks()  # as the real Decider keeps it: the room a cold prompt may take
         self.cache_aware = CacheAware(block_size)
         self.overloaded_since: dict[str, float] = {}  # the Decider's hysteresis state
+        self.homes: dict[int, str] = {}  # leading block -> replica last sent to (the Decider's homes)
         # The router's ledger of its sends, by replica index, as far as the slot wait reads it.
         self.sent: defaultdict[int, list[SimRequest]] = defaultdict(list)
         self.decodes: defaultdict[int, deque[float]] = defaultdict(lambda: deque(maxlen=RECENT_WAITS))
@@ -297,7 +298,7 @@ class SimRouter:
                 queued_prefill_tokens=self.queued(rep, now), num_decoding=rep.num_decoding(),
                 prefill_tokens_per_s=rep.reported.prefill_tokens_per_s, decode_step_s=rep.reported.decode_step_s,
                 step_token_budget=rep.costs.step_tokens,
-                free_blocks=free_blocks(rep.num_blocks, self.hot.footprint(f"r{rep.index}", now)),
+                free_blocks=free_blocks(rep.num_blocks, self.hot.footprint(f"r{rep.index}", now)), kv_blocks=rep.num_blocks,
                 recent_blocks=self.hot.recent(f"r{rep.index}", now),
                 ttft_scale=calibration.scale(f"r{rep.index}"),
                 batch_slots=0 if self.no_slot else rep.costs.max_num_seqs, sequences_ahead=rep.load(),
@@ -310,6 +311,7 @@ class SimRouter:
             prompt_tokens=req.prompt_tokens, block_size=self.block_size,
             ttft_overhead_s=calibration.overhead_s,
             hold=None if self.fixed_ttl else routing.OverloadHold(now, wait, self.overloaded_since),
+            last_home=self.homes.get(req.hashes[0]) if req.hashes else None,
         )
         note_overload(self.overloaded_since, decision.judged, now)
         chosen = int(decision.ranked[0][1:])
@@ -317,6 +319,7 @@ class SimRouter:
         req.record = self.record(req, cands, decision)
         req.predicted_ttft_s = decision.uncalibrated_ttft_s
         self.hot.sent(decision.ranked[0], req.hashes, now)
+        self.homes.update({req.hashes[0]: decision.ranked[0]} if req.hashes else {})
         self.sent[chosen].append(req)
         if routing.uses_prefix(name):
             announced = next(rep.announced for rep in self.replicas if rep.index == chosen)

@@ -38,6 +38,9 @@ class Candidate:
     # Distinct blocks this router sent there within the hot window: the room its recent traffic
     # claims, as cache_aware's tree size (docs/router.md, "Where a new prefix goes").
     recent_blocks: int = 0
+    # The replica's KV blocks (the heartbeat's kv_blocks_total; 0: unknown): a new prefix goes
+    # first where its recent traffic plus the prompt still fit in them.
+    kv_blocks: int = 0
     # How much longer than predicted this replica's requests have taken, relative to the pool
     # (kvscale.router.ttft_calibration): its estimate is multiplied by it.
     ttft_scale: float = 1.0

@@ -143,6 +143,7 @@ def candidate_view(
     request's LoRA adapter (None: the base model), how ready the replica is for it."""
     hb = heartbeats.get(replica.replica_id)
     room: int | None = None
+    kv_blocks = 0
     hb_time = 0.0
     if hb is None:
         load, kv_usage = replica.in_flight, 0.0
@@ -151,9 +152,10 @@ def candidate_view(
         load = routing.effective_load(replica.in_flight, hb.load, hb_time, replica.last_finished)
         kv_usage = hb.kv_usage
         room = free_blocks(hb.kv_blocks_total, hot_blocks)
+        kv_blocks = hb.kv_blocks_total
     extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), now, hb_time, confirmed, fleet_decode_s)
     return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, host_blocks=host_blocks,
-                             free_blocks=room, ttft_scale=ttft_scale, recent_blocks=recent_blocks,
+                             free_blocks=room, kv_blocks=kv_blocks, ttft_scale=ttft_scale, recent_blocks=recent_blocks,
                              lora_affinity=replica_affinity(adapter, hb), **extra)
 
 
@@ -199,6 +201,9 @@ class Decider:
         self.in_flight = in_flight
         self.metrics = metrics
         self.sessions = SessionMemory()
+        # The replica each leading block was last sent to (a prompt nobody holds returns there
+        # when no replica has room for it: kvscale.router.predicted_ttft.returning_home).
+        self.homes = SessionMemory()
         self.hot = HotBlocks()
         self.overloaded_since: dict[str, float] = {}  # holder -> since when the spill rule held
         # predicted-ttft's estimate against the TTFTs the forwarder measures, per replica.
@@ -293,6 +298,7 @@ class Decider:
             sticky_replica=self.sessions.get(session),
             index_stale=index_stale,
             hold=hold,
+            last_home=self.homes.get(str(hashes[0])) if hashes else None,
         )
         note_overload(self.overloaded_since, decision.judged, now)
         if decision.ranked and is_spill(matched, decision.ranked[0], decision.reason):
@@ -301,6 +307,8 @@ class Decider:
             log.debug("decision %s", json.dumps(decision_record(views, decision, now, hash_key)))
         if decision.ranked:
             self.hot.sent(decision.ranked[0], hashes, now)
+            if hashes:
+                self.homes.remember(str(hashes[0]), decision.ranked[0])
         if decision.ranked and decision.uncalibrated_ttft_s is not None:
             decision = replace(decision, predicted_ttft_s=calibration.overhead_s
                                + calibration.scale(decision.ranked[0]) * decision.uncalibrated_ttft_s)

@@ -50,6 +50,7 @@ from kvscale.router.predicted_ttft import (
     pool_rates,
     predicted_ttft,
     predicted_ttft_policy,
+    returning_home,
     should_spill,
 )
 
@@ -59,7 +60,7 @@ __all__ = [
     "Candidate", "Decision", "OverloadHold", "bounded_capacity", "consistent_hash_order", "decide", "effective_load",
     "evicted_blocks",
     "pool_rates", "predicted_ttft", "predicted_ttft_policy", "prefix_affinity", "random_choice",
-    "round_robin", "should_spill", "uses_prefix", "weighted", "weighted_scores", "within_bound",
+    "returning_home", "round_robin", "should_spill", "uses_prefix", "weighted", "weighted_scores", "within_bound",
 ]
 
 POLICIES = ("predicted-ttft", "prefix-affinity", "weighted", "round-robin", "random", "least-load")
@@ -192,11 +193,12 @@ def decide(
     ttft_epsilon: float | None = TTFT_EPSILON,
     ttft_overhead_s: float = 0.0,
     hold: OverloadHold | None = None,
+    last_home: str | None = None,
 ) -> Decision:
     if policy == "predicted-ttft":
         return predicted_ttft_policy(
             candidates, prompt_tokens, block_size, hash_key, epsilon=ttft_epsilon, slack=epsilon,
-            sticky_replica=sticky_replica, ttft_overhead_s=ttft_overhead_s, hold=hold,
+            sticky_replica=sticky_replica, ttft_overhead_s=ttft_overhead_s, hold=hold, last_home=last_home,
         )
     if policy == "weighted":
         return weighted(candidates, prompt_blocks, hash_key)

@@ -38,8 +38,9 @@ prediction error, relative. A prompt nobody holds goes to a replica with room fo
 (``free_blocks``: the replica's KV blocks less those this router sent there twice or more within
 the hot window, its hot prefixes; kvscale.router.decision), so new prefixes fill empty room before
 they evict hot ones: the one whose recent traffic claims least room per unit of speed
-(``new_prefix_home``); when no replica has room, the lowest estimate takes it and its LRU makes
-room there. Ties (within 1 ms) go to the longer cached prefix, then to the rendezvous hash. The bounded-load cap on in-flight requests
+(``new_prefix_home``), among those where that traffic and the prompt fit in its KV blocks if any;
+when no replica has room, the replica its leading block was last sent to unless truly overloaded
+(``returning_home``), else the lowest estimate, and its LRU makes room there. Ties (within 1 ms) go to the longer cached prefix, then to the rendezvous hash. The bounded-load cap on in-flight requests
 (``ttft_epsilon``) stays a safety valve: a replica over it goes last whatever it holds.
 
 A LoRA adapter's request sees only the replicas that registered it. Its blocks are keyed by the
@@ -198,11 +199,33 @@ def new_prefix_home(
     speed. Not filtered by the estimate: the heartbeat counts every request queued behind a prefix
     still being computed in full, so in a burst the replica holding the busiest groups looks the
     latest and new groups piled onto the others past their room (docs/router.md, "Where a new
-    prefix goes"). A ratio of blocks over rates: equally slow replicas decide as fast ones. None
-    when no replica has room: the caller's lowest estimate takes it."""
+    prefix goes"). A ratio of blocks over rates: equally slow replicas decide as fast ones. Speed
+    never fills a replica past its KV blocks (``kv_blocks``): where the replica's recent traffic
+    plus this prompt still fit somewhere, only those replicas are weighed; otherwise a fast
+    replica is sent more groups than it holds, evicts its own, and a slower one with room for
+    them takes their cold prefills later, all at once (docs/router.md, "Where a new prefix goes").
+    None when no replica has room: ``returning_home`` or the caller's lowest estimate takes it."""
     if not roomy:
         return None
-    return min(roomy, key=lambda c: ((c.recent_blocks + need) / rates[c.replica_id], key(c)))
+    fit = [c for c in roomy if c.kv_blocks <= 0 or c.recent_blocks + need <= c.kv_blocks]
+    return min(fit or roomy, key=lambda c: ((c.recent_blocks + need) / rates[c.replica_id], key(c)))
+
+
+def returning_home(
+    by_estimate: Sequence[Candidate], last_home: str | None, ttft: Mapping[str, float], slack: float,
+) -> Candidate | None:
+    """Where a prompt nobody holds goes when no replica has room for it: the replica this router
+    last sent its leading block to, unless the spill rule (nothing saved) finds it truly overloaded
+    against the lowest estimate. With no room anywhere the fleet cannot hold every group at once;
+    a group sent wherever the queue is shortest finds a replica that evicted it, and evicts
+    another group there, so each replica ends up seeing every group. Kept on one replica, as
+    cache_aware keeps a group for good, its requests find there what it computed for the last one
+    while that is still in its LRU (docs/router.md, "Where a new prefix goes"). None without a
+    last home among ``by_estimate`` (the replicas under the load cap)."""
+    home = next((c for c in by_estimate if c.replica_id == last_home), None)
+    if home is None:
+        return None
+    return None if should_spill(ttft[home.replica_id], ttft[by_estimate[0].replica_id], 0.0, slack) else home
 
 
 def adapter_home(by_estimate: Sequence[Candidate], ttft: Mapping[str, float], slack: float) -> Candidate | None:
@@ -229,6 +252,7 @@ def predicted_ttft_policy(
     sticky_replica: str | None = None,
     ttft_overhead_s: float = 0.0,
     hold: OverloadHold | None = None,
+    last_home: str | None = None,
 ) -> Decision:
     """Rank replicas: the anchor (session, else longest holder) first unless it is truly overloaded,
     cold prompts where there is room, the rest by estimate; over the load cap last.
@@ -237,7 +261,9 @@ def predicted_ttft_policy(
     times its estimate, and the prefill a hit saves on another replica times that replica's. The
     overhead every request pays wherever it goes (``ttft_overhead_s``) is added to the estimate the
     decision reports, not to the ones it compares: a time common to every replica must not change
-    a decision (added to both sides of the spill rule it would make the holder keep more)."""
+    a decision (added to both sides of the spill rule it would make the holder keep more).
+    ``last_home``: the replica this router last sent the prompt's leading block to (None: never,
+    or forgotten), where a prompt nobody holds returns when no replica has room for it."""
     if not candidates:
         return Decision([], 0, "none")
     eligible: list[Candidate]
@@ -308,6 +334,8 @@ def predicted_ttft_policy(
         need = -(-prompt_tokens // max(block_size, 1))
         roomy = [c for c in by_estimate if c.free_blocks is None or c.free_blocks >= need]
         anchor = new_prefix_home(roomy, rates, need, key)
+        if anchor is None:  # no replica has room for it
+            anchor = returning_home(by_estimate, last_home, ttft, slack)
     ranked = by_estimate
     if anchor is not None:
         ranked = [anchor] + [c for c in by_estimate if c.replica_id != anchor.replica_id]
