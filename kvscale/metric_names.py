@@ -290,8 +290,16 @@ ROUTER_TENANT_LIMITS_UNCHECKED = Metric(
     "kvscale_router_tenant_limits_unchecked", COUNTER,
     "Requests let in without their tenant's limits checked: Redis failed or did not answer in "
     "time (the limits fail open).")
+ROUTER_TENANT_TOKENS = Metric(
+    "kvscale_router_tenant_tokens", COUNTER,
+    "Prompt plus completion tokens of each tenant's answers, as their usage reports them (an "
+    "answer without usage counts none).", ("tenant",))
+ROUTER_TENANT_QUEUE_WAIT_SECONDS = Metric(
+    "kvscale_router_tenant_queue_wait_seconds", COUNTER,
+    "Seconds each tenant's requests waited in the router's queue (--max-queue-wait).", ("tenant",))
 ROUTER_TENANT_METRICS = (
-    ROUTER_TENANT_REQUESTS, ROUTER_TENANT_RATE_LIMITED, ROUTER_TENANT_LIMITS_UNCHECKED)
+    ROUTER_TENANT_REQUESTS, ROUTER_TENANT_RATE_LIMITED, ROUTER_TENANT_LIMITS_UNCHECKED,
+    ROUTER_TENANT_TOKENS, ROUTER_TENANT_QUEUE_WAIT_SECONDS)
 ROUTER_HOLD_OUTCOMES = ("released", "timeout", "full", "disconnected")
 ROUTER_QUEUE_OUTCOMES = ROUTER_HOLD_OUTCOMES
 ROUTER_ACTIVATION_RESULTS = ("scaled", "already", "error")

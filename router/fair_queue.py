@@ -205,7 +205,7 @@ class FairQueue:
         if not self.queues and self._has_room(room):
             return Turn(self, self._let_through(tenant, weight, cost), tenant, weight, cost)
         if self.waiting >= self.max_waiting:
-            self._waited("full", 0.0)
+            self._waited("full", 0.0, tenant)
             return self._refusal(f"{self.waiting} requests wait in the router's queue, its limit")
         self._keys += 1
         waiter = _Waiter(tenant, band, self._keys, weight, cost, room)
@@ -228,12 +228,12 @@ class FairQueue:
                 self._remove(waiter)
         waited_s = time.monotonic() - since
         if waiter.released.done():
-            self._waited("released", waited_s)
+            self._waited("released", waited_s, tenant)
             return Turn(self, waiter.released.result(), tenant, weight, cost)
         if watch is not None and watch.done() and not watch.cancelled():
-            self._waited("disconnected", waited_s)
+            self._waited("disconnected", waited_s, tenant)
             return Response(status_code=CLIENT_GONE)
-        self._waited("timeout", waited_s)
+        self._waited("timeout", waited_s, tenant)
         return self._refusal(f"the replicas had no room for {self.max_wait_s:g} s "
                              "(--max-queue-wait)")
 
@@ -273,11 +273,13 @@ class FairQueue:
         if self.metrics is not None:
             self.metrics.queued.set(self.waiting)
 
-    def _waited(self, outcome: str, seconds: float) -> None:
+    def _waited(self, outcome: str, seconds: float, tenant: str) -> None:
         if self.metrics is not None:
             self.metrics.queue_waits.labels(outcome).inc()
             if outcome != "full":
                 self.metrics.queue_wait_seconds.observe(seconds)
+            if tenant:  # a tenant of the file (router/tenancy.py keeps its series)
+                self.metrics.tenant_queue_wait.labels(tenant).inc(seconds)
 
     def _ticked(self) -> None:
         self._tick = None

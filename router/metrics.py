@@ -49,6 +49,8 @@ class RouterMetrics:
         self.tenant_requests: Counter = register(names.ROUTER_TENANT_REQUESTS, r)
         self.tenant_rate_limited: Counter = register(names.ROUTER_TENANT_RATE_LIMITED, r)
         self.tenant_limits_unchecked: Counter = register(names.ROUTER_TENANT_LIMITS_UNCHECKED, r)
+        self.tenant_tokens: Counter = register(names.ROUTER_TENANT_TOKENS, r)
+        self.tenant_queue_wait: Counter = register(names.ROUTER_TENANT_QUEUE_WAIT_SECONDS, r)
         for outcome in names.ROUTER_HOLD_OUTCOMES:
             self.holds.labels(outcome)
         for outcome in names.ROUTER_QUEUE_OUTCOMES:

@@ -66,10 +66,14 @@ class Tenancy:
         names = set(table.names)
         for gone in self._series - names:
             self.metrics.tenant_requests.remove(gone)
+            self.metrics.tenant_tokens.remove(gone)
+            self.metrics.tenant_queue_wait.remove(gone)
             for kind in rules.LIMIT_KINDS:
                 self.metrics.tenant_rate_limited.remove(gone, kind)
         for name in names:
             self.metrics.tenant_requests.labels(name)
+            self.metrics.tenant_tokens.labels(name)
+            self.metrics.tenant_queue_wait.labels(name)
             for kind in rules.LIMIT_KINDS:
                 self.metrics.tenant_rate_limited.labels(name, kind)
         self._series = names
@@ -99,8 +103,8 @@ class Tenancy:
         grant = await self._admit(tenant, endpoint, body, prompt_tokens, body_bytes)
         if isinstance(grant, Grant):
             sent = forwarded_priority(tenant.priority, body) if self.engine_priority else None
-            if sent is not None:
-                grant = replace(grant, body=with_priority(body, sent))
+            grant = replace(grant, on_done=self._counted(tenant.name, grant.on_done),
+                            body=with_priority(body, sent) if sent is not None else None)
             request.scope[GRANT_KEY] = grant
         return grant
 
@@ -131,6 +135,17 @@ class Tenancy:
             limiter.correct(tenant.name, counts.window, delta)
 
         return Grant(tenant.name, headers, settle if tenant.tokens_per_minute else None)
+
+    def _counted(self, tenant: str, on_done: Callable[[int, bytes], None] | None
+                 ) -> Callable[[int, bytes], None]:
+        """``on_done`` after counting the tokens the answer's usage reports to the tenant."""
+        def counted(status: int, tail: bytes) -> None:
+            if (used := rules.usage_tokens(tail)) is not None:
+                self.metrics.tenant_tokens.labels(tenant).inc(used)
+            if on_done is not None:
+                on_done(status, tail)
+
+        return counted
 
     def _limiter_now(self) -> TenantLimiter:
         """Made on first use, on the event loop that serves (its client belongs to that loop)."""

@@ -1,6 +1,7 @@
 """A tenant's priority sent to replicas that run --scheduling-policy priority (docs/router.md,
 "Priority on the replicas"): the pure decision (router/engine_priority.py) and the body a
-tenant's request is forwarded with (router/tenancy.py), without a server."""
+tenant's request is forwarded with (router/tenancy.py), without a server; and the tokens its
+answer reports, counted to the tenant."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def test_the_body_keeps_every_other_field() -> None:
     assert json.loads(with_priority(body, 7)) == {**body, "priority": 7}
 
 
-def admit(policy: str, tenant: Tenant, body: dict[str, Any]) -> Grant:
-    tenancy = Tenancy(None, None, None, 0.05, RouterMetrics(), scheduling_policy=policy)
+def admit(policy: str, tenant: Tenant, body: dict[str, Any],
+          metrics: RouterMetrics | None = None) -> Grant:
+    tenancy = Tenancy(None, None, None, 0.05, metrics or RouterMetrics(), scheduling_policy=policy)
     request = Request({"type": "http", "method": "POST", "path": "/v1/completions",
                        "headers": [], SCOPE_KEY: tenant})
     grant = asyncio.run(tenancy.admit(request, "completions", body, 3, 40))
@@ -67,3 +69,13 @@ def test_kvscale_router_takes_the_replicas_scheduling_policy(monkeypatch: pytest
     assert config_from_args(routed).scheduling_policy == "priority"
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--scheduling-policy", "lifo"])
+
+
+def test_a_tenants_answer_counts_the_tokens_its_usage_reports() -> None:
+    metrics = RouterMetrics()
+    grant = admit("fcfs", Tenant("team-a", b"a" * 32), {"model": "m"}, metrics)
+    assert grant.on_done is not None
+    grant.on_done(200, b'"usage": {"prompt_tokens": 30, "completion_tokens": 12, "total_tokens": 42}}')
+    grant.on_done(200, b"data: [DONE]")  # a stream without include_usage: nothing to count
+    sample = metrics.registry.get_sample_value
+    assert sample("kvscale_router_tenant_tokens_total", {"tenant": "team-a"}) == 42

@@ -199,6 +199,8 @@ def test_a_request_waits_at_most_max_queue_wait_and_the_queue_is_bounded() -> No
     assert sample("kvscale_router_queue_waits_total", {"outcome": "timeout"}) == 1
     assert sample("kvscale_router_queue_wait_seconds_count") == 1  # the full one never waited
     assert sample("kvscale_router_queued_requests") == 0
+    waited = sample("kvscale_router_tenant_queue_wait_seconds_total", {"tenant": "a"})
+    assert waited is not None and waited >= 0.05
 
 
 def test_a_client_that_leaves_while_waiting_is_499_and_leaves_the_queue() -> None:
