@@ -40,10 +40,10 @@ MODEL_SCHEMES = ("bundled://", "hf://", "pvc://")
 ADAPTER_SCHEMES = ("hf://", "pvc://")
 
 
-@dataclass(frozen=True)
-class ModelSource:
+class SchemeUri:
+    """The two halves of a source's ``uri`` (SCHEME://LOCATION)."""
+
     uri: str
-    served_name: str
 
     @property
     def scheme(self) -> str:
@@ -56,20 +56,18 @@ class ModelSource:
 
 
 @dataclass(frozen=True)
-class LoraAdapter:
+class ModelSource(SchemeUri):
+    uri: str
+    served_name: str
+
+
+@dataclass(frozen=True)
+class LoraAdapter(SchemeUri):
     """One of `spec.adapters` (docs/operator.md, "LoRA adapters"): the name clients send as
     `model`, and where its PEFT directory comes from (hf://ORG/NAME or pvc://CLAIM/PATH)."""
 
     name: str
     uri: str
-
-    @property
-    def scheme(self) -> str:
-        return self.uri.split("://", 1)[0]
-
-    @property
-    def location(self) -> str:
-        return self.uri.split("://", 1)[1]
 
 
 def flag_name(arg: str) -> str:

@@ -183,3 +183,30 @@ class OperatorProcess:
                 self.proc.wait(timeout=10)
         self._log.close()
         return self.proc.returncode
+
+
+class RefusedSpecKube:
+    """A Kube holding one InferenceService `chat` in `ns` with ``spec``, for a spec the operator
+    refuses: what it writes is recorded, and anything beyond reading the service and writing its
+    status fails the test."""
+
+    def __init__(self, spec: dict[str, Any], generation: int = 2) -> None:
+        self.spec = spec
+        self.generation = generation
+        self.writes: list[tuple[str, Any]] = []
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        if "inferenceservices" not in path:
+            return None
+        return {"metadata": {"name": "chat", "namespace": "ns", "uid": "u1", "generation": self.generation},
+                "spec": self.spec, "status": {}}
+
+    def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+        return []
+
+    def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.writes.append((path, body))
+        return body
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the refused spec must not reach kube.{name}")

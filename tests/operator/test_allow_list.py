@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, cast
+from typing import cast
 
 import pytest
+from operator_helpers import RefusedSpecKube
 
 from kvscale.operator import cli_operator
 from kvscale.operator.allow_list import AllowList, image_in, repository_of
@@ -58,32 +59,9 @@ def test_the_flags_add_the_operators_own_images() -> None:
     assert config_from_args(parser.parse_args([])).allow == AllowList()  # no flag: anything
 
 
-class RefusingKube:
-    """An InferenceService choosing a disallowed image; what the operator writes, recorded."""
-
-    def __init__(self) -> None:
-        self.writes: list[tuple[str, Any]] = []
-
-    def get(self, path: str) -> dict[str, Any] | None:
-        if "inferenceservices" not in path:
-            return None
-        return {"metadata": {"name": "chat", "namespace": "ns", "uid": "u1", "generation": 2},
-                "spec": {"model": MODEL, "image": "docker.io/attacker/miner:1"}, "status": {}}
-
-    def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
-        return []
-
-    def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        self.writes.append((path, body))
-        return body
-
-    def __getattr__(self, name: str) -> Any:
-        raise AssertionError(f"the refused spec must not reach kube.{name}")
-
-
 def test_a_refused_spec_gets_no_children(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kvscale.operator.status.kopf.event", lambda *a, **k: None)
-    kube = RefusingKube()
+    kube = RefusedSpecKube({"model": MODEL, "image": "docker.io/attacker/miner:1"})
     runtime = Runtime(kube=cast(Kube, kube), config=OperatorConfig(
         allow=AllowList(("ghcr.io/kvscale/kvscale",))))
     reconcile(runtime, ObjectKey(uid="u1", namespace="ns", name="chat"), logging.getLogger("test"))

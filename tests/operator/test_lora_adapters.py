@@ -12,6 +12,7 @@ from typing import Any, cast
 
 import pytest
 import yaml
+from operator_helpers import RefusedSpecKube
 
 from kvscale.operator import lora_adapters
 from kvscale.operator.children import servers
@@ -141,33 +142,9 @@ def test_a_platform_default_yields_to_the_spec_and_fills_in_otherwise():
     assert refused({**SPEC, "engine": {"maxLoras": 2}}, defaults) is None
 
 
-class StatusOnlyKube:
-    """An InferenceService whose extraArgs name adapters beside spec.adapters; what the operator
-    writes, recorded."""
-
-    def __init__(self) -> None:
-        self.writes: list[tuple[str, Any]] = []
-
-    def get(self, path: str) -> dict[str, Any] | None:
-        if "inferenceservices" not in path:
-            return None
-        return {"metadata": {"name": "chat", "namespace": "ns", "uid": "u1", "generation": 2},
-                "spec": {**SPEC, "engine": {"extraArgs": ["--lora-modules", "x=/p"]}}, "status": {}}
-
-    def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
-        return []
-
-    def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        self.writes.append((path, body))
-        return body
-
-    def __getattr__(self, name: str) -> Any:
-        raise AssertionError(f"the refused spec must not reach kube.{name}")
-
-
 def test_a_conflict_is_synced_false_with_its_reason_and_no_children(monkeypatch):
     monkeypatch.setattr("kvscale.operator.status.kopf.event", lambda *a, **k: None)
-    kube = StatusOnlyKube()
+    kube = RefusedSpecKube({**SPEC, "engine": {"extraArgs": ["--lora-modules", "x=/p"]}})
     reconcile(Runtime(kube=cast(Kube, kube), config=OperatorConfig()),
               ObjectKey(uid="u1", namespace="ns", name="chat"), logging.getLogger("test"))
     [(path, body)] = kube.writes

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import pytest
 import yaml
+from operator_helpers import RefusedSpecKube
 
 from kvscale import model_files
 from kvscale.operator import tensor_parallel
@@ -47,36 +48,11 @@ def test_the_platforms_defaults_count_as_the_servers_run_them():
     assert OperatorConfig(server_defaults=(("--num-gpu-blocks-override", "4096"),)).refusal(spec) is None
 
 
-class StatusOnlyKube:
-    """The bundled model asked to run on two GPUs; what the operator writes, recorded."""
-
-    def __init__(self) -> None:
-        self.writes: list[tuple[str, Any]] = []
-
-    def get(self, path: str) -> dict[str, Any] | None:
-        if "inferenceservices" not in path:
-            return None
-        return {"metadata": {"name": "chat", "namespace": "ns", "uid": "u1", "generation": 3},
-                "spec": {"model": {"uri": "bundled://smollm2-135m-instruct"},
-                         "resources": {"gpus": 2},
-                         "engine": {"extraArgs": ["--num-gpu-blocks-override", "4096"]}},
-                "status": {}}
-
-    def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
-        return []
-
-    def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        self.writes.append((path, body))
-        return body
-
-    def __getattr__(self, name: str) -> Any:
-        raise AssertionError(f"the refused spec must not reach kube.{name}")
-
-
 def test_a_refused_spec_gets_a_condition_naming_the_heads_and_no_children(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kvscale.operator.status.kopf.event", lambda *a, **k: None)
-    kube = StatusOnlyKube()
+    kube = RefusedSpecKube({"model": {"uri": "bundled://smollm2-135m-instruct"}, "resources": {"gpus": 2},
+                           "engine": {"extraArgs": ["--num-gpu-blocks-override", "4096"]}}, generation=3)
     runtime = Runtime(kube=cast(Kube, kube), config=OperatorConfig())
     reconcile(runtime, ObjectKey(uid="u1", namespace="ns", name="chat"), logging.getLogger("test"))
     [(path, body)] = kube.writes
