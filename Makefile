@@ -80,13 +80,13 @@ serve: venv
 	@echo "         -d '{\"model\": \"smollm2-135m-instruct\", \"prompt\": \"The capital of France is\", \"max_tokens\": 16}'"
 	$(VENV)/bin/kvscale serve --host $(HOST) --port $(PORT)
 
-# The three installs overlap: uv waits on the network, the Go build on the CPU. PYTEST_WORKERS > 0
-# runs the suite on that many pytest-xdist workers, each file on one worker and every file using a
-# costly session service (a control plane, the router tests' replicas) on the same one, so each
-# starts once (tests/conftest.py). One process by default: on a 2-core machine two workers did not
-# finish sooner (docs/k8s-test-env.md "Running the suite"). The slowest tests are named at the
-# end, so every CI log says where its time went.
-PYTEST_WORKERS ?= 0
+# The three installs overlap: uv waits on the network, the Go build on the CPU. The suite runs on
+# PYTEST_WORKERS pytest-xdist workers (0: one process), each file on one worker and every file
+# using a costly session service (a control plane, the router tests' replicas) on the same one, so
+# each starts once; the first worker runs the tests that wait on clocks, the others are niced and
+# fill the cores meanwhile (tests/conftest.py, docs/k8s-test-env.md "Running the suite"). The
+# slowest tests are named at the end, so every CI log says where its time went.
+PYTEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory -j3 venv system-deps k8s-bins
 	$(VENV)/bin/ruff check .

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import functools
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,11 +58,37 @@ def scope_of_file(path: str) -> str:
     return next((f"shared:{name}" for name in SHARED_SESSION_FIXTURES if name in taken), path)
 
 
+# The units that mostly wait on clocks and hold sub-second bounds (a crashed replica out of every
+# router within 1 s): the process cluster's and the control plane's groups, and Prometheus.
+PROMPT_UNITS = ("shared:process_cluster", "shared:k8s_env")
+PROMPT_FOLDERS = ("tests/observability/",)
+PROMPT_WORKER = "gw0"
+# The other workers' niceness: their compute yields the cores to the prompt worker's wake-ups.
+BATCH_NICENESS = 10
+
+
+def is_prompt_unit(scope: str, rootpath: Path) -> bool:
+    """Whether a work unit (scope_of_file's answer) runs on the prompt worker only."""
+    if scope in PROMPT_UNITS:
+        return True
+    relative = Path(scope).relative_to(rootpath).as_posix() if Path(scope).is_absolute() else scope
+    return relative.startswith(PROMPT_FOLDERS)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    # Under pytest-xdist the workers share the machine's cores: one OpenMP thread per engine
-    # process (the workers' and the servers they start), else their spinning threads fight.
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    # A suite started in the background by a shell without job control inherits SIGINT ignored,
+    # and so would every server it starts: SIGINT to one (a terminal's Ctrl-C, what the tests
+    # send) would do nothing, or end it without its KeyboardInterrupt exit code. The servers
+    # start as a terminal's foreground would start them.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        # Under pytest-xdist the workers share the machine's cores: one OpenMP thread per engine
+        # process (the workers' and the servers they start), else their spinning threads fight.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        if worker != PROMPT_WORKER:
+            os.nice(BATCH_NICENESS)  # inherited by every process this worker starts
 
 
 def shared_fixture_of(item: pytest.Item) -> str | None:
@@ -117,20 +144,27 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     from xdist.scheduler import LoadScopeScheduling
 
     class BySharedFixture(LoadScopeScheduling):
-        started = False
+        """Every file on a shared service on one worker. The prompt worker (gw0, niceness 0) runs
+        the units that wait on clocks and hold sub-second bounds first, then whatever is left;
+        the others (niced, docs/k8s-test-env.md) never take those units, so their compute fills
+        the cores while the prompt worker waits, and yields them the moment it wakes."""
 
         def _split_scope(self, nodeid: str) -> str:
             return scope_of_file(str(config.rootpath / nodeid.split("::", 1)[0]))
 
         def _assign_work_unit(self, node: Any) -> None:
-            # The groups on a shared service are the longest units: handed out first, one to each
-            # worker, so no worker is left running one alone at the end.
-            if not self.started:
-                self.started = True
-                for name in reversed(SHARED_SESSION_FIXTURES):
-                    if f"shared:{name}" in self.workqueue:
-                        self.workqueue.move_to_end(f"shared:{name}", last=False)
-            super()._assign_work_unit(node)
+            prompt = node.gateway.id == PROMPT_WORKER or len(self.nodes) == 1
+            eligible = [scope for scope in self.workqueue
+                        if prompt or not is_prompt_unit(scope, config.rootpath)]
+            if not eligible:
+                node.shutdown()  # only prompt units are left: this worker has nothing more to do
+                return
+            if prompt:
+                eligible.sort(key=lambda scope: not is_prompt_unit(scope, config.rootpath))  # stable
+            work_unit = self.workqueue.pop(eligible[0])
+            self.assigned_work.setdefault(node, {})[eligible[0]] = work_unit
+            collection = self.registered_collections[node]
+            node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
 
     return BySharedFixture(config, log)
 
