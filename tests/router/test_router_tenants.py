@@ -99,9 +99,12 @@ def tenants_yaml(run: str) -> str:
 
 
 def start(in_process_routers, replica: str, tenants: TenantFile, redis_url: str | None) -> str:
+    # The limits fail open past --redis-timeout-ms (50 ms by default); these routers and Redis
+    # share a busy machine with the rest of the suite, so they wait longer before letting a
+    # request in unchecked, which the tests below would read as a missing limit.
     url = in_process_routers.start(RouterConfig(
         replicas=[replica], policy="round-robin", models=[], health_interval_s=0.2,
-        max_attempts=1, redis_url=redis_url, tenants=tenants))
+        max_attempts=1, redis_url=redis_url, tenants=tenants, redis_timeout_ms=2000.0))
     deadline = time.monotonic() + 20
     while httpx.get(f"{url}/health").status_code != 200:
         assert time.monotonic() < deadline, "the replica never became healthy behind the router"
