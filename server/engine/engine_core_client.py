@@ -1,15 +1,15 @@
 """The front end's handle on the engine core process: starts it, talks to it, notices its death.
 
 Two ZMQ sockets on IPC paths in a private folder, both bound here: the front end PUSHes adds,
-aborts and the shutdown to the core's PULL; the core PUSHes back to the front end's PULL, which
-an asyncio task reads. ``launch`` starts the core, loads the front end's tokenizer meanwhile, and
+aborts and the shutdown to the core's PULL; the core PUSHes back to the front end's PULL, which an
+asyncio task reads. ``launch`` starts the core, loads the front end's tokenizer meanwhile, and
 blocks until the core is warmed up (or failed, with its reason); ``start`` (on the event loop)
-begins reading. The process's sentinel is watched by the event loop: when the core dies (a crash, the OOM killer, SIGKILL) the log says how, every
-open stream and waiting add gets EngineDeadError and the front end's ``is_alive`` is false, so
-/health and new requests answer 503. The reading task is watched the same way: if it ends (a
-message it cannot decode, a bug in what it calls) nothing more would be heard from the core, so
-the engine counts as dead too. A core that lives but is stuck in a step is EngineFront's
-``health_problem``.
+begins reading. The process's sentinel is watched by the event loop: when the core dies (a crash,
+the OOM killer, SIGKILL) the log says how, every open stream and waiting add gets EngineDeadError
+and the front end's ``is_alive`` is false, so /health and new requests answer 503. The reading task
+is watched the same way: if it ends (a message it cannot decode, a bug in what it calls) nothing
+more would be heard from the core, so the engine counts as dead too. A core that lives but is stuck
+in a step is EngineFront's ``health_problem``.
 """
 
 from __future__ import annotations
