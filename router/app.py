@@ -36,6 +36,7 @@ from kvscale.router.heartbeats import HeartbeatTable
 from kvscale.router.hold_gate import activation_report, hold_until_ready, refusal, worth_holding
 from kvscale.router.in_flight import InFlight
 from kvscale.router.index import PrefixIndex
+from kvscale.router.lora_fanout import update_routes
 from kvscale.router.lora_routing import Adapter, request_adapter, serves
 from kvscale.router.metrics import RouterMetrics
 from kvscale.router.prefix_hashes import PrefixHasher, PromptBlocks
@@ -55,9 +56,8 @@ class Router:
         self.metrics = RouterMetrics(config.policy)
         self.tenancy = Tenancy(config.api_key, config.tenants, config.redis_url,
                                config.redis_timeout_ms / 1000.0, self.metrics, config.scheduling_policy)
-        in_process = config.redis_url is None
         # Without Redis the index is only the router's own decisions; keep them until capacity.
-        self.index = PrefixIndex(prediction_ttl_s=(1e9 if in_process else 10.0))
+        self.index = PrefixIndex(prediction_ttl_s=(1e9 if config.redis_url is None else 10.0))
         # A replica discovery drops (its pod NotReady or deleted) leaves the index, the ledgers, the
         # heartbeat table and the metrics' series at once.
         self.replicas = ReplicaSet(
@@ -161,8 +161,7 @@ class Router:
         self.heartbeats.fold_into(self.replicas, self.hasher.block_sizes)
         feed = self.heartbeats.feed
         self.metrics.redis_up.set(1 if (feed is not None and feed.healthy) else 0)
-        self.metrics.replicas_healthy.set(
-            sum(1 for r in self.replicas.replicas.values() if self.heartbeats.routable(r)))
+        self.metrics.replicas_healthy.set(sum(1 for r in self.replicas.replicas.values() if self.heartbeats.routable(r)))
         self.metrics.set_index_blocks(self.index.sizes())
         if self.activation is not None:
             self.activation.update(self._any_available())
@@ -387,6 +386,7 @@ def build_app(config: RouterConfig) -> Starlette:
             Route("/tokenize", tokenize, methods=["POST"]),
             Route("/detokenize", detokenize, methods=["POST"]),
             Route("/version", version, methods=["GET"]),
+            *update_routes(router),  # --allow-runtime-lora-updating
             Route("/health", health, methods=["GET"]),
             Route("/ping", status.ping, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

@@ -124,6 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
         help="the replicas' --scheduling-policy: with priority, a tenant's priority goes to them as its "
              "requests' priority field (a request's own may be less urgent, never more)")
+    parser.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="pass POST /v1/load_lora_adapter and /v1/unload_lora_adapter on to every healthy replica "
+             "(each needs its own flag); one answer: 200 when all succeeded, else which failed")
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between replica health checks")
     parser.add_argument("--seed", type=int, default=None, help="seed for --policy random")
     parser.add_argument("--log-level", default="info")
@@ -197,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         scale_from_zero=args.scale_from_zero,
         max_queue_wait_s=args.max_queue_wait,
         scheduling_policy=args.scheduling_policy,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         freeze_heap_after_start=True,
     )
 

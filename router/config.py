@@ -59,3 +59,6 @@ class RouterConfig:
     # The replicas' --scheduling-policy: under "priority" a tenant's priority is sent as each of
     # its requests' priority field (router/engine_priority.py).
     scheduling_policy: str = "fcfs"
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter passed on to every replica
+    # (router/lora_fanout.py); off: 404, as on a server without the flag.
+    allow_runtime_lora_updating: bool = False
