@@ -135,15 +135,18 @@ class ChatFormatter(StreamFormatter):
             return None
         if self.plan is not None and self.plan.mode is not None:
             return self._tool_choice(completion, state, text)
-        logprobs = None
-        if self.body.logprobs and completion.logprobs is not None:
-            logprobs = chat_logprobs(state.token_ids, state.logprobs, self.body.top_logprobs or 0,
-                                     self.server.decode_one).model_dump()
+        logprobs = self._logprobs(state)
         state.sent(text)
         return {"index": completion.index, "delta": {"content": text} if text else {},
                 "logprobs": logprobs, "finish_reason": completion.finish_reason,
                 "stop_reason": completion.stop_reason}
 
+    def _logprobs(self, state: ChoiceState) -> dict | None:
+        """The logprobs of the tokens a chunk carries (those since the last chunk went out)."""
+        if not self.body.logprobs or not state.token_ids:
+            return None
+        return chat_logprobs(state.token_ids, state.logprobs, self.body.top_logprobs or 0,
+                             self.server.decode_one).model_dump()
 
     def _tool_choice(self, completion: CompletionOutput, state: ChoiceState, text: str) -> dict | None:
         plan = self.plan
@@ -153,17 +156,19 @@ class ChatFormatter(StreamFormatter):
         content, calls = stream.step(plan, text, finished=finish is not None)
         if stream.failed and finish is not None:
             self.server.count_tool_parse_failure()
-        state.sent(text)
         if finish == "stop" and stream.ids:
             finish = "tool_calls"
         if not content and not calls and finish is None:
+            state.held()  # the parser holds the text; its tokens' logprobs go with the next chunk
             return None
+        logprobs = self._logprobs(state)
+        state.sent(text)
         delta: dict = {}
         if content:
             delta["content"] = content
         if calls:
             delta["tool_calls"] = calls
-        return {"index": completion.index, "delta": delta, "logprobs": None, "finish_reason": finish,
+        return {"index": completion.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": completion.stop_reason}
 
 

@@ -174,6 +174,11 @@ class ChoiceState:
         self.text_sent += len(text)
         self.text, self.token_ids, self.logprobs = [], [], []
 
+    def held(self) -> None:
+        """The pending text went to a parser that sends nothing yet (a tool call's start): its
+        tokens and their logprobs wait for the next chunk that goes out."""
+        self.text = []
+
 
 class StreamFormatter:
     """How one endpoint's stream looks; the loop in ``stream_events`` drives it."""

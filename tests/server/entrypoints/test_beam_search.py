@@ -11,6 +11,7 @@ ties its own way); random float32 weights make a tie vanishingly unlikely.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Iterator
@@ -230,3 +231,45 @@ def test_a_client_that_leaves_ends_the_search(api):
         time.sleep(0.02)
         busy += engine.has_unfinished_requests()
     assert busy == 0
+
+
+def sse_chunks(response: httpx.Response) -> list[dict]:
+    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-1]
+    return [json.loads(event) for event in events[:-1]]
+
+
+def test_streamed_tool_calls_carry_their_tokens_logprobs(api):
+    """Sampling with a forced tool call, on the same app: every streamed chunk that carries tokens
+    carries their logprobs, tool-call deltas too, and together they are the whole answer's."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+        "additionalProperties": False}}}
+    body = {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 24, "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "f"}}, "logprobs": True, "top_logprobs": 2,
+            "temperature": 0}
+    whole = httpx.post(f"{api}/v1/chat/completions", json=body, timeout=60)
+    assert whole.status_code == 200, whole.text
+    (choice,) = whole.json()["choices"]
+    assert choice["message"]["tool_calls"] or choice["finish_reason"] == "length", choice
+    expected = choice["logprobs"]["content"]
+    assert len(expected) == whole.json()["usage"]["completion_tokens"]
+    streamed = httpx.post(f"{api}/v1/chat/completions", json={
+        **body, "stream": True, "stream_options": {"include_usage": True}}, timeout=60)
+    assert streamed.status_code == 200, streamed.text
+    entries = []
+    tool_deltas = 0
+    for chunk in sse_chunks(streamed)[1:]:  # after the role chunk
+        for streamed_choice in chunk["choices"]:
+            delta = streamed_choice["delta"]
+            tool_deltas += bool(delta.get("tool_calls"))
+            if delta.get("tool_calls") or delta.get("content"):
+                assert streamed_choice["logprobs"] is not None, chunk
+            if streamed_choice["logprobs"] is not None:
+                entries += streamed_choice["logprobs"]["content"]
+    assert tool_deltas > 0
+    assert [e["token"] for e in entries] == [e["token"] for e in expected]
+    assert [e["logprob"] for e in entries] == pytest.approx([e["logprob"] for e in expected], abs=1e-4)
+    assert [[t["token"] for t in e["top_logprobs"]] for e in entries] == [
+        [t["token"] for t in e["top_logprobs"]] for e in expected]
+    assert any(e["top_logprobs"] for e in entries)
