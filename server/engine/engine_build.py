@@ -33,6 +33,7 @@ from kvscale.server.worker.kv_sizing import (
     pass_decides_pool,
     pool_blocks,
 )
+from kvscale.server.worker.lora_memory import ProjectionDims, lora_memory
 from kvscale.server.worker.memory_profile import device_memory
 from kvscale.server.worker.model_config import load_model_config
 from kvscale.server.worker.model_loader import (
@@ -141,16 +142,20 @@ def build_engine(config: EngineConfig) -> EngineParts:
     step_profile: StepProfile | None = None
     if pass_decides_pool(device.type, config.kv_cache_memory_bytes, config.num_gpu_blocks_override):
         step_profile = largest_step_profile(runner, sampler, config, wanted_len)
-    num_blocks = pool_blocks(config, block_bytes, used, total, step_profile)
+    # The LoRA slots are filled on demand, after the KV cache took the card: reserved first.
+    slots = lora_memory(ProjectionDims.of(spec), lora.max_loras, lora.max_cpu_loras, lora.max_lora_rank,
+                        dtype.itemsize) if lora is not None else None
+    num_blocks = pool_blocks(config, block_bytes, used, total, step_profile, slots)
     kv_cache_bytes = num_blocks * block_bytes
     max_model_len = min(wanted_len, num_blocks * config.block_size)
 
     # The host tier (--kv-offloading-size): checked against the machine before anything is
-    # allocated; on CPU the KV cache itself is host memory too.
+    # allocated; on CPU the KV cache itself is host memory too, as are the LoRA slots and pool.
     room, room_what = host_memory_room()
+    host_lora = (slots.host_bytes + (slots.device_bytes if device.type == "cpu" else 0)) if slots else 0
     num_host_blocks = host_tier_blocks(
         config.kv_offloading_size, block_bytes, host_room_bytes=room, host_room_what=room_what,
-        other_host_bytes=kv_cache_bytes if device.type == "cpu" else 0,
+        other_host_bytes=(kv_cache_bytes if device.type == "cpu" else 0) + host_lora,
     ) if config.enable_prefix_caching else 0
     host = HostTier(num_host_blocks) if num_host_blocks else None
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, host)

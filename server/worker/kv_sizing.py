@@ -15,6 +15,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from kvscale.server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from kvscale.server.worker.lora_memory import LoRAMemory
 
 if TYPE_CHECKING:
     from kvscale.server.worker.model_runner import ModelRunner, StepProfile
@@ -65,28 +66,34 @@ def kv_cache_blocks(
     *,
     block_size: int,
     max_model_len: int | None = None,
+    lora: LoRAMemory | None = None,
 ) -> int:
     """KV blocks that fit in ``gpu_memory_utilization`` of the device.
 
     ``used_bytes`` is what the device holds before the profiling pass (weights, CUDA context,
-    anything else on the card), ``peak_bytes`` what the pass added at its peak. With
-    ``max_model_len`` given (the user asked for it), one sequence of that length must fit;
-    otherwise the caller caps the length at what the pool holds.
+    anything else on the card), ``peak_bytes`` what the pass added at its peak, ``lora`` the
+    LoRA slots, filled only later (server/worker/lora_memory.py). With ``max_model_len`` given
+    (the user asked for it), one sequence of that length must fit; otherwise the caller caps the
+    length at what the pool holds.
     """
     if block_bytes < 1 or block_size < 1:
         raise ValueError(f"block_bytes ({block_bytes}) and block_size ({block_size}) must be positive")
     allowed = int(total_bytes * gpu_memory_utilization)
-    budget = allowed - used_bytes - peak_bytes
+    lora_bytes = lora.device_bytes if lora is not None else 0
+    budget = allowed - used_bytes - peak_bytes - lora_bytes
     num_blocks = max(budget, 0) // block_bytes
+    slots = f", {lora.describe()}" if lora is not None else ""
     figures = (
         f"{gpu_memory_utilization:g} of {_gib(total_bytes)} GiB is {_gib(allowed)} GiB; "
         f"{_gib(used_bytes)} GiB was in use after loading the weights and the largest step "
-        f"peaked at {_gib(peak_bytes)} GiB more, leaving {_gib(budget)} GiB for the KV cache"
+        f"peaked at {_gib(peak_bytes)} GiB more{slots}, leaving {_gib(budget)} GiB for the KV cache"
     )
     if num_blocks < 1:
+        knobs = ("--max-num-batched-tokens, --max-num-seqs, --max-loras or --max-lora-rank" if lora_bytes
+                 else "--max-num-batched-tokens or --max-num-seqs")
         raise ValueError(
             f"no room for the KV cache: {figures}, less than one block ({block_bytes} bytes). "
-            "Increase --gpu-memory-utilization, or decrease --max-num-batched-tokens or --max-num-seqs"
+            f"Increase --gpu-memory-utilization, or decrease {knobs}"
         )
     if max_model_len is not None and num_blocks * block_size < max_model_len:
         needed = -(-max_model_len // block_size)
@@ -100,10 +107,12 @@ def kv_cache_blocks(
 
 
 def pool_blocks(
-    config: EngineConfig, block_bytes: int, used: int, total: int, step_profile: StepProfile | None
+    config: EngineConfig, block_bytes: int, used: int, total: int, step_profile: StepProfile | None,
+    lora: LoRAMemory | None = None,
 ) -> int:
     """The KV pool's size in blocks: the override, else what the profiling pass leaves room for
-    (``step_profile``, with the device's ``used`` and ``total`` bytes), else the fixed budget."""
+    (``step_profile``, with the device's ``used`` and ``total`` bytes, less the LoRA slots), else
+    the fixed budget (the KV cache's own size, as vLLM's --kv-cache-memory-bytes)."""
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
     if step_profile is not None:
@@ -111,7 +120,7 @@ def pool_blocks(
         assert step_profile.peak_bytes is not None
         return kv_cache_blocks(
             total, used, step_profile.peak_bytes, config.gpu_memory_utilization, block_bytes,
-            block_size=config.block_size, max_model_len=config.max_model_len,
+            block_size=config.block_size, max_model_len=config.max_model_len, lora=lora,
         )
     budget = config.kv_cache_memory_bytes
     if budget is None:
