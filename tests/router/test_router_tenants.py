@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import httpx
 import pytest
 import redis
 
+from kvscale.kv_index_schema import Heartbeat, heartbeat_args, heartbeat_keys, heartbeat_script
 from kvscale.processes import free_port
 from kvscale.router.config import RouterConfig
 from kvscale.router.tenants import TenantFile
@@ -151,6 +153,8 @@ def test_the_n_plus_first_request_across_two_routers_is_429(routers, run, sessio
     assert "x-ratelimit-limit-tokens" not in answers[0].headers  # no tokens limit: no header
     refused = answers[-1]
     assert 1 <= int(refused.headers["retry-after"]) <= WINDOW_S
+    assert set(refused.json()) == {"error"}  # OpenAI's error object
+    assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert refused.json()["error"]["type"] == "requests"
     assert "limit 3, used 3" in refused.json()["error"]["message"]
@@ -265,3 +269,61 @@ def test_a_changed_tenants_file_is_used_and_a_broken_one_ignored(in_process_rout
     path.write_text("- {name: broken}\n")
     time.sleep(0.1)
     assert post(url, "sk-new").status_code == 200
+
+
+def bound(url: str, replica_id: str) -> bool:
+    """The router routes to the replica under the id its heartbeat gives."""
+    replicas = httpx.get(f"{url}/health").json()["replicas"]
+    return bool(replicas) and replicas[0]["id"] == replica_id and replicas[0]["healthy"]
+
+
+def test_two_routers_queue_on_real_heartbeats_and_count_limits_before_the_queue(
+        in_process_routers, replica, session_redis, run, tmp_path: Path) -> None:
+    """--max-queue-wait with the room read from the replica's heartbeat in Redis, written as the
+    replicas write it (kvscale.kv_index_schema), in a Redis database of its own so that the
+    session's real replicas' routers never see this one: both routers hold while the heartbeat
+    says the batch is full and release when it says a slot is free; a tenant's limit is counted
+    across both before any request waits, so the one over it is 429 at once."""
+    db = f"redis://127.0.0.1:{session_redis.port}/3"
+    client = redis.Redis.from_url(db)
+    write = heartbeat_script(client)
+    rid = f"queue-{run}"
+
+    def beat(running: int) -> None:
+        hb = Heartbeat(rid, MODEL, replica, 16, running, 0, 1, 100, time.time(), max_num_seqs=1)
+        write(keys=heartbeat_keys(rid), args=heartbeat_args(rid, hb.to_json()))
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"- {{name: queued-{run}, api_key: sk-queued, requests_per_minute: 3}}\n")
+    beat(1)  # one sequence running in a batch of one: full
+    config = RouterConfig(replicas=[replica], policy="round-robin", models=[], max_attempts=1,
+                          health_interval_s=0.2, redis_url=db, tenants=TenantFile(path),
+                          redis_timeout_ms=2000.0, max_queue_wait_s=8.0)
+    with ThreadPoolExecutor(2) as pool:  # each start takes a second or so: both at once
+        urls = list(pool.map(in_process_routers.start, [config, config]))
+    deadline = time.monotonic() + 20
+    while not all(bound(u, rid) for u in urls):
+        assert time.monotonic() < deadline, "the routers never read the replica's heartbeat"
+        time.sleep(0.05)
+    clear_of_window_end(db)
+    beat(1)
+    with ThreadPoolExecutor(3) as pool:
+        waiting = [pool.submit(post, url, "sk-queued", max_tokens=1)
+                   for url in (urls[0], urls[1], urls[0])]
+        deadline = time.monotonic() + 5
+        while [httpx.get(f"{u}/health").json()["queued"] for u in urls] != [2, 1]:
+            assert time.monotonic() < deadline, "the requests were not held"
+            time.sleep(0.02)
+        over = post(urls[1], "sk-queued", max_tokens=1)  # the 4th of 3 a minute, over 2 routers
+        assert over.status_code == 429 and "retry-after" in over.headers
+        assert over.json()["error"]["code"] == "rate_limit_exceeded"
+        beat(1)  # within the heartbeat's TTL however slow the steps above were
+        time.sleep(0.6)  # a heartbeat poll and a queue tick later, still full: still held
+        assert not any(w.done() for w in waiting)
+        beat(0)  # the slot is free
+        answers = [w.result(timeout=10) for w in waiting]
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert sorted(a.headers["x-ratelimit-remaining-requests"] for a in answers) == ["0", "1", "2"]
+    waited = f'kvscale_router_tenant_queue_wait_seconds_total{{tenant="queued-{run}"}}'
+    assert all(metric(u, waited) >= 0.6 for u in urls)
+    assert metric(urls[0], 'kvscale_router_queue_waits_total{outcome="released"}') == 2
