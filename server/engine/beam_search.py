@@ -46,6 +46,9 @@ class Beam:
     logprobs: tuple[float, ...] = ()  # each generated token's logprob
     finish_reason: str | None = None  # "stop" | "length" once a hypothesis
     stop_reason: int | str | None = None
+    # Each generated token's step as the driver passed it to beam_step (the server's: the step's
+    # top logprobs, which a request with logprobs answers); () when the driver passes none.
+    steps: tuple[object, ...] = ()
 
 
 def beam_score(cum_logprob: float, length: int, length_penalty: float) -> float:
@@ -85,13 +88,16 @@ class BeamSearchState:
 
 
 def beam_step(state: BeamSearchState, candidates: Sequence[Sequence[tuple[int, float]]],
-              stop: StopCheck) -> None:
+              stop: StopCheck, steps: Sequence[object] | None = None) -> None:
     """Advance ``state`` by one token: ``candidates[i]`` is live beam i's (token, logprob) list,
-    its top ``state.num_logprobs`` at least. ``stop`` says whether a candidate ends."""
+    its top ``state.num_logprobs`` at least. ``stop`` says whether a candidate ends. ``steps[i]``,
+    if given, is live beam i's step record, appended to its children's ``steps``."""
     if state.done:
         raise ValueError("the search is done")
     if len(candidates) != len(state.live):
         raise ValueError(f"{len(candidates)} candidate lists for {len(state.live)} live beams")
+    if steps is not None and len(steps) != len(state.live):
+        raise ValueError(f"{len(steps)} step records for {len(state.live)} live beams")
     width = state.beam_width
     joint = [(beam.cum_logprob + logprob, index, token, logprob)
              for index, (beam, options) in enumerate(zip(state.live, candidates, strict=True))
@@ -106,11 +112,12 @@ def beam_step(state: BeamSearchState, candidates: Sequence[Sequence[tuple[int, f
         parent = state.live[index]
         tokens = parent.tokens + (token,)
         reason = stop(tokens)
-        beam = Beam(tokens, cum, parent.logprobs + (logprob,))
+        record = parent.steps + (steps[index],) if steps is not None else parent.steps
+        beam = Beam(tokens, cum, parent.logprobs + (logprob,), steps=record)
         if reason is not None or length >= state.max_tokens:
             if rank < width:
                 ended.append(Beam(tokens, cum, beam.logprobs, "stop" if reason is not None else "length",
-                                  reason))
+                                  reason, record))
         elif len(live) < width:
             live.append(beam)
     if not (full_before and state.early_stopping is True):

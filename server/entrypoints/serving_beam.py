@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, cast
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from kvscale.server.engine.beam_search import (
     MAX_BEAM_WIDTH,
@@ -34,9 +37,9 @@ from kvscale.server.engine.engine_front import EngineDeadError, RequestStream
 from kvscale.server.entrypoints import protocol as p
 from kvscale.server.entrypoints.response_parts import usage
 from kvscale.server.entrypoints.serving import APIError, OpenAIServer, Prepared, bad_request
-from kvscale.server.entrypoints.serving_streams import watch_disconnect
+from kvscale.server.entrypoints.serving_streams import sse, watch_disconnect
 from kvscale.server.entrypoints.tenant_header import REQUEST_TENANT
-from kvscale.server.outputs import RequestOutput, merge_deltas
+from kvscale.server.outputs import PositionLogprobs, RequestOutput, merge_deltas
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.worker.model_loader import eos_token_ids
 
@@ -45,11 +48,10 @@ from kvscale.server.worker.model_loader import eos_token_ids
 _NEUTRAL: dict[str, tuple[object, ...]] = {
     "temperature": (0, 0.0), "top_p": (1, 1.0), "top_k": (-1, 0), "min_p": (0, 0.0),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "min_tokens": (0,), "stream": (False,), "echo": (False,),
+    "min_tokens": (0,), "echo": (False,),
 }
 _WHY = {
     "temperature": "beam search ranks the model's own logprobs and samples nothing; set 0 or leave it unset",
-    "stream": "the beams are known only when the search ends",
     "echo": "not implemented with beam search",
     "min_tokens": "not implemented with beam search",
 }
@@ -75,11 +77,7 @@ def check_beam_search(body: p.SamplingFields) -> bool:
         if value is not None and value not in neutral:
             why = _WHY.get(name, "beam search ranks the model's own logprobs")
             raise bad_request(f"{name}: {value!r} cannot be honoured with use_beam_search: {why}.", name)
-    chat = isinstance(body, p.ChatCompletionRequest)
-    logprobs = getattr(body, "logprobs", None)
-    refused = {"logprobs": (logprobs or None) if chat else logprobs,
-               "top_logprobs": getattr(body, "top_logprobs", None), "tools": getattr(body, "tools", None),
-               "logit_bias": body.logit_bias,
+    refused = {"tools": getattr(body, "tools", None), "logit_bias": body.logit_bias,
                "structured_outputs": body.structured_outputs,
                "response_format": body.response_format if body.response_format is not None
                and body.response_format.type != "text" else None}
@@ -112,9 +110,10 @@ async def _final(stream: RequestStream) -> RequestOutput:
 
 
 async def _search(server: OpenAIServer, prepared: Prepared, states: list[BeamSearchState],
-                  live_streams: list[RequestStream], stop: StopCheck, gone: list[bool]) -> None:
+                  live_streams: list[RequestStream], stop: StopCheck, gone: list[bool], num_top: int) -> None:
     width = states[0].beam_width
-    step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
+    # The search reads each step's top 2n; a request's logprobs may show more (both at most 20).
+    step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=max(2 * width, num_top), ignore_eos=True)
     turn = 0
     while not all(state.done for state in states) and not gone:
         live = [(index, state) for index, state in enumerate(states) if not state.done]
@@ -135,12 +134,13 @@ async def _search(server: OpenAIServer, prepared: Prepared, states: list[BeamSea
         finally:
             server.release(streams)
         for _, state in live:
-            candidates = []
+            candidates, steps = [], []
             for _beam in state.live:
                 positions = next(outputs).outputs[0].logprobs or [{}]
                 candidates.append(top_candidates({t: lp.logprob for t, lp in positions[0].items()},
                                                  state.num_logprobs))
-            beam_step(state, candidates, stop)
+                steps.append(positions[0])  # each beam's logprobs, for a request that asks for them
+            beam_step(state, candidates, stop, steps)
     if gone:
         raise APIError(499, "Client disconnected.", "invalid_request_error")
 
@@ -160,20 +160,20 @@ def _choice_text(server: OpenAIServer, body: p.SamplingFields, beam: Beam) -> tu
 
 @dataclass
 class BeamChoice:
-    """One beam as a choice: its text (what ended it left out, as in sampling) and outcome."""
+    """One beam as a choice: its text (what ended it left out, as in sampling), outcome, and its
+    generated tokens (the stop token too, as sampling counts it) with each step's top logprobs."""
 
     text: str
     num_tokens: int
     finish_reason: str | None
     stop_reason: int | str | None
+    token_ids: list[int]
+    positions: list[PositionLogprobs]
 
 
 async def search(server: OpenAIServer, body: p.SamplingFields, prepared: Prepared,
-                 request: Request) -> list[list[BeamChoice]]:
-    """Each prompt's n best beams, best first."""
-    server.check_capacity(body.n * len(prepared.prompts))
-    if prepared.lora_name and prepared.lora_name not in server.lora_modules:
-        server.check_model(prepared.lora_name)
+                 request: Request, num_top: int = 0) -> list[list[BeamChoice]]:
+    """Each prompt's n best beams, best first; ``num_top``: the top logprobs the answer shows."""
     penalty = 1.0 if body.length_penalty is None else float(body.length_penalty)
     states = [BeamSearchState(body.n, params.max_tokens or 1, penalty) for params in prepared.params]
     eos = set() if body.ignore_eos else set(_eos_ids(server.model_root, server.tokenizer.eos_token_id))
@@ -192,7 +192,7 @@ async def search(server: OpenAIServer, body: p.SamplingFields, prepared: Prepare
 
     watcher = asyncio.ensure_future(watch_disconnect(request, on_disconnect))
     try:
-        await _search(server, prepared, states, live_streams, stop, gone)
+        await _search(server, prepared, states, live_streams, stop, gone, num_top)
     except EngineDeadError as exc:
         raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
     finally:
@@ -206,30 +206,90 @@ async def search(server: OpenAIServer, body: p.SamplingFields, prepared: Prepare
             # EOS is no stop token: null, as sampling reports it.
             stop_reason = None if beam.stop_reason in eos and beam.stop_reason not in (
                 body.stop_token_ids or ()) else beam.stop_reason
-            answers[-1].append(BeamChoice(text, count, beam.finish_reason, stop_reason))
+            answers[-1].append(BeamChoice(text, count, beam.finish_reason, stop_reason, list(beam.tokens),
+                                          [cast(PositionLogprobs, step) for step in beam.steps]))
     return answers
 
 
-async def beam_completion(server: OpenAIServer, body: p.CompletionRequest, prepared: Prepared,
-                          request: Request) -> p.CompletionResponse:
+LogprobsOf = Callable[[BeamChoice], Any]  # a beam's logprobs in the endpoint's form, or None
+
+
+def _admit(server: OpenAIServer, body: p.SamplingFields, prepared: Prepared) -> dict[str, Any]:
+    """The checks before a search starts (a streamed one's too: before its 200); the answer's head."""
+    server.check_capacity(body.n * len(prepared.prompts))
+    if prepared.lora_name and prepared.lora_name not in server.lora_modules:
+        server.check_model(prepared.lora_name)
+    return {"id": prepared.request_id, "created": int(time.time()), "model": body.model or server.model_name}
+
+
+async def beam_completion(server: OpenAIServer, body: p.CompletionRequest, prepared: Prepared, request: Request,
+                          logprobs_of: LogprobsOf) -> p.CompletionResponse | StreamingResponse:
     """The n best beams of each prompt as choices, best first (choice index: prompt x n + rank)."""
-    answers = await search(server, body, prepared, request)
-    choices = [p.CompletionChoice(index=index * body.n + rank, text=beam.text, logprobs=None,
-                                  finish_reason=beam.finish_reason, stop_reason=beam.stop_reason)
-               for index, beams in enumerate(answers) for rank, beam in enumerate(beams)]
-    completion_tokens = sum(beam.num_tokens for beams in answers for beam in beams)
-    prompt_tokens = sum(len(ids) for ids in prepared.prompts)
-    return p.CompletionResponse(id=prepared.request_id, model=body.model or server.model_name, choices=choices,
-                                usage=p.Usage(**usage(prompt_tokens, completion_tokens, 0)))
+    head = _admit(server, body, prepared)
+
+    async def answer() -> p.CompletionResponse:
+        answers = await search(server, body, prepared, request, body.logprobs or 0)
+        choices = [p.CompletionChoice(index=index * body.n + rank, text=beam.text, logprobs=logprobs_of(beam),
+                                      finish_reason=beam.finish_reason, stop_reason=beam.stop_reason)
+                   for index, beams in enumerate(answers) for rank, beam in enumerate(beams)]
+        completion_tokens = sum(beam.num_tokens for beams in answers for beam in beams)
+        prompt_tokens = sum(len(ids) for ids in prepared.prompts)
+        return p.CompletionResponse(**head, choices=choices, usage=p.Usage(**usage(prompt_tokens, completion_tokens, 0)))
+
+    if body.stream:
+        return _streamed(body, head, "text_completion", [], answer(), lambda c: c)
+    return await answer()
 
 
 async def beam_chat_completion(server: OpenAIServer, body: p.ChatCompletionRequest, prepared: Prepared,
-                               request: Request) -> p.ChatCompletionResponse:
+                               request: Request, logprobs_of: LogprobsOf) -> p.ChatCompletionResponse | StreamingResponse:
     """The conversation's n best beams as the choices' messages, best first."""
-    (beams,) = await search(server, body, prepared, request)
-    choices = [p.ChatChoice(index=rank, message=p.ChatResponseMessage(content=beam.text, tool_calls=[]),
-                            logprobs=None, finish_reason=beam.finish_reason, stop_reason=beam.stop_reason)
-               for rank, beam in enumerate(beams)]
-    completion_tokens = sum(beam.num_tokens for beam in beams)
-    return p.ChatCompletionResponse(id=prepared.request_id, model=body.model or server.model_name, choices=choices,
-                                    usage=p.Usage(**usage(len(prepared.prompts[0]), completion_tokens, 0)))
+    head = _admit(server, body, prepared)
+
+    async def answer() -> p.ChatCompletionResponse:
+        (beams,) = await search(server, body, prepared, request, (body.top_logprobs or 0) if body.logprobs else 0)
+        choices = [p.ChatChoice(index=rank, message=p.ChatResponseMessage(content=beam.text, tool_calls=[]),
+                                logprobs=logprobs_of(beam) if body.logprobs else None,
+                                finish_reason=beam.finish_reason, stop_reason=beam.stop_reason)
+                   for rank, beam in enumerate(beams)]
+        completion_tokens = sum(beam.num_tokens for beam in beams)
+        return p.ChatCompletionResponse(**head, choices=choices,
+                                        usage=p.Usage(**usage(len(prepared.prompts[0]), completion_tokens, 0)))
+
+    def delta(choice: dict) -> dict:
+        message = choice.pop("message")
+        return {**choice, "delta": {"content": message["content"]}}
+
+    opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None} for i in range(body.n)]
+    if body.stream:
+        return _streamed(body, head, "chat.completion.chunk", opening, answer(), delta)
+    return await answer()
+
+
+def _streamed(body: p.SamplingFields, head: dict[str, Any], object_name: str, opening: list[dict],
+              answer: Awaitable[Any], as_delta: Callable[[dict], dict]) -> StreamingResponse:
+    """A streamed beam search, as vLLM's chat streams one: the beams are known only when the search
+    ends, so each choice comes whole in one chunk at the end (after chat's role chunk), then usage."""
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(head: dict, choices: list[dict], usage_: dict | None = None) -> str:
+        payload = {**head, "object": object_name, "choices": choices}
+        if include_usage:
+            payload["usage"] = usage_
+        return sse(payload)
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            if opening:
+                yield chunk(head, opening)
+            response = (await answer).model_dump()
+            for choice in response["choices"]:
+                yield chunk(head, [as_delta(choice)])
+            if include_usage:
+                yield chunk(head, [], response["usage"])
+        except APIError as exc:
+            yield sse(p.error_body(exc.message, exc.err_type, param=exc.param, code=exc.code))
+        yield sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream")

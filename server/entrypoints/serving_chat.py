@@ -201,7 +201,8 @@ async def _respond(server: OpenAIServer, body: p.ChatCompletionRequest, prepared
 async def create_chat_completion(server: OpenAIServer, body: p.ChatCompletionRequest, request: Request):
     prepared = prepare_chat(server, body)
     if body.use_beam_search:  # docs/server.md, "Beam search"
-        return await beam_chat_completion(server, body, prepared, request)
+        return await beam_chat_completion(server, body, prepared, request, lambda beam: chat_logprobs(
+            beam.token_ids, beam.positions, body.top_logprobs or 0, server.decode_one))
     streams = await server.open_streams(prepared)
     if body.stream:
         formatter = ChatFormatter(server, body, prepared)

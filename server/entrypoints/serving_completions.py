@@ -28,7 +28,7 @@ from kvscale.server.entrypoints.serving import (
     sampling_params_from,
     structured_outputs_from,
 )
-from kvscale.server.entrypoints.serving_beam import beam_completion
+from kvscale.server.entrypoints.serving_beam import BeamChoice, beam_completion
 from kvscale.server.entrypoints.serving_streams import (
     ChoiceState,
     StreamFormatter,
@@ -184,7 +184,12 @@ async def _respond(server: OpenAIServer, body: p.CompletionRequest, prepared: Pr
 async def create_completion(server: OpenAIServer, body: p.CompletionRequest, request: Request) -> p.CompletionResponse | StreamingResponse:
     prepared = prepare_completion(server, body)
     if body.use_beam_search:  # docs/server.md, "Beam search"
-        return await beam_completion(server, body, prepared, request)
+        def beam_logprobs(beam: BeamChoice) -> p.CompletionLogprobs | None:
+            if body.logprobs is None:
+                return None
+            return completion_logprobs(beam.token_ids, beam.positions, body.logprobs, 0, server.decode_one)
+
+        return await beam_completion(server, body, prepared, request, beam_logprobs)
     streams = await server.open_streams(prepared)
     if body.stream:
         formatter = CompletionFormatter(server, body, prepared)

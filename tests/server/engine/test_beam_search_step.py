@@ -106,3 +106,14 @@ def test_refusals():
 
 def test_top_candidates():
     assert top_candidates({5: -1.0, 6: -0.5, 7: -3.0}, 2) == [(6, -0.5), (5, -1.0)]
+
+
+def test_each_beam_carries_its_parents_step_records():
+    state = BeamSearchState(2, 3)
+    beam_step(state, [[(1, lp(0.6)), (2, lp(0.4))]], eos_stop, steps=["first"])
+    beam_step(state, [[(3, lp(0.9)), (4, lp(0.1))], [(5, lp(0.5)), (6, lp(0.5))]], eos_stop,
+              steps=["after 1", "after 2"])
+    assert {beam.tokens: beam.steps for beam in state.live} == {(1, 3): ("first", "after 1"),
+                                                                 (2, 5): ("first", "after 2")}
+    with pytest.raises(ValueError, match="step records"):
+        beam_step(state, [[(7, lp(1.0))], [(8, lp(1.0))]], eos_stop, steps=["one"])

@@ -178,8 +178,8 @@ def test_stop_strings_end_beams(api):
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"stream": True}, "stream"), ({"n": 11}, "n"), ({"temperature": 0.7}, "temperature"),
-    ({"top_p": 0.5}, "top_p"), ({"top_k": 5}, "top_k"), ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"),
+    ({"n": 11}, "n"), ({"temperature": 0.7}, "temperature"), ({"min_tokens": 2}, "min_tokens"),
+    ({"top_p": 0.5}, "top_p"), ({"top_k": 5}, "top_k"), ({"echo": True}, "echo"),
     ({"logit_bias": {"5": 1}}, "logit_bias"), ({"use_beam_search": "yes"}, "use_beam_search"),
     ({"use_beam_search": False, "length_penalty": 0.5}, "length_penalty"),
     ({"length_penalty": "long"}, "length_penalty"),
@@ -201,8 +201,7 @@ def test_chat_returns_the_n_best_beams_of_the_rendered_conversation(api):
         "prompt": ids, "max_tokens": 5, "n": 2, "use_beam_search": True}, timeout=60).json()
     assert [c["message"]["content"] for c in chat.json()["choices"]] == [c["text"] for c in completion["choices"]]
     assert [c["index"] for c in chat.json()["choices"]] == [0, 1]
-    for extra, param in (({"logprobs": True}, "logprobs"), ({"stream": True}, "stream"),
-                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")):
+    for extra, param in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),):
         response = httpx.post(f"{api}/v1/chat/completions", json={
             "messages": messages, "max_tokens": 2, "use_beam_search": True, **extra}, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
@@ -273,3 +272,58 @@ def test_streamed_tool_calls_carry_their_tokens_logprobs(api):
     assert [[t["token"] for t in e["top_logprobs"]] for e in entries] == [
         [t["token"] for t in e["top_logprobs"]] for e in expected]
     assert any(e["top_logprobs"] for e in entries)
+
+
+@pytest.mark.parametrize("top", [2, 5])  # within the 2n candidates each step asks for, and beyond
+def test_beams_answer_their_tokens_logprobs(tiny, api, top):
+    """Each beam's logprobs are its own tokens' (the stop token too), and they add up to its score."""
+    _, hf, _ = tiny
+    body = {"prompt": PROMPTS[0], "n": 2, "max_tokens": 6, "use_beam_search": True, "length_penalty": 0.5,
+            "logprobs": top}
+    response = httpx.post(f"{api}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    expected = hf_beams(hf, PROMPTS[0], 2, 6, 0.5, False)
+    for choice, (tokens, score) in zip(choices, expected, strict=True):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(tokens)
+        assert sum(logprobs["token_logprobs"]) / len(tokens) ** 0.5 == pytest.approx(score, abs=1e-4)
+        assert all(len(t) >= top for t in logprobs["top_logprobs"])
+        assert logprobs["text_offset"] == sorted(logprobs["text_offset"])
+    assert response.json()["usage"]["completion_tokens"] == sum(len(t) for t, _ in expected)
+    chat = httpx.post(f"{api}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "a b"}], "max_tokens": 4, "n": 2, "use_beam_search": True,
+        "logprobs": True, "top_logprobs": top}, timeout=60)
+    assert chat.status_code == 200, chat.text
+    for choice in chat.json()["choices"]:
+        content = choice["logprobs"]["content"]
+        assert content and all(len(entry["top_logprobs"]) == top for entry in content)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_streamed_beam_search_sends_the_final_beams_at_the_end(api, endpoint):
+    """As vLLM's chat does: the beams are known when the search ends, so each choice comes whole
+    in one chunk (after chat's role chunk), then usage and [DONE]."""
+    chat = endpoint == "chat/completions"
+    body: dict[str, Any] = {"n": 3, "max_tokens": 5, "use_beam_search": True, "logprobs": True if chat else 1}
+    body.update({"messages": [{"role": "user", "content": "a b"}], "top_logprobs": 1} if chat
+                else {"prompt": PROMPTS[1]})
+    whole = httpx.post(f"{api}/v1/{endpoint}", json=body, timeout=60)
+    assert whole.status_code == 200, whole.text
+    streamed = httpx.post(f"{api}/v1/{endpoint}", json={**body, "stream": True,
+                                                        "stream_options": {"include_usage": True}}, timeout=60)
+    assert streamed.status_code == 200, streamed.text
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_chunks(streamed)
+    if chat:
+        assert [c["delta"] for c in chunks[0]["choices"]] == [{"role": "assistant", "content": ""}] * 3
+        chunks = chunks[1:]
+    *choice_chunks, last = chunks
+    assert last["choices"] == [] and last["usage"] == whole.json()["usage"]
+    choices = [choice for chunk in choice_chunks for choice in chunk["choices"]]
+    assert all(chunk["object"] == ("chat.completion.chunk" if chat else "text_completion") for chunk in chunks)
+    for got, want in zip(choices, whole.json()["choices"], strict=True):
+        text = got["delta"]["content"] if chat else got["text"]
+        assert text == (want["message"]["content"] if chat else want["text"])
+        assert (got["index"], got["logprobs"], got["finish_reason"]) == (
+            want["index"], want["logprobs"], want["finish_reason"])
