@@ -17,6 +17,7 @@ from typing import Any
 import kopf
 
 from kvscale.operator import conditions, hpa, scaling, scraping
+from kvscale.operator.adapter_status import adapter_status
 from kvscale.operator.apply import apply_children
 from kvscale.operator.children.labels import as_selector_string, router_selector, selector_string
 from kvscale.operator.conditions import SCALING_ACTIVE, Condition
@@ -157,6 +158,7 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
         demand = demand_from_reports(reports or [])
         estimate = scaling.estimate_load(loads, policy, demand.queued)
         extra = load_status(estimate)
+        extra["adapters"] = adapter_status(spec.adapters, reports)
         live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         ready = sum(1 for p in live if scraping.is_ready(p))
         if policy.scales_to_zero:

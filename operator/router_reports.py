@@ -25,6 +25,10 @@ from kvscale.operator.spec import ROUTER_PORT
 
 PREFIX_ROUTING = "PrefixRouting"
 MAX_QUEUED = 100_000
+# A server registers at most 256 adapters (server/worker/lora_manager.py); names longer than a
+# registered one are no server's.
+MAX_ADAPTERS = 256
+MAX_ADAPTER_NAME = 256
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class RouterReport:
     idle_seconds: float | None = None  # since a request was last open or held there; None: unsaid
     last_cold_start_s: float | None = None  # its last wait from a held request to a ready replica
     indexed: dict[str, float] = field(default_factory=dict)  # replica id -> blocks its index holds
+    # routable replica id -> its LoRA adapters (operator/adapter_status.py)
+    adapters: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 def report_from_health(pod: str, body: Any) -> RouterReport:
@@ -46,18 +52,23 @@ def report_from_health(pod: str, body: Any) -> RouterReport:
                for t in body["tokenizers"] if isinstance(t, dict) and not t.get("loaded")}
     indexed = {str(r["id"]): float(r["index_blocks"]) for r in body.get("replicas") or []
                if isinstance(r, dict) and isinstance(r.get("index_blocks"), (int, float))}
+    adapters = {str(r["id"]): frozenset(str(n) for n in r["adapters"][:MAX_ADAPTERS]
+                                        if isinstance(n, str) and len(n) <= MAX_ADAPTER_NAME)
+                for r in body.get("replicas") or []
+                if isinstance(r, dict) and "id" in r and r.get("healthy") is True
+                and isinstance(r.get("adapters"), list)}
     said = body.get("queued")
     # A router's queue holds at most a few thousand; a larger figure is no router's.
     queued = min(said, MAX_QUEUED) if isinstance(said, int) and not isinstance(said, bool) and said > 0 else 0
     activation = body.get("activation")
     if not isinstance(activation, dict):
-        return RouterReport(pod, missing, queued=queued, indexed=indexed)
+        return RouterReport(pod, missing, queued=queued, indexed=indexed, adapters=adapters)
     idle = activation.get("idle_seconds")
     cold = activation.get("last_cold_start_seconds")
     return RouterReport(pod, missing, held=int(activation.get("held") or 0), queued=queued,
                         idle_seconds=float(idle) if isinstance(idle, (int, float)) else None,
                         last_cold_start_s=float(cold) if isinstance(cold, (int, float)) else None,
-                        indexed=indexed)
+                        indexed=indexed, adapters=adapters)
 
 
 def indexed_blocks(reports: list[RouterReport]) -> dict[str, float]:

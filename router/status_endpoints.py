@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvscale.router.lora_routing import served_names
+from kvscale.router.lora_routing import adapters_of, served_names
 
 if TYPE_CHECKING:
     from kvscale.router.app import Router
@@ -38,7 +38,9 @@ async def health(router: Router, request: Request) -> Response:
         {"url": r.url, "id": r.replica_id, "healthy": router.heartbeats.routable(r),
          "in_flight": r.in_flight, "models": sorted(r.models),
          "status": router.heartbeats.replica_status(r),
-         "index_blocks": indexed.get(r.replica_id, 0)}
+         "index_blocks": indexed.get(r.replica_id, 0),
+         # Its LoRA adapters now: what the operator reports per adapter (status.adapters).
+         "adapters": sorted(adapters_of(r, router.heartbeats.get(r.replica_id)))}
         for r in router.replicas.replicas.values()
     ]
     # Holding requests at zero replicas is serving: the router stays ready (its Service

@@ -20,13 +20,14 @@ from kvscale.router.lora_fanout import ReplicaAnswer, aggregate
 KEY = "router-key"
 
 
-def _replica(refuse: set[str]) -> tuple[ThreadingHTTPServer, list[tuple[str, dict]]]:
-    """A replica that records each update and refuses (404, the server's error body) the names in ``refuse``."""
+def _replica(refuse: set[str], cards: tuple[dict, ...] = ()) -> tuple[ThreadingHTTPServer, list[tuple[str, dict]]]:
+    """A replica serving ``cards`` beside its base model that records each update and refuses (404,
+    the server's error body) the names in ``refuse``."""
     seen: list[tuple[str, dict]] = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            self._answer(200, "application/json", json.dumps({"object": "list", "data": [{"id": "base"}]}))
+            self._answer(200, "application/json", json.dumps({"object": "list", "data": [{"id": "base"}, *cards]}))
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["content-length"])))
@@ -55,7 +56,7 @@ def _replica(refuse: set[str]) -> tuple[ThreadingHTTPServer, list[tuple[str, dic
 
 @pytest.fixture(scope="module")
 def fleet(in_process_routers):
-    replicas = [_replica(set()), _replica({"only-on-a"})]
+    replicas = [_replica(set(), ({"id": "sql", "parent": "base"},)), _replica({"only-on-a"})]
     urls = [f"http://127.0.0.1:{server.server_address[1]}" for server, _ in replicas]
     common = {"replicas": urls, "policy": "round-robin", "models": [], "health_interval_s": 0.5,
               "api_key": KEY, "replica_api_key": "replica-key"}
@@ -86,6 +87,13 @@ def test_an_update_goes_to_every_replica_and_one_answer_comes_back(fleet) -> Non
                                {"lora_name": "sql", "lora_path": "/adapters/sql", "auth": "Bearer replica-key"})
     assert _post(on, "unload_lora_adapter", lora_name="sql").status_code == 200
     assert [s[-1][0] for s in seen] == ["/v1/unload_lora_adapter"] * 2
+
+
+def test_health_lists_each_replicas_adapters(fleet) -> None:
+    # What the operator's status.adapters counts (operator/adapter_status.py).
+    on, _, _, urls = fleet
+    adapters = {r["url"]: r["adapters"] for r in httpx.get(f"{on}/health").json()["replicas"]}
+    assert adapters == {urls[0]: ["sql"], urls[1]: []}
 
 
 def test_a_failure_on_one_replica_names_it(fleet) -> None:
