@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "torch.distributed, gloo on CPU, NCCL on GPUs): N must divide the query "
                             "heads; not gemma3_text or gpt_oss, --quantization or the host KV tier yet "
                             "(default 1; docs/engine.md)")
+    # vLLM's flag, so that a deployment carrying it fails by name rather than as an unknown flag.
+    model.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="not supported: speculative decoding is not implemented, so the flag is "
+                            "refused at start (docs/server.md)")
     model.add_argument("--enforce-eager", action="store_true", default=None,
                        help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
     model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -299,6 +303,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.stream_interval < 1:
         print("kvscale serve: --stream-interval must be at least 1", file=sys.stderr)
+        return 2
+    if args.speculative_config is not None:
+        print("kvscale serve: --speculative-config cannot be honoured: speculative decoding (draft model, "
+              "n-gram, suffix) is not implemented in this engine; start without it", file=sys.stderr)
         return 2
     if min(args.responses_store_max_entries, args.responses_store_max_bytes) < 1 or args.responses_store_ttl <= 0:
         print("kvscale serve: --responses-store-max-entries and --responses-store-max-bytes must be at "

@@ -29,3 +29,9 @@ def test_tensor_parallel_size_reaches_the_engine_config_and_zero_is_refused(caps
     assert args.tensor_parallel_size == 3
     assert run(build_parser("serve").parse_args(["serve", "--tensor-parallel-size", "0"])) == 2
     assert "tensor_parallel_size must be at least 1" in capsys.readouterr().err
+
+
+def test_speculative_config_is_refused_by_name_before_anything_starts(capsys):
+    args = build_parser("serve").parse_args(["serve", "--speculative-config", '{"method": "ngram"}'])
+    assert run(args) == 2
+    assert "--speculative-config cannot be honoured" in capsys.readouterr().err
