@@ -297,9 +297,14 @@ ROUTER_TENANT_TOKENS = Metric(
 ROUTER_TENANT_QUEUE_WAIT_SECONDS = Metric(
     "kvscale_router_tenant_queue_wait_seconds", COUNTER,
     "Seconds each tenant's requests waited in the router's queue (--max-queue-wait).", ("tenant",))
+ROUTER_FAIR_SHARE_SHARED = Metric(
+    "kvscale_router_fair_share_shared", GAUGE,
+    "1 while the tenants' fair-share counters of the router's queue are the fleet's, kept in "
+    "Redis; 0 while it orders tenants by its own counters (Redis failed, or no --tenants or "
+    "--max-queue-wait).")
 ROUTER_TENANT_METRICS = (
     ROUTER_TENANT_REQUESTS, ROUTER_TENANT_RATE_LIMITED, ROUTER_TENANT_LIMITS_UNCHECKED,
-    ROUTER_TENANT_TOKENS, ROUTER_TENANT_QUEUE_WAIT_SECONDS)
+    ROUTER_TENANT_TOKENS, ROUTER_TENANT_QUEUE_WAIT_SECONDS, ROUTER_FAIR_SHARE_SHARED)
 ROUTER_HOLD_OUTCOMES = ("released", "timeout", "full", "disconnected")
 ROUTER_QUEUE_OUTCOMES = ROUTER_HOLD_OUTCOMES
 ROUTER_ACTIVATION_RESULTS = ("scaled", "already", "error")

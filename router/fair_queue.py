@@ -5,8 +5,9 @@ them have no room, and leave by priority band, then weighted fair share between 
 The decisions are pure (fair_share.py: the order and the counters; saturation.py: the room);
 this is their state and the waiting itself. Every request let through, whether it waited or
 not, is charged to its tenant's counter: its reservation (prompt plus the completion asked for,
-as the rate limits count it) when it leaves, corrected by the usage its answer reports. Only
-the router's event loop touches this, so it has no locks.
+as the rate limits count it) when it leaves, corrected by the usage its answer reports. With
+tenants, the counters are the fleet's, kept in Redis (router/shared_counters.py). Only the
+router's event loop touches this, so it has no locks.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvscale.fair_share_schema import LAST_SERVED, NO_FLOOR, Floor
 from kvscale.router import fair_share
 from kvscale.router import rate_limits as rules
 from kvscale.router.client_watch import CLIENT_GONE, disconnect_of
@@ -33,6 +35,7 @@ from kvscale.router.prefill_ledger import sequences_ahead
 from kvscale.router.relay import RelayResponse
 from kvscale.router.replicas import Replica
 from kvscale.router.saturation import ReplicaLoad, free_slots
+from kvscale.router.shared_counters import SharedCounters
 from kvscale.router.tenancy import Grant
 from kvscale.router.tenants import SCOPE_KEY, Tenant
 
@@ -154,9 +157,10 @@ async def queued_turn(queue: FairQueue | None, request: Request, endpoint: str,
 
 class FairQueue:
     def __init__(self, max_wait_s: float, metrics: RouterMetrics | None = None,
-                 max_waiting: int = MAX_WAITING) -> None:
+                 max_waiting: int = MAX_WAITING, shared: SharedCounters | None = None) -> None:
         self.max_wait_s = max_wait_s
         self.metrics = metrics
+        self.shared = shared
         self.max_waiting = max_waiting
         self.counters: dict[str, float] = {}
         self.last_served = 0.0  # the counter of the last tenant let through
@@ -171,15 +175,34 @@ class FairQueue:
         # another router's requests, or the replicas' own steps, left.
         self._tick: asyncio.TimerHandle | None = None
 
-    def charge(self, tenant: str, tokens: int, weight: float) -> None:
+    def charge(self, tenant: str, tokens: int, weight: float, floor: Floor = NO_FLOOR,
+               served: bool = False) -> None:
+        """Charge ``tokens`` to the tenant's counter, and to the shared one after lifting it to
+        ``floor`` (its local lift was made at its arrival); ``served``: it is let through now."""
         self.counters[tenant] = fair_share.charged(self.counters.get(tenant, 0.0), tokens, weight)
         if tenant == self._last_tenant:  # a correction of the last served moves the floor too
             self.last_served = self.counters[tenant]
+        if self.shared is not None:
+            self.shared.update(tenant, floor, tokens / weight, served, self._mirror(tenant))
 
-    def _let_through(self, tenant: str, weight: float, cost: int) -> int:
+    def _mirror(self, tenant: str) -> Callable[[float, float], None]:
+        """Redis's answer for a tenant's counter, which holds every router's charges."""
+        def mirrored(counter: float, last_served: float) -> None:
+            self.counters[tenant] = counter
+            self.last_served = last_served
+
+        return mirrored
+
+    def _refreshed(self, counters: dict[str, float], last_served: float | None) -> None:
+        self.counters.update({t: c for t, c in counters.items() if t in self.queues})
+        if last_served is not None:
+            self.last_served = last_served
+
+    def _let_through(self, tenant: str, weight: float, cost: int,
+                     floor: Floor = NO_FLOOR) -> int:
         """Charge it and count it unsent; its key."""
         self._last_tenant = tenant
-        self.charge(tenant, cost, weight)
+        self.charge(tenant, cost, weight, floor, served=True)
         self._keys += 1
         self.unsent[self._keys] = time.monotonic()
         return self._keys
@@ -198,15 +221,20 @@ class FairQueue:
         ``dispatch`` releases it; or the 503 (it waited --max-queue-wait, or the queue is full),
         or the 499 (its client left while it waited). ``room``: the free slots on the replicas
         that could take it (saturation.free_slots); ``cost``: its tokens as reserved."""
+        floor: Floor = NO_FLOOR
         if tenant not in self.queues:
             waiting = [self.counters.get(t, 0.0) for t in self.queues]
             self.counters[tenant] = fair_share.lifted(self.counters.get(tenant, 0.0), waiting,
                                                       self.last_served)
+            # The shared counter is lifted alike, by the fleet's counters of the same tenants.
+            floor = list(self.queues) if waiting else LAST_SERVED
         if not self.queues and self._has_room(room):
-            return Turn(self, self._let_through(tenant, weight, cost), tenant, weight, cost)
+            return Turn(self, self._let_through(tenant, weight, cost, floor), tenant, weight, cost)
         if self.waiting >= self.max_waiting:
             self._waited("full", 0.0, tenant)
             return self._refusal(f"{self.waiting} requests wait in the router's queue, its limit")
+        if floor != NO_FLOOR and self.shared is not None:
+            self.shared.update(tenant, floor, 0.0, False, self._mirror(tenant))
         self._keys += 1
         waiter = _Waiter(tenant, band, self._keys, weight, cost, room)
         self.queues.setdefault(tenant, deque()).append(waiter)
@@ -284,6 +312,8 @@ class FairQueue:
     def _ticked(self) -> None:
         self._tick = None
         self.dispatch()
+        if self.shared is not None and self.queues:  # for the next pass: other routers' charges
+            self.shared.refresh(list(self.queues), self._refreshed)
 
     @staticmethod
     def _refusal(why: str) -> Response:

@@ -51,6 +51,7 @@ class RouterMetrics:
         self.tenant_limits_unchecked: Counter = register(names.ROUTER_TENANT_LIMITS_UNCHECKED, r)
         self.tenant_tokens: Counter = register(names.ROUTER_TENANT_TOKENS, r)
         self.tenant_queue_wait: Counter = register(names.ROUTER_TENANT_QUEUE_WAIT_SECONDS, r)
+        self.fair_share_shared: Gauge = register(names.ROUTER_FAIR_SHARE_SHARED, r)
         for outcome in names.ROUTER_HOLD_OUTCOMES:
             self.holds.labels(outcome)
         for outcome in names.ROUTER_QUEUE_OUTCOMES:

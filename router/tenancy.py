@@ -22,6 +22,7 @@ from kvscale.router.auth import bearer_digest, check_api_key
 from kvscale.router.engine_priority import forwarded_priority, with_priority
 from kvscale.router.errors import openai_error
 from kvscale.router.metrics import RouterMetrics
+from kvscale.router.shared_counters import SharedCounters
 from kvscale.router.tenant_limiter import TenantLimiter
 from kvscale.router.tenants import SCOPE_KEY, Tenant, TenantFile, TenantTable
 
@@ -45,7 +46,7 @@ class Grant:
 class Tenancy:
     def __init__(self, api_key: str | None, tenants: TenantFile | None, redis_url: str | None,
                  redis_timeout_s: float, metrics: RouterMetrics,
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", fair_queue: bool = False) -> None:
         self.api_key = api_key
         # The replicas' --scheduling-policy: under priority, a tenant's priority goes with its
         # requests (docs/router.md, "Priority on the replicas").
@@ -55,6 +56,11 @@ class Tenancy:
         self.redis_timeout_s = redis_timeout_s
         self.metrics = metrics
         self._limiter: TenantLimiter | None = None
+        # With --max-queue-wait (``fair_queue``), the queue's counters, shared by the fleet's
+        # routers through Redis (docs/router.md, "Fair share across routers").
+        self.counters = SharedCounters(
+            redis_url, redis_timeout_s, lambda shared: metrics.fair_share_shared.set(int(shared))
+        ) if fair_queue and tenants is not None and redis_url else None
         self._series: set[str] = set()
         if tenants is not None:
             self._label(tenants.table)
@@ -158,3 +164,5 @@ class Tenancy:
     async def close(self) -> None:
         if self._limiter is not None:
             await self._limiter.close()
+        if self.counters is not None:
+            await self.counters.close()

@@ -1,0 +1,209 @@
+"""The fair queue's tenant counters shared by routers through Redis (docs/router.md, "Fair share
+across routers"): the schema's arguments and script (kvscale/fair_share_schema.py), what the
+queue sends (router/fair_queue.py), two queues on one real redis-server ordering alike
+(router/shared_counters.py), and the fall-back to local counters when Redis is down."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+
+import pytest
+import redis
+
+from kvscale.fair_share_schema import (
+    COUNTER_TTL_S,
+    LAST_SERVED,
+    LAST_SERVED_KEY,
+    MAX_FLOOR_TENANTS,
+    NO_FLOOR,
+    counter_key,
+    counters_from,
+    update_args,
+    update_script,
+)
+from kvscale.processes import free_port
+from kvscale.router.fair_queue import FairQueue, Turn
+from kvscale.router.metrics import RouterMetrics
+from kvscale.router.shared_counters import SharedCounters
+
+
+def test_the_scripts_arguments_refuse_what_is_not_a_finite_number_or_a_known_floor() -> None:
+    assert update_args("a", LAST_SERVED, 2.5, True)[2:] == ["last", "2.5", "1", COUNTER_TTL_S]
+    assert update_args("a", ["b", "c"], 0.0, False)[2:] == ["min", "0.0", "0", COUNTER_TTL_S,
+                                                           "b", "c"]
+    for added in (math.inf, math.nan, -math.inf):
+        with pytest.raises(ValueError, match="finite"):
+            update_args("a", NO_FLOOR, added, False)
+    with pytest.raises(ValueError, match="floor"):
+        update_args("a", "lowest", 1.0, False)
+    for names in ([], ["t"] * (MAX_FLOOR_TENANTS + 1)):
+        with pytest.raises(ValueError, match="smallest of 1 to"):
+            update_args("a", names, 1.0, False)
+    assert counters_from([b"1.5", None, b"x", b"inf", "2"]) == [1.5, None, None, None, 2.0]
+
+
+class Recorder:
+    """Stands in for SharedCounters: what the queue sends, answered by nobody."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str | float, float, bool]] = []
+
+    def update(self, tenant: str, floor: str | float, added: float, served: bool,
+               apply: object) -> None:
+        self.sent.append((tenant, floor, added, served))
+
+    def refresh(self, tenants: list[str], apply: object) -> None:
+        pass
+
+
+def test_the_queue_sends_each_lift_and_charge_as_it_makes_them() -> None:
+    async def run() -> list[tuple[str, str | float, float, bool]]:
+        shared = Recorder()
+        queue = FairQueue(max_wait_s=5, shared=shared)  # type: ignore[arg-type]
+        free = [1]
+        first = await queue.enter("a", 0, 2.0, 100, lambda: free[0])  # none waits: let through
+        assert isinstance(first, Turn)
+        first.forwarding(None)
+        free[0] = 0
+        waiting = asyncio.ensure_future(queue.enter("b", 0, 1.0, 10, lambda: free[0]))
+        await asyncio.sleep(0)
+        behind = asyncio.ensure_future(queue.enter("c", 0, 1.0, 10, lambda: free[0]))
+        await asyncio.sleep(0)
+        free[0] = 1
+        first.done(200, b'"usage": {"prompt_tokens": 30, "completion_tokens": 10}')
+        for pending in (waiting, behind):
+            turn = await pending
+            assert isinstance(turn, Turn)
+            turn.forwarding(None)
+            free[0] = 1
+            turn.done(200, b"")
+        return shared.sent
+
+    sent = asyncio.run(run())
+    assert sent[:4] == [
+        ("a", LAST_SERVED, 50.0, True),  # lifted to the fleet's last served, charged at weight 2
+        ("b", LAST_SERVED, 0.0, False),  # starts waiting, none waits before it: lifted alike
+        ("c", ["b"], 0.0, False),  # lifted to the smallest counter of those waiting (b's)
+        ("a", NO_FLOOR, -30.0, False),  # a's usage (40 tokens) corrects its reservation (100)
+    ]
+    assert ("b", NO_FLOOR, 10.0, True) in sent[4:] and ("c", NO_FLOOR, 10.0, True) in sent[4:]
+
+
+@pytest.fixture
+def client(session_redis) -> redis.Redis:
+    # A database of its own: the session's replicas and routers use 0.
+    return redis.Redis.from_url(f"redis://127.0.0.1:{session_redis.port}/4")
+
+
+def test_the_script_lifts_then_charges_and_moves_the_last_served(client: redis.Redis) -> None:
+    update = update_script(client)
+    a, b = f"a-{uuid.uuid4().hex[:6]}", f"b-{uuid.uuid4().hex[:6]}"
+    client.delete(LAST_SERVED_KEY)
+    assert counters_from(update(keys=[], args=update_args(a, LAST_SERVED, 40.0, True))) == [40.0, 40.0]
+    assert counters_from(update(keys=[], args=update_args(b, LAST_SERVED, 0.0, False))) == [40.0, 40.0]
+    assert counters_from(update(keys=[], args=update_args(b, NO_FLOOR, 0.25, False))) == [40.25, 40.0]
+    assert counters_from(update(keys=[], args=update_args(a, NO_FLOOR, 60.0, False))) == [100.0, 40.0]
+    c = f"c-{uuid.uuid4().hex[:6]}"  # lifted to the smallest of a's and b's: b's
+    assert counters_from(update(keys=[], args=update_args(c, [a, b], 0.0, False))) == [40.25, 40.0]
+    assert counters_from(update(keys=[], args=update_args(b, NO_FLOOR, 1.0, True))) == [41.25, 41.25]
+    assert 0 < client.ttl(counter_key(a)) <= COUNTER_TTL_S
+    assert 0 < client.ttl(LAST_SERVED_KEY) <= COUNTER_TTL_S
+
+
+def test_two_routers_queues_on_one_redis_release_tenants_in_the_same_order(client) -> None:
+    """At the second router ``heavy`` and then ``light`` wait for a slot, lifted to the same
+    counter; meanwhile the first router serves ``heavy`` 3000 tokens. When the slot frees it goes
+    to ``light``, as it would at the first router. With counters of its own the second router
+    would know nothing of that service and send ``heavy`` first (the same counter, the older
+    request)."""
+    url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/4"
+    heavy, light = f"heavy-{uuid.uuid4().hex[:6]}", f"light-{uuid.uuid4().hex[:6]}"
+
+    async def run() -> list[str]:
+        metrics = RouterMetrics()
+        ones = [SharedCounters(url, 2.0, lambda up: metrics.fair_share_shared.set(int(up)))
+                for _ in range(2)]
+        first, second = (FairQueue(5, metrics, shared=shared) for shared in ones)
+        try:
+            free = [0]
+            order: list[str] = []
+
+            async def ask(tenant: str) -> None:
+                turn = await second.enter(tenant, 0, 1.0, 10, lambda: free[0])
+                assert isinstance(turn, Turn)
+                order.append(tenant)
+                turn.forwarding(None)
+
+            waiting = [asyncio.ensure_future(ask(heavy))]
+            await asyncio.sleep(0)
+            waiting.append(asyncio.ensure_future(ask(light)))
+            deadline = time.monotonic() + 10
+            while len(second.queues) < 2 or ones[1]._tasks:
+                assert time.monotonic() < deadline, "the lifts were not answered"
+                await asyncio.sleep(0.01)
+            assert second.counters[heavy] == second.counters[light]
+            for _ in range(3):
+                turn = await first.enter(heavy, 0, 1.0, 1000, lambda: None)
+                assert isinstance(turn, Turn)
+                turn.forwarding(None)
+                turn.done(200, b"")
+            while second.counters[heavy] <= second.counters[light]:  # the next tick reads it
+                assert time.monotonic() < deadline, "the second router never read heavy's"
+                await asyncio.sleep(0.01)
+            for served in range(1, 3):  # one slot frees once the last one was sent
+                free[0] = 1
+                second.dispatch()
+                free[0] = 0
+                while len(order) < served:
+                    await asyncio.sleep(0)
+            await asyncio.gather(*waiting)
+            return order
+        finally:
+            for shared in ones:
+                await shared.close()
+
+    assert asyncio.run(run()) == [light, heavy]
+    assert float(client.get(counter_key(heavy))) >= 3000 + float(client.get(counter_key(light)))
+
+
+def test_the_queue_orders_by_its_own_counters_while_redis_is_down() -> None:
+    async def run() -> tuple[list[str], SharedCounters, RouterMetrics]:
+        metrics = RouterMetrics()
+        shared = SharedCounters(f"redis://127.0.0.1:{free_port()}/0", 0.05,
+                                lambda up: metrics.fair_share_shared.set(int(up)))
+        queue = FairQueue(5, metrics, shared=shared)
+        assert metrics.registry.get_sample_value("kvscale_router_fair_share_shared") == 1
+        try:
+            free = [0]
+            order: list[str] = []
+
+            async def ask(tenant: str, cost: int) -> None:
+                turn = await queue.enter(tenant, 0, 1.0, cost, lambda: free[0])
+                assert isinstance(turn, Turn)
+                order.append(tenant)
+                turn.forwarding(None)
+
+            waiting = []
+            for tenant, cost in (("heavy", 1000), ("heavy", 1000), ("light", 10)):
+                waiting.append(asyncio.ensure_future(ask(tenant, cost)))
+                await asyncio.sleep(0)
+            while shared._tasks:
+                await asyncio.sleep(0.01)
+            for served in range(1, 4):
+                free[0] = 1
+                queue.dispatch()
+                free[0] = 0
+                while len(order) < served:
+                    await asyncio.sleep(0)
+            await asyncio.gather(*waiting)
+            return order, shared, metrics
+        finally:
+            await shared.close()
+
+    order, shared, metrics = asyncio.run(run())
+    # heavy's first 1000 tokens are in this router's own counter: light goes next.
+    assert order == ["heavy", "light", "heavy"] and shared.down and not shared.pending
+    assert metrics.registry.get_sample_value("kvscale_router_fair_share_shared") == 0
