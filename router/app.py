@@ -55,7 +55,7 @@ class Router:
         self.config = config
         self.metrics = RouterMetrics(config.policy)
         self.tenancy = Tenancy(config.api_key, config.tenants, config.redis_url,
-                               config.redis_timeout_ms / 1000.0, self.metrics, config.scheduling_policy)
+                               config.redis_timeout_ms / 1000.0, self.metrics, config.scheduling_policy, bool(config.max_queue_wait_s))
         # Without Redis the index is only the router's own decisions; keep them until capacity.
         self.index = PrefixIndex(prediction_ttl_s=(1e9 if config.redis_url is None else 10.0))
         # A replica discovery drops (its pod NotReady or deleted) leaves the index, the ledgers, the
@@ -90,7 +90,7 @@ class Router:
             self.activation = holding.Activation(
                 holding.HoldLimits(config.hold_timeout_s, config.hold_queue), self.metrics, wake)
             self.forwarder.draining_is_failure = True
-        self.queue = FairQueue(config.max_queue_wait_s, self.metrics) if config.max_queue_wait_s else None
+        self.queue = FairQueue(config.max_queue_wait_s, self.metrics, shared=self.tenancy.counters) if config.max_queue_wait_s else None
         self._watch: EndpointSliceWatch | None = None
         self._sync_task: asyncio.Task[None] | None = None
         self.drain = Drain()  # flipped by SIGTERM (kvscale.drain.serve)
