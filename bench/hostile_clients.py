@@ -7,7 +7,8 @@ key (a tenant misbehaving, not a stranger).
 - ``many_prompts``: one completion request holding 5,000 prompts (refused 400 by the replica);
 - ``disconnect``: a long stream left after its first chunk (the replica must free its blocks);
 - ``bomb``: up to --max-sequences-per-request prompts sharing a full logit_bias and a full list of
-  stop strings (answered, or refused 400; the replica stays up);
+  stop strings: each must end within the client's deadline, answered with every choice or
+  refused 400/503 (hostile_payloads.bomb_outcome); the replica stays up;
 - ``over_*``: one request over one field limit each (bench/hostile_payloads.py), in turn: a 400
   whose message names the limit's flag;
 - ``unauthenticated``: no key, a body announced at 30 MiB (refused 401 from the head: no byte of
@@ -32,6 +33,7 @@ import httpx
 from bench.hostile_payloads import (
     MODEL,
     bomb_body,
+    bomb_outcome,
     names_limit,
     over_limit_requests,
     slow_schema_body,
@@ -58,6 +60,9 @@ class HostileStats:
     named_limit: Counter = field(default_factory=Counter)  # over-limit 400s whose message names the flag
     unauthenticated_bytes_sent: list[int] = field(default_factory=list)  # before each answer
     bomb_s: list[float] = field(default_factory=list)
+    bombs: list[dict] = field(default_factory=list)  # hostile_payloads.bomb_outcome, one per bomb
+    bombs_given_up_at_end: list[float] = field(default_factory=list)  # seconds each had run
+    bomb_in_flight_since: float | None = None  # time.monotonic() of the bomb now open
     cancelled_at_end: bool = False  # requests still open after the grace were given up
     loop_errors: list[str] = field(default_factory=list)  # a client that crashed stopped counting
 
@@ -70,6 +75,8 @@ class HostileStats:
                 "over_limit": over,
                 "unauthenticated_body_bytes_sent_max": max(self.unauthenticated_bytes_sent, default=None),
                 "bomb_s_max": round(max(self.bomb_s), 1) if self.bomb_s else None,
+                "bombs": self.bombs,
+                "bombs_given_up_at_end_s": [round(s, 1) for s in self.bombs_given_up_at_end],
                 "cancelled_at_end": self.cancelled_at_end, "loop_errors": self.loop_errors}
 
 
@@ -154,8 +161,8 @@ async def _post(client: httpx.AsyncClient, url: str, body: dict | str) -> tuple[
         return 0, b""
 
 
-def _client(api_key: str | None) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+def _client(api_key: str | None, timeout_s: float = 300) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
 
 
 async def many_prompts(url: str, stats: HostileStats, stop: asyncio.Event, api_key: str | None) -> None:
@@ -181,15 +188,30 @@ async def disconnect(url: str, stats: HostileStats, stop: asyncio.Event, api_key
                 stats.statuses["disconnect"][0] += 1
 
 
-def bomb(sequences: int, pause_s: float) -> Loop:
+def bomb(sequences: int, pause_s: float, deadline_s: float) -> Loop:
+    """Bombs one after another, each given ``deadline_s`` in all (not per read, as httpx's
+    timeout): no answer by then is its outcome, ``deadline_exceeded``. One still open when the
+    soak ends is given up and listed apart, not judged."""
     async def loop(url: str, stats: HostileStats, stop: asyncio.Event, api_key: str | None) -> None:
         body = json.dumps(bomb_body(sequences))
-        async with _client(api_key) as client:
+        async with _client(api_key, deadline_s + 5) as client:
             while not stop.is_set():
-                started = time.monotonic()
-                status, _ = await _post(client, f"{url}/v1/completions", body)
-                stats.statuses["bomb"][status] += 1
-                stats.bomb_s.append(time.monotonic() - started)
+                started = stats.bomb_in_flight_since = time.monotonic()
+                status: int | None
+                try:
+                    status, answer = await asyncio.wait_for(
+                        _post(client, f"{url}/v1/completions", body), deadline_s)
+                except TimeoutError:
+                    status, answer = None, b""
+                except asyncio.CancelledError:
+                    stats.bombs_given_up_at_end.append(time.monotonic() - started)
+                    raise
+                finally:
+                    stats.bomb_in_flight_since = None
+                seconds = time.monotonic() - started
+                stats.statuses["bomb"][status or 0] += 1
+                stats.bomb_s.append(seconds)
+                stats.bombs.append(bomb_outcome(status, answer, seconds, sequences, deadline_s))
                 await asyncio.sleep(pause_s)  # the bomb recurs; it does not occupy a replica for good
     return loop
 
@@ -218,11 +240,12 @@ def slow_schema(first_index: int) -> Loop:
 
 
 async def run_hostile(routers: list[str], stats: HostileStats, stop: asyncio.Event, api_key: str | None,
-                      bomb_sequences: int, bomb_pause_s: float = 5.0) -> None:
+                      bomb_sequences: int, bomb_pause_s: float = 5.0,
+                      bomb_deadline_s: float = 300.0) -> None:
     """Every kind's clients against the routers in turn, until ``stop``."""
     loops: dict[str, Loop] = {
         "oversized": oversized, "slow_loris": slow_loris, "many_prompts": many_prompts,
-        "disconnect": disconnect, "bomb": bomb(bomb_sequences, bomb_pause_s), "over_limit": over_limit,
+        "disconnect": disconnect, "bomb": bomb(bomb_sequences, bomb_pause_s, bomb_deadline_s), "over_limit": over_limit,
         "unauthenticated": unauthenticated, "slow_schema": slow_schema(0)}
 
     async def guarded(kind: str, loop: Loop, url: str) -> None:

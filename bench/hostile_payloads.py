@@ -44,6 +44,37 @@ def bomb_body(sequences: int, limits: FieldLimits = DEFAULTS) -> dict[str, Any]:
             "stop": [f"<stop {i}>" for i in range(limits.max_stop_strings)]}
 
 
+# What a bomb may be answered besides 200 with every choice: a limit's 400 (the message names
+# its flag) or a busy replica's or router's 503 (queue full, no room within --max-queue-wait),
+# the refusals docs/server.md and docs/router.md document. Anything else, or nothing within the
+# client's deadline, is a miss.
+BOMB_REFUSALS = frozenset({400, 503})
+
+
+def bomb_outcome(status: int | None, answer: bytes, seconds: float, sequences: int,
+                 deadline_s: float) -> dict[str, Any]:
+    """One bomb's outcome for the soak's report. ``status`` None: no answer within
+    ``deadline_s`` (the client gave up). ``outcome``: ``answered`` (200 with one choice per
+    sequence), ``refused`` (a documented refusal), ``deadline_exceeded``, ``wrong_answer`` (a
+    200 missing choices, or any other status; 0: the connection closed without one)."""
+    choices = None
+    if status == 200:
+        try:
+            choices = len(json.loads(answer)["choices"])
+        except (ValueError, KeyError, TypeError):
+            choices = None
+    if status is None:
+        outcome = "deadline_exceeded"
+    elif status == 200 and choices == sequences:
+        outcome = "answered"
+    elif status in BOMB_REFUSALS:
+        outcome = "refused"
+    else:
+        outcome = "wrong_answer"
+    return {"status": status, "seconds": round(seconds, 1), "choices": choices,
+            "within_deadline": status is not None and seconds <= deadline_s, "outcome": outcome}
+
+
 def _tool(index: int) -> dict[str, Any]:
     return {"type": "function", "function": {"name": f"tool_{index}", "description": "does nothing",
                                              "parameters": {"type": "object", "properties": {}}}}

@@ -95,16 +95,21 @@ def hostile_main(args: argparse.Namespace) -> int:
 
         async def both() -> None:
             stop = asyncio.Event()
-            hostile = asyncio.create_task(run_hostile(routers, stats, stop, api_key, args.bomb_sequences))
+            hostile = asyncio.create_task(run_hostile(routers, stats, stop, api_key, args.bomb_sequences,
+                                                      bomb_deadline_s=args.bomb_deadline_s))
             reporter = asyncio.create_task(progress(stop))
             await asyncio.sleep(5)  # the hostile clients under way before the honest load starts
             await load(platform_, args.requests, args.concurrency, args.seed, beside)
             stop.set()
             # What the hostile clients still have open after a short grace (a slow-loris upload
-            # before its 408, a bomb) is given up, as a client leaving would, and not counted:
-            # waiting for each would add a minute to every run. The replicas must free it before
-            # the leak check.
-            done, _ = await asyncio.wait({hostile}, timeout=HOSTILE_GRACE_S)
+            # before its 408) is given up, as a client leaving would, and not counted: waiting
+            # for each would add a minute to every run. A bomb in flight is waited for up to its
+            # deadline, so that every bomb sent has an outcome to judge. The replicas must free
+            # what was given up before the leak check.
+            since = stats.bomb_in_flight_since
+            grace = (HOSTILE_GRACE_S if since is None else
+                     max(HOSTILE_GRACE_S, since + args.bomb_deadline_s + 1 - time.monotonic()))
+            done, _ = await asyncio.wait({hostile}, timeout=grace)
             if not done:
                 stats.cancelled_at_end = True
                 hostile.cancel()
@@ -124,6 +129,7 @@ def hostile_main(args: argparse.Namespace) -> int:
             "config": {"requests": args.requests, "concurrency": args.concurrency,
                        "replicas": args.replicas, "routers": 2, "seed": args.seed,
                        "routers_api_key": True, "bomb_sequences": args.bomb_sequences,
+                       "bomb_deadline_s": args.bomb_deadline_s,
                        "compile_timeout_s": args.compile_timeout_s},
             "honest_alone": {**honest_alone, "wall_s": round(alone_s, 1)},
             "honest_beside_hostile": {**honest_beside, "wall_s": round(beside_s, 1)},
@@ -161,6 +167,9 @@ def main() -> int:
     parser.add_argument("--bomb-sequences", type=int, default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
                         help="--hostile: prompts in each request-wide bomb (default: the replicas' "
                              "--max-sequences-per-request)")
+    parser.add_argument("--bomb-deadline-s", type=float, default=300.0,
+                        help="--hostile: each bomb must end within this, answered with every choice "
+                             "or refused 400/503 (default 300)")
     parser.add_argument("--compile-timeout-s", type=float, default=0.5,
                         help="--hostile: the replicas' grammar compile limit (CPU seconds), under "
                              "the ~1.5 s the slow schemas take")

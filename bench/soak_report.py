@@ -144,8 +144,17 @@ def honest(outcomes: list[Outcome]) -> dict:
 
 
 # What each hostile kind may be answered (status 0: closed without an answer).
-HOSTILE_EXPECTED = {"bomb": {200, 400}, "unauthenticated": {401}, "slow_schema": {400, 503}}
+HOSTILE_EXPECTED = {"unauthenticated": {401}, "slow_schema": {400, 503}}
 TTFT_P90_RATIO_TARGET = 1.5
+
+
+def bombs_bounded(bombs: list[dict]) -> bool | None:
+    """Every bomb ended within its deadline, answered with every choice or refused as documented
+    (hostile_payloads.bomb_outcome); None when none ended (those given up at the soak's end are
+    not judged)."""
+    if not bombs:
+        return None
+    return all(b["within_deadline"] and b["outcome"] in ("answered", "refused") for b in bombs)
 
 
 def hostile_targets_met(result: dict) -> dict[str, bool | None]:
@@ -166,6 +175,7 @@ def hostile_targets_met(result: dict) -> dict[str, bool | None]:
         "leaked_blocks_0": all(v == 0 for v in result["leaked_blocks"].values()),
         "processes_alive": all(result["processes_alive"].values()),
         "hostile_clients_ran_throughout": not hostile["loop_errors"],
+        "bombs_end_within_deadline": bombs_bounded(hostile.get("bombs", [])),
         **{f"{kind}_answers": only(kind, allowed) for kind, allowed in HOSTILE_EXPECTED.items()},
         "unauthenticated_refused_before_body": None if unauth_bytes is None else unauth_bytes == 0,
         "over_limit_400_naming_the_limit": (all(

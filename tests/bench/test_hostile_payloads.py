@@ -13,13 +13,14 @@ import pytest
 from bench.hostile_payloads import (
     SLOW_SCHEMA_OFFSETS,
     bomb_body,
+    bomb_outcome,
     compact,
     names_limit,
     over_limit_requests,
     slow_schema,
     slow_schema_body,
 )
-from bench.soak_report import hostile_targets_met
+from bench.soak_report import bombs_bounded, hostile_targets_met
 from kvscale.request_limits import (
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     FieldLimits,
@@ -98,6 +99,31 @@ def test_a_refusal_names_its_limit_only_in_the_openai_error_json() -> None:
     assert not names_limit(b'{"error": "--max-stop-strings"}', "--max-stop-strings")
 
 
+def _answer(choices: int) -> bytes:
+    return json.dumps({"choices": [{"index": i, "text": "x"} for i in range(choices)]}).encode()
+
+
+def test_a_bomb_is_answered_only_with_every_choice_within_its_deadline() -> None:
+    assert bomb_outcome(200, _answer(3), 12.0, 3, 300)["outcome"] == "answered"
+    short = bomb_outcome(200, _answer(2), 12.0, 3, 300)
+    assert short["outcome"] == "wrong_answer" and short["choices"] == 2
+    assert bomb_outcome(200, b"<html>", 12.0, 3, 300)["outcome"] == "wrong_answer"
+    late = bomb_outcome(200, _answer(3), 301.0, 3, 300)
+    assert late["outcome"] == "answered" and late["within_deadline"] is False
+
+
+def test_a_bomb_refused_as_documented_is_bounded_and_anything_else_is_not() -> None:
+    refused = [bomb_outcome(status, b"{}", 1.0, 3, 300) for status in (400, 503)]
+    assert {o["outcome"] for o in refused} == {"refused"} and bombs_bounded(refused) is True
+    for status in (0, 502, 504, 500):
+        assert bombs_bounded([bomb_outcome(status, b"", 1.0, 3, 300)]) is False, status
+    unanswered = bomb_outcome(None, b"", 300.0, 3, 300)
+    assert unanswered["outcome"] == "deadline_exceeded" and unanswered["within_deadline"] is False
+    assert bombs_bounded([bomb_outcome(200, _answer(3), 9.0, 3, 300), unanswered]) is False
+    assert bombs_bounded([bomb_outcome(200, _answer(3), 301.0, 3, 300)]) is False
+    assert bombs_bounded([]) is None
+
+
 def _report(**hostile: dict) -> dict:
     over = {kind: {"refused_400": 3, "named_the_limit": 3} for kind in over_limit_requests()}
     statuses = {"bomb": {"200": 2}, "unauthenticated": {"401": 9}, "slow_schema": {"400": 4, "503": 1},
@@ -107,14 +133,15 @@ def _report(**hostile: dict) -> dict:
             "leaked_blocks": {"r0": 0.0}, "processes_alive": {"r0": True, "router-a": True},
             "hostile": {"statuses": statuses, "sent": sent, "over_limit": over,
                         "unauthenticated_body_bytes_sent_max": hostile.get("unauth_bytes", 0),
+                        "bombs": hostile.get("bombs", [bomb_outcome(200, _answer(4), 30.0, 4, 300)]),
                         "loop_errors": hostile.get("loop_errors", [])}}
 
 
 def test_the_hostile_targets_are_read_from_the_report() -> None:
     assert all(hostile_targets_met(_report()).values())
-    missed = hostile_targets_met(_report(statuses={"bomb": {"200": 1, "502": 1}, "slow_schema": {"200": 1}},
-                                         unauth_bytes=2**20))
-    assert missed["bomb_answers"] is False and missed["slow_schema_answers"] is False
+    missed = hostile_targets_met(_report(statuses={"slow_schema": {"200": 1}}, unauth_bytes=2**20,
+                                         bombs=[bomb_outcome(None, b"", 300.0, 4, 300)]))
+    assert missed["bombs_end_within_deadline"] is False and missed["slow_schema_answers"] is False
     assert missed["unauthenticated_refused_before_body"] is False
     assert missed["honest_failed_0"] is True
     crashed = hostile_targets_met(_report(loop_errors=["bomb: ReadTimeout: "]))
