@@ -177,7 +177,7 @@ class Router:
         if self.activation is None:
             return None
         return await hold_until_ready(self.activation, request, model, self._any_available,
-                                      worth_holding=worth_holding(model, self.config.served_model_names),
+                                      worth_holding=worth_holding(model, self.config, self._any_available()),
                                       refuse=self._hold_refused)
 
     def _hold_refused(self, message: str) -> Response:

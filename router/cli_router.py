@@ -79,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "own --served-model-name; default: the model folder's name",
     )
     parser.add_argument(
+        "--lora-adapter-names", nargs="+", default=None, metavar="NAME",
+        help="the servers' LoRA adapters (their --lora-modules names): with --hold-timeout, a request "
+             "naming one while no replica is up is held and wakes them, as one for --served-model-name")
+    parser.add_argument(
         "--chat-cache-tokens", type=int, default=DEFAULT_MAX_TOKENS,
         help="token ids of chat histories kept so a follow-up turn tokenizes only its new part (0: off)",
     )
@@ -187,6 +191,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         block_size=args.block_size,
         models=args.model or [None],
         served_model_names=args.served_model_name or [],
+        lora_adapter_names=args.lora_adapter_names or [],
         session_header=(args.session_header or "").lower() or None,
         epsilon=args.balance_epsilon,
         ttft_epsilon=args.ttft_balance_epsilon if args.ttft_balance_epsilon >= 0 else None,

@@ -34,6 +34,8 @@ class RouterConfig:
     block_size: int = 16
     models: list[str | None] = field(default_factory=lambda: [None])  # tokenizers to load
     served_model_names: list[str] = field(default_factory=list)  # the one model's names; []: its own
+    # The servers' --lora-modules names: at zero replicas a request naming one is held (wakes them).
+    lora_adapter_names: list[str] = field(default_factory=list)
     session_header: str | None = "x-session-id"
     epsilon: float = 0.25
     ttft_epsilon: float | None = TTFT_EPSILON  # predicted-ttft's load cap; None: off

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -21,6 +21,9 @@ from starlette.responses import Response
 from kvscale.router import activation as holding
 from kvscale.router.errors import openai_error
 from kvscale.router.replicas import Replica
+
+if TYPE_CHECKING:
+    from kvscale.router.config import RouterConfig
 
 
 async def hold_until_ready(activation: holding.Activation, request: Request, model: str | None,
@@ -47,10 +50,15 @@ async def hold_until_ready(activation: holding.Activation, request: Request, mod
     return None
 
 
-def worth_holding(model: str | None, served_names: list[str] | tuple[str, ...] | None) -> bool:
+def worth_holding(model: str | None, config: RouterConfig, any_up: bool) -> bool:
     """Whether a request for ``model`` is worth holding: one of the names the servers will serve
-    (unknown names are answered 404 at once, as with replicas up)."""
-    return model is None or not served_names or model in served_names
+    (unknown names are answered 404 at once, as with replicas up), or one of their LoRA adapters
+    (--lora-adapter-names) while no replica is up at all (``any_up``): a replica up without it is
+    an answer (404), not a replica still to come (docs/operator.md, "LoRA adapters")."""
+    if model is not None and model in config.lora_adapter_names:
+        return not any_up
+    served = config.served_model_names
+    return model is None or not served or model in served
 
 
 def refusal(activation: holding.Activation, message: str) -> Response:

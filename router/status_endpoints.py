@@ -22,8 +22,8 @@ async def models(router: Router, request: Request) -> Response:
     names = sorted({m for r in router.replicas.replicas.values() if router.heartbeats.routable(r)
                     for m in served_names(r, router.heartbeats.get(r.replica_id))})
     if not names and router.activation is not None:
-        # At zero replicas the model is still served: a request for it wakes a replica.
-        names = sorted(router.config.served_model_names)
+        # At zero replicas the model and its adapters are still served: a request wakes a replica.
+        names = sorted(router.config.served_model_names) + sorted(router.config.lora_adapter_names)
     return JSONResponse({"object": "list", "data": [
         {"id": n, "object": "model", "created": 0, "owned_by": "kvscale"} for n in names]})
 

@@ -114,6 +114,9 @@ def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image:
     tool_format = spec.engine.extra_flag("--tool-call-parser")
     if tool_format is not None:
         tokenizer_args = (*tokenizer_args, "--tool-call-parser", tool_format)
+    # At zero replicas a request naming one of the adapters is held and wakes the servers.
+    if spec.adapters:
+        tokenizer_args = (*tokenizer_args, "--lora-adapter-names", *(a.name for a in spec.adapters))
     # Under the servers' priority policy the router sends each tenant's priority with its requests.
     scheduling = spec.engine.extra_flag("--scheduling-policy")
     if scheduling is not None:
