@@ -69,3 +69,28 @@ def test_the_tenant_holding_fewest_running_goes_first():
     assert list(admission_order(groups, tenants=tenants, running={"heavy": 1})) == [2, 0, 3, 1]
     # Running counts of tenants with nothing waiting change nothing.
     assert list(admission_order(groups, tenants=tenants, running={"other": 9})) == [0, 2, 1, 3]
+
+
+def _steps_to_serve_the_bomb(bomb: int, slots: int, arrivals_per_step: int) -> int:
+    """Steps until a many-prompt request queued first is served, each step admitting ``slots``
+    one-step sequences in admission_order while ``arrivals_per_step`` single-prompt requests
+    join the queue (the scheduler's pass, one tenant, as the hostile soak's replicas see it)."""
+    waiting = [("bomb", "")] * bomb
+    step = arrival = 0
+    while any(group == "bomb" for group, _ in waiting) and step < 1000:  # starved: 1000
+        step += 1
+        waiting += [(f"honest-{arrival + i}", "") for i in range(arrivals_per_step)]
+        arrival += arrivals_per_step
+        order = admission_order([g for g, _ in waiting], 0, [t for _, t in waiting], {})
+        taken = {next(order) for _ in range(min(slots, len(waiting)))}
+        waiting = [seq for index, seq in enumerate(waiting) if index not in taken]
+    return step
+
+
+def test_a_many_prompt_request_is_never_starved_by_later_arrivals():
+    # Its group is the oldest, so it has the first turn of every pass: the slots later requests
+    # leave are its own, and even when arrivals outnumber the slots it gets one each step
+    # (docs/engine.md, "A step"). 16 slots, the soak's --max-num-seqs:
+    assert _steps_to_serve_the_bomb(128, 16, 0) == 8
+    assert _steps_to_serve_the_bomb(128, 16, 4) == 128 // 12 + 1  # 12 of 16 slots a step
+    assert _steps_to_serve_the_bomb(24, 16, 20) == 24  # overloaded: still one slot a step
