@@ -20,6 +20,7 @@ import httpx
 import pytest
 import redis
 
+from kvscale.fair_share_schema import counter_key
 from kvscale.kv_index_schema import Heartbeat, heartbeat_args, heartbeat_keys, heartbeat_script
 from kvscale.processes import free_port
 from kvscale.router.config import RouterConfig
@@ -327,3 +328,9 @@ def test_two_routers_queue_on_real_heartbeats_and_count_limits_before_the_queue(
     waited = f'kvscale_router_tenant_queue_wait_seconds_total{{tenant="queued-{run}"}}'
     assert all(metric(u, waited) >= 0.6 for u in urls)
     assert metric(urls[0], 'kvscale_router_queue_waits_total{outcome="released"}') == 2
+    # Both routers charged the tenant's one shared counter: 3 answers of 10 tokens (USAGE).
+    assert all(metric(u, "kvscale_router_fair_share_shared") == 1 for u in urls)
+    deadline = time.monotonic() + 5
+    while client.get(counter_key(f"queued-{run}")) != b"30":
+        assert time.monotonic() < deadline, client.get(counter_key(f"queued-{run}"))
+        time.sleep(0.02)
