@@ -1,7 +1,9 @@
 """Forwarding one decided request: failover down the ranking, then a streamed passthrough.
 
 Connection errors, timeouts, a draining replica's 503 and other 5xx before the first body byte
-move on to the next replica in the ranking (the last one's answer is the client's); once a byte
+move on to the next replica in the ranking (the last one's answer is the client's), except a
+replica's 504: its --request-timeout was spent on the request, and another replica would spend
+it again (docs/server.md "Request limits"); once a byte
 went to the client the response is committed and streamed through chunk by chunk, never retried:
 a replica that breaks off then reaches the client as an error event or an aborted connection
 (relay.py). Until the first byte the client is watched: one that leaves cancels the request on
@@ -169,7 +171,7 @@ class Forwarder:
                     self.replicas.mark_draining(replica)
                     self.metrics.retries.labels("draining").inc()
                     continue
-                if upstream.status_code >= 500 and not is_last:
+                if upstream.status_code >= 500 and upstream.status_code != 504 and not is_last:
                     last_error = f"replica {replica.replica_id} answered {upstream.status_code}"
                     self.metrics.retries.labels("status_5xx").inc()
                     continue

@@ -77,6 +77,7 @@ def build_app(
     lora_modules: Sequence[LoRAModulePath] = (),
     allow_runtime_lora_updating: bool = False,
     scheduling_policy: str = "fcfs",
+    request_timeout_s: float | None = None,
 ) -> FastAPI:
     """The FastAPI app; starts reading the engine on startup and stops the engine on shutdown.
 
@@ -94,7 +95,7 @@ def build_app(
                           vocab_size=vocab_size, tool_call_parser=tool_call_parser,
                           enable_auto_tool_choice=enable_auto_tool_choice,
                           stream_interval=stream_interval, lora_modules=lora_modules,
-                          scheduling_policy=scheduling_policy)
+                          scheduling_policy=scheduling_policy, request_timeout_s=request_timeout_s)
     metrics = ServerMetrics(server.model_name, lambda: engine.stats)
     engine.observe(metrics.on_step, metrics.on_request_end)
     server.metrics = metrics

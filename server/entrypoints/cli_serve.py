@@ -122,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="waiting sequences (prompts times n) beyond which a request gets 503 + "
                            "Retry-After, or 400 when it alone holds more; 0: no limit "
                            f"(default {request_limits.DEFAULT_MAX_QUEUE_LEN})")
+    http.add_argument("--request-timeout", type=float, default=0, metavar="SECONDS",
+                      help="a non-streamed answer not ready within this gets 504 (request_timeout) "
+                           "and its sequences are stopped; streams are not cut (default 0: none)")
     http.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
                       help="prompts one /v1/completions request may carry; more get 400 "
                            f"(default {DEFAULT_MAX_PROMPTS_PER_REQUEST})")
@@ -284,13 +287,17 @@ def build(args: argparse.Namespace) -> Served:
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                     stream_interval=args.stream_interval, response_store=store, lora_modules=lora_modules,
                     allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                    scheduling_policy=config.scheduling_policy)
+                    scheduling_policy=config.scheduling_policy,
+                    request_timeout_s=args.request_timeout or None)
     return Served(app, core, ready.model_name, ready.max_model_len, ready.block_size)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.max_queue_len is not None and args.max_queue_len < 0:
         print("kvscale serve: --max-queue-len must be non-negative", file=sys.stderr)
+        return 2
+    if args.request_timeout < 0:
+        print("kvscale serve: --request-timeout must be non-negative", file=sys.stderr)
         return 2
     try:
         limits = request_limits.limits_from_args(args)

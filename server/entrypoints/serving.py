@@ -50,6 +50,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (401, "missing or wrong API key"),
         (404, "unknown model"),
         (503, "queue full, engine stopped, or draining for shutdown"),
+        (504, "a non-streamed answer not ready within --request-timeout"),
     )
 }
 
@@ -222,8 +223,12 @@ class OpenAIServer:
         enable_auto_tool_choice: bool = False,
         stream_interval: int = 1, lora_modules: Sequence[LoRAModulePath] = (),
         scheduling_policy: str = "fcfs",
+        request_timeout_s: float | None = None,
     ) -> None:
         self.engine = engine
+        # --request-timeout: a non-streamed answer not ready by then is a 504 and its sequences
+        # are aborted (docs/server.md "Request limits"); None: no deadline.
+        self.request_timeout_s = request_timeout_s
         self.lora_modules = {m.name: m for m in lora_modules}  # docs/server.md, "LoRA adapters"
         self.tokenizer = tokenizer
         self.served_model_names = list(served_model_names)

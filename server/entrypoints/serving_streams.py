@@ -132,9 +132,18 @@ async def while_connected(request: Request, server: OpenAIServer, streams: list[
 
 async def until_disconnect(request: Request, server: OpenAIServer, streams: list[RequestStream],
                            work: Awaitable[Any]) -> Any:
-    """Run a non-streaming handler's work; a client that leaves aborts its requests at once."""
+    """Run a non-streaming handler's work; a client that leaves aborts its requests at once, and
+    so does ``--request-timeout`` (a 504): a client of a non-streamed answer sees nothing until
+    it is whole, so the server bounds the wait rather than leave it to each client's patience
+    (docs/server.md "Request limits")."""
+    timeout = server.request_timeout_s
     try:
-        return await while_connected(request, server, streams, work)
+        return await asyncio.wait_for(while_connected(request, server, streams, work), timeout)
+    except TimeoutError as exc:
+        raise APIError(
+            504, f"The answer was not ready within {timeout:g} s (--request-timeout); its "
+            f"{len(streams)} sequence(s) were stopped. Stream it, or send fewer prompts, a smaller "
+            "n or max_tokens.", "server_error", code="request_timeout") from exc
     except EngineDeadError as exc:
         raise APIError(503, str(exc), "server_error", code="engine_dead") from exc
     finally:

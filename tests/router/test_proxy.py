@@ -26,6 +26,7 @@ BEHAVIOUR = {
     "ok": (200, {"x-upstream": "yes"}),
     "broken": (500, {}),
     "draining": (503, {DRAINING_HEADER: "1"}),
+    "late": (504, {}),  # its --request-timeout passed
 }
 
 
@@ -131,3 +132,14 @@ def test_the_replica_gets_the_routers_key_and_the_passed_through_headers_only() 
         "content-type": "application/json", "accept": "text/event-stream", "x-request-id": "r-1",
         "authorization": "Bearer replica-key"}
     assert "authorization" not in replica_headers(client, None)
+
+
+def test_a_replicas_request_timeout_is_the_clients_not_retried_elsewhere(urls) -> None:
+    """A 504 says the replica spent its --request-timeout on the request: the next replica would
+    spend it again, so the client gets it."""
+    forward, metrics, _ = forwarder()
+    request = routed(urls, "late", "ok")
+    response, body = send(forward, request)
+    assert response.status_code == 504 and json.loads(body) == {"status": 504}
+    assert metrics.retries.labels("status_5xx")._value.get() == 0
+    assert all(r.in_flight == 0 for r in request.ranked)

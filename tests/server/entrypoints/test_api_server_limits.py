@@ -101,9 +101,38 @@ def test_full_queue_is_503_with_retry_after(guarded) -> None:
     assert idle["kvscale:kv_blocks_active"] == 0 and idle["vllm:num_requests_running"] == 0
 
 
-def test_dead_engine_loop_makes_health_503() -> None:
-    """The engine thread dies (a fault injected into a real engine's step): /health says 503 and
-    requests get an OpenAI error body instead of hanging."""
+def _request_timeout_stops_the_answer(engine, app, base: str) -> None:
+    """--request-timeout: the client of a non-streamed answer sees nothing until it is whole, so
+    the server bounds its wait: a 504 naming the flag, and its sequences stop at once (no block
+    held after). Each step is slowed so the answer cannot be ready in time on any machine."""
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.1)
+        return step()
+
+    engine.step = slow_step
+    app.state.server.request_timeout_s = 1.0
+    try:
+        started = time.monotonic()
+        response = httpx.post(f"{base}/v1/completions", timeout=60, json={
+            "prompt": ["One,", "Two,"], "max_tokens": 50, "ignore_eos": True})
+        assert response.status_code == 504, response.text
+        assert time.monotonic() - started < 4  # 1 s, not the 5 s the answer takes
+        error = response.json()["error"]
+        assert error["code"] == "request_timeout" and "--request-timeout" in error["message"]
+        idle = wait_for_idle_pool(base, timeout_s=20)
+        assert idle["kvscale:kv_blocks_active"] == 0 and idle["vllm:num_requests_running"] == 0
+    finally:
+        engine.step = step
+        app.state.server.request_timeout_s = None
+
+
+def test_a_late_answer_is_a_504_and_a_dead_engine_loop_makes_health_503() -> None:
+    """Over one in-process engine (one model load for both): an answer not ready within
+    --request-timeout is a 504 that stops it; then the engine thread dies (a fault injected into
+    a real engine's step): /health says 503 and requests get an OpenAI error body instead of
+    hanging."""
     import uvicorn
     from thread_engine import ThreadEngine
 
@@ -129,6 +158,7 @@ def test_dead_engine_loop_makes_health_503() -> None:
         assert httpx.get(f"{base}/health").status_code == 200
         ok = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert ok.status_code == 200
+        _request_timeout_stops_the_answer(engine, app, base)
 
         def broken_step():
             raise RuntimeError("injected fault")
@@ -205,3 +235,4 @@ def test_the_server_stream_interval_is_a_floor_for_requests(capped) -> None:
     assert grouped_by(counts(), 4)
     assert grouped_by(counts(stream_interval=1), 4)  # a request may not ask for less
     assert grouped_by(counts(stream_interval=6), 6)
+
