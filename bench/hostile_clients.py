@@ -8,7 +8,7 @@ key (a tenant misbehaving, not a stranger).
 - ``disconnect``: a long stream left after its first chunk (the replica must free its blocks);
 - ``bomb``: up to --max-sequences-per-request prompts sharing a full logit_bias and a full list of
   stop strings: each must end within the client's deadline, answered with every choice or
-  refused 400/503 (hostile_payloads.bomb_outcome); the replica stays up;
+  refused 400/503/504 (hostile_payloads.bomb_outcome); the replica stays up;
 - ``over_*``: one request over one field limit each (bench/hostile_payloads.py), in turn: a 400
   whose message names the limit's flag;
 - ``unauthenticated``: no key, a body announced at 30 MiB (refused 401 from the head: no byte of

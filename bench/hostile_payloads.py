@@ -45,10 +45,10 @@ def bomb_body(sequences: int, limits: FieldLimits = DEFAULTS) -> dict[str, Any]:
 
 
 # What a bomb may be answered besides 200 with every choice: a limit's 400 (the message names
-# its flag) or a busy replica's or router's 503 (queue full, no room within --max-queue-wait),
-# the refusals docs/server.md and docs/router.md document. Anything else, or nothing within the
-# client's deadline, is a miss.
-BOMB_REFUSALS = frozenset({400, 503})
+# its flag), a busy replica's or router's 503 (queue full, no room within --max-queue-wait) or
+# the replica's 504 (not ready within --request-timeout), the ends docs/server.md and
+# docs/router.md document. Anything else, or nothing within the client's deadline, is a miss.
+BOMB_REFUSALS = frozenset({400, 503, 504})
 
 
 def bomb_outcome(status: int | None, answer: bytes, seconds: float, sequences: int,

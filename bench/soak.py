@@ -57,6 +57,9 @@ from bench.soak_report import (  # noqa: E402
 from kvscale.request_limits import DEFAULT_MAX_SEQUENCES_PER_REQUEST  # noqa: E402
 
 HOSTILE_GRACE_S = 10
+# The replicas' --request-timeout is the bombs' deadline less this: time for the 504 to travel
+# back through the router on a loaded machine.
+BOMB_DEADLINE_MARGIN_S = 30
 
 
 def hostile_main(args: argparse.Namespace) -> int:
@@ -65,11 +68,15 @@ def hostile_main(args: argparse.Namespace) -> int:
 
     # The routers check a key, so that the unauthenticated clients meet the check; honest and
     # hostile tenants alike send it. The replicas' compile limit sits under what the slow schemas
-    # take (bench/hostile_payloads.py), so each of them is refused, not served late.
+    # take (bench/hostile_payloads.py), so each of them is refused, not served late. Their
+    # --request-timeout sits under the bombs' deadline, so a bomb the machine cannot serve in
+    # time still ends within it, with a 504.
     api_key = "sk-soak-" + secrets.token_urlsafe(12)
     compile_limits = json.dumps({"compile_timeout_s": args.compile_timeout_s})
+    request_timeout = max(1.0, args.bomb_deadline_s - BOMB_DEADLINE_MARGIN_S)
     platform_ = Platform(args.replicas, args.blocks, args.kv_offloading_size, api_key=api_key,
-                         replica_args=("--structured-outputs-config", compile_limits))
+                         replica_args=("--structured-outputs-config", compile_limits,
+                                       "--request-timeout", f"{request_timeout:g}"))
     try:
         platform_.start(args.startup_timeout)
         routers = platform_.router_urls()
@@ -129,7 +136,7 @@ def hostile_main(args: argparse.Namespace) -> int:
             "config": {"requests": args.requests, "concurrency": args.concurrency,
                        "replicas": args.replicas, "routers": 2, "seed": args.seed,
                        "routers_api_key": True, "bomb_sequences": args.bomb_sequences,
-                       "bomb_deadline_s": args.bomb_deadline_s,
+                       "bomb_deadline_s": args.bomb_deadline_s, "replicas_request_timeout_s": request_timeout,
                        "compile_timeout_s": args.compile_timeout_s},
             "honest_alone": {**honest_alone, "wall_s": round(alone_s, 1)},
             "honest_beside_hostile": {**honest_beside, "wall_s": round(beside_s, 1)},
@@ -169,7 +176,8 @@ def main() -> int:
                              "--max-sequences-per-request)")
     parser.add_argument("--bomb-deadline-s", type=float, default=300.0,
                         help="--hostile: each bomb must end within this, answered with every choice "
-                             "or refused 400/503 (default 300)")
+                             "or refused 400/503/504; the replicas' --request-timeout is 30 s less "
+                             "(default 300)")
     parser.add_argument("--compile-timeout-s", type=float, default=0.5,
                         help="--hostile: the replicas' grammar compile limit (CPU seconds), under "
                              "the ~1.5 s the slow schemas take")
