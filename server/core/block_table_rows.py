@@ -8,10 +8,13 @@ keeps a row here while it is scheduled step after step; a step rewrites that row
 block its new tokens start in, which is where a table changes in place (a new block appended,
 or the copy-on-write of the partial block it writes next: kv_cache_manager). Every other change
 gives the sequence a new list (freed, preempted, a prefix hit, forked), and a new list is copied
-whole.
+whole. A window group's table (server/core/window_group.py) also has entries freed in place,
+all before the block its new tokens start in: never read again, so a row may keep them stale.
 """
 
 from __future__ import annotations
+
+from operator import attrgetter
 
 import numpy as np
 
@@ -19,8 +22,10 @@ from kvscale.server.core.scheduler import ScheduledSeq
 
 
 class BlockTableRows:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, table: str = "block_table") -> None:
         self.block_size = block_size
+        # Which table of a sequence: block_table, or a window group's window_table (window_group.py).
+        self._table_of = attrgetter(table)
         self._array = np.zeros((0, 0), dtype=np.int32)  # one row per sequence kept
         self._free: list[int] = []  # rows nobody keeps
         self._row_of: dict[int, int] = {}  # seq_id -> its row
@@ -34,7 +39,8 @@ class BlockTableRows:
     def tables(self, scheduled: list[ScheduledSeq]) -> np.ndarray:
         """[len(scheduled), longest table] int32: row i is scheduled[i]'s table, zero-padded.
         Sequences kept from earlier steps but not scheduled in this one give their rows up."""
-        width = max(len(item.seq.block_table) for item in scheduled)
+        table_of = self._table_of
+        width = max(len(table_of(item.seq)) for item in scheduled)
         row_of = self._row_of
         self._reserve(len(row_of) + len(scheduled), width)
         self._step += 1
@@ -43,7 +49,7 @@ class BlockTableRows:
         rows: list[int] = []
         for item in scheduled:
             seq = item.seq
-            table = seq.block_table
+            table: list[int] = table_of(seq)
             row = row_of.get(seq.seq_id)
             if row is not None and mirrors[row] is table:
                 # Kept from the step before, when the table covered every token computed since:

@@ -8,6 +8,7 @@ from typing import NamedTuple
 from kvscale.block_hash import first_block_keys, hash_block_tokens
 from kvscale.server.core.block_pool import TIER_DEVICE, TIER_HOST, BlockPool, TierCopies
 from kvscale.server.core.sequence import Sequence
+from kvscale.server.core.window_group import WindowGroup
 
 
 class PrefixHit(NamedTuple):
@@ -23,8 +24,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True,
+                 window: WindowGroup | None = None) -> None:
         self.pool = pool
+        # The sliding-window layers' group, where the model has one (window_group.py): ``pool``
+        # then holds the full-attention layers' blocks only.
+        self.window = window
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
         # (source block, destination block) copies the runner must do before the next forward.
@@ -66,6 +71,9 @@ class KVCacheManager:
                 hits.append(PrefixHit(TIER_HOST, -1, block_hash))
             else:
                 break
+        window = self.window
+        while hits and window is not None and window.hit_blocks(seq.block_hashes, len(hits)) is None:
+            hits.pop()  # the window layers' blocks for the last tokens of this prefix are gone
         return hits
 
     # --- allocation ---------------------------------------------------------------------
@@ -96,8 +104,23 @@ class KVCacheManager:
         cow = 1 if (not cached and self._needs_copy_on_write(seq)) else 0
         return max(total - held, 0) + cow + revived
 
+    def _window_hits(self, seq: Sequence, cached: Seq[PrefixHit]) -> list[int] | None:
+        if not cached or self.window is None:
+            return None
+        hits = self.window.hit_blocks(seq.block_hashes, len(cached))
+        assert hits is not None, "find_cached_prefix keeps only prefixes the window group holds"
+        return hits
+
+    def _window_fits(self, seq: Sequence, num_new_tokens: int, cached: Seq[PrefixHit]) -> bool:
+        window = self.window
+        if window is None:
+            return True
+        needed = window.blocks_needed(seq, num_new_tokens, self._window_hits(seq, cached), len(cached))
+        return needed <= window.pool.num_free_blocks
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: Seq[PrefixHit] = ()) -> bool:
-        return self.num_blocks_needed(seq, num_new_tokens, cached) <= self.pool.num_free_blocks
+        return (self.num_blocks_needed(seq, num_new_tokens, cached) <= self.pool.num_free_blocks
+                and self._window_fits(seq, num_new_tokens, cached))
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: Seq[PrefixHit] = ()) -> None:
         """Grow ``seq``'s table so its next ``num_new_tokens`` tokens have slots."""
@@ -130,6 +153,8 @@ class KVCacheManager:
         total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
         while len(seq.block_table) < total:
             seq.block_table.append(pool.allocate())
+        if self.window is not None:
+            self.window.allocate(seq, num_new_tokens, self._window_hits(seq, cached), len(cached))
 
     def allocate_if_room(self, seq: Sequence, num_new_tokens: int) -> bool:
         """``can_allocate`` then ``allocate`` for a sequence that holds its blocks (a running one:
@@ -137,7 +162,13 @@ class KVCacheManager:
         blocks. The scheduler asks this of every running sequence every step, and most need
         nothing (their slots are in blocks they hold)."""
         needed = self.num_blocks_needed(seq, num_new_tokens)
-        if not needed:
+        window_needed = 0
+        if self.window is not None:
+            self.window.release(seq)  # what no query of this step or later reads goes back first
+            window_needed = self.window.blocks_needed(seq, num_new_tokens)
+            if window_needed > self.window.pool.num_free_blocks:
+                return False
+        if not needed and not window_needed:
             return True
         if needed > self.pool.num_free_blocks:
             return False
@@ -161,6 +192,8 @@ class KVCacheManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_registered_blocks = parent.num_registered_blocks
         child.num_computed_tokens = parent.num_computed_tokens
+        if self.window is not None:
+            self.window.fork(parent, child)
 
     def free(self, seq: Sequence, swap_out: bool = False) -> None:
         """Drop ``seq``'s blocks; with ``swap_out`` its registered blocks nobody else holds are
@@ -172,6 +205,8 @@ class KVCacheManager:
                 self.pool.demote_blocks(table[: seq.num_registered_blocks])
         seq.block_table = []
         seq.num_registered_blocks = 0
+        if self.window is not None:
+            self.window.free(seq)
 
     def register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Make every block of ``seq`` that is full within its first ``num_tokens`` tokens findable.
@@ -192,8 +227,10 @@ class KVCacheManager:
         tokens, size, lora_name = seq.token_ids, self.block_size, seq.request.lora_name
         for i in range(seq.num_registered_blocks, num_full):
             parent = seq.block_hashes[i - 1] if i else None
-            self.pool.register_full_block(seq.block_table[i], seq.block_hashes[i], parent,
-                                          tuple(tokens[i * size:(i + 1) * size]), lora_name)
+            block_tokens = tuple(tokens[i * size:(i + 1) * size])
+            self.pool.register_full_block(seq.block_table[i], seq.block_hashes[i], parent, block_tokens, lora_name)
+            if self.window is not None:
+                self.window.register(seq, i, seq.block_hashes[i], parent, block_tokens, lora_name)
         seq.num_registered_blocks = num_full
 
     def take_tier_copies(self) -> TierCopies:
@@ -203,3 +240,7 @@ class KVCacheManager:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+    def take_pending_window_copies(self) -> list[tuple[int, int]]:
+        """The window layers' copy-on-write copies (their own cache); none without a window group."""
+        return self.window.take_pending_copies() if self.window is not None else []

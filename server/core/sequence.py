@@ -37,6 +37,10 @@ class Sequence:
     # Chained hashes of the full blocks at the start of token_ids (computed lazily).
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading table blocks already findable by hash
+    # The sliding-window layers' blocks, indexed as block_table, where the KV cache has a window
+    # group (server/core/window_group.py); its first window_freed entries are freed.
+    window_table: list[int] = field(default_factory=list)
+    window_freed: int = 0
     # >1 while the prompt is prefilled once for n samples; the first sample forks the rest.
     fork_into: int = 1
     preempted: bool = False  # waiting again after a preemption (admission_order.py)

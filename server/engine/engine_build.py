@@ -24,8 +24,15 @@ from kvscale.server.core.block_pool import BlockPool
 from kvscale.server.core.host_tier import HostTier
 from kvscale.server.core.kv_cache_manager import KVCacheManager
 from kvscale.server.core.scheduler import Scheduler
+from kvscale.server.core.window_group import WindowGroup
 from kvscale.server.structured_outputs.manager import StructuredOutputManager
 from kvscale.server.worker.kv_cache_dtype import kv_cache_dtype_name, resolve_kv_cache_dtype
+from kvscale.server.worker.kv_groups import (
+    KVGroups,
+    group_block_bytes,
+    group_pool_blocks,
+    kv_groups,
+)
 from kvscale.server.worker.kv_sizing import (
     host_memory_room,
     host_tier_blocks,
@@ -103,6 +110,18 @@ def _start_ranks(config: EngineConfig, path: Path, model_config: Any, dtype: tor
                                  config.block_size, kv_cache_dtype)
 
 
+def window_group_of(config: EngineConfig, spec: Any) -> KVGroups | None:
+    """The sliding-window layers' KV group (kv_groups.py), or None: one group keeps every block,
+    also where the window group is not built yet (docs/engine.md, "Sliding-window layers' KV blocks")."""
+    groups = kv_groups(getattr(spec, "layer_windows", ()))
+    if groups is not None and (config.tensor_parallel_size > 1 or config.kv_offloading_size):
+        logger.info("kvscale engine: --tensor-parallel-size %d / --kv-offloading-size %g: the sliding-window "
+                    "layers keep every KV block (their own group runs on one rank without a host tier)",
+                    config.tensor_parallel_size, config.kv_offloading_size)
+        return None
+    return groups
+
+
 def build_engine(config: EngineConfig) -> EngineParts:
     torch.manual_seed(config.seed)
     path = resolve_model_path(config.model)
@@ -133,6 +152,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if runner is None:
         runner = ModelRunner(model, config.block_size, dtype, device, kv_cache_dtype=kv_cache_dtype)
     runner.lora = lora
+    groups = runner.groups = window_group_of(config, spec)
     used = total = 0
     if device.type == "cuda":
         # RoPE tables for the longest possible sequence first: they stay for the engine's
@@ -147,6 +167,15 @@ def build_engine(config: EngineConfig) -> EngineParts:
                         dtype.itemsize) if lora is not None else None
     num_blocks = pool_blocks(config, block_bytes, used, total, step_profile, slots)
     kv_cache_bytes = num_blocks * block_bytes
+    num_window_blocks = 0
+    if groups is not None:
+        per_layer = block_bytes // spec.num_layers
+        num_blocks, num_window_blocks = group_pool_blocks(
+            groups, num_blocks, per_layer, overridden=config.num_gpu_blocks_override is not None,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size)
+        block_bytes, window_block_bytes = group_block_bytes(groups, per_layer)
+        kv_cache_bytes = num_blocks * block_bytes + num_window_blocks * window_block_bytes
     max_model_len = min(wanted_len, num_blocks * config.block_size)
 
     # The host tier (--kv-offloading-size): checked against the machine before anything is
@@ -159,11 +188,13 @@ def build_engine(config: EngineConfig) -> EngineParts:
     ) if config.enable_prefix_caching else 0
     host = HostTier(num_host_blocks) if num_host_blocks else None
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, host)
-    kv = KVCacheManager(pool, config.enable_prefix_caching)
+    window = (WindowGroup(BlockPool(num_window_blocks, config.block_size, config.enable_prefix_caching), groups.window)
+              if groups is not None else None)
+    kv = KVCacheManager(pool, config.enable_prefix_caching, window)
     scheduler = Scheduler(kv, config.max_num_seqs, config.max_num_batched_tokens,
                           config.max_loras if config.enable_lora else 0, config.scheduling_policy)
     scheduler.block_bytes = block_bytes
-    runner.allocate_kv_cache(num_blocks, max_model_len)
+    runner.allocate_kv_cache(num_blocks, max_model_len, num_window_blocks)
     if device.type == "cuda" and not config.enforce_eager:
         started = time.perf_counter()
         if runner.capture_decode_graphs(config.max_num_seqs):

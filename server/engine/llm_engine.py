@@ -195,6 +195,7 @@ class LLMEngine:
         # Before the forward (demoted blocks may be written by it, promoted ones read), and even
         # when nothing runs: a preemption may have queued demotions.
         self.runner.move_between_tiers(self.kv.take_tier_copies())
+        self.runner.copy_window_blocks(self.kv.take_pending_window_copies())
         if not sched.scheduled:
             if not refused and self.structured.has_pending():
                 self.structured.wait(GRAMMAR_WAIT_S)
@@ -238,6 +239,7 @@ class LLMEngine:
         runs this one (server/core/async_scheduling.py)."""
         sched = self.scheduler.schedule()
         self.runner.move_between_tiers(self.kv.take_tier_copies())
+        self.runner.copy_window_blocks(self.kv.take_pending_window_copies())
         if not sched.scheduled:
             return self._finish_in_flight()
         self._mark_scheduled(sched.scheduled)
@@ -397,4 +399,8 @@ class LLMEngine:
         return self.pool.cached_hashes()
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.kv.window is not None:  # no sequence holds a block of either group now
+            self.kv.window.pool.reset_prefix_cache()
+        return True

@@ -22,6 +22,8 @@ class AttentionMetadata:
     kernels: KernelBackend  # the runner's, picked once for its device
     max_query_len: int = 1  # the longest sequence's new tokens, known on the host (no device read-back)
     split: DecodePrefillSplit | None = None  # mixed batches, where the kernels want them cut
+    # The window layers' own slots and tables, where the KV cache has a window group (kv_groups.py).
+    window: AttentionMetadata | None = None
 
 
 @dataclass

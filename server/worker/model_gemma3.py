@@ -119,6 +119,12 @@ class Gemma3Attention(Attention):
         self.scale = spec.query_pre_attn_scalar**-0.5
         self.window = window
 
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.window is not None and meta.window is not None:
+            meta = meta.window  # the window group's slots and tables (server/worker/kv_groups.py)
+        return super().forward(hidden, cos, sin, k_cache, v_cache, meta)
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         if self.window is None:

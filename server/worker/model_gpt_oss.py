@@ -95,6 +95,12 @@ class GptOssAttention(Attention):
         self.sinks = nn.Parameter(torch.empty(spec.num_heads))
         self.window = window
 
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.window is not None and meta.window is not None:
+            meta = meta.window  # the window group's slots and tables (server/worker/kv_groups.py)
+        return super().forward(hidden, cos, sin, k_cache, v_cache, meta)
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         return paged_window_attention(q, k_cache, v_cache, meta, self.scale, self.window,

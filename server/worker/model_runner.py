@@ -33,6 +33,7 @@ from kvscale.server.worker.decode_graphs import (
     cuda_graph_capture,
     why_not_captured,
 )
+from kvscale.server.worker.kv_groups import KVGroups, new_group_caches, window_metadata
 from kvscale.server.worker.model_llama import DecoderForCausalLM
 from kvscale.server.worker.sampler import Sampler
 from kvscale.server.worker.start_up_passes import StepProfile, profile_step, warm_up_passes
@@ -124,6 +125,11 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # CUDA graphs of decode steps, unless eager
         self.block_table_rows = BlockTableRows(block_size)
         self.lora: LoRAManager | None = None  # --enable-lora's adapters (server/worker/lora_manager.py)
+        # The sliding-window layers' own cache and tables, where the engine gives them a group (kv_groups.py).
+        self.groups: KVGroups | None = None
+        self.window_cache: torch.Tensor | None = None
+        self.num_window_blocks = 0
+        self.window_rows = BlockTableRows(block_size, "window_table")
 
     def registered_lora(self, name: str | None) -> str | None:
         """``name``, a LoRA adapter --lora-modules registered, or None (the base model); else ValueError."""
@@ -133,8 +139,9 @@ class ModelRunner:
             self.lora.on_host(name)  # one evicted from host memory is read again now, or refused here
         return name
 
-    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        self.kv_cache, self.kv_caches = self._new_kv_cache(num_blocks)
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int, num_window_blocks: int = 0) -> None:
+        self.num_window_blocks = num_window_blocks
+        self.kv_cache, self.kv_caches = self._new_kv_cache(num_blocks, num_window_blocks or None)
         self.model.build_rope_cache(max_model_len)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
@@ -142,8 +149,15 @@ class ModelRunner:
             # Compile every Triton kernel now, so the first request (and /health) does not wait.
             self.warm_up()
 
-    def _new_kv_cache(self, num_blocks: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _new_kv_cache(self, num_blocks: int, num_window_blocks: int | None = None,
+                      ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """``num_window_blocks`` None: the window group, if any, as large as the full one (a start-up pass)."""
         spec = self.model.spec
+        if self.groups is not None:
+            full, self.window_cache, views = new_group_caches(
+                self.groups, num_blocks, num_window_blocks or num_blocks, self.block_size, spec.num_kv_heads,
+                spec.head_dim, self.kv_cache_dtype, self.device)
+            return full, views
         # One allocation for the whole cache: [layer, k|v, block, offset, kv_head, head_dim].
         shape = (spec.num_layers, 2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         if self.device.type == "cpu":
@@ -196,6 +210,13 @@ class ModelRunner:
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
         cache[:, :, dst] = cache[:, :, src]
+
+    def copy_window_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write in the window group's cache."""
+        if copies:
+            assert self.window_cache is not None, "no window group"
+            src, dst = (torch.tensor([c[i] for c in copies], device=self.device) for i in (0, 1))
+            self.window_cache[:, :, dst] = self.window_cache[:, :, src]
 
     def prepare(
         self, scheduled: list[ScheduledSeq], in_flight: InFlightStep | None = None
@@ -294,6 +315,9 @@ class ModelRunner:
                 assert in_flight is not None
                 rows = to_device(torch.tensor(fill_from, dtype=torch.long))
                 ids[to_device(torch.tensor(fill_at, dtype=torch.long))] = in_flight.device_tokens[rows]
+        if self.groups is not None:
+            meta.window = window_metadata(self.window_rows, scheduled, meta,
+                                          None if attn_tables is tables else attn_table, to_device)
         flat_rows = [query_start[i + 1] - 1 for i in sample_rows] + prompt_flat_rows
         logits_indices = to_device(torch.tensor(flat_rows, dtype=torch.long))
         return ids, positions, meta, logits_indices, sample_rows, prompt_rows

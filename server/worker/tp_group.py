@@ -277,7 +277,9 @@ class TensorParallelRunner(ModelRunner):
         self.ranks = ranks
         self._finalizer = weakref.finalize(self, _close_group, ranks)
 
-    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int, num_window_blocks: int = 0) -> None:
+        # One group only: the engine builds no window group under tensor parallel (engine_build.py).
+        assert not num_window_blocks, "a window KV group on tensor-parallel ranks"
         self.ranks.send(("alloc", num_blocks, max_model_len))
         super().allocate_kv_cache(num_blocks, max_model_len)
 
