@@ -140,6 +140,8 @@ async def until_disconnect(request: Request, server: OpenAIServer, streams: list
     try:
         return await asyncio.wait_for(while_connected(request, server, streams, work), timeout)
     except TimeoutError as exc:
+        if timeout is None:  # not the deadline's: the work's own
+            raise
         raise APIError(
             504, f"The answer was not ready within {timeout:g} s (--request-timeout); its "
             f"{len(streams)} sequence(s) were stopped. Stream it, or send fewer prompts, a smaller "
