@@ -20,6 +20,7 @@ import torch
 
 from kvscale.server.core.block_table_rows import BlockTableRows
 from kvscale.server.core.scheduler import ScheduledSeq
+from kvscale.server.core.zeroed_memory import lazily_zeroed
 from kvscale.server.worker.attention_metadata import AttentionMetadata
 
 
@@ -61,7 +62,10 @@ def new_group_caches(groups: KVGroups, num_blocks: int, num_window_blocks: int, 
                      ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The full group's cache, the window group's, and each layer's (K, V) views in layer order."""
     def one(layers: int, blocks: int) -> torch.Tensor:
-        return torch.zeros((layers, 2, blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        shape = (layers, 2, blocks, block_size, num_kv_heads, head_dim)
+        if device.type == "cpu":
+            return lazily_zeroed(shape, dtype)  # as the one-group cache: nothing written at start-up
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     full, window = one(len(groups.full_layers), num_blocks), one(len(groups.window_layers), num_window_blocks)
     views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -64,6 +64,7 @@ def profile_step(runner: ModelRunner, lengths: list[int], sampler: Sampler) -> S
         scheduled.append(ScheduledSeq(seq, n))
     runner.model.build_rope_cache(max(lengths))
     own = runner.kv_cache, runner.kv_caches
+    own_window = runner.window_cache  # a window group's (server/worker/kv_groups.py), replaced too
     runner.kv_cache, runner.kv_caches = runner._new_kv_cache(num_blocks)
     # Written now, so its pages are resident before the meter starts: a CPU cache's pages
     # otherwise arrive as the pass first writes them, and would count in its peak.
@@ -82,6 +83,7 @@ def profile_step(runner: ModelRunner, lengths: list[int], sampler: Sampler) -> S
             del step
     finally:
         runner.kv_cache, runner.kv_caches = own
+        runner.window_cache = own_window
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()
     return StepProfile(sum(lengths), len(lengths), meter.peak_bytes, time.perf_counter() - started)
