@@ -101,10 +101,50 @@ def test_the_cpu_backend_runs_it_for_every_decode_token(monkeypatch: pytest.Monk
     assert len(calls) == 1 + (1 in prefill.q_lens)
 
 
-def test_build_is_cached_by_source_flags_and_compiler(tmp_path: Path) -> None:
+class RememberingCompiler:
+    """``cpu_build._run_compiler`` that runs each distinct command once per module and replays its
+    output after: the tests that build into folders of their own check where a build goes and when
+    it is reused, not the compiler, which every kernel test here exercises through the real build.
+    Each replay writes the output where the command names it, as the compiler would."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[tuple[str, ...], bytes] = {}
+        self.calls = 0
+
+    def __call__(self, argv: list[str]) -> None:
+        self.calls += 1
+        output = Path(argv[argv.index("-o") + 1])
+        # Each build compiles in a fresh work folder: the command is the same one apart from it.
+        key = tuple(arg.replace(str(output.parent), "<workdir>") for arg in argv)
+        if key not in self.outputs:
+            REAL_RUN_COMPILER(argv)
+            self.outputs[key] = output.read_bytes()
+        output.write_bytes(self.outputs[key])
+
+
+REAL_RUN_COMPILER = cpu_build._run_compiler
+
+
+@pytest.fixture(scope="module")
+def compiler_memory() -> RememberingCompiler:
+    return RememberingCompiler()
+
+
+@pytest.fixture
+def remembering_compiler(compiler_memory: RememberingCompiler,
+                         monkeypatch: pytest.MonkeyPatch) -> RememberingCompiler:
+    monkeypatch.setattr(cpu_build, "_run_compiler", compiler_memory)
+    return compiler_memory
+
+
+def test_build_is_cached_by_source_flags_and_compiler(
+    tmp_path: Path, remembering_compiler: RememberingCompiler
+) -> None:
     first = cpu_build.build(tmp_path)
+    calls = remembering_compiler.calls
     stamp = first.stat().st_mtime_ns
     assert cpu_build.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert remembering_compiler.calls == calls  # the second build ran no compiler command
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no build directory left behind
     other = cpu_build.library_path(b"another source", "gcc 12", "-march=znver4", tmp_path)
     assert other != cpu_build.library_path(b"another source", "gcc 13", "-march=znver4", tmp_path) != first
@@ -141,7 +181,8 @@ def _plant(directory: Path, owner: int, mode: int) -> Path:
 @pytest.mark.parametrize(("owner", "mode"), [(65534, 0o700), (65534, 0o755), (os.geteuid(), 0o777)],
                          ids=["another-user", "another-user-readable", "world-writable"])
 def test_a_library_in_a_directory_others_control_is_never_loaded(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, owner: int, mode: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, owner: int, mode: int,
+    remembering_compiler: RememberingCompiler,
 ) -> None:
     pod_tmp = tmp_path / "tmp"
     pod_tmp.mkdir()
@@ -369,7 +410,7 @@ def test_layer_ops_leave_what_they_do_not_take_to_torch() -> None:
 
 
 def test_a_read_only_cache_builds_once_in_the_temporary_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, remembering_compiler: RememberingCompiler
 ) -> None:
     # A cache that cannot be created or written, even by root (a path under a regular file),
     # stands for the image's read-only one.
