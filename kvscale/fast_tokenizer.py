@@ -177,7 +177,8 @@ class FastTokenizer:
         directory = Path(directory)
         try:
             config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
-            data = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+            source = (directory / "tokenizer.json").read_text(encoding="utf-8")
+            data = json.loads(source)
         except (OSError, ValueError):
             return None
         if not isinstance(config, dict) or not isinstance(data, dict):
@@ -209,7 +210,9 @@ class FastTokenizer:
         if template is None:
             return None
         try:
-            backend = Tokenizer.from_str(json.dumps(data))
+            # The file's own text: ``data`` is only read above, and serialising it again cost
+            # about as much as parsing it, in every process that loads a tokenizer.
+            backend = Tokenizer.from_str(source)
             if backend.get_vocab_size(with_added_tokens=True) > _MAX_PLAIN_VOCAB:
                 return None
             return cls(directory, backend, config, template, special)
