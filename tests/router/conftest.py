@@ -16,6 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+# fair_queue_helpers.py next to this file; with --import-mode=importlib it is not on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 from kvscale.processes import free_port, wait_for_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from fair_queue_helpers import free_slots_one_by_one
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -163,12 +164,7 @@ def test_a_light_tenant_overtakes_a_heavy_ones_backlog_and_a_band_overtakes_both
         waiting += [asyncio.ensure_future(ask("light", 0, 10)) for _ in range(2)]
         waiting.append(asyncio.ensure_future(ask("urgent", -1, 10_000)))
         await asyncio.sleep(0)
-        for served in range(1, len(waiting) + 1):  # one slot frees once the last one was sent
-            free[0] = 1
-            queue.dispatch()
-            free[0] = 0
-            while len(order) < served:
-                await asyncio.sleep(0)
+        await free_slots_one_by_one(queue, free, order, len(waiting))
         await asyncio.gather(*waiting)
         return order
 

@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 import redis
+from fair_queue_helpers import free_slots_one_by_one
 
 from kvscale.fair_share_schema import (
     COUNTER_TTL_S,
@@ -153,12 +154,7 @@ def test_two_routers_queues_on_one_redis_release_tenants_in_the_same_order(clien
             while second.counters[heavy] <= second.counters[light]:  # the next tick reads it
                 assert time.monotonic() < deadline, "the second router never read heavy's"
                 await asyncio.sleep(0.01)
-            for served in range(1, 3):  # one slot frees once the last one was sent
-                free[0] = 1
-                second.dispatch()
-                free[0] = 0
-                while len(order) < served:
-                    await asyncio.sleep(0)
+            await free_slots_one_by_one(second, free, order, 2)
             await asyncio.gather(*waiting)
             return order
         finally:
@@ -192,12 +188,7 @@ def test_the_queue_orders_by_its_own_counters_while_redis_is_down() -> None:
                 await asyncio.sleep(0)
             while shared._tasks:
                 await asyncio.sleep(0.01)
-            for served in range(1, 4):
-                free[0] = 1
-                queue.dispatch()
-                free[0] = 0
-                while len(order) < served:
-                    await asyncio.sleep(0)
+            await free_slots_one_by_one(queue, free, order, 3)
             await asyncio.gather(*waiting)
             return order, shared, metrics
         finally:
