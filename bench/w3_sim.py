@@ -2,7 +2,10 @@
 replica a continuous-batching engine (FCFS, a token budget per step, an LRU KV pool of whole
 blocks, answer blocks cached as they decode) whose steps cost what a real run's heartbeats
 measured (`Costs`), and a router that decides with the real router's functions
-(``kvscale.router.policy``) on what the real router sees."""
+(``kvscale.router.policy``) on what the real router sees. With ``heartbeat_queue`` (the routing
+grid's runs) a replica reports and evicts as the engine does: its heartbeat is the stats taken
+after its last step and its KV events arrive as a step ends (``SimReplica.publish``), and it frees
+a request's blocks tail first, so its LRU keeps a prefix's leading blocks longest."""
 
 from __future__ import annotations
 
@@ -17,7 +20,13 @@ from bench.w3_cache_aware import CacheAware
 from kvscale.router import policy as routing
 from kvscale.router.decision import HotBlocks, free_blocks, note_overload
 from kvscale.router.index import prediction_ttl
-from kvscale.router.prefill_ledger import RECENT_WAITS, Sent, decode_left, waiting_prefill
+from kvscale.router.prefill_ledger import (
+    RECENT_WAITS,
+    Sent,
+    decode_left,
+    queued_prefill_tokens,
+    waiting_prefill,
+)
 from kvscale.router.ttft_calibration import NONE as NO_CALIBRATION
 from kvscale.router.ttft_calibration import TtftCalibration
 
@@ -36,6 +45,19 @@ class Costs:
         if num_decoding == 0:
             return 0.0
         return self.decode_step_s + self.decode_step_per_seq_s * (num_decoding - 1)
+
+
+@dataclass
+class HeartbeatView:
+    """What a replica's heartbeat says at ``time``: the engine's stats as taken after its last step
+    (server/engine/core_loop.py ``step_and_publish``; server/engine/engine_stats.py), so a prefill
+    being computed counts in full until the step that computes it ends. ``time`` is just before
+    the step's end: a request sent at that instant arrived after the stats were taken."""
+
+    time: float = -math.inf
+    prefill_tokens_waiting: int = 0
+    num_waiting: int = 0
+    num_decoding: int = 0
 
 
 @dataclass
@@ -73,7 +95,14 @@ class SimReplica:
         # What its KV events have told the router: a block is reported stored once computed (its
         # prompt's prefill done, as the engine registers full blocks), removed when evicted.
         self.announced: set[int] = set()
+        # The router reads this replica as the real router reads a real one (``heartbeat_queue``):
+        # its heartbeat as of its last step's end (``heartbeat``), its KV events as that step
+        # ends (``publish``), as the engine hands both to its publisher after every step. Else the
+        # router's own ledger, and the replica's state as each step starts.
         self.heartbeat_queue = False
+        self.heartbeat = HeartbeatView()
+        self._events: list[tuple[bool, list[int]]] = []  # (stored, hashes) since the step began
+        self.step_end: float | None = None  # the running step's end, until it is published
         self.refs: dict[int, int] = {}  # pinned by running requests
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -147,15 +176,22 @@ class SimReplica:
             if victim is None:
                 break
             del self.cache[victim]
-            self.announced.discard(victim)
+            self._report(False, [victim])
             req.evicted.append(victim)
         return True
 
     def _unpin(self, req: SimRequest) -> None:
-        for h in req.pinned:
+        # A replica read as a real one (``heartbeat_queue``) frees a request's blocks tail first, as
+        # the engine does (server/core/kv_cache_manager.py ``free``; server/core/block_pool.py): a
+        # block joins the LRU's end when its last user lets it go, so a prefix loses its last blocks
+        # first and keeps its leading ones. (Else the LRU is by admission, a prefix's leading block
+        # first: evicting it loses the whole prefix, as hashes are chained.)
+        for h in (reversed(req.pinned) if self.heartbeat_queue else req.pinned):
             self.refs[h] -= 1
             if self.refs[h] == 0:
                 del self.refs[h]
+                if self.heartbeat_queue:
+                    self.cache.move_to_end(h)
         req.pinned = []
 
     def step(self, now: float, slowdown: float = 1.0) -> tuple[float, list[SimRequest], list[SimRequest]]:
@@ -197,9 +233,7 @@ class SimReplica:
                 r.first_token = end
                 r.generated = 1
                 firsts.append(r)
-                stored = [h for h in r.hashes if h in self.cache]
-                self.announced.update(stored)
-                self.on_stored(self.index, stored)
+                self._report(True, [h for h in r.hashes if h in self.cache])
         for r in decoding:
             r.generated += 1
         for r in list(self.running):
@@ -211,7 +245,32 @@ class SimReplica:
                 self._unpin(r)
                 r.finished = end
                 done.append(r)
+        self.step_end = end
         return end, firsts, done
+
+    def _report(self, stored: bool, hashes: list[int]) -> None:
+        """A KV event: at once, or (``heartbeat_queue``) when the step ends (``publish``)."""
+        if self.heartbeat_queue:
+            self._events.append((stored, hashes))
+        else:
+            self._apply(stored, hashes)
+
+    def _apply(self, stored: bool, hashes: list[int]) -> None:
+        if stored:
+            self.announced.update(hashes)
+            self.on_stored(self.index, hashes)
+        else:
+            self.announced.difference_update(hashes)
+
+    def publish(self, now: float) -> None:
+        """The step that ends at ``now`` is done: its KV events reach the router, and the heartbeat
+        is the engine's stats taken now (``HeartbeatView``). Called once per step, at its end."""
+        events, self._events = self._events, []
+        for stored, hashes in events:
+            self._apply(stored, hashes)
+        self.step_end = None
+        self.heartbeat = HeartbeatView(math.nextafter(now, -math.inf), self.queued_prefill_tokens(),
+                                       self.heartbeat_waiting(), self.num_decoding())
 
 
 class SimRouter:
@@ -278,8 +337,10 @@ class SimRouter:
             return self.route_oracle(req)
         if name == CACHE_AWARE:
             return self.route_cache_aware(req)
+        # A replica read as a real one (``heartbeat_queue``): a first token is the router's once it
+        # streams, at its step's end (the simulator sets its time as the step starts).
         unstarted = [now - r.arrival for rep in self.replicas for r in (*rep.waiting, *rep.running)
-                     if r.first_token is None]
+                     if r.first_token is None or (rep.heartbeat_queue and r.first_token > now)]
         wait = max([*unstarted, *self.waits], default=0.0)
         self.prediction_ttl_s = PREDICTION_FLOOR_S if self.fixed_ttl else prediction_ttl(PREDICTION_FLOOR_S, wait)
         if not self.fixed_ttl:
@@ -295,7 +356,8 @@ class SimRouter:
             cands.append(routing.Candidate(
                 f"r{rep.index}", rep.load(), rep.kv_usage(),
                 self.matched(rep, req.hashes, now) if routing.uses_prefix(name) else 0,
-                queued_prefill_tokens=self.queued(rep, now), num_decoding=rep.num_decoding(),
+                queued_prefill_tokens=self.queued(rep, now),
+                num_decoding=rep.heartbeat.num_decoding if rep.heartbeat_queue else rep.num_decoding(),
                 prefill_tokens_per_s=rep.reported.prefill_tokens_per_s, decode_step_s=rep.reported.decode_step_s,
                 step_token_budget=rep.costs.step_tokens,
                 free_blocks=free_blocks(rep.num_blocks, self.hot.footprint(f"r{rep.index}", now)), kv_blocks=rep.num_blocks,
@@ -346,14 +408,17 @@ class SimRouter:
         return open_now, decodes
 
     def queued(self, rep: SimReplica, now: float) -> int:
-        """The replica's waiting prefill as the router reads it: a heartbeat taken now (``heartbeat_queue``)
-        corrected by the router's own sends as the real router corrects it
-        (``kvscale.router.prefill_ledger.waiting_prefill``), or the router's own ledger alone."""
-        figure = rep.queued_prefill_tokens()
-        if not rep.heartbeat_queue or self.raw_queue:
-            return figure
-        return waiting_prefill(figure, rep.heartbeat_waiting(), now, rep.unstarted_sends(now), self.block_size,
-                               rep.announced)
+        """The replica's waiting prefill as the router reads it: its last heartbeat (``heartbeat_queue``:
+        taken at its last step's end) corrected by the router's own sends as the real router corrects it
+        (``kvscale.router.prefill_ledger.waiting_prefill``; ``/rawqueue``: without the shared prefix's
+        repeats taken off), or the router's own ledger alone."""
+        if not rep.heartbeat_queue:
+            return rep.queued_prefill_tokens()
+        hb = rep.heartbeat
+        if self.raw_queue:
+            return queued_prefill_tokens(hb.prefill_tokens_waiting, hb.time, rep.unstarted_sends(now))
+        return waiting_prefill(hb.prefill_tokens_waiting, hb.num_waiting, hb.time, rep.unstarted_sends(now),
+                               self.block_size, rep.announced)
 
     def record(self, req: SimRequest, cands: list[routing.Candidate], decision: routing.Decision) -> dict:
         """What this decision knew against what was true: the index's best match, the replicas'

