@@ -38,10 +38,14 @@ prediction error, relative. A prompt nobody holds goes to a replica with room fo
 (``free_blocks``: the replica's KV blocks less those this router sent there twice or more within
 the hot window, its hot prefixes; kvscale.router.decision), so new prefixes fill empty room before
 they evict hot ones: the one whose recent traffic claims least room per unit of speed
-(``new_prefix_home``), among those where that traffic and the prompt fit in its KV blocks if any;
-when no replica has room, the replica its leading block was last sent to unless truly overloaded
-(``returning_home``), else the lowest estimate, and its LRU makes room there. Ties (within 1 ms) go to the longer cached prefix, then to the rendezvous hash. The bounded-load cap on in-flight requests
-(``ttft_epsilon``) stays a safety valve: a replica over it goes last whatever it holds.
+(``new_prefix_home``), among those where that traffic and the prompt fit in its KV blocks if any,
+unless its queue truly overloads it (``busy_new_home``: by the spill rule, nothing saved, both in
+seconds and in units of each replica's own prefill of the prompt, against another replica where
+the prompt has room and fits, which then takes it); when no replica has room, the replica its
+leading block was last sent to unless truly overloaded (``returning_home``), else the lowest
+estimate, and its LRU makes room there. Ties (within 1 ms) go to the longer cached prefix, then to
+the rendezvous hash. The bounded-load cap on in-flight requests (``ttft_epsilon``) stays a safety
+valve: a replica over it goes last whatever it holds.
 
 A LoRA adapter's request sees only the replicas that registered it. Its blocks are keyed by the
 adapter, so the holder of its prefix is found as any other; a prompt of it nobody holds goes where
@@ -207,8 +211,57 @@ def new_prefix_home(
     None when no replica has room: ``returning_home`` or the caller's lowest estimate takes it."""
     if not roomy:
         return None
-    fit = [c for c in roomy if c.kv_blocks <= 0 or c.recent_blocks + need <= c.kv_blocks]
-    return min(fit or roomy, key=lambda c: ((c.recent_blocks + need) / rates[c.replica_id], key(c)))
+    return min(fitting(roomy, need) or roomy,
+               key=lambda c: ((c.recent_blocks + need) / rates[c.replica_id], key(c)))
+
+
+def fitting(roomy: Sequence[Candidate], need: int) -> list[Candidate]:
+    """The replicas where the recent traffic plus a prompt of ``need`` blocks fit in the KV blocks
+    (a replica that does not say how many it has, ``kv_blocks`` 0, fits)."""
+    return [c for c in roomy if c.kv_blocks <= 0 or c.recent_blocks + need <= c.kv_blocks]
+
+
+def own_prefill_units(candidate: Candidate, seconds: float, prompt_tokens: int, rate: float) -> float:
+    """``seconds`` in units of the replica's own prefill of the whole prompt (its rate, its
+    calibration scale): how many times over its queue delays a prompt nobody holds. A slower
+    replica's longer prefill counts 1, as a faster one's does; a slowdown common to the fleet
+    cancels."""
+    alone = max(prompt_tokens, 1) / rate * candidate.ttft_scale
+    return seconds / alone if alone > 0 else seconds
+
+
+def busy_new_home(
+    home: Candidate,
+    roomy: Sequence[Candidate],
+    need: int,
+    prompt_tokens: int,
+    rates: Mapping[str, float],
+    ttft: Mapping[str, float],
+    slack: float,
+    key: Callable[[Candidate], tuple[float, int, int, int, int]],
+) -> Candidate:
+    """Where a prefix nobody holds goes once its home (``new_prefix_home``) is chosen: the home,
+    unless the spill rule (nothing saved) finds it truly overloaded against another replica where
+    the prompt also has room and fits (``fitting``); then the one of those with the least delay. The
+    home was chosen for the work its group will bring, by room per unit of speed; its queue now is
+    what this rule weighs: each replica's estimate in units of its own prefill of the prompt
+    (``own_prefill_units``), so a slower replica is not found overloaded for being slower (its
+    speed is weighed already) and a uniform slowdown cancels. Without it, a home with the least
+    claimed room took every new group that arrived while its queue held the last one's cold
+    prefill: a replica at half speed, spared groups while the others filled, took the rest cold and
+    all at once; in a bursty stream, a replica whose groups had not come back within the hot window
+    looked empty and took two groups at once (docs/router.md, "Where a new prefix goes")."""
+    others = [c for c in fitting(roomy, need) if c.replica_id != home.replica_id]
+    if not others:
+        return home
+
+    def units(c: Candidate) -> float:
+        return own_prefill_units(c, ttft[c.replica_id], prompt_tokens, rates[c.replica_id])
+
+    best = min(others, key=lambda c: (round(units(c), 6), key(c)))
+    overloaded = (should_spill(units(home), units(best), 0.0, slack)
+                  and should_spill(ttft[home.replica_id], ttft[best.replica_id], 0.0, slack))
+    return best if overloaded else home
 
 
 def returning_home(
@@ -334,6 +387,8 @@ def predicted_ttft_policy(
         need = -(-prompt_tokens // max(block_size, 1))
         roomy = [c for c in by_estimate if c.free_blocks is None or c.free_blocks >= need]
         anchor = new_prefix_home(roomy, rates, need, key)
+        if anchor is not None:  # unless its queue truly overloads it: another with room and fit
+            anchor = busy_new_home(anchor, roomy, need, prompt_tokens, rates, ttft, slack, key)
         if anchor is None:  # no replica has room for it
             anchor = returning_home(by_estimate, last_home, ttft, slack)
     ranked = by_estimate

@@ -389,14 +389,18 @@ def test_hysteresis_keeps_the_group_through_a_short_overload_and_moves_it_after_
 def test_a_new_prefix_goes_where_recent_traffic_claims_least_room():
     """Nobody holds the prompt and every replica has room. r0 is idle but its recent traffic claims
     200 blocks (the prefixes it will be asked for again); r1 (100 tokens queued) and r2 (400) claim
-    none: the sooner of them takes the prefix, the estimate breaking the tie."""
+    none: the sooner of them takes the prefix, the estimate breaking the tie. r1's queue is no true
+    overload (0.628 s against r0's 0.528 s); r2's is (0.928 s > 1.25 x 0.528 s): alone with r0, the
+    prefix goes to r0 (predicted_ttft.busy_new_home)."""
     room = dict(free_blocks=500)
     r0 = replace(ttft_cand("r0"), recent_blocks=200, **room)
     r1 = replace(ttft_cand("r1", queued=100, load=1), **room)
     r2 = replace(ttft_cand("r2", queued=400, load=1), **room)
     decision = policy.predicted_ttft_policy([r0, r1, r2], 528, 16, hash_key=7)
     assert decision.ranked[0] == "r1" and decision.reason == "load" and decision.spill is None
-    assert policy.predicted_ttft_policy([r0, r2], 528, 16, hash_key=7).ranked[0] == "r2"
+    assert policy.predicted_ttft_policy([r0, r2], 528, 16, hash_key=7).ranked[0] == "r0"
+    r2_short = replace(r2, queued_prefill_tokens=100)
+    assert policy.predicted_ttft_policy([r0, r2_short], 528, 16, hash_key=7).ranked[0] == "r2"
     # The claim is per unit of speed: a replica at half the rate takes its share at half the room.
     slow = replace(ttft_cand("slow", rate=500.0), recent_blocks=40, **room)
     fast = replace(ttft_cand("fast", rate=1000.0), recent_blocks=60, **room)

@@ -69,10 +69,13 @@ def test_no_wait_measured_or_predicted_means_no_hysteresis():
 
 def test_a_new_group_goes_to_the_least_claimed_replica_however_long_its_queue_looks():
     """Mid-burst, r0 holds three groups with eleven of their requests queued (counted in full:
-    301.7 s) and r1, r2 four groups each (226.3 s, 201.1 s). The new group goes to r0, which has
-    claimed least room (214 blocks against 272 and 270), not to r2 past its room for four groups."""
-    fleet = [cand("r0", load=11, recent=214, free=128), cand("r1", load=8, recent=272, free=192),
-             cand("r2", load=7, recent=270, free=192)]
+    301.7 s) and r1, r2 four groups each (226.3 s, 201.1 s) in 320 KV blocks. The new group goes to
+    r0, which has claimed least room (214 blocks against 272 and 270), not to r2 past its room for
+    four groups: r0's queue would pass it over only for a replica where the group also fits
+    (tests/router/test_predicted_ttft_placement.py), and neither r1 nor r2 fits 66 more blocks."""
+    fleet = [replace(c, kv_blocks=320) for c in (cand("r0", load=11, recent=214, free=128),
+                                                 cand("r1", load=8, recent=272, free=192),
+                                                 cand("r2", load=7, recent=270, free=192))]
     decision = policy.predicted_ttft_policy(fleet, PROMPT, BLOCK, hash_key=78457)
     assert decision.ranked[0] == "r0" and decision.reason == "load"
     # Room still comes first: without room for the prompt's 66 blocks r0 is passed over.

@@ -63,3 +63,59 @@ def test_the_return_is_scale_free():
     slow = [replace(c, prefill_tokens_per_s=4.2) for c in over_capacity()]
     assert policy.predicted_ttft_policy(slow, PROMPT, BLOCK, hash_key=7, last_home="r0").ranked[0] == "r0"
     assert policy.predicted_ttft_policy(slow, PROMPT, BLOCK, hash_key=7, last_home="r1").ranked[0] == "r2"
+
+
+def bursty_fleet(queued: int) -> list[Candidate]:
+    """From the simulated grid's c32-p1024-fits-uniform-bursty cell: r1's groups have not come back
+    within the hot window, so it claims least room (144 blocks against 228) and is the new group's
+    home; ``queued``: the prefill waiting there (another new group's cold prompt: 1,088 tokens)."""
+    return [cand("r0", recent=228, free=128, queued=320), cand("r1", recent=144, free=192, queued=queued),
+            cand("r2", recent=228, free=128)]
+
+
+def test_a_new_group_leaves_a_home_its_queue_truly_overloads():
+    """r1 at 51.0 s, 2.03 times its own prefill of the prompt, against r2's 25.1 s (1.00): truly
+    overloaded (2.03 > 1.25 x 1.00), so the group goes to r2, where it has room and fits (228 + 66
+    blocks of 320). (The home took it, and the next new group, at once: p90 1.96 x cache_aware's.)"""
+    decision = policy.predicted_ttft_policy(bursty_fleet(1088), PROMPT, BLOCK, hash_key=7)
+    assert decision.ranked[0] == "r2" and decision.reason == "load"
+    # A queue that is not a true overload keeps the home: 30.0 s is 1.19 times its own prefill.
+    assert policy.predicted_ttft_policy(bursty_fleet(200), PROMPT, BLOCK, hash_key=7).ranked[0] == "r1"
+    # Scale-free: every replica ten times slower decides the same.
+    slow = [replace(c, prefill_tokens_per_s=4.2) for c in bursty_fleet(1088)]
+    assert policy.predicted_ttft_policy(slow, PROMPT, BLOCK, hash_key=7).ranked[0] == "r2"
+
+
+def test_only_a_replica_where_the_group_has_room_and_fits_takes_it_from_its_home():
+    """The overloaded home keeps the group where no other replica has room beside its hot prefixes
+    or can fit its recent traffic and the prompt in its KV blocks: room comes first."""
+    no_room = bursty_fleet(1088)
+    no_room[0], no_room[2] = replace(no_room[0], free_blocks=60), replace(no_room[2], free_blocks=60)
+    assert policy.predicted_ttft_policy(no_room, PROMPT, BLOCK, hash_key=7).ranked[0] == "r1"
+    no_fit = bursty_fleet(1088)
+    no_fit[0], no_fit[2] = replace(no_fit[0], recent_blocks=260), replace(no_fit[2], recent_blocks=260)
+    assert policy.predicted_ttft_policy(no_fit, PROMPT, BLOCK, hash_key=7).ranked[0] == "r1"
+
+
+def throttled_fleet(queued: int) -> list[Candidate]:
+    """r0 at half speed claims least room per unit of speed ((70 + 66) / 21 against (210 + 66) / 42)."""
+    return [cand("r0", recent=70, free=250, rate=21.0, queued=queued), cand("r1", recent=210, free=110),
+            cand("r2", recent=214, free=106)]
+
+
+def test_a_slower_home_is_not_overloaded_for_being_slower():
+    """Idle, r0's estimate is 50.3 s against the others' 25.1 s: by the spill rule on seconds it is
+    overloaded, but that is its speed, which placed the group there; in units of each replica's own
+    prefill both are 1.00, and the group stays. With another group's cold prompt queued there
+    (100.6 s, 2.00 units) it is truly overloaded, and the group goes to r1."""
+    assert policy.predicted_ttft_policy(throttled_fleet(0), PROMPT, BLOCK, hash_key=7).ranked[0] == "r0"
+    assert policy.predicted_ttft_policy(throttled_fleet(1056), PROMPT, BLOCK, hash_key=7).ranked[0] == "r1"
+
+
+def test_a_home_is_never_passed_over_for_a_later_replica():
+    """The other side of the units: r1, twice r0's speed, is the home and holds another group's
+    cold prompt, 2.00 times its own prefill; r0, idle at half speed, is 1.00 times its own. The move
+    would not make this request sooner (50.3 s against 50.3 s), so r1 keeps the group: the home is
+    truly overloaded only when it is by the spill rule in seconds too."""
+    fleet = [cand("r0", recent=200, free=120, rate=21.0), cand("r1", recent=100, free=220, queued=1056)]
+    assert policy.predicted_ttft_policy(fleet, PROMPT, BLOCK, hash_key=7).ranked[0] == "r1"
