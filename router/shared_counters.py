@@ -53,6 +53,9 @@ class SharedCounters:
         # answers, which may not hold them yet.
         self.pending: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # The latest update sent: the next one waits for it, so Redis runs this router's lifts
+        # and charges in the order the queue made them (each task may take another connection).
+        self._last_update: asyncio.Task[None] | None = None
         self._refreshing = False
         on_shared(True)
 
@@ -72,16 +75,16 @@ class SharedCounters:
             return False
         return len(self._tasks) < MAX_IN_FLIGHT
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> bool:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # told off the loop (a response finalized late): the local counter
             work.close()
-            return False
+            return None
         task = loop.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return True
+        return task
 
     def update(self, tenant: str, floor: Floor, added: float, served: bool,
                apply: Callable[[float, float], None]) -> None:
@@ -91,8 +94,11 @@ class SharedCounters:
         if not tenant or not self._open():
             return
         self.pending[tenant] = self.pending.get(tenant, 0.0) + added
-        if not self._spawn(self._update_now(tenant, floor, added, served, apply)):
+        task = self._spawn(self._update_after(self._last_update, tenant, floor, added, served, apply))
+        if task is None:
             self._unpend(tenant, added)
+        else:
+            self._last_update = task
 
     def _unpend(self, tenant: str, added: float) -> None:
         left = self.pending.get(tenant, 0.0) - added
@@ -100,6 +106,12 @@ class SharedCounters:
             self.pending.pop(tenant, None)
         else:
             self.pending[tenant] = left
+
+    async def _update_after(self, previous: asyncio.Task[None] | None, tenant: str, floor: Floor,
+                            added: float, served: bool, apply: Callable[[float, float], None]) -> None:
+        if previous is not None and not previous.done():
+            await asyncio.wait([previous])  # never raises: a failed update ends quietly
+        await self._update_now(tenant, floor, added, served, apply)
 
     async def _update_now(self, tenant: str, floor: Floor, added: float, served: bool,
                           apply: Callable[[float, float], None]) -> None:
@@ -125,7 +137,7 @@ class SharedCounters:
         if self._refreshing or not names or not self._open():
             return
         self._refreshing = True
-        if not self._spawn(self._refresh_now(names, apply)):
+        if self._spawn(self._refresh_now(names, apply)) is None:
             self._refreshing = False
 
     async def _refresh_now(self, names: list[str],

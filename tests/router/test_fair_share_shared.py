@@ -198,3 +198,27 @@ def test_the_queue_orders_by_its_own_counters_while_redis_is_down() -> None:
     # heavy's first 1000 tokens are in this router's own counter: light goes next.
     assert order == ["heavy", "light", "heavy"] and shared.down and not shared.pending
     assert metrics.registry.get_sample_value("kvscale_router_fair_share_shared") == 0
+
+
+def test_one_routers_updates_reach_redis_in_the_order_it_made_them() -> None:
+    """A lift sent first and answered slowly (a new connection, the script loaded on first use)
+    still runs before the next one: the second tenant's lift to the smallest waiting counter must
+    see the first tenant's counter in Redis."""
+    ran: list[str] = []
+
+    async def script(keys: list[str], args: list[str]) -> list[bytes]:
+        tenant = args[1]
+        await asyncio.sleep(0.05 if not ran and tenant == "first" else 0)
+        ran.append(tenant)
+        return [b"1", b"1"]
+
+    async def run() -> None:
+        shared = SharedCounters("redis://127.0.0.1:1/0", 1.0)
+        shared._script = lambda: script  # type: ignore[method-assign]
+        shared.update("first", LAST_SERVED, 0.0, False, lambda counter, last: None)
+        shared.update("second", ["first"], 0.0, False, lambda counter, last: None)
+        while shared._tasks:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert ran == ["first", "second"]
