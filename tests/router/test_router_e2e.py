@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 import time
+from typing import NamedTuple
 
 import httpx
 import openai
@@ -22,6 +23,7 @@ from kvscale.block_hash import hash_prompt_blocks
 from kvscale.kv_index_schema import blocks_key
 from kvscale.model_files import load_tokenizer, resolve_model_path
 from kvscale.processes import wait_until
+from kvscale.router.prefix_hashes import PrefixHasher
 from kvscale.tokenization import completion_prompt_token_ids
 
 pytestmark = pytest.mark.slow
@@ -334,26 +336,23 @@ def test_tokenize_detokenize_and_version_answer_alike_with_or_without_the_router
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
-def test_a_huge_prompt_does_not_stall_the_streams_the_router_is_proxying(router, tokenizer):
-    """Tokenizing and hashing a ~100k-token prompt takes the router most of a second; on its event
-    loop that stalled every stream it proxied. A stream in flight through the router
-    keeps its inter-chunk gaps while such a prompt arrives. (The replica refuses the huge request
-    at validation, max_tokens -1, so only the router works on it.)"""
-    from kvscale.router.prefix_hashes import PrefixHasher
+class StallProbe(NamedTuple):
+    longest_gap_s: float  # between two chunks of the stream while the huge prompt was in the router
+    inline_s: float  # hashing the huge prompt in this process: one gap, were it done on the loop
+    longest_gap_before_s: float
 
-    text = " ".join(f"{WORDS[i % len(WORDS)]}{i % 97}" for i in range(40_000))
-    inline = PrefixHasher([None], chat_cache_tokens=0)
-    inline.tokenizers = {MODEL: tokenizer}
+
+def stream_gaps_while_a_huge_prompt_is_routed(router_url: str, inline: PrefixHasher, text: str) -> StallProbe:
+    """One stream through the router; after its first chunks, the huge prompt is sent beside it."""
     started = time.perf_counter()
-    assert inline.prompt_block_hashes("completions", {"prompt": text}, MODEL).prompt_tokens > 90_000
-    inline_s = time.perf_counter() - started  # what one gap would be if it ran on the loop
-
+    inline.prompt_block_hashes("completions", {"prompt": text}, MODEL)
+    inline_s = time.perf_counter() - started
     arrivals: list[float] = []
 
     def stream() -> None:
         body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 160, "ignore_eos": True,
                 "temperature": 0, "stream": True}
-        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as response:
+        with httpx.stream("POST", f"{router_url}/v1/completions", json=body, timeout=120) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     arrivals.append(time.perf_counter())
@@ -362,11 +361,10 @@ def test_a_huge_prompt_does_not_stall_the_streams_the_router_is_proxying(router,
     streaming.start()
     wait_for(lambda: len(arrivals) >= 8, 60, "the stream's first chunks")
     sent = time.perf_counter()
-    huge = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": -1},
+    huge = httpx.post(f"{router_url}/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": -1},
                       timeout=120)
     answered = time.perf_counter()
-    # Timed again, as the machine is now: on a shared host its load can double during the request
-    # (the stall guarded against is the whole of this, not a share of a quieter moment's).
+    # Timed again, as the machine is now: on a shared host its load can double during the request.
     started = time.perf_counter()
     inline.prompt_block_hashes("completions", {"prompt": text}, MODEL)
     inline_s = max(inline_s, time.perf_counter() - started)
@@ -376,6 +374,25 @@ def test_a_huge_prompt_does_not_stall_the_streams_the_router_is_proxying(router,
     during = [b - a for a, b in gaps if b > sent and a < answered]
     before = [b - a for a, b in gaps if b <= sent]
     assert during and arrivals[-1] > answered, "the stream ended before the huge prompt was routed"
-    assert max(during) < inline_s / 2, (
-        f"a stream waited {max(during) * 1000:.0f} ms while the router hashed a prompt that takes "
-        f"{inline_s * 1000:.0f} ms (gaps before it: up to {max(before) * 1000:.0f} ms)")
+    return StallProbe(max(during), inline_s, max(before))
+
+
+def test_a_huge_prompt_does_not_stall_the_streams_the_router_is_proxying(router, tokenizer):
+    """Tokenizing and hashing a ~100k-token prompt takes the router most of a second; on its event
+    loop that stalled every stream it proxied. A stream in flight through the router keeps its
+    inter-chunk gaps while such a prompt arrives. (The replica refuses the huge request at
+    validation, max_tokens -1, so only the router works on it.) Best of three tries: on a shared
+    2-core host another process can stall the stream's replica for most of a second now and then,
+    while hashing on the loop would stall every try."""
+    text = " ".join(f"{WORDS[i % len(WORDS)]}{i % 97}" for i in range(40_000))
+    inline = PrefixHasher([None], chat_cache_tokens=0)
+    inline.tokenizers = {MODEL: tokenizer}
+    assert inline.prompt_block_hashes("completions", {"prompt": text}, MODEL).prompt_tokens > 90_000
+    tries: list[StallProbe] = []
+    for _ in range(3):
+        tries.append(stream_gaps_while_a_huge_prompt_is_routed(router.url, inline, text))
+        if tries[-1].longest_gap_s < tries[-1].inline_s / 2:
+            return
+    raise AssertionError("in each try a stream waited most of the time the router takes to hash the prompt: "
+                         + "; ".join(f"{t.longest_gap_s * 1000:.0f} ms of {t.inline_s * 1000:.0f} ms "
+                                     f"(before it: up to {t.longest_gap_before_s * 1000:.0f} ms)" for t in tries))
