@@ -9,6 +9,9 @@ docs/router.md describes it:
   kvscale:replica:{id}:seq            STRING event sequence number of the latest change to :blocks
   kvscale:replica:{id}:heartbeat      STRING JSON load report (the Heartbeat dataclass's fields),
                                             expires after HEARTBEAT_TTL_S
+  kvscale:lora:runtime-adapters       HASH  adapter name -> the path it was loaded from: the adapters
+                                            loaded at run time through a router, which every router
+                                            loads onto a replica that lacks them (RUNTIME_ADAPTERS_KEY)
   kvscale:kv-events                   PUB/SUB channel, JSON messages:
       {"replica": id, "seq": n, "events": [["stored", [h, ...]], ["removed", [h, ...]], ["cleared"]]}
       {"replica": id, "seq": n, "snapshot": true}   (the :blocks set was rewritten; reload it)
@@ -123,6 +126,44 @@ def lora_names(value: Any) -> list[str]:
     if not isinstance(value, list):
         return []
     return [name for name in value if isinstance(name, str)][:MAX_PUBLISHED_LORAS]
+
+
+# The adapters loaded at run time through a router (docs/router.md, "Loading adapters at run
+# time"): written by the router that passed a load (HSET, through the script below) or an unload
+# (HDEL) on, read by every router, which loads each onto any replica that lacks it. No TTL: a load
+# holds until it is unloaded. At most as many as a replica registers, each name and path within
+# the server's bounds on a load (server/entrypoints/serving_lora.py), however the hash was written.
+RUNTIME_ADAPTERS_KEY = f"{KEY_PREFIX}:lora:runtime-adapters"
+MAX_RUNTIME_ADAPTERS = MAX_PUBLISHED_LORAS
+MAX_ADAPTER_NAME_CHARS = 256
+MAX_ADAPTER_PATH_CHARS = 4096
+# KEYS: the hash; ARGV: name, path, the most names. Adds or replaces unless the hash is full of
+# other names; returns 1 when written.
+_RECORD_LOAD_LUA = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 or redis.call('HLEN', KEYS[1]) < tonumber(ARGV[3]) then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+def record_load_script(client: Any) -> Any:
+    """A callable for ``client`` that records one load: ``script(keys=[RUNTIME_ADAPTERS_KEY],
+    args=[name, path, MAX_RUNTIME_ADAPTERS])``, 1 when recorded, 0 when the record is full."""
+    return client.register_script(_RECORD_LOAD_LUA)
+
+
+def runtime_adapters(raw: dict[Any, Any]) -> dict[str, str]:
+    """The record as HGETALL answers it (bytes or str), bounded: the names and paths within the
+    bounds, at most MAX_RUNTIME_ADAPTERS of them (the first by name)."""
+    adapters = {}
+    for name, path in raw.items():
+        name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+        path = path.decode(errors="replace") if isinstance(path, bytes) else str(path)
+        if 0 < len(name) <= MAX_ADAPTER_NAME_CHARS and 0 < len(path) <= MAX_ADAPTER_PATH_CHARS:
+            adapters[name] = path
+    return dict(sorted(adapters.items())[:MAX_RUNTIME_ADAPTERS])
 
 
 @dataclass

@@ -305,6 +305,15 @@ ROUTER_FAIR_SHARE_SHARED = Metric(
 ROUTER_TENANT_METRICS = (
     ROUTER_TENANT_REQUESTS, ROUTER_TENANT_RATE_LIMITED, ROUTER_TENANT_LIMITS_UNCHECKED,
     ROUTER_TENANT_TOKENS, ROUTER_TENANT_QUEUE_WAIT_SECONDS, ROUTER_FAIR_SHARE_SHARED)
+# Adapters loaded at run time through the router, loaded again onto replicas that lack them
+# (router/lora_replay.py): only in a router given --allow-runtime-lora-updating.
+ROUTER_LORA_REPLAYS = Metric(
+    "kvscale_router_lora_replays", COUNTER,
+    "Loads of an adapter loaded at run time through the router onto a replica that lacked it (one "
+    "that joined or came back), by result (loaded, failed: retried at the next health check).",
+    ("result",))
+ROUTER_LORA_METRICS = (ROUTER_LORA_REPLAYS,)
+ROUTER_LORA_REPLAY_RESULTS = ("loaded", "failed")
 ROUTER_HOLD_OUTCOMES = ("released", "timeout", "full", "disconnected")
 ROUTER_QUEUE_OUTCOMES = ROUTER_HOLD_OUTCOMES
 ROUTER_ACTIVATION_RESULTS = ("scaled", "already", "error")
@@ -378,7 +387,7 @@ OPERATOR_METRICS = (
     OPERATOR_HELD_REQUESTS, OPERATOR_COLD_START_SECONDS,
 )
 
-ALL_METRICS = SERVER_METRICS + ROUTER_METRICS + ROUTER_TENANT_METRICS + OPERATOR_METRICS
+ALL_METRICS = SERVER_METRICS + ROUTER_METRICS + ROUTER_TENANT_METRICS + ROUTER_LORA_METRICS + OPERATOR_METRICS
 
 
 def exposed_sample_names(metric: Metric) -> tuple[str, ...]:

@@ -5,7 +5,10 @@ time").
 Served only with the router's ``--allow-runtime-lora-updating``, as a replica serves them only with
 its own: without it the paths are the router's 404 for a path it has no route for, the answer the
 server gives. The answer is 200 when every replica succeeded, else the first failure's status (in
-replica id order) with OpenAI's error body naming each replica that failed and why.
+replica id order) with OpenAI's error body naming each replica that failed and why. A load that
+succeeded on any replica is recorded, and an unload takes it out of the record, for the replicas
+that join later (router/lora_replay.py); each replica that answered 2xx is taken to serve the
+adapter, or no longer to, at once.
 """
 
 from __future__ import annotations
@@ -21,14 +24,19 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from kvscale.router.errors import openai_error, request_json
+from kvscale.router.lora_replay import (
+    LOAD_READ_TIMEOUT_S,
+    AdapterReplay,
+    note_loaded,
+    note_unloaded,
+    update_refusal,
+)
 from kvscale.router.proxy import replica_headers
 
 if TYPE_CHECKING:
     from kvscale.router.app import Router
 
 UPDATES = ("load_lora_adapter", "unload_lora_adapter")
-# A load reads the adapter's files on the replica: seconds for a large one, never a generation's wait.
-UPDATE_READ_TIMEOUT_S = 300.0
 MESSAGE_CHARS = 300  # of one replica's error, in the aggregate's message
 
 
@@ -81,23 +89,36 @@ async def _send(client: httpx.AsyncClient, url: str, replica_id: str, path: str,
     return ReplicaAnswer(replica_id, url, response.status_code, response.text)
 
 
-async def fan_out(router: Router, request: Request, update: str) -> Response:
-    """Pass ``update`` on to every healthy replica at once; the aggregate answer."""
+async def fan_out(router: Router, request: Request, update: str, replay: AdapterReplay) -> Response:
+    """Pass ``update`` on to every healthy replica at once; the aggregate answer. ``replay`` keeps
+    the record of what was loaded."""
     if (denied := router.tenancy.authenticate(request)) is not None:
         return denied
     raw = await request.body()
     if isinstance(body := request_json(raw), Response):
         return body
+    if (refused := update_refusal(update, body, replay.record.adapters)) is not None:
+        why, param = refused  # as the replica's own 400 for it, naming the field
+        return JSONResponse({"error": {"message": why, "type": "invalid_request_error", "param": param,
+                                       "code": None}}, status_code=400)
     replicas = sorted((r for r in router.replicas.replicas.values() if r.healthy), key=lambda r: r.replica_id)
     if not replicas:
         return openai_error(503, f"no healthy replica to pass {update} on to", "service_unavailable")
     tenant = router.tenancy.tenant_of(request)
     headers = replica_headers(request.headers, router.config.replica_api_key, tenant.name if tenant else None)
-    timeout = httpx.Timeout(connect=router.config.connect_timeout_s, read=UPDATE_READ_TIMEOUT_S,
+    timeout = httpx.Timeout(connect=router.config.connect_timeout_s, read=LOAD_READ_TIMEOUT_S,
                             write=30.0, pool=30.0)
+    name = body["lora_name"]
+    if update == "unload_lora_adapter":  # first: a replay pass meanwhile must not load it again
+        await replay.record.unloaded(name)
     async with httpx.AsyncClient(timeout=timeout) as client:
         answers = await asyncio.gather(*(_send(client, r.url, r.replica_id, f"/v1/{update}", raw, headers)
                                          for r in replicas))
+    for replica, answer in zip(replicas, answers, strict=True):
+        if 200 <= answer.status < 300:
+            (note_loaded if update == "load_lora_adapter" else note_unloaded)(replica, name)
+    if update == "load_lora_adapter" and any(200 <= a.status < 300 for a in answers):
+        await replay.record.loaded(name, body["lora_path"])
     return aggregate(update, list(answers))
 
 
@@ -105,10 +126,12 @@ def update_routes(router: Router) -> list[Route]:
     """The two routes, or none without ``--allow-runtime-lora-updating``."""
     if not router.config.allow_runtime_lora_updating:
         return []
+    replay = AdapterReplay(router)
+    router.replicas.followers.append(replay)  # after every health pass; closed with the replicas
 
     def endpoint(update: str) -> Any:
         async def handle(request: Request) -> Response:
-            return await fan_out(router, request, update)
+            return await fan_out(router, request, update, replay)
         return handle
 
     return [Route(f"/v1/{update}", endpoint(update), methods=["POST"]) for update in UPDATES]

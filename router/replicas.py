@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
@@ -45,6 +45,21 @@ class Replica:
     last_check: float = 0.0
     consecutive_failures: int = 0
     status: str = "not checked yet"  # the last health check's verdict, "ok" or why not (/health)
+
+
+def read_models(replica: Replica, cards: list[dict[str, Any]]) -> None:
+    """What ``replica`` serves, from its /v1/models cards: every id, and the adapters' parents."""
+    replica.models = {m["id"] for m in cards}
+    replica.adapters = {m["id"]: str(m["parent"]) for m in cards if m.get("parent")}
+
+
+class HealthFollower(Protocol):
+    """Work that follows the health checks (router/lora_replay.py): told after every pass, closed
+    with the set."""
+
+    def checked(self) -> None: ...  # starts what it does; never waits on it
+
+    async def close(self) -> None: ...
 
 
 # Failed checks (timeouts, 5xx) in a row before a healthy replica is taken out: one slow answer
@@ -98,6 +113,7 @@ class ReplicaSet:
         self._task: asyncio.Task | None = None
         self._client: httpx.AsyncClient | None = None
         self._changed = asyncio.Event()
+        self.followers: list[HealthFollower] = []
 
     def set_urls(self, urls: list[str]) -> None:
         wanted = {normalize_base_url(u) for u in urls if u.strip()}
@@ -160,6 +176,8 @@ class ReplicaSet:
                 pass
         if self._client is not None:
             await self._client.aclose()
+        for follower in self.followers:
+            await follower.close()
 
     async def _loop(self) -> None:
         while True:
@@ -172,6 +190,8 @@ class ReplicaSet:
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in list(self.replicas.values())))
+        for follower in self.followers:
+            follower.checked()
 
     async def check(self, replica: Replica) -> None:
         assert self._client is not None
@@ -184,9 +204,7 @@ class ReplicaSet:
                 models = await self._client.get(f"{replica.url}/v1/models")
                 status = describe_check("/v1/models", models.status_code, self.api_key, _error_code(models))
                 if status == "ok":
-                    cards = models.json().get("data", [])
-                    replica.models = {m["id"] for m in cards}
-                    replica.adapters = {m["id"]: str(m["parent"]) for m in cards if m.get("parent")}
+                    read_models(replica, models.json().get("data", []))
         except httpx.HTTPError as exc:
             status = f"cannot connect: {type(exc).__name__}: {exc}"
             at_once = isinstance(exc, httpx.ConnectError)  # refused: nothing listens there
@@ -219,7 +237,7 @@ K8S_TIMEOUT_S = (5.0, 30.0)
 WATCH_TIMEOUT_S = 60
 
 
-def kube_api_client(kubeconfig: str | None = None):
+def kube_api_client(kubeconfig: str | None = None) -> Any:
     """A kubernetes ApiClient: in-cluster (the pod's ServiceAccount) unless ``kubeconfig`` names
     a file; outside a pod, $KUBECONFIG or ~/.kube/config. In a pod the token file is read again
     once a minute (the client's refresh hook): the kubelet rotates the projected token."""
@@ -278,7 +296,7 @@ class EndpointSliceWatch:
         if self._watch is not None:
             self._watch.stop()  # ends the stream at its next event or server timeout
 
-    def slice_urls(self, endpoint_slice) -> list[str]:
+    def slice_urls(self, endpoint_slice: Any) -> list[str]:
         port = None
         for p in endpoint_slice.ports or []:
             # A port without a number means "unrestricted": nothing we could dial.

@@ -56,7 +56,7 @@ def _replica(refuse: set[str], cards: tuple[dict, ...] = ()) -> tuple[ThreadingH
 
 @pytest.fixture(scope="module")
 def fleet(in_process_routers):
-    replicas = [_replica(set(), ({"id": "sql", "parent": "base"},)), _replica({"only-on-a"})]
+    replicas = [_replica(set(), ({"id": "chat", "parent": "base"},)), _replica({"only-on-a"})]
     urls = [f"http://127.0.0.1:{server.server_address[1]}" for server, _ in replicas]
     common = {"replicas": urls, "policy": "round-robin", "models": [], "health_interval_s": 0.5,
               "api_key": KEY, "replica_api_key": "replica-key"}
@@ -93,7 +93,7 @@ def test_health_lists_each_replicas_adapters(fleet) -> None:
     # What the operator's status.adapters counts (operator/adapter_status.py).
     on, _, _, urls = fleet
     adapters = {r["url"]: r["adapters"] for r in httpx.get(f"{on}/health").json()["replicas"]}
-    assert adapters == {urls[0]: ["sql"], urls[1]: []}
+    assert adapters == {urls[0]: ["chat"], urls[1]: []}
 
 
 def test_a_failure_on_one_replica_names_it(fleet) -> None:
