@@ -158,7 +158,8 @@ class RuntimeAdapters:
 
 class AdapterReplay:
     """Follows the router's health checks (``ReplicaSet.followers``): one pass at a time, each
-    loading the recorded adapters onto the routable replicas that lack them."""
+    starting the loads of the recorded adapters onto the routable replicas that lack them, one
+    task per replica (a replica that joins is not kept waiting by a slow load elsewhere)."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -169,6 +170,7 @@ class AdapterReplay:
         for result in names.ROUTER_LORA_REPLAY_RESULTS:
             self.replays.labels(result)
         self._task: asyncio.Task[None] | None = None
+        self._loading: dict[str, asyncio.Task[None]] = {}  # replica url -> its loads under way
         # (replica url, adapter) -> the last failure logged, so a retry every pass logs once.
         self._failing: dict[tuple[str, str], str] = {}
 
@@ -177,9 +179,10 @@ class AdapterReplay:
             self._task = asyncio.create_task(self.replay_pass(), name="lora-replay")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._loading.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.record.close()
 
     def _headers(self) -> dict[str, str]:
@@ -197,16 +200,25 @@ class AdapterReplay:
             plan = missing_loads(self.record.adapters, held)
             self._failing = {k: v for k, v in self._failing.items()
                              if k[1] in self.record.adapters and k[0] in {r.url for r in routable.values()}}
-            if not plan:
-                return
-            timeout = httpx.Timeout(connect=self.router.config.connect_timeout_s, read=LOAD_READ_TIMEOUT_S,
-                                    write=30.0, pool=30.0)
-            async with httpx.AsyncClient(timeout=timeout, headers=self._headers()) as client:
-                await asyncio.gather(*(self._replay_to(client, routable[rid], lacking) for rid, lacking in plan.items()))
+            self._loading = {url: t for url, t in self._loading.items() if not t.done()}
+            for rid, lacking in plan.items():
+                url = routable[rid].url
+                if url not in self._loading:
+                    self._loading[url] = asyncio.create_task(self._replay_to(routable[rid], lacking),
+                                                             name=f"lora-replay {url}")
         except Exception:  # never the health loop's end: the next pass tries again
             log.exception("replaying runtime LoRA adapters failed")
 
-    async def _replay_to(self, client: httpx.AsyncClient, replica: Replica, lacking: list[str]) -> None:
+    async def _replay_to(self, replica: Replica, lacking: list[str]) -> None:
+        timeout = httpx.Timeout(connect=self.router.config.connect_timeout_s, read=LOAD_READ_TIMEOUT_S,
+                                write=30.0, pool=30.0)
+        try:
+            async with httpx.AsyncClient(timeout=timeout, headers=self._headers()) as client:
+                await self._load_lacking(client, replica, lacking)
+        except Exception:  # the next pass tries again
+            log.exception("replaying runtime LoRA adapters onto %s failed", replica.url)
+
+    async def _load_lacking(self, client: httpx.AsyncClient, replica: Replica, lacking: list[str]) -> None:
         try:
             answer = await client.get(f"{replica.url}/v1/models", timeout=MODELS_TIMEOUT_S)
             answer.raise_for_status()
