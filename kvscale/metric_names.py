@@ -156,6 +156,13 @@ STRUCTURED_MASK_STEPS = Metric(
 STRUCTURED_FORCED_TOKENS = Metric(
     "kvscale:structured_output_forced_tokens", COUNTER,
     "Output tokens the grammar forced, appended without a sampling step (fast-forward).", _M)
+# vLLM's speculative decoding counters (--speculative-config; 0 without it).
+SPEC_DECODE_NUM_DRAFTS = Metric(
+    "vllm:spec_decode_num_drafts", COUNTER, "Sequence steps that verified a draft.", _M)
+SPEC_DECODE_NUM_DRAFT_TOKENS = Metric(
+    "vllm:spec_decode_num_draft_tokens", COUNTER, "Draft tokens verified.", _M)
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = Metric(
+    "vllm:spec_decode_num_accepted_tokens", COUNTER, "Draft tokens the target model accepted.", _M)
 TOOL_CALL_PARSE_FAILURES = Metric(
     "kvscale:tool_call_parse_failures", COUNTER,
     "Answers under tool_choice auto whose tool-call markup did not parse (sent as text).", _M)
@@ -191,7 +198,8 @@ SERVER_METRICS = (
     KV_BLOCKS_CACHED, KV_BLOCKS_EVICTED, MAX_NUM_SEQS, PREFILL_TOKENS_WAITING, PREFILL_TOKENS_PER_S,
     HTTP_REQUESTS,
     STRUCTURED_REQUESTS, STRUCTURED_COMPILE_SECONDS, STRUCTURED_COMPILE_CACHE_HITS, STRUCTURED_REFUSALS,
-    STRUCTURED_MASK_SECONDS, STRUCTURED_MASK_STEPS, STRUCTURED_FORCED_TOKENS, TOOL_CALL_PARSE_FAILURES, UNKNOWN_REQUEST_FIELDS, LORA_REQUESTS,
+    STRUCTURED_MASK_SECONDS, STRUCTURED_MASK_STEPS, STRUCTURED_FORCED_TOKENS, SPEC_DECODE_NUM_DRAFTS, SPEC_DECODE_NUM_DRAFT_TOKENS,
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS, TOOL_CALL_PARSE_FAILURES, UNKNOWN_REQUEST_FIELDS, LORA_REQUESTS,
     KV_OFFLOAD_BYTES, KV_OFFLOAD_TIME, EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS,
     CPU_CACHE_USAGE, KV_HOST_BLOCKS_TOTAL, KV_HOST_BLOCKS_CACHED, KV_BLOCKS_DEMOTED,
     KV_BLOCKS_PROMOTED, KV_PREEMPTIONS_SWAPPED, KV_RESTORE_SECONDS,

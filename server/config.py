@@ -75,6 +75,65 @@ class StructuredOutputsConfig:
 
 
 
+# The longest draft a step verifies: its chunk then still attends as one-token rows
+# (server/worker/model_runner.py, MAX_DECODE_ROWS_CHUNK), the decode kernel's own numerics.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``--speculative-config`` (vLLM's flag and JSON keys): n-gram (prompt lookup) drafts only,
+    verified by the target model itself (server/core/ngram_proposer.py, server/engine/spec_step.py).
+    ``prompt_lookup_min``/``_max``: the n-gram lengths matched, longest first (one given sets the
+    other; neither: 5 each). ``disable_by_batch_size``: steps with more decoding sequences than
+    this decode normally (server/core/spec_decode.py)."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative method {self.method!r} is not implemented: only \"ngram\" "
+                             "(prompt lookup, no draft model) is")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max")
+        if self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be at least 1")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """The flag's JSON; unknown keys, a draft model, a missing method or token count are refused."""
+        import json
+
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config keys not supported: {', '.join(unknown)} "
+                             "(only n-gram speculation, no draft model, is implemented)")
+        if raw.get("method") is None or raw.get("num_speculative_tokens") is None:
+            raise ValueError('--speculative-config needs "method" and "num_speculative_tokens"')
+        low, high = raw.pop("prompt_lookup_min", None), raw.pop("prompt_lookup_max", None)
+        if low is None and high is None:
+            low = high = 5
+        values = {**raw, "prompt_lookup_min": high if low is None else low,
+                  "prompt_lookup_max": low if high is None else high}
+        if not all(isinstance(v, int) and not isinstance(v, bool) for k, v in values.items() if k != "method"):
+            raise ValueError("--speculative-config's numbers must be integers")
+        return cls(**values)
+
+
 def lora_refusal(config: EngineConfig) -> str | None:
     """Why these LoRA settings cannot run (docs/server.md, "LoRA adapters"); None where they can."""
     if not config.enable_lora:
@@ -132,11 +191,16 @@ class EngineConfig:
     # vLLM's --scheduling-policy: "fcfs", or "priority" (each request's ``priority``, lower first;
     # server/core/priority_order.py).
     scheduling_policy: str = "fcfs"
+    # vLLM's --speculative-config; None: every step decodes one token per sequence.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         why = lora_refusal(self)
         if why is not None:
             raise ValueError(why)
+        if self.speculative_config is not None and (self.tensor_parallel_size > 1 or self.async_scheduling):
+            raise ValueError("--speculative-config cannot be combined with --tensor-parallel-size > 1 or "
+                             "--async-scheduling yet (its steps run synchronously)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:

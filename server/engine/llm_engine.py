@@ -28,6 +28,7 @@ from kvscale.server.engine.engine_build import build_engine
 from kvscale.server.engine.engine_stats import engine_stats
 from kvscale.server.engine.output_builder import OutputKind, build_output
 from kvscale.server.engine.prompt_logprobs import record_prompt_logprobs
+from kvscale.server.engine.spec_step import SpecDecoder
 from kvscale.server.engine.stop_checks import check_stop
 from kvscale.server.outputs import (
     EngineStats,
@@ -83,7 +84,10 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
         self.last_step_s = 0.0
-        self.async_scheduling = use_async_scheduling(config.async_scheduling, self.device)
+        # --speculative-config (spec_step.py; synchronous steps), and the verified tokens to append.
+        self.spec = SpecDecoder.for_engine(config, self.kv, self.max_model_len)
+        self.spec_rest: dict[Sequence, list[int]] = {}
+        self.async_scheduling = use_async_scheduling(config.async_scheduling, self.device) and self.spec is None
         self.in_flight: InFlightStep | None = None  # the step queued, its tokens not read yet
         # Requests that need the host between two of their steps (async_scheduling.can_overlap):
         # while there is one, steps run synchronously.
@@ -205,7 +209,9 @@ class LLMEngine:
         # The masks of the rows that will sample, filled while the forward runs.
         self.structured.start_masks([item.seq for item in sched.scheduled
                                      if item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens])
-        step_logits = self.runner.execute(sched.scheduled, self.kv.take_pending_copies())
+        drafted = self.spec.attach(sched) if self.spec is not None else None
+        step_logits = self.runner.execute(sched.scheduled, self.kv.take_pending_copies(),
+                                          extra_rows=drafted.rows if drafted else None)
         logits, sample_rows = step_logits.sample, step_logits.sample_rows
         if step_logits.prompt_rows:
             record_prompt_logprobs(self.sampler, sched.scheduled, step_logits)
@@ -232,7 +238,12 @@ class LLMEngine:
             SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator) for seq in row_seqs
         ]
         tokens, logprobs = self.sampler(logits, rows)
-        return self._take_tokens(row_seqs, tokens, logprobs, refused)
+        if drafted is None:
+            return self._take_tokens(row_seqs, tokens, logprobs, refused)
+        self.spec_rest = drafted.verify(row_seqs, tokens, step_logits.extra)
+        outputs = self._take_tokens(row_seqs, tokens, logprobs, refused)
+        self.spec_rest = drafted.settle()  # none kept for a sequence that ended before them
+        return outputs
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Queue this step behind the one in flight, then read that one's tokens while the device
@@ -358,16 +369,19 @@ class LLMEngine:
         """Append the tokens ``seq``'s grammar forces after its sampled one, each through the same
         end-of-sequence checks as a sampled token (so max_tokens cuts the run); the next step
         computes their KV together with the next logits as one chunk (the scheduler gives a
-        running sequence every token it has not computed). Returns how many were appended."""
+        running sequence every token it has not computed). Or, after a speculative step, the
+        verified tokens after its first one (spec_step.py). Returns how many were appended."""
         if seq.is_finished:
             return 0
         appended = 0
-        for token in self.structured.forced_tokens(seq):
+        verified = self.spec_rest.pop(seq, None) if self.spec_rest else None
+        for token in verified if verified is not None else self.structured.forced_tokens(seq):
             self._append_token(seq, token, None)
             appended += 1
             if seq.is_finished:
                 break
-        self.structured.stats.forced_tokens += appended
+        if verified is None:
+            self.structured.stats.forced_tokens += appended
         return appended
 
     def _append_token(self, seq: Sequence, token: int, position_logprobs: PositionLogprobs | None) -> None:
@@ -388,7 +402,7 @@ class LLMEngine:
             num_prompt_tokens_computed=self.num_prompt_tokens_computed, last_step_s=self.last_step_s,
             offload=self.runner.host_cache.counters if self.runner.host_cache is not None else None,
             lora=self.runner.lora)
-        stats.extra.update(self.structured.extra_stats())
+        stats.extra.update(self.structured.extra_stats() | (self.spec.extra_stats() if self.spec is not None else {}))
         stats.kv_cache_dtype = kv_cache_dtype_name(self.kv_cache_dtype)
         return stats
 

@@ -59,10 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "torch.distributed, gloo on CPU, NCCL on GPUs): N must divide the query "
                             "heads; not gemma3_text or gpt_oss, --quantization or the host KV tier yet "
                             "(default 1; docs/engine.md)")
-    # vLLM's flag, so that a deployment carrying it fails by name rather than as an unknown flag.
-    model.add_argument("--speculative-config", default=None, metavar="JSON",
-                       help="not supported: speculative decoding is not implemented, so the flag is "
-                            "refused at start (docs/server.md)")
+    model.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                       help='n-gram (prompt lookup) speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+                            '"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}; '
+                            "other methods (a draft model) are refused (docs/server.md)")
     model.add_argument("--enforce-eager", action="store_true", default=None,
                        help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
     model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -186,6 +186,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '"endpoint": "tcp://*:5557"} (docs/engine.md)')
 
 
+def _speculative_config(text: str) -> Any:
+    from kvscale.server.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"--speculative-config cannot be honoured: {exc}") from exc
+
+
 def _structured_outputs_config(text: str) -> Any:
     import json
 
@@ -236,6 +245,8 @@ def build(args: argparse.Namespace) -> Served:
         fields["served_model_name"] = args.served_model_name[0]
     if args.structured_outputs_config is not None:
         fields["structured_outputs_config"] = args.structured_outputs_config
+    if args.speculative_config is not None:
+        fields["speculative_config"] = args.speculative_config
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     if args.allow_runtime_lora_updating and not args.enable_lora:
@@ -310,10 +321,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.stream_interval < 1:
         print("kvscale serve: --stream-interval must be at least 1", file=sys.stderr)
-        return 2
-    if args.speculative_config is not None:
-        print("kvscale serve: --speculative-config cannot be honoured: speculative decoding (draft model, "
-              "n-gram, suffix) is not implemented in this engine; start without it", file=sys.stderr)
         return 2
     if min(args.responses_store_max_entries, args.responses_store_max_bytes) < 1 or args.responses_store_ttl <= 0:
         print("kvscale serve: --responses-store-max-entries and --responses-store-max-bytes must be at "

@@ -86,6 +86,9 @@ class _EngineStatsCollector(Collector):
         yield family(names.STRUCTURED_MASK_SECONDS, stats.extra.get("structured_mask_seconds_total", 0.0))
         yield family(names.STRUCTURED_MASK_STEPS, stats.extra.get("structured_mask_steps_total", 0.0))
         yield family(names.STRUCTURED_FORCED_TOKENS, stats.extra.get("structured_forced_tokens_total", 0.0))
+        for metric in (names.SPEC_DECODE_NUM_DRAFTS, names.SPEC_DECODE_NUM_DRAFT_TOKENS,
+                       names.SPEC_DECODE_NUM_ACCEPTED_TOKENS):
+            yield family(metric, stats.extra.get(f"{metric.name.removeprefix('vllm:')}_total", 0.0))
         yield family(names.KV_EVENTS_BATCHES_DROPPED, stats.extra.get(STAT_BATCHES_DROPPED, 0.0))
         yield family(names.KV_EVENTS_DROPPED, stats.extra.get(STAT_EVENTS_DROPPED, 0.0))
         yield family(names.KV_INDEX_EVENTS_DROPPED, stats.extra.get(STAT_INDEX_EVENTS_DROPPED, 0.0))

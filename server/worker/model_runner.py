@@ -59,6 +59,7 @@ class StepLogits:
     sample_rows: list[int]  # scheduled indices whose chunk ended their tokens
     prompt: torch.Tensor  # the rows of prompt_rows, in order
     prompt_rows: list[PromptRows]
+    extra: torch.Tensor | None = None  # the rows execute's ``extra_rows`` asked for, in order
 
 
 # The longest chunk of output tokens attended as one-token rows: a grammar's forced run is a few
@@ -355,13 +356,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, scheduled: list[ScheduledSeq], copies: list[tuple[int, int]], in_flight: InFlightStep | None = None,
+        extra_rows: list[int] | None = None,
     ) -> StepLogits:
         """Run one step; logits to sample from in the model's dtype (left on its device: the
         sampler argmaxes plain greedy rows where they are and converts only rows that need a
         distribution to float32), and float32 ones for prompt logprobs (host).
-        Placeholder inputs come from ``in_flight``'s tokens."""
+        Placeholder inputs come from ``in_flight``'s tokens. ``extra_rows``: flattened batch rows
+        whose logits are wanted too, in the model's dtype (speculative decoding's drafts)."""
         self.copy_blocks(copies)
         ids, positions, meta, logits_indices, sample_rows, prompt_rows = self.prepare(scheduled, in_flight)
+        if extra_rows:
+            logits_indices = torch.cat([logits_indices, self._to_device(torch.tensor(extra_rows, dtype=torch.long))])
         if self.lora is not None:
             self.lora.set_step([item.seq.request.lora_name for item in scheduled],
                                [item.num_new_tokens for item in scheduled])
@@ -374,6 +379,10 @@ class ModelRunner:
         # step's sampling time on CPU, and an argmax over exactly converted values is the same.
         logits = self.model.compute_logits(hidden)
         num_sample = len(sample_rows)
+        if extra_rows:
+            end = len(logits) - len(extra_rows)
+            return StepLogits(logits[:num_sample], sample_rows, logits[num_sample:end].float().cpu(), prompt_rows,
+                              logits[end:])
         return StepLogits(logits[:num_sample], sample_rows, logits[num_sample:].float().cpu(), prompt_rows)
 
 

@@ -202,3 +202,12 @@ def test_host_tier_metrics_come_from_the_engine_stats() -> None:
     assert 'kvscale:kv_blocks_demoted_total{model_name="m"} 7.0' in text
     assert 'kvscale:kv_restore_seconds_bucket{le="0.001",model_name="m"} 2.0' in text
     assert 'kvscale:kv_restore_seconds_count{model_name="m"} 3.0' in text
+
+
+def test_server_metrics_carry_the_speculative_decoding_counters_under_vllms_names() -> None:
+    extra = {"spec_decode_num_drafts_total": 5.0, "spec_decode_num_draft_tokens_total": 20.0,
+             "spec_decode_num_accepted_tokens_total": 12.0}
+    text = ServerMetrics("m", lambda: stats(extra=extra)).render().decode()
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 20.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 12.0' in text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvscale.cli import build_parser
@@ -31,7 +33,14 @@ def test_tensor_parallel_size_reaches_the_engine_config_and_zero_is_refused(caps
     assert "tensor_parallel_size must be at least 1" in capsys.readouterr().err
 
 
-def test_speculative_config_is_refused_by_name_before_anything_starts(capsys):
-    args = build_parser("serve").parse_args(["serve", "--speculative-config", '{"method": "ngram"}'])
-    assert run(args) == 2
-    assert "--speculative-config cannot be honoured" in capsys.readouterr().err
+def test_speculative_config_takes_ngram_and_refuses_other_methods_by_name(capsys):
+    args = build_parser("serve").parse_args(["serve", "--speculative-config", json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2})])
+    assert (args.speculative_config.num_speculative_tokens, args.speculative_config.prompt_lookup_max,
+            args.speculative_config.prompt_lookup_min) == (3, 4, 2)
+    draft_model = {"method": "eagle", "model": "some/draft", "num_speculative_tokens": 3}
+    for refused in (draft_model, {"method": "eagle", "num_speculative_tokens": 3}, {"method": "ngram"}):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser("serve").parse_args(["serve", "--speculative-config", json.dumps(refused)])
+        assert exit_info.value.code == 2
+        assert "--speculative-config cannot be honoured" in capsys.readouterr().err
