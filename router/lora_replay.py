@@ -6,9 +6,10 @@ The record (adapter name -> path) is the router's, and with ``--redis`` the flee
 (``kvscale.kv_index_schema.RUNTIME_ADAPTERS_KEY``): a second router, or this one restarted, knows
 it too. After every health pass each routable replica is compared with it (its heartbeat's
 adapters, else its /v1/models'); one that lacks an adapter has its /v1/models read again (a
-heartbeat lags a load by up to its interval) and is sent each load it still lacks. A failed load is
-logged once per replica, adapter and answer, counted (``kvscale_router_lora_replays_total``) and
-sent again after the next pass. Until a replica has the adapter, requests naming it go to the
+heartbeat lags a load by up to its interval) and is sent each load it still lacks, unless the record
+(read again) no longer holds it. A refused load after which its /v1/models lists the adapter
+(another router's load got there first) is done; any other is logged once per replica, adapter and
+answer, counted (``kvscale_router_lora_replays_total``) and sent again after the next pass. Until a replica has the adapter, requests naming it go to the
 replicas that have it (``lora_routing.serves``).
 """
 
@@ -129,6 +130,17 @@ class RuntimeAdapters:
         except Exception as exc:  # redis down or slow: the last read holds
             self._redis_failed("read", exc)
 
+    async def path_of(self, name: str) -> str | None:
+        """Where ``name`` loads from, as the record says now (read again from Redis: another router
+        may have unloaded it since this pass began), or None once unloaded."""
+        if self._client is not None:
+            try:
+                path = await self._client.hget(RUNTIME_ADAPTERS_KEY, name)
+                return runtime_adapters({name: path}).get(name) if path is not None else None
+            except Exception as exc:  # the copy here decides
+                self._redis_failed("read", exc)
+        return self.adapters.get(name)
+
     async def loaded(self, name: str, path: str) -> None:
         self.adapters[name] = path
         if self._client is not None:
@@ -219,16 +231,12 @@ class AdapterReplay:
             log.exception("replaying runtime LoRA adapters onto %s failed", replica.url)
 
     async def _load_lacking(self, client: httpx.AsyncClient, replica: Replica, lacking: list[str]) -> None:
-        try:
-            answer = await client.get(f"{replica.url}/v1/models", timeout=MODELS_TIMEOUT_S)
-            answer.raise_for_status()
-            read_models(replica, answer.json().get("data", []))
-        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        if (why := await self._read_models(client, replica)) is not None:
             for name in lacking:
-                self._failed(replica, name, f"its /v1/models could not be read: {type(exc).__name__} {exc}")
+                self._failed(replica, name, why)
             return
         for name in lacking:  # one at a time: a replica runs its updates one at a time anyway
-            path = self.record.adapters.get(name)
+            path = await self.record.path_of(name)
             if path is None or name in replica.models:
                 continue  # unloaded meanwhile, or the heartbeat lagged its load
             try:
@@ -238,12 +246,28 @@ class AdapterReplay:
                 self._failed(replica, name, f"cannot reach it: {type(exc).__name__} {exc}")
                 continue
             if not 200 <= loaded.status_code < 300:
+                if await self._serves_now(client, replica, name):
+                    continue  # another router's replay got there first (the replica's 400)
                 self._failed(replica, name, f"it answered {loaded.status_code}: {loaded.text[:300]}")
                 continue
             note_loaded(replica, name)
             self._failing.pop((replica.url, name), None)
             self.replays.labels("loaded").inc()
             log.info("loaded LoRA adapter %s (%s) onto replica %s, which lacked it", name, path, replica.url)
+
+    async def _read_models(self, client: httpx.AsyncClient, replica: Replica) -> str | None:
+        """Read what ``replica`` serves from its /v1/models; None, or why it could not be read."""
+        try:
+            answer = await client.get(f"{replica.url}/v1/models", timeout=MODELS_TIMEOUT_S)
+            answer.raise_for_status()
+            read_models(replica, answer.json().get("data", []))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return f"its /v1/models could not be read: {type(exc).__name__} {exc}"
+        return None
+
+    async def _serves_now(self, client: httpx.AsyncClient, replica: Replica, name: str) -> bool:
+        """The replica's /v1/models, read again, lists ``name``."""
+        return await self._read_models(client, replica) is None and name in replica.models
 
     def _failed(self, replica: Replica, name: str, why: str) -> None:
         self.replays.labels("failed").inc()

@@ -65,13 +65,15 @@ class FakeReplica:
     """A replica keeping its adapters as `kvscale serve --allow-runtime-lora-updating` does: a load
     of a name it has is a 400, an unload of one it lacks a 404, /v1/models lists them; it refuses
     to load the names in ``refuse`` (a path its node cannot read) and answers a completion with its
-    name. ``restart`` brings it back on its port without any adapter, as a new pod."""
+    name. A load takes ``load_s`` (reading the files). ``restart`` brings it back on its port
+    without any adapter, as a new pod."""
 
-    def __init__(self, name: str, refuse: frozenset[str] = frozenset()) -> None:
-        self.name, self.refuse, self.port = name, refuse, free_port()
+    def __init__(self, name: str, refuse: frozenset[str] = frozenset(), load_s: float = 0.0) -> None:
+        self.name, self.refuse, self.load_s, self.port = name, refuse, load_s, free_port()
         self.adapters: dict[str, str] = {}
         self.loads: list[tuple[str, str, str | None]] = []  # (name, path, authorization)
         self.server: ThreadingHTTPServer | None = None
+        self.updates = threading.Lock()  # one update at a time, as the server runs them
         self.start()
 
     @property
@@ -90,13 +92,17 @@ class FakeReplica:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 if self.path == "/v1/completions":
                     return self._answer(200, {"served_by": fake.name, "model": body["model"]})
-                name = body["lora_name"]
+                with fake.updates:
+                    self._update(body["lora_name"], body.get("lora_path", ""))
+
+            def _update(self, name: str, path: str) -> None:
                 if self.path == f"/v1/{LOAD}":
-                    fake.loads.append((name, body["lora_path"], self.headers.get("authorization")))
+                    fake.loads.append((name, path, self.headers.get("authorization")))
                     if name in fake.refuse or name in fake.adapters:
                         return self._answer(400, {"error": {"message": f"cannot load {name}", "type":
                                                             "BadRequestError", "param": "lora_path", "code": None}})
-                    fake.adapters[name] = body["lora_path"]
+                    time.sleep(fake.load_s)
+                    fake.adapters[name] = path
                 elif fake.adapters.pop(name, None) is None:
                     return self._answer(404, {"error": {"message": f"no {name}", "type": "NotFoundError",
                                                         "param": "lora_name", "code": "model_not_found"}})
@@ -150,11 +156,15 @@ def _until(what: str, done: Callable[[], object], timeout: float = 15) -> None:
         time.sleep(0.05)
 
 
-def _router(routers: Any, replicas: list[FakeReplica], redis_url: str | None = None) -> str:
+def _router(routers: Any, replicas: list[FakeReplica], redis_url: str | None = None,
+            up: list[FakeReplica] | None = None) -> str:
+    """A router over ``replicas``, once those ``up`` (all by default) are healthy."""
     url = routers.start(RouterConfig(
         replicas=[r.url for r in replicas], policy="round-robin", models=[], health_interval_s=0.2,
         api_key=KEY, replica_api_key="replica-key", allow_runtime_lora_updating=True, redis_url=redis_url))
-    _until("the replicas never became healthy", lambda: all(r["healthy"] for r in _health(url).values()))
+    urls = {r.url for r in (replicas if up is None else up)}
+    _until("the replicas never became healthy", lambda: all(
+        r["healthy"] for url_, r in _health(url).items() if url_ in urls))
     return url
 
 
@@ -162,8 +172,8 @@ def _router(routers: Any, replicas: list[FakeReplica], redis_url: str | None = N
 def fakes():
     started: list[FakeReplica] = []
 
-    def make(name: str, refuse: frozenset[str] = frozenset()) -> FakeReplica:
-        started.append(FakeReplica(name, refuse))
+    def make(name: str, refuse: frozenset[str] = frozenset(), load_s: float = 0.0) -> FakeReplica:
+        started.append(FakeReplica(name, refuse, load_s))
         return started[-1]
 
     yield make
@@ -211,22 +221,32 @@ def test_a_replica_lacking_an_adapter_gets_none_of_its_requests_while_its_load_f
         assert served_by("base") == {"a", "b"}  # b takes the base model's requests
 
 
-def test_a_second_router_knows_the_fleets_adapters_from_redis(in_process_routers: Any, fakes: Any,
-                                                          session_redis: Any) -> None:
+def test_every_router_of_the_fleet_knows_its_adapters_from_redis(in_process_routers: Any, fakes: Any,
+                                                                 session_redis: Any) -> None:
     store = redis.Redis.from_url(session_redis.url)
     store.delete(RUNTIME_ADAPTERS_KEY)
     try:
-        a, c = fakes("a"), fakes("c")
-        first = _router(in_process_routers, [a], session_redis.url)
+        a, c = fakes("a"), fakes("c", load_s=0.5)
+        c.stop()  # joins after the load
+        first = _router(in_process_routers, [a, c], session_redis.url, up=[a])
+        second = _router(in_process_routers, [a, c], session_redis.url, up=[a])  # never sees the load
         assert _post(first, LOAD, lora_name="sql", lora_path="/adapters/sql").status_code == 200
+        assert store.hgetall(RUNTIME_ADAPTERS_KEY) == {b"sql": b"/adapters/sql"}
+        # The second router's view of a predates the load: it reads a's /v1/models, loads nothing.
+        _until("the second router does not see sql on a", lambda: _health(second)[a.url]["adapters"] == ["sql"])
+        # Both routers find c lacking sql and send the load (it takes c half a second): one load is
+        # done, the other is a 400 after which c's /v1/models lists it: not a failure.
+        c.start()
+        _until("sql was never loaded onto c", lambda: c.adapters == {"sql": "/adapters/sql"})
+        _until("a router does not see sql on c",
+               lambda: all(_health(r)[c.url]["adapters"] == ["sql"] for r in (first, second)))
+        assert [name for name, _, _ in c.loads] == ["sql", "sql"]
+        assert sum(_replays(r, "loaded") for r in (first, second)) == 1
+        assert [_replays(r, "failed") for r in (first, second)] == [0, 0]
+        assert [name for name, _, _ in a.loads] == ["sql"]  # no router loaded onto a again
         assert _post(first, LOAD, lora_name="chat", lora_path="/adapters/chat").status_code == 200
         assert _post(first, UNLOAD, lora_name="chat").status_code == 200
         assert store.hgetall(RUNTIME_ADAPTERS_KEY) == {b"sql": b"/adapters/sql"}
-        # Another router (or this one restarted) in front of a new replica: it loads what the fleet has.
-        second = _router(in_process_routers, [c], session_redis.url)
-        _until("sql was never loaded onto c", lambda: c.adapters == {"sql": "/adapters/sql"})
-        _until("the second router does not see sql on c", lambda: _health(second)[c.url]["adapters"] == ["sql"])
-        assert _replays(second, "loaded") == 1
     finally:
         store.delete(RUNTIME_ADAPTERS_KEY)
         store.close()
