@@ -9,8 +9,9 @@ adapters, else its /v1/models'); one that lacks an adapter has its /v1/models re
 heartbeat lags a load by up to its interval) and is sent each load it still lacks, unless the record
 (read again) no longer holds it. A refused load after which its /v1/models lists the adapter
 (another router's load got there first) is done; any other is logged once per replica, adapter and
-answer, counted (``kvscale_router_lora_replays_total``) and sent again after the next pass. Until a replica has the adapter, requests naming it go to the
-replicas that have it (``lora_routing.serves``).
+answer, counted (``kvscale_router_lora_replays_total``) and sent again after the next pass. Until
+a replica has the adapter, requests naming it go to the replicas that have it
+(``lora_routing.serves``).
 """
 
 from __future__ import annotations
