@@ -9,10 +9,8 @@ One Envoy, three listeners: FULL_DUPLEX_STREAMED bodies and BUFFERED bodies in f
 
 from __future__ import annotations
 
-import contextlib
 import re
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -29,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.envoy_gateway import envoy_argv, envoy_config, listener, wait_ready
 from kvscale.processes import free_port, wait_until
 from tests.router.conftest import MODEL, Launcher, Proc, RedisServer
+from tests.router.tcp_relay import Relay
 
 pytestmark = pytest.mark.slow
 
@@ -59,43 +58,6 @@ class Gateway:
 
     def _of(self, listener: str) -> list[list[str]]:
         return [line for line in self.log() if line[0] == listener]
-
-
-class Relay:
-    """A TCP relay to a replica: the in-process picker knows the replica through it, and loses it
-    when the relay closes (its health checks then find nothing listening)."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                downstream, _ = self.listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            except OSError:
-                return
-            self.sockets += [downstream, upstream]
-            for a, b in ((downstream, upstream), (upstream, downstream)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(65536):
-                sink.sendall(data)
-        with contextlib.suppress(OSError):
-            sink.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        for sock in (self.listener, *self.sockets):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
 
 
 def lost_replica_picker(replica: Proc) -> Iterator[int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -259,3 +260,55 @@ def test_runtime_updating_needs_enable_lora(capsys, checkpoint) -> None:
     cli_serve.add_arguments(parser)
     assert cli_serve.run(parser.parse_args(["--model", str(checkpoint / "base"), "--allow-runtime-lora-updating"])) == 2
     assert "--allow-runtime-lora-updating needs --enable-lora" in capsys.readouterr().err
+
+
+def test_through_a_router_an_adapter_loaded_at_run_time_comes_back_to_a_replica_that_lost_it(
+        server, client, checkpoint) -> None:
+    """`kvscale router --allow-runtime-lora-updating` (its app on a thread of this process) in
+    front of this real server, which it reaches through a relay: a load through the router serves
+    the adapter through it; the replica then goes away and comes back without the adapter (the
+    relay closed, the adapter unloaded, the relay open again: a restarted pod at its address), and
+    the router loads it again from its record (docs/router.md, "Replicas that join later"); once
+    unloaded through the router it is not loaded again."""
+    from kvscale.processes import wait_until
+    from kvscale.router.config import RouterConfig
+    from tests.router.conftest import InProcessRouters
+    from tests.router.tcp_relay import Relay
+
+    relay = Relay(server.port)
+    routers = InProcessRouters()
+    try:
+        router = routers.start(RouterConfig(replicas=[f"http://127.0.0.1:{relay.port}"], models=[],
+                                            policy="round-robin", health_interval_s=0.3,
+                                            allow_runtime_lora_updating=True, replica_api_key=KEY))
+
+        def replica_healthy() -> bool:
+            return httpx.get(f"{router}/health", timeout=5).json()["replicas"][0]["healthy"]
+
+        wait_until(replica_healthy, 30, what="the router's replica")
+        loaded = httpx.post(f"{router}/v1/load_lora_adapter",
+                            json={"lora_name": "kept", "lora_path": str(checkpoint / "chat")}, timeout=60)
+        assert loaded.status_code == 200, loaded.text
+        routed = openai.OpenAI(base_url=f"{router}/v1", api_key="unused", max_retries=0, timeout=60)
+        expected = _complete(client, "kept")
+        assert _complete(routed, "kept") == expected
+
+        def served() -> set[str]:
+            return {m.id for m in client.models.list().data}
+
+        relay.close()
+        wait_until(lambda: not replica_healthy(), 30, what="the replica gone")
+        assert _update(server, "unload_lora_adapter", lora_name="kept").status_code == 200
+        relay = Relay(server.port, port=relay.port)
+        wait_until(lambda: "kept" in served(), 30, what="the router's replay of the adapter")
+        assert _complete(routed, "kept") == expected
+        replays = httpx.get(f"{router}/metrics", timeout=10).text
+        assert 'kvscale_router_lora_replays_total{result="loaded"} 1.0' in replays, replays[-2000:]
+        unloaded = httpx.post(f"{router}/v1/unload_lora_adapter", json={"lora_name": "kept"}, timeout=60)
+        assert unloaded.status_code == 200, unloaded.text
+        time.sleep(1.0)  # three health passes: no replay of what was unloaded
+        assert "kept" not in served()
+    finally:
+        routers.stop_all()
+        relay.close()
+        _update(server, "unload_lora_adapter", lora_name="kept")
