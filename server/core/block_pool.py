@@ -51,6 +51,11 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """The blocks ``num_tokens`` tokens fill, the last one partly."""
+    return -(-num_tokens // block_size)
+
+
 class BlockPool:
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = True, host: HostTier | None = None
@@ -140,6 +145,16 @@ class BlockPool:
             raise NoFreeBlocksError("no free KV blocks")
         self.blocks[block_id].ref_count = 1
         return block_id
+
+    def copy_on_write(self, table: list[int], index: int, pending_copies: list[tuple[int, int]]) -> None:
+        """Give ``table`` a block of its own at ``index``, where it shares a partly filled block that
+        its next token would write: a fresh block, the copy (shared, fresh) queued in
+        ``pending_copies`` for the worker to run before the step, the shared one released."""
+        shared = table[index]
+        private = self.allocate()
+        pending_copies.append((shared, private))
+        self.free([shared])
+        table[index] = private
 
     def touch(self, block_id: int) -> None:
         """Take one more reference on a block (a prefix hit or a fork)."""

@@ -6,7 +6,7 @@ from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 from kvscale.block_hash import first_block_keys, hash_block_tokens
-from kvscale.server.core.block_pool import TIER_DEVICE, TIER_HOST, BlockPool, TierCopies
+from kvscale.server.core.block_pool import TIER_DEVICE, TIER_HOST, BlockPool, TierCopies, blocks_for
 from kvscale.server.core.sequence import Sequence
 from kvscale.server.core.window_group import WindowGroup
 
@@ -19,8 +19,6 @@ class PrefixHit(NamedTuple):
     block_hash: int
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class KVCacheManager:
@@ -144,12 +142,7 @@ class KVCacheManager:
             seq.num_computed_tokens = len(cached) * self.block_size
             seq.num_registered_blocks = len(cached)
         if self._needs_copy_on_write(seq):
-            idx = seq.num_computed_tokens // self.block_size
-            shared = seq.block_table[idx]
-            private = pool.allocate()
-            self.pending_copies.append((shared, private))
-            pool.free([shared])
-            seq.block_table[idx] = private
+            pool.copy_on_write(seq.block_table, seq.num_computed_tokens // self.block_size, self.pending_copies)
         total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
         while len(seq.block_table) < total:
             seq.block_table.append(pool.allocate())

@@ -14,7 +14,7 @@ full-group block of the prefix, only the window blocks its next query reads (``h
 
 from __future__ import annotations
 
-from kvscale.server.core.block_pool import BlockPool
+from kvscale.server.core.block_pool import BlockPool, blocks_for
 from kvscale.server.core.sequence import Sequence
 
 FREED = -1  # a window_table entry whose block went back to the pool
@@ -28,7 +28,7 @@ def first_kept_block(position: int, window: int, block_size: int) -> int:
 def blocks_per_sequence(window: int, block_size: int, num_new_tokens: int = 1) -> int:
     """The most window blocks one sequence holds while a step adds ``num_new_tokens`` tokens: the
     window behind its first new token, the new tokens, and a block each end may straddle."""
-    return -(-(window - 1 + num_new_tokens) // block_size) + 1
+    return blocks_for(window - 1 + num_new_tokens, block_size) + 1
 
 
 class WindowGroup:
@@ -76,10 +76,10 @@ class WindowGroup:
         consumes (``hits``: the window blocks of a prefix hit of ``num_hit_blocks`` blocks)."""
         bs = self.block_size
         if hits is not None:
-            total = -(-(num_hit_blocks * bs + num_new_tokens) // bs)
+            total = blocks_for(num_hit_blocks * bs + num_new_tokens, bs)
             revived = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)
             return max(total - num_hit_blocks, 0) + revived
-        total = -(-(seq.num_computed_tokens + num_new_tokens) // bs)
+        total = blocks_for(seq.num_computed_tokens + num_new_tokens, bs)
         return max(total - len(seq.window_table), 0) + self._needs_copy_on_write(seq)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None,
@@ -94,13 +94,8 @@ class WindowGroup:
             seq.window_freed = num_hit_blocks - len(hits)
             seq.window_table = [FREED] * seq.window_freed + hits
         if self._needs_copy_on_write(seq):
-            idx = seq.num_computed_tokens // self.block_size
-            shared = seq.window_table[idx]
-            private = pool.allocate()
-            self.pending_copies.append((shared, private))
-            pool.free([shared])
-            seq.window_table[idx] = private
-        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+            pool.copy_on_write(seq.window_table, seq.num_computed_tokens // self.block_size, self.pending_copies)
+        total = blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
         while len(seq.window_table) < total:
             seq.window_table.append(pool.allocate())
 
