@@ -25,7 +25,8 @@ import torch
 
 from kvscale.server.config import EngineConfig, SpeculativeConfig
 from kvscale.server.core.async_scheduling import can_overlap
-from kvscale.server.core.kv_cache_manager import KVCacheManager, blocks_for
+from kvscale.server.core.block_pool import blocks_for
+from kvscale.server.core.kv_cache_manager import KVCacheManager
 from kvscale.server.core.ngram_proposer import propose_ngram
 from kvscale.server.core.scheduler import SchedulerOutput
 from kvscale.server.core.sequence import Sequence, SequenceStatus
