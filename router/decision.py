@@ -107,7 +107,7 @@ class HotBlocks:
 
     def recent(self, replica_id: str, now: float) -> int:
         """Distinct blocks sent to the replica within the window, once or more: the room its
-        recent traffic claims (a new prefix goes where that is least per unit of speed)."""
+        recent traffic claims (a new prefix goes where that is least)."""
         self._expire(replica_id, now)
         return len(self._sent.get(replica_id, ()))
 

@@ -37,7 +37,7 @@ the other replica too. ``slack`` (--balance-epsilon, spec.router.balanceEpsilon)
 prediction error, relative. A prompt nobody holds goes to a replica with room for it
 (``free_blocks``: the replica's KV blocks less those this router sent there twice or more within
 the hot window, its hot prefixes; kvscale.router.decision), so new prefixes fill empty room before
-they evict hot ones: the one whose recent traffic claims least room per unit of speed
+they evict hot ones: the one whose recent traffic claims least room, in blocks, speed aside
 (``new_prefix_home``), among those where that traffic and the prompt fit in its KV blocks if any,
 unless its queue truly overloads it (``busy_new_home``: by the spill rule, nothing saved, both in
 seconds and in units of each replica's own prefill of the prompt, against another replica where
@@ -192,27 +192,26 @@ def should_spill(anchor_ttft: float, other_ttft: float, saved_s: float, slack: f
 
 def new_prefix_home(
     roomy: Sequence[Candidate],
-    rates: Mapping[str, float],
     need: int,
     key: Callable[[Candidate], tuple[float, int, int, int, int]],
 ) -> Candidate | None:
     """Where a prefix nobody holds goes, among the replicas with room for it: the one whose recent
-    traffic claims least room per unit of speed, (recent_blocks + need) / rate (ties by ``key``,
-    the estimate first). The queue now is one instant; the prefixes recently sent are the work the
-    replica will be asked for again, so new prefixes spread over the fleet in proportion to its
-    speed. Not filtered by the estimate: the heartbeat counts every request queued behind a prefix
+    traffic claims least room, recent_blocks + need, in blocks (ties by ``key``, the estimate
+    first), as cache_aware places a prompt on its smallest tree. The queue now is one instant; the
+    prefixes recently sent are the work the replica will be asked for again. Speed does not weigh
+    here: a prefix's blocks take the same room on a slow replica as on a fast one, and a replica
+    its speed spared groups took its share later, cold and all at once, once the others were full
+    (the simulated grid's "fits" cells with a replica at half speed: TTFT p90 1.78 x the better
+    baseline's); its queue is weighed next (``busy_new_home``). Not filtered by the estimate: the heartbeat counts every request queued behind a prefix
     still being computed in full, so in a burst the replica holding the busiest groups looks the
     latest and new groups piled onto the others past their room (docs/router.md, "Where a new
-    prefix goes"). A ratio of blocks over rates: equally slow replicas decide as fast ones. Speed
-    never fills a replica past its KV blocks (``kv_blocks``): where the replica's recent traffic
-    plus this prompt still fit somewhere, only those replicas are weighed; otherwise a fast
-    replica is sent more groups than it holds, evicts its own, and a slower one with room for
-    them takes their cold prefills later, all at once (docs/router.md, "Where a new prefix goes").
+    prefix goes"). Blocks alone: equally slow replicas decide as fast ones. Nothing fills a replica
+    past its KV blocks (``kv_blocks``): where the replica's recent traffic plus this prompt still
+    fit somewhere, only those replicas are weighed (docs/router.md, "Where a new prefix goes").
     None when no replica has room: ``returning_home`` or the caller's lowest estimate takes it."""
     if not roomy:
         return None
-    return min(fitting(roomy, need) or roomy,
-               key=lambda c: ((c.recent_blocks + need) / rates[c.replica_id], key(c)))
+    return min(fitting(roomy, need) or roomy, key=lambda c: (c.recent_blocks + need, key(c)))
 
 
 def fitting(roomy: Sequence[Candidate], need: int) -> list[Candidate]:
@@ -243,10 +242,10 @@ def busy_new_home(
     """Where a prefix nobody holds goes once its home (``new_prefix_home``) is chosen: the home,
     unless the spill rule (nothing saved) finds it truly overloaded against another replica where
     the prompt also has room and fits (``fitting``); then the one of those with the least delay. The
-    home was chosen for the work its group will bring, by room per unit of speed; its queue now is
+    home was chosen for the work its group will bring, by the room it claims; its queue now is
     what this rule weighs: each replica's estimate in units of its own prefill of the prompt
     (``own_prefill_units``), so a slower replica is not found overloaded for being slower (its
-    speed is weighed already) and a uniform slowdown cancels. Without it, a home with the least
+    prefill of the prompt is longer wherever it queues) and a uniform slowdown cancels. Without it, a home with the least
     claimed room took every new group that arrived while its queue held the last one's cold
     prefill: a replica at half speed, spared groups while the others filled, took the rest cold and
     all at once; in a bursty stream, a replica whose groups had not come back within the hot window
@@ -386,7 +385,7 @@ def predicted_ttft_policy(
         # A cold prompt: a replica with room for it, so it does not evict a hot prefix.
         need = -(-prompt_tokens // max(block_size, 1))
         roomy = [c for c in by_estimate if c.free_blocks is None or c.free_blocks >= need]
-        anchor = new_prefix_home(roomy, rates, need, key)
+        anchor = new_prefix_home(roomy, need, key)
         if anchor is not None:  # unless its queue truly overloads it: another with room and fit
             anchor = busy_new_home(anchor, roomy, need, prompt_tokens, rates, ttft, slack, key)
         if anchor is None:  # no replica has room for it

@@ -401,14 +401,15 @@ def test_a_new_prefix_goes_where_recent_traffic_claims_least_room():
     assert policy.predicted_ttft_policy([r0, r2], 528, 16, hash_key=7).ranked[0] == "r0"
     r2_short = replace(r2, queued_prefill_tokens=100)
     assert policy.predicted_ttft_policy([r0, r2_short], 528, 16, hash_key=7).ranked[0] == "r2"
-    # The claim is per unit of speed: a replica at half the rate takes its share at half the room.
+    # The claim is in blocks, speed aside: a replica at half the rate that claims less room takes
+    # the prefix (40 + 33 < 60 + 33 blocks; per unit of speed it would have gone to "fast"), its
+    # queue no true overload in units of its own prefill of the prompt.
     slow = replace(ttft_cand("slow", rate=500.0), recent_blocks=40, **room)
     fast = replace(ttft_cand("fast", rate=1000.0), recent_blocks=60, **room)
     mid = replace(ttft_cand("mid", rate=1000.0), recent_blocks=200, **room)
-    # (40 + 33) / 500 > (60 + 33) / 1000: the slow replica has claimed its share already.
-    assert policy.predicted_ttft_policy([slow, fast, mid], 528, 16, hash_key=7).ranked[0] == "fast"
-    lighter = replace(slow, recent_blocks=10)  # (10 + 33) / 500 < (60 + 33) / 1000
-    assert policy.predicted_ttft_policy([lighter, fast, mid], 528, 16, hash_key=7).ranked[0] == "slow"
+    assert policy.predicted_ttft_policy([slow, fast, mid], 528, 16, hash_key=7).ranked[0] == "slow"
+    heavier = replace(slow, recent_blocks=80)  # 80 + 33 > 60 + 33: the fast one claims less
+    assert policy.predicted_ttft_policy([heavier, fast, mid], 528, 16, hash_key=7).ranked[0] == "fast"
 
 
 def test_a_new_prefix_is_placed_alike_on_a_fleet_ten_times_slower():

@@ -18,18 +18,18 @@ def cand(rid: str, *, recent: int, free: int | None, rate: float = 42.0, queued:
                      free_blocks=free, kv_blocks=KV)
 
 
-def test_speed_does_not_fill_a_fast_replica_past_its_kv_blocks():
-    """r0 runs at half speed: by claims per unit of speed r1 looks least claimed ((346 + 66) / 42
-    against (140 + 66) / 21), but 346 + 66 blocks do not fit in its 320: the group goes to r0,
-    where they do, rather than evicting one of r1's own groups (r2 has no room for it)."""
-    fleet = [cand("r0", recent=140, free=192, rate=21.0), cand("r1", recent=346, free=128),
+def test_a_new_group_never_fills_a_replica_past_its_kv_blocks():
+    """The claims are in blocks, speed aside: r1 claims least room (150 against r0's 200, r0 at
+    half speed), but its KV is smaller and 150 + 66 blocks do not fit in its 200: the group goes to
+    r0, where 200 + 66 fit in 320, rather than evicting one of r1's own groups (r2 has no room)."""
+    fleet = [cand("r0", recent=200, free=192, rate=21.0), replace(cand("r1", recent=150, free=128), kv_blocks=200),
              cand("r2", recent=336, free=64)]
     decision = policy.predicted_ttft_policy(fleet, PROMPT, BLOCK, hash_key=7)
     assert decision.ranked[0] == "r0" and decision.reason == "load"
     # A replica whose KV size is unknown (no heartbeat yet) is taken to have room, as before.
     unknown = [replace(c, kv_blocks=0) for c in fleet]
     assert policy.predicted_ttft_policy(unknown, PROMPT, BLOCK, hash_key=7).ranked[0] == "r1"
-    # Where the claims fit nowhere, speed decides among the replicas with room, as before.
+    # Where the claims fit nowhere, the least claimed replica with room takes it.
     crowded = [replace(fleet[0], recent_blocks=300), fleet[1], fleet[2]]
     assert policy.predicted_ttft_policy(crowded, PROMPT, BLOCK, hash_key=7).ranked[0] == "r1"
 
@@ -98,7 +98,7 @@ def test_only_a_replica_where_the_group_has_room_and_fits_takes_it_from_its_home
 
 
 def throttled_fleet(queued: int) -> list[Candidate]:
-    """r0 at half speed claims least room per unit of speed ((70 + 66) / 21 against (210 + 66) / 42)."""
+    """r0, at half speed, claims least room (70 + 66 blocks against 210 + 66 and 214 + 66)."""
     return [cand("r0", recent=70, free=250, rate=21.0, queued=queued), cand("r1", recent=210, free=110),
             cand("r2", recent=214, free=106)]
 
