@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from kvscale.processes import wait_until
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 
@@ -107,15 +108,13 @@ def envoy_argv(config: dict[str, Any]) -> list[str]:
 
 def wait_ready(admin: int, proc: subprocess.Popen, timeout: float = 60) -> None:
     """Until Envoy's admin ``/ready`` answers 200 (its listeners are up)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def ready() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"envoy exited with {proc.returncode} during startup")
         try:
-            if httpx.get(f"http://127.0.0.1:{admin}/ready", timeout=1).status_code == 200:
-                return
+            return httpx.get(f"http://127.0.0.1:{admin}/ready", timeout=1).status_code == 200
         except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("envoy did not become ready")
-        time.sleep(0.2)
+            return False
+
+    wait_until(ready, timeout, interval=0.2, what="envoy's admin /ready")
