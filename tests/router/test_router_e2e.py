@@ -86,8 +86,14 @@ def metric(base_url: str, name: str, labels: dict[str, str] | None = None) -> fl
 def test_models_health_and_unknown_model(router):
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == [MODEL]
-    health = httpx.get(f"{router.url}/health", timeout=10).json()
-    assert health["redis"] == "up" and all(r["healthy"] for r in health["replicas"])
+    # The router serves before its first Redis round trip (50 ms timeouts) has gone through, and
+    # one slow reply on a loaded host marks Redis down until the next poll: wait for "up".
+    def health_with_redis_up() -> dict | None:
+        health = httpx.get(f"{router.url}/health", timeout=10).json()
+        return health if health["redis"] == "up" else None
+
+    health = wait_for(health_with_redis_up, what="the router's Redis feed to be up")
+    assert all(r["healthy"] for r in health["replicas"])
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
     assert err.value.response.json()["error"]["code"] == "model_not_found"
