@@ -3,8 +3,8 @@
 The HTTP server and the offline ``LLM`` both drive this: ``add_request`` / ``abort_request`` /
 ``step``. A request's outputs are cumulative, or deltas for the server (output_builder.py); a
 finished request is reported once with ``finished=True`` and forgotten. Its parts are built
-once (engine_build.py: model, KV pool sized by kv_sizing.py, scheduler, runner, sampler); the
-engine owns the step loop, and asks stop_checks.py whether each token ends its sample; its stats
+once (engine_build.py: model, KV pool sized by kv_sizing.py, scheduler, runner, sampler), a
+request's sequences by new_sequences.py; the engine owns the step loop, and asks stop_checks.py whether each token ends its sample; its stats
 are engine_stats.py's.
 With async scheduling (a GPU's default, async_scheduling.py) a ``step()`` queues the next
 iteration and returns the outputs of the one before it.
@@ -17,15 +17,12 @@ import time
 
 from kvscale.server.config import EngineConfig
 from kvscale.server.core.async_scheduling import InFlightStep, can_overlap, use_async_scheduling
-from kvscale.server.core.kv_cache_manager import blocks_for
 from kvscale.server.core.scheduler import ScheduledSeq
 from kvscale.server.core.sequence import PLACEHOLDER_TOKEN, Request, Sequence, SequenceStatus
-from kvscale.server.engine.detokenizer import (
-    detokenize_incrementally,
-    init_detokenizer,
-)
+from kvscale.server.engine.detokenizer import detokenize_incrementally
 from kvscale.server.engine.engine_build import build_engine
 from kvscale.server.engine.engine_stats import engine_stats
+from kvscale.server.engine.new_sequences import fork_samples, new_request
 from kvscale.server.engine.output_builder import OutputKind, build_output
 from kvscale.server.engine.prompt_logprobs import record_prompt_logprobs
 from kvscale.server.engine.spec_step import SpecDecoder
@@ -39,7 +36,7 @@ from kvscale.server.outputs import (
 )
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.worker.kv_cache_dtype import kv_cache_dtype_name
-from kvscale.server.worker.sampler import SamplingRow, greedy_tokens, make_generator
+from kvscale.server.worker.sampler import SamplingRow, greedy_tokens
 
 # With only grammars compiling, a step waits this long for one instead of spinning.
 GRAMMAR_WAIT_S = 0.005
@@ -111,29 +108,9 @@ class LLMEngine:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        # The edges (the HTTP API, the offline LLM) validate requests with kvscale.server.entrypoints.admission,
-        # one message per failure; here the same conditions are only asserted.
-        if isinstance(prompt, str):
-            prompt_text: str | None = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_text = None
-            token_ids = [int(t) for t in prompt]
-        num_prompt = len(token_ids)
-        assert num_prompt and all(0 <= t < self.vocab_size for t in token_ids), "unchecked prompt"
-        max_tokens = self.max_model_len - num_prompt if params.max_tokens is None else params.max_tokens
-        assert max_tokens >= 1 and num_prompt + max_tokens <= self.max_model_len, "unchecked max_tokens"
-        # max_model_len is capped by the pool, so a request within it always fits the pool.
-        assert blocks_for(num_prompt + max_tokens, self.block_size) <= self.num_blocks
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
-        request = Request(request_id, prompt_text, token_ids, params, cache_salt, metrics, max_tokens, group=group, tenant=tenant,
-                          lora_name=self.runner.registered_lora(lora_name), priority=priority)
-        if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None] * num_prompt
-        seq = Sequence(request, 0, list(token_ids), num_prompt, fork_into=params.n)
-        seq.generator = make_generator(params.seed, 0)
-        init_detokenizer(seq)
-        request.seqs.append(seq)
+        request = new_request(self, request_id, prompt, params, metrics, cache_salt=cache_salt, group=group,
+                              tenant=tenant, lora_name=lora_name, priority=priority)
         self.requests[request_id] = request
         if not can_overlap(params):
             self.sync_request_ids.add(request_id)
@@ -141,7 +118,7 @@ class LLMEngine:
             # Waits for its grammar here, outside the scheduler, while the batch runs on.
             self.structured.submit(request)
             return
-        self.scheduler.add(seq)
+        self.scheduler.add(request.seqs[0])
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -225,7 +202,7 @@ class LLMEngine:
             row_seqs.append(seq)
             row_logits.append(logits_row)
             if seq.fork_into > 1:
-                for child in self._fork(seq):
+                for child in fork_samples(self, seq):
                     row_seqs.append(child)
                     row_logits.append(logits_row)
         if not row_seqs:
@@ -348,22 +325,6 @@ class LLMEngine:
             output.error, output.error_reason = failure.message, failure.reason
             outputs.append(output)
         return outputs
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """The other n-1 samples of a just-prefilled prompt, sharing its blocks."""
-        request = parent.request
-        children = []
-        for index in range(1, parent.fork_into):
-            child = Sequence(request, index, list(parent.token_ids), parent.num_prompt_tokens)
-            self.kv.fork(parent, child)
-            child.generator = make_generator(request.params.seed, index)
-            init_detokenizer(child)
-            self.structured.fork(parent, child)
-            request.seqs.append(child)
-            self.scheduler.add_running(child)
-            children.append(child)
-        parent.fork_into = 1
-        return children
 
     def _fast_forward(self, seq: Sequence) -> int:
         """Append the tokens ``seq``'s grammar forces after its sampled one, each through the same

@@ -8,9 +8,6 @@ backend for its device (C and PyTorch on CPU, Triton on GPU), picked once here.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +30,7 @@ from kvscale.server.worker.decode_graphs import (
     cuda_graph_capture,
     why_not_captured,
 )
+from kvscale.server.worker.glibc_malloc import keep_freed_memory_for_reuse
 from kvscale.server.worker.kv_groups import KVGroups, new_group_caches, window_metadata
 from kvscale.server.worker.model_llama import DecoderForCausalLM
 from kvscale.server.worker.sampler import Sampler
@@ -78,27 +76,6 @@ def attends_as_decodes(start: int, num_new: int, num_prompt_tokens: int) -> bool
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element
-
-
-@functools.cache
-def keep_freed_memory_for_reuse() -> bool:
-    """Stop glibc from handing big freed blocks back to the kernel (once per process).
-
-    Every step allocates the same multi-megabyte activations and gathered K/V again; above
-    glibc's mmap threshold each one is a fresh mapping whose pages fault in on first touch,
-    which on CPU made a decode step's K/V gather ~3x slower than the copy itself.
-    """
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (e.g. musl, macOS): nothing to tune
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    # The mmap threshold is capped at 32 MiB on 64-bit glibc; larger buffers stay mmapped.
-    return bool(mallopt(m_mmap_threshold, 32 * 1024 * 1024)) and bool(mallopt(m_trim_threshold, 1 << 30))
 
 
 class ModelRunner:
