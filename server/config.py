@@ -108,14 +108,9 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """The flag's JSON; unknown keys, a draft model, a missing method or token count are refused."""
-        import json
+        from kvscale.server.json_object import parse_json_object
 
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--speculative-config is not JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ValueError("--speculative-config must be a JSON object")
+        raw = parse_json_object(text)
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                  "disable_by_batch_size"}
         unknown = sorted(set(raw) - known)

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvscale.server.json_object import parse_json_object
+
 PUBLISHERS = ("null", "zmq")
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -50,12 +52,7 @@ def _check_endpoint(name: str, value: str) -> None:
 
 def parse_kv_events_config(text: str) -> KVEventsConfig:
     """A JSON object of KVEventsConfig's fields; ValueError naming what is wrong."""
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError("expected a JSON object")
+    raw = parse_json_object(text)
     known = {f.name for f in fields(KVEventsConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:

@@ -196,15 +196,11 @@ def _speculative_config(text: str) -> Any:
 
 
 def _structured_outputs_config(text: str) -> Any:
-    import json
-
     from kvscale.server.config import StructuredOutputsConfig
+    from kvscale.server.json_object import parse_json_object
 
     try:
-        fields = json.loads(text)
-        if not isinstance(fields, dict):
-            raise ValueError("expected a JSON object")
-        return StructuredOutputsConfig(**fields)
+        return StructuredOutputsConfig(**parse_json_object(text))
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(f"--structured-outputs-config: {exc}") from exc
 

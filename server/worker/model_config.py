@@ -11,10 +11,11 @@ from the config transformers builds (``ModelConfig.transformers_config``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from kvscale.server.json_object import parse_json_object
 
 # Fields a config.json must name: transformers would default them to a 7B model's shapes, which
 # no checkpoint missing them has.
@@ -87,13 +88,11 @@ def load_model_config(path: str | Path) -> ModelConfig:
     missing a shape is refused here, before anything is allocated."""
     file = Path(path) / "config.json"
     try:
-        fields = json.loads(file.read_text())
+        fields = parse_json_object(file.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"no config.json in {path}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{file} is not JSON: {exc}") from None
-    if not isinstance(fields, dict):
-        raise ValueError(f"{file} holds no JSON object")
+    except ValueError as exc:
+        raise ValueError(f"{file}: {exc}") from None
     model_type = fields.get("model_type")
     if model_type not in FAMILY_DEFAULTS:
         raise ValueError(

@@ -173,10 +173,10 @@ def test_a_folder_without_a_readable_config_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ValueError, match="is not JSON"):
+    with pytest.raises(ValueError, match="config.json: not JSON"):
         load_model_config(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="holds no JSON object"):
+    with pytest.raises(ValueError, match="config.json: expected a JSON object, got list"):
         load_model_config(tmp_path)
 
 
