@@ -272,8 +272,9 @@ def test_new_service_gets_children_ready_status_scale_and_columns(cluster):
     key_env = next(e for e in container["env"] if e["name"] == "KVSCALE_API_KEY")
     assert key_env["valueFrom"]["secretKeyRef"]["name"] == "chat-key"
 
-    service = cluster.get("service", name, ns)
-    headless = cluster.get("service", f"{name}-pods", ns)
+    # Each child is its own create: the Services may land after the Deployment.
+    service = wait_for("the Service", lambda: cluster.get("service", name, ns))
+    headless = wait_for("the headless Service", lambda: cluster.get("service", f"{name}-pods", ns))
     # The service's URL leads to its router; the router finds the servers through the headless one.
     assert service["spec"]["selector"] == {"serving.kvscale.io/router": name}
     assert headless["spec"]["selector"] == {LABEL: name}

@@ -99,8 +99,10 @@ def fleet(session_redis):
     ports = [free_port(), free_port()]
     try:
         with ThreadPoolExecutor(3) as pool:
+            # The stored conversation is read from Redis within --redis-timeout-ms; the default 50 ms
+            # read as a miss (no prefix predicted) beside a loaded suite.
             router = pool.submit(spawn_router, [f"http://127.0.0.1:{port}" for port in ports], session_redis.url,
-                                 health_path="/ping")
+                                 health_path="/ping", extra=["--redis-timeout-ms", "1000"])
             replicas = [pool.submit(_replica, session_redis.url, f"responses-{i}", port) for i, port in enumerate(ports)]
             for future in [*replicas, router]:
                 with contextlib.suppress(Exception):
