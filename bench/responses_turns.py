@@ -27,6 +27,7 @@ import httpx
 import openai
 
 from bench.common import REPO, machine, write_result
+from bench.roofline import cpu_isa
 from kvscale.processes import die_with_parent, free_port, wait_until
 
 # A long opening (a document to answer from), so the turns after it are mostly history, as an
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     hit_rate = sum(t["cached_tokens"] for t in later) / max(1, sum(t["input_tokens"] for t in later))
     result = {
         "what": "multi-turn /v1/responses through the router over 2 replicas, previous_response_id each turn",
-        "machine": machine(),
+        "command": " ".join(["python -m bench.responses_turns", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {**machine(), "cpu": cpu_isa()},
         "turns": args.turns, "conversations": args.conversations, "max_output_tokens": args.max_output_tokens,
         "every_turn_answered": all(t["answered"] for c in conversations for t in c),
         "later_turns_on_first_turns_replica": all(t["replica"] == c[0]["replica"] for c in conversations for t in c),
