@@ -19,6 +19,7 @@ import itertools
 import statistics
 from dataclasses import asdict, dataclass, replace
 
+from bench.w3_ceilings import hit_ceiling
 from bench.w3_sim import Costs
 from bench.w3_sim_run import simulate_run
 from bench.w3_workloads import Workload, group_order
@@ -110,6 +111,8 @@ def simulate_cell(cell: Cell, policies: tuple[str, ...] = POLICIES, seeds: int =
         costs = [replace(c, max_num_seqs=max_num_seqs) for c in costs]
     out: dict = {"cell": described, "policies": {}}
     streams = [workload(cell, s) for s in range(seeds)]
+    # The best hit rate any routing allows on these streams (every group's first request misses).
+    out["hit_ceiling"] = statistics.median(hit_ceiling(w, BLOCK_SIZE) for w in streams)
     for policy in policies:
         runs = [simulate_run(w, policy, replicas=REPLICAS, num_blocks=cell.blocks_per_replica(),
                              block_size=BLOCK_SIZE, costs=costs, seed=s, heartbeat_queue=True)
@@ -119,6 +122,8 @@ def simulate_cell(cell: Cell, policies: tuple[str, ...] = POLICIES, seeds: int =
             "ttft_p50_s": statistics.median(r["ttft_p50_s"] for r in runs),
             "ttft_p90_s": statistics.median(r["ttft_p90_s"] for r in runs),
             "wall_s": statistics.median(REQUESTS * OUTPUT_TOKENS / r["output_tokens_per_s"] for r in runs),
+            # Each stream's own figures (seed 0, 1, ...): a verdict per stream, beside the medians'.
+            "per_seed": [{"hit_rate": r["hit_rate"], "ttft_p90_s": r["ttft_p90_s"]} for r in runs],
         }
     return out
 
@@ -133,3 +138,16 @@ def verdict(row: dict, ours: str, baselines: tuple[str, ...], tolerance: float =
     p90 = policies[ours]["ttft_p90_s"] / best_p90 if best_p90 else float("inf")
     return {"hit_vs_best": round(hit, 3), "p90_vs_best": round(p90, 3),
             "hit_ok": hit >= 1 - tolerance, "p90_ok": p90 <= 1 + tolerance}
+
+
+def seed_verdicts(row: dict, ours: str, baselines: tuple[str, ...], tolerance: float = 0.05) -> list[bool]:
+    """Per request stream (seed 0, 1, ...): whether ours met both targets against that stream's
+    best baseline (``verdict`` on the stream's own figures)."""
+    policies = row["policies"]
+    seeds = len(policies[ours].get("per_seed", ()))
+    out = []
+    for s in range(seeds):
+        one = {"policies": {p: policies[p]["per_seed"][s] for p in (ours, *baselines)}}
+        v = verdict(one, ours, baselines, tolerance)
+        out.append(v["hit_ok"] and v["p90_ok"])
+    return out
