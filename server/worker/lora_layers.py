@@ -1,11 +1,12 @@
 """LoRA on the decoder's fused projections: the base GEMM for every row, plus each adapter's
 low-rank delta on the rows that carry it (docs/server.md, "LoRA adapters").
 
-A step's rows are grouped by adapter (``LoRABatch``, set once per step by lora_manager.py and
-shared by every wrapped projection), so one forward serves base rows and several adapters: the
-delta is a segment loop over the adapters present, two small matmuls each. The checkpoint's
-q|k|v and gate|up are fused in one projection (model_llama.py), so an adapter's A matrices for
-the slices are stacked and its B matrices laid block-diagonally: one delta fills every slice.
+A step's adapters take a slot each and its rows are planned by slot (``LoRABatch``, set once per
+step by lora_manager.py and shared by every wrapped projection), so one forward serves base rows
+and several adapters: the delta is kernels/lora.py's batched LoRA, two Triton launches on a GPU,
+two small matmuls per adapter present on CPU. The checkpoint's q|k|v and gate|up are fused in one
+projection (model_llama.py), so an adapter's A matrices for the slices are stacked and its B
+matrices laid block-diagonally: one delta fills every slice.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kvscale.kernels.lora import LoRARows, LoRASlots, add_lora
 from kvscale.server.worker.lora_adapter import LoRAAdapter
 
 
@@ -30,9 +32,37 @@ class LoRADeviceAdapter:
 
 @dataclass
 class LoRABatch:
-    """This step's token rows by adapter: (adapter, rows), rows None when it is every row."""
+    """This step's adapters (slot i holds ``adapters[i]``), its rows by slot (None for a step of
+    base rows only), and each wrapped projection's matrices by slot (a projection no adapter of
+    the step targets has no entry)."""
 
-    groups: list[tuple[LoRADeviceAdapter, torch.Tensor | None]] = field(default_factory=list)
+    adapters: tuple[LoRADeviceAdapter, ...] = ()
+    rows: LoRARows | None = None
+    weights: dict[tuple[int, str], LoRASlots] = field(default_factory=dict)
+
+    def set_step(self, adapters: tuple[LoRADeviceAdapter, ...], rows: LoRARows | None,
+                 keys: list[tuple[int, str]]) -> None:
+        """Make ``adapters`` the slots and ``rows`` the rows; the projections' matrices are laid
+        out again only when the adapters changed (a kernel's slot tables are kept with them)."""
+        same = len(adapters) == len(self.adapters) and all(
+            a is b for a, b in zip(adapters, self.adapters, strict=True))
+        if not same:
+            self.adapters = adapters
+            self.weights = {}
+            for key in keys:
+                pairs = tuple(adapter.fused.get(key) for adapter in adapters)
+                if any(pair is not None for pair in pairs):
+                    self.weights[key] = LoRASlots(pairs)
+        self.rows = rows
+
+    @property
+    def groups(self) -> list[tuple[LoRADeviceAdapter, torch.Tensor | None]]:
+        """This step's rows by adapter: (adapter, rows), rows None when it is every row."""
+        return [] if self.rows is None else [(self.adapters[slot], rows) for slot, rows in self.rows.groups]
+
+    def forget(self) -> None:
+        """Drop the slots (an adapter unloaded: its matrices must not outlive it here)."""
+        self.adapters, self.rows, self.weights = (), None, {}
 
 
 @dataclass(frozen=True)
@@ -57,15 +87,9 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        for adapter, rows in self.batch.groups:
-            pair = adapter.fused.get(self.key)
-            if pair is None:
-                continue
-            a, b = pair
-            if rows is None:
-                out += (x @ a.t()) @ b.t()
-            else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+        rows, slots = self.batch.rows, self.batch.weights.get(self.key)
+        if rows is not None and slots is not None:
+            add_lora(out, x, rows, slots)
         return out
 
 

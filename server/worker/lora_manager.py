@@ -1,7 +1,7 @@
 """The engine's LoRA adapters: the ones registered (``--lora-modules``, or loaded at run time), the
 ones kept in host memory (``--max-cpu-loras``, least recently used first out), the few resident on
 the model's device (``--max-loras`` slots, least recently used first out), and each step's rows
-grouped by adapter for the wrapped projections (docs/server.md, "LoRA adapters").
+given its adapter's slot for the wrapped projections (docs/server.md, "LoRA adapters").
 
 Every adapter is read (and checked) when it is registered, at start or at run time; an adapter
 evicted from host memory is read again from its path when a step needs it. A step needing one that
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvscale.kernels.lora import lora_rows
 from kvscale.server.worker.lora_adapter import LoRAAdapter, load_lora_adapter
 from kvscale.server.worker.lora_layers import (
     LoRABatch,
@@ -83,6 +84,7 @@ class LoRAManager:
         self.dtype, self.device = dtype, device
         self.batch = LoRABatch()
         self.wrapped = wrap_projections(model, self.batch)
+        self.keys = [proj.key for proj in self.wrapped]
         # A CUDA graph would replay the rows' adapters of its capture (server/worker/decode_graphs.py).
         model.graph_capture_blocker = "LoRA adapters (--enable-lora) group each step's rows by adapter"
         # The one-call C path (server/worker/cpu_step_layers.py) would skip the wrappers: it is
@@ -116,6 +118,7 @@ class LoRAManager:
         del self.paths[name]
         self._host.pop(name, None)
         self.resident.pop(name, None)
+        self.batch.forget()
 
     def on_host(self, name: str) -> None:
         """``name`` in host memory, read again from its path where it was evicted (ValueError where
@@ -157,26 +160,19 @@ class LoRAManager:
                 del self.resident[name]
 
     def set_step(self, names: Sequence[str | None], num_tokens: Sequence[int]) -> None:
-        """Group this step's flattened rows by adapter: sequence i (adapter ``names[i]``, None for
-        the base model) holds the next ``num_tokens[i]`` rows."""
-        present = {n for n in names if n is not None}
+        """Give each adapter of this step a slot and each of its flattened rows that slot:
+        sequence i (adapter ``names[i]``, None for the base model) holds the next ``num_tokens[i]`` rows."""
+        present = sorted({n for n in names if n is not None})
         if not present:
-            self.batch.groups = []
+            self.batch.rows = None
             return
-        missing = present - set(self.resident)
+        missing = set(present) - set(self.resident)
         if missing:
             for name in missing:
                 self._fused(name)
-            self._make_room(present)
-        if len(present) == 1 and None not in names:
-            (name,) = present
-            self.batch.groups = [(self._fused(name), None)]
-            return
-        order = {name: i for i, name in enumerate(present)}
-        per_row = np.repeat(np.array([-1 if n is None else order[n] for n in names], dtype=np.int64),
-                            np.asarray(num_tokens, dtype=np.int64))
-        groups: list[tuple[LoRADeviceAdapter, torch.Tensor | None]] = []
-        for name, i in order.items():
-            rows = torch.from_numpy(np.flatnonzero(per_row == i)).to(self.device)
-            groups.append((self._fused(name), rows))
-        self.batch.groups = groups
+            self._make_room(set(present))
+        adapters = tuple(self._fused(name) for name in present)
+        slot = {name: i for i, name in enumerate(present)}
+        row_slots = np.repeat(np.array([-1 if n is None else slot[n] for n in names], dtype=np.int64),
+                              np.asarray(num_tokens, dtype=np.int64))
+        self.batch.set_step(adapters, lora_rows(row_slots, self.device), self.keys)

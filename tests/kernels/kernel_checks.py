@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from lora_checks import check_lora
 from torch import Tensor
 
 from kvscale.kernels import reference
@@ -332,7 +333,7 @@ def random_case_on_cpu(case: PagedCase) -> PagedCase:
 
 ATTENTION_KERNELS = ["write_kv", "decode", "decode_split", "prefill"]
 LAYER_OPS = ["add_rms_norm", "rope", "silu_and_mul"]
-KERNELS = ATTENTION_KERNELS + LAYER_OPS
+KERNELS = ATTENTION_KERNELS + LAYER_OPS + ["lora"]  # lora: lora_checks.py
 
 
 def run_checks(kernels: list[str], dtypes: list[torch.dtype], cases: int, seed: int,
@@ -359,6 +360,8 @@ def run_checks(kernels: list[str], dtypes: list[torch.dtype], cases: int, seed: 
             for _ in range(cases):
                 if kernel in LAYER_OPS:
                     result = check_layer_op(gen, kernel, dtype, device)
+                elif kernel == "lora":
+                    result = check_lora(gen, dtype, device)
                 elif kernel == "write_kv":
                     result = check_write_kv(impl, gen, dtype, device)
                 else:

@@ -21,6 +21,7 @@ from kvscale.kernels.layer_ops_triton import (
     _rope_kernel,
     _silu_and_mul_kernel,
 )
+from kvscale.kernels.lora_triton import _expand_kernel, _shrink_kernel
 from kvscale.kernels.prefill_attention import _prefill_kernel
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -50,6 +51,8 @@ def test_kernels_compile_to_sm90_cubin(dtype: str) -> None:
     tensors |= {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32",
                 "query_start_loc_ptr": "*i32", "slot_ptr": "*i64", "scale_log2": "fp32",
                 "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
+    lora = {"x_ptr": "*" + dtype, "h_ptr": "*" + dtype, "out_ptr": "*" + dtype,
+            "table_ptr": "*i64", "rows_ptr": "*i64", "tiles_ptr": "*i64"}
     compiled = [
         compile_for_h100(_decode_kernel, tensors, {
             **SHAPE, **dot, "BLOCK_G": 16, "BLOCK_N": 64, "SINGLE_PARTITION": False}),
@@ -66,6 +69,9 @@ def test_kernels_compile_to_sm90_cubin(dtype: str) -> None:
                          {"HEAD_DIM": 64, "HALF": 32, "BLOCK_H": 16, "BLOCK_HALF": 32}),
         compile_for_h100(_silu_and_mul_kernel, {n: "*" + dtype for n in ["gate_up_ptr", "out_ptr"]},
                          {"BLOCK": 1024}),
+        # Rank 16 on q|k|v's three slices: k = 48, in a 64-wide block.
+        compile_for_h100(_shrink_kernel, lora, {"BLOCK_M": 16, "BLOCK_K": 64, "BLOCK_IN": 64, **dot}),
+        compile_for_h100(_expand_kernel, lora, {"BLOCK_M": 16, "BLOCK_K": 64, "BLOCK_N": 64, **dot}),
     ]
     for kernel in compiled:
         assert kernel.asm["cubin"], "no cubin produced"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-KERNELS = ["write_kv", "decode", "decode_split", "prefill", "add_rms_norm", "rope", "silu_and_mul"]
+KERNELS = ["write_kv", "decode", "decode_split", "prefill", "add_rms_norm", "rope", "silu_and_mul", "lora"]
 DTYPES = ["float32", "bfloat16", "float16"]
 CASES = 4
 
@@ -52,6 +52,9 @@ def test_triton_kernel_matches_reference_interpreted(
         assert {r["residual"] for r in mine} == {True, False}
     elif kernel in ("rope", "silu_and_mul"):
         assert any(r["rows"] > 1 for r in mine)
+    elif kernel == "lora":  # base rows among adapters' rows, ranks 8 and 16, a slot over tiles
+        assert any(r["base_rows"] for r in mine) and all(r["tiles"] > r["slots_present"] for r in mine)
+        assert {8, 16} <= {rank for r in mine for rank in r["ranks"]} and all(r["rows"] % 2 for r in mine)
     elif kernel != "write_kv":
         # The random cases must actually cover what the kernels are for.
         assert any(len(r["context_lens"]) > 1 for r in mine)

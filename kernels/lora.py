@@ -1,0 +1,126 @@
+"""Batched LoRA: every row of a step's flattened tokens adds its own adapter's low-rank delta (or
+none), for all the step's adapters in one call per projection (docs/server.md, "LoRA adapters").
+
+The contract, written once here: each row ``i`` whose slot ``s = row_slots[i]`` is not -1 gets
+``out[i] += (x[i] @ A[s]^T) @ B[s]^T``, where slot ``s`` holds ``A [k, in]`` and ``B [out, k]``
+(the adapter's scaling folded into B; ``k`` its rank times the projection's fused slices) or
+nothing for a projection its adapter leaves alone. Each product is rounded to the tensors' dtype
+where PyTorch's matmuls round it: ``h = x @ A^T``, then ``h @ B^T``, then the sum.
+
+Two paths implement it:
+
+- :func:`torch_add_lora`: a pair of matmuls per slot on that slot's rows; the reference the
+  kernel must match, and the engine's path on CPU;
+- :mod:`kvscale.kernels.lora_triton`: Punica's SGMV (segmented gather matrix-vector) as two
+  Triton launches, shrink then expand, over tiles of rows of one slot; the path on CUDA.
+
+A step's rows are planned once (:func:`lora_rows`), in the forms both paths read, and shared by
+every projection of the step. Importing this module does not import Triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvscale.kernels import use_triton
+
+# Rows per Triton program: a tile holds rows of one slot only, so that one A and one B serve it
+# (tl.dot needs at least 16 rows).
+TILE_ROWS = 16
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """A step's rows by slot, on the host: what :func:`lora_rows` moves to the device."""
+
+    sorted_rows: np.ndarray  # int64: the rows with a slot, slot by slot, in row order within one
+    segments: list[tuple[int, int, int]]  # (slot, start, end) in sorted_rows, one per slot present
+    tiles: np.ndarray  # int64 [n, 3]: (slot, start in sorted_rows, rows) of at most TILE_ROWS rows
+    every_row: bool  # one slot holds every row (the delta needs no row indices)
+
+
+def plan_rows(row_slots: Sequence[int] | np.ndarray, tile_rows: int = TILE_ROWS) -> RowPlan:
+    """Group the rows of ``row_slots`` (each row's slot, -1 for none) by slot, and cut each
+    slot's rows into tiles of at most ``tile_rows``."""
+    slots = np.asarray(row_slots, dtype=np.int64)
+    order = np.argsort(slots, kind="stable")
+    order = order[slots[order] >= 0]
+    present, starts, counts = np.unique(slots[order], return_index=True, return_counts=True)
+    segments = [(int(s), int(b), int(b + c)) for s, b, c in zip(present, starts, counts, strict=True)]
+    tiles = [(slot, off, min(tile_rows, end - off)) for slot, start, end in segments
+             for off in range(start, end, tile_rows)]
+    return RowPlan(sorted_rows=order.astype(np.int64), segments=segments,
+                   tiles=np.asarray(tiles, dtype=np.int64).reshape(-1, 3),
+                   every_row=len(segments) == 1 and len(order) == len(slots))
+
+
+@dataclass(frozen=True)
+class LoRARows:
+    """A step's rows by slot on the model's device, in the forms the two paths read."""
+
+    num_rows: int
+    # For torch_add_lora: each slot present and its rows (None where the slot holds every row).
+    groups: tuple[tuple[int, Tensor | None], ...]
+    sorted_rows: Tensor  # for the kernel: RowPlan.sorted_rows
+    tiles: Tensor  # for the kernel: RowPlan.tiles
+
+
+def lora_rows(row_slots: Sequence[int] | np.ndarray, device: torch.device) -> LoRARows:
+    """``row_slots`` (each row's slot, -1 for none) planned and moved to ``device`` in one copy."""
+    plan = plan_rows(row_slots)
+    packed = torch.from_numpy(np.concatenate([plan.sorted_rows, plan.tiles.reshape(-1)])).to(device)
+    n = len(plan.sorted_rows)
+    sorted_rows, tiles = packed[:n], packed[n:].view(-1, 3)
+    groups = tuple((slot, None if plan.every_row else sorted_rows[start:end]) for slot, start, end in plan.segments)
+    return LoRARows(len(row_slots), groups, sorted_rows, tiles)
+
+
+@dataclass
+class LoRASlots:
+    """One projection's matrices by slot: (A [k, in], B [out, k]), or None for a slot whose
+    adapter leaves the projection alone."""
+
+    pairs: tuple[tuple[Tensor, Tensor] | None, ...]
+    # The kernel's per-slot (A's address, B's address, k) on the device and the largest k, made on
+    # its first launch (kvscale.kernels.lora_triton) and kept while these matrices are the step's.
+    table: Tensor | None = field(default=None, repr=False)
+    max_k: int = 0
+
+
+def torch_add_lora(out: Tensor, x: Tensor, rows: LoRARows, slots: LoRASlots) -> None:
+    """The contract in PyTorch: per slot present, two matmuls on its rows added into ``out``."""
+    for slot, idx in rows.groups:
+        pair = slots.pairs[slot]
+        if pair is None:
+            continue
+        a, b = pair
+        if idx is None:
+            out += (x @ a.t()) @ b.t()
+        else:
+            out.index_add_(0, idx, (x.index_select(0, idx) @ a.t()) @ b.t())
+
+
+def lora_path(device: torch.device) -> str:
+    """Which path adds the deltas for tensors on ``device``: "triton" (CUDA, or forced as
+    :func:`kvscale.kernels.use_triton` says) or "torch"."""
+    return "triton" if use_triton(device) else "torch"
+
+
+def add_lora(out: Tensor, x: Tensor, rows: LoRARows, slots: LoRASlots) -> None:
+    """Add each row's adapter delta into ``out`` (``x`` [rows, in], ``out`` [rows, out]): in
+    Triton on a GPU where the tensors' layout fits the kernel, else in PyTorch."""
+    if lora_path(x.device) == "triton":
+        from kvscale.kernels import lora_triton
+
+        if lora_triton.add_lora(out, x, rows, slots):
+            return
+    torch_add_lora(out, x, rows, slots)
+
+
+__all__ = ["LoRARows", "LoRASlots", "RowPlan", "TILE_ROWS", "add_lora", "lora_path", "lora_rows", "plan_rows",
+           "torch_add_lora"]
