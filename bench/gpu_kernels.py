@@ -14,6 +14,8 @@ Two measurements, each beside a baseline taken in the same run:
    weights), through the engine model's ops: time against the roofline (weight bytes + KV bytes
    read) / peak bandwidth, eagerly and as a CUDA graph, with the Triton layer ops and with their
    PyTorch forms, and against the same step using the PyTorch reference attention.
+3. The batched LoRA kernel against its PyTorch reference, one projection's delta for a step of
+   mixed adapters and base rows (bench/gpu_kernels_lora.py, which runs it alone too).
 
 Timings are medians from ``triton.testing.do_bench`` (which clears the L2 cache between runs).
 """
@@ -381,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             row = bench_decode_step(num_seqs, context_len, peak)
             report["decode_step"].append(row)
             print("decode step", json.dumps(row), flush=True)
+        if not partitions:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or with -m
+            from gpu_kernels_lora import bench_lora_rows
+
+            report["lora_kernel"] = bench_lora_rows(args.quick)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
