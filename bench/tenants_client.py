@@ -1,0 +1,130 @@
+"""The tenant benchmark's clients (bench.tenants): one request as a tenant, timed and recorded
+with what the router answered (status, first token, usage, its added latency, a 429's
+Retry-After and code); closed loops that keep a tenant's requests in flight; requests one after
+the other. Each request goes to the routers in turn, as a client behind a load balancer would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+from bench.w3_fleet import MODEL
+
+
+@dataclass
+class Answer:
+    tenant: str
+    router: int  # index into the routers the request went to
+    sent_s: float  # perf_counter
+    first_token_s: float | None  # streamed requests only
+    ended_s: float
+    status: int
+    prompt_tokens: int
+    completion_tokens: int
+    router_ms: float | None  # x-kvscale-router-ms: the router's time from the body to the decision
+    retry_after: str | None
+    error_code: str | None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.sent_s
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def record(self) -> dict[str, Any]:
+        return {**asdict(self), "ttft_s": self.ttft_s}
+
+
+def completion(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    """A completion of exactly ``max_tokens`` tokens (``ignore_eos``); a stream reports its usage."""
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def send(client: httpx.AsyncClient, routers: list[str], router: int, key: str | None, tenant: str,
+               body: dict[str, Any]) -> Answer:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    url = f"{routers[router]}/v1/completions"
+    sent = time.perf_counter()
+    first: float | None = None
+    usage: dict[str, int] = {}
+    error_code = None
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        if response.status_code != 200 or not body.get("stream"):
+            raw = await response.aread()
+            try:
+                payload = json.loads(raw) if raw else {}
+            except ValueError:  # not OpenAI's error JSON (recorded by its status alone)
+                payload = {}
+            usage = payload.get("usage") or {}
+            error_code = (payload.get("error") or {}).get("code")
+        else:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if first is None and chunk.get("choices"):
+                    first = time.perf_counter()
+                usage = chunk.get("usage") or usage
+    router_ms = response.headers.get("x-kvscale-router-ms")
+    return Answer(tenant, router, sent, first, time.perf_counter(), response.status_code,
+                  usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
+                  float(router_ms) if router_ms else None, response.headers.get("retry-after"), error_code)
+
+
+def http_client(in_flight: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=in_flight + 8, max_keepalive_connections=in_flight + 8)
+    return httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits)
+
+
+async def closed_loop(client: httpx.AsyncClient, routers: list[str], key: str, tenant: str,
+                      make_body: Callable[[int], dict[str, Any]], in_flight: int,
+                      stop: asyncio.Event) -> list[Answer]:
+    """``in_flight`` requests of ``tenant`` at all times until ``stop`` is set; those sent by
+    then are waited for, so the fleet is idle when this returns."""
+    answers: list[Answer] = []
+    counter = iter(range(1 << 62))
+
+    async def worker() -> None:
+        while not stop.is_set():
+            n = next(counter)
+            answers.append(await send(client, routers, n % len(routers), key, tenant, make_body(n)))
+
+    await asyncio.gather(*(worker() for _ in range(in_flight)))
+    return answers
+
+
+async def one_by_one(client: httpx.AsyncClient, routers: list[str], key: str | None, tenant: str,
+                     make_body: Callable[[int], dict[str, Any]], count: int,
+                     pause_s: float = 0.0) -> list[Answer]:
+    """``count`` requests of ``tenant``, each sent when the one before has ended."""
+    answers = []
+    for n in range(count):
+        answers.append(await send(client, routers, n % len(routers), key, tenant, make_body(n)))
+        await asyncio.sleep(pause_s)
+    return answers
+
+
+async def beside_load(client: httpx.AsyncClient, load: Callable[[asyncio.Event], Any],
+                      measured: Callable[[], Any], warm_s: float) -> tuple[list[Answer], list[Answer]]:
+    """The ``measured`` requests sent ``warm_s`` after the ``load`` started (its backlog built),
+    the load stopped once they are done: (measured answers, load answers)."""
+    stop = asyncio.Event()
+    background = asyncio.ensure_future(load(stop))
+    await asyncio.sleep(warm_s)
+    try:
+        answers = await measured()
+    finally:
+        stop.set()
+    return answers, await background
