@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from tiny_checkpoints import copy_tokenizer, write_tiny_llama  # noqa: E402
 
+from bench.lora_adapters import ALL_LINEAR, peft_adapters
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.llm_engine import LLMEngine
 from kvscale.server.sampling_params import SamplingParams
@@ -25,7 +26,6 @@ from kvscale.server.worker.lora_adapter import load_lora_adapter
 
 VOCAB = 500
 NEW_TOKENS = 6
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # a1: every projection; a2: a few, another rank and rsLoRA's scaling.
 ADAPTERS = {"a1": dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
             "a2": dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"], use_rslora=True)}
@@ -34,7 +34,6 @@ ADAPTERS = {"a1": dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
 def make_checkpoint_and_adapters(root: Path, bundled_model_path: Path, prompts: list[list[int]]):
     """The tiny checkpoint, a PEFT directory per ``ADAPTERS`` entry, and HF + PEFT's greedy
     tokens for each prompt: {None (base) or adapter name: [tokens per prompt]}."""
-    from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
     base_path = root / "base"
@@ -53,22 +52,12 @@ def make_checkpoint_and_adapters(root: Path, bundled_model_path: Path, prompts: 
                 out.append(seq[0, len(prompt):].tolist())
         return out
 
-    refs: dict[str | None, list[list[int]]] = {}
+    base = LlamaForCausalLM.from_pretrained(str(base_path), dtype=torch.float32).eval()
+    refs: dict[str | None, list[list[int]]] = {None: greedy(base)}
     paths: dict[str, str] = {}
-    for seed, (name, settings) in enumerate(ADAPTERS.items()):
-        base = LlamaForCausalLM.from_pretrained(str(base_path), dtype=torch.float32).eval()
-        if None not in refs:
-            refs[None] = greedy(base)
-        torch.manual_seed(seed)
-        peft_model = get_peft_model(base, LoraConfig(init_lora_weights=False, **settings))
-        with torch.no_grad():  # B of a visible size: PEFT's random B is small next to the base weights
-            for param_name, param in peft_model.named_parameters():
-                if "lora_B" in param_name:
-                    param.normal_(0, 0.3)
-        path = root / name
-        peft_model.save_pretrained(str(path))
+    for name, path, peft_model in peft_adapters(base, ADAPTERS, root):
         refs[name] = greedy(peft_model)
-        paths[name] = str(path)
+        paths[name] = path
     return base_path, paths, refs
 
 
