@@ -9,6 +9,7 @@ seconds is killed. On Linux each child also gets PR_SET_PDEATHSIG, so even a SIG
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvscale.processes import die_with_parent, free_port, port_open, wait_for_port, wait_until
@@ -38,7 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hold-timeout", type=float, default=None, metavar="SECONDS",
                         help="start the router first: it takes requests at once and holds them up to "
                              "this long for a replica to be ready (as `kvscale router`)")
-    parser.add_argument("--api-key", default=os.environ.get("KVSCALE_API_KEY"), help="key for router and replicas")
+    parser.add_argument("--api-key", default=os.environ.get("KVSCALE_API_KEY"),
+                        help="key for router and replicas (with --tenants: the replicas' only, sent by the router)")
+    parser.add_argument("--tenants", default=None, metavar="FILE",
+                        help="the router's tenants file (as `kvscale router --tenants`): a key per tenant")
+    parser.add_argument("--max-queue-wait", type=float, default=None, metavar="SECONDS",
+                        help="requests wait in the router while the replicas are full (as `kvscale router`)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="SPEC",
+                        help="LoRA adapters every replica serves, name=path or vLLM's JSON (they get --enable-lora)")
     parser.add_argument("--no-redis", action="store_true", help="skip Redis: the router indexes in-process")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
 
@@ -48,6 +57,31 @@ def _die_with_parent() -> None:
     die_with_parent()
     # Ctrl-C goes to the whole foreground group; children wait for our orderly SIGTERM instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def lora_module_name(spec: str) -> str:
+    """The adapter's name in a ``--lora-modules`` value (``name=path`` or JSON with ``name``), for
+    the router's --lora-adapter-names; the replicas check the rest of it."""
+    if spec.lstrip().startswith("{"):
+        try:
+            name = json.loads(spec).get("name")
+        except (json.JSONDecodeError, AttributeError):
+            name = None
+    else:
+        name = spec.partition("=")[0] if "=" in spec else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"--lora-modules {spec!r} must be name=path or a JSON object with a name")
+    return name
+
+
+def router_keys(api_key: str | None, tenants: str | None) -> dict[str, str | None]:
+    """The router's key variables (None: not inherited from this process's environment). With
+    --tenants the tenants' keys admit clients and the router refuses $KVSCALE_API_KEY beside them
+    (docs/router.md, "Tenants"); --api-key then guards the replicas, which trust the tenant the
+    router names only from a client holding their key."""
+    if tenants:
+        return {"KVSCALE_API_KEY": None, "KVSCALE_REPLICA_API_KEY": api_key}
+    return {"KVSCALE_API_KEY": api_key, "KVSCALE_REPLICA_API_KEY": api_key} if api_key else {}
 
 
 @dataclass
@@ -67,11 +101,16 @@ class Stack:
         self.logdir = tempfile.mkdtemp(prefix="kvscale-up-")
 
     def spawn(self, name: str, argv: list[str], url: str, health_url: str | None,
-              env_extra: dict[str, str] | None = None) -> Child:
+              env_extra: Mapping[str, str | None] | None = None) -> Child:
         """``env_extra``: what the child gets in its environment (secrets: never in ``argv``,
-        which every local user can read in /proc)."""
+        which every local user can read in /proc); None unsets a variable."""
         log = open(os.path.join(self.logdir, f"{name}.log"), "ab")  # noqa: SIM115 - lives with the child
-        env = {**os.environ, **(env_extra or {})}
+        env = dict(os.environ)
+        for variable, value in (env_extra or {}).items():
+            if value is None:
+                env.pop(variable, None)
+            else:
+                env[variable] = value
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -132,6 +171,11 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         print("kvscale up: --replicas must be at least 1", file=sys.stderr)
         return 2
+    try:
+        adapters = [lora_module_name(spec) for spec in args.lora_modules or ()]
+    except ValueError as exc:
+        print(f"kvscale up: {exc}", file=sys.stderr)
+        return 2
     kvscale = [sys.executable, "-m", "kvscale"]
     stack = Stack()
     stopping = False
@@ -176,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
                                 ("--kv-offloading-size", args.kv_offloading_size)):
                 if value is not None:
                     argv += [flag, str(value)]
+            if args.lora_modules:
+                argv += ["--enable-lora", "--lora-modules", *args.lora_modules]
             if redis_url:
                 # Stored /v1/responses shared too, so a conversation continues on any replica.
                 argv += ["--redis", redis_url, "--replica-id", f"replica-{i}", "--responses-store", "redis"]
@@ -192,8 +238,13 @@ def run(args: argparse.Namespace) -> int:
             argv += ["--redis", redis_url]
         if args.hold_timeout is not None:
             argv += ["--hold-timeout", str(args.hold_timeout)]
-        keys = ({"KVSCALE_API_KEY": args.api_key, "KVSCALE_REPLICA_API_KEY": args.api_key}
-                if args.api_key else None)
+        if adapters:
+            argv += ["--lora-adapter-names", *adapters]
+        if args.tenants:
+            argv += ["--tenants", args.tenants]
+        if args.max_queue_wait is not None:
+            argv += ["--max-queue-wait", str(args.max_queue_wait)]
+        keys = router_keys(args.api_key, args.tenants)
         health_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
 
         def start_router() -> Child:
