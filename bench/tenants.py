@@ -1,7 +1,7 @@
 """Tenants on real parts, each figure with its baseline in the same run (docs/router.md, "Tenants";
 docs/performance.md, "Tenants"):
 
-    python -m bench.tenants            # about 5 minutes here; the JSON records every parameter
+    python -m bench.tenants   # 18 min on a loaded 2-vCPU host; the JSON records every parameter
 
 One Redis, ``--replicas`` `kvscale serve` replicas of the bundled model (``--max-num-seqs`` small,
 so a few requests saturate them; ``--scheduling-policy priority``; a key of their own, so they
@@ -17,7 +17,7 @@ Clients send through both tenant routers in turn. The figures:
    ``--load-factor`` x the fleet's batch in flight: mean TTFT with their own keys (fair share)
    ÷ with one shared key (one tenant: first come, first served).
 3. **service gap**: two tenants of equal weight, both backlogged, one asking 4x the other's
-   tokens per request: the largest difference in tokens served over any window, from each
+   completion tokens per request: the largest difference in tokens served over any window, from each
    request's end and usage, against VTC's bound.
 4. **priority**: a high-priority tenant's requests one at a time under a low-priority flood of
    ``--load-factor`` x the batch: TTFT p90 ÷ the same requests alone.
