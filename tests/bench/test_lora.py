@@ -1,0 +1,47 @@
+"""bench.lora's pure parts: the Zipf stream, the replay of a replica's LoRA slots that counts the
+router's hits, the mixed batch's adapters and the figures against their targets."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from bench.lora import figures
+from bench.lora_engine import mixed_names
+from bench.lora_router import device_pool_hits, zipf_adapters
+
+
+def test_zipf_draws_the_first_adapters_most_and_repeats_with_its_seed() -> None:
+    names = [f"a{i:02d}" for i in range(24)]
+    stream = zipf_adapters(names, 2000, 1.0, seed=3)
+    counts = Counter(stream)
+    assert counts["a00"] > 1.5 * counts["a01"] and counts["a01"] > counts["a05"] > counts["a23"]
+    assert counts["a00"] / 2000 > 0.2  # 1 / H(24) = 0.26
+    assert zipf_adapters(names, 50, 1.0, seed=3) == stream[:50]
+    assert zipf_adapters(names, 50, 1.0, seed=4) != stream[:50]
+
+
+def test_a_replicas_slots_are_least_recently_used_first_out() -> None:
+    served = [("r0", "x"), ("r0", "a"), ("r0", "b"), ("r0", "x"), ("r0", "c"), ("r0", "a"), ("r1", "a")]
+    hits, after = device_pool_hits(served, slots=2, initial={"r0": ["f"], "r1": ["f", "a"]})
+    # r0: x miss (f x), a miss (x a), b miss (a b), x miss (b x), c miss (x c), a miss; r1 holds a.
+    assert hits == [False, False, False, False, False, False, True]
+    assert after == {"r0": ["c", "a"], "r1": ["f", "a"]}
+    hits, after = device_pool_hits([("r0", "a"), ("r0", "b"), ("r0", "a"), ("r0", "c"), ("r0", "b")], 2, {})
+    assert hits == [False, False, True, False, False]  # c evicted b, the least recently used
+    assert after == {"r0": ["c", "b"]}
+
+
+def test_a_mixed_batch_names_every_adapter_in_turn() -> None:
+    assert mixed_names(5, ["a", "b", "c"]) == ["a", "b", "c", "a", "b"]
+
+
+def test_a_figure_is_met_only_at_or_above_its_target_and_reported_without_one() -> None:
+    engine = {"mixed_over_base_median": 0.79, "tok_s_median": {"base": 100.0, "base_on_lora_engine": 95.0,
+                                                                "mixed": 79.0}}
+    peft = {"tok_s": {"base": 50.0, "mixed": 25.0}}
+    out = figures(engine, peft, {"ttft_ms_median": {"warm": 40.0}}, {"default_over_round_robin": 2.0})
+    assert out["mixed_over_base"] == {"value": 0.79, "target": 0.8, "met": False}
+    assert out["mixed_over_peft"]["value"] == 79.0 / 25.0 and out["mixed_over_peft"]["met"] is True
+    assert out["router_hit_rate_over_round_robin"]["met"] is True
+    assert out["ttft_ms_warm"] == {"value": 40.0, "target": None, "met": None}
+    assert "mixed_over_peft" not in figures(engine, None, None, None)
