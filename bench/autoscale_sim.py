@@ -8,7 +8,7 @@ replicas that are ready a measured cold start after they are asked for; a router
 replicas that holds requests while none is ready (503 past the hold limit: a failed request);
 scale-in that drains a removed replica (its open requests finish; they are counted as "on removed
 pods"). The router is kvscale's own by default, the same for every policy (all of them would run
-behind it): `bench.w3_sim.SimRouter`, the real decision functions of `kvscale.router.policy`
+behind it): `bench.w3_sim_router.SimRouter`, the real decision functions of `kvscale.router.policy`
 with the router's default policy, fed each replica's queued prefill, decodes, prefix matches from
 an index that predicts a sent prompt's blocks for 10 s. `router="fewest-open"` is the earlier
 stand-in: the ready replica with the fewest open requests.
@@ -31,7 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from bench.autoscale_policies import FleetView, Pod
-from bench.w3_sim import Costs, SimReplica, SimRequest, SimRouter
+from bench.w3_sim import Costs, SimReplica, SimRequest
+from bench.w3_sim_router import SimRouter
 from kvscale.router.policy import DEFAULT_POLICY
 
 FEWEST_OPEN = "fewest-open"  # the earlier stand-in for the router

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from bench.common import write_result
 from bench.w3_ceilings import hit_ceiling
-from bench.w3_sim import ORACLE, Costs
+from bench.w3_sim import Costs
+from bench.w3_sim_router import ORACLE
 from bench.w3_sim_run import calibration, over_seeds
 from bench.w3_workloads import build_workload
 

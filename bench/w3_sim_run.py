@@ -9,7 +9,8 @@ import json
 import statistics
 
 from bench.stats import quantile
-from bench.w3_sim import Costs, SimReplica, SimRequest, SimRouter
+from bench.w3_sim import Costs, SimReplica, SimRequest
+from bench.w3_sim_router import SimRouter
 from bench.w3_workloads import Workload, build_workload
 
 

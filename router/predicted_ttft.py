@@ -197,18 +197,15 @@ def new_prefix_home(
 ) -> Candidate | None:
     """Where a prefix nobody holds goes, among the replicas with room for it: the one whose recent
     traffic claims least room, recent_blocks + need, in blocks (ties by ``key``, the estimate
-    first), as cache_aware places a prompt on its smallest tree. The queue now is one instant; the
-    prefixes recently sent are the work the replica will be asked for again. Speed does not weigh
-    here: a prefix's blocks take the same room on a slow replica as on a fast one, and a replica
-    its speed spared groups took its share later, cold and all at once, once the others were full
-    (the simulated grid's "fits" cells with a replica at half speed: TTFT p90 1.78 x the better
-    baseline's); its queue is weighed next (``busy_new_home``). Not filtered by the estimate: the heartbeat counts every request queued behind a prefix
-    still being computed in full, so in a burst the replica holding the busiest groups looks the
-    latest and new groups piled onto the others past their room (docs/router.md, "Where a new
-    prefix goes"). Blocks alone: equally slow replicas decide as fast ones. Nothing fills a replica
-    past its KV blocks (``kv_blocks``): where the replica's recent traffic plus this prompt still
-    fit somewhere, only those replicas are weighed (docs/router.md, "Where a new prefix goes").
-    None when no replica has room: ``returning_home`` or the caller's lowest estimate takes it."""
+    first), as cache_aware places a prompt on its smallest tree: the prefixes recently sent are the
+    work the replica will be asked for again, the queue one instant. Speed does not weigh here (a
+    prefix takes as much room on a slow replica; one its speed spared took its share later, cold
+    and at once); its queue is weighed next (``busy_new_home``). Not filtered by the estimate: the
+    heartbeat counts every request queued behind a prefix still being computed in full, so in a
+    burst new groups piled onto the others past their room. Nothing fills a replica past its KV
+    blocks (``kv_blocks``): where the recent traffic plus this prompt fit somewhere, only those
+    replicas are weighed (docs/router.md, "Where a new prefix goes"). None when no replica has
+    room: ``returning_home`` or the caller's lowest estimate takes it."""
     if not roomy:
         return None
     return min(fitting(roomy, need) or roomy, key=lambda c: (c.recent_blocks + need, key(c)))
@@ -245,11 +242,10 @@ def busy_new_home(
     home was chosen for the work its group will bring, by the room it claims; its queue now is
     what this rule weighs: each replica's estimate in units of its own prefill of the prompt
     (``own_prefill_units``), so a slower replica is not found overloaded for being slower (its
-    prefill of the prompt is longer wherever it queues) and a uniform slowdown cancels. Without it, a home with the least
-    claimed room took every new group that arrived while its queue held the last one's cold
-    prefill: a replica at half speed, spared groups while the others filled, took the rest cold and
-    all at once; in a bursty stream, a replica whose groups had not come back within the hot window
-    looked empty and took two groups at once (docs/router.md, "Where a new prefix goes")."""
+    prefill of the prompt is longer wherever it queues) and a uniform slowdown cancels. Without it,
+    a home with the least claimed room took every new group that arrived while its queue held the
+    last one's cold prefill: in a bursty stream, a replica whose groups had not come back within
+    the hot window looked empty and took two at once (docs/router.md, "Where a new prefix goes")."""
     others = [c for c in fitting(roomy, need) if c.replica_id != home.replica_id]
     if not others:
         return home

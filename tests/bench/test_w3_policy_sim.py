@@ -6,7 +6,8 @@ import pytest
 
 from bench.w3_ceilings import hit_ceiling
 from bench.w3_hit_bound import TARGETS, against_round_robin
-from bench.w3_sim import ORACLE, Costs
+from bench.w3_sim import Costs
+from bench.w3_sim_router import ORACLE
 from bench.w3_sim_run import simulate_run
 from bench.w3_workloads import Workload, build_workload
 
@@ -60,7 +61,8 @@ def test_the_simulated_index_forgets_a_block_the_replica_stored_then_evicted():
     block stored; evicted after that, the block no longer matches. (The simulator kept predictions
     for their whole 10 s, so on pools too small for the prefixes it anchored requests on replicas
     that had evicted them.)"""
-    from bench.w3_sim import SimReplica, SimRequest, SimRouter
+    from bench.w3_sim import SimReplica, SimRequest
+    from bench.w3_sim_router import SimRouter
 
     replica = SimReplica(0, num_blocks=4, block_size=16, costs=Costs(1000.0, 0.01, 2048, 8))
     router = SimRouter("predicted-ttft", [replica], 16, seed=0)
@@ -84,7 +86,8 @@ def test_a_replica_read_as_a_real_one_counts_a_prefill_until_its_step_ends():
     (server/engine/core_loop.py, server/engine/engine_stats.py): a prefill being computed counts
     in full until the step that computes it ends, and its KV events arrive then too. (The
     simulator took it off the router's view as the step began.)"""
-    from bench.w3_sim import SimReplica, SimRequest, SimRouter
+    from bench.w3_sim import SimReplica, SimRequest
+    from bench.w3_sim_router import SimRouter
 
     replica = SimReplica(0, num_blocks=16, block_size=16, costs=Costs(100.0, 0.01, 64, 8))
     replica.heartbeat_queue = True
