@@ -128,7 +128,7 @@ def slot_wait_s(candidate: Candidate) -> float:
     sequences' decoding left, soonest first, the ones this router cannot tell (another router's)
     taken to end at the next step (a lower bound). A queue deeper than one batch adds nothing here:
     its prompts are in the queued prefill already, and counting their rounds of the batch as well
-    made the simulated grid's deep-queue cells worse (docs/performance.md, "Routing")."""
+    made the simulated grid's deep-queue cells worse (docs/router.md, "predicted-ttft")."""
     slots = candidate.batch_slots
     k = candidate.sequences_ahead + 1 - slots
     if slots <= 0 or k <= 0:
@@ -324,7 +324,7 @@ def predicted_ttft_policy(
     # The slot wait tells a full batch from a free slot; where every batch is full its estimate
     # (our own sends' typical decode) only adds noise to a comparison of queues the prefill term
     # already makes: at 4 slots a replica it cost the simulated grid's deep-queue cells hit rate
-    # (docs/performance.md, "Routing").
+    # (docs/router.md, "predicted-ttft").
     waits = {c.replica_id: slot_wait_s(c) for c in candidates}
     slots = any(wait == 0.0 for wait in waits.values())
     raw = {c.replica_id: predicted_ttft(
