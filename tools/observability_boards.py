@@ -245,6 +245,29 @@ ROUTER = Board(
             q(quantile(p, m.ROUTER_DECISION_SECONDS, SEL_ROUTER), f"p{int(p * 100)}")
             for p in (0.5, 0.99)
         ), unit="s"),
+        # Tenants (docs/router.md, "Tenants"): series only in routers given --tenants.
+        Panel("Requests and 429s per tenant", (
+            q(f"sum by (tenant) ({rate(m.ROUTER_TENANT_REQUESTS.series, SEL_ROUTER)})",
+              "{{tenant}}"),
+            q(f"sum by (tenant, limit) ({rate(m.ROUTER_TENANT_RATE_LIMITED.series, SEL_ROUTER)})",
+              "{{tenant}} 429 ({{limit}})"),
+        ), unit="reqps", description="Generation requests by tenant, let in or not, and those "
+                                     "answered 429 by the limit they reached (--tenants)."),
+        Panel("Tokens per tenant", (
+            q(f"sum by (tenant) ({rate(m.ROUTER_TENANT_TOKENS.series, SEL_ROUTER)})",
+              "{{tenant}}"),
+        ), description="Prompt plus completion tokens per second of each tenant's answers, as "
+                       "their usage reports them."),
+        Panel("Queue wait per tenant", (
+            q(f"sum by (tenant) ({rate(m.ROUTER_TENANT_QUEUE_WAIT_SECONDS.series, SEL_ROUTER)}) / "
+              f"sum by (tenant) ({rate(m.ROUTER_TENANT_REQUESTS.series, SEL_ROUTER)})",
+              "{{tenant}} mean wait"),
+            q(f"min({sel(m.ROUTER_FAIR_SHARE_SHARED.series, SEL_ROUTER)})",
+              "fair-share counters shared (1) or each router's own (0)"),
+        ), unit="s", description="Seconds a tenant's requests waited in the routers' queue "
+                                 "(--max-queue-wait) per request, and whether the routers order "
+                                 "tenants by the fleet's counters in Redis (docs/router.md, "
+                                 "\"Fair share across routers\")."),
     ),
 )
 

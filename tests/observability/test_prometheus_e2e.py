@@ -8,6 +8,10 @@ replicas: the operator reads it through the documented metrics-url annotation
 labels a PodMonitor gives (namespace, pod, inferenceservice). The second replica is only scraped
 once the autoscaler has created its pod, as it would be on a cluster.
 
+The router admits two tenants (--tenants, one with a tokens limit, --max-queue-wait) and the
+replicas serve a LoRA adapter of the bundled model written here: the load is sent with
+both tenants' keys, some of it to the adapter, and one request over the tokens limit is a 429.
+
 Set KVSCALE_OBS_PICTURES=docs/images to refresh the pictures in docs/observability.md.
 """
 
@@ -64,6 +68,11 @@ HOST_TIER_GIB = 0.01
 QUESTIONS = ["What restarts a crashed pod?", "What spreads pods over nodes?",
              "What keeps a fixed number of pods?", "What exposes pods on a stable address?",
              "What stores a password for pods?", "What scales pods on CPU?"]
+# docs/router.md, "Tenants": the load's workers take turns with these keys. team-b's tokens limit
+# is far above what the load asks for: only the one request asking more is refused.
+TENANT_KEYS = {"team-a": "sk-obs-team-a", "team-b": "sk-obs-team-b"}
+TEAM_B_TOKENS_PER_MINUTE = 100_000
+ADAPTER = "ops-lora"  # a LoRA adapter both replicas serve (--lora-modules)
 
 
 # Panels the load must move (the rest may rightly read 0: no retries, no preemptions...).
@@ -72,6 +81,17 @@ MOVED = [("autoscaling", "Scale decisions"), ("autoscaling", "Occupancy signal v
          ("serving", "Preemptions and KV evictions"), ("serving", "Errors by status"),
          ("router", "Traffic per replica"), ("router", "Prefix index size per replica"),
          ("router", "Routing decision latency")]
+# Series of a panel the load surely moved, by the query's legend and the series' labels: each
+# tenant's requests and tokens, team-b's refusal, the adapter's requests (beside which the base
+# model's and the tenants' zeros would pass MOVED alone). The tenants' queue wait may rightly read
+# 0: the router's queue holds a request only while none of its replicas has room, and the shared
+# prefix sends this load to one of the two.
+MOVED_SERIES = [
+    *(("router", "Requests and 429s per tenant", "{{tenant}}", {"tenant": t}) for t in TENANT_KEYS),
+    ("router", "Requests and 429s per tenant", "{{tenant}} 429 ({{limit}})",
+     {"tenant": "team-b", "limit": "tokens"}),
+    *(("router", "Tokens per tenant", "{{tenant}}", {"tenant": t}) for t in TENANT_KEYS),
+    ("serving", "Requests per LoRA adapter", "{{lora_name}}", {"lora_name": ADAPTER})]
 
 
 def substitute(expr: str) -> str:
@@ -116,6 +136,7 @@ class Platform:
         self.sd_file = tmp / "servers.json"
         self.sd_file.write_text("[]")
         self._stop = threading.Event()
+        self.refused: openai.APIStatusError | None = None  # the request over a tenant's limit
 
     # -- kwok pods bound to real replicas -------------------------------------------------------
     def feed_pods(self) -> None:
@@ -158,15 +179,58 @@ class Platform:
         return body["data"]
 
 
-def start_up(platform: Platform) -> Proc:
+def make_adapter(path: Path) -> Path:
+    """A LoRA adapter of the bundled model, rank 4 on every layer's q_proj and v_proj, its A and B
+    random and non-zero, written in PEFT's save_pretrained layout (the files and names the server's
+    loader reads; tests/server/worker/test_lora_engine.py proves that loader against PEFT itself).
+    Written from the model's config alone, in a fraction of a second: loading the model into PEFT
+    held the platform's setup back by tens of seconds on a busy two-core machine."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from kvscale.model_files import resolve_model_path
+
+    model = resolve_model_path(None)
+    config = json.loads((model / "config.json").read_text())
+    hidden, heads, rank = config["hidden_size"], config["num_attention_heads"], 4
+    head_dim = config.get("head_dim") or hidden // heads
+    out = {"q_proj": heads * head_dim, "v_proj": config["num_key_value_heads"] * head_dim}
+    rng = np.random.default_rng(0)
+    weights = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, fan_out in out.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            weights[f"{prefix}.lora_A.weight"] = rng.normal(0, 0.1, (rank, hidden)).astype(np.float32)
+            weights[f"{prefix}.lora_B.weight"] = rng.normal(0, 0.1, (fan_out, rank)).astype(np.float32)
+    path.mkdir()
+    save_file(weights, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(out),
+         "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model)}))
+    return path
+
+
+def write_tenants(path: Path) -> Path:
+    path.write_text(yaml.safe_dump([
+        {"name": "team-a", "api_key": TENANT_KEYS["team-a"], "weight": 2},
+        {"name": "team-b", "api_key": TENANT_KEYS["team-b"],
+         "tokens_per_minute": TEAM_B_TOKENS_PER_MINUTE}]))
+    return path
+
+
+def start_up(platform: Platform, adapter: Path) -> Proc:
     """`kvscale up` with its router started first (it holds requests while the replicas load, as
-    a service scaling from zero) and replicas with a host KV tier; returns once the router listens."""
+    a service scaling from zero), tenants and a queue in the router, and replicas with a host KV
+    tier and the adapter; returns once the router listens."""
     port = int(platform.router_url.rsplit(":", 1)[1])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env.pop("KVSCALE_API_KEY", None)
     up = Proc([sys.executable, "-m", "kvscale", "up", "--replicas", "2", "--port", str(port),
                "--num-gpu-blocks-override", "20", "--max-model-len", "256",
                "--max-num-seqs", "2", "--kv-offloading-size", str(HOST_TIER_GIB),
-               "--hold-timeout", "400"], platform.tmp / "up.log", env)
+               "--hold-timeout", "400", "--tenants", str(write_tenants(platform.tmp / "tenants.yaml")),
+               "--max-queue-wait", "120", "--lora-modules", f"{ADAPTER}={adapter}"],
+              platform.tmp / "up.log", env)
     platform.procs.append(up)
     wait_until(lambda: "holds requests until a replica is ready" in log_tail(up.log, 100_000)
                or up.proc.poll() is not None, timeout=120, interval=0.2, what="kvscale up's router")
@@ -246,8 +310,8 @@ def inference_service() -> dict:
 
 
 def ask_once(platform: Platform) -> list[str]:
-    client = openai.OpenAI(base_url=f"{platform.router_url}/v1", api_key="unused", max_retries=0,
-                           timeout=600)
+    client = openai.OpenAI(base_url=f"{platform.router_url}/v1", api_key=TENANT_KEYS["team-a"],
+                           max_retries=0, timeout=600)
     try:
         client.chat.completions.create(model=MODEL, max_tokens=8,
                                        messages=[{"role": "user", "content": QUESTIONS[0]}])
@@ -257,13 +321,16 @@ def ask_once(platform: Platform) -> list[str]:
 
 
 def load(platform: Platform, seconds: float, workers: int = 3, url: str = "") -> list[str]:
-    """Chat requests through the router (or to ``url``), a few streamed; returns the failures."""
-    client = openai.OpenAI(base_url=f"{url or platform.router_url}/v1", api_key="unused",
-                           max_retries=0, timeout=120)
+    """Chat requests through the router (or to ``url``), a few streamed, the second worker's to
+    the adapter, the workers taking turns with the tenants' keys; returns the failures."""
+    keys = list(TENANT_KEYS.values())
     deadline = time.monotonic() + seconds
     failures: list[str] = []
 
     def worker(i: int) -> None:
+        client = openai.OpenAI(base_url=f"{url or platform.router_url}/v1",
+                               api_key=keys[i % len(keys)], max_retries=0, timeout=120)
+        model = ADAPTER if i == 1 else MODEL
         n = 0
         while time.monotonic() < deadline:
             n += 1
@@ -276,17 +343,17 @@ def load(platform: Platform, seconds: float, workers: int = 3, url: str = "") ->
                         {"role": "user", "content": question}]
             try:
                 if n % 3 == 0:
-                    for _ in client.chat.completions.create(model=MODEL, messages=messages,
+                    for _ in client.chat.completions.create(model=model, messages=messages,
                                                             max_tokens=24, stream=True):
                         pass
                 elif n % 3 == 1:
                     # Constrained: a few distinct schemas, so grammars both compile and hit the cache.
                     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10 + n % 4}}}
                     client.chat.completions.create(
-                        model=MODEL, messages=messages, max_tokens=24,
+                        model=model, messages=messages, max_tokens=24,
                         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
                 else:
-                    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24)
+                    client.chat.completions.create(model=model, messages=messages, max_tokens=24)
             except openai.OpenAIError as exc:
                 failures.append(repr(exc))
 
@@ -341,6 +408,17 @@ def restore_from_the_host_tier(platform: Platform) -> None:
                          f"pushed 5 and 6 times out of its KV cache")
 
 
+def over_the_tokens_limit(platform: Platform) -> openai.APIStatusError | None:
+    """A team-b request asking for more tokens than its tokens_per_minute: refused at once."""
+    client = openai.OpenAI(base_url=f"{platform.router_url}/v1", api_key=TENANT_KEYS["team-b"],
+                           max_retries=0, timeout=30)
+    try:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=TEAM_B_TOKENS_PER_MINUTE + 1)
+    except openai.APIStatusError as exc:
+        return exc
+    return None
+
+
 @pytest.fixture(scope="module")
 def platform(k8s_env, tmp_path_factory):
     for tool in ("prometheus", "promtool", "redis-server"):
@@ -360,7 +438,7 @@ def platform(k8s_env, tmp_path_factory):
         # the operator activates it and the replicas load (a cold start, seen on both sides).
         k8s_env.kubectl("apply", "-f", "-", input=yaml.safe_dump(inference_service()))
         wait_until(lambda: p.router_pods, timeout=60, what="the router pod bound to the router")
-        up = start_up(p)
+        up = start_up(p, make_adapter(p.tmp / ADAPTER))
         held: list[str] = []
         first = threading.Thread(target=lambda: held.extend(ask_once(p)))
         first.start()
@@ -393,6 +471,7 @@ def platform(k8s_env, tmp_path_factory):
             return kvis["spec"]["replicas"] == 2 and len(p.pods) == 2
 
         wait_until(scaled, timeout=90, interval=1, what="the autoscaler to scale to 2")
+        p.refused = over_the_tokens_limit(p)
         p.failures += load(p, 20)
         restore_from_the_host_tier(p)
         time.sleep(4)  # a few more scrapes and rule evaluations after the load
@@ -424,6 +503,9 @@ def test_the_load_ran_and_the_autoscaler_acted(platform):
     text = httpx.get(f"{platform.operator_metrics}/metrics").text
     assert re.search(r'kvscale_operator_scale_decisions_total\{direction="up",inferenceservice="chat",'
                      r'namespace="kvscale-obs",reason="\w+"\} 1\.0', text), text
+    refused = platform.refused
+    assert refused is not None and refused.status_code == 429, refused
+    assert (refused.code, refused.type) == ("rate_limit_exceeded", "tokens"), refused.body
 
 
 def test_every_process_exports_the_contract(platform):
@@ -440,7 +522,7 @@ def test_every_process_exports_the_contract(platform):
             assert set(names.exposed_sample_names(metric)) <= exported, (url, metric.name)
         assert set(scraping.WANTED) <= exported  # what the autoscaler reads
     exported = sample_names(platform.router_url)
-    for metric in names.ROUTER_METRICS:
+    for metric in names.ROUTER_METRICS + names.ROUTER_TENANT_METRICS:
         assert set(names.exposed_sample_names(metric)) <= exported, metric.name
     exported = sample_names(platform.operator_metrics)
     for metric in names.OPERATOR_METRICS:
@@ -492,6 +574,11 @@ def test_every_panel_query_returns_data(platform, tmp_path):
         panel = next(p for p in boards[dashboard]["panels"] if p["title"] == title)
         if not any(v > 0 for _, _, points in results[dashboard][panel["id"]] for _, v in points):
             idle.append(f"{dashboard} / {title}")
+    for dashboard, title, legend, labels in MOVED_SERIES:
+        panel = next(p for p in boards[dashboard]["panels"] if p["title"] == title)
+        if not any(v > 0 for shown, metric, points in results[dashboard][panel["id"]] for _, v in points
+                   if shown == legend and labels.items() <= metric.items()):
+            idle.append(f"{dashboard} / {title}: {legend} {labels}")
     assert not idle, f"all zero: {idle}"
 
 
