@@ -65,7 +65,8 @@ class _Waiter:
 def room_on(candidates: Iterable[Replica], heartbeats: HeartbeatTable,
             in_flight: InFlight) -> int | None:
     """The sequences the candidates can take now (saturation.free_slots), each one's heartbeat
-    corrected by this router's sends and finishes since it was taken."""
+    corrected by this router's sends and finishes since it was taken, and never below this
+    router's requests open there."""
     now = time.monotonic()
     loads: list[ReplicaLoad | None] = []
     for replica in candidates:
@@ -76,7 +77,7 @@ def room_on(candidates: Iterable[Replica], heartbeats: HeartbeatTable,
         ledger = in_flight.ledger(replica.replica_id)
         sent = ledger.entries(now) if ledger is not None else []
         ahead = sequences_ahead(hb.load, heartbeats.local_time(hb), sent)
-        loads.append(ReplicaLoad(hb.max_num_seqs, ahead, hb.kv_usage))
+        loads.append(ReplicaLoad(hb.max_num_seqs, ahead, hb.kv_usage, replica.in_flight))
     return free_slots(loads)
 
 

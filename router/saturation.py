@@ -3,7 +3,10 @@ a pure decision (docs/router.md, "Fair share when the fleet is saturated").
 
 A replica has room for as many more sequences as its batch holds (its heartbeat's
 ``max_num_seqs``) beyond those ahead there now (running and waiting, its heartbeat's count
-corrected by this router's sends and finishes since: ``prefill_ledger.sequences_ahead``). A
+corrected by this router's sends and finishes since: ``prefill_ledger.sequences_ahead``), and
+never fewer than this router's own requests open there: one sent before the heartbeat was taken
+may not have reached its engine yet (a front end slow to parse it on a loaded host), and the
+heartbeat counts only the engine's. A
 replica whose KV blocks are nearly all held has no room however few sequences it runs: a request
 sent there would wait for blocks. A replica whose load the router does not know (no heartbeat,
 or one from before heartbeats carried ``max_num_seqs``) makes the answer "unknown": the router
@@ -24,13 +27,15 @@ class ReplicaLoad:
     batch_slots: int  # the heartbeat's max_num_seqs (0: not published)
     sequences_ahead: int  # running and waiting there now, corrected by this router's sends
     kv_usage: float = 0.0  # KV blocks held / total
+    own_open: int = 0  # this router's requests open there: ahead, whatever the heartbeat counts
 
 
 def room(load: ReplicaLoad) -> int:
     """Sequences the replica can take now without any of them waiting."""
-    if load.kv_usage >= KV_FULL and load.sequences_ahead > 0:
+    ahead = max(load.sequences_ahead, load.own_open)
+    if load.kv_usage >= KV_FULL and ahead > 0:
         return 0
-    return max(0, load.batch_slots - load.sequences_ahead)
+    return max(0, load.batch_slots - ahead)
 
 
 def free_slots(loads: Iterable[ReplicaLoad | None]) -> int | None:

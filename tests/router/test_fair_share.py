@@ -25,8 +25,11 @@ from kvscale.router import fair_share
 from kvscale.router.app import build_app
 from kvscale.router.cli_router import add_arguments, config_from_args
 from kvscale.router.config import RouterConfig
-from kvscale.router.fair_queue import FairQueue, Turn, queued_turn
+from kvscale.router.fair_queue import FairQueue, Turn, queued_turn, room_on
+from kvscale.router.heartbeats import HeartbeatTable
+from kvscale.router.in_flight import InFlight
 from kvscale.router.metrics import RouterMetrics
+from kvscale.router.replicas import Replica as RouterReplica
 from kvscale.router.saturation import KV_FULL, ReplicaLoad, free_slots, room
 from kvscale.router.tenancy import Grant
 
@@ -100,6 +103,21 @@ def test_free_slots_come_from_the_replicas_own_load_and_unknown_load_never_holds
     assert free_slots([ReplicaLoad(8, 3), ReplicaLoad(4, 4)]) == 5
     assert free_slots([ReplicaLoad(8, 3), None]) is None
     assert free_slots([ReplicaLoad(0, 3)]) is None  # a heartbeat without max_num_seqs
+
+
+def test_requests_this_router_has_open_on_a_replica_are_ahead_whatever_its_heartbeat_says() -> None:
+    """A heartbeat taken after our sends but before they reached its engine (a front end slow to
+    parse them on a loaded host) counts none of them: they are still ahead there, and the room
+    check lets no more through (docs/router.md, "Fair share when the fleet is saturated")."""
+    replica = RouterReplica("http://r0", "r0", healthy=True)
+    in_flight = InFlight(RouterMetrics().in_flight)
+    for _ in range(4):
+        in_flight.open(replica, 8)
+    beat = Heartbeat("r0", MODEL, "http://r0", 16, 0, 0, 0, 100, time.time() + 0.01, max_num_seqs=4)
+    heartbeats = HeartbeatTable(SimpleNamespace(heartbeats={"r0": beat}, healthy=True))  # type: ignore[arg-type]
+    assert room_on([replica], heartbeats, in_flight) == 0
+    assert room(ReplicaLoad(4, 1, own_open=3)) == 1  # the heartbeat's count when it is the larger
+    assert room(ReplicaLoad(4, 0, own_open=2)) == 2
 
 
 def test_kvscale_router_takes_max_queue_wait_with_redis_only(monkeypatch: pytest.MonkeyPatch) -> None:
