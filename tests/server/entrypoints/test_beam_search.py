@@ -27,6 +27,7 @@ from api_helpers import serve_app_in_thread  # noqa: E402
 from thread_engine import ThreadEngine  # noqa: E402
 from tiny_checkpoints import TOKENIZER_FILES, copy_tokenizer, write_tiny_llama  # noqa: E402
 
+from bench.beam_search import beam_params, generated_beams, hf_beams
 from kvscale.model_files import load_tokenizer
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.beam_search import BeamSearchParams
@@ -79,34 +80,16 @@ def api(tiny: tuple[LLM, Any, Path]) -> Iterator[str]:
     thread.join(30)
 
 
-def hf_beams(hf: Any, prompt: list[int], width: int, max_tokens: int, length_penalty: float,
-             early_stopping: bool | str) -> list[tuple[list[int], float]]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, num_beams=width,
-                          num_return_sequences=width, do_sample=False, length_penalty=length_penalty,
-                          early_stopping=early_stopping, eos_token_id=EOS, pad_token_id=EOS,
-                          output_scores=True, return_dict_in_generate=True)
-    beams = []
-    for row, score in zip(out.sequences.tolist(), out.sequences_scores.tolist(), strict=True):
-        generated = row[len(prompt):]
-        if EOS in generated:  # padded with EOS after the first
-            generated = generated[:generated.index(EOS) + 1]
-        beams.append((generated, score))
-    return beams
-
-
 @pytest.mark.parametrize(("width", "max_tokens", "length_penalty", "early_stopping"), [
     (3, 10, 0.5, False), (2, 6, 2.0, True), (4, 7, 1.5, "never"),
 ])
 def test_beams_equal_transformers(tiny, width, max_tokens, length_penalty, early_stopping):
     llm, hf, _ = tiny
-    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty,
-                              include_stop_str_in_output=True, early_stopping=early_stopping)
+    params = beam_params(width, max_tokens, length_penalty, early_stopping)
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        expected = hf_beams(hf, prompt, width, max_tokens, length_penalty, early_stopping)
-        got = [(seq.tokens[len(prompt):], seq.score) for seq in output.sequences]
+        expected = hf_beams(hf, prompt, width, max_tokens, length_penalty, early_stopping, EOS)
+        got = generated_beams(output, len(prompt))
         assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
         assert [score for _, score in got] == pytest.approx([score for _, score in expected], abs=1e-4)
         for seq in output.sequences:
@@ -149,7 +132,7 @@ def test_completions_return_the_n_best_beams(tiny, api):
     choices = response.json()["choices"]
     assert [c["index"] for c in choices] == list(range(6))
     for index, prompt in enumerate(PROMPTS[:2]):
-        expected = hf_beams(hf, prompt, 3, 8, 0.5, False)
+        expected = hf_beams(hf, prompt, 3, 8, 0.5, False, EOS)
         got = choices[index * 3:index * 3 + 3]
         assert [c["text"] for c in got] == [tokenizer.decode([t for t in tokens if t != EOS], skip_special_tokens=True)
                                             for tokens, _ in expected]
@@ -283,7 +266,7 @@ def test_beams_answer_their_tokens_logprobs(tiny, api, top):
     response = httpx.post(f"{api}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     choices = response.json()["choices"]
-    expected = hf_beams(hf, PROMPTS[0], 2, 6, 0.5, False)
+    expected = hf_beams(hf, PROMPTS[0], 2, 6, 0.5, False, EOS)
     for choice, (tokens, score) in zip(choices, expected, strict=True):
         logprobs = choice["logprobs"]
         assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(tokens)
