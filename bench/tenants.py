@@ -1,7 +1,7 @@
 """Tenants on real parts, each figure with its baseline in the same run (docs/router.md, "Tenants";
 docs/performance.md, "Tenants"):
 
-    python -m bench.tenants   # 18 min on a loaded 2-vCPU host; the JSON records every parameter
+    python -m bench.tenants   # 10-18 min on a loaded 2-vCPU host; the JSON records every parameter
 
 One Redis, ``--replicas`` `kvscale serve` replicas of the bundled model (``--max-num-seqs`` small,
 so a few requests saturate them; ``--scheduling-policy priority``; a key of their own, so they
