@@ -27,12 +27,15 @@ def envoy_binary() -> Path:
 
 
 def listener(name: str, port: int, picker: str, body_mode: str, log_path: str | None = None,
-             fail_open: bool = False) -> dict[str, Any]:
+             fail_open: bool = False, cluster: str = "pool", retries: int = 0) -> dict[str, Any]:
     """An HTTP listener whose ext_proc filter asks the cluster ``picker``; ``body_mode`` is
     FULL_DUPLEX_STREAMED or BUFFERED. ``fail_open`` (GIE's ``failureMode: FailOpen``): while the
     picker cannot be reached the request goes on without its answer, so it carries no destination
     header and is routed to the ``fallback`` cluster (``envoy_config(fallback=...)``), which
-    balances over the servers itself. ``log_path``: an access log of ``name``, the status, the
+    balances over the servers itself. ``cluster``: where the picked requests go, the ORIGINAL_DST
+    ``pool`` or the ``replicas`` cluster that follows the picker's fallbacks
+    (``envoy_config(replicas=...)``), which ``retries`` times retries a request its replica
+    reset or refused before answering. ``log_path``: an access log of ``name``, the status, the
     upstream and the picker's endpoint list per request."""
     ext_proc = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
@@ -47,10 +50,13 @@ def listener(name: str, port: int, picker: str, body_mode: str, log_path: str | 
                             "request_trailer_mode": "SEND", "response_trailer_mode": "SKIP"},
         "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
     }
-    routes: list[dict[str, Any]] = [{"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s"}}]
+    route: dict[str, Any] = {"cluster": cluster, "timeout": "0s"}
+    if retries:
+        route["retry_policy"] = retry_policy(retries)
+    routes: list[dict[str, Any]] = [{"match": {"prefix": "/"}, "route": route}]
     if fail_open:
         routes = [{"match": {"prefix": "/", "headers": [{"name": DESTINATION_HEADER, "present_match": True}]},
-                   "route": {"cluster": "pool", "timeout": "0s"}},
+                   "route": route},
                   {"match": {"prefix": "/"}, "route": {"cluster": "fallback", "timeout": "0s"}}]
     manager: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -73,6 +79,36 @@ def listener(name: str, port: int, picker: str, body_mode: str, log_path: str | 
                                             "typed_config": manager}]}]}
 
 
+def retry_policy(retries: int) -> dict[str, Any]:
+    """Retry what a replica dropped before its response began (killed, connection refused or
+    reset): nothing of the answer has reached the client yet, so another replica may serve it."""
+    return {"retry_on": "connect-failure,reset,refused-stream", "num_retries": retries}
+
+
+def static_endpoints(name: str, ports: list[int]) -> dict[str, Any]:
+    return {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
+        for port in ports]}]}
+
+
+def replicas_cluster(ports: list[int]) -> dict[str, Any]:
+    """The servers on 127.0.0.1 at ``ports`` (a Kubernetes gateway: the pool's endpoints, by EDS or
+    a headless Service), chosen by Envoy's override-host policy: each attempt takes the next
+    endpoint of the picker's list in ``envoy.lb`` metadata (the chosen one, then its fallbacks in
+    retry order), so a retry goes to the picker's next choice; past the list's end, or with no
+    list (the picker unreachable under FailOpen), round robin. ORIGINAL_DST cannot do this: it
+    connects to the one address in the header, attempt after attempt."""
+    source = {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION_HEADER}]}}
+    fallback = {"policies": [{"typed_extension_config": {"name": "envoy.load_balancing_policies.round_robin",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"}}}]}
+    policy = {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+              "override_host_sources": [source], "fallback_policy": fallback}
+    return {"name": "replicas", "type": "STATIC", "connect_timeout": "5s",
+            "load_balancing_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.override_host", "typed_config": policy}}]},
+            "load_assignment": static_endpoints("replicas", ports)}
+
+
 def picker_cluster(name: str, port: int) -> dict[str, Any]:
     """The endpoint picker's gRPC (HTTP/2) service on 127.0.0.1:``port``."""
     return {"name": name, "type": "STATIC", "connect_timeout": "5s",
@@ -84,18 +120,20 @@ def picker_cluster(name: str, port: int) -> dict[str, Any]:
 
 
 def envoy_config(admin: int, listeners: list[dict[str, Any]], pickers: dict[str, int],
-                 fallback: list[int] | None = None) -> dict[str, Any]:
+                 fallback: list[int] | None = None, replicas: list[int] | None = None) -> dict[str, Any]:
     """Envoy's bootstrap: the admin port, ``listeners``, the ORIGINAL_DST pool keyed by the
-    picker's header, one cluster per picker (name -> gRPC port) and, for fail-open listeners, the
-    ``fallback`` cluster of the servers on 127.0.0.1 at these ports (round robin)."""
+    picker's header, one cluster per picker (name -> gRPC port), for fail-open listeners the
+    ``fallback`` cluster of the servers on 127.0.0.1 at these ports (round robin) and, for
+    listeners that follow the picker's fallbacks, the ``replicas`` cluster of the servers at
+    these ports (``replicas_cluster``)."""
     pool = {"name": "pool", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "5s",
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER}}
     clusters = [pool, *(picker_cluster(n, p) for n, p in pickers.items())]
     if fallback:
         clusters.append({"name": "fallback", "type": "STATIC", "connect_timeout": "5s", "lb_policy": "ROUND_ROBIN",
-                         "load_assignment": {"cluster_name": "fallback", "endpoints": [{"lb_endpoints": [
-                             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
-                             for port in fallback]}]}})
+                         "load_assignment": static_endpoints("fallback", fallback)})
+    if replicas:
+        clusters.append(replicas_cluster(replicas))
     return {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
             "static_resources": {"listeners": listeners, "clusters": clusters}}
 

@@ -193,9 +193,10 @@ async def create_completion(server: OpenAIServer, body: p.CompletionRequest, req
     streams = await server.open_streams(prepared)
     if body.stream:
         formatter = CompletionFormatter(server, body, prepared)
-        # A constrained request may be refused before any token: wait for that before the 200.
-        first = (await first_outputs_while_connected(request, server, streams, prepared)
-                 if prepared.constraint_param else None)
+        # The 200 waits for the first token: a constrained request may be refused before it, and a
+        # gateway retries a request its replica dropped only while no response has started
+        # (docs/gateway.md, "When a replica dies").
+        first = await first_outputs_while_connected(request, server, streams, prepared)
         return StreamingResponse(stream_events(server, streams, request, formatter, first),
                                  media_type="text/event-stream")
     return await until_disconnect(request, server, streams, _respond(server, body, prepared, streams))

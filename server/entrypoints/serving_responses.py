@@ -102,9 +102,10 @@ async def _create_response(server: OpenAIServer, store: ResponseStore, body: Res
     if body.stream:
         prepared = prepare_chat(server, chat)
         streams = await server.open_streams(prepared)
-        # A constrained request may be refused before any token: wait for that before the 200.
-        first = (await first_outputs_while_connected(request, server, streams, prepared)
-                 if prepared.constraint_param else None)
+        # The 200 waits for the first token: a constrained request may be refused before it, and a
+        # gateway retries a request its replica dropped only while no response has started
+        # (docs/gateway.md, "When a replica dies").
+        first = await first_outputs_while_connected(request, server, streams, prepared)
         formatter = ChatFormatter(server, chat, prepared)
         return StreamingResponse(response_events(server, streams, request, formatter, ResponseEvents(head),
                                                  first, keep), media_type="text/event-stream")

@@ -3,8 +3,10 @@ API Inference Extension gateways configure it: the ext_proc filter calls the rou
 an ORIGINAL_DST cluster sends each request to the ``ip:port`` in ``x-gateway-destination-endpoint``.
 Two real `kvscale serve` replicas, real Redis, the official openai client.
 
-One Envoy, three listeners: FULL_DUPLEX_STREAMED bodies and BUFFERED bodies in front of
-`kvscale router --ext-proc-port`, and one in front of a picker whose only replica is down.
+One Envoy, five listeners: FULL_DUPLEX_STREAMED bodies and BUFFERED bodies in front of
+`kvscale router --ext-proc-port`, one in front of a picker whose only replica is down, and a
+FailOpen and a FailClose listener in front of a picker that restarts. A replica killed mid-run has
+an Envoy of its own, whose cluster follows the picker's fallbacks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,17 +64,18 @@ class Gateway:
         return [line for line in self.log() if line[0] == listener]
 
 
-def lost_replica_picker(replica: Proc) -> Iterator[int]:
-    """A picker (the router's app, served in this process) that learned a replica serves the model,
-    then lost it: no replica ready. Yields its gRPC port."""
+@contextmanager
+def picker_in_process(replica_urls: list[str], policy: str = "prefix-affinity") -> Iterator[tuple[dict, int]]:
+    """The router's app as an endpoint picker, served in this process (no tokenizer, no
+    subprocess) over ``replica_urls``, once every one is ready with the model. Yields its replicas
+    (by URL) and its gRPC port."""
     import uvicorn
 
     from kvscale.router.app import build_app
     from kvscale.router.config import RouterConfig
     from kvscale.router.ext_proc import serve_beside
 
-    relay = Relay(replica.port)
-    config = RouterConfig(replicas=[f"http://127.0.0.1:{relay.port}"], models=[], health_interval_s=0.2)
+    config = RouterConfig(replicas=replica_urls, models=[], policy=policy, health_interval_s=0.2)
     app = build_app(config)
     grpc_port = free_port()
     serve_beside(app, "127.0.0.1", grpc_port, 1 << 20)
@@ -79,15 +84,39 @@ def lost_replica_picker(replica: Proc) -> Iterator[int]:
     thread.start()
     try:
         known = app.state.router.replicas.replicas
-        wait_until(lambda: any(r.healthy and MODEL in r.models for r in known.values()), 60,
-                   what="the in-process picker's replica")
-        relay.close()
-        wait_until(lambda: not any(r.healthy for r in known.values()), 30, what="the replica lost")
-        yield grpc_port
+        wait_until(lambda: len(known) == len(replica_urls)
+                   and all(r.healthy and MODEL in r.models for r in known.values()), 60,
+                   what="the in-process picker's replicas")
+        yield known, grpc_port
     finally:
-        relay.close()
         server.should_exit = True
         thread.join(10)
+
+
+def lost_replica_picker(replica: Proc) -> Iterator[int]:
+    """A picker that learned a replica serves the model, then lost it: no replica ready. Yields
+    its gRPC port."""
+    relay = Relay(replica.port)
+    try:
+        with picker_in_process([f"http://127.0.0.1:{relay.port}"]) as (known, grpc_port):
+            relay.close()
+            wait_until(lambda: not any(r.healthy for r in known.values()), 30, what="the replica lost")
+            yield grpc_port
+    finally:
+        relay.close()
+
+
+def start_envoy(config: dict, admin: int) -> Proc:
+    envoy_log = tempfile.mkstemp(prefix="envoy-", suffix=".log")[1]
+    with open(envoy_log, "w") as out:
+        proc = subprocess.Popen(envoy_argv(config), stdout=out, stderr=subprocess.STDOUT)
+    envoy = Proc(proc, admin, envoy_log)
+    try:
+        wait_ready(admin, proc)
+    except Exception:
+        envoy.stop(signal.SIGKILL)
+        raise
+    return envoy
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +138,8 @@ def gateway(replicas: list[Proc], session_redis: RedisServer, router_launcher: L
         listener("fail_open", ports["fail_open"], "own_picker", "BUFFERED", log_path, fail_open=True),
         listener("fail_close", ports["fail_close"], "own_picker", "FULL_DUPLEX_STREAMED", log_path),
     ], {"picker": grpc_port, "down_picker": down_port, "own_picker": own_port}, fallback=[r.port for r in replicas])
-    envoy_log = tempfile.mkstemp(prefix="envoy-", suffix=".log")[1]
-    with open(envoy_log, "w") as out:
-        proc = subprocess.Popen(envoy_argv(config), stdout=out, stderr=subprocess.STDOUT)
-    envoy = Proc(proc, ports["admin"], envoy_log)
+    envoy = start_envoy(config, ports["admin"])
     try:
-        wait_ready(ports["admin"], proc)
         base = "http://127.0.0.1:{}/v1"
         yield Gateway(base.format(ports["streamed"]), base.format(ports["buffered"]),
                       base.format(ports["no_replica"]), log_path, router.url, grpc_port,
@@ -128,8 +153,9 @@ def client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
 
 
-def metric_sum(base_url: str, name: str) -> float:
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+def metric_sum(base_url: str, name: str, text: str | None = None) -> float:
+    """``name``'s samples summed over their labels, from ``text`` or a scrape of ``base_url``."""
+    text = text if text is not None else httpx.get(f"{base_url}/metrics", timeout=10).text
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$",
                                                       text, re.MULTILINE))
 
@@ -234,3 +260,65 @@ def test_fail_open_serves_while_its_picker_restarts(gateway: Gateway, replicas: 
     ask("after")
     back = gateway.lines("fail_open", 6)[-1]
     assert back[1] == "200" and back[3] != "-" and back[2] in servers, back
+
+
+def test_replica_killed_mid_run_fails_no_unstarted_request(replicas: list[Proc], session_redis: RedisServer,
+                                                           launcher: Launcher) -> None:
+    """A replica killed while requests wait in its queue: Envoy retries each of them (reset before
+    any response) on the picker's next endpoint, through the override-host cluster
+    (bench/envoy_gateway.py, docs/gateway.md "When a replica dies"); only the one it was
+    streaming fails. The victim runs one sequence at a time, so the rest of its share queues."""
+    victim = launcher.replica(session_redis.url, "victim", extra=["--max-num-seqs", "1"])
+    fleet = [*replicas, victim]
+    port, admin = free_port(), free_port()
+    log_path = tempfile.mkstemp(prefix="envoy-retrying-", suffix=".log")[1]
+    results: list[tuple[bool, bool]] = []  # (answered whole, it had streamed a byte)
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        began, ok, text = False, False, b""
+        # Long enough that the victim is still on its first answer when it is killed: the rest of
+        # its share waits in its queue, unstarted.
+        body = {"model": MODEL, "prompt": f"Count to ten, attempt {i}:", "max_tokens": 64,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                              timeout=120) as response:
+                for chunk in response.iter_raw():
+                    began = True
+                    text += chunk
+                ok = response.status_code == 200 and text.endswith(b"data: [DONE]\n\n")
+        except httpx.HTTPError:
+            pass
+        with lock:
+            results.append((ok, began))
+
+    def victim_queueing() -> bool:
+        # One scrape: its first answer streaming, none finished, and a request waiting behind it
+        # (the waiting gauge is as of the engine's last step, which the running answer keeps fresh).
+        text = httpx.get(f"{victim.url}/metrics", timeout=10).text
+        return (metric_sum("", "vllm:time_to_first_token_seconds_count", text) >= 1
+                and metric_sum("", "vllm:request_success_total", text) == 0
+                and metric_sum("", "vllm:num_requests_waiting", text) >= 1)
+
+    with picker_in_process([r.url for r in fleet], policy="round-robin") as (_, grpc_port):
+        envoy = start_envoy(envoy_config(admin, [
+            listener("retrying", port, "picker", "FULL_DUPLEX_STREAMED", log_path, cluster="replicas", retries=2),
+        ], {"picker": grpc_port}, replicas=[r.port for r in fleet]), admin)
+        try:
+            with futures.ThreadPoolExecutor(9) as pool:
+                jobs = [pool.submit(one, i) for i in range(9)]
+                wait_until(victim_queueing, 60, interval=0.05, what="requests queued on the victim")
+                victim.stop(signal.SIGKILL)
+                for job in jobs:
+                    job.result()
+        finally:
+            envoy.stop(signal.SIGTERM)
+    failed = [r for r in results if not r[0]]
+    assert all(began for _, began in failed), f"a request that had not started streaming failed: {results}"
+    # Some were picked for the victim first and answered by the next endpoint of its list.
+    dead = f"127.0.0.1:{victim.port}"
+    lines = [line.split() for line in Path(log_path).read_text().splitlines()]
+    moved = [line for line in lines if line[3].split(",")[0] == dead and line[2] != dead and line[1] == "200"]
+    assert moved, lines
+    print(f"killed replica: {len(failed)} of {len(results)} failed (all streaming), {len(moved)} moved")
