@@ -74,7 +74,7 @@ def gemm_peak(threads: int, dtype: str = "float32", size: int = 2048, seconds: f
         product()
     flop = 2 * size**3
     best = 0.0
-    rates = []
+    rates: list[float] = []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or len(rates) < 3:
         start = time.perf_counter()
@@ -99,7 +99,7 @@ def memory_stream(threads: int, mib: int = 512, seconds: float = 1.0) -> dict[st
     buffer = torch.ones(mib * 1024 * 1024 // 4)
     buffer.sum()
     nbytes = buffer.numel() * 4
-    rates = []
+    rates: list[float] = []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or len(rates) < 3:
         start = time.perf_counter()

@@ -12,6 +12,8 @@ each peak RSS is its own). Throughput counts only the requested output tokens.
     python -m bench.w1_throughput --baselines vllm,transformers  # the default: both baselines
     python -m bench.w1_throughput --dtype bfloat16 --kv-cache-dtype fp8 --baselines vllm,vllm-fp8,kvscale-auto-kv
     python -m bench.w1_throughput --dtype auto --baselines vllm   # each side's default precision
+    python -m bench.w1_throughput --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' \
+        --baselines kvscale-no-spec --pairs 3   # speculation configured against not, paired
 
 ``--dtype auto`` gives each engine its own ``--dtype auto``: what a user who sets no precision
 runs (kvscale decides by the CPU's features, vLLM takes the checkpoint's); every side records the
@@ -25,6 +27,9 @@ one, else ``fp8``); the ratio to vLLM is to the faster of the two. ``kvscale-aut
 itself with ``--kv-cache-dtype auto``, for an FP8 run. ``--before-checkout PATH`` runs kvscale's
 side once more from another tree (bench.before_after: a worktree of an earlier commit), so a change
 to the engine is measured against its parent in the same run (``kvscale_over_before``).
+``--speculative-config`` (vLLM's JSON) configures kvscale's engine with speculative decoding, and
+``kvscale-no-spec`` is kvscale without it: the two alternate ``--pairs`` times (the order flipped
+every pair) and ``kvscale_over_own_no_spec`` is the median of the pairs' ratios.
 The run also measures the machine's fp32 (and, for bfloat16 runs, bf16) GEMM peak at the same
 thread count and reports each engine's useful GFLOP/s against it, and the CPU's ISA.
 """
@@ -34,6 +39,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
+import statistics
 import sys
 import time
 from typing import Any
@@ -72,10 +79,13 @@ def side_kvscale(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     prompts, outputs = workload(args)
     load_start = time.perf_counter()
+    from kvscale.server.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None
     llm = LLM(dtype=args.dtype, device="cpu", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               kv_cache_memory_bytes=args.kv_cache_bytes, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, speculative_config=spec)
     engine = llm.llm_engine
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4, ignore_eos=True))
     load_s = time.perf_counter() - load_start
@@ -85,7 +95,8 @@ def side_kvscale(args: argparse.Namespace) -> dict:
     elapsed = time.perf_counter() - start
     generated = sum(len(r.outputs[0].token_ids) for r in results)
     assert generated == sum(outputs), "kvscale generated a different number of tokens"
-    ttfts = [r.metrics.first_token_time - r.metrics.arrival_time for r in results]
+    ttfts = [r.metrics.first_token_time - r.metrics.arrival_time for r in results
+             if r.metrics is not None and r.metrics.first_token_time is not None]
     stats = engine.get_stats()
     return {
         "load_s": load_s,  # engine construction + the warm-up request: start to first served request
@@ -97,6 +108,9 @@ def side_kvscale(args: argparse.Namespace) -> dict:
         "kv_cache_bytes": engine.kv_cache_bytes,
         "kv_blocks": engine.num_blocks,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "speculative_config": args.speculative_config,
+        "spec_decode_accepted_tokens": stats.extra.get("spec_decode_num_accepted_tokens_total", 0.0),
+        "spec_decode_draft_tokens": stats.extra.get("spec_decode_num_draft_tokens_total", 0.0),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "peak_rss_bytes": peak_rss_bytes(),
         "torch_threads": torch.get_num_threads(),
@@ -190,13 +204,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-bytes", type=int, default=2 * 1024**3)
+    parser.add_argument("--speculative-config", default=None,
+                        help="kvscale's --speculative-config (vLLM's JSON); vLLM's CPU build refuses it")
+    parser.add_argument("--pairs", type=int, default=1, help="pairs of kvscale with and without --speculative-config "
+                        "(with the kvscale-no-spec baseline)")
     parser.add_argument("--side", choices=["kvscale", "baseline", "gemm"], help=argparse.SUPPRESS)
     parser.add_argument("--baselines", default="vllm,transformers",
                         help="comma-separated: vllm, vllm-fp8 (vLLM with its FP8 KV cache), transformers, "
                              "kvscale-float32 (kvscale itself in float32, for a --dtype bfloat16 run), "
                              "kvscale-unquantized (kvscale in the same dtype without --quantization, for a "
                              "--quantization run), kvscale-auto-kv (kvscale with --kv-cache-dtype auto, for an "
-                             "FP8 run); empty: none")
+                             "FP8 run), kvscale-no-spec (kvscale without --speculative-config, paired: --pairs); "
+                             "empty: none")
     parser.add_argument("--skip-baseline", action="store_true", help="same as --baselines ''")
     add_before_checkout(parser, help="also run kvscale's side from this tree (a worktree of an earlier commit)")
     parser.add_argument("--out", default=None)
@@ -227,14 +246,14 @@ def _strip(argv: list[str], flags_with_value: tuple[str, ...], flags: tuple[str,
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.side:
-        side = {"kvscale": side_kvscale, "baseline": side_baseline, "gemm": side_gemm}[args.side]
-        print(json.dumps(side(args)))
+        run = {"kvscale": side_kvscale, "baseline": side_baseline, "gemm": side_gemm}[args.side]
+        print(json.dumps(run(args)))
         return 0
     raw = list(argv if argv is not None else sys.argv[1:])
     passthrough = _strip(raw, ("--out", "--baselines", "--before-checkout"), ("--skip-baseline",))
     baselines = [] if args.skip_baseline else [b for b in args.baselines.split(",") if b]
     unknown = set(baselines) - {"vllm", "vllm-fp8", "transformers", "kvscale-float32", "kvscale-unquantized",
-                                "kvscale-auto-kv"}
+                                "kvscale-auto-kv", "kvscale-no-spec"}
     if unknown:
         raise SystemExit(f"unknown baselines {sorted(unknown)}")
     info = machine()
@@ -243,7 +262,20 @@ def main(argv: list[str] | None = None) -> int:
     peaks = run_side("bench.w1_throughput", "gemm", passthrough)
     print(f"GEMM peak: {json.dumps({k: round(v['best_gflops']) for k, v in peaks.items()})} GFLOP/s",
           file=sys.stderr)
-    kvscale = run_side("bench.w1_throughput", "kvscale", passthrough)
+    spec_pairs: list[dict[str, dict]] = []
+    if "kvscale-no-spec" in baselines:
+        if not args.speculative_config:
+            raise SystemExit("the kvscale-no-spec baseline needs --speculative-config")
+        no_spec = _strip(passthrough, ("--speculative-config",), ())
+        for pair in range(args.pairs):
+            runs: dict[str, dict] = {}
+            for spec in ("on", "off") if pair % 2 == 0 else ("off", "on"):
+                runs[spec] = run_side("bench.w1_throughput", "kvscale", passthrough if spec == "on" else no_spec)
+                print(f"kvscale, speculation {spec}: {runs[spec]['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+            spec_pairs.append(runs)
+        kvscale = spec_pairs[0]["on"]
+    else:
+        kvscale = run_side("bench.w1_throughput", "kvscale", passthrough)
     print(f"kvscale: {kvscale['output_tokens_per_s']:.1f} tok/s in {kvscale['elapsed_s']:.1f} s", file=sys.stderr)
     own_fp32 = None
     if "kvscale-float32" in baselines:
@@ -301,9 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "w1_throughput",
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": info,
+        "command": shlex.join(["python", "-m", "bench.w1_throughput", *raw]),
         "workload": {k: getattr(args, k) for k in ("num_requests", "min_prompt", "max_prompt", "min_output",
                                                     "max_output", "seed", "dtype", "quantization",
-                                                    "kv_cache_dtype", "threads",
+                                                    "kv_cache_dtype", "speculative_config", "pairs", "threads",
                                                     "max_num_seqs",
                                                     "max_num_batched_tokens")},
         "gemm_peak": peaks,
@@ -321,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         "kvscale_over_own_unquantized": ratio(own_unquantized),
         "kvscale_auto_kv": own_auto_kv,
         "kvscale_over_own_auto_kv": ratio(own_auto_kv),
+        "kvscale_spec_pairs": spec_pairs,
+        "kvscale_over_own_no_spec": statistics.median(
+            p["on"]["output_tokens_per_s"] / p["off"]["output_tokens_per_s"] for p in spec_pairs) if spec_pairs else None,
         "kvscale_before": before,
         "kvscale_over_before": ratio(before),
         "commits": commits(args.before_checkout),
@@ -334,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                         ("kvscale float32", result["kvscale_over_own_float32"]),
                         ("kvscale unquantized", result["kvscale_over_own_unquantized"]),
                         ("kvscale with the KV cache in the model's dtype", result["kvscale_over_own_auto_kv"]),
-                        ("kvscale before", result["kvscale_over_before"])):
+                        ("kvscale before", result["kvscale_over_before"]),
+                        ("kvscale without speculation (paired median)", result["kvscale_over_own_no_spec"])):
         if value:
             print(f"kvscale / {name}: {value:.2f}x", file=sys.stderr)
     print(path)

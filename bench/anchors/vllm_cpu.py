@@ -216,7 +216,7 @@ def kernels_from_log(log: str) -> list[str]:
     """vLLM's own lines naming the attention backend, ISA build and compilation it used."""
     keys = ("backend", "Backend", "ISA", "avx", "AVX", "amx", "AMX", "compil", "oneDNN", "onednn", "dnnl", "attention",
             "Attention", "kernel")
-    lines = []
+    lines: list[str] = []
     for line in log.splitlines():
         if any(k in line for k in keys) and len(lines) < 40:
             lines.append(line.strip()[-300:])
