@@ -78,17 +78,29 @@ def test_full_queue_is_503_with_retry_after(guarded) -> None:
 
     async def scenario() -> httpx.Response:
         async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as http:
-            running = await http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
-            waiting = await http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
-            try:
+            # A stream's 200 comes with its first token: the queued one's not before the other ends.
+            def send() -> asyncio.Future[httpx.Response]:
+                return asyncio.ensure_future(http.send(http.build_request("POST", "/v1/completions", json=body),
+                                                       stream=True))
+
+            async def one_in(gauge: str) -> None:
                 deadline = time.monotonic() + 60
-                while scrape(base).get("vllm:num_requests_waiting") != 1:
-                    assert time.monotonic() < deadline, "second request never queued"
+                while scrape(base).get(gauge) != 1:
+                    assert time.monotonic() < deadline, f"no request in {gauge}"
                     await asyncio.sleep(0.2)
+
+            opened = [send()]
+            try:
+                await one_in("vllm:num_requests_running")
+                opened.append(send())
+                await one_in("vllm:num_requests_waiting")
                 refused = await http.post("/v1/completions", json={**body, "stream": False})
             finally:
-                await running.aclose()
-                await waiting.aclose()
+                for task in opened:
+                    task.cancel()  # a request still waiting for its 200: its connection closes
+                for result in await asyncio.gather(*opened, return_exceptions=True):
+                    if isinstance(result, httpx.Response):
+                        await result.aclose()
             return refused
 
     refused = asyncio.run(scenario())
@@ -151,7 +163,7 @@ def test_a_late_answer_is_a_504_and_a_dead_engine_loop_makes_health_503() -> Non
     thread.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 8
         while not server.started:
             assert time.monotonic() < deadline
             time.sleep(0.1)
