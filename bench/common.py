@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -57,6 +58,14 @@ def machine() -> dict[str, Any]:
         "loadavg_1m_at_start": round(load[0], 2),
         "python": platform.python_version(),
     }
+
+
+def redis_server_binary() -> str:
+    """redis-server's path, for the benchmarks that start their own Redis; exits saying why without it."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("needs redis-server on the PATH (make system-deps)")
+    return binary
 
 
 def git_commit(tree: Path) -> str | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import RESULTS
+from bench.common import RESULTS, redis_server_binary
 from bench.envoy_gateway import envoy_argv, envoy_config, listener, wait_ready
 from bench.roofline import cpu_info
 from bench.stats import quantile
@@ -47,9 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS / "gateway_latency.json"))
     args = parser.parse_args(argv)
-    redis_binary = shutil.which("redis-server")
-    if not redis_binary:
-        raise SystemExit("needs redis-server on the PATH (make system-deps)")
+    redis_binary = redis_server_binary()
     machine = cpu_info()
     procs = Processes()
     fleet_args = argparse.Namespace(replicas=args.replicas, block_size=16, num_gpu_blocks_override=512,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -30,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from bench.common import redis_server_binary
 from bench.w3_fleet import Processes, router_argv, start_fleet, wait_healthy
 from kvscale.processes import free_port
 
@@ -114,9 +114,7 @@ def router_figure(args: argparse.Namespace, paths: Mapping[str, str]) -> dict[st
     """Start the fleet and a router per policy, run each policy's streams, stop everything."""
     from kvscale.router.policy import DEFAULT_POLICY
 
-    redis_binary = shutil.which("redis-server")
-    if not redis_binary:
-        raise SystemExit("bench.lora: the router figure needs redis-server on the PATH (make system-deps)")
+    redis_binary = redis_server_binary()
     names = sorted(paths)
     stream_names, fill = names[:args.router_adapters], names[args.router_adapters:args.router_adapters + args.max_loras]
     if len(fill) < args.max_loras:

@@ -6,12 +6,12 @@ replicas behind them stay open, as on a private network."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import sys
 import time
 from pathlib import Path
 
+from bench.common import redis_server_binary
 from kvscale.processes import free_port
 from kvscale.router.cli_up import Child, Stack
 
@@ -43,9 +43,7 @@ class Platform:
         return f"redis://127.0.0.1:{self.redis_port}/0"
 
     def start_redis(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server is not installed (make system-deps)")
+        binary = redis_server_binary()
         self.redis = self.stack.spawn("redis", [binary, "--port", str(self.redis_port), "--bind", "127.0.0.1",
                                                "--save", "", "--appendonly", "no", "--dir", self.stack.logdir],
                                       self.redis_url, None)

@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import os
 import secrets
-import shutil
 import statistics
 import sys
 import time
@@ -46,7 +45,7 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.common import RESULTS, exit_on_sigterm, write_result
+from bench.common import RESULTS, exit_on_sigterm, redis_server_binary, write_result
 from bench.roofline import cpu_info
 from bench.stats import quantile
 from bench.tenants_client import (
@@ -257,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queue-wait", type=float, default=120.0)
     parser.add_argument("--out", default=str(RESULTS / "tenants.json"))
     args = parser.parse_args(argv)
-    redis_binary = shutil.which("redis-server")
-    if not redis_binary:
-        raise SystemExit("needs redis-server on the PATH (make system-deps)")
+    redis_binary = redis_server_binary()
     exit_on_sigterm()
     machine = cpu_info()
     started = time.time()
