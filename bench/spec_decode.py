@@ -1,14 +1,21 @@
-"""N-gram speculative decoding, on ÷ off, single stream, in one process on the bundled model.
+"""Speculative decoding, single stream: kvscale off, n-gram and suffix, and vLLM's CPU build, in one run.
 
-Two engines with the same flags but one with ``--speculative-config`` (n-gram) run the same
-input-grounded requests one at a time: chat prompts asking the model to repeat or lightly edit
-a passage given in the prompt (greedy, the same ``max_tokens``), the kind of output prompt lookup
-serves. They alternate in pairs (the order flips every pair, so drift in the machine's load falls
-on both sides), after one untimed pass each. Per pass: output tokens, engine steps, wall time,
-drafts and accepted tokens; summary: medians of tok/s, the paired ratio on ÷ off, acceptance, and
-whether the answers are token for token the same.
+Three engines in this process with the same flags, one without ``--speculative-config``, one
+with n-gram and one with suffix drafts, and vLLM's CPU build (bench/anchors/vllm_stream.py:
+kept alive in its own venv, without and with its own n-gram speculation; its suffix method is
+tried and its refusal recorded) run the same input-grounded requests one at a time: chat prompts
+asking the model to repeat or lightly edit a passage given in the prompt (the same token ids
+everywhere, greedy, the same ``max_tokens``), the kind of output prompt lookup serves. Each
+round runs one pass of every side, the order rotating each round (drift in the machine's load
+falls on all sides), after one untimed pass each. Per pass: output tokens, steps (kvscale),
+wall time, drafts and accepted tokens; summary: medians of tok/s, paired median ratios, the
+acceptance rates, and how many answers are token for token those of kvscale without speculation.
 
-    flock /tmp/kvscale-bench.lock python -m bench.spec_decode
+The suffix side runs with ``suffix_decoding_max_cached_requests`` 0 by default: every pass asks
+the same prompts again, so cached responses would be the answers themselves, a repetition no
+real workload promises.
+
+    /tmp/quiet python -m bench.spec_decode
 
 Writes bench/results/spec_decode.json (command, machine with CPU model and ISA flags, figures).
 """
@@ -46,6 +53,10 @@ ASKS = ["Repeat the following text exactly, word for word:\n\n{}",
         "Rewrite the following text, changing only the numbers to words where needed:\n\n{}"]
 
 
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+SUFFIX = '{"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_cached_requests": 0}'
+
+
 def prompts_of(tokenizer: Any) -> list[str]:
     return [tokenizer.apply_chat_template([{"role": "user", "content": ask.format(passage)}],
                                           add_generation_prompt=True, tokenize=False)
@@ -53,9 +64,10 @@ def prompts_of(tokenizer: Any) -> list[str]:
 
 
 def one_pass(engine: LLMEngine, prompts: list[str], max_tokens: int, tag: str) -> dict[str, Any]:
-    """Every prompt once, one at a time (single stream)."""
+    """Every prompt once, one at a time (single stream); the prompts' token ids too (vLLM's input)."""
     before = engine.get_stats().extra
     answers: list[list[int]] = []
+    prompt_ids: list[list[int]] = []
     steps = 0
     started = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -65,6 +77,7 @@ def one_pass(engine: LLMEngine, prompts: list[str], max_tokens: int, tag: str) -
             for output in engine.step():
                 if output.finished:
                     answers.append(output.outputs[0].token_ids)
+                    prompt_ids.append(output.prompt_token_ids)
     seconds = time.perf_counter() - started
     after = engine.get_stats().extra
     tokens = sum(len(a) for a in answers)
@@ -74,54 +87,97 @@ def one_pass(engine: LLMEngine, prompts: list[str], max_tokens: int, tag: str) -
 
     return {"seconds": seconds, "output_tokens": tokens, "steps": steps, "tok_s": tokens / seconds,
             "draft_tokens": delta("spec_decode_num_draft_tokens_total"),
-            "accepted_tokens": delta("spec_decode_num_accepted_tokens_total"), "answers": answers}
+            "accepted_tokens": delta("spec_decode_num_accepted_tokens_total"), "answers": answers,
+            "prompt_ids": prompt_ids}
+
+
+def paired(passes: dict[str, list[dict]], top: str, bottom: str) -> dict[str, float]:
+    ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(passes[top], passes[bottom], strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 3, "prompt_lookup_min": 1}')
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ngram-config", default=NGRAM, help="the n-gram sides' --speculative-config")
+    parser.add_argument("--suffix-config", default=SUFFIX, help="kvscale's suffix side's --speculative-config")
+    parser.add_argument("--no-vllm", action="store_true", help="kvscale's sides only")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (vLLM: cores)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     started_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_start = os.getloadavg()
-    spec = SpeculativeConfig.from_json(args.speculative_config)
-    engines = {True: LLMEngine(EngineConfig(**ENGINE, speculative_config=spec)), False: LLMEngine(EngineConfig(**ENGINE))}
-    prompts = prompts_of(engines[True].tokenizer)
-    for on, engine in engines.items():  # untimed: first-use costs, prompts prefix-cached
-        one_pass(engine, prompts, args.max_tokens, f"warm{int(on)}")
-    passes: dict[str, list[dict]] = {"on": [], "off": []}
-    for pair in range(args.pairs):
-        for on in ((True, False) if pair % 2 == 0 else (False, True)):
-            side = "on" if on else "off"
-            result = one_pass(engines[on], prompts, args.max_tokens, f"p{pair}{side}")
-            passes[side].append(result)
-            print(f"pair {pair} {side}: {result['tok_s']:.1f} tok/s, {result['steps']} steps, "
-                  f"{result['accepted_tokens']:.0f}/{result['draft_tokens']:.0f} drafts accepted", flush=True)
-    on_answers, off_answers = passes["on"][0]["answers"], passes["off"][0]["answers"]
-    ratios = [a["tok_s"] / b["tok_s"] for a, b in zip(passes["on"], passes["off"], strict=True)]
-    first_on = passes["on"][0]
-    summary = {
-        "requests": len(prompts),
-        "answers_token_identical": sum(a == b for a, b in zip(on_answers, off_answers, strict=True)),
-        "output_tokens": first_on["output_tokens"],
-        "tok_s_on_median": statistics.median(p["tok_s"] for p in passes["on"]),
-        "tok_s_off_median": statistics.median(p["tok_s"] for p in passes["off"]),
-        "tok_s_ratio_paired_median": statistics.median(ratios),
-        "tok_s_ratio_paired_min": min(ratios),
-        "tok_s_ratio_paired_max": max(ratios),
-        "acceptance_rate": first_on["accepted_tokens"] / max(first_on["draft_tokens"], 1.0),
-        "steps_on": first_on["steps"], "steps_off": passes["off"][0]["steps"],
-    }
+    engines = {"kvscale_off": LLMEngine(EngineConfig(**ENGINE)),
+               "kvscale_ngram": LLMEngine(EngineConfig(**ENGINE, speculative_config=SpeculativeConfig.from_json(
+                   args.ngram_config))),
+               "kvscale_suffix": LLMEngine(EngineConfig(**ENGINE, speculative_config=SpeculativeConfig.from_json(
+                   args.suffix_config)))}
+    prompts = prompts_of(engines["kvscale_off"].tokenizer)
+    vllm: dict[str, Any] = {}
+    vllm_refused: dict[str, str] = {}
+    vllm_info: dict[str, Any] = {}
+    if not args.no_vllm:
+        from bench.anchors.vllm_stream import VllmStream
+
+        for side, config in (("vllm_suffix", {"method": "suffix", "num_speculative_tokens": 8}),
+                             ("vllm_off", None), ("vllm_ngram", json.loads(args.ngram_config))):
+            stream = VllmStream(threads=args.threads, speculative_config=config, max_model_len=ENGINE["max_model_len"])
+            if stream.refused is not None:
+                vllm_refused[side] = stream.refused
+                print(f"{side}: vLLM refused it: {stream.refused[:300]}", flush=True)
+            else:
+                vllm[side], vllm_info[side] = stream, stream.info
+
+    prompt_ids: list[list[int]] = []
+
+    def run(side: str, tag: str) -> dict[str, Any]:
+        if side in engines:
+            result = one_pass(engines[side], prompts, args.max_tokens, tag)
+            prompt_ids[:] = result.pop("prompt_ids")
+            return result
+        return vllm[side].run_pass(prompt_ids, args.max_tokens)
+
+    sides = [*engines, *vllm]
+    try:
+        for side in sides:  # untimed: first-use costs, prompts prefix-cached
+            run(side, f"warm-{side}")
+        passes: dict[str, list[dict]] = {side: [] for side in sides}
+        for round_ in range(args.rounds):
+            for side in sides[round_ % len(sides):] + sides[:round_ % len(sides)]:
+                result = run(side, f"r{round_}-{side}")
+                passes[side].append(result)
+                print(f"round {round_} {side}: {result['tok_s']:.1f} tok/s, {result.get('steps', '-')} steps, "
+                      f"{result['accepted_tokens']:.0f}/{result['draft_tokens']:.0f} drafts accepted", flush=True)
+    finally:
+        for stream in vllm.values():
+            stream.close()
+    reference = passes["kvscale_off"][0]["answers"]
+    summary: dict[str, Any] = {"requests": len(prompts), "output_tokens": passes["kvscale_off"][0]["output_tokens"]}
+    for side in sides:
+        first = passes[side][0]
+        summary[side] = {
+            "tok_s_median": statistics.median(p["tok_s"] for p in passes[side]),
+            "output_tokens": first["output_tokens"], "steps": first.get("steps"),
+            "acceptance_rate": first["accepted_tokens"] / max(first["draft_tokens"], 1.0),
+            "draft_tokens": first["draft_tokens"],
+            "answers_token_identical_to_kvscale_off": sum(
+                a == b for a, b in zip(first["answers"], reference, strict=True)),
+        }
+    ratios = {f"{top}/{bottom}": paired(passes, top, bottom)
+              for top, bottom in (("kvscale_ngram", "kvscale_off"), ("kvscale_suffix", "kvscale_off"),
+                                  ("kvscale_ngram", "vllm_off"), ("kvscale_suffix", "vllm_off"),
+                                  ("kvscale_ngram", "vllm_ngram"), ("kvscale_suffix", "vllm_ngram"),
+                                  ("vllm_ngram", "vllm_off"), ("kvscale_off", "vllm_off"))
+              if top in passes and bottom in passes}
+    summary["tok_s_ratio_paired"] = ratios
+    summary["vllm_refused"] = vllm_refused
     for side_passes in passes.values():
         for p in side_passes:
             p.pop("answers")
-    print(json.dumps(summary), flush=True)
+    print(json.dumps(summary, indent=1), flush=True)
     result = {
         "benchmark": "spec_decode",
         "command": " ".join(["python -m bench.spec_decode", *sys.argv[1:]]),
@@ -129,6 +185,7 @@ def main() -> None:
         "machine": {**machine(), "cpu": cpu_isa(), "torch_threads": torch.get_num_threads(),
                     "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()},
         "flags": {**vars(args), "engine": ENGINE},
+        "vllm": vllm_info,
         "summary": summary,
         "passes": passes,
     }

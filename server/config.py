@@ -78,54 +78,89 @@ class StructuredOutputsConfig:
 # The longest draft a step verifies: its chunk then still attends as one-token rows
 # (server/worker/model_runner.py, MAX_DECODE_ROWS_CHUNK), the decode kernel's own numerics.
 MAX_SPECULATIVE_TOKENS = 16
+# Suffix decoding's bounds (server/core/suffix_tree.py): the trie's depth, the responses it caches
+# (vLLM's default, 10000, is the largest) and its nodes, whatever the responses' lengths.
+MAX_SUFFIX_TREE_DEPTH = 64
+MAX_SUFFIX_CACHED_REQUESTS = 10000
+SUFFIX_TREE_MAX_NODES = 1 << 18
+MAX_SUFFIX_SPEC_FACTOR = 64.0
+_NGRAM_KEYS = {"prompt_lookup_max", "prompt_lookup_min"}
+_SUFFIX_KEYS = {"suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """``--speculative-config`` (vLLM's flag and JSON keys): n-gram (prompt lookup) drafts only,
-    verified by the target model itself (server/core/ngram_proposer.py, server/engine/spec_step.py).
-    ``prompt_lookup_min``/``_max``: the n-gram lengths matched, longest first (one given sets the
-    other; neither: 5 each). ``disable_by_batch_size``: steps with more decoding sequences than
-    this decode normally (server/core/spec_decode.py)."""
+    """``--speculative-config`` (vLLM's flag and JSON keys): drafts without a draft model, verified
+    by the target model itself (server/engine/spec_step.py). ``"ngram"``: prompt lookup
+    (server/core/ngram_proposer.py); ``prompt_lookup_min``/``_max``: the n-gram lengths matched,
+    longest first (one given sets the other; neither: 5 each). ``"suffix"``: suffix decoding
+    (server/core/suffix_proposer.py) with vLLM's ``suffix_decoding_*`` keys and defaults;
+    ``num_speculative_tokens`` is then the most a step drafts (omitted: the tree depth, at most
+    16). ``disable_by_batch_size``: steps with more decoding sequences than this decode normally
+    (server/core/spec_decode.py)."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     disable_by_batch_size: int = 4
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in ("ngram", "suffix"):
             raise ValueError(f"speculative method {self.method!r} is not implemented: only \"ngram\" "
-                             "(prompt lookup, no draft model) is")
+                             "(prompt lookup) and \"suffix\" (suffix decoding), no draft model, are")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max")
         if self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be at least 1")
+        if not 2 <= self.suffix_decoding_max_tree_depth <= MAX_SUFFIX_TREE_DEPTH:
+            raise ValueError(f"suffix_decoding_max_tree_depth must be in [2, {MAX_SUFFIX_TREE_DEPTH}]")
+        if not 0 <= self.suffix_decoding_max_cached_requests <= MAX_SUFFIX_CACHED_REQUESTS:
+            raise ValueError(f"suffix_decoding_max_cached_requests must be in [0, {MAX_SUFFIX_CACHED_REQUESTS}]")
+        if not 0 < self.suffix_decoding_max_spec_factor <= MAX_SUFFIX_SPEC_FACTOR:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be in (0, {MAX_SUFFIX_SPEC_FACTOR:g}]")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
-        """The flag's JSON; unknown keys, a draft model, a missing method or token count are refused."""
+        """The flag's JSON; unknown keys, keys of the other method, a draft model, a missing method
+        or (for n-gram) token count are refused."""
         from kvscale.server.json_object import parse_json_object
 
         raw = parse_json_object(text)
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"}
-        unknown = sorted(set(raw) - known)
+        method = raw.get("method")
+        own_keys = _SUFFIX_KEYS if method == "suffix" else _NGRAM_KEYS
+        unknown = sorted(set(raw) - own_keys - {"method", "num_speculative_tokens", "disable_by_batch_size"})
         if unknown:
-            raise ValueError(f"--speculative-config keys not supported: {', '.join(unknown)} "
-                             "(only n-gram speculation, no draft model, is implemented)")
-        if raw.get("method") is None or raw.get("num_speculative_tokens") is None:
-            raise ValueError('--speculative-config needs "method" and "num_speculative_tokens"')
-        low, high = raw.pop("prompt_lookup_min", None), raw.pop("prompt_lookup_max", None)
-        if low is None and high is None:
-            low = high = 5
-        values = {**raw, "prompt_lookup_min": high if low is None else low,
-                  "prompt_lookup_max": low if high is None else high}
-        if not all(isinstance(v, int) and not isinstance(v, bool) for k, v in values.items() if k != "method"):
-            raise ValueError("--speculative-config's numbers must be integers")
+            raise ValueError(f"--speculative-config keys not supported with method {method!r}: {', '.join(unknown)} "
+                             "(only n-gram and suffix speculation, no draft model, are implemented)")
+        if method is None or (method != "suffix" and raw.get("num_speculative_tokens") is None):
+            raise ValueError('--speculative-config needs "method" and (but for "suffix") "num_speculative_tokens"')
+        values = dict(raw)
+        if method == "suffix":
+            depth = raw.get("suffix_decoding_max_tree_depth", 24)
+            if raw.get("num_speculative_tokens") is None and isinstance(depth, int):
+                values["num_speculative_tokens"] = min(depth, MAX_SPECULATIVE_TOKENS)
+        else:
+            low, high = values.pop("prompt_lookup_min", None), values.pop("prompt_lookup_max", None)
+            if low is None and high is None:
+                low = high = 5
+            values |= {"prompt_lookup_min": high if low is None else low,
+                       "prompt_lookup_max": low if high is None else high}
+        reals = {"suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}
+        for key, value in values.items():
+            real = key in reals and isinstance(value, float)
+            if key != "method" and (isinstance(value, bool) or not (isinstance(value, int) or real)):
+                raise ValueError(f"--speculative-config's {key} must be a number" if key in reals
+                                 else f"--speculative-config's {key} must be an integer")
         return cls(**values)
 
 

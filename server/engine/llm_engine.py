@@ -138,6 +138,8 @@ class LLMEngine:
         self.requests.pop(request.request_id, None)
         self.sync_request_ids.discard(request.request_id)
         self.structured.release(request)
+        if self.spec is not None:
+            self.spec.forget(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

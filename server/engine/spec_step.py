@@ -1,8 +1,10 @@
-"""Speculative decoding in the step loop (``--speculative-config``, n-gram drafts; docs/server.md
-"Speculative decoding").
+"""Speculative decoding in the step loop (``--speculative-config``, n-gram or suffix drafts;
+docs/server.md "Speculative decoding").
 
 After the scheduler has given each decoding sequence its one token, ``attach`` lengthens the
-chunk of each sequence speculation serves by its drafts (server/core/ngram_proposer.py), within
+chunk of each sequence speculation serves by its drafts (server/core/ngram_proposer.py or
+server/core/suffix_proposer.py; with suffix decoding, ``forget`` caches each request's output as
+it leaves, for later requests' drafts), within
 the step's spare token budget and only into free blocks (a draft never preempts anything). The
 drafts sit at the end of ``token_ids`` for the forward only: the scheduler registered the
 sequence's full blocks before they were added, so no block holding a draft is ever hashed,
@@ -23,14 +25,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvscale.server.config import EngineConfig, SpeculativeConfig
+from kvscale.server.config import SUFFIX_TREE_MAX_NODES, EngineConfig, SpeculativeConfig
 from kvscale.server.core.async_scheduling import can_overlap
 from kvscale.server.core.block_pool import blocks_for
 from kvscale.server.core.kv_cache_manager import KVCacheManager
 from kvscale.server.core.ngram_proposer import propose_ngram
 from kvscale.server.core.scheduler import SchedulerOutput
-from kvscale.server.core.sequence import Sequence, SequenceStatus
+from kvscale.server.core.sequence import Request, Sequence, SequenceStatus
 from kvscale.server.core.spec_decode import num_accepted, speculate_this_step
+from kvscale.server.core.suffix_proposer import propose_suffix
+from kvscale.server.core.suffix_tree import ResponseSuffixTree
 from kvscale.server.worker.sampler import greedy_tokens
 
 
@@ -45,6 +49,11 @@ class SpecDecoder:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # Suffix decoding's cache of earlier responses (None for n-gram, or with caching off).
+        self.responses: ResponseSuffixTree | None = None
+        if config.method == "suffix" and config.suffix_decoding_max_cached_requests > 0:
+            self.responses = ResponseSuffixTree(config.suffix_decoding_max_tree_depth,
+                                                config.suffix_decoding_max_cached_requests, SUFFIX_TREE_MAX_NODES)
 
     @classmethod
     def for_engine(cls, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> SpecDecoder | None:
@@ -73,8 +82,7 @@ class SpecDecoder:
                 # context length would be computed only to be cut.
                 room = min(config.num_speculative_tokens, spare, self.max_model_len - seq.num_tokens,
                            seq.request.max_tokens - seq.num_output_tokens - 1)
-                drafts = propose_ngram(seq.token_ids, room, config.prompt_lookup_min,
-                                       config.prompt_lookup_max) if room > 0 else []
+                drafts = self.propose(seq.token_ids, room) if room > 0 else []
                 if drafts and self.kv.allocate_if_room(seq, 1 + len(drafts)):
                     drafted.drafts[seq] = drafts
                     drafted.rows.extend(range(row, row + len(drafts)))
@@ -83,6 +91,19 @@ class SpecDecoder:
                     spare -= len(drafts)
             row += item.num_new_tokens
         return drafted if drafted.drafts else None
+
+    def propose(self, tokens: list[int], room: int) -> list[int]:
+        config = self.config
+        if config.method == "suffix":
+            return propose_suffix(tokens, self.responses, room, config.suffix_decoding_max_tree_depth,
+                                  config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+        return propose_ngram(tokens, room, config.prompt_lookup_min, config.prompt_lookup_max)
+
+    def forget(self, request: Request) -> None:
+        """A request leaves the engine: its outputs join the cached responses (suffix decoding)."""
+        if self.responses is not None:
+            for seq in request.seqs:
+                self.responses.add(seq.token_ids[seq.num_prompt_tokens:])
 
     def extra_stats(self) -> dict[str, float]:
         return {"spec_decode_num_drafts_total": float(self.num_drafts),

@@ -60,9 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "heads; not gemma3_text or gpt_oss, --quantization or the host KV tier yet "
                             "(default 1; docs/engine.md)")
     model.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
-                       help='n-gram (prompt lookup) speculative decoding, vLLM\'s JSON: {"method": "ngram", '
-                            '"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}; '
-                            "other methods (a draft model) are refused (docs/server.md)")
+                       help='speculative decoding without a draft model, vLLM\'s JSON: n-gram (prompt lookup) '
+                            '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
+                            '"prompt_lookup_min": M} or suffix decoding {"method": "suffix", '
+                            '"suffix_decoding_max_tree_depth": D, ...}; other methods (a draft model) are '
+                            "refused (docs/server.md)")
     model.add_argument("--enforce-eager", action="store_true", default=None,
                        help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
     model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

@@ -38,8 +38,11 @@ def test_speculative_config_takes_ngram_and_refuses_other_methods_by_name(capsys
         {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2})])
     assert (args.speculative_config.num_speculative_tokens, args.speculative_config.prompt_lookup_max,
             args.speculative_config.prompt_lookup_min) == (3, 4, 2)
+    suffix = build_parser("serve").parse_args(["serve", "--speculative-config", '{"method": "suffix"}'])
+    assert suffix.speculative_config.method == "suffix"
     draft_model = {"method": "eagle", "model": "some/draft", "num_speculative_tokens": 3}
-    for refused in (draft_model, {"method": "eagle", "num_speculative_tokens": 3}, {"method": "ngram"}):
+    for refused in (draft_model, {"method": "eagle", "num_speculative_tokens": 3}, {"method": "ngram"},
+                    {"method": "suffix", "suffix_decoding_max_tree_depth": 100}):
         with pytest.raises(SystemExit) as exit_info:
             build_parser("serve").parse_args(["serve", "--speculative-config", json.dumps(refused)])
         assert exit_info.value.code == 2
