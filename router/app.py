@@ -90,7 +90,9 @@ class Router:
             self.activation = holding.Activation(
                 holding.HoldLimits(config.hold_timeout_s, config.hold_queue), self.metrics, wake)
             self.forwarder.draining_is_failure = True
-        self.queue = FairQueue(config.max_queue_wait_s, self.metrics, shared=self.tenancy.counters) if config.max_queue_wait_s else None
+        self.queue = (FairQueue(config.max_queue_wait_s, self.metrics, shared=self.tenancy.counters,
+                                replicas_preempt=config.scheduling_policy == "priority")
+                      if config.max_queue_wait_s else None)
         self._watch: EndpointSliceWatch | None = None
         self._sync_task: asyncio.Task[None] | None = None
         self.drain = Drain()  # flipped by SIGTERM (kvscale.drain.serve)

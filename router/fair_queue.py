@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +26,7 @@ from starlette.responses import Response
 from kvscale.fair_share_schema import LAST_SERVED, NO_FLOOR, Floor
 from kvscale.router import fair_share
 from kvscale.router import rate_limits as rules
+from kvscale.router.band_preemption import may_preempt
 from kvscale.router.client_watch import CLIENT_GONE, disconnect_of
 from kvscale.router.errors import openai_error
 from kvscale.router.heartbeats import HeartbeatTable
@@ -106,6 +107,7 @@ class Turn:
         if self._queue is None or self._done:
             return
         self._done = True
+        self._queue.closed(self._key)
         delta = rules.settlement(self.cost, rules.usage_tokens(tail), status)
         self._queue.charge(self.tenant, delta, self.weight)
         self._queue.dispatch()
@@ -158,7 +160,8 @@ async def queued_turn(queue: FairQueue | None, request: Request, endpoint: str,
 
 class FairQueue:
     def __init__(self, max_wait_s: float, metrics: RouterMetrics | None = None,
-                 max_waiting: int = MAX_WAITING, shared: SharedCounters | None = None) -> None:
+                 max_waiting: int = MAX_WAITING, shared: SharedCounters | None = None,
+                 replicas_preempt: bool = False) -> None:
         self.max_wait_s = max_wait_s
         self.metrics = metrics
         self.shared = shared
@@ -175,6 +178,13 @@ class FairQueue:
         # While requests wait, dispatch runs every TICK_S too: the heartbeats may show room that
         # another router's requests, or the replicas' own steps, left.
         self._tick: asyncio.TimerHandle | None = None
+        # The replicas run --scheduling-policy priority: a more urgent request is let through
+        # without room while less urgent ones are open (band_preemption.py). Open requests, by
+        # key: (band, let through without room), and their counts.
+        self.replicas_preempt = replicas_preempt
+        self.opened: dict[int, tuple[int, bool]] = {}
+        self.open_by_band: Counter[int] = Counter()
+        self.open_without_room = 0
 
     def charge(self, tenant: str, tokens: int, weight: float, floor: Floor = NO_FLOOR,
                served: bool = False) -> None:
@@ -200,13 +210,27 @@ class FairQueue:
             self.last_served = last_served
 
     def _let_through(self, tenant: str, weight: float, cost: int,
-                     floor: Floor = NO_FLOOR) -> int:
-        """Charge it and count it unsent; its key."""
+                     floor: Floor = NO_FLOOR, band: int = 0, without_room: bool = False) -> int:
+        """Charge it and count it unsent (and open, by band); its key."""
         self._last_tenant = tenant
         self.charge(tenant, cost, weight, floor, served=True)
         self._keys += 1
         self.unsent[self._keys] = time.monotonic()
+        if self.replicas_preempt:
+            self.opened[self._keys] = (band, without_room)
+            self.open_by_band[band] += 1
+            self.open_without_room += without_room
         return self._keys
+
+    def closed(self, key: int) -> None:
+        """The request let through as ``key`` ended."""
+        band, without_room = self.opened.pop(key, (None, False))
+        if band is not None:
+            self.open_by_band[band] -= 1
+            self.open_without_room -= without_room
+
+    def _preempts(self, band: int) -> bool:
+        return self.replicas_preempt and may_preempt(band, self.open_by_band, self.open_without_room)
 
     def _has_room(self, room: Callable[[], int | None]) -> bool:
         cutoff = time.monotonic() - UNSENT_TTL_S
@@ -230,7 +254,9 @@ class FairQueue:
             # The shared counter is lifted alike, by the fleet's counters of the same tenants.
             floor = list(self.queues) if waiting else LAST_SERVED
         if not self.queues and self._has_room(room):
-            return Turn(self, self._let_through(tenant, weight, cost, floor), tenant, weight, cost)
+            return Turn(self, self._let_through(tenant, weight, cost, floor, band), tenant, weight, cost)
+        if not self.queues and self._preempts(band):
+            return Turn(self, self._let_through(tenant, weight, cost, floor, band, True), tenant, weight, cost)
         if self.waiting >= self.max_waiting:
             self._waited("full", 0.0, tenant)
             return self._refusal(f"{self.waiting} requests wait in the router's queue, its limit")
@@ -282,9 +308,11 @@ class FairQueue:
             heads = {t: (q[0].band, q[0].arrival) for t, q in self.queues.items()}
             for tenant in fair_share.dispatch_order(heads, self.counters):
                 waiter = self.queues[tenant][0]
-                if self._has_room(waiter.room):
+                room = self._has_room(waiter.room)
+                if room or self._preempts(waiter.band):
                     self._remove(waiter)
-                    waiter.released.set_result(self._let_through(tenant, waiter.weight, waiter.cost))
+                    waiter.released.set_result(self._let_through(tenant, waiter.weight, waiter.cost,
+                                                                 band=waiter.band, without_room=not room))
                     break
             else:
                 break

@@ -9,9 +9,9 @@ fcfs one. A preempted sequence of a larger value does not go before a waiting on
 the newcomer takes the blocks it gave up, which is the point of the policy.
 
 The preemption victim is the running sequence with the largest (priority, arrival) (vLLM v1's
-rule), where fcfs preempts the newest. Like vLLM v1, a waiting sequence never preempts a running
-one: a high-priority request is admitted first when blocks free up, and the low-priority ones are
-the first to give theirs back when the running batch grows (docs/engine.md, "Priority scheduling").
+rule), where fcfs preempts the newest: the low-priority ones are the first to give their blocks
+back when the running batch grows. A more urgent waiting sequence that lacks a slot or blocks
+also preempts (arrival_preemption.py; docs/engine.md, "Priority scheduling").
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ Policy (one step):
 Under ``--scheduling-policy priority`` (priority_order.py) the running sequences are kept in
 (priority, arrival) order, the preemption victim is the one with the largest key rather than the
 newest, and waiting sequences are tried by priority level first, the fcfs order within a level.
+Before step 1 there, a waiting sequence that lacks a slot or blocks preempts a running one of a
+strictly larger priority value (arrival_preemption.py), so a more urgent arrival does not wait
+for a less urgent request to end.
 Blocks become findable by hash when they are scheduled, not when they are computed, so requests
 arriving together with a common prefix compute it once (see KVCacheManager.register_full_blocks).
 Admission control guarantees any single sequence fits the whole pool, so the oldest running
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 
 from kvscale.server.config import SCHEDULING_POLICIES
 from kvscale.server.core.admission_order import admission_order
+from kvscale.server.core.arrival_preemption import arrival_victim, lacks_room
 from kvscale.server.core.kv_cache_manager import KVCacheManager
 from kvscale.server.core.kv_tier_policy import (
     blocks_to_demote_ahead,
@@ -114,6 +118,9 @@ class Scheduler:
             # their KV is computed: freeing them now would publish empty blocks).
             self.running.sort(key=_priority_key)
 
+        if priority and self.waiting and self.running:
+            self._preempt_for_arrivals(out)
+        growth_preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -123,6 +130,7 @@ class Scheduler:
                     preemption_victim([_priority_key(s) for s in self.running]) if priority else -1)
                 self._preempt(victim)
                 out.preempted.append(victim)
+                growth_preempted = True
                 if victim is seq:
                     break
             else:
@@ -133,7 +141,7 @@ class Scheduler:
                 continue
             break  # the current sequence preempted itself: it was the newest
 
-        if out.preempted:
+        if growth_preempted:
             self._demote_ahead()
             return out
         if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -187,6 +195,63 @@ class Scheduler:
         if admitted:  # the rest keep their order
             self.waiting.clear()
             self.waiting.extend(seq for seq in waiting if seq.status == SequenceStatus.WAITING)
+
+    def _preempt_for_arrivals(self, out: SchedulerOutput) -> None:
+        """Waiting sequences, in admission order, each preempting running ones of a strictly larger
+        priority value while it lacks a slot or blocks (arrival_preemption.py). Done before the
+        running sequences are scheduled: a victim's blocks then hold only computed KV (a block is
+        findable by hash from the step that schedules it). The room counted is what is left after
+        the running sequences' growth this step and the earlier waiting ones' needs; admission
+        then takes the waiting ones in the same order."""
+        most_urgent = min(seq.request.priority for seq in self.waiting)
+        if most_urgent >= max(seq.request.priority for seq in self.running):
+            return  # the common case: nothing waiting is more urgent than what runs
+        kv = self.kv
+        budget = self.max_num_batched_tokens
+        growth: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens, blocks) it takes this step
+        for seq in self.running:  # sorted by key, as the running loop takes them
+            num_new = tokens_to_schedule(seq, budget)
+            budget -= num_new
+            growth[seq.seq_id] = (num_new, kv.num_blocks_needed(seq, num_new) if num_new else 0)
+        waiting = list(self.waiting)
+        num_resuming = 0
+        while num_resuming < len(waiting) and waiting[num_resuming].preempted:
+            num_resuming += 1
+        order = priority_admission_order([seq.request.priority for seq in waiting],
+                                         [seq.request.group for seq in waiting], num_resuming,
+                                         [seq.request.tenant for seq in waiting],
+                                         Counter(seq.request.tenant for seq in self.running))
+        slots = self.max_num_seqs - len(self.running)
+        reserved = sum(blocks for _, blocks in growth.values())
+        adapters = {seq.request.lora_name for seq in self.running} - {None}
+        for index in order:
+            seq = waiting[index]
+            if (budget <= 0 or not self.running
+                    or seq.request.priority >= max(s.request.priority for s in self.running)):
+                return  # no victim for this one, nor for any after it (the levels ascend)
+            adapter = seq.request.lora_name
+            if adapter is not None and adapter not in adapters and len(adapters) >= self.max_loras:
+                continue  # admission passes it over too: preempting for it would only thrash
+            while True:
+                cached = kv.find_cached_prefix(seq) if not seq.block_table else []
+                num_computed = len(cached) * kv.block_size if cached else seq.num_computed_tokens
+                num_new = tokens_to_schedule(seq, budget, num_computed)
+                needed = kv.num_blocks_needed(seq, num_new, cached)
+                if not lacks_room(slots, kv.pool.num_free_blocks - reserved, needed):
+                    break
+                at = arrival_victim(seq.request.priority, [_priority_key(s) for s in self.running])
+                if at is None:
+                    return  # admission stops at this one too: nothing after it is tried
+                victim = self.running.pop(at)
+                tokens, blocks = growth.pop(victim.seq_id, (0, 0))
+                budget += tokens
+                reserved -= blocks
+                self._preempt(victim)
+                out.preempted.append(victim)
+                slots += 1
+            slots -= 1
+            reserved += needed
+            budget -= num_new
 
     def _demote_ahead(self) -> None:
         """Write-back at the watermark: keep some fresh tier-1 blocks by demoting LRU cached ones."""

@@ -108,6 +108,49 @@ def test_fcfs_preempts_the_newest_whatever_the_priority():
     assert preempted[0] == "mid"
 
 
+def full_batch(policy: str, late_priority: int) -> tuple[list[str], list[str]]:
+    """Two slots, both held by long low-priority requests (5); a third arrives a step later with
+    room for its blocks but no slot. Returns the admission and preemption orders."""
+    kv = KVCacheManager(BlockPool(64, BS, False), False)
+    scheduler = Scheduler(kv, 2, 64, policy=policy)
+    for name in ("low-a", "low-b"):
+        scheduler.add(make_seq(name, 8, 5, max_tokens=20))
+    return run(scheduler, kv, late=make_seq("late", 8, late_priority, max_tokens=4))
+
+
+def test_a_more_urgent_arrival_takes_a_slot_from_the_least_urgent_running_one():
+    admitted, preempted = full_batch("priority", 0)
+    # At once, not after low-a or low-b has run its 20 tokens: low-b (the later of the two
+    # least urgent) gives its slot back and comes back when the urgent one ends.
+    assert admitted == ["low-a", "low-b", "late", "low-b"]
+    assert preempted == ["low-b"]
+
+
+def test_an_equally_urgent_arrival_waits_for_a_slot():
+    admitted, preempted = full_batch("priority", 5)
+    assert admitted == ["low-a", "low-b", "late"] and preempted == []
+    admitted, preempted = full_batch("fcfs", 0)  # fcfs never preempts for a waiting one
+    assert admitted == ["low-a", "low-b", "late"] and preempted == []
+
+
+def test_a_more_urgent_arrival_takes_the_blocks_running_ones_would_grow_into():
+    # 8 blocks of 4: two 12-token prompts hold 3 each, and their next tokens need a 4th each.
+    kv = KVCacheManager(BlockPool(8, BS, False), False)
+    scheduler = Scheduler(kv, 8, 64, policy="priority")
+    lows = [make_seq(name, 12, 5, max_tokens=20) for name in ("low-a", "low-b")]
+    for seq in lows:
+        scheduler.add(seq)
+    for item in scheduler.schedule().scheduled:
+        item.seq.num_computed_tokens += item.num_new_tokens
+        item.seq.token_ids.append(7)
+    scheduler.add(make_seq("urgent", 8, 0))
+    out = scheduler.schedule()
+    # Without preemption on arrival both lows would grow into the last two blocks and the
+    # urgent one would wait for a running one to give blocks back.
+    assert [item.seq.request.request_id for item in out.scheduled] == ["low-a", "urgent"]
+    assert out.preempted == [lows[1]]
+
+
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="fcfs, priority"):
         Scheduler(KVCacheManager(BlockPool(4, BS, False), False), 8, 64, policy="lifo")

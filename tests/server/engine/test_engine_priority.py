@@ -90,10 +90,11 @@ def test_the_least_urgent_is_preempted_and_the_urgent_one_goes_first(tiny_llama:
 
     tokens, admitted, preempted = scenario(engine_of(tiny_llama, "priority"))
     assert tokens == alone
-    # fcfs would preempt busy, the newest; priority preempts lazy (5), the least urgent, and
-    # admits urgent (0) before lazy comes back.
+    # fcfs would preempt busy, the newest; priority preempts lazy (5), the least urgent, as
+    # soon as urgent (0) arrives and finds no slot; busy (3) then gives its blocks to urgent's
+    # growth, and both come back after it, the more urgent first.
     assert preempted[0] == "lazy" and "urgent" not in preempted
-    assert admitted == ["busy", "lazy", "urgent", "lazy"]
+    assert admitted == ["busy", "lazy", "urgent", "busy", "lazy"]
 
     tokens, admitted, preempted = scenario(engine_of(tiny_llama, "fcfs"))
     assert tokens == alone
