@@ -63,6 +63,7 @@ class HostileStats:
     bombs: list[dict] = field(default_factory=list)  # hostile_payloads.bomb_outcome, one per bomb
     bombs_given_up_at_end: list[float] = field(default_factory=list)  # seconds each had run
     bomb_in_flight_since: float | None = None  # time.monotonic() of the bomb now open
+    bomb_spans: list[tuple[float, float]] = field(default_factory=list)  # each bomb's (sent, ended), monotonic
     cancelled_at_end: bool = False  # requests still open after the grace were given up
     loop_errors: list[str] = field(default_factory=list)  # a client that crashed stopped counting
 
@@ -208,6 +209,7 @@ def bomb(sequences: int, pause_s: float, deadline_s: float) -> Loop:
                     raise
                 finally:
                     stats.bomb_in_flight_since = None
+                    stats.bomb_spans.append((started, time.monotonic()))
                 seconds = time.monotonic() - started
                 stats.statuses["bomb"][status or 0] += 1
                 stats.bomb_s.append(seconds)

@@ -43,6 +43,14 @@ if __package__ in (None, ""):
     # Run as a file (`python bench/soak.py`, as above and in tests/router): its siblings import as bench.*.
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
+from bench.soak_breakdown import (  # noqa: E402
+    cpu_seconds,
+    cpu_share,
+    lag_summary,
+    platform_pids,
+    ttft_by_bomb,
+    with_loop_lag,
+)
 from bench.soak_client import Outcome, load  # noqa: E402
 from bench.soak_faults import Fault, chaos  # noqa: E402
 from bench.soak_platform import ROUTERS, Platform  # noqa: E402
@@ -84,9 +92,14 @@ def hostile_main(args: argparse.Namespace) -> int:
         names = [*platform_.names, *ROUTERS]
         rss_start = {n: platform_.rss_mib(n) for n in names}
         alone: list[Outcome] = []
+        pids = platform_pids({**platform_.replicas, **platform_.routers,
+                              **({"redis": platform_.redis} if platform_.redis else {})})
+        lags: dict[str, list[float]] = {"alone": [], "beside_hostile": []}
+        cpu_before = cpu_seconds(pids)
         started = time.monotonic()
-        asyncio.run(load(platform_, args.requests, args.concurrency, args.seed, alone))
+        asyncio.run(with_loop_lag(load(platform_, args.requests, args.concurrency, args.seed, alone), lags["alone"]))
         alone_s = time.monotonic() - started
+        cpu_alone = cpu_share(cpu_before, cpu_seconds(pids), alone_s)
         stats = HostileStats()
         beside: list[Outcome] = []
 
@@ -106,7 +119,12 @@ def hostile_main(args: argparse.Namespace) -> int:
                                                       bomb_deadline_s=args.bomb_deadline_s))
             reporter = asyncio.create_task(progress(stop))
             await asyncio.sleep(5)  # the hostile clients under way before the honest load starts
-            await load(platform_, args.requests, args.concurrency, args.seed, beside)
+            cpu_at_start = cpu_seconds(pids)
+            honest_started = time.monotonic()
+            await with_loop_lag(load(platform_, args.requests, args.concurrency, args.seed, beside),
+                                lags["beside_hostile"])
+            # Over the honest requests' own span: the bombs' tail after it is not what they met.
+            cpu_beside.update(cpu_share(cpu_at_start, cpu_seconds(pids), time.monotonic() - honest_started))
             stop.set()
             # What the hostile clients still have open after a short grace (a slow-loris upload
             # before its 408) is given up, as a client leaving would, and not counted: waiting
@@ -124,6 +142,7 @@ def hostile_main(args: argparse.Namespace) -> int:
                     await hostile
             reporter.cancel()
 
+        cpu_beside: dict[str, float] = {}
         started = time.monotonic()
         asyncio.run(both())
         beside_s = time.monotonic() - started
@@ -142,6 +161,11 @@ def hostile_main(args: argparse.Namespace) -> int:
             "honest_beside_hostile": {**honest_beside, "wall_s": round(beside_s, 1)},
             "ttft_p90_ratio": round(p90_beside / p90_alone, 2) if p90_alone and p90_beside else None,
             "hostile": stats.as_dict(),
+            # Where the honest TTFT goes (bench/soak_breakdown.py): cores each process used while
+            # the honest load ran, the soak client's event-loop lag, TTFT with and without a bomb.
+            "breakdown": {"cores_used": {"alone": cpu_alone, "beside_hostile": cpu_beside},
+                          "client_loop_lag": {side: lag_summary(v) for side, v in lags.items()},
+                          "honest_ttft_by_bomb": ttft_by_bomb(beside, stats.bomb_spans)},
             "leaked_blocks": leaked_blocks(idle_metrics(platform_)),
             "rss_growth_mib": {n: (round(end - rss_start[n], 1) if end and rss_start.get(n) else None)
                                for n in names for end in [platform_.rss_mib(n)]},

@@ -2,6 +2,7 @@
 docs/performance.md, "Tenants"):
 
     python -m bench.tenants   # 10-18 min on a loaded 2-vCPU host; the JSON records every parameter
+    python -m bench.tenants --figures priority --before-checkout /tmp/kv-before   # one figure, two commits
 
 One Redis, ``--replicas`` `kvscale serve` replicas of the bundled model (``--max-num-seqs`` small,
 so a few requests saturate them; ``--scheduling-policy priority``; a key of their own, so they
@@ -38,13 +39,14 @@ import secrets
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
+from bench.before_after import add_before_checkout, commits
 from bench.common import RESULTS, exit_on_sigterm, redis_server_binary, write_result
 from bench.roofline import cpu_info
 from bench.stats import quantile
@@ -62,6 +64,7 @@ from kvscale.processes import free_port
 from kvscale.tenant_limits_schema import WINDOW_S
 
 LOW_PRIORITY = 10  # vLLM's convention: lower is more urgent
+FIGURES = ("limit", "light_ttft", "priority", "service_gap", "router_latency")
 
 
 def tenants_file(rate_limit: int) -> list[dict[str, Any]]:
@@ -255,62 +258,89 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-rounds", type=int, default=100)
     parser.add_argument("--max-queue-wait", type=float, default=120.0)
     parser.add_argument("--out", default=str(RESULTS / "tenants.json"))
+    parser.add_argument("--figures", default=",".join(FIGURES),
+                        help=f"the figures to measure, comma-separated, in this order: {','.join(FIGURES)}")
+    add_before_checkout(parser, help="also measure the figures with replicas and routers running the code of this "
+                        "tree (a git worktree of an earlier commit): each figure twice, 'before' then this "
+                        "tree's, each side on a fleet of its own")
     args = parser.parse_args(argv)
+    names = [name for name in args.figures.split(",") if name]
+    if unknown := sorted(set(names) - set(FIGURES)):
+        parser.error(f"unknown figures {unknown}: choose from {', '.join(FIGURES)}")
     redis_binary = redis_server_binary()
     exit_on_sigterm()
     machine = cpu_info()
     started = time.time()
-    procs = Processes()
     tenants = tenants_file(args.rate_limit)
-    tenants_path = Path(procs.logdir) / "tenants.yaml"
-    tenants_path.write_text(yaml.safe_dump(tenants))
-    replica_key = secrets.token_hex(16)  # the replicas believe the tenant header only from its holder
-    fleet_args = argparse.Namespace(replicas=args.replicas, block_size=args.block_size,
-                                    num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=256,
-                                    concurrency=args.max_num_seqs, threads=args.threads, replica_nice=0)
     figures: dict[str, Any] = {}
     result: dict[str, Any] = {
         "benchmark": "tenants",
         "command": "python -m bench.tenants " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
         "machine": {**machine, "note": "shared with other engineers' builds and tests during the run"},
-        "parameters": vars(args),
+        "parameters": {**vars(args), "before_checkout": str(args.before_checkout) if args.before_checkout else None},
+        "commits": commits(args.before_checkout),
         "figures": figures,
     }
+
+    def record(key: str, value: dict[str, Any]) -> None:
+        figures[key] = value
+        print(key, {k: v for k, v in value.items() if k != "served"}, flush=True)
+        # Written after each figure: a run cut short keeps the figures it finished.
+        result.update(elapsed_s=time.time() - started, loadavg_1m_at_end=round(os.getloadavg()[0], 2))
+        write_result("tenants", result, args.out)
+
+    if args.before_checkout is not None:
+        measure(args, redis_binary, tenants, names, args.before_checkout,
+                lambda name, value: record(f"{name}_before", value))
+    measure(args, redis_binary, tenants, names, None, record)
+    if args.before_checkout is not None and "priority" in names:
+        sides = [figures[key]["p90_ttft_ratio"] for key in ("priority_before", "priority")]
+        figures["priority_p90_ratio_before_and_after"] = sides
+    print(f"tenants: wrote {write_result('tenants', result, args.out)}")
+    return 0
+
+
+def measure(args: argparse.Namespace, redis_binary: str, tenants: list[dict[str, Any]], names: list[str],
+            checkout: Path | None, record: Callable[[str, dict[str, Any]], None]) -> None:
+    """The fleet (its replicas and routers running ``checkout``'s code, this tree's by default), then
+    each of ``names``' figures on it, passed to ``record``; the fleet is stopped at the end."""
+    procs = Processes()
+    cwd = str(checkout) if checkout else None
+    tenants_path = Path(procs.logdir) / "tenants.yaml"
+    tenants_path.write_text(yaml.safe_dump(tenants))
+    replica_key = secrets.token_hex(16)  # the replicas believe the tenant header only from its holder
+    fleet_args = argparse.Namespace(replicas=args.replicas, block_size=args.block_size,
+                                    num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=256,
+                                    concurrency=args.max_num_seqs, threads=args.threads, replica_nice=0)
     try:
         fleet = start_fleet(procs, redis_binary, fleet_args,
-                            ["--api-key", replica_key, "--scheduling-policy", "priority"])
+                            ["--api-key", replica_key, "--scheduling-policy", "priority"], checkout)
         ports = [free_port() for _ in range(3)]
         env = {"KVSCALE_REPLICA_API_KEY": replica_key}
         router_procs = [procs.start(f"router-{i}", router_argv(port, fleet, "predicted-ttft", args.block_size, 0,
                                                                250.0)
                                     + ["--tenants", str(tenants_path), "--max-queue-wait", str(args.max_queue_wait),
-                                       "--scheduling-policy", "priority"], env=env)
+                                       "--scheduling-policy", "priority"], env=env, cwd=cwd)
                         for i, port in enumerate(ports[:2])]
         router_procs.append(procs.start("router-plain", router_argv(ports[2], fleet, "predicted-ttft",
-                                                                    args.block_size, 0, 250.0), env=env))
+                                                                    args.block_size, 0, 250.0), env=env, cwd=cwd))
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         print(f"tenants: starting the fleet (logs in {procs.logdir})", flush=True)
         wait_healthy(fleet.replica_urls, fleet.replica_procs)
         wait_healthy(urls, router_procs, timeout=300)
         time.sleep(2.0)  # the replicas' heartbeats reach the routers: their room is known
         run = Run(args, urls[:2], urls[2], {t["name"]: t["api_key"] for t in tenants})
-        for name, figure in (("limit", lambda: run.limit(fleet.redis_url)), ("light_ttft", run.light_ttft),
-                             ("priority", run.priority), ("service_gap", run.gap),
-                             ("router_latency", run.router_latency)):
+        every: dict[str, Callable[[], Coroutine[Any, Any, dict[str, Any]]]] = {
+            "limit": lambda: run.limit(fleet.redis_url), "light_ttft": run.light_ttft,
+            "priority": run.priority, "service_gap": run.gap, "router_latency": run.router_latency}
+        for name in (name for name in FIGURES if name in names):
             load = os.getloadavg()[0]
             began = time.perf_counter()
-            figures[name] = {**asyncio.run(figure()), "loadavg_1m_before": load,
-                             "wall_s": time.perf_counter() - began}
-            print(name, {k: v for k, v in figures[name].items() if k != "served"}, flush=True)
-            # Written after each figure: a run cut short keeps the figures it finished.
-            result.update(elapsed_s=time.time() - started, loadavg_1m_at_end=round(os.getloadavg()[0], 2))
-            write_result("tenants", result, args.out)
+            record(name, {**asyncio.run(every[name]()), "loadavg_1m_before": load,
+                          "wall_s": time.perf_counter() - began})
     finally:
         procs.stop_all()
-    print(f"tenants: wrote {write_result('tenants', result, args.out)}")
-    return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

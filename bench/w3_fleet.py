@@ -112,10 +112,11 @@ class Fleet:
 
 
 def start_fleet(procs: Processes, redis_binary: str, args: argparse.Namespace,
-                extra_serve_args: list[str] | None = None) -> Fleet:
+                extra_serve_args: list[str] | None = None, checkout: Path | None = None) -> Fleet:
     """Redis, then ``args.replicas`` replicas publishing to it (ids replica-0, replica-1, ...), each
     with ``args``' KV pool, model length, ``args.concurrency`` sequences at most, torch threads and
-    niceness; not waited for (``wait_healthy``)."""
+    niceness; not waited for (``wait_healthy``). ``checkout``: the tree whose code the replicas
+    run (another commit's worktree: bench.before_after), this one by default."""
     redis_port = free_port()
     procs.start("redis", [redis_binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                           "--appendonly", "no", "--dir", procs.logdir])
@@ -132,6 +133,7 @@ def start_fleet(procs: Processes, redis_binary: str, args: argparse.Namespace,
              "--redis", redis_url, "--replica-id", f"replica-{i}", "--disable-uvicorn-access-log"]
             + list(extra_serve_args or []),
             nice=args.replica_nice, env={"OMP_NUM_THREADS": str(args.threads)},
+            cwd=str(checkout) if checkout else None,
         ))
     return Fleet(redis_url, replica_urls, replica_procs)
 

@@ -1,0 +1,86 @@
+"""Where the hostile soak's honest TTFT goes, measured beside it (bench/soak.py --hostile):
+
+- the CPU seconds each process of the platform took in each phase (a replica with its engine
+  core), and the soak's own client process: the host has 2 cores for all of them;
+- the soak client's event-loop lag (honest and hostile clients share one loop, so a busy loop
+  delays the honest requests' first chunks as the client sees them);
+- the honest TTFT split by whether a 2,048-prompt bomb was in flight when the request was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Iterable
+from typing import Any
+
+import psutil
+
+from bench.soak_client import Outcome
+from bench.stats import nearest_rank
+
+LAG_PERIOD_S = 0.05
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User plus system CPU seconds of each named process and its children (a replica's engine
+    core is a child), 0 for one that is gone."""
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        total = 0.0
+        try:
+            proc = psutil.Process(pid)
+            for each in [proc, *proc.children(recursive=True)]:
+                times = each.cpu_times()
+                total += times.user + times.system
+        except psutil.Error:
+            pass
+        out[name] = total
+    return out
+
+
+def cpu_share(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Cores each process used on average between two ``cpu_seconds``."""
+    return {name: round((after.get(name, 0.0) - before.get(name, 0.0)) / wall_s, 3) for name in before}
+
+
+async def with_loop_lag(work: Awaitable[Any], lags: list[float]) -> Any:
+    """``work``, while the loop's lateness waking from a short sleep is sampled into ``lags``."""
+    async def sample() -> None:
+        while True:
+            began = time.monotonic()
+            await asyncio.sleep(LAG_PERIOD_S)
+            lags.append(time.monotonic() - began - LAG_PERIOD_S)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        return await work
+    finally:
+        sampler.cancel()
+
+
+def lag_summary(lags: list[float]) -> dict[str, float | None]:
+    return {"samples": len(lags), "p50_ms": _ms(nearest_rank(lags, 0.5)), "p90_ms": _ms(nearest_rank(lags, 0.9)),
+            "max_ms": _ms(max(lags, default=None))}
+
+
+def ttft_by_bomb(outcomes: Iterable[Outcome], bomb_spans: list[tuple[float, float]]) -> dict[str, Any]:
+    """Honest TTFT p50/p90 of the requests sent while a bomb was in flight and of the others."""
+    sides: dict[str, list[float]] = {"bomb_in_flight": [], "no_bomb": []}
+    for outcome in outcomes:
+        if outcome.hung_up or outcome.first_chunk_s is None:
+            continue
+        during = any(start <= outcome.started <= end for start, end in bomb_spans)
+        sides["bomb_in_flight" if during else "no_bomb"].append(outcome.first_chunk_s)
+    return {side: {"requests": len(v), "ttft_p50_s": nearest_rank(v, 0.5), "ttft_p90_s": nearest_rank(v, 0.9)}
+            for side, v in sides.items()}
+
+
+def platform_pids(children: dict[str, Any]) -> dict[str, int]:
+    """The soak client itself and each named child's process id."""
+    return {"soak_client": os.getpid(), **{name: child.proc.pid for name, child in children.items()}}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
