@@ -27,6 +27,9 @@ from kvscale.operator.tensor_parallel import tensor_parallel_size
 
 ENABLE_FLAG = "--enable-lora"
 MODULES_FLAG = "--lora-modules"
+# In engine.extraArgs (or a platform default): the servers load and unload adapters at run time,
+# and the router is given the same flag (operator/children/router.py).
+RUNTIME_UPDATES_FLAG = "--allow-runtime-lora-updating"
 LORA_ADAPTERS_CONFLICT = "LoraAdaptersConflict"
 LORA_ADAPTERS_UNSUPPORTED = "LoraAdaptersUnsupported"
 # Where an hf:// adapter is fetched to: one directory per adapter name (unique in the spec), apart

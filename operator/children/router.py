@@ -43,6 +43,7 @@ from kvscale.operator.children.tenants import (
     tenants_mount,
     tenants_volume,
 )
+from kvscale.operator.lora_adapters import RUNTIME_UPDATES_FLAG
 from kvscale.operator.spec import GROUP, PLURAL, ROUTER_PORT, InferenceServiceSpec, SecretKeyRef
 
 # Routers hold open streams: time for them to finish after SIGTERM.
@@ -87,6 +88,10 @@ class RouterPod:
     # `--ext-proc-port`: the routers also serve as the InferencePool's endpoint picker
     # (docs/gateway.md, "From an InferenceService"); None: no picker.
     ext_proc_port: int | None = None
+    # The servers load LoRA adapters at run time (their --allow-runtime-lora-updating): the router
+    # passes a load on to every one of them and loads it again onto those that start later, and
+    # holds a request naming it at zero replicas (docs/router.md, "Loading adapters at run time").
+    runtime_lora_updates: bool = False
     container_extras: Mapping[str, Any] = field(default_factory=dict)
     pod_extras: Mapping[str, Any] = field(default_factory=dict)
 
@@ -149,6 +154,8 @@ def service_router(name: str, namespace: str, spec: InferenceServiceSpec, image:
         scale_from_zero=name if to_zero else None,
         tenants_of=name if tenants else None,
         ext_proc_port=ext_proc_port(spec),
+        # Not with tenants: any tenant's key would then load paths onto every server.
+        runtime_lora_updates=RUNTIME_UPDATES_FLAG in spec.engine.extra_args and not tenants,
     )
 
 
@@ -175,6 +182,8 @@ def router_args(pod: RouterPod) -> list[str]:
         args += tenants_args()
     if pod.ext_proc_port is not None:
         args += ["--ext-proc-port", str(pod.ext_proc_port)]
+    if pod.runtime_lora_updates:
+        args.append(RUNTIME_UPDATES_FLAG)
     return args
 
 
