@@ -33,10 +33,17 @@ from kvscale.router.decision import Decider
 from kvscale.router.errors import not_found, openai_error, request_json
 from kvscale.router.fair_queue import FairQueue, queued_turn, room_on
 from kvscale.router.heartbeats import HeartbeatTable
-from kvscale.router.hold_gate import activation_report, hold_until_ready, refusal, worth_holding
+from kvscale.router.hold_gate import (
+    activation_report,
+    can_take,
+    hold_until_ready,
+    refusal,
+    worth_holding,
+)
 from kvscale.router.in_flight import InFlight
 from kvscale.router.index import PrefixIndex
 from kvscale.router.lora_fanout import update_routes
+from kvscale.router.lora_replay import RuntimeAdapters
 from kvscale.router.lora_routing import Adapter, request_adapter, serves
 from kvscale.router.metrics import RouterMetrics
 from kvscale.router.prefix_hashes import PrefixHasher, PromptBlocks
@@ -81,6 +88,9 @@ class Router:
             self.decider.sessions, self.metrics, self.decider.calibration,
         )
         self.activation: holding.Activation | None = None
+        # Adapters loaded at run time through the fleet's routers (--allow-runtime-lora-updating,
+        # set by lora_fanout.update_routes): held for at zero replicas as the served names are.
+        self.runtime_adapters: RuntimeAdapters | None = None
         if config.hold_timeout_s is not None:
             wake = None
             if config.scale_from_zero:
@@ -169,17 +179,15 @@ class Router:
             self.activation.update(self._any_available())
 
     def _any_available(self, model: str | None = None) -> bool:
-        """A replica can take a request for ``model`` (None: any) now: what `_candidates` accepts
-        (its models are known once its first health check passed; before, `_candidates` 404s)."""
-        return any(r.models and (model is None or model in r.models)
-                   and (r.healthy or self.heartbeats.routable(r))
-                   for r in self.replicas.replicas.values())
+        """A replica can take a request for ``model`` (None: any) now: what `_candidates` accepts."""
+        return can_take(self.replicas.replicas.values(), model, self.heartbeats.get, self.heartbeats.routable)
 
     async def _hold(self, request: Request, model: str | None) -> Response | None:
         if self.activation is None:
             return None
+        runtime = self.runtime_adapters.adapters if self.runtime_adapters is not None else ()
         return await hold_until_ready(self.activation, request, model, self._any_available,
-                                      worth_holding=worth_holding(model, self.config, self._any_available()),
+                                      worth_holding=worth_holding(model, self.config, self._any_available(), runtime),
                                       refuse=self._hold_refused)
 
     def _hold_refused(self, message: str) -> Response:

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvscale.kv_index_schema import Heartbeat
 from kvscale.router import activation as holding
 from kvscale.router.errors import openai_error
+from kvscale.router.lora_routing import serves
 from kvscale.router.replicas import Replica
 
 if TYPE_CHECKING:
@@ -50,15 +52,29 @@ async def hold_until_ready(activation: holding.Activation, request: Request, mod
     return None
 
 
-def worth_holding(model: str | None, config: RouterConfig, any_up: bool) -> bool:
+def worth_holding(model: str | None, config: RouterConfig, any_up: bool,
+                  runtime_adapters: Collection[str] = ()) -> bool:
     """Whether a request for ``model`` is worth holding: one of the names the servers will serve
     (unknown names are answered 404 at once, as with replicas up), or one of their LoRA adapters
-    (--lora-adapter-names) while no replica is up at all (``any_up``): a replica up without it is
-    an answer (404), not a replica still to come (docs/operator.md, "LoRA adapters")."""
-    if model is not None and model in config.lora_adapter_names:
+    while no replica is up at all (``any_up``): those given at start (--lora-adapter-names) and
+    those loaded at run time through the fleet's routers (``runtime_adapters``, the record that
+    router/lora_replay.py loads onto every replica that comes up). A replica up without it is an
+    answer (404), not a replica still to come (docs/operator.md, "LoRA adapters"; docs/router.md,
+    "Loading adapters at run time")."""
+    if model is not None and (model in config.lora_adapter_names or model in runtime_adapters):
         return not any_up
     served = config.served_model_names
     return model is None or not served or model in served
+
+
+def can_take(replicas: Iterable[Replica], model: str | None,
+             heartbeat_of: Callable[[str], Heartbeat | None], routable: Callable[[Replica], bool]) -> bool:
+    """A replica can take a request for ``model`` (None: any) now, as routing will find it: its
+    models known (its first health check passed), serving ``model`` as ``lora_routing.serves``
+    says (an adapter loaded at run time once its heartbeat names it, where it heartbeats), and
+    healthy or routable. A held request released any earlier would be answered 404."""
+    return any(r.models and (model is None or serves(r, heartbeat_of(r.replica_id), model))
+               and (r.healthy or routable(r)) for r in replicas)
 
 
 def refusal(activation: holding.Activation, message: str) -> Response:

@@ -128,6 +128,7 @@ def update_routes(router: Router) -> list[Route]:
         return []
     replay = AdapterReplay(router)
     router.replicas.followers.append(replay)  # after every health pass; closed with the replicas
+    router.runtime_adapters = replay.record  # what a request is held for at zero replicas
 
     def endpoint(update: str) -> Any:
         async def handle(request: Request) -> Response:

@@ -250,3 +250,36 @@ def test_every_router_of_the_fleet_knows_its_adapters_from_redis(in_process_rout
     finally:
         store.delete(RUNTIME_ADAPTERS_KEY)
         store.close()
+
+
+def test_at_zero_replicas_an_adapter_loaded_at_run_time_is_held_until_a_replica_has_it(
+        in_process_routers: Any, fakes: Any, session_redis: Any) -> None:
+    store = redis.Redis.from_url(session_redis.url)
+    store.delete(RUNTIME_ADAPTERS_KEY)
+    try:
+        store.hset(RUNTIME_ADAPTERS_KEY, "sql", "/adapters/sql")  # loaded through a router of the fleet
+        b = fakes("b")
+        b.stop()  # scaled to zero: no replica up, none that ever served sql known to this router
+        router = in_process_routers.start(RouterConfig(
+            # The bundled tokenizer (the default models): served names need one.
+            replicas=[b.url], policy="round-robin", served_model_names=["base"],
+            health_interval_s=0.2, api_key=KEY, replica_api_key="replica-key", allow_runtime_lora_updating=True,
+            redis_url=session_redis.url, hold_timeout_s=30))
+        time.sleep(0.5)  # the record read from Redis at the router's health passes
+        auth = {"authorization": f"Bearer {KEY}"}
+        unknown = httpx.post(f"{router}/v1/completions", json={"model": "other", "prompt": "x"}, headers=auth)
+        assert unknown.status_code == 404  # a name no router loaded: at once, not held
+        answers: list[httpx.Response] = []
+        sender = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{router}/v1/completions", json={"model": "sql", "prompt": "x"}, headers=auth, timeout=30)))
+        sender.start()
+        _until("the request was not held", lambda: answers or httpx.get(f"{router}/health").json()["activation"]["held"])
+        assert not answers, (answers[0].status_code, answers[0].text)
+        b.start()  # comes up without the adapter: loaded onto it, then the request is answered
+        sender.join(30)
+        assert answers and answers[0].status_code == 200, answers and answers[0].text
+        assert answers[0].json() == {"served_by": "b", "model": "sql"}
+        assert b.adapters == {"sql": "/adapters/sql"}
+    finally:
+        store.delete(RUNTIME_ADAPTERS_KEY)
+        store.close()
