@@ -10,7 +10,9 @@ where PyTorch's matmuls round it: ``h = x @ A^T``, then ``h @ B^T``, then the su
 Two paths implement it:
 
 - :func:`torch_add_lora`: a pair of matmuls per slot on that slot's rows; the reference the
-  kernel must match, and the engine's path on CPU;
+  others must match, and the engine's path on CPU for many rows (a prefill) or one slot;
+- :mod:`kvscale.kernels.lora_dense`: one pair of matmuls over every slot at once, each row
+  keeping its own slot's columns; the engine's path on CPU for few rows of several slots (decode);
 - :mod:`kvscale.kernels.lora_triton`: Punica's SGMV (segmented gather matrix-vector) as two
   Triton launches, shrink then expand, over tiles of rows of one slot; the path on CUDA.
 
@@ -68,16 +70,20 @@ class LoRARows:
     groups: tuple[tuple[int, Tensor | None], ...]
     sorted_rows: Tensor  # for the kernel: RowPlan.sorted_rows
     tiles: Tensor  # for the kernel: RowPlan.tiles
+    row_slots: Tensor  # for lora_dense: each row's slot, -1 for none
+    # lora_dense's masks of the rows' own slots, by slot count: made once per step.
+    masks: dict[int, Tensor] = field(default_factory=dict, compare=False, repr=False)
 
 
 def lora_rows(row_slots: Sequence[int] | np.ndarray, device: torch.device) -> LoRARows:
     """``row_slots`` (each row's slot, -1 for none) planned and moved to ``device`` in one copy."""
     plan = plan_rows(row_slots)
-    packed = torch.from_numpy(np.concatenate([plan.sorted_rows, plan.tiles.reshape(-1)])).to(device)
-    n = len(plan.sorted_rows)
-    sorted_rows, tiles = packed[:n], packed[n:].view(-1, 3)
+    slots = np.asarray(row_slots, dtype=np.int64)
+    packed = torch.from_numpy(np.concatenate([slots, plan.sorted_rows, plan.tiles.reshape(-1)])).to(device)
+    num_rows, n = len(slots), len(plan.sorted_rows)
+    sorted_rows, tiles = packed[num_rows:num_rows + n], packed[num_rows + n:].view(-1, 3)
     groups = tuple((slot, None if plan.every_row else sorted_rows[start:end]) for slot, start, end in plan.segments)
-    return LoRARows(len(row_slots), groups, sorted_rows, tiles)
+    return LoRARows(num_rows, groups, sorted_rows, tiles, packed[:num_rows])
 
 
 @dataclass
@@ -90,6 +96,9 @@ class LoRASlots:
     # its first launch (kvscale.kernels.lora_triton) and kept while these matrices are the step's.
     table: Tensor | None = field(default=None, repr=False)
     max_k: int = 0
+    # kernels.lora_dense's every slot stacked (A's [in, S*w], B's [S*w, out]), made on its first
+    # use and kept while these matrices are the step's.
+    dense: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
 
 
 def torch_add_lora(out: Tensor, x: Tensor, rows: LoRARows, slots: LoRASlots) -> None:
@@ -113,11 +122,19 @@ def lora_path(device: torch.device) -> str:
 
 def add_lora(out: Tensor, x: Tensor, rows: LoRARows, slots: LoRASlots) -> None:
     """Add each row's adapter delta into ``out`` (``x`` [rows, in], ``out`` [rows, out]): in
-    Triton on a GPU where the tensors' layout fits the kernel, else in PyTorch."""
+    Triton on a GPU where the tensors' layout fits the kernel, else in PyTorch: over every slot
+    at once where that pays (:func:`kvscale.kernels.lora_dense.dense_pays`), else slot by slot."""
     if lora_path(x.device) == "triton":
         from kvscale.kernels import lora_triton
 
         if lora_triton.add_lora(out, x, rows, slots):
+            return
+    if rows.groups and rows.groups[0][1] is not None:  # a slot on every row: two matmuls already
+        from kvscale.kernels import lora_dense
+
+        if lora_dense.dense_pays(rows.num_rows, len(rows.groups), len(slots.pairs),
+                                 lora_dense.stacked_columns(slots)):
+            lora_dense.dense_add_lora(out, x, rows, slots)
             return
     torch_add_lora(out, x, rows, slots)
 

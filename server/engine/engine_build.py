@@ -179,9 +179,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
     max_model_len = min(wanted_len, num_blocks * config.block_size)
 
     # The host tier (--kv-offloading-size): checked against the machine before anything is
-    # allocated; on CPU the KV cache itself is host memory too, as are the LoRA slots and pool.
+    # allocated; on CPU the KV cache itself is host memory too, as are the LoRA slots and pool, and
+    # the slots once more: the CPU path's copy of them stacked (kernels/lora_dense.py).
     room, room_what = host_memory_room()
-    host_lora = (slots.host_bytes + (slots.device_bytes if device.type == "cpu" else 0)) if slots else 0
+    host_lora = (slots.host_bytes + (2 * slots.device_bytes if device.type == "cpu" else 0)) if slots else 0
     num_host_blocks = host_tier_blocks(
         config.kv_offloading_size, block_bytes, host_room_bytes=room, host_room_what=room_what,
         other_host_bytes=(kv_cache_bytes if device.type == "cpu" else 0) + host_lora,

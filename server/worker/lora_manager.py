@@ -171,8 +171,14 @@ class LoRAManager:
             for name in missing:
                 self._fused(name)
             self._make_room(set(present))
-        adapters = tuple(self._fused(name) for name in present)
-        slot = {name: i for i, name in enumerate(present)}
+        for name in present:
+            self._fused(name)  # most recently used
+        # Every resident adapter holds a slot, in name order, whether this step uses it or not: the
+        # slots, and what is laid out by slot (the kernel's tables, kernels/lora_dense.py's stacked
+        # matrices), change as adapters are loaded or evicted, not with each step's mix.
+        slot_names = sorted(self.resident)
+        adapters = tuple(self.resident[name] for name in slot_names)
+        slot = {name: i for i, name in enumerate(slot_names)}
         row_slots = np.repeat(np.array([-1 if n is None else slot[n] for n in names], dtype=np.int64),
                               np.asarray(num_tokens, dtype=np.int64))
         self.batch.set_step(adapters, lora_rows(row_slots, self.device), self.keys)

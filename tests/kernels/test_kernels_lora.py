@@ -1,13 +1,23 @@
 """The batched LoRA contract (kernels/lora.py): a step's rows planned by slot, the PyTorch path
-against the contract's per-row definition, and which path runs where. The Triton kernel against
-this PyTorch path: test_kernels_triton_interpret.py (and test_kernels_gpu.py on a GPU)."""
+against the contract's per-row definition, the one-product path over every slot
+(kernels/lora_dense.py) against that reference, and which path runs where. The Triton kernel
+against the reference: test_kernels_triton_interpret.py (and test_kernels_gpu.py on a GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from lora_checks import LORA_TOLERANCE, make_lora_case
 
-from kvscale.kernels.lora import LoRASlots, lora_path, lora_rows, plan_rows, torch_add_lora
+from kvscale.kernels.lora import (
+    LoRASlots,
+    add_lora,
+    lora_path,
+    lora_rows,
+    plan_rows,
+    torch_add_lora,
+)
+from kvscale.kernels.lora_dense import dense_add_lora, dense_pays
 
 
 def test_rows_are_grouped_by_slot_and_cut_into_tiles_of_one_slot() -> None:
@@ -46,3 +56,42 @@ def test_triton_on_cuda_torch_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSCALE_FORCE_TRITON", raising=False)
     assert lora_path(torch.device("cpu")) == "torch"
     assert lora_path(torch.device("cuda", 0)) == "triton"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_product_over_every_slot_matches_the_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    # Ranks 8 and 16 (the narrower padded), a slot leaving the projection alone, base rows mixed in.
+    case = make_lora_case(gen, dtype, rows=19, in_features=48, slice_width=40, slices=3,
+                          ranks=[8, 16, None, 8], base_share=0.3, first_slots=(-1, 2, 0, 1, 3))
+    x, expected, rows, slots = case.on("cpu")
+    torch_add_lora(expected, x, rows, slots)
+    _, actual, _, _ = case.on("cpu")
+    dense_add_lora(actual, x, rows, slots)
+    error = float(((actual.double() - expected.double()).abs() / (1 + expected.double().abs())).max())
+    assert error < LORA_TOLERANCE[dtype], error
+    untouched = [i for i, s in enumerate(case.row_slots) if s < 0 or case.pairs[s] is None]
+    assert torch.equal(actual[untouched], case.out[untouched])  # base rows, and slot 2's, bit for bit
+
+
+def test_another_slots_overflow_does_not_reach_a_row() -> None:
+    # Row 0's product with slot 1's A overflows float32: masked, not multiplied by 0 (inf * 0 = nan).
+    big = 2.0**100
+    x = torch.tensor([[big, 1.0], [1.0, 1.0]])
+    pairs = ((torch.tensor([[1 / big, 0.0]]), torch.ones(2, 1)), (torch.tensor([[big, 0.0]]), torch.ones(2, 1)))
+    out = torch.zeros(2, 2)
+    dense_add_lora(out, x, lora_rows([0, 1], torch.device("cpu")), LoRASlots(pairs))
+    assert out[0].tolist() == [1.0, 1.0] and out[1].tolist() == [big, big]
+
+
+def test_the_product_over_every_slot_runs_for_few_rows_of_several_slots() -> None:
+    assert dense_pays(num_rows=16, num_groups=8, num_slots=8, columns=8 * 24)
+    assert not dense_pays(num_rows=2048, num_groups=8, num_slots=8, columns=8 * 24)  # a prefill
+    assert not dense_pays(num_rows=16, num_groups=1, num_slots=8, columns=8 * 24)  # one slot's rows
+    assert dense_pays(num_rows=16, num_groups=1, num_slots=1, columns=24)  # ... and none other held
+    gen = torch.Generator().manual_seed(2)
+    case = make_lora_case(gen, torch.float32, rows=16, in_features=48, slice_width=40, slices=1,
+                          ranks=[8, 8, 8], base_share=0.0)
+    x, out, rows, slots = case.on("cpu")
+    add_lora(out, x, rows, slots)
+    assert slots.dense is not None  # add_lora took the product over every slot, and kept its stacking
