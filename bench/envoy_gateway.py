@@ -27,7 +27,8 @@ def envoy_binary() -> Path:
 
 
 def listener(name: str, port: int, picker: str, body_mode: str, log_path: str | None = None,
-             fail_open: bool = False, cluster: str = "pool", retries: int = 0) -> dict[str, Any]:
+             fail_open: bool = False, cluster: str = "pool", retries: int = 0,
+             response_body_mode: str = "NONE", log_headers: tuple[str, ...] = ()) -> dict[str, Any]:
     """An HTTP listener whose ext_proc filter asks the cluster ``picker``; ``body_mode`` is
     FULL_DUPLEX_STREAMED or BUFFERED. ``fail_open`` (GIE's ``failureMode: FailOpen``): while the
     picker cannot be reached the request goes on without its answer, so it carries no destination
@@ -35,8 +36,11 @@ def listener(name: str, port: int, picker: str, body_mode: str, log_path: str | 
     balances over the servers itself. ``cluster``: where the picked requests go, the ORIGINAL_DST
     ``pool`` or the ``replicas`` cluster that follows the picker's fallbacks
     (``envoy_config(replicas=...)``), which ``retries`` times retries a request its replica
-    reset or refused before answering. ``log_path``: an access log of ``name``, the status, the
-    upstream and the picker's endpoint list per request."""
+    reset or refused before answering. ``response_body_mode``: STREAMED sends the answers'
+    bodies to the picker too, whose tail has the usage that settles a tenant's reservation
+    (docs/gateway.md, "Tenants"). ``log_path``: an access log of ``name``, the status, the
+    upstream and the picker's endpoint list per request, then the request headers
+    ``log_headers`` as they went upstream."""
     ext_proc = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": picker}, "timeout": "30s"},
@@ -46,7 +50,7 @@ def listener(name: str, port: int, picker: str, body_mode: str, log_path: str | 
         "message_timeout": "30s",
         # The response's headers tell the picker the prefill is done (docs/gateway.md).
         "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SEND",
-                            "request_body_mode": body_mode, "response_body_mode": "NONE",
+                            "request_body_mode": body_mode, "response_body_mode": response_body_mode,
                             "request_trailer_mode": "SEND", "response_trailer_mode": "SKIP"},
         "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
     }
@@ -73,7 +77,8 @@ def listener(name: str, port: int, picker: str, body_mode: str, log_path: str | 
             "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
             "path": log_path,
             "log_format": {"text_format_source": {"inline_string":
-                f"{name} %RESPONSE_CODE% %UPSTREAM_HOST% %DYNAMIC_METADATA(envoy.lb:{DESTINATION_HEADER})%\n"}}}}]
+                f"{name} %RESPONSE_CODE% %UPSTREAM_HOST% %DYNAMIC_METADATA(envoy.lb:{DESTINATION_HEADER})%"
+                + "".join(f" %REQ({h})%" for h in log_headers) + "\n"}}}}]
     return {"name": name, "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
             "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
                                             "typed_config": manager}]}]}

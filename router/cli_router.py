@@ -166,11 +166,6 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise SystemExit("kvscale router: --max-open-requests must be at least 1")
     if args.max_body_bytes_in_flight < args.max_request_body_bytes:
         raise SystemExit("kvscale router: --max-body-bytes-in-flight must be at least --max-request-body-bytes")
-    if args.ext_proc_port is not None and (args.api_key or args.tenants):
-        # The picker sees requests the gateway authenticates: a key the router checks on its own
-        # port would be walked around through the gateway.
-        raise SystemExit("kvscale router: --ext-proc-port does not check --api-key or --tenants: "
-                         "authenticate at the gateway and give neither")
     tenants = _tenants(args)
     if args.served_model_name and len(args.model or [None]) != 1:
         raise SystemExit("kvscale router: --served-model-name names one model: give at most one --model with it")

@@ -11,6 +11,13 @@ an open request on it until the gateway closes the request's stream (its prefill
 response's headers pass, which the gateway sends when ``response_header_mode`` is SEND), the
 session's replica.
 
+Tenants (``--api-key``, ``--tenants``) are the HTTP port's own (kvscale.router.tenancy): the key
+checked from the request's head (401), the tenant's limits counted in Redis (429 with the same
+headers), and the request changed as the router would forward it: the trusted headers set, a
+client's copy removed, the body with its tenant's priority. The reservation is settled when the
+stream ends, with the usage when the gateway sends the response body, else by its status
+(docs/gateway.md, "Tenants").
+
 The gRPC runtime is grpcio (with grpcio-health-checking for the health services gateways probe:
 ``liveness``, ``readiness`` and the ext_proc service's own name); the Envoy API messages come from
 ``xds-protos`` (see kvscale.router.ext_proc_messages for why that package).
@@ -23,7 +30,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,11 +44,18 @@ from starlette.responses import Response
 from kvscale.drain import Drain
 from kvscale.router import ext_proc_messages as msg
 from kvscale.router import policy as routing
+from kvscale.router.admission import is_open
+from kvscale.router.client_watch import CLIENT_GONE
 from kvscale.router.errors import openai_error, request_json
 from kvscale.router.in_flight import OpenRequest
 from kvscale.router.lora_routing import request_adapter
 from kvscale.router.prefix_hashes import PromptBlocks
+from kvscale.router.proxy import trusted_headers
+from kvscale.router.rate_limits import USAGE_TAIL_BYTES
 from kvscale.router.replicas import Replica
+from kvscale.router.tenancy import Grant
+from kvscale.router.tenants import Tenant
+from kvscale.tenant_limits_schema import TENANT_HEADER
 
 log = logging.getLogger("kvscale.router.ext_proc")
 
@@ -56,6 +70,28 @@ MESSAGE_HEADROOM_BYTES = 1 << 20
 class Picked:
     endpoints: list[str]  # ip:port, in retry order
     opened: OpenRequest  # on the first choice, closed when the request's stream ends
+    grant: Grant = field(default_factory=Grant)  # its tenant's: rate-limit headers, the settlement at its end
+    forwarded: msg.Forwarded = msg.UNCHANGED
+
+
+@dataclass
+class Stream:
+    """One request's ext_proc stream: the exchange, whom its key named, where it went, and what
+    the gateway showed of the answer (its status; its body's tail when the gateway sends the
+    response body)."""
+
+    exchange: msg.Exchange
+    tenant: Tenant | None = None
+    picked: Picked | None = None
+    status: int = 0
+    tail: bytes = b""
+
+    def settle(self) -> None:
+        """The tenant's reservation settled as the HTTP path settles it (rate_limits.settlement):
+        with the usage in the answer's tail, else by its status; no answer seen (the client or
+        the gateway left first) keeps it, as a client gone does."""
+        if self.picked is not None and self.picked.grant.on_done is not None:
+            self.picked.grant.on_done(self.status or CLIENT_GONE, self.tail)
 
 
 def endpoint_of(url: str) -> str:
@@ -69,7 +105,22 @@ def endpoint_of(url: str) -> str:
 
 
 def refusal_of(response: Response) -> msg.Refusal:
-    return msg.Refusal(response.status_code, bytes(response.body))
+    """The HTTP port's error answer as an immediate response: its status, body and headers
+    (``Retry-After``, rate limits; not those the gateway writes itself)."""
+    headers = tuple((k, v) for k, v in response.headers.items() if k not in ("content-length", "content-type"))
+    return msg.Refusal(response.status_code, bytes(response.body), headers)
+
+
+def forwarded_of(router: Any, tenant: Tenant | None, grant: Grant) -> msg.Forwarded:
+    """What the replica must get as the HTTP port would send it (kvscale.router.proxy): the
+    replicas' key and the authenticated tenant set, a client's copy of either removed, the body
+    with its tenant's priority."""
+    config = router.config
+    trusted = trusted_headers(config.replica_api_key, tenant.name if tenant is not None else None)
+    removed = [TENANT_HEADER]
+    if router.tenancy.checks_keys:  # the client's key is the router's, never a replica's
+        removed.append("authorization")
+    return msg.Forwarded(trusted, tuple(h for h in removed if h not in trusted), grant.body)
 
 
 def parse_body(raw: bytes) -> dict[str, Any] | msg.Refusal:
@@ -90,65 +141,88 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],  # noqa: N802 (gRPC's name)
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
-        exchange = msg.Exchange(self.max_body_bytes)
-        picked: Picked | None = None
+        stream = Stream(msg.Exchange(self.max_body_bytes))
         try:
             async for request in request_iterator:
-                answers, now_picked = await self._answer(exchange, request)
-                picked = picked or now_picked
-                if picked is not None and request.HasField("response_headers"):
-                    # A replica sends a stream's headers with its first token (and a whole answer's
-                    # at its end): the prefill is done, as the HTTP path learns from the first byte.
-                    picked.opened.first_byte()
+                answers = await self._answer(stream, request)
                 for answer in answers:
                     yield answer
                 if answers and answers[-1].HasField("immediate_response"):
                     return
         finally:
-            if picked is not None:
-                self.router.in_flight.close(picked.opened)
+            if stream.picked is not None:
+                self.router.in_flight.close(stream.picked.opened)
+                stream.settle()
 
-    async def _answer(self, exchange: msg.Exchange, request: pb.ProcessingRequest
-                      ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
+    async def _answer(self, stream: Stream, request: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        exchange = stream.exchange
         kind = request.WhichOneof("request")
         if kind == "request_headers":
             exchange.take_headers(request)
+            if (refused := self._authenticate(stream)) is not None:  # from the head, as the HTTP port
+                return [msg.immediate(refused)]
             if request.request_headers.end_of_stream:  # no body: decided on the headers alone
-                return await self._decide(exchange, lambda endpoints: [msg.headers_routed(endpoints)])
-            return ([] if exchange.full_duplex else [msg.headers_unchanged()]), None
+                return await self._decide(stream, lambda p: [msg.headers_routed(p.endpoints, p.forwarded)])
+            return [] if exchange.full_duplex else [msg.headers_unchanged()]
         if kind == "request_body":
             chunk = request.request_body
             if not exchange.add_chunk(chunk.body):
                 message = f"the request body is over {self.max_body_bytes} bytes"
-                return [msg.immediate(refusal_of(openai_error(413, message, "invalid_request_error")))], None
+                return [msg.immediate(refusal_of(openai_error(413, message, "invalid_request_error")))]
             if exchange.decided:
-                return [msg.body_unchanged()], None
+                return [msg.body_unchanged()]
             if chunk.end_of_stream:
-                return await self._decide(exchange, lambda endpoints: msg.routed_answers(exchange, endpoints))
+                return await self._decide(
+                    stream, lambda p: msg.routed_answers(exchange, p.endpoints, forwarded=p.forwarded))
             # FULL_DUPLEX_STREAMED: gathered until the last chunk. Another mode's partial chunk
             # (STREAMED) goes on as it is; its request is decided at its end.
-            return ([] if exchange.full_duplex else [msg.body_unchanged()]), None
+            return [] if exchange.full_duplex else [msg.body_unchanged()]
         if kind == "request_trailers":
             if exchange.full_duplex and not exchange.decided:  # the body ended with trailers
                 return await self._decide(
-                    exchange, lambda endpoints: msg.routed_answers(exchange, endpoints, trailers=True))
-            return [msg.trailers_unchanged()], None
+                    stream, lambda p: msg.routed_answers(exchange, p.endpoints, trailers=True, forwarded=p.forwarded))
+            return [msg.trailers_unchanged()]
+        if kind == "response_headers" and stream.picked is not None:
+            # A replica sends a stream's headers with its first token (and a whole answer's at its
+            # end): the prefill is done, as the HTTP path learns from the first byte.
+            stream.picked.opened.first_byte()
+            stream.status = msg.response_status(request.response_headers)
+            if stream.picked.grant.headers:
+                return [msg.response_headers_added(stream.picked.grant.headers)]
+        if kind == "response_body":  # sent only by a gateway told to: the usage is near the end
+            stream.tail = (stream.tail + request.response_body.body)[-USAGE_TAIL_BYTES:]
         answer = msg.passthrough_answer(request)
-        return ([answer] if answer is not None else []), None
+        return [answer] if answer is not None else []
 
-    async def _decide(self, exchange: msg.Exchange,
-                      answers: Callable[[list[str]], list[pb.ProcessingResponse]]
-                      ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
+    def _authenticate(self, stream: Stream) -> msg.Refusal | None:
+        """The key in the request's head, checked as the HTTP port's gate checks it (probes
+        open): the tenant it names kept for the decision, or the 401."""
+        tenancy = self.router.tenancy
+        headers = stream.exchange.headers
+        if not tenancy.checks_keys or is_open(headers.get(":method", ""), stream.exchange.path):
+            return None
+        found = tenancy.identify(headers.get("authorization", ""))
+        if isinstance(found, Response):
+            return refusal_of(found)
+        stream.tenant = found
+        return None
+
+    async def _decide(self, stream: Stream, answers: Callable[[Picked], list[pb.ProcessingResponse]]
+                      ) -> list[pb.ProcessingResponse]:
+        exchange = stream.exchange
         exchange.decided = True
-        result = await pick(self.router, exchange.path, exchange.headers, exchange.body())
+        result = await pick(self.router, exchange.path, exchange.headers, exchange.body(), stream.tenant)
         if isinstance(result, msg.Refusal):
-            return [msg.immediate(result)], None
-        return answers(result.endpoints), result
+            return [msg.immediate(result)]
+        stream.picked = result
+        return answers(result)
 
 
-async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes) -> Picked | msg.Refusal:
-    """Where a request goes: the HTTP path's candidates, prompt hashes and decision, then what
-    sending it there records (kvscale.router.app.Router.route and the Forwarder do the same)."""
+async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes,
+               tenant: Tenant | None = None) -> Picked | msg.Refusal:
+    """Where a request goes: the HTTP path's candidates, prompt hashes, tenant's admission (the
+    429 over its limits) and decision, then what sending it there records
+    (kvscale.router.app.Router.route and the Forwarder do the same)."""
     started = time.perf_counter()
     body = parse_body(raw)
     if isinstance(body, msg.Refusal):
@@ -162,6 +236,7 @@ async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes) -> P
     session = headers.get(config.session_header) if config.session_header else None
     prompt = PromptBlocks([], 0, config.block_size)
     hit_tokens = 0
+    grant = Grant(tenant.name if tenant is not None else None)
     if endpoint is None:  # /tokenize and the like: the least busy, as the HTTP path's pass-through
         ranked: list[Replica] = sorted(candidates, key=lambda r: r.in_flight)
         session = None
@@ -169,6 +244,10 @@ async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes) -> P
         adapter = request_adapter(model, candidates, router.heartbeats.get, router.hasher.tokenizers)
         if routing.uses_prefix(config.policy):
             prompt = await router._prompt_blocks(endpoint, body, model, len(raw), adapter)
+        admitted = await router.tenancy.admit_tenant(tenant, endpoint, body, prompt.prompt_tokens, len(raw))
+        if isinstance(admitted, Response):  # over the tenant's limits: 429
+            return refusal_of(admitted)
+        grant = admitted
         hash_key: int | str = prompt.hashes[0] if prompt.hashes else (
             f"{model}|{str(body.get('prompt', body.get('messages', body.get('input'))))[:256]}")
         decision = router.decider.decide(candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens,
@@ -188,7 +267,7 @@ async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes) -> P
     opened = router.in_flight.open(first, max(prompt.prompt_tokens - hit_tokens, 1),
                                    hashes=prompt.hashes, prompt_tokens=prompt.prompt_tokens)
     router.decider.sessions.remember(session, first.replica_id)
-    return Picked([endpoint_of(r.url) for r in ranked], opened)
+    return Picked([endpoint_of(r.url) for r in ranked], opened, grant, forwarded_of(router, tenant, grant))
 
 
 def bind_address(host: str | None, port: int) -> str:

@@ -42,10 +42,27 @@ HEALTH_SERVICES = ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalP
 
 @dataclass(frozen=True)
 class Refusal:
-    """An answer for the client in place of the upstream's: a status and an OpenAI error body."""
+    """An answer for the client in place of the upstream's: a status, an OpenAI error body and the
+    headers the HTTP port would send with it (a 429's ``Retry-After`` and rate-limit headers)."""
 
     status: int
     body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """What the picker changes on the request it routes, so that the replica gets what the HTTP
+    port would send it: headers set (the trusted ones: kvscale.router.proxy.trusted_headers),
+    headers removed (a client's copy of a trusted one), and the body when the router rewrites it
+    (a tenant's priority: kvscale.router.engine_priority)."""
+
+    set_headers: dict[str, str] = field(default_factory=dict)
+    remove_headers: tuple[str, ...] = ()
+    body: bytes | None = None
+
+
+UNCHANGED = Forwarded()
 
 
 @dataclass
@@ -98,14 +115,25 @@ def destination_value(endpoints: list[str]) -> str:
     return ",".join(endpoints)
 
 
-def routed_common(endpoints: list[str]) -> pb.CommonResponse:
+def set_header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def routed_mutation(endpoints: list[str], forwarded: Forwarded = UNCHANGED) -> pb.HeaderMutation:
     """Set the destination header to the chosen endpoint, over any the client sent: an
     ORIGINAL_DST cluster reads one ``ip:port`` from it (given a list, Envoy finds no host and
-    answers 503), so the fallbacks ride in the metadata only."""
-    option = base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoints[0].encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
-    return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[option]))
+    answers 503), so the fallbacks ride in the metadata only. Then what ``forwarded`` changes,
+    and the length of a rewritten body."""
+    wanted = {DESTINATION_HEADER: endpoints[0], **forwarded.set_headers}
+    if forwarded.body is not None:
+        wanted["content-length"] = str(len(forwarded.body))
+    return pb.HeaderMutation(set_headers=[set_header(k, v) for k, v in wanted.items()],
+                             remove_headers=[h for h in forwarded.remove_headers if h not in wanted])
+
+
+def routed_common(endpoints: list[str], forwarded: Forwarded = UNCHANGED) -> pb.CommonResponse:
+    return pb.CommonResponse(header_mutation=routed_mutation(endpoints, forwarded))
 
 
 def destination_metadata(endpoints: list[str]) -> struct_pb2.Struct:
@@ -114,17 +142,20 @@ def destination_metadata(endpoints: list[str]) -> struct_pb2.Struct:
     return metadata
 
 
-def headers_routed(endpoints: list[str]) -> pb.ProcessingResponse:
+def headers_routed(endpoints: list[str], forwarded: Forwarded = UNCHANGED) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=routed_common(endpoints)),
+        request_headers=pb.HeadersResponse(response=routed_common(endpoints, forwarded)),
         dynamic_metadata=destination_metadata(endpoints))
 
 
-def body_routed(endpoints: list[str]) -> pb.ProcessingResponse:
-    """BUFFERED: the body's answer carries the destination (Envoy still holds the headers)."""
-    return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=routed_common(endpoints)),
-        dynamic_metadata=destination_metadata(endpoints))
+def body_routed(endpoints: list[str], forwarded: Forwarded = UNCHANGED) -> pb.ProcessingResponse:
+    """BUFFERED: the body's answer carries the destination (Envoy still holds the headers), and
+    the body when the router rewrote it."""
+    common = routed_common(endpoints, forwarded)
+    if forwarded.body is not None:
+        common.body_mutation.body = forwarded.body
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
+                                 dynamic_metadata=destination_metadata(endpoints))
 
 
 def headers_unchanged() -> pb.ProcessingResponse:
@@ -147,20 +178,35 @@ def trailers_unchanged() -> pb.ProcessingResponse:
 
 
 def immediate(refusal: Refusal) -> pb.ProcessingResponse:
-    header = base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))
+    headers = [set_header("content-type", "application/json"), *(set_header(k, v) for k, v in refusal.headers)]
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=refusal.status),
-        headers=pb.HeaderMutation(set_headers=[header]), body=refusal.body))
+        headers=pb.HeaderMutation(set_headers=headers), body=refusal.body))
 
 
-def routed_answers(exchange: Exchange, endpoints: list[str], trailers: bool = False) -> list[pb.ProcessingResponse]:
+def routed_answers(exchange: Exchange, endpoints: list[str], trailers: bool = False,
+                   forwarded: Forwarded = UNCHANGED) -> list[pb.ProcessingResponse]:
     """The answers once the request is decided at the end of its body (or of its trailers)."""
     if exchange.full_duplex:
-        answers = [headers_routed(endpoints), body_streamed(exchange.body())]
+        body = forwarded.body if forwarded.body is not None else exchange.body()
+        answers = [headers_routed(endpoints, forwarded), body_streamed(body)]
     else:
-        answers = [body_routed(endpoints)]
+        answers = [body_routed(endpoints, forwarded)]
     return answers + ([trailers_unchanged()] if trailers else [])
+
+
+def response_status(headers: pb.HttpHeaders) -> int:
+    """The upstream's status from the response headers' ``:status`` (0 when absent)."""
+    status = headers_of(headers).get(":status", "")
+    return int(status) if status.isdigit() else 0
+
+
+def response_headers_added(headers: dict[str, str]) -> pb.ProcessingResponse:
+    """The response's headers let through with ``headers`` added (a tenant's rate-limit
+    headers, which the HTTP port adds to its answers)."""
+    mutation = pb.HeaderMutation(set_headers=[set_header(k, v) for k, v in headers.items()])
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=mutation)))
 
 
 def passthrough_answer(request: pb.ProcessingRequest) -> pb.ProcessingResponse | None:

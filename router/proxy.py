@@ -90,6 +90,14 @@ def replica_headers(
     for name in ("accept", "x-request-id"):
         if name in client_headers:
             headers[name] = client_headers[name]
+    return headers | trusted_headers(replica_api_key, tenant)
+
+
+def trusted_headers(replica_api_key: str | None, tenant: str | None) -> dict[str, str]:
+    """The headers a replica trusts because only the router sets them: the replicas' key and the
+    tenant the router authenticated. The endpoint picker sets the same on the requests a gateway
+    sends (router/ext_proc.py), over any copy the client sent."""
+    headers = {}
     if replica_api_key:
         headers["authorization"] = f"Bearer {replica_api_key}"
     if tenant:

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvscale.router import rate_limits as rules
-from kvscale.router.auth import bearer_digest, check_api_key
+from kvscale.router.auth import bearer_digest, bearer_matches, check_api_key, key_digest
 from kvscale.router.engine_priority import forwarded_priority, with_priority
 from kvscale.router.errors import openai_error
 from kvscale.router.metrics import RouterMetrics
@@ -84,13 +84,28 @@ class Tenancy:
                 self.metrics.tenant_rate_limited.labels(name, kind)
         self._series = names
 
+    @property
+    def checks_keys(self) -> bool:
+        return self.tenants is not None or bool(self.api_key)
+
+    def identify(self, authorization: str) -> Tenant | None | JSONResponse:
+        """Whom an Authorization header's value names: the tenant (with --tenants), None (no
+        tenants: the --api-key matched, or none is set), or the 401 to answer with: what the
+        HTTP port's handlers and the endpoint picker (router/ext_proc.py) ask of one table."""
+        if self.tenants is None:
+            if not self.api_key or bearer_matches(authorization, key_digest(self.api_key)):
+                return None
+            return openai_error(401, *UNAUTHORIZED)
+        tenant = self.tenants.current().match(bearer_digest(authorization))
+        return tenant if tenant is not None else openai_error(401, *UNAUTHORIZED)
+
     def authenticate(self, request: Request) -> JSONResponse | None:
         """None when the request may pass, else the 401 to answer with."""
         if self.tenants is None:
             return check_api_key(request, self.api_key)
         if SCOPE_KEY not in request.scope:  # the app served without the gate (tests, embedding)
-            request.scope[SCOPE_KEY] = self.tenants.current().match(
-                bearer_digest(request.headers.get("authorization", "")))
+            found = self.identify(request.headers.get("authorization", ""))
+            request.scope[SCOPE_KEY] = found if isinstance(found, Tenant) else None
         return None if request.scope[SCOPE_KEY] is not None else openai_error(401, *UNAUTHORIZED)
 
     @staticmethod
@@ -101,17 +116,23 @@ class Tenancy:
     async def admit(self, request: Request, endpoint: str, body: dict[str, Any],
                     prompt_tokens: int, body_bytes: int) -> Grant | Response:
         """Charge a generation request to its tenant's window: the grant, or the 429."""
-        tenant = self.tenant_of(request)
-        if tenant is None:
-            return Grant()
         if isinstance(granted := request.scope.get(GRANT_KEY), Grant):
             return granted
+        grant = await self.admit_tenant(self.tenant_of(request), endpoint, body, prompt_tokens, body_bytes)
+        if isinstance(grant, Grant):
+            request.scope[GRANT_KEY] = grant
+        return grant
+
+    async def admit_tenant(self, tenant: Tenant | None, endpoint: str, body: dict[str, Any],
+                           prompt_tokens: int, body_bytes: int) -> Grant | Response:
+        """``admit`` for a tenant already identified, once: what the endpoint picker asks."""
+        if tenant is None:
+            return Grant()
         grant = await self._admit(tenant, endpoint, body, prompt_tokens, body_bytes)
         if isinstance(grant, Grant):
             sent = forwarded_priority(tenant.priority, body) if self.engine_priority else None
             grant = replace(grant, on_done=self._counted(tenant.name, grant.on_done),
                             body=with_priority(body, sent) if sent is not None else None)
-            request.scope[GRANT_KEY] = grant
         return grant
 
     async def _admit(self, tenant: Tenant, endpoint: str, body: dict[str, Any],

@@ -3,10 +3,11 @@ API Inference Extension gateways configure it: the ext_proc filter calls the rou
 an ORIGINAL_DST cluster sends each request to the ``ip:port`` in ``x-gateway-destination-endpoint``.
 Two real `kvscale serve` replicas, real Redis, the official openai client.
 
-One Envoy, five listeners: FULL_DUPLEX_STREAMED bodies and BUFFERED bodies in front of
-`kvscale router --ext-proc-port`, one in front of a picker whose only replica is down, and a
-FailOpen and a FailClose listener in front of a picker that restarts. A replica killed mid-run has
-an Envoy of its own, whose cluster follows the picker's fallbacks.
+One Envoy, seven listeners: FULL_DUPLEX_STREAMED bodies and BUFFERED bodies in front of
+`kvscale router --ext-proc-port`, one in front of a picker whose only replica is down, a FailOpen
+and a FailClose listener in front of a picker that restarts, and two in front of a picker with
+tenants (the second sends it the answers' bodies too). A replica killed mid-run has an Envoy of
+its own, whose cluster follows the picker's fallbacks.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import signal
 import subprocess
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterator
 from concurrent import futures
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,12 +28,15 @@ import grpc
 import httpx
 import openai
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.envoy_gateway import envoy_argv, envoy_config, listener, wait_ready
 from kvscale.processes import free_port, wait_until
+from kvscale.tenant_limits_schema import TENANT_HEADER, WINDOW_S, window_key
 from tests.router.conftest import MODEL, Launcher, Proc, RedisServer
 from tests.router.tcp_relay import Relay
+from tests.router.test_router_tenants import clear_of_window_end
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +55,9 @@ class Gateway:
     fail_close: str
     own_picker: Proc
     own_picker_grpc_port: int
+    tenants: str  # a picker with tenants: request bodies streamed, answers' bodies not sent to it
+    tenants_usage: str  # the same picker, bodies buffered and the answers' sent to it
+    run: str  # this run's tenants' names end with it (the session's Redis outlives the module)
 
     def log(self) -> list[list[str]]:
         return [line.split() for line in Path(self.log_path).read_text().splitlines()]
@@ -65,17 +73,19 @@ class Gateway:
 
 
 @contextmanager
-def picker_in_process(replica_urls: list[str], policy: str = "prefix-affinity") -> Iterator[tuple[dict, int]]:
+def picker_in_process(replica_urls: list[str], policy: str = "prefix-affinity",
+                      **fields: object) -> Iterator[tuple[dict, int]]:
     """The router's app as an endpoint picker, served in this process (no tokenizer, no
-    subprocess) over ``replica_urls``, once every one is ready with the model. Yields its replicas
-    (by URL) and its gRPC port."""
+    subprocess) over ``replica_urls``, once every one is ready with the model; ``fields``: more of
+    its RouterConfig. Yields its replicas (by URL) and its gRPC port."""
     import uvicorn
 
     from kvscale.router.app import build_app
     from kvscale.router.config import RouterConfig
     from kvscale.router.ext_proc import serve_beside
 
-    config = RouterConfig(replicas=replica_urls, models=[], policy=policy, health_interval_s=0.2)
+    config = RouterConfig(replicas=replica_urls, models=[], policy=policy, health_interval_s=0.2,
+                          **fields)  # type: ignore[arg-type]
     app = build_app(config)
     grpc_port = free_port()
     serve_beside(app, "127.0.0.1", grpc_port, 1 << 20)
@@ -119,8 +129,21 @@ def start_envoy(config: dict, admin: int) -> Proc:
     return envoy
 
 
+def tenants_file(run: str) -> Path:
+    path = Path(tempfile.mkdtemp(prefix="picker-tenants-")) / "tenants.yaml"
+    path.write_text(f"""
+- {{name: gw-{run}, api_key: sk-gw, tokens_per_minute: 1000000}}
+- {{name: gw-rpm-{run}, api_key: sk-rpm, requests_per_minute: 2}}
+- {{name: gw-none-{run}, api_key: sk-none, tokens_per_minute: 1000000}}
+- {{name: gw-usage-{run}, api_key: sk-usage, tokens_per_minute: 1000000}}
+""")
+    return path
+
+
 @pytest.fixture(scope="module")
 def gateway(replicas: list[Proc], session_redis: RedisServer, router_launcher: Launcher) -> Iterator[Gateway]:
+    from kvscale.router.tenants import TenantFile
+
     grpc_port = free_port()
     router = router_launcher.router([r.url for r in replicas], session_redis.url,
                                     extra=["--ext-proc-port", str(grpc_port)])
@@ -129,24 +152,39 @@ def gateway(replicas: list[Proc], session_redis: RedisServer, router_launcher: L
     own_port = free_port()
     own_picker = router_launcher.router([r.url for r in replicas], session_redis.url,
                                         extra=["--ext-proc-port", str(own_port)])
-    ports = {name: free_port() for name in ("streamed", "buffered", "no_replica", "fail_open", "fail_close", "admin")}
-    log_path = tempfile.mkstemp(prefix="envoy-access-", suffix=".log")[1]
-    config = envoy_config(ports["admin"], [
-        listener("streamed", ports["streamed"], "picker", "FULL_DUPLEX_STREAMED", log_path),
-        listener("buffered", ports["buffered"], "picker", "BUFFERED", log_path),
-        listener("no_replica", ports["no_replica"], "down_picker", "FULL_DUPLEX_STREAMED", log_path),
-        listener("fail_open", ports["fail_open"], "own_picker", "BUFFERED", log_path, fail_open=True),
-        listener("fail_close", ports["fail_close"], "own_picker", "FULL_DUPLEX_STREAMED", log_path),
-    ], {"picker": grpc_port, "down_picker": down_port, "own_picker": own_port}, fallback=[r.port for r in replicas])
-    envoy = start_envoy(config, ports["admin"])
-    try:
-        base = "http://127.0.0.1:{}/v1"
-        yield Gateway(base.format(ports["streamed"]), base.format(ports["buffered"]),
-                      base.format(ports["no_replica"]), log_path, router.url, grpc_port,
-                      base.format(ports["fail_open"]), base.format(ports["fail_close"]), own_picker, own_port)
-    finally:
-        envoy.stop(signal.SIGTERM)
-        next(down, None)
+    run = uuid.uuid4().hex[:6]
+    with ExitStack() as stack:
+        # Tenants as `kvscale router --tenants --replica-api-key --scheduling-policy priority`
+        # gives them; the limits wait 2 s for the busy Redis before failing open.
+        _, tenants_port = stack.enter_context(picker_in_process(
+            [r.url for r in replicas], tenants=TenantFile(tenants_file(run)), redis_url=session_redis.url,
+            redis_timeout_ms=2000.0, replica_api_key="sk-replicas", scheduling_policy="priority"))
+        names = ("streamed", "buffered", "no_replica", "fail_open", "fail_close", "tenants", "tenants_usage", "admin")
+        ports = {name: free_port() for name in names}
+        log_path = tempfile.mkstemp(prefix="envoy-access-", suffix=".log")[1]
+        trusted = (TENANT_HEADER, "authorization")
+        config = envoy_config(ports["admin"], [
+            listener("streamed", ports["streamed"], "picker", "FULL_DUPLEX_STREAMED", log_path),
+            listener("buffered", ports["buffered"], "picker", "BUFFERED", log_path),
+            listener("no_replica", ports["no_replica"], "down_picker", "FULL_DUPLEX_STREAMED", log_path),
+            listener("fail_open", ports["fail_open"], "own_picker", "BUFFERED", log_path, fail_open=True),
+            listener("fail_close", ports["fail_close"], "own_picker", "FULL_DUPLEX_STREAMED", log_path),
+            listener("tenants", ports["tenants"], "tenants_picker", "FULL_DUPLEX_STREAMED", log_path,
+                     log_headers=trusted),
+            listener("tenants_usage", ports["tenants_usage"], "tenants_picker", "BUFFERED", log_path,
+                     response_body_mode="STREAMED", log_headers=trusted),
+        ], {"picker": grpc_port, "down_picker": down_port, "own_picker": own_port, "tenants_picker": tenants_port},
+            fallback=[r.port for r in replicas])
+        envoy = start_envoy(config, ports["admin"])
+        try:
+            base = "http://127.0.0.1:{}/v1"
+            yield Gateway(base.format(ports["streamed"]), base.format(ports["buffered"]),
+                          base.format(ports["no_replica"]), log_path, router.url, grpc_port,
+                          base.format(ports["fail_open"]), base.format(ports["fail_close"]), own_picker, own_port,
+                          base.format(ports["tenants"]), base.format(ports["tenants_usage"]), run)
+        finally:
+            envoy.stop(signal.SIGTERM)
+            next(down, None)
 
 
 def client(base_url: str) -> openai.OpenAI:
@@ -226,6 +264,69 @@ def test_no_ready_replica_is_a_503_with_the_error_json(gateway: Gateway) -> None
     error = caught.value.response.json()["error"]
     assert error["type"] == "service_unavailable" and "no healthy replica" in error["message"]
     assert gateway.lines("no_replica", 1)[-1][:2] == ["no_replica", "503"]
+
+
+def complete(base_url: str, key: str | None, **fields: object) -> httpx.Response:
+    headers = {TENANT_HEADER: "team-z", **({"authorization": f"Bearer {key}"} if key else {})}
+    return httpx.post(f"{base_url}/completions", headers=headers,
+                      json={"model": MODEL, "prompt": "Tenants behind the gateway:", "max_tokens": 2,
+                            "temperature": 0, **fields}, timeout=120)
+
+
+def test_tenants_keys_limits_and_trusted_headers_through_the_picker(gateway: Gateway,
+                                                                   session_redis: RedisServer) -> None:
+    """The picker with tenants answers as the HTTP port would (docs/gateway.md, "Tenants"): a
+    missing or unknown key 401 from the head, the N+1-th request 429 with Retry-After and the
+    rate-limit headers; a routed request reaches the replica with the tenant and the replicas'
+    key set over the client's copies, and its body with the tenant's band for a priority the
+    client set more urgent (-3: the replicas run fcfs and answer any other priority but 0 with 400)."""
+    run = gateway.run
+    clear_of_window_end(session_redis.url)
+    logged = len(gateway._of("tenants"))
+    for key in ("nobody", None):
+        refused = complete(gateway.tenants, key)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", refused.text
+    gateway.lines("tenants", logged + 2)  # written: the next line read is the next request's
+    for mode in ("tenants", "tenants_usage"):
+        sent = len(gateway._of(mode))
+        answer = complete(getattr(gateway, mode), "sk-gw", priority=-3)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-ratelimit-limit-tokens"] == "1000000"
+        line = gateway.lines(mode, sent + 1)[-1]
+        assert line[1] == "200" and line[4] == f"gw-{run}" and line[5:] == ["Bearer", "sk-replicas"], line
+    answers = [complete(gateway.tenants, "sk-rpm") for _ in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 429], [a.text for a in answers]
+    error = answers[2].json()["error"]
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
+    assert int(answers[2].headers["retry-after"]) >= 1
+    assert answers[2].headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_tenants_reservations_settled_from_what_the_gateway_shows(gateway: Gateway,
+                                                                  session_redis: RedisServer) -> None:
+    """Without the answers' bodies (response_body_mode NONE) the picker sees their status only:
+    a 200's reservation is kept, an error's given back. With them (STREAMED) the usage replaces
+    the reservation, as on the HTTP port."""
+    run = gateway.run
+    client_ = redis.Redis.from_url(session_redis.url)
+    clear_of_window_end(session_redis.url, margin_s=10.0)
+    window = int(client_.time()[0]) // WINDOW_S
+
+    def tokens(tenant: str) -> int:
+        return int(client_.get(window_key(tenant, window, "tokens")) or 0)
+
+    kept = complete(gateway.tenants, "sk-none", max_tokens=3)
+    assert kept.status_code == 200, kept.text
+    reserved = 1000000 - int(kept.headers["x-ratelimit-remaining-tokens"])
+    assert reserved != kept.json()["usage"]["total_tokens"]  # else settling would not show
+    refused = complete(gateway.tenants, "sk-none", max_tokens=3, n=0)  # the replica's 400
+    assert refused.status_code == 400, refused.text
+    wait_until(lambda: tokens(f"gw-none-{run}") == reserved, 10, interval=0.05, what="the 400's reservation given back")
+    used = complete(gateway.tenants_usage, "sk-usage", max_tokens=3)
+    assert used.status_code == 200, used.text
+    total = used.json()["usage"]["total_tokens"]
+    assert 1000000 - int(used.headers["x-ratelimit-remaining-tokens"]) != total
+    wait_until(lambda: tokens(f"gw-usage-{run}") == total, 10, interval=0.05, what="the usage settled")
 
 
 def test_fail_open_serves_while_its_picker_restarts(gateway: Gateway, replicas: list[Proc],

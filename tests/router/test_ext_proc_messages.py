@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -20,7 +21,16 @@ from kvscale.router import ext_proc_messages as msg
 from kvscale.router.app import Router
 from kvscale.router.cli_router import add_arguments, config_from_args
 from kvscale.router.config import RouterConfig
-from kvscale.router.ext_proc import EndpointPicker, endpoint_of, follow_drain, parse_body
+from kvscale.router.errors import openai_error
+from kvscale.router.ext_proc import (
+    EndpointPicker,
+    endpoint_of,
+    follow_drain,
+    parse_body,
+    refusal_of,
+)
+from kvscale.router.tenants import TenantFile
+from kvscale.tenant_limits_schema import TENANT_HEADER
 
 Mode = processing_mode_pb2.ProcessingMode
 REPLICAS = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
@@ -135,15 +145,86 @@ def test_endpoint_of_a_replica_url() -> None:
     assert endpoint_of("http://10.1.2.3") == "10.1.2.3:80"
 
 
-def test_the_picker_refuses_to_start_with_a_key_it_would_not_check(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_picker_starts_with_a_key_or_tenants(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSCALE_API_KEY", raising=False)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--replicas", "http://10.0.0.1:8000", "--ext-proc-port", "9002", "--api-key", "k"])
-    with pytest.raises(SystemExit, match="--ext-proc-port does not check --api-key"):
-        config_from_args(args)
-    args = parser.parse_args(["--replicas", "http://10.0.0.1:8000", "--ext-proc-port", "9002"])
-    assert config_from_args(args).replicas == ["http://10.0.0.1:8000"] and args.ext_proc_port == 9002
+    assert config_from_args(args).api_key == "k" and args.ext_proc_port == 9002
+
+
+def tenant_router(tmp_path: Path, **fields: object) -> Router:
+    path = tmp_path / "tenants.yaml"
+    path.write_text("- {name: team-a, api_key: sk-a, priority: 0}\n")
+    router = Router(RouterConfig(replicas=REPLICAS, models=[], tenants=TenantFile(path), **fields))  # type: ignore[arg-type]
+    for replica in router.replicas.replicas.values():
+        replica.models, replica.healthy = {"m"}, True
+    return router
+
+
+def set_and_removed(mutation: pb.HeaderMutation) -> tuple[dict[str, str], list[str]]:
+    return ({o.header.key: o.header.raw_value.decode() for o in mutation.set_headers},
+            list(mutation.remove_headers))
+
+
+def test_a_missing_or_unknown_key_is_a_401_from_the_head(tmp_path: Path) -> None:
+    for head in (HEAD, {**HEAD, "authorization": "Bearer sk-nobody"}):
+        answers = run(tenant_router(tmp_path), [headers_message(head, Mode.FULL_DUPLEX_STREAMED),
+                                                body_message(BODY, True)])
+        assert len(answers) == 1  # answered on the headers: the body is never looked at
+        assert answers[0].immediate_response.status.code == 401
+        assert json.loads(answers[0].immediate_response.body)["error"]["code"] == "invalid_api_key"
+    probe = {":method": "GET", ":path": "/health"}  # open, as on the HTTP port
+    answers = run(tenant_router(tmp_path), [headers_message(probe, Mode.BUFFERED, end_of_stream=True)])
+    assert answers[0].HasField("request_headers")
+
+
+def test_the_replica_gets_the_trusted_headers_the_http_port_would_send(tmp_path: Path) -> None:
+    """The tenant and the replicas' key set over the client's copies; a client's lower priority
+    than its tenant's band becomes the band's, in the body and its length."""
+    body = json.dumps({"model": "m", "prompt": "hi", "priority": -3}).encode()
+    head = {**HEAD, "authorization": "Bearer sk-a", TENANT_HEADER: "team-z"}
+    router = tenant_router(tmp_path, replica_api_key="sk-replicas", scheduling_policy="priority")
+    streamed = run(router, [headers_message(head, Mode.FULL_DUPLEX_STREAMED), body_message(body, True)])
+    headers, removed = set_and_removed(streamed[0].request_headers.response.header_mutation)
+    sent = streamed[1].request_body.response.body_mutation.streamed_response.body
+    assert json.loads(sent) == {"model": "m", "prompt": "hi", "priority": 0}
+    assert headers[TENANT_HEADER] == "team-a" and headers["authorization"] == "Bearer sk-replicas"
+    assert headers["content-length"] == str(len(sent)) and removed == []
+    buffered = run(tenant_router(tmp_path), [headers_message(head, Mode.BUFFERED), body_message(BODY, True)])
+    common = buffered[1].request_body.response
+    headers, removed = set_and_removed(common.header_mutation)
+    # No replicas' key: the client's key (the router's) goes no further; the body as it came.
+    assert headers[TENANT_HEADER] == "team-a" and removed == ["authorization"]
+    assert not common.HasField("body_mutation") and "content-length" not in headers
+
+
+def test_without_tenants_a_clients_tenant_header_is_removed() -> None:
+    head = {**HEAD, TENANT_HEADER: "team-z"}
+    answers = run(ready_router(), [headers_message(head, Mode.BUFFERED), body_message(BODY, True)])
+    assert set_and_removed(answers[1].request_body.response.header_mutation)[1] == [TENANT_HEADER]
+
+
+def test_the_usage_in_an_answers_tail_is_counted_to_its_tenant(tmp_path: Path) -> None:
+    """With the answers' bodies sent to the picker (response_body_mode STREAMED), the usage near
+    the end of the last chunks is what the HTTP path reads from its tail."""
+    usage = b'"usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}'
+    head = {**HEAD, "authorization": "Bearer sk-a"}
+    status = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])
+    router = tenant_router(tmp_path)
+    run(router, [headers_message(head, Mode.BUFFERED), body_message(BODY, True),
+                 pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=status)),
+                 pb.ProcessingRequest(response_body=pb.HttpBody(body=b'{"id": "c", ' + b" " * 5000)),
+                 pb.ProcessingRequest(response_body=pb.HttpBody(body=usage, end_of_stream=True))])
+    assert router.metrics.tenant_tokens.labels("team-a")._value.get() == 10
+
+
+def test_a_refusal_keeps_the_http_ports_headers() -> None:
+    response = openai_error(429, "slow down", "requests", "rate_limit_exceeded")
+    response.headers["retry-after"] = "7"
+    immediate = msg.immediate(refusal_of(response)).immediate_response
+    assert {o.header.key: o.header.raw_value for o in immediate.headers.set_headers} == {
+        "content-type": b"application/json", "retry-after": b"7"}
 
 
 def test_a_body_ended_by_trailers_is_decided_there() -> None:
