@@ -299,12 +299,10 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
         # The servers trust the router's tenant header only behind their own key (docs/server.md,
         # "Tenants"), and only the router reads the tenants.
         raise ValueError("router.tenants needs the router and apiKeySecretRef (the servers' key)")
-    if parsed.router.inference_pool.enabled and (
-            not parsed.router.enabled or parsed.api_key_secret is not None or parsed.router.tenants):
-        # The picker checks no key (docs/gateway.md, "What the picker does"): the router refuses
-        # --ext-proc-port beside an API key or tenants.
-        raise ValueError("router.inferencePool needs the router, and neither apiKeySecretRef nor "
-                         "router.tenants: the gateway authenticates")
+    if parsed.router.inference_pool.enabled and not parsed.router.enabled:
+        # The routers are the endpoint picker; with a key or tenants the picker checks them as the
+        # HTTP port does (docs/gateway.md, "What the picker does").
+        raise ValueError("router.inferencePool needs the router (router.enabled: true)")
     return parsed
 
 

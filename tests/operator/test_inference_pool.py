@@ -68,10 +68,13 @@ def test_the_pool_waits_for_its_crd_then_follows_the_spec(k8s_env, namespace: st
     operator = OperatorProcess(operator_kubeconfig, tmp_path / "operator.log", "--namespace", namespace,
                                "--no-leader-elect", "--resync-interval", "1", "--scrape-interval", "5")
     try:
-        # The picker checks no key: the API server refuses a pool beside one.
-        refused = k8s_env.kubectl("apply", "-f", "-", check=False, input=json.dumps(inference_service(
-            namespace, apiKeySecretRef={"name": "key"}, router={"inferencePool": {"enabled": True}})))
-        assert refused.returncode != 0 and "router.inferencePool excludes apiKeySecretRef" in refused.stderr
+        # The picker checks keys and tenants as the HTTP port does: the API server takes a pool
+        # beside them (its CEL rules and schema, without creating anything).
+        keyed = k8s_env.kubectl("apply", "--dry-run=server", "-f", "-", check=False, input=json.dumps(
+            inference_service(namespace, apiKeySecretRef={"name": "key"}, router={
+                "inferencePool": {"enabled": True},
+                "tenants": [{"name": "team-a", "apiKeySecretRef": {"name": "team-a-key"}}]})))
+        assert keyed.returncode == 0, keyed.stderr
         k8s_env.kubectl("apply", "-f", "-", input=json.dumps(
             inference_service(namespace, router={"inferencePool": {"enabled": True}})))
         # No CRD: the service reconciles all the same, and says what is missing.

@@ -63,6 +63,22 @@ def test_enabled_the_routers_serve_the_picker_and_their_service_exposes_it():
     assert ("v1", "services", "chat-router") not in owned.unwanted_children("chat", "team", pool_spec())
 
 
+def test_with_a_key_and_tenants_the_picker_checks_them_as_the_http_port_does():
+    """The picker answers 401 and 429 itself and names the tenant to the servers behind their key
+    (docs/gateway.md, "Keys and tenants"): the routers get the tenants file and the servers' key
+    beside --ext-proc-port, and the router's parser accepts the combination."""
+    tenant = {"name": "team-a", "apiKeySecretRef": {"name": "team-a-key"}, "requestsPerMinute": 60}
+    spec = parse_spec({**BUNDLED, "apiKeySecretRef": {"name": "servers-key"},
+                       "router": {"tenants": [tenant], "inferencePool": {"enabled": True}}})
+    container = router_container(owned.build_children("chat", "team", spec))
+    assert "--ext-proc-port" in container["args"] and "--tenants" in container["args"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["KVSCALE_REPLICA_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "servers-key"
+    args = build_parser("router").parse_args(
+        [a.replace("$(POD_NAMESPACE)", "team") for a in container["args"]])
+    assert args.ext_proc_port == 9002 and args.tenants
+
+
 def test_disabled_nothing_of_it_is_made_and_its_service_is_unwanted():
     spec = parse_spec(BUNDLED)
     assert not pool_wanted(spec)
@@ -75,7 +91,6 @@ def test_disabled_nothing_of_it_is_made_and_its_service_is_unwanted():
 
 @pytest.mark.parametrize(("spec", "words"), [
     ({"router": {"enabled": False, "inferencePool": {"enabled": True}}}, "needs the router"),
-    ({"apiKeySecretRef": {"name": "k"}, "router": {"inferencePool": {"enabled": True}}}, "gateway authenticates"),
     ({"router": {"inferencePool": {"enabled": True, "extProcPort": 8080}}}, "extProcPort"),
     ({"router": {"inferencePool": {"enabled": True, "failureMode": "Maybe"}}}, "failureMode"),
 ])
