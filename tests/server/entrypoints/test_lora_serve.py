@@ -301,6 +301,9 @@ def test_through_a_router_an_adapter_loaded_at_run_time_comes_back_to_a_replica_
         assert _update(server, "unload_lora_adapter", lora_name="kept").status_code == 200
         relay = Relay(server.port, port=relay.port)
         wait_until(lambda: "kept" in served(), 30, what="the router's replay of the adapter")
+        # The router learns the replica's models from its next health check: until then it 404s.
+        wait_until(lambda: "kept" in {m.id for m in routed.models.list().data}, 30,
+                   what="the router seeing the adapter on the replica")
         assert _complete(routed, "kept") == expected
         replays = httpx.get(f"{router}/metrics", timeout=10).text
         assert 'kvscale_router_lora_replays_total{result="loaded"} 1.0' in replays, replays[-2000:]
