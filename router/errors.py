@@ -31,6 +31,8 @@ def request_json(raw: bytes) -> dict[str, Any] | JSONResponse:
             raise ValueError("the request body must be a JSON object")
     except ValueError as exc:
         return openai_error(400, f"invalid JSON body: {exc}", "invalid_request_error")
+    except RecursionError:  # the decoder's depth bound: a client's fault like any other bad JSON
+        return openai_error(400, "invalid JSON body: nested too deeply", "invalid_request_error")
     if body.get("model") is not None and not isinstance(body["model"], str):
         return openai_error(400, "model must be a string", "invalid_request_error")
     return body

@@ -30,6 +30,8 @@ def loads(text: str | bytes) -> Any:
     except msgspec.DecodeError as exc:
         doc = text if isinstance(text, str) else text.decode("utf-8", "replace")
         raise json.JSONDecodeError(str(exc), doc, 0) from exc
+    except RecursionError as exc:  # msgspec's depth bound: bad JSON from the client, not a 500
+        raise json.JSONDecodeError("nested too deeply", "", 0) from exc
 
 
 def dumps_compact(value: Any) -> str:

@@ -31,3 +31,14 @@ def test_a_json_object_passes_and_the_picker_reads_no_body_as_empty() -> None:
     assert request_json(b'{"model": "m", "prompt": "x"}') == {"model": "m", "prompt": "x"}
     assert request_json(b'{"prompt": "x"}') == {"prompt": "x"}
     assert parse_body(b"") == {}
+
+
+@pytest.mark.parametrize("nesting", [b"[" * 100_000 + b"]" * 100_000, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
+def test_json_nested_past_the_decoders_depth_is_a_400_not_a_crash(nesting: bytes) -> None:
+    # The decoder gives up with RecursionError, not ValueError: uncaught, it was a 500 with a
+    # traceback logged per request, which a client could send as fast as it liked.
+    refused = request_json(nesting)
+    assert isinstance(refused, Response) and refused.status_code == 400
+    assert "invalid JSON body" in json.loads(bytes(refused.body))["error"]["message"]
+    picked = parse_body(nesting)
+    assert isinstance(picked, Refusal) and picked.status == 400

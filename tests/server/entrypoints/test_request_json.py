@@ -17,6 +17,12 @@ def test_what_is_not_json_is_a_json_decode_error(text: str) -> None:
         request_json.loads(text.encode())
 
 
+def test_json_nested_past_the_decoders_depth_is_a_json_decode_error() -> None:
+    # msgspec gives up with RecursionError: uncaught, it was a 500 (and a logged traceback).
+    with pytest.raises(json.JSONDecodeError):
+        request_json.loads(b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+
+
 def test_json_values_come_through_as_pythons_json_reads_them() -> None:
     text = '{"big": 100000000000000000000000000001, "small": 1e-7, "text": "é\\u2028\\ud83d\\ude00", "n": null}'
     assert request_json.loads(text) == json.loads(text)
