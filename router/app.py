@@ -267,36 +267,37 @@ class Router:
                                  lambda: room_on(candidates, self.heartbeats, self.in_flight), grant)
         if isinstance(turn, Response):  # waited --max-queue-wait (503), or its client left (499)
             return turn
-        header = self.config.session_header
-        session = request.headers.get(header) if header else None
-        hash_key: int | str = prompt.hashes[0] if prompt.hashes else (
-            f"{model}|{str(body.get('prompt', body.get('messages', body.get('input'))))[:256]}")
-        decision = self.decider.decide(candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens,
-                                       prompt.block_size, adapter.name if adapter else None)
-        predicted_tokens = decision.matched_blocks * prompt.block_size
-        self.metrics.predicted_hit_tokens.inc(predicted_tokens)
-        self.metrics.predicted_hit_tokens_per_request.observe(predicted_tokens)
-        self.metrics.prompt_tokens.inc(prompt.prompt_tokens)
-        decided = time.perf_counter()
-        self.metrics.decision_seconds.observe(decided - started)
+        with turn:  # an exception before the forward ends the turn (fair_queue.Turn)
+            header = self.config.session_header
+            session = request.headers.get(header) if header else None
+            hash_key: int | str = prompt.hashes[0] if prompt.hashes else (
+                f"{model}|{str(body.get('prompt', body.get('messages', body.get('input'))))[:256]}")
+            decision = self.decider.decide(candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens,
+                                           prompt.block_size, adapter.name if adapter else None)
+            predicted_tokens = decision.matched_blocks * prompt.block_size
+            self.metrics.predicted_hit_tokens.inc(predicted_tokens)
+            self.metrics.predicted_hit_tokens_per_request.observe(predicted_tokens)
+            self.metrics.prompt_tokens.inc(prompt.prompt_tokens)
+            decided = time.perf_counter()
+            self.metrics.decision_seconds.observe(decided - started)
 
-        by_id = {r.replica_id: r for r in candidates}
-        return turn.ended(await self.forwarder.forward(Routed(
-            endpoint=endpoint, body=grant.body or raw,
-            headers=replica_headers(request.headers, self.config.replica_api_key, grant.tenant),
-            ranked=[by_id[rid] for rid in decision.ranked][: max(1, self.config.max_attempts)],
-            hashes=prompt.hashes,
-            prompt_tokens=prompt.prompt_tokens,
-            predicted_hit_tokens=predicted_tokens,
-            session=session,
-            router_ms=(decided - started) * 1000,
-            predicted_ttft_s=decision.predicted_ttft_s,
-            uncalibrated_ttft_s=decision.uncalibrated_ttft_s,
-            calibrates=body.get("stream") is True and decision.rate_measured,
-            client_left=disconnect_of(request.receive),
-            reply_headers=grant.headers,
-            on_done=turn.forwarding(grant.on_done),
-        )))
+            by_id = {r.replica_id: r for r in candidates}
+            return turn.ended(await self.forwarder.forward(Routed(
+                endpoint=endpoint, body=grant.body or raw,
+                headers=replica_headers(request.headers, self.config.replica_api_key, grant.tenant),
+                ranked=[by_id[rid] for rid in decision.ranked][: max(1, self.config.max_attempts)],
+                hashes=prompt.hashes,
+                prompt_tokens=prompt.prompt_tokens,
+                predicted_hit_tokens=predicted_tokens,
+                session=session,
+                router_ms=(decided - started) * 1000,
+                predicted_ttft_s=decision.predicted_ttft_s,
+                uncalibrated_ttft_s=decision.uncalibrated_ttft_s,
+                calibrates=body.get("stream") is True and decision.rate_measured,
+                client_left=disconnect_of(request.receive),
+                reply_headers=grant.headers,
+                on_done=turn.forwarding(grant.on_done),
+            )))
 
     async def _prompt_blocks(self, endpoint: str, body: dict[str, Any], model: str | None,
                              body_bytes: int, adapter: Adapter | None = None) -> PromptBlocks:

@@ -95,6 +95,17 @@ class Turn:
         self.cost = cost
         self._done = False
 
+    def __enter__(self) -> Turn:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        """The handling of the request let through ended by an exception (one between its turn
+        and its forwarding, or its cancellation): the turn ends too. Else its request would stay
+        open in its band until restart, and band_preemption would let more urgent ones past a
+        full fleet to displace it. The status is the answer the client gets, for the settlement."""
+        if kind is not None:
+            self.done(CLIENT_GONE if issubclass(kind, asyncio.CancelledError) else 500, b"")
+
     def sent(self) -> None:
         """It is being forwarded: the replicas' counts take it from here."""
         if self._queue is not None:
@@ -274,6 +285,14 @@ class FairQueue:
             if watch is not None:
                 waits.add(watch)
             await asyncio.wait(waits, timeout=self.max_wait_s, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            # Its handler was cancelled (an ext_proc stream Envoy reset as its client left): a
+            # turn given meanwhile ends unused, a wait counts as its client's leaving.
+            if waiter.released.done():
+                Turn(self, waiter.released.result(), tenant, weight, cost).done(CLIENT_GONE, b"")
+            else:
+                self._waited("disconnected", time.monotonic() - since, tenant)
+            raise
         finally:
             if watch is not None:
                 watch.cancel()

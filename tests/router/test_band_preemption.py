@@ -5,9 +5,23 @@ when the fleet is saturated")."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from types import SimpleNamespace
 
+import httpx
+import pytest
+
+from kvscale.kv_index_schema import Heartbeat
+from kvscale.processes import free_port
+from kvscale.router.app import build_app
 from kvscale.router.band_preemption import may_preempt
+from kvscale.router.config import RouterConfig
 from kvscale.router.fair_queue import FairQueue, Turn
+from kvscale.router.metrics import RouterMetrics
+from tests.router.test_fair_share import MODEL, Replica
 
 
 def test_a_request_goes_through_while_less_urgent_open_ones_outnumber_those_it_displaced() -> None:
@@ -38,3 +52,83 @@ def test_the_queue_lets_an_urgent_request_through_to_full_replicas_only_when_the
     # One low request open: one urgent request displaces it, the next waits for room.
     assert asyncio.run(run(True)) == (True, False)
     assert asyncio.run(run(False)) == (False, False)
+
+
+def test_a_request_whose_handling_fails_between_its_turn_and_its_forward_is_no_longer_open(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's app with --max-queue-wait and --scheduling-policy priority: a request let
+    through whose handling raises before it is forwarded (here its decision) ends its turn. Else
+    it stays open in its band until restart, and a more urgent request is let past the full
+    fleet to displace a request that is not there."""
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Replica)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def run() -> tuple[int, int, int, int]:
+        app = build_app(RouterConfig(replicas=[url], policy="round-robin", models=[], health_interval_s=0.05,
+                                     max_queue_wait_s=0.3, scheduling_policy="priority"))
+        router = app.state.router
+        await router.start()
+        try:
+            while not any(r.healthy for r in router.replicas.replicas.values()):
+                await asyncio.sleep(0.02)
+            rid = next(iter(router.replicas.replicas.values())).replica_id
+
+            def beat(running: int) -> Heartbeat:
+                return Heartbeat(rid, MODEL, url, 16, running, 0, 1, 100, time.time(), max_num_seqs=1)
+
+            feed = SimpleNamespace(heartbeats={rid: beat(0)}, healthy=True, healthy_since=time.monotonic())
+            router.heartbeats.feed = feed
+            decide = router.decider.decide
+
+            def fails_once(*args: object, **kwargs: object) -> object:
+                monkeypatch.setattr(router.decider, "decide", decide)
+                raise RuntimeError("the decision failed")
+
+            monkeypatch.setattr(router.decider, "decide", fails_once)
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+                with pytest.raises(RuntimeError, match="the decision failed"):
+                    await client.post("/v1/completions", json={**body, "priority": 10})
+                queue = router.queue
+                still_open = sum(queue.open_by_band.values()) + len(queue.opened) + len(queue.unsent)
+                feed.heartbeats[rid] = beat(1)  # full: another router's request holds the slot
+                urgent = await client.post("/v1/completions", json={**body, "priority": 0})
+                return still_open, queue.open_without_room, urgent.status_code, queue.waiting
+        finally:
+            router.heartbeats.feed = None  # not a RedisFeed: nothing to stop
+            await router.stop()
+            server.shutdown()
+
+    still_open, without_room, urgent, waiting = asyncio.run(run())
+    assert (still_open, without_room) == (0, 0)
+    # Nothing of this router's is open on the full replica: the urgent one waits, then is shed.
+    assert (urgent, waiting) == (503, 0)
+
+
+def test_a_handler_cancelled_while_it_waits_or_as_its_turn_comes_leaves_nothing_open() -> None:
+    """The wait's handler cancelled (an ext_proc stream its gateway reset): waiting, it leaves
+    the queue as a client that left; given its turn in the same loop pass, the turn ends."""
+    async def run() -> tuple[FairQueue, RouterMetrics]:
+        metrics = RouterMetrics()
+        queue = FairQueue(max_wait_s=5, metrics=metrics, replicas_preempt=True)
+        free = [0]
+        waits = [asyncio.ensure_future(queue.enter("a", 10, 1.0, 10, lambda: free[0])) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert queue.waiting == 2
+        waits[0].cancel()
+        await asyncio.sleep(0)
+        assert queue.waiting == 1
+        free[0] = 1
+        queue.dispatch()  # the second one's turn, before its task runs again
+        assert queue.opened and queue.unsent
+        waits[1].cancel()
+        for cancelled in waits:
+            with contextlib.suppress(asyncio.CancelledError):
+                await cancelled
+        return queue, metrics
+
+    queue, metrics = asyncio.run(run())
+    assert queue.waiting == 0 and not queue.queues and not queue.opened and not queue.unsent
+    assert sum(queue.open_by_band.values()) == 0 and queue.open_without_room == 0
+    assert metrics.registry.get_sample_value("kvscale_router_queue_waits_total", {"outcome": "disconnected"}) == 1
