@@ -2,7 +2,8 @@
 sends a router, each kind in its own loop until told to stop. All but one hold the routers' API
 key (a tenant misbehaving, not a stranger).
 
-- ``oversized``: a body declared at 64 MiB, sent in 1 MiB pieces (refused 413 before it is read);
+- ``oversized``: a body declared at 64 MiB, sent in 1 MiB pieces at 100 MiB/s, one upload after
+  another with ``PAUSE_S`` between (refused 413 before it is read);
 - ``slow_loris``: a 4 KiB body sent a byte a second (refused 408 after --request-body-timeout);
 - ``many_prompts``: one completion request holding 5,000 prompts (refused 400 by the replica);
 - ``disconnect``: a long stream left after its first chunk (the replica must free its blocks);
@@ -15,7 +16,8 @@ key (a tenant misbehaving, not a stranger).
   the body is sent before the answer);
 - ``slow_schema``: distinct slow-to-compile JSON schemas (each fails alone, 400 or 503).
 
-Each answer's status is counted per kind; 0 means the connection closed without one.
+Each answer's status is counted per kind; 0 means the connection closed without one. The soak runs
+them in a process of their own (bench/hostile_process.py).
 """
 
 from __future__ import annotations
@@ -51,6 +53,19 @@ UNAUTHENTICATED_BYTES = 30 * 2**20
 # second, a flood of connections (which no limit under test bounds) taking the 2 cores the
 # honest load and the soak's own clients share.
 PAUSE_S = 0.25
+# An oversized upload: 64 MiB declared, sent 1 MiB every 10 ms (a 100 MiB/s link) until answered.
+OVERSIZED_BYTES = 64 * 2**20
+OVERSIZED_PIECE_BYTES = 2**20
+OVERSIZED_PIECE_EVERY_S = 0.01
+
+
+def pacing() -> dict:
+    """How hard the clients push, for the report: clients per kind, the pause after each refused
+    request, and the oversized uploads' link rate."""
+    return {"clients": dict(CONCURRENCY), "pause_after_refusal_s": PAUSE_S,
+            "paused_kinds": ["oversized", "unauthenticated", "over_limit"],
+            "oversized_link_mib_per_s": round(OVERSIZED_PIECE_BYTES / OVERSIZED_PIECE_EVERY_S / 2**20),
+            "oversized_uploads_per_s_max": round(CONCURRENCY["oversized"] / PAUSE_S, 1)}
 
 
 @dataclass
@@ -132,9 +147,14 @@ Loop = Callable[[str, HostileStats, asyncio.Event, str | None], Awaitable[None]]
 
 
 async def oversized(url: str, stats: HostileStats, stop: asyncio.Event, api_key: str | None) -> None:
+    # Paced like the other kinds refused at once (PAUSE_S): unpaced, each client opened ~350
+    # connections a second, a connection flood (which no limit under test bounds) whose cost fell
+    # on the soak's own clients as much as on the routers.
     while not stop.is_set():
-        status, _, _ = await _raw_upload(url, 64 * 2**20, b"x" * 2**20, 0.01, 30, api_key)
+        status, _, _ = await _raw_upload(url, OVERSIZED_BYTES, b"x" * OVERSIZED_PIECE_BYTES,
+                                         OVERSIZED_PIECE_EVERY_S, 30, api_key)
         stats.statuses["oversized"][status] += 1
+        await asyncio.sleep(PAUSE_S)
 
 
 async def slow_loris(url: str, stats: HostileStats, stop: asyncio.Event, api_key: str | None) -> None:

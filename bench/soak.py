@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import secrets
@@ -44,6 +43,7 @@ if __package__ in (None, ""):
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from bench.soak_breakdown import (  # noqa: E402
+    OWN_ONLY,
     cpu_seconds,
     cpu_share,
     lag_summary,
@@ -72,7 +72,8 @@ BOMB_DEADLINE_MARGIN_S = 30
 
 def hostile_main(args: argparse.Namespace) -> int:
     """The honest load alone, then the same load beside hostile clients, on one platform."""
-    from bench.hostile_clients import HostileStats, run_hostile
+    from bench.hostile_clients import pacing
+    from bench.hostile_process import HostileProcess, HostileSettings
 
     # The routers check a key, so that the unauthenticated clients meet the check; honest and
     # hostile tenants alike send it. The replicas' compile limit sits under what the slow schemas
@@ -95,56 +96,53 @@ def hostile_main(args: argparse.Namespace) -> int:
         pids = platform_pids({**platform_.replicas, **platform_.routers,
                               **({"redis": platform_.redis} if platform_.redis else {})})
         lags: dict[str, list[float]] = {"alone": [], "beside_hostile": []}
-        cpu_before = cpu_seconds(pids)
+        cpu_before = cpu_seconds(pids, own_only=OWN_ONLY)
         started = time.monotonic()
         asyncio.run(with_loop_lag(load(platform_, args.requests, args.concurrency, args.seed, alone), lags["alone"]))
         alone_s = time.monotonic() - started
-        cpu_alone = cpu_share(cpu_before, cpu_seconds(pids), alone_s)
-        stats = HostileStats()
+        cpu_alone = cpu_share(cpu_before, cpu_seconds(pids, own_only=OWN_ONLY), alone_s)
         beside: list[Outcome] = []
 
         print(f"honest load alone: {len(alone)} requests in {alone_s:.0f} s", file=sys.stderr, flush=True)
 
-        async def progress(stop: asyncio.Event) -> None:
-            # A long run shows where it is: honest requests ended, hostile requests answered.
-            while not stop.is_set():
+        async def progress() -> None:
+            # A long run shows where it is (the hostile process reports its own counts).
+            while True:
                 await asyncio.sleep(15)
-                sent = {kind: n for kind, n in stats.as_dict()["sent"].items() if n}
-                print(f"beside hostile: {sum(1 for o in beside if o.ended)}/{args.requests} honest ended; "
-                      f"hostile answered {sent}", file=sys.stderr, flush=True)
+                print(f"beside hostile: {sum(1 for o in beside if o.ended)}/{args.requests} honest ended",
+                      file=sys.stderr, flush=True)
 
-        async def both() -> None:
-            stop = asyncio.Event()
-            hostile = asyncio.create_task(run_hostile(routers, stats, stop, api_key, args.bomb_sequences,
-                                                      bomb_deadline_s=args.bomb_deadline_s))
-            reporter = asyncio.create_task(progress(stop))
-            await asyncio.sleep(5)  # the hostile clients under way before the honest load starts
-            cpu_at_start = cpu_seconds(pids)
-            honest_started = time.monotonic()
-            await with_loop_lag(load(platform_, args.requests, args.concurrency, args.seed, beside),
-                                lags["beside_hostile"])
-            # Over the honest requests' own span: the bombs' tail after it is not what they met.
-            cpu_beside.update(cpu_share(cpu_at_start, cpu_seconds(pids), time.monotonic() - honest_started))
-            stop.set()
-            # What the hostile clients still have open after a short grace (a slow-loris upload
-            # before its 408) is given up, as a client leaving would, and not counted: waiting
-            # for each would add a minute to every run. A bomb in flight is waited for up to its
-            # deadline, so that every bomb sent has an outcome to judge. The replicas must free
-            # what was given up before the leak check.
-            since = stats.bomb_in_flight_since
-            grace = (HOSTILE_GRACE_S if since is None else
-                     max(HOSTILE_GRACE_S, since + args.bomb_deadline_s + 1 - time.monotonic()))
-            done, _ = await asyncio.wait({hostile}, timeout=grace)
-            if not done:
-                stats.cancelled_at_end = True
-                hostile.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await hostile
-            reporter.cancel()
+        async def honest_beside_hostile() -> None:
+            reporter = asyncio.create_task(progress())
+            try:
+                await with_loop_lag(load(platform_, args.requests, args.concurrency, args.seed, beside),
+                                    lags["beside_hostile"])
+            finally:
+                reporter.cancel()
 
-        cpu_beside: dict[str, float] = {}
+        # The hostile clients run in a process of their own (bench/hostile_process.py), as real
+        # attackers on other machines would: the honest clients' loop does not wait on theirs.
+        # When the honest load is done, what they still have open ends within a grace (a bomb in
+        # flight: within its deadline, so that every bomb sent has an outcome to judge) or is
+        # given up, as a client leaving would, and not counted: waiting for each slow-loris upload
+        # would add a minute to every run. The replicas must free what was given up before the
+        # leak check.
+        hostile = HostileProcess(HostileSettings(routers, api_key, args.bomb_sequences,
+                                                 args.bomb_deadline_s, HOSTILE_GRACE_S))
+        pids["hostile_clients"] = hostile.start()
         started = time.monotonic()
-        asyncio.run(both())
+        try:
+            time.sleep(5)  # the hostile clients under way before the honest load starts
+            cpu_at_start = cpu_seconds(pids, own_only=OWN_ONLY)
+            honest_started = time.monotonic()
+            asyncio.run(honest_beside_hostile())
+        except BaseException:
+            hostile.kill()
+            raise
+        # Over the honest requests' own span: the bombs' tail after it is not what they met.
+        cpu_beside = cpu_share(cpu_at_start, cpu_seconds(pids, own_only=OWN_ONLY),
+                               time.monotonic() - honest_started)
+        stats = hostile.stop_and_collect()
         beside_s = time.monotonic() - started
         honest_alone, honest_beside = honest(alone), honest(beside)
         p90_alone, p90_beside = honest_alone["ttft_p90_s"], honest_beside["ttft_p90_s"]
@@ -156,7 +154,8 @@ def hostile_main(args: argparse.Namespace) -> int:
                        "replicas": args.replicas, "routers": 2, "seed": args.seed,
                        "routers_api_key": True, "bomb_sequences": args.bomb_sequences,
                        "bomb_deadline_s": args.bomb_deadline_s, "replicas_request_timeout_s": request_timeout,
-                       "compile_timeout_s": args.compile_timeout_s},
+                       "compile_timeout_s": args.compile_timeout_s,
+                       "hostile_clients": {"process": "own (bench/hostile_process.py)", **pacing()}},
             "honest_alone": {**honest_alone, "wall_s": round(alone_s, 1)},
             "honest_beside_hostile": {**honest_beside, "wall_s": round(beside_s, 1)},
             "ttft_p90_ratio": round(p90_beside / p90_alone, 2) if p90_alone and p90_beside else None,

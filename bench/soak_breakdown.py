@@ -1,9 +1,10 @@
 """Where the hostile soak's honest TTFT goes, measured beside it (bench/soak.py --hostile):
 
 - the CPU seconds each process of the platform took in each phase (a replica with its engine
-  core), and the soak's own client process: the host has 2 cores for all of them;
-- the soak client's event-loop lag (honest and hostile clients share one loop, so a busy loop
-  delays the honest requests' first chunks as the client sees them);
+  core), the soak's own (honest) client process and the hostile clients' process: the host has
+  2 cores for all of them;
+- the honest clients' event-loop lag (a busy loop delays the honest requests' first chunks as
+  the client sees them; the hostile clients have a loop of their own, bench/hostile_process.py);
 - the honest TTFT split by whether a 2,048-prompt bomb was in flight when the request was sent.
 """
 
@@ -23,15 +24,20 @@ from bench.stats import nearest_rank
 LAG_PERIOD_S = 0.05
 
 
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+# Counted without their children: the soak client's children are the platform's processes,
+# each counted under its own name.
+OWN_ONLY = frozenset({"soak_client"})
+
+
+def cpu_seconds(pids: dict[str, int], own_only: frozenset[str] = OWN_ONLY) -> dict[str, float]:
     """User plus system CPU seconds of each named process and its children (a replica's engine
-    core is a child), 0 for one that is gone."""
+    core is a child), of the process alone for a name in ``own_only``; 0 for one that is gone."""
     out: dict[str, float] = {}
     for name, pid in pids.items():
         total = 0.0
         try:
             proc = psutil.Process(pid)
-            for each in [proc, *proc.children(recursive=True)]:
+            for each in [proc, *([] if name in own_only else proc.children(recursive=True))]:
                 times = each.cpu_times()
                 total += times.user + times.system
         except psutil.Error:

@@ -1,0 +1,121 @@
+"""The hostile soak's attackers in a process of their own (bench/hostile_process.py), paced, and
+the soak's CPU breakdown counting each process once (bench/soak_breakdown.py).
+
+A small real HTTP server on loopback stands for the routers: it refuses every request from its
+head, as a router refuses an oversized upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+
+from bench.hostile_clients import CONCURRENCY, PAUSE_S, pacing
+from bench.hostile_process import HostileProcess, HostileSettings, grace_left
+from bench.soak_breakdown import cpu_seconds
+
+REFUSAL = (b"HTTP/1.1 413 Content Too Large\r\ncontent-type: application/json\r\n"
+           b"content-length: 2\r\nconnection: close\r\n\r\n{}")
+RUN_S = 2.0
+
+
+class RefusingServer:
+    """Answers 413 to every request as soon as its head has arrived, in a thread of its own."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.port = 0
+        self._ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RefusingServer:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            self.requests += 1
+            writer.write(REFUSAL)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def test_the_attackers_run_in_their_own_process_and_their_counts_come_back() -> None:
+    with RefusingServer() as server:
+        url = f"http://127.0.0.1:{server.port}"
+        hostile = HostileProcess(HostileSettings([url, url], "sk-test", 4, bomb_deadline_s=5, grace_s=1))
+        pid = hostile.start()
+        # A child of this process, not a task on its loop: the honest clients' loop is theirs.
+        assert pid != os.getpid() and psutil.Process(pid).ppid() == os.getpid()
+        time.sleep(RUN_S)
+        stats = hostile.stop_and_collect()
+    assert stats.loop_errors == []
+    counts = stats.as_dict()["sent"]
+    assert counts["oversized"] and counts["unauthenticated"] and counts["over_logit_bias"]
+    assert set(stats.statuses["oversized"]) == {413}
+
+
+def test_oversized_uploads_are_paced_at_the_rate_the_report_states() -> None:
+    # Refused at once, an unpaced client opened a connection as fast as the loop let it (170,541
+    # uploads in a 245 s run); paced, at most one per PAUSE_S per client.
+    with RefusingServer() as server:
+        url = f"http://127.0.0.1:{server.port}"
+        hostile = HostileProcess(HostileSettings([url, url], "sk-test", 4, bomb_deadline_s=5, grace_s=1))
+        hostile.start()
+        started = time.monotonic()
+        time.sleep(RUN_S)
+        stats = hostile.stop_and_collect()
+        ran_s = time.monotonic() - started
+    rate = pacing()["oversized_uploads_per_s_max"]
+    assert rate == CONCURRENCY["oversized"] / PAUSE_S
+    assert 0 < sum(stats.statuses["oversized"].values()) <= rate * ran_s + CONCURRENCY["oversized"]
+
+
+def test_a_bomb_in_flight_at_the_stop_gets_its_deadline_not_just_the_grace() -> None:
+    settings = HostileSettings([], None, 4, bomb_deadline_s=300, grace_s=10)
+    assert grace_left(settings, None, now=1000.0) == 10
+    assert grace_left(settings, 990.0, now=1000.0) == 291  # sent 10 s ago: 290 s left, and 1
+    assert grace_left(settings, 600.0, now=1000.0) == 10  # past its deadline: the grace
+
+
+def test_the_soak_client_is_counted_without_the_platform_it_started() -> None:
+    # The soak's children are the platform's processes, each counted under its own name: counted
+    # with its children too, the soak client's cores were the whole platform's.
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                               "while time.process_time() - t < 0.6: pass\ntime.sleep(30)"])
+    try:
+        child = psutil.Process(burner.pid)
+        deadline = time.monotonic() + 20
+        while sum(child.cpu_times()[:2]) < 0.6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = {"soak_client": os.getpid(), "replica": burner.pid}
+        own = cpu_seconds(pids)
+        with_children = cpu_seconds(pids, own_only=frozenset())
+    finally:
+        burner.kill()
+        burner.wait()
+    assert own["replica"] >= 0.6
+    assert with_children["soak_client"] - own["soak_client"] >= 0.5
