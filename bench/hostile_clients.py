@@ -78,7 +78,8 @@ class HostileStats:
     bombs: list[dict] = field(default_factory=list)  # hostile_payloads.bomb_outcome, one per bomb
     bombs_given_up_at_end: list[float] = field(default_factory=list)  # seconds each had run
     bomb_in_flight_since: float | None = None  # time.monotonic() of the bomb now open
-    bomb_spans: list[tuple[float, float]] = field(default_factory=list)  # each bomb's (sent, ended), monotonic
+    # Each bomb's (sent, ended) in time.monotonic(), and the replica that served it (None: not known).
+    bomb_spans: list[tuple[float, float, str | None]] = field(default_factory=list)
     cancelled_at_end: bool = False  # requests still open after the grace were given up
     loop_errors: list[str] = field(default_factory=list)  # a client that crashed stopped counting
 
@@ -174,12 +175,18 @@ async def unauthenticated(url: str, stats: HostileStats, stop: asyncio.Event, ap
 
 
 async def _post(client: httpx.AsyncClient, url: str, body: dict | str) -> tuple[int, bytes]:
+    status, content, _ = await _post_to_replica(client, url, body)
+    return status, content
+
+
+async def _post_to_replica(client: httpx.AsyncClient, url: str, body: dict | str) -> tuple[int, bytes, str | None]:
+    """The answer's status and body, and the replica the router says served it."""
     content = body if isinstance(body, str) else json.dumps(body)
     try:
         response = await client.post(url, content=content, headers={"Content-Type": "application/json"})
-        return response.status_code, response.content
+        return response.status_code, response.content, response.headers.get("x-kvscale-replica")
     except httpx.HTTPError:
-        return 0, b""
+        return 0, b"", None
 
 
 def _client(api_key: str | None, timeout_s: float = 300) -> httpx.AsyncClient:
@@ -219,9 +226,10 @@ def bomb(sequences: int, pause_s: float, deadline_s: float) -> Loop:
             while not stop.is_set():
                 started = stats.bomb_in_flight_since = time.monotonic()
                 status: int | None
+                replica: str | None = None
                 try:
-                    status, answer = await asyncio.wait_for(
-                        _post(client, f"{url}/v1/completions", body), deadline_s)
+                    status, answer, replica = await asyncio.wait_for(
+                        _post_to_replica(client, f"{url}/v1/completions", body), deadline_s)
                 except TimeoutError:
                     status, answer = None, b""
                 except asyncio.CancelledError:
@@ -229,7 +237,7 @@ def bomb(sequences: int, pause_s: float, deadline_s: float) -> Loop:
                     raise
                 finally:
                     stats.bomb_in_flight_since = None
-                    stats.bomb_spans.append((started, time.monotonic()))
+                    stats.bomb_spans.append((started, time.monotonic(), replica))
                 seconds = time.monotonic() - started
                 stats.statuses["bomb"][status or 0] += 1
                 stats.bomb_s.append(seconds)

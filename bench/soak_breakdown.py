@@ -5,7 +5,8 @@
   2 cores for all of them;
 - the honest clients' event-loop lag (a busy loop delays the honest requests' first chunks as
   the client sees them; the hostile clients have a loop of their own, bench/hostile_process.py);
-- the honest TTFT split by whether a 2,048-prompt bomb was in flight when the request was sent.
+- the honest TTFT split by whether a 2,048-prompt bomb was in flight when the request was sent,
+  and if so whether the bomb's replica served it.
 """
 
 from __future__ import annotations
@@ -71,14 +72,23 @@ def lag_summary(lags: list[float]) -> dict[str, float | None]:
             "max_ms": _ms(max(lags, default=None))}
 
 
-def ttft_by_bomb(outcomes: Iterable[Outcome], bomb_spans: list[tuple[float, float]]) -> dict[str, Any]:
-    """Honest TTFT p50/p90 of the requests sent while a bomb was in flight and of the others."""
-    sides: dict[str, list[float]] = {"bomb_in_flight": [], "no_bomb": []}
+def ttft_by_bomb(outcomes: Iterable[Outcome],
+                 bomb_spans: list[tuple[float, float, str | None]]) -> dict[str, Any]:
+    """Honest TTFT p50/p90 of the requests sent while no bomb was in flight, and of those sent
+    while one was, split by whether the request was served by the bomb's replica (a replica
+    not known on either side counts as another)."""
+    sides: dict[str, list[float]] = {"no_bomb": [], "bomb_on_another_replica": [], "bomb_on_same_replica": []}
     for outcome in outcomes:
         if outcome.hung_up or outcome.first_chunk_s is None:
             continue
-        during = any(start <= outcome.started <= end for start, end in bomb_spans)
-        sides["bomb_in_flight" if during else "no_bomb"].append(outcome.first_chunk_s)
+        during = [replica for start, end, replica in bomb_spans if start <= outcome.started <= end]
+        if not during:
+            side = "no_bomb"
+        elif outcome.replica is not None and outcome.replica in during:
+            side = "bomb_on_same_replica"
+        else:
+            side = "bomb_on_another_replica"
+        sides[side].append(outcome.first_chunk_s)
     return {side: {"requests": len(v), "ttft_p50_s": nearest_rank(v, 0.5), "ttft_p90_s": nearest_rank(v, 0.9)}
             for side, v in sides.items()}
 

@@ -1,5 +1,6 @@
 """The hostile soak's attackers in a process of their own (bench/hostile_process.py), paced, and
-the soak's CPU breakdown counting each process once (bench/soak_breakdown.py).
+the soak's breakdown (bench/soak_breakdown.py): each process's CPU counted once, the honest TTFT
+split by the bomb in flight.
 
 A small real HTTP server on loopback stands for the routers: it refuses every request from its
 head, as a router refuses an oversized upload.
@@ -18,7 +19,8 @@ import psutil
 
 from bench.hostile_clients import CONCURRENCY, PAUSE_S, pacing
 from bench.hostile_process import HostileProcess, HostileSettings, grace_left
-from bench.soak_breakdown import cpu_seconds
+from bench.soak_breakdown import cpu_seconds, ttft_by_bomb
+from bench.soak_client import Outcome
 
 REFUSAL = (b"HTTP/1.1 413 Content Too Large\r\ncontent-type: application/json\r\n"
            b"content-length: 2\r\nconnection: close\r\n\r\n{}")
@@ -119,3 +121,14 @@ def test_the_soak_client_is_counted_without_the_platform_it_started() -> None:
         burner.wait()
     assert own["replica"] >= 0.6
     assert with_children["soak_client"] - own["soak_client"] >= 0.5
+
+
+def test_honest_ttft_is_split_by_the_bomb_in_flight_and_its_replica() -> None:
+    def honest(started: float, replica: str | None, ttft: float, hung_up: bool = False) -> Outcome:
+        return Outcome(0, started, replica=replica, first_chunk_s=ttft, hung_up=hung_up)
+
+    spans = [(10.0, 20.0, "r1"), (30.0, 40.0, None)]
+    split = ttft_by_bomb([honest(5, "r1", 0.1), honest(12, "r1", 3.0), honest(15, "r2", 0.5),
+                          honest(35, "r1", 0.7), honest(16, "r1", 9.0, hung_up=True)], spans)
+    assert {side: (v["requests"], v["ttft_p90_s"]) for side, v in split.items()} == {
+        "no_bomb": (1, 0.1), "bomb_on_same_replica": (1, 3.0), "bomb_on_another_replica": (2, 0.7)}
