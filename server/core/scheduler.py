@@ -21,7 +21,10 @@ Under ``--scheduling-policy priority`` (priority_order.py) the running sequences
 newest, and waiting sequences are tried by priority level first, the fcfs order within a level.
 Before step 1 there, a waiting sequence that lacks a slot or blocks preempts a running one of a
 strictly larger priority value (arrival_preemption.py), so a more urgent arrival does not wait
-for a less urgent request to end.
+for a less urgent request to end. And while a prefill strictly more urgent than some running
+sequence is pending, step 1 stops at the first less urgent one and step 2 admits none of them:
+when the urgent prefill is in the step, they skip it (urgent_prefill.py, bounded), so its first
+token does not wait for their rows; when it is not, the step goes on as without that.
 Blocks become findable by hash when they are scheduled, not when they are computed, so requests
 arriving together with a common prefix compute it once (see KVCacheManager.register_full_blocks).
 Admission control guarantees any single sequence fits the whole pool, so the oldest running
@@ -45,6 +48,7 @@ from kvscale.server.core.kv_tier_policy import (
 from kvscale.server.core.priority_order import preemption_victim, priority_admission_order
 from kvscale.server.core.sequence import Sequence, SequenceStatus
 from kvscale.server.core.step_rates import StepRates
+from kvscale.server.core.urgent_prefill import skips, urgent_level
 
 
 @dataclass(slots=True)
@@ -110,7 +114,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        kv = self.kv
         priority = self.policy == "priority"
         if priority:
             # Most urgent first: the victim, the largest key, is then always at the end, never a
@@ -120,10 +123,37 @@ class Scheduler:
 
         if priority and self.waiting and self.running:
             self._preempt_for_arrivals(out)
+        level = self._urgent_level() if priority else None
+        budget, growth_preempted, i = self._schedule_running(out, budget, 0, level)
+        if level is not None:
+            if self._urgent_step(out, budget, growth_preempted, level):
+                self._demote_ahead()
+                return out
+            # No prefill of the level could run: the less urgent ones run after all.
+            budget, more, _ = self._schedule_running(out, budget, i, None)
+            growth_preempted = growth_preempted or more
+
+        if growth_preempted:
+            self._demote_ahead()
+            return out
+        if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            self._admit(out, budget)
+        self._demote_ahead()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, start: int,
+                          level: int | None) -> tuple[int, bool, int]:
+        """Step 1 from ``running[start]`` on, stopping at the first sequence that skips for
+        ``level`` (urgent_prefill.py; the list is sorted, so the rest skip too). Returns the
+        budget left, whether a growth preempted anything, and where it stopped."""
+        kv = self.kv
+        priority = self.policy == "priority"
         growth_preempted = False
-        i = 0
+        i = start
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if level is not None and seq.request.priority > level:
+                break  # skips(seq.request.priority, level), inlined: fcfs pays one test per sequence
             num_new = tokens_to_schedule(seq, budget)
             while not kv.allocate_if_room(seq, num_new):
                 victim = self.running.pop(
@@ -136,21 +166,38 @@ class Scheduler:
             else:
                 kv.register_full_blocks(seq, seq.num_computed_tokens + num_new)
                 out.scheduled.append(ScheduledSeq(seq, num_new))
+                seq.skipped_steps = 0
                 budget -= num_new
                 i += 1
                 continue
             break  # the current sequence preempted itself: it was the newest
+        return budget, growth_preempted, i
 
-        if growth_preempted:
-            self._demote_ahead()
-            return out
-        if self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            self._admit(out, budget)
-        self._demote_ahead()
-        return out
+    def _urgent_level(self) -> int | None:
+        return urgent_level([(seq.request.priority, seq.num_computed_tokens < seq.num_prompt_tokens,
+                              seq.skipped_steps) for seq in self.running],
+                            (seq.request.priority for seq in self.waiting))
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """Waiting sequences into the batch, in admission_order, while budget and slots last."""
+    def _urgent_step(self, out: SchedulerOutput, budget: int, growth_preempted: bool, level: int) -> bool:
+        """With the running sequences down to ``level`` scheduled, the waiting ones down to it
+        admitted; True when a prefill of the level is in the step, which the less urgent running
+        sequences then skip (urgent_prefill.py). Nothing was admitted when it returns False."""
+        first_admitted = len(out.scheduled)
+        if not growth_preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            self._admit(out, budget, max_priority=level)
+        # Only the level's sequences can be prefills down to it: it is the most urgent pending.
+        if not any(item.seq.request.priority <= level
+                   and (k >= first_admitted or item.seq.num_computed_tokens < item.seq.num_prompt_tokens)
+                   for k, item in enumerate(out.scheduled)):
+            return False
+        for seq in self.running:
+            if skips(seq.request.priority, level):
+                seq.skipped_steps += 1
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int, max_priority: int | None = None) -> None:
+        """Waiting sequences into the batch, in admission_order, while budget and slots last
+        (under priority, none of a larger value than ``max_priority``)."""
         kv = self.kv
         waiting = list(self.waiting)
         if not waiting:
@@ -170,6 +217,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             seq = waiting[index]
+            if max_priority is not None and seq.request.priority > max_priority:
+                break  # the levels ascend: none after it is more urgent
             adapter = seq.request.lora_name
             if adapter is not None and adapter not in adapters and len(adapters) >= self.max_loras:
                 # Every device slot serves an adapter of this batch: this one waits for a slot,
@@ -271,6 +320,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.preempted = True  # resumes before any group's turn (admission_order.py)
+        seq.skipped_steps = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -44,6 +44,8 @@ class Sequence:
     # >1 while the prompt is prefilled once for n samples; the first sample forks the rest.
     fork_into: int = 1
     preempted: bool = False  # waiting again after a preemption (admission_order.py)
+    # Steps in a row it was left out of for a more urgent prefill (urgent_prefill.py).
+    skipped_steps: int = 0
     generator: Any = None  # torch.Generator for seeded sampling
     # Detokenization state (see detokenizer.py).
     text: str = ""

@@ -146,9 +146,11 @@ def test_a_more_urgent_arrival_takes_the_blocks_running_ones_would_grow_into():
     scheduler.add(make_seq("urgent", 8, 0))
     out = scheduler.schedule()
     # Without preemption on arrival both lows would grow into the last two blocks and the
-    # urgent one would wait for a running one to give blocks back.
-    assert [item.seq.request.request_id for item in out.scheduled] == ["low-a", "urgent"]
+    # urgent one would wait for a running one to give blocks back. (low-a, which kept its
+    # blocks, skips the urgent prefill's step: urgent_prefill.py.)
+    assert [item.seq.request.request_id for item in out.scheduled] == ["urgent"]
     assert out.preempted == [lows[1]]
+    assert scheduler.running == [lows[0], out.scheduled[0].seq] and lows[0].skipped_steps == 1
 
 
 def test_unknown_policy_is_refused():

@@ -33,11 +33,12 @@ def tiny_llama(bundled_model_path: Path, tmp_path_factory: pytest.TempPathFactor
     return path
 
 
-def engine_of(path: Path, policy: str, num_blocks: int = 10, async_scheduling: bool = False) -> LLMEngine:
+def engine_of(path: Path, policy: str, num_blocks: int = 10, async_scheduling: bool = False,
+              max_num_seqs: int = 2) -> LLMEngine:
     # Blocks of 4: two running requests of 8 + 16 tokens need 6 blocks each, and 10 are there;
     # two slots, so the third waits for one.
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", block_size=4,
-                                  num_gpu_blocks_override=num_blocks, max_num_seqs=2,
+                                  num_gpu_blocks_override=num_blocks, max_num_seqs=max_num_seqs,
                                   enable_prefix_caching=False, scheduling_policy=policy,
                                   async_scheduling=async_scheduling))
 
@@ -78,16 +79,22 @@ def scenario(engine: LLMEngine) -> tuple[dict[str, list[int]], list[str], list[s
     return tokens, admitted, preempted
 
 
-def test_the_least_urgent_is_preempted_and_the_urgent_one_goes_first(tiny_llama: Path) -> None:
-    alone: dict[str, list[int]] = {}
+@pytest.fixture(scope="module")
+def alone(tiny_llama: Path) -> dict[str, list[int]]:
+    """Each request's greedy tokens, run alone."""
+    tokens: dict[str, list[int]] = {}
     solo = engine_of(tiny_llama, "priority", num_blocks=64)
     for name, prompt in PROMPTS.items():
         solo.add_request(name, prompt, params())
         while solo.has_unfinished_requests():
             for output in solo.step():
                 if output.finished:
-                    alone[name] = list(output.outputs[0].token_ids)
+                    tokens[name] = list(output.outputs[0].token_ids)
+    return tokens
 
+
+def test_the_least_urgent_is_preempted_and_the_urgent_one_goes_first(tiny_llama: Path,
+                                                                    alone: dict[str, list[int]]) -> None:
     tokens, admitted, preempted = scenario(engine_of(tiny_llama, "priority"))
     assert tokens == alone
     # fcfs would preempt busy, the newest; priority preempts lazy (5), the least urgent, as
@@ -104,3 +111,43 @@ def test_the_least_urgent_is_preempted_and_the_urgent_one_goes_first(tiny_llama:
     tokens, admitted, preempted = scenario(engine_of(tiny_llama, "priority", async_scheduling=True))
     assert tokens == alone
     assert preempted[0] == "lazy" and "urgent" not in preempted
+
+
+def urgent_prefill_step(engine: LLMEngine) -> tuple[list[str], dict[str, list[int]]]:
+    """lazy and busy decode in slots to spare; urgent arrives. Returns the requests whose
+    sequences the step that prefilled urgent's prompt computed, and each one's tokens."""
+    for name in ("lazy", "busy"):
+        engine.add_request(name, PROMPTS[name], params(), priority=priority_of(engine, name))
+    engine.step()
+    engine.step()
+    engine.add_request("urgent", PROMPTS["urgent"], params(), priority=priority_of(engine, "urgent"))
+    tokens: dict[str, list[int]] = {}
+    in_step: list[str] = []
+    while engine.has_unfinished_requests():
+        seqs = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+        computed = {seq.seq_id: seq.num_computed_tokens for seq in seqs}
+        for output in engine.step():
+            if output.finished:
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+        urgent = next((seq for seq in seqs if seq.request.request_id == "urgent"), None)
+        if (urgent is not None and computed[urgent.seq_id] < urgent.num_prompt_tokens
+                <= urgent.num_computed_tokens):
+            in_step = sorted(seq.request.request_id for seq in seqs
+                             if seq.num_computed_tokens != computed[seq.seq_id])
+    return in_step, tokens
+
+
+def test_an_urgent_arrival_prefills_in_a_step_without_less_urgent_rows(tiny_llama: Path,
+                                                                      alone: dict[str, list[int]]) -> None:
+    # Its first token comes from a step as long as its prefill alone (docs/engine.md, "Priority
+    # scheduling"; server/core/urgent_prefill.py); the others skip that step and lose nothing.
+    for async_scheduling in (False, True):
+        engine = engine_of(tiny_llama, "priority", num_blocks=64, async_scheduling=async_scheduling,
+                           max_num_seqs=4)
+        in_step, tokens = urgent_prefill_step(engine)
+        assert in_step == ["urgent"]
+        assert tokens == alone
+    engine = engine_of(tiny_llama, "fcfs", num_blocks=64, max_num_seqs=4)
+    in_step, tokens = urgent_prefill_step(engine)
+    assert in_step == ["busy", "lazy", "urgent"]
+    assert tokens == alone
