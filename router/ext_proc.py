@@ -11,6 +11,11 @@ an open request on it until the gateway closes the request's stream (its prefill
 response's headers pass, which the gateway sends when ``response_header_mode`` is SEND), the
 session's replica.
 
+With ``--max-queue-wait`` a ranked request takes its turn in the HTTP port's fair queue
+(kvscale.router.fair_queue.tenant_turn): its message stays unanswered while it waits, so the
+gateway holds it; past the wait it gets the HTTP port's 503; its slot is given back when its
+stream ends, and a stream the gateway resets while it waits (its client left) leaves the queue.
+
 Tenants (``--api-key``, ``--tenants``) are the HTTP port's own (kvscale.router.tenancy): the key
 checked from the request's head (401), the tenant's limits counted in Redis (429 with the same
 headers), and the request changed as the router would forward it: the trusted headers set, a
@@ -47,6 +52,7 @@ from kvscale.router import policy as routing
 from kvscale.router.admission import is_open
 from kvscale.router.client_watch import CLIENT_GONE
 from kvscale.router.errors import openai_error, request_json
+from kvscale.router.fair_queue import Turn, room_on, tenant_turn
 from kvscale.router.in_flight import OpenRequest
 from kvscale.router.lora_routing import request_adapter
 from kvscale.router.prefix_hashes import PromptBlocks
@@ -70,8 +76,10 @@ MESSAGE_HEADROOM_BYTES = 1 << 20
 class Picked:
     endpoints: list[str]  # ip:port, in retry order
     opened: OpenRequest  # on the first choice, closed when the request's stream ends
-    grant: Grant = field(default_factory=Grant)  # its tenant's: rate-limit headers, the settlement at its end
+    grant: Grant = field(default_factory=Grant)  # its tenant's: rate-limit headers
     forwarded: msg.Forwarded = msg.UNCHANGED
+    # Told at the stream's end: the tenant's settlement, then the fair queue's turn (its slot).
+    on_done: Callable[[int, bytes], None] | None = None
 
 
 @dataclass
@@ -89,9 +97,10 @@ class Stream:
     def settle(self) -> None:
         """The tenant's reservation settled as the HTTP path settles it (rate_limits.settlement):
         with the usage in the answer's tail, else by its status; no answer seen (the client or
-        the gateway left first) keeps it, as a client gone does."""
-        if self.picked is not None and self.picked.grant.on_done is not None:
-            self.picked.grant.on_done(self.status or CLIENT_GONE, self.tail)
+        the gateway left first) keeps it, as a client gone does. Its turn in the fair queue ends
+        with it, which offers its slot to whoever waits."""
+        if self.picked is not None and self.picked.on_done is not None:
+            self.picked.on_done(self.status or CLIENT_GONE, self.tail)
 
 
 def endpoint_of(url: str) -> str:
@@ -221,7 +230,8 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes,
                tenant: Tenant | None = None) -> Picked | msg.Refusal:
     """Where a request goes: the HTTP path's candidates, prompt hashes, tenant's admission (the
-    429 over its limits) and decision, then what sending it there records
+    429 over its limits), turn in the fair queue (held while the replicas have no room, the 503
+    past --max-queue-wait) and decision, then what sending it there records
     (kvscale.router.app.Router.route and the Forwarder do the same)."""
     started = time.perf_counter()
     body = parse_body(raw)
@@ -233,14 +243,11 @@ async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes,
         return refusal_of(candidates)
     config = router.config
     endpoint = ENDPOINT_OF_PATH.get(path)
-    session = headers.get(config.session_header) if config.session_header else None
     prompt = PromptBlocks([], 0, config.block_size)
-    hit_tokens = 0
     grant = Grant(tenant.name if tenant is not None else None)
-    if endpoint is None:  # /tokenize and the like: the least busy, as the HTTP path's pass-through
-        ranked: list[Replica] = sorted(candidates, key=lambda r: r.in_flight)
-        session = None
-    else:
+    adapter = None
+    turn = Turn(None)
+    if endpoint is not None:
         adapter = request_adapter(model, candidates, router.heartbeats.get, router.hasher.tokenizers)
         if routing.uses_prefix(config.policy):
             prompt = await router._prompt_blocks(endpoint, body, model, len(raw), adapter)
@@ -248,26 +255,40 @@ async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes,
         if isinstance(admitted, Response):  # over the tenant's limits: 429
             return refusal_of(admitted)
         grant = admitted
-        hash_key: int | str = prompt.hashes[0] if prompt.hashes else (
-            f"{model}|{str(body.get('prompt', body.get('messages', body.get('input'))))[:256]}")
-        decision = router.decider.decide(candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens,
-                                         prompt.block_size, adapter.name if adapter else None)
-        hit_tokens = decision.matched_blocks * prompt.block_size
-        metrics = router.metrics
-        metrics.predicted_hit_tokens.inc(hit_tokens)
-        metrics.predicted_hit_tokens_per_request.observe(hit_tokens)
-        metrics.prompt_tokens.inc(prompt.prompt_tokens)
-        metrics.decision_seconds.observe(time.perf_counter() - started)
-        by_id = {r.replica_id: r for r in candidates}
-        ranked = [by_id[rid] for rid in decision.ranked]
-    ranked = ranked[: max(1, config.max_attempts)]
-    first = ranked[0]
-    if prompt.hashes:
-        router.index.predict(first.replica_id, prompt.hashes, time.monotonic())
-    opened = router.in_flight.open(first, max(prompt.prompt_tokens - hit_tokens, 1),
-                                   hashes=prompt.hashes, prompt_tokens=prompt.prompt_tokens)
-    router.decider.sessions.remember(session, first.replica_id)
-    return Picked([endpoint_of(r.url) for r in ranked], opened, grant, forwarded_of(router, tenant, grant))
+        queued = await tenant_turn(router.queue, tenant, endpoint, body, prompt.prompt_tokens, len(raw),
+                                   lambda: room_on(candidates, router.heartbeats, router.in_flight), grant)
+        if isinstance(queued, Response):  # waited --max-queue-wait: the HTTP port's 503
+            return refusal_of(queued)
+        turn = queued
+    with turn:  # an exception before the answer ends the turn (fair_queue.Turn)
+        session = headers.get(config.session_header) if config.session_header else None
+        hit_tokens = 0
+        if endpoint is None:  # /tokenize and the like: the least busy, as the HTTP path's pass-through
+            ranked: list[Replica] = sorted(candidates, key=lambda r: r.in_flight)
+            session = None
+        else:
+            hash_key: int | str = prompt.hashes[0] if prompt.hashes else (
+                f"{model}|{str(body.get('prompt', body.get('messages', body.get('input'))))[:256]}")
+            decision = router.decider.decide(candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens,
+                                             prompt.block_size, adapter.name if adapter else None)
+            hit_tokens = decision.matched_blocks * prompt.block_size
+            metrics = router.metrics
+            metrics.predicted_hit_tokens.inc(hit_tokens)
+            metrics.predicted_hit_tokens_per_request.observe(hit_tokens)
+            metrics.prompt_tokens.inc(prompt.prompt_tokens)
+            metrics.decision_seconds.observe(time.perf_counter() - started)
+            by_id = {r.replica_id: r for r in candidates}
+            ranked = [by_id[rid] for rid in decision.ranked]
+        ranked = ranked[: max(1, config.max_attempts)]
+        first = ranked[0]
+        if prompt.hashes:
+            router.index.predict(first.replica_id, prompt.hashes, time.monotonic())
+        opened = router.in_flight.open(first, max(prompt.prompt_tokens - hit_tokens, 1),
+                                       hashes=prompt.hashes, prompt_tokens=prompt.prompt_tokens)
+        router.decider.sessions.remember(session, first.replica_id)
+        # From here the replica's count has it; its end, as the gateway shows it, settles both.
+        return Picked([endpoint_of(r.url) for r in ranked], opened, grant, forwarded_of(router, tenant, grant),
+                      turn.forwarding(grant.on_done))
 
 
 def bind_address(host: str | None, port: int) -> str:

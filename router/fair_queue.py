@@ -149,19 +149,29 @@ class Turn:
 async def queued_turn(queue: FairQueue | None, request: Request, endpoint: str,
                       body: dict[str, Any], prompt_tokens: int, body_bytes: int,
                       room: Callable[[], int | None], grant: Grant) -> Turn | Response:
-    """A generation request's turn through ``queue`` (None: at once): charged its tokens as the
-    rate limits reserve them, to its tenant (without tenants every request is one tenant's), in
-    the band of its tenant's priority and its own ``priority`` field (fair_share.band). A
-    refusal carries the tenant's rate-limit headers and settles its reservation as any answer
-    that is no replica's does (rate_limits.settlement: a 503 gives it back)."""
+    """An HTTP request's turn (``tenant_turn``): its tenant the one its key named, a 499 when
+    its client leaves while it waits."""
+    tenant = request.scope.get(SCOPE_KEY)
+    return await tenant_turn(queue, tenant if isinstance(tenant, Tenant) else None, endpoint, body,
+                             prompt_tokens, body_bytes, room, grant, disconnect_of(request.receive))
+
+
+async def tenant_turn(queue: FairQueue | None, tenant: Tenant | None, endpoint: str,
+                      body: dict[str, Any], prompt_tokens: int, body_bytes: int,
+                      room: Callable[[], int | None], grant: Grant,
+                      client_left: Callable[[], Awaitable[None]] | None = None) -> Turn | Response:
+    """A generation request's turn through ``queue`` (None: at once), on the HTTP port and the
+    endpoint picker alike: charged its tokens as the rate limits reserve them, to its tenant
+    (without tenants every request is one tenant's), in the band of its tenant's priority and
+    its own ``priority`` field (fair_share.band). A refusal carries the tenant's rate-limit
+    headers and settles its reservation as any answer that is no replica's does
+    (rate_limits.settlement: a 503 gives it back)."""
     if queue is None:
         return Turn(None)
-    tenant = request.scope.get(SCOPE_KEY)
-    name, weight, default = ((tenant.name, tenant.weight, tenant.priority)
-                             if isinstance(tenant, Tenant) else ("", 1.0, 0))
+    name, weight, default = (tenant.name, tenant.weight, tenant.priority) if tenant is not None else ("", 1.0, 0)
     cost = rules.request_tokens(endpoint, body, prompt_tokens, body_bytes)
     turn = await queue.enter(name, fair_share.band(default, body.get("priority")), weight, cost,
-                             room, disconnect_of(request.receive))
+                             room, client_left)
     if isinstance(turn, Response):
         turn.headers.update(grant.headers)
         if grant.on_done is not None:

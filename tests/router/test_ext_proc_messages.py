@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from envoy.config.core.v3 import base_pb2
@@ -17,6 +21,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
 from kvscale.drain import Drain
+from kvscale.kv_index_schema import Heartbeat
 from kvscale.router import ext_proc_messages as msg
 from kvscale.router.app import Router
 from kvscale.router.cli_router import add_arguments, config_from_args
@@ -287,3 +292,84 @@ def test_a_responses_turn_is_ranked_like_the_http_paths() -> None:
     answers = run(ready_router(), [headers_message({**HEAD, ":path": "/v1/responses"}, Mode.BUFFERED),
                                    body_message(body, True)])
     assert destination(answers[1], "request_body")[0] in {"10.0.0.1:8000", "10.0.0.2:8000"}
+
+
+def queueing_router(running: int) -> tuple[Router, SimpleNamespace]:
+    """A router with --max-queue-wait 0.3 over one replica whose heartbeat says ``running`` of
+    its batch of one (as the Redis feed would hold it)."""
+    router = Router(RouterConfig(replicas=REPLICAS[:1], models=[], max_queue_wait_s=0.3))
+    replica = next(iter(router.replicas.replicas.values()))
+    replica.models, replica.healthy = {"m"}, True
+    beat = Heartbeat(replica.replica_id, "m", REPLICAS[0], 16, running, 0, 1, 100, time.time(), max_num_seqs=1)
+    feed = SimpleNamespace(heartbeats={replica.replica_id: beat}, healthy=True, healthy_since=time.monotonic())
+    router.heartbeats.feed = feed
+    return router, feed
+
+
+def open_requests(router: Router) -> int:
+    return sum(r.in_flight for r in router.replicas.replicas.values())
+
+
+def test_the_picker_holds_a_request_in_the_fair_queue_and_answers_it_when_a_slot_frees() -> None:
+    router, feed = queueing_router(running=1)
+    assert router.queue is not None
+
+    async def drive() -> tuple[list[pb.ProcessingResponse], int]:
+        ended = asyncio.Event()
+
+        async def stream() -> AsyncIterator[pb.ProcessingRequest]:
+            yield headers_message(HEAD, Mode.FULL_DUPLEX_STREAMED)
+            yield body_message(BODY, True)
+            await ended.wait()  # the gateway closes the stream once the answer has passed
+
+        answers = EndpointPicker(router, 1 << 20).Process(stream(), None)
+        first = asyncio.ensure_future(anext(answers))
+        await asyncio.sleep(0.1)
+        assert not first.done() and router.queue.waiting == 1  # nothing answered: Envoy holds it
+        rid = next(iter(feed.heartbeats))
+        feed.heartbeats[rid] = dataclasses.replace(feed.heartbeats[rid], num_running=0, timestamp=time.time())
+        router.queue.dispatch()
+        routed = [await first, await anext(answers)]
+        open_while_streaming = len(router.queue.unsent) + open_requests(router)
+        ended.set()
+        routed += [answer async for answer in answers]
+        return routed, open_while_streaming
+
+    answers, open_while_streaming = asyncio.run(drive())
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
+    assert open_while_streaming == 1  # on the replica's count, no longer the queue's
+    assert router.queue.waiting == 0 and not router.queue.unsent and open_requests(router) == 0
+
+
+def test_the_picker_answers_a_request_held_past_max_queue_wait_as_the_http_port_does() -> None:
+    router, _ = queueing_router(running=1)
+    answers = run(router, [headers_message(HEAD, Mode.BUFFERED), body_message(BODY, True)])
+    assert answers[0] == msg.headers_unchanged()
+    immediate = answers[1].immediate_response
+    headers = {o.header.key: o.header.raw_value for o in immediate.headers.set_headers}
+    assert immediate.status.code == 503 and headers["retry-after"] == b"1"
+    assert headers["content-type"] == b"application/json"
+    assert json.loads(immediate.body)["error"]["code"] == "overloaded"
+    assert router.queue is not None and router.queue.waiting == 0
+
+
+def test_a_picker_stream_cancelled_while_held_leaves_the_queue() -> None:
+    """Envoy resets the stream as the request's client leaves: the handler is cancelled."""
+    router, _ = queueing_router(running=1)
+    assert router.queue is not None
+
+    async def drive() -> None:
+        async def stream() -> AsyncIterator[pb.ProcessingRequest]:
+            yield headers_message(HEAD, Mode.FULL_DUPLEX_STREAMED)
+            yield body_message(BODY, True)
+
+        held = asyncio.ensure_future(anext(EndpointPicker(router, 1 << 20).Process(stream(), None)))
+        await asyncio.sleep(0.05)
+        assert router.queue.waiting == 1
+        held.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await held
+
+    asyncio.run(drive())
+    assert router.queue.waiting == 0 and not router.queue.queues
+    assert router.metrics.registry.get_sample_value("kvscale_router_queue_waits_total", {"outcome": "disconnected"}) == 1
