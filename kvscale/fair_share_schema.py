@@ -36,7 +36,7 @@ MAX_FLOOR_TENANTS = 1000
 # the tenant is the one let through now (the last served moves to its counter), TTL, then for
 # "min" the names whose smallest counter is the floor. Returns {the tenant's counter, the last
 # served's counter} as strings (a Lua number would come back truncated to an integer).
-_UPDATE_LUA = """
+UPDATE_LUA = """
 local key = ARGV[1] .. ':tenant:' .. ARGV[2] .. ':fair-share'
 local last_key = ARGV[1] .. ':fair-share:last-served'
 local counter = tonumber(redis.call('GET', key) or '0')
@@ -70,7 +70,7 @@ def counter_key(tenant: str) -> str:
 
 def update_script(client: Any) -> Any:
     """For ``client`` (sync or asyncio redis): call as ``script(keys=[], args=update_args(...))``."""
-    return client.register_script(_UPDATE_LUA)
+    return client.register_script(UPDATE_LUA)
 
 
 Floor = str | list[str]

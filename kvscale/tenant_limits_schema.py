@@ -29,7 +29,7 @@ TENANT_HEADER = "x-kvscale-tenant"
 # ARGV: prefix, tenant, window seconds, requests limit, tokens limit (0: none), tokens asked.
 # Returns {over ("" | "requests" | "tokens"), requests counted, tokens counted, ms to the window's
 # end, window number}; the counts include this request when it is admitted.
-_ADMIT_LUA = """
+ADMIT_LUA = """
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local window_ms = tonumber(ARGV[3]) * 1000
@@ -55,7 +55,7 @@ return {over, requests, tokens, reset_ms, window}
 """
 # ARGV: prefix, tenant, window number, tokens to add (negative: to give back). A window that has
 # ended and expired is left alone (its counts no longer limit anyone).
-_CORRECT_LUA = """
+CORRECT_LUA = """
 local tk = ARGV[1] .. ':tenant:' .. ARGV[2] .. ':window:' .. ARGV[3] .. ':tokens'
 if redis.call('EXISTS', tk) == 1 then
   return redis.call('INCRBY', tk, tonumber(ARGV[4]))
@@ -71,7 +71,7 @@ def window_key(tenant: str, window: int, counter: str) -> str:
 
 def admit_script(client: Any) -> Any:
     """For ``client`` (sync or asyncio redis): call as ``script(keys=[], args=admit_args(...))``."""
-    return client.register_script(_ADMIT_LUA)
+    return client.register_script(ADMIT_LUA)
 
 
 def admit_args(tenant: str, requests_limit: int | None, tokens_limit: int | None,
@@ -80,7 +80,7 @@ def admit_args(tenant: str, requests_limit: int | None, tokens_limit: int | None
 
 
 def correct_script(client: Any) -> Any:
-    return client.register_script(_CORRECT_LUA)
+    return client.register_script(CORRECT_LUA)
 
 
 def correct_args(tenant: str, window: int, delta: int) -> list:

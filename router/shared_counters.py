@@ -24,13 +24,14 @@ from typing import Any
 
 from kvscale.fair_share_schema import (
     LAST_SERVED_KEY,
+    UPDATE_LUA,
     Floor,
     counter_key,
     counters_from,
     update_args,
-    update_script,
 )
 from kvscale.kv_index_schema import redacted_url
+from kvscale.router.redis_pipe import RedisCalls, open_redis
 from kvscale.router.tenants import MAX_TENANTS
 
 log = logging.getLogger("kvscale.router")
@@ -45,8 +46,7 @@ class SharedCounters:
         self.redis_url = redis_url
         self.timeout_s = timeout_s
         self._on_shared = on_shared
-        self._client: Any = None
-        self._update: Any = None
+        self._redis: RedisCalls | None = None
         self.down = False
         self._quiet_until = 0.0
         # This router's updates sent and not answered yet, per tenant: added to what Redis
@@ -59,16 +59,12 @@ class SharedCounters:
         self._refreshing = False
         on_shared(True)
 
-    def _script(self) -> Any:
-        """Made on first use, on the event loop that serves (its client belongs to that loop)."""
-        if self._client is None:
-            import redis.asyncio as aioredis
-
-            self._client = aioredis.Redis.from_url(
-                self.redis_url, socket_timeout=self.timeout_s,
-                socket_connect_timeout=self.timeout_s)
-            self._update = update_script(self._client)
-        return self._update
+    def _calls(self) -> RedisCalls:
+        """Made on first use, on the event loop that serves (its connection belongs to that loop);
+        one pipelined connection (router/redis_pipe.py): these run beside the requests forwarded."""
+        if self._redis is None:
+            self._redis = open_redis(self.redis_url, self.timeout_s * 2)
+        return self._redis
 
     def _open(self) -> bool:
         if self.down and time.monotonic() < self._quiet_until:
@@ -116,9 +112,8 @@ class SharedCounters:
     async def _update_now(self, tenant: str, floor: Floor, added: float, served: bool,
                           apply: Callable[[float, float], None]) -> None:
         try:
-            answer = await asyncio.wait_for(
-                self._script()(keys=[], args=update_args(tenant, floor, added, served)),
-                self.timeout_s * 2)
+            answer = await self._calls().run_script(
+                UPDATE_LUA, [], update_args(tenant, floor, added, served))
             counter, last = counters_from(list(answer))
         except Exception as exc:  # any failure means the same: the local counter
             self._unpend(tenant, added)
@@ -143,10 +138,8 @@ class SharedCounters:
     async def _refresh_now(self, names: list[str],
                            apply: Callable[[dict[str, float], float | None], None]) -> None:
         try:
-            self._script()
-            raw = await asyncio.wait_for(
-                self._client.mget([counter_key(t) for t in names] + [LAST_SERVED_KEY]),
-                self.timeout_s * 2)
+            raw = await self._calls().execute(
+                "MGET", *[counter_key(t) for t in names], LAST_SERVED_KEY)
             values = counters_from(list(raw))
         except Exception as exc:
             self._failed(exc)
@@ -175,8 +168,8 @@ class SharedCounters:
     async def close(self) -> None:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self.timeout_s * 4)
-        if self._client is not None:
+        if self._redis is not None:
             try:
-                await asyncio.wait_for(self._client.aclose(), self.timeout_s * 40)
+                await asyncio.wait_for(self._redis.aclose(), self.timeout_s * 40)
             except Exception:  # closing a client whose server is gone
                 pass

@@ -1,5 +1,6 @@
 """Tenants' limits counted in the fleet's Redis: one atomic script per admission, one per
-correction (kvscale.tenant_limits_schema).
+correction (kvscale.tenant_limits_schema), over one pipelined connection (router/redis_pipe.py):
+the admission is the one round trip a limited tenant's request waits for before it is routed.
 
 Fails open (docs/router.md, "Tenants"): serving matters more than limits, so when Redis errors or
 does not answer within ``--redis-timeout-ms`` the request is let in unchecked, counted
@@ -16,8 +17,9 @@ from collections.abc import Callable
 
 from kvscale.kv_index_schema import redacted_url
 from kvscale.router.rate_limits import WindowCounts
+from kvscale.router.redis_pipe import open_redis
 from kvscale.router.tenants import Tenant
-from kvscale.tenant_limits_schema import admit_args, admit_script, correct_args, correct_script
+from kvscale.tenant_limits_schema import ADMIT_LUA, CORRECT_LUA, admit_args, correct_args
 
 log = logging.getLogger("kvscale.router")
 # After a failure Redis is left alone this long: an outage then costs requests nothing, not a
@@ -28,14 +30,10 @@ RETRY_AFTER_FAILURE_S = 1.0
 class TenantLimiter:
     def __init__(self, redis_url: str, timeout_s: float,
                  on_unchecked: Callable[[], None] = lambda: None) -> None:
-        import redis.asyncio as aioredis
-
         self.redis_url = redis_url
         self.timeout_s = timeout_s
-        self._client = aioredis.Redis.from_url(
-            redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        self._admit = admit_script(self._client)
-        self._correct = correct_script(self._client)
+        # A call gets twice --redis-timeout-ms: connecting, or a reply, may take one each.
+        self._redis = open_redis(redis_url, timeout_s * 2)
         self._on_unchecked = on_unchecked
         self.down = False
         self._quiet_until = 0.0
@@ -48,10 +46,8 @@ class TenantLimiter:
             self._on_unchecked()
             return None
         try:
-            answer = await asyncio.wait_for(
-                self._admit(keys=[], args=admit_args(
-                    tenant.name, tenant.requests_per_minute, tenant.tokens_per_minute, tokens)),
-                self.timeout_s * 2)
+            answer = await self._redis.run_script(ADMIT_LUA, [], admit_args(
+                tenant.name, tenant.requests_per_minute, tenant.tokens_per_minute, tokens))
             counts = WindowCounts.from_script(answer)
         except Exception as exc:  # any failure means the same: serve unchecked
             self._unchecked(exc)
@@ -79,9 +75,7 @@ class TenantLimiter:
 
     async def _correct_now(self, tenant: str, window: int, delta: int) -> None:
         try:
-            await asyncio.wait_for(
-                self._correct(keys=[], args=correct_args(tenant, window, delta)),
-                self.timeout_s * 2)
+            await self._redis.run_script(CORRECT_LUA, [], correct_args(tenant, window, delta))
         except Exception as exc:
             log.debug("a token correction for tenant %s was dropped: %s", tenant, exc)
 
@@ -89,6 +83,6 @@ class TenantLimiter:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self.timeout_s * 4)
         try:
-            await asyncio.wait_for(self._client.aclose(), self.timeout_s * 40)
+            await asyncio.wait_for(self._redis.aclose(), self.timeout_s * 40)
         except Exception:  # closing a client whose server is gone
             pass
