@@ -228,6 +228,12 @@ def completed_per_s(answers: list[Answer]) -> float | None:
     return len(done) / (max(a.ended_s for a in done) - min(a.sent_s for a in done))
 
 
+def load_note(start: float, end: float, cpus: int | None) -> str:
+    """The machine's load during the run, as measured: the 1-min load average at its start and
+    at its latest figure's end, beside the CPUs that share it."""
+    return f"1-min load average {start:.2f} at the start, {end:.2f} at the end, on {cpus} CPUs"
+
+
 def wait_for_window_start(redis_url: str, requests: int) -> None:
     """Sleep into the next rate-limit window unless this one (Redis's clock) has room for
     ``requests`` sent one after the other (half a second each, generously)."""
@@ -277,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "tenants",
         "command": "python -m bench.tenants " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
-        "machine": {**machine, "note": "shared with other engineers' builds and tests during the run"},
+        # What bench.common.machine() measured (the 1-min load at the start), the load at the end
+        # added as each figure is written: what the run was, never what it was meant to be.
+        "machine": machine,
         "parameters": {**vars(args), "before_checkout": str(args.before_checkout) if args.before_checkout else None},
         "commits": commits(args.before_checkout),
         "figures": figures,
@@ -288,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         print(key, {k: v for k, v in value.items() if k != "served"}, flush=True)
         # Written after each figure: a run cut short keeps the figures it finished.
         result.update(elapsed_s=time.time() - started, loadavg_1m_at_end=round(os.getloadavg()[0], 2))
+        machine["note"] = load_note(machine["loadavg_1m_at_start"], result["loadavg_1m_at_end"],
+                                    machine["cpu_count"])
         write_result("tenants", result, args.out)
 
     if args.before_checkout is not None:

@@ -53,3 +53,10 @@ def test_at_most_says_met_not_met_or_not_measured() -> None:
     assert at_most(0.2, 0.3) == "met"
     assert at_most(0.31, 0.3) == "not met"
     assert at_most(None, 0.3) == at_most(float("nan"), 0.3) == "not measured"
+
+
+def test_the_machine_note_says_the_load_the_run_measured() -> None:
+    from bench.tenants import load_note
+
+    assert load_note(0.5, 3.251, 2) == "1-min load average 0.50 at the start, 3.25 at the end, on 2 CPUs"
+    assert load_note(12.0, 9.0, 2) != load_note(0.5, 3.251, 2)
