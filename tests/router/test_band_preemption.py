@@ -6,19 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
-import time
-from http.server import ThreadingHTTPServer
-from types import SimpleNamespace
 
 import httpx
 import pytest
+from fair_queue_helpers import app_over_one_replica
 
-from kvscale.kv_index_schema import Heartbeat
-from kvscale.processes import free_port
-from kvscale.router.app import build_app
 from kvscale.router.band_preemption import may_preempt
-from kvscale.router.config import RouterConfig
 from kvscale.router.fair_queue import FairQueue, Turn
 from kvscale.router.metrics import RouterMetrics
 from tests.router.test_fair_share import MODEL, Replica
@@ -60,25 +53,10 @@ def test_a_request_whose_handling_fails_between_its_turn_and_its_forward_is_no_l
     through whose handling raises before it is forwarded (here its decision) ends its turn. Else
     it stays open in its band until restart, and a more urgent request is let past the full
     fleet to displace a request that is not there."""
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Replica)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-
     async def run() -> tuple[int, int, int, int]:
-        app = build_app(RouterConfig(replicas=[url], policy="round-robin", models=[], health_interval_s=0.05,
-                                     max_queue_wait_s=0.3, scheduling_policy="priority"))
-        router = app.state.router
-        await router.start()
-        try:
-            while not any(r.healthy for r in router.replicas.replicas.values()):
-                await asyncio.sleep(0.02)
-            rid = next(iter(router.replicas.replicas.values())).replica_id
-
-            def beat(running: int) -> Heartbeat:
-                return Heartbeat(rid, MODEL, url, 16, running, 0, 1, 100, time.time(), max_num_seqs=1)
-
-            feed = SimpleNamespace(heartbeats={rid: beat(0)}, healthy=True, healthy_since=time.monotonic())
-            router.heartbeats.feed = feed
+        async with app_over_one_replica(Replica, MODEL, 0, policy="round-robin", max_queue_wait_s=0.3,
+                                        scheduling_policy="priority") as (app, set_running):
+            router = app.state.router
             decide = router.decider.decide
 
             def fails_once(*args: object, **kwargs: object) -> object:
@@ -92,13 +70,9 @@ def test_a_request_whose_handling_fails_between_its_turn_and_its_forward_is_no_l
                     await client.post("/v1/completions", json={**body, "priority": 10})
                 queue = router.queue
                 still_open = sum(queue.open_by_band.values()) + len(queue.opened) + len(queue.unsent)
-                feed.heartbeats[rid] = beat(1)  # full: another router's request holds the slot
+                set_running(1)  # full: another router's request holds the slot
                 urgent = await client.post("/v1/completions", json={**body, "priority": 0})
                 return still_open, queue.open_without_room, urgent.status_code, queue.waiting
-        finally:
-            router.heartbeats.feed = None  # not a RedisFeed: nothing to stop
-            await router.stop()
-            server.shutdown()
 
     still_open, without_room, urgent, waiting = asyncio.run(run())
     assert (still_open, without_room) == (0, 0)

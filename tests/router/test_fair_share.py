@@ -8,21 +8,18 @@ import argparse
 import asyncio
 import json
 import random
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from types import SimpleNamespace
 
 import httpx
 import pytest
-from fair_queue_helpers import free_slots_one_by_one
+from fair_queue_helpers import app_over_one_replica, free_slots_one_by_one
 from starlette.requests import Request
 from starlette.responses import Response
 
 from kvscale.kv_index_schema import Heartbeat
-from kvscale.processes import free_port
 from kvscale.router import fair_share
-from kvscale.router.app import build_app
 from kvscale.router.cli_router import add_arguments, config_from_args
 from kvscale.router.config import RouterConfig
 from kvscale.router.fair_queue import FairQueue, Turn, queued_turn, room_on
@@ -296,27 +293,10 @@ class Replica(BaseHTTPRequestHandler):
 def test_the_router_holds_a_request_while_its_replica_is_full_and_sends_it_when_room_frees() -> None:
     """The wiring: the router's app with --max-queue-wait, its replica's heartbeat (as the Redis
     feed would hold it) saying the batch is full, then that a slot is free."""
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Replica)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-
     async def run() -> tuple[int, int, float, int, dict[str, float | None]]:
-        app = build_app(RouterConfig(replicas=[url], policy="round-robin", models=[],
-                                     health_interval_s=0.05, max_queue_wait_s=0.6))
-        router = app.state.router
-        await router.start()
-        try:
-            while not any(r.healthy for r in router.replicas.replicas.values()):
-                await asyncio.sleep(0.02)
-            rid = next(iter(router.replicas.replicas.values())).replica_id
-
-            def beat(running: int) -> Heartbeat:
-                return Heartbeat(rid, MODEL, url, 16, running, 0, 1, 100, time.time(),
-                                 max_num_seqs=1)
-
-            feed = SimpleNamespace(heartbeats={rid: beat(1)}, healthy=True,
-                                   healthy_since=time.monotonic())
-            router.heartbeats.feed = feed
+        async with app_over_one_replica(Replica, MODEL, 1, policy="round-robin",
+                                        max_queue_wait_s=0.6) as (app, set_running):
+            router = app.state.router
             client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r")
             body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
             async with client:
@@ -326,7 +306,7 @@ def test_the_router_holds_a_request_while_its_replica_is_full_and_sends_it_when_
                 assert not waiting.done() and router.queue.waiting == 1
                 # What the operator's autoscaler reads (counted with the servers' waiting).
                 assert (await client.get("/health")).json()["queued"] == 1
-                feed.heartbeats[rid] = beat(0)  # a slot freed: the next tick sends it
+                set_running(0)  # a slot freed: the next tick sends it
                 started = time.monotonic()
                 answered = await waiting
             waits = {outcome: router.metrics.registry.get_sample_value(
@@ -334,10 +314,6 @@ def test_the_router_holds_a_request_while_its_replica_is_full_and_sends_it_when_
                 for outcome in ("timeout", "released")}
             return (refused.status_code, answered.status_code, time.monotonic() - started,
                     int(refused.headers["retry-after"]), waits)
-        finally:
-            router.heartbeats.feed = None  # not a RedisFeed: nothing to stop
-            await router.stop()
-            server.shutdown()
 
     refused, answered, released_after_s, retry_after, waits = asyncio.run(run())
     assert (refused, retry_after) == (503, 1)
