@@ -44,11 +44,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import yaml
 
 from bench.before_after import add_before_checkout, commits
 from bench.common import RESULTS, exit_on_sigterm, redis_server_binary, write_result
 from bench.roofline import cpu_info
+from bench.soak_breakdown import cpu_seconds, cpu_share, lag_summary, with_loop_lag
 from bench.stats import quantile
 from bench.tenants_client import (
     Answer,
@@ -169,17 +171,35 @@ class Run:
 
     async def priority(self) -> dict[str, Any]:
         args, in_flight = self.args, self.args.load_factor * self.batch
+        # Where the probes' TTFT goes besides the replica: the routers' share (x-kvscale-router-ms:
+        # tenant admission, the fair queue, the decision), this client's event-loop lag, and the
+        # cores each process used while the probes ran (a 2-vCPU host runs them all).
+        pids = fleet_pids()
+        lags: dict[str, list[float]] = {"alone": [], "under_flood": []}
+        cores: dict[str, dict[str, float]] = {}
+
+        def probes(client: httpx.AsyncClient, side: str) -> Callable[[], Awaitable[list[Answer]]]:
+            async def measured() -> list[Answer]:
+                before, began = cpu_seconds(pids, CLIENT_ONLY), time.perf_counter()
+                answers = await with_loop_lag(self._probes(client, "high", "high", args.priority_requests)(),
+                                              lags[side])
+                cores[side] = cpu_share(before, cpu_seconds(pids, CLIENT_ONLY), time.perf_counter() - began)
+                return answers
+            return measured
+
         async with http_client(in_flight) as client:
-            alone = await self._probes(client, "high", "high", args.priority_requests)()
+            alone = await probes(client, "alone")()
             flooded, low = await beside_load(client, self._load(client, "low", "low", in_flight),
-                                             self._probes(client, "high", "high", args.priority_requests),
-                                             args.warm_s)
+                                             probes(client, "under_flood"), args.warm_s)
         alone_p90 = ttft_summary(alone)["ttft_p90_s"]
         flooded_p90 = ttft_summary(flooded)["ttft_p90_s"]
         p90 = ratio(flooded_p90, alone_p90)
+        breakdown = {side: {"router_ms": ms_summary([a.router_ms for a in answers if a.router_ms is not None]),
+                            "client_loop_lag": lag_summary(lags[side]), "cores_used": cores[side]}
+                     for side, answers in (("alone", alone), ("under_flood", flooded))}
         return {"low_in_flight": in_flight, "alone": ttft_summary(alone), "under_flood": ttft_summary(flooded),
                 "low_requests": len(low), "low_errors": sum(1 for a in low if a.status != 200),
-                "p90_ttft_ratio": p90, "target": 1.5, "verdict": at_most(p90, 1.5),
+                "p90_ttft_ratio": p90, "target": 1.5, "verdict": at_most(p90, 1.5), "breakdown": breakdown,
                 "loadavg_1m": os.getloadavg()[0]}
 
     async def router_latency(self) -> dict[str, Any]:
@@ -200,6 +220,28 @@ class Run:
         p99 = out["tenants"]["p99_ms"]
         return {"rounds": self.args.latency_rounds, **out, "target_p99_ms": 2.0, "verdict": at_most(p99, 2.0),
                 "loadavg_1m": os.getloadavg()[0]}
+
+
+CLIENT_ONLY = frozenset({"bench_client"})  # its children are the fleet, each counted on its own
+
+
+def fleet_pids() -> dict[str, int]:
+    """This process (the clients) and each process it started (the fleet: Redis, the replicas with
+    their engine cores, the routers), named by what it runs."""
+    pids = {"bench_client": os.getpid()}
+    for child in psutil.Process().children():
+        try:
+            argv = child.cmdline()
+        except psutil.Error:
+            continue
+        kind = next((word for word in ("serve", "router") if word in argv),
+                    Path(argv[0]).name if argv else "process")
+        pids[f"{kind}-{child.pid}"] = child.pid
+    return pids
+
+
+def ms_summary(values: list[float]) -> dict[str, float | None]:
+    return {"p50_ms": quantile(values, 0.5), "p90_ms": quantile(values, 0.9), "max_ms": max(values, default=None)}
 
 
 def bodies(tenant: str, max_tokens: int) -> Callable[[int], dict[str, Any]]:
