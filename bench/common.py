@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -66,6 +67,32 @@ def redis_server_binary() -> str:
     if binary is None:
         raise SystemExit("needs redis-server on the PATH (make system-deps)")
     return binary
+
+
+@dataclass(frozen=True)
+class StreamOutcome:
+    ok: bool  # answered whole: 200, ending with ``data: [DONE]``
+    began: bool  # a byte of a 200 answer had arrived (an error answer's body is no stream)
+    replica: str  # the router's ``x-kvscale-replica`` header ("" without one)
+
+
+def streamed_completion(url: str, body: dict[str, Any], timeout: float) -> StreamOutcome:
+    """POST ``body`` (a streamed completion) to ``url`` and read the answer to its end, for the
+    benchmarks and tests that kill a replica while streams are open: whether it came whole,
+    whether it had begun streaming (a failure before that could have been retried elsewhere)."""
+    import httpx
+
+    began, ok, replica, text = False, False, "", b""
+    try:
+        with httpx.stream("POST", url, json=body, timeout=timeout) as response:
+            replica = response.headers.get("x-kvscale-replica", "")
+            for chunk in response.iter_raw():
+                began = response.status_code == 200
+                text += chunk
+            ok = response.status_code == 200 and text.endswith(b"data: [DONE]\n\n")
+    except httpx.HTTPError:
+        ok = False
+    return StreamOutcome(ok, began, replica)
 
 
 def git_commit(tree: Path) -> str | None:
