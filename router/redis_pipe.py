@@ -21,7 +21,7 @@ import asyncio
 import hashlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 # redis.connection.parse_url's keys that a plain connection honours; any other (TLS, options in
 # the query) leaves the URL to redis-py.
@@ -117,8 +117,8 @@ class _Replies(asyncio.Protocol):
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are no asyncio.Transport subclasses, though they are one in kind.
+        self.transport = cast(asyncio.Transport, transport)
 
     def send(self, command: bytes) -> asyncio.Future[Any]:
         assert self.transport is not None

@@ -87,7 +87,8 @@ def test_a_script_runs_by_its_sha_and_is_sent_again_when_redis_lost_it(session_r
     assert asyncio.run(run()) == [[b"a", 2, 1], [b"b", 3, 2], [b"c", 4, 3]]
 
 
-def test_concurrent_callers_share_one_connection_and_each_gets_its_reply(session_redis) -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])  # uvicorn serves the router on uvloop
+def test_concurrent_callers_share_one_connection_and_each_gets_its_reply(session_redis, loop) -> None:
     client = redis.Redis.from_url(session_redis.url)
 
     async def run() -> tuple[list[object], int]:
@@ -99,7 +100,16 @@ def test_concurrent_callers_share_one_connection_and_each_gets_its_reply(session
         finally:
             await pipe.aclose()
 
-    replies, opened = asyncio.run(run())
+    if loop == "uvloop":
+        import uvloop
+
+        event_loop = uvloop.new_event_loop()
+        try:
+            replies, opened = event_loop.run_until_complete(run())
+        finally:
+            event_loop.close()
+    else:
+        replies, opened = asyncio.run(run())
     assert replies == [f"m{i}".encode() for i in range(300)] and opened == 1
 
 
