@@ -270,17 +270,8 @@ class Router:
         with turn:  # an exception before the forward ends the turn (fair_queue.Turn)
             header = self.config.session_header
             session = request.headers.get(header) if header else None
-            hash_key: int | str = prompt.hashes[0] if prompt.hashes else (
-                f"{model}|{str(body.get('prompt', body.get('messages', body.get('input'))))[:256]}")
-            decision = self.decider.decide(candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens,
-                                           prompt.block_size, adapter.name if adapter else None)
-            predicted_tokens = decision.matched_blocks * prompt.block_size
-            self.metrics.predicted_hit_tokens.inc(predicted_tokens)
-            self.metrics.predicted_hit_tokens_per_request.observe(predicted_tokens)
-            self.metrics.prompt_tokens.inc(prompt.prompt_tokens)
+            decision, predicted_tokens = self.decided(candidates, prompt, model, body, session, adapter, started)
             decided = time.perf_counter()
-            self.metrics.decision_seconds.observe(decided - started)
-
             by_id = {r.replica_id: r for r in candidates}
             return turn.ended(await self.forwarder.forward(Routed(
                 endpoint=endpoint, body=grant.body or raw,
@@ -298,6 +289,22 @@ class Router:
                 reply_headers=grant.headers,
                 on_done=turn.forwarding(grant.on_done),
             )))
+
+    def decided(self, candidates: list[Replica], prompt: PromptBlocks, model: str | None, body: dict[str, Any],
+                session: str | None, adapter: Adapter | None, started: float) -> tuple[routing.Decision, int]:
+        """The ranking of ``candidates`` for a generation request (the Decider's, on its prompt's
+        blocks, or its text where it has none), counted in the metrics; and its predicted hit
+        tokens. The HTTP port and the endpoint picker decide alike."""
+        hash_key: int | str = prompt.hashes[0] if prompt.hashes else (
+            f"{model}|{str(body.get('prompt', body.get('messages', body.get('input'))))[:256]}")
+        decision = self.decider.decide(candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens,
+                                       prompt.block_size, adapter.name if adapter else None)
+        hit_tokens = decision.matched_blocks * prompt.block_size
+        self.metrics.predicted_hit_tokens.inc(hit_tokens)
+        self.metrics.predicted_hit_tokens_per_request.observe(hit_tokens)
+        self.metrics.prompt_tokens.inc(prompt.prompt_tokens)
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        return decision, hit_tokens
 
     async def _prompt_blocks(self, endpoint: str, body: dict[str, Any], model: str | None,
                              body_bytes: int, adapter: Adapter | None = None) -> PromptBlocks:

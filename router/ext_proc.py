@@ -267,16 +267,7 @@ async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes,
             ranked: list[Replica] = sorted(candidates, key=lambda r: r.in_flight)
             session = None
         else:
-            hash_key: int | str = prompt.hashes[0] if prompt.hashes else (
-                f"{model}|{str(body.get('prompt', body.get('messages', body.get('input'))))[:256]}")
-            decision = router.decider.decide(candidates, prompt.hashes, hash_key, session, prompt.prompt_tokens,
-                                             prompt.block_size, adapter.name if adapter else None)
-            hit_tokens = decision.matched_blocks * prompt.block_size
-            metrics = router.metrics
-            metrics.predicted_hit_tokens.inc(hit_tokens)
-            metrics.predicted_hit_tokens_per_request.observe(hit_tokens)
-            metrics.prompt_tokens.inc(prompt.prompt_tokens)
-            metrics.decision_seconds.observe(time.perf_counter() - started)
+            decision, hit_tokens = router.decided(candidates, prompt, model, body, session, adapter, started)
             by_id = {r.replica_id: r for r in candidates}
             ranked = [by_id[rid] for rid in decision.ranked]
         ranked = ranked[: max(1, config.max_attempts)]
