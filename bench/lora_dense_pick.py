@@ -1,13 +1,14 @@
 """Which CPU form of the batched LoRA delta (kernels/lora.py's contract) is faster for one
 projection of the bundled model: the reference's pair of matmuls per slot on its rows
-(``torch_add_lora``), one pair over every slot with each row keeping its own slot's columns
-(``kernels.lora_dense``), and each row's own matrices gathered for two batched matmuls
-(``torch.bmm``, vLLM's CPU form). Rows 16 to 1,024, ranks 8 and 16, 8 slots held, all 8 or
-2 of them on the rows; the bundled model's four fused projections (q|k|v, o, gate|up, down).
+(``torch_add_lora``), one shrink over every slot with each row keeping its own slot's columns
+and one expand per fused slice (``kernels.lora_dense``), and each row's own matrices gathered for
+two batched matmuls (``torch.bmm``, vLLM's CPU form). Rows 16 to 1,024, ranks 8 and 16, 8 slots
+held, all 8 or 2 of them on the rows; the bundled model's four fused projections (q|k|v, o,
+gate|up, down), B block-diagonal by their slices as the engine lays an adapter out.
 
-Each form's time is the median of batches of calls (µs per call); ``largest_dense_win`` is the
-largest rows x stacked columns (S * w) at which the dense form was still the faster, what
-``kernels.lora_dense.DENSE_MAX_ROW_COLUMNS`` is set from.
+Each form's time is the median of batches of calls (µs per call), with what
+``kernels.lora_dense.choose_stacked`` picks for the case (``picked_stacked``): the cases
+``kernels.lora_dense.CALL_MACS`` is checked against.
 
     python -m bench.lora_dense_pick        # about 3 minutes on 2 vCPUs
 
@@ -26,8 +27,8 @@ from typing import Any
 from bench.common import write_result
 
 # The bundled model's fused projections: (in, out, slices).
-SHAPES = {"qkv_proj": (576, 960, 3), "o_proj": (576, 576, 1), "gate_up_proj": (576, 3072, 2),
-          "down_proj": (1536, 576, 1)}
+SHAPES = {"qkv_proj": (576, (576, 192, 192)), "o_proj": (576, (576,)), "gate_up_proj": (576, (1536, 1536)),
+          "down_proj": (1536, (576,))}
 SLOTS = 8
 
 
@@ -48,22 +49,31 @@ def per_call_us(action: Callable[[], object], budget_s: float) -> float:
     return statistics.median(batches)
 
 
-def one_case(rows: int, rank: int, present: int, shape: tuple[int, int, int], dtype: Any,
+def one_case(rows: int, rank: int, present: int, shape: tuple[int, tuple[int, ...]], dtype: Any,
              budget_s: float) -> dict[str, Any]:
     import torch
 
     from kvscale.kernels.lora import LoRASlots, lora_rows, torch_add_lora
-    from kvscale.kernels.lora_dense import dense_add_lora, stacked
+    from kvscale.kernels.lora_dense import choose_stacked, dense_add_lora, stacked
 
-    fin, fout, slices = shape
+    fin, widths = shape
+    fout, slices = sum(widths), len(widths)
+    layout = tuple((sum(widths[:j]), widths[j]) for j in range(slices)) if slices > 1 else ()
     gen = torch.Generator().manual_seed(rows * 31 + rank)
     k = slices * rank
+
+    def block_diagonal(b: Any) -> Any:
+        kept = torch.zeros_like(b)
+        for j, (first, width) in enumerate(layout or ((0, fout),)):
+            kept[first:first + width, j * rank:(j + 1) * rank] = b[first:first + width, j * rank:(j + 1) * rank]
+        return kept
+
     pairs = tuple(((torch.randn(k, fin, generator=gen) * fin**-0.5).to(dtype),
-                   (torch.randn(fout, k, generator=gen) * k**-0.5).to(dtype)) for _ in range(SLOTS))
+                   block_diagonal(torch.randn(fout, k, generator=gen) * k**-0.5).to(dtype)) for _ in range(SLOTS))
     row_slots = [i % present for i in range(rows)]
     x = torch.randn(rows, fin, generator=gen).to(dtype)
     out = torch.zeros(rows, fout, dtype=dtype)
-    plan, slots = lora_rows(row_slots, torch.device("cpu")), LoRASlots(pairs)
+    plan, slots = lora_rows(row_slots, torch.device("cpu")), LoRASlots(pairs, layout)
     a_stack = torch.stack([a for a, _ in pairs])  # [S, k, in]
     b_stack = torch.stack([b for _, b in pairs])  # [S, out, k]
     index = torch.tensor(row_slots)
@@ -78,7 +88,8 @@ def one_case(rows: int, rank: int, present: int, shape: tuple[int, int, int], dt
         timed["gather_bmm_us"] = per_call_us(gather_bmm, budget_s)
     weight = torch.randn(fout, fin, generator=gen).to(dtype)
     timed["base_linear_us"] = per_call_us(lambda: torch.nn.functional.linear(x, weight), budget_s)
-    return {"rows": rows, "rank": rank, "present": present, "columns": SLOTS * k, **timed}
+    return {"rows": rows, "rank": rank, "present": present, "columns": SLOTS * k,
+            "picked_stacked": choose_stacked(plan, slots, fin, fout), **timed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                         cases.append(case)
     wins = [c["rows"] * c["columns"] for c in cases if c["dense_us"] < c["reference_us"]]
     losses = [c["rows"] * c["columns"] for c in cases if c["dense_us"] >= c["reference_us"]]
+    # Where the pick was the slower form, and by how much (its time over the faster's).
+    mispicks = [{k: c[k] for k in ("projection", "rows", "rank", "present")}
+                | {"slower_by": max(c["dense_us"], c["reference_us"]) / min(c["dense_us"], c["reference_us"])}
+                for c in cases if c["picked_stacked"] != (c["dense_us"] < c["reference_us"])]
     result = {
         "benchmark": "lora_dense_pick",
         "command": " ".join(["python -m bench.lora_dense_pick", *(argv if argv is not None else sys.argv[1:])]),
@@ -116,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "parameters": {**vars(args), "slots": SLOTS},
         "largest_dense_win": max(wins, default=0),
         "smallest_dense_loss": min(losses, default=None),
+        "mispicks": mispicks,
         "cases": cases,
         "elapsed_s": time.time() - started,
     }

@@ -11,8 +11,9 @@ Two paths implement it:
 
 - :func:`torch_add_lora`: a pair of matmuls per slot on that slot's rows; the reference the
   others must match, and the engine's path on CPU for many rows (a prefill) or one slot;
-- :mod:`kvscale.kernels.lora_dense`: one pair of matmuls over every slot at once, each row
-  keeping its own slot's columns; the engine's path on CPU for few rows of several slots (decode);
+- :mod:`kvscale.kernels.lora_dense`: one shrink over every slot at once and one expand per fused
+  slice, each row keeping its own slot's columns; the engine's path on CPU where it costs less
+  than the per-slot pairs (few rows of several slots: decode);
 - :mod:`kvscale.kernels.lora_triton`: Punica's SGMV (segmented gather matrix-vector) as two
   Triton launches, shrink then expand, over tiles of rows of one slot; the path on CUDA.
 
@@ -24,12 +25,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from kvscale.kernels import use_triton
+
+if TYPE_CHECKING:
+    from kvscale.kernels.lora_dense import Stacked
 
 # Rows per Triton program: a tile holds rows of one slot only, so that one A and one B serve it
 # (tl.dot needs at least 16 rows).
@@ -73,6 +78,8 @@ class LoRARows:
     row_slots: Tensor  # for lora_dense: each row's slot, -1 for none
     # lora_dense's masks of the rows' own slots, by slot count: made once per step.
     masks: dict[int, Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # lora_dense's choice of path by projection's slots (their id, alive through the step).
+    choices: dict[int, bool] = field(default_factory=dict, compare=False, repr=False)
 
 
 def lora_rows(row_slots: Sequence[int] | np.ndarray, device: torch.device) -> LoRARows:
@@ -92,13 +99,17 @@ class LoRASlots:
     adapter leaves the projection alone."""
 
     pairs: tuple[tuple[Tensor, Tensor] | None, ...]
+    # A fused projection's slices, (first output column, width) each, where B is block-diagonal by
+    # them: each slot's k is n equal rank blocks, slice j's outputs reading block j only (as
+    # server/worker/lora_layers.py's fuse_adapter lays it out). Empty: no such structure promised.
+    slices: tuple[tuple[int, int], ...] = ()
     # The kernel's per-slot (A's address, B's address, k) on the device and the largest k, made on
     # its first launch (kvscale.kernels.lora_triton) and kept while these matrices are the step's.
     table: Tensor | None = field(default=None, repr=False)
     max_k: int = 0
-    # kernels.lora_dense's every slot stacked (A's [in, S*w], B's [S*w, out]), made on its first
-    # use and kept while these matrices are the step's.
-    dense: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
+    # kernels.lora_dense's every slot stacked (A's [in, n*S*w], B's [S*w, width] per slice), made
+    # on its first use and kept while these matrices are the step's.
+    dense: Stacked | None = field(default=None, repr=False)
 
 
 def torch_add_lora(out: Tensor, x: Tensor, rows: LoRARows, slots: LoRASlots) -> None:
@@ -123,7 +134,7 @@ def lora_path(device: torch.device) -> str:
 def add_lora(out: Tensor, x: Tensor, rows: LoRARows, slots: LoRASlots) -> None:
     """Add each row's adapter delta into ``out`` (``x`` [rows, in], ``out`` [rows, out]): in
     Triton on a GPU where the tensors' layout fits the kernel, else in PyTorch: over every slot
-    at once where that pays (:func:`kvscale.kernels.lora_dense.dense_pays`), else slot by slot."""
+    at once where that costs less (:func:`kvscale.kernels.lora_dense.choose_stacked`), else slot by slot."""
     if lora_path(x.device) == "triton":
         from kvscale.kernels import lora_triton
 
@@ -132,8 +143,7 @@ def add_lora(out: Tensor, x: Tensor, rows: LoRARows, slots: LoRASlots) -> None:
     if rows.groups and rows.groups[0][1] is not None:  # a slot on every row: two matmuls already
         from kvscale.kernels import lora_dense
 
-        if lora_dense.dense_pays(rows.num_rows, len(rows.groups), len(slots.pairs),
-                                 lora_dense.stacked_columns(slots)):
+        if lora_dense.choose_stacked(rows, slots, x.shape[1], out.shape[1]):
             lora_dense.dense_add_lora(out, x, rows, slots)
             return
     torch_add_lora(out, x, rows, slots)

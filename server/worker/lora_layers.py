@@ -4,9 +4,11 @@ low-rank delta on the rows that carry it (docs/server.md, "LoRA adapters").
 A step's adapters take a slot each and its rows are planned by slot (``LoRABatch``, set once per
 step by lora_manager.py and shared by every wrapped projection), so one forward serves base rows
 and several adapters: the delta is kernels/lora.py's batched LoRA, two Triton launches on a GPU,
-two small matmuls per adapter present on CPU. The checkpoint's q|k|v and gate|up are fused in one
+on CPU one shrink over every slot and one expand per slice, or two small matmuls per adapter
+present (kernels/lora_dense.py chooses). The checkpoint's q|k|v and gate|up are fused in one
 projection (model_llama.py), so an adapter's A matrices for the slices are stacked and its B
-matrices laid block-diagonally: one delta fills every slice.
+matrices laid block-diagonally: one delta fills every slice; the slices' columns are passed with
+the matrices, so that the CPU path's expand reads each slice's block only.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class LoRABatch:
     adapters: tuple[LoRADeviceAdapter, ...] = ()
     rows: LoRARows | None = None
     weights: dict[tuple[int, str], LoRASlots] = field(default_factory=dict)
+    # Each wrapped projection's fused slices, (first output column, width), set as it is wrapped.
+    slices: dict[tuple[int, str], tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
     def set_step(self, adapters: tuple[LoRADeviceAdapter, ...], rows: LoRARows | None,
                  keys: list[tuple[int, str]]) -> None:
@@ -52,7 +56,7 @@ class LoRABatch:
             for key in keys:
                 pairs = tuple(adapter.fused.get(key) for adapter in adapters)
                 if any(pair is not None for pair in pairs):
-                    self.weights[key] = LoRASlots(pairs)
+                    self.weights[key] = LoRASlots(pairs, self.slices.get(key, ()))
         self.rows = rows
 
     @property
@@ -84,6 +88,8 @@ class LoRALinear(nn.Module):
         self.in_features = in_features
         self.out_features = sum(s.size for s in slices)
         self.batch = batch
+        if len(slices) > 1:
+            batch.slices[key] = tuple((s.offset, s.size) for s in slices)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)

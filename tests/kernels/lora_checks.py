@@ -29,20 +29,38 @@ class LoRACase:
     row_slots: list[int]
     pairs: list[tuple[Tensor, Tensor] | None]  # per slot: A [slices * rank, in], B [out, slices * rank]
     ranks: list[int]
+    # Where B is block-diagonal by slices (a fused projection's), their (first column, width).
+    slices: tuple[tuple[int, int], ...] = ()
 
     def on(self, device: str | torch.device) -> tuple[Tensor, Tensor, LoRARows, LoRASlots]:
         """The case's tensors on ``device`` (out a fresh copy), as the projections pass them."""
         pairs = tuple(None if p is None else (p[0].to(device), p[1].to(device)) for p in self.pairs)
         return (self.x.to(device), self.out.clone().to(device), lora_rows(self.row_slots, torch.device(device)),
-                LoRASlots(pairs))
+                LoRASlots(pairs, self.slices))
+
+    def per_row(self) -> Tensor:
+        """The contract row by row in float64: ``out`` plus each row's own slot's delta."""
+        expected = self.out.double().clone()
+        for i, s in enumerate(self.row_slots):
+            pair = self.pairs[s] if s >= 0 else None
+            if pair is not None:
+                expected[i] += pair[1].double() @ (pair[0].double() @ self.x[i].double())
+        return expected
 
 
 def make_lora_case(gen: torch.Generator, dtype: torch.dtype, *, rows: int, in_features: int,
                    slice_width: int, slices: int, ranks: list[int | None], base_share: float,
-                   one_slot: bool = False, first_slots: tuple[int, ...] = ()) -> LoRACase:
+                   one_slot: bool = False, first_slots: tuple[int, ...] = (),
+                   fused: tuple[int, ...] = ()) -> LoRACase:
     """Slot i of rank ``ranks[i]`` (None: its adapter does not target this projection); the rows'
-    slots drawn (``base_share`` of them base rows) but for the ``first_slots`` given."""
-    out_features = slices * slice_width
+    slots drawn (``base_share`` of them base rows) but for the ``first_slots`` given. ``fused``:
+    the widths of a fused projection's slices (``slices`` and ``slice_width`` then unused), each
+    slot's B block-diagonal by them as lora_layers.fuse_adapter lays it out."""
+    if fused:
+        slices, out_features = len(fused), sum(fused)
+        firsts = [sum(fused[:j]) for j in range(len(fused))]
+    else:
+        out_features = slices * slice_width
     pairs: list[tuple[Tensor, Tensor] | None] = []
     for rank in ranks:
         if rank is None:
@@ -51,6 +69,11 @@ def make_lora_case(gen: torch.Generator, dtype: torch.dtype, *, rows: int, in_fe
         k = slices * rank
         a = torch.randn(k, in_features, generator=gen) * in_features**-0.5
         b = torch.randn(out_features, k, generator=gen) * k**-0.5
+        if fused:
+            block = torch.zeros_like(b)
+            for j, (first, width) in enumerate(zip(firsts, fused, strict=True)):
+                block[first:first + width, j * rank:(j + 1) * rank] = b[first:first + width, j * rank:(j + 1) * rank]
+            b = block
         pairs.append((a.to(dtype), b.to(dtype)))
     if one_slot:
         row_slots = [0] * rows
@@ -61,7 +84,8 @@ def make_lora_case(gen: torch.Generator, dtype: torch.dtype, *, rows: int, in_fe
         row_slots[: len(first_slots)] = first_slots
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     out = torch.randn(rows, out_features, generator=gen).to(dtype)
-    return LoRACase(x, out, row_slots, pairs, [r or 0 for r in ranks])
+    layout = tuple(zip(firsts, fused, strict=True)) if fused else ()
+    return LoRACase(x, out, row_slots, pairs, [r or 0 for r in ranks], layout)
 
 
 def random_lora_case(gen: torch.Generator, dtype: torch.dtype) -> LoRACase:

@@ -96,6 +96,14 @@ def test_base_and_two_adapters_in_one_batch_each_match_peft(lora_setup, run_to_c
     for name in (None, "a1", "a2"):
         for i in range(len(prompts)):
             assert outputs[f"{name}-{i}"].outputs[0].token_ids == refs[name][i], (name, i)
+    # The decode steps' few rows of both slots took the stacked path, one expand per fused slice
+    # (kernels/lora_dense.py): q|k|v's ranks 4 and 8, a2 on q and v only; down's both. gate|up is
+    # a1's alone, whose rows took its own pair.
+    weights = engine.runner.lora.batch.weights
+    for key, slices in (((0, "qkv_proj"), 3), ((0, "down_proj"), 1)):
+        stacked = weights[key].dense
+        assert stacked is not None and len(stacked.b_slices) == slices, key
+    assert weights[(0, "gate_up_proj")].dense is None
 
 
 def test_one_slot_swaps_adapters_between_requests(lora_setup, run_to_completion) -> None:

@@ -46,3 +46,14 @@ def test_a_projection_adds_only_its_rows_adapters_deltas() -> None:
     a, b = a1.fused[QKV]
     assert torch.allclose(out[1], plain[1] + b @ (a @ x[1]), rtol=1e-5, atol=1e-5)
     assert torch.equal(out[[0, 2]], plain[[0, 2]])  # a base row, and a2 leaves qkv_proj alone
+
+
+def test_a_fused_projections_slices_come_with_its_matrices() -> None:
+    # So that the CPU path's expand reads each slice's block of B only (kernels/lora_dense.py).
+    batch = LoRABatch()
+    LoRALinear(nn.Linear(4, 4, bias=False), QKV, (Slice("q_proj", 0, 2), Slice("k_proj", 2, 1), Slice("v_proj", 3, 1)),
+               4, batch)
+    LoRALinear(nn.Linear(4, 4, bias=False), DOWN, (Slice("down_proj", 0, 4),), 4, batch)
+    batch.set_step((_adapter("a1", [QKV, DOWN]),), lora_rows([0], torch.device("cpu")), [QKV, DOWN])
+    assert batch.weights[QKV].slices == ((0, 2), (2, 1), (3, 1))
+    assert batch.weights[DOWN].slices == ()  # one slice: nothing to split
