@@ -13,7 +13,10 @@ projection, random B; nothing downloaded):
    (bench.lora_ttft).
 
 Where a LoRA projection's time goes (its base GEMM, the deltas, torch's op table) is recorded with
-figure 1. Each engine side runs in its own process.
+figure 1. Each engine side runs in its own process. ``--before-checkout PATH`` runs figure 1's
+engine side once more, first, from another tree (bench.before_after: a worktree of an earlier
+commit), so a change to the LoRA path is measured against its parent in the same run
+(``mixed_over_base_before``, and the mixed tok/s after ÷ before).
 
     flock -x /tmp/kvscale-bench.lock python -m bench.lora      # about 10 minutes on 2 vCPUs
 
@@ -32,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.before_after import add_before_checkout, commits
 from bench.common import exit_on_sigterm, run_side, write_result
 from bench.w1_throughput import add_workload_args
 
@@ -60,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--router-requests", type=int, default=150, help="requests per stream")
     parser.add_argument("--router-repeats", type=int, default=2, help="streams (seeds), policy order flipped each")
     parser.add_argument("--parts", default="engine,peft,ttft,router")
+    add_before_checkout(parser, help="also run the engine side from this tree (a worktree of an earlier commit)")
     parser.add_argument("--adapter-dir", help=argparse.SUPPRESS)
     parser.add_argument("--side", choices=["engine", "peft", "ttft"], help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
@@ -79,8 +84,10 @@ def make_adapters(root: Path, count: int, rank: int) -> dict[str, str]:
     return {name: path for name, path, _ in peft_adapters(base, settings, root)}
 
 
-def figures(engine: dict | None, peft: dict | None, ttft: dict | None, router: dict | None) -> dict[str, Any]:
-    """The issue's figures from the parts' results, each with its target and whether it is met."""
+def figures(engine: dict | None, peft: dict | None, ttft: dict | None, router: dict | None,
+            engine_before: dict | None = None) -> dict[str, Any]:
+    """The issue's figures from the parts' results, each with its target and whether it is met;
+    with ``engine_before`` (the engine side from ``--before-checkout``), the earlier code's."""
     out: dict[str, Any] = {}
 
     def put(name: str, value: float | None) -> None:
@@ -92,6 +99,10 @@ def figures(engine: dict | None, peft: dict | None, ttft: dict | None, router: d
         put("mixed_over_base", engine["mixed_over_base_median"])
         put("base_on_lora_engine_over_base",
             engine["tok_s_median"]["base_on_lora_engine"] / engine["tok_s_median"]["base"])
+    if engine_before:
+        put("mixed_over_base_before", engine_before["mixed_over_base_median"])
+    if engine and engine_before:
+        put("mixed_tok_s_over_before", engine["tok_s_median"]["mixed"] / engine_before["tok_s_median"]["mixed"])
     if engine and peft:
         put("mixed_over_peft", engine["tok_s_median"]["mixed"] / peft["tok_s"]["mixed"])
         put("peft_mixed_over_peft_base", peft["tok_s"]["mixed"] / peft["tok_s"]["base"])
@@ -100,6 +111,19 @@ def figures(engine: dict | None, peft: dict | None, ttft: dict | None, router: d
     if ttft:
         for kind, ms in ttft["ttft_ms_median"].items():
             put(f"ttft_ms_{kind}", ms)
+    return out
+
+
+def _strip(argv: list[str], flags_with_value: tuple[str, ...]) -> list[str]:
+    """``argv`` without ``flags_with_value`` and their values."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags_with_value:
+            skip = True
+        elif not any(a.startswith(f + "=") for f in flags_with_value):
+            out.append(a)
     return out
 
 
@@ -115,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.roofline import cpu_info
 
     raw = list(argv if argv is not None else sys.argv[1:])
+    # What the sides get: an earlier tree's parser knows neither flag.
+    passthrough = _strip(raw, ("--before-checkout", "--out"))
     parts = set(args.parts.split(","))
     started = time.time()
     info = cpu_info()
@@ -124,16 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths = make_adapters(root, args.router_adapters + args.max_loras, args.rank)
         print(f"bench.lora: {len(paths)} adapters in {time.time() - started:.0f} s", file=sys.stderr, flush=True)
-        for part in ("engine", "peft", "ttft", "router"):
-            if part not in parts:
-                continue
+        order = ["engine_before"] if args.before_checkout and "engine" in parts else []
+        for part in order + [p for p in ("engine", "peft", "ttft", "router") if p in parts]:
             try:  # one part failing leaves the others' figures
                 if part == "router":
                     from bench.lora_router import router_figure
 
                     results[part] = router_figure(args, paths)
+                elif part == "engine_before":
+                    results[part] = run_side("bench.lora", "engine", [*passthrough, "--adapter-dir", str(root)],
+                                             checkout=args.before_checkout)
                 else:
-                    results[part] = run_side("bench.lora", part, [*raw, "--adapter-dir", str(root)])
+                    results[part] = run_side("bench.lora", part, [*passthrough, "--adapter-dir", str(root)])
             except SystemExit as exc:
                 if not isinstance(exc.code, str):  # a signal (exit_on_sigterm), not a side's failure
                     raise
@@ -149,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python -m bench.lora", *raw]),
         "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime(started)),
         "machine": info,
-        "parameters": {k: v for k, v in vars(args).items() if k not in ("side", "adapter_dir", "out")},
-        "figures": figures(results.get("engine"), results.get("peft"), results.get("ttft"), results.get("router")),
+        "parameters": {k: v for k, v in vars(args).items() if k not in ("side", "adapter_dir", "out", "before_checkout")},
+        "commits": commits(args.before_checkout),
+        "figures": figures(results.get("engine"), results.get("peft"), results.get("ttft"), results.get("router"),
+                           results.get("engine_before")),
         "baseline_note": "vLLM's CPU build (bench/anchors/vllm_cpu.py, a ~6 GB venv) has no side in this "
                          "bench yet: transformers + PEFT is figure 2's baseline",
         **results,

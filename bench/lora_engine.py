@@ -8,7 +8,8 @@ model alone, what a user serving no adapter runs) and one with ``--enable-lora``
 adapter resident (``--max-loras`` = their count), which runs the requests once with no adapter and
 once each naming one of the adapters in turn. Their passes alternate, the order rotated per round
 (a shared machine's speed drifts); each pass has its own ``cache_salt`` so none reuses another's
-prefix cache. PEFT runs them in static batches as bench.w1_throughput's transformers baseline, a
+prefix cache. After the rounds each engine side's prefill alone is timed (the prompts with one
+output token each), so a pass splits into prefill and decode. PEFT runs them in static batches as bench.w1_throughput's transformers baseline, a
 batch's rows naming their adapters (PEFT's mixed-adapter batches, ``adapter_names``).
 """
 
@@ -119,12 +120,20 @@ def side_engine(args: argparse.Namespace) -> dict[str, Any]:
         for side in order[r % len(order):] + order[:r % len(order)]:
             engine, names = sides[side]
             passes[side].append(engine_pass(engine, prompts, outputs, names, f"r{r}-{side}"))
+    # Where the mixed side's extra time goes, prefill or decode: the same prompts once more, one
+    # output token each (their prefill, in the steps a full pass prefills them in), best of two
+    # per side; the rest of a pass's time is its decode.
+    prefill_s = {side: min(len(prompts) / engine_pass(sides[side][0], prompts, [1] * len(prompts), sides[side][1],
+                                                        f"prefill{r}-{side}") for r in range(2))
+                 for side in ("base", "mixed")}
     ratios = [m / b for m, b in zip(passes["mixed"], passes["base"], strict=True)]
     result: dict[str, Any] = {
         "tok_s": passes,
         "tok_s_median": {side: statistics.median(v) for side, v in passes.items()},
         "mixed_over_base_paired": ratios,
         "mixed_over_base_median": statistics.median(ratios),
+        "prefill_s": prefill_s,
+        "decode_s": {side: sum(outputs) / statistics.median(passes[side]) - prefill_s[side] for side in prefill_s},
         "dtype": str(lora.dtype).removeprefix("torch."),
         "adapters": list(paths),
         "torch_threads": torch.get_num_threads(),

@@ -45,3 +45,19 @@ def test_a_figure_is_met_only_at_or_above_its_target_and_reported_without_one() 
     assert out["router_hit_rate_over_round_robin"]["met"] is True
     assert out["ttft_ms_warm"] == {"value": 40.0, "target": None, "met": None}
     assert "mixed_over_peft" not in figures(engine, None, None, None)
+
+
+def test_the_earlier_trees_engine_side_gives_its_own_ratio_and_the_mixed_speedup() -> None:
+    engine = {"mixed_over_base_median": 0.8, "tok_s_median": {"base": 100.0, "base_on_lora_engine": 95.0, "mixed": 80.0}}
+    before = {"mixed_over_base_median": 0.6, "tok_s_median": {"base": 100.0, "base_on_lora_engine": 95.0, "mixed": 60.0}}
+    out = figures(engine, None, None, None, before)
+    assert out["mixed_over_base_before"] == {"value": 0.6, "target": None, "met": None}
+    assert out["mixed_tok_s_over_before"]["value"] == 80.0 / 60.0
+    assert "mixed_over_base_before" not in figures(engine, None, None, None)
+
+
+def test_the_sides_get_the_command_line_without_the_flags_an_earlier_tree_lacks() -> None:
+    from bench.lora import _strip
+
+    argv = ["--rounds", "2", "--before-checkout", "/tmp/b", "--out=/tmp/o.json", "--parts", "engine"]
+    assert _strip(argv, ("--before-checkout", "--out")) == ["--rounds", "2", "--parts", "engine"]
