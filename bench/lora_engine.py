@@ -9,8 +9,9 @@ adapter resident (``--max-loras`` = their count), which runs the requests once w
 once each naming one of the adapters in turn. Their passes alternate, the order rotated per round
 (a shared machine's speed drifts); each pass has its own ``cache_salt`` so none reuses another's
 prefix cache. After the rounds each engine side's prefill alone is timed (the prompts with one
-output token each), so a pass splits into prefill and decode. PEFT runs them in static batches as bench.w1_throughput's transformers baseline, a
-batch's rows naming their adapters (PEFT's mixed-adapter batches, ``adapter_names``).
+output token each), so a pass splits into prefill and decode. PEFT runs them in static batches
+as bench.w1_throughput's transformers baseline, a batch's rows naming their adapters (PEFT's
+mixed-adapter batches, ``adapter_names``).
 """
 
 from __future__ import annotations
