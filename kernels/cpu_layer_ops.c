@@ -175,11 +175,11 @@ static inline __attribute__((always_inline)) void normalize_row(
 }
 
 #if KVSCALE_AVX512
-/* float32 with a residual. gcc leaves the portable loop's sum of squares scalar: one FMA chain per
- * row in element order, latency-bound (4 cycles a value) and slower than the memory it reads. The
- * same chains, for the same bits, run here up to 16 rows at a time, one row per vector lane, each
- * step gathering one value from every row; the add before and the normalisation after are plain
- * row loops. */
+/* float32 with a residual. gcc leaves the portable loop's sum of squares scalar: one fused
+ * multiply-add chain per row in element order (fmaf, on every tuning), latency-bound (4 cycles a
+ * value) and slower than the memory it reads. The same chains, for the same bits, run here up to
+ * 16 rows at a time, one row per vector lane, each step gathering one value from every row; the
+ * add before and the normalisation after are plain row loops. */
 static void add_rms_norm_f32_rows(const float *x, float *residual, const float *weight, float *out,
                                   int64_t rows, int64_t width, float eps, int num_threads) {
     /* 16 rows a block, fewer where that leaves a thread without one (small decode batches). */
@@ -224,12 +224,16 @@ static inline __attribute__((always_inline)) void add_rms_norm_rows(
         const int64_t base = r * width;
         float squares = 0.0f;
         if (residual != NULL) {
-            /* residual += x, rounded to the dtype as torch's add is, and normalised from there. */
+            /* residual += x, rounded to the dtype as torch's add is, and normalised from there.
+             * The square is added by an explicit fused multiply-add: whether gcc fuses `+= sum *
+             * sum` depends on -mtune (its Zen tunings up to znver3, which gcc 12 also picks for
+             * Zen 5, keep scalar and 256-bit chains unfused: --param avoid-fma-max-bits), and the
+             * explicit AVX-512 loop's fused chain must give these bits on every CPU. */
             #pragma omp simd reduction(+ : squares)
             for (int64_t i = 0; i < width; i++) {
                 const float sum = round_to(get(x, base + i, is_bf16) + get(residual, base + i, is_bf16), is_bf16);
                 put(residual, base + i, sum, is_bf16);
-                squares += sum * sum;
+                squares = fmaf(sum, sum, squares);
             }
         } else {
             #pragma omp simd reduction(+ : squares)
