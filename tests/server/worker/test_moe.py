@@ -69,6 +69,15 @@ def rows(count: int, seed: int = 1) -> torch.Tensor:
                          ids=["mixtral", "qwen3_moe", "qwen3_moe-renormalized"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_block_computes_what_transformers_block_does(config, dtype):
+    """float32: transformers' outputs. bfloat16: the same experts per row, and each output no
+    further from the exact (float64) block on the same bf16 weights and rows than transformers'
+    bf16 outputs are, by more than a little. Not elementwise against transformers: the two bf16
+    blocks round the same steps, but kvscale's SiLU (the C kernel: a reciprocal estimate and a
+    Newton step for the division) and torch's differ by an ulp or two of float32, which for a
+    few inputs (a gate of 5.9375) lands on the other side of a bf16 rounding, and the bf16
+    index_add of experts whose outputs nearly cancel turns that ulp into a large relative error.
+    Which inputs hit that depends on the CPU (the AVX-512 loops' division is not the AVX2
+    loops'), so only the error against the exact block is a claim that holds on every CPU."""
     theirs, ours = their_block(config)
     theirs, ours = theirs.to(dtype), ours.to(dtype)
     x = rows(37).to(dtype)
@@ -76,8 +85,24 @@ def test_the_block_computes_what_transformers_block_does(config, dtype):
         expected = theirs(x[None])[0]
         got = ours(x)
     assert got.dtype == dtype
-    tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
-    torch.testing.assert_close(got, expected, **tolerance)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected)
+        return
+    exact, _ = their_block(config)
+    with torch.no_grad():
+        for mine, rounded in zip(exact.parameters(), theirs.parameters(), strict=True):
+            mine.copy_(rounded.float())
+    with torch.inference_mode():
+        assert torch.equal(ours.route(x)[1], theirs.gate(x)[2])  # the same experts, in the same order
+        reference = exact.double()(x.double()[None])[0]
+    ours_error, their_error = (got.double() - reference).abs(), (expected.double() - reference).abs()
+    # The mean error within 2 % of transformers' own: kvscale's was 0.993 to 1.0004 of it on a
+    # Zen 5 EPYC (AVX-512), and bit-equal outputs give 1. Losses that bound fails there, as
+    # ratios for mixtral / qwen3 / qwen3 renormalized: a bf16 router softmax 1.12 / 0.99 (qwen3
+    # rounds its weights to bf16 anyway) / 1.05; SiLU as bf16 g * sigmoid(g) 1.02 / 1.04 / 1.06;
+    # Mixtral's weights rounded to bf16 before they scale 1.04. The max: no gross outlier.
+    assert ours_error.mean() <= 1.02 * their_error.mean(), (ours_error.mean(), their_error.mean())
+    assert ours_error.max() <= 1.25 * their_error.max(), (ours_error.max(), their_error.max())
 
 
 def test_each_row_of_a_batch_gets_its_own_experts_alone():
