@@ -13,8 +13,11 @@ Envoy with four listeners, all of which ask that picker:
   a replica SIGKILLed once it streams one answer with another waiting behind it, then started
   again; the same through the ORIGINAL_DST pool keyed by the header alone (the baseline: a
   gateway without fallbacks, the same retry policy). A request fails when its answer is not whole
-  (``data: [DONE]``); one fails *unstarted* when not a byte of it had arrived. Also counted: the
-  requests the picker had placed first on the victim that another replica answered.
+  (``data: [DONE]``); one fails *unstarted* when not a byte of a 200 answer had arrived (an
+  error answer, such as Envoy's 503 for a reset it could not retry, is no stream). Also counted
+  per round: the requests waiting unstarted in the victim's queue when it was killed (its
+  ``vllm:num_requests_waiting``), and those the picker had placed first on the victim that
+  another replica answered.
 - **picker restarted**: short completions sent without pause (``--clients`` at a time) through
   a FailOpen listener (bodies buffered, a fallback cluster of the servers when the picker does not
   answer) and a FailClose one, while the picker is stopped with SIGTERM (as a rollout stops its
@@ -40,7 +43,14 @@ from typing import Any, cast
 
 import httpx
 
-from bench.common import RESULTS, exit_on_sigterm, redis_server_binary, write_result
+from bench.common import (
+    RESULTS,
+    StreamOutcome,
+    exit_on_sigterm,
+    redis_server_binary,
+    streamed_completion,
+    write_result,
+)
 from bench.envoy_gateway import envoy_argv, envoy_config, listener, wait_ready
 from bench.roofline import cpu_info
 from bench.w3_fleet import MODEL, Fleet, Processes, router_argv, start_fleet, wait_healthy
@@ -57,32 +67,24 @@ def metric_sum(text: str, name: str) -> float:
     return total
 
 
-def queueing(url: str) -> bool:
-    """The replica streams its first answer (none finished yet) with a request waiting behind it
-    (the waiting gauge is as of its last step, which the running answer keeps fresh)."""
+def queued(url: str) -> int:
+    """How many requests wait unstarted in the replica's queue while it streams its first answer
+    (none finished yet); 0 until then. The waiting gauge is as of its last step, which the
+    running answer keeps fresh."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=5).text
     except httpx.HTTPError:
-        return False
-    return (metric_sum(text, "vllm:time_to_first_token_seconds_count") >= 1
-            and metric_sum(text, "vllm:request_success_total") == 0
-            and metric_sum(text, "vllm:num_requests_waiting") >= 1)
+        return 0
+    if (metric_sum(text, "vllm:time_to_first_token_seconds_count") < 1
+            or metric_sum(text, "vllm:request_success_total") > 0):
+        return 0
+    return int(metric_sum(text, "vllm:num_requests_waiting"))
 
 
-def streamed(url: str, index: int, max_tokens: int) -> dict[str, bool]:
-    """One streamed completion: whether it came whole, and whether any byte of it had arrived."""
-    began, text = False, b""
+def streamed(url: str, index: int, max_tokens: int) -> StreamOutcome:
     body = {"model": MODEL, "prompt": f"Count to ten, attempt {index}:", "max_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0, "stream": True}
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
-            for chunk in response.iter_raw():
-                began = True
-                text += chunk
-            ok = response.status_code == 200 and text.endswith(b"data: [DONE]\n\n")
-    except httpx.HTTPError:
-        ok = False
-    return {"ok": ok, "began": began}
+    return streamed_completion(f"{url}/v1/completions", body, timeout=300)
 
 
 def access_log(path: str, name: str) -> list[list[str]]:
@@ -90,16 +92,17 @@ def access_log(path: str, name: str) -> list[list[str]]:
 
 
 def kill_round(url: str, victim: subprocess.Popen, victim_url: str, wave: int,
-               max_tokens: int) -> tuple[list[dict[str, bool]], float]:
-    """A wave of requests, the victim SIGKILLed once it queues: the requests' outcomes and the
-    seconds from the wave's start to the kill."""
+               max_tokens: int) -> tuple[list[StreamOutcome], int, float]:
+    """A wave of requests, the victim SIGKILLed once requests wait unstarted in its queue: the
+    requests' outcomes, how many waited there at the kill, and the seconds from the wave's
+    start to the kill."""
     with futures.ThreadPoolExecutor(wave) as pool:
         started = time.monotonic()
         jobs = [pool.submit(streamed, url, i, max_tokens) for i in range(wave)]
-        wait_until(lambda: queueing(victim_url), 120, interval=0.05, what="requests queued on the victim")
+        waiting = wait_until(lambda: queued(victim_url), 120, interval=0.05, what="requests queued on the victim")
         victim.send_signal(signal.SIGKILL)
         killed_after = time.monotonic() - started
-        return [job.result() for job in jobs], killed_after
+        return [job.result() for job in jobs], waiting, killed_after
 
 
 def replica_kills(procs: Processes, fleet: Fleet, envoy_ports: dict[str, int], log_path: str,
@@ -115,16 +118,17 @@ def replica_kills(procs: Processes, fleet: Fleet, envoy_ports: dict[str, int], l
         for _ in range(args.kill_rounds):
             logged = len(access_log(log_path, name))
             proc = fleet.replica_procs[victim]
-            results, kill_s = kill_round(f"http://127.0.0.1:{envoy_ports[name]}", proc, victim_url,
-                                         args.wave, args.max_tokens)
+            results, waiting, kill_s = kill_round(f"http://127.0.0.1:{envoy_ports[name]}", proc, victim_url,
+                                                  args.wave, args.max_tokens)
             proc.wait()
             lines = access_log(log_path, name)[logged:]
             first_on_victim = [line for line in lines if line[3].split(",")[0] == dead]
             rounds.append({
                 "requests": len(results),
-                "failed": sum(not r["ok"] for r in results),
-                "failed_unstarted": sum(not r["ok"] and not r["began"] for r in results),
-                "failed_streaming": sum(not r["ok"] and r["began"] for r in results),
+                "queued_unstarted_on_victim": waiting,
+                "failed": sum(not r.ok for r in results),
+                "failed_unstarted": sum(not r.ok and not r.began for r in results),
+                "failed_streaming": sum(not r.ok and r.began for r in results),
                 "placed_first_on_victim": len(first_on_victim),
                 "moved_to_another_replica": sum(line[2] != dead and line[1] == "200" for line in first_on_victim),
                 "killed_after_s": round(kill_s, 2),
