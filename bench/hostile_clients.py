@@ -6,7 +6,8 @@ key (a tenant misbehaving, not a stranger).
   another with ``PAUSE_S`` between (refused 413 before it is read);
 - ``slow_loris``: a 4 KiB body sent a byte a second (refused 408 after --request-body-timeout);
 - ``many_prompts``: one completion request holding 5,000 prompts (refused 400 by the replica);
-- ``disconnect``: a long stream left after its first chunk (the replica must free its blocks);
+- ``disconnect``: a long stream left after its first chunk (the replica must free its blocks),
+  each client starting one every ``DISCONNECT_EVERY_S``;
 - ``bomb``: up to --max-sequences-per-request prompts sharing a full logit_bias and a full list of
   stop strings: each must end within the client's deadline, answered with every choice or
   refused 400/503/504 (hostile_payloads.bomb_outcome); the replica stays up;
@@ -57,6 +58,8 @@ PAUSE_S = 0.25
 OVERSIZED_BYTES = 64 * 2**20
 OVERSIZED_PIECE_BYTES = 2**20
 OVERSIZED_PIECE_EVERY_S = 0.01
+# Each disconnecting client starts at most one stream this often.
+DISCONNECT_EVERY_S = 1.0
 
 
 def pacing() -> dict:
@@ -65,7 +68,8 @@ def pacing() -> dict:
     return {"clients": dict(CONCURRENCY), "pause_after_refusal_s": PAUSE_S,
             "paused_kinds": ["oversized", "unauthenticated", "over_limit"],
             "oversized_link_mib_per_s": round(OVERSIZED_PIECE_BYTES / OVERSIZED_PIECE_EVERY_S / 2**20),
-            "oversized_uploads_per_s_max": round(CONCURRENCY["oversized"] / PAUSE_S, 1)}
+            "oversized_uploads_per_s_max": round(CONCURRENCY["oversized"] / PAUSE_S, 1),
+            "abandoned_streams_per_s_max": round(CONCURRENCY["disconnect"] / DISCONNECT_EVERY_S, 1)}
 
 
 @dataclass
@@ -203,10 +207,14 @@ async def many_prompts(url: str, stats: HostileStats, stop: asyncio.Event, api_k
 
 
 async def disconnect(url: str, stats: HostileStats, stop: asyncio.Event, api_key: str | None) -> None:
+    # At a fixed rate, not one after another: back to back, the rate followed the replicas' speed
+    # (5 a second on one host, 23 on a faster one, 7x the honest requests), a load test of its own
+    # rather than the check that a stream left frees its blocks.
     body = {"model": MODEL, "prompt": "Tell a very long story:", "max_tokens": 256, "stream": True,
             "ignore_eos": True}
     async with _client(api_key) as client:
         while not stop.is_set():
+            next_at = time.monotonic() + DISCONNECT_EVERY_S
             try:
                 async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
                     stats.statuses["disconnect"][response.status_code] += 1
@@ -214,6 +222,7 @@ async def disconnect(url: str, stats: HostileStats, stop: asyncio.Event, api_key
                         break  # gone after the first chunk
             except httpx.HTTPError:
                 stats.statuses["disconnect"][0] += 1
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
 
 def bomb(sequences: int, pause_s: float, deadline_s: float) -> Loop:

@@ -17,7 +17,7 @@ import time
 
 import psutil
 
-from bench.hostile_clients import CONCURRENCY, PAUSE_S, pacing
+from bench.hostile_clients import CONCURRENCY, DISCONNECT_EVERY_S, PAUSE_S, pacing
 from bench.hostile_process import HostileProcess, HostileSettings, grace_left
 from bench.soak_breakdown import cpu_seconds, ttft_by_bomb
 from bench.soak_client import Outcome
@@ -80,9 +80,10 @@ def test_the_attackers_run_in_their_own_process_and_their_counts_come_back() -> 
     assert set(stats.statuses["oversized"]) == {413}
 
 
-def test_oversized_uploads_are_paced_at_the_rate_the_report_states() -> None:
+def test_oversized_uploads_and_abandoned_streams_are_paced_at_the_rates_the_report_states() -> None:
     # Refused at once, an unpaced client opened a connection as fast as the loop let it (170,541
-    # uploads in a 245 s run); paced, at most one per PAUSE_S per client.
+    # uploads in a 245 s run); paced, at most one per PAUSE_S per client. Abandoned streams back
+    # to back followed the replicas' speed; paced, at most one per DISCONNECT_EVERY_S per client.
     with RefusingServer() as server:
         url = f"http://127.0.0.1:{server.port}"
         hostile = HostileProcess(HostileSettings([url, url], "sk-test", 4, bomb_deadline_s=5, grace_s=1))
@@ -91,9 +92,11 @@ def test_oversized_uploads_are_paced_at_the_rate_the_report_states() -> None:
         time.sleep(RUN_S)
         stats = hostile.stop_and_collect()
         ran_s = time.monotonic() - started
-    rate = pacing()["oversized_uploads_per_s_max"]
-    assert rate == CONCURRENCY["oversized"] / PAUSE_S
-    assert 0 < sum(stats.statuses["oversized"].values()) <= rate * ran_s + CONCURRENCY["oversized"]
+    for kind, rate in (("oversized", pacing()["oversized_uploads_per_s_max"]),
+                       ("disconnect", pacing()["abandoned_streams_per_s_max"])):
+        assert 0 < sum(stats.statuses[kind].values()) <= rate * ran_s + CONCURRENCY[kind], kind
+    assert pacing()["oversized_uploads_per_s_max"] == CONCURRENCY["oversized"] / PAUSE_S
+    assert pacing()["abandoned_streams_per_s_max"] == CONCURRENCY["disconnect"] / DISCONNECT_EVERY_S
 
 
 def test_a_bomb_in_flight_at_the_stop_gets_its_deadline_not_just_the_grace() -> None:
