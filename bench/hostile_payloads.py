@@ -18,7 +18,8 @@ from kvscale.request_limits import FieldLimits, flag
 MODEL = "smollm2-135m-instruct"
 DEFAULTS = FieldLimits()  # `kvscale serve`'s, which the soak's replicas run with
 # 250 alternatives of 30 bounded integers: ~1.5 s of one core's CPU time for llguidance on the
-# bundled tokenizer, ~430 KB as compact JSON (under the 512 KiB a constraint may have). More
+# bundled tokenizer on the host they were sized on (less on a faster one: bench/soak.py's
+# --compile-timeout-s sits well under it), ~430 KB as compact JSON (under the 512 KiB a constraint may have). More
 # branches make the library refuse the grammar as too big, which would test its size check, not
 # the compile limits.
 SLOW_SCHEMA_BRANCHES = 250
