@@ -76,8 +76,8 @@ class LoRARows:
     sorted_rows: Tensor  # for the kernel: RowPlan.sorted_rows
     tiles: Tensor  # for the kernel: RowPlan.tiles
     row_slots: Tensor  # for lora_dense: each row's slot, -1 for none
-    # lora_dense's masks of the rows' own slots, by slot count: made once per step.
-    masks: dict[int, Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # lora_dense's masks of the rows' own slots, by (slots, slices, width): made once per step.
+    masks: dict[tuple[int, int, int], Tensor] = field(default_factory=dict, compare=False, repr=False)
     # lora_dense's choice of path by projection's slots (their id, alive through the step).
     choices: dict[int, bool] = field(default_factory=dict, compare=False, repr=False)
 
