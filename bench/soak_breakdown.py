@@ -32,7 +32,8 @@ OWN_ONLY = frozenset({"soak_client"})
 
 def cpu_seconds(pids: dict[str, int], own_only: frozenset[str] = OWN_ONLY) -> dict[str, float]:
     """User plus system CPU seconds of each named process and its children (a replica's engine
-    core is a child), of the process alone for a name in ``own_only``; 0 for one that is gone."""
+    core is a child), of the process alone for a name in ``own_only``; 0 for one that is gone.
+    Besides: ``host_busy``, every process's on the host, and ``host_steal``, the hypervisor's."""
     out: dict[str, float] = {}
     for name, pid in pids.items():
         total = 0.0
@@ -44,6 +45,11 @@ def cpu_seconds(pids: dict[str, int], own_only: frozenset[str] = OWN_ONLY) -> di
         except psutil.Error:
             pass
         out[name] = total
+    # The whole host beside them: what else ran (another process, in another autogroup nice does
+    # not hold back) and what the hypervisor took (steal), so a run that was not quiet shows it.
+    host = psutil.cpu_times()
+    out["host_busy"] = host.user + host.nice + host.system + getattr(host, "irq", 0.0) + getattr(host, "softirq", 0.0)
+    out["host_steal"] = getattr(host, "steal", 0.0)
     return out
 
 

@@ -124,6 +124,8 @@ def test_the_soak_client_is_counted_without_the_platform_it_started() -> None:
         burner.wait()
     assert own["replica"] >= 0.6
     assert with_children["soak_client"] - own["soak_client"] >= 0.5
+    # The host's own counters beside them: at least what the burner took.
+    assert own["host_busy"] >= own["replica"] and own["host_steal"] >= 0
 
 
 def test_honest_ttft_is_split_by_the_bomb_in_flight_and_its_replica() -> None:
