@@ -84,6 +84,7 @@ class HostileStats:
     bomb_in_flight_since: float | None = None  # time.monotonic() of the bomb now open
     # Each bomb's (sent, ended) in time.monotonic(), and the replica that served it (None: not known).
     bomb_spans: list[tuple[float, float, str | None]] = field(default_factory=list)
+    slow_schema_spans: list[tuple[float, float, str | None]] = field(default_factory=list)  # as bomb_spans
     cancelled_at_end: bool = False  # requests still open after the grace were given up
     loop_errors: list[str] = field(default_factory=list)  # a client that crashed stopped counting
 
@@ -272,7 +273,10 @@ def slow_schema(first_index: int) -> Loop:
         index = first_index
         async with _client(api_key) as client:
             while not stop.is_set():
-                status, _ = await _post(client, f"{url}/v1/chat/completions", slow_schema_body(index))
+                sent = time.monotonic()
+                status, _, replica = await _post_to_replica(client, f"{url}/v1/chat/completions",
+                                                            slow_schema_body(index))
+                stats.slow_schema_spans.append((sent, time.monotonic(), replica))
                 stats.statuses["slow_schema"][status] += 1
                 index += 1
     return loop

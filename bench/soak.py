@@ -49,6 +49,7 @@ from bench.soak_breakdown import (  # noqa: E402
     lag_summary,
     platform_pids,
     ttft_by_bomb,
+    ttft_by_spans,
     with_loop_lag,
 )
 from bench.soak_client import Outcome, load  # noqa: E402
@@ -164,7 +165,9 @@ def hostile_main(args: argparse.Namespace) -> int:
             # the honest load ran, the soak client's event-loop lag, TTFT with and without a bomb.
             "breakdown": {"cores_used": {"alone": cpu_alone, "beside_hostile": cpu_beside},
                           "client_loop_lag": {side: lag_summary(v) for side, v in lags.items()},
-                          "honest_ttft_by_bomb": ttft_by_bomb(beside, stats.bomb_spans)},
+                          "honest_ttft_by_bomb": ttft_by_bomb(beside, stats.bomb_spans),
+                          "honest_ttft_by_slow_schema": ttft_by_spans(beside, stats.slow_schema_spans,
+                                                                      "slow_schema")},
             "leaked_blocks": leaked_blocks(idle_metrics(platform_)),
             "rss_growth_mib": {n: (round(end - rss_start[n], 1) if end and rss_start.get(n) else None)
                                for n in names for end in [platform_.rss_mib(n)]},

@@ -6,7 +6,8 @@
 - the honest clients' event-loop lag (a busy loop delays the honest requests' first chunks as
   the client sees them; the hostile clients have a loop of their own, bench/hostile_process.py);
 - the honest TTFT split by whether a 2,048-prompt bomb was in flight when the request was sent,
-  and if so whether the bomb's replica served it.
+  and if so whether the bomb's replica served it; the same for a slow schema in flight (its
+  compile holds its replica's CPU and, at times, its interpreter's lock).
 """
 
 from __future__ import annotations
@@ -80,20 +81,27 @@ def lag_summary(lags: list[float]) -> dict[str, float | None]:
 
 def ttft_by_bomb(outcomes: Iterable[Outcome],
                  bomb_spans: list[tuple[float, float, str | None]]) -> dict[str, Any]:
-    """Honest TTFT p50/p90 of the requests sent while no bomb was in flight, and of those sent
-    while one was, split by whether the request was served by the bomb's replica (a replica
-    not known on either side counts as another)."""
-    sides: dict[str, list[float]] = {"no_bomb": [], "bomb_on_another_replica": [], "bomb_on_same_replica": []}
+    """``ttft_by_spans`` of the bombs."""
+    return ttft_by_spans(outcomes, bomb_spans, "bomb")
+
+
+def ttft_by_spans(outcomes: Iterable[Outcome], spans: list[tuple[float, float, str | None]],
+                  what: str) -> dict[str, Any]:
+    """Honest TTFT p50/p90 of the requests sent while none of ``spans`` (hostile requests' sent,
+    answered and replica) was open, and of those sent while one was, split by whether the
+    request was served by that replica (a replica not known on either side counts as another)."""
+    none, other, same = f"no_{what}", f"{what}_on_another_replica", f"{what}_on_same_replica"
+    sides: dict[str, list[float]] = {none: [], other: [], same: []}
     for outcome in outcomes:
         if outcome.hung_up or outcome.first_chunk_s is None:
             continue
-        during = [replica for start, end, replica in bomb_spans if start <= outcome.started <= end]
+        during = [replica for start, end, replica in spans if start <= outcome.started <= end]
         if not during:
-            side = "no_bomb"
+            side = none
         elif outcome.replica is not None and outcome.replica in during:
-            side = "bomb_on_same_replica"
+            side = same
         else:
-            side = "bomb_on_another_replica"
+            side = other
         sides[side].append(outcome.first_chunk_s)
     return {side: {"requests": len(v), "ttft_p50_s": nearest_rank(v, 0.5), "ttft_p90_s": nearest_rank(v, 0.9)}
             for side, v in sides.items()}

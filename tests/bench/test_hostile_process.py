@@ -19,7 +19,7 @@ import psutil
 
 from bench.hostile_clients import CONCURRENCY, DISCONNECT_EVERY_S, PAUSE_S, pacing
 from bench.hostile_process import HostileProcess, HostileSettings, grace_left
-from bench.soak_breakdown import cpu_seconds, ttft_by_bomb
+from bench.soak_breakdown import cpu_seconds, ttft_by_bomb, ttft_by_spans
 from bench.soak_client import Outcome
 
 REFUSAL = (b"HTTP/1.1 413 Content Too Large\r\ncontent-type: application/json\r\n"
@@ -137,3 +137,10 @@ def test_honest_ttft_is_split_by_the_bomb_in_flight_and_its_replica() -> None:
                           honest(35, "r1", 0.7), honest(16, "r1", 9.0, hung_up=True)], spans)
     assert {side: (v["requests"], v["ttft_p90_s"]) for side, v in split.items()} == {
         "no_bomb": (1, 0.1), "bomb_on_same_replica": (1, 3.0), "bomb_on_another_replica": (2, 0.7)}
+
+
+def test_honest_ttft_is_split_by_any_kind_of_hostile_request_in_flight() -> None:
+    honest = [Outcome(0, 12.0, replica="r2", first_chunk_s=2.0), Outcome(0, 50.0, replica="r1", first_chunk_s=0.2)]
+    split = ttft_by_spans(honest, [(11.0, 13.0, "r2")], "slow_schema")
+    assert {side: v["requests"] for side, v in split.items()} == {
+        "no_slow_schema": 1, "slow_schema_on_another_replica": 0, "slow_schema_on_same_replica": 1}
