@@ -66,6 +66,10 @@ class HealthFollower(Protocol):
 # (a GC pause, a throttled node) must not empty the fleet. A refused connection or a replica that
 # says it is draining is taken out at once.
 FAILURES_TO_MARK_DOWN = 3
+# One check (its /health and, when needed, /v1/models) ends within this, whatever the HTTP client
+# does: the checks of every replica go out together and the next pass waits for all of them, so a
+# check that hangs past the client's own timeouts would stop the router seeing any replica change.
+CHECK_DEADLINE_S = 5.0
 
 
 def describe_check(path: str, status_code: int, api_key: str | None, code: str | None = None) -> str:
@@ -110,6 +114,7 @@ class ReplicaSet:
         self._on_removed = on_removed
         self._on_renamed = on_renamed  # (old id, new id): a heartbeat named a replica
         self.health_interval_s = health_interval_s
+        self.check_deadline_s = CHECK_DEADLINE_S
         self._task: asyncio.Task | None = None
         self._client: httpx.AsyncClient | None = None
         self._changed = asyncio.Event()
@@ -197,14 +202,17 @@ class ReplicaSet:
         assert self._client is not None
         at_once = False  # a failure that takes a healthy replica out without waiting for more
         try:
-            health = await self._client.get(f"{replica.url}/health")
-            status = describe_check("/health", health.status_code, self.api_key, _error_code(health))
-            if status == "ok" and (not replica.models or not replica.healthy):
-                # /health is open to probes; the API is where a missing or wrong key shows.
-                models = await self._client.get(f"{replica.url}/v1/models")
-                status = describe_check("/v1/models", models.status_code, self.api_key, _error_code(models))
-                if status == "ok":
-                    read_models(replica, models.json().get("data", []))
+            async with asyncio.timeout(self.check_deadline_s):
+                health = await self._client.get(f"{replica.url}/health")
+                status = describe_check("/health", health.status_code, self.api_key, _error_code(health))
+                if status == "ok" and (not replica.models or not replica.healthy):
+                    # /health is open to probes; the API is where a missing or wrong key shows.
+                    models = await self._client.get(f"{replica.url}/v1/models")
+                    status = describe_check("/v1/models", models.status_code, self.api_key, _error_code(models))
+                    if status == "ok":
+                        read_models(replica, models.json().get("data", []))
+        except TimeoutError:
+            status = f"no answer within {self.check_deadline_s:g} s"
         except httpx.HTTPError as exc:
             status = f"cannot connect: {type(exc).__name__}: {exc}"
             at_once = isinstance(exc, httpx.ConnectError)  # refused: nothing listens there
