@@ -3,8 +3,12 @@ of a fixed text under kvscale's engine against transformers in float32 on the sa
 
 The figure is the perplexity ratio (engine ÷ transformers) over a few hundred tokens; float32
 must match to rounding (its greedy tokens equal transformers': test_engine_greedy.py), bfloat16
-stay within 1 %, int8 weights within 3 %. Each check also bounds the worst single-token
-difference, so a layout bug that happens to average out still fails.
+stay within 1 %, int8 weights within 3 % (5 % in bfloat16: BOUNDS says why). Each check also
+bounds the worst single-token difference, so a layout bug that happens to average out still fails.
+
+CPU-dependent: int8 runs on oneDNN's int8 GEMM where the CPU has VNNI or AMX and on codes widened
+to float32 elsewhere, and the C kernels take AVX-512 or AVX2 loops; bfloat16's figures differ
+between those paths by rounding, within the bounds (measured on both paths: BOUNDS).
 
 An FP8 KV cache (--kv-cache-dtype) is judged the same way against the same float32 reference:
 every prompt position attends to K/V read back from the cache, so the whole text sees FP8's
@@ -40,25 +44,35 @@ TEXT = (
 )
 NUM_TOKENS = 280
 
-# (dtype, quantization) -> the largest allowed |perplexity ratio - 1| and worst token difference (nats).
+# (dtype, quantization) -> the largest allowed |perplexity ratio - 1| and worst token difference
+# (nats). int8 in bfloat16 is the noisy one: its token log-probabilities move by 0.35 nats (standard
+# deviation over the text) with any rounding-level change, so its ratio over 279 tokens moves by
+# about 2 %. Measured on this text, all the same model: 1.033 prefill and 1.025 in 32-token steps on
+# a Zen 5 EPYC (AVX-512 VNNI: oneDNN's int8 GEMM); 1.039 with that GEMM writing float32; 1.036 with
+# PyTorch's element-wise ops; 1.027 and 1.015 emulating an AVX2 EPYC (the C kernels built for
+# znver2, torch and oneDNN held to AVX2, the codes widened to float32). Hence 5 %, which a broken
+# scale still fails by far (one activation scale per step instead of per token: 2.04). A lost
+# smoothing does not show through that noise in bfloat16 (1.040) but does in float32, whose 3 % it
+# fails (1.038 against 0.998): the float32 row is the one that guards the int8 recipe.
 BOUNDS = {
     ("float32", None): (1e-4, 1e-3),
     ("bfloat16", None): (0.01, 0.5),
     ("float32", "int8"): (0.03, 2.0),
-    ("bfloat16", "int8"): (0.03, 2.0),
+    ("bfloat16", "int8"): (0.05, 2.0),
 }
 
 
-# (dtype, quantization, kv_cache_dtype) -> bounds as above: int8 weights' 3 % for an FP8 cache
-# alone (measured on this text: e4m3 1.005 with bfloat16 weights, 1.007 with float32; e5m2, one
-# mantissa bit fewer, 1.017). With int8 weights as well the two errors compound more than they
-# add (int8 alone 1.009, e4m3 alone 1.005, together 1.037): 5 %. The worst token is the bound
-# int8 weights have.
+# (dtype, quantization, kv_cache_dtype) -> bounds as above: int8 weights' 3 % for an FP8 cache alone
+# (measured on this text: e4m3 1.003 with bfloat16 weights, 1.007 with float32; e5m2, one mantissa
+# bit fewer, 1.009). With int8 weights in bfloat16 as well, the noise above and the cache's rounding
+# together: 1.028 to 1.032 on the Zen 5 EPYC's paths, 1.041 and 1.045 emulating the AVX2 EPYC, so 7
+# %; the worst token there was 1.2 to 1.3 nats on every path but one (2.21, a single token: the next
+# was 1.2), so 2.5.
 KV_BOUNDS = {
     ("bfloat16", None, "fp8_e4m3"): (0.03, 2.0),
     ("bfloat16", None, "fp8_e5m2"): (0.03, 2.0),
     ("float32", None, "fp8_e4m3"): (0.03, 2.0),
-    ("bfloat16", "int8", "fp8_e4m3"): (0.05, 2.0),
+    ("bfloat16", "int8", "fp8_e4m3"): (0.07, 2.5),
 }
 
 
