@@ -65,8 +65,8 @@ BOUNDS = {
 # (dtype, quantization, kv_cache_dtype) -> bounds as above: int8 weights' 3 % for an FP8 cache alone
 # (measured on this text: e4m3 1.003 with bfloat16 weights, 1.007 with float32; e5m2, one mantissa
 # bit fewer, 1.009). With int8 weights in bfloat16 as well, the noise above and the cache's rounding
-# together: 1.028 to 1.032 on the Zen 5 EPYC's paths, 1.041 and 1.045 emulating the AVX2 EPYC, so 7
-# %; the worst token there was 1.2 to 1.3 nats on every path but one (2.21, a single token: the next
+# together: 1.028 to 1.032 on the Zen 5 EPYC's paths, 1.041 and 1.045 emulating the AVX2 EPYC, so
+# 7 %; the worst token there was 1.2 to 1.3 nats on every path but one (2.21, a single token: the next
 # was 1.2), so 2.5.
 KV_BOUNDS = {
     ("bfloat16", None, "fp8_e4m3"): (0.03, 2.0),
