@@ -31,6 +31,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.common import StreamOutcome, streamed_completion
 from bench.envoy_gateway import envoy_argv, envoy_config, listener, wait_ready
 from kvscale.processes import free_port, wait_until
 from kvscale.tenant_limits_schema import TENANT_HEADER, WINDOW_S, window_key
@@ -77,7 +78,7 @@ def picker_in_process(replica_urls: list[str], policy: str = "prefix-affinity",
                       **fields: object) -> Iterator[tuple[dict, int]]:
     """The router's app as an endpoint picker, served in this process (no tokenizer, no
     subprocess) over ``replica_urls``, once every one is ready with the model; ``fields``: more of
-    its RouterConfig. Yields its replicas (by URL) and its gRPC port."""
+    its RouterConfig. Yields its Router and its gRPC port."""
     import uvicorn
 
     from kvscale.router.app import build_app
@@ -97,7 +98,7 @@ def picker_in_process(replica_urls: list[str], policy: str = "prefix-affinity",
         wait_until(lambda: len(known) == len(replica_urls)
                    and all(r.healthy and MODEL in r.models for r in known.values()), 60,
                    what="the in-process picker's replicas")
-        yield known, grpc_port
+        yield app.state.router, grpc_port
     finally:
         server.should_exit = True
         thread.join(10)
@@ -108,9 +109,10 @@ def lost_replica_picker(replica: Proc) -> Iterator[int]:
     its gRPC port."""
     relay = Relay(replica.port)
     try:
-        with picker_in_process([f"http://127.0.0.1:{relay.port}"]) as (known, grpc_port):
+        with picker_in_process([f"http://127.0.0.1:{relay.port}"]) as (router, grpc_port):
             relay.close()
-            wait_until(lambda: not any(r.healthy for r in known.values()), 30, what="the replica lost")
+            wait_until(lambda: not any(r.healthy for r in router.replicas.replicas.values()), 30,
+                       what="the replica lost")
             yield grpc_port
     finally:
         relay.close()
@@ -373,26 +375,12 @@ def test_replica_killed_mid_run_fails_no_unstarted_request(replicas: list[Proc],
     fleet = [*replicas, victim]
     port, admin = free_port(), free_port()
     log_path = tempfile.mkstemp(prefix="envoy-retrying-", suffix=".log")[1]
-    results: list[tuple[bool, bool]] = []  # (answered whole, it had streamed a byte)
-    lock = threading.Lock()
-
-    def one(i: int) -> None:
-        began, ok, text = False, False, b""
+    def one(i: int) -> StreamOutcome:
         # Long enough that the victim is still on its first answer when it is killed: the rest of
         # its share waits in its queue, unstarted.
         body = {"model": MODEL, "prompt": f"Count to ten, attempt {i}:", "max_tokens": 64,
                 "ignore_eos": True, "temperature": 0, "stream": True}
-        try:
-            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
-                              timeout=120) as response:
-                for chunk in response.iter_raw():
-                    began = True
-                    text += chunk
-                ok = response.status_code == 200 and text.endswith(b"data: [DONE]\n\n")
-        except httpx.HTTPError:
-            pass
-        with lock:
-            results.append((ok, began))
+        return streamed_completion(f"http://127.0.0.1:{port}/v1/completions", body, timeout=120)
 
     def victim_queueing() -> bool:
         # One scrape: its first answer streaming, none finished, and a request waiting behind it
@@ -411,12 +399,11 @@ def test_replica_killed_mid_run_fails_no_unstarted_request(replicas: list[Proc],
                 jobs = [pool.submit(one, i) for i in range(9)]
                 wait_until(victim_queueing, 60, interval=0.05, what="requests queued on the victim")
                 victim.stop(signal.SIGKILL)
-                for job in jobs:
-                    job.result()
+                results = [job.result() for job in jobs]
         finally:
             envoy.stop(signal.SIGTERM)
-    failed = [r for r in results if not r[0]]
-    assert all(began for _, began in failed), f"a request that had not started streaming failed: {results}"
+    failed = [r for r in results if not r.ok]
+    assert all(r.began for r in failed), f"a request that had not started streaming failed: {results}"
     # Some were picked for the victim first and answered by the next endpoint of its list.
     dead = f"127.0.0.1:{victim.port}"
     lines = [line.split() for line in Path(log_path).read_text().splitlines()]

@@ -19,6 +19,7 @@ import openai
 import pytest
 import redis
 
+from bench.common import streamed_completion
 from kvscale.block_hash import hash_prompt_blocks
 from kvscale.kv_index_schema import blocks_key
 from kvscale.model_files import load_tokenizer, resolve_model_path
@@ -221,23 +222,13 @@ def test_replica_killed_mid_run_fails_no_unstarted_request(replicas, session_red
     lock = threading.Lock()
 
     def one(i: int) -> None:
-        started, ok, replica = False, False, ""
         # Long enough that the victim (one sequence at a time) is still on its first answer when
         # it is killed, however fast a warmed-up engine is: the rest wait in its queue, unstarted.
         body = {"model": MODEL, "prompt": f"Count to ten, attempt {i}:", "max_tokens": 200,
                 "ignore_eos": True, "temperature": 0, "stream": True}
-        try:
-            with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as response:
-                replica = response.headers.get("x-kvscale-replica", "")
-                text = b""
-                for chunk in response.iter_raw():
-                    started = True
-                    text += chunk
-                ok = response.status_code == 200 and text.endswith(b"data: [DONE]\n\n")
-        except httpx.HTTPError:
-            ok = False
+        outcome = streamed_completion(f"{router.url}/v1/completions", body, timeout=120)
         with lock:
-            results.append((ok, started, replica))
+            results.append((outcome.ok, outcome.began, outcome.replica))
 
     with futures.ThreadPoolExecutor(9) as pool:
         jobs = [pool.submit(one, i) for i in range(9)]
