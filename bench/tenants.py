@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import yaml
 
 from bench.before_after import add_before_checkout, commits
@@ -53,14 +52,17 @@ from bench.roofline import cpu_info
 from bench.soak_breakdown import cpu_seconds, cpu_share, lag_summary, with_loop_lag
 from bench.stats import quantile
 from bench.tenants_client import (
+    CLIENT_ONLY,
     Answer,
     beside_load,
     closed_loop,
     completion,
+    fleet_pids,
     http_client,
     one_by_one,
+    probe_twins,
 )
-from bench.tenants_figures import at_most, limit_outcome, ratio, service_gap, vtc_bound
+from bench.tenants_figures import at_most, limit_outcome, ms_summary, ratio, service_gap, vtc_bound
 from bench.w3_fleet import Processes, router_argv, start_fleet, wait_healthy
 from kvscale.processes import free_port
 from kvscale.tenant_limits_schema import WINDOW_S
@@ -185,9 +187,9 @@ class Run:
             # first (the figure is the first kind's, as it always was).
             async def measured() -> list[Answer]:
                 before, began = cpu_seconds(pids, CLIENT_ONLY), time.perf_counter()
-                answers = await with_loop_lag(one_by_one(
-                    client, self.routers, self.keys["high"], "high", probe_body(args.output_tokens),
-                    2 * args.priority_requests, pause_s=0.1), lags[side])
+                twins = probe_twins(lambda n: prompt("high", n), args.output_tokens)
+                answers = await with_loop_lag(one_by_one(client, self.routers, self.keys["high"], "high", twins,
+                                                         2 * args.priority_requests, pause_s=0.1), lags[side])
                 cores[side] = cpu_share(before, cpu_seconds(pids, CLIENT_ONLY), time.perf_counter() - began)
                 return answers
             return measured
@@ -228,38 +230,6 @@ class Run:
         p99 = out["tenants"]["p99_ms"]
         return {"rounds": self.args.latency_rounds, **out, "target_p99_ms": 2.0, "verdict": at_most(p99, 2.0),
                 "loadavg_1m": os.getloadavg()[0]}
-
-
-CLIENT_ONLY = frozenset({"bench_client"})  # its children are the fleet, each counted on its own
-
-
-def fleet_pids() -> dict[str, int]:
-    """This process (the clients) and each process it started (the fleet: Redis, the replicas with
-    their engine cores, the routers), named by what it runs."""
-    pids = {"bench_client": os.getpid()}
-    for child in psutil.Process().children():
-        try:
-            argv = child.cmdline()
-        except psutil.Error:
-            continue
-        kind = next((word for word in ("serve", "router") if word in argv),
-                    Path(argv[0]).name if argv else "process")
-        pids[f"{kind}-{child.pid}"] = child.pid
-    return pids
-
-
-def probe_body(max_tokens: int) -> Callable[[int], dict[str, Any]]:
-    """The high tenant's n-th priority probe, streamed: prompt n // 2 for even n; for odd n
-    another one (no prefix shared with an even one's), with skip_special_tokens false."""
-    def body(n: int) -> dict[str, Any]:
-        if n % 2 == 0:
-            return completion(prompt("high", n // 2), max_tokens, True)
-        return {**completion(prompt("high", 1000 + n // 2), max_tokens, True), "skip_special_tokens": False}
-    return body
-
-
-def ms_summary(values: list[float]) -> dict[str, float | None]:
-    return {"p50_ms": quantile(values, 0.5), "p90_ms": quantile(values, 0.9), "max_ms": max(values, default=None)}
 
 
 def bodies(tenant: str, max_tokens: int) -> Callable[[int], dict[str, Any]]:

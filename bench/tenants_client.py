@@ -1,18 +1,22 @@
 """The tenant benchmark's clients (bench.tenants): one request as a tenant, timed and recorded
 with what the router answered (status, first token, usage, its added latency, a 429's
 Retry-After and code); closed loops that keep a tenant's requests in flight; requests one after
-the other. Each request goes to the routers in turn, as a client behind a load balancer would."""
+the other. Each request goes to the routers in turn, as a client behind a load balancer would.
+And the processes whose CPU the priority figure counts: this client and the fleet it started."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from bench.w3_fleet import MODEL
 
@@ -128,3 +132,32 @@ async def beside_load(client: httpx.AsyncClient, load: Callable[[asyncio.Event],
     finally:
         stop.set()
     return answers, await background
+
+
+def probe_twins(prompt_of: Callable[[int], str], max_tokens: int) -> Callable[[int], dict[str, Any]]:
+    """The n-th priority probe, streamed: prompt n // 2 for even n; for odd n another one (no
+    prefix shared with an even one's), with skip_special_tokens false, so its first chunk carries
+    its first token even when that token has no text (bench.tenants' priority figure)."""
+    def body(n: int) -> dict[str, Any]:
+        if n % 2 == 0:
+            return completion(prompt_of(n // 2), max_tokens, True)
+        return {**completion(prompt_of(1000 + n // 2), max_tokens, True), "skip_special_tokens": False}
+    return body
+
+
+CLIENT_ONLY = frozenset({"bench_client"})  # its children are the fleet, each counted on its own
+
+
+def fleet_pids() -> dict[str, int]:
+    """This process (the clients) and each process it started (the fleet: Redis, the replicas with
+    their engine cores, the routers), named by what it runs."""
+    pids = {"bench_client": os.getpid()}
+    for child in psutil.Process().children():
+        try:
+            argv = child.cmdline()
+        except psutil.Error:
+            continue
+        kind = next((word for word in ("serve", "router") if word in argv),
+                    Path(argv[0]).name if argv else "process")
+        pids[f"{kind}-{child.pid}"] = child.pid
+    return pids

@@ -1,11 +1,13 @@
 """The tenant benchmark's figures from its per-request records, as pure functions (bench.tenants):
 whether a rate limit was exact, the service gap between two backlogged tenants and VTC's bound
-on it, and the targets' verdicts."""
+on it, a latency's summary, and the targets' verdicts."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+from bench.stats import quantile
 
 RATE_LIMIT_CODE = "rate_limit_exceeded"  # OpenAI's error code for a 429 over a limit
 
@@ -68,3 +70,8 @@ def at_most(value: float | None, target: float) -> str:
     if value is None or value != value:  # missing or NaN: nothing measured
         return "not measured"
     return "met" if value <= target else "not met"
+
+
+def ms_summary(values: list[float]) -> dict[str, float | None]:
+    """p50, p90 and the largest of latencies in milliseconds (NaN quantiles for none)."""
+    return {"p50_ms": quantile(values, 0.5), "p90_ms": quantile(values, 0.9), "max_ms": max(values, default=None)}
