@@ -116,6 +116,9 @@ def main() -> None:
                "kvscale_suffix": LLMEngine(EngineConfig(**ENGINE, speculative_config=SpeculativeConfig.from_json(
                    args.suffix_config)))}
     prompts = prompts_of(engines["kvscale_off"].tokenizer)
+    # vLLM computes in the dtype kvscale's "auto" resolved to on this CPU (bfloat16 where the CPU
+    # multiplies bf16 in hardware, else float32): the ratios compare engines, not precisions.
+    dtype_name = str(engines["kvscale_off"].runner.dtype).removeprefix("torch.")
     vllm: dict[str, Any] = {}
     vllm_refused: dict[str, str] = {}
     vllm_info: dict[str, Any] = {}
@@ -124,7 +127,8 @@ def main() -> None:
 
         for side, config in (("vllm_suffix", {"method": "suffix", "num_speculative_tokens": 8}),
                              ("vllm_off", None), ("vllm_ngram", json.loads(args.ngram_config))):
-            stream = VllmStream(threads=args.threads, speculative_config=config, max_model_len=ENGINE["max_model_len"])
+            stream = VllmStream(threads=args.threads, speculative_config=config, max_model_len=ENGINE["max_model_len"],
+                                dtype=dtype_name)
             if stream.refused is not None:
                 vllm_refused[side] = stream.refused
                 print(f"{side}: vLLM refused it: {stream.refused[:300]}", flush=True)
@@ -184,7 +188,7 @@ def main() -> None:
         "started_at": started_at,
         "machine": {**machine(), "cpu": cpu_isa(), "torch_threads": torch.get_num_threads(),
                     "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()},
-        "flags": {**vars(args), "engine": ENGINE},
+        "flags": {**vars(args), "engine": ENGINE, "dtype_resolved": dtype_name},
         "vllm": vllm_info,
         "summary": summary,
         "passes": passes,
