@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,25 +82,41 @@ def router_conditions(reports: list[RouterReport] | None) -> list[Condition]:
 
 
 def activation_status(old_status: dict[str, Any], ready: int, held: int, now_text: str,
-                      cold_starts: list[float]) -> tuple[dict[str, Any], str | None]:
+                      cold_starts: list[float], ended: Sequence[tuple[float, float]] = (),
+                      ) -> tuple[dict[str, Any], str | None]:
     """The status fields of a scale from zero, and the Event message when one just ended (pure).
 
     It starts when requests are held while no replica is ready; it ends at the first ready
     replica. The cold start is the routers' own measure (first held request to a replica able
-    to take it) when one reports it, else the time since the start was recorded."""
+    to take it) when one reports it, else the time since the start was recorded. A router raises
+    the scale itself (router/wake.py), so a replica can be ready before any scrape saw requests
+    held: ``ended`` holds the routers' cold starts with how long ago each ended, and one that ended
+    after status.lastColdStartTime (by more than the routers' spread) is recorded as it is."""
     started = old_status.get("activationStarted")
     fields: dict[str, Any] = {"heldRequests": held}
     if ready == 0:
         if held > 0 and not started:
             fields["activationStarted"] = now_text
         return fields, None
-    if not started:
-        return fields, None
-    measured = max(cold_starts) if cold_starts else (
-        conditions.parse_rfc3339(now_text) - conditions.parse_rfc3339(started)).total_seconds()
-    fields["activationStarted"] = None
+    now = conditions.parse_rfc3339(now_text)
+    if started:
+        measured = max(cold_starts) if cold_starts else (now - conditions.parse_rfc3339(started)).total_seconds()
+        fields["activationStarted"] = None
+    else:
+        recorded = old_status.get("lastColdStartTime")
+        since = (now - conditions.parse_rfc3339(recorded)).total_seconds() if recorded else None
+        unseen = [seconds for seconds, ago in ended if since is None or ago < since - MISSED_COLD_START_SPREAD_S]
+        if not unseen:
+            return fields, None
+        measured = max(unseen)
     fields["lastColdStartSeconds"] = round(measured, 1)
+    fields["lastColdStartTime"] = now_text
     return fields, f"first replica ready {measured:.1f} s after requests were held at zero replicas"
+
+
+# Routers see the same replica ready up to a few of their syncs apart: a cold start reported as
+# ending within this of the one recorded is that one.
+MISSED_COLD_START_SPREAD_S = 10.0
 
 
 def scaled_message(previous: int, decision: scaling.ScaleDecision) -> str:
@@ -164,7 +181,9 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
         if policy.scales_to_zero:
             fields, activated = activation_status(
                 current.get("status") or {}, ready, demand.held, conditions.now_rfc3339(),
-                [r.last_cold_start_s for r in reports or [] if r.last_cold_start_s is not None])
+                [r.last_cold_start_s for r in reports or [] if r.last_cold_start_s is not None],
+                [(r.last_cold_start_s, r.last_cold_start_ago_s) for r in reports or []
+                 if r.last_cold_start_s is not None and r.last_cold_start_ago_s is not None])
             extra.update(fields)
             runtime.metrics.observe_activation(key.uid, namespace, name, demand.held,
                                                fields.get("lastColdStartSeconds"))

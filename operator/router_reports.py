@@ -40,6 +40,7 @@ class RouterReport:
     queued: int = 0  # requests waiting in its queue for room on a server (--max-queue-wait)
     idle_seconds: float | None = None  # since a request was last open or held there; None: unsaid
     last_cold_start_s: float | None = None  # its last wait from a held request to a ready replica
+    last_cold_start_ago_s: float | None = None  # how long ago that wait ended
     indexed: dict[str, float] = field(default_factory=dict)  # replica id -> blocks its index holds
     # routable replica id -> its LoRA adapters (operator/adapter_status.py)
     adapters: dict[str, frozenset[str]] = field(default_factory=dict)
@@ -65,9 +66,11 @@ def report_from_health(pod: str, body: Any) -> RouterReport:
         return RouterReport(pod, missing, queued=queued, indexed=indexed, adapters=adapters)
     idle = activation.get("idle_seconds")
     cold = activation.get("last_cold_start_seconds")
+    ago = activation.get("last_cold_start_ago_seconds")
     return RouterReport(pod, missing, held=int(activation.get("held") or 0), queued=queued,
                         idle_seconds=float(idle) if isinstance(idle, (int, float)) else None,
                         last_cold_start_s=float(cold) if isinstance(cold, (int, float)) else None,
+                        last_cold_start_ago_s=float(ago) if isinstance(ago, (int, float)) and ago >= 0 else None,
                         indexed=indexed, adapters=adapters)
 
 

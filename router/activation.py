@@ -74,6 +74,7 @@ class Activation:
         self.available = False
         self.last_activity = time.monotonic()
         self.last_cold_start_s: float | None = None
+        self.last_cold_start_ended: float | None = None  # monotonic
         self._ready = asyncio.Event()
         self._holding_since: float | None = None  # the first hold of the current cold start
         self._last_wake: float | None = None
@@ -91,6 +92,7 @@ class Activation:
         if available:
             if self._holding_since is not None:
                 self.last_cold_start_s = now - self._holding_since
+                self.last_cold_start_ended = now
                 self.metrics.cold_start_seconds.observe(self.last_cold_start_s)
                 log.info("a replica is ready %.1f s after the first held request; releasing %d",
                          self.last_cold_start_s, self.held)

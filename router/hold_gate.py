@@ -94,4 +94,8 @@ def activation_report(activation: holding.Activation | None, replicas: list[Repl
     last = max([last, *(r.last_finished for r in replicas)])
     return {"enabled": activation is not None, "held": held,
             "idle_seconds": round(holding.idle_seconds(time.monotonic(), last, open_requests, held), 3),
-            "last_cold_start_seconds": None if activation is None else activation.last_cold_start_s}
+            "last_cold_start_seconds": None if activation is None else activation.last_cold_start_s,
+            # How long ago it ended: the operator records a scale from zero that began and ended
+            # between two of its scrapes (a router raises the scale itself, router/wake.py).
+            "last_cold_start_ago_seconds": None if activation is None or activation.last_cold_start_ended is None
+            else round(time.monotonic() - activation.last_cold_start_ended, 3)}
