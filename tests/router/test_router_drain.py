@@ -22,9 +22,14 @@ from kvscale.processes import wait_until
 
 pytestmark = pytest.mark.slow
 
-# Long enough that a stream outlives uvicorn's old 5 s graceful timeout on a shared 2-core machine
-# (about 5 tokens/s per stream here under this load), short enough to finish within the drain.
-MAX_TOKENS = 64
+# A stream must still be running when the test's checks after SIGTERM reach the draining process
+# (else it has already left, and they meet a closed port) and outlive uvicorn's old 5 s graceful
+# timeout, yet end well within the pod's grace period. Machines differ by several times in speed
+# (an AVX2 core in float32, an AVX-512 one in bfloat16), so the length is set from a measured rate:
+# about STREAM_SECONDS at the rate of one stream alone, slower still under the test's load. At most
+# 240: four such streams fit a replica's 64 blocks of 16 (tests/router/conftest.py) without preemption.
+STREAM_SECONDS = 8.0
+MIN_TOKENS, MAX_TOKENS = 64, 240
 CLIENTS = 4
 
 
@@ -41,7 +46,7 @@ class Result:
 class StreamingLoad:
     """CLIENTS threads, each streaming one completion after another through ``base_url``."""
 
-    def __init__(self, base_url: str, max_tokens: int = MAX_TOKENS) -> None:
+    def __init__(self, base_url: str, max_tokens: int) -> None:
         self.client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=180)
         self.max_tokens = max_tokens
         self.results: list[Result] = []
@@ -90,6 +95,22 @@ class StreamingLoad:
                     self.results.append(Result(replica, started, time.monotonic(), finish, chunks, error))
 
 
+def tokens_lasting(base_url: str, seconds: float) -> int:
+    """How many tokens one stream alone takes ``seconds`` to generate on this machine, measured."""
+    def complete(tokens: int) -> float:
+        started = time.monotonic()
+        httpx.post(f"{base_url}/v1/completions", timeout=120, json={
+            "prompt": "Once upon a time", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+        }).raise_for_status()
+        return time.monotonic() - started
+
+    complete(2)  # the first steps of a fresh process are slow ones
+    probe = 32
+    rate = probe / complete(probe)
+    print(f"one stream alone: {rate:.1f} tokens/s")
+    return max(MIN_TOKENS, min(MAX_TOKENS, int(rate * seconds)))
+
+
 def failures(results: list[Result]) -> list[Result]:
     return [r for r in results if r.error or r.finish_reason != "length"]
 
@@ -99,8 +120,9 @@ def test_sigterm_under_streaming_load_loses_no_request(launcher) -> None:
     survivor = launcher.replica(None, "survivor")
     router = launcher.router([victim.url, survivor.url], None, policy="round-robin")
     victim_id = victim.url.removeprefix("http://")
+    stream_tokens = tokens_lasting(survivor.url, STREAM_SECONDS)
 
-    load = StreamingLoad(router.url).start()
+    load = StreamingLoad(router.url, stream_tokens).start()
     try:
         wait_until(lambda: load.streaming_on(victim_id) >= 1, 120, what="a stream on the victim")
         time.sleep(1.0)  # well into its streams
@@ -132,7 +154,7 @@ def test_sigterm_under_streaming_load_loses_no_request(launcher) -> None:
     assert after and all(r.replica != victim_id for r in after)
 
     # The router drains the same way: its streams finish, new requests get 503, it exits 0.
-    load = StreamingLoad(router.url, max_tokens=48).start()
+    load = StreamingLoad(router.url, stream_tokens).start()
     try:
         wait_until(lambda: load.streaming_on(survivor.url.removeprefix("http://")) >= CLIENTS - 1, 120,
                    what="streams through the router")
