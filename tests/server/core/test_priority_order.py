@@ -4,14 +4,13 @@ scheduler on a real block pool without a model (the steps simulated as test_sche
 from __future__ import annotations
 
 import pytest
+from scheduler_helpers import make_seq
 
 from kvscale.server.core.block_pool import BlockPool
 from kvscale.server.core.kv_cache_manager import KVCacheManager
 from kvscale.server.core.priority_order import preemption_victim, priority_admission_order
 from kvscale.server.core.scheduler import Scheduler
-from kvscale.server.core.sequence import Request, Sequence
-from kvscale.server.outputs import RequestMetrics
-from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.core.sequence import Sequence
 
 BS = 4
 
@@ -45,15 +44,6 @@ def test_the_victim_is_the_largest_priority_then_the_latest_arrival():
     assert preemption_victim([(0, 4)]) == 0
     with pytest.raises(ValueError):
         preemption_victim([])
-
-
-def make_seq(name: str, prompt_len: int, priority: int, max_tokens: int = 6) -> Sequence:
-    tokens = [hash(name) % 50 + 100 * i for i in range(prompt_len)]
-    request = Request(name, None, tokens, SamplingParams(max_tokens=max_tokens), None,
-                      RequestMetrics(0.0), max_tokens, priority=priority)
-    seq = Sequence(request, 0, list(tokens), prompt_len)
-    request.seqs.append(seq)
-    return seq
 
 
 def run(scheduler: Scheduler, kv: KVCacheManager, late: Sequence | None = None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+from scheduler_helpers import apply_step
+
 from kvscale.server.core.block_pool import BlockPool
 from kvscale.server.core.kv_cache_manager import KVCacheManager
 from kvscale.server.core.scheduler import Scheduler, tokens_to_schedule
@@ -31,19 +33,7 @@ def make_scheduler(num_blocks: int, max_num_seqs: int = 8, budget: int = 64, cac
 
 def simulate_step(scheduler: Scheduler, kv: KVCacheManager) -> list[Sequence]:
     """Apply one scheduled step as the engine would; returns the sequences that finished."""
-    out = scheduler.schedule()
-    kv.take_pending_copies()
-    done = []
-    for item in out.scheduled:
-        seq = item.seq
-        seq.num_computed_tokens += item.num_new_tokens
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(7)
-            if seq.num_output_tokens >= seq.request.max_tokens:
-                seq.finish_reason = "length"
-                scheduler.finish(seq)
-                done.append(seq)
-    return done
+    return apply_step(scheduler, kv, scheduler.schedule())
 
 
 def test_tokens_to_schedule_is_capped_by_budget():

@@ -4,13 +4,12 @@ simulated as test_scheduler.py does)."""
 
 from __future__ import annotations
 
+from scheduler_helpers import apply_step, make_seq
+
 from kvscale.server.core.block_pool import BlockPool
 from kvscale.server.core.kv_cache_manager import KVCacheManager
 from kvscale.server.core.scheduler import Scheduler, SchedulerOutput
-from kvscale.server.core.sequence import Request, Sequence
 from kvscale.server.core.urgent_prefill import MAX_SKIPPED_STEPS, skips, urgent_level
-from kvscale.server.outputs import RequestMetrics
-from kvscale.server.sampling_params import SamplingParams
 
 BS = 4
 LOW, URGENT = 10, 0
@@ -46,26 +45,9 @@ def test_skips_only_the_strictly_less_urgent():
     assert not skips(LOW, None)
 
 
-def make_seq(name: str, prompt_len: int, priority: int, max_tokens: int = 6) -> Sequence:
-    tokens = [hash(name) % 50 + 100 * i for i in range(prompt_len)]
-    request = Request(name, None, tokens, SamplingParams(max_tokens=max_tokens), None,
-                      RequestMetrics(0.0), max_tokens, priority=priority)
-    seq = Sequence(request, 0, list(tokens), prompt_len)
-    request.seqs.append(seq)
-    return seq
-
-
 def advance(scheduler: Scheduler, out: SchedulerOutput) -> None:
     """What the engine does after a step: KV computed, a token appended where sampled, ends."""
-    scheduler.kv.take_pending_copies()
-    for item in out.scheduled:
-        seq = item.seq
-        seq.num_computed_tokens += item.num_new_tokens
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(7)
-            if seq.num_output_tokens >= seq.request.max_tokens:
-                seq.finish_reason = "length"
-                scheduler.finish(seq)
+    apply_step(scheduler, scheduler.kv, out)
 
 
 def names(out: SchedulerOutput) -> list[str]:
