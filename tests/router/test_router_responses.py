@@ -110,8 +110,11 @@ def fleet(session_redis):
             for future in [*replicas, router]:
                 future.result()  # raises the first failure to start
         url = started[-1].url
-        wait_until(lambda: sum(r["healthy"] for r in httpx.get(f"{url}/health", timeout=5).json()["replicas"]) == 2,
-                   60, what="the router to see both replicas ready")
+        # Ready, and named by their heartbeats: until a replica's first heartbeat binds its id the
+        # router names it by address, and a conversation's turns would seem to move.
+        wait_until(lambda: sum(r["healthy"] and r["id"].startswith("responses-")
+                               for r in httpx.get(f"{url}/health", timeout=5).json()["replicas"]) == 2,
+                   60, what="the router to see both replicas ready, named by their heartbeats")
         yield started
     finally:
         for proc in started:
