@@ -263,16 +263,18 @@ def test_a_request_that_waits_past_the_wall_clock_bound_gets_the_bound_and_the_r
     """Queued behind a long compile on the one worker (the same wait a starved compile makes),
     a request gets the wall-clock bound's message once it has waited that long; its compile
     goes on and the retry is served from the cache."""
-    config = StructuredOutputsConfig(compile_timeout_s=0.2, compile_wait_timeout_s=0.3)
+    # The wait bound well under the slow compile (~0.5 s of CPU on an AVX2 EPYC, ~0.3 s on a Zen 5),
+    # so that compile is still running when the queued request's bound ends.
+    config = StructuredOutputsConfig(compile_timeout_s=0.1, compile_wait_timeout_s=0.1)
     compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, config)
     try:
         compiler.submit(StructuredOutputsParams(json='{"type":"object"}')).future.result(timeout=60)
-        slow = compiler.submit(StructuredOutputsParams(json=json.dumps(SLOW_SCHEMA)))  # ~0.5 s of CPU
+        slow = compiler.submit(StructuredOutputsParams(json=json.dumps(SLOW_SCHEMA)))
         spec = StructuredOutputsParams(json=json.dumps(SMALL_SCHEMA))
         queued = compiler.submit(spec)
         result = poll_until_answered(queued, config)
         assert isinstance(result, GrammarFailure) and result.reason == "wait_timeout", result
-        assert "limit of 0.3 s" in result.message and "compile_wait_timeout_s" in result.message
+        assert "limit of 0.1 s" in result.message and "compile_wait_timeout_s" in result.message
         assert not slow.future.done()  # still ahead of it: the wait was the queue's
         queued.future.result(timeout=60)
         retry = compiler.submit(spec)
