@@ -176,3 +176,19 @@ def op_bench_args(doc: str | None, argv: list[str] | None) -> argparse.Namespace
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     return args
+
+
+def strip_flags(argv: list[str], flags_with_value: tuple[str, ...], flags: tuple[str, ...] = ()) -> list[str]:
+    """``argv`` without ``flags_with_value`` (with their values, spaced or after ``=``) and ``flags``:
+    what a benchmark passes on to its other sides."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags_with_value:
+            skip = True
+        elif a in flags or any(a.startswith(f + "=") for f in flags_with_value):
+            continue
+        else:
+            out.append(a)
+    return out

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.before_after import add_before_checkout, commits
-from bench.common import exit_on_sigterm, run_side, write_result
+from bench.common import exit_on_sigterm, run_side, strip_flags, write_result
 from bench.w1_throughput import add_workload_args
 
 TARGETS = {"mixed_over_base": 0.8, "mixed_over_peft": 1.2, "router_hit_rate_over_round_robin": 2.0}
@@ -114,19 +114,6 @@ def figures(engine: dict | None, peft: dict | None, ttft: dict | None, router: d
     return out
 
 
-def _strip(argv: list[str], flags_with_value: tuple[str, ...]) -> list[str]:
-    """``argv`` without ``flags_with_value`` and their values."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in flags_with_value:
-            skip = True
-        elif not any(a.startswith(f + "=") for f in flags_with_value):
-            out.append(a)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.side:
@@ -140,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     raw = list(argv if argv is not None else sys.argv[1:])
     # What the sides get: an earlier tree's parser knows neither flag.
-    passthrough = _strip(raw, ("--before-checkout", "--out"))
+    passthrough = strip_flags(raw, ("--before-checkout", "--out"))
     parts = set(args.parts.split(","))
     started = time.time()
     info = cpu_info()

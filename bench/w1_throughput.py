@@ -46,7 +46,7 @@ import time
 from typing import Any
 
 from bench.before_after import add_before_checkout, commits
-from bench.common import machine, peak_rss_bytes, run_side, write_result
+from bench.common import machine, peak_rss_bytes, run_side, strip_flags, write_result
 from bench.roofline import cpu_isa, decoder_flops, gemm_peak, memory_stream
 
 
@@ -229,20 +229,6 @@ def side_gemm(args: argparse.Namespace) -> dict:
     return peaks
 
 
-def _strip(argv: list[str], flags_with_value: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in flags_with_value:
-            skip = True
-        elif a in flags or any(a.startswith(f + "=") for f in flags_with_value):
-            continue
-        else:
-            out.append(a)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.side:
@@ -250,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run(args)))
         return 0
     raw = list(argv if argv is not None else sys.argv[1:])
-    passthrough = _strip(raw, ("--out", "--baselines", "--before-checkout"), ("--skip-baseline",))
+    passthrough = strip_flags(raw, ("--out", "--baselines", "--before-checkout"), ("--skip-baseline",))
     baselines = [] if args.skip_baseline else [b for b in args.baselines.split(",") if b]
     unknown = set(baselines) - {"vllm", "vllm-fp8", "transformers", "kvscale-float32", "kvscale-unquantized",
                                 "kvscale-auto-kv", "kvscale-no-spec"}
@@ -266,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     if "kvscale-no-spec" in baselines:
         if not args.speculative_config:
             raise SystemExit("the kvscale-no-spec baseline needs --speculative-config")
-        no_spec = _strip(passthrough, ("--speculative-config",), ())
+        no_spec = strip_flags(passthrough, ("--speculative-config",))
         for pair in range(args.pairs):
             runs: dict[str, dict] = {}
             for spec in ("on", "off") if pair % 2 == 0 else ("off", "on"):
@@ -279,17 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kvscale: {kvscale['output_tokens_per_s']:.1f} tok/s in {kvscale['elapsed_s']:.1f} s", file=sys.stderr)
     own_fp32 = None
     if "kvscale-float32" in baselines:
-        fp32_args = _strip(passthrough, ("--dtype",), ()) + ["--dtype", "float32"]
+        fp32_args = strip_flags(passthrough, ("--dtype",)) + ["--dtype", "float32"]
         own_fp32 = run_side("bench.w1_throughput", "kvscale", fp32_args)
         print(f"kvscale float32: {own_fp32['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     own_unquantized = None
     if "kvscale-unquantized" in baselines:
-        own_unquantized = run_side("bench.w1_throughput", "kvscale", _strip(passthrough, ("--quantization",), ()))
+        own_unquantized = run_side("bench.w1_throughput", "kvscale", strip_flags(passthrough, ("--quantization",)))
         print(f"kvscale without quantization: {own_unquantized['output_tokens_per_s']:.1f} tok/s", file=sys.stderr)
     own_auto_kv = None
     if "kvscale-auto-kv" in baselines:
         own_auto_kv = run_side("bench.w1_throughput", "kvscale",
-                               _strip(passthrough, ("--kv-cache-dtype",), ()) + ["--kv-cache-dtype", "auto"])
+                               strip_flags(passthrough, ("--kv-cache-dtype",)) + ["--kv-cache-dtype", "auto"])
         print(f"kvscale with the KV cache in {args.dtype}: {own_auto_kv['output_tokens_per_s']:.1f} tok/s",
               file=sys.stderr)
     before = None
@@ -321,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         if side:
             dtype = side.get("dtype", dtype)
             if dtype not in peaks:  # a dtype --dtype auto resolved to, on one side
-                more = run_side("bench.w1_throughput", "gemm", _strip(passthrough, ("--dtype",), ()) + ["--dtype", dtype])
+                more = run_side("bench.w1_throughput", "gemm", strip_flags(passthrough, ("--dtype",)) + ["--dtype", dtype])
                 peaks[dtype] = more[dtype]  # (its float32 peak again is not kept: the first one is the run's)
             side["useful_gflops"] = flops["total_flop"] / side["elapsed_s"] / 1e9
             side["fraction_of_gemm_peak"] = side["useful_gflops"] / peaks[dtype]["best_gflops"]

@@ -57,7 +57,7 @@ def test_the_earlier_trees_engine_side_gives_its_own_ratio_and_the_mixed_speedup
 
 
 def test_the_sides_get_the_command_line_without_the_flags_an_earlier_tree_lacks() -> None:
-    from bench.lora import _strip
+    from bench.common import strip_flags
 
     argv = ["--rounds", "2", "--before-checkout", "/tmp/b", "--out=/tmp/o.json", "--parts", "engine"]
-    assert _strip(argv, ("--before-checkout", "--out")) == ["--rounds", "2", "--parts", "engine"]
+    assert strip_flags(argv, ("--before-checkout", "--out")) == ["--rounds", "2", "--parts", "engine"]

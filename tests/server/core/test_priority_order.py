@@ -4,7 +4,7 @@ scheduler on a real block pool without a model (the steps simulated as test_sche
 from __future__ import annotations
 
 import pytest
-from scheduler_helpers import make_seq
+from scheduler_helpers import apply_step, make_seq
 
 from kvscale.server.core.block_pool import BlockPool
 from kvscale.server.core.kv_cache_manager import KVCacheManager
@@ -58,18 +58,9 @@ def run(scheduler: Scheduler, kv: KVCacheManager, late: Sequence | None = None,
         if not scheduler.has_unfinished():
             break
         out = scheduler.schedule()
-        kv.take_pending_copies()
         preempted += [seq.request.request_id for seq in out.preempted]
-        for item in out.scheduled:
-            seq = item.seq
-            if seq.num_computed_tokens == 0:
-                admitted.append(seq.request.request_id)
-            seq.num_computed_tokens += item.num_new_tokens
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(7)
-                if seq.num_output_tokens >= seq.request.max_tokens:
-                    seq.finish_reason = "length"
-                    scheduler.finish(seq)
+        admitted += [item.seq.request.request_id for item in out.scheduled if item.seq.num_computed_tokens == 0]
+        apply_step(scheduler, kv, out)
     assert not scheduler.has_unfinished()
     return admitted, preempted
 
