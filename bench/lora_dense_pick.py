@@ -2,8 +2,9 @@
 projection of the bundled model: the reference's pair of matmuls per slot on its rows
 (``torch_add_lora``), one shrink over every slot with each row keeping its own slot's columns
 and one expand per fused slice (``kernels.lora_dense``), and each row's own matrices gathered for
-two batched matmuls (``torch.bmm``, vLLM's CPU form). Rows 16 to 1,024, ranks 8 and 16, 8 slots
-held, all 8 or 2 of them on the rows; the bundled model's four fused projections (q|k|v, o,
+two batched matmuls (``torch.bmm``, vLLM's CPU form), and, where the C kernels build, each row
+through its own slot's matrices in C (``kernels.lora_cpu``, ``native_us``). Rows 16 to 1,024,
+ranks 8 and 16, 8 slots held, all 8 or 2 of them on the rows (``--present``); the bundled model's four fused projections (q|k|v, o,
 gate|up, down), B block-diagonal by their slices as the engine lays an adapter out.
 
 Each form's time is the median of batches of calls (µs per call), with what
@@ -53,6 +54,7 @@ def one_case(rows: int, rank: int, present: int, shape: tuple[int, tuple[int, ..
              budget_s: float) -> dict[str, Any]:
     import torch
 
+    from kvscale.kernels import lora_cpu
     from kvscale.kernels.lora import LoRASlots, lora_rows, torch_add_lora
     from kvscale.kernels.lora_dense import choose_stacked, dense_add_lora, stacked
 
@@ -84,18 +86,22 @@ def one_case(rows: int, rank: int, present: int, shape: tuple[int, tuple[int, ..
     stacked(slots, x, fout)
     timed = {"reference_us": per_call_us(lambda: torch_add_lora(out, x, plan, slots), budget_s),
              "dense_us": per_call_us(lambda: dense_add_lora(out, x, plan, slots), budget_s)}
+    if lora_cpu.native_available():
+        timed["native_us"] = per_call_us(lambda: lora_cpu.native_add_lora(out, x, plan, slots), budget_s)
     if rows <= 64:
         timed["gather_bmm_us"] = per_call_us(gather_bmm, budget_s)
     weight = torch.randn(fout, fin, generator=gen).to(dtype)
     timed["base_linear_us"] = per_call_us(lambda: torch.nn.functional.linear(x, weight), budget_s)
     return {"rows": rows, "rank": rank, "present": present, "columns": SLOTS * k,
-            "picked_stacked": choose_stacked(plan, slots, fin, fout), **timed}
+            "picked_stacked": choose_stacked(plan, slots, fin, fout),
+            "picked_native": lora_cpu.native_pays(rows, dtype, True, lora_cpu.native_available()), **timed}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="16,32,64,128,256,1024")
     parser.add_argument("--ranks", default="8,16")
+    parser.add_argument("--present", default=f"{SLOTS},2", help="how many of the slots the rows name")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=0.25, help="timing per form and case")
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, shape in SHAPES.items():
             for rank in (int(r) for r in args.ranks.split(",")):
                 for rows in (int(r) for r in args.rows.split(",")):
-                    for present in (SLOTS, 2):
+                    for present in (int(p) for p in args.present.split(",")):
                         case = {"projection": name, **one_case(rows, rank, present, shape, dtype, args.budget_s)}
                         print(case, file=sys.stderr, flush=True)
                         cases.append(case)

@@ -33,6 +33,10 @@ C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     # x, rows, x_stride, w, int8_codes, n_out, k_in, out, num_threads
     "kvscale_linear_narrow": (ctypes.c_int, [_PTR, _I64, _I64, _PTR, _I32, _I64, _I64, _PTR, _I32]),
     "kvscale_linear_narrow_available": (ctypes.c_int, []),
+    # x, x_stride, out, out_stride, sorted_rows, num_sorted, tiles, num_tiles, slot_table, num_slots,
+    # slices, num_slices, in, is_bf16, num_threads
+    "kvscale_lora_sgmv": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I32,
+                                         _I64, _I32, _I32]),
     # key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, num_tokens, row, elem
     "kvscale_write_kv": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64]),
     # key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, num_tokens, row, is_bf16,

@@ -7,13 +7,17 @@ The contract, written once here: each row ``i`` whose slot ``s = row_slots[i]`` 
 nothing for a projection its adapter leaves alone. Each product is rounded to the tensors' dtype
 where PyTorch's matmuls round it: ``h = x @ A^T``, then ``h @ B^T``, then the sum.
 
-Two paths implement it:
+These paths implement it:
 
 - :func:`torch_add_lora`: a pair of matmuls per slot on that slot's rows; the reference the
-  others must match, and the engine's path on CPU for many rows (a prefill) or one slot;
+  others must match, and the engine's path on CPU for the longest steps, or for a prefill or
+  one slot where the C kernels do not build;
+- :mod:`kvscale.kernels.lora_cpu`: SGMV in C (cpu_lora.c), each row through its own slot's
+  matrices in one call per projection; the engine's path on CPU for decode steps and for
+  prefills up to its rows' limit;
 - :mod:`kvscale.kernels.lora_dense`: one shrink over every slot at once and one expand per fused
-  slice, each row keeping its own slot's columns; the engine's path on CPU where it costs less
-  than the per-slot pairs (few rows of several slots: decode);
+  slice, each row keeping its own slot's columns; the CPU path where the C kernels do not build
+  and it costs less than the per-slot pairs (few rows of several slots: decode);
 - :mod:`kvscale.kernels.lora_triton`: Punica's SGMV (segmented gather matrix-vector) as two
   Triton launches, shrink then expand, over tiles of rows of one slot; the path on CUDA.
 
@@ -34,6 +38,7 @@ from torch import Tensor
 from kvscale.kernels import use_triton
 
 if TYPE_CHECKING:
+    from kvscale.kernels.lora_cpu import SlotTable
     from kvscale.kernels.lora_dense import Stacked
 
 # Rows per Triton program: a tile holds rows of one slot only, so that one A and one B serve it
@@ -110,6 +115,8 @@ class LoRASlots:
     # kernels.lora_dense's every slot stacked (A's [in, n*S*w], B's [S*w, width] per slice), made
     # on its first use and kept while these matrices are the step's.
     dense: Stacked | None = field(default=None, repr=False)
+    # kernels.lora_cpu's slot table (each slot's B^T laid out by slice), made on its first use.
+    native: SlotTable | None = field(default=None, repr=False)
 
 
 def torch_add_lora(out: Tensor, x: Tensor, rows: LoRARows, slots: LoRASlots) -> None:
@@ -133,14 +140,24 @@ def lora_path(device: torch.device) -> str:
 
 def add_lora(out: Tensor, x: Tensor, rows: LoRARows, slots: LoRASlots) -> None:
     """Add each row's adapter delta into ``out`` (``x`` [rows, in], ``out`` [rows, out]): in
-    Triton on a GPU where the tensors' layout fits the kernel, else in PyTorch: over every slot
-    at once where that costs less (:func:`kvscale.kernels.lora_dense.choose_stacked`), else slot by slot."""
+    Triton on a GPU where the tensors' layout fits the kernel; on a CPU in C where that pays
+    (:func:`kvscale.kernels.lora_cpu.native_pays`); else in PyTorch: over every slot at once
+    where that costs less (:func:`kvscale.kernels.lora_dense.choose_stacked`), else slot by slot."""
     if lora_path(x.device) == "triton":
         from kvscale.kernels import lora_triton
 
         if lora_triton.add_lora(out, x, rows, slots):
             return
-    if rows.groups and rows.groups[0][1] is not None:  # a slot on every row: two matmuls already
+    from kvscale.kernels import lora_cpu
+
+    available = x.device.type == "cpu" and lora_cpu.native_available()
+    if lora_cpu.native_pays(rows.num_rows, x.dtype, x.device.type == "cpu", available) and x.stride(1) == 1 \
+            and out.stride(1) == 1 and out.dtype == x.dtype:
+        lora_cpu.native_add_lora(out, x, rows, slots)
+        return
+    # Where the C kernel runs, a longer step's PyTorch form is the per-slot pairs: no stacked copy
+    # of the slots besides its slot tables.
+    if not available and rows.groups and rows.groups[0][1] is not None:  # a slot on every row: two matmuls already
         from kvscale.kernels import lora_dense
 
         if lora_dense.choose_stacked(rows, slots, x.shape[1], out.shape[1]):

@@ -1,6 +1,7 @@
 """The batched LoRA contract (kernels/lora.py) over every slot at once: one shrink per projection
-and one expand per fused slice, the engine's path on CPU where a step's rows are few and of
-several slots (docs/server.md, "LoRA adapters").
+and one expand per fused slice, the engine's path on CPU where the C kernels do not build
+(kernels/lora_cpu.py runs where they do) and a step's rows are few and of several slots
+(docs/server.md, "LoRA adapters").
 
 The slots' matrices are stacked once, while they stay the step's (kept in
 :class:`~kvscale.kernels.lora.LoRASlots`). A fused projection (q|k|v, gate|up) has ``n`` slices,

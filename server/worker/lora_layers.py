@@ -4,8 +4,9 @@ low-rank delta on the rows that carry it (docs/server.md, "LoRA adapters").
 A step's adapters take a slot each and its rows are planned by slot (``LoRABatch``, set once per
 step by lora_manager.py and shared by every wrapped projection), so one forward serves base rows
 and several adapters: the delta is kernels/lora.py's batched LoRA, two Triton launches on a GPU,
-on CPU one shrink over every slot and one expand per slice, or two small matmuls per adapter
-present (kernels/lora_dense.py chooses). The checkpoint's q|k|v and gate|up are fused in one
+on CPU one C call with each row through its own adapter's matrices (kernels/lora_cpu.py), or
+without the C kernels one shrink over every slot and one expand per slice, or two small matmuls
+per adapter present (kernels/lora_dense.py chooses). The checkpoint's q|k|v and gate|up are fused in one
 projection (model_llama.py), so an adapter's A matrices for the slices are stacked and its B
 matrices laid block-diagonally: one delta fills every slice; the slices' columns are passed with
 the matrices, so that the CPU path's expand reads each slice's block only.

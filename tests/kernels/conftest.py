@@ -20,7 +20,7 @@ collect_ignore = [] if torch.cuda.is_available() else ["test_kernels_gpu.py"]
 @pytest.fixture
 def fresh_cpu_library(monkeypatch: pytest.MonkeyPatch):
     """Each test picks the C kernels up again from its own environment."""
-    from kvscale.kernels import cpu_build, cpu_native
+    from kvscale.kernels import cpu_build, cpu_native, lora_cpu
 
     def clear() -> None:
         cpu_build.library.cache_clear()
@@ -28,6 +28,7 @@ def fresh_cpu_library(monkeypatch: pytest.MonkeyPatch):
         cpu_native.f32_prefill_available.cache_clear()
         cpu_native.narrow_linear_available.cache_clear()
         cpu_native.amx_linear_available.cache_clear()
+        lora_cpu.native_available.cache_clear()
 
     monkeypatch.delenv("KVSCALE_CPU_KERNELS", raising=False)
     clear()

@@ -159,7 +159,10 @@ def test_the_path_doing_fewer_multiply_adds_and_calls_is_chosen() -> None:
     assert not stacked_pays(CALL_MACS * 10 + 1, 2, CALL_MACS * 8, 4)
 
 
-def test_add_lora_takes_the_stacked_path_for_few_rows_of_several_slots() -> None:
+@pytest.mark.usefixtures("fresh_cpu_library")
+def test_add_lora_takes_the_stacked_path_for_few_rows_of_several_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where the C kernels do not run (their own path: test_kernels_cpu_lora.py).
+    monkeypatch.setenv("KVSCALE_CPU_KERNELS", "reference")
     gen = torch.Generator().manual_seed(2)
     case = make_lora_case(gen, torch.float32, rows=16, in_features=48, slice_width=0, slices=0,
                           ranks=[8, 8, 8], base_share=0.0, first_slots=(0, 1, 2), fused=FUSED["gate_up"])

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from tiny_checkpoints import copy_tokenizer, write_tiny_llama  # noqa: E402
 
 from bench.lora_adapters import ALL_LINEAR, peft_adapters
+from kvscale.kernels import lora_cpu
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.llm_engine import LLMEngine
 from kvscale.server.sampling_params import SamplingParams
@@ -81,7 +82,25 @@ def _greedy() -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def test_base_and_two_adapters_in_one_batch_each_match_peft(lora_setup, run_to_completion) -> None:
+def _clear_kernel_caches() -> None:
+    from kvscale.kernels import cpu_build, cpu_native
+
+    for cached in (cpu_build.library, cpu_native.amx_prefill_available, cpu_native.f32_prefill_available,
+                   cpu_native.narrow_linear_available, cpu_native.amx_linear_available, lora_cpu.native_available):
+        cached.cache_clear()
+
+
+@pytest.fixture(params=["auto", "reference"])
+def cpu_kernels(request, monkeypatch):
+    """The C kernels where they build (the LoRA deltas in C), and PyTorch's forms alone."""
+    monkeypatch.setenv("KVSCALE_CPU_KERNELS", request.param)
+    _clear_kernel_caches()
+    yield request.param
+    monkeypatch.undo()
+    _clear_kernel_caches()
+
+
+def test_base_and_two_adapters_in_one_batch_each_match_peft(lora_setup, run_to_completion, cpu_kernels) -> None:
     base, paths, refs, prompts = lora_setup
     engine = _engine(base, paths, max_loras=2)
     for name in (None, "a1", "a2"):
@@ -96,10 +115,20 @@ def test_base_and_two_adapters_in_one_batch_each_match_peft(lora_setup, run_to_c
     for name in (None, "a1", "a2"):
         for i in range(len(prompts)):
             assert outputs[f"{name}-{i}"].outputs[0].token_ids == refs[name][i], (name, i)
-    # The decode steps' few rows of both slots took the stacked path, one expand per fused slice
-    # (kernels/lora_dense.py): q|k|v's ranks 4 and 8, a2 on q and v only; down's both. gate|up is
-    # a1's alone, whose rows took its own pair.
     weights = engine.runner.lora.batch.weights
+    assert lora_cpu.native_available() == (cpu_kernels == "auto")  # a C compiler is part of the test machine
+    if cpu_kernels == "auto":
+        # Every step's rows took the C kernel (kernels/lora_cpu.py), each projection's slots in a
+        # table: a1 (slot 0) of rank 4 everywhere, a2 of rank 8 on q|k|v (on q and v only) and
+        # down and none on gate|up; no stacked copy made.
+        for key, ranks in (((0, "qkv_proj"), [4, 8]), ((0, "down_proj"), [4, 8]), ((0, "gate_up_proj"), [4, 0])):
+            table = weights[key].native
+            assert table is not None and table.table[:, 2].tolist() == ranks, key
+            assert weights[key].dense is None
+        return
+    # Without it, the decode steps' few rows of both slots took the stacked path, one expand per
+    # fused slice (kernels/lora_dense.py): q|k|v's ranks 4 and 8, a2 on q and v only; down's
+    # both. gate|up is a1's alone, whose rows took its own pair.
     for key, slices in (((0, "qkv_proj"), 3), ((0, "down_proj"), 1)):
         stacked = weights[key].dense
         assert stacked is not None and len(stacked.b_slices) == slices, key
