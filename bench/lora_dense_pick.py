@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="16,32,64,128,256,1024")
     parser.add_argument("--ranks", default="8,16")
     parser.add_argument("--present", default=f"{SLOTS},2", help="how many of the slots the rows name")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, or both comma-separated")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=0.25, help="timing per form and case")
     parser.add_argument("--out", default=None)
@@ -112,17 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     from bench.roofline import cpu_info
 
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
     started = time.time()
     cases = []
     with torch.inference_mode():
-        for name, shape in SHAPES.items():
-            for rank in (int(r) for r in args.ranks.split(",")):
-                for rows in (int(r) for r in args.rows.split(",")):
-                    for present in (int(p) for p in args.present.split(",")):
-                        case = {"projection": name, **one_case(rows, rank, present, shape, dtype, args.budget_s)}
-                        print(case, file=sys.stderr, flush=True)
-                        cases.append(case)
+        for dtype_name in args.dtype.split(","):
+            dtype = getattr(torch, dtype_name)
+            for name, shape in SHAPES.items():
+                for rank in (int(r) for r in args.ranks.split(",")):
+                    for rows in (int(r) for r in args.rows.split(",")):
+                        for present in (int(p) for p in args.present.split(",")):
+                            case = {"projection": name, "dtype": dtype_name,
+                                    **one_case(rows, rank, present, shape, dtype, args.budget_s)}
+                            print(case, file=sys.stderr, flush=True)
+                            cases.append(case)
     wins = [c["rows"] * c["columns"] for c in cases if c["dense_us"] < c["reference_us"]]
     losses = [c["rows"] * c["columns"] for c in cases if c["dense_us"] >= c["reference_us"]]
     # Where the pick was the slower form, and by how much (its time over the faster's).

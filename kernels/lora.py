@@ -151,8 +151,8 @@ def add_lora(out: Tensor, x: Tensor, rows: LoRARows, slots: LoRASlots) -> None:
     from kvscale.kernels import lora_cpu
 
     available = x.device.type == "cpu" and lora_cpu.native_available()
-    if lora_cpu.native_pays(rows.num_rows, x.dtype, x.device.type == "cpu", available) and x.stride(1) == 1 \
-            and out.stride(1) == 1 and out.dtype == x.dtype:
+    if (lora_cpu.native_pays(rows.num_rows, len(rows.groups), x.dtype, x.device.type == "cpu", available)
+            and x.stride(1) == 1 and out.stride(1) == 1 and out.dtype == x.dtype):
         lora_cpu.native_add_lora(out, x, rows, slots)
         return
     # Where the C kernel runs, a longer step's PyTorch form is the per-slot pairs: no stacked copy

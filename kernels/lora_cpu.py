@@ -9,8 +9,8 @@ A is read where the adapter holds it. A table of (A's address, B^T's address, ra
 slot is what the kernel reads, with the step's rows as :func:`~kvscale.kernels.lora.lora_rows`
 planned them (tiles of one slot's rows).
 
-Where it runs is :func:`native_pays`: float32 and bfloat16 on the CPU, up to ``ROWS_MAX`` rows
-of the dtype; longer steps keep PyTorch's per-slot GEMMs. Where the C kernels do not build,
+Where it runs is :func:`native_pays`: float32 and bfloat16 on the CPU, up to a number of rows by
+dtype and slots present; longer steps keep PyTorch's per-slot GEMMs. Where the C kernels do not build,
 PyTorch's forms run (kernels/lora_dense.py's stacked one or the per-slot pairs).
 """
 
@@ -25,13 +25,16 @@ from torch import Tensor
 from kvscale.kernels.cpu_build import library
 from kvscale.kernels.lora import LoRARows, LoRASlots
 
-# The most rows of each dtype the kernel takes. On a layer's four projections of the bundled model
-# (8 slots of rank 8, 2 threads, Zen 5 EPYC, `python -m bench.lora_cpu_pick`): float32, the kernel
-# took half the per-slot pairs' time or less at every row count up to 4,096, 8 slots mixed or one
-# on every row (0.04 against 0.52 ms at 16 rows of 8 slots, 2.5 against 5.0 ms at 2,048 rows of
-# one); bfloat16, where oneDNN's GEMM has the CPU's bf16 dot products, up to 512 rows (one slot on
-# 1,024 rows: 1.08 against 0.84 ms).
-ROWS_MAX = {torch.float32: 4096, torch.bfloat16: 512}
+# The most rows the kernel takes, of several slots and of one; past them PyTorch's per-slot pairs.
+# A layer's four projections of the bundled model, 8 slots of rank 8 held, 2 threads, Zen 5 EPYC
+# (bench/results/lora_cpu_pick.json, `python -m bench.lora_dense_pick --present 8,1 --dtype
+# float32,bfloat16`): in float32 the kernel took under half the pairs' time at every row count to
+# 4,096 (16 rows of 8 slots: 0.07 ms, the stacked path 0.29, the pairs 1.17; 2,048 rows of one:
+# 3.0 against 6.3 ms); in bfloat16, where oneDNN's GEMM has the CPU's bf16 dot products, one slot's
+# rows past 512 run faster as its pair (1,024 rows: 1.59 against 1.39 ms), 8 slots' do not (1.59
+# against 4.96).
+ROWS_MAX = {torch.float32: 4096, torch.bfloat16: 4096}
+ONE_SLOT_ROWS_MAX = {torch.float32: 4096, torch.bfloat16: 512}
 _NO_MEMORY = 2  # cpu_lora.c's KVSCALE_LORA_NO_MEMORY
 
 
@@ -51,10 +54,12 @@ def native_available() -> bool:
     return library() is not None
 
 
-def native_pays(num_rows: int, dtype: torch.dtype, on_cpu: bool, available: bool) -> bool:
-    """Whether a step of ``num_rows`` rows takes the C kernel: on the CPU, where it builds, in a
-    dtype it takes, at most ``ROWS_MAX`` rows of that dtype."""
-    return on_cpu and available and 0 < num_rows <= ROWS_MAX.get(dtype, 0)
+def native_pays(num_rows: int, slots_present: int, dtype: torch.dtype, on_cpu: bool, available: bool) -> bool:
+    """Whether a step of ``num_rows`` rows of ``slots_present`` slots takes the C kernel: on the
+    CPU, where it builds, in a dtype it takes, up to ``ROWS_MAX`` rows of that dtype
+    (``ONE_SLOT_ROWS_MAX`` where one slot holds them)."""
+    limit = (ONE_SLOT_ROWS_MAX if slots_present <= 1 else ROWS_MAX).get(dtype, 0)
+    return on_cpu and available and 0 < num_rows <= limit
 
 
 def slot_table(slots: LoRASlots, dtype: torch.dtype, out_features: int) -> SlotTable:
@@ -98,5 +103,5 @@ def native_add_lora(out: Tensor, x: Tensor, rows: LoRARows, slots: LoRASlots) ->
         raise MemoryError("the LoRA kernel could not allocate its scratch")
 
 
-__all__ = ["ROWS_MAX", "SlotTable", "native_add_lora", "native_available", "native_pays",
+__all__ = ["ONE_SLOT_ROWS_MAX", "ROWS_MAX", "SlotTable", "native_add_lora", "native_available", "native_pays",
            "slot_table"]

@@ -119,19 +119,23 @@ def test_a_step_without_adapter_rows_changes_nothing() -> None:
 
 
 def test_the_kernel_runs_where_it_pays() -> None:
-    rows_max = lora_cpu.ROWS_MAX
-    # Decode steps, and float32 prefills of up to 4,096 rows; bfloat16 to 512.
+    f32, bf16 = torch.float32, torch.bfloat16
+    # Decode steps, and float32 prefills up to ROWS_MAX rows, of one slot or several.
     for rows in (1, 16, 256):
-        assert lora_cpu.native_pays(rows, torch.bfloat16, True, True)
-    assert lora_cpu.native_pays(rows_max[torch.float32], torch.float32, True, True)
-    assert not lora_cpu.native_pays(rows_max[torch.float32] + 1, torch.float32, True, True)
-    assert lora_cpu.native_pays(512, torch.bfloat16, True, True)
-    assert not lora_cpu.native_pays(513, torch.bfloat16, True, True)
+        for present in (1, 8):
+            assert lora_cpu.native_pays(rows, present, f32, True, True)
+            assert lora_cpu.native_pays(rows, present, bf16, True, True)
+    assert lora_cpu.native_pays(4096, 1, f32, True, True) and lora_cpu.native_pays(4096, 8, f32, True, True)
+    assert not lora_cpu.native_pays(4097, 8, f32, True, True)
+    # bfloat16: one slot's long prefill is oneDNN's (its bf16 GEMM), several slots' stay here.
+    assert lora_cpu.native_pays(512, 1, bf16, True, True)
+    assert not lora_cpu.native_pays(513, 1, bf16, True, True)
+    assert lora_cpu.native_pays(2048, 2, bf16, True, True)
     # Nowhere else: another dtype, another device, no build, no rows.
-    assert not lora_cpu.native_pays(16, torch.float16, True, True)
-    assert not lora_cpu.native_pays(16, torch.float32, False, True)
-    assert not lora_cpu.native_pays(16, torch.float32, True, False)
-    assert not lora_cpu.native_pays(0, torch.float32, True, True)
+    assert not lora_cpu.native_pays(16, 8, torch.float16, True, True)
+    assert not lora_cpu.native_pays(16, 8, f32, False, True)
+    assert not lora_cpu.native_pays(16, 8, f32, True, False)
+    assert not lora_cpu.native_pays(0, 0, f32, True, True)
 
 
 def test_add_lora_takes_the_kernel_for_a_decode_step() -> None:
@@ -140,6 +144,16 @@ def test_add_lora_takes_the_kernel_for_a_decode_step() -> None:
     add_lora(out, x, plan, slots)
     assert slots.native is not None and slots.dense is None  # no stacked copy besides the table
     assert _relative_error(out, case.per_row()) < LORA_TOLERANCE[torch.float32]
+
+
+def test_a_long_bfloat16_step_of_one_slot_keeps_its_pair() -> None:
+    gen = torch.Generator().manual_seed(8)
+    case = make_lora_case(gen, torch.bfloat16, rows=lora_cpu.ONE_SLOT_ROWS_MAX[torch.bfloat16] + 1, in_features=48,
+                          slice_width=24, slices=1, ranks=[8, 8], base_share=0.0, one_slot=True)
+    x, out, plan, slots = case.on("cpu")
+    add_lora(out, x, plan, slots)
+    assert slots.native is None
+    assert _relative_error(out, case.per_row()) < LORA_TOLERANCE[torch.bfloat16]
 
 
 def test_without_the_c_kernels_add_lora_keeps_pytorchs_forms(monkeypatch: pytest.MonkeyPatch) -> None:
