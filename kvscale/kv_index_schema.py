@@ -128,6 +128,27 @@ def lora_names(value: Any) -> list[str]:
     return [name for name in value if isinstance(name, str)][:MAX_PUBLISHED_LORAS]
 
 
+# Priority levels one heartbeat's running_by_priority carries at most; a reader keeps the least
+# urgent ones whatever a heartbeat says: those are the sequences a more urgent request displaces.
+MAX_PUBLISHED_PRIORITIES = 16
+
+
+def priority_counts(value: Any) -> dict[int, int]:
+    """A heartbeat's running sequences by priority, bounded, of integer levels and positive
+    counts only (absent: none)."""
+    if not isinstance(value, dict):
+        return {}
+    counts: dict[int, int] = {}
+    for level, count in value.items():
+        try:
+            level_int = int(level)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            counts[level_int] = count
+    return dict(sorted(counts.items())[-MAX_PUBLISHED_PRIORITIES:])
+
+
 # The adapters loaded at run time through a router (docs/router.md, "Loading adapters at run
 # time"): written by the router that passed a load (HSET, through the script below) or an unload
 # (HDEL) on, read by every router, which loads each onto any replica that lacks it. No TTL: a load
@@ -198,6 +219,10 @@ class Heartbeat:
     lora_resident: list[str] = field(default_factory=list)
     lora_running: list[str] = field(default_factory=list)
     max_loras: int = 0
+    # Running sequences by their priority (lower is more urgent; all 0 under fcfs), at most
+    # MAX_PUBLISHED_PRIORITIES levels: what a more urgent request displaces there under
+    # --scheduling-policy priority (router/band_preemption.py).
+    running_by_priority: dict[int, int] = field(default_factory=dict)
 
     @property
     def load(self) -> int:
@@ -224,6 +249,7 @@ class Heartbeat:
             replica_id=replica_id, model=str(data.get("model", "")), base_url=str(data.get("base_url", "")),
             received=received, **numbers, lora_adapters=lora_names(data.get("lora_adapters")),
             lora_resident=lora_names(data.get("lora_resident")), lora_running=lora_names(data.get("lora_running")),
+            running_by_priority=priority_counts(data.get("running_by_priority")),
         )
 
 

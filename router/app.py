@@ -33,7 +33,7 @@ from kvscale.router.client_watch import disconnect_of
 from kvscale.router.config import RouterConfig
 from kvscale.router.decision import Decider
 from kvscale.router.errors import not_found, openai_error, request_json
-from kvscale.router.fair_queue import FairQueue, queued_turn, room_on
+from kvscale.router.fair_queue import FairQueue, queued_turn, room_on, running_on
 from kvscale.router.heartbeats import HeartbeatTable
 from kvscale.router.hold_gate import (
     activation_report,
@@ -264,7 +264,8 @@ class Router:
         if isinstance(grant, Response):  # over the tenant's limits: 429
             return grant
         turn = await queued_turn(self.queue, request, endpoint, body, prompt.prompt_tokens, len(raw),
-                                 lambda: room_on(candidates, self.heartbeats, self.in_flight), grant)
+                                 lambda: room_on(candidates, self.heartbeats, self.in_flight), grant,
+                                 lambda: running_on(candidates, self.heartbeats))
         if isinstance(turn, Response):  # waited --max-queue-wait (503), or its client left (499)
             return turn
         with turn:  # an exception before the forward ends the turn (fair_queue.Turn)

@@ -52,7 +52,7 @@ from kvscale.router import policy as routing
 from kvscale.router.admission import is_open
 from kvscale.router.client_watch import CLIENT_GONE
 from kvscale.router.errors import openai_error, request_json
-from kvscale.router.fair_queue import Turn, room_on, tenant_turn
+from kvscale.router.fair_queue import Turn, room_on, running_on, tenant_turn
 from kvscale.router.in_flight import OpenRequest
 from kvscale.router.lora_routing import request_adapter
 from kvscale.router.prefix_hashes import PromptBlocks
@@ -256,7 +256,8 @@ async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes,
             return refusal_of(admitted)
         grant = admitted
         queued = await tenant_turn(router.queue, tenant, endpoint, body, prompt.prompt_tokens, len(raw),
-                                   lambda: room_on(candidates, router.heartbeats, router.in_flight), grant)
+                                   lambda: room_on(candidates, router.heartbeats, router.in_flight), grant,
+                                   running=lambda: running_on(candidates, router.heartbeats))
         if isinstance(queued, Response):  # waited --max-queue-wait: the HTTP port's 503
             return refusal_of(queued)
         turn = queued

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from starlette.responses import Response
 from kvscale.fair_share_schema import LAST_SERVED, NO_FLOOR, Floor
 from kvscale.router import fair_share
 from kvscale.router import rate_limits as rules
-from kvscale.router.band_preemption import may_preempt
+from kvscale.router.band_preemption import NO_SEQUENCES, may_preempt
 from kvscale.router.client_watch import CLIENT_GONE, disconnect_of
 from kvscale.router.errors import openai_error
 from kvscale.router.heartbeats import HeartbeatTable
@@ -59,6 +59,7 @@ class _Waiter:
     weight: float
     cost: int
     room: Callable[[], int | None]
+    running: Callable[[], Mapping[int, int]] | None
     released: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -80,6 +81,17 @@ def room_on(candidates: Iterable[Replica], heartbeats: HeartbeatTable,
         ahead = sequences_ahead(hb.load, heartbeats.local_time(hb), sent)
         loads.append(ReplicaLoad(hb.max_num_seqs, ahead, hb.kv_usage, replica.in_flight))
     return free_slots(loads)
+
+
+def running_on(candidates: Iterable[Replica], heartbeats: HeartbeatTable) -> dict[int, int]:
+    """The sequences the candidates run by priority, summed over their heartbeats
+    (band_preemption.may_preempt's ``running_by_priority``)."""
+    total: Counter[int] = Counter()
+    for replica in candidates:
+        hb = heartbeats.get(replica.replica_id)
+        if hb is not None:
+            total.update(hb.running_by_priority)
+    return dict(total)
 
 
 class Turn:
@@ -148,18 +160,20 @@ class Turn:
 
 async def queued_turn(queue: FairQueue | None, request: Request, endpoint: str,
                       body: dict[str, Any], prompt_tokens: int, body_bytes: int,
-                      room: Callable[[], int | None], grant: Grant) -> Turn | Response:
+                      room: Callable[[], int | None], grant: Grant,
+                      running: Callable[[], Mapping[int, int]] | None = None) -> Turn | Response:
     """An HTTP request's turn (``tenant_turn``): its tenant the one its key named, a 499 when
     its client leaves while it waits."""
     tenant = request.scope.get(SCOPE_KEY)
     return await tenant_turn(queue, tenant if isinstance(tenant, Tenant) else None, endpoint, body,
-                             prompt_tokens, body_bytes, room, grant, disconnect_of(request.receive))
+                             prompt_tokens, body_bytes, room, grant, disconnect_of(request.receive), running)
 
 
 async def tenant_turn(queue: FairQueue | None, tenant: Tenant | None, endpoint: str,
                       body: dict[str, Any], prompt_tokens: int, body_bytes: int,
                       room: Callable[[], int | None], grant: Grant,
-                      client_left: Callable[[], Awaitable[None]] | None = None) -> Turn | Response:
+                      client_left: Callable[[], Awaitable[None]] | None = None,
+                      running: Callable[[], Mapping[int, int]] | None = None) -> Turn | Response:
     """A generation request's turn through ``queue`` (None: at once), on the HTTP port and the
     endpoint picker alike: charged its tokens as the rate limits reserve them, to its tenant
     (without tenants every request is one tenant's), in the band of its tenant's priority and
@@ -171,7 +185,7 @@ async def tenant_turn(queue: FairQueue | None, tenant: Tenant | None, endpoint: 
     name, weight, default = (tenant.name, tenant.weight, tenant.priority) if tenant is not None else ("", 1.0, 0)
     cost = rules.request_tokens(endpoint, body, prompt_tokens, body_bytes)
     turn = await queue.enter(name, fair_share.band(default, body.get("priority")), weight, cost,
-                             room, client_left)
+                             room, client_left, running)
     if isinstance(turn, Response):
         turn.headers.update(grant.headers)
         if grant.on_done is not None:
@@ -250,8 +264,9 @@ class FairQueue:
             self.open_by_band[band] -= 1
             self.open_without_room -= without_room
 
-    def _preempts(self, band: int) -> bool:
-        return self.replicas_preempt and may_preempt(band, self.open_by_band, self.open_without_room)
+    def _preempts(self, band: int, running: Callable[[], Mapping[int, int]] | None) -> bool:
+        return self.replicas_preempt and may_preempt(band, self.open_by_band, self.open_without_room,
+                                                     running() if running is not None else NO_SEQUENCES)
 
     def _has_room(self, room: Callable[[], int | None]) -> bool:
         cutoff = time.monotonic() - UNSENT_TTL_S
@@ -262,11 +277,13 @@ class FairQueue:
 
     async def enter(self, tenant: str, band: int, weight: float, cost: int,
                     room: Callable[[], int | None],
-                    client_left: Callable[[], Awaitable[None]] | None = None) -> Turn | Response:
+                    client_left: Callable[[], Awaitable[None]] | None = None,
+                    running: Callable[[], Mapping[int, int]] | None = None) -> Turn | Response:
         """The request's turn, at once when nobody waits and there is room, else when
         ``dispatch`` releases it; or the 503 (it waited --max-queue-wait, or the queue is full),
         or the 499 (its client left while it waited). ``room``: the free slots on the replicas
-        that could take it (saturation.free_slots); ``cost``: its tokens as reserved."""
+        that could take it (saturation.free_slots); ``running``: the sequences they run by
+        priority (``running_on``: those it may displace); ``cost``: its tokens as reserved."""
         floor: Floor = NO_FLOOR
         if tenant not in self.queues:
             waiting = [self.counters.get(t, 0.0) for t in self.queues]
@@ -276,7 +293,7 @@ class FairQueue:
             floor = list(self.queues) if waiting else LAST_SERVED
         if not self.queues and self._has_room(room):
             return Turn(self, self._let_through(tenant, weight, cost, floor, band), tenant, weight, cost)
-        if not self.queues and self._preempts(band):
+        if not self.queues and self._preempts(band, running):
             return Turn(self, self._let_through(tenant, weight, cost, floor, band, True), tenant, weight, cost)
         if self.waiting >= self.max_waiting:
             self._waited("full", 0.0, tenant)
@@ -284,7 +301,7 @@ class FairQueue:
         if floor != NO_FLOOR and self.shared is not None:
             self.shared.update(tenant, floor, 0.0, False, self._mirror(tenant))
         self._keys += 1
-        waiter = _Waiter(tenant, band, self._keys, weight, cost, room)
+        waiter = _Waiter(tenant, band, self._keys, weight, cost, room, running)
         self.queues.setdefault(tenant, deque()).append(waiter)
         self._count(+1)
         since = time.monotonic()
@@ -338,7 +355,7 @@ class FairQueue:
             for tenant in fair_share.dispatch_order(heads, self.counters):
                 waiter = self.queues[tenant][0]
                 room = self._has_room(waiter.room)
-                if room or self._preempts(waiter.band):
+                if room or self._preempts(waiter.band, waiter.running):
                     self._remove(waiter)
                     waiter.released.set_result(self._let_through(tenant, waiter.weight, waiter.cost,
                                                                  band=waiter.band, without_room=not room))

@@ -156,6 +156,9 @@ class EngineStats:
     # heartbeat tells routers which replicas serve an adapter and where it is loaded (docs/router.md).
     lora_adapters: list[str] = field(default_factory=list)
     resident_lora_adapters: list[str] = field(default_factory=list)
+    # Running requests by priority (all 0 under fcfs): the heartbeat tells routers what a more
+    # urgent request displaces here (router/band_preemption.py).
+    running_by_priority: dict[int, int] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -6,6 +6,7 @@ scheduler's queues and the pool's counters and never touches the model.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from kvscale.server.core.kv_cache_manager import KVCacheManager
@@ -79,6 +80,9 @@ def engine_stats(
         waiting_lora_adapters=sorted(waiting_loras),
         lora_adapters=sorted(lora.paths) if lora is not None else [],
         resident_lora_adapters=sorted(lora.resident) if lora is not None else [],
+        # Requests, as num_running counts them (n samples run as n sequences of one request).
+        running_by_priority=dict(Counter({seq.request.request_id: seq.request.priority
+                                          for seq in scheduler.running}.values())),
     )
 
 

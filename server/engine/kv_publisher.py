@@ -360,6 +360,7 @@ class KVEventPublisher:
             lora_resident=lora_names(stats.resident_lora_adapters if stats else []),
             lora_running=lora_names(stats.running_lora_adapters if stats else []),
             max_loras=int(extra.get("max_loras", 0)),
+            running_by_priority=dict(stats.running_by_priority) if stats else {},
         )
 
     def _heartbeat(self, client: redis.Redis) -> None:

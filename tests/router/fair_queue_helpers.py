@@ -32,11 +32,11 @@ async def free_slots_one_by_one(queue: FairQueue, free: list[int], order: list[s
 
 @contextlib.asynccontextmanager
 async def app_over_one_replica(handler: type[BaseHTTPRequestHandler], model: str, running: int,
-                               **config: Any) -> AsyncIterator[tuple[Any, Callable[[int], None]]]:
+                               **config: Any) -> AsyncIterator[tuple[Any, Callable[..., None]]]:
     """The router's app (RouterConfig ``config``) started over one replica, ``handler`` served on
     loopback, once its health check passed; that replica's heartbeat held as the Redis feed would
     hold it, with ``running`` sequences of a batch of one. Yields the app and what sets
-    ``running`` again."""
+    ``running`` again (and, optionally, its running sequences by priority)."""
     from kvscale.router.config import RouterConfig
 
     server = ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
@@ -51,8 +51,9 @@ async def app_over_one_replica(handler: type[BaseHTTPRequestHandler], model: str
         rid = next(iter(router.replicas.replicas.values())).replica_id
         feed = SimpleNamespace(heartbeats={}, healthy=True, healthy_since=time.monotonic())
 
-        def set_running(count: int) -> None:
-            feed.heartbeats[rid] = Heartbeat(rid, model, url, 16, count, 0, 1, 100, time.time(), max_num_seqs=1)
+        def set_running(count: int, by_priority: dict[int, int] | None = None) -> None:
+            feed.heartbeats[rid] = Heartbeat(rid, model, url, 16, count, 0, 1, 100, time.time(), max_num_seqs=1,
+                                             running_by_priority=by_priority or {})
 
         set_running(running)
         router.heartbeats.feed = feed

@@ -36,3 +36,20 @@ def test_the_prefill_rate_is_measured_without_a_host_tier(make_engine):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.get_stats().extra["prefill_tokens_per_s"] > 0
+
+
+def test_the_running_requests_are_counted_by_priority(make_engine):
+    # The heartbeat's running_by_priority: what a more urgent request displaces on this replica
+    # (router/band_preemption.py). The waiting one is not counted: there is nothing to displace.
+    engine = make_engine(max_num_seqs=2, max_num_batched_tokens=512, block_size=16, scheduling_policy="priority")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for name, priority in (("low-a", 10), ("low-b", 10), ("high", 0)):
+        engine.add_request(name, list(range(1000, 1032)), params, priority=priority)
+    try:
+        engine.step()  # the most urgent first: "high" and one low one run, the other waits
+        stats = engine.get_stats()
+    finally:
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert stats.running_by_priority == {0: 1, 10: 1}
+    assert engine.get_stats().running_by_priority == {}
