@@ -137,7 +137,8 @@ async def beside_load(client: httpx.AsyncClient, load: Callable[[asyncio.Event],
 def probe_twins(prompt_of: Callable[[int], str], max_tokens: int) -> Callable[[int], dict[str, Any]]:
     """The n-th priority probe, streamed: prompt n // 2 for even n; for odd n another one (no
     prefix shared with an even one's), with skip_special_tokens false, so its first chunk carries
-    its first token even when that token has no text (bench.tenants' priority figure)."""
+    its first token even when that token has no text: bench.tenants' priority figure is the odd
+    ones' TTFT, the even ones' (the first chunk with text) is reported beside it."""
     def body(n: int) -> dict[str, Any]:
         if n % 2 == 0:
             return completion(prompt_of(n // 2), max_tokens, True)
