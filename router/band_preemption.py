@@ -14,7 +14,10 @@ router's, a heartbeat period old). Without the second, a router whose own reques
 held an urgent request while another router's less urgent ones filled the replicas: that router
 refills a slot within a loop turn of each finish, so a heartbeat rarely showed one free, and the
 urgent request waited up to a second. A displacement shows in a later heartbeat as one fewer less
-urgent sequence while it is still counted as let through: the rule errs towards holding.
+urgent sequence while it is still counted as let through: that errs towards holding. Routers do
+not share their counts, so each may send one request per sequence the heartbeats show: those past
+what the replica displaces wait in its queue, ahead of the less urgent ones, as they would have
+waited in the router.
 """
 
 from __future__ import annotations
