@@ -202,7 +202,7 @@ class Decider:
         self.metrics = metrics
         self.sessions = SessionMemory()
         # The replica each leading block was last sent to (a prompt nobody holds returns there
-        # when no replica has room for it: kvscale.router.predicted_ttft.returning_home).
+        # when no replica has room for it: kvscale.router.cold_placement.returning_home).
         self.homes = SessionMemory()
         self.hot = HotBlocks()
         self.overloaded_since: dict[str, float] = {}  # holder -> since when the spill rule held

@@ -39,20 +39,18 @@ from kvscale.router.candidates import (
     rendezvous_weight,
     within_bound,
 )
+from kvscale.router.cold_placement import returning_home
 from kvscale.router.predicted_ttft import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     HOST_RESTORE_SPEEDUP,
     RATE_SPREAD,
     TTFT_EPSILON,
     TTFT_SLACK,
-    OverloadHold,
-    evicted_blocks,
     pool_rates,
     predicted_ttft,
     predicted_ttft_policy,
-    returning_home,
-    should_spill,
 )
+from kvscale.router.spill_rule import OverloadHold, evicted_blocks, should_spill
 
 # Callers read every policy's parts through this module (kvscale.router.decision, the benchmarks).
 __all__ = [

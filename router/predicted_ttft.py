@@ -56,8 +56,8 @@ unless that replica is truly overloaded, and estimates within 1 ms go to the rea
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 
 from kvscale.router.candidates import (
     LORA_NO_SLOT,
@@ -67,6 +67,8 @@ from kvscale.router.candidates import (
     bounded_split,
     rendezvous_weight,
 )
+from kvscale.router.cold_placement import adapter_home, cold_home
+from kvscale.router.spill_rule import OverloadHold, evicted_blocks, should_spill
 
 # Safety valve for predicted-ttft: nobody above (1 + eps) x the mean in-flight requests. Loose on
 # purpose: requests that hit a cached prefix are cheap, so a replica holding hot prefixes carries
@@ -150,143 +152,6 @@ def pool_rates(candidates: Sequence[Candidate]) -> dict[str, float]:
     low, high = median / RATE_SPREAD, median * RATE_SPREAD
     return {c.replica_id: min(max(c.prefill_tokens_per_s, low), high) if c.prefill_tokens_per_s > 0 else median
             for c in candidates}
-
-
-@dataclass(frozen=True)
-class OverloadHold:
-    """Hysteresis for the spill rule: a holder is passed over only once the rule has judged it
-    overloaded for ``hold_s`` without a break (``since``: replica -> when that began; the caller
-    keeps it from each decision's ``judged``). A burst of one group that drains within it does not
-    move the group; an overload that outlasts it does (docs/router.md, "Hysteresis")."""
-
-    now: float
-    hold_s: float
-    since: Mapping[str, float]
-
-    def outlasted(self, replica_id: str, predicted_wait_s: float = 0.0) -> bool:
-        """``predicted_wait_s``: the wait the estimate predicts, the hold while none was measured
-        yet. A fleet's first burst arrives in one instant, before any first token: its overload
-        has lasted no time at all, and the heartbeat counts every sibling queued behind a prefix
-        still being computed in full, so the holder of the busiest groups looks overloaded then."""
-        hold_s = self.hold_s if self.hold_s > 0 else predicted_wait_s
-        if hold_s <= 0:  # no prefill wait in sight, measured or predicted: nothing to smooth over
-            return True
-        began = self.since.get(replica_id)
-        return began is not None and self.now - began >= hold_s
-
-
-def evicted_blocks(candidate: Candidate, prompt_tokens: int, block_size: int) -> int:
-    """Hot blocks a request evicts on ``candidate``: what it must compute beyond the room left
-    there by the prefixes recently routed to it (0 when the room is unknown)."""
-    if candidate.free_blocks is None:
-        return 0
-    need = -(-prompt_tokens // max(block_size, 1)) - candidate.matched_blocks
-    return max(need - candidate.free_blocks, 0)
-
-
-def should_spill(anchor_ttft: float, other_ttft: float, saved_s: float, slack: float) -> bool:
-    """The anchor is truly overloaded: its estimate beyond the other's by more than the prefill the
-    hit saves, with ``slack`` (relative) for the estimates' error."""
-    return anchor_ttft > (1.0 + slack) * (other_ttft + saved_s)
-
-
-def new_prefix_home(
-    roomy: Sequence[Candidate],
-    need: int,
-    key: Callable[[Candidate], tuple[float, int, int, int, int]],
-) -> Candidate | None:
-    """Where a prefix nobody holds goes, among the replicas with room for it: the one whose recent
-    traffic claims least room, recent_blocks + need, in blocks (ties by ``key``, the estimate
-    first), as cache_aware places a prompt on its smallest tree: the prefixes recently sent are the
-    work the replica will be asked for again, the queue one instant. Speed does not weigh here (a
-    prefix takes as much room on a slow replica; one its speed spared took its share later, cold
-    and at once); its queue is weighed next (``busy_new_home``). Not filtered by the estimate: the
-    heartbeat counts every request queued behind a prefix still being computed in full, so in a
-    burst new groups piled onto the others past their room. Nothing fills a replica past its KV
-    blocks (``kv_blocks``): where the recent traffic plus this prompt fit somewhere, only those
-    replicas are weighed (docs/router.md, "Where a new prefix goes"). None when no replica has
-    room: ``returning_home`` or the caller's lowest estimate takes it."""
-    if not roomy:
-        return None
-    return min(fitting(roomy, need) or roomy, key=lambda c: (c.recent_blocks + need, key(c)))
-
-
-def fitting(roomy: Sequence[Candidate], need: int) -> list[Candidate]:
-    """The replicas where the recent traffic plus a prompt of ``need`` blocks fit in the KV blocks
-    (a replica that does not say how many it has, ``kv_blocks`` 0, fits)."""
-    return [c for c in roomy if c.kv_blocks <= 0 or c.recent_blocks + need <= c.kv_blocks]
-
-
-def own_prefill_units(candidate: Candidate, seconds: float, prompt_tokens: int, rate: float) -> float:
-    """``seconds`` in units of the replica's own prefill of the whole prompt (its rate, its
-    calibration scale): how many times over its queue delays a prompt nobody holds. A slower
-    replica's longer prefill counts 1, as a faster one's does; a slowdown common to the fleet
-    cancels."""
-    alone = max(prompt_tokens, 1) / rate * candidate.ttft_scale
-    return seconds / alone if alone > 0 else seconds
-
-
-def busy_new_home(
-    home: Candidate,
-    roomy: Sequence[Candidate],
-    need: int,
-    prompt_tokens: int,
-    rates: Mapping[str, float],
-    ttft: Mapping[str, float],
-    slack: float,
-    key: Callable[[Candidate], tuple[float, int, int, int, int]],
-) -> Candidate:
-    """Where a prefix nobody holds goes once its home (``new_prefix_home``) is chosen: the home,
-    unless the spill rule (nothing saved) finds it truly overloaded against another replica where
-    the prompt also has room and fits (``fitting``); then the one of those with the least delay. The
-    home was chosen for the work its group will bring, by the room it claims; its queue now is
-    what this rule weighs: each replica's estimate in units of its own prefill of the prompt
-    (``own_prefill_units``), so a slower replica is not found overloaded for being slower (its
-    prefill of the prompt is longer wherever it queues) and a uniform slowdown cancels. Without it,
-    a home with the least claimed room took every new group that arrived while its queue held the
-    last one's cold prefill: in a bursty stream, a replica whose groups had not come back within
-    the hot window looked empty and took two at once (docs/router.md, "Where a new prefix goes")."""
-    others = [c for c in fitting(roomy, need) if c.replica_id != home.replica_id]
-    if not others:
-        return home
-
-    def units(c: Candidate) -> float:
-        return own_prefill_units(c, ttft[c.replica_id], prompt_tokens, rates[c.replica_id])
-
-    best = min(others, key=lambda c: (round(units(c), 6), key(c)))
-    overloaded = (should_spill(units(home), units(best), 0.0, slack)
-                  and should_spill(ttft[home.replica_id], ttft[best.replica_id], 0.0, slack))
-    return best if overloaded else home
-
-
-def returning_home(
-    by_estimate: Sequence[Candidate], last_home: str | None, ttft: Mapping[str, float], slack: float,
-) -> Candidate | None:
-    """Where a prompt nobody holds goes when no replica has room for it: the replica this router
-    last sent its leading block to, unless the spill rule (nothing saved) finds it truly overloaded
-    against the lowest estimate. With no room anywhere the fleet cannot hold every group at once;
-    a group sent wherever the queue is shortest finds a replica that evicted it, and evicts
-    another group there, so each replica ends up seeing every group. Kept on one replica, as
-    cache_aware keeps a group for good, its requests find there what it computed for the last one
-    while that is still in its LRU (docs/router.md, "Where a new prefix goes"). None without a
-    last home among ``by_estimate`` (the replicas under the load cap)."""
-    home = next((c for c in by_estimate if c.replica_id == last_home), None)
-    if home is None:
-        return None
-    return None if should_spill(ttft[home.replica_id], ttft[by_estimate[0].replica_id], 0.0, slack) else home
-
-
-def adapter_home(by_estimate: Sequence[Candidate], ttft: Mapping[str, float], slack: float) -> Candidate | None:
-    """Where a prompt nobody holds goes when its LoRA adapter is readier on some replicas than on
-    others (``lora_affinity``): the readiest with the lowest estimate, unless the spill rule (nothing
-    saved) finds it truly overloaded against the best less ready one, so a hot adapter spreads once
-    the replicas holding it are busy. None where every replica is as ready (a base-model request)."""
-    best = min((c.lora_affinity for c in by_estimate), default=0)
-    home = next((c for c in by_estimate if c.lora_affinity == best), None)
-    other = next((c for c in by_estimate if c.lora_affinity != best), None)
-    if home is None or other is None:
-        return None
-    return None if should_spill(ttft[home.replica_id], ttft[other.replica_id], 0.0, slack) else home
 
 
 def predicted_ttft_policy(
@@ -377,15 +242,9 @@ def predicted_ttft_policy(
             anchor, reason = None, "load"
     if anchor is None and best_match == 0 and (home := adapter_home(by_estimate, ttft, slack)) is not None:
         anchor, reason = home, "lora"  # a cold prompt of an adapter readier on some replicas
-    elif anchor is None and best_match == 0:
-        # A cold prompt: a replica with room for it, so it does not evict a hot prefix.
-        need = -(-prompt_tokens // max(block_size, 1))
-        roomy = [c for c in by_estimate if c.free_blocks is None or c.free_blocks >= need]
-        anchor = new_prefix_home(roomy, need, key)
-        if anchor is not None:  # unless its queue truly overloads it: another with room and fit
-            anchor = busy_new_home(anchor, roomy, need, prompt_tokens, rates, ttft, slack, key)
-        if anchor is None:  # no replica has room for it
-            anchor = returning_home(by_estimate, last_home, ttft, slack)
+    elif anchor is None and best_match == 0:  # a cold prompt (kvscale.router.cold_placement)
+        anchor, returned = cold_home(by_estimate, prompt_tokens, block_size, rates, ttft, slack, key, last_home, hold)
+        judged = returned or judged
     ranked = by_estimate
     if anchor is not None:
         ranked = [anchor] + [c for c in by_estimate if c.replica_id != anchor.replica_id]

@@ -78,9 +78,15 @@ def test_a_new_group_goes_to_the_least_claimed_replica_however_long_its_queue_lo
                                                  cand("r2", load=7, recent=270, free=192))]
     decision = policy.predicted_ttft_policy(fleet, PROMPT, BLOCK, hash_key=78457)
     assert decision.ranked[0] == "r0" and decision.reason == "load"
-    # Room still comes first: without room for the prompt's 66 blocks r0 is passed over.
+    # Room still comes first: without room for the prompt's 66 blocks r0 is passed over for a
+    # replica with room where the group fits (r2: 250 + 66 blocks of 320).
     fleet[0] = replace(fleet[0], free_blocks=60)
-    assert policy.predicted_ttft_policy(fleet, PROMPT, BLOCK, hash_key=78457).ranked[0] == "r2"
+    fits = [fleet[0], fleet[1], replace(fleet[2], recent_blocks=250)]
+    assert policy.predicted_ttft_policy(fits, PROMPT, BLOCK, hash_key=78457).ranked[0] == "r2"
+    # Where no replica has both (r1 and r2 have room, but their claims and the prompt overflow
+    # their KV), the groups outgrow the fleet: room cannot choose, the claims do, over every
+    # replica (kvscale.router.cold_placement.cold_home).
+    assert policy.predicted_ttft_policy(fleet, PROMPT, BLOCK, hash_key=78457).ranked[0] == "r0"
     # Equal claims: the estimate breaks the tie.
     even = [replace(c, recent_blocks=200, free_blocks=320) for c in fleet]
     assert policy.predicted_ttft_policy(even, PROMPT, BLOCK, hash_key=78457).ranked[0] == "r2"

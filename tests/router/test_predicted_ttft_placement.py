@@ -119,3 +119,30 @@ def test_a_home_is_never_passed_over_for_a_later_replica():
     truly overloaded only when it is by the spill rule in seconds too."""
     fleet = [cand("r0", recent=200, free=120, rate=21.0), cand("r1", recent=100, free=220, queued=1056)]
     assert policy.predicted_ttft_policy(fleet, PROMPT, BLOCK, hash_key=7).ranked[0] == "r1"
+
+
+def test_a_group_the_fleet_cannot_hold_is_placed_by_claims_not_by_the_one_replica_with_room():
+    """From the simulated grid's c4-p256-over cell (256-token prefixes twice the fleet's KV, 32
+    blocks a replica, 18 a prompt): r0's groups came back twice within the hot window (no room
+    beside them), r2's one group too (16 blocks of room), r1's two not yet (room for all 32). Only
+    r1 has room, but its two groups and the prompt (36 + 18 blocks) overflow it: no replica has
+    room where the group fits, so room cannot choose and the least claimed replica takes it (r2),
+    where by room alone r1 took this group and the next three, 6 groups against 3 and 3."""
+    fleet = [Candidate(rid, 0, prefill_tokens_per_s=42.0, recent_blocks=recent, free_blocks=free, kv_blocks=32)
+             for rid, recent, free in (("r0", 54, 0), ("r1", 36, 32), ("r2", 22, 16))]
+    assert policy.predicted_ttft_policy(fleet, 288, BLOCK, hash_key=7).ranked[0] == "r2"
+
+
+def test_a_returning_group_stays_home_through_an_overload_shorter_than_the_hold():
+    """r1, the group's last home, is truly overloaded (50.3 s against r2's 25.1 s); as a holder is,
+    it is passed over only once that has lasted the hold (15 s, the fleet's prefill wait), and the
+    decision reports its verdict for the hysteresis."""
+    fresh = policy.OverloadHold(100.0, 15.0, {})
+    decision = policy.predicted_ttft_policy(over_capacity(), PROMPT, BLOCK, hash_key=7, last_home="r1", hold=fresh)
+    assert decision.ranked[0] == "r1" and decision.judged == ("r1", True)
+    lasting = policy.OverloadHold(100.0, 15.0, {"r1": 80.0})
+    assert policy.predicted_ttft_policy(over_capacity(), PROMPT, BLOCK, hash_key=7, last_home="r1",
+                                        hold=lasting).ranked[0] == "r2"
+    # A home that is not overloaded ends the overload it was judged in.
+    decision = policy.predicted_ttft_policy(over_capacity(), PROMPT, BLOCK, hash_key=7, last_home="r0", hold=fresh)
+    assert decision.ranked[0] == "r0" and decision.judged == ("r0", False)

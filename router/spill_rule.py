@@ -1,0 +1,51 @@
+"""The spill rule of the predicted-TTFT policy and its hysteresis: when a replica that would keep a
+prefix (its holder, or the home a group returns to) is truly overloaded, and for how long it must
+have been before the request goes elsewhere (docs/router.md, "predicted-ttft", "Hysteresis")."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvscale.router.candidates import Candidate
+
+
+@dataclass(frozen=True)
+class OverloadHold:
+    """Hysteresis for the spill rule: a holder is passed over only once the rule has judged it
+    overloaded for ``hold_s`` without a break (``since``: replica -> when that began; the caller
+    keeps it from each decision's ``judged``). A burst of one group that drains within it does not
+    move the group; an overload that outlasts it does (docs/router.md, "Hysteresis")."""
+
+    now: float
+    hold_s: float
+    since: Mapping[str, float]
+
+    def outlasted(self, replica_id: str, predicted_wait_s: float = 0.0) -> bool:
+        """``predicted_wait_s``: the wait the estimate predicts, the hold while none was measured
+        yet. A fleet's first burst arrives in one instant, before any first token: its overload
+        has lasted no time at all, and the heartbeat counts every sibling queued behind a prefix
+        still being computed in full, so the holder of the busiest groups looks overloaded then."""
+        hold_s = self.hold_s if self.hold_s > 0 else predicted_wait_s
+        if hold_s <= 0:  # no prefill wait in sight, measured or predicted: nothing to smooth over
+            return True
+        began = self.since.get(replica_id)
+        return began is not None and self.now - began >= hold_s
+
+
+def evicted_blocks(candidate: Candidate, prompt_tokens: int, block_size: int) -> int:
+    """Hot blocks a request evicts on ``candidate``: what it must compute beyond the room left
+    there by the prefixes recently routed to it (0 when the room is unknown)."""
+    if candidate.free_blocks is None:
+        return 0
+    need = -(-prompt_tokens // max(block_size, 1)) - candidate.matched_blocks
+    return max(need - candidate.free_blocks, 0)
+
+
+def should_spill(anchor_ttft: float, other_ttft: float, saved_s: float, slack: float) -> bool:
+    """The anchor is truly overloaded: its estimate beyond the other's by more than the prefill the
+    hit saves, with ``slack`` (relative) for the estimates' error."""
+    return anchor_ttft > (1.0 + slack) * (other_ttft + saved_s)
+
+
+__all__ = ["OverloadHold", "evicted_blocks", "should_spill"]
