@@ -34,18 +34,16 @@ for the best other replica, where saved(other) is the prefill of the blocks the 
 the other does not, at the other's rate. The other's estimate already pays that prefill once; the
 rule asks the anchor's queue to cost it again, since the copy delays every request behind it on
 the other replica too. ``slack`` (--balance-epsilon, spec.router.balanceEpsilon) is the tolerated
-prediction error, relative. A prompt nobody holds goes to a replica with room for it
-(``free_blocks``: the replica's KV blocks less those this router sent there twice or more within
-the hot window, its hot prefixes; kvscale.router.decision), so new prefixes fill empty room before
-they evict hot ones: the one whose recent traffic claims least room, in blocks, speed aside
-(``new_prefix_home``), among those where that traffic and the prompt fit in its KV blocks if any,
-unless its queue truly overloads it (``busy_new_home``: by the spill rule, nothing saved, both in
-seconds and in units of each replica's own prefill of the prompt, against another replica where
-the prompt has room and fits, which then takes it); when no replica has room, the replica its
-leading block was last sent to unless truly overloaded (``returning_home``), else the lowest
-estimate, and its LRU makes room there. Ties (within 1 ms) go to the longer cached prefix, then to
-the rendezvous hash. The bounded-load cap on in-flight requests (``ttft_epsilon``) stays a safety
-valve: a replica over it goes last whatever it holds.
+prediction error, relative; its hysteresis and the rule are kvscale.router.spill_rule. A prompt
+nobody holds goes where kvscale.router.cold_placement sends it: a replica with room for it beside
+its hot prefixes (``free_blocks``: the replica's KV blocks less those this router sent there twice
+or more within the hot window; kvscale.router.decision) where its recent traffic and the prompt
+fit in its KV blocks, the least claimed, unless its queue truly overloads it; where none has room
+it fits in, back to the replica its leading block was last sent to, unless that has been truly
+overloaded for the hold, else the least claimed replica of all, and its LRU makes room there. Ties
+(within 1 ms) go to the longer cached prefix, then to the rendezvous hash. The bounded-load cap
+on in-flight requests (``ttft_epsilon``) stays a safety valve: a replica over it goes last
+whatever it holds.
 
 A LoRA adapter's request sees only the replicas that registered it. Its blocks are keyed by the
 adapter, so the holder of its prefix is found as any other; a prompt of it nobody holds goes where
