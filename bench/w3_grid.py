@@ -7,6 +7,7 @@ p50/p90 and wall time, each cell's routers in the same run.
     python -m bench.w3_grid --mode real --cells w3-lite   # real fleet, the held-out W3-lite cell
     python -m bench.w3_grid --previous predicted-ttft/rawqueue   # and the default before its last change
     python -m bench.w3_grid --max-num-seqs 4 --previous predicted-ttft/noslot   # batches that fill
+    python -m bench.w3_grid --seeds 7 --before-checkout /tmp/kv-before   # and the parent commit's default
 
 ``--mode sim`` runs the calibrated fleet simulator (bench.w3_sim) with the real router's decision
 functions and a model of cache_aware (bench.w3_cache_aware); ``--mode real`` starts replicas,
@@ -22,12 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS
+from bench.before_after import add_before_checkout
+from bench.common import REPO, RESULTS, checkout_env, git_commit
 from bench.w3_grid_cells import (
     POLICIES,
     W3_LITE,
@@ -85,6 +88,21 @@ def per_seed(rows: list[dict]) -> dict[str, list[int]]:
     return counts
 
 
+BEFORE = "predicted-ttft@before"  # the default policy of the --before-checkout commit
+
+
+def before_side(checkout: Path, cells: str | None, seeds: int, max_num_seqs: int) -> dict[str, dict]:
+    """Each cell's default-policy figures from the other commit's code: its own bench.w3_grid, run
+    in a child process importing from that tree, on the same cells and request streams."""
+    out = Path(checkout) / "w3_grid_before.json"
+    argv = [sys.executable, "-m", "bench.w3_grid", "--seeds", str(seeds), "--out", str(out),
+            "--max-num-seqs", str(max_num_seqs), *(["--cells", cells] if cells else [])]
+    subprocess.run(argv, cwd=checkout, env=checkout_env(checkout), check=True, stdout=subprocess.DEVNULL)
+    rows = json.loads(out.read_text())["cells"]
+    out.unlink()
+    return {row["cell"]["name"]: row["policies"][OURS["sim"]] for row in rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("sim", "real"), default="sim")
@@ -103,7 +121,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="sim: each replica's batch slots (default: the cell's concurrency, so a batch fills "
                              "only when every request is on one replica)")
     parser.add_argument("--out", default=None)
+    add_before_checkout(parser, help="sim: also the default policy of this tree (a git worktree of an earlier "
+                                     "commit) on the same cells and streams, summarised as the previous default")
     args = parser.parse_args(argv)
+    if args.before_checkout is not None:
+        if args.mode != "sim" or args.previous:
+            parser.error("--before-checkout: the simulated grid only, instead of --previous")
+        args.previous = BEFORE
     from bench.roofline import cpu_info
 
     started = time.time()
@@ -119,10 +143,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
         tokenizer = load_tokenizer(resolve_tokenizer_path(None))
+    before = (before_side(args.before_checkout, args.cells, args.seeds, args.max_num_seqs)
+              if args.before_checkout is not None else None)
     for cell in pick(args.cells):
         if args.mode == "sim":
-            policies = POLICIES + ((args.previous,) if args.previous else ())
+            policies = POLICIES + ((args.previous,) if args.previous and before is None else ())
             row = simulate_cell(cell, policies, args.seeds, max_num_seqs=args.max_num_seqs or None)
+            if before is not None:
+                row["policies"][BEFORE] = before[cell.name]
         else:
             from bench.w3_grid_real import run_cell
 
@@ -144,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_compact(f"w3_grid_{args.mode}", {
         "benchmark": "w3_grid", "mode": args.mode,
         "command": " ".join([os.path.basename(sys.executable), "-m", "bench.w3_grid", *(argv or sys.argv[1:])]),
-        "machine": machine,
+        "machine": machine, "commit": git_commit(REPO),
+        **({"before_commit": git_commit(args.before_checkout)} if args.before_checkout is not None else {}),
         "elapsed_s": round(time.time() - started, 1), "cells": rows,
         "summary": {"cells": len(rows), "hit_within_5pct": sum(v["hit_ok"] for v in verdicts),
                     "p90_within_5pct": sum(v["p90_ok"] for v in verdicts),

@@ -95,3 +95,25 @@ def test_a_bursty_cell_keeps_its_groups_once_the_heartbeat_counts_a_shared_prefi
                         seeds=1)
     now, before = row["policies"]["predicted-ttft"], row["policies"]["predicted-ttft/rawqueue"]
     assert now["hit_rate"] > before["hit_rate"]
+
+
+def test_the_before_side_runs_the_other_trees_default_on_the_same_streams(tmp_path):
+    """``--before-checkout``: the other tree's own grid code in a child process, on the same cell and
+    request streams. A worktree of this commit must give this tree's figures exactly (the
+    simulator is deterministic for a seed)."""
+    import subprocess
+
+    from bench.common import REPO
+    from bench.w3_grid import before_side, rounded
+
+    tree = tmp_path / "before"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), "HEAD"], check=True,
+                   capture_output=True)
+    try:
+        cell = Cell(concurrency=4, prefix_tokens=256)
+        figures = before_side(tree, cell.name, 1, 0)
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=True)
+    assert list(figures) == [cell.name]
+    ours = simulate_cell(cell, ("predicted-ttft",), seeds=1)["policies"]["predicted-ttft"]
+    assert figures[cell.name] == rounded(ours)  # as the JSON writes it
