@@ -283,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=128, help="KV blocks per replica")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="each replica's step token "
+                        "budget (kvscale serve's flag, vLLM's spelling; its default when not given)")
     parser.add_argument("--output-tokens", type=int, default=4)
     parser.add_argument("--load-factor", type=int, default=10, help="the heavy / low tenant's requests in "
                         "flight, in multiples of the fleet's batch (replicas x max-num-seqs)")
@@ -355,8 +357,9 @@ def measure(args: argparse.Namespace, redis_binary: str, tenants: list[dict[str,
                                     num_gpu_blocks_override=args.num_gpu_blocks_override, max_model_len=256,
                                     concurrency=args.max_num_seqs, threads=args.threads, replica_nice=0)
     try:
+        budget = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []
         fleet = start_fleet(procs, redis_binary, fleet_args,
-                            ["--api-key", replica_key, "--scheduling-policy", "priority"], checkout)
+                            ["--api-key", replica_key, "--scheduling-policy", "priority", *budget], checkout)
         ports = [free_port() for _ in range(3)]
         env = {"KVSCALE_REPLICA_API_KEY": replica_key}
         router_procs = [procs.start(f"router-{i}", router_argv(port, fleet, "predicted-ttft", args.block_size, 0,
