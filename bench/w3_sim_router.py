@@ -13,7 +13,7 @@ from collections import defaultdict, deque
 from bench.w3_cache_aware import CacheAware
 from bench.w3_sim import SimReplica, SimRequest
 from kvscale.router import policy as routing
-from kvscale.router.decision import HotBlocks, free_blocks, note_overload
+from kvscale.router.decision import HotBlocks, forget_stale_overloads, free_blocks, note_overload
 from kvscale.router.index import prediction_ttl
 from kvscale.router.prefill_ledger import (
     RECENT_WAITS,
@@ -56,6 +56,7 @@ class SimRouter:
         self.hot = HotBlocks()  # as the real Decider keeps it: the room a cold prompt may take
         self.cache_aware = CacheAware(block_size)
         self.overloaded_since: dict[str, float] = {}  # the Decider's hysteresis state
+        self.overload_seen: dict[str, float] = {}
         self.homes: dict[int, str] = {}  # leading block -> replica last sent to (the Decider's homes)
         # The router's ledger of its sends, by replica index, as far as the slot wait reads it.
         self.sent: defaultdict[int, list[SimRequest]] = defaultdict(list)
@@ -120,6 +121,7 @@ class SimRouter:
                 decode_left_s=decode_left(mine, statistics.median(decodes) if decodes else fleet_decode_s, now),
             ))
         self.counter += 1
+        forget_stale_overloads(self.overloaded_since, self.overload_seen, now, self.hot.window_s)
         decision = routing.decide(
             name, cands, prompt_blocks=len(req.hashes), hash_key=req.hashes[0] if req.hashes else req.rid,
             counter=self.counter, rng=self.rng, epsilon=float(eps) if eps else 0.25,
@@ -128,7 +130,7 @@ class SimRouter:
             hold=None if self.fixed_ttl else routing.OverloadHold(now, wait, self.overloaded_since),
             last_home=self.homes.get(req.hashes[0]) if req.hashes else None,
         )
-        note_overload(self.overloaded_since, decision.judged, now)
+        note_overload(self.overloaded_since, decision.judged, now, self.overload_seen)
         chosen = int(decision.ranked[0][1:])
         req.expected_hit_blocks = decision.matched_blocks
         req.record = self.record(req, cands, decision)

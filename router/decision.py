@@ -159,16 +159,31 @@ def candidate_view(
                              lora_affinity=replica_affinity(adapter, hb), **extra)
 
 
-def note_overload(since: dict[str, float], judged: tuple[str, bool] | None, now: float) -> None:
-    """Keep the spill rule's verdicts for the hysteresis: when each holder's overload began; a
-    verdict of not overloaded ends it."""
+def note_overload(since: dict[str, float], judged: tuple[str, bool] | None, now: float,
+                  seen: dict[str, float] | None = None) -> None:
+    """Keep the spill rule's verdicts for the hysteresis: when each replica's overload began and
+    (``seen``) when it was last judged overloaded; a verdict of not overloaded ends it."""
     if judged is None:
         return
     replica_id, overloaded = judged
     if overloaded:
         since.setdefault(replica_id, now)
+        if seen is not None:
+            seen[replica_id] = now
     else:
         since.pop(replica_id, None)
+        if seen is not None:
+            seen.pop(replica_id, None)
+
+
+def forget_stale_overloads(since: dict[str, float], seen: dict[str, float], now: float, gap_s: float) -> None:
+    """An overload nobody has judged for ``gap_s`` is over: the hysteresis asks for an overload
+    that lasted without a break, and a verdict of long ago (the replica's prefixes not asked for
+    since) is no evidence of one now. Kept, it passed the replica over at its next verdict, at once
+    (docs/router.md, "Hysteresis")."""
+    for replica_id in [r for r, last in seen.items() if now - last > gap_s]:
+        since.pop(replica_id, None)
+        del seen[replica_id]
 
 
 def decision_record(views: list[routing.Candidate], decision: routing.Decision, now: float,
@@ -206,6 +221,7 @@ class Decider:
         self.homes = SessionMemory()
         self.hot = HotBlocks()
         self.overloaded_since: dict[str, float] = {}  # holder -> since when the spill rule held
+        self.overload_seen: dict[str, float] = {}  # holder -> when the spill rule last held
         # predicted-ttft's estimate against the TTFTs the forwarder measures, per replica.
         self.calibration = TtftCalibration()
         self._counter = 0  # requests decided, for round-robin
@@ -219,6 +235,7 @@ class Decider:
         self.heartbeats.forget(replica_id)
         self.hot.forget(replica_id)
         self.overloaded_since.pop(replica_id, None)
+        self.overload_seen.pop(replica_id, None)
         self.calibration.forget(replica_id)
         self.metrics.forget_replica(replica_id)
 
@@ -258,6 +275,7 @@ class Decider:
         self.index.stretch(wait)
         self.hot.stretch(wait)
         # An overload must outlast one prefill wait before a holder is passed over (hysteresis).
+        forget_stale_overloads(self.overloaded_since, self.overload_seen, now, self.hot.window_s)
         hold = routing.OverloadHold(now, wait, self.overloaded_since)
         matched = (
             self.index.match(hashes, by_id, now)
@@ -300,7 +318,7 @@ class Decider:
             hold=hold,
             last_home=self.homes.get(str(hashes[0])) if hashes else None,
         )
-        note_overload(self.overloaded_since, decision.judged, now)
+        note_overload(self.overloaded_since, decision.judged, now, self.overload_seen)
         if decision.ranked and is_spill(matched, decision.ranked[0], decision.reason):
             self.metrics.spills.inc()
         if log.isEnabledFor(logging.DEBUG):

@@ -15,6 +15,7 @@ from kvscale.router.decision import (
     HotBlocks,
     SessionMemory,
     candidate_view,
+    forget_stale_overloads,
     free_blocks,
     note_overload,
 )
@@ -216,8 +217,10 @@ def test_a_replica_measured_slower_than_predicted_loses_a_close_call_when_calibr
             decider.calibration.observe("r0", 0.5, 1.0)
             decider.calibration.observe("r1", 0.5, 0.5)
             decider.calibration.observe("r2", 0.5, 0.5)
-        # No wait measured yet: an overload must outlast the predicted one; this one has.
+        # No wait measured yet: an overload must outlast the predicted one; this one has (judged
+        # overloaded since a minute ago, and a moment ago still).
         decider.overloaded_since["r0"] = time.monotonic() - 60.0
+        decider.overload_seen["r0"] = time.monotonic() - 1.0
         decision = decider.decide(replicas, hashes, hashes[0], None, 528, 16)
         assert decision.ranked[0] == expected
         # Either way the estimate reported is the calibrated one: r0's raw estimate doubled, r1's as is.
@@ -278,6 +281,37 @@ def test_overload_verdicts_begin_and_end_the_hysteresis() -> None:
     assert since == {"r0": 10.0}
     note_overload(since, ("r0", False), 14.0)
     assert since == {}
+
+
+def test_an_overload_nobody_judged_for_the_hot_window_is_over() -> None:
+    """r0 holds the prompt with 4,000 tokens queued (4.0 s at its rate) against an idle r1 (0.528 s
+    plus 0.512 s saved): truly overloaded. Judged so from a minute ago until a moment ago, the
+    overload has outlasted the hold and the request moves; judged so once, a minute ago, and by
+    nobody since (longer than the 30 s hot window), it is no evidence of an overload now: the
+    hysteresis begins anew and r0 keeps the request."""
+    for last_verdict_ago, expected in ((1.0, "r1"), (60.0, "r0")):
+        decider, heartbeats, _, _ = parts("predicted-ttft")
+        wall = time.time()
+        heartbeats.feed = feed({
+            "r0": beat("r0", 1, wall, prefill_tokens_per_s=1000.0, prefill_tokens_waiting=4000),
+            "r1": beat("r1", 0, wall, prefill_tokens_per_s=1000.0)})
+        replicas = [Replica(f"http://r{i}", f"r{i}", healthy=True) for i in range(2)]
+        hashes = list(range(1000, 1033))
+        decider.index.stored("r0", hashes)
+        now = time.monotonic()
+        decider.overloaded_since["r0"] = now - 60.0
+        decider.overload_seen["r0"] = now - last_verdict_ago
+        assert decider.decide(replicas, hashes, hashes[0], None, 528, 16).ranked[0] == expected
+        if expected == "r0":  # judged overloaded again now: the overload begins now
+            assert decider.overloaded_since["r0"] >= now
+
+
+def test_stale_overloads_are_forgotten_and_fresh_ones_kept() -> None:
+    since, seen = {"r0": 0.0, "r1": 5.0}, {"r0": 10.0, "r1": 45.0}
+    forget_stale_overloads(since, seen, 50.0, 30.0)
+    assert since == {"r1": 5.0} and seen == {"r1": 45.0}
+    note_overload(since, ("r1", False), 51.0, seen)
+    assert since == {} and seen == {}
 
 
 def test_a_ledger_knows_its_slowest_prefill_wait() -> None:
