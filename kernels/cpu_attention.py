@@ -65,9 +65,10 @@ def paged_decode_attention(
     # anything else goes through float32.
     io_bf16 = query.dtype == torch.bfloat16
     q = query.contiguous() if io_bf16 else query.to(torch.float32).contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
-    out = torch.empty(q.shape, dtype=q.dtype)
+    # The runner hands int32 tables and lengths already (every layer of a step reads the same).
+    tables = _int32(block_tables)
+    lens = _int32(context_lens)
+    out = torch.empty_like(q)
     status = lib.kvscale_paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_format,
         int(query.dtype == torch.bfloat16),
@@ -82,7 +83,12 @@ def paged_decode_attention(
         )
     if status:
         raise MemoryError("decode attention could not allocate its score buffers")
-    return out.to(query.dtype)
+    return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+def _int32(t: Tensor) -> Tensor:
+    """``t`` as a contiguous int32 tensor, itself where it is one already."""
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 
 def decode_attention_on_amx(cache_dtype: torch.dtype, query_dtype: torch.dtype, block_size: int, num_heads: int,
@@ -190,11 +196,12 @@ def write_kv(
     quantized = fp8.is_fp8(k_cache.dtype)
     if (lib is None or k_cache.dtype != v_cache.dtype or key.dtype != value.dtype
             or (key.dtype not in (torch.float32, torch.bfloat16) if quantized else key.dtype != k_cache.dtype)
-            or key.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (key, value))):
+            or not key.is_cpu or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or not (_rows_contiguous(key) and _rows_contiguous(value))):
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return
-    slots = slot_mapping.to(torch.int64).contiguous()
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else (
+        slot_mapping.to(torch.int64).contiguous())
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if quantized:
         status = lib.kvscale_write_kv_fp8(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
@@ -207,6 +214,11 @@ def write_kv(
                                       key.shape[0], key.shape[1] * key.shape[2], key.element_size())
     if status:
         raise ValueError(f"a slot in slot_mapping is outside the {num_slots}-slot cache")
+
+
+def _rows_contiguous(t: Tensor) -> bool:
+    """Whether each token's heads of ``t`` ``[tokens, heads, head_dim]`` lie contiguously."""
+    return t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
 
 # The engine's CPU path: KV writes and decode attention in C (also for the decode tokens of

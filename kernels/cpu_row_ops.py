@@ -23,12 +23,22 @@ def threads_for(elements: int) -> int:
     return max(1, min(torch.get_num_threads(), elements // ROW_OP_GRAIN))
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _fits(*tensors: Tensor) -> bool:
-    """Whether the C kernels take these tensors: on the CPU, contiguous, one of their dtypes."""
+    """Whether the C kernels take these tensors: on the CPU, contiguous, one of their dtypes.
+
+    A plain loop over ``is_cpu``: a decode step calls this a few times per layer, and the
+    generator over ``t.device.type`` (a new device object each time) was most of a row op's
+    host time on one row."""
     dtype = tensors[0].dtype
-    return dtype in (torch.float32, torch.bfloat16) and all(
-        t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors
-    )
+    if dtype not in _DTYPES:
+        return False
+    for t in tensors:
+        if not t.is_cpu or t.dtype != dtype or not t.is_contiguous():
+            return False
+    return True
 
 
 def silu_and_mul(gate_up: Tensor) -> Tensor | None:
@@ -67,7 +77,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
     lib = library()
     tokens, heads, head_dim = x.shape
     cos, sin = cos.reshape(tokens, -1), sin.reshape(tokens, -1)
-    if (lib is None or not _fits(cos, sin) or x.dtype != cos.dtype or x.device.type != "cpu"
+    if (lib is None or not _fits(cos, sin) or x.dtype != cos.dtype or not x.is_cpu
             or x.stride(2) != 1 or x.stride(1) != head_dim or head_dim % 2 or cos.shape[1] != head_dim):
         return None
     out = x.new_empty((tokens, heads, head_dim))

@@ -93,8 +93,10 @@ def projected_silu_and_mul(gate_up_proj: nn.Module, x: Tensor) -> Tensor:
     """``silu_and_mul(gate_up_proj(x))``: in one pass where the projection applies the activation
     as it stores its output (its ``silu_and_mul`` method, the CPU's AMX kernel on decode's rows),
     else the projection and then the op."""
-    fused = getattr(gate_up_proj, "silu_and_mul", None)
-    out = fused(x) if fused is not None else None
+    # Looked up on the class: a miss on the instance goes through nn.Module.__getattr__, which
+    # builds and catches an AttributeError every layer of every step.
+    fused = getattr(type(gate_up_proj), "silu_and_mul", None)
+    out = fused(gate_up_proj, x) if fused is not None else None
     return out if out is not None else silu_and_mul(gate_up_proj(x))
 
 
