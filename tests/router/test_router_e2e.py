@@ -106,10 +106,16 @@ def test_affinity_follows_what_replicas_report(router, replicas, session_redis, 
     """A prefix cached on a replica behind the router's back is found through its KV events."""
     for i, replica in enumerate(replicas):
         prefix = document(100 + i)
+        gauge = ("kvscale_router_index_blocks", {"replica": f"replica-{i}"})
+        known = metric(router.url, *gauge)
         complete(replica.url, prefix)  # straight to the replica: the router never saw it
         hashes = hash_prompt_blocks(completion_prompt_token_ids(tokenizer, prefix), 16)
         assert len(hashes) >= 4
         wait_for(lambda i=i, h=hashes: redis_holds(session_redis, f"replica-{i}", h), what="blocks in redis")
+        # In Redis is not yet in this router's index: its feed applies the events a moment later
+        # (much later on a loaded machine, where the first question went by load before it had).
+        wanted = known + len(hashes)
+        wait_for(lambda g=gauge, w=wanted: metric(router.url, *g) >= w, what="blocks in the router's index")
         client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused")
         for question in ("Summarize it.", "What is the first word?", "Translate it."):
             raw = client.completions.with_raw_response.create(
