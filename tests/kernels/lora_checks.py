@@ -11,7 +11,9 @@ one slot holding every row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -121,3 +123,25 @@ def check_lora(gen: torch.Generator, dtype: torch.dtype, device: str) -> dict:
             "tiles": int(rows.tiles.shape[0]), "slots_present": len(rows.groups),
             "max_error": relative_error(actual, out) if exact else float("inf"),
             "tolerance": LORA_TOLERANCE[dtype]}
+
+
+# Fused projections' output slices, as the models' q|k|v and gate|up (tests' small widths).
+FUSED_SLICES = {"plain": (), "qkv": (40, 16, 16), "gate_up": (56, 56)}
+
+
+def check_a_slice_its_adapter_leaves_alone(add_lora: Callable[[Tensor, Tensor, Any, LoRASlots], None]) -> None:
+    """An adapter on k only (PEFT's target_modules=["k_proj"]): q's and v's blocks are zeros, so
+    ``add_lora`` (a CPU form of the contract: x, out, the step's rows, the slots) must leave q's and
+    v's outputs of its rows bit for bit and add k's delta."""
+    gen = torch.Generator().manual_seed(4)
+    case = make_lora_case(gen, torch.float32, rows=9, in_features=48, slice_width=0, slices=0, ranks=[8, 8],
+                          base_share=0.0, first_slots=(0, 1), fused=FUSED_SLICES["qkv"])
+    a, b = case.pairs[1]
+    a[:8] = a[16:] = 0
+    b[:, :8] = b[:, 16:] = 0
+    x, actual, rows, slots = case.on("cpu")
+    add_lora(actual, x, rows, slots)
+    only_k = [i for i, s in enumerate(case.row_slots) if s == 1]
+    q_and_v = list(range(40)) + list(range(56, 72))
+    assert torch.equal(actual[only_k][:, q_and_v], case.out[only_k][:, q_and_v])
+    assert float((actual.double() - case.per_row()).abs().max()) < 1e-5

@@ -17,15 +17,20 @@ from importlib import resources
 
 import pytest
 import torch
-from lora_checks import LORA_TOLERANCE, LoRACase, make_lora_case
+from lora_checks import (
+    FUSED_SLICES,
+    LORA_TOLERANCE,
+    LoRACase,
+    check_a_slice_its_adapter_leaves_alone,
+    make_lora_case,
+)
 
 from kvscale.kernels import cpu_build, cpu_prototypes, lora_cpu
 from kvscale.kernels.lora import LoRASlots, add_lora, lora_rows, torch_add_lora
 
 pytestmark = pytest.mark.usefixtures("fresh_cpu_library")
 
-# The bundled model's fused projections, scaled down (q wider than k and v), as test_kernels_lora.py's.
-FUSED = {"plain": (), "qkv": (40, 16, 16), "gate_up": (56, 56)}
+FUSED = FUSED_SLICES  # the bundled model's fused projections, scaled down (q wider than k and v)
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -82,19 +87,7 @@ def test_bfloat16_rounds_where_pytorch_does() -> None:
 
 
 def test_a_slice_its_adapter_leaves_alone_is_left_alone() -> None:
-    # An adapter on k only (PEFT's target_modules=["k_proj"]): q's and v's blocks are zeros.
-    gen = torch.Generator().manual_seed(4)
-    case = make_lora_case(gen, torch.float32, rows=9, in_features=48, slice_width=0, slices=0, ranks=[8, 8],
-                          base_share=0.0, first_slots=(0, 1), fused=FUSED["qkv"])
-    a, b = case.pairs[1]
-    a[:8] = a[16:] = 0
-    b[:, :8] = b[:, 16:] = 0
-    x, actual, plan, slots = case.on("cpu")
-    lora_cpu.native_add_lora(actual, x, plan, slots)
-    only_k = [i for i, s in enumerate(case.row_slots) if s == 1]
-    q_and_v = list(range(40)) + list(range(56, 72))
-    assert torch.equal(actual[only_k][:, q_and_v], case.out[only_k][:, q_and_v])
-    assert float((actual.double() - case.per_row()).abs().max()) < 1e-5
+    check_a_slice_its_adapter_leaves_alone(lora_cpu.native_add_lora)
 
 
 def test_rows_read_from_a_wider_tensor_and_one_slot_on_every_row() -> None:

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_checks import LORA_TOLERANCE, make_lora_case
+from lora_checks import (
+    FUSED_SLICES,
+    LORA_TOLERANCE,
+    check_a_slice_its_adapter_leaves_alone,
+    make_lora_case,
+)
 
 from kvscale.kernels.lora import (
     LoRASlots,
@@ -82,7 +87,7 @@ def test_the_product_over_every_slot_matches_the_reference(dtype: torch.dtype) -
 
 
 # The bundled model's fused projections, scaled down: q|k|v (q wider than k and v) and gate|up.
-FUSED = {"qkv": (40, 16, 16), "gate_up": (56, 56)}
+FUSED = FUSED_SLICES
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -105,19 +110,7 @@ def test_the_expand_per_slice_matches_each_rows_own_adapter(dtype: torch.dtype, 
 
 
 def test_a_slice_its_adapter_leaves_alone_is_left_alone() -> None:
-    # An adapter on k only (PEFT's target_modules=["k_proj"]): q's and v's blocks are zeros.
-    gen = torch.Generator().manual_seed(4)
-    case = make_lora_case(gen, torch.float32, rows=9, in_features=48, slice_width=0, slices=0, ranks=[8, 8],
-                          base_share=0.0, first_slots=(0, 1), fused=FUSED["qkv"])
-    a, b = case.pairs[1]
-    a[:8] = a[16:] = 0
-    b[:, :8] = b[:, 16:] = 0
-    x, actual, rows, slots = case.on("cpu")
-    dense_add_lora(actual, x, rows, slots)
-    only_k = [i for i, s in enumerate(case.row_slots) if s == 1]
-    q_and_v = list(range(40)) + list(range(56, 72))
-    assert torch.equal(actual[only_k][:, q_and_v], case.out[only_k][:, q_and_v])
-    assert float((actual.double() - case.per_row()).abs().max()) < 1e-5
+    check_a_slice_its_adapter_leaves_alone(dense_add_lora)
 
 
 def test_another_slots_overflow_does_not_reach_a_row() -> None:
