@@ -94,7 +94,7 @@ def one_case(rows: int, rank: int, present: int, shape: tuple[int, tuple[int, ..
     timed["base_linear_us"] = per_call_us(lambda: torch.nn.functional.linear(x, weight), budget_s)
     return {"rows": rows, "rank": rank, "present": present, "columns": SLOTS * k,
             "picked_stacked": choose_stacked(plan, slots, fin, fout),
-            "picked_native": lora_cpu.native_pays(rows, dtype, True, lora_cpu.native_available()), **timed}
+            "picked_native": lora_cpu.native_pays(rows, present, dtype, True, lora_cpu.native_available()), **timed}
 
 
 def main(argv: list[str] | None = None) -> int:
