@@ -142,11 +142,9 @@ class VllmLora:
             self.proc.stdin.flush()
             report = self._reply()
             self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        from bench.anchors.vllm_cpu import end_child
+
+        end_child(self.proc)
         self._tmp.cleanup()
         return report
 

@@ -107,6 +107,15 @@ def omp_threads_bind(threads: int) -> str:
     return f"0-{threads - 1}" if threads > 1 else "0"
 
 
+def end_child(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """A vLLM child told to end (its stdin closed): waited for, killed if it does not exit."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def vllm_env(threads: int, kv_cache_gib: int) -> dict[str, str]:
     """The environment every vLLM process here runs in: threads pinned, KV budget, offline."""
     env = {

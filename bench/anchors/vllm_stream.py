@@ -81,11 +81,9 @@ class VllmStream:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
             self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            from bench.anchors.vllm_cpu import end_child
+
+            end_child(self.proc)
         self._tmp.cleanup()
 
 
