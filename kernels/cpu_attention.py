@@ -66,8 +66,8 @@ def paged_decode_attention(
     io_bf16 = query.dtype == torch.bfloat16
     q = query.contiguous() if io_bf16 else query.to(torch.float32).contiguous()
     # The runner hands int32 tables and lengths already (every layer of a step reads the same).
-    tables = _int32(block_tables)
-    lens = _int32(context_lens)
+    tables = _contiguous_as(block_tables, torch.int32)
+    lens = _contiguous_as(context_lens, torch.int32)
     out = torch.empty_like(q)
     status = lib.kvscale_paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_format,
@@ -86,9 +86,9 @@ def paged_decode_attention(
     return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
-def _int32(t: Tensor) -> Tensor:
-    """``t`` as a contiguous int32 tensor, itself where it is one already."""
-    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+def _contiguous_as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` as a contiguous tensor of ``dtype``, itself where it is one already."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 def decode_attention_on_amx(cache_dtype: torch.dtype, query_dtype: torch.dtype, block_size: int, num_heads: int,
@@ -200,8 +200,7 @@ def write_kv(
             or not (_rows_contiguous(key) and _rows_contiguous(value))):
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
         return
-    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else (
-        slot_mapping.to(torch.int64).contiguous())
+    slots = _contiguous_as(slot_mapping, torch.int64)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if quantized:
         status = lib.kvscale_write_kv_fp8(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
