@@ -130,7 +130,7 @@ class SimRouter:
             hold=None if self.fixed_ttl else routing.OverloadHold(now, wait, self.overloaded_since),
             last_home=self.homes.get(req.hashes[0]) if req.hashes else None,
         )
-        note_overload(self.overloaded_since, decision.judged, now, self.overload_seen)
+        note_overload(self.overloaded_since, self.overload_seen, decision.judged, now)
         chosen = int(decision.ranked[0][1:])
         req.expected_hit_blocks = decision.matched_blocks
         req.record = self.record(req, cands, decision)

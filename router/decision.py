@@ -159,8 +159,8 @@ def candidate_view(
                              lora_affinity=replica_affinity(adapter, hb), **extra)
 
 
-def note_overload(since: dict[str, float], judged: tuple[str, bool] | None, now: float,
-                  seen: dict[str, float] | None = None) -> None:
+def note_overload(since: dict[str, float], seen: dict[str, float], judged: tuple[str, bool] | None,
+                  now: float) -> None:
     """Keep the spill rule's verdicts for the hysteresis: when each replica's overload began and
     (``seen``) when it was last judged overloaded; a verdict of not overloaded ends it."""
     if judged is None:
@@ -168,12 +168,10 @@ def note_overload(since: dict[str, float], judged: tuple[str, bool] | None, now:
     replica_id, overloaded = judged
     if overloaded:
         since.setdefault(replica_id, now)
-        if seen is not None:
-            seen[replica_id] = now
+        seen[replica_id] = now
     else:
         since.pop(replica_id, None)
-        if seen is not None:
-            seen.pop(replica_id, None)
+        seen.pop(replica_id, None)
 
 
 def forget_stale_overloads(since: dict[str, float], seen: dict[str, float], now: float, gap_s: float) -> None:
@@ -220,8 +218,9 @@ class Decider:
         # when no replica has room for it: kvscale.router.cold_placement.returning_home).
         self.homes = SessionMemory()
         self.hot = HotBlocks()
-        self.overloaded_since: dict[str, float] = {}  # holder -> since when the spill rule held
-        self.overload_seen: dict[str, float] = {}  # holder -> when the spill rule last held
+        # The spill rule's verdicts (on holders and on returning groups' homes), for the hysteresis:
+        self.overloaded_since: dict[str, float] = {}  # replica -> since when the rule held
+        self.overload_seen: dict[str, float] = {}  # replica -> when the rule last held
         # predicted-ttft's estimate against the TTFTs the forwarder measures, per replica.
         self.calibration = TtftCalibration()
         self._counter = 0  # requests decided, for round-robin
@@ -318,7 +317,7 @@ class Decider:
             hold=hold,
             last_home=self.homes.get(str(hashes[0])) if hashes else None,
         )
-        note_overload(self.overloaded_since, decision.judged, now, self.overload_seen)
+        note_overload(self.overloaded_since, self.overload_seen, decision.judged, now)
         if decision.ranked and is_spill(matched, decision.ranked[0], decision.reason):
             self.metrics.spills.inc()
         if log.isEnabledFor(logging.DEBUG):

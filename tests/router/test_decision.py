@@ -275,11 +275,12 @@ def test_the_decider_stretches_predictions_and_the_hot_window_to_the_slowest_pre
 
 def test_overload_verdicts_begin_and_end_the_hysteresis() -> None:
     since: dict[str, float] = {}
-    note_overload(since, ("r0", True), 10.0)
-    note_overload(since, ("r0", True), 12.0)  # still overloaded: it began at 10
-    note_overload(since, None, 13.0)  # nobody judged (a cold prompt)
+    seen: dict[str, float] = {}
+    note_overload(since, seen, ("r0", True), 10.0)
+    note_overload(since, seen, ("r0", True), 12.0)  # still overloaded: it began at 10
+    note_overload(since, seen, None, 13.0)  # nobody judged (a cold prompt)
     assert since == {"r0": 10.0}
-    note_overload(since, ("r0", False), 14.0)
+    note_overload(since, seen, ("r0", False), 14.0)
     assert since == {}
 
 
@@ -310,7 +311,7 @@ def test_stale_overloads_are_forgotten_and_fresh_ones_kept() -> None:
     since, seen = {"r0": 0.0, "r1": 5.0}, {"r0": 10.0, "r1": 45.0}
     forget_stale_overloads(since, seen, 50.0, 30.0)
     assert since == {"r1": 5.0} and seen == {"r1": 45.0}
-    note_overload(since, ("r1", False), 51.0, seen)
+    note_overload(since, seen, ("r1", False), 51.0)
     assert since == {} and seen == {}
 
 
