@@ -162,6 +162,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     layer_norm_names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                         "post_feedforward_layernorm")
     spec: Gemma3Spec
+    spec_class = Gemma3Spec
 
     def __init__(self, spec: Gemma3Spec, hf_config: Any) -> None:
         super().__init__(spec, hf_config)

@@ -150,6 +150,7 @@ class GptOssDecoderLayer(DecoderLayer):
 
 class GptOssForCausalLM(DecoderForCausalLM):
     spec: GptOssSpec
+    spec_class = GptOssSpec
     graph_capture_blocker = ("its attention reads each sequence's length back to the host "
                              "(server/worker/window_attention.py)")
 

@@ -209,6 +209,19 @@ class DecoderForCausalLM(nn.Module):
     layer_norm_names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     # Why a GPU cannot capture this model's decode steps as CUDA graphs; None where it can.
     graph_capture_blocker: str | None = None
+    # A family with layers of its own names its spec's class: a model built from such a spec is
+    # the family's, whoever builds it (a tensor-parallel rank builds every family's shard here).
+    spec_class: type | None = None
+    _family_of: dict[type, type] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("spec_class") is not None:
+            DecoderForCausalLM._family_of[cls.__dict__["spec_class"]] = cls
+
+    def __new__(cls, spec: DecoderSpec, hf_config: Any) -> DecoderForCausalLM:
+        family = DecoderForCausalLM._family_of.get(type(spec), cls)
+        return super().__new__(family if issubclass(family, cls) else cls)
 
     def __init__(self, spec: DecoderSpec, hf_config: Any) -> None:
         super().__init__()

@@ -6,6 +6,12 @@ share of the intermediate dimension), o and down are row-parallel (each rank's p
 all-reduced: once per attention block, once per MLP); the embedding and the LM head split the
 vocabulary. The decisions are pure functions of the shapes, so they are unit-tested alone.
 
+A family's own pieces follow the same split: gpt-oss's attention sinks (one per query head) go
+with their heads; its experts' biases go with their outputs' rows (gate|up), and the row-parallel
+down projection's bias, like o's, is held by rank 0 alone (added once after the sum, not N times).
+Experts stacked as ``[experts, ...]`` tensors (transformers' own format, gpt-oss's only one) are
+cut along each expert's intermediate dimension as they are read.
+
 KV heads: with a multiple of the ranks' count, each rank holds its own contiguous share. With
 fewer, or a count the ranks do not divide, a rank holds the KV heads its query heads read,
 repeated where needed so that every rank holds as many (one shape for every rank's model and
@@ -22,7 +28,8 @@ from typing import Any
 import torch
 
 # Families whose layers tp_layers.py knows how to split; the others are refused at N > 1.
-TENSOR_PARALLEL_MODEL_TYPES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
+TENSOR_PARALLEL_MODEL_TYPES = ("gemma3_text", "gpt_oss", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3",
+                               "qwen3_moe")
 
 
 def local_kv_heads(num_heads: int, num_kv_heads: int, size: int, rank: int) -> list[int]:
@@ -88,11 +95,19 @@ class ShardPlan:
     intermediate_size: int
     vocab_size: int
     expert_intermediate_size: int = 0  # each expert's, in a mixture-of-experts model
+    # gpt-oss's stacked experts: gate_up [experts, hidden, 2 * intermediate], gate and up
+    # interleaved; down [experts, intermediate, hidden]. Otherwise (transformers' Mixtral and
+    # Qwen3-MoE) gate_up [experts, 2 * intermediate, hidden], gate then up; down [experts, hidden,
+    # intermediate].
+    experts_in_out: bool = False
 
     @classmethod
     def for_spec(cls, spec: Any, rank: int, size: int) -> ShardPlan:
+        from kvscale.server.worker.model_gpt_oss import GptOssSpec
+
         return cls(rank, size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size,
-                   spec.vocab_size, spec.moe.intermediate_size if spec.moe is not None else 0)
+                   spec.vocab_size, spec.moe.intermediate_size if spec.moe is not None else 0,
+                   isinstance(spec, GptOssSpec))
 
     @property
     def heads(self) -> int:
@@ -129,6 +144,8 @@ class ShardPlan:
         i_rows = (first, end)
         if ".q_proj." in name:
             return [q_rows]
+        if name.endswith(".self_attn.sinks"):  # gpt-oss: one per query head
+            return [(self.rank * self.heads, (self.rank + 1) * self.heads)]
         if ".k_proj." in name or ".v_proj." in name:
             return kv_rows
         if ".qkv_proj." in name:  # Phi-3: q|k|v fused in the checkpoint
@@ -164,14 +181,34 @@ def read_shard(path: Path, plan: ShardPlan, dtype: torch.dtype) -> dict[str, tor
     for file in files:
         with safe_open(str(file), framework="pt") as opened:
             for name in opened.keys():
-                if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-                    raise ValueError("stacked expert tensors (transformers' own format) are not supported "
-                                     "with tensor parallel yet: save the checkpoint in the hub's per-expert form")
                 weights[name] = _read_slice(opened.get_slice(name), name, plan).to(dtype)
     return weights
 
 
+def _stacked_experts_slice(tensor: Any, name: str, plan: ShardPlan) -> torch.Tensor:
+    """This rank's share of each expert in a stacked ``[experts, ...]`` tensor."""
+    first, end, width = plan._intermediate_rows(name)
+    kind = name.rsplit(".", 1)[1]
+    if plan.experts_in_out:
+        if kind == "gate_up_proj":  # gate and up interleaved: intermediate i is columns 2i, 2i + 1
+            return tensor[:, :, 2 * first:2 * end]
+        if kind == "gate_up_proj_bias":
+            return tensor[:, 2 * first:2 * end]
+        if kind == "down_proj":
+            return tensor[:, first:end, :]
+        if kind == "down_proj_bias":  # added once, after the sum: by rank 0 alone
+            full = tensor[:]
+            return full if plan.rank == 0 else torch.zeros_like(full)
+    elif kind == "gate_up_proj":
+        return torch.cat([tensor[:, first:end], tensor[:, width + first:width + end]], dim=1)
+    elif kind == "down_proj":
+        return tensor[:, :, first:end]
+    raise ValueError(f"stacked expert tensor {name!r}: no rule splits it over tensor-parallel ranks")
+
+
 def _read_slice(tensor: Any, name: str, plan: ShardPlan) -> torch.Tensor:
+    if ".experts." in name and not name.endswith((".weight", ".bias")):  # [experts, ...] stacked
+        return _stacked_experts_slice(tensor, name, plan)
     rows = plan.row_ranges(name)
     if rows is not None:
         return torch.cat([tensor[a:b] for a, b in rows])

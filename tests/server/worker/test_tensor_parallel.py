@@ -81,7 +81,8 @@ def test_refusals_name_what_is_not_supported() -> None:
     assert tensor_parallel_refusal(3, "llama", _spec(), **ok) is None
     assert "does not divide the model's 6 query heads" in (tensor_parallel_refusal(4, "llama", _spec(), **ok) or "")
     assert "intermediate size" in (tensor_parallel_refusal(2, "llama", _spec(intermediate_size=191), **ok) or "")
-    assert "gpt_oss" in (tensor_parallel_refusal(2, "gpt_oss", _spec(), **ok) or "")
+    assert tensor_parallel_refusal(2, "gpt_oss", _spec(), **ok) is None
+    assert "'falcon' is not supported" in (tensor_parallel_refusal(2, "falcon", _spec(), **ok) or "")
     experts = MoeSpec(num_experts=4, top_k=2, intermediate_size=34, norm_topk_prob=True, round_weights=False,
                       layers=(0, 1))
     assert "experts' intermediate size 34" in (tensor_parallel_refusal(3, "mixtral", _spec(moe=experts), **ok) or "")
