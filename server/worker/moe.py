@@ -8,7 +8,8 @@ output alone, so prefill and decode rows mix freely in a batch. Each expert's pr
 ``nn.Linear`` modules like the dense MLP's (gate|up fused at load), so the CPU's weight layouts
 (server/worker/cpu_linear.py) apply to them unchanged. The expert counts are read back to the
 host once per layer to size those gathers, which is why a CUDA graph cannot hold this block
-(server/worker/decode_graphs.py).
+(server/worker/decode_graphs.py). Where Triton runs (CUDA, or ``KVSCALE_FORCE_TRITON``), the
+fused kernel of kernels/moe_triton.py computes the same block in two launches instead.
 
 Numerics follow transformers: the router's logits in the model's dtype, softmax in float32, the
 top-k, renormalized where the family does; the experts added in ascending order.
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
 from kvscale.kernels import layer_ops
+from kvscale.kernels import moe as fused_moe
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class SparseMoeBlock(nn.Module):
         self.moe = moe
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router
         self.experts = nn.ModuleList(Expert(hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
+        self.expert_weights: fused_moe.ExpertWeights | None = None  # the fused kernel's, on first use
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's routing weights and experts, ``[rows, top_k]`` each."""
@@ -77,8 +81,24 @@ class SparseMoeBlock(nn.Module):
             weights = weights.to(x.dtype)
         return weights, experts
 
+    def fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
+        """The block in the fused kernel where ``x``'s device runs Triton and the experts' weights
+        fit it; None elsewhere."""
+        if fused_moe.moe_path(x.device) != "triton":
+            return None
+        experts_ = cast("list[Expert]", list(self.experts))
+        gate_up0, down0 = getattr(experts_[0].gate_up_proj, "weight", None), getattr(experts_[0].down_proj, "weight", None)
+        if not isinstance(gate_up0, torch.Tensor) or not isinstance(down0, torch.Tensor):
+            return None  # projections replaced by other layouts
+        if self.expert_weights is None or not self.expert_weights.current(gate_up0, down0):
+            self.expert_weights = fused_moe.ExpertWeights(tuple(e.gate_up_proj.weight for e in experts_),
+                                                          tuple(e.down_proj.weight for e in experts_))
+        return fused_moe.fused_moe(x, self.expert_weights, weights, experts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
+        if (out := self.fused(x, weights, experts)) is not None:
+            return out
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         rows_of = order // self.moe.top_k  # the row of each (row, expert) pair, grouped by expert
