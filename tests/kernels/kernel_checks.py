@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from lora_checks import check_lora
+from moe_checks import check_moe
 from torch import Tensor
 
 from kvscale.kernels import reference
@@ -333,7 +334,7 @@ def random_case_on_cpu(case: PagedCase) -> PagedCase:
 
 ATTENTION_KERNELS = ["write_kv", "decode", "decode_split", "prefill"]
 LAYER_OPS = ["add_rms_norm", "rope", "silu_and_mul"]
-KERNELS = ATTENTION_KERNELS + LAYER_OPS + ["lora"]  # lora: lora_checks.py
+KERNELS = ATTENTION_KERNELS + LAYER_OPS + ["lora", "moe"]  # lora: lora_checks.py; moe: moe_checks.py
 
 
 def run_checks(kernels: list[str], dtypes: list[torch.dtype], cases: int, seed: int,
@@ -362,6 +363,8 @@ def run_checks(kernels: list[str], dtypes: list[torch.dtype], cases: int, seed: 
                     result = check_layer_op(gen, kernel, dtype, device)
                 elif kernel == "lora":
                     result = check_lora(gen, dtype, device)
+                elif kernel == "moe":
+                    result = check_moe(gen, dtype, device)
                 elif kernel == "write_kv":
                     result = check_write_kv(impl, gen, dtype, device)
                 else:
