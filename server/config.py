@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 # On CPU the KV cache lives in ordinary memory; without an explicit budget the engine takes this.
@@ -179,6 +180,45 @@ def lora_refusal(config: EngineConfig) -> str | None:
     return None
 
 
+# Tensor-parallel ranks on several nodes (vLLM's --nnodes, --node-rank, --master-addr,
+# --master-port; server/worker/tp_nodes.py): the leader's torch.distributed rendezvous is on the
+# master port and its step messages on the next one, authenticated by this key (docs/engine.md).
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+TP_AUTHKEY_ENV = "KVSCALE_TP_AUTHKEY"
+MIN_TP_AUTHKEY_BYTES = 16
+
+
+def multi_node_refusal(size: int, nnodes: int, node_rank: int, master_addr: str, master_port: int, *,
+                       headless: bool, authkey: str | None) -> str | None:
+    """Why these multi-node settings cannot run (docs/engine.md, "Ranks on several nodes"); None
+    where they can. ``authkey`` is $KVSCALE_TP_AUTHKEY's value (None: unset)."""
+    if nnodes < 1:
+        return f"--nnodes must be at least 1, got {nnodes}"
+    if not 0 <= node_rank < nnodes:
+        return f"--node-rank must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank}"
+    if size % nnodes:
+        return (f"--tensor-parallel-size {size} is not a multiple of --nnodes {nnodes} (it counts every "
+                "node's ranks; each node runs the same number)")
+    if headless and nnodes == 1:
+        return "--headless runs one node's ranks for a leader elsewhere: it needs --nnodes above 1"
+    if headless and node_rank == 0:
+        return "node 0 is the leader (it serves HTTP and runs rank 0): --headless needs --node-rank 1 or above"
+    if not headless and node_rank:
+        return f"--node-rank {node_rank} runs only its ranks, for node 0's server: add --headless"
+    if nnodes == 1:
+        return None
+    if not master_addr:
+        return "--master-addr must name the leader (node 0)"
+    if not 1 <= master_port < 65535:
+        return f"--master-port must be in 1..65534 (the step messages use the next port), got {master_port}"
+    if authkey is None or len(authkey.encode()) < MIN_TP_AUTHKEY_BYTES:
+        return (f"--nnodes above 1 needs ${TP_AUTHKEY_ENV}, the same secret of at least "
+                f"{MIN_TP_AUTHKEY_BYTES} bytes on every node ({'unset' if authkey is None else 'too short'}): "
+                "the ranks' step messages are pickled, and a listener open to anyone would run what they send")
+    return None
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
@@ -210,6 +250,12 @@ class EngineConfig:
     # Ranks the model's heads, MLP and vocabulary are split over (vLLM's --tensor-parallel-size):
     # 1 runs in the engine core alone; N > 1 adds N - 1 rank processes (server/worker/tp_group.py).
     tensor_parallel_size: int = 1
+    # Nodes those ranks span, this one's index (0: the leader, the only one an engine runs on), and
+    # where the leader is reached (multi_node_refusal above; server/worker/tp_nodes.py).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
     # LoRA adapters (vLLM's --enable-lora, --lora-modules, --max-loras, --max-lora-rank,
     # --max-cpu-loras; server/worker/lora_manager.py): name -> PEFT directory, the adapters resident
     # at once, their largest rank, the adapters kept in host memory (None: --max-loras).
@@ -233,6 +279,10 @@ class EngineConfig:
                              "--async-scheduling yet (its steps run synchronously)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        why = multi_node_refusal(self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr,
+                                 self.master_port, headless=False, authkey=os.environ.get(TP_AUTHKEY_ENV))
+        if why is not None:
+            raise ValueError(why)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")

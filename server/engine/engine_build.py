@@ -99,6 +99,7 @@ def _start_ranks(config: EngineConfig, path: Path, model_config: Any, dtype: tor
     """Tensor parallel: refuse what it does not support yet, then start the ranks."""
     from kvscale.server.worker.model_loader import model_spec
     from kvscale.server.worker.tp_group import start_tensor_parallel
+    from kvscale.server.worker.tp_nodes import NodeLayout
     from kvscale.server.worker.tp_shard import tensor_parallel_refusal
 
     why = tensor_parallel_refusal(config.tensor_parallel_size, getattr(model_config, "model_type", None),
@@ -106,8 +107,10 @@ def _start_ranks(config: EngineConfig, path: Path, model_config: Any, dtype: tor
                                   kv_offloading_size=config.kv_offloading_size)
     if why is not None:
         raise ValueError(why)
+    layout = NodeLayout(config.tensor_parallel_size, config.nnodes, config.node_rank, config.master_addr,
+                        config.master_port)
     return start_tensor_parallel(path, model_config, config.tensor_parallel_size, dtype, device,
-                                 config.block_size, kv_cache_dtype)
+                                 config.block_size, kv_cache_dtype, layout)
 
 
 def window_group_of(config: EngineConfig, spec: Any) -> KVGroups | None:

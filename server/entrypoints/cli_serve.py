@@ -32,6 +32,7 @@ _ENGINE_FIELDS = (
     "kv_cache_memory_bytes", "device", "seed", "quantization",
     "kv_offloading_size", "enforce_eager", "kv_cache_dtype", "async_scheduling", "tensor_parallel_size",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "scheduling_policy",
+    "nnodes", "node_rank", "master_addr", "master_port",
 )
 
 
@@ -59,6 +60,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "torch.distributed, gloo on CPU, NCCL on GPUs): N must divide the query "
                             "heads; not gemma3_text or gpt_oss, --quantization or the host KV tier yet "
                             "(default 1; docs/engine.md)")
+    nodes = parser.add_argument_group("tensor parallel over several nodes (docs/engine.md, \"Ranks on several nodes\")")
+    nodes.add_argument("--nnodes", type=int, default=None, metavar="M",
+                       help="nodes the --tensor-parallel-size ranks span (it counts them all; a multiple of M): "
+                            "node R runs ranks R*N/M.. on; needs $KVSCALE_TP_AUTHKEY, one secret of at "
+                            "least 16 bytes on every node (default 1)")
+    nodes.add_argument("--node-rank", type=int, default=None, metavar="R",
+                       help="this node's index: 0, the leader, serves HTTP and runs rank 0; others run "
+                            "--headless (default 0)")
+    nodes.add_argument("--master-addr", default=None, metavar="ADDR",
+                       help="the leader's address: torch.distributed meets on --master-port, the steps go "
+                            "to the nodes from --master-port + 1 (default 127.0.0.1)")
+    nodes.add_argument("--master-port", type=int, default=None, metavar="PORT", help="(default 29500)")
+    nodes.add_argument("--headless", action="store_true",
+                       help="run only this node's ranks for the leader at --master-addr, no API server; "
+                            "exits when the leader goes")
     model.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                        help='speculative decoding without a draft model, vLLM\'s JSON: n-gram (prompt lookup) '
                             '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, '
@@ -302,6 +318,10 @@ def build(args: argparse.Namespace) -> Served:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.headless:
+        from kvscale.server.worker.tp_headless import run_headless
+
+        return run_headless(args)
     if args.max_queue_len is not None and args.max_queue_len < 0:
         print("kvscale serve: --max-queue-len must be non-negative", file=sys.stderr)
         return 2

@@ -1,6 +1,8 @@
 """Tensor parallel over torch.distributed: rank 0 is the engine's own model runner, ranks
 1..N-1 are processes it spawns, each running the same model code on its shard (tp_shard.py,
-tp_layers.py). gloo on CPU, NCCL on GPUs (one device a rank), the same code path.
+tp_layers.py). gloo on CPU, NCCL on GPUs (one device a rank), the same code path. With
+``--nnodes M`` this node spawns only its own N/M - 1 and the other nodes' ranks come in over
+tp_nodes.py's connections, one a node, which carry the same messages.
 
 The scheduler runs once, in rank 0. Each forward pass rank 0 prepares (the flattened ids,
 positions, attention metadata) goes to every other rank over a pipe before rank 0 runs it: a
@@ -24,7 +26,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import socket
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from typing import Any
 
 import torch
 
+from kvscale.processes import free_port
+from kvscale.server.worker import tp_nodes
 from kvscale.server.worker.attention_metadata import AttentionMetadata
 from kvscale.server.worker.model_runner import ModelRunner
 from kvscale.server.worker.sampler import Sampler
@@ -65,6 +68,7 @@ class RankSettings:
     block_size: int
     kv_cache_dtype: torch.dtype
     num_threads: int
+    ranks_per_node: int  # a GPU rank's device is its index on its node
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
@@ -92,30 +96,25 @@ def load_shard(path: Path, hf_config: Any, dtype: torch.dtype, device: torch.dev
     return model.eval()
 
 
+def _map_tensors(value: Any, move: Any) -> Any:
+    """``value`` with ``move`` applied to every tensor in it, through nested dataclasses."""
+    if isinstance(value, torch.Tensor):
+        return move(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _map_tensors(getattr(value, f.name), move)
+                                             for f in dataclasses.fields(value)})
+    return value
+
+
 def _portable(meta: AttentionMetadata) -> AttentionMetadata:
     """The metadata without its kernel backend (each rank has its own), on the host."""
-    def host(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.cpu()
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return dataclasses.replace(value, **{f.name: host(getattr(value, f.name))
-                                                 for f in dataclasses.fields(value)})
-        return value
-
-    portable: AttentionMetadata = host(dataclasses.replace(meta, kernels=None))  # type: ignore[arg-type]
+    portable: AttentionMetadata = _map_tensors(dataclasses.replace(meta, kernels=None),  # type: ignore[arg-type]
+                                               torch.Tensor.cpu)
     return portable
 
 
 def _on_device(meta: AttentionMetadata, device: torch.device, kernels: Any) -> AttentionMetadata:
-    def move(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value.to(device)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return dataclasses.replace(value, **{f.name: move(getattr(value, f.name))
-                                                 for f in dataclasses.fields(value)})
-        return value
-
-    return dataclasses.replace(move(meta), kernels=kernels)
+    return dataclasses.replace(_map_tensors(meta, lambda t: t.to(device)), kernels=kernels)
 
 
 def run_rank(settings: RankSettings, conn: Any) -> None:
@@ -132,7 +131,7 @@ def run_rank(settings: RankSettings, conn: Any) -> None:
                                 world_size=settings.size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         from kvscale.server.worker.model_config import load_model_config
 
-        device = rank_device(settings.device_type, settings.rank)
+        device = rank_device(settings.device_type, settings.rank % settings.ranks_per_node)
         model = load_shard(Path(settings.path), load_model_config(settings.path), settings.dtype, device,
                            settings.rank, settings.size)
         runner = ModelRunner(model, settings.block_size, settings.dtype, device,
@@ -149,47 +148,61 @@ def run_rank(settings: RankSettings, conn: Any) -> None:
     dist.destroy_process_group()
 
 
-@torch.inference_mode()
 def _serve(runner: ModelRunner, conn: Any) -> None:
-    model = runner.model
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
         except EOFError:  # rank 0 is gone
             return
-        kind = message[0]
-        if kind == "stop":
+        if not apply_message(runner, message):
             return
-        if kind == "alloc":
+
+
+@torch.inference_mode()
+def apply_message(runner: ModelRunner, message: tuple[Any, ...]) -> bool:
+    """Run one of rank 0's messages on this rank; False for the last one."""
+    model = runner.model
+    kind = message[0]
+    if kind == "stop":
+        return False
+    if kind == "alloc":
             # Not allocate_kv_cache: its GPU warm-up is rank 0's, mirrored pass by pass.
-            num_blocks, max_model_len = message[1], message[2]
-            runner.kv_cache, runner.kv_caches = runner._new_kv_cache(num_blocks)
-            model.build_rope_cache(max_model_len)
-            runner.num_blocks, runner.max_model_len = num_blocks, max_model_len
-        elif kind == "copy":
-            runner.copy_blocks(message[1])
-        elif kind == "forward":
-            ids, positions, meta, logits_indices = message[1:]
-            device = runner.device
-            hidden = model.hidden_states(ids.to(device), positions.to(device), runner.kv_caches,
-                                         _on_device(meta, device, runner.kernels), logits_indices.to(device))
-            model.compute_logits(hidden)  # joins the head's all-gather; rank 0 samples
-        else:
-            raise ValueError(f"unknown tensor-parallel message {kind!r}")
+        num_blocks, max_model_len = message[1], message[2]
+        runner.kv_cache, runner.kv_caches = runner._new_kv_cache(num_blocks)
+        model.build_rope_cache(max_model_len)
+        runner.num_blocks, runner.max_model_len = num_blocks, max_model_len
+    elif kind == "copy":
+        runner.copy_blocks(message[1])
+    elif kind == "forward":
+        ids, positions, meta, logits_indices = message[1:]
+        device = runner.device
+        hidden = model.hidden_states(ids.to(device), positions.to(device), runner.kv_caches,
+                                     _on_device(meta, device, runner.kernels), logits_indices.to(device))
+        model.compute_logits(hidden)  # joins the head's all-gather; rank 0 samples
+    else:
+        raise ValueError(f"unknown tensor-parallel message {kind!r}")
+    return True
 
 
 class RankProcesses:
-    """Ranks 1..N-1: their processes and the pipes rank 0 sends each step down."""
+    """The other ranks: this node's processes (ranks ``first_rank``.. on), the pipes rank 0 sends
+    each step down, and the other nodes' connections (tp_nodes.py), which take the same."""
 
-    def __init__(self, processes: list[Any], conns: list[Any]) -> None:
+    def __init__(self, processes: list[Any], conns: list[Any], *, first_rank: int = 1,
+                 nodes: tp_nodes.NodeLinks | None = None) -> None:
         self.processes = processes
-        self.conns = conns
+        self.first_rank = first_rank
+        self.nodes = nodes
+        self.conns = conns + (nodes.conns if nodes else [])
+        self.names = [f"rank {first_rank + i}" for i in range(len(conns))] + (nodes.names if nodes else [])
         self.closed = False
 
-    def dead(self) -> str | None:
-        """Which ranks have died, and how; None while all live."""
-        gone = [f"rank {i + 1} (pid {p.pid}, exit code {p.exitcode})"
+    def dead(self, wait_s: float = 0.0) -> str | None:
+        """Which ranks have died, and how; None while all live (``wait_s``: tp_nodes.NodeLinks.gone)."""
+        gone = [f"rank {self.first_rank + i} (pid {p.pid}, exit code {p.exitcode})"
                 for i, p in enumerate(self.processes) if not p.is_alive()]
+        if self.nodes is not None:
+            gone += self.nodes.gone(0.0 if gone else wait_s)
         return ", ".join(gone) if gone else None
 
     def check(self) -> None:
@@ -198,8 +211,10 @@ class RankProcesses:
             raise RankFailed(f"tensor-parallel {dead or 'ranks closed'}: the engine cannot run steps")
 
     def send(self, message: tuple[Any, ...]) -> None:
+        self.send_bytes(pickle.dumps(message))
+
+    def send_bytes(self, data: bytes) -> None:
         self.check()
-        data = pickle.dumps(message)
         try:
             for conn in self.conns:
                 conn.send_bytes(data)
@@ -207,15 +222,15 @@ class RankProcesses:
             raise RankFailed(f"tensor-parallel rank unreachable ({self.dead() or exc})") from exc
 
     def wait_ready(self) -> None:
-        for i, conn in enumerate(self.conns):
+        for name, conn in zip(self.names, self.conns, strict=True):
             if not conn.poll(START_TIMEOUT_S):
-                raise RankFailed(f"tensor-parallel rank {i + 1} did not start in {START_TIMEOUT_S:.0f} s")
+                raise RankFailed(f"tensor-parallel {name} did not start in {START_TIMEOUT_S:.0f} s")
             try:
-                reply = pickle.loads(conn.recv_bytes())
-            except EOFError as exc:
-                raise RankFailed(f"tensor-parallel rank {i + 1} died while starting ({self.dead()})") from exc
+                reply = pickle.loads(conn.recv_bytes(tp_nodes.MAX_REPLY_BYTES))
+            except (EOFError, OSError) as exc:
+                raise RankFailed(f"tensor-parallel {name} died while starting ({self.dead()})") from exc
             if reply[0] != "ready":
-                raise RankFailed(f"tensor-parallel rank {i + 1} failed to start: {reply[1]}")
+                raise RankFailed(f"tensor-parallel {name} failed to start: {reply[1]}")
 
     def close(self) -> None:
         """Stop the ranks (they exit on the message or on their pipe's end of file)."""
@@ -263,7 +278,7 @@ class _MirroredModel:
         try:
             return run(*args)
         except RuntimeError as exc:  # a collective failed: name the rank that took it down
-            raise RankFailed(f"tensor-parallel collective failed ({self._ranks.dead() or 'ranks alive'}): "
+            raise RankFailed(f"tensor-parallel collective failed ({self._ranks.dead(1.0) or 'ranks alive'}): "
                              f"{exc}") from exc
 
 
@@ -323,39 +338,53 @@ def _start_under_a_daemon(process: Any) -> None:
         config["daemon"] = was_daemon
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def start_tensor_parallel(path: Path, hf_config: Any, size: int, dtype: torch.dtype, device: torch.device,
-                          block_size: int, kv_cache_dtype: torch.dtype) -> tuple[Any, TensorParallelRunner]:
-    """Spawn ranks 1..size-1, join them as rank 0, load rank 0's shard: its model and runner."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        raise RuntimeError("this process already belongs to a torch.distributed group: one tensor-parallel "
-                           "engine per process")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+def spawn_ranks(path: Path, ranks: range, size: int, init_method: str, dtype: torch.dtype, device_type: str,
+                block_size: int, kv_cache_dtype: torch.dtype, ranks_per_node: int) -> tuple[list[Any], list[Any]]:
+    """Start ``ranks`` as processes on this node: the processes and the pipes to them."""
     # A fork server, this module preloaded: it imports torch once per engine process, and every
     # rank forks from it (seconds each under spawn); unlike forking the engine itself, it has
     # no threads (OpenMP's, the engine's) to break in the child.
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     processes, conns = [], []
-    for rank in range(1, size):
+    for rank in ranks:
         parent_end, child_end = ctx.Pipe()
-        settings = RankSettings(str(path), rank, size, init_method, dtype, device.type, block_size,
-                                kv_cache_dtype, torch.get_num_threads())
+        settings = RankSettings(str(path), rank, size, init_method, dtype, device_type, block_size,
+                                kv_cache_dtype, torch.get_num_threads(), ranks_per_node)
         process = ctx.Process(target=run_rank, args=(settings, child_end), name=f"kvscale-tp-rank-{rank}",
                               daemon=True)
         _start_under_a_daemon(process)
         child_end.close()
         processes.append(process)
         conns.append(parent_end)
-    ranks = RankProcesses(processes, conns)
+    return processes, conns
+
+
+def start_tensor_parallel(path: Path, hf_config: Any, size: int, dtype: torch.dtype, device: torch.device,
+                          block_size: int, kv_cache_dtype: torch.dtype,
+                          layout: tp_nodes.NodeLayout | None = None) -> tuple[Any, TensorParallelRunner]:
+    """Spawn this node's ranks 1.., wait for the other nodes' (``layout``, tp_nodes.py), join them
+    as rank 0, load rank 0's shard: its model and runner."""
+    import torch.distributed as dist
+
+    from kvscale.server.config import TP_AUTHKEY_ENV
+    from kvscale.server.worker.model_loader import model_spec
+
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group: one tensor-parallel "
+                           "engine per process")
+    layout = layout or tp_nodes.NodeLayout(size, 1, 0, "127.0.0.1", 0)
+    nodes = None
+    if layout.nnodes == 1:
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+    else:
+        init_method = layout.init_method
+        start = tp_nodes.NodeStart(dtype, device.type, block_size, kv_cache_dtype, repr(model_spec(hf_config)))
+        nodes = tp_nodes.accept_nodes(layout, os.environ[TP_AUTHKEY_ENV].encode(), start, START_TIMEOUT_S,
+                             COLLECTIVE_TIMEOUT_S)
+    processes, conns = spawn_ranks(path, layout.node_ranks(0)[1:], size, init_method, dtype, device.type, block_size,
+                                   kv_cache_dtype, layout.ranks_per_node)
+    ranks = RankProcesses(processes, conns, nodes=nodes)
     try:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=0,
                                 world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -364,8 +393,8 @@ def start_tensor_parallel(path: Path, hf_config: Any, size: int, dtype: torch.dt
     except BaseException:
         _close_group(ranks)
         raise
-    logger.info("kvscale engine: tensor parallel over %d ranks (pids %s, %s)", size,
-                ",".join(str(os.getpid()) if i == 0 else str(processes[i - 1].pid) for i in range(size)),
-                dist.get_backend())
+    pids = ",".join(str(pid) for pid in [os.getpid(), *(p.pid for p in processes)])
+    logger.info("kvscale engine: tensor parallel over %d ranks (pids %s, %s)%s", size, pids, dist.get_backend(),
+                f": ranks {len(processes) + 1}.. on {', '.join(nodes.names)}" if nodes else "")
     return model, TensorParallelRunner(model, ranks, block_size, dtype, rank_device(device.type, 0),
                                        kv_cache_dtype=kv_cache_dtype)

@@ -1,0 +1,161 @@
+"""Tensor-parallel ranks on several nodes (server/worker/tp_nodes.py, tp_headless.py): the
+settings refused, then two "nodes" on this machine, an engine as the leader (TP 2, --nnodes 2)
+and `kvscale serve --headless --node-rank 1` as a separate process, greedy-equal to TP 1; a node
+with the wrong key refused while the leader keeps waiting; a killed node failing the next step
+with an error naming it; a leader's stop ending the node cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
+from test_tensor_parallel import NEW_TOKENS, VOCAB, _engine, _generate, _prompts  # noqa: E402
+from tiny_checkpoints import copy_tokenizer, write_tiny_llama  # noqa: E402
+
+from kvscale.processes import free_port
+from kvscale.server.config import EngineConfig, multi_node_refusal
+from kvscale.server.engine.llm_engine import LLMEngine
+from kvscale.server.sampling_params import SamplingParams
+from kvscale.server.worker.tp_group import RankFailed
+from kvscale.server.worker.tp_nodes import NodeLayout, connect_to_leader
+
+REPO = Path(__file__).resolve().parents[3]
+KEY = "k" * 16
+
+
+# --- the decisions ---------------------------------------------------------------------------
+
+def _refusal(size: int = 4, nnodes: int = 2, node_rank: int = 0, *, headless: bool = False,
+             authkey: str | None = KEY, addr: str = "10.0.0.1", port: int = 29500) -> str:
+    return multi_node_refusal(size, nnodes, node_rank, addr, port, headless=headless, authkey=authkey) or ""
+
+
+def test_multi_node_settings_accepted() -> None:
+    assert _refusal() == ""
+    assert _refusal(node_rank=1, headless=True) == ""
+    assert _refusal(size=2, nnodes=1, authkey=None) == ""  # one node needs no key
+    assert _refusal(size=8, nnodes=4, node_rank=3, headless=True) == ""
+
+
+def test_multi_node_settings_refused_with_the_reason() -> None:
+    assert "not a multiple of --nnodes 2" in _refusal(size=3)
+    assert "needs $KVSCALE_TP_AUTHKEY" in _refusal(authkey=None) and "unset" in _refusal(authkey=None)
+    assert "too short" in _refusal(authkey="k" * 15)
+    assert "at least 16 bytes" in _refusal(node_rank=1, headless=True, authkey="")
+    assert "add --headless" in _refusal(node_rank=1)
+    assert "needs --node-rank 1 or above" in _refusal(headless=True)
+    assert "needs --nnodes above 1" in _refusal(size=2, nnodes=1, headless=True)
+    assert "--node-rank must be in 0..1" in _refusal(node_rank=2, headless=True)
+    assert "--nnodes must be at least 1" in _refusal(nnodes=0)
+    assert "--master-port must be in 1..65534" in _refusal(port=65535)
+    with pytest.raises(ValueError, match="KVSCALE_TP_AUTHKEY"):
+        EngineConfig(tensor_parallel_size=2, nnodes=2)
+
+
+def test_layout_places_each_nodes_ranks() -> None:
+    layout = NodeLayout(8, 4, 0, "fd00::1", 29500)
+    assert [list(layout.node_ranks(n)) for n in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert (layout.init_method, layout.step_port) == ("tcp://[fd00::1]:29500", 29501)
+    assert layout.node_name(3) == "node 3 (ranks 6-7)"
+    assert NodeLayout(2, 2, 1, "a", 1).node_name(1) == "node 1 (rank 1)"
+
+
+def test_a_node_without_a_leader_gives_up_at_its_deadline() -> None:
+    layout = NodeLayout(2, 2, 1, "127.0.0.1", free_port())
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"could not reach the leader at 127\.0\.0\.1:\d+"):
+        connect_to_leader(layout, KEY.encode(), time.monotonic() + 2.0)
+    assert time.monotonic() - began < 5
+
+
+# --- two nodes on this machine --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_llama(bundled_model_path, tmp_path_factory) -> Path:
+    """test_tensor_parallel.py's checkpoint: 6 query heads, 2 KV heads, 500 vocabulary rows."""
+    path = tmp_path_factory.mktemp("tiny-llama-nodes")
+    copy_tokenizer(bundled_model_path, path)
+    write_tiny_llama(path, vocab=VOCAB, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                     max_position_embeddings=256, norm_jitter=0.1)
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_rank_tokens(tiny_llama, run_to_completion) -> dict[str, list[int]]:
+    return _generate(_engine(tiny_llama, 1), _prompts(), run_to_completion, "p")
+
+
+def _headless(path: Path, port: int, key: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "KVSCALE_TP_AUTHKEY": key, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvscale", "serve", "--headless", "--model", str(path), "--tensor-parallel-size", "2",
+         "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_nodes_decode_as_one(tiny_llama, one_rank_tokens, one_thread_per_rank, run_to_completion,
+                                 monkeypatch) -> None:
+    monkeypatch.setenv("KVSCALE_TP_AUTHKEY", KEY)
+    port = free_port()
+    built: dict[str, object] = {}
+
+    def lead() -> None:
+        try:
+            built["engine"] = LLMEngine(EngineConfig(
+                model=str(tiny_llama), dtype="float32", device="cpu", num_gpu_blocks_override=64, block_size=8,
+                max_num_batched_tokens=24, tensor_parallel_size=2, nnodes=2, node_rank=0, master_port=port))
+        except BaseException as exc:  # noqa: BLE001 - the test thread reports it
+            built["error"] = exc
+
+    leader = threading.Thread(target=lead, daemon=True)
+    leader.start()
+    impostor = _headless(tiny_llama, port, "x" * 16)
+    out, _ = impostor.communicate(timeout=120)
+    assert impostor.returncode == 1, out
+    assert "refused this node's KVSCALE_TP_AUTHKEY" in out, out
+    node = _headless(tiny_llama, port, KEY)
+    try:
+        leader.join(timeout=180)
+        assert "error" not in built and "engine" in built, built
+        engine = built["engine"]
+        assert isinstance(engine, LLMEngine)
+        assert _generate(engine, _prompts(), run_to_completion, "p") == one_rank_tokens
+        engine.runner.close()  # type: ignore[attr-defined]
+        out, _ = node.communicate(timeout=30)
+        assert node.returncode == 0, out  # the leader stopped the group
+        assert "the leader stopped the group" in out
+    finally:
+        node.kill()
+        node.wait()
+
+
+def test_a_killed_node_fails_the_next_step_naming_it(tiny_llama, one_thread_per_rank, monkeypatch) -> None:
+    monkeypatch.setenv("KVSCALE_TP_AUTHKEY", KEY)
+    port = free_port()
+    node = _headless(tiny_llama, port, KEY)
+    try:
+        engine = LLMEngine(EngineConfig(
+            model=str(tiny_llama), dtype="float32", device="cpu", num_gpu_blocks_override=64, block_size=8,
+            max_num_batched_tokens=24, tensor_parallel_size=2, nnodes=2, node_rank=0, master_port=port))
+        engine.add_request("doomed", _prompts()[1], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                                    ignore_eos=True))
+        engine.step()
+        node.send_signal(signal.SIGKILL)
+        node.wait()
+        with pytest.raises(RankFailed, match=r"node 1 \(rank 1\) on \S+ connection closed"):
+            engine.step()
+        engine.runner.close()  # type: ignore[attr-defined]
+    finally:
+        node.kill()
+        node.wait()
+
