@@ -14,6 +14,7 @@ from typing import Any
 import kopf
 
 from kvscale.operator.children.labels import redis_name
+from kvscale.operator.children.leader_worker_set import authkey_secret_name, build_authkey_secret
 from kvscale.operator.children.owned import Images, build_children, unwanted_children
 from kvscale.operator.children.redis import build_redis_secret
 from kvscale.operator.config import FIELD_MANAGER
@@ -22,6 +23,8 @@ from kvscale.operator.kube import Kube, object_path, path_for
 from kvscale.operator.spec import InferenceServiceSpec
 
 REDIS_SECRET_STATUS = "redisSecret"  # status field: the Redis Secret the operator made
+# status field: the Secret of the key a replica's ranks share over several nodes, once made
+AUTHKEY_SECRET_STATUS = "tensorParallelSecret"
 
 
 def owned(child: dict[str, Any], owner: kopf.Body) -> dict[str, Any]:
@@ -70,15 +73,35 @@ def ensure_redis_secret(kube: Kube, owner: kopf.Body) -> str | None:
             "InferenceService (the internal Redis is not run with a password someone else chose)")
 
 
-def record_redis_secret(kube: Kube, name: str, namespace: str, secret: str) -> None:
-    kube.merge_patch(inference_service_path(namespace, name, "status"),
-                     {"status": {REDIS_SECRET_STATUS: secret}})
+def record_redis_secret(kube: Kube, name: str, namespace: str, secret: str,
+                        field: str = REDIS_SECRET_STATUS) -> None:
+    kube.merge_patch(inference_service_path(namespace, name, "status"), {"status": {field: secret}})
+
+
+def ensure_authkey_secret(kube: Kube, owner: kopf.Body) -> str | None:
+    """Create the ranks' key Secret once (engine.nodes > 1); why an existing one is refused
+    (None: it is ours). As for the Redis password: never read, recorded in the status when made,
+    and a same-named Secret it did not record is refused (its key may be known to whoever made
+    it)."""
+    meta = owner["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    secret = authkey_secret_name(name)
+    if ((owner.get("status") or {}).get(AUTHKEY_SECRET_STATUS)) == secret:
+        return None
+    if kube.create_if_absent(path_for("v1", "secrets", namespace),
+                             owned(build_authkey_secret(name, namespace), owner)):
+        record_redis_secret(kube, name, namespace, secret, AUTHKEY_SECRET_STATUS)
+        return None
+    return (f"Secret {secret} already exists and was not made by the operator for this "
+            "InferenceService (its ranks do not share a key someone else chose)")
 
 
 def apply_children(kube: Kube, owner: kopf.Body, spec: InferenceServiceSpec, images: Images,
-                   server_defaults: tuple[tuple[str, ...], ...] = ()) -> list[str]:
+                   server_defaults: tuple[tuple[str, ...], ...] = (),
+                   lws_served: bool = False) -> list[str]:
     """Apply every wanted child; the children left alone because another object holds their
-    name, described (empty: everything applied)."""
+    name, described (empty: everything applied). ``lws_served``: whether LeaderWorkerSets are
+    (multi_node.py), for one left from engine.nodes > 1 to be deleted."""
     meta = owner["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     conflicts = []
@@ -91,6 +114,11 @@ def apply_children(kube: Kube, owner: kopf.Body, spec: InferenceServiceSpec, ima
             children = [c for c in children
                         if not (c["kind"] in ("Deployment", "Service")
                                 and c["metadata"]["name"] == redis_name(name))]
+    if spec.engine.nodes > 1:
+        refused = ensure_authkey_secret(kube, owner)
+        if refused:  # no ranks under a key someone else chose
+            conflicts.append(refused)
+            children = [c for c in children if c["kind"] != "LeaderWorkerSet"]
     for child in children:
         existing = kube.get(object_path(child))
         if held_by_another(existing, meta["uid"]):
@@ -98,7 +126,7 @@ def apply_children(kube: Kube, owner: kopf.Body, spec: InferenceServiceSpec, ima
             conflicts.append(describe_holder(child, existing))
             continue
         kube.apply(object_path(child), owned(child, owner), FIELD_MANAGER)
-    for api_version, plural, child_name in unwanted_children(name, namespace, spec):
+    for api_version, plural, child_name in unwanted_children(name, namespace, spec, lws_served):
         existing = kube.get(path_for(api_version, plural, namespace, child_name))
         owners = (existing or {}).get("metadata", {}).get("ownerReferences") or []
         # Only what this InferenceService owns: never a same-named object a user made.

@@ -32,6 +32,8 @@ from kvscale.operator.inference_service import (
 )
 from kvscale.operator.kube import ApiError, path_for
 from kvscale.operator.metrics import ReplicaCounts
+from kvscale.operator.multi_node import refusal as multi_node_refusal
+from kvscale.operator.multi_node import served_for
 from kvscale.operator.router_reports import (
     RouterReport,
     demand_from_reports,
@@ -219,10 +221,11 @@ def autoscale(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
             kube.merge_patch(inference_service_path(namespace, name, "scale"),
                              {"spec": {"replicas": decision.replicas}})
             # The children at once, not a resync later (never a spec reconcile refuses).
-            if config.refusal(spec) is None:
+            lws_served = served_for(runtime.lws, kube, spec, current.get("status") or {})
+            if config.refusal(spec) is None and multi_node_refusal(spec, lws_served) is None:
                 apply_children(kube, as_body(current),
                                parse_spec({**current["spec"], "replicas": decision.replicas}),
-                               config.images, config.server_defaults)
+                               config.images, config.server_defaults, lws_served)
             extra["lastScaleTime"] = conditions.now_rfc3339()
             message = scaled_message(previous, decision)
             log.info("%s/%s: %s", namespace, name, message)

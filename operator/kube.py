@@ -224,7 +224,8 @@ def path_for(api_version: str, plural: str, namespace: str | None = None,
 PLURALS = {"Deployment": "deployments", "Service": "services", "Pod": "pods", "Secret": "secrets",
            "Lease": "leases", "ServiceAccount": "serviceaccounts", "Role": "roles",
            "RoleBinding": "rolebindings", "PodDisruptionBudget": "poddisruptionbudgets",
-           "ConfigMap": "configmaps", "InferencePool": "inferencepools"}
+           "ConfigMap": "configmaps", "InferencePool": "inferencepools",
+           "LeaderWorkerSet": "leaderworkersets"}
 
 
 def object_path(obj: dict[str, Any]) -> str:

@@ -20,6 +20,8 @@ from kvscale.operator.inference_service import (
     typed_spec,
 )
 from kvscale.operator.kube import ApiError
+from kvscale.operator.multi_node import refusal as multi_node_refusal
+from kvscale.operator.multi_node import served_for
 from kvscale.operator.runtime import Runtime
 from kvscale.operator.status import AUTOSCALING_DISABLED, refresh_status
 
@@ -36,13 +38,14 @@ def reconcile(runtime: Runtime, key: ObjectKey, logger: kopf.Logger) -> None:
             runtime.metrics.register(key.uid, key.namespace, key.name)
             generation = current["metadata"].get("generation")
             autoscaling = [] if spec.autoscaling.enabled else [AUTOSCALING_DISABLED]
-            refused = runtime.config.refusal(spec)
+            lws_served = served_for(runtime.lws, runtime.kube, spec, current.get("status") or {})
+            refused = runtime.config.refusal(spec) or multi_node_refusal(spec, lws_served)
             if refused is not None:  # docs/operator.md, "What an InferenceService may choose"
                 not_applied(runtime, key, refused.message, refused.reason, autoscaling)
                 return
             try:
                 conflicts = apply_children(runtime.kube, as_body(current), spec, runtime.config.images,
-                                           runtime.config.server_defaults)
+                                           runtime.config.server_defaults, lws_served)
             except ApiError as exc:
                 not_applied(runtime, key, f"applying generation {generation} failed: {exc}",
                             "ApplyFailed", autoscaling)

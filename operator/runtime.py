@@ -1,5 +1,6 @@
 """What the handlers share, kept in kopf's memo: the API client, the configuration, the
-autoscalers' state, the watched InferenceServices and one lock per InferenceService."""
+autoscalers' state, the watched InferenceServices, one lock per InferenceService and whether
+LeaderWorkerSets are served (multi_node.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kvscale.operator.config import OperatorConfig
 from kvscale.operator.inference_service import ObjectKey
 from kvscale.operator.kube import Kube
 from kvscale.operator.metrics import OperatorMetrics
+from kvscale.operator.multi_node import LeaderWorkerSetDiscovery
 
 
 @dataclass
@@ -23,6 +25,7 @@ class Runtime:
     last_runs: dict[str, dict[str, float]] = field(default_factory=dict)  # work -> uid -> when
     in_flight: dict[str, dict[str, float]] = field(default_factory=dict)  # work -> uid -> since
     rounds: dict[str, float] = field(default_factory=dict)  # work -> its loop's last round
+    lws: LeaderWorkerSetDiscovery = field(default_factory=LeaderWorkerSetDiscovery)
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _locks_guard: threading.Lock = field(default_factory=threading.Lock)
 

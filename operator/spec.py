@@ -38,6 +38,7 @@ FAIL_CLOSE = "FailClose"
 MODEL_SCHEMES = ("bundled://", "hf://", "pvc://")
 # Where a LoRA adapter may come from: the model's sources but the image (which ships none).
 ADAPTER_SCHEMES = ("hf://", "pvc://")
+MAX_NODES = 16  # engine.nodes, as the CRD bounds it
 
 
 class SchemeUri:
@@ -91,6 +92,9 @@ class EngineConfig:
     max_lora_rank: int | None = None
     max_cpu_loras: int | None = None
     extra_args: tuple[str, ...] = ()
+    # Nodes one replica spans (docs/operator.md, "A replica over several nodes"): more than one
+    # runs resources.gpus ranks on each, through a LeaderWorkerSet.
+    nodes: int = 1
 
     def extra_flag(self, flag: str) -> str | None:
         """The value extraArgs give ``flag`` (``--flag value`` or ``--flag=value``; the last
@@ -253,6 +257,7 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
             max_lora_rank=_optional_int(engine.get("maxLoraRank")),
             max_cpu_loras=_optional_int(engine.get("maxCpuLoras")),
             extra_args=tuple(str(arg) for arg in engine.get("extraArgs") or ()),
+            nodes=int(engine.get("nodes", e.nodes)),
         ),
         resources=Resources(
             gpus=int(resources.get("gpus", r.gpus)),
@@ -290,6 +295,11 @@ def parse_spec(spec: dict[str, Any]) -> InferenceServiceSpec:
     lora = (parsed.engine.max_loras, parsed.engine.max_lora_rank, parsed.engine.max_cpu_loras)
     if not parsed.adapters and any(value is not None for value in lora):
         raise ValueError("engine.maxLoras, engine.maxLoraRank and engine.maxCpuLoras need spec.adapters")
+    if not 1 <= parsed.engine.nodes <= MAX_NODES:
+        raise ValueError(f"engine.nodes must be in [1, {MAX_NODES}], got {parsed.engine.nodes}")
+    if parsed.engine.nodes > 1 and parsed.resources.gpus < 1:
+        # The ranks of other nodes are reached over NCCL: a CPU server's gloo ranks stay in one pod.
+        raise ValueError("engine.nodes > 1 needs resources.gpus >= 1")
     if parsed.resources.gpus == 0:
         cpu_kv_cache_bytes(parsed.resources.memory)  # a limit the server cannot start in is refused
     if parsed.autoscaling.min_replicas == 0 and not parsed.router.enabled:

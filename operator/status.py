@@ -9,6 +9,9 @@ import kopf
 
 from kvscale.operator import conditions, pod_status
 from kvscale.operator.children.labels import router_name, selector_string, service_url
+from kvscale.operator.children.leader_worker_set import API_VERSION as LWS_API_VERSION
+from kvscale.operator.children.leader_worker_set import PLURAL as LWS_PLURAL
+from kvscale.operator.children.leader_worker_set import leader_worker_set_name
 from kvscale.operator.conditions import INFERENCE_POOL_READY, SCALING_ACTIVE, SYNCED, Condition
 from kvscale.operator.hpa import EXTERNAL_AUTOSCALER
 from kvscale.operator.inference_service import (
@@ -18,6 +21,7 @@ from kvscale.operator.inference_service import (
     typed_spec,
 )
 from kvscale.operator.kube import Kube, path_for
+from kvscale.operator.multi_node import as_rollout
 from kvscale.operator.runtime import Runtime
 from kvscale.operator.spec import InferenceServiceSpec
 
@@ -60,7 +64,8 @@ def refresh_status(runtime: Runtime, name: str, namespace: str,
                    extra_conditions: list[Condition] | None = None,
                    applied_generation: int | None = None,
                    dropped_conditions: tuple[str, ...] = ()) -> None:
-    """Status from the Deployment and pods; written only when something changed.
+    """Status from the Deployment (the LeaderWorkerSet over several nodes) and the servers'
+    pods (its leaders); written only when something changed.
 
     ``status.observedGeneration`` moves only to an ``applied_generation``: a generation whose
     children could not all be applied is not observed (the Synced condition says why).
@@ -70,7 +75,11 @@ def refresh_status(runtime: Runtime, name: str, namespace: str,
     if current is None or being_deleted(current):
         return
     spec = typed_spec(current)
-    deployment = kube.get(path_for("apps/v1", "deployments", namespace, name))
+    if spec.engine.nodes > 1:  # its replicas are a LeaderWorkerSet's groups
+        deployment = as_rollout(kube.get(path_for(LWS_API_VERSION, LWS_PLURAL, namespace,
+                                                  leader_worker_set_name(name))))
+    else:
+        deployment = kube.get(path_for("apps/v1", "deployments", namespace, name))
     pods = kube.list(path_for("v1", "pods", namespace), selector_string(name))
     # A missing API-key Secret shows in the pods' status (CreateContainerConfigError): the
     # operator may not read Secrets, and needs not.

@@ -23,6 +23,12 @@ CLIENT_FACING_LABEL = "serving.kvscale.io/client-facing"
 # gateway connects to them directly, to the pod the endpoint picker names, and the chart's
 # NetworkPolicies admit the gateway to these servers alone (docs/gateway.md, "NetworkPolicies").
 INFERENCE_POOL_LABEL = "serving.kvscale.io/inference-pool"
+# On every pod of a replica over several nodes (engine.nodes > 1), its leader and its workers:
+# the PodDisruptionBudget counts them all (a worker evicted restarts its whole group), and the
+# chart's NetworkPolicies let them reach one another. Only a leader also has the servers' own
+# label: the workers serve no HTTP, so no Service, router, scrape or status ever selects one.
+RANKS_LABEL = "serving.kvscale.io/ranks"
+WORKER_COMPONENT = "inference-server-worker"
 
 
 def part_labels(selector: dict[str, str], instance: str, component: str) -> dict[str, str]:
@@ -45,6 +51,16 @@ def selector_labels(name: str) -> dict[str, str]:
 
 def child_labels(name: str) -> dict[str, str]:
     return part_labels(selector_labels(name), name, SERVER_COMPONENT)
+
+
+def ranks_selector(name: str) -> dict[str, str]:
+    """Every pod of a replica over several nodes: leaders and workers."""
+    return {RANKS_LABEL: name}
+
+
+def worker_labels(name: str) -> dict[str, str]:
+    """The pods of a replica over several nodes but its leader: ranks without an HTTP server."""
+    return part_labels(ranks_selector(name), name, WORKER_COMPONENT)
 
 
 def as_selector_string(labels: dict[str, str]) -> str:

@@ -11,7 +11,13 @@ from kvscale.operator.children.inference_pool import (
     picker_service_name,
     pool_wanted,
 )
-from kvscale.operator.children.labels import redis_name, router_name
+from kvscale.operator.children.labels import ranks_selector, redis_name, router_name
+from kvscale.operator.children.leader_worker_set import API_VERSION as LWS_API_VERSION
+from kvscale.operator.children.leader_worker_set import PLURAL as LWS_PLURAL
+from kvscale.operator.children.leader_worker_set import (
+    build_leader_worker_set,
+    leader_worker_set_name,
+)
 from kvscale.operator.children.redis import build_redis_deployment, build_redis_service
 from kvscale.operator.children.router import (
     build_router_deployment,
@@ -54,9 +60,11 @@ def build_children(name: str, namespace: str, spec: InferenceServiceSpec,
     if not spec.image:
         spec = replace(spec, image=images.engine)
     spec = with_server_defaults(spec, server_defaults)
+    # A replica over several nodes is a LeaderWorkerSet's group (children/leader_worker_set.py).
+    multi_node = spec.engine.nodes > 1
     children = [
-        build_deployment(name, namespace, spec),
-        build_server_pdb(name, namespace),
+        build_leader_worker_set(name, namespace, spec) if multi_node else build_deployment(name, namespace, spec),
+        build_server_pdb(name, namespace, ranks_selector(name) if multi_node else None),
         build_service(name, namespace, spec),
         build_headless_service(name, namespace),
     ]
@@ -75,9 +83,15 @@ def build_children(name: str, namespace: str, spec: InferenceServiceSpec,
     return children
 
 
-def unwanted_children(name: str, namespace: str, spec: InferenceServiceSpec) -> list[tuple[str, str, str]]:
-    """(apiVersion, plural, name) of optional children this spec no longer wants, to delete."""
+def unwanted_children(name: str, namespace: str, spec: InferenceServiceSpec,
+                      lws_served: bool = False) -> list[tuple[str, str, str]]:
+    """(apiVersion, plural, name) of optional children this spec no longer wants, to delete;
+    ``lws_served``: whether LeaderWorkerSets are (else there is none to look for)."""
     unwanted: list[tuple[str, str, str]] = []
+    if spec.engine.nodes > 1:
+        unwanted.append(("apps/v1", "deployments", name))
+    elif lws_served:
+        unwanted.append((LWS_API_VERSION, LWS_PLURAL, leader_worker_set_name(name)))
     if not spec.router.enabled:
         router = router_name(name)
         unwanted += [("apps/v1", "deployments", router), ("policy/v1", "poddisruptionbudgets", router),

@@ -39,7 +39,11 @@ from kvscale.operator.children.redis import service_redis_env
 from kvscale.operator.lora_adapters import adapter_files, lora_args, spec_flags
 from kvscale.operator.server_memory import cpu_kv_cache_bytes
 from kvscale.operator.spec import SERVER_PORT, InferenceServiceSpec, flag_name
-from kvscale.operator.tensor_parallel import shm_size_limit, tensor_parallel_args
+from kvscale.operator.tensor_parallel import (
+    MULTI_NODE_FLAGS,
+    shm_size_limit,
+    tensor_parallel_args,
+)
 
 # Model load (and the bundled model's one-time conversion) can take minutes: the startup probe
 # allows 30 minutes before liveness takes over. Probed every second: a replica coming up from
@@ -57,7 +61,7 @@ RESERVED_FLAGS = frozenset({
     "--model", "--served-model-name", "--port", "--host", "--api-key", "--redis", "--replica-id",
     "--dtype", "--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
     "--gpu-memory-utilization", "--enable-prefix-caching", "--no-enable-prefix-caching",
-    "--kv-cache-memory-bytes", "--shutdown-timeout", "--tensor-parallel-size",
+    "--kv-cache-memory-bytes", "--shutdown-timeout", "--tensor-parallel-size", *MULTI_NODE_FLAGS,
 })
 # The operator cannot import the server's parser (the parts stay independent, and the operator's
 # image has no engine), so a default is checked for its shape: a lowercase long flag.
@@ -106,8 +110,10 @@ def cpu_kv_cache_args(spec: InferenceServiceSpec) -> list[str]:
     return ["--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(spec.resources.memory))]
 
 
-def server_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]:
-    """`kvscale serve` flags, spelled as vLLM spells them."""
+def server_args(spec: InferenceServiceSpec, model_path: str | None,
+                rank_args: Sequence[str] = ()) -> list[str]:
+    """`kvscale serve` flags, spelled as vLLM spells them; ``rank_args``: where this pod's ranks
+    sit in a replica over several nodes (children/leader_worker_set.py)."""
     engine = spec.engine
     args = ["serve"]
     if model_path is not None:
@@ -129,6 +135,7 @@ def server_args(spec: InferenceServiceSpec, model_path: str | None) -> list[str]
         args += ["--max-model-len", str(engine.max_model_len)]
     args += cpu_kv_cache_args(spec)
     args += tensor_parallel_args(spec)
+    args += rank_args
     args += lora_args(spec)  # before a flag of ours: --lora-modules takes values up to the next
     args.append("--enable-prefix-caching" if engine.enable_prefix_caching
                 else "--no-enable-prefix-caching")
@@ -198,12 +205,13 @@ def volumes_and_mounts(files: ModelFiles, spec: InferenceServiceSpec
 
 
 def server_container(name: str, namespace: str, spec: InferenceServiceSpec,
-                     model_path: str | None, mounts: list[dict[str, Any]]) -> dict[str, Any]:
+                     model_path: str | None, mounts: list[dict[str, Any]],
+                     rank_args: Sequence[str] = ()) -> dict[str, Any]:
     return {
         "name": "server",
         "image": spec.image,
         "command": ["kvscale"],
-        "args": server_args(spec, model_path),
+        "args": server_args(spec, model_path, rank_args),
         "ports": [http_port(SERVER_PORT)],
         "env": server_env(name, namespace, spec),
         "resources": container_resources(spec),
@@ -216,11 +224,14 @@ def server_container(name: str, namespace: str, spec: InferenceServiceSpec,
     }
 
 
-def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> dict[str, Any]:
+def server_pod_template(name: str, namespace: str, spec: InferenceServiceSpec,
+                        rank_args: Sequence[str] = ()) -> dict[str, Any]:
+    """The pod template of a server (a replica's leader over several nodes): its container
+    named `server`, first."""
     files = adapter_files(spec, model_files(spec, spec.image))
     model_path, init_containers = files.path, files.init_containers
     volumes, mounts = volumes_and_mounts(files, spec)
-    labels = child_labels(name)
+    labels: dict[str, str] = child_labels(name)
     # Without a router the servers are the InferenceService's OpenAI endpoint: say so where
     # NetworkPolicies can see it (on the pods, not the Deployment's immutable selector).
     pod_labels = labels if spec.router.enabled else {**labels, CLIENT_FACING_LABEL: "true"}
@@ -235,7 +246,7 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> d
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": TERMINATION_GRACE_PERIOD_SECONDS,
         "topologySpreadConstraints": topology_spread(selector_labels(name)),
-        "containers": [server_container(name, namespace, spec, model_path, mounts)],
+        "containers": [server_container(name, namespace, spec, model_path, mounts, rank_args)],
         "volumes": volumes,
     }
     if init_containers:
@@ -244,30 +255,34 @@ def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> d
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    return {"metadata": {"labels": pod_labels, "annotations": scrape_annotations(SERVER_PORT)},
+            "spec": pod_spec}
+
+
+def build_deployment(name: str, namespace: str, spec: InferenceServiceSpec) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "metadata": {"name": name, "namespace": namespace, "labels": child_labels(name)},
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector_labels(name)},
             "strategy": rolling_update(),
-            "template": {
-                "metadata": {"labels": pod_labels, "annotations": scrape_annotations(SERVER_PORT)},
-                "spec": pod_spec,
-            },
+            "template": server_pod_template(name, namespace, spec),
         },
     }
 
 
-def build_server_pdb(name: str, namespace: str) -> dict[str, Any]:
+def build_server_pdb(name: str, namespace: str, selector: dict[str, str] | None = None) -> dict[str, Any]:
     """A voluntary disruption (a node drain) takes at most one server at a time: the others
-    keep serving and keep their warm caches. At one replica (or zero) it blocks nothing."""
+    keep serving and keep their warm caches. At one replica (or zero) it blocks nothing.
+    ``selector``: the pods counted, the servers' by default (every rank of a replica over
+    several nodes: one pod evicted restarts its group)."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": {"name": name, "namespace": namespace, "labels": child_labels(name)},
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector or selector_labels(name)}},
     }
 
 

@@ -190,6 +190,13 @@ INVALID = {
         {"resources": {"gpus": 2}},
         "the bundled model runs on 0, 1 or 3 GPUs (resources.gpus): more than one is that many "
         "tensor-parallel ranks, which must divide its 9 attention heads"),
+    "several nodes without GPUs": (
+        {"model": {"uri": "hf://org/llama"}, "resources": {"gpus": 0}, "engine": {"nodes": 2}},
+        "engine.nodes above 1 needs resources.gpus of at least 1"),
+    "more nodes than the bound": ({"engine": {"nodes": 17}}, "should be less than or equal to 16"),
+    "the bundled model on ranks of several nodes its heads do not split into": (
+        {"engine": {"nodes": 2}},
+        "the bundled model runs on 1 or 3 tensor-parallel ranks in all (resources.gpus x engine.nodes)"),
     "a password in the Redis URL": (
         {"router": {"redis": {"url": "redis://:hunter2@redis.example:6379/0"}}},
         "router.redis.url must not hold credentials"),
@@ -210,9 +217,10 @@ BAD_NAMES = {
     "a dot": ("chat.v1", "metadata.name must be at most 56 characters"),
     "too long for NAME-router": ("a" * 57, "metadata.name must be at most 56 characters"),
     "a leading digit": ("9chat", "metadata.name must be at most 56 characters"),
-    "another's router": ("chat-router", "metadata.name must not end in -router, -redis or -pods"),
-    "another's redis": ("chat-redis", "metadata.name must not end in -router, -redis or -pods"),
-    "another's pods": ("chat-pods", "metadata.name must not end in -router, -redis or -pods"),
+    "another's router": ("chat-router", "metadata.name must not end in -router, -redis, -pods or -ranks"),
+    "another's redis": ("chat-redis", "metadata.name must not end in -router, -redis, -pods or -ranks"),
+    "another's pods": ("chat-pods", "metadata.name must not end in -router, -redis, -pods or -ranks"),
+    "another's ranks": ("chat-ranks", "metadata.name must not end in -router, -redis, -pods or -ranks"),
 }
 
 

@@ -41,7 +41,7 @@ def test_python_defaults_match_the_crd_defaults():
     assert defaults("engine") == {
         "blockSize": engine.block_size, "maxNumSeqs": engine.max_num_seqs, "dtype": engine.dtype,
         "gpuMemoryUtilization": engine.gpu_memory_utilization,
-        "enablePrefixCaching": engine.enable_prefix_caching}
+        "enablePrefixCaching": engine.enable_prefix_caching, "nodes": engine.nodes}
     assert defaults("resources") == {"gpus": resources.gpus, "cpu": resources.cpu,
                                      "memory": resources.memory}
     assert defaults("autoscaling") == {

@@ -66,8 +66,13 @@ def test_the_crds_rule_for_the_bundled_model_holds_the_same_shape():
     """The apiserver refuses at apply what the operator would refuse later: the CEL rule's
     numbers are the operator's."""
     schema = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    [rule] = [r for r in schema["x-kubernetes-validations"] if "bundled://" in r["rule"]]
+    [rule, over_nodes] = [r for r in schema["x-kubernetes-validations"] if "bundled://" in r["rule"]]
     gpus = "self.spec.resources.gpus"
+    # Over several nodes (engine.nodes), every node's GPUs count: the same numbers, of their product.
+    ranks = f"({gpus} * self.spec.engine.nodes)"
+    assert f"{tensor_parallel.BUNDLED_NUM_HEADS} % {ranks} == 0" in over_nodes["rule"]
+    assert f"{tensor_parallel.BUNDLED_INTERMEDIATE_SIZE} % {ranks} == 0" in over_nodes["rule"]
+    assert f"its {tensor_parallel.BUNDLED_NUM_HEADS} attention heads" in over_nodes["message"]
     assert f"{tensor_parallel.BUNDLED_NUM_HEADS} % {gpus} == 0" in rule["rule"]
     assert f"{tensor_parallel.BUNDLED_INTERMEDIATE_SIZE} % {gpus} == 0" in rule["rule"]
     assert f"{gpus} <= 1" in rule["rule"]
