@@ -39,6 +39,8 @@ from kvscale.server.worker.kv_sizing import (
     largest_step_profile,
     pass_decides_pool,
     pool_blocks,
+    smallest_kv_bytes,
+    weights_fit_refusal,
 )
 from kvscale.server.worker.lora_memory import ProjectionDims, lora_memory
 from kvscale.server.worker.memory_profile import device_memory
@@ -113,6 +115,25 @@ def _start_ranks(config: EngineConfig, path: Path, model_config: Any, dtype: tor
                                  config.block_size, kv_cache_dtype, layout)
 
 
+def _refuse_what_cannot_fit(config: EngineConfig, path: Path, model_config: Any, dtype: torch.dtype,
+                            device: torch.device, kv_cache_dtype: torch.dtype) -> None:
+    """A checkpoint its devices cannot hold with the smallest KV cache, refused with the figures
+    before a weight is read (loading it would end in an out-of-memory error part way)."""
+    from kvscale.server.worker.model_loader import checkpoint_elements, model_spec
+
+    elements = checkpoint_elements(path)
+    if elements is None:
+        return
+    spec, ranks = model_spec(model_config), config.tensor_parallel_size
+    block_bytes = kv_block_bytes(spec.num_layers, config.block_size, -(-spec.num_kv_heads // ranks), spec.head_dim,
+                                 kv_cache_dtype)
+    used, total = device_memory(device)
+    why = weights_fit_refusal(elements * dtype.itemsize, ranks, smallest_kv_bytes(config, block_bytes), used, total,
+                              config.gpu_memory_utilization)
+    if why is not None:
+        raise ValueError(why)
+
+
 def window_group_of(config: EngineConfig, spec: Any) -> KVGroups | None:
     """The sliding-window layers' KV group (kv_groups.py), or None: one group keeps every block,
     also where the window group is not built yet (docs/engine.md, "Sliding-window layers' KV blocks")."""
@@ -135,6 +156,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     # Before the weights load: a cache dtype this backend cannot read is refused at once.
     kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     runner: ModelRunner | None = None
+    if device.type == "cuda":
+        _refuse_what_cannot_fit(config, path, model_config, dtype, device, kv_cache_dtype)
     if config.tensor_parallel_size > 1:
         model, runner = _start_ranks(config, path, model_config, dtype, device, kv_cache_dtype)
     else:

@@ -154,6 +154,36 @@ def largest_step_profile(
     return profile
 
 
+def smallest_kv_bytes(config: EngineConfig, block_bytes: int) -> int:
+    """The least KV cache a device must hold besides the weights: the pool asked for
+    (``--num-gpu-blocks-override``, ``--kv-cache-memory-bytes``), else one sequence of the
+    ``--max-model-len`` asked for, else one block (the length is then capped at what fits)."""
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override * block_bytes
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    return -(-(config.max_model_len or 1) // config.block_size) * block_bytes
+
+
+def weights_fit_refusal(weight_bytes: int, ranks: int, kv_bytes: int, used_bytes: int, total_bytes: int,
+                        gpu_memory_utilization: float) -> str | None:
+    """Why a checkpoint cannot be served on these devices, said before any weight is read; None
+    where it may fit. Each device holds at least its share of ``weight_bytes`` (the tensors'
+    sizes in the dtype they load as, over ``ranks``: replicated norms and KV heads only add) and
+    ``kv_bytes`` of KV cache, within ``gpu_memory_utilization`` of its ``total_bytes`` less the
+    ``used_bytes`` something else already holds."""
+    per_device = -(-weight_bytes // ranks)
+    room = int(total_bytes * gpu_memory_utilization) - used_bytes
+    if per_device + kv_bytes <= room:
+        return None
+    share = f" ({_gib(weight_bytes)} GiB over {ranks} devices)" if ranks > 1 else ""
+    return (f"the model does not fit: its weights need at least {_gib(per_device)} GiB a device{share} and the "
+            f"smallest KV cache {_gib(kv_bytes)} GiB more, but {gpu_memory_utilization:g} of the device's "
+            f"{_gib(total_bytes)} GiB less the {_gib(used_bytes)} GiB already in use leaves {_gib(room)} GiB. "
+            f"Increase --tensor-parallel-size or --gpu-memory-utilization, or decrease --max-model-len "
+            f"(or the KV pool asked for), or load a smaller --dtype")
+
+
 def _gib(num_bytes: int) -> str:
     return f"{num_bytes / GIB:.2f}"
 

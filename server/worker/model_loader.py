@@ -114,6 +114,25 @@ def _read_weights(path: Path) -> dict[str, Any]:
     return weights
 
 
+def checkpoint_elements(path: Path) -> int | None:
+    """How many numbers the checkpoint's tensors hold, from the safetensors headers alone (a few
+    KiB read, whatever the size); None for a ``.bin`` checkpoint, whose sizes need the load."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return None
+    count = 0
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                numel = 1
+                for dim in entry["shape"]:
+                    numel *= dim
+                count += numel
+    return count
+
+
 # Weights already loaded in this process, keyed by (directory, its config's mtime, dtype, device,
 # quantization): engines in one process (tests, benchmarks) share them instead of reading them again.
 _LOADED_MODELS: dict[tuple[str, float, str, str, str | None], Any] = {}

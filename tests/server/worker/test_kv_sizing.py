@@ -9,8 +9,16 @@ import logging
 import pytest
 import torch
 
+from kvscale.server.config import EngineConfig
 from kvscale.server.sampling_params import SamplingParams
-from kvscale.server.worker.kv_sizing import GIB, kv_cache_blocks, pass_decides_pool, profile_shape
+from kvscale.server.worker.kv_sizing import (
+    GIB,
+    kv_cache_blocks,
+    pass_decides_pool,
+    profile_shape,
+    smallest_kv_bytes,
+    weights_fit_refusal,
+)
 
 MIB = 1024**2
 
@@ -71,6 +79,40 @@ def test_an_explicit_max_model_len_must_fit_one_sequence():
     assert "--max-model-len" in message and "at most 160 fits" in message
     # Without one (the model's default length), the engine caps the length instead.
     assert kv_cache_blocks(*args, block_size=16) == 10
+
+
+def test_a_checkpoint_that_cannot_fit_a_device_is_refused_with_its_figures():
+    # gpt-oss-120b's 117 B numbers in bfloat16 (234 GB) on 139 GiB H200s at 0.9, 1 GiB in use.
+    weights, total, used = 117_000_000_000 * 2, 139 * GIB, GIB
+    why = weights_fit_refusal(weights, 1, GIB, used, total, 0.9) or ""
+    assert "at least 217.93 GiB a device and the smallest KV cache 1.00 GiB more" in why
+    assert "0.9 of the device's 139.00 GiB less the 1.00 GiB already in use leaves 124.10 GiB" in why
+    assert "--tensor-parallel-size" in why
+    # Split over 2 devices each holds 108.96 GiB: it fits, until the KV cache asked for does not.
+    assert weights_fit_refusal(weights, 2, GIB, used, total, 0.9) is None
+    why = weights_fit_refusal(weights, 2, 20 * GIB, used, total, 0.9) or ""
+    assert "108.96 GiB a device (217.93 GiB over 2 devices)" in why
+    assert weights_fit_refusal(weights, 4, 0, used, total, 0.9) is None
+
+
+def test_the_smallest_kv_cache_is_the_pool_asked_for_or_one_sequence():
+    block = 1000
+    assert smallest_kv_bytes(EngineConfig(num_gpu_blocks_override=64), block) == 64 * block
+    assert smallest_kv_bytes(EngineConfig(kv_cache_memory_bytes=12345), block) == 12345
+    assert smallest_kv_bytes(EngineConfig(max_model_len=4097, block_size=16), block) == 257 * block
+    assert smallest_kv_bytes(EngineConfig(), block) == block  # the length is capped at what fits
+
+
+def test_checkpoint_elements_come_from_the_headers(tmp_path):
+    from safetensors.torch import save_file
+
+    from kvscale.server.worker.model_loader import checkpoint_elements
+
+    assert checkpoint_elements(tmp_path) is None  # no safetensors (a .bin checkpoint's sizes need the load)
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}, str(tmp_path / "x.safetensors"),
+              metadata={"format": "pt"})
+    save_file({"c": torch.zeros(2, 2, 2)}, str(tmp_path / "y.safetensors"))
+    assert checkpoint_elements(tmp_path) == 12 + 5 + 8
 
 
 def test_bad_block_geometry_is_rejected():
