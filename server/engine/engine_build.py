@@ -115,23 +115,21 @@ def _start_ranks(config: EngineConfig, path: Path, model_config: Any, dtype: tor
                                  config.block_size, kv_cache_dtype, layout)
 
 
-def _refuse_what_cannot_fit(config: EngineConfig, path: Path, model_config: Any, dtype: torch.dtype,
-                            device: torch.device, kv_cache_dtype: torch.dtype) -> None:
-    """A checkpoint its devices cannot hold with the smallest KV cache, refused with the figures
-    before a weight is read (loading it would end in an out-of-memory error part way)."""
+def checkpoint_fit_refusal(config: EngineConfig, path: Path, model_config: Any, dtype: torch.dtype,
+                           kv_cache_dtype: torch.dtype, used: int, total: int) -> str | None:
+    """Why devices of ``total`` bytes, ``used`` of them taken, cannot hold this checkpoint with the
+    smallest KV cache, said before a weight is read (loading it would end in an out-of-memory
+    error part way); None where it may fit."""
     from kvscale.server.worker.model_loader import checkpoint_elements, model_spec
 
     elements = checkpoint_elements(path)
     if elements is None:
-        return
+        return None
     spec, ranks = model_spec(model_config), config.tensor_parallel_size
     block_bytes = kv_block_bytes(spec.num_layers, config.block_size, -(-spec.num_kv_heads // ranks), spec.head_dim,
                                  kv_cache_dtype)
-    used, total = device_memory(device)
-    why = weights_fit_refusal(elements * dtype.itemsize, ranks, smallest_kv_bytes(config, block_bytes), used, total,
-                              config.gpu_memory_utilization)
-    if why is not None:
-        raise ValueError(why)
+    return weights_fit_refusal(elements * dtype.itemsize, ranks, smallest_kv_bytes(config, block_bytes), used, total,
+                               config.gpu_memory_utilization)
 
 
 def window_group_of(config: EngineConfig, spec: Any) -> KVGroups | None:
@@ -157,7 +155,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     runner: ModelRunner | None = None
     if device.type == "cuda":
-        _refuse_what_cannot_fit(config, path, model_config, dtype, device, kv_cache_dtype)
+        why = checkpoint_fit_refusal(config, path, model_config, dtype, kv_cache_dtype, *device_memory(device))
+        if why is not None:
+            raise ValueError(why)
     if config.tensor_parallel_size > 1:
         model, runner = _start_ranks(config, path, model_config, dtype, device, kv_cache_dtype)
     else:

@@ -115,6 +115,21 @@ def test_checkpoint_elements_come_from_the_headers(tmp_path):
     assert checkpoint_elements(tmp_path) == 12 + 5 + 8
 
 
+def test_the_bundled_checkpoint_is_measured_against_a_device_before_it_loads(bundled_model_path):
+    """The start-up check's figures from the checkpoint's headers and config (the device's memory
+    given: the test runs without a GPU)."""
+    from kvscale.server.engine.engine_build import checkpoint_fit_refusal
+    from kvscale.server.worker.model_config import load_model_config
+
+    config = load_model_config(bundled_model_path)
+    settings = EngineConfig(max_model_len=2048, gpu_memory_utilization=0.9)
+    # SmolLM2-135M's 134.5 M numbers, 0.50 GiB in float32, 0.25 GiB in bfloat16.
+    why = checkpoint_fit_refusal(settings, bundled_model_path, config, torch.float32, torch.float32, 0, GIB // 2) or ""
+    assert "at least 0.50 GiB a device and the smallest KV cache 0.09 GiB more" in why, why
+    assert checkpoint_fit_refusal(settings, bundled_model_path, config, torch.bfloat16, torch.bfloat16, 0,
+                                  GIB // 2) is None
+
+
 def test_bad_block_geometry_is_rejected():
     with pytest.raises(ValueError, match="block_bytes"):
         kv_cache_blocks(GIB, 0, 0, 0.9, 0, block_size=16)
