@@ -275,3 +275,34 @@ def test_only_the_gateway_reaches_the_endpoint_picker_and_the_pool_servers(helm:
     assert not reaches_a_pool_server(rendered, local_gateway)
     for source in others:
         assert not reaches_a_picker(rendered, source), source.name
+
+
+def test_the_ranks_of_a_replica_over_several_nodes_reach_one_another_alone(helm: Helm):
+    """engine.nodes > 1: a LeaderWorkerSet's leader and workers reach one another on any port
+    (rendezvous, step messages, NCCL); the leader is reached as any server is, and a worker, which
+    serves nothing, by the ranks alone."""
+    docs = helm.template("networkPolicies.enabled=true", f"networkPolicies.namespaces={{{SERVICES_NS}}}",
+                         release=RELEASE, namespace=RELEASE_NS)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    spec = parse_spec({**BUNDLED, "resources": {"gpus": 1}, "engine": {"nodes": 3}})
+    [lws] = [c for c in build_children("chat", SERVICES_NS, spec) if c["kind"] == "LeaderWorkerSet"]
+    templates = lws["spec"]["leaderWorkerTemplate"]
+    leader = Pod("chat-ranks-0", SERVICES_NS, dict(templates["leaderTemplate"]["metadata"]["labels"]),
+                 (("http", SERVER_PORT),))
+    worker = Pod("chat-ranks-0-1", SERVICES_NS, dict(templates["workerTemplate"]["metadata"]["labels"]))
+    other_worker = Pod("chat-ranks-0-2", SERVICES_NS, worker.labels)
+    router = built_pods("chat", {})["router"]
+    client = Pod("client", CLIENTS_NS, {"app": "chat-ui"})
+    neighbour = Pod("neighbour", SERVICES_NS, {"app": "something-else"})
+    for port in (29500, 29501, 41234):  # the master port, the next one, an NCCL socket
+        assert admitted(policies, worker, leader, port)
+        assert admitted(policies, leader, worker, port)
+        assert admitted(policies, other_worker, worker, port)
+        for source in (router, client, neighbour):
+            assert not admitted(policies, source, worker, port), (source.name, port)
+            assert not admitted(policies, source, leader, port), (source.name, port)
+    assert admitted(policies, router, leader, SERVER_PORT)
+    assert not admitted(policies, client, leader, SERVER_PORT)
+    off = helm.template("networkPolicies.enabled=true", f"networkPolicies.namespaces={{{SERVICES_NS}}}",
+                        "leaderWorkerSet.enabled=false", release=RELEASE, namespace=RELEASE_NS)
+    assert not [d for d in off if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-ranks")]
