@@ -219,7 +219,9 @@ class DecoderForCausalLM(nn.Module):
         if cls.__dict__.get("spec_class") is not None:
             DecoderForCausalLM._family_of[cls.__dict__["spec_class"]] = cls
 
-    def __new__(cls, spec: DecoderSpec, hf_config: Any) -> DecoderForCausalLM:
+    def __new__(cls, *args: Any, **kwargs: Any) -> DecoderForCausalLM:
+        # No arguments when copy or pickle rebuilds an instance: its own class then.
+        spec = args[0] if args else kwargs.get("spec")
         family = DecoderForCausalLM._family_of.get(type(spec), cls)
         return super().__new__(family if issubclass(family, cls) else cls)
 

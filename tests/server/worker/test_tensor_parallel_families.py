@@ -92,6 +92,22 @@ def _run(path: Path, size: int) -> dict[str, tuple[list[int], list[float]]]:
             engine.runner.close()  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
+def test_a_model_built_from_a_familys_spec_is_the_familys(arch) -> None:
+    """A rank builds its shard as DecoderForCausalLM(spec) (tp_group.load_shard): the spec's
+    family decides the class; copies keep it."""
+    import copy
+
+    from kvscale.server.worker.model_llama import DecoderForCausalLM
+    from kvscale.server.worker.model_loader import model_spec
+
+    config = _config(arch)
+    with torch.device("meta"):
+        model = DecoderForCausalLM(model_spec(config), config)
+    assert type(model).__name__ == {"gemma3": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM"}[arch]
+    assert type(copy.deepcopy(model)) is type(model)
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "gpt_oss", "mixtral-stacked", "qwen3_moe-stacked"])
 def test_two_ranks_decode_each_family_as_one(arch, tmp_path, bundled_model_path, one_thread_per_rank) -> None:
     _write_checkpoint(tmp_path, arch)
