@@ -101,6 +101,14 @@ def test_shard_spec_is_the_smaller_model_each_rank_runs() -> None:
     assert (shard.num_heads, shard.num_kv_heads, shard.intermediate_size, shard.vocab_size) == (2, 2, 64, 167)
 
 
+def test_gpt_oss_sinks_go_with_their_query_heads_and_expert_biases_with_their_rows() -> None:
+    plan = ShardPlan(rank=1, size=2, num_heads=4, num_kv_heads=1, head_dim=16, intermediate_size=64,
+                     vocab_size=VOCAB, expert_intermediate_size=48, experts_in_out=True)
+    assert plan.row_ranges("model.layers.0.self_attn.sinks") == [(2, 4)]
+    assert plan.row_ranges("model.layers.0.self_attn.q_proj.bias") == [(32, 64)]
+    assert plan.row_ranges("model.layers.0.self_attn.k_proj.bias") == [(0, 16)]  # the one KV head, on both
+
+
 # --- engines of several ranks ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
