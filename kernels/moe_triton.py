@@ -17,9 +17,9 @@ sorted by expert first), so the result is deterministic and rounds as the refere
 ``index_add_`` per expert does; no atomics. The experts' weights stay in their own modules'
 tensors: the kernels reach expert e's through its address in a small table, as
 :mod:`kvscale.kernels.lora_triton` reaches an adapter's. The dots' operands and precision are
-decode_attention.py's ``dot_options``. The block sizes and the grid's upper bound are vLLM's
-fused-MoE approach (sorted, block-padded pair ids with a sentinel and a block-to-expert map),
-written anew here.
+decode_attention.py's ``dot_options``. The plan's shape (pair ids sorted by expert and padded
+per block with a sentinel, a block-to-expert map, a grid sized for the worst routing) follows
+vLLM's fused-MoE kernel; the code is written anew here, and its tile sizes are not tuned on a GPU.
 
 Importing this module imports triton; :mod:`kvscale.kernels.moe` does so only on first use.
 """
