@@ -203,6 +203,9 @@ def _stacked_experts_slice(tensor: Any, name: str, plan: ShardPlan) -> torch.Ten
         return torch.cat([tensor[:, first:end], tensor[:, width + first:width + end]], dim=1)
     elif kind == "down_proj":
         return tensor[:, :, first:end]
+    if kind.endswith(("_blocks", "_scales")):
+        raise ValueError(f"checkpoint tensor {name!r} holds MXFP4 experts: the engine loads unquantized experts "
+                         "only; dequantize the checkpoint first")
     raise ValueError(f"stacked expert tensor {name!r}: no rule splits it over tensor-parallel ranks")
 
 

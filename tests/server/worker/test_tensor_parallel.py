@@ -109,6 +109,39 @@ def test_gpt_oss_sinks_go_with_their_query_heads_and_expert_biases_with_their_ro
     assert plan.row_ranges("model.layers.0.self_attn.k_proj.bias") == [(0, 16)]  # the one KV head, on both
 
 
+def test_stacked_experts_are_cut_along_each_experts_intermediate_dimension(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from kvscale.server.worker.tp_shard import read_shard
+
+    experts, hidden, inter = 2, 3, 4
+    gate_up = torch.arange(experts * hidden * 2 * inter, dtype=torch.float32).view(experts, hidden, 2 * inter)
+    stacked = {"gate_up_proj": gate_up, "gate_up_proj_bias": gate_up[:, 0],
+               "down_proj": gate_up.transpose(1, 2)[:, :inter], "down_proj_bias": gate_up[:, :, 0]}
+    save_file({f"model.layers.0.mlp.experts.{k}": v.contiguous() for k, v in stacked.items()},
+              str(tmp_path / "m.safetensors"))
+
+    def plan(rank: int, in_out: bool) -> ShardPlan:
+        return ShardPlan(rank=rank, size=2, num_heads=2, num_kv_heads=2, head_dim=4, intermediate_size=8,
+                         vocab_size=8, expert_intermediate_size=inter, experts_in_out=in_out)
+
+    one = read_shard(tmp_path, plan(1, True), torch.float32)  # gpt-oss: gate, up interleaved by column
+    assert torch.equal(one["model.layers.0.mlp.experts.gate_up_proj"], gate_up[:, :, 4:8])
+    assert torch.equal(one["model.layers.0.mlp.experts.gate_up_proj_bias"], gate_up[:, 0, 4:8])
+    assert torch.equal(one["model.layers.0.mlp.experts.down_proj"], gate_up.transpose(1, 2)[:, 2:4])
+    assert not one["model.layers.0.mlp.experts.down_proj_bias"].any()  # rank 0 adds it, once
+    zero = read_shard(tmp_path, plan(0, True), torch.float32)
+    assert torch.equal(zero["model.layers.0.mlp.experts.down_proj_bias"], gate_up[:, :, 0])
+    # transformers' Mixtral/Qwen3-MoE form: gate_up [experts, 2 * inter, hidden], gate rows then up rows.
+    save_file({"model.layers.0.mlp.experts.gate_up_proj": gate_up.transpose(1, 2).contiguous()},
+              str(tmp_path / "m.safetensors"))
+    fused = read_shard(tmp_path, plan(1, False), torch.float32)["model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(fused, gate_up.transpose(1, 2)[:, [2, 3, 6, 7]])
+    save_file({"model.layers.0.mlp.experts.gate_up_proj_blocks": gate_up}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(ValueError, match="MXFP4 experts"):
+        read_shard(tmp_path, plan(0, True), torch.float32)
+
+
 # --- engines of several ranks ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
