@@ -1,8 +1,7 @@
 """Tensor parallel over torch.distributed: rank 0 is the engine's own model runner, ranks
 1..N-1 are processes it spawns, each running the same model code on its shard (tp_shard.py,
-tp_layers.py). gloo on CPU, NCCL on GPUs (one device a rank), the same code path. With
-``--nnodes M`` this node spawns only its own N/M - 1 and the other nodes' ranks come in over
-tp_nodes.py's connections, one a node, which carry the same messages.
+tp_layers.py). gloo on CPU, NCCL on GPUs (one device a rank), the same code path. Ranks on
+other nodes (``--nnodes``) take the same messages over tp_nodes.py's connections.
 
 The scheduler runs once, in rank 0. Each forward pass rank 0 prepares (the flattened ids,
 positions, attention metadata) goes to every other rank over a pipe before rank 0 runs it: a
@@ -21,6 +20,7 @@ file, so none outlives the engine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -30,6 +30,7 @@ import traceback
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import wait as wait_readable
 from pathlib import Path
 from typing import Any
 
@@ -198,12 +199,17 @@ class RankProcesses:
         self.closed = False
 
     def dead(self, wait_s: float = 0.0) -> str | None:
-        """Which ranks have died, and how; None while all live (``wait_s``: tp_nodes.NodeLinks.gone)."""
+        """Which ranks have died, and how; None while all live. ``wait_s``: how long a death may
+        take to show (a collective fails a moment before its peer's process or connection does)."""
+        if peers := [p.sentinel for p in self.processes] + (self.nodes.live() if self.nodes else []):
+            wait_readable(peers, wait_s)
         gone = [f"rank {self.first_rank + i} (pid {p.pid}, exit code {p.exitcode})"
                 for i, p in enumerate(self.processes) if not p.is_alive()]
-        if self.nodes is not None:
-            gone += self.nodes.gone(0.0 if gone else wait_s)
-        return ", ".join(gone) if gone else None
+        return ", ".join(gone + (self.nodes.gone() if self.nodes else [])) or None
+
+    def collective_failed(self, exc: RuntimeError) -> RankFailed:
+        """A collective failed: the error, naming the rank that took it down."""
+        return RankFailed(f"tensor-parallel collective failed ({self.dead(1.0) or 'ranks alive'}): {exc}")
 
     def check(self) -> None:
         dead = self.dead()
@@ -238,10 +244,8 @@ class RankProcesses:
             return
         self.closed = True
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send_bytes(pickle.dumps(("stop",)))
-            except OSError:
-                pass
             conn.close()
         for process in self.processes:
             process.join(10)
@@ -277,9 +281,8 @@ class _MirroredModel:
     def _guarded(self, run: Any, *args: Any) -> Any:
         try:
             return run(*args)
-        except RuntimeError as exc:  # a collective failed: name the rank that took it down
-            raise RankFailed(f"tensor-parallel collective failed ({self._ranks.dead(1.0) or 'ranks alive'}): "
-                             f"{exc}") from exc
+        except RuntimeError as exc:
+            raise self._ranks.collective_failed(exc) from exc
 
 
 class TensorParallelRunner(ModelRunner):
@@ -367,21 +370,17 @@ def start_tensor_parallel(path: Path, hf_config: Any, size: int, dtype: torch.dt
     as rank 0, load rank 0's shard: its model and runner."""
     import torch.distributed as dist
 
-    from kvscale.server.config import TP_AUTHKEY_ENV
     from kvscale.server.worker.model_loader import model_spec
 
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed group: one tensor-parallel "
                            "engine per process")
     layout = layout or tp_nodes.NodeLayout(size, 1, 0, "127.0.0.1", 0)
-    nodes = None
-    if layout.nnodes == 1:
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-    else:
+    nodes, init_method = None, f"tcp://127.0.0.1:{free_port()}"  # one node: a free loopback port
+    if layout.nnodes > 1:
         init_method = layout.init_method
         start = tp_nodes.NodeStart(dtype, device.type, block_size, kv_cache_dtype, repr(model_spec(hf_config)))
-        nodes = tp_nodes.accept_nodes(layout, os.environ[TP_AUTHKEY_ENV].encode(), start, START_TIMEOUT_S,
-                             COLLECTIVE_TIMEOUT_S)
+        nodes = tp_nodes.accept_nodes(layout, start, START_TIMEOUT_S, COLLECTIVE_TIMEOUT_S)
     processes, conns = spawn_ranks(path, layout.node_ranks(0)[1:], size, init_method, dtype, device.type, block_size,
                                    kv_cache_dtype, layout.ranks_per_node)
     ranks = RankProcesses(processes, conns, nodes=nodes)

@@ -124,8 +124,11 @@ def serve_node(layout: tp_nodes.NodeLayout, path: Path, authkey: bytes, deadline
                 raise LeaderGone("the leader closed the connection (it stopped or died)") from None
             if ranks.conns:
                 ranks.send_bytes(data)
-            if not apply_message(runner, pickle.loads(data)):
-                break
+            try:
+                if not apply_message(runner, pickle.loads(data)):
+                    break
+            except RuntimeError as exc:
+                raise ranks.collective_failed(exc) from exc
     except BaseException as exc:
         tp_nodes.send_failure(conn, exc)
         raise

@@ -41,6 +41,7 @@ from multiprocessing.connection import wait as wait_readable
 from typing import Any
 
 from kvscale.listen import bind_all_addresses
+from kvscale.server.config import TP_AUTHKEY_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +138,12 @@ class NodeLinks:
         self.names = [f"{layout.node_name(node)} on {conns[node][1]}" for node in self.nodes]
         self.failures: dict[int, str] = {}
 
-    def gone(self, wait_s: float = 0.0) -> list[str]:
-        """The nodes known to have failed; waits up to ``wait_s`` for a first one to show (a
-        collective can fail a moment before the node's connection reads as closed)."""
-        live = [conn for i, conn in enumerate(self.conns) if i not in self.failures]
-        for conn in wait_readable(live, wait_s if live and not self.failures else 0.0):
+    def live(self) -> list[Connection]:
+        return [conn for i, conn in enumerate(self.conns) if i not in self.failures]
+
+    def gone(self) -> list[str]:
+        """The nodes known to have failed: those whose connection turned readable say why."""
+        for conn in wait_readable(self.live(), 0):
             i = self.conns.index(conn)  # type: ignore[arg-type]
             try:
                 message = _recv(conn, MAX_REPLY_BYTES)  # type: ignore[arg-type]
@@ -158,13 +160,17 @@ class NodeLinks:
             conn.close()
 
 
-def accept_nodes(layout: NodeLayout, authkey: bytes, start: NodeStart, timeout_s: float,
-                 send_timeout_s: float) -> NodeLinks:
+def accept_nodes(layout: NodeLayout, start: NodeStart, timeout_s: float, send_timeout_s: float) -> NodeLinks:
     """The leader's side: wait up to ``timeout_s`` for every other node to connect and prove the
-    key, then tell them all to start."""
+    key ($KVSCALE_TP_AUTHKEY, checked by config.multi_node_refusal), then tell them all to start."""
+    authkey = os.environ[TP_AUTHKEY_ENV].encode()
     expected = set(range(1, layout.nnodes))
     admitted: dict[int, tuple[Connection, str]] = {}
-    listener = bind_all_addresses(layout.step_port)
+    try:
+        listener = bind_all_addresses(layout.step_port)
+    except OSError as exc:
+        raise RuntimeError(f"cannot listen for the other nodes on port {layout.step_port} (--master-port + 1): "
+                           f"{exc}") from exc
     try:
         listener.listen(len(expected))
         logger.info("kvscale engine: waiting for nodes %s on port %d", sorted(expected), layout.step_port)

@@ -2,12 +2,16 @@
 settings refused, then two "nodes" on this machine, an engine as the leader (TP 2, --nnodes 2)
 and `kvscale serve --headless --node-rank 1` as a separate process, greedy-equal to TP 1; a node
 with the wrong key refused while the leader keeps waiting; a killed node failing the next step
-with an error naming it; a leader's stop ending the node cleanly.
+with an error naming it; a leader's stop ending the node cleanly. TP 4 over 2 nodes runs a local
+rank on each: the node's first rank relays each step to its second, and that one killed fails
+the leader's next step naming both.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,7 +24,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tensor_parallel import NEW_TOKENS, VOCAB, _engine, _generate, _prompts  # noqa: E402
-from tiny_checkpoints import copy_tokenizer, write_tiny_llama  # noqa: E402
+from tiny_checkpoints import (  # noqa: E402
+    copy_tokenizer,
+    decoder_layer_shapes,
+    save_random_weights,
+    write_tiny_llama,
+)
 
 from kvscale.processes import free_port
 from kvscale.server.config import EngineConfig, multi_node_refusal
@@ -95,10 +104,10 @@ def one_rank_tokens(tiny_llama, run_to_completion) -> dict[str, list[int]]:
     return _generate(_engine(tiny_llama, 1), _prompts(), run_to_completion, "p")
 
 
-def _headless(path: Path, port: int, key: str) -> subprocess.Popen[str]:
+def _headless(path: Path, port: int, key: str, size: int = 2) -> subprocess.Popen[str]:
     env = {**os.environ, "KVSCALE_TP_AUTHKEY": key, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "kvscale", "serve", "--headless", "--model", str(path), "--tensor-parallel-size", "2",
+        [sys.executable, "-m", "kvscale", "serve", "--headless", "--model", str(path), "--tensor-parallel-size", str(size),
          "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -159,3 +168,51 @@ def test_a_killed_node_fails_the_next_step_naming_it(tiny_llama, one_thread_per_
         node.kill()
         node.wait()
 
+
+
+@pytest.fixture(scope="module")
+def eight_head_llama(bundled_model_path, tmp_path_factory) -> Path:
+    """A 2-layer Llama of 8 query and 4 KV heads, which 4 ranks divide."""
+    path = tmp_path_factory.mktemp("tiny-llama-8-heads")
+    copy_tokenizer(bundled_model_path, path)
+    hidden, inter = 128, 256
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 1,
+        "eos_token_id": 2}))
+    shapes = {"model.embed_tokens.weight": (VOCAB, hidden), "lm_head.weight": (VOCAB, hidden),
+              "model.norm.weight": (hidden,)}
+    for i in range(2):
+        shapes.update(decoder_layer_shapes(f"model.layers.{i}.", hidden, 8, 4, 16, inter))
+    save_random_weights(path, shapes, 0.08, 0.1)
+    return path
+
+
+def test_four_ranks_over_two_nodes_relay_each_step(eight_head_llama, one_thread_per_rank, run_to_completion,
+                                                   monkeypatch) -> None:
+    one_rank = _generate(_engine(eight_head_llama, 1), _prompts(), run_to_completion, "p")
+    monkeypatch.setenv("KVSCALE_TP_AUTHKEY", KEY)
+    port = free_port()
+    node = _headless(eight_head_llama, port, KEY, size=4)
+    try:
+        engine = LLMEngine(EngineConfig(
+            model=str(eight_head_llama), dtype="float32", device="cpu", num_gpu_blocks_override=64, block_size=8,
+            max_num_batched_tokens=24, tensor_parallel_size=4, nnodes=2, node_rank=0, master_port=port))
+        assert len(engine.runner.ranks.processes) == 1  # type: ignore[attr-defined]  # rank 1; 2-3 the node's
+        assert _generate(engine, _prompts(), run_to_completion, "p") == one_rank
+        assert node.stdout is not None
+        while not (ready := re.search(r"ranks 2-3 ready \(pids (\d+),(\d+)", node.stdout.readline())):
+            assert node.poll() is None
+        engine.add_request("doomed", _prompts()[1], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                                                                    ignore_eos=True))
+        engine.step()
+        os.kill(int(ready.group(2)), signal.SIGKILL)
+        with pytest.raises(RankFailed, match=r"node 1 \(ranks 2-3\) on \S+ failed: RankFailed: tensor-parallel "
+                                             r"(collective failed \()?rank 3 \(pid \d+, exit code -9\)"):
+            engine.step()
+        engine.runner.close()  # type: ignore[attr-defined]
+        assert node.wait(timeout=30) == 1
+    finally:
+        node.kill()
+        node.wait()
