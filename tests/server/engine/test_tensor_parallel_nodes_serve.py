@@ -1,7 +1,7 @@
 """`kvscale serve --tensor-parallel-size 2 --nnodes 2` with `kvscale serve --headless --node-rank 1`
 on this machine: the headless node killed under a stream fails that stream and /health (503
 naming the node), never a hang; the leader killed, the headless node exits non-zero within
-seconds (so a LeaderWorkerSet restarts the group)."""
+seconds (so a LeaderWorkerSet restarts the group); settings refused before anything starts."""
 
 from __future__ import annotations
 
@@ -102,3 +102,20 @@ def test_the_headless_node_exits_non_zero_when_the_leader_dies(tiny_llama) -> No
         node.kill()
         node.wait()
         leader.stop()
+
+
+@pytest.mark.parametrize(("flags", "key", "says"), [
+    (["--tensor-parallel-size", "2", "--nnodes", "2"], None, "needs $KVSCALE_TP_AUTHKEY"),
+    (["--tensor-parallel-size", "2", "--nnodes", "2"], "short", "too short"),
+    (["--tensor-parallel-size", "3", "--nnodes", "2"], KEY, "not a multiple of --nnodes 2"),
+    (["--headless", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1"], None,
+     "needs $KVSCALE_TP_AUTHKEY"),
+    (["--headless", "--tensor-parallel-size", "3", "--nnodes", "2", "--node-rank", "1"], KEY, "not a multiple"),
+    (["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1"], KEY, "add --headless"),
+])
+def test_multi_node_settings_refused_at_start(flags: list[str], key: str | None, says: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KVSCALE_TP_AUTHKEY"} | ({"KVSCALE_TP_AUTHKEY": key} if key else {})
+    done = subprocess.run([sys.executable, "-m", "kvscale", "serve", "--device", "cpu", *flags], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr, done.stderr

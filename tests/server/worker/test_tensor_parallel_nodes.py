@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -139,6 +140,9 @@ def test_two_nodes_decode_as_one(tiny_llama, one_rank_tokens, one_thread_per_ran
         engine = built["engine"]
         assert isinstance(engine, LLMEngine)
         assert _generate(engine, _prompts(), run_to_completion, "p") == one_rank_tokens
+        # Every node is in: the leader listens no more, so a further connection is refused.
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port + 1), timeout=5)
         engine.runner.close()  # type: ignore[attr-defined]
         out, _ = node.communicate(timeout=30)
         assert node.returncode == 0, out  # the leader stopped the group
