@@ -40,6 +40,7 @@ from torch import nn
 
 from kvscale.kernels import cpu_native
 from kvscale.server.worker.cpu_features import CpuFeatures, cpu_features
+from kvscale.server.worker.moe import stack_cpu_experts
 
 # x86 CPUs on which MKL takes its generic path (Arm builds of torch use no MKL: left as they are).
 _X86_NOT_INTEL = frozenset({"AuthenticAMD", "HygonGenuine"})
@@ -172,9 +173,11 @@ class AmxLinear(PackedLinear):
 
 
 def lay_out_cpu_linears(model: nn.Module) -> None:
-    """Give every ``nn.Linear`` of a CPU model its weight layout (see the module docstring)."""
+    """Give every ``nn.Linear`` of a CPU model its weight layout (see the module docstring), but
+    the experts a mixture-of-experts block runs from its stacked matrices (server/worker/moe.py)."""
+    plain = stack_cpu_experts(model)
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear)]
+               if isinstance(child, nn.Linear) and id(child) not in plain]
     seen: set[int] = set()
     for parent, name, linear in linears:
         onednn = onednn_packs(linear.weight.dtype)

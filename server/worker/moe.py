@@ -11,6 +11,14 @@ host once per layer to size those gathers, which is why a CUDA graph cannot hold
 (server/worker/decode_graphs.py). Where Triton runs (CUDA, or ``KVSCALE_FORCE_TRITON``), the
 fused kernel of kernels/moe_triton.py computes the same block in two launches instead.
 
+On the CPU where the C kernels build, the experts run in one call per layer (kernels/moe_cpu.py,
+the same contract): :func:`stack_cpu_experts` stacks each block's expert matrices once at load
+(the experts' ``nn.Linear`` weights become views of the stacks, left in their plain layout), and
+the kernel reads each expert's matrices once for all its pairs. The loop made some 250 PyTorch
+calls per layer on a 16-row decode step, whose rows reach most experts with one or two rows
+each; their dispatch, not the multiply-adds, was the step's time (docs/performance.md, "At a
+glance", MoE decode).
+
 Numerics follow transformers: the router's logits in the model's dtype, softmax in float32, the
 top-k, renormalized where the family does; the experts added in ascending order.
 """
@@ -24,7 +32,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from kvscale.kernels import layer_ops
+from kvscale.kernels import layer_ops, moe_cpu
 from kvscale.kernels import moe as fused_moe
 
 
@@ -70,6 +78,29 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)  # the router
         self.experts = nn.ModuleList(Expert(hidden_size, moe.intermediate_size) for _ in range(moe.num_experts))
         self.expert_weights: fused_moe.ExpertWeights | None = None  # the fused kernel's, on first use
+        # The experts' gate|up [experts, 2I, hidden] and down [experts, hidden, I] matrices, once
+        # stack_experts has made them (the CPU's C kernel's operands); None: the per-expert loop.
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
+
+    def stack_experts(self) -> bool:
+        """Stack the experts' matrices for the CPU's C kernel, each expert's ``nn.Linear`` weights
+        then views of the stacks (no second copy); whether it did: plain bias-free experts of a
+        dtype the kernel takes, on the CPU, where the C kernels build."""
+        if not moe_cpu.native_available() or not all(type(e) is Expert for e in self.experts):
+            return False
+        projections = [(e.gate_up_proj, e.down_proj) for e in cast("list[Expert]", list(self.experts))]
+        if not all(type(g) is nn.Linear and type(d) is nn.Linear and g.bias is None and d.bias is None
+                   for g, d in projections):
+            return False
+        weight = projections[0][0].weight
+        if not weight.is_cpu or weight.dtype not in moe_cpu.DTYPES:
+            return False
+        self.w13 = torch.stack([g.weight.detach() for g, _ in projections])
+        self.w2 = torch.stack([d.weight.detach() for _, d in projections])
+        for e, (g, d) in enumerate(projections):
+            g.weight.data, d.weight.data = self.w13[e], self.w2[e]
+        return True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's routing weights and experts, ``[rows, top_k]`` each."""
@@ -99,6 +130,8 @@ class SparseMoeBlock(nn.Module):
         weights, experts = self.route(x)
         if (out := self.fused(x, weights, experts)) is not None:
             return out
+        if self.w13 is not None and self.w2 is not None and x.is_cpu and x.dtype == self.w13.dtype:
+            return self._forward_stacked(x, weights, experts)
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         rows_of = order // self.moe.top_k  # the row of each (row, expert) pair, grouped by expert
@@ -113,6 +146,31 @@ class SparseMoeBlock(nn.Module):
                 out.index_add_(0, rows, scaled.to(x.dtype))
             start += count
         return out
+
+    def _forward_stacked(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The loop's result from one C call: each row's experts put in ascending order, the
+        kernel writes each pair's scaled output at its (row, rank) place, and the row's pairs are
+        summed in that order in the model's dtype (kernels/moe.py's contract)."""
+        assert self.w13 is not None and self.w2 is not None
+        experts, ranks = experts.sort(dim=-1)
+        weights = weights.gather(-1, ranks)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # pairs grouped by expert; order[p]: pair p's (row, rank) place
+        counts = torch.bincount(flat, minlength=self.moe.num_experts)
+        y = moe_cpu.moe_experts(x.contiguous(), order // self.moe.top_k,
+                                weights.flatten().index_select(0, order).float(), order, counts, self.w13, self.w2)
+        return fused_moe.sum_by_expert(y.view(x.shape[0], self.moe.top_k, x.shape[1]))
+
+
+def stack_cpu_experts(model: nn.Module) -> set[int]:
+    """Stack the experts of every plain :class:`SparseMoeBlock` of a CPU model for the C kernel;
+    the ids of the ``nn.Linear`` modules it left plain (their weights are the stacks' views: a
+    layout of their own would copy them)."""
+    plain: set[int] = set()
+    for block in model.modules():
+        if type(block) is SparseMoeBlock and block.stack_experts():
+            plain.update(id(m) for e in block.experts for m in (e.gate_up_proj, e.down_proj))
+    return plain
 
 
 def moe_weights(take: Callable[[str], torch.Tensor], names: Mapping[str, object], prefix: str,

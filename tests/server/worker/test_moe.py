@@ -68,7 +68,8 @@ def rows(count: int, seed: int = 1) -> torch.Tensor:
 @pytest.mark.parametrize("config", [mixtral_config(), qwen3_moe_config(), qwen3_moe_config(norm_topk_prob=True)],
                          ids=["mixtral", "qwen3_moe", "qwen3_moe-renormalized"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_block_computes_what_transformers_block_does(config, dtype):
+@pytest.mark.parametrize("path", ["loop", "stacked"])
+def test_the_block_computes_what_transformers_block_does(config, dtype, path):
     """float32: transformers' outputs. bfloat16: the same experts per row, and each output no
     further from the exact (float64) block on the same bf16 weights and rows than transformers'
     bf16 outputs are, by more than a little. Not elementwise against transformers: the two bf16
@@ -77,9 +78,13 @@ def test_the_block_computes_what_transformers_block_does(config, dtype):
     few inputs (a gate of 5.9375) lands on the other side of a bf16 rounding, and the bf16
     index_add of experts whose outputs nearly cancel turns that ulp into a large relative error.
     Which inputs hit that depends on the CPU (the AVX-512 loops' division is not the AVX2
-    loops'), so only the error against the exact block is a claim that holds on every CPU."""
+    loops'), so only the error against the exact block is a claim that holds on every CPU.
+    ``stacked``: the experts in the CPU's C kernel (kernels/moe_cpu.py), its bf16 dot products
+    summed in another order than oneDNN's, held to the same bounds."""
     theirs, ours = their_block(config)
     theirs, ours = theirs.to(dtype), ours.to(dtype)
+    if path == "stacked":  # the C kernels build on every machine the suite runs on
+        assert ours.stack_experts() and ours.w13 is not None
     x = rows(37).to(dtype)
     with torch.inference_mode():
         expected = theirs(x[None])[0]
@@ -105,10 +110,13 @@ def test_the_block_computes_what_transformers_block_does(config, dtype):
     assert ours_error.max() <= 1.25 * their_error.max(), (ours_error.max(), their_error.max())
 
 
-def test_each_row_of_a_batch_gets_its_own_experts_alone():
+@pytest.mark.parametrize("path", ["loop", "stacked"])
+def test_each_row_of_a_batch_gets_its_own_experts_alone(path):
     """A batch mixing rows (a prompt chunk's and decodes') gives each row what it gives alone, and
     what a row-by-row reference over that row's own top-k experts gives."""
     _, block = their_block(qwen3_moe_config(norm_topk_prob=True))
+    if path == "stacked":
+        assert block.stack_experts()
     x = rows(29)
     with torch.inference_mode():
         batched = block(x)
@@ -174,6 +182,28 @@ def test_the_one_call_cpu_layers_step_aside_for_experts(mixtral_checkpoint, capl
     with caplog.at_level(logging.INFO, logger="kvscale.server.worker.cpu_step_layers"):
         assert CpuStepLayers.for_model(model) is None
     assert "no mixture-of-experts block" in caplog.text
+
+
+def test_a_cpu_model_runs_its_experts_from_stacked_matrices(mixtral_checkpoint):
+    """Where the C kernels build, loading stacks each block's experts once: the experts'
+    ``nn.Linear`` weights are views of the stacks (nothing held twice), left in their plain
+    layout, and the block gives what its per-expert loop gives on the same weights."""
+    from torch import nn
+
+    model = load_model(mixtral_checkpoint, load_model_config(mixtral_checkpoint), torch.float32, torch.device("cpu"))
+    block = model.layers[1].mlp
+    assert block.w13 is not None and block.w2 is not None
+    assert tuple(block.w13.shape) == (6, 2 * 96, HIDDEN) and tuple(block.w2.shape) == (6, HIDDEN, 96)
+    expert = block.experts[3]
+    assert type(expert.gate_up_proj) is nn.Linear and type(expert.down_proj) is nn.Linear
+    assert expert.gate_up_proj.weight.data_ptr() == block.w13[3].data_ptr()
+    assert expert.down_proj.weight.data_ptr() == block.w2[3].data_ptr()
+    x = rows(9)
+    with torch.inference_mode():
+        stacked = block(x)
+        block.w13 = None
+        loop = block(x)
+    torch.testing.assert_close(stacked, loop)
 
 
 def test_an_engine_runs_experts_in_bfloat16_and_decodes_eagerly(mixtral_checkpoint, run_to_completion, caplog):

@@ -1,0 +1,236 @@
+/* A mixture-of-experts block's experts on CPUs in one call: every (row, expert) pair of a batch
+ * through its expert's gated MLP, scaled by its routing weight (server/worker/moe.py).
+ *
+ *   for each pair p of row r and expert e, routing weight w_p:
+ *     g, u = (W13_e x_r)[:I], (W13_e x_r)[I:]     each rounded to the dtype
+ *     a    = silu(g) * u                          rounded
+ *     y_p  = (W2_e a) * w_p                       the product rounded, then the scaled one
+ *
+ * Why: PyTorch runs an expert as a handful of calls (a gather, two GEMMs, SiLU, a scale, a
+ * scatter-add), so a 16-row decode step, whose rows reach most experts with one or two rows each,
+ * made some 250 calls per layer, each costing more in dispatch than its few rows' multiply-adds.
+ * Here each expert's two matrices are read once for all its rows, in one parallel region.
+ *
+ * Pairs come sorted by expert (`sorted_rows`: the row of each, `counts`: how many each expert
+ * has), are cut into tiles of at most TILE_ROWS pairs of one expert, and y_p is stored at row
+ * `dest[p]` of `y` [pairs, hidden]: the caller lays the pairs out as it sums them. Weights are
+ * the experts' stacked [experts, 2I, hidden] and [experts, hidden, I], row-major. Two phases, a
+ * barrier between: (tile, block of I) items into a scratch of the activations, then
+ * (tile, block of hidden) items into y. float32 or bfloat16 (as uint16) tensors, float32 sums,
+ * bf16 rounded (to nearest even) where PyTorch's ops round. Portable C, vectorised by gcc for
+ * the machine it builds for (-march=native), the dtype a literal in each loop (cpu_lora.c says why).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#define KVSCALE_MOE_OK 0
+#define KVSCALE_MOE_NO_MEMORY 2
+
+#define TILE_ROWS 16
+#define GROUP_ROWS 4
+#define GATE_BLOCK 16
+#define DOWN_BLOCK 32
+
+static inline __attribute__((always_inline)) float moe_get(const void *base, int64_t i, int is_bf16) {
+    if (!is_bf16) return ((const float *)base)[i];
+    union { uint32_t u; float f; } value = { .u = (uint32_t)((const uint16_t *)base)[i] << 16 };
+    return value.f;
+}
+
+static inline uint16_t moe_to_bf16(float f) {
+    union { float f; uint32_t u; } value = { .f = f };
+    return (uint16_t)((value.u + 0x7FFFu + ((value.u >> 16) & 1u)) >> 16);
+}
+
+static inline __attribute__((always_inline)) float moe_round(float f, int is_bf16) {
+    if (!is_bf16) return f;
+    union { uint32_t u; float f; } value = { .u = (uint32_t)moe_to_bf16(f) << 16 };
+    return value.f;
+}
+
+/* Sums of one weight row (n elements, the dtype) with `rows` (a literal, 1 to 4) vectors (the
+ * dtype where `v_dtype`, else float32). */
+static inline __attribute__((always_inline)) void dot_portable(const void *w, const void *const v[GROUP_ROWS],
+                                                               int64_t n, float s[GROUP_ROWS], int rows,
+                                                               int is_bf16, int v_dtype) {
+    const int v_bf16 = is_bf16 && v_dtype;
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+    for (int64_t k = 0; k < n; k++) {
+        const float a = moe_get(w, k, is_bf16);
+        s0 += a * moe_get(v[0], k, v_bf16);
+        if (rows > 1) s1 += a * moe_get(v[1], k, v_bf16);
+        if (rows > 2) s2 += a * moe_get(v[2], k, v_bf16);
+        if (rows > 3) s3 += a * moe_get(v[3], k, v_bf16);
+    }
+    s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+}
+
+#if defined(__AVX512BF16__)
+/* The same in bfloat16 on both sides with the CPU's bf16 dot products (VDPBF16PS: pairs of exact
+ * products into float32 lanes, as oneDNN's bf16 GEMM makes them), 32 elements a step. */
+static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, const void *const v[GROUP_ROWS],
+                                                           int64_t n, float s[GROUP_ROWS], int rows) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    const uint16_t *v0 = v[0], *v1 = v[1], *v2 = v[2], *v3 = v[3];
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+        const __m512bh wk = (__m512bh)_mm512_loadu_si512(w + k);
+        a0 = _mm512_dpbf16_ps(a0, wk, (__m512bh)_mm512_loadu_si512(v0 + k));
+        if (rows > 1) a1 = _mm512_dpbf16_ps(a1, wk, (__m512bh)_mm512_loadu_si512(v1 + k));
+        if (rows > 2) a2 = _mm512_dpbf16_ps(a2, wk, (__m512bh)_mm512_loadu_si512(v2 + k));
+        if (rows > 3) a3 = _mm512_dpbf16_ps(a3, wk, (__m512bh)_mm512_loadu_si512(v3 + k));
+    }
+    float t[GROUP_ROWS] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                           _mm512_reduce_add_ps(a3)};
+    for (; k < n; k++)
+        for (int j = 0; j < rows; j++) t[j] += moe_get(w, k, 1) * moe_get(v[j], k, 1);
+    for (int j = 0; j < GROUP_ROWS; j++) s[j] = t[j];
+}
+#endif
+
+/* dot_portable, or dot_bf16 where both sides are bfloat16 and the CPU has its dot products. */
+static inline __attribute__((always_inline)) void dot_rows(const void *w, const void *const v[GROUP_ROWS], int64_t n,
+                                                           float s[GROUP_ROWS], int rows, int is_bf16, int v_dtype) {
+#if defined(__AVX512BF16__)
+    if (is_bf16 && v_dtype) {
+        dot_bf16((const uint16_t *)w, v, n, s, rows);
+        return;
+    }
+#endif
+    dot_portable(w, v, n, s, rows, is_bf16, v_dtype);
+}
+
+/* dot_rows with the group's row count made a literal in each branch. */
+static inline __attribute__((always_inline)) void dot4(const void *w, const void *const v[GROUP_ROWS], int64_t n,
+                                                       float s[GROUP_ROWS], int64_t rows, int is_bf16, int v_dtype) {
+    switch (rows) {
+    case 1: dot_rows(w, v, n, s, 1, is_bf16, v_dtype); break;
+    case 2: dot_rows(w, v, n, s, 2, is_bf16, v_dtype); break;
+    case 3: dot_rows(w, v, n, s, 3, is_bf16, v_dtype); break;
+    default: dot_rows(w, v, n, s, 4, is_bf16, v_dtype); break;
+    }
+}
+
+/* Activations a[p][i0 .. i0 + n) of a tile's pairs (rows of x at rows[]), into the scratch `act`
+ * (the dtype, row stride inter: already rounded to it, so nothing is lost). A short group's
+ * missing rows point at its first (neither multiplied nor stored). */
+static inline __attribute__((always_inline)) void gate_block(
+    const void *x, int64_t x_stride, const int64_t *rows, int64_t count, const void *w13, int64_t hidden,
+    int64_t inter, int64_t i0, int64_t n, void *act, int is_bf16) {
+    const int64_t elem = is_bf16 ? 2 : 4;
+    for (int64_t g = 0; g < count; g += GROUP_ROWS) {
+        const void *xr[GROUP_ROWS];
+        for (int j = 0; j < GROUP_ROWS; j++)
+            xr[j] = (const char *)x + rows[g + j < count ? g + j : g] * x_stride * elem;
+        const int64_t rows_here = count - g < GROUP_ROWS ? count - g : GROUP_ROWS;
+        for (int64_t i = i0; i < i0 + n; i++) {
+            float gate[GROUP_ROWS], up[GROUP_ROWS];
+            dot4((const char *)w13 + i * hidden * elem, xr, hidden, gate, rows_here, is_bf16, 1);
+            dot4((const char *)w13 + (inter + i) * hidden * elem, xr, hidden, up, rows_here, is_bf16, 1);
+            for (int j = 0; j < GROUP_ROWS && g + j < count; j++) {
+                const float gv = moe_round(gate[j], is_bf16);
+                const float a = gv / (1.0f + expf(-gv)) * moe_round(up[j], is_bf16);
+                if (is_bf16) ((uint16_t *)act)[(g + j) * inter + i] = moe_to_bf16(a);
+                else ((float *)act)[(g + j) * inter + i] = a;
+            }
+        }
+    }
+}
+
+/* y[dest[p]][c0 .. c0 + n) of a tile's pairs from their activations (rows of `act`). */
+static inline __attribute__((always_inline)) void down_block(
+    const void *act, int64_t count, const void *w2, int64_t hidden, int64_t inter, int64_t c0, int64_t n,
+    const float *weights, const int64_t *dest, void *y, int is_bf16) {
+    const int64_t elem = is_bf16 ? 2 : 4;
+    for (int64_t g = 0; g < count; g += GROUP_ROWS) {
+        const void *ar[GROUP_ROWS];
+        for (int j = 0; j < GROUP_ROWS; j++) ar[j] = (const char *)act + (g + j < count ? g + j : g) * inter * elem;
+        const int64_t rows_here = count - g < GROUP_ROWS ? count - g : GROUP_ROWS;
+        for (int64_t c = c0; c < c0 + n; c++) {
+            float s[GROUP_ROWS];
+            dot4((const char *)w2 + c * inter * elem, ar, inter, s, rows_here, is_bf16, 1);
+            for (int j = 0; j < GROUP_ROWS && g + j < count; j++) {
+                const float v = moe_round(moe_round(s[j], is_bf16) * weights[g + j], is_bf16);
+                const int64_t at = dest[g + j] * hidden + c;
+                if (is_bf16) ((uint16_t *)y)[at] = moe_to_bf16(v);
+                else ((float *)y)[at] = v;
+            }
+        }
+    }
+}
+
+static void experts(const void *x, int64_t x_stride, const int64_t *sorted_rows, const float *weights,
+                    const int64_t *dest, const int64_t *tiles, int64_t num_tiles, const void *w13, const void *w2,
+                    int64_t hidden, int64_t inter, char *act, void *y, int is_bf16, int threads) {
+    const int64_t elem = is_bf16 ? 2 : 4;
+    const int64_t gate_blocks = (inter + GATE_BLOCK - 1) / GATE_BLOCK;
+    const int64_t down_blocks = (hidden + DOWN_BLOCK - 1) / DOWN_BLOCK;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < num_tiles * gate_blocks; item++) {
+            const int64_t *tile = tiles + 3 * (item / gate_blocks);
+            const int64_t i0 = (item % gate_blocks) * GATE_BLOCK;
+            const int64_t n = inter - i0 < GATE_BLOCK ? inter - i0 : GATE_BLOCK;
+            const char *w = (const char *)w13 + tile[0] * 2 * inter * hidden * elem;
+            if (is_bf16)
+                gate_block(x, x_stride, sorted_rows + tile[1], tile[2], w, hidden, inter, i0, n,
+                           act + tile[1] * inter * elem, 1);
+            else
+                gate_block(x, x_stride, sorted_rows + tile[1], tile[2], w, hidden, inter, i0, n,
+                           act + tile[1] * inter * elem, 0);
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < num_tiles * down_blocks; item++) {
+            const int64_t *tile = tiles + 3 * (item / down_blocks);
+            const int64_t c0 = (item % down_blocks) * DOWN_BLOCK;
+            const int64_t n = hidden - c0 < DOWN_BLOCK ? hidden - c0 : DOWN_BLOCK;
+            const char *w = (const char *)w2 + tile[0] * hidden * inter * elem;
+            if (is_bf16)
+                down_block(act + tile[1] * inter * elem, tile[2], w, hidden, inter, c0, n, weights + tile[1],
+                           dest + tile[1], y, 1);
+            else
+                down_block(act + tile[1] * inter * elem, tile[2], w, hidden, inter, c0, n, weights + tile[1],
+                           dest + tile[1], y, 0);
+        }
+    }
+}
+
+/* x [rows, hidden] (row stride x_stride elements); sorted_rows, weights, dest [pairs]; counts
+ * [num_experts]: the pairs of each expert, in order; w13 [num_experts, 2 * inter, hidden], w2
+ * [num_experts, hidden, inter]; y [pairs, hidden]. Returns KVSCALE_MOE_NO_MEMORY where the
+ * scratch could not be allocated. */
+int kvscale_moe_experts(const void *x, int64_t x_stride, const int64_t *sorted_rows, const float *weights,
+                        const int64_t *dest, int64_t num_pairs, const int64_t *counts, int64_t num_experts,
+                        const void *w13, const void *w2, int64_t hidden, int64_t inter, void *y, int32_t is_bf16,
+                        int32_t threads) {
+    if (num_pairs == 0) return KVSCALE_MOE_OK;
+    int64_t num_tiles = 0;
+    for (int64_t e = 0; e < num_experts; e++) num_tiles += (counts[e] + TILE_ROWS - 1) / TILE_ROWS;
+    int64_t *tiles = malloc((size_t)(3 * num_tiles) * sizeof(int64_t));
+    char *act = malloc((size_t)(num_pairs * inter) * (is_bf16 ? 2 : 4));
+    if (tiles == NULL || act == NULL) {
+        free(tiles);
+        free(act);
+        return KVSCALE_MOE_NO_MEMORY;
+    }
+    int64_t t = 0, start = 0;
+    for (int64_t e = 0; e < num_experts; e++) {
+        for (int64_t first = 0; first < counts[e]; first += TILE_ROWS, t++) {
+            tiles[3 * t] = e;
+            tiles[3 * t + 1] = start + first;
+            tiles[3 * t + 2] = counts[e] - first < TILE_ROWS ? counts[e] - first : TILE_ROWS;
+        }
+        start += counts[e];
+    }
+    experts(x, x_stride, sorted_rows, weights, dest, tiles, num_tiles, w13, w2, hidden, inter, act, y, is_bf16,
+            threads);
+    free(tiles);
+    free(act);
+    return KVSCALE_MOE_OK;
+}
