@@ -62,18 +62,17 @@ def run_headless(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"kvscale serve: {exc}", file=sys.stderr)
         return 2
-    ranks = layout.node_ranks(layout.node_rank)
-    print(f"kvscale: headless {layout.node_name(layout.node_rank)} of {layout.nnodes}, for the leader at "
-          f"{layout.master_addr}:{layout.step_port}", flush=True)
+    name = layout.node_name(layout.node_rank)
+    print(f"kvscale: headless {name} of {layout.nnodes}, for the leader at {layout.master_addr}:{layout.step_port}",
+          flush=True)
     try:
         serve_node(layout, path, authkey.encode(), time.monotonic() + START_TIMEOUT_S)
     except LeaderGone as exc:
         print(f"kvscale serve --headless: {exc}", file=sys.stderr)
         return 1
-    except Exception as exc:  # noqa: BLE001 - one line for the operator, the cause in the log
-        logger.debug("node failed", exc_info=True)
-        print(f"kvscale serve --headless: ranks {ranks[0]}-{ranks[-1]} stopped: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - the traceback in the log, then one line
+        logger.error("%s failed", name, exc_info=True)
+        print(f"kvscale serve --headless: {name} stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print("kvscale serve --headless: the leader stopped the group", flush=True)
     return 0
@@ -115,7 +114,7 @@ def serve_node(layout: tp_nodes.NodeLayout, path: Path, authkey: bytes, deadline
         runner = ModelRunner(model, start.block_size, start.dtype, device, kv_cache_dtype=start.kv_cache_dtype)
         ranks.wait_ready()
         conn.send_bytes(pickle.dumps(("ready",)))
-        logger.info("kvscale: ranks %d-%d ready (pids %s, %s)", first, first + len(others),
+        logger.info("kvscale: %s ready (pids %s, %s)", layout.node_name(layout.node_rank),
                     ",".join(str(pid) for pid in [os.getpid(), *(p.pid for p in processes)]), dist.get_backend())
         while True:
             try:

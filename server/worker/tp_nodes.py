@@ -85,8 +85,7 @@ class NodeLayout:
 
     def node_name(self, node: int) -> str:
         ranks = self.node_ranks(node)
-        return f"node {node} (rank{'s' if len(ranks) > 1 else ''} " + \
-            (f"{ranks[0]}-{ranks[-1]})" if len(ranks) > 1 else f"{ranks[0]})")
+        return f"node {node} ({f'ranks {ranks[0]}-{ranks[-1]}' if len(ranks) > 1 else f'rank {ranks[0]}'})"
 
 
 @dataclass(frozen=True)
@@ -101,11 +100,14 @@ class NodeStart:
     model: str  # repr of the model's DecoderSpec
 
 
+def _timeval(seconds: float) -> bytes:
+    return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+
+
 def _set_recv_timeout(sock: socket.socket, seconds: float) -> None:
     """An OS-level receive timeout (0: none) on a blocking socket: multiprocessing's Connection
     reads the descriptor itself, so a Python-level timeout would not reach it."""
-    whole = int(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
 
 
 def _connection(sock: socket.socket, *, send_timeout_s: float = 0.0) -> Connection:
@@ -114,8 +116,7 @@ def _connection(sock: socket.socket, *, send_timeout_s: float = 0.0) -> Connecti
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in _KEEPALIVE:
         sock.setsockopt(socket.IPPROTO_TCP, option, value)
-    whole = int(send_timeout_s)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send_timeout_s))
     _set_recv_timeout(sock, HANDSHAKE_TIMEOUT_S)
     return Connection(sock.detach())
 
@@ -154,10 +155,6 @@ class NodeLinks:
                 why = f"sent a message that does not read ({exc})"
             self.failures[i] = f"{self.names[i]} {why}"
         return [self.failures[i] for i in sorted(self.failures)]
-
-    def close(self) -> None:
-        for conn in self.conns:
-            conn.close()
 
 
 def accept_nodes(layout: NodeLayout, start: NodeStart, timeout_s: float, send_timeout_s: float) -> NodeLinks:
@@ -211,8 +208,11 @@ def accept_nodes(layout: NodeLayout, start: NodeStart, timeout_s: float, send_ti
     # The leader reads a node only once its connection is readable: the handshake's receive
     # timeout stays, so a message that stops halfway fails instead of holding the engine.
     links = NodeLinks(layout, admitted)
-    for conn in links.conns:
-        conn.send_bytes(pickle.dumps(("welcome", start)))
+    for name, conn in zip(links.names, links.conns, strict=True):
+        try:
+            conn.send_bytes(pickle.dumps(("welcome", start)))
+        except OSError as exc:
+            raise RuntimeError(f"tensor-parallel {name} went before the start: {exc}") from exc
     return links
 
 
@@ -277,7 +277,7 @@ def await_start(conn: Connection, deadline: float) -> NodeStart:
     if not conn.poll(max(0.0, deadline - time.monotonic())):
         raise RuntimeError("the leader did not start the group in time (another node missing?)")
     try:
-        reply = _recv(conn, MAX_REPLY_BYTES)
+        reply = _recv(conn, MAX_STEP_BYTES)
     except EOFError as exc:
         raise RuntimeError("the leader closed the connection before the start") from exc
     if reply[0] == "refused":

@@ -206,7 +206,7 @@ def test_four_ranks_over_two_nodes_relay_each_step(eight_head_llama, one_thread_
         assert len(engine.runner.ranks.processes) == 1  # type: ignore[attr-defined]  # rank 1; 2-3 the node's
         assert _generate(engine, _prompts(), run_to_completion, "p") == one_rank
         assert node.stdout is not None
-        while not (ready := re.search(r"ranks 2-3 ready \(pids (\d+),(\d+)", node.stdout.readline())):
+        while not (ready := re.search(r"node 1 \(ranks 2-3\) ready \(pids (\d+),(\d+)", node.stdout.readline())):
             assert node.poll() is None
         engine.add_request("doomed", _prompts()[1], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
                                                                     ignore_eos=True))
