@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--baseline", choices=["vllm", "hf"], default="vllm",
                         help="hf: transformers generate() without trying vLLM")
+    parser.add_argument("--settle-s", type=float, default=0.3,
+                        help="pause before each pass: the last side's OpenMP threads stop spinning")
     parser.add_argument("--before-checkout", default=None, help="a tree of another commit: its kvscale as a side")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -213,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.rounds):
                 for batch in args.batch_sizes:
                     for side in rotated(order, r):
+                        time.sleep(args.settle_s)
                         full = children[side].run(batch, args.output_len)
+                        time.sleep(args.settle_s)
                         one = children[side].run(batch, 1)
                         tok_s[str(batch)][side].append(
                             decode_tok_s(batch, args.output_len, full["seconds"], one["seconds"]))
