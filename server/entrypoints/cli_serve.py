@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: auto)")
     model.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
                        help="split the model's heads, MLP and vocabulary over N ranks (processes; "
-                            "torch.distributed, gloo on CPU, NCCL on GPUs): N must divide the query "
+                            "torch.distributed, gloo on CPU, NCCL on GPUs; every node's with --nnodes): "
+                            "N must divide the query "
                             "heads; not gemma3_text or gpt_oss, --quantization or the host KV tier yet "
                             "(default 1; docs/engine.md)")
     nodes = parser.add_argument_group("tensor parallel over several nodes (docs/engine.md, \"Ranks on several nodes\")")
@@ -71,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     nodes.add_argument("--master-addr", default=None, metavar="ADDR",
                        help="the leader's address: torch.distributed meets on --master-port, the steps go "
                             "to the nodes from --master-port + 1 (default 127.0.0.1)")
-    nodes.add_argument("--master-port", type=int, default=None, metavar="PORT", help="(default 29500)")
+    nodes.add_argument("--master-port", type=int, default=None, metavar="PORT",
+                       help="torch.distributed's rendezvous on the leader; the leader takes the other nodes' "
+                            "connections on PORT + 1 (default 29500)")
     nodes.add_argument("--headless", action="store_true",
                        help="run only this node's ranks for the leader at --master-addr, no API server; "
                             "exits when the leader goes")
