@@ -24,6 +24,7 @@ import pytest
 import yaml
 from chart_helpers import Helm
 from gie_crd import inference_pool_crd
+from lws_crd import leader_worker_set_crd
 from testenv import kwok_toleration
 
 from kvscale.operator.children.router import ENDPOINTSLICES_RULE
@@ -61,8 +62,10 @@ OPERATOR_RULES = {
     ("", "events", "create"),
     *{("", "configmaps", v) for v in ("get", "create", "patch", "delete")},
     *{("inference.networking.k8s.io", "inferencepools", v) for v in ("get", "create", "patch", "delete")},
+    *{("leaderworkerset.x-k8s.io", "leaderworkersets", v) for v in ("get", "create", "patch", "delete")},
 }
 POOL_RULES = {rule for rule in OPERATOR_RULES if rule[1] == "inferencepools"}
+LWS_RULES = {rule for rule in OPERATOR_RULES if rule[1] == "leaderworkersets"}
 # What the operator does in each namespace it serves (kubectl's resource spelling).
 GRANTED = [
     ("list", "inferenceservices.serving.kvscale.io"), ("watch", "inferenceservices.serving.kvscale.io"),
@@ -75,6 +78,7 @@ GRANTED = [
     *[(verb, "endpointslices.discovery.k8s.io") for verb in ENDPOINTSLICES_RULE["verbs"]],
     ("create", "configmaps"), ("patch", "configmaps"), ("delete", "configmaps"),
     *[(verb, "inferencepools.inference.networking.k8s.io") for verb in ("get", "create", "patch", "delete")],
+    *[(verb, "leaderworkersets.leaderworkerset.x-k8s.io") for verb in ("get", "create", "patch", "delete")],
 ]
 # What it never may, wherever it serves.
 REFUSED_IN_SERVED = [
@@ -85,6 +89,8 @@ REFUSED_IN_SERVED = [
     ("list", "configmaps"), ("watch", "configmaps"), ("deletecollection", "deployments.apps"),
     ("list", "inferencepools.inference.networking.k8s.io"),
     ("watch", "inferencepools.inference.networking.k8s.io"),
+    ("list", "leaderworkersets.leaderworkerset.x-k8s.io"),
+    ("watch", "leaderworkersets.leaderworkerset.x-k8s.io"),
     ("patch", "horizontalpodautoscalers.autoscaling"),
     ("escalate", "roles.rbac.authorization.k8s.io"), ("bind", "roles.rbac.authorization.k8s.io"),
     ("bind", "clusterroles.rbac.authorization.k8s.io"),
@@ -144,10 +150,13 @@ def ensure_namespaces(env, *names: str) -> None:
 def chart_rbac(helm, k8s_env) -> Iterator[dict[str, list[dict]]]:
     """Both modes applied side by side (different releases and ServiceAccounts)."""
     env = k8s_env
-    # GIE's InferencePool CRD too: `kubectl auth can-i` names a resource the API serves.
-    pool_crd = inference_pool_crd()
+    # GIE's InferencePool and LWS's LeaderWorkerSet CRDs too: `kubectl auth can-i` names a
+    # resource the API serves.
+    pool_crd, lws_crd = inference_pool_crd(), leader_worker_set_crd()
     env.kubectl("apply", "-f", str(REPO_ROOT / "crds"), "-f", str(pool_crd))
+    env.kubectl("apply", "--server-side", "-f", str(lws_crd))
     env.wait_established("inferencepools.inference.networking.k8s.io")
+    env.wait_established("leaderworkersets.leaderworkerset.x-k8s.io")
     ensure_namespaces(env, CLUSTER_WIDE[1], NAMESPACED[1], *WATCHED, UNWATCHED, ANYWHERE)
     modes = {
         "cluster-wide": rendered(helm, *CLUSTER_WIDE),
@@ -165,6 +174,7 @@ def chart_rbac(helm, k8s_env) -> Iterator[dict[str, list[dict]]]:
         for name in (CLUSTER_WIDE[1], NAMESPACED[1], *WATCHED, UNWATCHED, ANYWHERE):
             env.kubectl("delete", "namespace", name, "--wait=false", check=False)
         env.kubectl("delete", "-f", str(pool_crd), "--ignore-not-found", "--wait=false", check=False)
+        env.kubectl("delete", "-f", str(lws_crd), "--ignore-not-found", "--wait=false", check=False)
 
 
 def test_the_rules_held_are_the_rules_used(chart_rbac):
@@ -179,6 +189,15 @@ def test_inference_pool_disabled_drops_the_pool_rules(helm):
         release = NAMESPACED if mode else CLUSTER_WIDE
         assert held_rules(rendered(helm, *release, *mode, "inferencePool.enabled=false"), kind) \
             == OPERATOR_RULES - POOL_RULES
+
+
+def test_leader_worker_set_disabled_drops_its_rules(helm):
+    """The chart's leaderWorkerSet.enabled false: the operator may not touch LeaderWorkerSets."""
+    for mode in ((), (f"operator.watchNamespaces={{{','.join(WATCHED)}}}",)):
+        kind = "Role" if mode else "ClusterRole"
+        release = NAMESPACED if mode else CLUSTER_WIDE
+        assert held_rules(rendered(helm, *release, *mode, "leaderWorkerSet.enabled=false"), kind) \
+            == OPERATOR_RULES - LWS_RULES
 
 
 def test_cluster_wide_mode(chart_rbac, k8s_env):

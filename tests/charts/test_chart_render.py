@@ -103,7 +103,7 @@ def test_network_policies_select_what_the_operator_creates(helm):
     # Every kvscale pod's ingress said outright (test_chart_networkpolicies.py: who reaches whom).
     assert set(policies) == {(ns, f"kvscale-{part}") for ns in ("default", "kvscale-system")
                              for part in ("redis", "servers", "client-facing-servers", "pool-servers",
-                                          "routers")
+                                          "ranks", "routers")
                              } | {("kvscale-system", "kvscale-router")}
 
     def selects(selector: dict, labels: dict) -> bool:
