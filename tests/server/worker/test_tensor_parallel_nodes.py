@@ -1,8 +1,8 @@
 """Tensor-parallel ranks on several nodes (server/worker/tp_nodes.py, tp_headless.py): the
 settings refused, then two "nodes" on this machine, an engine as the leader (TP 2, --nnodes 2)
-and `kvscale serve --headless --node-rank 1` as a separate process, greedy-equal to TP 1; a node
-with the wrong key refused while the leader keeps waiting; a killed node failing the next step
-with an error naming it; a leader's stop ending the node cleanly. TP 4 over 2 nodes runs a local
+and `kvscale serve --headless --node-rank 1` as a separate process, greedy-equal to TP 1; nodes
+with the wrong key or another group's shape refused while the leader keeps waiting; a killed
+node failing the next step with an error naming it; a leader's stop ending the node cleanly. TP 4 over 2 nodes runs a local
 rank on each: the node's first rank relays each step to its second, and that one killed fails
 the leader's next step naming both.
 """
@@ -133,6 +133,10 @@ def test_two_nodes_decode_as_one(tiny_llama, one_rank_tokens, one_thread_per_ran
     out, _ = impostor.communicate(timeout=120)
     assert impostor.returncode == 1, out
     assert "refused this node's KVSCALE_TP_AUTHKEY" in out, out
+    stranger = _headless(tiny_llama, port, KEY, size=4)  # the key, but another group's shape
+    out, _ = stranger.communicate(timeout=120)
+    assert stranger.returncode == 1, out
+    assert "the leader refused this node: it has --tensor-parallel-size 4 --nnodes 2" in out, out
     node = _headless(tiny_llama, port, KEY)
     try:
         leader.join(timeout=180)
