@@ -90,6 +90,17 @@ def test_a_node_without_a_leader_gives_up_at_its_deadline() -> None:
 
 # --- two nodes on this machine --------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def _no_group_left_behind():
+    """A test that fails before closing its engine leaves this process in a torch.distributed
+    group, which would refuse the next engine of ranks here."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(bundled_model_path, tmp_path_factory) -> Path:
     """test_tensor_parallel.py's checkpoint: 6 query heads, 2 KV heads, 500 vocabulary rows."""
