@@ -1,24 +1,27 @@
 /* A mixture-of-experts block's experts on CPUs in one call: every (row, expert) pair of a batch
- * through its expert's gated MLP, scaled by its routing weight (server/worker/moe.py).
+ * through its expert's gated MLP, scaled by its routing weight, and each row's pairs summed
+ * (server/worker/moe.py; the contract is kernels/moe.py's).
  *
  *   for each pair p of row r and expert e, routing weight w_p:
  *     g, u = (W13_e x_r)[:I], (W13_e x_r)[I:]     each rounded to the dtype
  *     a    = silu(g) * u                          rounded
  *     y_p  = (W2_e a) * w_p                       the product rounded, then the scaled one
+ *   out_r = y of r's pairs summed in ascending expert order, rounded after each addition
  *
  * Why: PyTorch runs an expert as a handful of calls (a gather, two GEMMs, SiLU, a scale, a
  * scatter-add), so a 16-row decode step, whose rows reach most experts with one or two rows each,
  * made some 250 calls per layer, each costing more in dispatch than its few rows' multiply-adds.
  * Here each expert's two matrices are read once for all its rows, in one parallel region.
  *
- * Pairs come sorted by expert (`sorted_rows`: the row of each, `counts`: how many each expert
- * has), are cut into tiles of at most TILE_ROWS pairs of one expert, and y_p is stored at row
- * `dest[p]` of `y` [pairs, hidden]: the caller lays the pairs out as it sums them. Weights are
- * the experts' stacked [experts, 2I, hidden] and [experts, hidden, I], row-major. Two phases, a
- * barrier between: (tile, block of I) items into a scratch of the activations, then
- * (tile, block of hidden) items into y. float32 or bfloat16 (as uint16) tensors, float32 sums,
- * bf16 rounded (to nearest even) where PyTorch's ops round. Portable C, vectorised by gcc for
- * the machine it builds for (-march=native), the dtype a literal in each loop (cpu_lora.c says why).
+ * The pairs are sorted by expert (a counting sort: within an expert by row, as a stable argsort
+ * orders them) and cut into tiles of at most TILE_ROWS pairs of one expert. Weights are the
+ * experts' stacked [experts, 2I, hidden] and [experts, hidden, I], row-major. Three phases, a
+ * barrier after each: (tile, block of I) items into a scratch of the activations, (tile, block
+ * of hidden) items into y at each pair's (row, rank of its expert among the row's) place, and
+ * (row, block of hidden) items summing a row's ranks into out. float32 or bfloat16 (as uint16)
+ * tensors, float32 sums, bf16 rounded (to nearest even) where PyTorch's ops round. Portable C,
+ * vectorised by gcc for the machine it builds for (-march=native), the dtype a literal in each
+ * loop (cpu_lora.c says why), and the CPU's bf16 dot products where it has them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -75,21 +78,28 @@ static inline __attribute__((always_inline)) void dot_portable(const void *w, co
  * products into float32 lanes, as oneDNN's bf16 GEMM makes them), 32 elements a step. */
 static inline __attribute__((always_inline)) void dot_bf16(const uint16_t *w, const void *const v[GROUP_ROWS],
                                                            int64_t n, float s[GROUP_ROWS], int rows) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    const uint16_t *v0 = v[0], *v1 = v[1], *v2 = v[2], *v3 = v[3];
+    /* Two chains a row (even and odd 32-element steps): one chain would wait on the previous
+     * VDPBF16PS's latency at every step when a group has one or two rows. */
+    __m512 a[GROUP_ROWS], b[GROUP_ROWS];
+    const uint16_t *vr[GROUP_ROWS];
+    for (int j = 0; j < GROUP_ROWS; j++) a[j] = b[j] = _mm512_setzero_ps(), vr[j] = v[j];
     int64_t k = 0;
-    for (; k + 32 <= n; k += 32) {
-        const __m512bh wk = (__m512bh)_mm512_loadu_si512(w + k);
-        a0 = _mm512_dpbf16_ps(a0, wk, (__m512bh)_mm512_loadu_si512(v0 + k));
-        if (rows > 1) a1 = _mm512_dpbf16_ps(a1, wk, (__m512bh)_mm512_loadu_si512(v1 + k));
-        if (rows > 2) a2 = _mm512_dpbf16_ps(a2, wk, (__m512bh)_mm512_loadu_si512(v2 + k));
-        if (rows > 3) a3 = _mm512_dpbf16_ps(a3, wk, (__m512bh)_mm512_loadu_si512(v3 + k));
+    for (; k + 64 <= n; k += 64) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k), w1 = (__m512bh)_mm512_loadu_si512(w + k + 32);
+        for (int j = 0; j < rows; j++) {
+            a[j] = _mm512_dpbf16_ps(a[j], w0, (__m512bh)_mm512_loadu_si512(vr[j] + k));
+            b[j] = _mm512_dpbf16_ps(b[j], w1, (__m512bh)_mm512_loadu_si512(vr[j] + k + 32));
+        }
     }
-    float t[GROUP_ROWS] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
-                           _mm512_reduce_add_ps(a3)};
-    for (; k < n; k++)
-        for (int j = 0; j < rows; j++) t[j] += moe_get(w, k, 1) * moe_get(v[j], k, 1);
-    for (int j = 0; j < GROUP_ROWS; j++) s[j] = t[j];
+    for (; k + 32 <= n; k += 32) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k);
+        for (int j = 0; j < rows; j++) a[j] = _mm512_dpbf16_ps(a[j], w0, (__m512bh)_mm512_loadu_si512(vr[j] + k));
+    }
+    for (int j = 0; j < rows; j++) {
+        float t = _mm512_reduce_add_ps(_mm512_add_ps(a[j], b[j]));
+        for (int64_t i = k; i < n; i++) t += moe_get(w, i, 1) * moe_get(vr[j], i, 1);
+        s[j] = t;
+    }
 }
 #endif
 
@@ -164,9 +174,24 @@ static inline __attribute__((always_inline)) void down_block(
     }
 }
 
-static void experts(const void *x, int64_t x_stride, const int64_t *sorted_rows, const float *weights,
-                    const int64_t *dest, const int64_t *tiles, int64_t num_tiles, const void *w13, const void *w2,
-                    int64_t hidden, int64_t inter, char *act, void *y, int is_bf16, int threads) {
+/* out[r][c0 .. c0 + n) = y[r][0] + y[r][1] + ... in the dtype, rounded after each addition. */
+static inline __attribute__((always_inline)) void sum_block(const void *y, int64_t k, int64_t hidden, int64_t r,
+                                                            int64_t c0, int64_t n, void *out, int is_bf16) {
+    float acc[DOWN_BLOCK];
+    for (int64_t c = 0; c < n; c++) acc[c] = moe_get(y, (r * k) * hidden + c0 + c, is_bf16);
+    for (int64_t j = 1; j < k; j++)
+        for (int64_t c = 0; c < n; c++)
+            acc[c] = moe_round(acc[c] + moe_get(y, (r * k + j) * hidden + c0 + c, is_bf16), is_bf16);
+    for (int64_t c = 0; c < n; c++) {
+        if (is_bf16) ((uint16_t *)out)[r * hidden + c0 + c] = moe_to_bf16(acc[c]);
+        else ((float *)out)[r * hidden + c0 + c] = acc[c];
+    }
+}
+
+static void block(const void *x, int64_t x_stride, int64_t rows, int64_t k, const int64_t *sorted_rows,
+                  const float *weights, const int64_t *dest, const int64_t *tiles, int64_t num_tiles, const void *w13,
+                  const void *w2, int64_t hidden, int64_t inter, char *act, void *y, void *out, int is_bf16,
+                  int threads) {
     const int64_t elem = is_bf16 ? 2 : 4;
     const int64_t gate_blocks = (inter + GATE_BLOCK - 1) / GATE_BLOCK;
     const int64_t down_blocks = (hidden + DOWN_BLOCK - 1) / DOWN_BLOCK;
@@ -198,39 +223,63 @@ static void experts(const void *x, int64_t x_stride, const int64_t *sorted_rows,
                 down_block(act + tile[1] * inter * elem, tile[2], w, hidden, inter, c0, n, weights + tile[1],
                            dest + tile[1], y, 0);
         }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < rows * down_blocks; item++) {
+            const int64_t r = item / down_blocks, c0 = (item % down_blocks) * DOWN_BLOCK;
+            const int64_t n = hidden - c0 < DOWN_BLOCK ? hidden - c0 : DOWN_BLOCK;
+            if (is_bf16) sum_block(y, k, hidden, r, c0, n, out, 1);
+            else sum_block(y, k, hidden, r, c0, n, out, 0);
+        }
     }
 }
 
-/* x [rows, hidden] (row stride x_stride elements); sorted_rows, weights, dest [pairs]; counts
- * [num_experts]: the pairs of each expert, in order; w13 [num_experts, 2 * inter, hidden], w2
- * [num_experts, hidden, inter]; y [pairs, hidden]. Returns KVSCALE_MOE_NO_MEMORY where the
- * scratch could not be allocated. */
-int kvscale_moe_experts(const void *x, int64_t x_stride, const int64_t *sorted_rows, const float *weights,
-                        const int64_t *dest, int64_t num_pairs, const int64_t *counts, int64_t num_experts,
-                        const void *w13, const void *w2, int64_t hidden, int64_t inter, void *y, int32_t is_bf16,
-                        int32_t threads) {
-    if (num_pairs == 0) return KVSCALE_MOE_OK;
-    int64_t num_tiles = 0;
-    for (int64_t e = 0; e < num_experts; e++) num_tiles += (counts[e] + TILE_ROWS - 1) / TILE_ROWS;
-    int64_t *tiles = malloc((size_t)(3 * num_tiles) * sizeof(int64_t));
-    char *act = malloc((size_t)(num_pairs * inter) * (is_bf16 ? 2 : 4));
-    if (tiles == NULL || act == NULL) {
-        free(tiles);
-        free(act);
+/* x [rows, hidden] (row stride x_stride elements); topk_ids and topk_weights [rows, k]: each
+ * row's k distinct experts, each below num_experts, and their weights; w13 [num_experts,
+ * 2 * inter, hidden], w2 [num_experts, hidden, inter]; out [rows, hidden]. Returns
+ * KVSCALE_MOE_NO_MEMORY where the scratch could not be allocated. */
+int kvscale_moe_block(const void *x, int64_t x_stride, const int64_t *topk_ids, const float *topk_weights,
+                      int64_t rows, int64_t k, int64_t num_experts, const void *w13, const void *w2, int64_t hidden,
+                      int64_t inter, void *out, int32_t is_bf16, int32_t threads) {
+    const int64_t pairs = rows * k, elem = is_bf16 ? 2 : 4;
+    if (pairs == 0) return KVSCALE_MOE_OK;
+    int64_t *starts = calloc((size_t)num_experts + 1, sizeof(int64_t));
+    int64_t *plan = malloc((size_t)(3 * pairs) * sizeof(int64_t));  /* sorted rows, dest, tiles */
+    float *weights = malloc((size_t)pairs * sizeof(float));
+    char *act = malloc((size_t)(pairs * inter * elem));
+    char *y = malloc((size_t)(pairs * hidden * elem));
+    if (starts == NULL || plan == NULL || weights == NULL || act == NULL || y == NULL) {
+        free(starts), free(plan), free(weights), free(act), free(y);
         return KVSCALE_MOE_NO_MEMORY;
     }
-    int64_t t = 0, start = 0;
-    for (int64_t e = 0; e < num_experts; e++) {
-        for (int64_t first = 0; first < counts[e]; first += TILE_ROWS, t++) {
-            tiles[3 * t] = e;
-            tiles[3 * t + 1] = start + first;
-            tiles[3 * t + 2] = counts[e] - first < TILE_ROWS ? counts[e] - first : TILE_ROWS;
-        }
-        start += counts[e];
+    int64_t *sorted_rows = plan, *dest = plan + pairs;
+    for (int64_t p = 0; p < pairs; p++) starts[topk_ids[p] + 1]++;
+    for (int64_t e = 0; e < num_experts; e++) starts[e + 1] += starts[e];
+    int64_t num_tiles = 0;
+    for (int64_t e = 0; e < num_experts; e++) num_tiles += (starts[e + 1] - starts[e] + TILE_ROWS - 1) / TILE_ROWS;
+    int64_t *tiles = num_tiles * 3 <= pairs ? plan + 2 * pairs : malloc((size_t)(3 * num_tiles) * sizeof(int64_t));
+    if (tiles == NULL) {
+        free(starts), free(plan), free(weights), free(act), free(y);
+        return KVSCALE_MOE_NO_MEMORY;
     }
-    experts(x, x_stride, sorted_rows, weights, dest, tiles, num_tiles, w13, w2, hidden, inter, act, y, is_bf16,
-            threads);
-    free(tiles);
-    free(act);
+    int64_t t = 0;
+    for (int64_t e = 0; e < num_experts; e++)
+        for (int64_t first = starts[e]; first < starts[e + 1]; first += TILE_ROWS, t++) {
+            tiles[3 * t] = e;
+            tiles[3 * t + 1] = first;
+            tiles[3 * t + 2] = starts[e + 1] - first < TILE_ROWS ? starts[e + 1] - first : TILE_ROWS;
+        }
+    for (int64_t p = 0; p < pairs; p++) {  /* row by row: each expert's pairs in row order */
+        const int64_t r = p / k, e = topk_ids[p];
+        int64_t rank = 0;
+        for (int64_t j = 0; j < k; j++) rank += topk_ids[r * k + j] < e;
+        const int64_t at = starts[e]++;
+        sorted_rows[at] = r;
+        dest[at] = r * k + rank;
+        weights[at] = topk_weights[p];
+    }
+    block(x, x_stride, rows, k, sorted_rows, weights, dest, tiles, num_tiles, w13, w2, hidden, inter, act, y, out,
+          is_bf16, threads);
+    if (tiles != plan + 2 * pairs) free(tiles);
+    free(starts), free(plan), free(weights), free(act), free(y);
     return KVSCALE_MOE_OK;
 }

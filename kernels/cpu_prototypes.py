@@ -37,10 +37,10 @@ C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     # slices, num_slices, in, is_bf16, num_threads
     "kvscale_lora_sgmv": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I32,
                                          _I64, _I32, _I32]),
-    # x, x_stride, sorted_rows, weights, dest, num_pairs, counts, num_experts, w13, w2, hidden, inter, y,
-    # is_bf16, num_threads
-    "kvscale_moe_experts": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64,
-                                           _PTR, _I32, _I32]),
+    # x, x_stride, topk_ids, topk_weights, rows, k, num_experts, w13, w2, hidden, inter, out, is_bf16,
+    # num_threads
+    "kvscale_moe_block": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR,
+                                         _I32, _I32]),
     # key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, num_tokens, row, elem
     "kvscale_write_kv": (ctypes.c_int, [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64]),
     # key, key_stride, value, value_stride, k_cache, v_cache, num_slots, slots, num_tokens, row, is_bf16,

@@ -148,18 +148,11 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def _forward_stacked(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The loop's result from one C call: each row's experts put in ascending order, the
-        kernel writes each pair's scaled output at its (row, rank) place, and the row's pairs are
-        summed in that order in the model's dtype (kernels/moe.py's contract)."""
+        """The loop's result from one C call: the pairs grouped by expert, each scaled by its
+        weight, each row's summed in ascending expert order in the model's dtype (kernels/moe.py's
+        contract)."""
         assert self.w13 is not None and self.w2 is not None
-        experts, ranks = experts.sort(dim=-1)
-        weights = weights.gather(-1, ranks)
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)  # pairs grouped by expert; order[p]: pair p's (row, rank) place
-        counts = torch.bincount(flat, minlength=self.moe.num_experts)
-        y = moe_cpu.moe_experts(x.contiguous(), order // self.moe.top_k,
-                                weights.flatten().index_select(0, order).float(), order, counts, self.w13, self.w2)
-        return fused_moe.sum_by_expert(y.view(x.shape[0], self.moe.top_k, x.shape[1]))
+        return moe_cpu.moe_block(x.contiguous(), experts, weights, self.w13, self.w2)
 
 
 def stack_cpu_experts(model: nn.Module) -> set[int]:
