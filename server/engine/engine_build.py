@@ -105,8 +105,7 @@ def _start_ranks(config: EngineConfig, path: Path, model_config: Any, dtype: tor
     from kvscale.server.worker.tp_shard import tensor_parallel_refusal
 
     why = tensor_parallel_refusal(config.tensor_parallel_size, getattr(model_config, "model_type", None),
-                                  model_spec(model_config), quantization=config.quantization,
-                                  kv_offloading_size=config.kv_offloading_size)
+                                  model_spec(model_config), quantization=config.quantization)
     if why is not None:
         raise ValueError(why)
     layout = NodeLayout(config.tensor_parallel_size, config.nnodes, config.node_rank, config.master_addr,
@@ -209,9 +208,14 @@ def build_engine(config: EngineConfig) -> EngineParts:
     # the slots once more: the CPU path's copy of them stacked (kernels/lora_dense.py).
     room, room_what = host_memory_room()
     host_lora = (slots.host_bytes + (2 * slots.device_bytes if device.type == "cpu" else 0)) if slots else 0
+    # Under tensor parallel ``block_bytes`` is one rank's (its heads'), and the size the total
+    # over the ranks, as vLLM's; each of this node's ranks holds a KV cache and a share of it
+    # (docs/engine.md, "Tensor parallel").
+    ranks_here = config.tensor_parallel_size // config.nnodes
     num_host_blocks = host_tier_blocks(
         config.kv_offloading_size, block_bytes, host_room_bytes=room, host_room_what=room_what,
-        other_host_bytes=(kv_cache_bytes if device.type == "cpu" else 0) + host_lora,
+        other_host_bytes=(ranks_here * kv_cache_bytes if device.type == "cpu" else 0) + host_lora,
+        ranks=config.tensor_parallel_size, ranks_here=ranks_here,
     ) if config.enable_prefix_caching else 0
     host = HostTier(num_host_blocks) if num_host_blocks else None
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, host)

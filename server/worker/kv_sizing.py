@@ -190,26 +190,34 @@ def _gib(num_bytes: int) -> str:
 
 # --- the second KV tier (host memory) ---------------------------------------------------------
 def host_tier_blocks(
-    size_gib: float, block_bytes: int, *, host_room_bytes: int, host_room_what: str, other_host_bytes: int = 0
+    size_gib: float, block_bytes: int, *, host_room_bytes: int, host_room_what: str, other_host_bytes: int = 0,
+    ranks: int = 1, ranks_here: int = 1,
 ) -> int:
     """Blocks of the host tier for ``--kv-offloading-size`` GiB, or a ValueError saying why it
-    does not fit: the tier plus ``other_host_bytes`` (the KV cache itself, when it too lives in
-    host memory) must fit in ``host_room_bytes`` (what the machine or the pod's cgroup leaves)."""
+    does not fit. Under tensor parallel the size is the total over the ``ranks`` (vLLM's
+    meaning), each holding its share in slots of its own heads (``block_bytes``: one rank's
+    block); ``ranks_here`` of them hold theirs in this machine's memory. Those, plus
+    ``other_host_bytes`` (the KV caches, when they too live in host memory), must fit in
+    ``host_room_bytes`` (what the machine or the pod's cgroup leaves)."""
     if size_gib <= 0:
         return 0
-    if block_bytes < 1:
-        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
-    wanted = int(size_gib * GIB)
+    if block_bytes < 1 or ranks < 1 or not 1 <= ranks_here <= ranks:
+        raise ValueError(f"block_bytes, ranks and ranks_here must be positive (ranks_here at most ranks), got "
+                         f"{block_bytes}, {ranks}, {ranks_here}")
+    wanted = int(size_gib * GIB) // ranks
     num_blocks = wanted // block_bytes
+    over = f" over {ranks} tensor-parallel ranks" if ranks > 1 else ""
     if num_blocks < 1:
         raise ValueError(
-            f"--kv-offloading-size {size_gib:g} GiB is smaller than one KV block ({block_bytes} bytes)"
+            f"--kv-offloading-size {size_gib:g} GiB{over} is smaller than one KV block "
+            f"({block_bytes} bytes{' a rank' if ranks > 1 else ''})"
         )
-    needed = num_blocks * block_bytes + other_host_bytes
+    needed = ranks_here * num_blocks * block_bytes + other_host_bytes
     if needed > host_room_bytes:
         also = f" plus the {_gib(other_host_bytes)} GiB KV cache in host memory" if other_host_bytes else ""
+        here = f" ({ranks_here} of its {ranks} ranks' shares on this machine)" if ranks > 1 else ""
         raise ValueError(
-            f"--kv-offloading-size {size_gib:g} GiB{also} needs {_gib(needed)} GiB of host memory but "
+            f"--kv-offloading-size {size_gib:g} GiB{here}{also} needs {_gib(needed)} GiB of host memory but "
             f"only {_gib(host_room_bytes)} GiB is available ({host_room_what}). "
             f"Decrease --kv-offloading-size (or the KV cache), or give the pod more memory"
         )

@@ -7,8 +7,9 @@ The scheduler runs once, in rank 0. Each forward pass rank 0 prepares (the flatt
 positions, attention metadata) goes to every other rank over a pipe before rank 0 runs it: a
 pickled message of a few small tensors, cheaper than a collective and, unlike one, free to wait
 without a timeout while the engine is idle. Then every rank runs the pass, meeting at the
-collectives inside it; only rank 0 samples. Block copies and the KV cache's allocation go the
-same way, so every rank's cache holds the same blocks, each of its own heads.
+collectives inside it; only rank 0 samples. Block copies, the KV cache's allocation and the host
+tier's (its slots and each step's copies between the tiers) go the same way, so every rank's
+cache and host tier hold the same blocks, each of its own heads (tp_messages.py).
 
 A dead rank never hangs the engine: before each message rank 0 checks the processes are alive,
 a collective whose peer died fails (gloo sees the closed connection; the process group's timeout
@@ -37,11 +38,13 @@ from typing import Any
 import torch
 
 from kvscale.processes import free_port
+from kvscale.server.core.block_pool import TierCopies
 from kvscale.server.worker import tp_nodes
 from kvscale.server.worker.attention_metadata import AttentionMetadata
 from kvscale.server.worker.model_runner import ModelRunner
 from kvscale.server.worker.sampler import Sampler
 from kvscale.server.worker.start_up_passes import StepProfile
+from kvscale.server.worker.tp_messages import apply_message, portable
 
 logger = logging.getLogger(__name__)
 
@@ -97,27 +100,6 @@ def load_shard(path: Path, hf_config: Any, dtype: torch.dtype, device: torch.dev
     return model.eval()
 
 
-def _map_tensors(value: Any, move: Any) -> Any:
-    """``value`` with ``move`` applied to every tensor in it, through nested dataclasses."""
-    if isinstance(value, torch.Tensor):
-        return move(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: _map_tensors(getattr(value, f.name), move)
-                                             for f in dataclasses.fields(value)})
-    return value
-
-
-def _portable(meta: AttentionMetadata) -> AttentionMetadata:
-    """The metadata without its kernel backend (each rank has its own), on the host."""
-    portable: AttentionMetadata = _map_tensors(dataclasses.replace(meta, kernels=None),  # type: ignore[arg-type]
-                                               torch.Tensor.cpu)
-    return portable
-
-
-def _on_device(meta: AttentionMetadata, device: torch.device, kernels: Any) -> AttentionMetadata:
-    return dataclasses.replace(_map_tensors(meta, lambda t: t.to(device)), kernels=kernels)
-
-
 def run_rank(settings: RankSettings, conn: Any) -> None:
     """A rank process's main: join the group, load the shard, then mirror rank 0's messages."""
     from kvscale.processes import die_with_parent
@@ -157,32 +139,6 @@ def _serve(runner: ModelRunner, conn: Any) -> None:
             return
         if not apply_message(runner, message):
             return
-
-
-@torch.inference_mode()
-def apply_message(runner: ModelRunner, message: tuple[Any, ...]) -> bool:
-    """Run one of rank 0's messages on this rank; False for the last one."""
-    model = runner.model
-    kind = message[0]
-    if kind == "stop":
-        return False
-    if kind == "alloc":
-            # Not allocate_kv_cache: its GPU warm-up is rank 0's, mirrored pass by pass.
-        num_blocks, max_model_len = message[1], message[2]
-        runner.kv_cache, runner.kv_caches = runner._new_kv_cache(num_blocks)
-        model.build_rope_cache(max_model_len)
-        runner.num_blocks, runner.max_model_len = num_blocks, max_model_len
-    elif kind == "copy":
-        runner.copy_blocks(message[1])
-    elif kind == "forward":
-        ids, positions, meta, logits_indices = message[1:]
-        device = runner.device
-        hidden = model.hidden_states(ids.to(device), positions.to(device), runner.kv_caches,
-                                     _on_device(meta, device, runner.kernels), logits_indices.to(device))
-        model.compute_logits(hidden)  # joins the head's all-gather; rank 0 samples
-    else:
-        raise ValueError(f"unknown tensor-parallel message {kind!r}")
-    return True
 
 
 class RankProcesses:
@@ -267,7 +223,7 @@ class _MirroredModel:
     def hidden_states(self, ids: torch.Tensor, positions: torch.Tensor,
                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                       logits_indices: torch.Tensor) -> torch.Tensor:
-        self._ranks.send(("forward", ids.cpu(), positions.cpu(), _portable(meta), logits_indices.cpu()))
+        self._ranks.send(("forward", ids.cpu(), positions.cpu(), portable(meta), logits_indices.cpu()))
         return self._guarded(self._model.hidden_states, ids, positions, kv_caches, meta, logits_indices)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -286,7 +242,8 @@ class _MirroredModel:
 
 
 class TensorParallelRunner(ModelRunner):
-    """Rank 0's runner: the plain one, whose passes, block copies and cache also run on the others."""
+    """Rank 0's runner: the plain one, whose passes, block copies, cache and host tier also run on
+    the others."""
 
     def __init__(self, model: Any, ranks: RankProcesses, block_size: int, dtype: torch.dtype,
                  device: torch.device, *, kv_cache_dtype: torch.dtype) -> None:
@@ -300,6 +257,15 @@ class TensorParallelRunner(ModelRunner):
         assert not num_window_blocks, "a window KV group on tensor-parallel ranks"
         self.ranks.send(("alloc", num_blocks, max_model_len))
         super().allocate_kv_cache(num_blocks, max_model_len)
+
+    def allocate_host_cache(self, num_slots: int) -> None:
+        self.ranks.send(("host_alloc", num_slots))
+        super().allocate_host_cache(num_slots)
+
+    def move_between_tiers(self, copies: TierCopies) -> None:
+        if copies:
+            self.ranks.send(("tiers", copies))
+        super().move_between_tiers(copies)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:

@@ -89,11 +89,11 @@ def serve_node(layout: tp_nodes.NodeLayout, path: Path, authkey: bytes, deadline
     from kvscale.server.worker.tp_group import (
         COLLECTIVE_TIMEOUT_S,
         RankProcesses,
-        apply_message,
         load_shard,
         rank_device,
         spawn_ranks,
     )
+    from kvscale.server.worker.tp_messages import apply_message
 
     hf_config = load_model_config(str(path))
     conn = tp_nodes.connect_to_leader(layout, authkey, deadline)

@@ -60,8 +60,7 @@ def vocab_shard(vocab_size: int, size: int, rank: int) -> tuple[int, int]:
     return rank * rows, rows
 
 
-def tensor_parallel_refusal(size: int, model_type: str | None, spec: Any, *, quantization: str | None,
-                            kv_offloading_size: float) -> str | None:
+def tensor_parallel_refusal(size: int, model_type: str | None, spec: Any, *, quantization: str | None) -> str | None:
     """Why ``size`` ranks cannot serve this model with these settings; None if they can."""
     if size == 1:
         return None
@@ -78,8 +77,6 @@ def tensor_parallel_refusal(size: int, model_type: str | None, spec: Any, *, qua
                 f"{spec.intermediate_size}")
     if quantization is not None:
         return f"--quantization {quantization} is not supported with tensor parallel yet"
-    if kv_offloading_size > 0:
-        return "the host KV tier (--kv-offloading-size) is not supported with tensor parallel yet"
     return None
 
 

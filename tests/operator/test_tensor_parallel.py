@@ -35,8 +35,7 @@ def test_the_bundled_models_shape_and_refusals_agree_with_the_engine():
         tensor_parallel.BUNDLED_NUM_HEADS, tensor_parallel.BUNDLED_NUM_KV_HEADS,
         tensor_parallel.BUNDLED_INTERMEDIATE_SIZE)
     for size in range(1, 17):  # the CRD's resources.gpus range
-        engine = tensor_parallel_refusal(size, config.model_type, spec, quantization=None,
-                                         kv_offloading_size=0.0)
+        engine = tensor_parallel_refusal(size, config.model_type, spec, quantization=None)
         assert (engine is None) == (tensor_parallel.bundled_refusal(size) is None), size
 
 

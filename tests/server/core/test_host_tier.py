@@ -196,6 +196,21 @@ def test_host_tier_sizing_and_its_errors():
         host_tier_blocks(1e-9, 1024**2, host_room_bytes=gib, host_room_what="x")
 
 
+def test_host_tier_size_is_the_total_over_the_tensor_parallel_ranks():
+    """vLLM's meaning of --kv-offloading-size at TP > 1: the ranks share it, each in slots of its
+    own heads' block; only the ranks on this machine count against its memory."""
+    gib, mib = 1024**3, 1024**2
+    # 1 GiB over 4 ranks: 256 MiB a rank, 256 slots of 1 MiB each (the pool's blocks: one slot
+    # holds a block on every rank).
+    assert host_tier_blocks(1, mib, host_room_bytes=gib // 2, host_room_what="x", ranks=4, ranks_here=2) == 256
+    with pytest.raises(ValueError, match=r"4 GiB \(2 of its 2 ranks' shares on this machine\) needs 4.00 GiB"):
+        host_tier_blocks(4, mib, host_room_bytes=3 * gib, host_room_what="x", ranks=2, ranks_here=2)
+    # The other node holds the other rank's share: this machine needs half.
+    assert host_tier_blocks(4, mib, host_room_bytes=3 * gib, host_room_what="x", ranks=2, ranks_here=1) == 2048
+    with pytest.raises(ValueError, match=r"over 2 tensor-parallel ranks is smaller than one KV block"):
+        host_tier_blocks(1.5 * mib / gib, mib, host_room_bytes=gib, host_room_what="x", ranks=2)
+
+
 def test_host_memory_room_reads_the_cgroup_limit_when_it_is_lower(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 8000000 kB\nMemAvailable: 4000000 kB\n")

@@ -76,7 +76,7 @@ def _spec(**overrides: object) -> DecoderSpec:
 
 
 def test_refusals_name_what_is_not_supported() -> None:
-    ok = dict(quantization=None, kv_offloading_size=0.0)
+    ok = dict(quantization=None)
     assert tensor_parallel_refusal(1, "gemma3_text", _spec(), **ok) is None
     assert tensor_parallel_refusal(3, "llama", _spec(), **ok) is None
     assert "does not divide the model's 6 query heads" in (tensor_parallel_refusal(4, "llama", _spec(), **ok) or "")
@@ -90,10 +90,7 @@ def test_refusals_name_what_is_not_supported() -> None:
     whole = MoeSpec(num_experts=4, top_k=2, intermediate_size=36, norm_topk_prob=True, round_weights=False,
                     layers=(0, 1))
     assert tensor_parallel_refusal(3, "mixtral", _spec(moe=whole, intermediate_size=191), **ok) is None
-    assert "int8" in (tensor_parallel_refusal(2, "llama", _spec(), quantization="int8", kv_offloading_size=0.0)
-                      or "")
-    assert "host KV tier" in (tensor_parallel_refusal(2, "llama", _spec(), quantization=None,
-                                                      kv_offloading_size=1.0) or "")
+    assert "int8" in (tensor_parallel_refusal(2, "llama", _spec(), quantization="int8") or "")
 
 
 def test_shard_spec_is_the_smaller_model_each_rank_runs() -> None:
