@@ -13,7 +13,7 @@ tokens each, prefix caching off on every side, the same dtype on every side (``-
 Decode tok/s of a pass is ``B * (output_len - 1) / (t_full - t_one)``, ``t_one`` the same
 prompts with one output token (the prefill and the first token) timed in the same round. Each
 round runs every side once per batch size, the order rotated per round; the figure is the median
-of the rounds' paired ratios.
+of the rounds' paired ratios. The one-token passes' medians are recorded too (``prefill_s_median``).
 
     /tmp/quiet python -m bench.moe_decode            # writes bench/results/moe_decode.json
 
@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                 children["hf"] = start_side("hf", args, spec)
             order = list(children)
             tok_s: dict[str, dict[str, list[float]]] = {str(b): {s: [] for s in order} for b in args.batch_sizes}
+            # The one-token passes: each batch's prompts prefilled (and a first token sampled).
+            prefill_s: dict[str, dict[str, list[float]]] = {str(b): {s: [] for s in order} for b in args.batch_sizes}
             first_tokens: dict[str, dict[str, list[int]]] = {str(b): {} for b in args.batch_sizes}
             for r in range(args.rounds):
                 for batch in args.batch_sizes:
@@ -219,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                         full = children[side].run(batch, args.output_len)
                         time.sleep(args.settle_s)
                         one = children[side].run(batch, 1)
+                        prefill_s[str(batch)][side].append(one["seconds"])
                         tok_s[str(batch)][side].append(
                             decode_tok_s(batch, args.output_len, full["seconds"], one["seconds"]))
                         first_tokens[str(batch)].setdefault(side, full["first_tokens"])
@@ -228,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             for child in children.values():
                 child.close()
     summary = summarize(tok_s, baseline)
+    for batch, by_side in prefill_s.items():
+        summary[batch]["prefill_s_median"] = {side: statistics.median(v) for side, v in by_side.items()}
     print(json.dumps(summary, indent=1), flush=True)
     result = {
         "benchmark": "moe_decode",
