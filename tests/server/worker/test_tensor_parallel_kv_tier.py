@@ -25,11 +25,17 @@ from kvscale.server.sampling_params import SamplingParams
 VOCAB = 500
 BLOCK = 8
 POOL_BLOCKS = 16  # 128 tokens: the long prompt takes every block
-# 12 blocks of the whole model's heads (2 KV heads x 16 x 2 layers x K|V x float32 x 8 tokens):
-# at TP 2 the total is split, 6 blocks' bytes a rank, each rank's block half the size: 12 slots
-# at either size, room for the first prompt's prefix.
-HOST_SLOTS = 12
-HOST_GIB = HOST_SLOTS * 2 * 2 * 16 * 2 * 4 * BLOCK / 2**30
+HOST_SLOTS = 12  # room for the first prompt's prefix
+
+
+def host_gib(kv_heads: int) -> float:
+    """--kv-offloading-size for HOST_SLOTS blocks of the whole model's heads (16 wide, 2 layers,
+    K|V, float32): at TP N the total is split, 1/N a rank, and each rank's block is 1/N as large
+    where the ranks divide the KV heads, so the slots are as many at any N."""
+    return HOST_SLOTS * kv_heads * 16 * 2 * 2 * 4 * BLOCK / 2**30
+
+
+HOST_GIB = host_gib(kv_heads=2)
 
 
 def _tokens(seed: int, n: int) -> list[int]:

@@ -4,7 +4,8 @@ and `kvscale serve --headless --node-rank 1` as a separate process, greedy-equal
 with the wrong key or another group's shape refused while the leader keeps waiting; a killed
 node failing the next step with an error naming it; a leader's stop ending the node cleanly. TP 4 over 2 nodes runs a local
 rank on each: the node's first rank relays each step to its second, and that one killed fails
-the leader's next step naming both.
+the leader's next step naming both. The host KV tier's messages reach the node's ranks too: a
+prefix restored from it at TP 4 over 2 nodes is greedy-equal to TP 1's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tensor_parallel import NEW_TOKENS, VOCAB, _engine, _generate, _prompts  # noqa: E402
+from test_tensor_parallel_kv_tier import (  # noqa: E402
+    assert_restored,
+    assert_same,
+    evict_and_restore,
+    host_gib,
+    tier_engine,
+)
 from tiny_checkpoints import (  # noqa: E402
     copy_tokenizer,
     decoder_layer_shapes,
@@ -232,6 +240,26 @@ def test_four_ranks_over_two_nodes_relay_each_step(eight_head_llama, one_thread_
             engine.step()
         engine.runner.close()  # type: ignore[attr-defined]
         assert node.wait(timeout=30) == 1
+    finally:
+        node.kill()
+        node.wait()
+
+
+def test_four_ranks_over_two_nodes_restore_a_prefix_from_the_host_tier(eight_head_llama, one_thread_per_rank,
+                                                                       run_to_completion, monkeypatch) -> None:
+    """The host tier's allocation and copies go down the node's connection, and its first rank
+    relays them to its second: every rank restores the prefix's blocks of its own KV head."""
+    size_gib = host_gib(kv_heads=4)
+    one_rank = evict_and_restore(tier_engine(eight_head_llama, 1, size_gib), run_to_completion)
+    monkeypatch.setenv("KVSCALE_TP_AUTHKEY", KEY)
+    port = free_port()
+    node = _headless(eight_head_llama, port, KEY, size=4)
+    try:
+        engine = tier_engine(eight_head_llama, 4, size_gib, nnodes=2, node_rank=0, master_port=port)
+        assert_same(evict_and_restore(engine, run_to_completion), one_rank)
+        assert_restored(engine)
+        engine.runner.close()  # type: ignore[attr-defined]
+        assert node.wait(timeout=30) == 0
     finally:
         node.kill()
         node.wait()
