@@ -57,9 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: auto)")
     model.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
                        help="split the model's heads, MLP and vocabulary over N ranks (processes; "
-                            "torch.distributed, gloo on CPU, NCCL on GPUs; every node's with --nnodes): "
-                            "N must divide the query "
-                            "heads; not gemma3_text or gpt_oss, --quantization or the host KV tier yet "
+                            "torch.distributed, gloo on CPU, NCCL on GPUs; every node's with --nnodes), for "
+                            "every model family served: N must divide the query heads and the MLP's (and the "
+                            "experts') intermediate size; not with --quantization or --enable-lora yet, and on "
+                            "a GPU the KV pool needs --num-gpu-blocks-override or --kv-cache-memory-bytes "
                             "(default 1; docs/engine.md)")
     nodes = parser.add_argument_group("tensor parallel over several nodes (docs/engine.md, \"Ranks on several nodes\")")
     nodes.add_argument("--nnodes", type=int, default=None, metavar="M",
@@ -131,7 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "the bytes for attention to read (CPU only; default auto)")
     cache.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
                        help="GiB of host memory for a second KV tier that evicted prefix blocks are "
-                            "demoted to and promoted back from (default 0: none)")
+                            "demoted to and promoted back from; with --tensor-parallel-size N the total "
+                            "over the N ranks, each holding 1/N, as vLLM's (default 0: none)")
 
     http = parser.add_argument_group("HTTP server")
     http.add_argument("--host", default=None,
