@@ -59,9 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="split the model's heads, MLP and vocabulary over N ranks (processes; "
                             "torch.distributed, gloo on CPU, NCCL on GPUs; every node's with --nnodes), for "
                             "every model family served: N must divide the query heads and the MLP's (and the "
-                            "experts') intermediate size; not with --quantization or --enable-lora yet, and on "
-                            "a GPU the KV pool needs --num-gpu-blocks-override or --kv-cache-memory-bytes "
-                            "(default 1; docs/engine.md)")
+                            "experts') intermediate size; not with --quantization, --enable-lora or "
+                            "--speculative-config yet, and on a GPU the KV pool needs "
+                            "--num-gpu-blocks-override or --kv-cache-memory-bytes (default 1; docs/engine.md)")
     nodes = parser.add_argument_group("tensor parallel over several nodes (docs/engine.md, \"Ranks on several nodes\")")
     nodes.add_argument("--nnodes", type=int, default=None, metavar="M",
                        help="nodes the --tensor-parallel-size ranks span (it counts them all; a multiple of M): "
