@@ -14,10 +14,11 @@ fused kernel of kernels/moe_triton.py computes the same block in two launches in
 On the CPU where the C kernels build, the experts run in one call per layer (kernels/moe_cpu.py,
 the same contract): :func:`stack_cpu_experts` stacks each block's expert matrices once at load
 (the experts' ``nn.Linear`` weights become views of the stacks, left in their plain layout), and
-the kernel reads each expert's matrices once for all its pairs. The loop made some 250 PyTorch
-calls per layer on a 16-row decode step, whose rows reach most experts with one or two rows
-each; their dispatch, not the multiply-adds, was the step's time (docs/performance.md, "At a
-glance", MoE decode).
+the kernel reads each expert's matrices once for all its pairs, up to :func:`stacked_pays`'s
+pairs per expert (a long prefill chunk's many run the loop, on those plain weights). The loop
+made some 250 PyTorch calls per layer on a 16-row decode step, whose rows reach most experts
+with one or two rows each; their dispatch, not the multiply-adds, was the step's time
+(docs/performance.md, "At a glance", MoE decode).
 
 Numerics follow transformers: the router's logits in the model's dtype, softmax in float32, the
 top-k, renormalized where the family does; the experts added in ascending order.
@@ -34,6 +35,20 @@ from torch import nn
 
 from kvscale.kernels import layer_ops, moe_cpu
 from kvscale.kernels import moe as fused_moe
+
+# The most (row, expert) pairs per expert, on average over the block's experts, that the CPU's C
+# kernel takes; past them the per-expert loop's GEMMs (oneDNN's blocked kernels) are the faster.
+# One block of 32 experts, top-4, 512 wide, expert intermediate 256, 2 threads, Zen 5 EPYC
+# (AVX-512 BF16), kernel ÷ loop on plain weights: bfloat16 0.16 at 2 pairs per expert, 0.57 at
+# 16, 1.01 at 32, 1.31 at 64; float32 0.14 at 2, 0.56 at 32, 0.90 at 128 (the loop's float32
+# GEMM is MKL's generic path on this CPU: server/worker/cpu_linear.py).
+STACKED_PAIRS_PER_EXPERT_MAX = {torch.bfloat16: 32, torch.float32: 128}
+
+
+def stacked_pays(rows: int, top_k: int, num_experts: int, dtype: torch.dtype) -> bool:
+    """Whether a block's ``rows`` run in the C kernel rather than the per-expert loop: a decode
+    step's few pairs per expert always, a long prefill chunk's many not (see the limits above)."""
+    return rows * top_k <= STACKED_PAIRS_PER_EXPERT_MAX.get(dtype, 0) * num_experts
 
 
 @dataclass(frozen=True)
@@ -130,7 +145,8 @@ class SparseMoeBlock(nn.Module):
         weights, experts = self.route(x)
         if (out := self.fused(x, weights, experts)) is not None:
             return out
-        if self.w13 is not None and self.w2 is not None and x.is_cpu and x.dtype == self.w13.dtype:
+        if (self.w13 is not None and self.w2 is not None and x.is_cpu and x.dtype == self.w13.dtype
+                and stacked_pays(x.shape[0], self.moe.top_k, self.moe.num_experts, x.dtype)):
             return self._forward_stacked(x, weights, experts)
         flat = experts.flatten()
         order = flat.argsort(stable=True)

@@ -10,13 +10,14 @@ import shutil
 import pytest
 import torch
 
+from kvscale.kernels import moe_cpu
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.llm_engine import LLMEngine
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.worker.model_config import load_model_config
 from kvscale.server.worker.model_loader import load_model
 from kvscale.server.worker.model_moe import mixtral_spec, qwen3_moe_spec
-from kvscale.server.worker.moe import MoeSpec, SparseMoeBlock
+from kvscale.server.worker.moe import MoeSpec, SparseMoeBlock, stacked_pays
 
 HIDDEN = 64
 SHAPES = dict(vocab_size=512, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -131,6 +132,25 @@ def test_each_row_of_a_batch_gets_its_own_experts_alone(path):
         assert set(experts.flatten().tolist()) == set(range(block.moe.num_experts))
         order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(3))
         torch.testing.assert_close(block(x[order]), batched[order])
+
+
+def test_the_c_kernel_takes_a_decode_steps_few_pairs_per_expert_and_not_a_long_chunks():
+    assert stacked_pays(16, 4, 32, torch.bfloat16) and stacked_pays(1, 8, 128, torch.bfloat16)
+    assert stacked_pays(256, 4, 32, torch.bfloat16) and not stacked_pays(257, 4, 32, torch.bfloat16)
+    assert stacked_pays(1024, 4, 32, torch.float32) and not stacked_pays(1025, 4, 32, torch.float32)
+    assert not stacked_pays(1, 1, 8, torch.float16)  # a dtype the kernel does not take
+
+
+def test_a_long_chunk_runs_the_loop_on_the_stacked_weights():
+    """Past the kernel's limit the block runs its per-expert loop, whose experts' weights are now
+    views of the stacks: the same result as the kernel's on the same rows."""
+    _, block = their_block(qwen3_moe_config())
+    assert block.stack_experts()
+    many = rows(300)
+    assert not stacked_pays(300, 3, 6, torch.float32)  # 150 pairs per expert
+    with torch.inference_mode():
+        weights, experts = block.route(many)
+        torch.testing.assert_close(block(many), moe_cpu.moe_block(many, experts, weights, block.w13, block.w2))
 
 
 def test_a_routing_no_forward_could_run_is_refused():
