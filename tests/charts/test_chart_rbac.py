@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from chart_helpers import Helm
-from gie_crd import inference_pool_crd
-from lws_crd import leader_worker_set_crd
+from module_crds import inference_pool_crd, leader_worker_set_crd
 from testenv import kwok_toleration
 
 from kvscale.operator.children.router import ENDPOINTSLICES_RULE

@@ -1,6 +1,6 @@
 """spec.router.inferencePool on the real kube-apiserver, reconciled by `kvscale operator` under its
 own RBAC and admission policies (deploy/rbac.yaml), with GIE's released InferencePool CRD
-(tests/cluster/gie_crd.py): without the CRD the service serves and says what is missing; with it
+(tests/cluster/module_crds.py): without the CRD the service serves and says what is missing; with it
 the pool appears, owned by the InferenceService; turned off, the pool and its picker Service go.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gie_crd import inference_pool_crd
+from module_crds import inference_pool_crd
 from operator_helpers import OperatorProcess, wait_for
 
 from kvscale.operator.kube import ApiError, Kube, load_connection, path_for

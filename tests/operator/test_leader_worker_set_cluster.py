@@ -1,6 +1,6 @@
 """spec.engine.nodes > 1 on the real kube-apiserver, reconciled by `kvscale operator` under its own
 RBAC and admission policies (deploy/rbac.yaml), with LWS's released LeaderWorkerSet CRD
-(tests/cluster/lws_crd.py): without the CRD nothing is made and the condition says why; with it
+(tests/cluster/module_crds.py): without the CRD nothing is made and the condition says why; with it
 the operator creates a LeaderWorkerSet the API server accepts (validated by the CRD's own schema,
 and by the operator's children policy), with the ranks' key in a Secret it made; scaling changes
 the LeaderWorkerSet's replicas; one node again gives the Deployment back.
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lws_crd import leader_worker_set_crd
+from module_crds import leader_worker_set_crd
 from operator_helpers import OperatorProcess, wait_for
 from testenv import kwok_toleration
 
