@@ -135,10 +135,9 @@ def window_group_of(config: EngineConfig, spec: Any) -> KVGroups | None:
     """The sliding-window layers' KV group (kv_groups.py), or None: one group keeps every block,
     also where the window group is not built yet (docs/engine.md, "Sliding-window layers' KV blocks")."""
     groups = kv_groups(getattr(spec, "layer_windows", ()))
-    if groups is not None and (config.tensor_parallel_size > 1 or config.kv_offloading_size):
-        logger.info("kvscale engine: --tensor-parallel-size %d / --kv-offloading-size %g: the sliding-window "
-                    "layers keep every KV block (their own group runs on one rank without a host tier)",
-                    config.tensor_parallel_size, config.kv_offloading_size)
+    if groups is not None and config.kv_offloading_size:
+        logger.info("kvscale engine: --kv-offloading-size %g: the sliding-window layers keep every KV block "
+                    "(their own group runs without a host tier)", config.kv_offloading_size)
         return None
     return groups
 

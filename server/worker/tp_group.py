@@ -7,9 +7,10 @@ The scheduler runs once, in rank 0. Each forward pass rank 0 prepares (the flatt
 positions, attention metadata) goes to every other rank over a pipe before rank 0 runs it: a
 pickled message of a few small tensors, cheaper than a collective and, unlike one, free to wait
 without a timeout while the engine is idle. Then every rank runs the pass, meeting at the
-collectives inside it; only rank 0 samples. Block copies, the KV cache's allocation and the host
-tier's (its slots and each step's copies between the tiers) go the same way, so every rank's
-cache and host tier hold the same blocks, each of its own heads (tp_messages.py).
+collectives inside it; only rank 0 samples. Block copies, the KV cache's allocation (both groups'
+where sliding-window layers have their own) and the host tier's (its slots and each step's copies
+between the tiers) go the same way, so every rank's cache and host tier hold the same blocks, each
+of its own heads (tp_messages.py).
 
 A dead rank never hangs the engine: before each message rank 0 checks the processes are alive,
 a collective whose peer died fails (gloo sees the closed connection; the process group's timeout
@@ -253,10 +254,9 @@ class TensorParallelRunner(ModelRunner):
         self._finalizer = weakref.finalize(self, _close_group, ranks)
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int, num_window_blocks: int = 0) -> None:
-        # One group only: the engine builds no window group under tensor parallel (engine_build.py).
-        assert not num_window_blocks, "a window KV group on tensor-parallel ranks"
-        self.ranks.send(("alloc", num_blocks, max_model_len))
-        super().allocate_kv_cache(num_blocks, max_model_len)
+        # Each rank holds both groups' caches for its own heads; the pools stay here (tp_messages.py).
+        self.ranks.send(("alloc", num_blocks, max_model_len, num_window_blocks, self.groups))
+        super().allocate_kv_cache(num_blocks, max_model_len, num_window_blocks)
 
     def allocate_host_cache(self, num_slots: int) -> None:
         self.ranks.send(("host_alloc", num_slots))
@@ -271,6 +271,11 @@ class TensorParallelRunner(ModelRunner):
         if copies:
             self.ranks.send(("copy", copies))
         super().copy_blocks(copies)
+
+    def copy_window_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            self.ranks.send(("window_copy", copies))
+        super().copy_window_blocks(copies)
 
     def profile_run(self, lengths: list[int], sampler: Sampler) -> StepProfile:
         # A refusal of the settings (ValueError: the core reports it as invalid), not a failure.

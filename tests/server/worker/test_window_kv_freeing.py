@@ -97,6 +97,6 @@ def test_window_group_kept_off_where_it_is_not_built() -> None:
 
     spec = SimpleNamespace(layer_windows=(8, None, 8))
     assert window_group_of(EngineConfig(), spec) is not None
-    assert window_group_of(EngineConfig(tensor_parallel_size=2), spec) is None
+    assert window_group_of(EngineConfig(tensor_parallel_size=2), spec) is not None  # test_tensor_parallel_window.py
     assert window_group_of(EngineConfig(kv_offloading_size=1.0), spec) is None
     assert window_group_of(EngineConfig(), SimpleNamespace()) is None  # a model without per-layer windows
