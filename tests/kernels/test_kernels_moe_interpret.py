@@ -1,20 +1,16 @@
 """The fused mixture-of-experts kernel (kernels/moe_triton.py) against its PyTorch reference, and
 server/worker/moe.py's block through it against its own loop, in Triton's interpreter on the CPU.
 
-As in test_kernels_triton_interpret.py, the checks run in a child process with
-``TRITON_INTERPRET=1`` (Triton decides between compiling and interpreting when a kernel is
-decorated); one child runs every case of moe_checks.py, each test asserts on its dtype's share.
+One child process runs every case of moe_checks.py under the interpreter
+(tests/kernels/interpreted.py); each test asserts on its dtype's share.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from interpreted import run_interpreted
 from moe_checks import CASES
 
 from kvscale.kernels.moe import block_rows
@@ -24,16 +20,8 @@ DTYPES = ["float32", "bfloat16", "float16"]
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> list[dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", KVSCALE_FORCE_TRITON="1", CUDA_VISIBLE_DEVICES="")
-    command = [sys.executable, str(Path(__file__).with_name("moe_checks.py")), "--device", "cpu", "--seed", "5",
-               "--block", *[arg for dtype in DTYPES for arg in ("--dtype", dtype)]]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    # A failing comparison exits 1 and is reported per test below; anything else is a crash.
-    assert proc.returncode in (0, 1) and results, (
-        f"checks exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    return results
+    args = ["--seed", "5", "--block", *[arg for dtype in DTYPES for arg in ("--dtype", dtype)]]
+    return run_interpreted("moe_checks.py", args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,20 +1,15 @@
 """Each Triton kernel against its PyTorch reference, run by Triton's interpreter on the CPU.
 
-The kernels run in a child process with ``TRITON_INTERPRET=1``: Triton decides between compiling
-and interpreting when a kernel is decorated, so setting the variable inside the pytest process
-would also turn every other test's kernels (the engine's, on a GPU machine) into interpreted
-ones. One child runs all cases; each test below asserts on its kernel's and dtype's share.
+One child process runs all cases under the interpreter (tests/kernels/interpreted.py says why a
+child); each test below asserts on its kernel's and dtype's share.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from interpreted import run_interpreted
 
 KERNELS = ["write_kv", "decode", "decode_split", "prefill", "add_rms_norm", "rope", "silu_and_mul", "lora"]
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -23,20 +18,10 @@ CASES = 4
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> list[dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", KVSCALE_FORCE_TRITON="1", CUDA_VISIBLE_DEVICES="")
-    command = [sys.executable, str(Path(__file__).with_name("kernel_checks.py")), "--device", "cpu",
-               "--cases", str(CASES), "--seed", "1234"]
-    for kernel in KERNELS:
-        command += ["--kernel", kernel]
-    for dtype in DTYPES:
-        command += ["--dtype", dtype]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    # A failing comparison exits 1 and is reported per test below; anything else is a crash.
-    assert proc.returncode in (0, 1) and results, (
-        f"checks exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    return results
+    args = ["--cases", str(CASES), "--seed", "1234"]
+    args += [arg for kernel in KERNELS for arg in ("--kernel", kernel)]
+    args += [arg for dtype in DTYPES for arg in ("--dtype", dtype)]
+    return run_interpreted("kernel_checks.py", args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
