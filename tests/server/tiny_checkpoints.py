@@ -72,3 +72,14 @@ def write_tiny_llama(path: Path, *, vocab: int, tie_word_embeddings: bool, rms_n
     for i in range(2):
         shapes.update(decoder_layer_shapes(f"model.layers.{i}.", hidden, heads, kv_heads, head_dim, inter))
     save_random_weights(path, shapes, 0.08, norm_jitter)
+
+
+def write_tiny_served_llama(path: Path) -> Path:
+    """A random 2-layer Llama with the bundled tokenizer and chat template, its vocabulary the
+    tokenizer's, so `kvscale serve` runs it as it runs the bundled model."""
+    from kvscale.model_files import resolve_model_path
+
+    copy_tokenizer(resolve_model_path(None), path, (*TOKENIZER_FILES, "chat_template.jinja"))
+    write_tiny_llama(path, vocab=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                     max_position_embeddings=512, norm_jitter=None)
+    return path

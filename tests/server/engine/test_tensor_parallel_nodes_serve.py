@@ -19,7 +19,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from api_helpers import REPO, ServeProcess  # noqa: E402
-from tiny_checkpoints import TOKENIZER_FILES, copy_tokenizer, write_tiny_llama  # noqa: E402
+from tiny_checkpoints import write_tiny_served_llama  # noqa: E402
 
 from kvscale.processes import free_port
 
@@ -30,13 +30,7 @@ KEY = "serve-nodes-secret-key"
 
 @pytest.fixture
 def tiny_llama(tmp_path):
-    """A random 2-layer Llama with the bundled tokenizer; its vocabulary is the tokenizer's."""
-    from kvscale.model_files import resolve_model_path
-
-    copy_tokenizer(resolve_model_path(None), tmp_path, (*TOKENIZER_FILES, "chat_template.jinja"))
-    write_tiny_llama(tmp_path, vocab=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
-                     max_position_embeddings=512, norm_jitter=None)
-    return tmp_path
+    return write_tiny_served_llama(tmp_path)
 
 
 def _pair(model: Path, name: str) -> tuple[subprocess.Popen[str], ServeProcess]:

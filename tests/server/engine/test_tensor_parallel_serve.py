@@ -21,7 +21,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from api_helpers import ServeProcess, wait_for_idle_pool  # noqa: E402
-from tiny_checkpoints import TOKENIZER_FILES, copy_tokenizer, write_tiny_llama  # noqa: E402
+from tiny_checkpoints import write_tiny_served_llama  # noqa: E402
 
 from kvscale.block_hash import hash_prompt_blocks
 from kvscale.kv_index_schema import blocks_key
@@ -32,13 +32,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def tiny_llama(tmp_path):
-    """A random 2-layer Llama with the bundled tokenizer; its vocabulary is the tokenizer's."""
-    from kvscale.model_files import resolve_model_path
-
-    copy_tokenizer(resolve_model_path(None), tmp_path, (*TOKENIZER_FILES, "chat_template.jinja"))
-    write_tiny_llama(tmp_path, vocab=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
-                     max_position_embeddings=512, norm_jitter=None)
-    return tmp_path
+    return write_tiny_served_llama(tmp_path)
 
 
 def test_a_killed_rank_fails_the_stream_in_flight_and_health(tiny_llama) -> None:
