@@ -6,8 +6,8 @@ C and Triton kernels attend causally over the whole context and have no window (
 head's learned sink logit joins the softmax's denominator, which the kernels cannot add.
 
 Each sequence gathers only the blocks its queries' windows reach, so a decode reads about
-``window`` keys however long the sequence. The blocks before the window stay allocated: freeing
-them is the block manager's to do, and it does not yet.
+``window`` keys however long the sequence. The blocks before the window go back to the window
+group's pool as the sequence advances (server/core/window_group.py), where the model has one.
 """
 
 from __future__ import annotations
