@@ -95,8 +95,28 @@ def resolve_dtype(dtype: str, hf_config: Any, device: Any) -> Any:
     return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def checkpoint_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its ``model.safetensors.index.json`` names where
+    it has one, as transformers reads a sharded checkpoint (other .safetensors beside them, such
+    as the consolidated.safetensors of Mistral's repositories, hold the weights again under another
+    format's names), else every ``*.safetensors`` in ``path``."""
+    index = Path(path) / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        names = sorted(set(weight_map.values()))
+        if any(not isinstance(n, str) or Path(n).name != n for n in names):
+            raise ValueError(f"{index} names a file outside {path}: only file names in the directory are read")
+        missing = [n for n in names if not (Path(path) / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names files that are not in {path}: {missing[:5]}")
+        return [Path(path) / n for n in names]
+    return sorted(Path(path).glob("*.safetensors"))
+
+
 def _read_weights(path: Path) -> dict[str, Any]:
-    files = sorted(path.glob("*.safetensors"))
+    files = checkpoint_files(path)
     weights: dict[str, Any] = {}
     if files:
         from safetensors.torch import load_file
@@ -117,7 +137,7 @@ def _read_weights(path: Path) -> dict[str, Any]:
 def checkpoint_elements(path: Path) -> int | None:
     """How many numbers the checkpoint's tensors hold, from the safetensors headers alone (a few
     KiB read, whatever the size); None for a ``.bin`` checkpoint, whose sizes need the load."""
-    files = sorted(Path(path).glob("*.safetensors"))
+    files = checkpoint_files(path)
     if not files:
         return None
     count = 0

@@ -171,7 +171,9 @@ def read_shard(path: Path, plan: ShardPlan, dtype: torch.dtype) -> dict[str, tor
     (safetensors' slices read from the file's mapping: no rank ever holds a full copy)."""
     from safetensors import safe_open
 
-    files = sorted(Path(path).glob("*.safetensors"))
+    from kvscale.server.worker.model_loader import checkpoint_files
+
+    files = checkpoint_files(path)
     if not files:
         raise FileNotFoundError(f"tensor parallel reads *.safetensors weights; none in {path}")
     weights: dict[str, torch.Tensor] = {}
