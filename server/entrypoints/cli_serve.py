@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default=None,
                        help="model directory on disk: a Hugging Face checkpoint (config.json and "
                             "safetensors) of one of the families "
-                            f"{', '.join(sorted(FAMILY_DEFAULTS))} "
+                            f"{', '.join(sorted(FAMILY_DEFAULTS))}; or a .gguf file of one of them, "
+                            "converted once into $KVSCALE_CACHE "
                             "(default: the bundled SmolLM2-135M-Instruct)")
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="name(s) clients use in the `model` field; the first labels metrics "
