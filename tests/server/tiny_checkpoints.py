@@ -83,3 +83,24 @@ def write_tiny_served_llama(path: Path) -> Path:
     write_tiny_llama(path, vocab=49152, tie_word_embeddings=True, rms_norm_eps=1e-5,
                      max_position_embeddings=512, norm_jitter=None)
     return path
+
+
+def tiny_window_gemma3(vocab: int, window: int) -> Any:
+    """A random 3-layer Gemma 3 in transformers (local, global, local layers; ``window`` tokens),
+    small weights under random norms (each scales by 1 + weight, and fresh weights are zero), so
+    greedy decoding wanders over many tokens rather than repeating one."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.05, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, head_dim=16, query_pre_attn_scalar=24, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_local_base_freq=100.0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0, 1.0)
+    return model

@@ -19,7 +19,7 @@ from kvscale.server.engine.llm_engine import LLMEngine
 from kvscale.server.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tiny_checkpoints import copy_tokenizer  # noqa: E402
+from tiny_checkpoints import copy_tokenizer, tiny_window_gemma3  # noqa: E402
 
 VOCAB, WINDOW, BLOCK = 512, 8, 4
 NEW_TOKENS = 4 * WINDOW
@@ -28,23 +28,7 @@ Outputs = dict[str, list[tuple[list[int], list[float]]]]
 
 
 def _write_checkpoint(path: Path) -> None:
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.05, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_local_base_freq=100.0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    # Random norms (each scales by 1 + weight, and fresh weights are zero) over small weights:
-    # greedy decoding wanders over many tokens rather than repeating one.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(0, 1.0)
-    model.save_pretrained(str(path))
+    tiny_window_gemma3(VOCAB, WINDOW).save_pretrained(str(path))
 
 
 def _step_all(engine: LLMEngine, held: list[int]) -> tuple[Outputs, dict[str, int]]:

@@ -5,6 +5,9 @@ and a fork (n=2) too."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,26 +16,16 @@ from kvscale.server.core.window_group import blocks_per_sequence
 from kvscale.server.engine.llm_engine import LLMEngine
 from kvscale.server.sampling_params import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from tiny_checkpoints import tiny_window_gemma3  # noqa: E402
+
 VOCAB, WINDOW, BLOCK = 512, 8, 4
 NEW_TOKENS = 4 * WINDOW
 
 
 @pytest.fixture(scope="module")
 def gemma3(bundled_tokenizer, tmp_path_factory):
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_local_base_freq=100.0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # random norms: each scales by 1 + weight, and fresh weights are zero
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.normal_(0, 0.3)
+    model = tiny_window_gemma3(VOCAB, WINDOW)
     path = tmp_path_factory.mktemp("gemma3-window")
     model.save_pretrained(str(path))
     bundled_tokenizer.save_pretrained(str(path))
@@ -65,6 +58,7 @@ def test_window_blocks_stay_bounded_and_tokens_match_transformers(gemma3) -> Non
     assert engine.runner.groups.window_layers == (0, 2)
     prompt = torch.randint(3, VOCAB, (21,), generator=torch.Generator().manual_seed(1)).tolist()
     expected = _reference(model, prompt)
+    assert len(set(expected)) > WINDOW  # a model that repeats one token would prove little
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
     held: list[int] = []
