@@ -78,9 +78,11 @@ def assess(
     deployment: dict[str, Any] | None,
     pods: list[dict[str, Any]],
     scales_to_zero: bool = False,
+    workload: str = "Deployment",
 ) -> Health:
     """Counts and the Ready / Progressing conditions. With `scales_to_zero` (minReplicas 0) no
-    ready replica is a normal state: the router holds requests and wakes the servers."""
+    ready replica is a normal state: the router holds requests and wakes the servers. `workload`:
+    the kind the servers run as (a LeaderWorkerSet over several nodes), named while it is missing."""
     status = (deployment or {}).get("status") or {}
     replicas = int(status.get("replicas") or 0)
     ready = int(status.get("readyReplicas") or 0)
@@ -94,7 +96,7 @@ def assess(
         problem = deployment_problem(deployment)
 
     if deployment is None:
-        ready_condition = Condition(READY, False, "DeploymentMissing", "the Deployment is being created")
+        ready_condition = Condition(READY, False, f"{workload}Missing", f"the {workload} is being created")
     elif desired_replicas == 0 and scales_to_zero:
         ready_condition = Condition(READY, True, "ScaledToZero",
                                     "no replica: the router holds requests and starts one on demand")

@@ -83,7 +83,8 @@ def refresh_status(runtime: Runtime, name: str, namespace: str,
     pods = kube.list(path_for("v1", "pods", namespace), selector_string(name))
     # A missing API-key Secret shows in the pods' status (CreateContainerConfigError): the
     # operator may not read Secrets, and needs not.
-    assessed = pod_status.assess(spec.replicas, deployment, pods, spec.autoscaling.scales_to_zero)
+    assessed = pod_status.assess(spec.replicas, deployment, pods, spec.autoscaling.scales_to_zero,
+                                 workload="LeaderWorkerSet" if spec.engine.nodes > 1 else "Deployment")
     router: dict[str, Any] | None = None
     if spec.router.enabled:
         router = router_status(kube, name, namespace, spec)

@@ -108,3 +108,8 @@ def test_zero_replicas_is_a_normal_state_when_the_service_scales_to_zero():
     assert by_type(assess(1, deployment(1, 0, 1), [broken], scales_to_zero=True))[READY].status is False
     # Scaled to zero by hand, without the router holding: not ready.
     assert by_type(assess(0, deployment(0, 0, 0), []))[READY].status is False
+
+
+def test_a_missing_leader_worker_set_is_named_as_such():
+    ready = by_type(assess(1, None, [], workload="LeaderWorkerSet"))[READY]
+    assert (ready.reason, ready.message) == ("LeaderWorkerSetMissing", "the LeaderWorkerSet is being created")
