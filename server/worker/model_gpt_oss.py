@@ -14,8 +14,9 @@ What differs from Mixtral, following transformers' ``modeling_gpt_oss``:
   ``swiglu_limit``, the up projection on both sides, ``(up + 1) * gate * sigmoid(alpha * gate)``.
 - Checkpoints stack the experts as transformers holds them: ``gate_up_proj`` ``[experts, hidden,
   2 * intermediate]`` multiplied from the right, gate and up interleaved column by column,
-  ``down_proj`` ``[experts, intermediate, hidden]``, and a bias for each. MXFP4-quantized ones
-  (the hub's own) are refused: the engine has no MXFP4 kernels.
+  ``down_proj`` ``[experts, intermediate, hidden]``, and a bias for each. The hub's own hold the
+  projections in MXFP4 (``_blocks`` and ``_scales``, quantization_config ``mxfp4``): decoded to
+  the model's dtype layer by layer as they load (mxfp4.py); there is no MXFP4 kernel here.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kvscale.server.worker.model_llama import (
     spec_from_hf_config,
 )
 from kvscale.server.worker.moe import MoeSpec, SparseMoeBlock, check_moe_spec
+from kvscale.server.worker.mxfp4 import BLOCK, decode_experts, mxfp4_refusal
 from kvscale.server.worker.window_attention import paged_window_attention
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -46,6 +48,7 @@ class GptOssSpec(DecoderSpec):
     layer_windows: tuple[int | None, ...] = ()  # each layer's window; None: full attention
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    mxfp4_experts: bool = False  # the checkpoint's experts are MXFP4 (quantization_config)
 
 
 def _quantization_method(config: Any) -> str | None:
@@ -68,9 +71,9 @@ def layer_types(config: Any) -> list[str]:
 
 def gpt_oss_spec(config: Any) -> GptOssSpec:
     method = _quantization_method(config)
-    if method is not None:
+    if method not in (None, "mxfp4"):
         raise ValueError(f"gpt-oss checkpoint quantized with {method!r}: the engine loads unquantized "
-                         "(bfloat16 or float32) experts only; dequantize it first")
+                         "(bfloat16 or float32) or MXFP4 experts only; dequantize it first")
     base = spec_from_hf_config(config)
     base.sliding_window = None  # per layer below: the model's length is not capped at the window
     base.o_proj_bias = base.attention_bias
@@ -86,6 +89,7 @@ def gpt_oss_spec(config: Any) -> GptOssSpec:
         layer_windows=tuple(window if kind == SLIDING else None for kind in layer_types(config)),
         swiglu_alpha=float(config.swiglu_alpha),
         swiglu_limit=float(config.swiglu_limit),
+        mxfp4_experts=method == "mxfp4",
     )
 
 
@@ -158,19 +162,40 @@ class GptOssForCausalLM(DecoderForCausalLM):
         super().__init__(spec, hf_config)
         self.layers = nn.ModuleList(GptOssDecoderLayer(spec, i) for i in range(spec.num_layers))
 
+    def load_hf_weights(self, weights: dict[str, torch.Tensor], quantization: str | None = None) -> None:
+        why = mxfp4_refusal(list(weights))
+        if why is not None:
+            raise ValueError(why)
+        super().load_hf_weights(weights, quantization)
+
+    def _expert_projection(self, take: Callable[[str], torch.Tensor], weights: dict[str, torch.Tensor],
+                           name: str, shape: tuple[int, int, int]) -> torch.Tensor:
+        """A stacked projection as transformers holds it (``shape``: ``[experts, in, out]``), from
+        its unquantized tensor or decoded from its MXFP4 blocks and scales (mxfp4.py)."""
+        if name + "_blocks" not in weights:
+            return take(name)
+        experts, inputs, outputs = shape
+        blocks, scales = take(name + "_blocks"), take(name + "_scales")
+        if inputs % BLOCK:
+            raise ValueError(f"checkpoint weight {name}: MXFP4 blocks of {BLOCK} do not tile its input dimension {inputs}")
+        groups = inputs // BLOCK
+        for tensor, expected in ((blocks, (experts, outputs, groups, BLOCK // 2)), (scales, (experts, outputs, groups))):
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"checkpoint weight {name}_{'blocks' if tensor is blocks else 'scales'}: shape "
+                                 f"{tuple(tensor.shape)}, the config implies {expected}")
+        return decode_experts(blocks, scales, self.embed_tokens.weight.dtype)
+
     def _mlp_weights(self, take: Callable[[str], torch.Tensor], weights: dict[str, torch.Tensor], prefix: str,
                      index: int) -> dict[str, torch.Tensor]:
         """The layer's router, experts and attention sinks, each expert's gate|up de-interleaved
         and every projection transposed into ``nn.Linear``'s ``[out, in]``."""
         stacked = f"{prefix}mlp.experts."
-        if stacked + "gate_up_proj_blocks" in weights:
-            raise ValueError(f"checkpoint layer {prefix!r} holds MXFP4 experts (gate_up_proj_blocks): the "
-                             "engine loads unquantized experts only; dequantize the checkpoint first")
         moe = self.spec.moe
         assert moe is not None
-        gate_up, gate_up_bias = take(stacked + "gate_up_proj"), take(stacked + "gate_up_proj_bias")
-        down, down_bias = take(stacked + "down_proj"), take(stacked + "down_proj_bias")
         hidden, inter = self.spec.hidden_size, moe.intermediate_size
+        gate_up = self._expert_projection(take, weights, stacked + "gate_up_proj", (moe.num_experts, hidden, 2 * inter))
+        down = self._expert_projection(take, weights, stacked + "down_proj", (moe.num_experts, inter, hidden))
+        gate_up_bias, down_bias = take(stacked + "gate_up_proj_bias"), take(stacked + "down_proj_bias")
         expected = {"gate_up_proj": (moe.num_experts, hidden, 2 * inter), "gate_up_proj_bias": (moe.num_experts, 2 * inter),
                     "down_proj": (moe.num_experts, inter, hidden), "down_proj_bias": (moe.num_experts, hidden)}
         for name, tensor in zip(expected, (gate_up, gate_up_bias, down, down_bias), strict=True):

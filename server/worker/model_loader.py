@@ -136,7 +136,8 @@ def _read_weights(path: Path) -> dict[str, Any]:
 
 def checkpoint_elements(path: Path) -> int | None:
     """How many numbers the checkpoint's tensors hold, from the safetensors headers alone (a few
-    KiB read, whatever the size); None for a ``.bin`` checkpoint, whose sizes need the load."""
+    KiB read, whatever the size), MXFP4 experts counted as the values they decode to; None for a
+    ``.bin`` checkpoint, whose sizes need the load."""
     files = checkpoint_files(path)
     if not files:
         return None
@@ -149,6 +150,10 @@ def checkpoint_elements(path: Path) -> int | None:
                 numel = 1
                 for dim in entry["shape"]:
                     numel *= dim
+                if entry["dtype"] == "U8" and name.endswith("_blocks"):
+                    numel *= 2  # MXFP4: two values a byte, each decoded to the model's dtype
+                elif entry["dtype"] == "U8" and name.endswith("_scales"):
+                    numel = 0  # folded into the decoded values
                 count += numel
     return count
 
@@ -188,6 +193,7 @@ def model_spec(hf_config: Any) -> Any:
 def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantization: str | None) -> Any:
     import torch
 
+    from kvscale.server.worker.mxfp4 import is_mxfp4_tensor
     from kvscale.server.worker.quantization import check_quantization
 
     spec = model_spec(hf_config)
@@ -199,7 +205,9 @@ def _build_model(path: Path, hf_config: Any, dtype: Any, device: Any, quantizati
     with torch.device("meta"):
         model = model_class(spec, hf_config)
     _materialize(model, dtype, device)
-    weights = {name: tensor.to(dtype) for name, tensor in _read_weights(path).items()}
+    # MXFP4 blocks and scales stay uint8: the model decodes them layer by layer (mxfp4.py).
+    weights = {name: tensor if is_mxfp4_tensor(name) else tensor.to(dtype)
+               for name, tensor in _read_weights(path).items()}
     model.load_hf_weights(weights, quantization)
     del weights
     from kvscale.server.worker.memory_profile import malloc_trim
