@@ -232,6 +232,32 @@ def test_a_rank_share_of_partial_blocks_is_refused() -> None:
         gpt_oss_spec(config)
 
 
+def test_each_rank_reads_the_blocks_of_its_slices(mxfp4_checkpoint) -> None:
+    """A rank's blocks and scales, decoded, are its slices of the whole decoded projections, cut
+    as unquantized stacked experts are: gate|up by its interleaved output columns, down by its
+    input rows."""
+    from safetensors.torch import load_file
+
+    from kvscale.server.worker.model_config import load_model_config
+    from kvscale.server.worker.model_loader import model_spec
+    from kvscale.server.worker.mxfp4 import decode_experts
+    from kvscale.server.worker.tp_shard import ShardPlan, read_shard
+
+    full = load_file(str(mxfp4_checkpoint / "model.safetensors"))
+    spec = model_spec(load_model_config(mxfp4_checkpoint))
+    experts = "model.layers.1.mlp.experts."
+
+    def decoded(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        return decode_experts(weights[experts + name + "_blocks"], weights[experts + name + "_scales"], torch.float32)
+
+    for rank in (0, 1):
+        shard = read_shard(mxfp4_checkpoint, ShardPlan.for_spec(spec, rank, 2), torch.float32)
+        first, end = rank * 32, (rank + 1) * 32
+        assert shard[experts + "down_proj_blocks"].dtype == torch.uint8
+        assert torch.equal(decoded(shard, "gate_up_proj"), decoded(full, "gate_up_proj")[:, :, 2 * first:2 * end])
+        assert torch.equal(decoded(shard, "down_proj"), decoded(full, "down_proj")[:, first:end])
+
+
 def test_two_ranks_decode_the_mxfp4_checkpoint_as_one(mxfp4_checkpoint, one_thread_per_rank) -> None:
     """Each rank reads and decodes its slices of the blocks alone (server/worker/tp_shard.py)."""
     one = _run(mxfp4_checkpoint, 1)
