@@ -154,29 +154,32 @@ def test_the_test_quantizer_round_trips() -> None:
     assert torch.equal(decode_experts(blocks, scales, torch.float32).transpose(1, 2), weight)
 
 
-def test_loaded_experts_equal_transformers_dequantized_model(mxfp4_checkpoint) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loaded_experts_equal_transformers_dequantized_model(mxfp4_checkpoint, dtype) -> None:
     """The expert weights kvscale's model loads from the MXFP4 file (before the CPU's GEMM layout
-    packs them) are, for every expert, the projections transformers' dequantized model holds."""
+    packs them) are, for every expert, the projections transformers' dequantized model holds, in
+    the model's dtype."""
     from safetensors.torch import load_file
 
     from kvscale.server.worker.model_config import load_model_config
     from kvscale.server.worker.model_gpt_oss import GptOssForCausalLM, gpt_oss_spec
 
-    hf_model = _transformers_model(mxfp4_checkpoint, torch.float32)
+    hf_model = _transformers_model(mxfp4_checkpoint, dtype)
     config = load_model_config(mxfp4_checkpoint)
     with torch.device("meta"):
-        model = GptOssForCausalLM(gpt_oss_spec(config), config)
+        model = GptOssForCausalLM(gpt_oss_spec(config), config).to(dtype)
     weights = load_file(str(mxfp4_checkpoint / "model.safetensors"))
     assert weights["model.layers.0.mlp.experts.down_proj_blocks"].dtype == torch.uint8
     for i, hf_layer in enumerate(hf_model.model.layers):
         loaded = model._mlp_weights(weights.__getitem__, weights, f"model.layers.{i}.", i)
         experts = hf_layer.mlp.experts
+        assert experts.gate_up_proj.dtype == loaded["mlp.experts.0.gate_up_proj.weight"].dtype == dtype
         for e in range(config.num_local_experts):
             gate_up = experts.gate_up_proj[e].t()
             assert torch.equal(loaded[f"mlp.experts.{e}.gate_up_proj.weight"],
                                torch.cat([gate_up[0::2], gate_up[1::2]]))
             assert torch.equal(loaded[f"mlp.experts.{e}.down_proj.weight"], experts.down_proj[e].t())
-            assert torch.equal(loaded[f"mlp.experts.{e}.down_proj.bias"], experts.down_proj_bias[e])
+            assert torch.equal(loaded[f"mlp.experts.{e}.down_proj.bias"].to(dtype), experts.down_proj_bias[e])
 
 
 def test_engine_greedy_equals_transformers_on_the_mxfp4_checkpoint(mxfp4_checkpoint) -> None:
