@@ -48,7 +48,6 @@ class GptOssSpec(DecoderSpec):
     layer_windows: tuple[int | None, ...] = ()  # each layer's window; None: full attention
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
-    mxfp4_experts: bool = False  # the checkpoint's experts are MXFP4 (quantization_config)
 
 
 def _quantization_method(config: Any) -> str | None:
@@ -89,7 +88,6 @@ def gpt_oss_spec(config: Any) -> GptOssSpec:
         layer_windows=tuple(window if kind == SLIDING else None for kind in layer_types(config)),
         swiglu_alpha=float(config.swiglu_alpha),
         swiglu_limit=float(config.swiglu_limit),
-        mxfp4_experts=method == "mxfp4",
     )
 
 

@@ -11,9 +11,10 @@ with their heads; its experts' biases go with their outputs' rows (gate|up), and
 down projection's bias, like o's, is held by rank 0 alone (added once after the sum, not N times).
 Experts stacked as ``[experts, ...]`` tensors (transformers' own format, gpt-oss's only one) are
 cut along each expert's intermediate dimension as they are read. gpt-oss's MXFP4 experts are cut
-the same way before they are decoded (each rank decodes its slices alone): gate|up's blocks by
-their output rows, down's by their 32-value blocks along its input, the intermediate dimension,
-so each rank's share must be a whole number of blocks.
+the same way before they are decoded, each rank decoding its slices alone: gate|up's blocks by
+their output rows; down's 32-value blocks run along its input, the intermediate dimension, so a
+rank whose share is not whole blocks (gpt-oss's 2880 over 4 ranks: 720) reads the blocks that
+cover it, decodes them here and keeps its rows (mxfp4_covering_blocks).
 
 KV heads: with a multiple of the ranks' count, each rank holds its own contiguous share. With
 fewer, or a count the ranks do not divide, a rank holds the KV heads its query heads read,
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from kvscale.server.worker.mxfp4 import BLOCK as MXFP4_BLOCK
-from kvscale.server.worker.mxfp4 import is_mxfp4_tensor
+from kvscale.server.worker.mxfp4 import decode_experts, is_mxfp4_tensor
 
 # Families whose layers tp_layers.py knows how to split; the others are refused at N > 1.
 TENSOR_PARALLEL_MODEL_TYPES = ("gemma3_text", "gpt_oss", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3",
@@ -76,10 +77,6 @@ def tensor_parallel_refusal(size: int, model_type: str | None, spec: Any, *, qua
     if spec.moe is not None and spec.moe.intermediate_size % size:
         return (f"tensor_parallel_size {size} does not divide the experts' intermediate size "
                 f"{spec.moe.intermediate_size}")
-    if getattr(spec, "mxfp4_experts", False) and (spec.moe.intermediate_size // size) % MXFP4_BLOCK:
-        return (f"tensor_parallel_size {size} gives each rank {spec.moe.intermediate_size // size} of the MXFP4 "
-                f"experts' intermediate size {spec.moe.intermediate_size}, not a multiple of their "
-                f"{MXFP4_BLOCK}-value blocks: a block would straddle two ranks")
     if spec.num_heads % size:
         return (f"tensor_parallel_size {size} does not divide the model's {spec.num_heads} query heads")
     if (spec.moe is None or len(spec.moe.layers) < spec.num_layers) and spec.intermediate_size % size:
@@ -192,7 +189,21 @@ def read_shard(path: Path, plan: ShardPlan, dtype: torch.dtype) -> dict[str, tor
             for name in opened.keys():
                 part = _read_slice(opened.get_slice(name), name, plan)
                 weights[name] = part if is_mxfp4_tensor(name) else part.to(dtype)  # decoded by the model
+    for name in [n for n in weights if n.endswith(".experts.down_proj_blocks")]:
+        first, end, _ = plan._intermediate_rows(name)
+        if first % MXFP4_BLOCK or end % MXFP4_BLOCK:
+            # Part blocks at its edges: decoded here, the rank's rows kept (transformers' layout).
+            start = mxfp4_covering_blocks(first, end)[0] * MXFP4_BLOCK
+            stacked = name.removesuffix("_blocks")
+            decoded = decode_experts(weights.pop(name), weights.pop(stacked + "_scales"), dtype)
+            weights[stacked] = decoded[:, first - start:end - start].contiguous()
     return weights
+
+
+def mxfp4_covering_blocks(first: int, end: int) -> tuple[int, int]:
+    """The MXFP4 blocks (first, end) holding intermediate rows ``first:end``: one rank's share
+    may begin or end inside a block, which its neighbour reads as well."""
+    return first // MXFP4_BLOCK, -(-end // MXFP4_BLOCK)
 
 
 def _stacked_experts_slice(tensor: Any, name: str, plan: ShardPlan) -> torch.Tensor:
@@ -203,10 +214,8 @@ def _stacked_experts_slice(tensor: Any, name: str, plan: ShardPlan) -> torch.Ten
         if kind in ("gate_up_proj_blocks", "gate_up_proj_scales"):  # [experts, 2 * intermediate, ...]
             return tensor[:, 2 * first:2 * end]
         if kind in ("down_proj_blocks", "down_proj_scales"):  # [experts, hidden, intermediate / 32, ...]
-            if first % MXFP4_BLOCK or end % MXFP4_BLOCK:
-                raise ValueError(f"checkpoint tensor {name!r}: rank {plan.rank}'s intermediate rows {first}:{end} "
-                                 f"cut its {MXFP4_BLOCK}-value MXFP4 blocks")
-            return tensor[:, :, first // MXFP4_BLOCK:end // MXFP4_BLOCK]
+            start, stop = mxfp4_covering_blocks(first, end)
+            return tensor[:, :, start:stop]
         if kind == "gate_up_proj":  # gate and up interleaved: intermediate i is columns 2i, 2i + 1
             return tensor[:, :, 2 * first:2 * end]
         if kind == "gate_up_proj_bias":

@@ -218,27 +218,23 @@ def test_mxfp4_outside_the_experts_is_refused() -> None:
     assert why is not None and "q_proj.weight_blocks" in why
 
 
-def test_a_rank_share_of_partial_blocks_is_refused() -> None:
-    """Four ranks of an intermediate size of 64 hold 16 each: down's 32-value blocks would be cut."""
+def test_other_quantizations_are_refused() -> None:
     from kvscale.server.worker.model_gpt_oss import gpt_oss_spec
-    from kvscale.server.worker.tp_shard import tensor_parallel_refusal
 
     config = _config()
     config.quantization_config = QUANTIZATION_CONFIG
-    spec = gpt_oss_spec(config)
-    assert spec.mxfp4_experts
-    assert tensor_parallel_refusal(2, "gpt_oss", spec, quantization=None) is None
-    why = tensor_parallel_refusal(4, "gpt_oss", spec, quantization=None)
-    assert why is not None and "straddle" in why
+    assert gpt_oss_spec(config).moe is not None  # MXFP4 experts: read
     config.quantization_config = {"quant_method": "gptq"}
     with pytest.raises(ValueError, match="'gptq'"):
         gpt_oss_spec(config)
 
 
-def test_each_rank_reads_the_blocks_of_its_slices(mxfp4_checkpoint) -> None:
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_rank_reads_the_blocks_of_its_slices(mxfp4_checkpoint, size) -> None:
     """A rank's blocks and scales, decoded, are its slices of the whole decoded projections, cut
     as unquantized stacked experts are: gate|up by its interleaved output columns, down by its
-    input rows."""
+    input rows. Four ranks hold 16 of the 64 rows each, half a block: down's covering block is
+    decoded as it is read and the rank's rows kept."""
     from safetensors.torch import load_file
 
     from kvscale.server.worker.model_config import load_model_config
@@ -253,18 +249,23 @@ def test_each_rank_reads_the_blocks_of_its_slices(mxfp4_checkpoint) -> None:
     def decoded(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         return decode_experts(weights[experts + name + "_blocks"], weights[experts + name + "_scales"], torch.float32)
 
-    for rank in (0, 1):
-        shard = read_shard(mxfp4_checkpoint, ShardPlan.for_spec(spec, rank, 2), torch.float32)
-        first, end = rank * 32, (rank + 1) * 32
-        assert shard[experts + "down_proj_blocks"].dtype == torch.uint8
+    share = 64 // size
+    for rank in range(size):
+        shard = read_shard(mxfp4_checkpoint, ShardPlan.for_spec(spec, rank, size), torch.float32)
+        first, end = rank * share, (rank + 1) * share
         assert torch.equal(decoded(shard, "gate_up_proj"), decoded(full, "gate_up_proj")[:, :, 2 * first:2 * end])
-        assert torch.equal(decoded(shard, "down_proj"), decoded(full, "down_proj")[:, first:end])
+        down = decoded(shard, "down_proj") if share % 32 == 0 else shard[experts + "down_proj"]
+        assert torch.equal(down, decoded(full, "down_proj")[:, first:end])
 
 
-def test_two_ranks_decode_the_mxfp4_checkpoint_as_one(mxfp4_checkpoint, one_thread_per_rank) -> None:
-    """Each rank reads and decodes its slices of the blocks alone (server/worker/tp_shard.py)."""
-    one = _run(mxfp4_checkpoint, 1)
-    two = _run(mxfp4_checkpoint, 2)
+def test_two_ranks_decode_the_mxfp4_checkpoint_as_one(tmp_path, bundled_model_path, one_thread_per_rank) -> None:
+    """Each rank reads and decodes its slices of the blocks alone (server/worker/tp_shard.py): 48
+    of 96 intermediate rows each, down's middle block read and decoded by both, gate|up's blocks
+    by the model (whole shares: test_each_rank_reads_the_blocks_of_its_slices)."""
+    write_mxfp4_checkpoint(tmp_path, bundled_model_path, 96)
+    one = _run(tmp_path, 1)
+    assert len({t for tokens, _ in one.values() for t in tokens}) > 3  # not degenerate
+    two = _run(tmp_path, 2)
     assert {rid: tokens for rid, (tokens, _) in two.items()} == {rid: tokens for rid, (tokens, _) in one.items()}
     for rid, (_, logprobs) in two.items():
         assert logprobs == pytest.approx(one[rid][1], abs=1e-4), rid
