@@ -76,8 +76,8 @@ def decode(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> to
 
 def block_scales(scales: torch.Tensor) -> torch.Tensor:
     """E8M0 bytes as float32 ``2 ** (byte - 127)``, built from the bits: float32's exponent has
-    the same bias, so the byte is the exponent field (exact, where ``exp2`` is only within an ulp
-    on some backends); byte 0 is float32's subnormal 2 ** -127, byte 255 the spec's NaN."""
+    the same bias, so the byte is the exponent field (exact by construction, whatever the
+    backend's ``exp2``); byte 0 is float32's subnormal 2 ** -127, byte 255 the spec's NaN."""
     exponent = scales.to(torch.int32)
     bits = torch.where(exponent == 0, torch.tensor(1 << 22, dtype=torch.int32), exponent << 23)
     bits = torch.where(exponent == 255, torch.tensor(0x7FC00000, dtype=torch.int32), bits)
