@@ -45,6 +45,10 @@ TOOL = {"type": "function", "function": {
 def test_second_turn_of_a_tool_conversation_is_predicted_as_the_replica_counts(replicas, session_redis, launcher):
     router = launcher.router([r.url for r in replicas], session_redis.url)
     by_id = {f"replica-{i}": r for i, r in enumerate(replicas)}
+    # Until a replica's first heartbeat the router knows it by its address, which its KV events
+    # in Redis do not carry (router/replicas.py): the turns are routed once both are named.
+    wait_until(lambda: {r["id"] for r in httpx.get(f"{router.url}/health").json()["replicas"]} == set(by_id), 30,
+               what="the router's replicas named by their heartbeats")
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=300)
     messages = [{"role": "system", "content": "You keep the harbour log of the North Point lighthouse."},
                 {"role": "user", "content": "How many ships passed the North Point lighthouse on night 12?"}]
