@@ -116,12 +116,10 @@ class VllmLora:
         self.refused: str | None = self.info.get("refused")
 
     def _reply(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                return dict(json.loads(line[len(REPLY):]))
-            self.log.append(line.rstrip()[-300:])
-        raise SystemExit(f"vLLM's LoRA child ended ({self.proc.wait()}):\n" + "\n".join(self.log[-60:]))
+        # Imported here: the child runs this file too and imports only the standard library.
+        from bench.anchors.vllm_cpu import child_reply
+
+        return child_reply(self.proc, REPLY, self.log, "vLLM's LoRA child")
 
     def run_pass(self, side: str, tag: str, prefill: bool = False) -> float:
         """One pass of every request (``prefill``: one output token each); its seconds."""

@@ -142,12 +142,10 @@ class Child:
         self.refused: str | None = self.info.get("refused")
 
     def _reply(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                return dict(json.loads(line[len(REPLY):]))
-            self.log.append(line.rstrip()[-300:])
-        raise SystemExit(f"an engine child ended ({self.proc.wait()}):\n" + "\n".join(self.log[-60:]))
+        # Imported here: the child runs this file too and imports only the standard library.
+        from bench.anchors.vllm_cpu import child_reply
+
+        return child_reply(self.proc, REPLY, self.log, "an engine child")
 
     def run(self, batch: int, max_tokens: int) -> dict[str, Any]:
         assert self.proc.stdin is not None

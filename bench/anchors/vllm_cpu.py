@@ -107,6 +107,17 @@ def omp_threads_bind(threads: int) -> str:
     return f"0-{threads - 1}" if threads > 1 else "0"
 
 
+def child_reply(proc: subprocess.Popen, marker: str, log: list[str], what: str) -> dict[str, Any]:
+    """The next JSON reply a child prints after ``marker`` on its stdout; every other line kept
+    (its tail) in ``log``; the child's exit and that log raised if it ends first."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(marker):
+            return dict(json.loads(line[len(marker):]))
+        log.append(line.rstrip()[-300:])
+    raise SystemExit(f"{what} ended ({proc.wait()}):\n" + "\n".join(log[-60:]))
+
+
 def end_child(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
     """A vLLM child told to end (its stdin closed): waited for, killed if it does not exit."""
     try:

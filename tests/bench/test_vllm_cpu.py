@@ -49,3 +49,18 @@ def test_server_argv_switches():
                        enforce_eager=True)
     assert "--no-enable-prefix-caching" in argv and "--enable-prefix-caching" not in argv
     assert "--enforce-eager" in argv
+
+
+def test_a_childs_reply_is_its_marked_line_and_its_end_raises_with_its_log() -> None:
+    import subprocess
+    import sys
+
+    from bench.anchors.vllm_cpu import child_reply
+
+    script = "print('loading'); print('@@T {\"ready\": 1}', flush=True); print('bye'); raise SystemExit(3)"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    assert child_reply(proc, "@@T ", log, "the test child") == {"ready": 1}
+    assert log == ["loading"]
+    with pytest.raises(SystemExit, match=r"the test child ended \(3\):\nloading\nbye"):
+        child_reply(proc, "@@T ", log, "the test child")
