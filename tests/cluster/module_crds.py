@@ -15,8 +15,14 @@ import json
 import os
 import shutil
 import subprocess
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,12 @@ class ModuleCrd:
     module: str
     version: str
     path: str  # the CRD's YAML inside the module
+
+    @property
+    def name(self) -> str:
+        """The CRD's metadata.name (plural.group), from its file name as controller-gen writes it."""
+        group, plural = Path(self.path).stem.split("_", 1)
+        return f"{plural}.{group}"
 
 
 INFERENCE_POOL = ModuleCrd("gie-crds", "sigs.k8s.io/gateway-api-inference-extension", "v1.0.2",
@@ -64,3 +76,19 @@ def inference_pool_crd() -> Path:
 
 def leader_worker_set_crd() -> Path:
     return module_crd(LEADER_WORKER_SET)
+
+
+@contextmanager
+def namespace_without(k8s_env: Any, crd: ModuleCrd, prefix: str) -> Iterator[str]:
+    """A fresh namespace on a cluster with kvscale's CRDs and RBAC but not ``crd`` (a test installs
+    it when it wants it); the namespace and ``crd`` removed after."""
+    path = module_crd(crd)  # fetched before the clock matters (cached after the first run)
+    k8s_env.kubectl("delete", "crd", crd.name, "--ignore-not-found")
+    k8s_env.kubectl("apply", "-f", str(REPO_ROOT / "crds"), "-f", str(REPO_ROOT / "deploy" / "rbac.yaml"))
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    k8s_env.kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        k8s_env.kubectl("delete", "namespace", name, "--wait=false", check=False)
+        k8s_env.kubectl("delete", "-f", str(path), "--ignore-not-found", "--wait=false", check=False)

@@ -7,21 +7,19 @@ the pool appears, owned by the InferenceService; turned off, the pool and its pi
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from module_crds import inference_pool_crd
+from module_crds import INFERENCE_POOL, inference_pool_crd, namespace_without
 from operator_helpers import OperatorProcess, wait_for
 
 from kvscale.operator.kube import ApiError, Kube, load_connection, path_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-POOL_CRD = "inferencepools.inference.networking.k8s.io"
+POOL_CRD = INFERENCE_POOL.name
 OPERATOR = "system:serviceaccount:kvscale-system:kvscale-operator"
 POOL = "inferencepools.inference.networking.k8s.io"
 
@@ -34,16 +32,8 @@ def inference_service(namespace: str, **spec: Any) -> dict[str, Any]:
 
 @pytest.fixture
 def namespace(k8s_env) -> Iterator[str]:
-    crd = inference_pool_crd()  # fetched before the clock matters (cached after the first run)
-    k8s_env.kubectl("delete", "crd", POOL_CRD, "--ignore-not-found")
-    k8s_env.kubectl("apply", "-f", str(REPO_ROOT / "crds"), "-f", str(REPO_ROOT / "deploy" / "rbac.yaml"))
-    name = f"pool-{uuid.uuid4().hex[:6]}"
-    k8s_env.kubectl("create", "namespace", name)
-    try:
+    with namespace_without(k8s_env, INFERENCE_POOL, "pool") as name:
         yield name
-    finally:
-        k8s_env.kubectl("delete", "namespace", name, "--wait=false", check=False)
-        k8s_env.kubectl("delete", "-f", str(crd), "--ignore-not-found", "--wait=false", check=False)
 
 
 def pool_condition(k8s_env, namespace: str) -> dict[str, Any] | None:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import base64
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from module_crds import leader_worker_set_crd
+from module_crds import LEADER_WORKER_SET, leader_worker_set_crd, namespace_without
 from operator_helpers import OperatorProcess, wait_for
 from testenv import kwok_toleration
 
@@ -27,8 +26,7 @@ from kvscale.operator.kube import ApiError, Kube, load_connection, path_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
+LWS_CRD = LEADER_WORKER_SET.name
 OPERATOR = "system:serviceaccount:kvscale-system:kvscale-operator"
 NODES = 3  # the bundled model's 9 heads split over 3 ranks: one GPU on each of 3 nodes
 
@@ -44,16 +42,8 @@ def inference_service(namespace: str, nodes: int = NODES) -> dict[str, Any]:
 
 @pytest.fixture
 def namespace(k8s_env) -> Iterator[str]:
-    crd = leader_worker_set_crd()  # fetched before the clock matters (cached after the first run)
-    k8s_env.kubectl("delete", "crd", LWS_CRD, "--ignore-not-found")
-    k8s_env.kubectl("apply", "-f", str(REPO_ROOT / "crds"), "-f", str(REPO_ROOT / "deploy" / "rbac.yaml"))
-    name = f"lws-{uuid.uuid4().hex[:6]}"
-    k8s_env.kubectl("create", "namespace", name)
-    try:
+    with namespace_without(k8s_env, LEADER_WORKER_SET, "lws") as name:
         yield name
-    finally:
-        k8s_env.kubectl("delete", "namespace", name, "--wait=false", check=False)
-        k8s_env.kubectl("delete", "-f", str(crd), "--ignore-not-found", "--wait=false", check=False)
 
 
 def get(k8s_env, namespace: str, *what: str) -> dict[str, Any] | None:
