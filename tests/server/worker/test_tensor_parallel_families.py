@@ -18,11 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvscale.server.config import EngineConfig
-from kvscale.server.engine.llm_engine import LLMEngine
-from kvscale.server.sampling_params import SamplingParams
-
 sys.path.insert(0, str(Path(__file__).parents[1]))
+from greedy_runs import greedy_runs  # noqa: E402
 from tiny_checkpoints import copy_tokenizer  # noqa: E402
 
 VOCAB = 512
@@ -71,25 +68,7 @@ def _write_checkpoint(path: Path, arch: str) -> None:
 
 
 def _run(path: Path, size: int) -> dict[str, tuple[list[int], list[float]]]:
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", num_gpu_blocks_override=64,
-                                    block_size=8, max_num_batched_tokens=24, tensor_parallel_size=size))
-    gen = torch.Generator().manual_seed(1)
-    try:
-        for i, n in enumerate((5, 19, 40)):
-            engine.add_request(str(i), torch.randint(3, VOCAB, (n,), generator=gen).tolist(),
-                               SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0))
-        finished = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    got = out.outputs[0]
-                    finished[out.request_id] = (list(got.token_ids),
-                                                [step[t].logprob for t, step in zip(got.token_ids, got.logprobs,
-                                                                                    strict=True)])
-        return finished
-    finally:
-        if size > 1:
-            engine.runner.close()  # type: ignore[attr-defined]
+    return greedy_runs(path, size, VOCAB, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
