@@ -104,3 +104,12 @@ def tiny_window_gemma3(vocab: int, window: int) -> Any:
             if name.endswith("norm.weight"):
                 param.normal_(0, 1.0)
     return model
+
+
+def write_tiny_tp_llama(bundled: Path, path: Path, vocab: int) -> Path:
+    """The tensor-parallel tests' Llama: ``write_tiny_llama``'s 6 query and 2 KV heads with random
+    norms, a ``vocab``-row vocabulary, and the bundled tokenizer (``bundled``) beside it."""
+    copy_tokenizer(bundled, path)
+    write_tiny_llama(path, vocab=vocab, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                     max_position_embeddings=256, norm_jitter=0.1)
+    return path

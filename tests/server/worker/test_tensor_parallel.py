@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tiny_checkpoints import copy_tokenizer, write_tiny_llama  # noqa: E402
+from tiny_checkpoints import write_tiny_tp_llama  # noqa: E402
 
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.llm_engine import LLMEngine
@@ -146,11 +146,7 @@ def test_stacked_experts_are_cut_along_each_experts_intermediate_dimension(tmp_p
 @pytest.fixture(scope="module")
 def tiny_llama(bundled_model_path, tmp_path_factory):
     """Random weights in transformers' names with the bundled tokenizer and a 500-row vocabulary."""
-    path = tmp_path_factory.mktemp("tiny-llama-tp")
-    copy_tokenizer(bundled_model_path, path)
-    write_tiny_llama(path, vocab=VOCAB, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                     max_position_embeddings=256, norm_jitter=0.1)
-    return path
+    return write_tiny_tp_llama(bundled_model_path, tmp_path_factory.mktemp("tiny-llama-tp"), VOCAB)
 
 
 def _prompts() -> list[list[int]]:

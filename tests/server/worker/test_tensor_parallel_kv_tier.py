@@ -16,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tiny_checkpoints import copy_tokenizer, write_tiny_llama  # noqa: E402
+from tiny_checkpoints import write_tiny_tp_llama  # noqa: E402
 
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.llm_engine import LLMEngine
@@ -49,11 +49,7 @@ AGAIN = FIRST + _tokens(3, 8)  # FIRST's 5 blocks restored, 8 tokens computed
 
 @pytest.fixture(scope="module")
 def tiny_llama(bundled_model_path, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama-tp-tier")
-    copy_tokenizer(bundled_model_path, path)
-    write_tiny_llama(path, vocab=VOCAB, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                     max_position_embeddings=256, norm_jitter=0.1)
-    return path
+    return write_tiny_tp_llama(bundled_model_path, tmp_path_factory.mktemp("tiny-llama-tp-tier"), VOCAB)
 
 
 def tier_engine(path: Path, size: int, host_gib: float, **nodes: object) -> LLMEngine:

@@ -37,7 +37,7 @@ from tiny_checkpoints import (  # noqa: E402
     copy_tokenizer,
     decoder_layer_shapes,
     save_random_weights,
-    write_tiny_llama,
+    write_tiny_tp_llama,
 )
 
 from kvscale.processes import free_port
@@ -112,11 +112,7 @@ def _no_group_left_behind():
 @pytest.fixture(scope="module")
 def tiny_llama(bundled_model_path, tmp_path_factory) -> Path:
     """test_tensor_parallel.py's checkpoint: 6 query heads, 2 KV heads, 500 vocabulary rows."""
-    path = tmp_path_factory.mktemp("tiny-llama-nodes")
-    copy_tokenizer(bundled_model_path, path)
-    write_tiny_llama(path, vocab=VOCAB, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                     max_position_embeddings=256, norm_jitter=0.1)
-    return path
+    return write_tiny_tp_llama(bundled_model_path, tmp_path_factory.mktemp("tiny-llama-nodes"), VOCAB)
 
 
 @pytest.fixture(scope="module")
