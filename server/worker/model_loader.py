@@ -138,6 +138,8 @@ def checkpoint_elements(path: Path) -> int | None:
     """How many numbers the checkpoint's tensors hold, from the safetensors headers alone (a few
     KiB read, whatever the size), MXFP4 experts counted as the values they decode to; None for a
     ``.bin`` checkpoint, whose sizes need the load."""
+    from kvscale.server.worker.mxfp4 import decoded_numel
+
     files = checkpoint_files(path)
     if not files:
         return None
@@ -150,11 +152,7 @@ def checkpoint_elements(path: Path) -> int | None:
                 numel = 1
                 for dim in entry["shape"]:
                     numel *= dim
-                if entry["dtype"] == "U8" and name.endswith("_blocks"):
-                    numel *= 2  # MXFP4: two values a byte, each decoded to the model's dtype
-                elif entry["dtype"] == "U8" and name.endswith("_scales"):
-                    numel = 0  # folded into the decoded values
-                count += numel
+                count += decoded_numel(name, entry["dtype"], numel)
     return count
 
 

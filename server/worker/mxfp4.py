@@ -50,6 +50,14 @@ def is_mxfp4_tensor(name: str) -> bool:
     return name.endswith(_SUFFIXES)
 
 
+def decoded_numel(name: str, dtype: str, stored: int) -> int:
+    """How many model values a checkpoint tensor of ``stored`` elements (safetensors ``dtype``)
+    loads as: an MXFP4 blocks tensor two a byte, its scales none (folded into those values)."""
+    if dtype != "U8" or not is_mxfp4_tensor(name):
+        return stored
+    return 2 * stored if name.endswith("_blocks") else 0
+
+
 def mxfp4_refusal(names: list[str]) -> str | None:
     """Why these checkpoint tensors cannot load: MXFP4 on anything but a gpt-oss layer's stacked
     expert projections; None where every MXFP4 tensor is one of those."""
