@@ -76,6 +76,9 @@ class BlockPool:
         self._copies = TierCopies()
         self.num_demoted = 0  # cumulative blocks copied down
         self.num_promoted = 0  # cumulative blocks copied up
+        # Blocks registered since the engine started a log (step_undo.py): a step given up
+        # before its KV was computed makes them unfindable again. None: no log kept.
+        self.registration_log: list[int] | None = None
 
     # --- counts -------------------------------------------------------------------------
     @property
@@ -127,11 +130,25 @@ class BlockPool:
         block.token_ids = token_ids
         block.lora_name = lora_name
         self._hash_to_block[block_hash] = block_id
+        if self.registration_log is not None:
+            self.registration_log.append(block_id)
         if self.host is not None and self.host.discard(block_hash):
             # Computed again above (a request that skips the cache): one copy per block.
             self._events.append(BlockRemoved([block_hash], tier=TIER_HOST))
         self._events.append(BlockStored([block_hash], parent_hash, self.block_size,
                                         token_ids=token_ids, lora_name=lora_name))
+
+    def forget_hashes(self, block_ids: list[int]) -> None:
+        """Make blocks registered before their KV was computed unfindable again (a step given up
+        mid-forward, step_undo.py): a later request must not hit what nobody computed. Their
+        holders keep them; freed, they are fresh."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            del self._hash_to_block[block.block_hash]
+            self._events.append(BlockRemoved([block.block_hash]))
+            block.block_hash, block.parent_hash, block.token_ids, block.lora_name = None, None, (), None
 
     # --- allocation ---------------------------------------------------------------------
     def allocate(self) -> int:

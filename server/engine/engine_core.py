@@ -8,9 +8,10 @@ and a prefill, a mixed and a decode pass and the sampler run once, so a new repl
 request does not pay for them after /health said ready), then start the KV event publisher, and
 freeze what start-up built out of the garbage collector's full passes.
 
-Three threads. The input thread receives and decodes messages into a queue; the busy loop (the
-main thread) takes whatever arrived between two steps, adds and aborts, runs one step, and queues
-its outputs and stats; the output thread encodes and sends them. Decoding and encoding overlap
+Three threads. The input thread receives and decodes messages into a queue (and, under priority
+scheduling, tells a forward in flight of a more urgent arrival: server/core/step_interrupt.py);
+the busy loop (the main thread) takes whatever arrived between two steps, adds and aborts, runs
+one step, and queues its outputs and stats; the output thread encodes and sends them. Decoding and encoding overlap
 the forward pass, which releases the GIL. An idle core blocks on the input queue, waking at
 least once a second so the publisher's heartbeats carry fresh stats.
 
@@ -226,9 +227,14 @@ class EngineCore:
     def _read(self, inbox: Any, codec: Any) -> None:
         import zmq
 
+        interrupt = self.engine.step_interrupt
         try:
             while True:
-                self._inputs.put(codec.decode(inbox.recv()))
+                message = codec.decode(inbox.recv())
+                self._inputs.put(message)
+                if interrupt is not None and isinstance(message, AddRequests):
+                    # After the put: the loop that gives the step up finds the request queued.
+                    interrupt.on_arrival(message.priority)
         except zmq.ContextTerminated:
             inbox.close()
 

@@ -19,9 +19,11 @@ from kvscale.server.config import EngineConfig
 from kvscale.server.core.async_scheduling import InFlightStep, can_overlap, use_async_scheduling
 from kvscale.server.core.scheduler import ScheduledSeq
 from kvscale.server.core.sequence import PLACEHOLDER_TOKEN, Request, Sequence, SequenceStatus
+from kvscale.server.core.step_undo import take_snapshot
 from kvscale.server.engine.detokenizer import detokenize_incrementally
 from kvscale.server.engine.engine_build import build_engine
 from kvscale.server.engine.engine_stats import engine_stats
+from kvscale.server.engine.interruptible_forward import interruptible_layers, run_forward
 from kvscale.server.engine.new_sequences import fork_samples, new_request
 from kvscale.server.engine.output_builder import OutputKind, build_output
 from kvscale.server.engine.prompt_logprobs import record_prompt_logprobs
@@ -89,6 +91,11 @@ class LLMEngine:
         # Requests that need the host between two of their steps (async_scheduling.can_overlap):
         # while there is one, steps run synchronously.
         self.sync_request_ids: set[str] = set()
+        # Under priority scheduling on a CPU, a forward given up for a more urgent arrival
+        # (step_interrupt.py): the core's input thread calls step_interrupt.on_arrival.
+        self.step_interrupt = interruptible_layers(config, self.device.type, self.model)
+        self.step_given_up = False  # this step's forward was given up
+        self.scheduled_at = 0.0  # when the step in flight was scheduled
         if self.async_scheduling:
             logger.info("kvscale engine: async scheduling on (the next step is queued before this one's "
                         "tokens are read; --no-async-scheduling turns it off)")
@@ -148,12 +155,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         prompt_before = self.num_prompt_tokens_computed
+        self.step_given_up = False
         try:
             return self._step()
         finally:
-            # Heartbeats report step times (router's TTFT prediction); every return path counts.
-            self.last_step_s = time.perf_counter() - started
-            self._observe_rates(self.num_prompt_tokens_computed - prompt_before)
+            # Heartbeats report step times (router's TTFT prediction); every return path counts,
+            # but a forward given up part way (step_interrupt.py) is no step.
+            if not self.step_given_up:
+                self.last_step_s = time.perf_counter() - started
+                self._observe_rates(self.num_prompt_tokens_computed - prompt_before)
 
     def _observe_rates(self, prompt_tokens: int) -> None:
         """The prefill rate (/metrics: the autoscaler's queued prefill seconds; the host tier's
@@ -174,23 +184,28 @@ class LLMEngine:
 
     def _step_sync(self) -> list[RequestOutput]:
         refused = self._admit_compiled()
+        snapshot = take_snapshot(self.scheduler) if self.step_interrupt is not None else None
         sched = self.scheduler.schedule()
         # Before the forward (demoted blocks may be written by it, promoted ones read), and even
         # when nothing runs: a preemption may have queued demotions.
-        self.runner.move_between_tiers(self.kv.take_tier_copies())
-        self.runner.copy_window_blocks(self.kv.take_pending_window_copies())
+        tier_copies, window_copies = self.kv.take_tier_copies(), self.kv.take_pending_window_copies()
+        self.runner.move_between_tiers(tier_copies)
+        self.runner.copy_window_blocks(window_copies)
         if not sched.scheduled:
             if not refused and self.structured.has_pending():
                 self.structured.wait(GRAMMAR_WAIT_S)
             return refused
         self.structured.engine_busy()
-        self._mark_scheduled(sched.scheduled)
+        self.scheduled_at = self._mark_scheduled(sched.scheduled)
         # The masks of the rows that will sample, filled while the forward runs.
         self.structured.start_masks([item.seq for item in sched.scheduled
                                      if item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens])
         drafted = self.spec.attach(sched) if self.spec is not None else None
-        step_logits = self.runner.execute(sched.scheduled, self.kv.take_pending_copies(),
-                                          extra_rows=drafted.rows if drafted else None)
+        copies = self.kv.take_pending_copies()
+        step_logits = run_forward(self, sched, snapshot, copies, bool(tier_copies or window_copies or copies),
+                                  drafted.rows if drafted else None)
+        if step_logits is None:
+            return refused
         logits, sample_rows = step_logits.sample, step_logits.sample_rows
         if step_logits.prompt_rows:
             record_prompt_logprobs(self.sampler, sched.scheduled, step_logits)
@@ -261,13 +276,14 @@ class LLMEngine:
             tokens.append(token)
         return self._take_tokens(row_seqs, tokens, [None] * len(tokens), [])
 
-    def _mark_scheduled(self, scheduled: list[ScheduledSeq]) -> None:
+    def _mark_scheduled(self, scheduled: list[ScheduledSeq]) -> float:
         now = time.monotonic()
         for item in scheduled:
             request = item.seq.request
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
                 request.num_cached_tokens = item.seq.num_computed_tokens
+        return now
 
     def _count_computed(self, scheduled: list[ScheduledSeq]) -> None:
         for item in scheduled:
@@ -381,3 +397,4 @@ class LLMEngine:
         if self.kv.window is not None:  # no sequence holds a block of either group now
             self.kv.window.pool.reset_prefix_cache()
         return True
+
