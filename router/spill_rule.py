@@ -35,11 +35,24 @@ class OverloadHold:
 
 def evicted_blocks(candidate: Candidate, prompt_tokens: int, block_size: int) -> int:
     """Hot blocks a request evicts on ``candidate``: what it must compute beyond the room left
-    there by the prefixes recently routed to it (0 when the room is unknown)."""
+    there by the prefixes recently routed to it (0 when the room is unknown).
+
+    The room is the lesser of the blocks not hot there (``free_blocks``) and the blocks its recent
+    traffic leaves free (``kv_blocks`` less ``recent_blocks``, the room a new prefix needs in
+    kvscale.router.cold_placement.fitting). A spill makes the copy its group's new home (the
+    group's next requests find it there at the lower estimate), so it needs the room a new prefix
+    needs; a group spilled there a moment ago has its blocks sent once, not hot yet, and counting
+    hot blocks alone let groups leave a half-speed replica for replicas already full: six groups
+    each on the two full-speed ones, in blocks for five prefixes, where cache_aware keeps four a
+    replica and hits more (the simulated routing grid's throttled cells, docs/performance.md,
+    "Routing")."""
     if candidate.free_blocks is None:
         return 0
     need = -(-prompt_tokens // max(block_size, 1)) - candidate.matched_blocks
-    return max(need - candidate.free_blocks, 0)
+    room = candidate.free_blocks
+    if candidate.kv_blocks > 0:
+        room = min(room, max(candidate.kv_blocks - candidate.recent_blocks, 0))
+    return max(need - room, 0)
 
 
 def should_spill(anchor_ttft: float, other_ttft: float, saved_s: float, slack: float) -> bool:
