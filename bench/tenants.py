@@ -179,6 +179,7 @@ class Run:
         pids = fleet_pids()
         lags: dict[str, list[float]] = {"alone": [], "under_flood": []}
         cores: dict[str, dict[str, float]] = {}
+        phases: dict[str, tuple[float, float]] = {}  # perf_counter span of each side's probes
 
         def probes(client: httpx.AsyncClient, side: str) -> Callable[[], Awaitable[list[Answer]]]:
             # Each prompt twice in turn: as is, then with skip_special_tokens false. The model's
@@ -192,6 +193,7 @@ class Run:
                 answers = await with_loop_lag(one_by_one(client, self.routers, self.keys["high"], "high", twins,
                                                          2 * args.priority_requests, pause_s=0.1), lags[side])
                 cores[side] = cpu_share(before, cpu_seconds(pids, CLIENT_ONLY), time.perf_counter() - began)
+                phases[side] = (began, time.perf_counter())
                 return answers
             return measured
 
@@ -208,6 +210,10 @@ class Run:
                      for side, answers in (("alone", alone_both), ("under_flood", flooded_both))}
         return {"low_in_flight": in_flight, "alone": ttft_summary(alone), "under_flood": ttft_summary(flooded),
                 "low_requests": len(low), "low_errors": sum(1 for a in low if a.status != 200),
+                # The flood's throughput while the probes ran (a commit that serves the probes
+                # faster ends the phase sooner: the count alone does not compare).
+                "low_requests_per_s": sum(1 for a in low if phases["under_flood"][0] <= a.ended_s <= phases["under_flood"][1])
+                / (phases["under_flood"][1] - phases["under_flood"][0]),
                 "p90_ttft_ratio": p90, "target": 1.5, "verdict": at_most(p90, 1.5),
                 "first_token": "skip_special_tokens false", "first_text_chunk": text, "breakdown": breakdown, "loadavg_1m": os.getloadavg()[0]}
 
