@@ -14,13 +14,15 @@ from kvscale.server.core.step_undo import StepSnapshot, undo_step, undoable
 from kvscale.server.worker.model_runner import StepLogits
 
 
-def interruptible_layers(config: EngineConfig, device_type: str, model: Any) -> StepInterrupt | None:
+def interruptible_layers(config: EngineConfig, device_type: str, model: Any,
+                         async_scheduling: bool) -> StepInterrupt | None:
     """The flag a forward checks before each decoder layer (a forward pre-hook), where a step can
     be given up for a more urgent arrival (step_interrupt.py): ``--scheduling-policy priority``
-    on a CPU, one rank, without speculative decoding. None elsewhere: a GPU's step is short and
-    its layers are queued ahead of the kernels, and ranks would have to give up a step together."""
+    on a CPU, one rank, synchronous steps without speculative decoding. None elsewhere: a GPU's
+    step is short and its layers are queued ahead of the kernels, ranks would have to give up a
+    step together, and an overlapped step is queued before the one in flight is read."""
     if (config.scheduling_policy != "priority" or device_type != "cpu" or config.tensor_parallel_size > 1
-            or config.speculative_config is not None):
+            or config.speculative_config is not None or async_scheduling):
         return None
     interrupt = StepInterrupt()
     for layer in getattr(model, "layers", ()):
@@ -33,9 +35,11 @@ def run_forward(engine: Any, sched: SchedulerOutput, snapshot: StepSnapshot | No
     """The runner's forward of ``sched``; None when a more urgent arrival gave it up
     (step_interrupt.py), the step then taken back as if never scheduled."""
     interrupt, bound = engine.step_interrupt, None
+    pool = engine.scheduler.kv.pool
     if interrupt is not None and snapshot is not None and undoable(engine.scheduler, sched, snapshot, copied):
         bound = interrupt_bound((item.seq.request.priority, item.seq.skipped_steps) for item in sched.scheduled)
     if bound is None:
+        pool.registration_log = None  # kept only while a step may be taken back
         return engine.runner.execute(sched.scheduled, copies, extra_rows=extra_rows)
     assert interrupt is not None and snapshot is not None
     interrupt.arm(bound)
@@ -50,3 +54,4 @@ def run_forward(engine: Any, sched: SchedulerOutput, snapshot: StepSnapshot | No
         return None
     finally:
         interrupt.disarm()
+        pool.registration_log = None

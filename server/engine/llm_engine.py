@@ -93,7 +93,7 @@ class LLMEngine:
         self.sync_request_ids: set[str] = set()
         # Under priority scheduling on a CPU, a forward given up for a more urgent arrival
         # (step_interrupt.py): the core's input thread calls step_interrupt.on_arrival.
-        self.step_interrupt = interruptible_layers(config, self.device.type, self.model)
+        self.step_interrupt = interruptible_layers(config, self.device.type, self.model, self.async_scheduling)
         self.step_given_up = False  # this step's forward was given up
         self.scheduled_at = 0.0  # when the step in flight was scheduled
         if self.async_scheduling:
