@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = ("cpu_decode_attention.c", "cpu_prefill_attention.c", "cpu_prefill_attention_f32.c", "cpu_write_kv.c",
            "cpu_layer_ops.c", "cpu_quantize.c", "cpu_linear_amx.c", "cpu_token_mask.c", "cpu_threads.c",
-           "cpu_step_layers.c", "cpu_linear_narrow.c", "cpu_lora.c", "cpu_moe.c")
+           "cpu_step_layers.c", "cpu_linear_narrow.c", "cpu_lora.c", "cpu_moe.c", "cpu_linear_dot.c")
 HEADERS = ("cpu_amx.h", "cpu_silu.h", "cpu_softmax.h")  # included by the sources above: copied beside them, and part of the build's key
 # -ffast-math lets the exp loop call glibc's vector expf (libmvec); the dot products are
 # reassociated either way (omp simd reductions), as every vectorised kernel's are. It is a

@@ -8,8 +8,9 @@ PyTorch references for the rest). Each concept lives in a module of its own:
 - ``cpu_attention``: paged decode and prefill attention and the KV write
   (``cpu_decode_attention.c``, ``cpu_prefill_attention.c``, ``cpu_prefill_attention_f32.c``,
   ``cpu_write_kv.c``), and ``CPU``;
-- ``cpu_projections``: bfloat16 and int8 projections on AMX tiles (``cpu_linear_amx.c``) and on a
-  decode step's few float32 rows (``cpu_linear_narrow.c``);
+- ``cpu_projections``: bfloat16 and int8 projections on AMX tiles (``cpu_linear_amx.c``), bfloat16
+  ones on a few rows with AVX-512 BF16 dot products (``cpu_linear_dot.c``) and on a decode step's
+  few float32 rows (``cpu_linear_narrow.c``);
 - ``cpu_row_ops``: the decoder layer's elementwise steps fused into one pass each
   (``cpu_layer_ops.c``), int8 row quantization (``cpu_quantize.c``), a structured output step's
   token bitmask (``cpu_token_mask.c``);
@@ -34,13 +35,18 @@ from kvscale.kernels.cpu_build import available, bind_threads
 from kvscale.kernels.cpu_projections import (
     AMX_INT8_DEPTH,
     AMX_LINEAR_MULTIPLE,
+    DOT_LINEAR_COLUMNS,
     amx_linear_available,
+    dot_linear_available,
+    dot_silu_mul_fits,
     linear_amx,
     linear_amx_int8,
+    linear_dot,
     linear_narrow,
     narrow_linear_available,
     pack_linear_amx,
     pack_linear_amx_int8,
+    pack_linear_dot,
     silu_mul_fits,
 )
 from kvscale.kernels.cpu_row_ops import (
@@ -60,10 +66,10 @@ from kvscale.kernels.cpu_step import (
 )
 
 __all__ = [
-    "AMX_INT8_DEPTH", "AMX_LINEAR_MULTIPLE", "CPU", "DecoderLayer", "DecoderShape", "Projection", "StepAttention",
-    "add_rms_norm", "amx_linear_available", "amx_prefill_available", "apply_token_bitmask", "available",
-    "bind_threads", "decode_attention_on_amx", "f32_prefill_available",
-    "linear_amx", "linear_amx_int8", "linear_narrow", "narrow_linear_available",
-    "pack_linear_amx", "pack_linear_amx_int8", "paged_decode_attention", "paged_prefill_attention",
+    "AMX_INT8_DEPTH", "AMX_LINEAR_MULTIPLE", "CPU", "DOT_LINEAR_COLUMNS", "DecoderLayer", "DecoderShape", "Projection",
+    "StepAttention", "add_rms_norm", "amx_linear_available", "amx_prefill_available", "apply_token_bitmask",
+    "available", "bind_threads", "decode_attention_on_amx", "dot_linear_available", "dot_silu_mul_fits",
+    "f32_prefill_available", "linear_amx", "linear_amx_int8", "linear_dot", "linear_narrow", "narrow_linear_available",
+    "pack_linear_amx", "pack_linear_amx_int8", "pack_linear_dot", "paged_decode_attention", "paged_prefill_attention",
     "quantize_rows_u8", "rescale_rows", "rope", "silu_and_mul", "silu_mul_fits", "step_layers", "write_kv",
 ]

@@ -1,6 +1,7 @@
 """Projections in C (``x W^T``): bfloat16 and int8 weights on AMX tiles, laid out once in the order
-the kernel streams them (cpu_linear_amx.c), and bfloat16 or int8 weights widened as they are read
-on a decode step's few float32 rows where the CPU has no bf16 or int8 dot products
+the kernel streams them (cpu_linear_amx.c); bfloat16 weights on a few rows with the CPU's bf16 dot
+products where it has those but no AMX (cpu_linear_dot.c); and bfloat16 or int8 weights widened as
+they are read on a decode step's few float32 rows where the CPU has no bf16 or int8 dot products
 (cpu_linear_narrow.c). The engine's linear layers pick between these and oneDNN."""
 
 from __future__ import annotations
@@ -112,6 +113,58 @@ def linear_amx_int8(xq: Tensor, x_scales: Tensor, packed: tuple[Tensor, Tensor],
         w_scales.data_ptr(), None if bias is None else bias.data_ptr(), rows, out_features, in_features,
         out.data_ptr(), int(out_dtype == torch.bfloat16), int(silu_mul), torch.get_num_threads())
     _check_linear_status(status)
+    return out
+
+
+@functools.cache
+def dot_linear_available() -> bool:
+    """Whether bfloat16 projections run on the bf16 dot-product kernel here (cpu_linear_dot.c): a
+    build with AVX-512 BF16."""
+    lib = library()
+    return lib is not None and bool(lib.kvscale_linear_dot_available())
+
+
+DOT_LINEAR_COLUMNS = 64  # cpu_linear_dot.c's column blocks: out features are a multiple of it
+
+
+def pack_linear_dot(weight: Tensor) -> Tensor | None:
+    """``weight`` ``[out, in]`` (bfloat16) laid out for :func:`linear_dot` (a flat tensor), or None
+    where that kernel does not run it (no AVX-512 BF16, another dtype, out features not a multiple
+    of 64 or in features odd)."""
+    out_features, in_features = weight.shape
+    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or out_features % DOT_LINEAR_COLUMNS
+            or in_features % 2 or not dot_linear_available()):
+        return None
+    plain = weight.detach().contiguous()
+    packed = torch.empty(plain.numel(), dtype=torch.bfloat16)
+    lib = library()
+    assert lib is not None  # dot_linear_available() said so
+    lib.kvscale_linear_dot_pack(plain.data_ptr(), out_features, in_features, packed.data_ptr())
+    return packed
+
+
+def dot_silu_mul_fits(out_features: int) -> bool:
+    """Whether a gate|up projection of ``out_features`` can apply SiLU-and-multiply as the dot
+    kernel stores it: each half a whole number of its column blocks."""
+    return out_features % (2 * DOT_LINEAR_COLUMNS) == 0
+
+
+def linear_dot(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int, silu_mul: bool = False) -> Tensor:
+    """:func:`linear_amx`'s contract on the bf16 dot-product kernel, for ``packed`` from
+    :func:`pack_linear_dot`; each row's result is the same bits whatever other rows the call has."""
+    in_features = x.shape[-1]
+    rows = x.reshape(-1, in_features)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = x.new_empty((*x.shape[:-1], out_features // 2 if silu_mul else out_features))
+    lib = library()
+    assert lib is not None  # pack_linear_dot() needed it
+    status = lib.kvscale_linear_dot(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                                    None if bias is None else bias.data_ptr(), rows.shape[0], out_features,
+                                    in_features, out.data_ptr(), int(silu_mul), torch.get_num_threads())
+    if status:
+        raise ValueError("the dot-product projection cannot run this call: no AVX-512 BF16 here, or silu_mul on "
+                         "halves that split a 64-column block (dot_silu_mul_fits says which shapes fit)")
     return out
 
 

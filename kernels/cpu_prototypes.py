@@ -58,6 +58,11 @@ C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "kvscale_quantize_rows_u8": (None, [_PTR, _I64, _I64, _I32, _PTR, _PTR, _I32]),
     # y, y_bf16, scales, bias, rows, width, out, out_bf16, num_threads
     "kvscale_rescale_rows": (None, [_PTR, _I32, _PTR, _PTR, _I64, _I64, _PTR, _I32, _I32]),
+    "kvscale_linear_dot_available": (ctypes.c_int, []),
+    # weight, n, k, packed
+    "kvscale_linear_dot_pack": (None, [_PTR, _I64, _I64, _PTR]),
+    # x, x_stride, packed, bias, m, n, k, out, silu_mul, num_threads
+    "kvscale_linear_dot": (ctypes.c_int, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I32, _I32]),
     "kvscale_linear_amx_available": (ctypes.c_int, []),
     # weight, n, k, packed
     "kvscale_linear_amx_pack": (None, [_PTR, _I64, _I64, _PTR]),

@@ -8,7 +8,8 @@
  * buffers' contents, so the step's output is bit for bit the module path's (a test checks it).
  *
  * The caller (server/worker/cpu_step_layers.py) takes this path only where every kernel below applies:
- * bfloat16 activations, projections on the AMX kernel (bfloat16 or int8 weights), the fused
+ * bfloat16 activations, projections on the AMX kernel (bfloat16 or int8 weights) or, without AMX,
+ * on the bf16 dot-product kernel (cpu_linear_dot.c, bfloat16 weights), the fused
  * gate|up with SiLU in its store, rotate-half RoPE over whole heads, a bfloat16 or FP8 cache,
  * and for a step with prompt chunks, the AMX prefill attention kernel.
  *
@@ -43,6 +44,9 @@ int kvscale_paged_prefill_attention(const void *query, int64_t query_stride, con
                                     int num_heads, int num_kv_heads, int head_dim, int block_size, int cache_format,
                                     float k_scale, float v_scale, float scale, void *out, int num_threads);
 int kvscale_linear_amx(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const float *bias, int64_t m,
+                       int64_t n, int64_t k, uint16_t *out, int silu_mul, int num_threads);
+int kvscale_linear_amx_available(void);
+int kvscale_linear_dot(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const float *bias, int64_t m,
                        int64_t n, int64_t k, uint16_t *out, int silu_mul, int num_threads);
 int kvscale_linear_amx_int8(const uint8_t *x, const float *x_scales, const int8_t *packed,
                             const int32_t *column_sums, const float *w_scales, const float *bias, int64_t m, int64_t n,
@@ -105,9 +109,11 @@ typedef struct {
  * Int8Linear does. */
 static int project(const kvscale_projection *p, const uint16_t *x, int64_t rows, void *out, int silu_mul,
                    uint8_t *x_q, float *x_scales, int num_threads) {
+    /* bfloat16: packed for AMX tiles where they are permitted, else for the dot-product kernel
+     * (server/worker/cpu_linear.py packs by the same test). */
     if (p->w_scales == NULL)
-        return kvscale_linear_amx(x, p->in_features, p->packed, p->bias, rows, p->out_features, p->in_features, out,
-                                  silu_mul, num_threads);
+        return (kvscale_linear_amx_available() ? kvscale_linear_amx : kvscale_linear_dot)(
+            x, p->in_features, p->packed, p->bias, rows, p->out_features, p->in_features, out, silu_mul, num_threads);
     kvscale_quantize_rows_u8(x, rows, p->in_features, 1, x_q, x_scales, num_threads);
     return kvscale_linear_amx_int8(x_q, x_scales, p->packed, p->column_sums, p->w_scales, p->bias, rows,
                                    p->out_features, p->in_features, out, 1, silu_mul, num_threads);

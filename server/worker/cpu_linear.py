@@ -5,6 +5,12 @@
   (prefill) stay on oneDNN's packed GEMM, which is faster there, so such a projection holds its
   weight twice (docs/engine.md, "Measured and not kept", measures both). Layers whose sizes are
   not multiples of 32 keep oneDNN alone.
+- bfloat16 on CPUs with AVX-512 BF16 but no AMX (AMD Zen 4 and 5), up to ``DOT_ROWS_MAX`` rows (a
+  single stream's decode step, a speculative verify step, a small batch): kvscale's own kernel
+  (``kernels/cpu_linear_dot.c``), its weight laid out for the bf16 dot products; more rows stay on
+  oneDNN's packed GEMM, so such a projection, as on AMX, holds its weight twice. On the 2-vCPU
+  EPYC (Zen 5) the bundled model's projections took 0.55-0.8x oneDNN's time on 1 and 5 rows,
+  0.8-0.9x on 16; with it a decode step's layers run in one C call (cpu_step_layers.py).
 - bfloat16 where oneDNN has bf16 kernels (AVX-512 BF16, AMX): oneDNN's packed layout, made once.
   ``F.linear`` in bf16 also reaches oneDNN but hands it a plain matrix, which it re-lays out on
   every call. Packed once, a forward's projections on 4-64 rows (batched decode) take 0.58-0.62x
@@ -49,6 +55,8 @@ _X86_NOT_INTEL = frozenset({"AuthenticAMD", "HygonGenuine"})
 _PACKING_ROWS_HINT = 64
 # The most rows a projection runs on kvscale's AMX kernel rather than oneDNN's (see the docstring).
 AMX_ROWS_MAX = 64
+# The most rows a projection runs on kvscale's bf16 dot-product kernel rather than oneDNN's.
+DOT_ROWS_MAX = 16
 # The float32 copy of a weight block a widened GEMM makes at a time: big enough that the GEMM on a
 # block runs at full speed, small enough to stay in the last-level cache (on an AVX2 EPYC, 128
 # output channels per block took 1.2-2.5x the time of 2048 on 576 inputs).
@@ -172,6 +180,35 @@ class AmxLinear(PackedLinear):
         return super().extra_repr() + f", up to {AMX_ROWS_MAX} rows on AMX"
 
 
+class DotLinear(PackedLinear):
+    """A :class:`PackedLinear` that runs up to ``DOT_ROWS_MAX`` rows on the CPU's bf16 dot products
+    (``kernels/cpu_linear_dot.c``), from a second copy of W in that kernel's layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dot_weight: torch.Tensor) -> None:
+        super().__init__(weight, bias)
+        self.dot_weight = dot_weight
+        # The kernel adds the bias in float32, before its one rounding.
+        self.dot_bias = None if bias is None else bias.detach().float()
+
+    def _on_dot(self, x: torch.Tensor) -> bool:
+        return x.numel() <= DOT_ROWS_MAX * self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._on_dot(x):
+            return super().forward(x)
+        return cpu_native.linear_dot(x, self.dot_weight, self.dot_bias, self.out_features)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu_and_mul(self(x))`` in one pass on the kernel's rows, bit for bit the two ops'
+        result (as :meth:`AmxLinear.silu_and_mul`); None where the rows go to oneDNN."""
+        if not self._on_dot(x) or not cpu_native.dot_silu_mul_fits(self.out_features):
+            return None
+        return cpu_native.linear_dot(x, self.dot_weight, self.dot_bias, self.out_features, silu_mul=True)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", up to {DOT_ROWS_MAX} rows on bf16 dot products"
+
+
 def lay_out_cpu_linears(model: nn.Module) -> None:
     """Give every ``nn.Linear`` of a CPU model its weight layout (see the module docstring), but
     the experts a mixture-of-experts block runs from its stacked matrices (server/worker/moe.py)."""
@@ -182,8 +219,12 @@ def lay_out_cpu_linears(model: nn.Module) -> None:
     for parent, name, linear in linears:
         onednn = onednn_packs(linear.weight.dtype)
         amx_weight = cpu_native.pack_linear_amx(linear.weight) if onednn and amx_packs() else None
+        # Without AMX (not merely a shape it does not take): cpu_step_layers.c picks the kernel so.
+        dot_weight = (cpu_native.pack_linear_dot(linear.weight) if onednn and not amx_packs() else None)
         if amx_weight is not None:
             setattr(parent, name, AmxLinear(linear.weight, linear.bias, amx_weight))
+        elif dot_weight is not None:
+            setattr(parent, name, DotLinear(linear.weight, linear.bias, dot_weight))
         elif onednn:
             setattr(parent, name, PackedLinear(linear.weight, linear.bias))
         elif linear.weight.dtype == torch.bfloat16:

@@ -1,4 +1,5 @@
-"""A batched step's decoder layers in one C call, on CPUs whose projections run on AMX.
+"""A batched step's decoder layers in one C call, on CPUs whose projections run on AMX or, on
+fewer rows, on AVX-512 BF16 dot products.
 
 Each layer is about ten kernels; called one by one from Python, each paid a few microseconds of
 module dispatch, argument checks, tensor allocation and ctypes besides its work: over the bundled
@@ -8,7 +9,9 @@ worker/test_cpu_step_layers.py). This module decides where it applies and hands 
 as the modules hold them: decode steps, and steps with prompt chunks where the AMX prefill
 attention runs them, up to the rows the AMX projections take. The rest (longer steps, float32,
 oneDNN projections, per-head q/k norms, partial rotary, mixture-of-experts layers) stays on the
-modules.
+modules. Without AMX, the projections' few rows run on the bf16 dot-product kernel
+(server/worker/cpu_linear.py's DotLinear), and so do the steps here: up to ``DOT_ROWS_MAX`` rows, a
+single stream's decode and speculative verify steps among them.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch import Tensor, nn
 
 from kvscale.kernels import cpu_native, fp8
 from kvscale.server.worker.attention_metadata import AttentionMetadata
-from kvscale.server.worker.cpu_linear import AmxLinear
+from kvscale.server.worker.cpu_linear import DOT_ROWS_MAX, AmxLinear, DotLinear
 from kvscale.server.worker.quantization import Int8Linear
 
 if TYPE_CHECKING:
@@ -46,8 +49,16 @@ def _decoder_layers(model: DecoderForCausalLM) -> list[DecoderLayer]:
 
 
 def _projection(module: nn.Module, silu_mul: bool = False) -> cpu_native.Projection | None:
-    """``module``'s weight as the AMX kernel holds it, or None where it does not run on that kernel."""
-    if silu_mul and not cpu_native.silu_mul_fits(getattr(module, "out_features", 1)):
+    """``module``'s weight as the kernel cpu_step_layers.c runs it with holds it (AMX where
+    permitted, else the bf16 dot products), or None where it does not run on that kernel."""
+    out_features = getattr(module, "out_features", 1)
+    if not cpu_native.amx_linear_available():
+        if not isinstance(module, DotLinear) or (silu_mul and not cpu_native.dot_silu_mul_fits(out_features)):
+            return None
+        bias = module.dot_bias
+        return cpu_native.Projection(module.dot_weight.data_ptr(), None, None, None if bias is None else bias.data_ptr(),
+                                     module.out_features, module.in_features)
+    if silu_mul and not cpu_native.silu_mul_fits(out_features):
         return None
     if isinstance(module, AmxLinear):
         bias = module.amx_bias
@@ -64,12 +75,14 @@ def _projection(module: nn.Module, silu_mul: bool = False) -> cpu_native.Project
 class CpuStepLayers:
     """The decoder layers of one model as ``kvscale_step_layers`` takes them."""
 
-    def __init__(self, attentions: list[Attention], layers: ctypes.Array, shape: cpu_native.DecoderShape) -> None:
+    def __init__(self, attentions: list[Attention], layers: ctypes.Array, shape: cpu_native.DecoderShape,
+                 rows_max: int = STEP_ROWS_MAX) -> None:
         # The model owns this object and every buffer the structs point into; the attention
         # modules are kept for their KV scales, which may change after load.
         self.attentions = attentions
         self.layers = layers
         self.shape = shape
+        self.rows_max = rows_max
 
     @classmethod
     def for_model(cls, model: DecoderForCausalLM) -> CpuStepLayers | None:
@@ -98,13 +111,14 @@ class CpuStepLayers:
         shape = cpu_native.DecoderShape(
             hidden=spec.hidden_size, intermediate=spec.intermediate_size, num_heads=spec.num_heads,
             num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, eps=spec.rms_norm_eps, scale=spec.head_dim**-0.5)
-        return cls(attentions, (cpu_native.DecoderLayer * len(structs))(*structs), shape)
+        rows_max = STEP_ROWS_MAX if cpu_native.amx_linear_available() else DOT_ROWS_MAX
+        return cls(attentions, (cpu_native.DecoderLayer * len(structs))(*structs), shape, rows_max)
 
     def applies(self, rows: int, kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> bool:
-        """Whether this step's batch runs here: up to ``STEP_ROWS_MAX`` rows, on the CPU kernels,
+        """Whether this step's batch runs here: up to ``rows_max`` rows, on the CPU kernels,
         over caches their attention reads, and for prompt chunks, where the AMX prefill kernel
         runs them."""
-        if meta.kernels.name != "cpu" or not 0 < rows <= STEP_ROWS_MAX or meta.split is not None:
+        if meta.kernels.name != "cpu" or not 0 < rows <= self.rows_max or meta.split is not None:
             return False
         dtype, shape = kv_caches[0][0].dtype, kv_caches[0][0].shape
         if dtype not in _CACHE_DTYPES or not all(

@@ -28,6 +28,7 @@ def fresh_cpu_library(monkeypatch: pytest.MonkeyPatch):
         cpu_native.f32_prefill_available.cache_clear()
         cpu_native.narrow_linear_available.cache_clear()
         cpu_native.amx_linear_available.cache_clear()
+        cpu_native.dot_linear_available.cache_clear()
         lora_cpu.native_available.cache_clear()
 
     monkeypatch.delenv("KVSCALE_CPU_KERNELS", raising=False)

@@ -63,3 +63,39 @@ def check_suffix_decoding(make_engine, run_to_completion, plain):
         "spec_decode_num_draft_tokens_total"]
     assert engine.spec is not None and engine.spec.responses is not None and len(engine.spec.responses.responses) == 6
     assert engine.pool.num_free_blocks == free_at_start
+
+
+# Chat prompts whose greedy bf16 answers a 5-row verify step on oneDNN's GEMM changed (its rows
+# round differently from a 1-row decode step's): bench/spec_decode.py's.
+BF16_PROMPTS = [
+    "Rewrite the following text, changing only the numbers to words where needed:\n\nThe library opens at nine in "
+    "the morning and closes at six in the evening. Visitors may borrow up to five books at a time for three weeks. "
+    "Late returns cost ten cents per day per book.",
+    "Repeat the following text exactly, word for word:\n\ndef add(a, b):\n    return a + b\n\n\ndef multiply(a, b):"
+    "\n    return a * b\n\n\ndef subtract(a, b):\n    return a - b\n",
+]
+
+
+def test_in_bfloat16_on_bf16_dot_products_speculation_gives_plain_greedy_tokens(make_engine, run_to_completion):
+    """Where a step's few bf16 rows run on the dot-product kernel (no AMX, AVX-512 BF16), each
+    row's projections are the same bits whatever rows share the step (kernels/cpu_linear_dot.c),
+    so a verify step's rows are a decode step's and speculation in bfloat16 keeps plain's tokens."""
+    import pytest
+
+    from kvscale.kernels import cpu_native
+
+    if cpu_native.amx_linear_available() or not cpu_native.dot_linear_available():
+        pytest.skip("the bf16 dot-product kernel serves CPUs with AVX-512 BF16 and no AMX")
+
+    def answers(engine) -> dict[str, list[int]]:
+        for i, ask in enumerate(BF16_PROMPTS):
+            prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": ask}],
+                                                          add_generation_prompt=True, tokenize=False)
+            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=48))
+        return {rid: out.outputs[0].token_ids for rid, out in run_to_completion(engine).items()}
+
+    plain = answers(make_engine(dtype="bfloat16"))
+    engine = make_engine(dtype="bfloat16", speculative_config=SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3))
+    assert answers(engine) == plain
+    assert engine.get_stats().extra["spec_decode_num_accepted_tokens_total"] > 0

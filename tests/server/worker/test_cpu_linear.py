@@ -15,7 +15,9 @@ from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.worker.cpu_features import CpuFeatures, cpu_features
 from kvscale.server.worker.cpu_linear import (
     AMX_ROWS_MAX,
+    DOT_ROWS_MAX,
     AmxLinear,
+    DotLinear,
     PackedLinear,
     WidenedLinear,
     lay_out_cpu_linears,
@@ -168,6 +170,33 @@ def test_the_mlp_activation_is_the_same_bits_fused_or_not(rows: int) -> None:
     assert (fused is None) == (rows > AMX_ROWS_MAX)
     two_ops = layer_ops.silu_and_mul(laid_out(x))
     assert torch.equal(layer_ops.projected_silu_and_mul(laid_out, x).view(torch.int16), two_ops.view(torch.int16))
+
+
+def test_without_amx_few_bf16_rows_run_on_dot_products_and_more_on_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_native, "amx_linear_available", lambda: False)
+    model = nn.Sequential(nn.Linear(64, 128, bias=True), nn.Linear(128, 64, bias=False), nn.Linear(64, 96))
+    model = model.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    inputs = {rows: torch.randn(rows, 64, generator=gen).to(torch.bfloat16) for rows in (1, 5, DOT_ROWS_MAX + 1)}
+    before = {rows: model(x).float() for rows, x in inputs.items()}
+    lay_out_cpu_linears(model)
+    first, second, odd = model
+    if not (onednn_packs(torch.bfloat16) and cpu_native.dot_linear_available()):
+        assert not any(isinstance(m, DotLinear) for m in model)
+        return
+    assert isinstance(first, DotLinear) and isinstance(second, DotLinear)
+    assert type(odd) is PackedLinear  # 96 outputs: not whole blocks of 64
+    for rows, x in inputs.items():
+        after = model(x).float()
+        assert (after - before[rows]).abs().max() <= TOLERANCE[torch.bfloat16] * max(1.0, before[rows].abs().max().item())
+    # Which GEMM ran: the dot copy alone serves up to DOT_ROWS_MAX rows, oneDNN's alone beyond.
+    first.packed_weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(128, 64, dtype=torch.bfloat16), 64)
+    assert first(inputs[5]).abs().sum() > 0
+    assert torch.equal(first(inputs[DOT_ROWS_MAX + 1]), first.bias.expand(DOT_ROWS_MAX + 1, 128))
+    # The MLP's activation fused into the store on the kernel's rows: the two ops' bits.
+    x = inputs[5] * 4
+    assert torch.equal(layer_ops.projected_silu_and_mul(first, x), layer_ops.silu_and_mul(first(x)))
+    assert first.silu_and_mul(inputs[DOT_ROWS_MAX + 1]) is None
 
 
 def test_onednn_alone_where_the_kernel_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:

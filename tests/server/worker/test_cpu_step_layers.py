@@ -9,7 +9,7 @@ import torch
 from kvscale.kernels import cpu_native
 from kvscale.server.worker import cpu_linear, quantization
 from kvscale.server.worker.attention_metadata import AttentionMetadata
-from kvscale.server.worker.cpu_linear import AMX_ROWS_MAX
+from kvscale.server.worker.cpu_linear import AMX_ROWS_MAX, DOT_ROWS_MAX
 from kvscale.server.worker.cpu_step_layers import STEP_ROWS_MAX, CpuStepLayers
 from kvscale.server.worker.model_llama import DecoderForCausalLM, spec_from_hf_config
 
@@ -113,10 +113,37 @@ def _assert_same_bits(one_call: torch.Tensor, modules: torch.Tensor, one_call_ca
 
 
 amx = pytest.mark.skipif(not cpu_native.amx_linear_available(), reason="this CPU has no AMX tiles")
+dot = pytest.mark.skipif(cpu_native.amx_linear_available() or not cpu_native.dot_linear_available(),
+                         reason="the bf16 dot-product path serves CPUs with AVX-512 BF16 and no AMX")
 
 
-def test_it_is_offered_exactly_where_the_projections_run_on_amx() -> None:
-    assert (CpuStepLayers.for_model(_model()) is not None) == cpu_native.amx_linear_available()
+def test_it_is_offered_exactly_where_the_projections_run_on_amx_or_bf16_dot_products() -> None:
+    step = CpuStepLayers.for_model(_model())
+    assert (step is not None) == (cpu_native.amx_linear_available() or cpu_native.dot_linear_available())
+    if step is not None:
+        assert step.rows_max == (STEP_ROWS_MAX if cpu_native.amx_linear_available() else DOT_ROWS_MAX)
+
+
+@dot
+@pytest.mark.parametrize("rows", [1, 5, DOT_ROWS_MAX])
+@pytest.mark.parametrize(("bias", "cache_dtype"), [(False, torch.bfloat16), (True, torch.bfloat16),
+                                                   (False, torch.float8_e4m3fn)],
+                         ids=["bf16", "bf16-bias", "bf16-fp8-cache"])
+def test_without_amx_the_step_is_the_same_bits_as_the_modules(rows: int, bias: bool, cache_dtype: torch.dtype,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    one_call, modules, one_call_caches, module_caches = _both_paths(_model(None, bias), rows, cache_dtype, monkeypatch)
+    assert one_call.dtype == torch.bfloat16 and one_call.shape == (rows, 128)
+    _assert_same_bits(one_call, modules, one_call_caches, module_caches)
+
+
+@dot
+def test_without_amx_a_step_past_the_dot_rows_or_with_a_prompt_runs_the_modules() -> None:
+    model = _model()
+    caches = _caches(model, torch.bfloat16)
+    assert model._one_call_layers(DOT_ROWS_MAX, caches, _decode_step(DOT_ROWS_MAX)[2]) is not None
+    assert model._one_call_layers(DOT_ROWS_MAX + 1, caches, _decode_step(DOT_ROWS_MAX + 1)[2]) is None
+    assert model._one_call_layers(7, caches, _step([7])[2]) is None  # the prefill kernel is AMX's
+    assert model._one_call_layers(4, _caches(model, torch.float32), _decode_step(4)[2]) is None
 
 
 @amx
