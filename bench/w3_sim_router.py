@@ -13,7 +13,13 @@ from collections import defaultdict, deque
 from bench.w3_cache_aware import CacheAware
 from bench.w3_sim import SimReplica, SimRequest
 from kvscale.router import policy as routing
-from kvscale.router.decision import HotBlocks, forget_stale_overloads, free_blocks, note_overload
+from kvscale.router.decision import (
+    GroupHomes,
+    HotBlocks,
+    forget_stale_overloads,
+    free_blocks,
+    note_overload,
+)
 from kvscale.router.index import prediction_ttl
 from kvscale.router.prefill_ledger import (
     RECENT_WAITS,
@@ -57,7 +63,7 @@ class SimRouter:
         self.cache_aware = CacheAware(block_size)
         self.overloaded_since: dict[str, float] = {}  # the Decider's hysteresis state
         self.overload_seen: dict[str, float] = {}
-        self.homes: dict[int, str] = {}  # leading block -> replica last sent to (the Decider's homes)
+        self.homes = GroupHomes()  # leading block -> replica last sent to (the Decider's homes)
         # The router's ledger of its sends, by replica index, as far as the slot wait reads it.
         self.sent: defaultdict[int, list[SimRequest]] = defaultdict(list)
         self.decodes: defaultdict[int, deque[float]] = defaultdict(lambda: deque(maxlen=RECENT_WAITS))
@@ -116,6 +122,7 @@ class SimRouter:
                 step_token_budget=rep.costs.step_tokens,
                 free_blocks=free_blocks(rep.num_blocks, self.hot.footprint(f"r{rep.index}", now)), kv_blocks=rep.num_blocks,
                 recent_blocks=self.hot.recent(f"r{rep.index}", now),
+                homed_groups=self.homes.homed(f"r{rep.index}"),
                 ttft_scale=calibration.scale(f"r{rep.index}"),
                 batch_slots=0 if self.no_slot else rep.costs.max_num_seqs, sequences_ahead=rep.load(),
                 decode_left_s=decode_left(mine, statistics.median(decodes) if decodes else fleet_decode_s, now),
@@ -128,7 +135,7 @@ class SimRouter:
             prompt_tokens=req.prompt_tokens, block_size=self.block_size,
             ttft_overhead_s=calibration.overhead_s,
             hold=None if self.fixed_ttl else routing.OverloadHold(now, wait, self.overloaded_since),
-            last_home=self.homes.get(req.hashes[0]) if req.hashes else None,
+            last_home=self.homes.get(str(req.hashes[0])) if req.hashes else None,
         )
         note_overload(self.overloaded_since, self.overload_seen, decision.judged, now)
         chosen = int(decision.ranked[0][1:])
@@ -136,7 +143,8 @@ class SimRouter:
         req.record = self.record(req, cands, decision)
         req.predicted_ttft_s = decision.uncalibrated_ttft_s
         self.hot.sent(decision.ranked[0], req.hashes, now)
-        self.homes.update({req.hashes[0]: decision.ranked[0]} if req.hashes else {})
+        if req.hashes:
+            self.homes.remember(str(req.hashes[0]), decision.ranked[0])
         self.sent[chosen].append(req)
         if routing.uses_prefix(name):
             announced = next(rep.announced for rep in self.replicas if rep.index == chosen)

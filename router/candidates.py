@@ -47,6 +47,10 @@ class Candidate:
     # How ready the replica is to run the request's LoRA adapter (``lora_affinity``): LORA_RESIDENT
     # for a base-model request.
     lora_affinity: int = 0
+    # Prompts' leading blocks (their groups) this router last sent here, of those it remembers: the
+    # replica's share of the groups where no replica has room for a new one (docs/router.md,
+    # "with no room anywhere"; kvscale.router.cold_placement.shared_home).
+    homed_groups: int = 0
 
 
 # A request's LoRA adapter on a replica that registered it, best first (docs/router.md, "LoRA

@@ -7,8 +7,9 @@ claims least room (``new_prefix_home``), unless its queue truly overloads it (``
 Where none has, the groups outgrow the fleet's KV: a group this router has placed before goes back
 to the replica it last sent the group's leading block to (``returning_home``), unless the spill
 rule, nothing saved, has found that replica truly overloaded for the hold; a group it has not
-placed, or whose home is overloaded, goes to the replica whose recent traffic claims least room,
-over every replica (with no room anywhere, room cannot choose), and its queue is weighed as above.
+placed, or whose home is overloaded, goes to the replica with the fewest groups homed there per
+unit of its speed (``shared_home``): with no room anywhere, room cannot choose, and each replica
+serves the misses of the groups it is home to.
 A prompt of a LoRA adapter readier on some replicas goes where it is readiest (``adapter_home``).
 """
 
@@ -112,6 +113,22 @@ def returning_home(
     return (None if overloaded and lasted else home), (home.replica_id, overloaded)
 
 
+def shared_home(candidates: Sequence[Candidate], rates: Mapping[str, float], key: RankKey) -> Candidate | None:
+    """Where a group goes when no replica has room for it and it has no home to return to (or its
+    home is truly overloaded): the replica whose share of the groups, this one included, is least
+    per unit of its prefill rate, ``(homed_groups + 1) / rate``; ties to the least room claimed by
+    recent traffic, then ``key``. With no room anywhere most of a group's requests miss wherever
+    they go, so a replica's work is the misses of the groups it is home to, and a replica at half
+    speed takes half the share. By recent claims alone, a replica whose groups had not come back
+    within the hot window looked empty and took new groups beyond its share (c4-p256-over:
+    5 groups against 3 and 4), and the half-speed replica took a full share; the simulated routing
+    grid's "over" cells, docs/performance.md, "Routing". None without candidates."""
+    if not candidates:
+        return None
+    return min(candidates, key=lambda c: (round((c.homed_groups + 1) / rates[c.replica_id], 9),
+                                          c.recent_blocks, key(c)))
+
+
 def cold_home(
     by_estimate: Sequence[Candidate],
     prompt_tokens: int,
@@ -133,9 +150,7 @@ def cold_home(
         # went to the one replica whose groups had not come back twice within the hot window
         # (docs/router.md, "Where a new prefix goes").
         back, judged = returning_home(by_estimate, last_home, ttft, slack, hold)
-        if back is not None:
-            return back, judged
-        roomy = list(by_estimate)
+        return (back if back is not None else shared_home(by_estimate, rates, key)), judged
     home = new_prefix_home(roomy, need, key)
     if home is None:
         return None, judged
@@ -156,4 +171,4 @@ def adapter_home(by_estimate: Sequence[Candidate], ttft: Mapping[str, float], sl
 
 
 __all__ = ["RankKey", "adapter_home", "busy_new_home", "cold_home", "fitting", "new_prefix_home",
-           "own_prefill_units", "returning_home"]
+           "own_prefill_units", "returning_home", "shared_home"]

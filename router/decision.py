@@ -61,6 +61,32 @@ class SessionMemory:
             self._replicas.popitem(last=False)
 
 
+class GroupHomes(SessionMemory):
+    """The replica each prompt's leading block (its group) was last sent to, and how many of the
+    remembered groups call each replica home: its share of the groups, where no replica has room
+    for a new one (kvscale.router.cold_placement.shared_home)."""
+
+    def __init__(self, capacity: int = SESSIONS_KEPT) -> None:
+        super().__init__(capacity)
+        self._homed: dict[str, int] = {}
+
+    def remember(self, session: str | None, replica_id: str) -> None:
+        if not session:
+            return
+        previous = self._replicas.get(session)
+        if previous is not None:
+            self._homed[previous] -= 1
+        self._homed[replica_id] = self._homed.get(replica_id, 0) + 1
+        self._replicas[session] = replica_id
+        self._replicas.move_to_end(session)
+        while len(self._replicas) > self.capacity:
+            _, gone = self._replicas.popitem(last=False)
+            self._homed[gone] -= 1
+
+    def homed(self, replica_id: str) -> int:
+        return self._homed.get(replica_id, 0)
+
+
 class HotBlocks:
     """Per replica, the prompt blocks this router sent there at least twice within ``HOT_WINDOW_S``:
     the KV room its hot prefixes take, so that a cold prompt goes where it evicts none of them.
@@ -134,13 +160,15 @@ def candidate_view(
     confirmed: Container[int] = frozenset(),
     fleet_decode_s: float = 0.0,
     adapter: str | None = None,
+    homed_groups: int = 0,
 ) -> routing.Candidate:
     """One replica as the policy sees it; ``now`` is this router's monotonic clock, onto which
     the heartbeat's time is brought before any comparison (the replica's clock may be off);
     ``confirmed``: the blocks the replica reported holding (its waiting prefill counts a prefix
     shared by requests queued there once); ``fleet_decode_s``: the typical decode over the fleet
     (a replica where none of ours has finished yet borrows it for its slot wait); ``adapter``: the
-    request's LoRA adapter (None: the base model), how ready the replica is for it."""
+    request's LoRA adapter (None: the base model), how ready the replica is for it;
+    ``homed_groups``: the groups whose leading block this router last sent there (``GroupHomes``)."""
     hb = heartbeats.get(replica.replica_id)
     room: int | None = None
     kv_blocks = 0
@@ -156,7 +184,7 @@ def candidate_view(
     extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), now, hb_time, confirmed, fleet_decode_s)
     return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, host_blocks=host_blocks,
                              free_blocks=room, kv_blocks=kv_blocks, ttft_scale=ttft_scale, recent_blocks=recent_blocks,
-                             lora_affinity=replica_affinity(adapter, hb), **extra)
+                             lora_affinity=replica_affinity(adapter, hb), homed_groups=homed_groups, **extra)
 
 
 def note_overload(since: dict[str, float], seen: dict[str, float], judged: tuple[str, bool] | None,
@@ -216,7 +244,7 @@ class Decider:
         self.sessions = SessionMemory()
         # The replica each leading block was last sent to (a prompt nobody holds returns there
         # when no replica has room for it: kvscale.router.cold_placement.returning_home).
-        self.homes = SessionMemory()
+        self.homes = GroupHomes()
         self.hot = HotBlocks()
         # The spill rule's verdicts (on holders and on returning groups' homes), for the hysteresis:
         self.overloaded_since: dict[str, float] = {}  # replica -> since when the rule held
@@ -293,7 +321,8 @@ class Decider:
             candidate_view(r, matched[r.replica_id], self.heartbeats, self.in_flight, now,
                            self.hot.footprint(r.replica_id, now), in_host.get(r.replica_id, 0),
                            applied.scale(r.replica_id), self.hot.recent(r.replica_id, now),
-                           self.index.confirmed_view(r.replica_id), fleet_decode_s, adapter)
+                           self.index.confirmed_view(r.replica_id), fleet_decode_s, adapter,
+                           self.homes.homed(r.replica_id))
             for r in candidates
         ]
         index_stale = self.heartbeats.index_stale

@@ -12,6 +12,7 @@ from kvscale.kv_index_schema import Heartbeat
 from kvscale.router.config import RouterConfig
 from kvscale.router.decision import (
     Decider,
+    GroupHomes,
     HotBlocks,
     SessionMemory,
     candidate_view,
@@ -325,3 +326,16 @@ def test_a_ledger_knows_its_slowest_prefill_wait() -> None:
     assert ledger.prefill_wait(now=20.0) == 20.0  # the first still waits
     ledger.started(1, now=21.0)
     assert ledger.prefill_wait(now=30.0) == 21.0  # the recent waits remember it
+
+
+def test_group_homes_count_the_groups_each_replica_is_home_to() -> None:
+    """A group's leading block counts at the replica it was last sent to: sent again elsewhere it
+    moves, and a group forgotten (least recently sent first) counts nowhere."""
+    homes = GroupHomes(capacity=3)
+    for group, replica in (("a", "r0"), ("b", "r0"), ("c", "r1"), ("a", "r1")):
+        homes.remember(group, replica)
+    assert (homes.homed("r0"), homes.homed("r1"), homes.homed("r2")) == (1, 2, 0)
+    homes.remember("d", "r2")  # "b" was sent least recently: forgotten
+    assert (homes.get("b"), homes.homed("r0"), homes.homed("r1"), homes.homed("r2")) == (None, 0, 2, 1)
+    homes.remember(None, "r0")
+    assert homes.homed("r0") == 0

@@ -146,3 +146,25 @@ def test_a_returning_group_stays_home_through_an_overload_shorter_than_the_hold(
     # A home that is not overloaded ends the overload it was judged in.
     decision = policy.predicted_ttft_policy(over_capacity(), PROMPT, BLOCK, hash_key=7, last_home="r0", hold=fresh)
     assert decision.ranked[0] == "r0" and decision.judged == ("r0", False)
+
+
+def test_with_no_room_anywhere_a_new_group_goes_where_fewest_groups_are_homed_per_unit_of_speed():
+    """The c4-p256-over fleet above, with the groups each replica is home to (``homed_groups``): r1
+    claims least recent room, but its groups merely had not come back within the hot window; it
+    is home to 5 groups, r0 to 3 and r2 to 4, so the new group goes to r0 ((3 + 1) / 42 tokens/s).
+    At half speed, r0's share counts double ((3 + 1) / 21 against r2's (4 + 1) / 42): r2 takes it.
+    Equal shares go to the least claimed room, then the estimate."""
+    def fleet(homed: tuple[int, int, int], r0_rate: float = 42.0) -> list[Candidate]:
+        return [Candidate(rid, 0, prefill_tokens_per_s=rate, recent_blocks=recent, free_blocks=0, kv_blocks=32,
+                          homed_groups=groups)
+                for (rid, recent, rate), groups in zip((("r0", 54, r0_rate), ("r1", 20, 42.0), ("r2", 40, 42.0)),
+                                                       homed, strict=True)]
+
+    assert policy.predicted_ttft_policy(fleet((3, 5, 4)), 288, BLOCK, hash_key=7).ranked[0] == "r0"
+    assert policy.predicted_ttft_policy(fleet((3, 5, 4), r0_rate=21.0), 288, BLOCK, hash_key=7).ranked[0] == "r2"
+    assert policy.predicted_ttft_policy(fleet((4, 4, 4)), 288, BLOCK, hash_key=7).ranked[0] == "r1"
+    # A group whose home is truly overloaded for the hold goes by the same share.
+    lasting = policy.OverloadHold(100.0, 15.0, {"r1": 80.0})
+    busy = [replace(c, queued_prefill_tokens=2000) if c.replica_id == "r1" else c for c in fleet((3, 5, 4))]
+    moved = policy.predicted_ttft_policy(busy, 288, BLOCK, hash_key=7, last_home="r1", hold=lasting)
+    assert moved.ranked[0] == "r0" and moved.judged == ("r1", True)
