@@ -77,8 +77,8 @@ C_PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "kvscale_apply_token_bitmask": (None, [_PTR, _I64, _I32, _PTR, _I64, _PTR, _I64, _I64, _I32]),
     # cpus, num_threads
     "kvscale_bind_threads": (ctypes.c_int, [_PTR, _I32]),
-    # layers, num_layers, shape, hidden, residual, rows, positions, cos_table, sin_table, cos_stride,
-    # slots, attention, num_threads
-    "kvscale_step_layers": (ctypes.c_int, [_PTR, _I32, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+    # layers, num_layers, residual_ready, shape, hidden, residual, rows, positions, cos_table,
+    # sin_table, cos_stride, slots, attention, num_threads
+    "kvscale_step_layers": (ctypes.c_int, [_PTR, _I32, _I32, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
                                              _PTR, _PTR, _I32]),
 }

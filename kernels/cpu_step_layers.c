@@ -153,8 +153,10 @@ static int attend(const kvscale_step_attention *a, const kvscale_decoder_shape *
 
 /* The decoder layers of a step: `hidden` holds the token embeddings on entry and the last
  * layer's MLP output on return, `residual` the residual stream on return (the final norm's add
- * is the caller's). */
-int kvscale_step_layers(const kvscale_decoder_layer *layers, int num_layers, const kvscale_decoder_shape *s,
+ * is the caller's). Or a run of them: with `residual_ready`, `hidden` and `residual` hold on
+ * entry what the layers before these left (a caller checking between runs of layers). */
+int kvscale_step_layers(const kvscale_decoder_layer *layers, int num_layers, int residual_ready,
+                          const kvscale_decoder_shape *s,
                           uint16_t *hidden, uint16_t *residual, int64_t rows, const int64_t *positions,
                           const uint16_t *cos_table, const uint16_t *sin_table, int64_t cos_stride,
                           const int64_t *slots, const kvscale_step_attention *a, int num_threads) {
@@ -175,7 +177,7 @@ int kvscale_step_layers(const kvscale_decoder_layer *layers, int num_layers, con
     int status = STEP_LAYERS_OK;
     for (int i = 0; i < num_layers && status == STEP_LAYERS_OK; i++) {
         const kvscale_decoder_layer *layer = &layers[i];
-        if (i == 0) {
+        if (i == 0 && !residual_ready) {
             memcpy(residual, hidden, 2 * normed_n);
             kvscale_add_rms_norm(hidden, NULL, layer->input_norm, normed, rows, s->hidden, s->eps, 1, num_threads);
         } else {

@@ -27,6 +27,8 @@ def interruptible_layers(config: EngineConfig, device_type: str, model: Any,
     interrupt = StepInterrupt()
     for layer in getattr(model, "layers", ()):
         layer.register_forward_pre_hook(interrupt.check)
+    if hasattr(model, "one_call_check"):  # layers run in C calls (server/worker/cpu_step_layers.py)
+        model.one_call_check = interrupt.check
     return interrupt
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -42,6 +43,11 @@ _CACHE_DTYPES = (torch.bfloat16, *fp8.FP8_DTYPES)
 # 2`), less than the ~7 ms of calls from Python a step saves here; at 512 rows the
 # two are even, and such steps (prompts) stay on the modules and oneDNN.
 STEP_ROWS_MAX = 256
+
+# Calls a step's layers are split into where a check runs between them (priority scheduling's
+# step given up, server/core/step_interrupt.py): a check every ~4 of the bundled model's 30
+# layers, for ~8 calls' overhead where one did.
+CHECKED_RUNS = 8
 
 
 def _decoder_layers(model: DecoderForCausalLM) -> list[DecoderLayer]:
@@ -83,6 +89,7 @@ class CpuStepLayers:
         self.layers = layers
         self.shape = shape
         self.rows_max = rows_max
+        self._checked_runs: list[ctypes.Array] | None = None
 
     @classmethod
     def for_model(cls, model: DecoderForCausalLM) -> CpuStepLayers | None:
@@ -133,9 +140,12 @@ class CpuStepLayers:
                 and cpu_native.amx_prefill_available())
 
     def run(self, hidden: Tensor, positions: Tensor, cos_table: Tensor, sin_table: Tensor,
-            kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+            kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata,
+            check: Callable[[], None] | None = None) -> tuple[Tensor, Tensor]:
         """The last layer's MLP output and the residual stream (the final norm is the model's),
-        from the token embeddings ``hidden``, which it overwrites."""
+        from the token embeddings ``hidden``, which it overwrites. With ``check``, the layers run
+        in ``CHECKED_RUNS`` calls and ``check`` is called before each (it may raise to give the
+        step up)."""
         for struct, attention, (k_cache, v_cache) in zip(self.layers, self.attentions, kv_caches, strict=True):
             struct.k_cache, struct.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             struct.k_scale, struct.v_scale = attention.k_scale, attention.v_scale
@@ -162,6 +172,24 @@ class CpuStepLayers:
             step_attention.query_start_loc = starts.data_ptr()
             step_attention.single_rows, step_attention.single_tables = single_rows.data_ptr(), single_tables.data_ptr()
             step_attention.single_lens, step_attention.num_single = single_lens.data_ptr(), single.numel()
-        cpu_native.step_layers(self.layers, self.shape, hidden, residual, positions, cos_table.contiguous(),
-                               sin_table.contiguous(), slots, step_attention)
+        cos_table, sin_table = cos_table.contiguous(), sin_table.contiguous()
+        if check is None:
+            cpu_native.step_layers(self.layers, self.shape, hidden, residual, positions, cos_table, sin_table,
+                                   slots, step_attention)
+            return hidden, residual
+        for k, run in enumerate(self._runs()):
+            check()
+            cpu_native.step_layers(run, self.shape, hidden, residual, positions, cos_table, sin_table, slots,
+                                   step_attention, residual_ready=k > 0)
         return hidden, residual
+
+    def _runs(self) -> list[ctypes.Array]:
+        """The layers in ``CHECKED_RUNS`` consecutive runs (views of the one array of structs,
+        so what ``run`` writes into it is theirs too)."""
+        if self._checked_runs is None:
+            num_layers, size = len(self.layers), ctypes.sizeof(cpu_native.DecoderLayer)
+            per_run = -(-num_layers // CHECKED_RUNS)
+            self._checked_runs = [
+                (cpu_native.DecoderLayer * min(per_run, num_layers - start)).from_buffer(self.layers, start * size)
+                for start in range(0, num_layers, per_run)]
+        return self._checked_runs

@@ -241,6 +241,9 @@ class DecoderForCausalLM(nn.Module):
         # Built at the first step (the weights' final layout is known by then).
         self._cpu_step_layers: CpuStepLayers | None = None
         self._cpu_step_layers_checked = False
+        # Called between runs of layers on the one-call path, as the layers' forward pre-hooks
+        # are on the modules' (a step given up for a more urgent arrival: server/core/step_interrupt.py).
+        self.one_call_check: Callable[[], None] | None = None
 
     def build_rope_cache(self, max_len: int) -> None:
         """cos/sin for every position once, computed exactly as transformers does per step."""
@@ -283,7 +286,8 @@ class DecoderForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         one_call = self._one_call_layers(hidden.shape[0], kv_caches, meta)
         if one_call is not None:
-            hidden, residual = one_call.run(hidden, positions, cos_table, sin_table, kv_caches, meta)
+            hidden, residual = one_call.run(hidden, positions, cos_table, sin_table, kv_caches, meta,
+                                            self.one_call_check)
         else:
             cos = cos_table.index_select(0, positions).unsqueeze(1)  # broadcast over heads
             sin = sin_table.index_select(0, positions).unsqueeze(1)

@@ -197,3 +197,47 @@ def test_a_slot_outside_the_cache_is_an_error_not_a_write() -> None:
     with pytest.raises(ValueError, match="outside the"):
         model.hidden_states(ids, positions, caches, meta, torch.arange(4))
     assert all(torch.equal(k, b) for (k, _), b in zip(caches, before, strict=True))
+
+
+one_call_path = pytest.mark.skipif(not (cpu_native.amx_linear_available() or cpu_native.dot_linear_available()),
+                                   reason="the one-call path needs AMX or AVX-512 BF16")
+
+
+@one_call_path
+def test_layers_run_in_checked_runs_are_the_same_bits_as_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Priority scheduling checks for a more urgent arrival between runs of layers
+    (server/core/step_interrupt.py): the runs carry the residual stream, for the same bits."""
+    model = _model()
+    ids, positions, meta = _decode_step(4)
+    rows = torch.arange(4)
+    whole_caches = _caches(model, torch.bfloat16)
+    whole = model.hidden_states(ids, positions, whole_caches, meta, rows)
+    checks: list[int] = []
+    model.one_call_check = lambda: checks.append(1)
+    run_caches = _caches(model, torch.bfloat16)
+    in_runs = model.hidden_states(ids, positions, run_caches, meta, rows)
+    assert len(checks) == model.spec.num_layers  # 2 layers: a run each, a check before each
+    _assert_same_bits(in_runs, whole, run_caches, whole_caches)
+
+
+@one_call_path
+def test_a_check_that_raises_stops_the_layers_before_the_next_run() -> None:
+    model = _model()
+    ids, positions, meta = _decode_step(2)
+    caches = _caches(model, torch.bfloat16)
+    untouched = [(k.clone(), v.clone()) for k, v in caches]
+
+    class GivenUp(Exception):
+        pass
+
+    def check() -> None:
+        if calls.append(1) or len(calls) == 2:
+            raise GivenUp()
+
+    calls: list[int] = []
+    model.one_call_check = check
+    with pytest.raises(GivenUp):
+        model.hidden_states(ids, positions, caches, meta, torch.arange(2))
+    # The first layer wrote its KV; the second never ran.
+    assert not torch.equal(caches[0][0], untouched[0][0])
+    assert torch.equal(caches[1][0], untouched[1][0]) and torch.equal(caches[1][1], untouched[1][1])
