@@ -8,9 +8,10 @@
 - bfloat16 on CPUs with AVX-512 BF16 but no AMX (AMD Zen 4 and 5), up to ``DOT_ROWS_MAX`` rows (a
   single stream's decode step, a speculative verify step, a small batch): kvscale's own kernel
   (``kernels/cpu_linear_dot.c``), its weight laid out for the bf16 dot products; more rows stay on
-  oneDNN's packed GEMM, so such a projection, as on AMX, holds its weight twice. On the 2-vCPU
-  EPYC (Zen 5) the bundled model's projections took 0.55-0.8x oneDNN's time on 1 and 5 rows,
-  0.8-0.9x on 16; with it a decode step's layers run in one C call (cpu_step_layers.py).
+  oneDNN's packed GEMM, so such a projection, as on AMX, holds its weight twice. With it such a
+  step's layers run in one C call too (cpu_step_layers.py): on the 2-vCPU EPYC (Zen 5) a single
+  stream's bf16 decode went from 0.94x vLLM's CPU build to 1.81x (``python -m bench.spec_decode``,
+  kvscale and vLLM without speculation, each ratio from one run).
 - bfloat16 where oneDNN has bf16 kernels (AVX-512 BF16, AMX): oneDNN's packed layout, made once.
   ``F.linear`` in bf16 also reaches oneDNN but hands it a plain matrix, which it re-lays out on
   every call. Packed once, a forward's projections on 4-64 rows (batched decode) take 0.58-0.62x
