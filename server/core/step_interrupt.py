@@ -17,11 +17,17 @@ a skipped one does), so a stream of urgent arrivals cannot starve the less urgen
 
 ``StepInterrupt`` is the flag between the engine core's input thread, which hears the arrival,
 and the forward, which checks it at each layer. Each armed step has its own generation, so an
-arrival heard as one step ends never gives up the next one (which may already carry it).
+arrival heard as one step ends never gives up the next one (which may already carry it). An
+arrival heard after the loop took its inbox but before the step was armed (while it was being
+scheduled: on a short step, a large share of its time) gives that step up too, at once: the
+input thread queues a request and notes its priority under ``lock``, and the loop drains its
+inbox and clears the notes (``taken``) under it, so a noted arrival is one the step in flight
+does not carry.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 from kvscale.server.core.urgent_prefill import MAX_SKIPPED_STEPS
@@ -60,20 +66,32 @@ class StepInterrupt:
         self._armed: tuple[int, int] | None = None  # (generation, bound) of the step in flight
         self._generation = 0
         self._given_up = -1  # the generation an arrival gave up
+        self._unseen: int | None = None  # the most urgent priority queued since the loop's last take
+        self.lock = threading.Lock()  # a queued request and its note; the loop's take and ``taken``
         self.num_interrupted = 0  # steps given up (a metric)
 
     def arm(self, bound: int) -> None:
+        """A forward that may be given up starts; given up at once for an arrival it does not carry."""
         self._generation += 1
         self._armed = (self._generation, bound)
+        unseen = self._unseen  # read after arming: an arrival noted since sees the armed step itself
+        if unseen is not None and interrupts(unseen, bound):
+            self._given_up = self._generation
 
     def disarm(self) -> None:
         self._armed = None
 
     def on_arrival(self, priority: int) -> None:
-        """A request of ``priority`` reached the engine (its input thread, any time)."""
+        """A request of ``priority`` was queued for the engine (its input thread, holding ``lock``)."""
+        unseen = self._unseen
+        self._unseen = priority if unseen is None else min(unseen, priority)
         armed = self._armed  # one read: the generation and bound belong together
         if armed is not None and interrupts(priority, armed[1]):
             self._given_up = armed[0]
+
+    def taken(self) -> None:
+        """The loop took every request queued so far (holding ``lock``): none is unseen."""
+        self._unseen = None
 
     def check(self, *_: object) -> None:
         """Raise StepInterrupted where an arrival gave up the armed step (a forward pre-hook:

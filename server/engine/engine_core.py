@@ -231,10 +231,12 @@ class EngineCore:
         try:
             while True:
                 message = codec.decode(inbox.recv())
-                self._inputs.put(message)
                 if interrupt is not None and isinstance(message, AddRequests):
-                    # After the put: the loop that gives the step up finds the request queued.
-                    interrupt.on_arrival(message.priority)
+                    with interrupt.lock:  # the request and its note together (step_interrupt.py)
+                        self._inputs.put(message)
+                        interrupt.on_arrival(message.priority)
+                else:
+                    self._inputs.put(message)
         except zmq.ContextTerminated:
             inbox.close()
 
@@ -250,9 +252,14 @@ class EngineCore:
         from kvscale.server.engine.lora_updates import update_lora
 
         engine = self.engine
+        interrupt = engine.step_interrupt
         last_publish = 0.0
         while True:
             messages = take_all(self._inputs, block=not engine.has_unfinished_requests())
+            if interrupt is not None:
+                with interrupt.lock:  # what was noted is taken now (step_interrupt.py)
+                    messages += take_all(self._inputs, block=False)
+                    interrupt.taken()
             for message in messages:
                 if isinstance(message, Shutdown):
                     return

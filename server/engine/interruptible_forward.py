@@ -46,6 +46,7 @@ def run_forward(engine: Any, sched: SchedulerOutput, snapshot: StepSnapshot | No
     assert interrupt is not None and snapshot is not None
     interrupt.arm(bound)
     try:
+        interrupt.check()  # an arrival heard while the step was scheduled gives it up before it runs
         return engine.runner.execute(sched.scheduled, copies, extra_rows=extra_rows)
     except StepInterrupted:
         undo_step(engine.scheduler, sched, snapshot)

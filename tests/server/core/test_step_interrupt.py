@@ -41,7 +41,6 @@ def test_no_bound_once_a_row_has_lost_enough_steps_in_a_row():
 
 def test_the_flag_gives_up_only_the_step_armed_when_the_arrival_came():
     interrupt = StepInterrupt()
-    interrupt.on_arrival(URGENT)  # no step in flight: nothing to give up
     interrupt.arm(LOW)
     interrupt.check()
     interrupt.on_arrival(LOW)  # not more urgent
@@ -52,6 +51,7 @@ def test_the_flag_gives_up_only_the_step_armed_when_the_arrival_came():
     interrupt.check()  # raised once: the forward is gone
     assert interrupt.num_interrupted == 1
     interrupt.disarm()
+    interrupt.taken()  # the loop took the request: the next step carries it
     # An arrival that read the armed step just before it ended marks that step's generation:
     # the next step (which may carry the request) is not given up for it.
     interrupt.arm(LOW)
@@ -60,6 +60,26 @@ def test_the_flag_gives_up_only_the_step_armed_when_the_arrival_came():
     interrupt.disarm()
     interrupt.arm(LOW)
     interrupt._given_up = generation
+    interrupt.check()
+    assert interrupt.num_interrupted == 1
+
+
+def test_an_arrival_queued_after_the_take_gives_up_the_step_armed_next():
+    """Heard while the step was being scheduled (no step armed), after the loop took its inbox:
+    the step armed next does not carry it, and is given up before it runs."""
+    interrupt = StepInterrupt()
+    interrupt.on_arrival(URGENT)
+    interrupt.arm(LOW)
+    with pytest.raises(StepInterrupted):
+        interrupt.check()
+    interrupt.disarm()
+    interrupt.taken()  # the loop took it: the urgent request is in the next step
+    interrupt.arm(LOW)
+    interrupt.check()
+    # Only one more urgent than the step's least urgent row counts.
+    interrupt.disarm()
+    interrupt.on_arrival(LOW)
+    interrupt.arm(LOW)
     interrupt.check()
     assert interrupt.num_interrupted == 1
 

@@ -77,6 +77,14 @@ class ArrivalAtLayer0:
             self.engine.step_interrupt.on_arrival(self.priority)
 
 
+def add_taken(engine: LLMEngine, name: str, priority: int) -> None:
+    """What the core's loop does with a request the input thread queued: takes it (the step after
+    carries it), then adds it."""
+    assert engine.step_interrupt is not None
+    engine.step_interrupt.taken()
+    engine.add_request(name, PROMPTS[name], params(), priority=priority)
+
+
 def test_an_urgent_arrival_gives_up_the_step_in_flight(tiny_llama: Path) -> None:
     engine = engine_of(tiny_llama)
     assert engine.step_interrupt is not None
@@ -101,7 +109,7 @@ def test_an_urgent_arrival_gives_up_the_step_in_flight(tiny_llama: Path) -> None
     # Taken back: low-c waits without blocks, and nobody finds its prompt's blocks.
     assert [seq.request.request_id for seq in engine.scheduler.waiting] == ["low-c"]
     assert engine.scheduler.waiting[0].block_table == []
-    engine.add_request("urgent", PROMPTS["urgent"], params(), priority=URGENT)
+    add_taken(engine, "urgent", URGENT)
     outputs = step()
     assert [output.request_id for output in outputs] == ["urgent"]  # its first token, alone
     assert engine.requests["urgent"].num_cached_tokens == 0
@@ -117,6 +125,7 @@ def test_an_urgent_arrival_gives_up_the_step_in_flight(tiny_llama: Path) -> None
     engine.add_request("low-d", PROMPTS["low-a"], params(), priority=LOW)
     engine.add_request("low-e", PROMPTS["low-b"], params(), priority=LOW)
     step()
+    engine.step_interrupt.taken()
     assert not engine.step_given_up and engine.step_interrupt.num_interrupted == 1
 
 
@@ -177,7 +186,7 @@ def test_a_step_whose_layers_run_in_c_calls_is_given_up_between_runs(one_call_ll
             engine.model.one_call_check = arrival_then_check
             assert step() == [] and engine.step_given_up
             engine.model.one_call_check = interrupt.check
-        engine.add_request("urgent", PROMPTS["urgent"], params(), priority=URGENT)
+        add_taken(engine, "urgent", URGENT)
         for _ in range(200):
             if not engine.has_unfinished_requests():
                 break
