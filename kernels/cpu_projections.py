@@ -24,6 +24,18 @@ def amx_linear_available() -> bool:
 AMX_LINEAR_MULTIPLE = 32  # cpu_linear_amx.c's blocks: in and out features are multiples of it
 
 
+def _packed(weight: Tensor, packer: str) -> Tensor:
+    """``weight`` laid out by the library's ``packer`` into a flat bfloat16 tensor of its size (the
+    caller checked that the kernel runs it, so the library is there)."""
+    out_features, in_features = weight.shape
+    plain = weight.detach().contiguous()
+    packed = torch.empty(plain.numel(), dtype=torch.bfloat16)
+    lib = library()
+    assert lib is not None
+    getattr(lib, packer)(plain.data_ptr(), out_features, in_features, packed.data_ptr())
+    return packed
+
+
 def pack_linear_amx(weight: Tensor) -> Tensor | None:
     """``weight`` ``[out, in]`` (bfloat16) laid out for :func:`linear_amx` (a flat tensor), or
     None where that kernel does not run it (no AMX, another dtype, sizes not multiples of 32)."""
@@ -31,12 +43,7 @@ def pack_linear_amx(weight: Tensor) -> Tensor | None:
     if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or out_features % AMX_LINEAR_MULTIPLE
             or in_features % AMX_LINEAR_MULTIPLE or not amx_linear_available()):
         return None
-    plain = weight.detach().contiguous()
-    packed = torch.empty(plain.numel(), dtype=torch.bfloat16)
-    lib = library()
-    assert lib is not None  # amx_linear_available() said so
-    lib.kvscale_linear_amx_pack(plain.data_ptr(), out_features, in_features, packed.data_ptr())
-    return packed
+    return _packed(weight, "kvscale_linear_amx_pack")
 
 
 def silu_mul_fits(out_features: int) -> bool:
@@ -135,12 +142,7 @@ def pack_linear_dot(weight: Tensor) -> Tensor | None:
     if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or out_features % DOT_LINEAR_COLUMNS
             or in_features % 2 or not dot_linear_available()):
         return None
-    plain = weight.detach().contiguous()
-    packed = torch.empty(plain.numel(), dtype=torch.bfloat16)
-    lib = library()
-    assert lib is not None  # dot_linear_available() said so
-    lib.kvscale_linear_dot_pack(plain.data_ptr(), out_features, in_features, packed.data_ptr())
-    return packed
+    return _packed(weight, "kvscale_linear_dot_pack")
 
 
 def dot_silu_mul_fits(out_features: int) -> bool:

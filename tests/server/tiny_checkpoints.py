@@ -74,6 +74,15 @@ def write_tiny_llama(path: Path, *, vocab: int, tie_word_embeddings: bool, rms_n
     save_random_weights(path, shapes, 0.08, norm_jitter)
 
 
+def write_tiny_scheduling_llama(path: Path, bundled: Path, vocab: int = 500) -> Path:
+    """The 2-layer Llama (float32-friendly norms, untied head) the scheduling tests run, with the
+    bundled tokenizer: priority and step-interrupt tests compare its greedy tokens."""
+    copy_tokenizer(bundled, path)
+    write_tiny_llama(path, vocab=vocab, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                     max_position_embeddings=256, norm_jitter=0.1)
+    return path
+
+
 def write_tiny_served_llama(path: Path) -> Path:
     """A random 2-layer Llama with the bundled tokenizer and chat template, its vocabulary the
     tokenizer's, so `kvscale serve` runs it as it runs the bundled model."""

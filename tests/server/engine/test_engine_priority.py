@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tiny_checkpoints import copy_tokenizer, write_tiny_llama  # noqa: E402
+from tiny_checkpoints import write_tiny_scheduling_llama  # noqa: E402
 
 from kvscale.server.config import EngineConfig
 from kvscale.server.engine.llm_engine import LLMEngine
@@ -26,11 +26,7 @@ PRIORITIES = {"lazy": 5, "busy": 3, "urgent": 0}
 
 @pytest.fixture(scope="module")
 def tiny_llama(bundled_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama-priority")
-    copy_tokenizer(bundled_model_path, path)
-    write_tiny_llama(path, vocab=VOCAB, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                     max_position_embeddings=256, norm_jitter=0.1)
-    return path
+    return write_tiny_scheduling_llama(tmp_path_factory.mktemp("tiny-llama-priority"), bundled_model_path, VOCAB)
 
 
 def engine_of(path: Path, policy: str, num_blocks: int = 10, async_scheduling: bool = False,

@@ -19,7 +19,7 @@ from tiny_checkpoints import (  # noqa: E402
     copy_tokenizer,
     decoder_layer_shapes,
     save_random_weights,
-    write_tiny_llama,
+    write_tiny_scheduling_llama,
 )
 
 from kvscale.kernels import cpu_native
@@ -35,11 +35,7 @@ PROMPTS = {"low-a": [11, 12, 13, 14, 15, 16], "low-b": [21, 22, 23, 24, 25, 26],
 
 @pytest.fixture(scope="module")
 def tiny_llama(bundled_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama-interrupt")
-    copy_tokenizer(bundled_model_path, path)
-    write_tiny_llama(path, vocab=500, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                     max_position_embeddings=256, norm_jitter=0.1)
-    return path
+    return write_tiny_scheduling_llama(tmp_path_factory.mktemp("tiny-llama-interrupt"), bundled_model_path)
 
 
 def engine_of(path: Path, policy: str = "priority") -> LLMEngine:

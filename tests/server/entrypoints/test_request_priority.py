@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tiny_checkpoints import copy_tokenizer, write_tiny_llama  # noqa: E402
+from tiny_checkpoints import write_tiny_scheduling_llama  # noqa: E402
 
 from kvscale import LLM, SamplingParams
 from kvscale.model_files import load_tokenizer, resolve_model_path
@@ -79,11 +79,7 @@ def test_priority_policy_carries_the_field_within_its_bounds(tokenizer: Any) -> 
 
 @pytest.fixture(scope="module")
 def tiny_llama(bundled_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-llama-llm-priority")
-    copy_tokenizer(bundled_model_path, path)
-    write_tiny_llama(path, vocab=500, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                     max_position_embeddings=256, norm_jitter=0.1)
-    return path
+    return write_tiny_scheduling_llama(tmp_path_factory.mktemp("tiny-llama-llm-priority"), bundled_model_path)
 
 
 def test_offline_generate_takes_one_priority_per_prompt(tiny_llama: Path) -> None:
