@@ -53,14 +53,14 @@ def step_layers(layers: ctypes.Array, shape: DecoderShape, hidden: Tensor, resid
     """Every decoder layer of a step in one call (cpu_step_layers.c): ``hidden`` ``[rows,
     hidden]`` bfloat16 holds the embeddings and is left holding the last layer's MLP output,
     ``residual`` (same shape) the residual stream. Or a run of them: with ``residual_ready``,
-    ``hidden`` and ``residual`` are what the layers before ``layers`` left. The caller checked that each kernel applies and
-    keeps the tensors ``attention`` points into alive (server/worker/cpu_step_layers.py); positions and
-    slots are int64, contiguous."""
+    ``hidden`` and ``residual`` are what the layers before ``layers`` left. The caller checked
+    that each kernel applies and keeps the tensors ``attention`` points into alive
+    (server/worker/cpu_step_layers.py); positions and slots are int64, contiguous."""
     lib = library()
     assert lib is not None  # the AMX projections it chains needed it
     status = lib.kvscale_step_layers(
-        ctypes.byref(layers), len(layers), int(residual_ready), ctypes.byref(shape), hidden.data_ptr(), residual.data_ptr(),
-        hidden.shape[0], positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), cos_table.stride(0),
+        ctypes.byref(layers), len(layers), int(residual_ready), ctypes.byref(shape), hidden.data_ptr(),
+        residual.data_ptr(), hidden.shape[0], positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), cos_table.stride(0),
         slots.data_ptr(), ctypes.byref(attention), torch.get_num_threads())
     if status == 1:
         raise MemoryError("the step's layers could not allocate their buffers")

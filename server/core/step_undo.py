@@ -49,7 +49,7 @@ def take_snapshot(scheduler: Scheduler) -> StepSnapshot:
 def undoable(scheduler: Scheduler, out: SchedulerOutput, snapshot: StepSnapshot, copied: bool) -> bool:
     """Whether the step ``out`` can be taken back; ``copied``: blocks were copied for it (between
     the tiers, copy-on-write or the window group's)."""
-    if out.preempted or copied or scheduler.kv.window is not None or scheduler.kv.pool.registration_log is None:
+    if out.preempted or copied or scheduler.kv.window is not None:
         return False
     return not any(item.seq.seq_id in snapshot.holding for item in out.scheduled)
 

@@ -11,9 +11,9 @@ freeze what start-up built out of the garbage collector's full passes.
 Three threads. The input thread receives and decodes messages into a queue (and, under priority
 scheduling, tells a forward in flight of a more urgent arrival: server/core/step_interrupt.py);
 the busy loop (the main thread) takes whatever arrived between two steps, adds and aborts, runs
-one step, and queues its outputs and stats; the output thread encodes and sends them. Decoding and encoding overlap
-the forward pass, which releases the GIL. An idle core blocks on the input queue, waking at
-least once a second so the publisher's heartbeats carry fresh stats.
+one step, and queues its outputs and stats; the output thread encodes and sends them. Decoding
+and encoding overlap the forward pass, which releases the GIL. An idle core blocks on the input
+queue, waking at least once a second so the publisher's heartbeats carry fresh stats.
 
 The core publishes KV events and heartbeats to Redis itself: events come from the block pool and
 the resync snapshot must be read between two steps, both only here.

@@ -32,10 +32,10 @@ def interruptible_layers(config: EngineConfig, device_type: str, model: Any,
     return interrupt
 
 
-def run_forward(engine: Any, sched: SchedulerOutput, snapshot: StepSnapshot | None,
+def run_forward(engine: Any, sched: SchedulerOutput, snapshot: StepSnapshot | None, scheduled_at: float,
                 copies: list[tuple[int, int]], copied: bool, extra_rows: list[int] | None) -> StepLogits | None:
-    """The runner's forward of ``sched``; None when a more urgent arrival gave it up
-    (step_interrupt.py), the step then taken back as if never scheduled."""
+    """The runner's forward of ``sched`` (marked scheduled at ``scheduled_at``); None when a more
+    urgent arrival gave it up (step_interrupt.py), the step then taken back as if never scheduled."""
     interrupt, bound = engine.step_interrupt, None
     pool = engine.scheduler.kv.pool
     if interrupt is not None and snapshot is not None and undoable(engine.scheduler, sched, snapshot, copied):
@@ -51,7 +51,7 @@ def run_forward(engine: Any, sched: SchedulerOutput, snapshot: StepSnapshot | No
     except StepInterrupted:
         undo_step(engine.scheduler, sched, snapshot)
         for item in sched.scheduled:  # first scheduled by this step: not scheduled after all
-            if item.seq.request.metrics.first_scheduled_time == engine.scheduled_at:
+            if item.seq.request.metrics.first_scheduled_time == scheduled_at:
                 item.seq.request.metrics.first_scheduled_time = None
         engine.step_given_up = True
         return None

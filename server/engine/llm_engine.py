@@ -95,7 +95,6 @@ class LLMEngine:
         # (step_interrupt.py): the core's input thread calls step_interrupt.on_arrival.
         self.step_interrupt = interruptible_layers(config, self.device.type, self.model, self.async_scheduling)
         self.step_given_up = False  # this step's forward was given up
-        self.scheduled_at = 0.0  # when the step in flight was scheduled
         if self.async_scheduling:
             logger.info("kvscale engine: async scheduling on (the next step is queued before this one's "
                         "tokens are read; --no-async-scheduling turns it off)")
@@ -196,14 +195,14 @@ class LLMEngine:
                 self.structured.wait(GRAMMAR_WAIT_S)
             return refused
         self.structured.engine_busy()
-        self.scheduled_at = self._mark_scheduled(sched.scheduled)
+        scheduled_at = self._mark_scheduled(sched.scheduled)
         # The masks of the rows that will sample, filled while the forward runs.
         self.structured.start_masks([item.seq for item in sched.scheduled
                                      if item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens])
         drafted = self.spec.attach(sched) if self.spec is not None else None
         copies = self.kv.take_pending_copies()
-        step_logits = run_forward(self, sched, snapshot, copies, bool(tier_copies or window_copies or copies),
-                                  drafted.rows if drafted else None)
+        step_logits = run_forward(self, sched, snapshot, scheduled_at, copies,
+                                  bool(tier_copies or window_copies or copies), drafted.rows if drafted else None)
         if step_logits is None:
             return refused
         logits, sample_rows = step_logits.sample, step_logits.sample_rows
@@ -397,4 +396,3 @@ class LLMEngine:
         if self.kv.window is not None:  # no sequence holds a block of either group now
             self.kv.window.pool.reset_prefix_cache()
         return True
-
