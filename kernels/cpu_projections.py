@@ -52,20 +52,28 @@ def silu_mul_fits(out_features: int) -> bool:
     return out_features % (2 * AMX_LINEAR_MULTIPLE) == 0
 
 
-def linear_amx(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int, silu_mul: bool = False) -> Tensor:
-    """``x W^T (+ bias)`` for ``x`` ``[..., in]`` bfloat16 and ``packed`` from
-    :func:`pack_linear_amx`; ``bias`` float32 or None. With ``silu_mul`` (W a fused gate|up, see
-    :func:`silu_mul_fits`), ``silu_and_mul`` of that product instead, bit for bit, in one pass."""
+def _projected(x: Tensor, kernel: str, packed: Tensor, bias: Tensor | None, out_features: int,
+               silu_mul: bool) -> tuple[int, Tensor]:
+    """The library's ``kernel`` (linear_amx's or linear_dot's contract) on ``x``'s rows: its status
+    and the output it wrote (the caller checked the library is there when it packed the weight)."""
     in_features = x.shape[-1]
     rows = x.reshape(-1, in_features)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = x.new_empty((*x.shape[:-1], out_features // 2 if silu_mul else out_features))
     lib = library()
-    assert lib is not None  # pack_linear_amx() needed it
-    status = lib.kvscale_linear_amx(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-                                    None if bias is None else bias.data_ptr(), rows.shape[0], out_features,
-                                    in_features, out.data_ptr(), int(silu_mul), torch.get_num_threads())
+    assert lib is not None
+    status = getattr(lib, kernel)(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                                  None if bias is None else bias.data_ptr(), rows.shape[0], out_features,
+                                  in_features, out.data_ptr(), int(silu_mul), torch.get_num_threads())
+    return status, out
+
+
+def linear_amx(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int, silu_mul: bool = False) -> Tensor:
+    """``x W^T (+ bias)`` for ``x`` ``[..., in]`` bfloat16 and ``packed`` from
+    :func:`pack_linear_amx`; ``bias`` float32 or None. With ``silu_mul`` (W a fused gate|up, see
+    :func:`silu_mul_fits`), ``silu_and_mul`` of that product instead, bit for bit, in one pass."""
+    status, out = _projected(x, "kvscale_linear_amx", packed, bias, out_features, silu_mul)
     _check_linear_status(status)
     return out
 
@@ -154,16 +162,7 @@ def dot_silu_mul_fits(out_features: int) -> bool:
 def linear_dot(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int, silu_mul: bool = False) -> Tensor:
     """:func:`linear_amx`'s contract on the bf16 dot-product kernel, for ``packed`` from
     :func:`pack_linear_dot`; each row's result is the same bits whatever other rows the call has."""
-    in_features = x.shape[-1]
-    rows = x.reshape(-1, in_features)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
-    out = x.new_empty((*x.shape[:-1], out_features // 2 if silu_mul else out_features))
-    lib = library()
-    assert lib is not None  # pack_linear_dot() needed it
-    status = lib.kvscale_linear_dot(rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-                                    None if bias is None else bias.data_ptr(), rows.shape[0], out_features,
-                                    in_features, out.data_ptr(), int(silu_mul), torch.get_num_threads())
+    status, out = _projected(x, "kvscale_linear_dot", packed, bias, out_features, silu_mul)
     if status:
         raise ValueError("the dot-product projection cannot run this call: no AVX-512 BF16 here, or silu_mul on "
                          "halves that split a 64-column block (dot_silu_mul_fits says which shapes fit)")
