@@ -22,9 +22,9 @@ newest, and waiting sequences are tried by priority level first, the fcfs order 
 Before step 1 there, a waiting sequence that lacks a slot or blocks preempts a running one of a
 strictly larger priority value (arrival_preemption.py), so a more urgent arrival does not wait
 for a less urgent request to end. And while a prefill strictly more urgent than some running
-sequence is pending, step 1 stops at the first less urgent one and step 2 admits none of them:
-when the urgent prefill is in the step, they skip it (urgent_prefill.py, bounded), so its first
-token does not wait for their rows; when it is not, the step goes on as without that.
+or waiting sequence is pending, step 1 stops at the first less urgent one and step 2 admits none of
+them: when the urgent prefill is in the step, they skip it (urgent_prefill.py, bounded), so its
+first token does not wait for their rows; when it is not, the step goes on as without that.
 Blocks become findable by hash when they are scheduled, not when they are computed, so requests
 arriving together with a common prefix compute it once (see KVCacheManager.register_full_blocks).
 Admission control guarantees any single sequence fits the whole pool, so the oldest running
@@ -98,6 +98,8 @@ class Scheduler:
         self.copy_bytes_per_s = 0.0
         self.step_rates = StepRates()
         self.watermark = watermark_blocks(kv.pool.num_blocks) if kv.pool.host is not None else 0
+        # Steps in a row that a less urgent waiting sequence was held out of (urgent_prefill.py).
+        self.waiting_held_steps = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -127,12 +129,15 @@ class Scheduler:
         budget, growth_preempted, i = self._schedule_running(out, budget, 0, level)
         if level is not None:
             if self._urgent_step(out, budget, growth_preempted, level):
+                held = any(seq.request.priority > level for seq in self.waiting)
+                self.waiting_held_steps = self.waiting_held_steps + 1 if held else 0
                 self._demote_ahead()
                 return out
             # No prefill of the level could run: the less urgent ones run after all.
             budget, more, _ = self._schedule_running(out, budget, i, None)
             growth_preempted = growth_preempted or more
 
+        self.waiting_held_steps = 0
         if growth_preempted:
             self._demote_ahead()
             return out
@@ -176,7 +181,7 @@ class Scheduler:
     def _urgent_level(self) -> int | None:
         return urgent_level([(seq.request.priority, seq.num_computed_tokens < seq.num_prompt_tokens,
                               seq.skipped_steps) for seq in self.running],
-                            (seq.request.priority for seq in self.waiting))
+                            (seq.request.priority for seq in self.waiting), self.waiting_held_steps)
 
     def _urgent_step(self, out: SchedulerOutput, budget: int, growth_preempted: bool, level: int) -> bool:
         """With the running sequences down to ``level`` scheduled, the waiting ones down to it

@@ -47,13 +47,13 @@ def test_the_victim_is_the_largest_priority_then_the_latest_arrival():
 
 
 def run(scheduler: Scheduler, kv: KVCacheManager, late: Sequence | None = None,
-        steps: int = 100) -> tuple[list[str], list[str]]:
-    """Simulated steps until all finish (``late`` added after the first); returns the names in
-    the order they were first scheduled (again, after a preemption) and the preempted ones."""
+        steps: int = 100, late_at: int = 1) -> tuple[list[str], list[str]]:
+    """Simulated steps until all finish (``late`` added before step ``late_at``); returns the names
+    in the order they were first scheduled (again, after a preemption) and the preempted ones."""
     admitted: list[str] = []
     preempted: list[str] = []
     for step in range(steps):
-        if step == 1 and late is not None:
+        if step == late_at and late is not None:
             scheduler.add(late)
         if not scheduler.has_unfinished():
             break
@@ -67,12 +67,13 @@ def run(scheduler: Scheduler, kv: KVCacheManager, late: Sequence | None = None,
 
 def scarce(policy: str) -> tuple[list[str], list[str]]:
     """6 blocks of 4: two 8-token prompts (priorities 5 and 1) take two each and grow into a
-    fourth each; an urgent one (0) arrives a step later and finds no room."""
+    fourth each; an urgent one (0) arrives once both run (under priority the more urgent one
+    prefills a step ahead: urgent_prefill.py) and finds no room."""
     kv = KVCacheManager(BlockPool(6, BS, False), False)
     scheduler = Scheduler(kv, 8, 64, policy=policy)
     scheduler.add(make_seq("low", 8, 5, max_tokens=8))
     scheduler.add(make_seq("mid", 8, 1, max_tokens=12))
-    return run(scheduler, kv, late=make_seq("urgent", 8, 0, max_tokens=8))
+    return run(scheduler, kv, late=make_seq("urgent", 8, 0, max_tokens=8), late_at=2)
 
 
 def test_priority_preempts_the_least_urgent_and_admits_the_most_urgent_first():

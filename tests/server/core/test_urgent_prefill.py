@@ -23,12 +23,24 @@ def test_a_waiting_prefill_more_urgent_than_a_running_sequence_sets_the_level():
     assert urgent_level([(-5, False, 0), (LOW, False, 0)], [URGENT]) == URGENT
 
 
-def test_no_level_without_a_strictly_less_urgent_running_sequence():
+def test_no_level_without_a_strictly_less_urgent_sequence():
     assert urgent_level([], [URGENT]) is None
     assert urgent_level([(LOW, False, 0)], []) is None  # nothing pending
     assert urgent_level([(LOW, False, 0)], [LOW]) is None  # equal priorities never skip
-    assert urgent_level([(URGENT, False, 0), (URGENT, True, 0)], [LOW]) is None
-    assert urgent_level([(URGENT, False, 0)], [URGENT, LOW]) is None
+    assert urgent_level([(URGENT, False, 0)], [URGENT, URGENT]) is None
+
+
+def test_a_less_urgent_waiting_sequence_sets_the_level_too():
+    # Nothing less urgent runs (the running requests ended together), but a less urgent one waits:
+    # admitted beside the urgent prefill, its prefill would lengthen that step.
+    assert urgent_level([], [URGENT, LOW]) == URGENT
+    assert urgent_level([(URGENT, False, 0)], [URGENT, LOW]) == URGENT
+    assert urgent_level([(URGENT, False, 0), (URGENT, True, 0)], [LOW]) == URGENT
+    # Held that many steps in a row already: this step admits them.
+    assert urgent_level([], [URGENT, LOW], MAX_SKIPPED_STEPS - 1) == URGENT
+    assert urgent_level([], [URGENT, LOW], MAX_SKIPPED_STEPS) is None
+    # The count is the waiting ones': it does not stop a level only running ones skip for.
+    assert urgent_level([(LOW, False, 0)], [URGENT], MAX_SKIPPED_STEPS) == URGENT
 
 
 def test_no_level_once_a_sequence_that_would_skip_has_skipped_enough_steps():
@@ -74,6 +86,37 @@ def test_an_urgent_arrival_prefills_in_a_step_of_its_own():
     advance(scheduler, out)
     # Its prefill done, the lows decode beside its decode, and they were not preempted.
     assert names(scheduler.schedule()) == ["urgent", "low-a", "low-b", "low-c"]
+
+
+def test_an_urgent_arrival_prefills_alone_when_the_running_requests_ended_together():
+    # Every running request ended in the same step, freeing every slot: the urgent prefill is
+    # admitted, and the less urgent ones waiting beside it are admitted the step after.
+    kv = KVCacheManager(BlockPool(64, BS, False), False)
+    scheduler = Scheduler(kv, 4, 64, policy="priority")
+    for name in ("low-a", "low-b", "low-c"):
+        scheduler.add(make_seq(name, 8, LOW))
+    scheduler.add(make_seq("urgent", 8, URGENT))
+    out = scheduler.schedule()
+    assert names(out) == ["urgent"]
+    assert scheduler.waiting_held_steps == 1
+    advance(scheduler, out)
+    assert names(scheduler.schedule()) == ["urgent", "low-a", "low-b", "low-c"]
+    assert scheduler.waiting_held_steps == 0
+
+
+def test_waiting_ones_are_admitted_once_in_every_max_skipped_steps_plus_one_under_a_stream_of_urgent_ones():
+    kv = KVCacheManager(BlockPool(64, BS, False), False)
+    scheduler = Scheduler(kv, 8, 64, policy="priority")
+    scheduler.add(make_seq("low-a", 8, LOW, max_tokens=30))
+    admitted_at = None
+    for step in range(2 * (MAX_SKIPPED_STEPS + 1)):
+        scheduler.add(make_seq(f"urgent-{step}", 8, URGENT, max_tokens=1))
+        out = scheduler.schedule()
+        if "low-a" in names(out):
+            admitted_at = step
+            break
+        advance(scheduler, out)
+    assert admitted_at == MAX_SKIPPED_STEPS
 
 
 def test_under_fcfs_or_at_one_level_the_step_holds_everyone():

@@ -50,7 +50,8 @@ def priority_of(engine: LLMEngine, name: str) -> int:
 
 
 def scenario(engine: LLMEngine) -> tuple[dict[str, list[int]], list[str], list[str]]:
-    """lazy and busy start; urgent arrives a step later. Returns each one's tokens, the order
+    """lazy and busy start; urgent arrives once both run (under priority busy, the more urgent,
+    prefills a step ahead of lazy: urgent_prefill.py). Returns each one's tokens, the order
     requests were (re)admitted in and the order they were preempted in."""
     tokens: dict[str, list[int]] = {}
     admitted: list[str] = []
@@ -59,7 +60,7 @@ def scenario(engine: LLMEngine) -> tuple[dict[str, list[int]], list[str], list[s
     for name in ("lazy", "busy"):
         engine.add_request(name, PROMPTS[name], params(), priority=priority_of(engine, name))
     for step in range(500):
-        if step == 1:
+        if step == 2:
             engine.add_request("urgent", PROMPTS["urgent"], params(), priority=priority_of(engine, "urgent"))
         if not engine.has_unfinished_requests():
             break
