@@ -46,7 +46,9 @@ def test_the_running_requests_are_counted_by_priority(make_engine):
     for name, priority in (("low-a", 10), ("low-b", 10), ("high", 0)):
         engine.add_request(name, list(range(1000, 1032)), params, priority=priority)
     try:
-        engine.step()  # the most urgent first: "high" and one low one run, the other waits
+        engine.step()  # the most urgent first: "high" prefills in a step of its own (urgent_prefill.py)
+        assert engine.get_stats().running_by_priority == {0: 1}
+        engine.step()  # then one low one is admitted beside it, the other waits
         stats = engine.get_stats()
     finally:
         while engine.has_unfinished_requests():
