@@ -66,7 +66,7 @@ def _wrap_forward_ops(runner: Any, totals: dict[str, float]) -> None:
     for name, module in runner.model.named_modules():
         if any(name.startswith(outer + ".") for outer in wrapped):
             continue
-        if isinstance(module, nn.Linear | PackedLinear | Int8Linear):  # AmxLinear is a PackedLinear
+        if isinstance(module, nn.Linear | PackedLinear | Int8Linear):  # RowKernelLinear is a PackedLinear
             module.forward = _timed(module.forward, "projections", totals)
             # A gate|up that applies SiLU-and-multiply as it stores (AMX, decode's rows): a
             # projection with a longer epilogue, counted as one.

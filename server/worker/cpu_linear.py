@@ -42,6 +42,9 @@ matrix the embedding still reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -150,64 +153,53 @@ class WidenedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, widened to float32"
 
 
-class AmxLinear(PackedLinear):
-    """A :class:`PackedLinear` that runs up to ``AMX_ROWS_MAX`` rows on AMX tiles
-    (``kernels/cpu_linear_amx.c``), from a second copy of W in that kernel's layout."""
+@dataclass(frozen=True)
+class RowKernel:
+    """One of kvscale's C kernels for a projection's few rows, run from its own copy of W."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, amx_weight: torch.Tensor) -> None:
+    label: str  # what extra_repr says runs the rows
+    rows_max: int  # more rows go to oneDNN's packed GEMM
+    # (x, weight in the kernel's layout, float32 bias or None, out_features, silu_mul=...) -> y
+    run: Callable[..., torch.Tensor]
+    silu_mul_fits: Callable[[int], bool]  # whether a gate|up of these outputs fuses the activation
+
+
+AMX = RowKernel("AMX", AMX_ROWS_MAX, cpu_native.linear_amx, cpu_native.silu_mul_fits)
+DOT = RowKernel("bf16 dot products", DOT_ROWS_MAX, cpu_native.linear_dot, cpu_native.dot_silu_mul_fits)
+
+
+class RowKernelLinear(PackedLinear):
+    """A :class:`PackedLinear` that runs up to ``kernel.rows_max`` rows on one of kvscale's kernels
+    (``AMX``: ``kernels/cpu_linear_amx.c``; ``DOT``: ``kernels/cpu_linear_dot.c``), from a second
+    copy of W in that kernel's layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: RowKernel,
+                 kernel_weight: torch.Tensor) -> None:
         super().__init__(weight, bias)
-        self.amx_weight = amx_weight
-        # The kernel adds the bias in float32, before its one rounding.
-        self.amx_bias = None if bias is None else bias.detach().float()
+        self.kernel = kernel
+        self.kernel_weight = kernel_weight
+        # The kernels add the bias in float32, before their one rounding.
+        self.kernel_bias = None if bias is None else bias.detach().float()
 
-    def _on_amx(self, x: torch.Tensor) -> bool:
-        """Whether ``x``'s rows run on the AMX kernel (decode's few) rather than oneDNN."""
-        return x.numel() <= AMX_ROWS_MAX * self.in_features
+    def _on_kernel(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows run on the kernel (decode's few) rather than oneDNN."""
+        return x.numel() <= self.kernel.rows_max * self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._on_amx(x):
+        if not self._on_kernel(x):
             return super().forward(x)
-        return cpu_native.linear_amx(x, self.amx_weight, self.amx_bias, self.out_features)
+        return self.kernel.run(x, self.kernel_weight, self.kernel_bias, self.out_features)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``silu_and_mul(self(x))`` in one pass, for a gate|up projection on decode's rows: the
+        """``silu_and_mul(self(x))`` in one pass, for a gate|up projection on the kernel's rows: the
         kernel applies the activation as it stores them, bit for bit the two ops' result; None
         where the rows go to oneDNN."""
-        if not self._on_amx(x) or not cpu_native.silu_mul_fits(self.out_features):
+        if not self._on_kernel(x) or not self.kernel.silu_mul_fits(self.out_features):
             return None
-        return cpu_native.linear_amx(x, self.amx_weight, self.amx_bias, self.out_features, silu_mul=True)
+        return self.kernel.run(x, self.kernel_weight, self.kernel_bias, self.out_features, silu_mul=True)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", up to {AMX_ROWS_MAX} rows on AMX"
-
-
-class DotLinear(PackedLinear):
-    """A :class:`PackedLinear` that runs up to ``DOT_ROWS_MAX`` rows on the CPU's bf16 dot products
-    (``kernels/cpu_linear_dot.c``), from a second copy of W in that kernel's layout."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dot_weight: torch.Tensor) -> None:
-        super().__init__(weight, bias)
-        self.dot_weight = dot_weight
-        # The kernel adds the bias in float32, before its one rounding.
-        self.dot_bias = None if bias is None else bias.detach().float()
-
-    def _on_dot(self, x: torch.Tensor) -> bool:
-        return x.numel() <= DOT_ROWS_MAX * self.in_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._on_dot(x):
-            return super().forward(x)
-        return cpu_native.linear_dot(x, self.dot_weight, self.dot_bias, self.out_features)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``silu_and_mul(self(x))`` in one pass on the kernel's rows, bit for bit the two ops'
-        result (as :meth:`AmxLinear.silu_and_mul`); None where the rows go to oneDNN."""
-        if not self._on_dot(x) or not cpu_native.dot_silu_mul_fits(self.out_features):
-            return None
-        return cpu_native.linear_dot(x, self.dot_weight, self.dot_bias, self.out_features, silu_mul=True)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + f", up to {DOT_ROWS_MAX} rows on bf16 dot products"
+        return super().extra_repr() + f", up to {self.kernel.rows_max} rows on {self.kernel.label}"
 
 
 def lay_out_cpu_linears(model: nn.Module) -> None:
@@ -223,9 +215,9 @@ def lay_out_cpu_linears(model: nn.Module) -> None:
         # Without AMX (not merely a shape it does not take): cpu_step_layers.c picks the kernel so.
         dot_weight = (cpu_native.pack_linear_dot(linear.weight) if onednn and not amx_packs() else None)
         if amx_weight is not None:
-            setattr(parent, name, AmxLinear(linear.weight, linear.bias, amx_weight))
+            setattr(parent, name, RowKernelLinear(linear.weight, linear.bias, AMX, amx_weight))
         elif dot_weight is not None:
-            setattr(parent, name, DotLinear(linear.weight, linear.bias, dot_weight))
+            setattr(parent, name, RowKernelLinear(linear.weight, linear.bias, DOT, dot_weight))
         elif onednn:
             setattr(parent, name, PackedLinear(linear.weight, linear.bias))
         elif linear.weight.dtype == torch.bfloat16:

@@ -10,7 +10,7 @@ as the modules hold them: decode steps, and steps with prompt chunks where the A
 attention runs them, up to the rows the AMX projections take. The rest (longer steps, float32,
 oneDNN projections, per-head q/k norms, partial rotary, mixture-of-experts layers) stays on the
 modules. Without AMX, the projections' few rows run on the bf16 dot-product kernel
-(server/worker/cpu_linear.py's DotLinear), and so do the steps here: up to ``DOT_ROWS_MAX`` rows, a
+(server/worker/cpu_linear.py's RowKernelLinear on DOT), and so do the steps here: up to ``DOT_ROWS_MAX`` rows, a
 single stream's decode and speculative verify steps among them.
 """
 
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from kvscale.kernels import cpu_native, fp8
 from kvscale.server.worker.attention_metadata import AttentionMetadata
-from kvscale.server.worker.cpu_linear import DOT_ROWS_MAX, AmxLinear, DotLinear
+from kvscale.server.worker.cpu_linear import AMX, DOT, DOT_ROWS_MAX, RowKernelLinear
 from kvscale.server.worker.quantization import Int8Linear
 
 if TYPE_CHECKING:
@@ -58,18 +58,15 @@ def _projection(module: nn.Module, silu_mul: bool = False) -> cpu_native.Project
     """``module``'s weight as the kernel cpu_step_layers.c runs it with holds it (AMX where
     permitted, else the bf16 dot products), or None where it does not run on that kernel."""
     out_features = getattr(module, "out_features", 1)
-    if not cpu_native.amx_linear_available():
-        if not isinstance(module, DotLinear) or (silu_mul and not cpu_native.dot_silu_mul_fits(out_features)):
-            return None
-        bias = module.dot_bias
-        return cpu_native.Projection(module.dot_weight.data_ptr(), None, None, None if bias is None else bias.data_ptr(),
-                                     module.out_features, module.in_features)
-    if silu_mul and not cpu_native.silu_mul_fits(out_features):
+    kernel = AMX if cpu_native.amx_linear_available() else DOT
+    if silu_mul and not kernel.silu_mul_fits(out_features):
         return None
-    if isinstance(module, AmxLinear):
-        bias = module.amx_bias
-        return cpu_native.Projection(module.amx_weight.data_ptr(), None, None, None if bias is None else bias.data_ptr(),
+    if isinstance(module, RowKernelLinear) and module.kernel is kernel:
+        bias = module.kernel_bias
+        return cpu_native.Projection(module.kernel_weight.data_ptr(), None, None, None if bias is None else bias.data_ptr(),
                                      module.out_features, module.in_features)
+    if kernel is not AMX:
+        return None
     if isinstance(module, Int8Linear) and module.prepacked and module.amx_weight is not None:
         packed, column_sums = module.amx_weight
         bias = module.bias

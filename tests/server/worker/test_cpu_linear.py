@@ -14,11 +14,13 @@ from kvscale.kernels import cpu_native, layer_ops
 from kvscale.server.sampling_params import SamplingParams
 from kvscale.server.worker.cpu_features import CpuFeatures, cpu_features
 from kvscale.server.worker.cpu_linear import (
+    AMX,
     AMX_ROWS_MAX,
+    DOT,
     DOT_ROWS_MAX,
-    AmxLinear,
-    DotLinear,
     PackedLinear,
+    RowKernel,
+    RowKernelLinear,
     WidenedLinear,
     lay_out_cpu_linears,
     onednn_packs,
@@ -28,6 +30,11 @@ from kvscale.server.worker.cpu_linear import (
 
 # bf16 products summed in float32 by both, in different orders.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def on_kernel(module: nn.Module, kernel: RowKernel) -> bool:
+    """Whether ``module``'s few rows run on ``kernel``."""
+    return isinstance(module, RowKernelLinear) and module.kernel is kernel
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
@@ -137,9 +144,9 @@ def test_bf16_decode_rows_run_on_amx_and_prefill_rows_on_onednn() -> None:
     lay_out_cpu_linears(model)
     first, second, odd = model
     if not (onednn_packs(torch.bfloat16) and cpu_native.amx_linear_available()):
-        assert not any(isinstance(m, AmxLinear) for m in model)
+        assert not any(on_kernel(m, AMX) for m in model)
         return
-    assert isinstance(first, AmxLinear) and isinstance(second, AmxLinear)
+    assert on_kernel(first, AMX) and on_kernel(second, AMX)
     assert type(odd) is PackedLinear  # 40 outputs: not whole blocks of 32
     for rows, x in inputs.items():
         after = model(x).float()
@@ -163,7 +170,7 @@ def test_the_mlp_activation_is_the_same_bits_fused_or_not(rows: int) -> None:
     holder = nn.Sequential(gate_up)
     lay_out_cpu_linears(holder)
     laid_out = holder[0]
-    if not isinstance(laid_out, AmxLinear):
+    if not on_kernel(laid_out, AMX):
         assert not (onednn_packs(torch.bfloat16) and cpu_native.amx_linear_available())
         return
     fused = laid_out.silu_and_mul(x)
@@ -182,9 +189,9 @@ def test_without_amx_few_bf16_rows_run_on_dot_products_and_more_on_onednn(monkey
     lay_out_cpu_linears(model)
     first, second, odd = model
     if not (onednn_packs(torch.bfloat16) and cpu_native.dot_linear_available()):
-        assert not any(isinstance(m, DotLinear) for m in model)
+        assert not any(on_kernel(m, DOT) for m in model)
         return
-    assert isinstance(first, DotLinear) and isinstance(second, DotLinear)
+    assert on_kernel(first, DOT) and on_kernel(second, DOT)
     assert type(odd) is PackedLinear  # 96 outputs: not whole blocks of 64
     for rows, x in inputs.items():
         after = model(x).float()
@@ -203,7 +210,7 @@ def test_onednn_alone_where_the_kernel_cannot_run(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(cpu_native, "amx_linear_available", lambda: False)
     model = _decoder_sized(torch.bfloat16)
     lay_out_cpu_linears(model)
-    assert not any(isinstance(m, AmxLinear) for m in model)
+    assert not any(on_kernel(m, AMX) for m in model)
 
 
 INTEL = CpuFeatures("GenuineIntel", "Xeon", frozenset({"avx2", "avx512f", "amx_bf16"}))
