@@ -3,7 +3,8 @@ goes"): pure functions over the candidates and their estimates.
 
 Where some replica has room for the prompt beside its hot prefixes, and its recent traffic plus
 the prompt still fit in its KV blocks, the prompt goes to the one of those whose recent traffic
-claims least room (``new_prefix_home``), unless its queue truly overloads it (``busy_new_home``).
+claims least room (``new_prefix_home``), unless its queue truly overloads it (``busy_new_home``:
+against the replicas with room, charged the blocks of recent traffic the prompt would evict).
 Where none has, the groups outgrow the fleet's KV: a group this router has placed before goes back
 to the replica it last sent the group's leading block to (``returning_home``), unless the spill
 rule, nothing saved, has found that replica truly overloaded for the hold; a group it has not
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from kvscale.router.candidates import Candidate
-from kvscale.router.spill_rule import OverloadHold, should_spill
+from kvscale.router.spill_rule import OverloadHold, evicted_blocks, should_spill
 
 # The policy's ranking key (estimate, adapter readiness, cached blocks, load, rendezvous hash).
 RankKey = Callable[[Candidate], tuple[float, int, int, int, int]]
@@ -58,8 +59,8 @@ def own_prefill_units(candidate: Candidate, seconds: float, prompt_tokens: int, 
 def busy_new_home(
     home: Candidate,
     roomy: Sequence[Candidate],
-    need: int,
     prompt_tokens: int,
+    block_size: int,
     rates: Mapping[str, float],
     ttft: Mapping[str, float],
     slack: float,
@@ -67,24 +68,36 @@ def busy_new_home(
 ) -> Candidate:
     """Where a prefix nobody holds goes once its home (``new_prefix_home``) is chosen: the home,
     unless the spill rule (nothing saved) finds it truly overloaded against another replica where
-    the prompt also has room and fits (``fitting``); then the one of those with the least delay. The
+    the prompt has room beside the hot prefixes; then the one of those with the least delay. The
     home was chosen for the work its group will bring, by the room it claims; its queue now is
     what this rule weighs: each replica's estimate in units of its own prefill of the prompt
     (``own_prefill_units``), so a slower replica is not found overloaded for being slower (its
     prefill of the prompt is longer wherever it queues) and a uniform slowdown cancels. Without it,
     a home with the least claimed room took every new group that arrived while its queue held the
     last one's cold prefill: in a bursty stream, a replica whose groups had not come back within
-    the hot window looked empty and took two at once."""
-    others = [c for c in fitting(roomy, need) if c.replica_id != home.replica_id]
+    the hot window looked empty and took two at once.
+
+    Another replica where the prompt has room but does not fit beside its recent traffic is charged,
+    as the spill rule charges a spill's other (``evicted_blocks``), the prefill of the blocks of that
+    traffic it would evict. Weighing only the replicas where it fits, the one replica that fitted
+    took the group whatever its queue: the half-speed replica took a new group's 1,056-token prompt
+    behind five requests already waiting there, each of them then waited for that prefill too (50 s
+    at half speed; the simulated grid's c8-p1024-fits-throttled-random cell, TTFT p90 1.37 x the
+    better baseline's; docs/performance.md, "The routing grid")."""
+    others = [c for c in roomy if c.replica_id != home.replica_id]
     if not others:
         return home
 
+    def delay(c: Candidate) -> float:
+        evicted = evicted_blocks(c, prompt_tokens, block_size) * block_size
+        return ttft[c.replica_id] + evicted / rates[c.replica_id] * c.ttft_scale
+
     def units(c: Candidate) -> float:
-        return own_prefill_units(c, ttft[c.replica_id], prompt_tokens, rates[c.replica_id])
+        return own_prefill_units(c, delay(c), prompt_tokens, rates[c.replica_id])
 
     best = min(others, key=lambda c: (round(units(c), 6), key(c)))
     overloaded = (should_spill(units(home), units(best), 0.0, slack)
-                  and should_spill(ttft[home.replica_id], ttft[best.replica_id], 0.0, slack))
+                  and should_spill(delay(home), delay(best), 0.0, slack))
     return best if overloaded else home
 
 
@@ -154,7 +167,7 @@ def cold_home(
     home = new_prefix_home(roomy, need, key)
     if home is None:
         return None, judged
-    return busy_new_home(home, roomy, need, prompt_tokens, rates, ttft, slack, key), judged
+    return busy_new_home(home, roomy, prompt_tokens, block_size, rates, ttft, slack, key), judged
 
 
 def adapter_home(by_estimate: Sequence[Candidate], ttft: Mapping[str, float], slack: float) -> Candidate | None:

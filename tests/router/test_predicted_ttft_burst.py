@@ -67,17 +67,21 @@ def test_no_wait_measured_or_predicted_means_no_hysteresis():
     assert policy.OverloadHold(5.0, 0.0, {"r0": 1.0}).outlasted("r0", 3.0)
 
 
-def test_a_new_group_goes_to_the_least_claimed_replica_however_long_its_queue_looks():
-    """Mid-burst, r0 holds three groups with eleven of their requests queued (counted in full:
-    301.7 s) and r1, r2 four groups each (226.3 s, 201.1 s) in 320 KV blocks. The new group goes to
-    r0, which has claimed least room (214 blocks against 272 and 270), not to r2 past its room for
-    four groups: r0's queue would pass it over only for a replica where the group also fits
-    (tests/router/test_predicted_ttft_placement.py), and neither r1 nor r2 fits 66 more blocks."""
-    fleet = [replace(c, kv_blocks=320) for c in (cand("r0", load=11, recent=214, free=128),
+def test_a_new_group_goes_to_the_least_claimed_replica_unless_its_queue_truly_overloads_it():
+    """Mid-burst, r0 holds three groups with nine of their requests queued (counted in full:
+    251.4 s, 10.0 times its own prefill of the prompt) and r1, r2 four groups each (226.3 s,
+    201.1 s) in 320 KV blocks. The new group goes to r0, which has claimed least room (214 blocks
+    against 272 and 270): r2 has room beside its hot prefixes, but its recent traffic and the
+    prompt overflow its KV by 16 blocks, whose prefill (6.1 s) it is charged: 207.2 s, 8.2 times,
+    and r0 is not truly overloaded (10.0 < 1.25 x 8.2). With eleven queued (301.7 s, 12.0 times)
+    it is, and r2 takes the group (kvscale.router.cold_placement.busy_new_home)."""
+    fleet = [replace(c, kv_blocks=320) for c in (cand("r0", load=9, recent=214, free=128),
                                                  cand("r1", load=8, recent=272, free=192),
                                                  cand("r2", load=7, recent=270, free=192))]
     decision = policy.predicted_ttft_policy(fleet, PROMPT, BLOCK, hash_key=78457)
     assert decision.ranked[0] == "r0" and decision.reason == "load"
+    longer = [replace(fleet[0], load=11, queued_prefill_tokens=11 * PROMPT), *fleet[1:]]
+    assert policy.predicted_ttft_policy(longer, PROMPT, BLOCK, hash_key=78457).ranked[0] == "r2"
     # Room still comes first: without room for the prompt's 66 blocks r0 is passed over for a
     # replica with room where the group fits (r2: 250 + 66 blocks of 320).
     fleet[0] = replace(fleet[0], free_blocks=60)

@@ -86,15 +86,38 @@ def test_a_new_group_leaves_a_home_its_queue_truly_overloads():
     assert policy.predicted_ttft_policy(slow, PROMPT, BLOCK, hash_key=7).ranked[0] == "r2"
 
 
-def test_only_a_replica_where_the_group_has_room_and_fits_takes_it_from_its_home():
-    """The overloaded home keeps the group where no other replica has room beside its hot prefixes
-    or can fit its recent traffic and the prompt in its KV blocks: room comes first."""
+def test_only_a_replica_with_room_takes_a_group_from_its_home_charged_what_it_evicts():
+    """The overloaded home (51.0 s) keeps the group where no other replica has room beside its hot
+    prefixes. Where the others have room but their recent traffic and the prompt overflow their KV
+    blocks, each is charged the prefill of the blocks it would evict: 6 (260 + 66 of 320 blocks),
+    2.3 s, leave r2 at 27.4 s and the home truly overloaded; all 66 (320 claimed), 25.1 s, leave
+    r2 at 50.2 s, and the home keeps the group (51.0 s is not 1.25 x 50.2 s)."""
     no_room = bursty_fleet(1088)
     no_room[0], no_room[2] = replace(no_room[0], free_blocks=60), replace(no_room[2], free_blocks=60)
     assert policy.predicted_ttft_policy(no_room, PROMPT, BLOCK, hash_key=7).ranked[0] == "r1"
     no_fit = bursty_fleet(1088)
     no_fit[0], no_fit[2] = replace(no_fit[0], recent_blocks=260), replace(no_fit[2], recent_blocks=260)
-    assert policy.predicted_ttft_policy(no_fit, PROMPT, BLOCK, hash_key=7).ranked[0] == "r1"
+    assert policy.predicted_ttft_policy(no_fit, PROMPT, BLOCK, hash_key=7).ranked[0] == "r2"
+    full = bursty_fleet(1088)
+    full[0], full[2] = replace(full[0], recent_blocks=320), replace(full[2], recent_blocks=320)
+    assert policy.predicted_ttft_policy(full, PROMPT, BLOCK, hash_key=7).ranked[0] == "r1"
+
+
+def test_the_one_replica_a_group_fits_in_is_passed_over_when_its_queue_truly_overloads_it():
+    """From the simulated grid's c8-p1024-fits-throttled-random cell (seed 1, a new group at
+    133.6 s): only r0, at half speed, fits its recent traffic and the prompt (208 + 66 of 320
+    blocks), but five requests wait there behind 1,216 tokens: 108.2 s, 2.15 times its own prefill
+    of the prompt. r2 has room beside its hot prefixes (128 blocks) but its recent traffic and the
+    prompt overflow its KV by 22 blocks: 25.1 s, plus 8.4 s for those blocks' prefill, 1.33 times
+    its own. r0 is truly overloaded and r2 takes the group. (Weighing only r0, where it fits, the
+    waiting requests shared the group's 50 s prefill: TTFT p90 1.37 x the better baseline's.)"""
+    fleet = [cand("r0", recent=208, free=128, rate=21.0, queued=1216), cand("r1", recent=280, free=64),
+             cand("r2", recent=276, free=128)]
+    decision = policy.predicted_ttft_policy(fleet, PROMPT, BLOCK, hash_key=7)
+    assert decision.ranked[0] == "r2" and decision.reason == "load"
+    # With a queue of one prompt there (1.52 times its own prefill) r0 keeps it.
+    calm = [replace(fleet[0], queued_prefill_tokens=550), *fleet[1:]]
+    assert policy.predicted_ttft_policy(calm, PROMPT, BLOCK, hash_key=7).ranked[0] == "r0"
 
 
 def throttled_fleet(queued: int) -> list[Candidate]:
