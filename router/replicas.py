@@ -191,7 +191,12 @@ class ReplicaSet:
             except TimeoutError:
                 pass
             self._changed.clear()
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception:
+                # The loop is the router's only view of its replicas: if it ended, a replica that
+                # died or came back would never be seen to (docs/router.md, "Failures").
+                log.exception("a pass of the replicas' health checks failed; the next one runs as usual")
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in list(self.replicas.values())))
@@ -218,6 +223,10 @@ class ReplicaSet:
             at_once = isinstance(exc, httpx.ConnectError)  # refused: nothing listens there
         except (ValueError, KeyError, TypeError) as exc:
             status = f"/v1/models answered an unreadable body: {exc!r}"
+        except Exception as exc:
+            # The HTTP stack's own faults count as a failed check, never as the end of the checks:
+            # anyio raises AttributeError when a replica resets the connection as it is made.
+            status = f"the check failed: {type(exc).__name__}: {exc}"
         # A replica that says it is draining, or refuses the router's key, will not get better.
         at_once = at_once or "draining" in status or " answered 401" in status or " answered 403" in status
         ok = status == "ok"
