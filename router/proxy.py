@@ -105,6 +105,17 @@ def trusted_headers(replica_api_key: str | None, tenant: str | None) -> dict[str
     return headers
 
 
+async def sent(client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+    """``client.send(request, stream=True)``, where a replica that resets the connection as it is
+    made is a ``httpx.ConnectError``, as a refused one is: anyio raises ``AttributeError`` then
+    (its socket already gone), which would otherwise reach the client as a 500 instead of moving
+    the request on to the next replica (docs/router.md, "Failures")."""
+    try:
+        return await client.send(request, stream=True)
+    except AttributeError as exc:
+        raise httpx.ConnectError(f"the connection was reset as it was made ({exc})", request=request) from exc
+
+
 class Forwarder:
     def __init__(
         self,
@@ -167,12 +178,8 @@ class Forwarder:
             committed = False
             upstream: httpx.Response | None = None
             try:
-                upstream = await client.send(
-                    client.build_request(
-                        method, replica.url + path, content=routed.body or None,
-                        headers=routed.headers),
-                    stream=True,
-                )
+                upstream = await sent(client, client.build_request(
+                    method, replica.url + path, content=routed.body or None, headers=routed.headers))
                 draining = upstream.status_code == 503 and upstream.headers.get(DRAINING_HEADER)
                 if draining and (not is_last or self.draining_is_failure):
                     last_error = f"replica {replica.replica_id} is draining"

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from starlette.responses import Response, StreamingResponse
 
@@ -143,3 +144,40 @@ def test_a_replicas_request_timeout_is_the_clients_not_retried_elsewhere(urls) -
     assert response.status_code == 504 and json.loads(body) == {"status": 504}
     assert metrics.retries.labels("status_5xx")._value.get() == 0
     assert all(r.in_flight == 0 for r in request.ranked)
+
+
+class _ResetAsMade(httpx.AsyncBaseTransport):
+    """Loopback HTTP, except that connecting to ``reset_url`` fails as anyio fails when the peer
+    resets the connection as it is made: an AttributeError, not an httpx error."""
+
+    def __init__(self, reset_url: str) -> None:
+        self.reset_host = httpx.URL(reset_url).netloc
+        self.real = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.netloc == self.reset_host:
+            raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+        return await self.real.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.real.aclose()
+
+
+def test_a_connection_reset_as_it_is_made_moves_on_like_a_refused_one(urls) -> None:
+    forward, metrics, _ = forwarder()
+    request = routed(urls, "gone", "ok")
+
+    async def go() -> Response:
+        forward.open()
+        await forward.close()
+        forward._client = httpx.AsyncClient(transport=_ResetAsMade(urls["gone"]))
+        try:
+            return await forward.forward(request)
+        finally:
+            await forward.close()
+
+    response = asyncio.run(go())
+    assert response.status_code == 200 and response.headers["x-kvscale-replica"] == "ok"
+    assert metrics.retries.labels("connection")._value.get() == 1
+    reset, ok = request.ranked
+    assert not reset.healthy and ok.healthy and reset.in_flight == 0
