@@ -6,6 +6,7 @@ logged and followed by the next."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 
@@ -22,19 +23,26 @@ async def _answer(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, json={"object": "list", "data": [{"id": "base"}]})
 
 
-def test_a_check_that_never_ends_fails_at_its_deadline_and_the_others_go_on() -> None:
+def checked(urls: list[str], answer: Any, passes: int, deadline_s: float | None = None) -> ReplicaSet:
+    """A replica set over ``urls`` after ``passes`` passes of its health checks, each replica
+    answered by ``answer`` (an httpx transport handler)."""
     async def run() -> ReplicaSet:
-        replicas = ReplicaSet(health_interval_s=0.05)
-        replicas.check_deadline_s = 0.3
-        replicas.set_urls([GOOD, STUCK])
-        # The client's own timeouts do not apply inside a transport: the deadline must hold anyway.
-        replicas._client = httpx.AsyncClient(transport=httpx.MockTransport(_answer))
-        for _ in range(2):
+        replicas = ReplicaSet(health_interval_s=0.01)
+        if deadline_s is not None:
+            replicas.check_deadline_s = deadline_s
+        replicas.set_urls(urls)
+        replicas._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        for _ in range(passes):
             await asyncio.wait_for(replicas.check_all(), 5)
         await replicas._client.aclose()
         return replicas
 
-    replicas = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_check_that_never_ends_fails_at_its_deadline_and_the_others_go_on() -> None:
+    # The client's own timeouts do not apply inside a transport: the deadline must hold anyway.
+    replicas = checked([GOOD, STUCK], _answer, 2, deadline_s=0.3)
     good, stuck = replicas.replicas[GOOD], replicas.replicas[STUCK]
     assert good.healthy and good.models == {"base"}
     assert not stuck.healthy and stuck.consecutive_failures == 2
@@ -53,16 +61,7 @@ async def _broken_stack(request: httpx.Request) -> httpx.Response:
 
 
 def test_a_fault_of_the_http_stack_is_a_failed_check_and_the_checks_go_on() -> None:
-    async def run() -> ReplicaSet:
-        replicas = ReplicaSet(health_interval_s=0.01)
-        replicas.set_urls([GOOD, BROKEN])
-        replicas._client = httpx.AsyncClient(transport=httpx.MockTransport(_broken_stack))
-        for _ in range(FAILURES_TO_MARK_DOWN):
-            await asyncio.wait_for(replicas.check_all(), 5)
-        await replicas._client.aclose()
-        return replicas
-
-    replicas = asyncio.run(run())
+    replicas = checked([GOOD, BROKEN], _broken_stack, FAILURES_TO_MARK_DOWN)
     good, broken = replicas.replicas[GOOD], replicas.replicas[BROKEN]
     assert good.healthy and good.models == {"base"}
     assert not broken.healthy and broken.consecutive_failures == FAILURES_TO_MARK_DOWN
