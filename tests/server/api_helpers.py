@@ -26,6 +26,7 @@ class ServeProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None, log_name: str = "serve") -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.env = dict(env or {})  # what the test set on top of its own environment
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvscale-{log_name}-{self.port}.log"
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()

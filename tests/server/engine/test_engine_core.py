@@ -70,12 +70,16 @@ def _ttft(base_url: str, prompt: str) -> float:
 def test_first_request_is_as_fast_as_the_second(server: ServeProcess) -> None:
     """No built C kernels (as in a new pod): they are built and every path runs during the
     warm-up, before /health says ready, not in the first request."""
+    # Ready means built: the library is in the new cache before any request asks for it.
+    native = Path(server.env["KVSCALE_CACHE"]) / "native"
+    built = sorted(native.glob("*.so")) + sorted(Path(server.env["TMPDIR"]).glob("kvscale-native-*/*.so"))
+    assert built, (list(native.iterdir()) if native.exists() else "no native folder", server.log())
     first = _ttft(server.base_url, "The first prompt of this replica's life, rather long: " * 4)
     second = _ttft(server.base_url, "Another prompt, as long as the first one, of other words: " * 4)
-    # Building the kernels takes seconds; a step of this size, milliseconds (more on a busy
-    # machine, hence the slack). Without the warm-up this fails (first 6.5 s, second 2.1 s on
-    # a loaded 2-core machine; 3.0 s and 3.0 s with it).
-    assert first <= 1.5 * second + 1.0, (first, second)
+    # What else a first request could pay for once (a lazy import, a first-time code path) shows
+    # in time only. Building the kernels takes seconds; a step of this size, milliseconds. The
+    # slack is for a shared CI machine, where one request here took 1.8 s and the next 0.24 s.
+    assert first <= 2 * second + 2.5, (first, second)
     assert "warmed up in" in server.log()
     # Then what start-up built (torch, transformers: 218,527 objects here) leaves the garbage
     # collector's full passes, which would walk it between two steps: 310 ms on an H200's
