@@ -288,7 +288,8 @@ class Router:
                 calibrates=body.get("stream") is True and decision.rate_measured,
                 client_left=disconnect_of(request.receive),
                 reply_headers=grant.headers,
-                on_done=turn.forwarding(grant.on_done),
+                on_done=turn.settling(grant.on_done),
+                on_open=turn.sent,
             )))
 
     def decided(self, candidates: list[Replica], prompt: PromptBlocks, model: str | None, body: dict[str, Any],

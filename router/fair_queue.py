@@ -137,11 +137,17 @@ class Turn:
 
     def forwarding(self, on_done: Callable[[int, bytes], None] | None
                    ) -> Callable[[int, bytes], None] | None:
-        """What the forwarding tells when a replica's answer ends (``on_done`` first); from now
-        the request is sent."""
+        """``settling``'s, for a request a replica's count has from now."""
+        self.sent()
+        return self.settling(on_done)
+
+    def settling(self, on_done: Callable[[int, bytes], None] | None
+                 ) -> Callable[[int, bytes], None] | None:
+        """What the forwarding tells when a replica's answer ends (``on_done`` first). The turn
+        stays unsent until ``sent``: the forwarding may start a loop turn later, and a request
+        arriving meanwhile must not see its slot as free."""
         if self._queue is None:
             return on_done
-        self.sent()
 
         def both(status: int, tail: bytes) -> None:
             if on_done is not None:

@@ -77,6 +77,9 @@ class Routed:
     # Told a replica's answer's status and its last USAGE_TAIL_BYTES once it ended (a tenant's
     # reservation settled with the usage reported).
     on_done: Callable[[int, bytes], None] | None = None
+    # Told once the replica tried first counts the request as open (in_flight.InFlight): a turn
+    # of the fair queue stops counting it as let through and unsent (fair_queue.Turn.sent).
+    on_open: Callable[[], None] | None = None
     path: str | None = None  # on the replica, when not ENDPOINTS' (a stored response's id)
 
 
@@ -175,6 +178,8 @@ class Forwarder:
             request = self.in_flight.open(replica, max(routed.prompt_tokens - hit, 1),
                                           self._measure(routed, replica) if attempt == 0 else None,
                                           routed.hashes, routed.prompt_tokens)
+            if routed.on_open is not None:
+                routed.on_open()
             committed = False
             upstream: httpx.Response | None = None
             try:

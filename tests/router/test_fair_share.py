@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import json
 import random
+import threading
 import time
 from http.server import BaseHTTPRequestHandler
 from types import SimpleNamespace
@@ -319,3 +320,40 @@ def test_the_router_holds_a_request_while_its_replica_is_full_and_sends_it_when_
     assert (refused, retry_after) == (503, 1)
     assert waits == {"timeout": 1, "released": 1}
     assert answered == 200 and released_after_s < 0.5
+
+
+class SlowReplica(Replica):
+    """A replica whose generations are answered after ``hold_s``; counts those it holds at once."""
+
+    hold_s = 0.5
+    open_now = 0
+    most_open = 0
+    lock = threading.Lock()
+
+    def do_POST(self) -> None:
+        cls = type(self)
+        with cls.lock:
+            cls.open_now += 1
+            cls.most_open = max(cls.most_open, cls.open_now)
+        time.sleep(cls.hold_s)
+        with cls.lock:
+            cls.open_now -= 1
+        super().do_POST()
+
+
+def test_a_burst_arriving_together_fills_the_free_slots_and_the_rest_waits_in_the_router() -> None:
+    """Requests let through in one loop turn are counted until the replica's ledger has them: the
+    forwarding starts in a task of its own, a turn later, and a burst arriving meanwhile must not
+    see the slot the first one took as still free (with a batch of one, all five went at once)."""
+    async def run() -> tuple[int, list[int]]:
+        async with app_over_one_replica(SlowReplica, MODEL, 0, policy="round-robin",
+                                        max_queue_wait_s=10) as (app, _):
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r")
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+            async with client:
+                answers = await asyncio.gather(*[client.post("/v1/completions", json=body) for _ in range(5)])
+            return SlowReplica.most_open, [a.status_code for a in answers]
+
+    most_open, statuses = asyncio.run(run())
+    assert statuses == [200] * 5
+    assert most_open == 1, f"{most_open} requests reached a replica with one batch slot at once"
