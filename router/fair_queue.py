@@ -308,8 +308,11 @@ class FairQueue:
             self.shared.update(tenant, floor, 0.0, False, self._mirror(tenant))
         self._keys += 1
         waiter = _Waiter(tenant, band, self._keys, weight, cost, room, running)
+        fresh = tenant not in self.queues
         self.queues.setdefault(tenant, deque()).append(waiter)
         self._count(+1)
+        if fresh and self.shared is not None:  # the other routers lift it no more
+            self.shared.waiting([tenant], True)
         since = time.monotonic()
         self.dispatch()  # its own model's replicas may have room though others' have none
         watch = asyncio.ensure_future(client_left()) if client_left is not None else None
@@ -350,6 +353,8 @@ class FairQueue:
         self._count(-1)
         if not queue:
             del self.queues[waiter.tenant]
+            if self.shared is not None:
+                self.shared.waiting([waiter.tenant], False)
 
     def dispatch(self) -> None:
         """Release waiting requests while their replicas have room: the most urgent band first,
@@ -394,6 +399,7 @@ class FairQueue:
         self._tick = None
         self.dispatch()
         if self.shared is not None and self.queues:  # for the next pass: other routers' charges
+            self.shared.waiting(list(self.queues), True)  # renewed before it lapses
             self.shared.refresh(list(self.queues), self._refreshed)
 
     @staticmethod

@@ -6,7 +6,9 @@ synchronous, the counters their inputs); this keeps that table in step with the 
 lift and charge the queue makes is sent to the shared counter in the background, and the counter
 Redis answers with (every router's charges in it, plus this router's still on their way) replaces
 the local one; while requests wait, their tenants' counters are read again every tick. The table
-lags the fleet by a round trip or a tick.
+lags the fleet by a round trip or a tick. It also says, under an id of this router's own, which
+tenants wait here (when a tenant's queue fills or empties, and every tick while it waits), so
+that no router lifts a tenant still waiting at another (kvscale.fair_share_schema).
 
 Falls back to the local counters: when Redis errors or does not answer within
 ``--redis-timeout-ms``, the queue goes on with this router's own charges, the gauge
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -25,10 +28,12 @@ from typing import Any
 from kvscale.fair_share_schema import (
     LAST_SERVED_KEY,
     UPDATE_LUA,
+    WAITING_LUA,
     Floor,
     counter_key,
     counters_from,
     update_args,
+    waiting_args,
 )
 from kvscale.kv_index_schema import redacted_url
 from kvscale.router.redis_pipe import RedisCalls, open_redis
@@ -47,6 +52,7 @@ class SharedCounters:
         self.timeout_s = timeout_s
         self._on_shared = on_shared
         self._redis: RedisCalls | None = None
+        self.router_id = secrets.token_hex(8)  # this router's, for where its tenants wait
         self.down = False
         self._quiet_until = 0.0
         # This router's updates sent and not answered yet, per tenant: added to what Redis
@@ -113,7 +119,7 @@ class SharedCounters:
                           apply: Callable[[float, float], None]) -> None:
         try:
             answer = await self._calls().run_script(
-                UPDATE_LUA, [], update_args(tenant, floor, added, served))
+                UPDATE_LUA, [], update_args(tenant, floor, added, served, self.router_id))
             counter, last = counters_from(list(answer))
         except Exception as exc:  # any failure means the same: the local counter
             self._unpend(tenant, added)
@@ -123,6 +129,27 @@ class SharedCounters:
         self._answered()
         if counter is not None and last is not None:
             apply(counter + self.pending.get(tenant, 0.0), last)
+
+    def waiting(self, tenants: list[str], waiting: bool) -> None:
+        """``tenants`` wait here now (or no longer), in order with the updates. Nothing when
+        Redis is down: the other routers' word lapses and lifts go on as each router's own."""
+        names = [t for t in tenants if t][:MAX_TENANTS]
+        if not names or not self._open():
+            return
+        task = self._spawn(self._waiting_after(self._last_update, names, waiting))
+        if task is not None:
+            self._last_update = task
+
+    async def _waiting_after(self, previous: asyncio.Task[None] | None, names: list[str],
+                             waiting: bool) -> None:
+        if previous is not None and not previous.done():
+            await asyncio.wait([previous])
+        try:
+            await self._calls().run_script(WAITING_LUA, [], waiting_args(self.router_id, names, waiting))
+        except Exception as exc:  # as for an update: the local counters
+            self._failed(exc)
+            return
+        self._answered()
 
     def refresh(self, tenants: list[str],
                 apply: Callable[[dict[str, float], float | None], None]) -> None:

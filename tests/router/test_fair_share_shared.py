@@ -20,10 +20,14 @@ from kvscale.fair_share_schema import (
     LAST_SERVED_KEY,
     MAX_FLOOR_TENANTS,
     NO_FLOOR,
+    WAITING_LUA,
+    WAITING_TTL_S,
     counter_key,
     counters_from,
     update_args,
     update_script,
+    waiting_args,
+    waiting_key,
 )
 from kvscale.processes import free_port
 from kvscale.router.fair_queue import FairQueue, Turn
@@ -32,9 +36,12 @@ from kvscale.router.shared_counters import SharedCounters
 
 
 def test_the_scripts_arguments_refuse_what_is_not_a_finite_number_or_a_known_floor() -> None:
-    assert update_args("a", LAST_SERVED, 2.5, True)[2:] == ["last", "2.5", "1", COUNTER_TTL_S]
-    assert update_args("a", ["b", "c"], 0.0, False)[2:] == ["min", "0.0", "0", COUNTER_TTL_S,
-                                                           "b", "c"]
+    assert update_args("a", LAST_SERVED, 2.5, True, "r1")[2:] == ["last", "2.5", "1", COUNTER_TTL_S, "r1"]
+    assert update_args("a", ["b", "c"], 0.0, False, "r1")[2:] == ["min", "0.0", "0", COUNTER_TTL_S,
+                                                                 "r1", "b", "c"]
+    assert waiting_args("r1", ["a", "b"], True)[1:] == ["r1", repr(WAITING_TTL_S), "1", "a", "b"]
+    with pytest.raises(ValueError, match="1 to"):
+        waiting_args("r1", [], False)
     for added in (math.inf, math.nan, -math.inf):
         with pytest.raises(ValueError, match="finite"):
             update_args("a", NO_FLOOR, added, False)
@@ -51,6 +58,10 @@ class Recorder:
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, str | float, float, bool]] = []
+        self.marks: list[tuple[list[str], bool]] = []
+
+    def waiting(self, tenants: list[str], waiting: bool) -> None:
+        self.marks.append((tenants, waiting))
 
     def update(self, tenant: str, floor: str | float, added: float, served: bool,
                apply: object) -> None:
@@ -61,8 +72,9 @@ class Recorder:
 
 
 def test_the_queue_sends_each_lift_and_charge_as_it_makes_them() -> None:
+    shared = Recorder()
+
     async def run() -> list[tuple[str, str | float, float, bool]]:
-        shared = Recorder()
         queue = FairQueue(max_wait_s=5, shared=shared)  # type: ignore[arg-type]
         free = [1]
         first = await queue.enter("a", 0, 2.0, 100, lambda: free[0])  # none waits: let through
@@ -91,6 +103,36 @@ def test_the_queue_sends_each_lift_and_charge_as_it_makes_them() -> None:
         ("a", NO_FLOOR, -30.0, False),  # a's usage (40 tokens) corrects its reservation (100)
     ]
     assert ("b", NO_FLOOR, 10.0, True) in sent[4:] and ("c", NO_FLOOR, 10.0, True) in sent[4:]
+    # Where they wait, for the other routers: b and c from their first waiting request to their
+    # last one's release (a, let through at once, never waited here).
+    assert shared.marks == [(["b"], True), (["c"], True), (["b"], False), (["c"], False)]
+
+
+def test_a_tenant_waiting_at_another_router_is_not_lifted(client: redis.Redis) -> None:
+    """Router r2's queue for b emptied while b still waits at r1: b is backlogged in the fleet
+    and keeps the credit it is owed; once r1 says b waits no more (or its word lapses, a router
+    that died), b is lifted as a tenant that starts waiting is."""
+    update, say = update_script(client), client.register_script(WAITING_LUA)
+    a, b = f"a-{uuid.uuid4().hex[:6]}", f"b-{uuid.uuid4().hex[:6]}"
+    update(keys=[], args=update_args(a, NO_FLOOR, 100.0, True, "r1"))
+    update(keys=[], args=update_args(b, NO_FLOOR, 60.0, False, "r1"))
+    assert say(keys=[], args=waiting_args("r1", [a, b], True)) == 2
+    # r2: b starts waiting there, a waits there: the floor would be a's 100.
+    assert counters_from(update(keys=[], args=update_args(b, [a], 0.0, False, "r2")))[0] == 60.0
+    assert counters_from(update(keys=[], args=update_args(b, LAST_SERVED, 0.0, False, "r2")))[0] == 60.0
+    # r1's own word does not hold r1's lift: its own queue for b is what it knows.
+    assert counters_from(update(keys=[], args=update_args(b, [a], 0.0, False, "r1")))[0] == 100.0
+    update(keys=[], args=update_args(a, NO_FLOOR, 50.0, True, "r1"))
+    say(keys=[], args=waiting_args("r1", [b], False))
+    assert client.zrange(waiting_key(b), 0, -1) == []
+    assert counters_from(update(keys=[], args=update_args(b, [a], 0.0, False, "r2")))[0] == 150.0
+    # A word that lapsed holds nothing.
+    c = f"c-{uuid.uuid4().hex[:6]}"
+    say(keys=[], args=waiting_args("r1", [c], True, ttl_s=0.2))
+    assert counters_from(update(keys=[], args=update_args(c, [a], 0.0, False, "r2")))[0] == 0.0
+    time.sleep(0.3)
+    assert counters_from(update(keys=[], args=update_args(c, [a], 0.0, False, "r2")))[0] == 150.0
+    assert 0 < client.ttl(waiting_key(a)) <= 2 * WAITING_TTL_S
 
 
 @pytest.fixture
