@@ -84,7 +84,8 @@ async def _send(client: httpx.AsyncClient, url: str, replica_id: str, path: str,
                 headers: dict[str, str]) -> ReplicaAnswer:
     try:
         response = await client.post(f"{url}{path}", content=body, headers=headers)
-    except httpx.HTTPError as exc:
+    # AttributeError: a connection the replica reset as it was made (proxy.sent says why).
+    except (httpx.HTTPError, AttributeError) as exc:
         return ReplicaAnswer(replica_id, url, 502, f"cannot reach the replica: {type(exc).__name__} {exc}")
     return ReplicaAnswer(replica_id, url, response.status_code, response.text)
 

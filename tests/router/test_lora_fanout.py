@@ -5,6 +5,7 @@ answer as `kvscale serve` does; the router is its app served by uvicorn in this 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -12,10 +13,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+from reset_transport import ResetAsMade
 
 from kvscale.processes import free_port
 from kvscale.router.config import RouterConfig
-from kvscale.router.lora_fanout import ReplicaAnswer, aggregate
+from kvscale.router.lora_fanout import ReplicaAnswer, _send, aggregate
 
 KEY = "router-key"
 
@@ -128,3 +130,14 @@ def test_an_unreachable_replica_is_a_502_naming_it() -> None:
     assert answer.status_code == 502 and body["error"]["type"] == "server_error"
     assert "b:1 answered 502: cannot reach the replica" in body["error"]["message"]
     assert "It succeeded on a:1." in body["error"]["message"]
+
+
+def test_a_replica_that_resets_the_connection_as_it_is_made_is_a_502_not_the_routers_500() -> None:
+    """anyio raises AttributeError (its socket already gone), not an httpx error, when a replica
+    resets the connection as it is made; the fan-out answers for that replica as unreachable."""
+    async def go() -> ReplicaAnswer:
+        async with httpx.AsyncClient(transport=ResetAsMade("http://127.0.0.1:9")) as client:
+            return await _send(client, "http://127.0.0.1:9", "r:9", "/v1/load_lora_adapter", b"{}", {})
+
+    answer = asyncio.run(go())
+    assert answer.status == 502 and "cannot reach the replica" in answer.text, answer

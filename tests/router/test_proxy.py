@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+from reset_transport import ResetAsMade
 from starlette.responses import Response, StreamingResponse
 
 from kvscale.drain import DRAINING_HEADER
@@ -146,23 +147,6 @@ def test_a_replicas_request_timeout_is_the_clients_not_retried_elsewhere(urls) -
     assert all(r.in_flight == 0 for r in request.ranked)
 
 
-class _ResetAsMade(httpx.AsyncBaseTransport):
-    """Loopback HTTP, except that connecting to ``reset_url`` fails as anyio fails when the peer
-    resets the connection as it is made: an AttributeError, not an httpx error."""
-
-    def __init__(self, reset_url: str) -> None:
-        self.reset_host = httpx.URL(reset_url).netloc
-        self.real = httpx.AsyncHTTPTransport()
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.netloc == self.reset_host:
-            raise AttributeError("'NoneType' object has no attribute 'getpeername'")
-        return await self.real.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        await self.real.aclose()
-
-
 def test_a_connection_reset_as_it_is_made_moves_on_like_a_refused_one(urls) -> None:
     forward, metrics, _ = forwarder()
     request = routed(urls, "gone", "ok")
@@ -170,7 +154,7 @@ def test_a_connection_reset_as_it_is_made_moves_on_like_a_refused_one(urls) -> N
     async def go() -> Response:
         forward.open()
         await forward.close()
-        forward._client = httpx.AsyncClient(transport=_ResetAsMade(urls["gone"]))
+        forward._client = httpx.AsyncClient(transport=ResetAsMade(urls["gone"]))
         try:
             return await forward.forward(request)
         finally:
