@@ -18,8 +18,11 @@ Clients send through both tenant routers in turn. The figures:
    ``--load-factor`` x the fleet's batch in flight: mean TTFT with their own keys (fair share)
    ÷ with one shared key (one tenant: first come, first served).
 3. **service gap**: two tenants of equal weight, both backlogged, one asking 4x the other's
-   completion tokens per request: the largest difference in tokens served over any window, from each
-   request's end and usage, against VTC's bound.
+   completion tokens per request: the largest difference in tokens served over any window, against
+   VTC's bound. Tokens count as VTC's service counts them: a prompt's when its first token
+   arrives, each generated one as its chunk arrives (streams with ``logprobs: 0``, whose tokens
+   the chunk lists). Beside it, the same gap with each request's tokens counted at its end, which
+   adds up to the tokens of the requests in flight.
 4. **priority**: a high-priority tenant's requests one at a time under a low-priority flood of
    ``--load-factor`` x the batch: TTFT p90 (the first token's) ÷ the same requests alone.
 5. **router-added latency**: the x-kvscale-router-ms of one-token requests, alternately through
@@ -147,7 +150,7 @@ class Run:
         sizes = {"a": 4 * args.output_tokens, "b": args.output_tokens}
         stop = asyncio.Event()
         async with http_client(2 * in_flight) as client:
-            loops = [closed_loop(client, self.routers, self.keys[t], t, bodies(t, sizes[t]), in_flight, stop)
+            loops = [closed_loop(client, self.routers, self.keys[t], t, streamed_bodies(t, sizes[t]), in_flight, stop)
                      for t in ("a", "b")]
             started = time.perf_counter()
             running = asyncio.gather(*loops)
@@ -158,18 +161,24 @@ class Run:
         done = [a for a in answers if a.status == 200]
         window = (started + args.warm_s, stopped)  # both tenants keep requests waiting throughout
         served = [(a.ended_s, a.tenant, a.tokens) for a in done]
-        gap = service_gap(served, "a", "b", *window)
+        per_token = [event for a in done for event in token_service(a)]
+        gap = service_gap(per_token, "a", "b", *window)
         bound = vtc_bound(max(a.prompt_tokens for a in done), max(a.tokens for a in done), self.batch,
                           args.replicas * args.num_gpu_blocks_override * args.block_size)
         in_window = [s for s in served if window[0] <= s[0] <= window[1]]
         return {"in_flight_per_tenant": in_flight, "completion_tokens": sizes, "window_s": window[1] - window[0],
                 "tokens_served": {t: sum(s[2] for s in in_window if s[1] == t) for t in sizes},
                 "requests_served": {t: sum(1 for s in in_window if s[1] == t) for t in sizes},
-                "errors": len(answers) - len(done), "service_gap_tokens": gap, "vtc_bound_tokens": bound,
+                "errors": len(answers) - len(done),
+                # Answers whose chunks did not account for their usage's completion tokens.
+                "chunks_short": sum(1 for a in done if sum(n for _, n in a.chunks) != a.completion_tokens),
+                "service_gap_tokens": gap, "vtc_bound_tokens": bound,
+                "service_gap_tokens_at_request_end": service_gap(served, "a", "b", *window),
                 "verdict": "met" if gap <= bound else "not met", "loadavg_1m": os.getloadavg()[0],
                 # 1 while a router orders tenants by the fleet's counters in Redis, 0 by its own.
                 "fair_share_shared": [metric(url, "kvscale_router_fair_share_shared") for url in self.routers],
-                "served": [[round(s[0] - started, 4), s[1], s[2]] for s in served]}
+                "served": [[round(s[0] - started, 4), s[1], s[2]] for s in served],
+                "served_per_token": [[round(s[0] - started, 4), s[1], s[2]] for s in sorted(per_token)]}
 
     async def priority(self) -> dict[str, Any]:
         args, in_flight = self.args, self.args.load_factor * self.batch
@@ -242,6 +251,20 @@ class Run:
 def bodies(tenant: str, max_tokens: int) -> Callable[[int], dict[str, Any]]:
     """``tenant``'s n-th request, non-streamed."""
     return lambda n: completion(prompt(tenant, n), max_tokens, False)
+
+
+def streamed_bodies(tenant: str, max_tokens: int) -> Callable[[int], dict[str, Any]]:
+    """``tenant``'s n-th request, streamed with its usage and each chunk's tokens listed."""
+    return lambda n: {**completion(prompt(tenant, n), max_tokens, True), "logprobs": 0}
+
+
+def token_service(answer: Answer) -> list[tuple[float, str, int]]:
+    """When ``answer``'s tokens were served, as VTC counts service: its prompt with its first
+    token, then each chunk's generated tokens."""
+    if answer.first_token_s is None:
+        return [(answer.ended_s, answer.tenant, answer.tokens)]
+    return [(answer.first_token_s, answer.tenant, answer.prompt_tokens),
+            *((at, answer.tenant, tokens) for at, tokens in answer.chunks)]
 
 
 def metric(url: str, name: str) -> float:

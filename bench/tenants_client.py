@@ -11,7 +11,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,9 @@ class Answer:
     router_ms: float | None  # x-kvscale-router-ms: the router's time from the body to the decision
     retry_after: str | None
     error_code: str | None
+    # A stream asked with ``logprobs``: (perf_counter, tokens) of each chunk, its tokens counted
+    # from its logprobs (a chunk may carry several under load).
+    chunks: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def ttft_s(self) -> float | None:
@@ -63,6 +66,7 @@ async def send(client: httpx.AsyncClient, routers: list[str], router: int, key: 
     sent = time.perf_counter()
     first: float | None = None
     usage: dict[str, int] = {}
+    chunks: list[tuple[float, int]] = []
     error_code = None
     async with client.stream("POST", url, json=body, headers=headers) as response:
         if response.status_code != 200 or not body.get("stream"):
@@ -78,13 +82,18 @@ async def send(client: httpx.AsyncClient, routers: list[str], router: int, key: 
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
+                now = time.perf_counter()
                 if first is None and chunk.get("choices"):
-                    first = time.perf_counter()
+                    first = now
                 usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or []:
+                    if tokens := len((choice.get("logprobs") or {}).get("tokens") or []):
+                        chunks.append((now, tokens))
     router_ms = response.headers.get("x-kvscale-router-ms")
     return Answer(tenant, router, sent, first, time.perf_counter(), response.status_code,
                   usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
-                  float(router_ms) if router_ms else None, response.headers.get("retry-after"), error_code)
+                  float(router_ms) if router_ms else None, response.headers.get("retry-after"), error_code,
+                  chunks)
 
 
 def http_client(in_flight: int) -> httpx.AsyncClient:
