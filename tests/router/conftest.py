@@ -214,6 +214,7 @@ class InProcessRouters:
 
     def __init__(self) -> None:
         self.servers: list[tuple[object, object]] = []
+        self.gates: dict[str, object] = {}  # URL -> its Admission, whose counts a test can wait on
 
     def start(self, config, limits=None) -> str:
         import threading
@@ -227,9 +228,8 @@ class InProcessRouters:
 
         limits = limits or RequestLimits()
         port = free_port()
-        server = uvicorn.Server(uvicorn.Config(
-            asgi_app(build_app(config), limits, gate(config, limits)), host="127.0.0.1", port=port,
-            log_level="warning"))
+        app = asgi_app(build_app(config), limits, gate(config, limits))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         self.servers.append((server, thread))
@@ -237,7 +237,9 @@ class InProcessRouters:
         while not server.started:
             assert thread.is_alive() and time.monotonic() < deadline, "the router did not start"
             time.sleep(0.02)
-        return f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        self.gates[url] = app
+        return url
 
     def stop_all(self) -> None:
         for server, thread in self.servers:

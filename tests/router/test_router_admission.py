@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
 from starlette.requests import Request
 
-from kvscale.processes import free_port
+from kvscale.processes import free_port, wait_until
 from kvscale.request_limits import RequestLimits
 from kvscale.router import auth
 from kvscale.router.admission import AdmissionLimits, refusal
@@ -34,6 +35,21 @@ def bounded(in_process_routers) -> str:
     config = RouterConfig(replicas=[NOBODY], models=[], policy="round-robin",
                           max_open_requests=3, body_budget_bytes=100_000)
     return in_process_routers.start(config, RequestLimits(max_body_bytes=64_000))
+
+
+@pytest.fixture
+def settled(in_process_routers, bounded: str) -> Callable[[int, int], None]:
+    """Waits until the bounded router's gate counts ``open_requests`` and ``held_bytes``: what the
+    client sent reaches it (or a close frees it) when the server's thread gets to it, later on a
+    busy machine; a count that never gets there (a leak) fails the wait."""
+    admission = in_process_routers.gates[bounded]
+
+    def wait(open_requests: int, held_bytes: int) -> None:
+        wait_until(lambda: (admission.open_requests, admission.held_bytes) == (open_requests, held_bytes),
+                   10, interval=0.01,
+                   what=f"{open_requests} open, {held_bytes} bytes held (now {admission.open_requests}, "
+                        f"{admission.held_bytes})")
+    return wait
 
 
 def connect(base: str) -> socket.socket:
@@ -85,12 +101,12 @@ def test_with_a_key_nothing_but_the_probes_is_open(keyed: str) -> None:
     assert httpx.get(f"{keyed}/v1/models", headers={"authorization": f"Bearer {KEY}"}).status_code == 200
 
 
-def test_bodies_held_past_the_budget_are_503_with_retry_after(bounded: str) -> None:
+def test_bodies_held_past_the_budget_are_503_with_retry_after(bounded: str, settled) -> None:
     with connect(bounded) as announcer:
         announcer.sendall(head(60_000))  # announced, never sent: reserves nothing
         with connect(bounded) as holder:
             holder.sendall(head(61_000) + b"{" * 60_000)  # 60 kB arrived, the rest never comes
-            time.sleep(0.2)
+            settled(2, 60_000)
             with connect(bounded) as refused:
                 refused.sendall(head(60_000))
                 status, headers, body = answer(refused)
@@ -107,18 +123,18 @@ def test_bodies_held_past_the_budget_are_503_with_retry_after(bounded: str) -> N
             assert status == 503 and body["error"]["code"] == "overloaded"
         # The holder gone, its bytes are free again: the same body is let in (and routed: no
         # replica), beside the announcer, still open.
-        time.sleep(0.2)
+        settled(1, 0)
         response = httpx.post(f"{bounded}/v1/completions", content=b'{"prompt": "' + b"x" * 59_000 + b'"}')
         assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
         assert response.json()["error"]["code"] != "overloaded"
 
 
-def test_open_requests_past_the_bound_are_503(bounded: str) -> None:
+def test_open_requests_past_the_bound_are_503(bounded: str, settled) -> None:
     conns = [connect(bounded) for _ in range(3)]
     try:
         for conn in conns:
             conn.sendall(head(10))  # open: their bodies never come
-        time.sleep(0.2)
+        settled(3, 0)
         response = httpx.post(f"{bounded}/v1/completions", json={"prompt": "x"})
         assert response.status_code == 503 and response.json()["error"]["code"] == "overloaded"
         assert "--max-open-requests" in response.json()["error"]["message"]
@@ -127,7 +143,7 @@ def test_open_requests_past_the_bound_are_503(bounded: str) -> None:
     finally:
         for conn in conns:
             conn.close()
-    time.sleep(0.2)
+    settled(0, 0)
     assert httpx.post(f"{bounded}/v1/completions", json={"prompt": "x"}).json()["error"]["code"] != "overloaded"
 
 
