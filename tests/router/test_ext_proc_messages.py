@@ -294,16 +294,27 @@ def test_a_responses_turn_is_ranked_like_the_http_paths() -> None:
     assert destination(answers[1], "request_body")[0] in {"10.0.0.1:8000", "10.0.0.2:8000"}
 
 
-def queueing_router(running: int) -> tuple[Router, SimpleNamespace]:
-    """A router with --max-queue-wait 0.3 over one replica whose heartbeat says ``running`` of
-    its batch of one (as the Redis feed would hold it)."""
-    router = Router(RouterConfig(replicas=REPLICAS[:1], models=[], max_queue_wait_s=0.3))
+def queueing_router(running: int, max_queue_wait_s: float = 30.0) -> tuple[Router, SimpleNamespace]:
+    """A router with --max-queue-wait over one replica whose heartbeat says ``running`` of its
+    batch of one (as the Redis feed would hold it). The 30 s default outlasts any pause of a busy
+    machine in a test that releases or cancels its held request itself."""
+    router = Router(RouterConfig(replicas=REPLICAS[:1], models=[], max_queue_wait_s=max_queue_wait_s))
     replica = next(iter(router.replicas.replicas.values()))
     replica.models, replica.healthy = {"m"}, True
     beat = Heartbeat(replica.replica_id, "m", REPLICAS[0], 16, running, 0, 1, 100, time.time(), max_num_seqs=1)
     feed = SimpleNamespace(heartbeats={replica.replica_id: beat}, healthy=True, healthy_since=time.monotonic())
     router.heartbeats.feed = feed
     return router, feed
+
+
+async def held_in_queue(router: Router, waiting: int) -> None:
+    """Until the picker's stream has reached the queue: a few loop turns, more on a busy machine;
+    a picker that answers instead of holding never gets there."""
+    assert router.queue is not None
+    deadline = time.monotonic() + 10
+    while router.queue.waiting != waiting:
+        assert time.monotonic() < deadline, f"{router.queue.waiting} held, not {waiting}"
+        await asyncio.sleep(0.005)
 
 
 def open_requests(router: Router) -> int:
@@ -324,8 +335,8 @@ def test_the_picker_holds_a_request_in_the_fair_queue_and_answers_it_when_a_slot
 
         answers = EndpointPicker(router, 1 << 20).Process(stream(), None)
         first = asyncio.ensure_future(anext(answers))
-        await asyncio.sleep(0.1)
-        assert not first.done() and router.queue.waiting == 1  # nothing answered: Envoy holds it
+        await held_in_queue(router, 1)
+        assert not first.done()  # nothing answered: Envoy holds it
         rid = next(iter(feed.heartbeats))
         feed.heartbeats[rid] = dataclasses.replace(feed.heartbeats[rid], num_running=0, timestamp=time.time())
         router.queue.dispatch()
@@ -342,7 +353,7 @@ def test_the_picker_holds_a_request_in_the_fair_queue_and_answers_it_when_a_slot
 
 
 def test_the_picker_answers_a_request_held_past_max_queue_wait_as_the_http_port_does() -> None:
-    router, _ = queueing_router(running=1)
+    router, _ = queueing_router(running=1, max_queue_wait_s=0.3)
     answers = run(router, [headers_message(HEAD, Mode.BUFFERED), body_message(BODY, True)])
     assert answers[0] == msg.headers_unchanged()
     immediate = answers[1].immediate_response
@@ -364,8 +375,7 @@ def test_a_picker_stream_cancelled_while_held_leaves_the_queue() -> None:
             yield body_message(BODY, True)
 
         held = asyncio.ensure_future(anext(EndpointPicker(router, 1 << 20).Process(stream(), None)))
-        await asyncio.sleep(0.05)
-        assert router.queue.waiting == 1
+        await held_in_queue(router, 1)
         held.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await held
