@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 import redis
@@ -20,6 +21,12 @@ pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
 BLOCK = 16
+
+
+def index_blocks(router_url: str, replica_id: str) -> int:
+    """The blocks the router's prefix index holds for ``replica_id`` (its /health)."""
+    replicas = httpx.get(f"{router_url}/health", timeout=10).json()["replicas"]
+    return next((r["index_blocks"] for r in replicas if r["id"] == replica_id), -1)
 
 
 def test_a_follow_up_turn_routes_to_the_replica_holding_the_answer(replicas, session_redis, launcher):
@@ -42,6 +49,11 @@ def test_a_follow_up_turn_routes_to_the_replica_holding_the_answer(replicas, ses
     assert len(hashes) == answer_blocks + 1, "the answer is too short to fill a block"
     store = redis.Redis.from_url(session_redis.url)
     wait_until(lambda: all(store.smismember(blocks_key(holder), hashes)), 20, what="answer blocks in Redis")
+    # The router learns them from Redis as its events arrive or, after a Redis call timed out (50 ms
+    # by default; a loaded host), as it reloads: routed once its index has caught up. A router that
+    # never read them would never get there.
+    wait_until(lambda: index_blocks(router.url, holder) == store.scard(blocks_key(holder)), 20,
+               what="the router's index caught up with Redis")
     second = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=history, max_tokens=8, temperature=0)
     assert second.headers["x-kvscale-replica"] == holder
