@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import openai
@@ -66,20 +65,20 @@ def test_up_serves_through_the_router_and_stops_cleanly():
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO),
     )
     lines: list[str] = []
-    ready = threading.Event()
+    listed = threading.Event()
 
     def read() -> None:
         for line in proc.stdout:
             lines.append(line)
-            if "kvscale up: ready" in line:
-                ready.set()
+            if "Ctrl-C stops everything." in line:  # the last line of the list after "ready"
+                listed.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        assert ready.wait(400), "".join(lines)
-        time.sleep(0.5)  # the URL lines follow "ready"
+        assert listed.wait(400), "".join(lines)
         output = "".join(lines)
+        assert "kvscale up: ready" in output
         assert f"router:   http://127.0.0.1:{port}/v1" in output
         replica_urls = re.findall(r"replica-\d: (http://127\.0\.0\.1:\d+)/v1", output)
         assert len(replica_urls) == 2
