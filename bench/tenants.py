@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import os
 import secrets
-import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -59,11 +58,14 @@ from bench.tenants_client import (
     Answer,
     beside_load,
     closed_loop,
+    completed_per_s,
     completion,
     fleet_pids,
     http_client,
     one_by_one,
     probe_twins,
+    token_service,
+    ttft_summary,
 )
 from bench.tenants_figures import at_most, limit_outcome, ms_summary, ratio, service_gap, vtc_bound
 from bench.w3_fleet import Processes, router_argv, start_fleet, wait_healthy
@@ -177,8 +179,7 @@ class Run:
                 "verdict": "met" if gap <= bound else "not met", "loadavg_1m": os.getloadavg()[0],
                 # 1 while a router orders tenants by the fleet's counters in Redis, 0 by its own.
                 "fair_share_shared": [metric(url, "kvscale_router_fair_share_shared") for url in self.routers],
-                "served": [[round(s[0] - started, 4), s[1], s[2]] for s in served],
-                "served_per_token": [[round(s[0] - started, 4), s[1], s[2]] for s in sorted(per_token)]}
+                "served": [[round(s[0] - started, 4), s[1], s[2]] for s in served]}
 
     async def priority(self) -> dict[str, Any]:
         args, in_flight = self.args, self.args.load_factor * self.batch
@@ -258,34 +259,11 @@ def streamed_bodies(tenant: str, max_tokens: int) -> Callable[[int], dict[str, A
     return lambda n: {**completion(prompt(tenant, n), max_tokens, True), "logprobs": 0}
 
 
-def token_service(answer: Answer) -> list[tuple[float, str, int]]:
-    """When ``answer``'s tokens were served, as VTC counts service: its prompt with its first
-    token, then each chunk's generated tokens."""
-    if answer.first_token_s is None:
-        return [(answer.ended_s, answer.tenant, answer.tokens)]
-    return [(answer.first_token_s, answer.tenant, answer.prompt_tokens),
-            *((at, answer.tenant, tokens) for at, tokens in answer.chunks)]
-
-
 def metric(url: str, name: str) -> float:
     """A router's metric ``name``, summed over its series."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"))
-
-
-def ttft_summary(answers: list[Answer]) -> dict[str, Any]:
-    ttfts = [a.ttft_s for a in answers if a.status == 200 and a.ttft_s is not None]
-    return {"requests": len(answers), "errors": len(answers) - len(ttfts),
-            "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
-            "ttft_p50_s": quantile(ttfts, 0.5), "ttft_p90_s": quantile(ttfts, 0.9)}
-
-
-def completed_per_s(answers: list[Answer]) -> float | None:
-    done = [a for a in answers if a.status == 200]
-    if len(done) < 2:
-        return None
-    return len(done) / (max(a.ended_s for a in done) - min(a.sent_s for a in done))
 
 
 def load_note(start: float, end: float, cpus: int | None) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,6 +19,7 @@ from typing import Any
 import httpx
 import psutil
 
+from bench.stats import quantile
 from bench.w3_fleet import MODEL
 
 
@@ -171,3 +173,26 @@ def fleet_pids() -> dict[str, int]:
                     Path(argv[0]).name if argv else "process")
         pids[f"{kind}-{child.pid}"] = child.pid
     return pids
+
+
+def token_service(answer: Answer) -> list[tuple[float, str, int]]:
+    """When ``answer``'s tokens were served, as VTC counts service: its prompt with its first
+    token, then each chunk's generated tokens."""
+    if answer.first_token_s is None:
+        return [(answer.ended_s, answer.tenant, answer.tokens)]
+    return [(answer.first_token_s, answer.tenant, answer.prompt_tokens),
+            *((at, answer.tenant, tokens) for at, tokens in answer.chunks)]
+
+
+def ttft_summary(answers: list[Answer]) -> dict[str, Any]:
+    ttfts = [a.ttft_s for a in answers if a.status == 200 and a.ttft_s is not None]
+    return {"requests": len(answers), "errors": len(answers) - len(ttfts),
+            "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+            "ttft_p50_s": quantile(ttfts, 0.5), "ttft_p90_s": quantile(ttfts, 0.9)}
+
+
+def completed_per_s(answers: list[Answer]) -> float | None:
+    done = [a for a in answers if a.status == 200]
+    if len(done) < 2:
+        return None
+    return len(done) / (max(a.ended_s for a in done) - min(a.sent_s for a in done))

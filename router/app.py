@@ -33,7 +33,8 @@ from kvscale.router.client_watch import disconnect_of
 from kvscale.router.config import RouterConfig
 from kvscale.router.decision import Decider
 from kvscale.router.errors import not_found, openai_error, request_json
-from kvscale.router.fair_queue import FairQueue, queued_turn, room_on, running_on
+from kvscale.router.fair_queue import FairQueue, queued_turn
+from kvscale.router.fleet_room import room_on, running_on
 from kvscale.router.heartbeats import HeartbeatTable
 from kvscale.router.hold_gate import (
     activation_report,

@@ -52,7 +52,8 @@ from kvscale.router import policy as routing
 from kvscale.router.admission import is_open
 from kvscale.router.client_watch import CLIENT_GONE
 from kvscale.router.errors import openai_error, request_json
-from kvscale.router.fair_queue import Turn, room_on, running_on, tenant_turn
+from kvscale.router.fair_queue import Turn, tenant_turn
+from kvscale.router.fleet_room import room_on, running_on
 from kvscale.router.in_flight import OpenRequest
 from kvscale.router.lora_routing import request_adapter
 from kvscale.router.prefix_hashes import PromptBlocks

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +29,8 @@ from kvscale.router import rate_limits as rules
 from kvscale.router.band_preemption import NO_SEQUENCES, may_preempt
 from kvscale.router.client_watch import CLIENT_GONE, disconnect_of
 from kvscale.router.errors import openai_error
-from kvscale.router.heartbeats import HeartbeatTable
-from kvscale.router.in_flight import InFlight
 from kvscale.router.metrics import RouterMetrics
-from kvscale.router.prefill_ledger import sequences_ahead
 from kvscale.router.relay import RelayResponse
-from kvscale.router.replicas import Replica
-from kvscale.router.saturation import ReplicaLoad, free_slots
 from kvscale.router.shared_counters import SharedCounters
 from kvscale.router.tenancy import Grant
 from kvscale.router.tenants import SCOPE_KEY, Tenant
@@ -62,36 +57,6 @@ class _Waiter:
     running: Callable[[], Mapping[int, int]] | None
     released: asyncio.Future[int] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
-def room_on(candidates: Iterable[Replica], heartbeats: HeartbeatTable,
-            in_flight: InFlight) -> int | None:
-    """The sequences the candidates can take now (saturation.free_slots), each one's heartbeat
-    corrected by this router's sends and finishes since it was taken, and never below this
-    router's requests open there."""
-    now = time.monotonic()
-    loads: list[ReplicaLoad | None] = []
-    for replica in candidates:
-        hb = heartbeats.get(replica.replica_id)
-        if hb is None:
-            loads.append(None)
-            continue
-        ledger = in_flight.ledger(replica.replica_id)
-        sent = ledger.entries(now) if ledger is not None else []
-        ahead = sequences_ahead(hb.load, heartbeats.local_time(hb), sent)
-        loads.append(ReplicaLoad(hb.max_num_seqs, ahead, hb.kv_usage, replica.in_flight))
-    return free_slots(loads)
-
-
-def running_on(candidates: Iterable[Replica], heartbeats: HeartbeatTable) -> dict[int, int]:
-    """The sequences the candidates run by priority, summed over their heartbeats
-    (band_preemption.may_preempt's ``running_by_priority``)."""
-    total: Counter[int] = Counter()
-    for replica in candidates:
-        hb = heartbeats.get(replica.replica_id)
-        if hb is not None:
-            total.update(hb.running_by_priority)
-    return dict(total)
 
 
 class Turn:

@@ -15,7 +15,8 @@ from fair_queue_helpers import app_over_one_replica
 
 from kvscale.kv_index_schema import Heartbeat
 from kvscale.router.band_preemption import may_preempt
-from kvscale.router.fair_queue import FairQueue, Turn, running_on
+from kvscale.router.fair_queue import FairQueue, Turn
+from kvscale.router.fleet_room import running_on
 from kvscale.router.heartbeats import HeartbeatTable
 from kvscale.router.metrics import RouterMetrics
 from kvscale.router.replicas import Replica as RouterReplica

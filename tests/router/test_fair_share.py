@@ -23,7 +23,8 @@ from kvscale.kv_index_schema import Heartbeat
 from kvscale.router import fair_share
 from kvscale.router.cli_router import add_arguments, config_from_args
 from kvscale.router.config import RouterConfig
-from kvscale.router.fair_queue import FairQueue, Turn, queued_turn, room_on
+from kvscale.router.fair_queue import FairQueue, Turn, queued_turn
+from kvscale.router.fleet_room import room_on
 from kvscale.router.heartbeats import HeartbeatTable
 from kvscale.router.in_flight import InFlight
 from kvscale.router.metrics import RouterMetrics
