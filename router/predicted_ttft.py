@@ -30,8 +30,10 @@ second prefill. The anchor is the session's replica (the session header) or else
 the longest prefix (the lowest estimate among equal holders). It keeps the request unless it is
 truly overloaded:
   ttft(anchor) > (1 + slack) * (ttft(other) + saved(other))
-for the best other replica, where saved(other) is the prefill of the blocks the anchor holds and
-the other does not, at the other's rate. The other's estimate already pays that prefill once; the
+for the best other replica (where the anchor's KV holds the groups homed there, the best of those
+whose KV holds one more beside theirs: kvscale.router.spill_rule.spill_others), where
+saved(other) is the prefill of the blocks the anchor holds and the other does not, at the
+other's rate. The other's estimate already pays that prefill once; the
 rule asks the anchor's queue to cost it again, since the copy delays every request behind it on
 the other replica too. ``slack`` (--balance-epsilon, spec.router.balanceEpsilon) is the tolerated
 prediction error, relative; its hysteresis and the rule are kvscale.router.spill_rule. A prompt
@@ -66,7 +68,7 @@ from kvscale.router.candidates import (
     rendezvous_weight,
 )
 from kvscale.router.cold_placement import adapter_home, cold_home
-from kvscale.router.spill_rule import OverloadHold, evicted_blocks, should_spill
+from kvscale.router.spill_rule import OverloadHold, evicted_blocks, should_spill, spill_others
 
 # Safety valve for predicted-ttft: nobody above (1 + eps) x the mean in-flight requests. Loose on
 # purpose: requests that hit a cached prefix are cheap, so a replica holding hot prefixes carries
@@ -218,7 +220,9 @@ def predicted_ttft_policy(
         # index has not seen it (no Redis, or its events still on their way).
         held = (anchor.matched_blocks if reason != "sticky"
                 else max(anchor.matched_blocks, prompt_tokens // max(block_size, 1)))
-        other = others[0] if others else None
+        # Only where a copy does not evict the groups homed there (kvscale.router.spill_rule).
+        movable = spill_others(anchor, others, -(-prompt_tokens // max(block_size, 1)), last_home)
+        other = movable[0] if movable else None
         saved = 0.0
         if other is not None:
             # The prefill the hit saves, and the hot blocks the copy would evict there (computed
@@ -237,7 +241,7 @@ def predicted_ttft_policy(
         if other is not None and overloaded and lasted:
             spill = Spill(anchor.replica_id, ttft[anchor.replica_id], other.replica_id, ttft[other.replica_id],
                           saved, held)
-            anchor, reason = None, "load"
+            anchor, reason = other, "load"
     if anchor is None and best_match == 0 and (home := adapter_home(by_estimate, ttft, slack)) is not None:
         anchor, reason = home, "lora"  # a cold prompt of an adapter readier on some replicas
     elif anchor is None and best_match == 0:  # a cold prompt (kvscale.router.cold_placement)

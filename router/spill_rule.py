@@ -55,10 +55,34 @@ def evicted_blocks(candidate: Candidate, prompt_tokens: int, block_size: int) ->
     return max(need - room, 0)
 
 
+def homes_room(candidate: Candidate, need: int) -> bool:
+    """The replica's KV blocks hold one more group of ``need`` blocks beside each group homed there
+    (``homed_groups``; a replica that does not say how many blocks it has, ``kv_blocks`` 0, holds
+    any)."""
+    return candidate.kv_blocks <= 0 or (candidate.homed_groups + 1) * need <= candidate.kv_blocks
+
+
+def spill_others(anchor: Candidate, others: list[Candidate], need: int, home: str | None = None) -> list[Candidate]:
+    """The replicas a group may spill to from ``anchor``, its holder: all of ``others``, except
+    where the anchor's KV holds the groups homed there and this one (``need`` blocks each;
+    ``home``: the replica the group was last sent to, None: unknown); then only the group's home
+    and those whose KV holds one more group beside theirs (``homes_room``). A spill makes the copy
+    the group's home; onto a replica whose KV its own groups fill, the group and one of them evict
+    each other there at every return, a miss each time, where the queue it escaped was one wait.
+    Spilled from the half-speed replica onto full-speed ones home to four groups in blocks for
+    four, the groups missed there (the simulated grid's c32-p256-fits-throttled-random cell: hit
+    rate 0.91 x cache_aware's over 30 streams, where cache_aware keeps four a replica;
+    docs/performance.md, "Routing")."""
+    groups = anchor.homed_groups + (0 if home == anchor.replica_id else 1)
+    if anchor.kv_blocks <= 0 or groups * need > anchor.kv_blocks:
+        return others
+    return [c for c in others if c.replica_id == home or homes_room(c, need)]
+
+
 def should_spill(anchor_ttft: float, other_ttft: float, saved_s: float, slack: float) -> bool:
     """The anchor is truly overloaded: its estimate beyond the other's by more than the prefill the
     hit saves, with ``slack`` (relative) for the estimates' error."""
     return anchor_ttft > (1.0 + slack) * (other_ttft + saved_s)
 
 
-__all__ = ["OverloadHold", "evicted_blocks", "should_spill"]
+__all__ = ["OverloadHold", "evicted_blocks", "homes_room", "should_spill", "spill_others"]
