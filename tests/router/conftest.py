@@ -160,6 +160,13 @@ def spawn_router(replica_urls: list[str] | None, redis_url: str | None, policy: 
     return spawn(args + (extra or []), port, "router", health_path=health_path, timeout=120, env=env)
 
 
+def index_blocks(router_url: str, replica_id: str) -> int:
+    """The blocks a router's prefix index holds for ``replica_id`` (its /health): a test routes by
+    what Redis holds once this has caught up with it."""
+    replicas = httpx.get(f"{router_url}/health", timeout=10).json()["replicas"]
+    return next((r["index_blocks"] for r in replicas if r["id"] == replica_id), -1)
+
+
 @pytest.fixture(scope="session")
 def replicas(session_redis):
     """Two replicas of the bundled model publishing to the session's Redis."""

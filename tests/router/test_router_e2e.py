@@ -26,6 +26,7 @@ from kvscale.model_files import load_tokenizer, resolve_model_path
 from kvscale.processes import wait_until
 from kvscale.router.prefix_hashes import PrefixHasher
 from kvscale.tokenization import completion_prompt_token_ids
+from tests.router.conftest import index_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -61,12 +62,6 @@ def complete(base_url: str, prompt: str, max_tokens: int = 4, **extra) -> httpx.
     )
     assert response.status_code == 200, response.text
     return response
-
-
-def index_blocks(router_url: str, replica_id: str) -> int:
-    """The blocks a router's prefix index holds for ``replica_id`` (its /health)."""
-    replicas = httpx.get(f"{router_url}/health", timeout=10).json()["replicas"]
-    return next((r["index_blocks"] for r in replicas if r["id"] == replica_id), -1)
 
 
 def redis_block_count(session_redis, replica_id: str) -> int:

@@ -21,6 +21,7 @@ from kvscale.kv_index_schema import blocks_key
 from kvscale.model_files import load_tokenizer, resolve_model_path
 from kvscale.processes import wait_until
 from kvscale.tokenization import chat_prompt_token_ids
+from tests.router.conftest import index_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 from prefix_hits import server_hits  # noqa: E402
@@ -83,6 +84,12 @@ def test_second_turn_of_a_tool_conversation_is_predicted_as_the_replica_counts(r
     assert len(hashes) >= 4, len(turn_one)
     store = redis.Redis.from_url(session_redis.url)
     wait_until(lambda: all(store.smismember(blocks_key(holder), hashes)), 20, what="turn one's blocks in Redis")
+    # The router's own predictions for turn one lapse after 10 s (a slow first turn on a loaded
+    # host outlasts them); its index learns the blocks from Redis as events arrive or, after a
+    # Redis call timed out (50 ms by default), as it reloads: the turn is sent once the index has
+    # caught up. A router that never read them would never get there.
+    wait_until(lambda: index_blocks(router.url, holder) == store.scard(blocks_key(holder)), 20,
+               what="the router's index caught up with Redis")
 
     before = {rid: server_hits([r.url]) for rid, r in by_id.items()}
     second = client.chat.completions.with_raw_response.create(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 import redis
@@ -16,17 +15,12 @@ from kvscale.kv_index_schema import blocks_key, heartbeat_key
 from kvscale.model_files import load_tokenizer, resolve_model_path
 from kvscale.processes import wait_until
 from kvscale.tokenization import chat_prompt_token_ids
+from tests.router.conftest import index_blocks
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
 BLOCK = 16
-
-
-def index_blocks(router_url: str, replica_id: str) -> int:
-    """The blocks the router's prefix index holds for ``replica_id`` (its /health)."""
-    replicas = httpx.get(f"{router_url}/health", timeout=10).json()["replicas"]
-    return next((r["index_blocks"] for r in replicas if r["id"] == replica_id), -1)
 
 
 def test_a_follow_up_turn_routes_to_the_replica_holding_the_answer(replicas, session_redis, launcher):
