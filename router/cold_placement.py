@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from kvscale.router.candidates import Candidate
-from kvscale.router.spill_rule import OverloadHold, evicted_blocks, should_spill
+from kvscale.router.spill_rule import OverloadHold, evicted_blocks, prompt_blocks, should_spill
 
 # The policy's ranking key (estimate, adapter readiness, cached blocks, load, rendezvous hash).
 RankKey = Callable[[Candidate], tuple[float, int, int, int, int]]
@@ -155,7 +155,7 @@ def cold_home(
 ) -> tuple[Candidate | None, tuple[str, bool] | None]:
     """Where a prompt nobody holds goes (the module's docstring), and the verdict on a returning
     group's home for the hysteresis (None where there was none)."""
-    need = -(-prompt_tokens // max(block_size, 1))
+    need = prompt_blocks(prompt_tokens, block_size)
     roomy = [c for c in by_estimate if c.free_blocks is None or c.free_blocks >= need]
     judged = None
     if not fitting(roomy, need):

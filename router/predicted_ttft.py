@@ -68,7 +68,13 @@ from kvscale.router.candidates import (
     rendezvous_weight,
 )
 from kvscale.router.cold_placement import adapter_home, cold_home
-from kvscale.router.spill_rule import OverloadHold, evicted_blocks, should_spill, spill_others
+from kvscale.router.spill_rule import (
+    OverloadHold,
+    evicted_blocks,
+    prompt_blocks,
+    should_spill,
+    spill_others,
+)
 
 # Safety valve for predicted-ttft: nobody above (1 + eps) x the mean in-flight requests. Loose on
 # purpose: requests that hit a cached prefix are cheap, so a replica holding hot prefixes carries
@@ -221,7 +227,7 @@ def predicted_ttft_policy(
         held = (anchor.matched_blocks if reason != "sticky"
                 else max(anchor.matched_blocks, prompt_tokens // max(block_size, 1)))
         # Only where a copy does not evict the groups homed there (kvscale.router.spill_rule).
-        movable = spill_others(anchor, others, -(-prompt_tokens // max(block_size, 1)), last_home)
+        movable = spill_others(anchor, others, prompt_blocks(prompt_tokens, block_size), last_home)
         other = movable[0] if movable else None
         saved = 0.0
         if other is not None:

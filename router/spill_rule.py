@@ -33,6 +33,11 @@ class OverloadHold:
         return began is not None and self.now - began >= hold_s
 
 
+def prompt_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The KV blocks a prompt of ``prompt_tokens`` fills, its last one partly."""
+    return -(-prompt_tokens // max(block_size, 1))
+
+
 def evicted_blocks(candidate: Candidate, prompt_tokens: int, block_size: int) -> int:
     """Hot blocks a request evicts on ``candidate``: what it must compute beyond the room left
     there by the prefixes recently routed to it (0 when the room is unknown).
@@ -48,7 +53,7 @@ def evicted_blocks(candidate: Candidate, prompt_tokens: int, block_size: int) ->
     "Routing")."""
     if candidate.free_blocks is None:
         return 0
-    need = -(-prompt_tokens // max(block_size, 1)) - candidate.matched_blocks
+    need = prompt_blocks(prompt_tokens, block_size) - candidate.matched_blocks
     room = candidate.free_blocks
     if candidate.kv_blocks > 0:
         room = min(room, max(candidate.kv_blocks - candidate.recent_blocks, 0))
@@ -85,4 +90,4 @@ def should_spill(anchor_ttft: float, other_ttft: float, saved_s: float, slack: f
     return anchor_ttft > (1.0 + slack) * (other_ttft + saved_s)
 
 
-__all__ = ["OverloadHold", "evicted_blocks", "homes_room", "should_spill", "spill_others"]
+__all__ = ["OverloadHold", "evicted_blocks", "homes_room", "prompt_blocks", "should_spill", "spill_others"]
