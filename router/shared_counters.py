@@ -96,11 +96,25 @@ class SharedCounters:
         if not tenant or not self._open():
             return
         self.pending[tenant] = self.pending.get(tenant, 0.0) + added
-        task = self._spawn(self._update_after(self._last_update, tenant, floor, added, served, apply))
-        if task is None:
+        if not self._in_order(self._update_now(tenant, floor, added, served, apply)):
             self._unpend(tenant, added)
-        else:
-            self._last_update = task
+
+    def _in_order(self, work: Coroutine[Any, Any, None]) -> bool:
+        """Run ``work`` once the latest update sent has ended, so Redis runs this router's
+        lifts, charges and waiting tenants in the order the queue made them (each task may take
+        another connection); False when it cannot run (no event loop)."""
+        task = self._spawn(self._after(self._last_update, work))
+        if task is None:
+            work.close()  # never started: closed, as _spawn closes its own
+            return False
+        self._last_update = task
+        return True
+
+    @staticmethod
+    async def _after(previous: asyncio.Task[None] | None, work: Coroutine[Any, Any, None]) -> None:
+        if previous is not None and not previous.done():
+            await asyncio.wait([previous])  # never raises: a failed update ends quietly
+        await work
 
     def _unpend(self, tenant: str, added: float) -> None:
         left = self.pending.get(tenant, 0.0) - added
@@ -108,12 +122,6 @@ class SharedCounters:
             self.pending.pop(tenant, None)
         else:
             self.pending[tenant] = left
-
-    async def _update_after(self, previous: asyncio.Task[None] | None, tenant: str, floor: Floor,
-                            added: float, served: bool, apply: Callable[[float, float], None]) -> None:
-        if previous is not None and not previous.done():
-            await asyncio.wait([previous])  # never raises: a failed update ends quietly
-        await self._update_now(tenant, floor, added, served, apply)
 
     async def _update_now(self, tenant: str, floor: Floor, added: float, served: bool,
                           apply: Callable[[float, float], None]) -> None:
@@ -136,14 +144,9 @@ class SharedCounters:
         names = [t for t in tenants if t][:MAX_TENANTS]
         if not names or not self._open():
             return
-        task = self._spawn(self._waiting_after(self._last_update, names, waiting))
-        if task is not None:
-            self._last_update = task
+        self._in_order(self._waiting_now(names, waiting))
 
-    async def _waiting_after(self, previous: asyncio.Task[None] | None, names: list[str],
-                             waiting: bool) -> None:
-        if previous is not None and not previous.done():
-            await asyncio.wait([previous])
+    async def _waiting_now(self, names: list[str], waiting: bool) -> None:
         try:
             await self._calls().run_script(WAITING_LUA, [], waiting_args(self.router_id, names, waiting))
         except Exception as exc:  # as for an update: the local counters
