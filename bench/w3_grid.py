@@ -26,6 +26,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -91,16 +94,36 @@ def per_seed(rows: list[dict]) -> dict[str, list[int]]:
 BEFORE = "predicted-ttft@before"  # the default policy of the --before-checkout commit
 
 
-def before_side(checkout: Path, cells: str | None, seeds: int, max_num_seqs: int) -> dict[str, dict]:
-    """Each cell's default-policy figures from the other commit's code: its own bench.w3_grid, run
-    in a child process importing from that tree, on the same cells and request streams."""
+def start_before_side(checkout: Path, cells: str | None, seeds: int, max_num_seqs: int) -> Callable[[], dict[str, dict]]:
+    """Starts the other commit's side: its own bench.w3_grid in a child process importing from that
+    tree, on the same cells and request streams, beside this side's cells (a core each); the
+    returned call waits for it and gives each cell's default-policy figures."""
     out = Path(checkout) / "w3_grid_before.json"
     argv = [sys.executable, "-m", "bench.w3_grid", "--seeds", str(seeds), "--out", str(out),
             "--max-num-seqs", str(max_num_seqs), *(["--cells", cells] if cells else [])]
-    subprocess.run(argv, cwd=checkout, env=checkout_env(checkout), check=True, stdout=subprocess.DEVNULL)
-    rows = json.loads(out.read_text())["cells"]
-    out.unlink()
-    return {row["cell"]["name"]: row["policies"][OURS["sim"]] for row in rows}
+    child = subprocess.Popen(argv, cwd=checkout, env=checkout_env(checkout), stdout=subprocess.DEVNULL)
+
+    def result() -> dict[str, dict]:
+        if child.wait() != 0:
+            raise SystemExit(f"w3_grid: the --before-checkout side failed (exit {child.returncode})")
+        rows = json.loads(out.read_text())["cells"]
+        out.unlink()
+        return {row["cell"]["name"]: row["policies"][OURS["sim"]] for row in rows}
+
+    return result
+
+
+def simulated_rows(cells: list[Cell], policies: tuple[str, ...], seeds: int, max_num_seqs: int | None,
+                   jobs: int) -> Iterator[dict]:
+    """Each cell's simulated row, in the cells' order, over ``jobs`` processes (a cell's streams
+    are deterministic, so the processes change no figure, only the wall time)."""
+    if jobs <= 1:
+        for cell in cells:
+            yield simulate_cell(cell, policies, seeds, max_num_seqs=max_num_seqs)
+        return
+    one = partial(simulate_cell, policies=policies, seeds=seeds, max_num_seqs=max_num_seqs)
+    with ProcessPoolExecutor(jobs) as pool:
+        yield from pool.map(one, cells)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=0,
                         help="sim: each replica's batch slots (default: the cell's concurrency, so a batch fills "
                              "only when every request is on one replica)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="sim: cells simulated at once, a process each (the figures do not depend on it)")
     parser.add_argument("--out", default=None)
     add_before_checkout(parser, help="sim: also the default policy of this tree (a git worktree of an earlier "
                                      "commit) on the same cells and streams, summarised as the previous default")
@@ -143,18 +168,26 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
         tokenizer = load_tokenizer(resolve_tokenizer_path(None))
-    before = (before_side(args.before_checkout, args.cells, args.seeds, args.max_num_seqs)
-              if args.before_checkout is not None else None)
-    for cell in pick(args.cells):
-        if args.mode == "sim":
-            policies = POLICIES + ((args.previous,) if args.previous and before is None else ())
-            row = simulate_cell(cell, policies, args.seeds, max_num_seqs=args.max_num_seqs or None)
-            if before is not None:
-                row["policies"][BEFORE] = before[cell.name]
-        else:
-            from bench.w3_grid_real import run_cell
+    before_result = (start_before_side(args.before_checkout, args.cells, args.seeds, args.max_num_seqs)
+                     if args.before_checkout is not None else None)
+    cells = pick(args.cells)
+    if args.mode == "sim":
+        policies = POLICIES + ((args.previous,) if args.previous and before_result is None else ())
+        computed: Iterator[dict] = simulated_rows(cells, policies, args.seeds, args.max_num_seqs or None, args.jobs)
+    else:
+        from bench.w3_grid_real import run_cell
 
-            row = run_cell(cell, args, tokenizer)
+        computed = (run_cell(cell, args, tokenizer) for cell in cells)
+    for cell, row in zip(cells, computed, strict=True):
+        rows.append(row)
+        if args.mode == "sim":
+            figures = "  ".join(f"{p} hit {x['hit_rate']:.3f} p90 {x['ttft_p90_s']:.1f}"
+                                for p, x in row["policies"].items())
+            print(f"sim {cell.name:36} {figures}", flush=True)
+    before = before_result() if before_result is not None else {}
+    for row in rows:
+        if row["cell"]["name"] in before:
+            row["policies"][BEFORE] = before[row["cell"]["name"]]
         if all(p in row["policies"] for p in (OURS[args.mode], *BASELINES[args.mode])):
             row["verdict"] = verdict(row, OURS[args.mode], BASELINES[args.mode])
             if args.previous and args.previous in row["policies"]:
@@ -162,11 +195,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.mode == "sim":  # each stream's own verdict, ours and (if run) the previous default's
                 row["seed_both_ok"] = {p: seed_verdicts(row, p, BASELINES[args.mode])
                                        for p in (OURS[args.mode], args.previous) if p in row["policies"]}
-        rows.append(row)
-        if args.mode == "sim":
-            figures = "  ".join(f"{p} hit {x['hit_rate']:.3f} p90 {x['ttft_p90_s']:.1f}"
-                                for p, x in row["policies"].items())
-            print(f"sim {cell.name:36} {figures}  {row.get('verdict', '')}", flush=True)
     verdicts = [r["verdict"] for r in rows if "verdict" in r]
     previous = [r["previous_verdict"] for r in rows if "previous_verdict" in r]
     path = write_compact(f"w3_grid_{args.mode}", {

@@ -104,16 +104,27 @@ def test_the_before_side_runs_the_other_trees_default_on_the_same_streams(tmp_pa
     import subprocess
 
     from bench.common import REPO
-    from bench.w3_grid import before_side, rounded
+    from bench.w3_grid import rounded, start_before_side
 
     tree = tmp_path / "before"
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), "HEAD"], check=True,
                    capture_output=True)
     try:
         cell = Cell(concurrency=4, prefix_tokens=256)
-        figures = before_side(tree, cell.name, 1, 0)
+        figures = start_before_side(tree, cell.name, 1, 0)()
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=True)
     assert list(figures) == [cell.name]
     ours = simulate_cell(cell, ("predicted-ttft",), seeds=1)["policies"]["predicted-ttft"]
     assert figures[cell.name] == rounded(ours)  # as the JSON writes it
+
+
+def test_cells_simulated_over_processes_give_the_same_rows_in_the_same_order():
+    """``--jobs``: cells run in a process each; the rows are those one process gives, in order."""
+    from bench.w3_grid import simulated_rows
+
+    cells = [Cell(concurrency=4, prefix_tokens=256), Cell(concurrency=4, prefix_tokens=256, capacity="over")]
+    one = list(simulated_rows(cells, ("predicted-ttft",), 1, None, jobs=1))
+    two = list(simulated_rows(cells, ("predicted-ttft",), 1, None, jobs=2))
+    assert [r["cell"]["name"] for r in two] == [c.name for c in cells]
+    assert two == one
