@@ -89,6 +89,8 @@ def simulate_run(workload: Workload, policy: str, *, replicas: int, num_blocks: 
         "hit_rate": sum(r.hit_tokens for r in requests) / prompt_tokens,
         "ttft_p50_s": quantile(ttfts, 0.5),
         "ttft_p90_s": quantile(ttfts, 0.9),
+        "ttft_p99_s": quantile(ttfts, 0.99),
+        "ttft_mean_s": statistics.mean(ttfts),
         "output_tokens_per_s": sum(r.output_tokens for r in requests) / wall,
         "max_over_mean_requests": max(counts) / statistics.mean(counts),
         **({"requests_detail": requests} if details else {}),
