@@ -91,6 +91,12 @@ def per_seed(rows: list[dict]) -> dict[str, list[int]]:
     return counts
 
 
+def paired_ok(v: dict, tolerance: float = 0.05) -> bool:
+    """Both targets met on the paired ratios (bench.w3_grid_cells.paired), where the cell has them."""
+    return (v.get("hit_paired_vs_best", 0.0) >= 1 - tolerance
+            and v.get("p90_paired_vs_best", float("inf")) <= 1 + tolerance)
+
+
 BEFORE = "predicted-ttft@before"  # the default policy of the --before-checkout commit
 
 
@@ -206,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         "summary": {"cells": len(rows), "hit_within_5pct": sum(v["hit_ok"] for v in verdicts),
                     "p90_within_5pct": sum(v["p90_ok"] for v in verdicts),
                     "both_within_5pct": sum(v["hit_ok"] and v["p90_ok"] for v in verdicts),
+                    **({"both_within_5pct_paired": sum(paired_ok(v) for v in verdicts)}
+                       if any("p90_paired_vs_best" in v for v in verdicts) else {}),
                     **({"previous_default": {
                         "policy": args.previous, "hit_within_5pct": sum(v["hit_ok"] for v in previous),
                         "p90_within_5pct": sum(v["p90_ok"] for v in previous),

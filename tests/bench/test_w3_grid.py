@@ -60,7 +60,8 @@ def test_the_simulated_grid_compares_the_three_routers_on_a_cell():
     # Prefixes that fit: the default policy keeps them, round-robin scatters them.
     assert figures["hit_rate"] > 1.5 * row["policies"]["round-robin"]["hit_rate"]
     v = verdict(row, "predicted-ttft", ("round-robin", "vllm-router-cache-aware"))
-    assert set(v) == {"hit_vs_best", "p90_vs_best", "p99_vs_best", "wall_vs_best", "hit_ok", "p90_ok"}
+    assert set(v) == {"hit_vs_best", "p90_vs_best", "p99_vs_best", "wall_vs_best", "hit_paired_vs_best",
+                      "p90_paired_vs_best", "hit_ok", "p90_ok"}
     assert figures["ttft_p90_s"] <= figures["ttft_p99_s"] and figures["ttft_mean_s"] > 0
     # No router beats the ceiling (every group's first request misses), and the best comes close.
     hits = [x["hit_rate"] for x in row["policies"].values()]
@@ -80,6 +81,24 @@ def test_each_request_stream_gets_its_own_verdict():
     assert oks == [True, False]
     assert per_seed([{"seed_both_ok": {"predicted-ttft": oks}}, {"seed_both_ok": {"predicted-ttft": [True, True]}}]) \
         == {"predicted-ttft": [2, 1]}
+
+
+def test_the_paired_ratio_weighs_every_stream_where_the_medians_jump_a_level():
+    """p90 on levels (a cold prefill, plus decode steps): the medians differ by a whole level
+    (8.1 against 7.6 s, 1.066) where two of three streams tie; stream by stream the geometric mean
+    of the ratios is 1.066 ** (1/3)."""
+    def figures(*runs: tuple[float, float]) -> dict:
+        p90s = sorted(p for _, p in runs)
+        return {"hit_rate": runs[0][0], "ttft_p90_s": p90s[len(p90s) // 2],
+                "per_seed": [{"hit_rate": h, "ttft_p90_s": p} for h, p in runs]}
+
+    row = {"policies": {"predicted-ttft": figures((0.8, 7.6), (0.8, 8.1), (0.8, 8.1)),
+                        "round-robin": figures((0.3, 20.0), (0.3, 20.0), (0.3, 20.0)),
+                        "vllm-router-cache-aware": figures((0.8, 7.6), (0.8, 7.6), (0.8, 8.1))}}
+    v = verdict(row, "predicted-ttft", ("round-robin", "vllm-router-cache-aware"))
+    assert v["p90_vs_best"] == round(8.1 / 7.6, 3) and not v["p90_ok"]
+    assert v["p90_paired_vs_best"] == round((8.1 / 7.6) ** (1 / 3), 3)
+    assert v["hit_paired_vs_best"] == 1.0
 
 
 def test_a_bursty_cell_keeps_its_groups_once_the_heartbeat_counts_a_shared_prefix_once():
