@@ -122,7 +122,7 @@ class SimRouter:
                 step_token_budget=rep.costs.step_tokens,
                 free_blocks=free_blocks(rep.num_blocks, self.hot.footprint(f"r{rep.index}", now)), kv_blocks=rep.num_blocks,
                 recent_blocks=self.hot.recent(f"r{rep.index}", now),
-                homed_groups=self.homes.homed(f"r{rep.index}"),
+                homed_groups=self.homes.homed(f"r{rep.index}"), last_homed=self.homes.last_homed(f"r{rep.index}"),
                 ttft_scale=calibration.scale(f"r{rep.index}"),
                 batch_slots=0 if self.no_slot else rep.costs.max_num_seqs, sequences_ahead=rep.load(),
                 decode_left_s=decode_left(mine, statistics.median(decodes) if decodes else fleet_decode_s, now),

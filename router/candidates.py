@@ -51,6 +51,10 @@ class Candidate:
     # replica's share of the groups where no replica has room for a new one (docs/router.md,
     # "with no room anywhere"; kvscale.router.cold_placement.shared_home).
     homed_groups: int = 0
+    # When a group last made this replica its home, in the order of such moves over the fleet (0:
+    # never): among replicas equal otherwise a new group goes to the one that took one longest ago
+    # (kvscale.router.cold_placement).
+    last_homed: int = 0
 
 
 # A request's LoRA adapter on a replica that registered it, best first (docs/router.md, "LoRA

@@ -11,6 +11,9 @@ rule, nothing saved, has found that replica truly overloaded for the hold; a gro
 placed, or whose home is overloaded, goes to the replica with the fewest groups homed there per
 unit of its speed (``shared_home``): with no room anywhere, room cannot choose, and each replica
 serves the misses of the groups it is home to.
+Among replicas equal by those rules, a new group goes to the one a group last made its home longest
+ago (``last_homed``): groups that arrive one after another go round the replicas, as cache_aware's
+smallest tree sends them, and their cold prefills do not queue on one replica.
 A prompt of a LoRA adapter readier on some replicas goes where it is readiest (``adapter_home``).
 """
 
@@ -27,9 +30,10 @@ RankKey = Callable[[Candidate], tuple[float, int, int, int, int]]
 
 def new_prefix_home(roomy: Sequence[Candidate], need: int, key: RankKey) -> Candidate | None:
     """Where a prefix nobody holds goes, among the replicas with room for it: the one whose recent
-    traffic claims least room, recent_blocks + need, in blocks (ties by ``key``, the estimate
-    first), as cache_aware places a prompt on its smallest tree: the prefixes recently sent are the
-    work the replica will be asked for again, the queue one instant. Speed does not weigh here (a
+    traffic claims least room, recent_blocks + need, in blocks (ties to the replica a group last
+    made its home longest ago, the module's docstring, then by ``key``, the estimate first), as
+    cache_aware places a prompt on its smallest tree: the prefixes recently sent are the work the
+    replica will be asked for again, the queue one instant. Speed does not weigh here (a
     prefix takes as much room on a slow replica; one its speed spared took its share later, cold
     and at once); its queue is weighed next (``busy_new_home``). Not filtered by the estimate: the
     heartbeat counts every request queued behind a prefix still being computed in full, so in a
@@ -38,7 +42,7 @@ def new_prefix_home(roomy: Sequence[Candidate], need: int, key: RankKey) -> Cand
     replicas are weighed. None when ``roomy`` is empty."""
     if not roomy:
         return None
-    return min(fitting(roomy, need) or roomy, key=lambda c: (c.recent_blocks + need, key(c)))
+    return min(fitting(roomy, need) or roomy, key=lambda c: (c.recent_blocks + need, c.last_homed, key(c)))
 
 
 def fitting(roomy: Sequence[Candidate], need: int) -> list[Candidate]:
@@ -130,7 +134,7 @@ def shared_home(candidates: Sequence[Candidate], rates: Mapping[str, float], key
     """Where a group goes when no replica has room for it and it has no home to return to (or its
     home is truly overloaded): the replica whose share of the groups, this one included, is least
     per unit of its prefill rate, ``(homed_groups + 1) / rate``; ties to the least room claimed by
-    recent traffic, then ``key``. With no room anywhere most of a group's requests miss wherever
+    recent traffic, then to the replica a group last made its home longest ago, then ``key``. With no room anywhere most of a group's requests miss wherever
     they go, so a replica's work is the misses of the groups it is home to, and a replica at half
     speed takes half the share. By recent claims alone, a replica whose groups had not come back
     within the hot window looked empty and took new groups beyond its share (c4-p256-over:
@@ -139,7 +143,7 @@ def shared_home(candidates: Sequence[Candidate], rates: Mapping[str, float], key
     if not candidates:
         return None
     return min(candidates, key=lambda c: (round((c.homed_groups + 1) / rates[c.replica_id], 9),
-                                          c.recent_blocks, key(c)))
+                                          c.recent_blocks, c.last_homed, key(c)))
 
 
 def cold_home(

@@ -62,13 +62,16 @@ class SessionMemory:
 
 
 class GroupHomes(SessionMemory):
-    """The replica each prompt's leading block (its group) was last sent to, and how many of the
+    """The replica each prompt's leading block (its group) was last sent to, how many of the
     remembered groups call each replica home: its share of the groups, where no replica has room
-    for a new one (kvscale.router.cold_placement.shared_home)."""
+    for a new one (kvscale.router.cold_placement.shared_home), and when a group last made it its
+    home (``last_homed``)."""
 
     def __init__(self, capacity: int = SESSIONS_KEPT) -> None:
         super().__init__(capacity)
         self._homed: dict[str, int] = {}
+        self._moves = 0
+        self._last_homed: dict[str, int] = {}
 
     def remember(self, session: str | None, replica_id: str) -> None:
         if not session:
@@ -76,6 +79,9 @@ class GroupHomes(SessionMemory):
         previous = self._replicas.get(session)
         if previous is not None:
             self._homed[previous] -= 1
+        if previous != replica_id:
+            self._moves += 1
+            self._last_homed[replica_id] = self._moves
         self._homed[replica_id] = self._homed.get(replica_id, 0) + 1
         self._replicas[session] = replica_id
         self._replicas.move_to_end(session)
@@ -85,6 +91,11 @@ class GroupHomes(SessionMemory):
 
     def homed(self, replica_id: str) -> int:
         return self._homed.get(replica_id, 0)
+
+    def last_homed(self, replica_id: str) -> int:
+        """The order in which a group last made the replica its home, counted over all replicas
+        (0: none has)."""
+        return self._last_homed.get(replica_id, 0)
 
 
 class HotBlocks:
@@ -161,6 +172,7 @@ def candidate_view(
     fleet_decode_s: float = 0.0,
     adapter: str | None = None,
     homed_groups: int = 0,
+    last_homed: int = 0,
 ) -> routing.Candidate:
     """One replica as the policy sees it; ``now`` is this router's monotonic clock, onto which
     the heartbeat's time is brought before any comparison (the replica's clock may be off);
@@ -168,7 +180,8 @@ def candidate_view(
     shared by requests queued there once); ``fleet_decode_s``: the typical decode over the fleet
     (a replica where none of ours has finished yet borrows it for its slot wait); ``adapter``: the
     request's LoRA adapter (None: the base model), how ready the replica is for it;
-    ``homed_groups``: the groups whose leading block this router last sent there (``GroupHomes``)."""
+    ``homed_groups``: the groups whose leading block this router last sent there, ``last_homed``: when
+    a group last made it its home (``GroupHomes``)."""
     hb = heartbeats.get(replica.replica_id)
     room: int | None = None
     kv_blocks = 0
@@ -184,7 +197,8 @@ def candidate_view(
     extra = ttft_inputs(hb, in_flight.ledger(replica.replica_id), now, hb_time, confirmed, fleet_decode_s)
     return routing.Candidate(replica.replica_id, load, kv_usage, matched_blocks, host_blocks=host_blocks,
                              free_blocks=room, kv_blocks=kv_blocks, ttft_scale=ttft_scale, recent_blocks=recent_blocks,
-                             lora_affinity=replica_affinity(adapter, hb), homed_groups=homed_groups, **extra)
+                             lora_affinity=replica_affinity(adapter, hb), homed_groups=homed_groups,
+                             last_homed=last_homed, **extra)
 
 
 def note_overload(since: dict[str, float], seen: dict[str, float], judged: tuple[str, bool] | None,
@@ -322,7 +336,7 @@ class Decider:
                            self.hot.footprint(r.replica_id, now), in_host.get(r.replica_id, 0),
                            applied.scale(r.replica_id), self.hot.recent(r.replica_id, now),
                            self.index.confirmed_view(r.replica_id), fleet_decode_s, adapter,
-                           self.homes.homed(r.replica_id))
+                           self.homes.homed(r.replica_id), self.homes.last_homed(r.replica_id))
             for r in candidates
         ]
         index_stale = self.heartbeats.index_stale

@@ -107,14 +107,16 @@ def test_a_bursty_cell_keeps_its_groups_once_the_heartbeat_counts_a_shared_prefi
     request counted in full), the holders looked overloaded when their groups arrived and spilled;
     with the prefix counted once (kvscale.router.prefill_ledger.shared_prefix_tokens) they keep them.
     (A group nobody holds now also returns to the replica it was last sent to when no replica has
-    room, kvscale.router.predicted_ttft.returning_home, under both readings: the p90 gap narrowed.)
-    Since the simulated replicas report as real ones (their heartbeat and KV events as each step
-    ends, their blocks evicted tail first: bench.w3_sim), the hit rate still gains (0.736 against
-    0.731) and TTFT p90 no longer does (48.2 s against 43.6 s)."""
+    room, kvscale.router.predicted_ttft.returning_home, and new groups go round the replicas,
+    kvscale.router.cold_placement, under both readings: the gap narrowed to a few streams.) Over
+    ten request streams the hit rate is never lower and higher in three (0.733 against 0.725,
+    0.710 against 0.698, 0.718 against 0.713)."""
     row = simulate_cell(Cell(32, 256, "over", "uniform", "bursty"), ("predicted-ttft", "predicted-ttft/rawqueue"),
-                        seeds=1)
-    now, before = row["policies"]["predicted-ttft"], row["policies"]["predicted-ttft/rawqueue"]
-    assert now["hit_rate"] > before["hit_rate"]
+                        seeds=10)
+    now = [s["hit_rate"] for s in row["policies"]["predicted-ttft"]["per_seed"]]
+    before = [s["hit_rate"] for s in row["policies"]["predicted-ttft/rawqueue"]["per_seed"]]
+    assert all(a >= b for a, b in zip(now, before, strict=True))
+    assert sum(a > b for a, b in zip(now, before, strict=True)) >= 2
 
 
 def test_the_before_side_runs_the_other_trees_default_on_the_same_streams(tmp_path):

@@ -339,3 +339,13 @@ def test_group_homes_count_the_groups_each_replica_is_home_to() -> None:
     assert (homes.get("b"), homes.homed("r0"), homes.homed("r1"), homes.homed("r2")) == (None, 0, 2, 1)
     homes.remember(None, "r0")
     assert homes.homed("r0") == 0
+
+
+def test_group_homes_order_the_replicas_by_when_a_group_last_made_them_home() -> None:
+    """``last_homed``: a group placed or moved there counts; sent again where it already is, no."""
+    homes = GroupHomes()
+    for group, replica in (("a", "r0"), ("b", "r1"), ("a", "r0"), ("c", "r2"), ("b", "r1")):
+        homes.remember(group, replica)
+    assert [homes.last_homed(r) for r in ("r0", "r1", "r2", "r3")] == [1, 2, 3, 0]
+    homes.remember("a", "r1")  # moved
+    assert homes.last_homed("r1") == 4
