@@ -7,7 +7,8 @@ p50/p90 and wall time, each cell's routers in the same run.
     python -m bench.w3_grid --mode real --cells w3-lite   # real fleet, the held-out W3-lite cell
     python -m bench.w3_grid --previous predicted-ttft/rawqueue   # and the default before its last change
     python -m bench.w3_grid --max-num-seqs 4 --previous predicted-ttft/noslot   # batches that fill
-    python -m bench.w3_grid --seeds 7 --before-checkout /tmp/kv-before   # and the parent commit's default
+    python -m bench.w3_grid --seeds 30 --before-checkout /tmp/kv-before   # and the parent commit's default
+    python -m bench.w3_grid --seeds 30 --jobs 2     # cells over two processes (same figures)
 
 ``--mode sim`` runs the calibrated fleet simulator (bench.w3_sim) with the real router's decision
 functions and a model of cache_aware (bench.w3_cache_aware); ``--mode real`` starts replicas,
