@@ -135,6 +135,10 @@ def simulate_cell(cell: Cell, policies: tuple[str, ...] = POLICIES, seeds: int =
     return out
 
 
+# The figures a verdict compares where lower is better, and the name of ours against the best.
+LOWER_IS_BETTER = {"ttft_p90_s": "p90_vs_best", "ttft_p99_s": "p99_vs_best", "wall_s": "wall_vs_best"}
+
+
 def verdict(row: dict, ours: str, baselines: tuple[str, ...], tolerance: float = 0.05) -> dict:
     """Ours against the best baseline on hit rate (higher is better) and TTFT p90 (lower): the
     ratios, and whether each is within ``tolerance`` of the best. Beside them, where the figures
@@ -144,11 +148,11 @@ def verdict(row: dict, ours: str, baselines: tuple[str, ...], tolerance: float =
     best_hit = max(policies[b]["hit_rate"] for b in baselines)
     hit = policies[ours]["hit_rate"] / best_hit if best_hit else float("inf")
     out: dict = {"hit_vs_best": round(hit, 3)}
-    for figure in ("ttft_p90_s", "ttft_p99_s", "wall_s"):
+    for figure, name in LOWER_IS_BETTER.items():
         if all(figure in policies[p] for p in (ours, *baselines)):
             best = min(policies[b][figure] for b in baselines)
             ratio = policies[ours][figure] / best if best else float("inf")
-            out[f"{figure.split('_')[-2]}_vs_best"] = round(ratio, 3)
+            out[name] = round(ratio, 3)
     out.update(paired(policies, ours, baselines))
     return {**out, "hit_ok": hit >= 1 - tolerance, "p90_ok": out["p90_vs_best"] <= 1 + tolerance}
 

@@ -134,9 +134,9 @@ def shared_home(candidates: Sequence[Candidate], rates: Mapping[str, float], key
     """Where a group goes when no replica has room for it and it has no home to return to (or its
     home is truly overloaded): the replica whose share of the groups, this one included, is least
     per unit of its prefill rate, ``(homed_groups + 1) / rate``; ties to the least room claimed by
-    recent traffic, then to the replica a group last made its home longest ago, then ``key``. With no room anywhere most of a group's requests miss wherever
-    they go, so a replica's work is the misses of the groups it is home to, and a replica at half
-    speed takes half the share. By recent claims alone, a replica whose groups had not come back
+    recent traffic, then to the replica a group last made its home longest ago, then ``key``. With
+    no room anywhere most of a group's requests miss wherever they go, so a replica's work is the
+    misses of the groups it is home to, and a replica at half speed takes half the share. By recent claims alone, a replica whose groups had not come back
     within the hot window looked empty and took new groups beyond its share (c4-p256-over:
     5 groups against 3 and 4), and the half-speed replica took a full share; the simulated routing
     grid's "over" cells, docs/performance.md, "Routing". None without candidates."""
