@@ -92,6 +92,14 @@ def per_seed(rows: list[dict]) -> dict[str, list[int]]:
     return counts
 
 
+def router_added_summary(rows: list[dict], ours: str) -> dict[str, float]:
+    """The highest p99 over the cells of ours's own time per request (the real mode's
+    ``router_added_ms_p99``); empty where no cell has it (the simulated grid)."""
+    added = [r["policies"][ours]["router_added_ms_p99"] for r in rows
+             if "router_added_ms_p99" in r["policies"].get(ours, {})]
+    return {"router_added_ms_p99_max": max(added)} if added else {}
+
+
 def paired_ok(v: dict, tolerance: float = 0.05) -> bool:
     """Both targets met on the paired ratios (bench.w3_grid_cells.paired), where the cell has them."""
     return (v.get("hit_paired_vs_best", 0.0) >= 1 - tolerance
@@ -219,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                         "policy": args.previous, "hit_within_5pct": sum(v["hit_ok"] for v in previous),
                         "p90_within_5pct": sum(v["p90_ok"] for v in previous),
                         "both_within_5pct": sum(v["hit_ok"] and v["p90_ok"] for v in previous)}} if previous else {}),
-                    **({"both_within_5pct_per_seed": per_seed(rows)} if args.mode == "sim" else {})},
+                    **({"both_within_5pct_per_seed": per_seed(rows)} if args.mode == "sim" else {}),
+                    **router_added_summary(rows, OURS[args.mode])},
     }, args.out)
     print(f"w3_grid: wrote {path}")
     return 0

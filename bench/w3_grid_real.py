@@ -18,6 +18,7 @@ import asyncio
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -79,8 +80,10 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str) -> dict:
             if first is None and line.startswith("data: {"):
                 first = time.perf_counter()
     end = time.perf_counter()
+    router_ms = response.headers.get("x-kvscale-router-ms")
     return {"ok": True, "ttft_s": (first or end) - started, "latency_s": end - started,
-            "replica": response.headers.get("x-kvscale-replica")}
+            "replica": response.headers.get("x-kvscale-replica"),
+            "router_ms": float(router_ms) if router_ms else None}
 
 
 async def drive(url: str, prompts: list[str], concurrency: int) -> tuple[list[dict], float]:
@@ -137,6 +140,15 @@ def start_router(procs: Processes, spec: str, fleet: Fleet, args: argparse.Names
     return url, started, f"{procs.logdir}/{name}.log"
 
 
+def router_added(ok: list[dict]) -> dict[str, float]:
+    """kvscale's own time per request, from the body's last byte to its decision
+    (``x-kvscale-router-ms``), p50 and p99 in ms; empty for a router that does not send it."""
+    added = [r["router_ms"] for r in ok if r.get("router_ms") is not None]
+    if not added:
+        return {}
+    return {"router_added_ms_p50": quantile(added, 0.5), "router_added_ms_p99": quantile(added, 0.99)}
+
+
 def run_cell(cell: Cell, args: argparse.Namespace, tokenizer: Any) -> dict:
     """Every router of ``args.routers`` on one fleet for ``cell``."""
     redis_binary = shutil.which("redis-server")
@@ -165,8 +177,9 @@ def run_cell(cell: Cell, args: argparse.Namespace, tokenizer: Any) -> dict:
             ttfts = [r["ttft_s"] for r in ok]
             row: dict[str, Any] = {"hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
                    "ttft_p50_s": quantile(ttfts, 0.5), "ttft_p90_s": quantile(ttfts, 0.9),
-                   "wall_s": wall, "requests": len(results), "failed": len(results) - len(ok),
-                   "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)]}
+                   "ttft_p99_s": quantile(ttfts, 0.99), "ttft_mean_s": statistics.fmean(ttfts), "wall_s": wall, "requests": len(results),
+                   "failed": len(results) - len(ok), "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
+                   **router_added(ok)}
             if spec.startswith(("kvscale", "envoy-epp")):
                 decisions = decision_records(log)
                 row["spills"] = [d["spill"] for d in decisions if d.get("spill")]

@@ -60,7 +60,7 @@ def test_the_simulated_grid_compares_the_three_routers_on_a_cell():
     # Prefixes that fit: the default policy keeps them, round-robin scatters them.
     assert figures["hit_rate"] > 1.5 * row["policies"]["round-robin"]["hit_rate"]
     v = verdict(row, "predicted-ttft", ("round-robin", "vllm-router-cache-aware"))
-    assert set(v) == {"hit_vs_best", "p90_vs_best", "p99_vs_best", "wall_vs_best", "hit_paired_vs_best",
+    assert set(v) == {"hit_vs_best", "p90_vs_best", "p99_vs_best", "mean_vs_best", "wall_vs_best", "hit_paired_vs_best",
                       "p90_paired_vs_best", "hit_ok", "p90_ok"}
     assert figures["ttft_p90_s"] <= figures["ttft_p99_s"] and figures["ttft_mean_s"] > 0
     # No router beats the ceiling (every group's first request misses), and the best comes close.
@@ -150,3 +150,20 @@ def test_cells_simulated_over_processes_give_the_same_rows_in_the_same_order():
     two = list(simulated_rows(cells, ("predicted-ttft",), 1, None, jobs=2))
     assert [r["cell"]["name"] for r in two] == [c.name for c in cells]
     assert two == one
+
+
+def test_the_real_grid_reports_the_routers_own_added_time_where_it_sends_it():
+    from bench.w3_grid import router_added_summary
+    from bench.w3_grid_real import router_added
+
+    kvscale = [{"ok": True, "router_ms": ms} for ms in [0.2] * 98 + [1.5, 9.0]]
+    row = router_added(kvscale)
+    assert row["router_added_ms_p50"] == pytest.approx(0.2)
+    assert 1.5 <= row["router_added_ms_p99"] <= 9.0
+    # vllm-router sends no x-kvscale-router-ms: no figure rather than a zero.
+    assert router_added([{"ok": True, "router_ms": None}]) == {}
+    rows = [{"policies": {"ours": {"router_added_ms_p99": 1.2}}},
+            {"policies": {"ours": {"router_added_ms_p99": 2.5}, "theirs": {}}},
+            {"policies": {"ours": {}}}]
+    assert router_added_summary(rows, "ours") == {"router_added_ms_p99_max": 2.5}
+    assert router_added_summary([{"policies": {"ours": {}}}], "ours") == {}
