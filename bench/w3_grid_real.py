@@ -109,16 +109,16 @@ def vllm_router_binary() -> str | None:
     return shutil.which("vllm-router") or (str(beside) if beside.exists() else None)
 
 
-def start_router(procs: Processes, spec: str, fleet: Fleet, args: argparse.Namespace
+def start_router(procs: Processes, spec: str, fleet: Fleet, args: argparse.Namespace, suffix: str = ""
                  ) -> tuple[str, list[subprocess.Popen], str]:
     """The router ``spec`` names in front of ``fleet``: its URL, its processes (started, healthy)
-    and its log. "envoy-epp:<policy>" is Envoy with kvscale's router as its endpoint picker
+    and its log (named after the spec and ``suffix``). "envoy-epp:<policy>" is Envoy with kvscale's router as its endpoint picker
     (bench.envoy_gateway), the URL Envoy's."""
     kind, _, policy = spec.partition(":")
     kind, _, source = kind.partition("@")  # "kvscale@DIR:policy": the router of another checkout
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    name = spec.replace(":", "-").replace("@", "-").replace("/", "_")
+    name = spec.replace(":", "-").replace("@", "-").replace("/", "_") + suffix
     if kind == "vllm-router":
         argv = [vllm_router_binary() or "vllm-router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
                 "--worker-urls", *fleet.replica_urls, "--log-level", "warning",
@@ -150,7 +150,9 @@ def router_added(ok: list[dict]) -> dict[str, float]:
 
 
 def run_cell(cell: Cell, args: argparse.Namespace, tokenizer: Any) -> dict:
-    """Every router of ``args.routers`` on one fleet for ``cell``."""
+    """Every router of ``args.routers`` on one fleet for ``cell``, on ``args.streams`` request
+    streams (seeds ``args.seed`` on), the routers' order rotated by one each stream so that none
+    always runs first on the fleet."""
     redis_binary = shutil.which("redis-server")
     if not redis_binary:
         raise RuntimeError("needs redis-server on the PATH (make system-deps)")
@@ -159,36 +161,69 @@ def run_cell(cell: Cell, args: argparse.Namespace, tokenizer: Any) -> dict:
         max_model_len=max(1024, cell.prefix_tokens + 256), concurrency=cell.concurrency,
         threads=2 if cell.speed == "fast" else args.threads, replica_nice=args.replica_nice)
     procs = Processes()
-    out: dict[str, Any] = {"cell": cell.describe(), "policies": {}, "logdir": procs.logdir}
+    specs = args.routers.split(",")
+    runs: dict[str, list[dict]] = {spec: [] for spec in specs}
     try:
         fleet = start_fleet(procs, redis_binary, fleet_args)
         if cell.speed == "throttled":
             os.setpriority(os.PRIO_PROCESS, fleet.replica_procs[0].pid, THROTTLED_NICE)
         wait_healthy(fleet.replica_urls, fleet.replica_procs)
-        for spec in args.routers.split(","):
-            url, started, log = start_router(procs, spec, fleet, args)
-            time.sleep(2.0)  # heartbeats bind replica ids to URLs
-            prompts = text_prompts(cell, args.seed, tokenizer, opening=f"run {spec}")
-            q0, h0 = cache_counters(fleet.replica_urls)
-            load = os.getloadavg()[0]
-            results, wall = asyncio.run(drive(url, prompts, cell.concurrency))
-            q1, h1 = cache_counters(fleet.replica_urls)
-            ok = [r for r in results if r["ok"]]
-            ttfts = [r["ttft_s"] for r in ok]
-            row: dict[str, Any] = {"hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
-                   "ttft_p50_s": quantile(ttfts, 0.5), "ttft_p90_s": quantile(ttfts, 0.9),
-                   "ttft_p99_s": quantile(ttfts, 0.99), "ttft_mean_s": statistics.fmean(ttfts), "wall_s": wall, "requests": len(results),
-                   "failed": len(results) - len(ok), "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
-                   **router_added(ok)}
-            if spec.startswith(("kvscale", "envoy-epp")):
-                decisions = decision_records(log)
-                row["spills"] = [d["spill"] for d in decisions if d.get("spill")]
-                row["decisions"] = len(decisions)
-            out["policies"][spec] = row
-            print(f"real {cell.name} {spec:24} hit {row['hit_rate']:.3f} p50 {row['ttft_p50_s']:.2f} "
-                  f"p90 {row['ttft_p90_s']:.2f} wall {wall:.0f}s spills {len(row.get('spills', []))}", flush=True)
-            for proc in reversed(started):
-                procs.stop(proc)
+        for stream in range(args.streams):
+            turn = stream % len(specs)
+            for spec in specs[turn:] + specs[:turn]:
+                runs[spec].append(run_router(procs, fleet, cell, spec, args.seed + stream, args, tokenizer))
     finally:
         procs.stop_all()
+    return {"cell": cell.describe(), "policies": {spec: combined(rows) for spec, rows in runs.items()},
+            "logdir": procs.logdir}
+
+
+def run_router(procs: Processes, fleet: Fleet, cell: Cell, spec: str, seed: int, args: argparse.Namespace,
+               tokenizer: Any) -> dict:
+    """One router in front of ``fleet`` on the request stream ``seed``: its figures."""
+    url, started, log = start_router(procs, spec, fleet, args, f"-s{seed}")
+    time.sleep(2.0)  # heartbeats bind replica ids to URLs
+    prompts = text_prompts(cell, seed, tokenizer, opening=f"run {spec}")
+    q0, h0 = cache_counters(fleet.replica_urls)
+    load = os.getloadavg()[0]
+    results, wall = asyncio.run(drive(url, prompts, cell.concurrency))
+    q1, h1 = cache_counters(fleet.replica_urls)
+    ok = [r for r in results if r["ok"]]
+    ttfts = [r["ttft_s"] for r in ok]
+    row: dict[str, Any] = {
+        "seed": seed, "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
+        "ttft_p50_s": quantile(ttfts, 0.5), "ttft_p90_s": quantile(ttfts, 0.9), "ttft_p99_s": quantile(ttfts, 0.99),
+        "ttft_mean_s": statistics.fmean(ttfts), "wall_s": wall, "requests": len(results),
+        "failed": len(results) - len(ok), "loadavg_1m": [round(load, 2), round(os.getloadavg()[0], 2)],
+        **router_added(ok)}
+    if spec.startswith(("kvscale", "envoy-epp")):
+        decisions = decision_records(log)
+        row["spills"] = [d["spill"] for d in decisions if d.get("spill")]
+        row["decisions"] = len(decisions)
+    print(f"real {cell.name} seed {seed} {spec:24} hit {row['hit_rate']:.3f} p50 {row['ttft_p50_s']:.2f} "
+          f"p90 {row['ttft_p90_s']:.2f} wall {wall:.0f}s spills {len(row.get('spills', []))}", flush=True)
+    for proc in reversed(started):
+        procs.stop(proc)
+    return row
+
+
+# A router's figures over several streams: the median of each (as the simulated grid's).
+MEDIAN_FIGURES = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "wall_s",
+                  "router_added_ms_p50", "router_added_ms_p99")
+
+
+def combined(rows: list[dict]) -> dict:
+    """One router's figures over its streams: the one stream's own, or the medians of each figure,
+    the counts summed, and each stream's figures (``per_seed``, for its own verdict)."""
+    if len(rows) == 1:
+        return rows[0]
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in rows) for k in MEDIAN_FIGURES if all(k in r for r in rows)}
+    if all("router_added_ms_p99" in r for r in rows):
+        out["router_added_ms_p99_max"] = max(r["router_added_ms_p99"] for r in rows)
+    for count in ("requests", "failed", "decisions"):
+        if all(count in r for r in rows):
+            out[count] = sum(r[count] for r in rows)
+    if all("spills" in r for r in rows):
+        out["spills"] = [spill for r in rows for spill in r["spills"]]
+    out["per_seed"] = [{k: v for k, v in r.items() if k != "spills"} for r in rows]
     return out

@@ -167,3 +167,26 @@ def test_the_real_grid_reports_the_routers_own_added_time_where_it_sends_it():
             {"policies": {"ours": {}}}]
     assert router_added_summary(rows, "ours") == {"router_added_ms_p99_max": 2.5}
     assert router_added_summary([{"policies": {"ours": {}}}], "ours") == {}
+
+
+def test_a_real_cell_over_several_streams_keeps_the_medians_and_each_streams_figures():
+    from bench.w3_grid_cells import verdict
+    from bench.w3_grid_real import combined
+
+    def run(seed: int, hit: float, p90: float, added: float) -> dict:
+        return {"seed": seed, "hit_rate": hit, "ttft_p50_s": p90 / 2, "ttft_p90_s": p90, "ttft_p99_s": p90 * 2,
+                "ttft_mean_s": p90 / 2, "wall_s": 20.0, "requests": 144, "failed": 0, "router_added_ms_p50": 1.0,
+                "router_added_ms_p99": added, "spills": [{"holder": "r0"}] if seed == 1 else [], "decisions": 144}
+
+    ours = combined([run(0, 0.80, 1.0, 1.5), run(1, 0.70, 3.0, 4.0), run(2, 0.75, 2.0, 1.8)])
+    assert ours["hit_rate"] == 0.75 and ours["ttft_p90_s"] == 2.0 and ours["router_added_ms_p99"] == 1.8
+    assert ours["router_added_ms_p99_max"] == 4.0
+    assert ours["requests"] == 432 and ours["decisions"] == 432 and ours["spills"] == [{"holder": "r0"}]
+    assert [s["hit_rate"] for s in ours["per_seed"]] == [0.80, 0.70, 0.75]
+    theirs = combined([run(s, 0.78, 2.0, 0.0) for s in range(3)])
+    rr = combined([run(s, 0.3, 4.0, 0.0) for s in range(3)])
+    row = {"policies": {"ours": ours, "cache_aware": theirs, "rr": rr}}
+    assert seed_verdicts(row, "ours", ("cache_aware", "rr")) == [True, False, True]
+    assert "p90_paired_vs_best" in verdict(row, "ours", ("cache_aware", "rr"))
+    # One stream: that stream's figures as they were, no per-stream list.
+    assert combined([run(0, 0.8, 1.0, 1.5)]) == run(0, 0.8, 1.0, 1.5)
