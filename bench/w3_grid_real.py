@@ -112,8 +112,8 @@ def vllm_router_binary() -> str | None:
 def start_router(procs: Processes, spec: str, fleet: Fleet, args: argparse.Namespace, suffix: str = ""
                  ) -> tuple[str, list[subprocess.Popen], str]:
     """The router ``spec`` names in front of ``fleet``: its URL, its processes (started, healthy)
-    and its log (named after the spec and ``suffix``). "envoy-epp:<policy>" is Envoy with kvscale's router as its endpoint picker
-    (bench.envoy_gateway), the URL Envoy's."""
+    and its log (named after the spec and ``suffix``). "envoy-epp:<policy>" is Envoy with kvscale's
+    router as its endpoint picker (bench.envoy_gateway), the URL Envoy's."""
     kind, _, policy = spec.partition(":")
     kind, _, source = kind.partition("@")  # "kvscale@DIR:policy": the router of another checkout
     port = free_port()
