@@ -122,10 +122,9 @@ def simulate_cell(cell: Cell, policies: tuple[str, ...] = POLICIES, seeds: int =
             "hit_rate": statistics.median(r["hit_rate"] for r in runs),
             "ttft_p50_s": statistics.median(r["ttft_p50_s"] for r in runs),
             "ttft_p90_s": statistics.median(r["ttft_p90_s"] for r in runs),
-            # Beside the target's p90: where clients wait in a closed loop, a router that starves
-            # a few of them (all their requests queued behind one slow replica) sends fewer slow
-            # requests and lowers p90 while its tail and wall time grow (docs/performance.md,
-            # "The routing grid").
+            # Beside the target's p90: a router that leaves a few requests waiting very long
+            # behind one slow replica, rather than many a little longer, lowers p90 while its
+            # tail and wall time grow (docs/performance.md, "The routing grid").
             "ttft_p99_s": statistics.median(r["ttft_p99_s"] for r in runs),
             "ttft_mean_s": statistics.median(r["ttft_mean_s"] for r in runs),
             "wall_s": statistics.median(REQUESTS * OUTPUT_TOKENS / r["output_tokens_per_s"] for r in runs),
