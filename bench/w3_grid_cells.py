@@ -142,8 +142,9 @@ LOWER_IS_BETTER = {"ttft_p90_s": "p90_vs_best", "ttft_p99_s": "p99_vs_best", "tt
 def verdict(row: dict, ours: str, baselines: tuple[str, ...], tolerance: float = 0.05) -> dict:
     """Ours against the best baseline on hit rate (higher is better) and TTFT p90 (lower): the
     ratios, and whether each is within ``tolerance`` of the best. Beside them, where the figures
-    have them, TTFT p99, mean TTFT and wall time against the best baseline's (no target: what a p90 won by
-    starving a few clients costs, docs/performance.md, "The routing grid")."""
+    have them, TTFT p99, mean TTFT and wall time against the best baseline's (no target: what a
+    p90 won by leaving a few requests waiting very long costs, docs/performance.md, "The routing
+    grid")."""
     policies = row["policies"]
     best_hit = max(policies[b]["hit_rate"] for b in baselines)
     hit = policies[ours]["hit_rate"] / best_hit if best_hit else float("inf")

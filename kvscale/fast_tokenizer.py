@@ -231,8 +231,8 @@ class FastTokenizer:
     def _encode(self, text: str, add_special_tokens: bool) -> Any:
         # A batch call, as transformers makes it: unlike encode it releases the GIL, so a long
         # prompt tokenized in a worker thread leaves the event loop running (the router's hashing).
-        # Its fast form skips the character offsets, which nothing here reads and which cost a
-        # quarter to a half of a long prompt's tokenizing (tokenizers 0.21 and later have it).
+        # Its fast form skips the character offsets, which nothing here reads (tokenizers 0.21
+        # and later have it; older ones take the plain batch call).
         if not isinstance(text, str):
             raise TypeError(f"text must be a string, got {type(text).__name__}")
         batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)

@@ -136,10 +136,11 @@ def shared_home(candidates: Sequence[Candidate], rates: Mapping[str, float], key
     per unit of its prefill rate, ``(homed_groups + 1) / rate``; ties to the least room claimed by
     recent traffic, then to the replica a group last made its home longest ago, then ``key``. With
     no room anywhere most of a group's requests miss wherever they go, so a replica's work is the
-    misses of the groups it is home to, and a replica at half speed takes half the share. By recent claims alone, a replica whose groups had not come back
-    within the hot window looked empty and took new groups beyond its share (c4-p256-over:
-    5 groups against 3 and 4), and the half-speed replica took a full share; the simulated routing
-    grid's "over" cells, docs/performance.md, "Routing". None without candidates."""
+    misses of the groups it is home to, and a replica at half speed takes half the share. By
+    recent claims alone, a replica whose groups had not come back within the hot window looked
+    empty and took new groups beyond its share (c4-p256-over: 5 groups against 3 and 4), and the
+    half-speed replica took a full share; the simulated routing grid's "over" cells,
+    docs/performance.md, "Routing". None without candidates."""
     if not candidates:
         return None
     return min(candidates, key=lambda c: (round((c.homed_groups + 1) / rates[c.replica_id], 9),
