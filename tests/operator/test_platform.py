@@ -218,19 +218,38 @@ def test_one_inference_service_serves_through_its_router(platform: Platform) -> 
         missing.create(model="no-such-model", prompt="x", max_tokens=1)
 
     # The servers publish to the operator's Redis: their heartbeats name them by pod name.
-    # (A loaded machine can time a Redis call out now and then: the router then says "down"
-    # until its next poll succeeds.)
-    wait_until(lambda: all(view["redis"] == "up" for view in router_views(platform, "chat")), 30,
-               interval=0.2, what="the routers reading Redis")
-    router_health = router_views(platform, "chat")[0]
-    pod_names = {p["metadata"]["name"] for p in platform.server_pods("chat")}
-    assert {r["id"] for r in router_health["replicas"] if r["healthy"]} == pod_names
+    wait_named_by_heartbeats(platform, "chat")
+
+
+def wait_named_by_heartbeats(platform: Platform, name: str) -> None:
+    """Wait until every router reads Redis and knows each healthy server by its pod name.
+
+    Until a server's first heartbeat is read, a router knows it by address only; the heartbeats
+    come on their own clock after Redis is up (a loaded machine can delay them, or time a Redis
+    call out so that a router says "down" until its next poll succeeds)."""
+    pod_names = {p["metadata"]["name"] for p in platform.server_pods(name)}
+    routers = router_urls(platform, name)
+
+    seen: list[list[tuple[str, set[str]]]] = []
+
+    def named() -> bool:
+        views = [(view["redis"], {r["id"] for r in view["replicas"] if r["healthy"]})
+                 for view in router_views(platform, name, routers)]
+        seen[:] = [views]
+        return all(redis == "up" and ids == pod_names for redis, ids in views)
+
+    try:
+        wait_until(named, 60, interval=0.2, what="the routers naming the servers")
+    except TimeoutError as exc:
+        raise AssertionError(f"routers' (redis, healthy ids) {seen}, servers {sorted(pod_names)}") from exc
 
 
 def test_prefix_affinity_through_the_cluster(platform: Platform) -> None:
     client = platform.client("chat")
     servers = platform.server_pods("chat")
     ips = {p["metadata"]["name"]: p["status"]["podIP"] for p in servers}
+    # The routers name each replica as its KV events do before any placement is counted.
+    wait_named_by_heartbeats(platform, "chat")
 
     def counters() -> dict[str, tuple[float, float]]:
         out = {}
