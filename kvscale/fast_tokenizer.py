@@ -25,6 +25,8 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
+from kvscale.token_pieces import PieceCache, byte_lengths, cuts_safely
+
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 TEMPLATE_FILE = "chat_template.jinja"
@@ -158,10 +160,22 @@ class FastTokenizer:
     """What kvscale uses of a transformers tokenizer, on ``tokenizers.Tokenizer`` directly."""
 
     def __init__(self, directory: Path, backend: Tokenizer, config: dict, chat_template: str,
-                 special_tokens: dict[str, str]) -> None:
+                 special_tokens: dict[str, str], prefix_specials: list[int] | None = None) -> None:
+        """``prefix_specials``: what token_pieces.cuts_safely found in tokenizer.json (None: long
+        texts are encoded whole)."""
         self.name_or_path = str(directory)
         self._directory = directory
         self._tokenizer = backend
+        # A batch call, as transformers makes it: unlike encode it releases the GIL, so a long
+        # prompt tokenized in a worker thread leaves the event loop running (the router's hashing).
+        # Its fast form skips the character offsets, which nothing here reads (tokenizers 0.21
+        # and later have it; older ones take the plain batch call).
+        self._batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        self.pieces = None
+        if prefix_specials is not None:
+            added = {token_id: token.content for token_id, token in backend.get_added_tokens_decoder().items()}
+            lengths = byte_lengths(backend.get_vocab(with_added_tokens=True), added)
+            self.pieces = PieceCache(self._encode_pieces, prefix_specials, lengths)
         self._config = config
         self.chat_template = chat_template
         self._compiled = compile_chat_template(chat_template)
@@ -215,28 +229,28 @@ class FastTokenizer:
             backend = Tokenizer.from_str(source)
             if backend.get_vocab_size(with_added_tokens=True) > _MAX_PLAIN_VOCAB:
                 return None
-            return cls(directory, backend, config, template, special)
+            return cls(directory, backend, config, template, special, cuts_safely(data))
         except Exception:  # a template needing transformers' extensions ({% generation %}), a bad file
             return None
 
     # --- encoding -----------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._encode(text, add_special_tokens).ids
+        return self._ids(text, add_special_tokens)
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        encoding = self._encode(text, add_special_tokens)
-        return {"input_ids": encoding.ids, "attention_mask": encoding.attention_mask}
+        ids = self._ids(text, add_special_tokens)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)}
 
-    def _encode(self, text: str, add_special_tokens: bool) -> Any:
-        # A batch call, as transformers makes it: unlike encode it releases the GIL, so a long
-        # prompt tokenized in a worker thread leaves the event loop running (the router's hashing).
-        # Its fast form skips the character offsets, which nothing here reads (tokenizers 0.21
-        # and later have it; older ones take the plain batch call).
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"text must be a string, got {type(text).__name__}")
-        batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
-        return batch([text], add_special_tokens=add_special_tokens)[0]
+        if self.pieces is not None and (ids := self.pieces.ids(text, add_special_tokens)) is not None:
+            return ids
+        return self._batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _encode_pieces(self, texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in self._batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: int | list[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode([ids] if isinstance(ids, int) else list(ids),
