@@ -58,21 +58,19 @@ def chat_texts(seed: int, tokenizer: FastTokenizer) -> list[str]:
 def compare(texts: list[str], tokenizer: FastTokenizer, add_special_tokens: bool) -> dict:
     """Each text both ways, alternating which goes first; milliseconds, and the speed-ups."""
     backend = tokenizer.backend_tokenizer
-    whole_ms, pieces_ms = [], []
+    samples: dict[str, list[float]] = {"whole": [], "pieces": []}
     for n, text in enumerate(texts):
+        ids: dict[str, list[int]] = {}
         for way in (("whole", "pieces") if n % 2 == 0 else ("pieces", "whole")):
             started = time.perf_counter()
             if way == "whole":
-                ids = backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+                ids[way] = backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
             else:
-                ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-            (whole_ms if way == "whole" else pieces_ms).append((time.perf_counter() - started) * 1000)
-            if way == "whole":
-                expected = ids
-            else:
-                got = ids
-        if got != expected:
+                ids[way] = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            samples[way].append((time.perf_counter() - started) * 1000)
+        if ids["whole"] != ids["pieces"]:
             raise SystemExit(f"pieces and whole differ on request {n}: a bug in kvscale/token_pieces.py")
+    whole_ms, pieces_ms = samples["whole"], samples["pieces"]
     whole, pieces = stats.summary(whole_ms), stats.summary(pieces_ms)
     assert tokenizer.pieces is not None
     return {
