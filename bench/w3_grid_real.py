@@ -4,8 +4,10 @@ kvscale's router (default policy), kvscale's round-robin and `vllm-router` cache
 
 Prompts are text (`vllm-router`'s cache_aware matches text): each group's prefix is words drawn
 to about the cell's prefix length in the model's tokens, each request adds its own words. Every
-router's run opens its prompts with a word of its own, so no router finds another's blocks
-cached: each starts from its own cold caches, on pools the previous run filled (evictable).
+router's run opens its prompts with a number of its own (its place in ``--routers``: as short for
+every router, a few tokens, so every router's prompts start a group's prefix in their first block),
+so no router finds another's blocks cached: each starts from its own cold caches, on pools the
+previous run filled (evictable).
 Hit rate is the replicas' own prefix-cache counters over the run; TTFT is the client's (first
 streamed token); wall time is the run's. kvscale's routers log their decisions (debug), kept per
 run in the JSON with the spill records (kvscale.router.candidates.Spill).
@@ -171,7 +173,8 @@ def run_cell(cell: Cell, args: argparse.Namespace, tokenizer: Any) -> dict:
         for stream in range(args.streams):
             turn = stream % len(specs)
             for spec in specs[turn:] + specs[:turn]:
-                runs[spec].append(run_router(procs, fleet, cell, spec, args.seed + stream, args, tokenizer))
+                runs[spec].append(run_router(procs, fleet, cell, spec, args.seed + stream, args, tokenizer,
+                                             opening=f"run {specs.index(spec)}"))
     finally:
         procs.stop_all()
     return {"cell": cell.describe(), "policies": {spec: combined(rows) for spec, rows in runs.items()},
@@ -179,11 +182,12 @@ def run_cell(cell: Cell, args: argparse.Namespace, tokenizer: Any) -> dict:
 
 
 def run_router(procs: Processes, fleet: Fleet, cell: Cell, spec: str, seed: int, args: argparse.Namespace,
-               tokenizer: Any) -> dict:
-    """One router in front of ``fleet`` on the request stream ``seed``: its figures."""
+               tokenizer: Any, opening: str) -> dict:
+    """One router in front of ``fleet`` on the request stream ``seed``, its prompts opening with
+    ``opening``: its figures."""
     url, started, log = start_router(procs, spec, fleet, args, f"-s{seed}")
     time.sleep(2.0)  # heartbeats bind replica ids to URLs
-    prompts = text_prompts(cell, seed, tokenizer, opening=f"run {spec}")
+    prompts = text_prompts(cell, seed, tokenizer, opening=opening)
     q0, h0 = cache_counters(fleet.replica_urls)
     load = os.getloadavg()[0]
     results, wall = asyncio.run(drive(url, prompts, cell.concurrency))
