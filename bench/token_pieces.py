@@ -12,6 +12,9 @@ in their order:
 - ``w4-long-chat``: conversations about a 1,500-word document (bench.router_decision's
   ``w4-long``), each turn's rendered chat template, the text a server encodes.
 
+Each workload runs ``--rounds`` times; the figures are those of the round with the median p50
+speed-up, with every round's speed-ups beside them.
+
     python -m bench.token_pieces        # writes bench/results/token_pieces.json
 """
 
@@ -23,15 +26,14 @@ import time
 from dataclasses import replace
 
 from bench import stats
-from bench.common import machine, write_result
-from bench.w3_grid_cells import Cell
+from bench.common import REPO, git_commit, write_result
+from bench.roofline import cpu_info
+from bench.w3_grid_cells import W3_LITE
 from bench.w3_grid_real import text_prompts
 from bench.w3_workloads import WORDS, conversation_messages, conversations
 from kvscale.fast_tokenizer import FastTokenizer
 from kvscale.model_files import resolve_tokenizer_path
 from kvscale.tokenization import render_chat_prompt
-
-W3_LITE = Cell(concurrency=8, prefix_tokens=512, capacity="fits", speed="uniform", order="random")
 
 
 def grid_texts(prefix_tokens: int, seed: int, tokenizer: FastTokenizer) -> list[str]:
@@ -98,6 +100,7 @@ def main() -> int:
             raise SystemExit("the bundled tokenizer is not cut into pieces: nothing to compare")
         return tokenizer
 
+    machine = cpu_info()  # before the run: its load average is the start's
     maker = fresh()
     workloads = {
         "w3-lite": (grid_texts(512, args.seed, maker), True),
@@ -115,7 +118,7 @@ def main() -> int:
                          "speedup_p99_by_round": [r["speedup_p99"] for r in rounds]}
         print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in figures[name].items()
                      if k.startswith(("speedup", "requests", "piece"))})
-    result = {"benchmark": "token_pieces", "command": "python -m bench.token_pieces", "machine": machine(),
+    result = {"benchmark": "token_pieces", "command": "python -m bench.token_pieces", "machine": machine, "commit": git_commit(REPO),
               "parameters": vars(args), "workloads": figures}
     out = write_result("token_pieces", result, args.out)
     print(f"token_pieces: wrote {out}")

@@ -10,7 +10,8 @@ tokens) on three replicas, with:
 - ``speed``: "uniform" (the calibrated replica), "fast" (every replica twice as fast: a thread
   per replica that does not fight for cores), "throttled" (one replica at half speed);
 - ``order``: "random" (groups interleaved) or "bursty" (a group's requests in runs of six).
-The held-out W3-lite cell is the shape a new user tried: 512-token prefixes, 160 blocks a replica.
+The held-out W3-lite cell is the shape a new user tried: 512-token prefixes, 160 blocks a replica;
+it runs a second time behind a 64-token preamble every prompt opens with (``preamble_tokens``).
 """
 
 from __future__ import annotations
@@ -44,11 +45,14 @@ class Cell:
     speed: str = "uniform"
     order: str = "random"
     num_blocks: int | None = None  # fixed KV blocks a replica (None: from ``capacity``)
+    # Tokens every prompt opens with before its group's prefix (a system prompt all groups share).
+    preamble_tokens: int = 0
 
     @property
     def name(self) -> str:
         blocks = f"-b{self.num_blocks}" if self.num_blocks else ""
-        return f"c{self.concurrency}-p{self.prefix_tokens}-{self.capacity}-{self.speed}-{self.order}{blocks}"
+        preamble = f"-pre{self.preamble_tokens}" if self.preamble_tokens else ""
+        return f"c{self.concurrency}-p{self.prefix_tokens}-{self.capacity}-{self.speed}-{self.order}{blocks}{preamble}"
 
     def blocks_per_replica(self) -> int:
         if self.num_blocks:
@@ -64,13 +68,17 @@ class Cell:
 
 
 W3_LITE = Cell(num_blocks=160)  # the held-out shape: 12 x 512-token prefixes, 3 x 160 blocks
+# W3-lite behind a 64-token system prompt every group shares: the groups part after four blocks.
+W3_LITE_PREAMBLE = replace(W3_LITE, preamble_tokens=64)
+PREAMBLE_SEED = 7919  # added to a stream's seed for its preamble (the other draws stay as they were)
 
 
 def grid(concurrency: tuple[int, ...] = (4, 8, 32), prefix_tokens: tuple[int, ...] = (256, 1024, 4096),
          capacity: tuple[str, ...] = ("fits", "over"), speed: tuple[str, ...] = ("uniform", "fast", "throttled"),
          order: tuple[str, ...] = ("random", "bursty")) -> list[Cell]:
-    """W3-lite, then every combination of the axes."""
-    return [W3_LITE] + [Cell(*combo) for combo in itertools.product(concurrency, prefix_tokens, capacity, speed, order)]
+    """W3-lite, alone and behind a shared preamble, then every combination of the axes."""
+    combos = itertools.product(concurrency, prefix_tokens, capacity, speed, order)
+    return [W3_LITE, W3_LITE_PREAMBLE] + [Cell(*combo) for combo in combos]
 
 
 def prompts(cell: Cell, seed: int) -> list[tuple[int, list[int]]]:
@@ -78,9 +86,12 @@ def prompts(cell: Cell, seed: int) -> list[tuple[int, list[int]]]:
     import random
 
     rng = random.Random(seed)
+    shared = random.Random(seed + PREAMBLE_SEED)
+    preamble = [shared.randrange(1000, 40000) for _ in range(cell.preamble_tokens)]
     prefixes = [[rng.randrange(1000, 40000) for _ in range(cell.prefix_tokens)] for _ in range(GROUPS)]
     order = group_order(rng, GROUPS, REQUESTS, zipf=False, bursty=cell.order == "bursty")
-    return [(g, prefixes[g] + [rng.randrange(1000, 40000) for _ in range(SUFFIX_TOKENS)]) for g in order]
+    return [(g, preamble + prefixes[g] + [rng.randrange(1000, 40000) for _ in range(SUFFIX_TOKENS)])
+            for g in order]
 
 
 def workload(cell: Cell, seed: int) -> Workload:

@@ -41,7 +41,15 @@ from bench.w3_fleet import (
     start_fleet,
     wait_healthy,
 )
-from bench.w3_grid_cells import GROUPS, OUTPUT_TOKENS, REPLICAS, REQUESTS, SUFFIX_TOKENS, Cell
+from bench.w3_grid_cells import (
+    GROUPS,
+    OUTPUT_TOKENS,
+    PREAMBLE_SEED,
+    REPLICAS,
+    REQUESTS,
+    SUFFIX_TOKENS,
+    Cell,
+)
 from bench.w3_workloads import WORDS, group_order
 from kvscale.processes import free_port
 
@@ -64,6 +72,8 @@ def text_of(rng: random.Random, tokenizer: Any, tokens: int) -> str:
 
 def text_prompts(cell: Cell, seed: int, tokenizer: Any, opening: str) -> list[str]:
     rng = random.Random(seed)
+    if cell.preamble_tokens:
+        opening = f"{opening}. {text_of(random.Random(seed + PREAMBLE_SEED), tokenizer, cell.preamble_tokens)}"
     prefixes = [text_of(rng, tokenizer, cell.prefix_tokens) for _ in range(GROUPS)]
     order = group_order(rng, GROUPS, REQUESTS, zipf=False, bursty=cell.order == "bursty")
     return [f"{opening}. {prefixes[g]} {text_of(rng, tokenizer, SUFFIX_TOKENS)}" for g in order]
