@@ -18,6 +18,7 @@ from kvscale.router.decision import (
     HotBlocks,
     forget_stale_overloads,
     free_blocks,
+    group_key,
     note_overload,
 )
 from kvscale.router.index import prediction_ttl
@@ -63,7 +64,7 @@ class SimRouter:
         self.cache_aware = CacheAware(block_size)
         self.overloaded_since: dict[str, float] = {}  # the Decider's hysteresis state
         self.overload_seen: dict[str, float] = {}
-        self.homes = GroupHomes()  # leading block -> replica last sent to (the Decider's homes)
+        self.homes = GroupHomes()  # group key -> replica last sent to (the Decider's homes)
         # The router's ledger of its sends, by replica index, as far as the slot wait reads it.
         self.sent: defaultdict[int, list[SimRequest]] = defaultdict(list)
         self.decodes: defaultdict[int, deque[float]] = defaultdict(lambda: deque(maxlen=RECENT_WAITS))
@@ -135,7 +136,7 @@ class SimRouter:
             prompt_tokens=req.prompt_tokens, block_size=self.block_size,
             ttft_overhead_s=calibration.overhead_s,
             hold=None if self.fixed_ttl else routing.OverloadHold(now, wait, self.overloaded_since),
-            last_home=self.homes.get(str(req.hashes[0])) if req.hashes else None,
+            last_home=self.homes.get(group_key(req.hashes)),
         )
         note_overload(self.overloaded_since, self.overload_seen, decision.judged, now)
         chosen = int(decision.ranked[0][1:])
@@ -143,8 +144,7 @@ class SimRouter:
         req.record = self.record(req, cands, decision)
         req.predicted_ttft_s = decision.uncalibrated_ttft_s
         self.hot.sent(decision.ranked[0], req.hashes, now)
-        if req.hashes:
-            self.homes.remember(str(req.hashes[0]), decision.ranked[0])
+        self.homes.remember(group_key(req.hashes), decision.ranked[0])
         self.sent[chosen].append(req)
         if routing.uses_prefix(name):
             announced = next(rep.announced for rep in self.replicas if rep.index == chosen)

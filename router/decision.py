@@ -15,7 +15,7 @@ import random
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from dataclasses import replace
 
 from kvscale.router import policy as routing
@@ -61,11 +61,26 @@ class SessionMemory:
             self._replicas.popitem(last=False)
 
 
+def group_key(hashes: Sequence[int]) -> str | None:
+    """What a prompt's group is remembered by (``GroupHomes``): the chained hash of its first
+    ``P // 2`` blocks, ``P`` the largest power of two up to its block count.
+
+    Prompts of a group share a long prefix and differ in a short tail, so the key falls inside
+    what they share whenever their own tails take under half the prompt. The leading block was the
+    key before, and a system prompt every group opens with (a block or longer) made every group one:
+    each new group was sent to the last one's home. Halving a power of two keeps the key where a
+    group's prompts differ in length by a few blocks; it may take the shared opening for the group
+    only where that opening is over a quarter of the prompt."""
+    if not hashes:
+        return None
+    return str(hashes[max(1, (1 << (len(hashes).bit_length() - 1)) // 2) - 1])
+
+
 class GroupHomes(SessionMemory):
-    """The replica each prompt's leading block (its group) was last sent to, how many of the
-    remembered groups call each replica home: its share of the groups, where no replica has room
-    for a new one (kvscale.router.cold_placement.shared_home), and when a group last made it its
-    home (``last_homed``)."""
+    """The replica each group (``group_key``) was last sent to, how many of the remembered groups
+    call each replica home: its share of the groups, where no replica has room for a new one
+    (kvscale.router.cold_placement.shared_home), and when a group last made it its home
+    (``last_homed``)."""
 
     def __init__(self, capacity: int = SESSIONS_KEPT) -> None:
         super().__init__(capacity)
@@ -358,7 +373,7 @@ class Decider:
             sticky_replica=self.sessions.get(session),
             index_stale=index_stale,
             hold=hold,
-            last_home=self.homes.get(str(hashes[0])) if hashes else None,
+            last_home=self.homes.get(group_key(hashes)),
         )
         note_overload(self.overloaded_since, self.overload_seen, decision.judged, now)
         if decision.ranked and is_spill(matched, decision.ranked[0], decision.reason):
@@ -367,8 +382,7 @@ class Decider:
             log.debug("decision %s", json.dumps(decision_record(views, decision, now, hash_key)))
         if decision.ranked:
             self.hot.sent(decision.ranked[0], hashes, now)
-            if hashes:
-                self.homes.remember(str(hashes[0]), decision.ranked[0])
+            self.homes.remember(group_key(hashes), decision.ranked[0])
         if decision.ranked and decision.uncalibrated_ttft_s is not None:
             decision = replace(decision, predicted_ttft_s=calibration.overhead_s
                                + calibration.scale(decision.ranked[0]) * decision.uncalibrated_ttft_s)

@@ -88,6 +88,12 @@ DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
 RATE_SPREAD = 2.0
 # predicted-ttft's default slack (the tolerated relative prediction error) before a holder spills.
 TTFT_SLACK = 0.25
+# A prompt whose longest cached prefix is under this share of its blocks is placed as a new one
+# (cold_placement), its holders' saving left to the estimates: an opening every prompt shares (a
+# system prompt) is held everywhere it went first, and anchoring each new prefix behind it to its
+# first holder piled every group onto that replica (docs/router.md, "predicted-ttft").
+# cache_aware's match threshold is the same share of characters.
+ANCHOR_SHARE = 0.5
 
 
 # How many times faster restoring a block from a replica's host tier is than prefilling it:
@@ -210,6 +216,7 @@ def predicted_ttft_policy(
 
     by_estimate = sorted(eligible, key=key)
     best_match = max((c.matched_blocks for c in candidates), default=0)
+    cold = best_match < ANCHOR_SHARE * prompt_blocks(prompt_tokens, block_size) or best_match == 0
     reason = "load"
     anchor: Candidate | None = None
     spill: Spill | None = None
@@ -217,7 +224,7 @@ def predicted_ttft_policy(
     sticky = [c for c in eligible if c.replica_id == sticky_replica]
     if sticky:
         anchor, reason = sticky[0], "sticky"
-    elif best_match > 0:
+    elif not cold:
         anchor = next((c for c in by_estimate if c.matched_blocks == best_match), None)
         reason = "affinity" if anchor is not None else "load"
     if anchor is not None:
@@ -248,9 +255,9 @@ def predicted_ttft_policy(
             spill = Spill(anchor.replica_id, ttft[anchor.replica_id], other.replica_id, ttft[other.replica_id],
                           saved, held)
             anchor, reason = other, "load"
-    if anchor is None and best_match == 0 and (home := adapter_home(by_estimate, ttft, slack)) is not None:
+    if anchor is None and cold and (home := adapter_home(by_estimate, ttft, slack)) is not None:
         anchor, reason = home, "lora"  # a cold prompt of an adapter readier on some replicas
-    elif anchor is None and best_match == 0:  # a cold prompt (kvscale.router.cold_placement)
+    elif anchor is None and cold:  # a cold prompt (kvscale.router.cold_placement)
         anchor, returned = cold_home(by_estimate, prompt_tokens, block_size, rates, ttft, slack, key, last_home, hold)
         judged = returned or judged
     ranked = by_estimate
