@@ -11,6 +11,7 @@ from bench.w3_grid_cells import (
     W3_LITE,
     Cell,
     grid,
+    prompts,
     replica_costs,
     seed_verdicts,
     simulate_cell,
@@ -23,8 +24,19 @@ def test_cells_size_the_pools_from_the_groups_and_w3_lite_keeps_its_own():
     assert W3_LITE.blocks_per_replica() == 160
     assert Cell(prefix_tokens=512, capacity="fits").blocks_per_replica() == 160  # 12 x 32 blocks / 0.8 / 3
     assert Cell(prefix_tokens=512, capacity="over").blocks_per_replica() == 64  # half of 12 x 32 / 3
-    assert len(grid()) == 1 + 3 * 3 * 2 * 3 * 2
+    assert len(grid()) == 2 + 3 * 3 * 2 * 3 * 2
     assert [c.name for c in pick("w3-lite")] == [W3_LITE.name]
+    behind = pick(f"{W3_LITE.name}-pre64")[0]
+    assert behind.preamble_tokens == 64 and behind.blocks_per_replica() == 160
+
+
+def test_a_preamble_opens_every_prompt_and_leaves_the_rest_as_it_was():
+    plain, behind = W3_LITE, pick(f"{W3_LITE.name}-pre64")[0]
+    for seed in (0, 1):
+        with_preamble, without = prompts(behind, seed), prompts(plain, seed)
+        openings = {tuple(prompt[:64]) for _, prompt in with_preamble}
+        assert len(openings) == 1  # every group opens alike
+        assert [(g, p[64:]) for g, p in with_preamble] == without
     with pytest.raises(SystemExit):
         pick("no-such-cell")
 
