@@ -1,12 +1,12 @@
-"""Where the predicted-TTFT policy sends a prompt nobody holds (docs/router.md, "Where a new prefix
-goes"): pure functions over the candidates and their estimates.
+"""Where the predicted-TTFT policy sends a prompt nobody holds half of (docs/router.md, "Where a
+new prefix goes"): pure functions over the candidates and their estimates.
 
 Where some replica has room for the prompt beside its hot prefixes, and its recent traffic plus
 the prompt still fit in its KV blocks, the prompt goes to the one of those whose recent traffic
 claims least room (``new_prefix_home``), unless its queue truly overloads it (``busy_new_home``:
 against the replicas with room, charged the blocks of recent traffic the prompt would evict).
 Where none has, the groups outgrow the fleet's KV: a group this router has placed before goes back
-to the replica it last sent the group's leading block to (``returning_home``), unless the spill
+to the replica it last sent the group to (``returning_home``; kvscale.router.decision.group_key), unless the spill
 rule, nothing saved, has found that replica truly overloaded for the hold; a group it has not
 placed, or whose home is overloaded, goes to the replica with the fewest groups homed there per
 unit of its speed (``shared_home``): with no room anywhere, room cannot choose, and each replica
@@ -110,8 +110,8 @@ def returning_home(
     hold: OverloadHold | None = None,
 ) -> tuple[Candidate | None, tuple[str, bool] | None]:
     """Where a prompt nobody holds goes when no replica has room for it, and the verdict on its home
-    for the hysteresis (replica, overloaded): the replica this router last sent its leading block
-    to, unless the spill rule (nothing saved) finds it truly overloaded against the best other
+    for the hysteresis (replica, overloaded): the replica this router last sent its group to,
+    unless the spill rule (nothing saved) finds it truly overloaded against the best other
     estimate and has for ``hold`` (as a holder is passed over; None: at once). With no room anywhere
     the fleet cannot hold every group at once; a group sent wherever the queue is shortest finds a
     replica that evicted it, and evicts another group there, so each replica ends up seeing every

@@ -195,7 +195,7 @@ def candidate_view(
     shared by requests queued there once); ``fleet_decode_s``: the typical decode over the fleet
     (a replica where none of ours has finished yet borrows it for its slot wait); ``adapter``: the
     request's LoRA adapter (None: the base model), how ready the replica is for it;
-    ``homed_groups``: the groups whose leading block this router last sent there, ``last_homed``: when
+    ``homed_groups``: the groups (``group_key``) this router last sent there, ``last_homed``: when
     a group last made it its home (``GroupHomes``)."""
     hb = heartbeats.get(replica.replica_id)
     room: int | None = None
@@ -271,7 +271,7 @@ class Decider:
         self.in_flight = in_flight
         self.metrics = metrics
         self.sessions = SessionMemory()
-        # The replica each leading block was last sent to (a prompt nobody holds returns there
+        # The replica each group was last sent to (a prompt nobody holds returns there
         # when no replica has room for it: kvscale.router.cold_placement.returning_home).
         self.homes = GroupHomes()
         self.hot = HotBlocks()

@@ -37,11 +37,12 @@ other's rate. The other's estimate already pays that prefill once; the
 rule asks the anchor's queue to cost it again, since the copy delays every request behind it on
 the other replica too. ``slack`` (--balance-epsilon, spec.router.balanceEpsilon) is the tolerated
 prediction error, relative; its hysteresis and the rule are kvscale.router.spill_rule. A prompt
-nobody holds goes where kvscale.router.cold_placement sends it: a replica with room for it beside
+nobody holds ``ANCHOR_SHARE`` of (a shared opening alone anchors nothing) goes where
+kvscale.router.cold_placement sends it: a replica with room for it beside
 its hot prefixes (``free_blocks``: the replica's KV blocks less those this router sent there twice
 or more within the hot window; kvscale.router.decision) where its recent traffic and the prompt
 fit in its KV blocks, the least claimed, unless its queue truly overloads it; where none has room
-it fits in, back to the replica its leading block was last sent to, unless that has been truly
+it fits in, back to the replica its group was last sent to, unless that has been truly
 overloaded for the hold, else the least claimed replica of all, and its LRU makes room there. Ties
 (within 1 ms) go to the longer cached prefix, then to the rendezvous hash. The bounded-load cap
 on in-flight requests (``ttft_epsilon``) stays a safety valve: a replica over it goes last
@@ -187,7 +188,7 @@ def predicted_ttft_policy(
     overhead every request pays wherever it goes (``ttft_overhead_s``) is added to the estimate the
     decision reports, not to the ones it compares: a time common to every replica must not change
     a decision (added to both sides of the spill rule it would make the holder keep more).
-    ``last_home``: the replica this router last sent the prompt's leading block to (None: never,
+    ``last_home``: the replica this router last sent the prompt's group to (None: never,
     or forgotten), where a prompt nobody holds returns when no replica has room for it."""
     if not candidates:
         return Decision([], 0, "none")
