@@ -37,7 +37,8 @@ other's rate. The other's estimate already pays that prefill once; the
 rule asks the anchor's queue to cost it again, since the copy delays every request behind it on
 the other replica too. ``slack`` (--balance-epsilon, spec.router.balanceEpsilon) is the tolerated
 prediction error, relative; its hysteresis and the rule are kvscale.router.spill_rule. A prompt
-nobody holds ``ANCHOR_SHARE`` of (a shared opening alone anchors nothing) goes where
+nobody holds (or, of a group not placed before, holds under ``ANCHOR_SHARE`` of: a shared
+opening alone anchors no new group) goes where
 kvscale.router.cold_placement sends it: a replica with room for it beside
 its hot prefixes (``free_blocks``: the replica's KV blocks less those this router sent there twice
 or more within the hot window; kvscale.router.decision) where its recent traffic and the prompt
@@ -89,11 +90,12 @@ DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
 RATE_SPREAD = 2.0
 # predicted-ttft's default slack (the tolerated relative prediction error) before a holder spills.
 TTFT_SLACK = 0.25
-# A prompt whose longest cached prefix is under this share of its blocks is placed as a new one
-# (cold_placement), its holders' saving left to the estimates: an opening every prompt shares (a
-# system prompt) is held everywhere it went first, and anchoring each new prefix behind it to its
-# first holder piled every group onto that replica (docs/router.md, "predicted-ttft").
-# cache_aware's match threshold is the same share of characters.
+# A prompt of a group this router has not placed (no ``last_home``) whose longest cached prefix is
+# under this share of its blocks is placed as a new one (cold_placement), its holders' saving left
+# to the estimates: an opening every prompt shares (a system prompt) is held everywhere it went
+# first, and anchoring each new prefix behind it to its first holder piled every group onto that
+# replica (docs/router.md, "predicted-ttft"). cache_aware's match threshold is the same share, of
+# characters. A group placed before keeps its holder, even one its LRU left a few blocks.
 ANCHOR_SHARE = 0.5
 
 
@@ -217,7 +219,9 @@ def predicted_ttft_policy(
 
     by_estimate = sorted(eligible, key=key)
     best_match = max((c.matched_blocks for c in candidates), default=0)
-    cold = best_match < ANCHOR_SHARE * prompt_blocks(prompt_tokens, block_size) or best_match == 0
+    # A group this router has placed keeps its holder, even one left with a few of its blocks.
+    cold = best_match == 0 or (last_home is None
+                               and best_match < ANCHOR_SHARE * prompt_blocks(prompt_tokens, block_size))
     reason = "load"
     anchor: Candidate | None = None
     spill: Spill | None = None

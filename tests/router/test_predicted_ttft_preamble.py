@@ -27,7 +27,8 @@ def test_a_new_group_behind_a_shared_preamble_is_placed_as_a_new_one():
 
 
 def test_a_group_whose_prefix_is_held_stays_on_its_holder():
-    """Half the prompt's blocks or more held: the holder is the anchor, as any prefix's holder."""
+    """Half the prompt's blocks or more held: the holder is the anchor, as any prefix's holder;
+    fewer, for a group this router has not placed: placed as a new prefix."""
     for held in (19, 36):
         fleet = [cand("holder", matched=held, load=1, recent=150), cand("r1", matched=4, recent=40),
                  cand("r2", recent=80)]
@@ -35,6 +36,11 @@ def test_a_group_whose_prefix_is_held_stays_on_its_holder():
         assert decision.ranked[0] == "holder" and decision.reason == "affinity", held
     fleet = [cand("holder", matched=18, load=1, recent=150), cand("r1", recent=40), cand("r2", recent=80)]
     assert policy.predicted_ttft_policy(fleet, PROMPT, BLOCK, hash_key=1).ranked[0] == "r1"
+    # A group this router placed before keeps a holder left with a few of its blocks (its LRU took
+    # the rest): placed as a new prefix, the grid's throttled cells lost TTFT p90.
+    fleet = [cand("holder", matched=4, recent=150), cand("r1", recent=40), cand("r2", recent=80)]
+    decision = policy.predicted_ttft_policy(fleet, PROMPT, BLOCK, hash_key=1, last_home="r2")
+    assert decision.ranked[0] == "holder" and decision.reason == "affinity"
 
 
 def chained(blocks: list[int]) -> list[int]:
