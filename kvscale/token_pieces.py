@@ -32,6 +32,10 @@ from tokenizers import pre_tokenizers
 PIECE_CHARS = 256
 # Pieces kept (least recently used dropped): ~2 MB of text and ids at PIECE_CHARS.
 MAX_PIECES = 8192
+# Characters of the pieces kept, at most: a piece runs to the first cut past PIECE_CHARS, so a text
+# with no space between letters for a long stretch (code, digits, CJK) makes one long piece, and
+# the count of pieces alone would not bound what clients' prompts keep here.
+MAX_CHARS = 2 * MAX_PIECES * PIECE_CHARS
 # Hashes of pieces met (whether kept or not) remembered, per piece kept.
 SEEN_PER_PIECE = 4
 
@@ -168,13 +172,16 @@ class PieceCache:
     ``lengths`` is byte_lengths' table of the same tokenizer."""
 
     def __init__(self, encode_batch: Callable[[list[str]], Sequence[Sequence[int]]], prefix_specials: list[int],
-                 lengths: Sequence[int], every: int = PIECE_CHARS, max_pieces: int = MAX_PIECES) -> None:
+                 lengths: Sequence[int], every: int = PIECE_CHARS, max_pieces: int = MAX_PIECES,
+                 max_chars: int = MAX_CHARS) -> None:
         self._encode_batch = encode_batch
         self.prefix_specials = prefix_specials
         self._lengths = lengths
         self.every = every
         self.max_pieces = max_pieces
+        self.max_chars = max_chars
         self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._chars = 0  # of the pieces kept
         self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of pieces met, kept or not
         # The router encodes on its event loop and, for long prompts, in a worker thread.
         self._lock = threading.Lock()
@@ -231,7 +238,15 @@ class PieceCache:
             parts = list(self._encode_batch(pieces))
         with self._lock:
             for piece, part in zip(pieces, parts, strict=False):
+                if piece not in self._pieces:
+                    self._chars += len(piece)
                 self._pieces[piece] = tuple(part)
             self.misses += len(pieces)
-            while len(self._pieces) > self.max_pieces:
-                self._pieces.popitem(last=False)
+            while self._pieces and (len(self._pieces) > self.max_pieces or self._chars > self.max_chars):
+                gone, _ = self._pieces.popitem(last=False)
+                self._chars -= len(gone)
+
+    @property
+    def chars(self) -> int:
+        """The characters of the pieces kept."""
+        return self._chars

@@ -129,6 +129,21 @@ def test_the_pieces_kept_are_bounded() -> None:
     assert len(cache) == 10
 
 
+def test_the_characters_kept_are_bounded_however_long_a_piece() -> None:
+    """Long stretches without a space between letters make long pieces: the characters kept stay
+    under the bound, whatever the count of pieces."""
+    tokenizer = trained(SHAPES["gpt2-byte-level"](), False)
+    cache = piece_cache(tokenizer, every=4, max_pieces=1000)
+    cache.max_chars = 5000
+    rng = random.Random(2)
+    for _ in range(40):
+        text = " ".join("ab" + "1" * rng.randint(500, 900) + "c" for _ in range(6))
+        for _ in range(2):  # kept on the second sighting
+            assert cache.ids(text, False) in (None, whole(tokenizer, text, False))
+    assert 0 < cache.chars <= 5000 and len(cache) < 20
+    assert cache.chars == sum(len(piece) for piece in cache._pieces)
+
+
 def with_normalizer() -> dict:
     tokenizer = trained(SHAPES["gpt2-byte-level"](), False)
     tokenizer.normalizer = normalizers.Lowercase()
