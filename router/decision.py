@@ -66,9 +66,9 @@ def group_key(hashes: Sequence[int]) -> str | None:
     ``P // 2`` blocks, ``P`` the largest power of two up to its block count.
 
     Prompts of a group share a long prefix and differ in a short tail, so the key falls inside
-    what they share whenever their own tails take under half the prompt. The leading block was the
-    key before, and a system prompt every group opens with (a block or longer) made every group one:
-    each new group was sent to the last one's home. Halving a power of two keeps the key where a
+    what they share whenever their own tails take under half the prompt. Keyed by the leading
+    block, a system prompt every group opens with (a block or longer) would make every group one,
+    each new group sent to the last one's home. Halving a power of two keeps the key where a
     group's prompts differ in length by a few blocks; it may take the shared opening for the group
     only where that opening is over a quarter of the prompt."""
     if not hashes:
