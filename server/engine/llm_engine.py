@@ -194,15 +194,15 @@ class LLMEngine:
             if not refused and self.structured.has_pending():
                 self.structured.wait(GRAMMAR_WAIT_S)
             return refused
-        self.structured.engine_busy()
         scheduled_at = self._mark_scheduled(sched.scheduled)
         # The masks of the rows that will sample, filled while the forward runs.
         self.structured.start_masks([item.seq for item in sched.scheduled
                                      if item.seq.num_computed_tokens + item.num_new_tokens >= item.seq.num_tokens])
         drafted = self.spec.attach(sched) if self.spec is not None else None
         copies = self.kv.take_pending_copies()
-        step_logits = run_forward(self, sched, snapshot, scheduled_at, copies,
-                                  bool(tier_copies or window_copies or copies), drafted.rows if drafted else None)
+        with self.structured.forward_running():
+            step_logits = run_forward(self, sched, snapshot, scheduled_at, copies,
+                                      bool(tier_copies or window_copies or copies), drafted.rows if drafted else None)
         if step_logits is None:
             return refused
         logits, sample_rows = step_logits.sample, step_logits.sample_rows

@@ -10,7 +10,7 @@ They must not wait for anything else. Any process at a normal priority in the sa
 hog beside a test server) starves a SCHED_IDLE thread as much while the engine is idle. So one
 more thread, the rescuer, stays at the process's priority and watches the workers' CPU clocks:
 when they have had work but less than ``STARVED_SHARE`` of a CPU for ``starved_after_s`` while
-the engine ran no forward pass (``engine_busy``), it compiles the oldest unfinished job itself (a
+the engine ran no forward pass (``forward_running``), it compiles the oldest unfinished job itself (a
 queued one is taken from the queue; a running one is compiled again, and whichever copy finishes
 first serves), and the next, for as long as the engine stays idle.
 
@@ -30,8 +30,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +115,8 @@ class CompilePool:
         self._clocks: list[int] = []  # the workers' CPU clocks
         self._closed = False
         self._abandoned = 0  # threads still finishing an abandoned job
-        self._engine_busy_at = float("-inf")  # monotonic, the last forward pass
+        self._engine_busy_at = float("-inf")  # monotonic, the last forward pass's start or end
+        self._forward_running = False
         self.rescues = 0
         self.threads = [threading.Thread(target=self._work_loop, name=f"grammar-compile-{i}", daemon=True)
                         for i in range(workers)]
@@ -131,10 +133,18 @@ class CompilePool:
             self._work.notify_all()
         return job
 
-    def engine_busy(self) -> None:
-        """The engine runs a forward pass now (called by its step): starved workers are then
-        waiting for the engine, as they should, and the rescuer leaves them be."""
+    @contextmanager
+    def forward_running(self) -> Iterator[None]:
+        """The engine runs a forward pass inside this block: starved workers are then waiting for
+        the engine, as they should, and the rescuer leaves them be, however long the pass (a long
+        prefill chunk can outlast ``starved_after_s``)."""
+        self._forward_running = True
         self._engine_busy_at = time.monotonic()
+        try:
+            yield
+        finally:
+            self._forward_running = False
+            self._engine_busy_at = time.monotonic()
 
     def abandon(self, job: CompileJob) -> bool:
         """Give up on a running ``job`` (over the time limit): a new worker takes the queue; the
@@ -203,15 +213,18 @@ class CompilePool:
             elif now - mark[0] >= self._starved_after_s:
                 share = (cpu - mark[1]) / (now - mark[0]) / max(1, len(clocks))
                 since = mark[0]
-                if share < STARVED_SHARE and self._engine_busy_at < since:
+                if share < STARVED_SHARE and self._engine_idle_since(since):
                     # Starved by something other than the engine: compile here, one job after
                     # another, until none is left or the engine runs again.
-                    while self._engine_busy_at < since and self._rescue_one(share):
+                    while self._engine_idle_since(since) and self._rescue_one(share):
                         pass
                     mark = None
                 else:
                     mark = (now, cpu)
             time.sleep(RESCUE_POLL_S)
+
+    def _engine_idle_since(self, since: float) -> bool:
+        return not self._forward_running and self._engine_busy_at < since
 
     @staticmethod
     def _workers_cpu(clocks: list[int]) -> float:

@@ -26,6 +26,7 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,9 +184,9 @@ class StructuredOutputManager:
             ready.append(request)
         return ready, failed
 
-    def engine_busy(self) -> None:
-        """A forward pass runs now: low-priority compiles wait for it (compile_pool.py)."""
-        self.compiler.pool.engine_busy()
+    def forward_running(self) -> AbstractContextManager[None]:
+        """A forward pass runs inside this block: low-priority compiles wait for it (compile_pool.py)."""
+        return self.compiler.pool.forward_running()
 
     def wait(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` for any pending compile (when there is nothing else to run)."""

@@ -111,9 +111,33 @@ def _env(overrides: dict[str, str | None] | None = None) -> dict:
     return env
 
 
+# How often a start that lost its port is retried on another: ``free_port`` probes a port, the
+# child binds it seconds later (after its imports), and another xdist worker can take it between.
+PORT_RETRIES = 3
+
+
 def spawn(args: list[str], port: int, name: str, health_path: str = "/health", timeout: float = 240,
           env: dict[str, str | None] | None = None) -> Proc:
-    """Start `kvscale ARGS` and wait until ``health_path`` answers 200; ``env`` overrides variables."""
+    """Start `kvscale ARGS` and wait until ``health_path`` answers 200; ``env`` overrides variables.
+    A child that exits because ``--port`` was taken meanwhile is started again on another port."""
+    for attempt in range(PORT_RETRIES + 1):
+        try:
+            return _spawn_once(args, port, name, health_path, timeout, env)
+        except PortTaken:
+            if attempt == PORT_RETRIES or "--port" not in args:
+                raise
+            port = free_port()
+            args = [*args]
+            args[args.index("--port") + 1] = str(port)
+    raise AssertionError("unreachable")
+
+
+class PortTaken(RuntimeError):
+    """The child exited because its port was bound by another process first."""
+
+
+def _spawn_once(args: list[str], port: int, name: str, health_path: str, timeout: float,
+                env: dict[str, str | None] | None) -> Proc:
     log_fd, log_path = tempfile.mkstemp(prefix=f"kvscale-{name}-", suffix=".log")
     proc = subprocess.Popen(KVSCALE + args, stdout=log_fd, stderr=subprocess.STDOUT, env=_env(env), cwd=str(REPO))
     os.close(log_fd)
@@ -121,7 +145,9 @@ def spawn(args: list[str], port: int, name: str, health_path: str = "/health", t
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{handle.log_tail()}")
+            tail = handle.log_tail()
+            error = PortTaken if "address already in use" in tail.lower() else RuntimeError
+            raise error(f"{name} exited with {proc.returncode}:\n{tail}")
         try:
             if httpx.get(f"{handle.url}{health_path}", timeout=1.0).status_code == 200:
                 return handle

@@ -335,15 +335,19 @@ def test_a_worker_starved_while_the_engine_is_idle_is_rescued_at_the_process_pri
 
 
 def test_a_worker_starved_while_the_engine_runs_forward_passes_waits_for_the_engine(bundled_tokenizer):
-    """Compiles yield to the engine by design: while it reports forward passes, no rescue; once
-    it stops, the rescuer steps in."""
+    """Compiles yield to the engine by design: while it runs forward passes, no rescue; once it
+    stops, the rescuer steps in."""
     config = RESCUE
     compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, config)
     stepping = threading.Event()
 
     def engine() -> None:
-        while not stepping.wait(0.02):
-            compiler.pool.engine_busy()
+        # The thread may wait for the interpreter lock on its way out of a pass (the starved
+        # worker can hold it for a while): that time counts as the pass's, as it does for the
+        # engine's own thread.
+        while not stepping.is_set():
+            with compiler.pool.forward_running():
+                stepping.wait(0.02)
 
     try:
         compiler.submit(StructuredOutputsParams(json='{"type":"object"}')).future.result(timeout=60)
@@ -360,6 +364,38 @@ def test_a_worker_starved_while_the_engine_runs_forward_passes_waits_for_the_eng
         assert compiler.pool.rescues >= 1
     finally:
         stepping.set()
+        compiler.shutdown()
+
+
+def test_a_forward_pass_longer_than_the_starved_bound_is_not_taken_for_an_idle_engine(bundled_tokenizer):
+    """One pass (a long prefill chunk) may outlast compile_starved_after_s: the engine is busy all
+    along, though it last started a pass before the workers were seen starving."""
+    config = RESCUE
+    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, config)
+    passing = threading.Event()
+    ended = threading.Event()
+
+    def engine() -> None:
+        with compiler.pool.forward_running():
+            passing.set()
+            ended.wait(60)
+
+    steps = threading.Thread(target=engine)
+    try:
+        compiler.submit(StructuredOutputsParams(json='{"type":"object"}')).future.result(timeout=60)
+        with starved_worker(compiler):
+            steps.start()
+            assert passing.wait(10)
+            pending = compiler.submit(StructuredOutputsParams(json=json.dumps(MEDIUM_SCHEMA)))
+            time.sleep(1.5)  # five times compile_starved_after_s, all inside the one pass
+            assert compiler.pool.rescues == 0 and not pending.future.done()
+            ended.set()
+            steps.join()
+            result = poll_until_answered(pending, config)
+        assert isinstance(result, Compiled), result
+        assert compiler.pool.rescues >= 1
+    finally:
+        ended.set()
         compiler.shutdown()
 
 
