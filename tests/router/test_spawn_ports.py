@@ -6,7 +6,8 @@ from __future__ import annotations
 import socket
 
 import httpx
-from conftest import BLOCK_SIZE, spawn
+
+from tests.router.conftest import BLOCK_SIZE, spawn
 
 
 def test_a_child_whose_port_was_taken_is_started_on_another():
