@@ -223,13 +223,24 @@ def _tenants(args: argparse.Namespace) -> TenantFile | None:
     return tenants
 
 
+# The HTTP client's loggers: httpx writes a line per request at INFO (every health check), httpcore
+# several per request at DEBUG. ``--log-level debug`` is for the router's own records (every
+# decision: kvscale.router.decision), not a trace of the transport under them.
+QUIET_LOGGERS = ("httpx", "httpcore")
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvscale.drain import serve
     from kvscale.router.admission import gate
     from kvscale.router.app import build_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check otherwise
+    configure_logging(args.log_level)
     config = config_from_args(args)
     limits = request_limits.limits_from_args(args)
     app = build_app(config)
