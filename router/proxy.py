@@ -156,15 +156,36 @@ class Forwarder:
 
     async def forward(self, routed: Routed) -> Response:
         """The client's response: the first replica's down the ranking that answers, a 502 when
-        none does, or a 499 when the client left before the first byte."""
-        response = await unless_client_leaves(self._forward(routed), routed.client_left)
+        none does, or a 499 when the client left before the first byte.
+
+        The first replica's share of the request (its predicted blocks in the index, its prefill in
+        the in-flight ledger) is booked here, before anything is awaited: the forward runs as a
+        task of its own, and every decision taken before that task first ran, in a burst of
+        arrivals, saw neither, so a group's requests arriving together were spread over the
+        replicas as if each were a new prefix (docs/router.md, "Predictions")."""
+        booked = [self._book(routed, routed.ranked[0], 0)] if routed.ranked else []
+        try:
+            response = await unless_client_leaves(self._forward(routed, booked), routed.client_left)
+        finally:
+            for request in booked:  # the forward never began (the client left first)
+                self.in_flight.close(request)
         if response.status_code == CLIENT_GONE:
             self.metrics.requests.labels("none", self.policy, str(CLIENT_GONE)).inc()
         if not isinstance(response, RelayResponse):  # no replica's answer (on_done is not told)
             response.headers.update(routed.reply_headers)
         return response
 
-    async def _forward(self, routed: Routed) -> Response:
+    def _book(self, routed: Routed, replica: Replica, attempt: int) -> OpenRequest:
+        """The request's blocks predicted on ``replica`` and its prefill opened in the ledger."""
+        if routed.hashes:
+            self.index.predict(replica.replica_id, routed.hashes, time.monotonic())
+        hit = routed.predicted_hit_tokens if attempt == 0 else 0
+        return self.in_flight.open(replica, max(routed.prompt_tokens - hit, 1),
+                                   self._measure(routed, replica) if attempt == 0 else None,
+                                   routed.hashes, routed.prompt_tokens)
+
+    async def _forward(self, routed: Routed, booked: list[OpenRequest]) -> Response:
+        """``booked``: the first attempt's request, taken (popped) as the attempt begins."""
         client = self._client
         assert client is not None, "forward before open"
         method, path = ENDPOINTS[routed.endpoint]
@@ -172,12 +193,7 @@ class Forwarder:
         last_error = "no replica answered"
         for attempt, replica in enumerate(routed.ranked):
             is_last = attempt == len(routed.ranked) - 1
-            if routed.hashes:
-                self.index.predict(replica.replica_id, routed.hashes, time.monotonic())
-            hit = routed.predicted_hit_tokens if attempt == 0 else 0
-            request = self.in_flight.open(replica, max(routed.prompt_tokens - hit, 1),
-                                          self._measure(routed, replica) if attempt == 0 else None,
-                                          routed.hashes, routed.prompt_tokens)
+            request = booked.pop() if attempt == 0 and booked else self._book(routed, replica, attempt)
             if routed.on_open is not None:
                 routed.on_open()
             committed = False
