@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -21,6 +21,7 @@ from bench.json_key_order import compact, judged_valid
 from bench.jsonschemabench import load_rows
 from kvscale.server.sampling_params import StructuredOutputsParams
 from kvscale.server.structured_outputs import backend
+from kvscale.server.structured_outputs.compile_pool import CompilePool
 from kvscale.server.structured_outputs.compiler import (
     Compiled,
     GrammarCompiler,
@@ -334,69 +335,59 @@ def test_a_worker_starved_while_the_engine_is_idle_is_rescued_at_the_process_pri
         compiler.shutdown()
 
 
-def test_a_worker_starved_while_the_engine_runs_forward_passes_waits_for_the_engine(bundled_tokenizer):
-    """Compiles yield to the engine by design: while it runs forward passes, no rescue; once it
-    stops, the rescuer steps in."""
+def rescued_only_once_the_engine_stops(bundled_tokenizer, engine: Callable[[CompilePool, threading.Event,
+                                                                           threading.Event], None]) -> None:
+    """With the worker starved and ``engine(pool, in_pass, stop)`` on a thread of its own (it sets
+    ``in_pass`` once inside its first pass): no rescue for five times compile_starved_after_s;
+    once ``stop`` is set and the thread ends, the rescuer compiles."""
     config = RESCUE
     compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, config)
-    stepping = threading.Event()
-
-    def engine() -> None:
-        # The thread may wait for the interpreter lock on its way out of a pass (the starved
-        # worker can hold it for a while): that time counts as the pass's, as it does for the
-        # engine's own thread.
-        while not stepping.is_set():
-            with compiler.pool.forward_running():
-                stepping.wait(0.02)
-
+    in_pass, stop = threading.Event(), threading.Event()
+    steps = threading.Thread(target=engine, args=(compiler.pool, in_pass, stop))
     try:
         compiler.submit(StructuredOutputsParams(json='{"type":"object"}')).future.result(timeout=60)
         with starved_worker(compiler):
-            steps = threading.Thread(target=engine)
             steps.start()
+            assert in_pass.wait(10)
             pending = compiler.submit(StructuredOutputsParams(json=json.dumps(MEDIUM_SCHEMA)))
             time.sleep(1.5)  # five times compile_starved_after_s
             assert compiler.pool.rescues == 0 and not pending.future.done()
-            stepping.set()
+            stop.set()
             steps.join()
             result = poll_until_answered(pending, config)
         assert isinstance(result, Compiled), result
         assert compiler.pool.rescues >= 1
     finally:
-        stepping.set()
+        stop.set()
         compiler.shutdown()
+
+
+def test_a_worker_starved_while_the_engine_runs_forward_passes_waits_for_the_engine(bundled_tokenizer):
+    """Compiles yield to the engine by design: while it runs forward passes, no rescue; once it
+    stops, the rescuer steps in."""
+
+    def engine(pool: CompilePool, in_pass: threading.Event, stop: threading.Event) -> None:
+        # The thread may wait for the interpreter lock on its way out of a pass (the starved
+        # worker can hold it for a while): that time counts as the pass's, as it does for the
+        # engine's own thread.
+        while not stop.is_set():
+            with pool.forward_running():
+                in_pass.set()
+                stop.wait(0.02)
+
+    rescued_only_once_the_engine_stops(bundled_tokenizer, engine)
 
 
 def test_a_forward_pass_longer_than_the_starved_bound_is_not_taken_for_an_idle_engine(bundled_tokenizer):
     """One pass (a long prefill chunk) may outlast compile_starved_after_s: the engine is busy all
     along, though it last started a pass before the workers were seen starving."""
-    config = RESCUE
-    compiler = GrammarCompiler(bundled_tokenizer, VOCAB, EOS, config)
-    passing = threading.Event()
-    ended = threading.Event()
 
-    def engine() -> None:
-        with compiler.pool.forward_running():
-            passing.set()
-            ended.wait(60)
+    def engine(pool: CompilePool, in_pass: threading.Event, stop: threading.Event) -> None:
+        with pool.forward_running():
+            in_pass.set()
+            stop.wait(60)
 
-    steps = threading.Thread(target=engine)
-    try:
-        compiler.submit(StructuredOutputsParams(json='{"type":"object"}')).future.result(timeout=60)
-        with starved_worker(compiler):
-            steps.start()
-            assert passing.wait(10)
-            pending = compiler.submit(StructuredOutputsParams(json=json.dumps(MEDIUM_SCHEMA)))
-            time.sleep(1.5)  # five times compile_starved_after_s, all inside the one pass
-            assert compiler.pool.rescues == 0 and not pending.future.done()
-            ended.set()
-            steps.join()
-            result = poll_until_answered(pending, config)
-        assert isinstance(result, Compiled), result
-        assert compiler.pool.rescues >= 1
-    finally:
-        ended.set()
-        compiler.shutdown()
+    rescued_only_once_the_engine_stops(bundled_tokenizer, engine)
 
 
 def test_the_wait_bound_may_not_be_below_the_cpu_time_limit():
