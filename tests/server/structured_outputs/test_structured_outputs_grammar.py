@@ -346,17 +346,19 @@ def rescued_only_once_the_engine_stops(bundled_tokenizer, engine: Callable[[Comp
     steps = threading.Thread(target=engine, args=(compiler.pool, in_pass, stop))
     try:
         compiler.submit(StructuredOutputsParams(json='{"type":"object"}')).future.result(timeout=60)
+        # On a loaded machine the warm-up (the tokenizer's build) may itself have been rescued.
+        rescued = compiler.pool.rescues
         with starved_worker(compiler):
             steps.start()
             assert in_pass.wait(10)
             pending = compiler.submit(StructuredOutputsParams(json=json.dumps(MEDIUM_SCHEMA)))
             time.sleep(1.5)  # five times compile_starved_after_s
-            assert compiler.pool.rescues == 0 and not pending.future.done()
+            assert compiler.pool.rescues == rescued and not pending.future.done()
             stop.set()
             steps.join()
             result = poll_until_answered(pending, config)
         assert isinstance(result, Compiled), result
-        assert compiler.pool.rescues >= 1
+        assert compiler.pool.rescues > rescued
     finally:
         stop.set()
         compiler.shutdown()
