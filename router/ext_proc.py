@@ -57,7 +57,7 @@ from kvscale.router.fleet_room import room_on, running_on
 from kvscale.router.in_flight import OpenRequest
 from kvscale.router.lora_routing import request_adapter
 from kvscale.router.prefix_hashes import PromptBlocks
-from kvscale.router.proxy import trusted_headers
+from kvscale.router.proxy import book, trusted_headers
 from kvscale.router.rate_limits import USAGE_TAIL_BYTES
 from kvscale.router.replicas import Replica
 from kvscale.router.tenancy import Grant
@@ -274,10 +274,7 @@ async def pick(router: Any, path: str, headers: dict[str, str], raw: bytes,
             ranked = [by_id[rid] for rid in decision.ranked]
         ranked = ranked[: max(1, config.max_attempts)]
         first = ranked[0]
-        if prompt.hashes:
-            router.index.predict(first.replica_id, prompt.hashes, time.monotonic())
-        opened = router.in_flight.open(first, max(prompt.prompt_tokens - hit_tokens, 1),
-                                       hashes=prompt.hashes, prompt_tokens=prompt.prompt_tokens)
+        opened = book(router.index, router.in_flight, first, prompt.hashes, prompt.prompt_tokens, hit_tokens)
         router.decider.sessions.remember(session, first.replica_id)
         # From here the replica's count has it; its end, as the gateway shows it, settles both.
         return Picked([endpoint_of(r.url) for r in ranked], opened, grant, forwarded_of(router, tenant, grant),

@@ -51,6 +51,16 @@ ENDPOINTS = {
 }
 
 
+def book(index: PrefixIndex, in_flight: InFlight, replica: Replica, hashes: list[int], prompt_tokens: int,
+         hit_tokens: int, on_started: Callable[[float], None] | None = None) -> OpenRequest:
+    """A request sent to ``replica`` as the next decision must see it: its blocks predicted there
+    and its prefill (the prompt less ``hit_tokens``) opened in the in-flight ledger. Called with
+    the decision, before anything is awaited (``Forwarder.forward``; the endpoint picker alike)."""
+    if hashes:
+        index.predict(replica.replica_id, hashes, time.monotonic())
+    return in_flight.open(replica, max(prompt_tokens - hit_tokens, 1), on_started, hashes, prompt_tokens)
+
+
 @dataclass(frozen=True)
 class Routed:
     """A request and where to send it: what the forwarding needs from the decision."""
@@ -176,13 +186,9 @@ class Forwarder:
         return response
 
     def _book(self, routed: Routed, replica: Replica, attempt: int) -> OpenRequest:
-        """The request's blocks predicted on ``replica`` and its prefill opened in the ledger."""
-        if routed.hashes:
-            self.index.predict(replica.replica_id, routed.hashes, time.monotonic())
         hit = routed.predicted_hit_tokens if attempt == 0 else 0
-        return self.in_flight.open(replica, max(routed.prompt_tokens - hit, 1),
-                                   self._measure(routed, replica) if attempt == 0 else None,
-                                   routed.hashes, routed.prompt_tokens)
+        return book(self.index, self.in_flight, replica, routed.hashes, routed.prompt_tokens, hit,
+                    self._measure(routed, replica) if attempt == 0 else None)
 
     async def _forward(self, routed: Routed, booked: list[OpenRequest]) -> Response:
         """``booked``: the first attempt's request, taken (popped) as the attempt begins."""
