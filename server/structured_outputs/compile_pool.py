@@ -115,7 +115,7 @@ class CompilePool:
         self._clocks: list[int] = []  # the workers' CPU clocks
         self._closed = False
         self._abandoned = 0  # threads still finishing an abandoned job
-        self._engine_busy_at = float("-inf")  # monotonic, the last forward pass's start or end
+        self._forward_ended_at = float("-inf")  # monotonic, the last forward pass's end
         self._forward_running = False
         self.rescues = 0
         self.threads = [threading.Thread(target=self._work_loop, name=f"grammar-compile-{i}", daemon=True)
@@ -139,12 +139,13 @@ class CompilePool:
         the engine, as they should, and the rescuer leaves them be, however long the pass (a long
         prefill chunk can outlast ``starved_after_s``)."""
         self._forward_running = True
-        self._engine_busy_at = time.monotonic()
         try:
             yield
         finally:
+            # The end first: the rescuer reads the two without a lock, and must never see the pass
+            # over with an older end.
+            self._forward_ended_at = time.monotonic()
             self._forward_running = False
-            self._engine_busy_at = time.monotonic()
 
     def abandon(self, job: CompileJob) -> bool:
         """Give up on a running ``job`` (over the time limit): a new worker takes the queue; the
@@ -224,7 +225,7 @@ class CompilePool:
             time.sleep(RESCUE_POLL_S)
 
     def _engine_idle_since(self, since: float) -> bool:
-        return not self._forward_running and self._engine_busy_at < since
+        return not self._forward_running and self._forward_ended_at < since
 
     @staticmethod
     def _workers_cpu(clocks: list[int]) -> float:
