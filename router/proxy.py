@@ -170,9 +170,9 @@ class Forwarder:
 
         The first replica's share of the request (its predicted blocks in the index, its prefill in
         the in-flight ledger) is booked here, before anything is awaited: the forward runs as a
-        task of its own, and every decision taken before that task first ran, in a burst of
-        arrivals, saw neither, so a group's requests arriving together were spread over the
-        replicas as if each were a new prefix (docs/router.md, "Predictions")."""
+        task of its own, and booked there, neither would be seen by the decisions taken before
+        that task first runs; in a burst, a group's requests arriving together would be spread
+        over the replicas as if each were a new prefix (docs/router.md, "Predictions")."""
         booked = [self._book(routed, routed.ranked[0], 0)] if routed.ranked else []
         try:
             response = await unless_client_leaves(self._forward(routed, booked), routed.client_left)
