@@ -19,6 +19,7 @@ A prompt of a LoRA adapter readier on some replicas goes where it is readiest (`
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 
 from kvscale.router.candidates import Candidate
@@ -26,6 +27,8 @@ from kvscale.router.spill_rule import OverloadHold, evicted_blocks, prompt_block
 
 # The policy's ranking key (estimate, adapter readiness, cached blocks, load, rendezvous hash).
 RankKey = Callable[[Candidate], tuple[float, int, int, int, int]]
+# Rates within this factor of the pool's median are one speed to the group share (``share_speeds``).
+SAME_SPEED = 1.5
 
 
 def new_prefix_home(roomy: Sequence[Candidate], need: int, key: RankKey) -> Candidate | None:
@@ -130,20 +133,36 @@ def returning_home(
     return (None if overloaded and lasted else home), (home.replica_id, overloaded)
 
 
+def share_speeds(rates: Mapping[str, float]) -> dict[str, float]:
+    """Each replica's speed as the group share weighs it: its rate where that differs from the
+    pool's median by more than SAME_SPEED, else the median. A heartbeat's prefill rate is a short
+    moving average whose steps' mix moves it (short cache-hit steps pay a step's fixed cost for
+    few tokens): in the real routing grid identical replicas published rates up to 1.7 x apart,
+    for minutes, and weighed as they were, the share sent a fifth group to the replica that read
+    2,023 tokens/s while one that read 1,589 kept three (docs/router.md, "Where a new prefix
+    goes")."""
+    if not rates:
+        return {}
+    median = statistics.median(rates.values())
+    return {rid: median if median / SAME_SPEED <= rate <= median * SAME_SPEED else rate
+            for rid, rate in rates.items()}
+
+
 def shared_home(candidates: Sequence[Candidate], rates: Mapping[str, float], key: RankKey) -> Candidate | None:
     """Where a group goes when no replica has room for it and it has no home to return to (or its
     home is truly overloaded): the replica whose share of the groups, this one included, is least
-    per unit of its prefill rate, ``(homed_groups + 1) / rate``; ties to the least room claimed by
-    recent traffic, then to the replica a group last made its home longest ago, then ``key``. With
-    no room anywhere most of a group's requests miss wherever they go, so a replica's work is the
-    misses of the groups it is home to, and a replica at half speed takes half the share. By
-    recent claims alone, a replica whose groups had not come back within the hot window looked
-    empty and took new groups beyond its share (c4-p256-over: 5 groups against 3 and 4), and the
-    half-speed replica took a full share; the simulated routing grid's "over" cells,
-    docs/performance.md, "Routing". None without candidates."""
+    per unit of its speed (``share_speeds``), ``(homed_groups + 1) / speed``; ties to the least room
+    claimed by recent traffic, then to the replica a group last made its home longest ago, then
+    ``key``. With no room anywhere most of a group's requests miss wherever they go, so a
+    replica's work is the misses of the groups it is home to, and a replica at half speed takes
+    half the share. By recent claims alone, a replica whose groups had not come back within the
+    hot window looked empty and took new groups beyond its share (c4-p256-over: 5 groups against
+    3 and 4), and the half-speed replica took a full share; the simulated routing grid's "over"
+    cells, docs/performance.md, "Routing". None without candidates."""
     if not candidates:
         return None
-    return min(candidates, key=lambda c: (round((c.homed_groups + 1) / rates[c.replica_id], 9),
+    speeds = share_speeds({c.replica_id: rates[c.replica_id] for c in candidates})
+    return min(candidates, key=lambda c: (round((c.homed_groups + 1) / speeds[c.replica_id], 9),
                                           c.recent_blocks, c.last_homed, key(c)))
 
 
@@ -189,4 +208,4 @@ def adapter_home(by_estimate: Sequence[Candidate], ttft: Mapping[str, float], sl
 
 
 __all__ = ["RankKey", "adapter_home", "busy_new_home", "cold_home", "fitting", "new_prefix_home",
-           "own_prefill_units", "returning_home", "shared_home"]
+           "own_prefill_units", "returning_home", "share_speeds", "shared_home"]

@@ -250,7 +250,7 @@ def decision_record(views: list[routing.Candidate], decision: routing.Decision, 
         "replicas": {c.replica_id: {"matched": c.matched_blocks, "load": c.load, "queued": c.queued_prefill_tokens,
                                     "decoding": c.num_decoding, "rate": round(c.prefill_tokens_per_s, 1),
                                     "free": c.free_blocks, "ahead": c.sequences_ahead,
-                                    "slots": c.batch_slots} for c in views},
+                                    "slots": c.batch_slots, "homed": c.homed_groups} for c in views},
         "spill": None if decision.spill is None else {
             k: round(v, 3) if isinstance(v, float) else v for k, v in decision.spill.__dict__.items()},
     }

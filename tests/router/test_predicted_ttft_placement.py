@@ -193,6 +193,28 @@ def test_with_no_room_anywhere_a_new_group_goes_where_fewest_groups_are_homed_pe
     assert moved.ranked[0] == "r0" and moved.judged == ("r1", True)
 
 
+def test_with_no_room_anywhere_rates_that_differ_by_their_mix_alone_do_not_tilt_the_group_share():
+    """Identical replicas publish prefill rates up to 1.7 x apart (a short moving average moved by
+    its steps' mix): the real grid's c8-p1024-over cell, at 3, 4 and 4 groups homed, read 1,589,
+    1,876 and 2,023 tokens/s, and weighed as read the twelfth group went to the replica home to 4
+    ((4 + 1) / 2,023 < (3 + 1) / 1,589), ending 3, 4, 5. Within SAME_SPEED of the median the
+    rates are one speed: the group goes to the replica home to 3. A replica at a third of the
+    median still takes a third of the share."""
+    def fleet(homed: tuple[int, int, int], rates: tuple[float, float, float]) -> list[Candidate]:
+        return [Candidate(f"r{i}", 0, prefill_tokens_per_s=rate, recent_blocks=100, free_blocks=0, kv_blocks=128,
+                          homed_groups=groups, last_homed=i)
+                for i, (groups, rate) in enumerate(zip(homed, rates, strict=True))]
+
+    decision = policy.predicted_ttft_policy(fleet((3, 4, 4), (1589.0, 1876.0, 2023.0)), 1059, BLOCK, hash_key=7)
+    assert decision.ranked[0] == "r0"
+    # The shares alone differ only by one group: the least homed, whatever the rates say within the band.
+    assert policy.predicted_ttft_policy(fleet((4, 3, 4), (2023.0, 1589.0, 1876.0)), 1059, BLOCK,
+                                        hash_key=7).ranked[0] == "r1"
+    # A third of the median's speed is a slower replica: (2 + 1) / 600 > (4 + 1) / 1,876.
+    slow = policy.predicted_ttft_policy(fleet((2, 4, 4), (600.0, 1876.0, 2023.0)), 1059, BLOCK, hash_key=7)
+    assert slow.ranked[0] == "r1"
+
+
 def test_among_equal_replicas_a_new_group_goes_where_a_group_last_made_its_home_longest_ago():
     """A burst of new groups arrives in one instant (32 in flight, 4,096-token prefixes twice the
     fleet's KV, the simulated grid): every replica is home to one group, claims as much room and
