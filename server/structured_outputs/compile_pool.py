@@ -14,6 +14,12 @@ the engine ran no forward pass (``forward_running``), it compiles the oldest unf
 queued one is taken from the queue; a running one is compiled again, and whichever copy finishes
 first serves), and the next, for as long as the engine stays idle.
 
+What every compile needs first (``prepare``: the grammar library's view of the tokenizer) is built
+once, on the first job, by a thread of its own at the priority of the thread that made the pool
+(the engine's), never by a worker: the build holds the GIL for its whole time (~0.2 s), and a
+SCHED_IDLE thread preempted while it holds the GIL stalls every thread of the process, the
+engine's included, until the kernel runs it again, which beside a busy neighbour may be seconds.
+
 Each job records the CPU clock of every thread compiling it; its CPU time is the most any of them
 has had (compiler.py's time limit counts that, not wall-clock time the scheduler never gave it).
 
@@ -102,9 +108,12 @@ class CompileJob:
 class CompilePool:
     def __init__(self, prepare: Callable[[], Any], compile_fn: Callable[[Any, Any], Any], workers: int,
                  priority: str, starved_after_s: float) -> None:
-        """``compile_fn(prepare(), arg)`` compiles; ``prepare`` (the tokenizer, built once) runs
-        before a job's clocks start, so a job is not charged for it."""
+        """``compile_fn(prepare(), arg)`` compiles; ``prepare`` (the tokenizer) runs once, on the
+        first job, in a thread at this thread's priority (the module's docstring), and before a
+        job's clocks start, so no job is charged for it."""
         self._prepare = prepare
+        self._prepared: Future[Any] = Future()
+        self._submitted = False
         self._compile_fn = compile_fn
         self._priority = priority
         self._starved_after_s = starved_after_s
@@ -120,6 +129,8 @@ class CompilePool:
         self.rescues = 0
         self.threads = [threading.Thread(target=self._work_loop, name=f"grammar-compile-{i}", daemon=True)
                         for i in range(workers)]
+        self.threads.append(threading.Thread(target=self._prepare_loop, name="grammar-compile-prepare",
+                                             daemon=True))
         if priority != "normal":
             self.threads.append(threading.Thread(target=self._rescue_loop, name="grammar-compile-rescue",
                                                  daemon=True))
@@ -129,6 +140,7 @@ class CompilePool:
     def submit(self, arg: Any) -> CompileJob:
         job = CompileJob(arg)
         with self._work:
+            self._submitted = True
             self._queue.append(job)
             self._work.notify_all()
         return job
@@ -165,6 +177,8 @@ class CompilePool:
         return True
 
     def shutdown(self) -> None:
+        # A build already running finishes (cancel fails); one not begun never will.
+        self._prepared.cancel()
         with self._work:
             self._closed = True
             for job in self._queue:
@@ -173,6 +187,18 @@ class CompilePool:
             self._work.notify_all()
 
     # --- the threads ----------------------------------------------------------------------
+    def _prepare_loop(self) -> None:
+        """Build what every compile needs, at the pool creator's priority, once a job is submitted:
+        a pool that never compiles never builds it."""
+        with self._work:
+            self._work.wait_for(lambda: self._closed or self._submitted)
+        if not self._prepared.set_running_or_notify_cancel():
+            return
+        try:
+            self._prepared.set_result(self._prepare())
+        except BaseException as exc:  # noqa: BLE001 - every job fails with it
+            self._prepared.set_exception(exc)
+
     def _work_loop(self) -> None:
         lower_this_thread(self._priority)
         clock = thread_cpu_clock()
@@ -252,7 +278,7 @@ class CompilePool:
         if job.future.done():  # the rescuer or a worker got there first
             return
         try:
-            prepared = self._prepare()
+            prepared = self._prepared.result()
             clock = thread_cpu_clock()
             # time.thread_time() reads this same clock (the calling thread's CPU time).
             started, cpu_started = time.monotonic(), time.thread_time()

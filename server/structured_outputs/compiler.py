@@ -137,7 +137,8 @@ class GrammarCompiler:
         self.cache_misses = 0
 
     def tokenizer(self) -> Any:
-        """Built on first use, in a compile worker, so neither startup nor a step pays for it."""
+        """Built once: by the engine core's warm-up, else for the first compile by the pool's
+        prepare thread, at the engine's priority (compile_pool.py says why not in a worker)."""
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._tokenizer = backend.build_tokenizer(self._hf_tokenizer, self._vocab_size,

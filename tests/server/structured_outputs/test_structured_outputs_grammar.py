@@ -295,6 +295,44 @@ def test_compile_workers_run_at_the_lowest_priority_by_default_and_still_compile
         compiler.shutdown()
 
 
+def test_what_every_compile_needs_is_built_once_at_the_pool_creators_priority_not_a_workers():
+    """The tokenizer's build holds the GIL for its whole time (~0.2 s): a SCHED_IDLE worker
+    preempted inside it would stall every thread of the process, the engine's included. It is
+    built once, for the first job, by a thread at the priority of the thread that made the pool;
+    the workers still compile at theirs. A pool that is never given a job never builds it."""
+    built: list[tuple[int, int]] = []
+
+    def prepare() -> tuple[int, int]:
+        tid = threading.get_native_id()
+        built.append((os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)))
+        return built[-1]
+
+    here = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    pool = CompilePool(prepare, lambda prepared, arg: (prepared, threading.get_native_id()), workers=1,
+                       priority="idle", starved_after_s=60)
+    try:
+        time.sleep(0.2)
+        assert built == []
+        results = [pool.submit(i).future.result(timeout=30).template for i in range(3)]
+        assert built == [here] and all(prepared == here for prepared, _ in results)
+        assert {os.sched_getscheduler(worker) for _, worker in results} == {os.SCHED_IDLE}
+    finally:
+        pool.shutdown()
+
+
+def test_a_build_that_fails_fails_every_job_with_its_error():
+    def prepare() -> None:
+        raise OSError("tokenizer.json unreadable")
+
+    pool = CompilePool(prepare, lambda prepared, arg: arg, workers=1, priority="idle", starved_after_s=60)
+    try:
+        for arg in range(2):
+            with pytest.raises(OSError, match="unreadable"):
+                pool.submit(arg).future.result(timeout=30)
+    finally:
+        pool.shutdown()
+
+
 @contextmanager
 def starved_worker(compiler: GrammarCompiler) -> Iterator[None]:
     """Processes at a normal priority leave a SCHED_IDLE worker next to nothing: the worker on
