@@ -283,7 +283,6 @@ def test_tenants_keys_limits_and_trusted_headers_through_the_picker(gateway: Gat
     key set over the client's copies, and its body with the tenant's band for a priority the
     client set more urgent (-3: the replicas run fcfs and answer any other priority but 0 with 400)."""
     run = gateway.run
-    clear_of_window_end(session_redis.url)
     logged = len(gateway._of("tenants"))
     for key in ("nobody", None):
         refused = complete(gateway.tenants, key)
@@ -296,6 +295,8 @@ def test_tenants_keys_limits_and_trusted_headers_through_the_picker(gateway: Gat
         assert answer.headers["x-ratelimit-limit-tokens"] == "1000000"
         line = gateway.lines(mode, sent + 1)[-1]
         assert line[1] == "200" and line[4] == f"gw-{run}" and line[5:] == ["Bearer", "sk-replicas"], line
+    # Counted in one window: the requests above may have taken seconds of it on a loaded machine.
+    clear_of_window_end(session_redis.url, margin_s=10.0)
     answers = [complete(gateway.tenants, "sk-rpm") for _ in range(3)]
     assert [a.status_code for a in answers] == [200, 200, 429], [a.text for a in answers]
     error = answers[2].json()["error"]
