@@ -10,9 +10,10 @@ They must not wait for anything else. Any process at a normal priority in the sa
 hog beside a test server) starves a SCHED_IDLE thread as much while the engine is idle. So one
 more thread, the rescuer, stays at the process's priority and watches the workers' CPU clocks:
 when they have had work but less than ``STARVED_SHARE`` of a CPU for ``starved_after_s`` while
-the engine ran no forward pass (``forward_running``), it compiles the oldest unfinished job itself (a
-queued one is taken from the queue; a running one is compiled again, and whichever copy finishes
-first serves), and the next, for as long as the engine stays idle.
+the engine ran no forward pass (``forward_running``) and nothing was left to build (below), it
+compiles the oldest unfinished job itself (a queued one is taken from the queue; a running one is
+compiled again, and whichever copy finishes first serves), and the next, for as long as the
+engine stays idle.
 
 What every compile needs first (``prepare``: the grammar library's view of the tokenizer) is built
 once, on the first job, by a thread of its own at the priority of the thread that made the pool
@@ -240,7 +241,9 @@ class CompilePool:
             elif now - mark[0] >= self._starved_after_s:
                 share = (cpu - mark[1]) / (now - mark[0]) / max(1, len(clocks))
                 since = mark[0]
-                if share < STARVED_SHARE and self._engine_idle_since(since):
+                # Workers waiting for the build (``_prepare_loop``) wait for no CPU: a rescue would
+                # only wait beside them.
+                if share < STARVED_SHARE and self._prepared.done() and self._engine_idle_since(since):
                     # Starved by something other than the engine: compile here, one job after
                     # another, until none is left or the engine runs again.
                     while self._engine_idle_since(since) and self._rescue_one(share):

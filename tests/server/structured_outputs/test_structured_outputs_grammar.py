@@ -320,6 +320,21 @@ def test_what_every_compile_needs_is_built_once_at_the_pool_creators_priority_no
         pool.shutdown()
 
 
+def test_workers_waiting_for_the_build_are_not_taken_for_starved_ones():
+    """A build longer than compile_starved_after_s (a loaded node): the worker waits for it, using
+    no CPU, and the engine is idle; the rescuer would only wait for the same build."""
+    def prepare() -> str:
+        time.sleep(1.0)
+        return "built"
+
+    pool = CompilePool(prepare, lambda prepared, arg: prepared, workers=1, priority="idle", starved_after_s=0.2)
+    try:
+        assert pool.submit(0).future.result(timeout=30).template == "built"
+        assert pool.rescues == 0
+    finally:
+        pool.shutdown()
+
+
 def test_a_build_that_fails_fails_every_job_with_its_error():
     def prepare() -> None:
         raise OSError("tokenizer.json unreadable")
