@@ -130,7 +130,7 @@ class CompilePool:
         self.rescues = 0
         self.threads = [threading.Thread(target=self._work_loop, name=f"grammar-compile-{i}", daemon=True)
                         for i in range(workers)]
-        self.threads.append(threading.Thread(target=self._prepare_loop, name="grammar-compile-prepare",
+        self.threads.append(threading.Thread(target=self._prepare_once, name="grammar-compile-prepare",
                                              daemon=True))
         if priority != "normal":
             self.threads.append(threading.Thread(target=self._rescue_loop, name="grammar-compile-rescue",
@@ -188,7 +188,7 @@ class CompilePool:
             self._work.notify_all()
 
     # --- the threads ----------------------------------------------------------------------
-    def _prepare_loop(self) -> None:
+    def _prepare_once(self) -> None:
         """Build what every compile needs, at the pool creator's priority, once a job is submitted:
         a pool that never compiles never builds it."""
         with self._work:
@@ -241,7 +241,7 @@ class CompilePool:
             elif now - mark[0] >= self._starved_after_s:
                 share = (cpu - mark[1]) / (now - mark[0]) / max(1, len(clocks))
                 since = mark[0]
-                # Workers waiting for the build (``_prepare_loop``) wait for no CPU: a rescue would
+                # Workers waiting for the build (``_prepare_once``) wait for no CPU: a rescue would
                 # only wait beside them.
                 if share < STARVED_SHARE and self._prepared.done() and self._engine_idle_since(since):
                     # Starved by something other than the engine: compile here, one job after
