@@ -9,6 +9,7 @@ p50/p90 and wall time, each cell's routers in the same run.
     python -m bench.w3_grid --max-num-seqs 4 --previous predicted-ttft/noslot   # batches that fill
     python -m bench.w3_grid --seeds 30 --before-checkout /tmp/kv-before   # and the parent commit's default
     python -m bench.w3_grid --seeds 30 --jobs 2     # cells over two processes (same figures)
+    python -m bench.w3_grid --mode real --cells c4-p256-over-uniform-random --streams 3 --update   # one row anew
 
 ``--mode sim`` runs the calibrated fleet simulator (bench.w3_sim) with the real router's decision
 functions and a model of cache_aware (bench.w3_cache_aware); ``--mode real`` starts replicas,
@@ -106,6 +107,17 @@ def paired_ok(v: dict, tolerance: float = 0.05) -> bool:
             and v.get("p90_paired_vs_best", float("inf")) <= 1 + tolerance)
 
 
+def updated_rows(path: Path, rows: list[dict], run: dict[str, str]) -> list[dict]:
+    """``--update``: the rows of the grid's JSON at ``path``, each cell run now (``rows``) in place of
+    its row there, new ones after; every row records the commit and command it ran with (``run``:
+    this run's), so a cell rerun alone is still one run of all its routers."""
+    old = json.loads(path.read_text())
+    fresh = {row["cell"]["name"]: {**row, "run": run} for row in rows}
+    kept = [fresh.pop(row["cell"]["name"], None) or {**row, "run": row.get("run") or {
+        "commit": old["commit"], "command": old["command"]}} for row in old["cells"]]
+    return kept + list(fresh.values())
+
+
 BEFORE = "predicted-ttft@before"  # the default policy of the --before-checkout commit
 
 
@@ -164,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1,
                         help="sim: cells simulated at once, a process each (the figures do not depend on it)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--update", action="store_true",
+                        help="replace only these cells' rows in the JSON (--out, else the mode's in bench/results), "
+                             "the others kept with the commit and command they ran with; the summary over all")
     add_before_checkout(parser, help="sim: also the default policy of this tree (a git worktree of an earlier "
                                      "commit) on the same cells and streams, summarised as the previous default")
     args = parser.parse_args(argv)
@@ -213,11 +228,15 @@ def main(argv: list[str] | None = None) -> int:
             if "per_seed" in row["policies"][OURS[args.mode]]:  # each stream's own verdict, ours and the previous
                 row["seed_both_ok"] = {p: seed_verdicts(row, p, BASELINES[args.mode])
                                        for p in (OURS[args.mode], args.previous) if p in row["policies"]}
+    command = " ".join([os.path.basename(sys.executable), "-m", "bench.w3_grid", *(argv or sys.argv[1:])])
+    if args.update:
+        rows = updated_rows(Path(args.out) if args.out else RESULTS / f"w3_grid_{args.mode}.json", rows,
+                            {"commit": git_commit(REPO), "command": command})
     verdicts = [r["verdict"] for r in rows if "verdict" in r]
     previous = [r["previous_verdict"] for r in rows if "previous_verdict" in r]
     path = write_compact(f"w3_grid_{args.mode}", {
         "benchmark": "w3_grid", "mode": args.mode,
-        "command": " ".join([os.path.basename(sys.executable), "-m", "bench.w3_grid", *(argv or sys.argv[1:])]),
+        "command": command,
         "machine": machine, "commit": git_commit(REPO),
         **({"before_commit": git_commit(args.before_checkout)} if args.before_checkout is not None else {}),
         "elapsed_s": round(time.time() - started, 1), "cells": rows,
