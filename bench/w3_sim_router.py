@@ -9,18 +9,18 @@ import math
 import random
 import statistics
 from collections import defaultdict, deque
-from dataclasses import replace
 
 from bench.w3_cache_aware import CacheAware
 from bench.w3_sim import SimReplica, SimRequest
 from kvscale.router import policy as routing
 from kvscale.router.decision import (
     GroupHomes,
+    HotBlocks,
     forget_stale_overloads,
+    free_blocks,
     group_key,
     note_overload,
 )
-from kvscale.router.hot_blocks import HotBlocks, free_blocks
 from kvscale.router.index import prediction_ttl
 from kvscale.router.prefill_ledger import (
     RECENT_WAITS,
@@ -128,9 +128,6 @@ class SimRouter:
                 batch_slots=0 if self.no_slot else rep.costs.max_num_seqs, sequences_ahead=rep.load(),
                 decode_left_s=decode_left(mine, statistics.median(decodes) if decodes else fleet_decode_s, now),
             ))
-        # As the real Decider: what each holder's LRU keeps of the prefix once what was sent since is in.
-        cands = [replace(c, kept_blocks=self.hot.kept(c.replica_id, req.hashes, c.matched_blocks, c.kv_blocks))
-                 for c in cands]
         self.counter += 1
         forget_stale_overloads(self.overloaded_since, self.overload_seen, now, self.hot.window_s)
         decision = routing.decide(

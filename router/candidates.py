@@ -55,14 +55,6 @@ class Candidate:
     # never): among replicas equal otherwise a new group goes to the one that took one longest ago
     # (kvscale.router.cold_placement).
     last_homed: int = 0
-    # Of ``matched_blocks``, the ones its LRU still holds once the blocks sent there since (queued
-    # ahead, or already computed) are in (``kvscale.router.hot_blocks.HotBlocks.kept``); None: all of them, as far as known.
-    kept_blocks: int | None = None
-
-    @property
-    def held_blocks(self) -> int:
-        """The leading blocks this request should find there when it starts."""
-        return self.matched_blocks if self.kept_blocks is None else min(self.matched_blocks, self.kept_blocks)
 
 
 # A request's LoRA adapter on a replica that registered it, best first (docs/router.md, "LoRA

@@ -21,7 +21,6 @@ from dataclasses import replace
 from kvscale.router import policy as routing
 from kvscale.router.config import RouterConfig
 from kvscale.router.heartbeats import HeartbeatTable
-from kvscale.router.hot_blocks import HotBlocks, free_blocks
 from kvscale.router.in_flight import InFlight
 from kvscale.router.index import PrefixIndex
 from kvscale.router.lora_routing import replica_affinity
@@ -33,6 +32,14 @@ from kvscale.router.ttft_calibration import NONE, TtftCalibration
 log = logging.getLogger("kvscale.router.decision")
 
 SESSIONS_KEPT = 100_000
+# A block routed to a replica twice within this long is hot there: a new prefix should not evict
+# it. The floor; on a slow fleet the window stretches with the prefill wait (HOT_LATENCY_FACTOR).
+HOT_WINDOW_S = 30.0
+# A slow fleet reuses a prefix less often per second, not less: the window spans this many prefill
+# waits (docs/router.md, "Room for new prefixes").
+HOT_LATENCY_FACTOR = 4.0
+# At most this many block hashes remembered per replica (a busy router's 30 s can hold millions).
+HOT_BLOCKS_KEPT = 262_144
 
 
 class SessionMemory:
@@ -104,6 +111,66 @@ class GroupHomes(SessionMemory):
         """The order in which a group last made the replica its home, counted over all replicas
         (0: none has)."""
         return self._last_homed.get(replica_id, 0)
+
+
+class HotBlocks:
+    """Per replica, the prompt blocks this router sent there at least twice within ``HOT_WINDOW_S``:
+    the KV room its hot prefixes take, so that a cold prompt goes where it evicts none of them.
+    (A block sent once is a unique suffix, or a prefix not yet reused: LRU may take it.)"""
+
+    def __init__(self, window_s: float = HOT_WINDOW_S, capacity: int = HOT_BLOCKS_KEPT) -> None:
+        self.window_floor_s = window_s
+        self.window_s = window_s
+        self.capacity = capacity
+        # replica -> block hash -> (last sent, times sent), oldest first
+        self._sent: dict[str, OrderedDict[int, tuple[float, int]]] = {}
+        self._hot: dict[str, int] = {}  # replica -> how many of its entries were sent twice or more
+
+    def stretch(self, latency_s: float) -> None:
+        """The slowest prefill in sight (as ``PrefixIndex.stretch``): the window spans
+        HOT_LATENCY_FACTOR of them, at least its floor."""
+        self.window_s = max(self.window_floor_s, HOT_LATENCY_FACTOR * max(latency_s, 0.0))
+
+    def sent(self, replica_id: str, hashes: list[int], now: float) -> None:
+        blocks = self._sent.setdefault(replica_id, OrderedDict())
+        self._expire(replica_id, now)
+        for block_hash in hashes:
+            _, times = blocks.get(block_hash, (0.0, 0))
+            if times == 1:
+                self._hot[replica_id] = self._hot.get(replica_id, 0) + 1
+            blocks[block_hash] = (now, times + 1)
+            blocks.move_to_end(block_hash)
+        while len(blocks) > self.capacity:
+            _, (_, times) = blocks.popitem(last=False)
+            if times >= 2:
+                self._hot[replica_id] -= 1
+
+    def _expire(self, replica_id: str, now: float) -> None:
+        blocks = self._sent.get(replica_id)
+        cutoff = now - self.window_s
+        while blocks and next(iter(blocks.values()))[0] < cutoff:
+            _, (_, times) = blocks.popitem(last=False)
+            if times >= 2:
+                self._hot[replica_id] -= 1
+
+    def footprint(self, replica_id: str, now: float) -> int:
+        self._expire(replica_id, now)
+        return self._hot.get(replica_id, 0)
+
+    def recent(self, replica_id: str, now: float) -> int:
+        """Distinct blocks sent to the replica within the window, once or more: the room its
+        recent traffic claims (a new prefix goes where that is least)."""
+        self._expire(replica_id, now)
+        return len(self._sent.get(replica_id, ()))
+
+    def forget(self, replica_id: str) -> None:
+        self._sent.pop(replica_id, None)
+        self._hot.pop(replica_id, None)
+
+
+def free_blocks(kv_blocks_total: int, hot_blocks: int) -> int | None:
+    """KV room a cold prompt may take without evicting a hot prefix; None when the size is unknown."""
+    return max(kv_blocks_total - hot_blocks, 0) if kv_blocks_total > 0 else None
 
 
 def candidate_view(
@@ -183,7 +250,7 @@ def decision_record(views: list[routing.Candidate], decision: routing.Decision, 
         "replicas": {c.replica_id: {"matched": c.matched_blocks, "load": c.load, "queued": c.queued_prefill_tokens,
                                     "decoding": c.num_decoding, "rate": round(c.prefill_tokens_per_s, 1),
                                     "free": c.free_blocks, "ahead": c.sequences_ahead,
-                                    "slots": c.batch_slots, "homed": c.homed_groups, "kept": c.kept_blocks} for c in views},
+                                    "slots": c.batch_slots, "homed": c.homed_groups} for c in views},
         "spill": None if decision.spill is None else {
             k: round(v, 3) if isinstance(v, float) else v for k, v in decision.spill.__dict__.items()},
     }
@@ -287,8 +354,6 @@ class Decider:
                            self.homes.homed(r.replica_id), self.homes.last_homed(r.replica_id))
             for r in candidates
         ]
-        views = [replace(v, kept_blocks=self.hot.kept(v.replica_id, hashes, v.matched_blocks, v.kv_blocks))
-                 for v in views]
         index_stale = self.heartbeats.index_stale
         if index_stale:
             self.metrics.fallbacks.labels("redis_down").inc()

@@ -9,8 +9,7 @@ from what costs time there, in tokens and seconds rather than in requests:
             + lora_wait(r)                       (only while other adapters hold r's LoRA slots)
   steps(r) = ceil((queued_prefill_tokens(r) + uncached_tokens(r)) / step_token_budget(r))
 step_token_budget is the engine's max_num_batched_tokens: the queue ahead and our prompt share steps.
-uncached_tokens is the prompt minus the leading blocks r holds (of those, the ones its LRU keeps
-through the work sent there since: ``Candidate.held_blocks``), where a block r holds in its host
+uncached_tokens is the prompt minus the leading blocks r holds, where a block r holds in its host
 tier (demoted, --kv-offloading-size) counts as 1/HOST_RESTORE_SPEEDUP of a token to compute per
 token: its restore is a copy, cheaper than its prefill, dearer than a tier-1 hit; the queued work is the
 replica's heartbeat corrected by this router's own sends (kvscale.router.prefill_ledger); the rates are
@@ -117,8 +116,8 @@ def predicted_ttft(
     ``slot_wait``: the wait for a batch slot to add (None: ``slot_wait_s(candidate)``; the policy
     passes 0 where every replica's batch is full)."""
     # At least one token is always computed (the engine needs its logits).
-    uncached = max(prompt_tokens - candidate.held_blocks * block_size, 1)
-    restore = min(candidate.host_blocks, candidate.held_blocks) * block_size / HOST_RESTORE_SPEEDUP
+    uncached = max(prompt_tokens - candidate.matched_blocks * block_size, 1)
+    restore = min(candidate.host_blocks, candidate.matched_blocks) * block_size / HOST_RESTORE_SPEEDUP
     work = candidate.queued_prefill_tokens + uncached + restore
     rate = candidate.prefill_tokens_per_s if candidate.prefill_tokens_per_s > 0 else default_rate
     seconds = work / rate
@@ -237,7 +236,7 @@ def predicted_ttft_policy(
         others = [c for c in by_estimate if c.replica_id != anchor.replica_id]
         # A session's replica is presumed to hold its history (the client says so), even where the
         # index has not seen it (no Redis, or its events still on their way).
-        held = (anchor.held_blocks if reason != "sticky"
+        held = (anchor.matched_blocks if reason != "sticky"
                 else max(anchor.matched_blocks, prompt_tokens // max(block_size, 1)))
         # Only where a copy does not evict the groups homed there (kvscale.router.spill_rule).
         movable = spill_others(anchor, others, prompt_blocks(prompt_tokens, block_size), last_home)
@@ -246,17 +245,16 @@ def predicted_ttft_policy(
         if other is not None:
             # The prefill the hit saves, and the hot blocks the copy would evict there (computed
             # again by the requests that wanted them): both at the other's rate.
-            lost = max(held - other.held_blocks, 0) + evicted_blocks(other, prompt_tokens, block_size)
+            lost = max(held - other.matched_blocks, 0) + evicted_blocks(other, prompt_tokens, block_size)
             saved = lost * block_size / rates[other.replica_id] * other.ttft_scale
         overloaded = other is not None and should_spill(
             ttft[anchor.replica_id], ttft[other.replica_id], saved, slack)
         judged = (anchor.replica_id, overloaded)
         # Before any wait is measured, the other's estimate is the wait the overload must outlast.
         # A full batch is no prediction error to smooth over: its slot wait alone overloading the
-        # anchor moves the request at once (docs/router.md, "Hysteresis"); nor is a holder whose
-        # LRU will have lost the prefix by then: no hit is left to wait for.
+        # anchor moves the request at once (docs/router.md, "Hysteresis").
         lasted = hold is None or (other is not None and (
-            held == 0 or hold.outlasted(anchor.replica_id, ttft[other.replica_id])
+            hold.outlasted(anchor.replica_id, ttft[other.replica_id])
             or (slots and should_spill(anchor.ttft_scale * waits[anchor.replica_id], ttft[other.replica_id], saved, slack))))
         if other is not None and overloaded and lasted:
             spill = Spill(anchor.replica_id, ttft[anchor.replica_id], other.replica_id, ttft[other.replica_id],

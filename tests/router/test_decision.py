@@ -13,13 +13,14 @@ from kvscale.router.config import RouterConfig
 from kvscale.router.decision import (
     Decider,
     GroupHomes,
+    HotBlocks,
     SessionMemory,
     candidate_view,
     forget_stale_overloads,
+    free_blocks,
     note_overload,
 )
 from kvscale.router.heartbeats import HeartbeatTable
-from kvscale.router.hot_blocks import HotBlocks, free_blocks
 from kvscale.router.in_flight import InFlight
 from kvscale.router.index import PrefixIndex
 from kvscale.router.metrics import RouterMetrics
